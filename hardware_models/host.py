@@ -1,0 +1,60 @@
+"""Host CPU and host memory specifications.
+
+The host matters to training when work crosses to it: ZeRO-Offload's CPU Adam step, dataloader
+workers, pinned-buffer staging. Pageable host memory is copied to the GPU through a pinned bounce
+buffer by the CUDA driver, which is why it is slower than pinned memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class HostCpuSpec:
+    """The host CPU.
+
+    Attributes:
+        name: Model name.
+        cores: Physical cores available to the job.
+        memory_bandwidth_bytes_per_s: Achievable DRAM bandwidth (read + write), bytes/s.
+        adam_params_per_s: CPU AdamW throughput with all cores, parameters/s, by implementation
+            (``torch_foreach``, ``torch_single``, ``deepspeed_cpu_adam``); a list of
+            ``(params, params_per_s)`` points to interpolate, smallest first.
+        sources: Citation per field.
+    """
+
+    name: str
+    cores: int
+    memory_bandwidth_bytes_per_s: float
+    adam_params_per_s: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: non-positive cores or bandwidth."""
+        if self.cores <= 0:
+            raise ValueError(f"cores must be > 0, got {self.cores}")
+        if self.memory_bandwidth_bytes_per_s <= 0:
+            raise ValueError("memory_bandwidth_bytes_per_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemorySpec:
+    """Host DRAM.
+
+    Attributes:
+        capacity_bytes: Total host memory, bytes.
+        pinned_limit_bytes: Most memory that may be page-locked, bytes (default: all of it).
+        sources: Citation per field.
+    """
+
+    capacity_bytes: float
+    pinned_limit_bytes: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: non-positive capacity or a pinned limit above capacity."""
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.pinned_limit_bytes > self.capacity_bytes:
+            raise ValueError("pinned_limit_bytes exceeds capacity_bytes")

@@ -1,0 +1,128 @@
+"""The scenario schema (pydantic v2, ``extra="forbid"``): one YAML file = one ``ScenarioConfig``.
+
+Key names follow the field's tools: Megatron-LM arguments for the model and parallelism, PyTorch
+for precision and the optimizer, DeepSpeed ZeRO names for offload, PyTorch DataLoader arguments
+for the input pipeline. Quantities accept units (``"4.8 TB/s"``, ``"141 GB"``, ``"700 W"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PresetRef(_Model):
+    """A preset by name, with per-field overrides (units allowed: ``hbm_bandwidth_bytes_per_s: "3 TB/s"``)."""
+
+    preset: str = Field(description="Preset name (see `simulate presets`).")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Field -> value to replace.")
+
+
+class HardwareConfig(_Model):
+    """The machine: GPU, its efficiency profile, the host link and the host."""
+
+    gpu: PresetRef | str = Field(description="GPU preset name or {preset, overrides}.")
+    profile: str | None = Field(
+        default=None,
+        description="Efficiency profile: a preset name under presets/profiles, or a path to a YAML file "
+        "written by `simulate calibrate`. Default: the GPU's shipped profile if any, else a generic one.",
+    )
+    pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
+    host: PresetRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset.")
+    launch_overhead_s: float | None = Field(
+        default=None, ge=0, description="Override the host's per-op launch time, s (default: from the profile)."
+    )
+
+
+class ModelConfig(_Model):
+    """A dense GPT-style decoder (Megatron-LM argument names)."""
+
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    seq_length: PositiveInt
+    vocab_size: PositiveInt
+    ffn_hidden_size: PositiveInt | None = Field(default=None, description="Default 4 * hidden_size.")
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        return self
+
+
+class OptimizerConfig(_Model):
+    """Optimizer (PyTorch names)."""
+
+    type: Literal["adamw"] = "adamw"
+    impl: Literal["fused", "foreach"] = Field(default="fused", description="torch.optim.AdamW(fused=True) or foreach.")
+
+
+class TrainingConfig(_Model):
+    """Batch, precision, optimizer and recompute."""
+
+    micro_batch_size: PositiveInt
+    global_batch_size: PositiveInt | None = Field(
+        default=None, description="Default micro_batch_size * data_parallel_size (no gradient accumulation)."
+    )
+    precision: Literal["amp_fp32_params", "bf16"] = Field(
+        default="amp_fp32_params",
+        description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16.",
+    )
+    optimizer: OptimizerConfig = OptimizerConfig()
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        default=None, description="Megatron-LM --recompute-granularity (full = every block)."
+    )
+
+
+class ParallelismConfig(_Model):
+    """Megatron-LM parallel sizes. This build simulates one GPU; data parallel ranks are identical."""
+
+    tensor_model_parallel_size: Literal[1] = 1
+    pipeline_model_parallel_size: Literal[1] = 1
+    data_parallel_size: PositiveInt = 1
+
+
+class RunConfig(_Model):
+    """How long to simulate."""
+
+    steps: PositiveInt = Field(default=5, description="Steps simulated (including warmup).")
+    warmup_steps: int = Field(default=1, ge=0, description="Leading steps excluded from the metrics.")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _warmup_below_steps(self):
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+        return self
+
+
+class ScenarioConfig(_Model):
+    """One simulated training setup."""
+
+    name: str
+    description: str = ""
+    hardware: HardwareConfig
+    model: ModelConfig
+    training: TrainingConfig
+    parallelism: ParallelismConfig = ParallelismConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _batch_consistency(self):
+        gbs = self.training.global_batch_size
+        per = self.training.micro_batch_size * self.parallelism.data_parallel_size
+        if gbs is not None and gbs % per:
+            raise ValueError(
+                f"global_batch_size ({gbs}) must be a multiple of micro_batch_size x data_parallel_size ({per})"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""Cost models: how long an op takes on a given device state."""

@@ -1,0 +1,105 @@
+"""Roofline cost model with calibrated efficiency tables.
+
+A kernel's duration is ``fixed + max(compute, memory)`` where
+
+* ``compute = flops / (peak(dtype) * efficiency)``; GEMMs use the wave-quantised tile model of
+  ``hardware_models.profile`` and attention the fitted flash-attention efficiency;
+* ``memory = (bytes_read + bytes_written) / achieved_bandwidth(kernel class)``;
+* ``fixed`` is the device-side per-kernel time (``kernel_fixed_s``).
+
+Clock scaling (DVFS): the compute part scales with ``max_sm_clock / sm_clock``, the memory part
+with ``max_mem_clock / mem_clock``; fixed time does not scale. This is the standard split of
+DVFS-aware GPU performance models (e.g. Guerreiro et al., *GPU Static Modeling Using PTX and
+Deep Structured Learning*, and the compute/memory-bound split used by Zeus, NSDI'23, section 2).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hardware_models.gpu import GpuSpec
+from hardware_models.profile import EfficiencyProfile
+from simulator.cost.base import DeviceState
+from simulator.graph.ops import CostClass, Op, OpKind
+
+_MEMORY_CLASSES = {
+    CostClass.ELEMENTWISE: "elementwise",
+    CostClass.NORM: "norm",
+    CostClass.SOFTMAX: "softmax",
+    CostClass.REDUCTION: "reduction",
+    CostClass.CAST: "cast",
+    CostClass.OPTIMIZER: "optimizer",
+    CostClass.EMBEDDING: "embedding",
+    CostClass.MEMSET: "memset",
+    CostClass.COPY: "copy",
+    CostClass.OTHER: "elementwise",
+}
+
+
+class RooflineCostModel:
+    """Roofline x efficiency-table cost model.
+
+    Args:
+        gpu: GPU spec (peaks, clocks).
+        profile: Achieved-efficiency profile.
+    """
+
+    def __init__(self, gpu: GpuSpec, profile: EfficiencyProfile):
+        self.gpu = gpu
+        self.profile = profile
+        self._cache: dict[tuple, tuple[float, float, float]] = {}
+
+    def memory_bandwidth(self, cost_class: CostClass) -> float:
+        """Achieved bandwidth for a memory-bound kernel class, bytes/s (falls back on ``elementwise``)."""
+        key = _MEMORY_CLASSES.get(cost_class, "elementwise")
+        table = self.profile.memory_bandwidth_bytes_per_s
+        return table.get(key) or table.get("elementwise") or self.gpu.hbm_bandwidth_bytes_per_s
+
+    def gemm_compute_s(self, m: int, n: int, k: int, dtype: str) -> float:
+        """GEMM time at the maximum clock from the tile/wave model, seconds (without fixed time)."""
+        g = self.profile.gemm.get(dtype) or self.profile.gemm.get("bf16")
+        peak = self.gpu.peak(dtype)
+        if g is None:
+            return 2.0 * m * n * k / peak
+        tiles = math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n)
+        waves = tiles / self.gpu.sm_count
+        tile_flops = 2.0 * g.tile_m * g.tile_n * k
+        return g.fixed_s + waves * (g.wave_overhead_s + tile_flops / (peak / self.gpu.sm_count * g.efficiency))
+
+    def split_s(self, op: Op, state: DeviceState | None = None) -> tuple[float, float, float]:
+        """``(compute_s, memory_s, fixed_s)`` at the maximum clocks.
+
+        Raises:
+            ValueError: the op is a copy or host op (priced elsewhere).
+        """
+        key = (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if op.kind != OpKind.COMPUTE and op.kind != OpKind.COLLECTIVE:
+            raise ValueError(f"roofline prices GPU kernels, not {op.kind.value} ops ({op.name})")
+        fixed = self.profile.kernel_fixed_s
+        memory = op.bytes_moved / self.memory_bandwidth(op.cost_class)
+        compute = 0.0
+        if op.cost_class == CostClass.GEMM and len(op.shape) == 3:
+            compute = self.gemm_compute_s(*op.shape, op.dtype)
+            memory = 0.0  # the tile model already covers operand traffic
+        elif op.cost_class in (CostClass.ATTENTION_FWD, CostClass.ATTENTION_BWD):
+            which = "fwd" if op.cost_class == CostClass.ATTENTION_FWD else "bwd"
+            eff = self.profile.attention_efficiency.get(which, 0.5)
+            compute = op.flops / (self.gpu.peak("bf16") * eff)
+            memory = op.bytes_moved / self.gpu.hbm_bandwidth_bytes_per_s
+        elif op.flops:
+            compute = op.flops / self.gpu.peak("fp32")
+        out = (compute, memory, fixed)
+        self._cache[key] = out
+        return out
+
+    def duration_s(self, op: Op, state: DeviceState | None = None) -> float:
+        """Kernel duration in seconds at ``state`` (``None`` = maximum clocks)."""
+        compute, memory, fixed = self.split_s(op)
+        if state is not None:
+            compute *= self.gpu.max_sm_clock_mhz / state.sm_clock_mhz
+            if self.gpu.mem_clock_mhz:
+                memory *= self.gpu.mem_clock_mhz / state.mem_clock_mhz
+        return fixed + max(compute, memory)

@@ -1,0 +1,182 @@
+"""Replay a step graph on the simulated machine with CUDA-stream semantics.
+
+* Every stream is one SimPy process that runs its ops in graph order, one at a time.
+* GPU kernels and copies marked ``launch`` are first *launched* by the host's main training
+  thread (stream ``host``), which also runs the host ops in graph order: in eager PyTorch the
+  same Python thread dispatches kernels, runs the CPU optimizer and waits on the DataLoader, so
+  a GPU op cannot start before the host has reached it. Launching costs ``launch_overhead_s``.
+* An op starts when its stream is free, it has been launched, and its dependencies are done
+  (``simpy.AllOf`` over their completion events).
+* Kernels take the cost model's time at the current clocks; host<->device copies are fluid flows
+  over the PCIe links (max-min fair sharing with everything else on them); host ops take
+  ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
+* Steps repeat: each stream moves on to the next step's ops when it finishes its own; an op may
+  also wait for ops of the previous step (``meta["prev_step_deps"]``), which is how a delayed
+  parameter update overlaps step i's CPU work with step i+1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import simpy
+
+from simulator.engine.system import COPY_PATHS, System
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import Op, OpKind
+
+HOST_STREAM = "host"
+
+
+@dataclass
+class StepTimes:
+    """Start and end of each simulated step, seconds."""
+
+    start_s: list[float]
+    end_s: list[float]
+
+
+class Executor:
+    """Runs ``steps`` repetitions of ``graph`` on ``system``.
+
+    Args:
+        env: SimPy environment.
+        system: Simulated machine.
+        graph: Step graph.
+        recorder: Span recorder.
+        steps: Number of steps to run.
+        hooks: Objects with optional ``on_op_start(op, step, system)``/``on_op_end(...)``
+            methods (DVFS controllers, dataloaders).
+        host_ops: Extra callables ``(op, step) -> generator`` that run special host ops
+            (e.g. ``DATALOADER`` ops), keyed by op kind.
+    """
+
+    def __init__(self, env: simpy.Environment, system: System, graph: OpGraph, recorder, steps: int,
+                 hooks=(), host_handlers=None):
+        self.env, self.sys, self.g, self.rec, self.steps = env, system, graph, recorder, steps
+        self.hooks = list(hooks)
+        self.host_handlers = dict(host_handlers or {})
+        self.done: list[list[simpy.Event]] = [[env.event() for _ in graph.ops] for _ in range(steps)]
+        self.launched: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
+        self.step_start = [0.0] * steps
+        self.step_end = [0.0] * steps
+        self._remaining_ops = [len(graph.ops)] * steps
+        # tensor bookkeeping (per graph; refcounts are re-armed per step)
+        users: dict[str, int] = defaultdict(int)
+        for op in graph.ops:
+            for t in op.uses:
+                users[t] += 1
+        self._users = dict(users)
+        self._device_of = {t.name: t.device for op in graph.ops for t in op.allocs}
+        self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
+        self.by_stream: dict[str, list[Op]] = defaultdict(list)
+        for op in graph.ops:
+            if op.stream != HOST_STREAM:
+                self.by_stream[op.stream].append(op)
+        self.host_ops = [op for op in graph.ops if op.stream == HOST_STREAM or op.launch]
+
+    def start(self) -> simpy.Event:
+        """Start all stream processes; returns an event that fires when the last step ends."""
+        for t in self.g.persistent:
+            pool = self.sys.memory.get(t.device, self.sys.memory["gpu"])
+            pool.alloc(t.name, t.nbytes, self.env.now)
+        procs = [self.env.process(self._host())]
+        for stream, ops in self.by_stream.items():
+            procs.append(self.env.process(self._stream(stream, ops)))
+        return self.env.all_of(procs)
+
+    # -- processes -------------------------------------------------------------------------
+    def _wait(self, op: Op, step: int):
+        evs = [self.done[step][d] for d in op.deps if not self.done[step][d].triggered]
+        prev = op.meta.get("prev_step_deps") if op.meta else None
+        if prev and step > 0:
+            evs.extend(self.done[step - 1][d] for d in prev if not self.done[step - 1][d].triggered)
+        if evs:
+            yield self.env.all_of(evs)
+
+    def _host(self):
+        env = self.env
+        for step in range(self.steps):
+            self.step_start[step] = env.now
+            launched = self.launched[step]
+            for op in self.host_ops:
+                if op.stream != HOST_STREAM:  # launch a device op
+                    if self.sys.launch_overhead_s > 0:
+                        yield env.timeout(self.sys.launch_overhead_s)
+                    ev = launched.get(op.id)
+                    if ev is None:
+                        launched[op.id] = ev = env.event()
+                    ev.succeed()
+                    continue
+                yield from self._wait(op, step)
+                start = env.now
+                yield from self._run(op, step)
+                self._finish(op, step, start, HOST_STREAM)
+
+    def _stream(self, stream: str, ops: list[Op]):
+        env = self.env
+        for step in range(self.steps):
+            launched = self.launched[step]
+            for op in ops:
+                if op.launch:
+                    ev = launched.get(op.id)
+                    if ev is None:
+                        launched[op.id] = ev = env.event()
+                    if not ev.triggered:
+                        yield ev
+                yield from self._wait(op, step)
+                start = env.now
+                yield from self._run(op, step)
+                self._finish(op, step, start, stream)
+
+    def _run(self, op: Op, step: int):
+        env, sys = self.env, self.sys
+        for t in op.allocs:
+            sys.memory.get(t.device, sys.memory["gpu"]).alloc(t.name, t.nbytes, env.now)
+        for h in self.hooks:
+            fn = getattr(h, "on_op_start", None)
+            if fn:
+                fn(op, step, sys)
+        if op.fixed_duration_s is not None:
+            if op.fixed_duration_s > 0:
+                yield env.timeout(op.fixed_duration_s)
+        elif op.kind in COPY_PATHS:
+            bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
+            yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)
+        elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D):
+            yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind != OpKind.MEMCPY_D2D
+                              else op.bytes_moved / sys.cost.memory_bandwidth(op.cost_class))
+        elif op.kind in self.host_handlers:
+            yield from self.host_handlers[op.kind](op, step)
+        elif op.kind == OpKind.HOST:
+            if op.host_s > 0:
+                yield env.timeout(op.host_s)
+        # SYNC and DATALOADER without a handler take no time beyond their dependencies
+
+    def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
+        env, sys = self.env, self.sys
+        self.rec.span(step, op, start, env.now, stream)
+        for h in self.hooks:
+            fn = getattr(h, "on_op_end", None)
+            if fn:
+                fn(op, step, sys)
+        refs = self._refs[step]
+        for name in op.uses:
+            n = refs.get(name, self._users.get(name, 0)) - 1
+            refs[name] = n
+            if n <= 0:
+                self._free(name)
+        for t in op.allocs:
+            if self._users.get(t.name, 0) == 0:
+                self._free(t.name)
+        self.done[step][op.id].succeed()
+        self._remaining_ops[step] -= 1
+        if self._remaining_ops[step] == 0:
+            self.step_end[step] = env.now
+
+    def _free(self, name: str) -> None:
+        dev = self._device_of.get(name)
+        if dev is None:
+            return
+        self.sys.memory.get(dev, self.sys.memory["gpu"]).free(name)

@@ -1,0 +1,55 @@
+"""The simulated machine: one GPU's compute and copy engines, its PCIe link, host CPU and memory.
+
+``System`` instantiates the runtime objects the executor needs from the specs: the cost model,
+the fluid network of links (PCIe per direction plus the shared duplex limit), memory pools
+(HBM, pinned and pageable host memory) and the current device clocks.
+"""
+
+from __future__ import annotations
+
+import simpy
+
+from hardware_models.fabrics import FluidNetwork
+from hardware_models.machine import Hardware
+from simulator.cost.base import DeviceState
+from simulator.cost.roofline import RooflineCostModel
+from simulator.engine.memory import MemoryPool
+from simulator.graph.ops import OpKind
+
+#: Links crossed by each copy direction.
+COPY_PATHS = {
+    OpKind.MEMCPY_H2D: ("pcie.h2d", "pcie.duplex"),
+    OpKind.MEMCPY_D2H: ("pcie.d2h", "pcie.duplex"),
+}
+
+
+class System:
+    """Runtime objects of one simulated run.
+
+    Args:
+        env: SimPy environment.
+        hw: Hardware specs.
+        recorder: Recorder for memory counters.
+    """
+
+    def __init__(self, env: simpy.Environment, hw: Hardware, recorder):
+        self.env = env
+        self.hw = hw
+        self.cost = RooflineCostModel(hw.gpu, hw.profile)
+        p = hw.profile
+        h2d = p.h2d_bytes_per_s or hw.pcie.bandwidth_bytes_per_s
+        d2h = p.d2h_bytes_per_s or hw.pcie.bandwidth_bytes_per_s
+        duplex = p.duplex_bytes_per_s or hw.pcie.duplex_bandwidth_bytes_per_s or (h2d + d2h)
+        self.network = FluidNetwork(env, {"pcie.h2d": h2d, "pcie.d2h": d2h, "pcie.duplex": duplex})
+        self.copy_latency_s = p.copy_latency_s if p.copy_latency_s else hw.pcie.latency_s
+        self.launch_overhead_s = hw.launch_overhead_s if hw.launch_overhead_s is not None else p.launch_overhead_s
+        self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
+        rec = recorder
+        self.memory = {
+            "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes,
+                              lambda v: rec.counter(env.now, "gpu0.hbm", "memory_bytes", v)),
+            "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_limit_bytes or hw.host_memory.capacity_bytes,
+                                      lambda v: rec.counter(env.now, "host.pinned", "memory_bytes", v)),
+            "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes,
+                                        lambda v: rec.counter(env.now, "host.pageable", "memory_bytes", v)),
+        }

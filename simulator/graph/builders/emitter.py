@@ -1,0 +1,100 @@
+"""A small helper to emit GPU kernels with tensors, used by the model builders.
+
+It tracks which op produced each tensor so that an op that *uses* a tensor automatically depends
+on its producer (a data dependency), and it sums the bytes of every kernel from the tensor sizes
+the builder passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from simulator.graph.op_graph import GraphBuilder
+from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+
+
+class KernelEmitter:
+    """Emit ops onto a ``GraphBuilder`` with tensor bookkeeping.
+
+    Args:
+        builder: Graph under construction.
+        stream: Default stream for GPU kernels.
+    """
+
+    def __init__(self, builder: GraphBuilder, stream: str = "compute"):
+        self.b = builder
+        self.stream = stream
+        self.producer: dict[str, int] = {}
+        self.size: dict[str, int] = {}
+        self.phase = Phase.FWD
+        self.layer = -1
+        self._uid = 0
+
+    def fresh(self, stem: str) -> str:
+        """A new unique tensor name starting with ``stem``."""
+        self._uid += 1
+        return f"{stem}#{self._uid}"
+
+    def kernel(
+        self,
+        name: str,
+        cost_class: CostClass,
+        *,
+        reads: float = 0.0,
+        writes: float = 0.0,
+        flops: float = 0.0,
+        shape: tuple[int, ...] = (),
+        out: Iterable[tuple[str, int]] = (),
+        uses: Iterable[str] = (),
+        deps: Iterable[int] = (),
+        dtype: str = "bf16",
+        kind: OpKind = OpKind.COMPUTE,
+        stream: str | None = None,
+        **fields,
+    ) -> int:
+        """Append a GPU kernel.
+
+        Args:
+            name: Op name (the layer prefix is added).
+            cost_class: Kernel family.
+            reads: Bytes read from HBM.
+            writes: Bytes written to HBM.
+            flops: FLOPs.
+            shape: GEMM (m, n, k) or attention shape.
+            out: Tensors allocated by the op, ``(name, bytes)``.
+            uses: Tensors read (their producers become dependencies; they stay alive until done).
+            deps: Extra dependencies.
+            dtype: Operand dtype.
+            kind: Op kind (COMPUTE unless a copy).
+            stream: Stream override.
+            **fields: Other ``Op`` fields.
+
+        Returns:
+            The op id.
+        """
+        uses = tuple(uses)
+        dd = [self.producer[u] for u in uses if u in self.producer]
+        dd.extend(deps)
+        allocs = tuple(TensorAlloc(n, int(sz)) for n, sz in out)
+        prefix = f"L{self.layer}." if self.layer >= 0 else ""
+        op = self.b.add(
+            f"{prefix}{self.phase.value}.{name}",
+            kind,
+            stream or self.stream,
+            deps=dd,
+            phase=self.phase,
+            layer=self.layer,
+            cost_class=cost_class,
+            flops=float(flops),
+            bytes_read=float(reads),
+            bytes_written=float(writes),
+            shape=tuple(int(x) for x in shape),
+            allocs=allocs,
+            uses=uses,
+            dtype=dtype,
+            **fields,
+        )
+        for t in allocs:
+            self.producer[t.name] = op
+            self.size[t.name] = t.nbytes
+        return op

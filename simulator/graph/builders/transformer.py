@@ -1,0 +1,394 @@
+"""Step graph of a dense GPT-style decoder (pre-LayerNorm, GELU MLP, causal attention).
+
+The graph follows what eager PyTorch runs, kernel by kernel, so that the roofline prices the
+same memory traffic the GPU moves:
+
+* **Precision** ``amp_fp32_params`` (``torch.autocast(dtype=torch.bfloat16)`` over fp32
+  parameters, as in the measured runs): every Linear casts its fp32 weight (and its fp32 input,
+  when it comes from a LayerNorm) to bf16 before the bf16 GEMM; LayerNorm, residual adds and the
+  loss run in fp32; gradients are cast back to fp32 for fp32 ``.grad``; the optimizer is AdamW on
+  fp32 parameters. ``bf16`` (Megatron-LM ``--bf16``): bf16 parameters and activations, fp32 main
+  gradients and fp32 master weights in the optimizer.
+* **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
+  ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
+  recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting).
+* **GEMM FLOPs** are ``2 m n k``. A Linear ``[T, i] x [i, o]`` has forward ``(T, o, i)``,
+  input-gradient ``(T, i, o)`` and weight-gradient ``(o, i, T)`` GEMMs.
+* **Memory**: each kernel allocates its outputs; a tensor lives until the last kernel that uses it
+  has run (autograd's saved tensors are used by the backward kernels). Parameters and optimizer
+  state are persistent; gradients are allocated by the backward pass and freed after the
+  optimizer step (``zero_grad(set_to_none=True)``).
+* **Activation recompute** ``full`` keeps only each block's input and re-runs the block's forward
+  before its backward (Megatron-LM ``--recompute-granularity full --recompute-method uniform``);
+  ``selective`` re-runs only the attention core (Korthikanti et al., *Reducing Activation
+  Recomputation in Large Transformer Models*, MLSys 2023).
+
+Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
+``V`` vocabulary, ``a`` heads, ``d = h / a``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.graph.builders.emitter import KernelEmitter
+from simulator.graph.op_graph import GraphBuilder, OpGraph
+from simulator.graph.ops import CostClass as C
+from simulator.graph.ops import OpKind, Phase
+
+PRECISIONS = ("amp_fp32_params", "bf16")
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """What the builder needs to know about the model and one GPU's share of the step.
+
+    Attributes:
+        num_layers: Transformer blocks.
+        hidden_size: Model width ``h``.
+        num_attention_heads: Heads ``a`` (must divide ``h``).
+        seq_length: Tokens per sample ``s``.
+        vocab_size: Vocabulary ``V``.
+        ffn_hidden_size: MLP width ``f`` (Megatron default ``4h``).
+        micro_batch_size: Samples per forward/backward pass ``b``.
+        num_micro_batches: Gradient-accumulation steps per optimizer step.
+        tied_embeddings: LM head shares the token-embedding weight.
+        bias: Linear and LayerNorm layers have biases.
+        precision: One of ``PRECISIONS``.
+        optimizer_impl: ``fused`` (one multi-tensor kernel) or ``foreach``.
+        recompute: One of ``RECOMPUTE``.
+        data_parallel_size: Samples-per-step multiplier for throughput (ranks are identical).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: int
+    micro_batch_size: int
+    num_micro_batches: int = 1
+    tied_embeddings: bool = True
+    bias: bool = True
+    precision: str = "amp_fp32_params"
+    optimizer_impl: str = "fused"
+    recompute: str = "none"
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+
+    # -- counts ----------------------------------------------------------------------------
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: QKV, projection, two MLP matrices, two LayerNorms."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        w = 3 * h * h + h * h + 2 * h * f
+        b = (3 * h + h + f + h) if self.bias else 0
+        return w + b + 2 * (2 * h if self.bias else h)
+
+    @property
+    def num_parameters(self) -> int:
+        """All parameters: embeddings (token + learned position), blocks, final norm, LM head."""
+        h = self.hidden_size
+        emb = self.vocab_size * h + self.seq_length * h
+        head = 0 if self.tied_embeddings else self.vocab_size * h
+        final_norm = 2 * h if self.bias else h
+        return emb + self.num_layers * self.layer_params + final_norm + head
+
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs per sample without recompute: 3x the forward's GEMM + attention FLOPs.
+
+        Forward per token: ``2 * (12 h^2 (for f = 4h: 2(4h^2) + 2 f h) ) + 2 * h * V`` for the
+        matrices plus causal attention ``2 * s * h``; backward is twice the forward (Narayanan et
+        al., *Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*,
+        SC21, eq. 3, with causal attention counted at half the ``s^2`` work, as PaLM's MFU
+        definition in Chowdhery et al. 2022, appendix B, and FlashAttention do).
+        """
+        h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
+        per_token_layer = 2 * (4 * h * h + 2 * h * f) + 2 * s * h
+        fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
+        return 3.0 * fwd
+
+
+def build_gpt_step(spec: TransformerSpec) -> OpGraph:
+    """Build one training step (all micro-batches and the optimizer) for one GPU.
+
+    Args:
+        spec: Model and per-GPU batch description.
+
+    Returns:
+        The step graph; ``samples_per_step`` counts all data-parallel replicas.
+    """
+    return _GptBuilder(spec).build()
+
+
+class _GptBuilder:
+    def __init__(self, spec: TransformerSpec):
+        self.s = spec
+        self.b = GraphBuilder()
+        self.e = KernelEmitter(self.b)
+        amp = spec.precision == "amp_fp32_params"
+        self.amp = amp
+        self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
+        self.T = spec.micro_batch_size * spec.seq_length
+        self.grad_made: set[str] = set()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
+        """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue)."""
+        e, T = self.e, self.T
+        w16 = e.fresh(f"{name}.w16")
+        if self.amp:
+            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * in_dim * out_dim, writes=2 * in_dim * out_dim,
+                     out=[(w16, 2 * in_dim * out_dim)], dtype="fp32")
+        else:
+            w16 = f"param.{name}"
+        xin = x
+        if self.amp and x_fp32:
+            xin = e.fresh(f"{name}.in16")
+            e.kernel(f"{name}.cast_in", C.CAST, reads=4 * T * in_dim, writes=2 * T * in_dim,
+                     out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
+        y = e.fresh(f"{name}.out")
+        e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
+                 reads=2 * (T * in_dim + in_dim * out_dim), writes=2 * T * out_dim,
+                 out=[(y, 2 * T * out_dim)], uses=[xin, w16])
+        return y, (xin, w16) if save else ()
+
+    def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool):
+        """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation."""
+        e, T = self.e, self.T
+        xin, w16 = saved
+        gin = g
+        if g_fp32 and self.amp:
+            gin = e.fresh(f"{name}.g16")
+            e.kernel(f"{name}.cast_grad", C.CAST, reads=4 * T * out_dim, writes=2 * T * out_dim,
+                     out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
+        dx = e.fresh(f"{name}.dx")
+        e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
+                 reads=2 * (T * out_dim + in_dim * out_dim), writes=2 * T * in_dim,
+                 out=[(dx, 2 * T * in_dim)], uses=[gin, w16])
+        dw = e.fresh(f"{name}.dw16")
+        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(out_dim, in_dim, T),
+                 reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
+                 out=[(dw, 2 * in_dim * out_dim)], uses=[gin, xin])
+        if self.s.bias:
+            e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
+        self._accumulate_grad(name, dw, in_dim * out_dim)
+        return dx
+
+    def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
+        """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
+        gname = f"grad.{pname}"
+        first = gname not in self.grad_made
+        out = [(gname, 4 * numel)] if first else []
+        if first:
+            self.grad_made.add(gname)
+        reads = 2 * numel + (0 if first else 4 * numel)
+        self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
+                      writes=4 * numel, out=out, uses=[dw16], dtype="fp32")
+
+    def _norm_fwd(self, name: str, x: str):
+        e, T, h = self.e, self.T, self.s.hidden_size
+        y = e.fresh(f"{name}.out")
+        e.kernel(f"{name}", C.NORM, reads=self.act * T * h, writes=self.act * T * h,
+                 out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), 8 * T)], uses=[x], dtype="fp32")
+        return y
+
+    def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool):
+        e, T, h = self.e, self.T, self.s.hidden_size
+        gin = g
+        if self.amp and g_is_bf16:
+            gin = e.fresh(f"{name}.g32")
+            e.kernel(f"{name}.cast_grad", C.CAST, reads=2 * T * h, writes=4 * T * h,
+                     out=[(gin, 4 * T * h)], uses=[g], dtype="fp32")
+        dx = e.fresh(f"{name}.dx")
+        e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
+                 out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
+        e.kernel(f"{name}.dgamma_dbeta", C.REDUCTION, reads=2 * self.act * T * h, writes=8 * h,
+                 uses=[gin, x], dtype="fp32")
+        return dx
+
+    def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int):
+        e, T, h = self.e, self.T, self.s.hidden_size
+        y = e.fresh(f"{name}.out")
+        e.kernel(name, C.ELEMENTWISE, reads=(a_bytes + b_bytes) * T * h, writes=out_bytes * T * h,
+                 out=[(y, out_bytes * T * h)], uses=[a, b_], dtype="fp32")
+        return y
+
+    # -- blocks ----------------------------------------------------------------------------
+    def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
+        """One block forward. Returns the output tensor and the tensors saved for backward."""
+        s, e, T = self.s, self.e, self.T
+        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
+        d = h // a
+        ln1 = self._norm_fwd("ln1", x)
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, h, 3 * h, x_fp32=True, save=save)
+        att = e.fresh("attn.out")
+        bsz = s.micro_batch_size
+        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        e.kernel("attn", C.ATTENTION_FWD, flops=att_flops, shape=(bsz * a, s.seq_length, s.seq_length, d),
+                 reads=2 * 3 * T * h, writes=2 * T * h + 4 * bsz * a * s.seq_length,
+                 out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)], uses=[qkv])
+        attc = e.fresh("attn.out_contig")
+        e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
+        proj, sv_proj = self._linear_fwd("proj", attc, h, h, x_fp32=False, save=save)
+        x2 = self._add("residual1", x, proj, self.act, 2, self.act)
+        ln2 = self._norm_fwd("ln2", x2)
+        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, h, f, x_fp32=True, save=save)
+        g = e.fresh("gelu.out")
+        e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
+                 out=[(g, 2 * T * f)], uses=[fc1])
+        fc2, sv_fc2 = self._linear_fwd("fc2", g, f, h, x_fp32=False, save=save)
+        x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
+        saved = {}
+        if save:
+            saved = dict(x=x, qkv=qkv, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
+                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2)
+        return x3, saved
+
+    def _layer_bwd(self, gx: str, sv: dict) -> str:
+        """One block backward; ``gx`` is the gradient of the block output (residual dtype)."""
+        s, e, T = self.s, self.e, self.T
+        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
+        d = h // a
+        bsz = s.micro_batch_size
+        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        # MLP
+        g_fc2_in = self._linear_bwd("fc2", gx, sv["sv_fc2"], f, h, g_fp32=True)
+        g_gelu = e.fresh("gelu.dx")
+        e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
+                 out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
+        g_ln2 = self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], h, f, g_fp32=False)
+        g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
+        g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
+        # attention
+        g_proj_in = self._linear_bwd("proj", g_mid, sv["sv_proj"], h, h, g_fp32=True)
+        g_att = e.fresh("attn.transpose.dx")
+        e.kernel("attn.transpose.dgrad", C.COPY, reads=2 * T * h, writes=2 * T * h,
+                 out=[(g_att, 2 * T * h)], uses=[g_proj_in])
+        att = sv["att"]
+        if att is None:  # selective recompute: re-run the attention forward
+            att = e.fresh("attn.out.recomputed")
+            e.kernel("attn.recompute", C.ATTENTION_FWD, flops=att_flops,
+                     shape=(bsz * a, s.seq_length, s.seq_length, d), reads=2 * 3 * T * h, writes=2 * T * h,
+                     out=[(att, 2 * T * h)], uses=[sv["qkv"]])
+        g_qkv = e.fresh("attn.dqkv")
+        e.kernel("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops,
+                 shape=(bsz * a, s.seq_length, s.seq_length, d),
+                 reads=2 * (3 * T * h + 2 * T * h), writes=2 * 3 * T * h + 4 * T * h,
+                 out=[(g_qkv, 2 * 3 * T * h)], uses=[g_att, sv["qkv"], att])
+        g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], h, 3 * h, g_fp32=False)
+        g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
+        return self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
+
+    # -- whole step ------------------------------------------------------------------------
+    def _persistent(self) -> None:
+        s, b = self.s, self.b
+        P = s.num_parameters
+        if self.amp:
+            b.persistent("params.fp32", 4 * P)
+        else:
+            b.persistent("params.bf16", 2 * P)
+            b.persistent("params.master_fp32", 4 * P)
+        b.persistent("optimizer.exp_avg", 4 * P)
+        b.persistent("optimizer.exp_avg_sq", 4 * P)
+
+    def _micro_batch(self, mb: int) -> None:
+        s, e, T = self.s, self.e, self.T
+        h, V = s.hidden_size, s.vocab_size
+        full = s.recompute == "full"
+        selective = s.recompute == "selective"
+        e.phase, e.layer = Phase.FWD, -1
+        tokens = e.fresh("input.tokens")
+        e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T, out=[(tokens, 16 * T)],
+                 dtype="int64")
+        x = e.fresh("embed.out")
+        e.kernel("embed", C.EMBEDDING, reads=8 * T + 2 * self.act * T * h, writes=self.act * T * h,
+                 out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
+        saved_layers = []
+        for layer in range(s.num_layers):
+            e.layer = layer
+            x_in = x
+            x, sv = self._layer_fwd(x, save=not full, selective=selective)
+            saved_layers.append(sv if not full else {"x": x_in})
+        e.layer = -1
+        xf = self._norm_fwd("ln_f", x)
+        logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
+        l32 = e.fresh("logits.fp32")
+        e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)], uses=[logits])
+        lsm = e.fresh("log_softmax.out")
+        e.kernel("log_softmax", C.SOFTMAX, reads=4 * T * V, writes=4 * T * V, out=[(lsm, 4 * T * V)],
+                 uses=[l32], dtype="fp32")
+        e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], dtype="fp32")
+        # backward
+        e.phase = Phase.BWD
+        g_lsm = e.fresh("nll_loss.dx")
+        e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * T * V, out=[(g_lsm, 4 * T * V)], dtype="fp32")
+        g_l32 = e.fresh("log_softmax.dx")
+        e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * T * V, writes=4 * T * V, out=[(g_l32, 4 * T * V)],
+                 uses=[g_lsm, lsm], dtype="fp32")
+        g_logits = e.fresh("logits.float.dx")
+        e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
+                 uses=[g_l32], dtype="fp32")
+        g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, sv_head, h, V, g_fp32=False)
+        g = self._norm_bwd("ln_f", g, x, g_is_bf16=True)
+        for layer in reversed(range(s.num_layers)):
+            e.layer = layer
+            sv = saved_layers[layer]
+            if full:
+                _, sv = self._layer_fwd(sv["x"], save=True, selective=False)
+            g = self._layer_bwd(g, sv)
+        e.layer = -1
+        # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
+        d_emb = e.fresh("embed.dw")
+        e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
+                 out=[(d_emb, 4 * V * h)], uses=[g, tokens], dtype="fp32")
+        gname = "grad.wte"
+        first = gname not in self.grad_made
+        self.grad_made.add(gname)
+        e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h * (1 if first else 2),
+                 writes=4 * V * h, out=[(gname, 4 * V * h)] if first else [], uses=[d_emb], dtype="fp32")
+        e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * s.seq_length * h, uses=[g],
+                 dtype="fp32")
+
+    def _optimizer(self) -> None:
+        s, e = self.s, self.e
+        P = s.num_parameters
+        e.phase, e.layer = Phase.OPT, -1
+        grads = sorted(self.grad_made)
+        # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
+        reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
+        e.kernel("adamw", C.OPTIMIZER, reads=reads, writes=writes, flops=12 * P, uses=grads, dtype="fp32",
+                 meta={"params": P})
+
+    def build(self) -> OpGraph:
+        s = self.s
+        self._persistent()
+        for mb in range(s.num_micro_batches):
+            self._micro_batch(mb)
+        self._optimizer()
+        # the measured training loops synchronise the device after every step
+        self.b.add("step.synchronize", OpKind.SYNC, "host", deps=[len(self.b) - 1], phase=Phase.OTHER,
+                   launch=False)
+        samples = s.micro_batch_size * s.num_micro_batches * s.data_parallel_size
+        return self.b.build(
+            samples_per_step=float(samples),
+            tokens_per_step=float(samples * s.seq_length),
+            model_flops_per_step=s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches,
+            source="builder:gpt",
+            meta={"num_parameters": s.num_parameters, "spec": s},
+        )

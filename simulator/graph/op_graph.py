@@ -1,0 +1,163 @@
+"""The immutable step graph (``OpGraph``) and the ``GraphBuilder`` that makes one.
+
+Ops are stored in a topological order: every dependency of op ``i`` has an id below ``i``. The
+order is also each stream's program order (CUDA-stream semantics: a stream runs its ops in the
+order they were issued). Builders, trace importers and policies all produce this one type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from simulator.graph.ops import Op, OpKind, Phase, TensorAlloc
+
+SCHEMA_VERSION = "1.0"
+
+
+class GraphError(ValueError):
+    """The graph is malformed (unknown dependency, cycle, duplicate tensor)."""
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """An immutable operator DAG for one training step.
+
+    Attributes:
+        ops: Ops in topological (and per-stream program) order; ``ops[i].id == i``.
+        persistent: Tensors resident for the whole run (weights, gradients, optimizer state).
+        samples_per_step: Training samples processed by one step (global, for throughput).
+        tokens_per_step: Tokens processed by one step.
+        model_flops_per_step: Model FLOPs of one step, no recompute (for MFU), per GPU.
+        policies: Names of the policies that rewrote the graph, in order.
+        source: Where the graph came from (``"builder:gpt"``, ``"kineto:<file>"``).
+    """
+
+    ops: tuple[Op, ...]
+    persistent: tuple[TensorAlloc, ...] = ()
+    samples_per_step: float = 0.0
+    tokens_per_step: float = 0.0
+    model_flops_per_step: float = 0.0
+    policies: tuple[str, ...] = ()
+    source: str = ""
+    schema_version: str = SCHEMA_VERSION
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        """Check ids, dependency order and tensor-name uniqueness.
+
+        Raises:
+            GraphError: an id out of place, a dependency on a later op, or a tensor allocated twice.
+        """
+        seen: set[str] = {t.name for t in self.persistent}
+        if len(seen) != len(self.persistent):
+            raise GraphError("duplicate persistent tensor name")
+        for i, op in enumerate(self.ops):
+            if op.id != i:
+                raise GraphError(f"op {op.name!r} has id {op.id}, expected {i}")
+            for d in op.deps:
+                if not 0 <= d < i:
+                    raise GraphError(f"op {i} ({op.name}) depends on {d}, which is not an earlier op")
+            for t in op.allocs:
+                if t.name in seen:
+                    raise GraphError(f"tensor {t.name!r} allocated twice (op {op.name})")
+                seen.add(t.name)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def streams(self) -> list[str]:
+        """Names of the streams used, in first-use order."""
+        return list(dict.fromkeys(op.stream for op in self.ops))
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The graph as a ``networkx.DiGraph`` (nodes are op ids with ``op`` attributes).
+
+        Same-stream program order is added as edges with ``kind="stream"``, explicit
+        dependencies with ``kind="data"``.
+        """
+        g = nx.DiGraph()
+        last: dict[str, int] = {}
+        for op in self.ops:
+            g.add_node(op.id, op=op)
+            for d in op.deps:
+                g.add_edge(d, op.id, kind="data")
+            if op.stream in last:
+                g.add_edge(last[op.stream], op.id, kind="stream")
+            last[op.stream] = op.id
+        return g
+
+    def total(self, attr: str, phase: Phase | None = None, kind: OpKind | None = None) -> float:
+        """Sum a numeric op attribute (``flops``, ``bytes_read``...) over matching ops."""
+        return float(
+            sum(
+                getattr(op, attr)
+                for op in self.ops
+                if (phase is None or op.phase == phase) and (kind is None or op.kind == kind)
+            )
+        )
+
+    def with_changes(self, **changes) -> "OpGraph":
+        """A copy with some graph-level fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+
+class GraphBuilder:
+    """Mutable helper that assigns ids and collects ops, then freezes into an ``OpGraph``.
+
+    Example:
+        >>> b = GraphBuilder()
+        >>> a = b.add("a", OpKind.COMPUTE, "compute", flops=1e9)
+        >>> c = b.add("c", OpKind.MEMCPY_D2H, "d2h", bytes_read=1e6, deps=[a])
+        >>> len(b.build())
+        2
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[Op] = []
+        self._persistent: list[TensorAlloc] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    @property
+    def ops(self) -> Sequence[Op]:
+        """Ops added so far."""
+        return self._ops
+
+    def add(self, name: str, kind: OpKind, stream: str, deps: Iterable[int] = (), **fields) -> int:
+        """Append an op and return its id.
+
+        Args:
+            name: Op name.
+            kind: Op kind.
+            stream: Stream the op runs on.
+            deps: Ids of earlier ops it waits for (duplicates and negatives are dropped).
+            **fields: Any other ``Op`` field.
+        """
+        i = len(self._ops)
+        dd = tuple(sorted({d for d in deps if d is not None and d >= 0}))
+        self._ops.append(Op(id=i, name=name, kind=kind, stream=stream, deps=dd, **fields))
+        return i
+
+    def add_op(self, op: Op, deps: Iterable[int] | None = None) -> int:
+        """Append a copy of an existing op with a new id (and optionally new deps)."""
+        i = len(self._ops)
+        dd = op.deps if deps is None else tuple(sorted(set(deps)))
+        self._ops.append(dataclasses.replace(op, id=i, deps=dd))
+        return i
+
+    def persistent(self, name: str, nbytes: int, device: str = "gpu") -> None:
+        """Declare a tensor resident for the whole run."""
+        self._persistent.append(TensorAlloc(name, int(nbytes), device))
+
+    def build(self, **graph_fields) -> OpGraph:
+        """Freeze into an ``OpGraph``.
+
+        Raises:
+            GraphError: see ``OpGraph``.
+        """
+        return OpGraph(ops=tuple(self._ops), persistent=tuple(self._persistent), **graph_fields)

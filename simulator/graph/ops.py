@@ -1,0 +1,126 @@
+"""Operators of the step graph.
+
+An *op* is one unit of work the engine schedules: a GPU kernel, a host<->device copy, a piece of
+host CPU work (the CPU Adam step, a dataloader batch), or a synchronisation point. Ops run on a
+*stream* (an in-order queue, as CUDA streams are): ``compute`` for GPU kernels, ``h2d``/``d2h`` for
+the copy engines, ``host`` for the training thread's CPU work. Within a stream ops run in the order
+they appear in the graph; across streams they wait only for their explicit dependencies.
+
+Memory is declared on the ops: an op *allocates* tensors (name, bytes) when it starts; a tensor is
+freed once every op that lists it in ``uses`` has finished (or right after the producer if no op
+uses it). Tensors named in ``persistent`` ops are allocated before the step and never freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class OpKind(str, Enum):
+    """What kind of work an op is; decides which cost model prices it."""
+
+    COMPUTE = "compute"  # GPU kernel
+    MEMCPY_H2D = "memcpy_h2d"
+    MEMCPY_D2H = "memcpy_d2h"
+    MEMCPY_D2D = "memcpy_d2d"
+    COLLECTIVE = "collective"
+    HOST = "host"  # CPU work on the host (seconds of one thread or a parallel region)
+    DATALOADER = "dataloader"  # wait for the next input batch
+    SYNC = "sync"  # host waits for the device (cudaDeviceSynchronize)
+
+
+class Phase(str, Enum):
+    """Which part of the training step an op belongs to."""
+
+    DATA = "data"
+    FWD = "fwd"
+    BWD = "bwd"
+    OPT = "opt"
+    OTHER = "other"
+
+
+class CostClass(str, Enum):
+    """Kernel family, used to pick the efficiency table of the roofline cost model."""
+
+    GEMM = "gemm"
+    ATTENTION_FWD = "attention_fwd"
+    ATTENTION_BWD = "attention_bwd"
+    ELEMENTWISE = "elementwise"
+    NORM = "norm"
+    SOFTMAX = "softmax"
+    REDUCTION = "reduction"
+    CAST = "cast"
+    OPTIMIZER = "optimizer"
+    EMBEDDING = "embedding"
+    MEMSET = "memset"
+    COPY = "copy"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorAlloc:
+    """A tensor an op allocates.
+
+    Attributes:
+        name: Unique tensor name within the graph.
+        nbytes: Size in bytes.
+        device: ``"gpu"`` or ``"host_pinned"`` / ``"host_pageable"``.
+    """
+
+    name: str
+    nbytes: int
+    device: str = "gpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One schedulable operator.
+
+    Attributes:
+        id: Index of the op in its graph (0..n-1), assigned by the graph.
+        name: Human-readable name (``"L3.fwd.qkv"``).
+        kind: What kind of work this is.
+        stream: In-order queue it runs on (``"compute"``, ``"h2d"``, ``"d2h"``, ``"host"``...).
+        phase: Step phase.
+        layer: Transformer layer index, or -1 outside the blocks.
+        cost_class: Kernel family for the cost model.
+        flops: Floating-point operations (multiply-add = 2).
+        bytes_read: Bytes read from device memory (HBM) or, for copies, bytes moved.
+        bytes_written: Bytes written to device memory.
+        shape: GEMM ``(m, n, k)`` or attention ``(batch*heads, seq_q, seq_k, head_dim)``.
+        host_s: CPU seconds for HOST ops (single-thread equivalent unless ``threads`` > 1).
+        fixed_duration_s: If set, the op takes exactly this long (measured durations on replay).
+        deps: Ids of ops that must finish before this op starts.
+        allocs: Tensors allocated when the op starts.
+        uses: Names of tensors the op reads (keeps them alive until it finishes).
+        launch: Whether the host must launch the op (GPU kernels and copies in eager mode).
+        pinned: For copies: whether the host buffer is pinned.
+        dtype: Element type of the main operands (``"bf16"``, ``"fp32"``).
+    """
+
+    id: int
+    name: str
+    kind: OpKind
+    stream: str
+    phase: Phase = Phase.OTHER
+    layer: int = -1
+    cost_class: CostClass = CostClass.OTHER
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    shape: tuple[int, ...] = ()
+    host_s: float = 0.0
+    fixed_duration_s: float | None = None
+    deps: tuple[int, ...] = ()
+    allocs: tuple[TensorAlloc, ...] = ()
+    uses: tuple[str, ...] = ()
+    launch: bool = True
+    pinned: bool = True
+    dtype: str = "bf16"
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def bytes_moved(self) -> float:
+        """Bytes read plus bytes written (the memory traffic of a kernel, or a copy's size x2)."""
+        return self.bytes_read + self.bytes_written
