@@ -15,6 +15,8 @@ from simulator.config.loader import resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.executor import Executor
 from simulator.engine.system import System
+from simulator.policies import apply_graph_policies, build_runtime
+from simulator.policies.registry import Runtime
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.recording.recorder import Recorder
@@ -45,7 +47,7 @@ def build_graph(cfg: ScenarioConfig) -> OpGraph:
 
 
 def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int = 0, seed: int = 0,
-                   config: dict | None = None) -> SimulationResult:
+                   config: dict | None = None, cfg: ScenarioConfig | None = None) -> SimulationResult:
     """Run ``steps`` repetitions of ``graph`` on ``hw`` and summarise.
 
     Args:
@@ -55,6 +57,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         warmup_steps: Leading steps excluded from the metrics.
         seed: Seed of the run's random generator (stochastic models draw from it).
         config: Resolved config to attach to the result.
+        cfg: The scenario, when there is one: runtime components (DVFS, dataloader...) attach from it.
 
     Raises:
         SimulationError: the engine failed.
@@ -64,7 +67,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     env.rng = np.random.default_rng(seed)
     rec = Recorder()
     system = System(env, hw, rec)
-    ex = Executor(env, system, graph, rec, steps)
+    runtime = build_runtime(cfg, hw, env, system) if cfg is not None else Runtime([])
+    ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers())
     try:
         env.run(ex.start())
     except Exception as exc:  # pragma: no cover - engine bugs surface with the phase named
@@ -74,7 +78,11 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     step_df["step_time_s"] = step_df.end_s - step_df.start_s
     step_df["warmup"] = step_df.step < warmup_steps
     summary = summarize(graph, hw, system, spans, step_df)
-    return SimulationResult(summary, spans, rec.counters_frame(), step_df, config or {})
+    counters = rec.counters_frame()
+    for comp in runtime.components:
+        if hasattr(comp, "summarize"):
+            summary.update(comp.summarize(spans=spans, steps=step_df, counters=counters, summary=summary))
+    return SimulationResult(summary, spans, counters, step_df, config or {})
 
 
 def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame, steps: pd.DataFrame) -> dict:
@@ -118,8 +126,8 @@ def run_scenario(cfg: ScenarioConfig) -> SimulationResult:
     """
     hw = resolve_hardware(cfg)
     try:
-        graph = build_graph(cfg)
+        graph = apply_graph_policies(build_graph(cfg), cfg, hw)
     except ValueError as exc:
         raise SimulationError(f"build phase failed: {exc}") from exc
     return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                          cfg.model_dump(mode="json"))
+                          cfg.model_dump(mode="json"), cfg)
