@@ -1,0 +1,101 @@
+"""Predicted vs measured for the bundled validation cases (``simulate validate``).
+
+Cases pair a scenario file with a measured value in ``tests/data`` (copied from the project's
+shared measurements). Run from a checkout of the repository.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[2]
+H200 = ROOT / "tests" / "data" / "h200" / "measurements.json"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One predicted-vs-measured comparison.
+
+    Attributes:
+        name: Case name.
+        scenario: Scenario path relative to the repository root.
+        metric: Summary key compared (dotted for nested: ``phase_s.fwd_s``).
+        measured: Callable returning the measured value from the measurement file.
+        tolerance: Relative error the tests require.
+        source: Which measurement it is.
+    """
+
+    name: str
+    scenario: str
+    metric: str
+    measured: Callable[[dict], float]
+    tolerance: float
+    source: str
+
+
+def _h200_train_cases() -> list[Case]:
+    out = []
+    for b in (4, 8, 16):
+        key = f"gpt_184m_b{b}"
+        scen = f"scenarios/h200/{key}.yaml"
+        src = f"measurements.json train.{key}"
+        out.append(Case(f"{key}.step_time", scen, "step_time_s", lambda m, k=key: m["train"][k]["median_step_s"], 0.10,
+                        src + ".median_step_s"))
+        for ph in ("fwd", "bwd", "opt"):
+            out.append(Case(f"{key}.{ph}", scen, f"phase_s.{ph}_s",
+                            lambda m, k=key, p=ph: m["train"][k]["phase_median_s"][p], 0.15, src + f".phase_median_s.{ph}"))
+        out.append(Case(f"{key}.peak_memory", scen, "peak_memory_bytes", lambda m, k=key: m["train"][k]["peak_mem_bytes"],
+                        0.15, src + ".peak_mem_bytes"))
+    return out
+
+
+#: Extra cases registered by other modules (offload, dataloader, energy).
+EXTRA_CASES: list[Case] = []
+
+
+def all_cases() -> list[Case]:
+    """Every bundled case."""
+    return _h200_train_cases() + EXTRA_CASES
+
+
+def _get(summary: dict, dotted: str) -> float:
+    cur = summary
+    for part in dotted.split("."):
+        cur = cur[part]
+    return float(cur)
+
+
+def validation_table(names: list[str] | None = None) -> pd.DataFrame:
+    """Run the cases and return ``case, metric, measured, predicted, error, tolerance, ok, source``.
+
+    Raises:
+        ScenarioError: an unknown case name.
+    """
+    from simulator.config.errors import ScenarioError
+    from simulator.config.loader import load_scenario
+    from simulator.engine.run import run_scenario
+
+    cases = all_cases()
+    if names:
+        known = {c.name for c in cases}
+        bad = [n for n in names if n not in known and not any(c.name.startswith(n) for c in cases)]
+        if bad:
+            raise ScenarioError(f"unknown validation case(s) {bad}; known: {sorted(known)}")
+        cases = [c for c in cases if any(c.name == n or c.name.startswith(n) for n in names)]
+    meas = json.loads(H200.read_text())
+    results: dict[str, dict] = {}
+    rows = []
+    for c in cases:
+        if c.scenario not in results:
+            results[c.scenario] = run_scenario(load_scenario(ROOT / c.scenario)).summary
+        pred = _get(results[c.scenario], c.metric)
+        m = float(c.measured(meas))
+        err = pred / m - 1
+        rows.append({"case": c.name, "metric": c.metric, "measured": m, "predicted": pred, "error": err,
+                     "tolerance": c.tolerance, "ok": abs(err) <= c.tolerance, "source": c.source})
+    return pd.DataFrame(rows)

@@ -1,0 +1,175 @@
+"""The ``simulate`` command: logic-free verbs over the public API.
+
+Every failure a user can cause prints one line on stderr and exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
+
+
+def format_summary(s: dict, name: str) -> str:
+    """Human-readable summary of a run."""
+    ph = s.get("phase_s", {})
+    lines = [
+        f"scenario            {name}",
+        f"gpu / profile       {s['gpu']} / {s['profile']}",
+        f"step time           {s['step_time_s'] * 1e3:.2f} ms"
+        f"  (forward {ph.get('fwd_s', 0) * 1e3:.2f} / backward {ph.get('bwd_s', 0) * 1e3:.2f}"
+        f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms)",
+        f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
+        f"MFU                 {s['mfu'] * 100:.1f} %",
+        f"peak GPU memory     {_fmt_bytes(s['peak_memory_bytes'])} of {_fmt_bytes(s['gpu_memory_capacity_bytes'])}",
+    ]
+    cats = s.get("peak_memory_by_category_bytes") or {}
+    if cats:
+        lines.append("  at peak           " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
+    if s.get("data_stall_s"):
+        lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step")
+    if "energy_j_per_step" in s:
+        lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average")
+    if s.get("oom"):
+        lines.append(f"OUT OF MEMORY       {s['oom']}")
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    from simulator import load_scenario, run_scenario, write_outputs
+
+    cfg = load_scenario(args.scenario, args.set)
+    result = run_scenario(cfg)
+    if args.out:
+        write_outputs(result, args.out)
+    if args.json:
+        print(json.dumps(result.summary, default=float))
+    else:
+        print(format_summary(result.summary, cfg.name))
+        if args.out:
+            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev)")
+    return 0 if result.ok else 1
+
+
+def cmd_schema(args) -> int:
+    from simulator.config.schema import ScenarioConfig
+
+    print(json.dumps(ScenarioConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_presets(args) -> int:
+    import yaml
+
+    from hardware_models import presets
+
+    if args.name:
+        fam = args.family or next((f for f, names in presets.list_presets().items() if args.name in names), None)
+        if fam is None:
+            raise presets.PresetError(f"unknown preset {args.name!r}; see `simulate presets`")
+        print(yaml.safe_dump(presets.raw(fam, args.name), sort_keys=False))
+        return 0
+    for fam, names in presets.list_presets(args.family).items():
+        print(f"{fam}: {', '.join(names) if names else '(none)'}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from simulator.analysis.validation import validation_table
+
+    df = validation_table(args.case or None)
+    if args.json:
+        print(df.to_json(orient="records"))
+    else:
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from simulator.analysis.sweep import parse_factor, run_sweep
+
+    factors = dict(parse_factor(f) for f in args.factor)
+    df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
+                   out_dir=args.out, progress=not args.json)
+    if args.json:
+        print(df.to_json(orient="records"))
+    else:
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (verbs: run, sweep, validate, presets, schema, ...)."""
+    ap = argparse.ArgumentParser(prog="simulate", description="Discrete-event simulator of ML training systems.")
+    sub = ap.add_subparsers(dest="verb", required=True)
+
+    p = sub.add_parser("run", help="simulate a scenario YAML")
+    p.add_argument("scenario")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
+    p.add_argument("--out", help="write config, summary, spans and a Perfetto trace here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("sweep", help="run a scenario over a grid of values (one row per point)")
+    p.add_argument("scenario")
+    p.add_argument("--factor", action="append", required=True, metavar="KEY=V1,V2,...")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    p.add_argument("--out", help="one output folder per point under here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("validate", help="predicted vs measured for the bundled validation cases")
+    p.add_argument("case", nargs="*", help="case names (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("presets", help="list presets, or show one")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--family", choices=["gpus", "links", "hosts", "profiles"])
+    p.set_defaults(fn=cmd_presets)
+
+    p = sub.add_parser("schema", help="print the scenario JSON schema")
+    p.set_defaults(fn=cmd_schema)
+
+    for mod in ("simulator.cli_extra",):
+        try:
+            __import__(mod)
+        except ImportError:
+            continue
+        sys.modules[mod].add_parsers(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``simulate`` console script; returns the exit status."""
+    from hardware_models.presets import PresetError
+    from hardware_models.units import UnitError
+    from simulator.config.errors import ScenarioError
+    from simulator.engine.run import SimulationError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (ScenarioError, PresetError, UnitError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SimulationError as exc:
+        print(f"error: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

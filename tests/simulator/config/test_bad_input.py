@@ -1,0 +1,81 @@
+"""Bad scenarios give one line naming the file, the key and what is allowed; exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from simulator.cli import main
+from tests.conftest import ROOT
+
+BASE = yaml.safe_load((ROOT / "scenarios/h200/gpt_184m_b8.yaml").read_text())
+
+
+def write(tmp_path: Path, data) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def mutate(path: list[str], value):
+    d = yaml.safe_load(yaml.safe_dump(BASE))
+    node = d
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return d
+
+
+CASES = [
+    ("unknown key", mutate(["model", "num_layerz"], 3), ["model.num_layerz", "unknown key", "num_layers"]),
+    ("wrong unit", mutate(["hardware", "gpu"], {"preset": "h200-sxm-141gb",
+                                                 "overrides": {"hbm_bandwidth_bytes_per_s": "4.8 TB"}}),
+     ["hardware.gpu", "hbm_bandwidth_bytes_per_s", "bytes/s"]),
+    ("misspelt preset", mutate(["hardware", "gpu"], "h200-sxm"), ["hardware.gpu", "h200-sxm", "h200-sxm-141gb"]),
+    ("missing profile", mutate(["hardware", "profile"], "nope"), ["hardware.profile", "nope"]),
+    ("negative size", mutate(["model", "hidden_size"], -8), ["model.hidden_size", "greater than 0"]),
+    ("zero batch", mutate(["training", "micro_batch_size"], 0), ["training.micro_batch_size", "greater than 0"]),
+    ("heads do not divide", mutate(["model", "num_attention_heads"], 7), ["num_attention_heads (7) must divide"]),
+    ("missing key", {k: v for k, v in BASE.items() if k != "model"}, ["model", "required"]),
+    ("bad precision", mutate(["training", "precision"], "fp8"), ["training.precision", "amp_fp32_params"]),
+]
+
+
+@pytest.mark.parametrize("label,data,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_scenario_one_line_exit_2(tmp_path, capsys, label, data, expected):
+    p = write(tmp_path, data)
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert str(p) in err
+    for fragment in expected:
+        assert fragment in err, f"{label}: {fragment!r} not in {err!r}"
+
+
+def test_yaml_syntax_error(tmp_path, capsys):
+    p = write(tmp_path, "name: x\nmodel: [1, 2\n")
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "YAML syntax error at line" in err and str(p) in err
+
+
+def test_missing_file(capsys):
+    assert main(["run", "does/not/exist.yaml"]) == 2
+    assert "does/not/exist.yaml: file not found" in capsys.readouterr().err
+
+
+def test_bad_set_override(capsys):
+    assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=-1"]) == 2
+    assert "training.micro_batch_size" in capsys.readouterr().err
+
+
+def test_console_script_no_traceback(tmp_path):
+    """The installed entry point (python -m simulator) prints one line and exits 2."""
+    p = write(tmp_path, mutate(["model", "num_layerz"], 3))
+    proc = subprocess.run([sys.executable, "-m", "simulator", "run", str(p)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -1,0 +1,51 @@
+"""Units, presets with overrides and --set overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simulator.cli import main
+from simulator.config.loader import load_scenario, resolve_hardware
+from tests.conftest import ROOT
+
+SCEN = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+
+
+def test_set_override_types_and_nesting():
+    cfg = load_scenario(SCEN, ["training.micro_batch_size=4", "hardware.gpu.overrides.hbm_bandwidth_bytes_per_s=3 TB/s"])
+    assert cfg.training.micro_batch_size == 4
+    hw = resolve_hardware(cfg)
+    assert hw.gpu.hbm_bandwidth_bytes_per_s == 3e12
+    assert hw.gpu.peak("bf16") == pytest.approx(989.4e12)  # other fields keep the preset's values
+
+
+def test_binary_and_decimal_prefixes():
+    cfg = load_scenario(SCEN, ["hardware.gpu.overrides.hbm_capacity_bytes=80 GiB"])
+    assert resolve_hardware(cfg).gpu.hbm_capacity_bytes == 80 * 2**30
+
+
+def test_json_output_has_required_keys(capsys):
+    assert main(["run", str(SCEN), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes", "phase_s"):
+        assert key in out
+    assert set(out["phase_s"]) == {"fwd_s", "bwd_s", "opt_s"}
+
+
+def test_out_dir_files_and_perfetto_trace(tmp_path, capsys):
+    assert main(["run", str(SCEN), "--out", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.resolved.yaml", "summary.json", "spans.csv", "trace.json"} <= names
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert xs and all(e["dur"] >= 0 and "ts" in e for e in xs)
+
+
+def test_schema_and_presets_commands(capsys):
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "model" in schema["properties"]
+    assert main(["presets"]) == 0
+    assert "h200-sxm-141gb" in capsys.readouterr().out
