@@ -17,15 +17,14 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     optimizer op.
     """
     out = {p: [] for p in PHASES}
+    last_end = spans.groupby(["step", "phase"]).end_s.max()
     for row in steps[~steps.warmup].itertuples():
-        d = spans[spans.step == row.step]
         t = row.start_s
         for p in PHASES:
-            ends = d.end_s[d.phase == p]
-            if len(ends):
-                e = float(ends.max())
-                out[p].append(max(e - t, 0.0))
-                t = max(t, e)
+            e = last_end.get((row.step, p))
+            if e is not None:
+                out[p].append(max(float(e) - t, 0.0))
+                t = max(t, float(e))
     return {f"{p}_s": float(np.mean(v)) if v else 0.0 for p, v in out.items()}
 
 

@@ -57,8 +57,12 @@ class Executor:
         self.env, self.sys, self.g, self.rec, self.steps = env, system, graph, recorder, steps
         self.hooks = list(hooks)
         self.host_handlers = dict(host_handlers or {})
-        self.done: list[list[simpy.Event]] = [[env.event() for _ in graph.ops] for _ in range(steps)]
-        self.launched: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
+        # completion flags and lazily created events (an event exists only if someone waits)
+        self.finished: list[list[bool]] = [[False] * len(graph.ops) for _ in range(steps)]
+        self._done_ev: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
+        # host launch time of each launched op (None until the host thread reaches it)
+        self.launch_time: list[list[float | None]] = [[None] * len(graph.ops) for _ in range(steps)]
+        self._launch_ev: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
         self.step_start = [0.0] * steps
         self.step_end = [0.0] * steps
         self._remaining_ops = [len(graph.ops)] * steps
@@ -87,44 +91,70 @@ class Executor:
         return self.env.all_of(procs)
 
     # -- processes -------------------------------------------------------------------------
+    def done_event(self, step: int, op_id: int) -> simpy.Event:
+        """Event that fires when op ``op_id`` of ``step`` finishes (already triggered if it has)."""
+        ev = self._done_ev[step].get(op_id)
+        if ev is None:
+            ev = self._done_ev[step][op_id] = self.env.event()
+            if self.finished[step][op_id]:
+                ev.succeed()
+        return ev
+
     def _wait(self, op: Op, step: int):
-        evs = [self.done[step][d] for d in op.deps if not self.done[step][d].triggered]
+        fin = self.finished[step]
+        evs = [self.done_event(step, d) for d in op.deps if not fin[d]]
         prev = op.meta.get("prev_step_deps") if op.meta else None
         if prev and step > 0:
-            evs.extend(self.done[step - 1][d] for d in prev if not self.done[step - 1][d].triggered)
-        if evs:
+            pfin = self.finished[step - 1]
+            evs.extend(self.done_event(step - 1, d) for d in prev if not pfin[d])
+        if len(evs) == 1:
+            yield evs[0]
+        elif evs:
             yield self.env.all_of(evs)
 
     def _host(self):
+        """The main training thread: launches device ops in order and runs host ops.
+
+        Launch times are computed arithmetically (the thread is busy ``launch_overhead_s`` per
+        launch); the process only yields when it must wait (a host op, a sync, a dependency).
+        """
         env = self.env
+        overhead = self.sys.launch_overhead_s
+        t = env.now
         for step in range(self.steps):
-            self.step_start[step] = env.now
-            launched = self.launched[step]
+            self.step_start[step] = t
+            lt, lev = self.launch_time[step], self._launch_ev[step]
             for op in self.host_ops:
-                if op.stream != HOST_STREAM:  # launch a device op
-                    if self.sys.launch_overhead_s > 0:
-                        yield env.timeout(self.sys.launch_overhead_s)
-                    ev = launched.get(op.id)
-                    if ev is None:
-                        launched[op.id] = ev = env.event()
-                    ev.succeed()
+                if op.stream != HOST_STREAM:
+                    t += overhead
+                    lt[op.id] = t
+                    ev = lev.pop(op.id, None)
+                    if ev is not None:
+                        ev.succeed()
                     continue
+                if t > env.now:
+                    yield env.timeout(t - env.now)
                 yield from self._wait(op, step)
                 start = env.now
                 yield from self._run(op, step)
                 self._finish(op, step, start, HOST_STREAM)
+                t = env.now
 
     def _stream(self, stream: str, ops: list[Op]):
         env = self.env
         for step in range(self.steps):
-            launched = self.launched[step]
+            lt, lev = self.launch_time[step], self._launch_ev[step]
             for op in ops:
                 if op.launch:
-                    ev = launched.get(op.id)
-                    if ev is None:
-                        launched[op.id] = ev = env.event()
-                    if not ev.triggered:
+                    when = lt[op.id]
+                    if when is None:
+                        ev = lev.get(op.id)
+                        if ev is None:
+                            ev = lev[op.id] = env.event()
                         yield ev
+                        when = lt[op.id]
+                    if when > env.now:
+                        yield env.timeout(when - env.now)
                 yield from self._wait(op, step)
                 start = env.now
                 yield from self._run(op, step)
@@ -170,7 +200,10 @@ class Executor:
         for t in op.allocs:
             if self._users.get(t.name, 0) == 0:
                 self._free(t.name)
-        self.done[step][op.id].succeed()
+        self.finished[step][op.id] = True
+        ev = self._done_ev[step].get(op.id)
+        if ev is not None:
+            ev.succeed()
         self._remaining_ops[step] -= 1
         if self._remaining_ops[step] == 0:
             self.step_end[step] = env.now

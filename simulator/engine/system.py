@@ -35,6 +35,7 @@ class System:
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder):
         self.env = env
         self.hw = hw
+        self.recorder = recorder
         self.cost = RooflineCostModel(hw.gpu, hw.profile)
         p = hw.profile
         h2d = p.h2d_bytes_per_s or hw.pcie.bandwidth_bytes_per_s
