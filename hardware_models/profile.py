@@ -58,6 +58,8 @@ class EfficiencyProfile:
         kernel_fixed_s: GPU-side fixed time per kernel (launch latency on the device), s.
         launch_overhead_s: Host CPU time to dispatch one eager PyTorch op (framework + CUDA
             launch), s.
+        launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per
+            launched graph op, s, when fitted from a trace (overrides ``launch_overhead_s``).
         h2d_bytes_per_s / d2h_bytes_per_s: Pinned copy bandwidth, bytes/s.
         pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s: Pageable copy bandwidth, bytes/s.
         duplex_bytes_per_s: Both directions together, bytes/s.
@@ -74,6 +76,7 @@ class EfficiencyProfile:
     memory_bandwidth_bytes_per_s: dict[str, float]
     kernel_fixed_s: float = 0.0
     launch_overhead_s: float = 0.0
+    launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
     h2d_bytes_per_s: float = 0.0
     d2h_bytes_per_s: float = 0.0
     pageable_h2d_bytes_per_s: float = 0.0

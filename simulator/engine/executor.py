@@ -119,14 +119,16 @@ class Executor:
         launch); the process only yields when it must wait (a host op, a sync, a dependency).
         """
         env = self.env
-        overhead = self.sys.launch_overhead_s
+        default = self.sys.launch_overhead_s
+        by_phase = self.sys.launch_overhead_by_phase_s
+        cost = [by_phase.get(op.phase.value, default) for op in self.g.ops]
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
             lt, lev = self.launch_time[step], self._launch_ev[step]
             for op in self.host_ops:
                 if op.stream != HOST_STREAM:
-                    t += overhead
+                    t += cost[op.id]
                     lt[op.id] = t
                     ev = lev.pop(op.id, None)
                     if ev is not None:

@@ -44,6 +44,8 @@ class System:
         self.network = FluidNetwork(env, {"pcie.h2d": h2d, "pcie.d2h": d2h, "pcie.duplex": duplex})
         self.copy_latency_s = p.copy_latency_s if p.copy_latency_s else hw.pcie.latency_s
         self.launch_overhead_s = hw.launch_overhead_s if hw.launch_overhead_s is not None else p.launch_overhead_s
+        #: host time per launched op by phase (a scenario override applies to every phase)
+        self.launch_overhead_by_phase_s = {} if hw.launch_overhead_s is not None else dict(p.launch_overhead_by_phase_s)
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
         rec = recorder
         self.memory = {
