@@ -61,7 +61,12 @@ def cmd_run(args) -> int:
 def cmd_schema(args) -> int:
     from simulator.config.schema import ScenarioConfig
 
-    print(json.dumps(ScenarioConfig.model_json_schema(), indent=2))
+    if args.markdown:
+        from simulator.config.docs import schema_markdown
+
+        print(schema_markdown())
+    else:
+        print(json.dumps(ScenarioConfig.model_json_schema(), indent=2))
     return 0
 
 
@@ -137,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_presets)
 
     p = sub.add_parser("schema", help="print the scenario JSON schema")
+    p.add_argument("--markdown", action="store_true", help="a Markdown reference (scenarios/README.md)")
     p.set_defaults(fn=cmd_schema)
 
     for mod in ("simulator.cli_extra",):

@@ -1,0 +1,48 @@
+"""Markdown reference of the scenario schema, generated from the pydantic models' fields."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from simulator.config.schema import ScenarioConfig
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    out = []
+    for a in typing.get_args(annotation) or (annotation,):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            out.append(a)
+        else:
+            out.extend(_models_in(a) if typing.get_args(a) else [])
+    return out
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
+    for prefix in ("simulator.config.schema.", "simulator.config.sections."):
+        text = text.replace(prefix, "")
+    return text.replace("<class '", "").replace("'>", "")
+
+
+def schema_markdown(model: type[BaseModel] = ScenarioConfig, prefix: str = "", seen=None) -> str:
+    """One table per (nested) section: key, type, default, description."""
+    seen = set() if seen is None else seen
+    lines = [f"### `{prefix or '(top level)'}`", "", (model.__doc__ or "").strip().splitlines()[0], "",
+             "| key | type | default | description |", "|---|---|---|---|"]
+    nested = []
+    for name, f in model.model_fields.items():
+        default = "required" if f.is_required() else (
+            "" if f.default is PydanticUndefined else repr(f.default) if not isinstance(f.default, BaseModel) else "(defaults)")
+        desc = (f.description or "").replace("|", "\\|")
+        lines.append(f"| `{name}` | `{_type_name(f.annotation)}` | {default} | {desc} |")
+        for sub in _models_in(f.annotation):
+            if sub not in seen:
+                seen.add(sub)
+                nested.append((f"{prefix}.{name}" if prefix else name, sub))
+    out = "\n".join(lines) + "\n\n"
+    for p, sub in nested:
+        out += schema_markdown(sub, p, seen)
+    return out
