@@ -260,6 +260,11 @@ class ClockController:
         self._pending: float | None = None
 
     @property
+    def pending(self) -> bool:
+        """Whether a requested clock has not arrived yet."""
+        return self._pending is not None
+
+    @property
     def wanted_mhz(self) -> float:
         return min(self.target_mhz, self.limit_mhz)
 
@@ -278,7 +283,7 @@ class ClockController:
         if immediate or self.latency_s <= 0:
             self._seq += 1
             self._pending = None
-            self._apply(want)
+            self._apply(want, count=not immediate)
             return
         if want == (self._pending if self._pending is not None else self.state.sm_clock_mhz):
             return
@@ -292,11 +297,11 @@ class ClockController:
             self._pending = None
             self._apply(want)
 
-    def _apply(self, mhz: float) -> None:
+    def _apply(self, mhz: float, count: bool = True) -> None:
         if mhz == self.state.sm_clock_mhz:
             return
         self.state.sm_clock_mhz = mhz
-        self.switches += 1
+        self.switches += int(count)
         if self.on_change:
             self.on_change(self.env.now, mhz)
 

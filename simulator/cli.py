@@ -145,12 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="a Markdown reference (scenarios/README.md)")
     p.set_defaults(fn=cmd_schema)
 
-    for mod in ("simulator.cli_extra",):
+    # verbs contributed by feature modules: each has add_parser(subparsers) and run(args)
+    import importlib
+
+    for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace"):
         try:
-            __import__(mod)
-        except ImportError:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
             continue
-        sys.modules[mod].add_parsers(sub)
+        p = m.add_parser(sub)
+        p.set_defaults(fn=m.run)
     return ap
 
 

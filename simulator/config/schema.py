@@ -11,6 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from simulator.config.sections.offload import ActivationCheckpointingConfig, ZeroOptimizationConfig
+
+from simulator.config.sections.dataloader import DataLoaderConfig
+from simulator.config.sections.dvfs import DvfsConfig
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -116,6 +121,10 @@ class ScenarioConfig(_Model):
     training: TrainingConfig
     parallelism: ParallelismConfig = ParallelismConfig()
     run: RunConfig = RunConfig()
+    zero_optimization: ZeroOptimizationConfig = ZeroOptimizationConfig()  # simulator/config/sections/offload.py
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    dataloader: DataLoaderConfig | None = None
+    dvfs: DvfsConfig | None = None
 
     @model_validator(mode="after")
     def _batch_consistency(self):

@@ -192,7 +192,7 @@ class _GptBuilder:
 
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
         """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
-        gname = f"grad.{pname}"
+        gname = f"grad.L{self.e.layer}.{pname}" if self.e.layer >= 0 else f"grad.{pname}"
         first = gname not in self.grad_made
         out = [(gname, 4 * numel)] if first else []
         if first:

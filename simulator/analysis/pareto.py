@@ -1,0 +1,80 @@
+"""Energy-time Pareto sweeps over locked SM clocks or power caps.
+
+``energy_time_pareto(cfg, clocks=[1980, 1600, 1200])`` runs the scenario once per setting (with a
+``locked_clock`` or ``power_cap`` DVFS policy) and returns one row per setting: step time, energy
+per step, average power, energy per token and whether the point is on the energy-time Pareto
+frontier (no other point is at least as fast *and* at least as frugal, and strictly better in one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pandas as pd
+
+from simulator.config.schema import ScenarioConfig
+from simulator.config.sections.dvfs import DvfsConfig
+
+COLUMNS = ["setting", "value", "step_time_s", "energy_j_per_step", "avg_power_w", "energy_per_token_j",
+           "avg_sm_clock_mhz", "pareto"]
+
+
+def pareto_mask(time_s: Iterable[float], energy_j: Iterable[float]) -> list[bool]:
+    """True where a point (time, energy) is not dominated by another (both lower is better)."""
+    pts = list(zip(time_s, energy_j))
+    out = []
+    for i, (t, e) in enumerate(pts):
+        dominated = any((t2 <= t and e2 <= e) and (t2 < t or e2 < e) for j, (t2, e2) in enumerate(pts) if j != i)
+        out.append(not dominated)
+    return out
+
+
+def default_clocks(cfg: ScenarioConfig, n: int = 8) -> list[float]:
+    """About ``n`` supported clocks spread from the maximum down to ~45% of it."""
+    from simulator.config.loader import resolve_hardware
+
+    gpu = resolve_hardware(cfg).gpu
+    sup = sorted(gpu.supported_sm_clocks_mhz or (gpu.max_sm_clock_mhz,), reverse=True)
+    sup = [s for s in sup if s >= 0.45 * sup[0]] or sup
+    step = max(1, (len(sup) - 1) // max(n - 1, 1))
+    picks = sup[::step]
+    if sup[-1] not in picks:
+        picks.append(sup[-1])
+    return [float(x) for x in picks]
+
+
+def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = None,
+                       power_caps: Iterable[float] | None = None) -> pd.DataFrame:
+    """Step time and energy per setting, with a Pareto flag.
+
+    Args:
+        cfg: A validated scenario (its own ``dvfs`` section is replaced per point).
+        clocks: Locked SM clocks, MHz (snapped to supported clocks with a warning).
+        power_caps: Power limits, W. Give ``clocks`` or ``power_caps``, not both; with neither, a
+            spread of supported clocks is used.
+
+    Raises:
+        ValueError: both ``clocks`` and ``power_caps`` given, or a power cap out of range.
+    """
+    from simulator.engine.run import run_scenario
+
+    if clocks is not None and power_caps is not None:
+        raise ValueError("give clocks or power_caps, not both")
+    base = cfg.dvfs.model_dump() if cfg.dvfs is not None else {}
+    keep = {k: base[k] for k in ("clock_switch_latency_s", "power_sample_period_s", "power_window_s", "power_model")
+            if k in base}
+    if power_caps is not None:
+        points = [("power_limit_w", float(p), DvfsConfig(kind="power_cap", power_limit_w=p, **keep)) for p in power_caps]
+    else:
+        clocks = default_clocks(cfg) if clocks is None else clocks
+        points = [("locked_clocks_mhz", float(c), DvfsConfig(kind="locked_clock", locked_clocks_mhz=c, **keep))
+                  for c in clocks]
+    rows = []
+    for setting, value, dvfs in points:
+        s = run_scenario(cfg.model_copy(update={"dvfs": dvfs})).summary
+        rows.append({"setting": setting, "value": value, "step_time_s": s["step_time_s"],
+                     "energy_j_per_step": s["energy_j_per_step"], "avg_power_w": s["avg_power_w"],
+                     "energy_per_token_j": s["energy_per_token_j"], "avg_sm_clock_mhz": s["avg_sm_clock_mhz"]})
+    df = pd.DataFrame(rows, columns=COLUMNS[:-1])
+    df["pareto"] = pareto_mask(df.step_time_s, df.energy_j_per_step) if len(df) else []
+    return df

@@ -1,0 +1,72 @@
+"""What-if questions about memory: what is the largest batch or model that fits?
+
+``largest_fitting(cfg, "training.micro_batch_size", [8, 16, 32, 64])`` runs the scenario at each
+value (a short run: memory peaks are reached in the first step) and returns one row per value
+with the peak GPU and host memory, whether it fits, what ran out and the step time. Compare with
+and without offload by calling it on both scenarios (``with_overrides`` builds the variant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from simulator.config.errors import ScenarioError
+from simulator.config.loader import scenario_from_dict
+from simulator.config.overrides import apply_overrides
+from simulator.config.schema import ScenarioConfig
+
+COLUMNS = ("value", "fits", "peak_memory_bytes", "gpu_memory_capacity_bytes", "peak_host_pinned_bytes",
+           "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error")
+
+
+def with_overrides(cfg: ScenarioConfig, **dotted: Any) -> ScenarioConfig:
+    """A copy of ``cfg`` with dotted keys replaced: ``with_overrides(cfg, **{"training.micro_batch_size": 8})``.
+
+    Raises:
+        ScenarioError: the result does not validate.
+    """
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    return scenario_from_dict(apply_overrides(data, [f"{k}={_yaml(v)}" for k, v in dotted.items()]), cfg.name)
+
+
+def _yaml(v: Any) -> str:
+    import json
+
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps: int = 2) -> pd.DataFrame:
+    """Run ``cfg`` with ``key`` set to each of ``values``; one row per value.
+
+    Args:
+        cfg: Base scenario.
+        key: Dotted scenario key (``training.micro_batch_size``, ``model.num_layers``...).
+        values: Values to try (in the order given).
+        steps: Steps per run (1 warmup + the rest measured).
+
+    Returns:
+        DataFrame with ``COLUMNS``; ``df.attrs["largest"]`` is the largest value that fits
+        (``None`` if none does), ``df.attrs["key"]`` the key.
+    """
+    from simulator.engine.run import SimulationError, run_scenario
+
+    rows = []
+    for v in values:
+        row: dict[str, Any] = {c: None for c in COLUMNS}
+        row["value"] = v
+        try:
+            point = with_overrides(cfg, **{key: v, "run.steps": max(2, steps), "run.warmup_steps": 1})
+            s = run_scenario(point).summary
+            row.update({c: s.get(c) for c in COLUMNS if c in s})
+            row["fits"] = not s.get("oom")
+        except (ScenarioError, SimulationError) as exc:
+            row["fits"], row["error"] = False, str(exc)
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=list(COLUMNS))
+    fitting = [r["value"] for r in rows if r["fits"]]
+    df.attrs["key"] = key
+    df.attrs["largest"] = max(fitting) if fitting else None
+    return df

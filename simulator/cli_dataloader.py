@@ -1,0 +1,64 @@
+"""``simulate dataloader-workers SCENARIO``: the smallest ``num_workers`` without a data stall.
+
+Wire it into the ``simulate`` parser with ``add_parser(subparsers)``; ``run(args)`` returns the exit
+status (0 answered, 1 no value up to ``--max-workers`` removes the stall, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(subparsers):
+    """Register the ``dataloader-workers`` verb on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser("dataloader-workers",
+                              help="smallest DataLoader num_workers that removes the data stall")
+    p.add_argument("scenario", help="scenario YAML with a dataloader section")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
+    p.add_argument("--max-workers", type=int, default=16, help="largest num_workers tried (default 16)")
+    p.add_argument("--tolerance", type=float, default=0.01,
+                   help="stall allowed, as a fraction of the step time (default 0.01)")
+    p.add_argument("--all", action="store_true", help="try every value up to --max-workers (full table)")
+    p.set_defaults(fn=run)
+    return p
+
+
+def format_table(df) -> str:
+    """The sweep as a small aligned table (ms, %)."""
+    lines = [f"{'workers':>7}  {'step ms':>8}  {'stall ms':>8}  {'stall %':>7}  {'worker util':>11}"]
+    for r in df.itertuples():
+        flag = "  (more threads than cores)" if r.oversubscribed else ""
+        lines.append(f"{r.num_workers:>7d}  {r.step_time_s * 1e3:>8.2f}  {r.data_stall_s * 1e3:>8.2f}  "
+                     f"{r.stall_fraction * 100:>6.1f}%  {r.worker_utilisation * 100:>10.0f}%{flag}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """Run the verb; prints the table and the answer. Returns the exit status."""
+    from hardware_models.presets import PresetError
+    from hardware_models.units import UnitError
+    from simulator.analysis.whatif_dataloader import min_workers_without_stall, workers_sweep
+    from simulator.config.errors import ScenarioError
+    from simulator.config.loader import load_scenario
+    from simulator.engine.run import SimulationError
+
+    try:
+        if args.max_workers < 0:
+            raise ScenarioError(f"--max-workers must be >= 0, got {args.max_workers}")
+        cfg = load_scenario(args.scenario, args.set)
+        answer, df = min_workers_without_stall(cfg, args.max_workers, args.tolerance)
+        if args.all and len(df) < args.max_workers + 1:
+            df = workers_sweep(cfg, range(args.max_workers + 1))
+    except (ScenarioError, PresetError, UnitError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SimulationError as exc:
+        print(f"error: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"scenario {cfg.name}: DataLoader batch_size {cfg.training.micro_batch_size}")
+    print(format_table(df))
+    if answer is None:
+        print(f"no num_workers up to {args.max_workers} keeps the stall within {args.tolerance:.0%} of the step")
+        return 1
+    print(f"smallest num_workers without a data stall (<= {args.tolerance:.0%} of the step): {answer}")
+    return 0

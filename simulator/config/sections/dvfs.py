@@ -1,0 +1,71 @@
+"""Scenario section ``dvfs:``: the GPU clock / power policy in force (one ``kind``).
+
+Kinds (registered in ``simulator.policies.dvfs``)::
+
+    dvfs: {kind: locked_clock, locked_clocks_mhz: 1410}          # like nvidia-smi -lgc 1410
+    dvfs: {kind: power_cap, power_limit_w: 400}                  # like nvidia-smi -pl 400
+    dvfs: {kind: phase_plan, phase_clocks_mhz: {fwd: 1980, bwd: 1980, opt: 1200}}
+
+Without a ``dvfs`` section the GPU runs at its maximum clock under its default power limit (the
+board's TDP), which is how the measured runs were taken.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from simulator.config.quantities import MHz, Seconds, Watts
+from simulator.graph.ops import Phase
+
+#: Phases a clock plan may name.
+PLAN_PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
+
+#: Default clock switching latency, s. Assumed: measured NVIDIA switching latencies are
+#: milliseconds to tens of milliseconds and depend on the GPU and the target clock (Velička et al.,
+#: arXiv:2502.20075, 2025); we take 10 ms.
+DEFAULT_SWITCH_LATENCY_S = 0.010
+
+
+class DvfsConfig(BaseModel):
+    """Clock and power policy of the GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["locked_clock", "power_cap", "phase_plan"] = Field(description="Which DVFS policy.")
+    locked_clocks_mhz: MHz | None = Field(
+        default=None, gt=0, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning).")
+    power_limit_w: Watts | None = Field(
+        default=None, gt=0, description="power_cap: board power limit, W (must lie in the GPU's settable range).")
+    phase_clocks_mhz: dict[str, MHz] = Field(
+        default_factory=dict, description=f"phase_plan: SM clock per phase ({', '.join(PLAN_PHASES)}); "
+        "unnamed phases run at the maximum clock.")
+    clock_switch_latency_s: Seconds = Field(
+        default=DEFAULT_SWITCH_LATENCY_S, ge=0,
+        description="Time from a clock request to the new clock; the GPU runs at the old clock meanwhile "
+        "(default 10 ms, assumed; see DEFAULT_SWITCH_LATENCY_S).")
+    power_sample_period_s: Seconds = Field(
+        default=0.01, gt=0, description="Power-cap controller: how often the firmware re-evaluates (assumed 10 ms).")
+    power_window_s: Seconds = Field(
+        default=0.02, gt=0, description="Power-cap controller: averaging window of the power reading (assumed 20 ms).")
+    power_model: str | None = Field(
+        default=None, description="Power-model preset name or YAML path (default: the GPU preset's, else generic).")
+
+    @model_validator(mode="after")
+    def _fields_for_kind(self):
+        if self.kind == "locked_clock" and self.locked_clocks_mhz is None:
+            raise ValueError("dvfs kind locked_clock needs locked_clocks_mhz")
+        if self.kind == "power_cap" and self.power_limit_w is None:
+            raise ValueError("dvfs kind power_cap needs power_limit_w")
+        if self.kind == "phase_plan":
+            if not self.phase_clocks_mhz:
+                raise ValueError("dvfs kind phase_plan needs phase_clocks_mhz")
+            bad = sorted(set(self.phase_clocks_mhz) - set(PLAN_PHASES))
+            if bad:
+                raise ValueError(f"phase_clocks_mhz names unknown phase(s) {', '.join(bad)}; "
+                                 f"allowed: {', '.join(PLAN_PHASES)}")
+            for ph, mhz in self.phase_clocks_mhz.items():
+                if mhz <= 0:
+                    raise ValueError(f"phase_clocks_mhz.{ph} must be > 0, got {mhz}")
+        return self

@@ -1,0 +1,132 @@
+"""Offload settings, named as in DeepSpeed's config (``zero_optimization``, ``activation_checkpointing``).
+
+YAML::
+
+    zero_optimization:
+      stage: 2                       # DeepSpeed ZeRO stage 0-3 (offload needs >= 1; offload_param needs 3)
+      overlap_comm: true             # gradient D2H copies overlap backward (DeepSpeed overlap_comm)
+      reduce_bucket_size: null       # elements per gradient copy bucket; null = one copy per parameter
+      offload_optimizer:
+        device: cpu                  # none | cpu  (DeepSpeed also has nvme: not modelled)
+        pin_memory: true             # host buffers page-locked (pinned PCIe rates) or pageable
+        mode: overlap                # serial | overlap | delayed_param_update (see below)
+        cpu_adam_impl: torch_foreach # torch_foreach | torch_single | deepspeed_cpu_adam
+      offload_param:
+        device: none                 # none | cpu: ZeRO-Infinity parameter offload (stage 3)
+        pin_memory: true
+        prefetch_depth: 1            # layers fetched ahead of use (0 = fetch on demand)
+    activation_checkpointing:
+      cpu_checkpointing: false       # checkpointed block inputs go to host memory (needs recompute full)
+
+``offload_optimizer.mode`` (simulator name; DeepSpeed has no single key for it):
+
+* ``serial``: gradients are copied to the host after backward, then the CPU Adam step, then the
+  parameter upload; nothing overlaps (DeepSpeed with ``overlap_comm: false``).
+* ``overlap``: each gradient (or bucket) is copied as soon as backward produces it, on a copy
+  stream, overlapping the rest of backward (DeepSpeed ``overlap_comm: true``).
+* ``delayed_param_update``: DPU of the ZeRO-Offload paper (Ren et al., USENIX ATC'21, section
+  4.2; DeepSpeed's ``delayed_param_update`` in its CPU-Adam code path): the CPU step of step i
+  runs on a worker thread while the GPU runs step i+1 with parameters one step stale.
+
+When ``mode`` is omitted it follows ``overlap_comm`` (``overlap`` if true, else ``serial``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_MODES = ("serial", "overlap", "delayed_param_update")
+CPU_ADAM_IMPLS = ("torch_foreach", "torch_single", "deepspeed_cpu_adam")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_device(v):
+    if v is None:
+        return "none"
+    if isinstance(v, str) and v.lower() not in OFFLOAD_DEVICES:
+        extra = " (NVMe offload is not modelled)" if v.lower() == "nvme" else ""
+        raise ValueError(f"unknown offload device {v!r}{extra}; allowed: {', '.join(OFFLOAD_DEVICES)}")
+    return v.lower() if isinstance(v, str) else v
+
+
+class OffloadOptimizerConfig(_Model):
+    """ZeRO-Offload: fp32 master weights and Adam state on the host, the Adam step on the CPU."""
+
+    device: Literal["none", "cpu"] = Field(default="none", description="none | cpu (DeepSpeed offload_optimizer.device).")
+    pin_memory: bool = Field(default=False, description="Host buffers page-locked (DeepSpeed offload_optimizer.pin_memory).")
+    mode: Literal["serial", "overlap", "delayed_param_update"] | None = Field(
+        default=None, description="serial | overlap | delayed_param_update (default: from overlap_comm)."
+    )
+    cpu_adam_impl: Literal["torch_foreach", "torch_single", "deepspeed_cpu_adam"] = Field(
+        default="torch_foreach",
+        description="torch.optim.AdamW(foreach=True) | foreach=False | DeepSpeedCPUAdam (fused, vectorised).",
+    )
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v):
+        return _check_device(v)
+
+
+class OffloadParamConfig(_Model):
+    """ZeRO-Infinity parameter offload to host memory, fetched layer by layer ahead of use."""
+
+    device: Literal["none", "cpu"] = Field(default="none", description="none | cpu (DeepSpeed offload_param.device).")
+    pin_memory: bool = Field(default=False, description="Host copy of the parameters page-locked.")
+    prefetch_depth: int = Field(default=1, description="Layers fetched ahead of use (>= 0; 0 = on demand).")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v):
+        return _check_device(v)
+
+    @field_validator("prefetch_depth")
+    @classmethod
+    def _depth(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("prefetch_depth must be >= 0 (layers fetched ahead of use)")
+        return v
+
+
+class ZeroOptimizationConfig(_Model):
+    """DeepSpeed ``zero_optimization`` (the parts this simulator models)."""
+
+    stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage 0-3.")
+    overlap_comm: bool = Field(default=False, description="Overlap gradient copies with backward.")
+    reduce_bucket_size: int | None = Field(
+        default=None, gt=0, description="Elements per gradient copy bucket (null = one copy per parameter)."
+    )
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        oo, op = self.offload_optimizer, self.offload_param
+        if oo.device == "cpu" and self.stage == 0:
+            raise ValueError("offload_optimizer.device: cpu needs zero_optimization.stage >= 1 (as in DeepSpeed)")
+        if op.device == "cpu" and self.stage != 3:
+            raise ValueError(f"offload_param.device: cpu needs zero_optimization.stage 3, got stage {self.stage}")
+        if op.device == "cpu" and oo.device != "cpu":
+            raise ValueError("offload_param.device: cpu needs offload_optimizer.device: cpu as well")
+        if oo.mode == "serial" and self.overlap_comm:
+            raise ValueError("offload_optimizer.mode: serial contradicts overlap_comm: true")
+        return self
+
+    @property
+    def offload_mode(self) -> str:
+        """The effective optimizer-offload mode."""
+        return self.offload_optimizer.mode or ("overlap" if self.overlap_comm else "serial")
+
+
+class ActivationCheckpointingConfig(_Model):
+    """DeepSpeed ``activation_checkpointing`` (only ``cpu_checkpointing`` is modelled)."""
+
+    cpu_checkpointing: bool = Field(
+        default=False, description="Move checkpointed block inputs to host memory (needs recompute_granularity: full)."
+    )

@@ -1,0 +1,89 @@
+"""A small helper for graph policies: copy a graph op by op, dropping, changing and inserting ops.
+
+Ids are re-assigned; dependencies of copied ops are remapped; a dropped op's dependents inherit
+its dependencies (so dropping never loses an ordering constraint). ``meta["prev_step_deps"]`` of
+copied ops are remapped too; new ops can name previous-step dependencies by *new* id through
+``prev_step`` once all ops are in place (``finish``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from simulator.graph.op_graph import GraphBuilder, OpGraph
+from simulator.graph.ops import Op, TensorAlloc
+
+
+class GraphRewriter:
+    """Rebuild ``graph`` with changes.
+
+    Example:
+        >>> rw = GraphRewriter(graph)
+        >>> for op in graph.ops:
+        ...     rw.copy(op)
+        >>> new = rw.finish()
+    """
+
+    def __init__(self, graph: OpGraph):
+        self.g = graph
+        self.b = GraphBuilder()
+        self.map: dict[int, tuple[int, ...]] = {}
+        self._prev: dict[int, set[int]] = {}
+
+    def new(self, old_id: int) -> tuple[int, ...]:
+        """New ids standing for old op ``old_id`` (several when it was dropped)."""
+        return self.map.get(old_id, ())
+
+    def _remap(self, deps: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for d in deps:
+            out.update(self.map.get(d, ()))
+        return out
+
+    def copy(self, op: Op, extra_deps: Iterable[int] = (), **changes) -> int:
+        """Copy an op (old deps remapped, ``extra_deps`` are new ids); returns its new id."""
+        deps = self._remap(op.deps) | set(extra_deps)
+        meta = dict(changes.pop("meta", op.meta) or {})
+        prev = meta.pop("prev_step_deps", None)
+        new = dataclasses.replace(op, id=len(self.b), deps=tuple(sorted(deps)), meta=meta, **changes)
+        i = self.b.add_op(new, deps=new.deps)
+        self.map[op.id] = (i,)
+        if prev:
+            self._prev.setdefault(i, set()).update(("old", p) for p in prev)  # type: ignore[arg-type]
+        return i
+
+    def drop(self, op: Op) -> None:
+        """Leave ``op`` out; ops depending on it depend on its dependencies instead."""
+        self.map[op.id] = tuple(sorted(self._remap(op.deps)))
+
+    def alias(self, op: Op, new_ids: Iterable[int]) -> None:
+        """Leave ``op`` out; ops depending on it depend on ``new_ids`` instead."""
+        self.map[op.id] = tuple(sorted(set(new_ids)))
+
+    def add(self, name: str, kind, stream: str, deps: Iterable[int] = (), **fields) -> int:
+        """Insert a new op (``deps`` are new ids)."""
+        return self.b.add(name, kind, stream, deps=deps, **fields)
+
+    def prev_step(self, new_id: int, prev_new_ids: Iterable[int]) -> None:
+        """Make new op ``new_id`` wait for new ops ``prev_new_ids`` of the previous step."""
+        self._prev.setdefault(new_id, set()).update(("new", p) for p in prev_new_ids)  # type: ignore[arg-type]
+
+    def finish(self, persistent: Iterable[TensorAlloc] | None = None, **graph_fields) -> OpGraph:
+        """Freeze the new graph (graph-level fields copied from the original unless given)."""
+        ops = list(self.b.ops)
+        for i, refs in self._prev.items():
+            ids: set[int] = set()
+            for tag, ref in refs:
+                ids.update(self.map.get(ref, ()) if tag == "old" else (ref,))
+            meta = dict(ops[i].meta or {})
+            meta["prev_step_deps"] = tuple(sorted(ids))
+            ops[i] = dataclasses.replace(ops[i], meta=meta)
+        fields = dict(
+            persistent=tuple(self.g.persistent if persistent is None else persistent),
+            samples_per_step=self.g.samples_per_step, tokens_per_step=self.g.tokens_per_step,
+            model_flops_per_step=self.g.model_flops_per_step, policies=self.g.policies, source=self.g.source,
+            meta=dict(self.g.meta),
+        )
+        fields.update(graph_fields)
+        return OpGraph(ops=tuple(ops), **fields)

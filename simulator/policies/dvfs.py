@@ -1,0 +1,283 @@
+"""DVFS policies and the GPU power meter (runtime components).
+
+One runtime component, ``dvfs``, attaches to every run: it meters GPU power online (from the ops
+running at each instant, at the current clocks; ``hardware_models.power``), integrates energy, and
+runs the GPU's clock controller and the firmware power-limit controller (always on at the board's
+default limit, as on a real GPU). The scenario's ``dvfs.kind`` picks a clock policy from
+``DVFS_POLICIES``:
+
+* ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
+  the GPU does not support is snapped to the nearest supported one, with a warning, as the driver
+  rounds too).
+* ``power_cap`` — ``nvidia-smi -pl W``: the firmware controller samples the average power over a
+  window every period and steps the clock down (up) when it is above (below) the cap; each change
+  takes the switching latency. It reacts to the draw, it does not know the future.
+* ``phase_plan`` — a clock per step phase (``fwd``, ``bwd``, ``opt``, ``data``, ``other``): when a
+  GPU op of another phase starts, the clock is requested; it arrives after the switching latency
+  and the GPU runs at the old clock meanwhile.
+
+Limitations: an op's duration is fixed when it starts (a clock change lands for the next op); the
+power of running ops follows the clock immediately.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hardware_models.power import (
+    Activity,
+    ClockController,
+    EnergyLedger,
+    activity_of_kernel,
+    generic_power_model,
+    has_power_preset,
+    load_power_model,
+    ratio_step,
+    snap_clock,
+)
+from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
+from simulator.graph.ops import OpKind
+from simulator.policies.registry import PolicyError, register_runtime
+
+#: DVFS clock policies by ``dvfs.kind``.
+DVFS_POLICIES: dict[str, type] = {}
+
+_KERNEL_KINDS = (OpKind.COMPUTE, OpKind.COLLECTIVE)
+_COPY_KINDS = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H)
+#: The firmware raises the clock only when the power is this far below the cap.
+_HYSTERESIS = 0.03
+
+
+def register_dvfs(kind: str) -> Callable[[type], type]:
+    """Class decorator: register a DVFS clock policy under ``dvfs.kind``."""
+
+    def deco(cls: type) -> type:
+        DVFS_POLICIES[kind] = cls
+        return cls
+
+    return deco
+
+
+def gpu_preset_name(cfg) -> str | None:
+    ref = cfg.hardware.gpu
+    return ref if isinstance(ref, str) else getattr(ref, "preset", None)
+
+
+def power_model_for(cfg, gpu):
+    """The power model of a scenario: ``dvfs.power_model``, else the GPU preset's, else generic."""
+    name = cfg.dvfs.power_model if cfg is not None and cfg.dvfs is not None else None
+    if name:
+        try:
+            return load_power_model(name)
+        except (FileNotFoundError, ValueError) as exc:
+            raise PolicyError(f"dvfs.power_model: {exc}") from exc
+    preset = gpu_preset_name(cfg) if cfg is not None else None
+    if preset and has_power_preset(preset):
+        return load_power_model(preset)
+    return generic_power_model(gpu)
+
+
+@register_dvfs("locked_clock")
+class LockedClock:
+    """Fixed SM clock (``nvidia-smi -lgc``)."""
+
+    def __init__(self, dcfg, gpu, ctl: ClockController):
+        self.clock_mhz = snap_clock(dcfg.locked_clocks_mhz, gpu.supported_sm_clocks_mhz, "dvfs.locked_clocks_mhz")
+        if not gpu.supported_sm_clocks_mhz:
+            self.clock_mhz = min(self.clock_mhz, gpu.max_sm_clock_mhz)
+        ctl.set_target(self.clock_mhz, immediate=True)
+
+    def on_op_start(self, op, ctl: ClockController) -> None:
+        return None
+
+
+@register_dvfs("power_cap")
+class PowerCap:
+    """Power limit (``nvidia-smi -pl``); the controller itself is the runtime's firmware loop."""
+
+    def __init__(self, dcfg, gpu, ctl: ClockController):
+        cap = dcfg.power_limit_w
+        lo, hi = gpu.min_power_limit_w, gpu.max_power_limit_w
+        if hi and not lo <= cap <= hi:
+            raise PolicyError(f"dvfs.power_limit_w {cap:g} W is outside the settable range of {gpu.name}: "
+                              f"{lo:g}-{hi:g} W")
+        self.power_limit_w = cap
+
+    def on_op_start(self, op, ctl: ClockController) -> None:
+        return None
+
+
+@register_dvfs("phase_plan")
+class PhaseClockPlan:
+    """A clock per phase, requested when a GPU op of that phase starts."""
+
+    def __init__(self, dcfg, gpu, ctl: ClockController):
+        self.plan = {ph: snap_clock(mhz, gpu.supported_sm_clocks_mhz, f"dvfs.phase_clocks_mhz.{ph}")
+                     for ph, mhz in dcfg.phase_clocks_mhz.items()}
+        self.default = gpu.max_sm_clock_mhz
+
+    def on_op_start(self, op, ctl: ClockController) -> None:
+        if op.kind not in _KERNEL_KINDS and op.kind != OpKind.MEMCPY_D2D:
+            return
+        want = self.plan.get(op.phase.value, self.default)
+        if want != ctl.target_mhz:
+            ctl.set_target(want)
+
+
+@register_runtime("dvfs")
+class DvfsRuntime:
+    """Meters GPU power and energy; runs the clock controller, power-limit firmware and clock policy."""
+
+    @staticmethod
+    def applies(cfg) -> bool:
+        return True
+
+    def __init__(self, cfg, hw, env, system):
+        self.cfg, self.env, self.sys = cfg, env, system
+        self.gpu = gpu = hw.gpu
+        self.host_cores = hw.host_cpu.cores
+        self.model = power_model_for(cfg, gpu)
+        self.rec = getattr(system, "recorder", None)
+        self.state = system.state
+        dcfg = cfg.dvfs if cfg is not None else None
+        latency = dcfg.clock_switch_latency_s if dcfg is not None else DEFAULT_SWITCH_LATENCY_S
+        self.ctl = ClockController(env, self.state, gpu.max_sm_clock_mhz, latency, self._clock_changed)
+        self.supported = tuple(gpu.supported_sm_clocks_mhz) or (gpu.max_sm_clock_mhz,)
+        self.active: dict[tuple, Activity] = {}
+        self.policy = None
+        self.kind = dcfg.kind if dcfg is not None else "default"
+        self.ledger = EnergyLedger(env.now, self._power())
+        if dcfg is not None:
+            self.policy = DVFS_POLICIES[dcfg.kind](dcfg, gpu, self.ctl)
+        cap = getattr(self.policy, "power_limit_w", None) or gpu.tdp_w or gpu.max_power_limit_w or None
+        self.power_limit_w = cap
+        self.period_s = dcfg.power_sample_period_s if dcfg is not None else 0.01
+        self.window_s = dcfg.power_window_s if dcfg is not None else 0.02
+        self._update()
+        self._count(env.now, "sm_clock_mhz", self.state.sm_clock_mhz)
+        self._count(env.now, "power_w", self.ledger.p[-1])
+        if cap:
+            env.process(self._firmware(cap))
+
+    # -- runtime-component interface ----------------------------------------------------------
+    def hooks(self) -> list:
+        return [self]
+
+    def on_op_start(self, op, step, system) -> None:
+        if self.policy is not None:
+            self.policy.on_op_start(op, self.ctl)
+        act = self._activity(op)
+        if act is not None:
+            self.active[(step, op.id)] = act
+            self._update()
+
+    def on_op_end(self, op, step, system) -> None:
+        if self.active.pop((step, op.id), None) is not None:
+            self._update()
+
+    def summarize(self, spans=None, steps=None, counters=None, summary=None) -> dict:
+        """GPU energy and power over the measured steps, host estimate, clock statistics."""
+        summary = summary or {}
+        measured = steps[~steps.warmup]
+        n = max(len(measured), 1)
+        w = int(steps.warmup.sum())
+        t0 = float(steps.end_s.iloc[w - 1]) if w > 0 else float(steps.start_s.iloc[0])
+        t1 = float(steps.end_s.iloc[-1])
+        window = max(t1 - t0, 1e-12)
+        energy = self.ledger.energy_between(t0, t1)
+        e_step = energy / n
+        tokens = summary.get("tokens_per_s", 0.0) * summary.get("step_time_s", 0.0)
+        samples = summary.get("samples_per_s", 0.0) * summary.get("step_time_s", 0.0)
+        busy = self._host_busy_cores(spans, t0, t1)
+        host_w = self.model.host_power_w(self.host_cores, busy)
+        return {
+            "energy_j_per_step": e_step,
+            "avg_power_w": energy / window,
+            "energy_per_token_j": e_step / tokens if tokens else 0.0,
+            "energy_per_sample_j": e_step / samples if samples else 0.0,
+            "host_avg_power_w": float(host_w),
+            "host_energy_j_per_step": float(host_w * window / n),
+            "avg_sm_clock_mhz": self._avg_clock(counters, t0, t1),
+            "clock_switches": self.ctl.switches,
+            "power_limit_w": self.power_limit_w,
+            "dvfs_policy": self.kind,
+            "power_model": self.model.name,
+        }
+
+    # -- internals ------------------------------------------------------------------------------
+    def _activity(self, op) -> Activity | None:
+        if op.kind in _KERNEL_KINDS and op.fixed_duration_s is None:
+            c, m, f = self.sys.cost.split_s(op)
+            c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz
+            if self.gpu.mem_clock_mhz:
+                m *= self.gpu.mem_clock_mhz / self.state.mem_clock_mhz
+            return activity_of_kernel(c, m, f)
+        if op.kind in _KERNEL_KINDS:
+            return Activity(compute=0.5, memory=0.5)
+        if op.kind == OpKind.MEMCPY_D2D:
+            return Activity(memory=1.0)
+        if op.kind in _COPY_KINDS:
+            return Activity(copy=1.0, kernel=False)
+        return None
+
+    def _power(self) -> float:
+        return self.model.power_of(self.active.values(), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+
+    def _update(self) -> None:
+        p = self._power()
+        if self.ledger.set(self.env.now, p):
+            self._count(self.env.now, "power_w", p)
+
+    def _count(self, t: float, metric: str, value: float) -> None:
+        if self.rec is not None:
+            self.rec.counter(t, "gpu0", metric, float(value))
+
+    def _clock_changed(self, now: float, mhz: float) -> None:
+        self._count(now, "sm_clock_mhz", mhz)
+        self._update()
+
+    def _firmware(self, cap: float):
+        """Power-limit loop: every period, compare the windowed average power with the cap."""
+        env, ctl = self.env, self.ctl
+        fmax = float(max(self.supported))
+        while True:
+            yield env.timeout(self.period_s)
+            if ctl.pending:  # wait until the last change has landed before judging again
+                continue
+            now = env.now
+            avg = self.ledger.average_w(max(0.0, now - self.window_s), now)
+            if avg <= 0:
+                continue
+            if avg > cap:
+                cur = min(ctl.limit_mhz, self.state.sm_clock_mhz)
+                ratio = max(0.85, (cap / avg) ** 0.5)
+                ctl.set_limit(ratio_step(cur, ratio, self.supported))
+            elif avg < cap * (1 - _HYSTERESIS) and ctl.limit_mhz < fmax:
+                ratio = min(1.05, (cap / avg) ** 0.5)
+                ctl.set_limit(min(fmax, ratio_step(ctl.limit_mhz, ratio, self.supported)))
+
+    def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
+        """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""
+        window = max(t1 - t0, 1e-12)
+        busy = 1.0
+        if spans is not None and len(spans):
+            s = spans[(spans.end_s > t0) & (spans.start_s < t1)]
+            dur = (s.end_s.clip(upper=t1) - s.start_s.clip(lower=t0))
+            host_ops = dur[(s.stream == "host") & (s.kind == "host")].sum()
+            workers = dur[s.stream.astype(str).str.startswith(("dataloader", "worker"))].sum()
+            busy += (self.host_cores - 1) * host_ops / window + workers / window
+        return min(busy, float(self.host_cores))
+
+    def _avg_clock(self, counters, t0: float, t1: float) -> float:
+        if counters is None or not len(counters):
+            return float(self.state.sm_clock_mhz)
+        c = counters[(counters.scope == "gpu0") & (counters.metric == "sm_clock_mhz")]
+        if not len(c):
+            return float(self.state.sm_clock_mhz)
+        ts, vs = list(c.t_s) + [t1], list(c.value)
+        total = 0.0
+        for i, v in enumerate(vs):
+            a, b = max(ts[i], t0), min(ts[i + 1], t1)
+            if b > a:
+                total += v * (b - a)
+        return total / (t1 - t0) if t1 > t0 else float(vs[-1])

@@ -1,0 +1,408 @@
+"""ZeRO-Offload: fp32 master weights and Adam state on the host, the Adam step on the CPU.
+
+Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names; see
+``simulator.config.sections.offload``). The policy rewrites the built step graph:
+
+* **GPU memory** keeps bf16 parameters and bf16 gradients only: the GPU fp32 master weights and
+  Adam moments are dropped; the host gets the fp32 master weights and both moments (12 B/param),
+  a bf16 gradient staging buffer and a bf16 parameter staging buffer (2 B/param each), all in
+  ``host_pinned`` memory when ``pin_memory`` is true, else ``host_pageable`` (copies from pageable
+  memory run at the driver's staging rate). The CPU step allocates fp32 gradients (4 B/param)
+  and, for the PyTorch implementations, one fp32 temporary (``sqrt`` of the second moment).
+* **Gradient copies** D2H on stream ``d2h``, one per parameter tensor (as ``p.grad`` hooks do)
+  or per ``reduce_bucket_size`` elements, each waiting for the kernel that finishes that
+  gradient (modes ``overlap`` and ``delayed_param_update``) or for the end of backward
+  (``serial``). The fp32 ``.grad`` accumulation kernels of the bf16 builder are removed: with
+  bf16 gradients on the GPU, autograd's AccumulateGrad stores the weight-gradient GEMM's output.
+* **The CPU step**: three host ops, ``cpu.grad_cast`` (bf16 -> fp32 gradients), ``cpu.adam``
+  and ``cpu.param_cast`` (fp32 -> bf16 into the staging buffer), on stream ``host`` (the training
+  thread, as ``torch.optim`` on CPU tensors blocks it) or, for DPU, on stream ``cpu.adam`` (a
+  worker thread).
+* **Parameter upload** H2D on stream ``h2d`` after the CPU step, one copy per layer (embeddings,
+  each block, final norm/head, in forward order). Copies queued back-to-back on one stream
+  pipeline their set-up on the copy engine, so the per-copy latency of the profile (measured on
+  isolated, event-timed copies) is charged once per layer, not once per tensor.
+* **DPU** (``delayed_param_update``): in step i the CPU updates the parameters with step i-1's
+  gradients while the GPU runs step i; step i's gradient copies wait until the CPU has read
+  step i-1's gradients out of the staging buffer, the upload waits for the end of step i's
+  backward, and step i+1's forward waits for that upload (``meta["prev_step_deps"]``).
+
+CPU time model (all inputs measured or from presets, nothing fitted to offload runs):
+
+* ``adam_s = P / rate(P) + n_tensors * n_passes * launch_overhead_s``. ``rate(P)`` interpolates
+  the host's measured AdamW throughput points ``(params, params/s)`` linearly in log-log space,
+  constant outside the measured range (the H200 host: ``micro.cpu_adam``, 16 threads, one fp32
+  tensor; at 192M params 838M params/s x ~80 B/param = 67 GB/s, the host memcpy bandwidth: the
+  foreach AdamW is DRAM-bound). A host without its own points borrows those of the measured H200
+  host scaled by ``min(cores / 16, memory_bandwidth / 67.05 GB/s)``. ``deepspeed_cpu_adam``
+  without points is derived from ``torch_foreach`` by the DRAM traffic ratio: PyTorch's foreach
+  AdamW makes 8 passes (``mul_`` weight decay 8 B, ``lerp_`` 12, ``mul_`` 8, ``addcmul_`` 12,
+  ``sqrt`` 8, ``div_`` 8, ``add_`` 8, ``addcdiv_`` 16 = 80 B/param); DeepSpeed's fused AVX kernel
+  reads param, grad and both moments and writes param, moments and the bf16 copy once (30 B/param;
+  Ren et al., ZeRO-Offload, ATC'21, section 4.1). The dispatch term counts one eager op per tensor
+  per pass (``foreach`` ops fall back to a per-tensor loop on CPU) at the profile's measured
+  per-op launch overhead.
+* ``grad_cast_s = 6 B * P / host_bw + n_tensors * launch_overhead_s`` (read bf16, write fp32),
+  ``param_cast_s`` the same (read fp32, write bf16; fused into DeepSpeed's kernel, so 0 there),
+  with ``host_bw`` the host preset's memory bandwidth (H200 host: measured memcpy, read + write).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import CostClass, Op, OpKind, Phase, TensorAlloc
+from simulator.policies._rewrite import GraphRewriter
+from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
+
+#: Host whose measured AdamW points are borrowed by hosts without their own.
+REFERENCE_HOST = "h200-measured-host"
+#: DRAM bytes per parameter of one AdamW step (see the module docstring).
+ADAM_BYTES_PER_PARAM = {"torch_foreach": 80.0, "torch_single": 80.0, "deepspeed_cpu_adam": 30.0}
+#: Eager per-tensor op dispatches of one step (the 8 passes + the step counter).
+ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "deepspeed_cpu_adam": 1}
+#: Bytes read + written by a bf16 <-> fp32 cast, per parameter.
+CAST_BYTES_PER_PARAM = 6.0
+
+CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+
+
+# -- CPU time model ------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _reference_host():
+    from hardware_models import presets
+
+    return presets.get("hosts", REFERENCE_HOST)[0]
+
+
+def interp_loglog(points, x: float) -> float:
+    """Interpolate ``(x, y)`` points linearly in log-log space; constant outside their range."""
+    pts = sorted((float(a), float(b)) for a, b in points)
+    if not pts:
+        raise ValueError("no points to interpolate")
+    xs = np.log([p[0] for p in pts])
+    ys = np.log([p[1] for p in pts])
+    return float(np.exp(np.interp(math.log(max(x, 1.0)), xs, ys)))
+
+
+def cpu_adam_rate(params: float, impl: str, hw) -> tuple[float, str]:
+    """AdamW throughput of the host for a model of ``params`` parameters, params/s, and how it was got.
+
+    Raises:
+        PolicyError: no measured points to start from.
+    """
+    cpu = hw.host_cpu
+    own = dict(cpu.adam_params_per_s or {})
+    if impl in own:
+        return interp_loglog(own[impl], params), f"host {cpu.name} measured {impl}"
+    ref = _reference_host()
+    scale = min(cpu.cores / ref.cores, cpu.memory_bandwidth_bytes_per_s / ref.memory_bandwidth_bytes_per_s)
+    how = f"{REFERENCE_HOST} points x min(cores, bandwidth) ratio {scale:.3g}"
+    pts = own or dict(ref.adam_params_per_s)
+    if own:
+        scale, how = 1.0, f"host {cpu.name} measured"
+    if impl in pts:
+        return interp_loglog(pts[impl], params) * scale, f"{how} ({impl})"
+    if "torch_foreach" not in pts:
+        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: no AdamW throughput known for {impl!r}")
+    ratio = ADAM_BYTES_PER_PARAM["torch_foreach"] / ADAM_BYTES_PER_PARAM[impl]
+    return (interp_loglog(pts["torch_foreach"], params) * scale * ratio,
+            f"{how} (torch_foreach x DRAM-traffic ratio {ratio:.3g} for {impl})")
+
+
+def cpu_step_times(params: int, n_tensors: int, impl: str, hw) -> dict[str, float]:
+    """Seconds of the three CPU ops of one offloaded optimizer step (see the module docstring)."""
+    rate, _ = cpu_adam_rate(params, impl, hw)
+    launch = hw.launch_overhead_s if hw.launch_overhead_s is not None else hw.profile.launch_overhead_s
+    bw = hw.host_cpu.memory_bandwidth_bytes_per_s
+    cast = CAST_BYTES_PER_PARAM * params / bw + n_tensors * launch
+    return {
+        "cpu.grad_cast": cast,
+        "cpu.adam": params / rate + n_tensors * ADAM_PASSES[impl] * launch,
+        "cpu.param_cast": 0.0 if impl == "deepspeed_cpu_adam" else cast,
+    }
+
+
+# -- gradients of the built graph ------------------------------------------------------------------
+def _spec(graph: OpGraph, key: str):
+    spec = graph.meta.get("spec")
+    if spec is None:
+        raise PolicyError(f"{key}: needs a graph from the model builder (this one is {graph.source or 'unknown'})")
+    return spec
+
+
+def param_tensor_count(spec) -> int:
+    """Parameter tensors of the model (what a per-parameter loop iterates over)."""
+    per_layer = 12 if spec.bias else 6
+    head = 0 if spec.tied_embeddings else 1
+    return spec.num_layers * per_layer + 2 + (2 if spec.bias else 1) + head
+
+
+def gradients(graph: OpGraph, spec) -> list[dict]:
+    """Gradients in the order backward completes them: producer op, bf16 bytes, GPU tensor, layer.
+
+    The bytes add up to ``2 * spec.num_parameters`` (checked).
+    """
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    norm = 2 * h if spec.bias else h
+    bias = {"qkv": 3 * h, "proj": h, "fc1": f, "fc2": h}
+    last: dict[str, dict] = {}
+    for op in graph.ops:
+        if op.phase != Phase.BWD:
+            continue
+        tail = op.name.split(".bwd.", 1)[-1] if ".bwd." in op.name else op.name.removeprefix("bwd.")
+        key = f"L{op.layer}.{tail}" if op.layer >= 0 else tail
+        numel, tensor = 0, None
+        if tail.endswith(".wgrad"):
+            if tail == "wte.wgrad":  # tied LM head: the wte gradient completes at embed.dgrad
+                last["_wte_tensor"] = {"tensor": op.allocs[0].name}
+                continue
+            numel, tensor = op.allocs[0].nbytes // 2, op.allocs[0].name
+        elif tail.endswith(".bias_grad") and op.layer >= 0:
+            numel = bias[tail.split(".")[0]]
+        elif tail.endswith(".dgamma_dbeta"):
+            numel = norm
+        elif tail == "embed.dgrad":
+            numel = spec.vocab_size * h
+            tensor = last.get("_wte_tensor", {}).get("tensor") if spec.tied_embeddings else None
+        elif tail == "pos_embed.dgrad":
+            numel = spec.seq_length * h
+        if numel:
+            last[key] = {"op": op.id, "bytes": 2 * numel, "tensor": tensor, "layer": op.layer, "name": key}
+    grads = sorted((v for k, v in last.items() if not k.startswith("_")), key=lambda g: g["op"])
+    total = sum(g["bytes"] for g in grads)
+    if total != 2 * spec.num_parameters:
+        raise PolicyError(
+            f"zero_optimization.offload_optimizer: found {total // 2} gradient elements in the graph, "
+            f"expected {spec.num_parameters} (unknown graph layout)"
+        )
+    return grads
+
+
+def layer_param_groups(spec) -> list[tuple[str, int, int]]:
+    """``(name, layer, params)`` in forward order: embeddings, each block, final norm (+ LM head)."""
+    h = spec.hidden_size
+    groups = [("embed", -1, spec.vocab_size * h + spec.seq_length * h)]
+    groups += [(f"L{i}", i, spec.layer_params) for i in range(spec.num_layers)]
+    groups.append(("head", -1, (2 * h if spec.bias else h) + (0 if spec.tied_embeddings else spec.vocab_size * h)))
+    return groups
+
+
+# -- the policy -------------------------------------------------------------------------------------
+def _enabled(cfg) -> bool:
+    z = getattr(cfg, "zero_optimization", None)
+    return z is not None and z.offload_optimizer.device == "cpu"
+
+
+@register_graph_policy("offload_optimizer", order=30)
+class OffloadOptimizer:
+    """Rewrite a GPU-resident step into a ZeRO-Offload step (see the module docstring)."""
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        return _enabled(cfg)
+
+    def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
+        z = cfg.zero_optimization
+        oo = z.offload_optimizer
+        return offload_optimizer(graph, hw, mode=z.offload_mode, impl=oo.cpu_adam_impl, pin_memory=oo.pin_memory,
+                                 bucket_elems=z.reduce_bucket_size)
+
+
+def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "torch_foreach",
+                      pin_memory: bool = True, bucket_elems: int | None = None) -> OpGraph:
+    """The rewrite itself, usable without a scenario (tests, notebooks).
+
+    Raises:
+        PolicyError: not a bf16 builder graph, or pinned buffers larger than host memory.
+    """
+    key = "zero_optimization.offload_optimizer"
+    spec = _spec(graph, key)
+    if spec.precision != "bf16":
+        raise PolicyError(f"{key}: needs training.precision: bf16 (bf16 weights on the GPU), got {spec.precision}")
+    if mode not in ("serial", "overlap", "delayed_param_update"):
+        raise PolicyError(f"{key}.mode: unknown mode {mode!r}; allowed: serial, overlap, delayed_param_update")
+    P = spec.num_parameters
+    host_dev = "host_pinned" if pin_memory else "host_pageable"
+    persistent = [t for t in graph.persistent if t.name not in
+                  ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
+    if not any(t.name == "params.bf16" for t in persistent):
+        persistent.append(TensorAlloc("params.bf16", 2 * P, "gpu"))
+    persistent += [
+        TensorAlloc("params.master_fp32.host", 4 * P, host_dev),
+        TensorAlloc("optimizer.exp_avg.host", 4 * P, host_dev),
+        TensorAlloc("optimizer.exp_avg_sq.host", 4 * P, host_dev),
+        TensorAlloc("offload.grad_staging.bf16", 2 * P, host_dev),
+        TensorAlloc("offload.param_staging.bf16", 2 * P, host_dev),
+    ]
+    _check_host_memory(persistent, hw, key)
+
+    grads = gradients(graph, spec)
+    buckets = _buckets(grads, bucket_elems)
+    by_producer: dict[int, list[list[dict]]] = {}
+    for b in buckets:
+        by_producer.setdefault(b[-1]["op"], []).append(b)
+    bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
+    last_bwd = bwd_ops[-1].id
+    times = cpu_step_times(P, param_tensor_count(spec), impl, hw)
+    dpu = mode == "delayed_param_update"
+    cpu_stream = "cpu.adam" if dpu else "host"
+    rw = GraphRewriter(graph)
+
+    def cpu_chain(deps: list[int]) -> list[int]:
+        ids = []
+        d = list(deps)
+        for name in CPU_OPS:
+            allocs, uses = (), ()
+            if name == "cpu.grad_cast":
+                allocs = (TensorAlloc("grad.fp32.host", 4 * P, "host_pageable"),)
+            elif name == "cpu.adam":
+                uses = ("grad.fp32.host",)
+                if impl != "deepspeed_cpu_adam":
+                    allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * P, "host_pageable"),)
+            i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
+                       cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
+                       meta={"params": P, "impl": impl})
+            ids.append(i)
+            d = [i]
+        return ids
+
+    chain: list[int] = []
+    if dpu:  # step i's CPU work (on step i-1's gradients) is issued first, on its own thread
+        chain = cpu_chain([])
+    d2h_ids: list[int] = []
+    first_fwd: int | None = None
+
+    def emit_copies(bucket_list, deps):
+        for b in bucket_list:
+            name = b[0]["name"] if len(b) == 1 else f"{b[0]['name']}..{b[-1]['name']}"
+            uses = tuple(g["tensor"] for g in b if g["tensor"])
+            i = rw.add(f"offload.d2h.grad.{name}", OpKind.MEMCPY_D2H, "d2h", deps=deps + ([chain[0]] if dpu else []),
+                       phase=Phase.BWD, layer=b[-1]["layer"], cost_class=CostClass.COPY,
+                       bytes_read=float(sum(g["bytes"] for g in b)), pinned=pin_memory, uses=uses)
+            d2h_ids.append(i)
+
+    for op in graph.ops:
+        if op.phase == Phase.OPT:
+            rw.drop(op)
+            continue
+        if op.phase == Phase.BWD and op.name.endswith("grad_accum"):
+            rw.drop(op)
+            continue
+        if op.name == "step.synchronize":
+            break
+        new = rw.copy(op)
+        if first_fwd is None and op.kind == OpKind.COMPUTE and op.phase == Phase.FWD:
+            first_fwd = new
+        if mode != "serial" and op.id in by_producer:
+            emit_copies(by_producer[op.id], list(rw.new(op.id)))
+        if mode == "serial" and op.id == last_bwd:
+            emit_copies(buckets, list(rw.new(op.id)))
+    bwd_done = rw.add("offload.bwd_done", OpKind.SYNC, "host", deps=list(rw.new(last_bwd)) + d2h_ids,
+                      phase=Phase.BWD, launch=False)
+    if not dpu:
+        chain = cpu_chain([bwd_done])
+    h2d_ids = []
+    for gname, layer, n in layer_param_groups(spec):
+        deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
+        h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
+                              layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory))
+    sync_deps = [bwd_done] if dpu else h2d_ids
+    rw.add("step.synchronize", OpKind.SYNC, "host", deps=sync_deps, phase=Phase.OTHER, launch=False)
+    if dpu:
+        rw.prev_step(chain[0], d2h_ids)  # step i's CPU work reads step i-1's gradients
+        if first_fwd is not None:
+            rw.prev_step(first_fwd, h2d_ids)  # step i+1 runs on the parameters uploaded in step i
+    meta = dict(graph.meta)
+    meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
+                                 "grad_copies": len(buckets), "param_copies": len(h2d_ids),
+                                 "adam_rate": cpu_adam_rate(P, impl, hw)}
+    return rw.finish(persistent=persistent, meta=meta)
+
+
+def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
+    if not bucket_elems:
+        return [[g] for g in grads]
+    out, cur, n = [], [], 0
+    for g in grads:
+        cur.append(g)
+        n += g["bytes"] // 2
+        if n >= bucket_elems:
+            out.append(cur)
+            cur, n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _check_host_memory(persistent, hw, key: str) -> None:
+    pinned = sum(t.nbytes for t in persistent if t.device == "host_pinned")
+    total = sum(t.nbytes for t in persistent if t.device.startswith("host"))
+    cap = hw.host_memory.capacity_bytes
+    limit = hw.host_memory.pinned_limit_bytes or cap
+    if pinned > limit:
+        raise PolicyError(
+            f"{key}.pin_memory: pinned host buffers need {pinned / 1e9:.1f} GB but the host allows "
+            f"{limit / 1e9:.1f} GB of pinned memory (hardware.host); set pin_memory: false or use a larger host"
+        )
+    if total > cap:
+        raise PolicyError(
+            f"{key}: host buffers need {total / 1e9:.1f} GB but host memory (hardware.host) is {cap / 1e9:.1f} GB"
+        )
+
+
+# -- runtime summary ---------------------------------------------------------------------------------
+@register_runtime("offload_optimizer")
+class OffloadSummary:
+    """Adds the offload parts of the step to the summary (and the DPU step period)."""
+
+    def __init__(self, cfg, hw, env, system):
+        self.cfg = cfg
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        return _enabled(cfg)
+
+    def summarize(self, spans, steps, counters, summary) -> dict:
+        return offload_parts(spans, steps, summary, dpu=self.cfg.zero_optimization.offload_mode == "delayed_param_update")
+
+
+def offload_parts(spans, steps, summary: dict | None = None, dpu: bool = False) -> dict:
+    """Per-step parts of an offloaded step, averaged over measured steps (seconds).
+
+    ``offload_gpu_fwd_bwd_s``: step start to the end of backward and its gradient copies (the
+    measured run's "forward+backward incl. synchronize"); ``offload_cpu_optimizer_s``: the CPU ops;
+    ``offload_h2d_s``: first to last parameter-upload byte; ``offload_d2h_wait_s``: end of the last
+    backward kernel to the end of the last gradient copy.
+    """
+    meas = steps[~steps.warmup]
+    parts = {"offload_gpu_fwd_bwd_s": [], "offload_cpu_optimizer_s": [], "offload_h2d_s": [], "offload_d2h_wait_s": []}
+    for row in meas.itertuples():
+        d = spans[spans.step == row.step]
+        done = d[d.name == "offload.bwd_done"]
+        bwd = d[(d.phase == "bwd") & (d.stream == "compute")]
+        h2d = d[d.name.str.startswith("offload.h2d.params")]
+        cpu = d[d.name.isin(CPU_OPS)]
+        if len(done):
+            parts["offload_gpu_fwd_bwd_s"].append(float(done.end_s.max()) - row.start_s)
+            parts["offload_d2h_wait_s"].append(max(0.0, float(done.end_s.max()) - float(bwd.end_s.max())))
+        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) if len(cpu) else 0.0)
+        if len(h2d):
+            parts["offload_h2d_s"].append(float(h2d.end_s.max() - h2d.start_s.min()))
+    out = {k: float(np.mean(v)) if v else 0.0 for k, v in parts.items()}
+    if dpu and len(steps) >= 2 and summary is not None:
+        ends = steps.end_s.to_numpy()
+        periods = np.diff(ends)[steps.step.to_numpy()[1:] >= max(1, int(steps.warmup.sum()))]
+        if len(periods):
+            period = float(np.mean(periods))
+            old = summary.get("step_time_s") or period
+            out["step_time_s"] = period
+            out["step_latency_s"] = old
+            for k in ("samples_per_s", "tokens_per_s", "mfu"):
+                if summary.get(k):
+                    out[k] = summary[k] * old / period
+    return out

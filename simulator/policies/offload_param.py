@@ -1,0 +1,159 @@
+"""ZeRO-Infinity parameter offload (host memory tier) with layer-ahead prefetch.
+
+Selected by ``zero_optimization.offload_param.device: cpu`` (stage 3, with the optimizer offloaded
+too). Runs after ``offload_optimizer``: the bf16 weights of the transformer blocks no longer live on
+the GPU; their home is the host's bf16 parameter buffer (which the CPU Adam step writes), and
+each block's weights are fetched H2D (stream ``h2d``) into a GPU buffer before the block runs,
+in forward and again in backward (DeepSpeed ZeRO-3 releases them after use). The embeddings and
+the final norm / LM head stay resident (uploaded after the CPU step, as without this policy).
+
+Prefetch depth ``d``: the GPU holds at most ``d + 1`` block buffers, so the fetch of block ``l``
+waits until block ``l - d - 1`` has finished with its buffer (forward; ``l + d + 1`` in backward)
+and overlaps the compute of the blocks in between. ``d = 0`` fetches on demand: every fetch is
+exposed. The summary's ``exposed_param_fetch_s`` is the per-step compute time lost waiting for
+fetches: when PCIe cannot keep up, it grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+from simulator.policies._rewrite import GraphRewriter
+from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
+
+
+def _enabled(cfg) -> bool:
+    z = getattr(cfg, "zero_optimization", None)
+    return z is not None and z.offload_param.device == "cpu"
+
+
+@register_graph_policy("offload_param", order=40)
+class OffloadParam:
+    """Fetch block weights from host memory layer by layer (see the module docstring)."""
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        return _enabled(cfg)
+
+    def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
+        op_ = cfg.zero_optimization.offload_param
+        return offload_param(graph, op_.prefetch_depth, op_.pin_memory)
+
+
+def _segments(graph: OpGraph, phase: Phase) -> list[dict]:
+    """Contiguous runs of compute ops of one block in one phase: ``{layer, first, last}``, in order."""
+    segs: list[dict] = []
+    for op in graph.ops:
+        if op.kind != OpKind.COMPUTE or op.layer < 0 or op.phase != phase:
+            continue
+        if segs and segs[-1]["layer"] == op.layer and segs[-1]["open"]:
+            segs[-1]["last"] = op.id
+            continue
+        if segs:
+            segs[-1]["open"] = False
+        segs.append({"layer": op.layer, "first": op.id, "last": op.id, "open": True})
+    return segs
+
+
+def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = True) -> OpGraph:
+    """The rewrite itself.
+
+    Raises:
+        PolicyError: negative depth, no blocks, or the optimizer not offloaded first.
+    """
+    key = "zero_optimization.offload_param"
+    if prefetch_depth < 0:
+        raise PolicyError(f"{key}.prefetch_depth: must be >= 0 (layers fetched ahead of use), got {prefetch_depth}")
+    spec = graph.meta.get("spec")
+    if spec is None or "offload_optimizer" not in graph.meta:
+        raise PolicyError(f"{key}: needs a builder graph with offload_optimizer.device: cpu applied first")
+    nbytes = 2 * spec.layer_params
+    fetch_before: dict[int, list[dict]] = {}  # insert before old op id
+    fetch_after: dict[int, list[dict]] = {}  # insert after old op id
+    plans = []
+    for phase in (Phase.FWD, Phase.BWD):
+        segs = _segments(graph, phase)
+        for k, s in enumerate(segs):
+            p = {"layer": s["layer"], "phase": phase, "first": s["first"], "last": s["last"],
+                 "tensor": f"params.L{s['layer']}.{phase.value}_fetch#{len(plans)}"}
+            plans.append(p)
+            j = k - prefetch_depth - 1  # the segment whose buffer this fetch reuses
+            if j >= 0 and segs[j]["last"] < s["first"]:
+                p["wait"] = segs[j]["last"]
+                fetch_after.setdefault(segs[j]["last"], []).append(p)
+            else:
+                fetch_before.setdefault(segs[0]["first"] if k <= prefetch_depth else s["first"], []).append(p)
+    if not plans:
+        raise PolicyError(f"{key}: the model has no transformer blocks to fetch")
+    first_of = {p["first"]: p for p in plans}
+    last_of: dict[int, list[dict]] = {}
+    for p in plans:
+        last_of.setdefault(p["last"], []).append(p)
+    rw = GraphRewriter(graph)
+
+    def fetch(p, deps):
+        p["id"] = rw.add(f"L{p['layer']}.{p['phase'].value}.offload_param.fetch", OpKind.MEMCPY_H2D, "h2d",
+                         deps=deps, phase=p["phase"], layer=p["layer"], cost_class=CostClass.COPY,
+                         bytes_read=float(nbytes), pinned=pin_memory,
+                         allocs=(TensorAlloc(p["tensor"], nbytes),))
+
+    for op in graph.ops:
+        if op.name.startswith("offload.h2d.params.L"):
+            rw.drop(op)  # block weights are not resident: nothing to upload after the CPU step
+            continue
+        for p in fetch_before.get(op.id, []):
+            fetch(p, [])
+        extra, uses = [], op.uses
+        if op.id in first_of:
+            extra.append(first_of[op.id]["id"])
+        if op.id in last_of:
+            uses = uses + tuple(p["tensor"] for p in last_of[op.id])
+        rw.copy(op, extra_deps=extra, uses=uses)
+        for p in fetch_after.get(op.id, []):
+            fetch(p, list(rw.new(op.id)))
+    persistent = [t for t in graph.persistent if t.name != "params.bf16"]
+    persistent.append(TensorAlloc("params.resident.bf16", 2 * (spec.num_parameters - spec.num_layers * spec.layer_params)))
+    meta = dict(graph.meta)
+    meta["offload_param"] = {"prefetch_depth": prefetch_depth, "fetches": len(plans), "bytes_per_fetch": nbytes}
+    return rw.finish(persistent=persistent, meta=meta)
+
+
+def exposed_fetch_s(spans, steps) -> float:
+    """Mean per-step compute time lost waiting for parameter fetches, seconds.
+
+    For each fetch, the first compute op of its block waits from the end of the previous compute
+    op until the fetch ends (if it ends later); that wait is exposed copy time.
+    """
+    meas = steps[~steps.warmup]
+    out = []
+    for row in meas.itertuples():
+        d = spans[spans.step == row.step]
+        comp = d[d.stream == "compute"].sort_values("start_s")
+        starts, ends = comp.start_s.to_numpy(), comp.end_s.to_numpy()
+        total = 0.0
+        for f in d[d.name.str.endswith("offload_param.fetch")].itertuples():
+            cand = comp[(comp.layer == f.layer) & (comp.phase == f.phase) & (comp.start_s >= f.end_s - 1e-12)]
+            if cand.empty:
+                continue
+            k = int(np.searchsorted(starts, float(cand.start_s.iloc[0])))
+            prev_end = ends[k - 1] if k > 0 else row.start_s
+            total += max(0.0, min(float(cand.start_s.iloc[0]), f.end_s) - prev_end)
+        out.append(total)
+    return float(np.mean(out)) if out else 0.0
+
+
+@register_runtime("offload_param")
+class OffloadParamSummary:
+    """Adds ``exposed_param_fetch_s`` to the summary."""
+
+    def __init__(self, cfg, hw, env, system):
+        pass
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        return _enabled(cfg)
+
+    def summarize(self, spans, steps, counters, summary) -> dict:
+        return {"exposed_param_fetch_s": exposed_fetch_s(spans, steps)}

@@ -1,0 +1,183 @@
+"""ZeRO-Offload policy: exact timings on a tiny graph, bytes conserved, mode ordering, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from hardware_models.host import HostCpuSpec, HostMemorySpec
+from simulator import ScenarioError, SimulationError, load_scenario, run_scenario, scenario_from_dict
+from simulator.engine.run import simulate_graph
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.ops import OpKind
+from simulator.policies.offload_optimizer import (
+    cpu_adam_rate,
+    cpu_step_times,
+    gradients,
+    interp_loglog,
+    offload_optimizer,
+    offload_parts,
+    param_tensor_count,
+)
+from simulator.policies.registry import PolicyError
+from tests.conftest import ROOT, make_hw
+
+SPEC = TransformerSpec(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16,
+                       ffn_hidden_size=32, micro_batch_size=1, precision="bf16")
+P = SPEC.num_parameters
+ADAM_RATE = 1e6  # params/s, flat: the toy host's measured AdamW
+
+
+def toy_hw(host_mem: float = 1e12, pinned_limit: float = 0.0):
+    hw = make_hw()
+    cpu = HostCpuSpec("toy-cpu", 4, 1e10, adam_params_per_s={"torch_foreach": ((1e3, ADAM_RATE), (1e6, ADAM_RATE))})
+    return dataclasses.replace(hw, host_cpu=cpu, host_memory=HostMemorySpec(host_mem, pinned_limit))
+
+
+def run(graph, hw, steps=3, warmup=1):
+    return simulate_graph(graph, hw, steps, warmup)
+
+
+def test_interp_loglog_is_linear_in_log_space_and_clamped():
+    pts = ((1e6, 1e9), (1e8, 1e8))
+    assert interp_loglog(pts, 1e7) == pytest.approx(math.sqrt(1e9 * 1e8))
+    assert interp_loglog(pts, 1e3) == pytest.approx(1e9)
+    assert interp_loglog(pts, 1e12) == pytest.approx(1e8)
+
+
+def test_cpu_times_by_hand():
+    """adam = P / rate, casts = 6 B/param / host bandwidth (toy launch overhead 0)."""
+    t = cpu_step_times(P, param_tensor_count(SPEC), "torch_foreach", toy_hw())
+    assert t["cpu.adam"] == pytest.approx(P / ADAM_RATE)
+    assert t["cpu.grad_cast"] == pytest.approx(6 * P / 1e10)
+    assert t["cpu.param_cast"] == pytest.approx(6 * P / 1e10)
+    ds = cpu_step_times(P, param_tensor_count(SPEC), "deepspeed_cpu_adam", toy_hw())
+    assert ds["cpu.adam"] == pytest.approx(P / (ADAM_RATE * 80 / 30))  # DRAM-traffic ratio
+    assert ds["cpu.param_cast"] == 0.0
+
+
+def test_host_without_points_borrows_the_measured_host_scaled():
+    hw = toy_hw()
+    hw = dataclasses.replace(hw, host_cpu=HostCpuSpec("big", 32, 2 * 67.05e9))
+    rate, how = cpu_adam_rate(192e6, "torch_foreach", hw)
+    assert rate == pytest.approx(838636893 * 2.0, rel=1e-6)  # min(32/16, 2x bandwidth) = 2
+    assert "ratio 2" in how
+
+
+def test_gradient_bytes_conserved():
+    """D2H moves every gradient once (2 B/param), H2D every weight once, host holds 12 + 2 + 2 B/param."""
+    g = offload_optimizer(build_gpt_step(SPEC), toy_hw(), mode="overlap")
+    d2h = sum(op.bytes_read for op in g.ops if op.name.startswith("offload.d2h"))
+    h2d = sum(op.bytes_read for op in g.ops if op.name.startswith("offload.h2d"))
+    assert d2h == 2 * P and h2d == 2 * P
+    host = sum(t.nbytes for t in g.persistent if t.device.startswith("host"))
+    gpu = sum(t.nbytes for t in g.persistent if t.device == "gpu")
+    assert host == 16 * P and gpu == 2 * P
+    assert sum(x["bytes"] for x in gradients(build_gpt_step(SPEC), SPEC)) == 2 * P
+    assert not any(op.name.endswith("grad_accum") or op.name.endswith("adamw") for op in g.ops)
+    bucketed = offload_optimizer(build_gpt_step(SPEC), toy_hw(), mode="overlap", bucket_elems=600)
+    assert sum(op.bytes_read for op in bucketed.ops if op.name.startswith("offload.d2h")) == 2 * P
+    assert bucketed.meta["offload_optimizer"]["grad_copies"] < g.meta["offload_optimizer"]["grad_copies"]
+
+
+def test_exact_timings_on_tiny_graph():
+    """CPU ops take their model time; the upload takes 2P bytes / 1 GB/s; the step adds them serially."""
+    hw = toy_hw()
+    g = offload_optimizer(build_gpt_step(SPEC), hw, mode="serial")
+    r = run(g, hw)
+    s = r.spans[r.spans.step == 1]
+    t = cpu_step_times(P, param_tensor_count(SPEC), "torch_foreach", hw)
+    for name, sec in t.items():
+        assert float(s[s.name == name].duration_s.iloc[0]) == pytest.approx(sec, rel=1e-9)
+    parts = offload_parts(r.spans, r.steps)
+    assert parts["offload_h2d_s"] == pytest.approx(2 * P / 1e9, rel=1e-6)
+    assert parts["offload_cpu_optimizer_s"] == pytest.approx(sum(t.values()), rel=1e-9)
+    # serial: step = GPU fwd/bwd + D2H after backward + CPU + upload, nothing overlapping
+    step = r.summary["step_time_s"]
+    assert step == pytest.approx(parts["offload_gpu_fwd_bwd_s"] + sum(t.values()) + 2 * P / 1e9, rel=1e-6)
+    d2h = s[s.name.str.startswith("offload.d2h")]
+    bwd_end = s[(s.phase == "bwd") & (s.stream == "compute")].end_s.max()
+    assert d2h.start_s.min() >= bwd_end - 1e-15  # serial copies wait for the end of backward
+
+
+def test_overlap_copies_run_during_backward():
+    hw = toy_hw()
+    r = run(offload_optimizer(build_gpt_step(SPEC), hw, mode="overlap"), hw)
+    s = r.spans[r.spans.step == 1]
+    bwd_end = s[(s.phase == "bwd") & (s.stream == "compute")].end_s.max()
+    assert s[s.name.str.startswith("offload.d2h")].start_s.min() < bwd_end
+
+
+@pytest.mark.parametrize("pcie", [1e7, 1e8, 1e9])
+def test_overlap_never_slower_than_serial_and_dpu_fastest(pcie):
+    hw = toy_hw()
+    hw = dataclasses.replace(hw, profile=dataclasses.replace(hw.profile, h2d_bytes_per_s=pcie, d2h_bytes_per_s=pcie,
+                                                             duplex_bytes_per_s=2 * pcie))
+    t = {m: run(offload_optimizer(build_gpt_step(SPEC), hw, mode=m), hw, steps=5, warmup=2).summary["step_time_s"]
+         for m in ("serial", "overlap")}
+    assert t["overlap"] <= t["serial"] * (1 + 1e-9)
+
+
+def test_scenario_modes_ordering():
+    """On the measured H200 setup: serial >= overlap >= DPU (the DPU period hides the GPU work)."""
+    t = {}
+    for m in ("serial", "overlap", "dpu"):
+        t[m] = run_scenario(load_scenario(ROOT / f"scenarios/h200/gpt_184m_b16_offload_{m}.yaml")).summary
+    assert t["serial"]["step_time_s"] >= t["overlap"]["step_time_s"] >= t["dpu"]["step_time_s"]
+    assert t["dpu"]["step_time_s"] == pytest.approx(t["dpu"]["offload_cpu_optimizer_s"], rel=0.05)
+
+
+def test_memory_moves_to_host():
+    base = run_scenario(load_scenario(ROOT / "scenarios/h200/gpt_184m_b16.yaml")).summary
+    off = run_scenario(load_scenario(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")).summary
+    P184 = 185759744
+    assert off["peak_memory_bytes"] < base["peak_memory_bytes"]
+    assert "optimizer" not in off["peak_memory_by_category_bytes"]
+    assert off["peak_host_pinned_bytes"] == 16 * P184  # master + moments + two bf16 staging buffers
+    assert off["peak_host_pageable_bytes"] == 8 * P184  # fp32 grads + the sqrt temporary during the step
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def _cfg(**zero):
+    import yaml
+
+    d = yaml.safe_load(open(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml"))
+    d["zero_optimization"] = {**d["zero_optimization"], **zero}
+    return d
+
+
+@pytest.mark.parametrize("device", ["nvme", "gpu1"])
+def test_unknown_offload_device_is_one_line(device):
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(_cfg(offload_optimizer={"device": device}))
+    msg = str(e.value)
+    assert "\n" not in msg and "zero_optimization.offload_optimizer.device" in msg and "allowed: none, cpu" in msg
+
+
+def test_pinned_larger_than_host_memory():
+    d = _cfg()
+    d["hardware"]["host"] = {"preset": "h200-measured-host", "overrides": {"memory": {"capacity_bytes": "2 GB"}}}
+    with pytest.raises(SimulationError) as e:
+        run_scenario(scenario_from_dict(d))
+    msg = str(e.value)
+    assert "\n" not in msg and "offload_optimizer.pin_memory" in msg and "pinned host buffers need 3.0 GB" in msg
+
+
+def test_needs_bf16_and_a_zero_stage():
+    d = _cfg()
+    d["training"]["precision"] = "amp_fp32_params"
+    with pytest.raises(SimulationError, match="needs training.precision: bf16"):
+        run_scenario(scenario_from_dict(d))
+    with pytest.raises(ScenarioError, match="stage >= 1"):
+        scenario_from_dict(_cfg(stage=0))
+    with pytest.raises(ScenarioError, match="contradicts overlap_comm"):
+        scenario_from_dict(_cfg(offload_optimizer={"device": "cpu", "mode": "serial"}))
+
+
+def test_policy_rejects_graph_without_builder_spec():
+    g = build_gpt_step(SPEC).with_changes(meta={})
+    with pytest.raises(PolicyError, match="needs a graph from the model builder"):
+        offload_optimizer(g, toy_hw())
+    assert any(op.kind == OpKind.MEMCPY_D2H for op in offload_optimizer(build_gpt_step(SPEC), toy_hw()).ops)

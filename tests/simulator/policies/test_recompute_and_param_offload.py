@@ -1,0 +1,126 @@
+"""Recompute validation, activation offload, parameter offload with prefetch, and the what-if."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from simulator import SimulationError, load_scenario, run_scenario, scenario_from_dict
+from simulator.analysis.whatif import largest_fitting, with_overrides
+from simulator.engine.run import simulate_graph
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.op_graph import GraphBuilder
+from simulator.graph.ops import OpKind
+from simulator.policies.offload_optimizer import offload_optimizer
+from simulator.policies.offload_param import exposed_fetch_s, offload_param
+from simulator.policies.recompute import offload_activations, recompute
+from simulator.policies.registry import PolicyError
+from tests.conftest import ROOT, make_hw
+from tests.simulator.policies.test_offload_optimizer import toy_hw
+
+FULL = TransformerSpec(num_layers=3, hidden_size=64, num_attention_heads=2, seq_length=32, vocab_size=64,
+                       ffn_hidden_size=256, micro_batch_size=2, precision="bf16", recompute="full")
+
+
+def test_recompute_on_a_model_without_blocks_is_an_error():
+    b = GraphBuilder()
+    b.add("embed", OpKind.COMPUTE, "compute", flops=1.0)
+    with pytest.raises(PolicyError, match="no transformer blocks to recompute"):
+        recompute(b.build(), "full")
+
+
+def test_cpu_checkpointing_needs_full_recompute():
+    g = build_gpt_step(dataclasses.replace(FULL, recompute="selective"))
+    with pytest.raises(PolicyError, match="cpu_checkpointing: needs training.recompute_granularity: full"):
+        recompute(g, "selective", cpu_checkpointing=True)
+
+
+def test_activation_offload_bytes_and_memory():
+    """Every block input goes D2H once and comes back H2D once; GPU peak does not grow."""
+    g = build_gpt_step(FULL)
+    g2 = offload_activations(g)
+    T, h = FULL.micro_batch_size * FULL.seq_length, FULL.hidden_size
+    d2h = [op for op in g2.ops if op.name.endswith("act_offload.d2h")]
+    h2d = [op for op in g2.ops if op.name.endswith("act_offload.h2d")]
+    assert len(d2h) == len(h2d) == FULL.num_layers
+    assert sum(o.bytes_read for o in d2h) == sum(o.bytes_read for o in h2d) == FULL.num_layers * 2 * T * h
+    hw = make_hw()
+    a, b = simulate_graph(g, hw, 2, 1).summary, simulate_graph(g2, hw, 2, 1).summary
+    assert b["peak_memory_bytes"] <= a["peak_memory_bytes"]
+    assert b["peak_host_pinned_bytes"] > 0
+
+
+def test_activation_offload_scenario_runs():
+    cfg = load_scenario(ROOT / "scenarios/h200/gpt_184m_b16_ckpt.yaml")
+    d = cfg.model_dump(mode="json", exclude_none=True)
+    d["training"]["precision"] = "bf16"
+    base = run_scenario(scenario_from_dict(d)).summary
+    d["activation_checkpointing"] = {"cpu_checkpointing": True}
+    off = run_scenario(scenario_from_dict(d)).summary
+    assert off["peak_memory_bytes"] <= base["peak_memory_bytes"]  # the peak is at the LM head, not the blocks
+    assert off["peak_host_pinned_bytes"] == 12 * 2 * 16 * 1024 * 1024  # all 12 bf16 block inputs on the host
+    assert off["step_time_s"] == pytest.approx(base["step_time_s"], rel=0.02)  # copies hidden behind compute
+
+
+def _param_graph(depth: int, pcie: float):
+    spec = dataclasses.replace(FULL, recompute="none")
+    hw = toy_hw()
+    hw = dataclasses.replace(hw, profile=dataclasses.replace(hw.profile, h2d_bytes_per_s=pcie, d2h_bytes_per_s=pcie,
+                                                             duplex_bytes_per_s=2 * pcie))
+    g = offload_param(offload_optimizer(build_gpt_step(spec), hw), depth)
+    return g, hw, spec
+
+
+def test_param_offload_fetches_each_block_twice():
+    g, hw, spec = _param_graph(1, 1e9)
+    fetches = [op for op in g.ops if op.name.endswith("offload_param.fetch")]
+    assert len(fetches) == 2 * spec.num_layers
+    assert all(op.bytes_read == 2 * spec.layer_params for op in fetches)
+    assert not any(op.name.startswith("offload.h2d.params.L") for op in g.ops)
+
+
+def test_prefetch_depth_hides_fetches_when_pcie_keeps_up():
+    """On-demand fetching (depth 0) exposes every fetch; depth 2 hides them when PCIe is fast."""
+    ex = {}
+    for depth in (0, 2):
+        g, hw, _ = _param_graph(depth, 1e11)
+        r = simulate_graph(g, hw, 3, 1)
+        ex[depth] = exposed_fetch_s(r.spans, r.steps)
+    assert ex[0] > 0 and ex[2] < ex[0]
+
+
+def test_exposed_fetch_grows_when_pcie_cannot_keep_up():
+    ex = []
+    for pcie in (1e11, 1e8):
+        g, hw, _ = _param_graph(1, pcie)
+        r = simulate_graph(g, hw, 3, 1)
+        ex.append(exposed_fetch_s(r.spans, r.steps))
+    assert ex[1] > 10 * ex[0]
+
+
+def test_negative_prefetch_depth():
+    with pytest.raises(PolicyError, match="prefetch_depth: must be >= 0"):
+        _param_graph(-1, 1e9)
+    import yaml
+
+    d = yaml.safe_load(open(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml"))
+    d["zero_optimization"].update(stage=3, offload_param={"device": "cpu", "prefetch_depth": -2})
+    from simulator import ScenarioError
+
+    with pytest.raises(ScenarioError, match="prefetch_depth must be >= 0"):
+        scenario_from_dict(d)
+
+
+def test_largest_fitting_with_and_without_offload():
+    """On a GPU cut to 16 GB, offload frees the optimizer state: a deeper model fits."""
+    base = load_scenario(ROOT / "scenarios/h200/gpt_184m_b16.yaml")
+    base = with_overrides(base, **{"hardware.gpu": {"preset": "h200-sxm-141gb", "overrides": {"hbm_capacity_bytes": "8 GB"}},
+                                   "training.micro_batch_size": 2})
+    off = with_overrides(base, **{"training.precision": "bf16",
+                                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    a = largest_fitting(base, "model.num_layers", [12, 48, 96])
+    b = largest_fitting(off, "model.num_layers", [12, 48, 96])
+    assert list(a.columns[:3]) == ["value", "fits", "peak_memory_bytes"]
+    assert a.attrs["largest"] is not None and b.attrs["largest"] > a.attrs["largest"]
+    assert a.oom.dropna().str.contains("out of memory on gpu0.hbm").all()

@@ -1,0 +1,113 @@
+"""Predicted vs measured: ZeRO-Offload on the H200 host, and the ZeRO-Offload tutorial case.
+
+Measured: tests/data/h200/measurements.json ``offload.gpt_184m_b16_offload_overlap`` (median of 6
+steps; notes.offload) and tests/data/paper/zerooffload_gpt2_10b_v100.yaml (DeepSpeed tutorial log).
+Nothing in the offload policy was fitted to these runs: the CPU time comes from micro.cpu_adam
+(AdamW throughput), micro.host_memcpy_GBps_rw (casts) and the profile's per-op launch time; the
+copies from micro.pcie. Errors at the time of writing (predicted / measured - 1):
+
+    H200 overlap   step -27.6%   gpu_fwd_bwd +8.3%   cpu_adam -36.0%   h2d -5.9%
+    (predictions for the held-back modes: serial 0.337 s, delayed_param_update 0.270 s per step)
+    V100 10B       fwd -58%      bwd -34%            optimizer -60%
+
+Known misses (strict xfail, so that a fix shows up):
+
+* cpu_adam: the microbenchmark ran AdamW on one 192M-element tensor; the real step updates 148
+  tensors whose temporaries and fp32 gradients are freshly allocated every step. The Kineto trace
+  of the measured run shows those first-touch passes at 24-29 GB/s (``_foreach_sqrt``, the grad
+  ``.to(float32)``) against 67-77 GB/s for the in-place passes, i.e. ~0.1 s the model does not
+  know about. A first-touch bandwidth microbenchmark would close it; tuning to this case would not.
+* the 10B V100 case: no V100 efficiency profile exists (generic 70% GEMM efficiency), the host is
+  inferred, and the log's forward runs at ~35 TFLOP/s, half the backward's rate.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from simulator import load_scenario, run_scenario
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.validation
+
+MEASURED = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["offload"]["gpt_184m_b16_offload_overlap"]
+PAPER = yaml.safe_load((ROOT / "tests/data/paper/zerooffload_gpt2_10b_v100.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def overlap():
+    return run_scenario(load_scenario(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")).summary
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return run_scenario(load_scenario(ROOT / "scenarios/paper/zerooffload_gpt2_10b_v100.yaml")).summary
+
+
+def _check(what: str, predicted: float, measured: float, tol: float) -> None:
+    err = predicted / measured - 1
+    assert abs(err) <= tol, f"{what}: measured {measured:.4g} s, predicted {predicted:.4g} s, error {err:+.1%} (tolerance {tol:.0%})"
+
+
+CPU_XFAIL = pytest.mark.xfail(strict=True, reason="CPU step misses first-touch allocation cost (module docstring): "
+                              "measured 0.421 s, predicted 0.270 s, error -36%")
+
+
+@CPU_XFAIL
+def test_step_time(overlap):
+    """Step time within 10%. Measured 0.4545 s, predicted 0.329 s, error -27.6%."""
+    _check("step", overlap["step_time_s"], MEASURED["median_step_s"], 0.10)
+
+
+def test_gpu_fwd_bwd(overlap):
+    """GPU forward + backward incl. gradient-copy sync within 15%. Measured 0.0485 s, predicted 0.0525 s, +8.3%."""
+    _check("gpu_fwd_bwd", overlap["offload_gpu_fwd_bwd_s"], MEASURED["part_median_s"]["gpu_fwd_bwd"], 0.15)
+
+
+@CPU_XFAIL
+def test_cpu_adam(overlap):
+    """Grad cast + AdamW + param cast within 15%. Measured 0.4213 s, predicted 0.2697 s, error -36.0%."""
+    _check("cpu_adam", overlap["offload_cpu_optimizer_s"], MEASURED["part_median_s"]["cpu_adam"], 0.15)
+
+
+def test_h2d(overlap):
+    """Parameter upload within 15%. Measured 7.37 ms, predicted 6.93 ms, error -5.9%."""
+    _check("h2d", overlap["offload_h2d_s"], MEASURED["part_median_s"]["h2d"], 0.15)
+
+
+def test_d2h_mostly_hidden(overlap):
+    """Gradient copies overlap backward: what is left after backward is small (measured 19 us)."""
+    assert overlap["offload_d2h_wait_s"] < 0.05 * overlap["offload_gpu_fwd_bwd_s"]
+
+
+def _mean(v):
+    return sum(v) / len(v)
+
+
+PAPER_XFAIL = pytest.mark.xfail(strict=True, reason="no V100 profile, inferred host (module docstring)")
+
+
+@PAPER_XFAIL
+def test_paper_forward(paper):
+    """ZeRO-Offload 10B fwd within 20%. Measured 6.20 s, predicted 2.63 s, error -58%."""
+    _check("forward", paper["phase_s"]["fwd_s"], _mean(PAPER["forward_time_s"]), 0.20)
+
+
+@PAPER_XFAIL
+def test_paper_backward(paper):
+    """ZeRO-Offload 10B bwd within 20%. Measured 12.07 s, predicted 7.95 s, error -34%."""
+    _check("backward", paper["phase_s"]["bwd_s"], _mean(PAPER["backward_time_s"]), 0.20)
+
+
+@PAPER_XFAIL
+def test_paper_optimizer(paper):
+    """ZeRO-Offload 10B optimizer within 20%. Measured 7.80 s, predicted 3.09 s, error -60%."""
+    _check("optimizer", paper["phase_s"]["opt_s"], _mean(PAPER["optimizer_time_s"]), 0.20)
+
+
+def test_paper_fits_on_32gb(paper):
+    """The 10B model with ZeRO-Offload and full checkpointing ran on a 32 GB V100: it must fit."""
+    assert paper["oom"] is None and paper["peak_memory_bytes"] <= paper["gpu_memory_capacity_bytes"]
