@@ -166,12 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     from hardware_models.units import UnitError
     from simulator.config.errors import ScenarioError
     from simulator.engine.run import SimulationError
+    from simulator.policies.registry import PolicyError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
     except (ScenarioError, PresetError, UnitError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PolicyError as exc:  # stage-2 validation of a policy's parameters
+        where = getattr(args, "scenario", None)
+        print(f"error: {where + ': ' if where else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)

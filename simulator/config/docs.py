@@ -21,10 +21,20 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 
 
 def _type_name(annotation) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
-    for prefix in ("simulator.config.schema.", "simulator.config.sections."):
-        text = text.replace(prefix, "")
-    return text.replace("<class '", "").replace("'>", "")
+    """Readable type: ``Annotated`` metadata dropped, unions joined with ``|``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
 def schema_markdown(model: type[BaseModel] = ScenarioConfig, prefix: str = "", seen=None) -> str:

@@ -16,7 +16,7 @@ from simulator.config.schema import ScenarioConfig
 from simulator.engine.executor import Executor
 from simulator.engine.system import System
 from simulator.policies import apply_graph_policies, build_runtime
-from simulator.policies.registry import Runtime
+from simulator.policies.registry import PolicyError, Runtime
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.recording.recorder import Recorder
@@ -122,11 +122,14 @@ def run_scenario(cfg: ScenarioConfig) -> SimulationResult:
 
     Raises:
         ScenarioError: presets do not resolve.
+        PolicyError: a policy's parameters are invalid for this scenario.
         SimulationError: the engine failed.
     """
     hw = resolve_hardware(cfg)
     try:
         graph = apply_graph_policies(build_graph(cfg), cfg, hw)
+    except PolicyError:
+        raise
     except ValueError as exc:
         raise SimulationError(f"build phase failed: {exc}") from exc
     return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,

@@ -49,3 +49,13 @@ def test_schema_and_presets_commands(capsys):
     assert "model" in schema["properties"]
     assert main(["presets"]) == 0
     assert "h200-sxm-141gb" in capsys.readouterr().out
+
+
+def test_scenarios_readme_is_up_to_date():
+    """scenarios/README.md is generated from the schema; regenerate with scripts/gen_scenarios_readme.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts/gen_scenarios_readme.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "scenarios/README.md").read_text() == gen.render()
