@@ -42,9 +42,29 @@ def format_summary(s: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def check_out_dir(path: str | None) -> None:
+    """Fail early (before simulating) if ``--out`` cannot be a folder.
+
+    Raises:
+        ScenarioError: the path is an existing file or cannot be created.
+    """
+    from simulator.config.errors import ScenarioError
+
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ScenarioError(f"--out {path}: is an existing file, expected a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ScenarioError(f"--out {path}: cannot create the folder ({exc.strerror})") from None
+
+
 def cmd_run(args) -> int:
     from simulator import load_scenario, run_scenario, write_outputs
 
+    check_out_dir(args.out)
     cfg = load_scenario(args.scenario, args.set)
     result = run_scenario(cfg)
     if args.out:
@@ -94,20 +114,33 @@ def cmd_validate(args) -> int:
         print(df.to_json(orient="records"))
     else:
         print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        print(f"{int(df.ok.sum())} of {len(df)} within tolerance (the README lists the known gaps)")
     return 0
 
 
 def cmd_sweep(args) -> int:
     from simulator.analysis.sweep import parse_factor, run_sweep
+    from simulator.config.errors import ScenarioError
+    from simulator.config.loader import load_scenario
 
+    if args.workers < 1:
+        raise ScenarioError(f"--workers must be >= 1, got {args.workers}")
+    check_out_dir(args.out)
     factors = dict(parse_factor(f) for f in args.factor)
+    # check every key path and value before running anything (exit 2 on a typo)
+    for key, values in factors.items():
+        for v in values:
+            load_scenario(args.scenario, list(args.set) + [f"{key}={v}"])
     df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
                    out_dir=args.out, progress=not args.json)
     if args.json:
         print(df.to_json(orient="records"))
     else:
         print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    return 0
+    failed = int(df["error"].notna().sum()) if "error" in df else 0
+    if failed:
+        print(f"error: {failed} of {len(df)} points failed (see the error column)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,14 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list presets, or show one")
     p.add_argument("name", nargs="?")
-    p.add_argument("--family", choices=["gpus", "links", "hosts", "profiles"])
+    p.add_argument("--family", choices=["gpus", "links", "hosts", "profiles", "storage", "power"])
     p.set_defaults(fn=cmd_presets)
 
     p = sub.add_parser("schema", help="print the scenario JSON schema")
     p.add_argument("--markdown", action="store_true", help="a Markdown reference (scenarios/README.md)")
     p.set_defaults(fn=cmd_schema)
 
-    # verbs contributed by feature modules: each has add_parser(subparsers) and run(args)
+    # verbs contributed by feature modules: add_parser(subparsers) registers them with fn defaults
     import importlib
 
     for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace"):
@@ -155,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != mod:
                 raise
             continue
-        p = m.add_parser(sub)
-        p.set_defaults(fn=m.run)
+        m.add_parser(sub)
     return ap
 
 
@@ -168,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     from simulator.engine.run import SimulationError
     from simulator.policies.registry import PolicyError
 
+    import warnings
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = one_line_warning
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

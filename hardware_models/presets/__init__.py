@@ -23,7 +23,7 @@ from hardware_models.host import HostCpuSpec, HostMemorySpec
 from hardware_models.profile import EfficiencyProfile
 from hardware_models.units import UnitError, parse_quantity
 
-FAMILIES = ("gpus", "links", "hosts", "profiles")
+FAMILIES = ("gpus", "links", "hosts", "profiles", "storage", "power")
 _SUFFIXES = (
     ("_flops_per_s", "flops_per_s"),
     ("_bytes_per_s", "bytes_per_s"),
@@ -149,7 +149,8 @@ def get(family: str, name: str) -> Any:
     """Return the spec for preset ``name`` of ``family``.
 
     Returns:
-        ``GpuSpec`` / ``LinkSpec`` / ``(HostCpuSpec, HostMemorySpec)`` / ``EfficiencyProfile``.
+        ``GpuSpec`` / ``LinkSpec`` / ``(HostCpuSpec, HostMemorySpec)`` / ``EfficiencyProfile`` /
+        ``StorageSpec`` / ``GpuPowerModel``.
 
     Raises:
         PresetError: unknown family or name (the message lists the known names), or a bad file.
@@ -165,6 +166,14 @@ def get(family: str, name: str) -> Any:
     if family == "hosts":
         mem = data.pop("memory", {})
         return build_spec(HostCpuSpec, data, where), build_spec(HostMemorySpec, mem, where + ".memory")
+    if family == "storage":
+        from hardware_models.dataloader import load_storage_preset
+
+        return load_storage_preset(name)
+    if family == "power":
+        from hardware_models.power import load_power_model
+
+        return load_power_model(name)
     return build_spec(EfficiencyProfile, data, where)
 
 

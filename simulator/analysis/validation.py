@@ -54,13 +54,39 @@ def _h200_train_cases() -> list[Case]:
     return out
 
 
-#: Extra cases registered by other modules (offload, dataloader, energy).
-EXTRA_CASES: list[Case] = []
+def _h200_other_cases() -> list[Case]:
+    out = []
+    for b in (4, 8, 16):
+        key = f"gpt_184m_b{b}"
+        for metric in ("energy_j_per_step", "avg_power_w"):
+            out.append(Case(f"{key}.{metric}", f"scenarios/h200/{key}.yaml", metric,
+                            lambda m, k=key, x=metric: m["train"][k][x], 0.10, f"measurements.json train.{key}.{metric}"))
+    off = "gpt_184m_b16_offload_overlap"
+    src = f"measurements.json offload.{off}"
+    out += [
+        Case(f"{off}.step_time", f"scenarios/h200/{off}.yaml", "step_time_s",
+             lambda m: m["offload"][off]["median_step_s"], 0.10, src + ".median_step_s"),
+        Case(f"{off}.gpu_fwd_bwd", f"scenarios/h200/{off}.yaml", "offload_gpu_fwd_bwd_s",
+             lambda m: m["offload"][off]["part_median_s"]["gpu_fwd_bwd"], 0.15, src + ".part_median_s.gpu_fwd_bwd"),
+        Case(f"{off}.cpu_adam", f"scenarios/h200/{off}.yaml", "offload_cpu_optimizer_s",
+             lambda m: m["offload"][off]["part_median_s"]["cpu_adam"], 0.15, src + ".part_median_s.cpu_adam"),
+        Case(f"{off}.h2d", f"scenarios/h200/{off}.yaml", "offload_h2d_s",
+             lambda m: m["offload"][off]["part_median_s"]["h2d"], 0.15, src + ".part_median_s.h2d"),
+    ]
+    for w in (0, 8):
+        scen = f"scenarios/h200/dataloader_w{w}.yaml"
+        src = f"measurements.json dataloader.workers_{w}"
+        out.append(Case(f"dataloader_w{w}.step_time", scen, "step_time_s",
+                        lambda m, w=w: m["dataloader"][f"workers_{w}"]["mean_step_s"], 0.10, src + ".mean_step_s"))
+    out.append(Case("dataloader_w0.data_wait", "scenarios/h200/dataloader_w0.yaml", "data_stall_s",
+                    lambda m: m["dataloader"]["workers_0"]["mean_data_wait_s"], 0.10,
+                    "measurements.json dataloader.workers_0.mean_data_wait_s"))
+    return out
 
 
 def all_cases() -> list[Case]:
-    """Every bundled case."""
-    return _h200_train_cases() + EXTRA_CASES
+    """Every bundled case: training steps, energy, offload and dataloader runs on the H200."""
+    return _h200_train_cases() + _h200_other_cases()
 
 
 def _get(summary: dict, dotted: str) -> float:

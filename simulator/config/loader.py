@@ -5,6 +5,7 @@ Every failure becomes one ``ScenarioError`` line: ``FILE: key.path: problem (all
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from hardware_models.gpu import GpuSpec
 from hardware_models.machine import Hardware
 from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
-from simulator.config.errors import ScenarioError
+from simulator.config.errors import ScenarioError, ScenarioWarning
 from simulator.config.overrides import apply_overrides
 from simulator.config.schema import PresetRef, ScenarioConfig
 
@@ -153,6 +154,9 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
     )
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
 def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardware:
     """Turn the hardware section into specs.
 
@@ -165,10 +169,15 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]
     prof_name = hwc.profile
+
+    def default_profile() -> EfficiencyProfile:
+        shipped = [p for p in presets.list_presets("profiles")["profiles"] if p.startswith(gpu_name)]
+        # the shortest name is the GPU's main profile (h200-sxm-141gb before h200-sxm-141gb-micro)
+        return presets.get("profiles", min(shipped, key=len)) if shipped else generic_profile(gpu, pcie, gpu_name)
+
     try:
         if prof_name is None:
-            shipped = [p for p in presets.list_presets("profiles")["profiles"] if p.startswith(gpu_name)]
-            profile = presets.get("profiles", shipped[0]) if shipped else generic_profile(gpu, pcie, gpu_name)
+            profile = default_profile()
         elif prof_name.endswith((".yaml", ".yml")) or "/" in prof_name:
             base = Path(source).parent if Path(source).exists() else Path(".")
             p = Path(prof_name)
@@ -177,4 +186,11 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
             profile = presets.get("profiles", prof_name)
     except PresetError as exc:
         raise ScenarioError(f"{source}: hardware.profile: {exc}") from None
+    if profile.gpu != gpu_name and not profile.name.startswith("generic:"):
+        fallback = default_profile()
+        if (profile.name, gpu_name) not in _WARNED:  # once per process, not once per resolve
+            _WARNED.add((profile.name, gpu_name))
+            warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
+                          f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
+        profile = fallback
     return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s)

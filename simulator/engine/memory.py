@@ -90,6 +90,21 @@ class MemoryPool:
         if self._on_change:
             self._on_change(self.live)
 
+    def oom_message(self) -> str | None:
+        """One line for the out-of-memory result, or None if everything fitted.
+
+        States the peak demand against the capacity (the shortfall to remove), the first tensor
+        that did not fit, and the largest consumers at the peak.
+        """
+        if self.oom is None:
+            return None
+        top = sorted(self.peak_by_category.items(), key=lambda kv: -kv[1])
+        cats = ", ".join(f"{c} {b / 1e9:.2f} GB" for c, b in top[:4] if b > 0)
+        return (f"out of memory on {self.name}: peak demand {self.peak / 1e9:.2f} GB exceeds the capacity "
+                f"{self.capacity_bytes / 1e9:.2f} GB by {(self.peak - self.capacity_bytes) / 1e9:.2f} GB; "
+                f"first allocation over capacity: {self.oom.tensor} ({self.oom.requested_bytes / 1e9:.3f} GB) "
+                f"at t={self.oom.t_s * 1e3:.3f} ms; largest at peak: {cats}")
+
     def free(self, tensor: str) -> None:
         """Free a tensor allocated earlier (unknown names are ignored)."""
         nbytes = self.sizes.pop(tensor, None)

@@ -90,7 +90,7 @@ def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame,
     measured = steps[~steps.warmup]
     step_time = float(measured.step_time_s.mean())
     gpu_mem = system.memory["gpu"]
-    oom = [p.oom.message() for p in system.memory.values() if p.oom is not None]
+    oom = [p.oom_message() for p in system.memory.values() if p.oom is not None]
     util = metrics.utilisation(spans, steps)
     split = metrics.phase_split(spans, steps)
     return {

@@ -80,7 +80,7 @@ def test_out_of_memory_is_a_result_not_a_crash():
     b.add("a", OpKind.COMPUTE, "compute", fixed_duration_s=1.0, allocs=(TensorAlloc("act.big", 200),))
     r = simulate_graph(b.build(), make_hw(gpu_mem=150), steps=1)
     assert not r.ok
-    assert "act.big" in r.summary["oom"] and "short by" in r.summary["oom"]
+    assert "act.big" in r.summary["oom"] and "exceeds the capacity" in r.summary["oom"] and "by 0.00 GB" in r.summary["oom"]
 
 
 def test_previous_step_dependency():

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from hardware_models.host import HostCpuSpec, HostMemorySpec
-from simulator import ScenarioError, SimulationError, load_scenario, run_scenario, scenario_from_dict
+from simulator import ScenarioError, load_scenario, run_scenario, scenario_from_dict
+from simulator.policies.registry import PolicyError
 from simulator.engine.run import simulate_graph
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import OpKind
@@ -159,7 +160,7 @@ def test_unknown_offload_device_is_one_line(device):
 def test_pinned_larger_than_host_memory():
     d = _cfg()
     d["hardware"]["host"] = {"preset": "h200-measured-host", "overrides": {"memory": {"capacity_bytes": "2 GB"}}}
-    with pytest.raises(SimulationError) as e:
+    with pytest.raises(PolicyError) as e:
         run_scenario(scenario_from_dict(d))
     msg = str(e.value)
     assert "\n" not in msg and "offload_optimizer.pin_memory" in msg and "pinned host buffers need 3.0 GB" in msg
@@ -168,7 +169,7 @@ def test_pinned_larger_than_host_memory():
 def test_needs_bf16_and_a_zero_stage():
     d = _cfg()
     d["training"]["precision"] = "amp_fp32_params"
-    with pytest.raises(SimulationError, match="needs training.precision: bf16"):
+    with pytest.raises(PolicyError, match="needs training.precision: bf16"):
         run_scenario(scenario_from_dict(d))
     with pytest.raises(ScenarioError, match="stage >= 1"):
         scenario_from_dict(_cfg(stage=0))

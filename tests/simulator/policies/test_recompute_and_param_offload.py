@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from simulator import SimulationError, load_scenario, run_scenario, scenario_from_dict
+from simulator import load_scenario, run_scenario, scenario_from_dict
 from simulator.analysis.whatif import largest_fitting, with_overrides
 from simulator.engine.run import simulate_graph
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
