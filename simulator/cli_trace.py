@@ -63,8 +63,8 @@ def run_calibrate(args) -> int:
     Path(args.out).write_text("# Written by simulate calibrate\n" + yaml.safe_dump(prof, sort_keys=False))
     print(report.to_string(index=False, float_format=lambda v: f"{v * 1e3:.3f}" if abs(v) < 10 else f"{v:.3g}"))
     print(f"class scales        {prof['provenance']['class_scales']}")
-    print(f"rms class error     before {prof['provenance']['rms_relative_class_error']['before']:.1%}, "
-          f"after {prof['provenance']['rms_relative_class_error']['after']:.1%}")
+    rms = prof["provenance"]["rms_relative_class_error_fitted_classes"]
+    print(f"rms class error     before {rms['before']:.1%}, after {rms['after']:.1%} (fitted classes)")
     print(f"wrote               {args.out}")
     if args.report:
         d = Path(args.report)

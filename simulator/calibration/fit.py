@@ -167,8 +167,12 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
                          "simulated_before_s": float(b.get(cls, 0.0)), "simulated_after_s": float(a.get(cls, 0.0))})
     report = pd.DataFrame(rows)
     out = profile_to_dict(prof, out_name)
-    rel = lambda col: float(np.sqrt(np.mean(((report[col] - report.measured_s) / report.measured_s.clip(lower=1e-12))[
-        (report.measured_s > 0) & (report[col] > 0)] ** 2)))
+    fitted = report["class"].isin(list(scales))
+
+    def rel(col: str) -> float:
+        r = report[fitted]
+        return float(np.sqrt(np.mean(((r[col] - r.measured_s) / r.measured_s) ** 2))) if len(r) else float("nan")
+
     out["provenance"] = {
         "base_profile": base.name,
         "traces": [str(t) for t in traces],
@@ -176,7 +180,7 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
         "date": dt.date.today().isoformat(),
         "method": "simulator.calibration.fit (per-class log least squares)",
         "class_scales": {k: round(v, 4) for k, v in scales.items()},
-        "rms_relative_class_error": {"before": round(rel("simulated_before_s"), 4),
+        "rms_relative_class_error_fitted_classes": {"before": round(rel("simulated_before_s"), 4),
                                      "after": round(rel("simulated_after_s"), 4)},
         "host_overhead": host,
         "kernel_gap_per_graph_kernel_s": gap_per_kernel,

@@ -41,6 +41,8 @@ def read_yaml(path: str | Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ScenarioError(f"{p}: YAML syntax error{where}: {problem}") from None
+    if data is None:
+        raise ScenarioError(f"{p}: the file is empty; expected a scenario (see scenarios/README.md)")
     if not isinstance(data, dict):
         raise ScenarioError(f"{p}: expected a mapping of keys at the top level, got {type(data).__name__}")
     return data
@@ -120,13 +122,13 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
                 mem_over = over.pop("memory", {})
                 data_mem = {**data.pop("memory", {}), **mem_over}
                 data.update(over)
-                cpu = presets.build_spec(type(cpu), data, f"{key} overrides")
-                mem = presets.build_spec(type(mem), data_mem, f"{key}.memory overrides")
+                cpu = presets.build_spec(type(cpu), data, "overrides")
+                mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
             return cpu, mem
         spec = presets.get(family, name)
         if over:
             data = {**presets.raw(family, name), **over}
-            spec = presets.build_spec(cls, data, f"{key}.overrides")
+            spec = presets.build_spec(cls, data, "overrides")
         return spec
     except PresetError as exc:
         raise ScenarioError(f"{source}: {key}: {exc}") from None
