@@ -33,7 +33,14 @@ What becomes an op
 * **Cross-stream edges** come from ``cuda_sync`` "Stream Wait Event" events (exact), or are
   inferred from ``cudaEventRecord`` + ``cudaStreamWaitEvent`` call pairs in older traces (the
   recorded stream and the waiting stream are the streams the same thread launched on just
-  before the record and just after the wait).
+  before the record and just after the wait). Older traces often lack the record calls; there a
+  GPU op that starts late is tied to an op of another stream of its device that ended at most
+  5 us before it (``meta["event_deps_inferred"]``; ``infer_stream_waits=False`` disables it).
+* **Host threads are coupled.** An idle gap (>= 50 us) of a secondary thread (autograd, comm
+  threads) waits for the main thread's last op before it ended (the thread was woken), and an
+  idle gap of the main thread waits for the last call of another thread's burst of work that
+  ended inside it (``backward()`` returning); such gaps keep as fixed time only the part after
+  that event (``meta["waits_on_thread"]``).
 * **GPU gaps.** The idle time of a GPU stream is not an op: it follows from the dependencies.
   What the dependencies cannot explain (kernels whose launch was not captured, GPU work still
   queued from before the selected steps, and the ~1-3 us front-end gap between back-to-back
@@ -58,7 +65,11 @@ else from ``Optimizer.step#...`` annotations (a step ends with its optimizer ste
 ``enumerate(DataLoader)#...`` annotations (a step starts with its batch fetch), else the whole
 trace is one step (with a warning). CPU ops are attributed to the step in whose
 ``[start_k, start_{k+1})`` window they start; GPU ops to the step of the host call that
-launched them (orphans: by their GPU start time).
+launched them. An orphan GPU op (launch not captured) takes a step between those of the launched
+ops around it on its stream, by its GPU start time; orphans ahead of the first launched op of
+their stream were queued before the trace window and belong to no step (they become one
+``carry_in`` gap). Gap ops that would straddle a step start are split there, so every op of a
+step starts inside the step.
 
 ``KinetoImport.step_times_s[k]`` is measured from the step's start (the ``ProfilerStep`` span
 start) to the last end of any op (CPU or GPU) attributed to the step - i.e. it includes the GPU
@@ -72,13 +83,16 @@ gzip bomb raises ``TraceImportError`` instead of exhausting memory) and parsed w
 Events that are never used (``python_function``, instant events such as ``[memory]``, ``ac2g``
 flows, ``Call stack`` strings) are discarded inside the parser's ``object_hook`` as they are
 decoded, and the raw bytes are freed right after parsing. Peak memory is therefore about
-``2 x decompressed size`` (bytes plus decoder working set) plus roughly 1 KB per *kept* event;
-a 35 MB trace peaks at a few hundred MB.
+``2 x decompressed size`` (bytes plus decoder working set) plus roughly 1 KB per *kept* event:
+measured 260 MB peak RSS (process total) for a 35 MB trace (HTA ``control.json``, 55k ops,
+~4 s). The garbage collector is paused during the import.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import gc
 import gzip
 import heapq
 import json
@@ -88,10 +102,10 @@ import re
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from simulator.graph.op_graph import GraphBuilder, OpGraph
-from simulator.graph.ops import CostClass, Op, OpKind, Phase
+from simulator.graph.ops import CostClass, OpKind, Phase
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -99,6 +113,7 @@ __all__ = [
     "TraceImportError",
     "classify_kernel",
     "load_kineto",
+    "read_trace_bytes",
     "read_trace_json",
 ]
 
@@ -110,6 +125,7 @@ _EPS_US = 1e-6  # segments shorter than this are dropped (us)
 _CHUNK = 16 * 1024 * 1024
 _WAIT_MIN_GAP_US = 2.0  # an unexplained GPU start delay at least this long may be a stream wait
 _WAIT_WINDOW_US = 5.0  # ... on an op of another stream that ended at most this long before
+_WAKE_IDLE_US = 50.0  # a host thread idle this long between runtime calls is taken to be waiting
 
 GpuGapMode = Literal["all", "boundary", "none"]
 
@@ -140,6 +156,42 @@ def _read_capped(f, max_bytes: int, name: str) -> bytes:
     return b"".join(parts)
 
 
+def read_trace_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Read a whole file, decompressing it if it is gzip (detected by its magic bytes).
+
+    Args:
+        path: File to read.
+        max_bytes: Largest accepted (decompressed) size, bytes.
+
+    Returns:
+        The (decompressed) content.
+
+    Raises:
+        TraceImportError: missing or unreadable file, corrupt or truncated gzip, or more than
+            ``max_bytes`` after decompression.
+    """
+    p = os.fspath(path)
+    name = os.path.basename(p) or p
+    try:
+        with open(p, "rb") as f:
+            head = f.read(2)
+            f.seek(0)
+            if head == b"\x1f\x8b":
+                with gzip.GzipFile(fileobj=f, mode="rb") as gz:
+                    return _read_capped(gz, max_bytes, name)
+            return _read_capped(f, max_bytes, name)
+    except TraceImportError:
+        raise
+    except FileNotFoundError:
+        raise TraceImportError(f"{name}: file not found") from None
+    except EOFError as e:
+        raise TraceImportError(f"{name}: truncated gzip stream ({e})") from None
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise TraceImportError(f"{name}: corrupt gzip data ({e})") from None
+    except OSError as e:
+        raise TraceImportError(f"{name}: cannot read file ({e})") from None
+
+
 def read_trace_json(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, *,
                     object_hook=None) -> Any:
     """Read a plain or gzip JSON file (gzip detected by its magic bytes).
@@ -158,25 +210,7 @@ def read_trace_json(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
     """
     p = os.fspath(path)
     name = os.path.basename(p) or p
-    try:
-        with open(p, "rb") as f:
-            head = f.read(2)
-            f.seek(0)
-            if head == b"\x1f\x8b":
-                with gzip.GzipFile(fileobj=f, mode="rb") as gz:
-                    raw = _read_capped(gz, max_bytes, name)
-            else:
-                raw = _read_capped(f, max_bytes, name)
-    except TraceImportError:
-        raise
-    except FileNotFoundError:
-        raise TraceImportError(f"{name}: file not found") from None
-    except EOFError as e:
-        raise TraceImportError(f"{name}: truncated gzip stream ({e})") from None
-    except (gzip.BadGzipFile, zlib.error) as e:
-        raise TraceImportError(f"{name}: corrupt gzip data ({e})") from None
-    except OSError as e:
-        raise TraceImportError(f"{name}: cannot read file ({e})") from None
+    raw = read_trace_bytes(p, max_bytes)
     if not raw.strip():
         raise TraceImportError(f"{name}: empty file")
     try:
@@ -198,16 +232,19 @@ def read_trace_json(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
 # ----------------------------------------------------------------------------------------------
 
 _CLASS_RULES: list[tuple[CostClass | str, re.Pattern]] = [
-    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn_|_attn|mha_")),
-    (CostClass.OPTIMIZER, re.compile(r"adam|multi_tensor_apply|optimizer|_sgd|sgd_|lamb|adagrad|rmsprop")),
-    (CostClass.GEMM, re.compile(
-        r"^kernel2$|nvjet|xmma|cutlass|gemm|gemv|splitkreduce|cijk_|sgemm|hgemm|igemm|"
-        r"conv|cudnn::|wgrad|dgrad|fprop|implicit_|triton_tem|winograd|miopen")),
+    (CostClass.COPY, re.compile(r"reshape_and_cache")),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|\battn|_attn|attn_|mha_|mla_")),
+    (CostClass.OPTIMIZER, re.compile(r"adam|multi_tensor_apply|optimizer|_sgd|sgd_|\blamb\b|lamb_|"
+                                     r"adagrad|rmsprop")),
     (CostClass.NORM, re.compile(r"layer_?norm|rms_?norm|batch_?norm|group_?norm|bn_fw|bn_bw|"
                                 r"gammabetabackward|instance_?norm")),
+    (CostClass.GEMM, re.compile(
+        r"^kernel2$|nvjet|xmma|cutlass|gemm|gemv|splitkreduce|cijk_|scudnn|^volta_|^turing_|"
+        r"^ampere_|^hopper_|^sm\d+_|^bmm_|conv|wgrad|dgrad|fprop|implicit_|triton_tem|"
+        r"winograd|miopen")),
     (CostClass.SOFTMAX, re.compile(r"softmax")),
-    (CostClass.EMBEDDING, re.compile(r"embedding|index_select|indexselect|gather_kernel|"
-                                     r"split_embedding|embedding_bag|\btbe\b")),
+    (CostClass.ELEMENTWISE, re.compile(r"rotary")),
+    (CostClass.EMBEDDING, re.compile(r"embedding|index_?select|gather_kernel|embedding_bag|\btbe\b")),
     (CostClass.CAST, re.compile(r"direct_copy|copy_kernel|_to_copy|\bcast|convert_")),
     (CostClass.COPY, re.compile(r"catarray|\bcat_|copy|transpose|permute")),
     (CostClass.REDUCTION, re.compile(r"reduce|triton_red|triton_per|\bsum|mean|argmax|argmin|"
@@ -218,42 +255,75 @@ _CLASS_RULES: list[tuple[CostClass | str, re.Pattern]] = [
     (CostClass.MEMSET, re.compile(r"memset")),
 ]
 _BWD_ATTN = re.compile(r"bwd|backward|bprop|cutlassb|dq_dk|dkdv|dq_")
+_COLL_HEAD = re.compile(r"^(?:void )?[rn]ccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all")
+_EW_WRAPPER = re.compile(r"elementwise_kernel")
 _class_cache: dict[str, CostClass] = {}
+
+
+@functools.lru_cache(maxsize=65536)
+def _signature(name: str) -> tuple[str, str]:
+    """(head, signature) of a kernel name, lower-case: the function name without template
+    arguments, and the name with templates but without the parameter list."""
+    low = name.lower().replace("(anonymous namespace)::", "")
+    if low.startswith("void "):
+        low = low[5:]
+    depth = 0
+    cut = len(low)
+    for i, ch in enumerate(low):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif ch == "(" and depth == 0:
+            cut = i
+            break
+    sig = low[:cut]
+    head = sig.split("<", 1)[0]
+    return head, sig
 
 
 def classify_kernel(name: str) -> CostClass:
     """Kernel family of a GPU kernel, from its (demangled) name.
 
+    The kernel's own name (without template arguments) is matched first, then the name with
+    its template arguments (where PyTorch puts the functor: ``AddFunctor``,
+    ``direct_copy_kernel_cuda``...); the parameter list is ignored.
+
     Args:
         name: Kernel name as in the trace (``nvjet_sm90_...``, ``void at::native::...``).
 
     Returns:
-        The ``CostClass`` (``OTHER`` when no rule matches). NCCL/RCCL kernels return ``OTHER``:
-        they are recognised by their op kind (``COLLECTIVE``), there is no collective cost class.
+        The ``CostClass`` (``OTHER`` when no rule matches). Collective kernels return
+        ``OTHER``: they are recognised by their op kind (``COLLECTIVE``); there is no collective
+        cost class.
     """
     c = _class_cache.get(name)
     if c is not None:
         return c
-    low = name.lower()
-    # strip a leading "void " and look mostly at the kernel's own name, then its template args
+    head, sig = _signature(name)
     res = CostClass.OTHER
-    if not (low.startswith("nccl") or low.startswith("rccl")):
-        for cls, rx in _CLASS_RULES:
-            if rx.search(low):
-                if cls == "attention":
-                    res = CostClass.ATTENTION_BWD if _BWD_ATTN.search(low) else CostClass.ATTENTION_FWD
-                else:
-                    res = cls  # type: ignore[assignment]
+    if not _COLL_HEAD.search(head):
+        # PyTorch's generic elementwise wrappers: the functor in the template decides
+        texts = (sig,) if _EW_WRAPPER.search(head) else (head, sig)
+        for text in texts:
+            for cls, rx in _CLASS_RULES:
+                if rx.search(text):
+                    if cls == "attention":
+                        res = CostClass.ATTENTION_BWD if _BWD_ATTN.search(sig) else CostClass.ATTENTION_FWD
+                    else:
+                        res = cls  # type: ignore[assignment]
+                    break
+            if res != CostClass.OTHER:
                 break
+        if res == CostClass.OTHER and texts == (sig,):
+            res = CostClass.ELEMENTWISE
     if len(_class_cache) < 100_000:
         _class_cache[name] = res
     return res
 
 
 def _is_collective(name: str) -> bool:
-    low = name[:32].lower()
-    return low.startswith(("nccl", "rccl", "void nccl", "void rccl")) or "ncclkernel" in low \
-        or "nccldevkernel" in low
+    return bool(_COLL_HEAD.search(_signature(name)[0]))
 
 
 _COLL_FROM_NAME = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
@@ -544,6 +614,7 @@ class _Importer:
         self.gpu_gap_min_us = float(gpu_gap_min_us)
         self.infer_waits = infer_waits
         self.n_inferred = 0
+        self.n_thread_edges = 0
         self.exact_waits = False
         self.warnings: list[str] = []
         self.cat_counts: Counter = Counter()
@@ -685,6 +756,7 @@ class _Importer:
         self._link_launches()
         self._index_streams()
         self._sync_deps()
+        self._thread_wake_deps()
         self._cross_stream_deps()
         if self.infer_waits and not self.exact_waits:
             self._infer_stream_waits()
@@ -1078,6 +1150,51 @@ class _Importer:
                         n_sync += 1
         self.n_sync = n_sync
 
+    def _thread_wake_deps(self):
+        """Couple the main thread and the other host threads (autograd, comm threads).
+
+        Without these edges every host thread would replay on its own fixed timeline. A thread
+        that was idle for at least ``_WAKE_IDLE_US`` (a gap between runtime calls) is taken to
+        have been woken by the main thread: its idle gap waits for the last main-thread op
+        that ended during the gap. Conversely, an idle gap of the main thread during which
+        another thread finished a burst of work (its last call before going idle) waits for
+        that burst. The gap op then only keeps, as fixed time, the part after that event.
+        """
+        main = self.host_nodes.get(self.main_thread)
+        if not main:
+            return
+        main_ends = self.seg_ends[self.main_thread]
+        n = 0
+        burst_ends: list[_Node] = []
+        for thread, segs in self.host_nodes.items():
+            if thread == self.main_thread:
+                continue
+            for i, g in enumerate(segs):
+                if g.meta.get("segment") != "gap" or g.e - g.s < _WAKE_IDLE_US:
+                    continue
+                if i > 0 and segs[i - 1].meta.get("segment") == "call":
+                    burst_ends.append(segs[i - 1])
+                j = bisect.bisect_right(main_ends, g.e + _EPS_US) - 1
+                if j >= 0 and main[j].e > g.s + _EPS_US:
+                    g.deps.append(main[j])
+                    g.shrink = True
+                    g.meta["waits_on_thread"] = self._stream_names[self.main_thread]
+                    n += 1
+            if segs and segs[-1].meta.get("segment") == "call":
+                burst_ends.append(segs[-1])
+        burst_ends.sort(key=lambda x: x.e)
+        keys = [x.e for x in burst_ends]
+        for g in main:
+            if g.meta.get("segment") != "gap" or g.e - g.s < _WAKE_IDLE_US:
+                continue
+            j = bisect.bisect_right(keys, g.e + _EPS_US) - 1
+            if j >= 0 and burst_ends[j].e > g.s + _EPS_US:
+                g.deps.append(burst_ends[j])
+                g.shrink = True
+                g.meta["waits_on_thread"] = burst_ends[j].stream
+                n += 1
+        self.n_thread_edges = n
+
     def _sync_targets(self, c: _Call, all_streams, records) -> list[_Node]:
         d = self.sync_by_corr.get(c.corr) if c.corr is not None else None
         name = c.name
@@ -1098,7 +1215,8 @@ class _Importer:
                 ws = _int(d.get("wait_on_stream"))
                 if rec is not None and ws is not None and ws >= 0:
                     return [self._last_before(self._gpu_stream_name(dev, ws), rec.ts)]
-        if "DeviceSynchronize" in name or "CtxSynchronize" in name or (d and d.get("cuda_sync_kind") == "Context Sync"):
+        if ("DeviceSynchronize" in name or "CtxSynchronize" in name
+                or (d and d.get("cuda_sync_kind") == "Context Sync")):
             return [self._last_before(s, c.ts) for s in all_streams]
         if "EventSynchronize" in name and records:
             rec = records[-1]
@@ -1233,9 +1351,46 @@ class _Importer:
         for thread, segs in self.host_nodes.items():
             for n in segs:
                 n.step = self._step_of(n.s)
+        # GPU ops: the step of their launch call. An orphan (launch not captured) was launched
+        # between its launched neighbours on the stream, so it takes a step in
+        # [step(prev launched), step(next launched)] chosen by its GPU start time; orphans ahead
+        # of the first launched op of their stream were launched before the trace window (GPU
+        # backlog) and belong to no step (their time becomes a carry-in gap). Streams without
+        # any captured launch fall back to the GPU start time.
         for n in self.gpu_nodes:
-            t = n.launch_t if n.launch_t is not None else n.s
-            n.step = self._step_of(t)
+            if n.launch_t is not None:
+                n.step = self._step_of(n.launch_t)
+        for lst in self.gpu_streams.values():
+            launched = [i for i, n in enumerate(lst) if n.launch_t is not None]
+            if not launched:
+                for n in lst:
+                    n.step = self._step_of(n.s)
+                continue
+            nxt = [None] * len(lst)
+            j = None
+            for i in range(len(lst) - 1, -1, -1):
+                if lst[i].launch_t is not None:
+                    j = i
+                nxt[i] = j
+            prev = None
+            for i, n in enumerate(lst):
+                if n.launch_t is not None:
+                    prev = n
+                    continue
+                if prev is None:
+                    n.step = None
+                    n.meta["pre_window"] = True
+                    continue
+                lo = prev.step
+                hi = lst[nxt[i]].step if nxt[i] is not None else None
+                k = self._step_of(n.s)
+                if k is None or lo is None:
+                    k = lo
+                else:
+                    k = max(k, lo)
+                    if hi is not None:
+                        k = min(k, hi)
+                n.step = k
         # backward window per step (from BWD-labelled annotations on any thread)
         K = len(self.steps)
         bwd_lo = [math.inf] * K
@@ -1268,7 +1423,10 @@ class _Importer:
                         ph = Phase.BWD
                     elif thread == self.main_thread and n.step is not None and bwd_lo[n.step] < math.inf:
                         k = n.step
-                        ph = Phase.FWD if n.s < bwd_lo[k] else (Phase.BWD if n.s <= bwd_hi[k] else Phase.OTHER)
+                        if n.s < bwd_lo[k]:
+                            ph = Phase.FWD
+                        else:
+                            ph = Phase.BWD if n.s <= bwd_hi[k] else Phase.OTHER
                     else:
                         ph = Phase.OTHER
                 n.phase = ph
@@ -1299,6 +1457,15 @@ class _Importer:
                         best = (ts, lab)
                 if best is not None:
                     n.phase = best[1]
+        # collectives without a name: the GPU-side "nccl:<coll>" annotation around them
+        coll_ann = [x for x in self.gpu_annots if x[2].startswith("nccl:")]
+        if coll_ann:
+            for n in self.gpu_nodes:
+                if n.kind == OpKind.COLLECTIVE and "collective" not in n.meta:
+                    for ts, end, nm, pid, tid in coll_ann:
+                        if ts <= n.s < end and tid == n.meta["stream_id"]:
+                            n.meta["collective"] = nm[5:]
+                            break
         # attention direction from phase when the name does not say
         for n in self.gpu_nodes:
             if n.cost_class == CostClass.ATTENTION_FWD and n.phase == Phase.BWD:
@@ -1330,7 +1497,8 @@ class _Importer:
             dt = _norm_dtype(args.get("dtype"))
             if dt is None:
                 it = args.get("Input type")
-                if isinstance(it, list) and it and isinstance(it[0], str) and it[0] not in ("", "Scalar", "TensorList"):
+                if (isinstance(it, list) and it and isinstance(it[0], str)
+                        and it[0] not in ("", "Scalar", "TensorList")):
                     dt = _norm_dtype(it[0])
             if dt:
                 m["dtype"] = dt
@@ -1379,6 +1547,11 @@ class _Importer:
             if n.deps:
                 n.deps = [d for d in dict.fromkeys(n.deps) if id(d) in inset]
             if n.shrink:
+                if "waits_on" in n.meta:
+                    n.meta["waits_on"] = sum(1 for d in n.deps if d.is_gpu)
+                if "waits_on_thread" in n.meta and not any(
+                        not d.is_gpu and d.stream != n.stream for d in n.deps):
+                    del n.meta["waits_on_thread"]
                 dmax = max((d.e for d in n.deps), default=-math.inf)
                 n.s = min(max(n.a, dmax), n.e)
         t_origin = self.steps[sel[0]][1]
@@ -1410,20 +1583,13 @@ class _Importer:
                     want = self.gpu_gaps == "all" or (
                         self.gpu_gaps == "boundary" and reason in ("orphan", "carry_in"))
                     if want and gap > max(self.gpu_gap_min_us, _EPS_US):
-                        gn = _Node("gpu_gap", OpKind.SYNC, stream, explained, n.s, is_gpu=True)
-                        gn.deps = list(n.deps)
-                        gn.step = n.step
-                        gn.phase = n.phase
-                        gn.meta = {"gap": "gpu", "reason": reason, "dur_us": gap}
-                        gaps.append(gn)
+                        gaps.extend(self._gap_nodes("gpu_gap", OpKind.SYNC, explained, n, selset,
+                                                    {"gap": "gpu", "reason": reason}))
                         gap_stats[reason] += 1
                         gap_time[reason] += gap
                 elif gap > _EPS_US:
-                    gn = _Node("cpu_gap", OpKind.HOST, stream, explained, n.s)
-                    gn.step = n.step
-                    gn.phase = n.phase
-                    gn.meta = {"gap": "cpu", "dur_us": gap}
-                    gaps.append(gn)
+                    gaps.extend(self._gap_nodes("cpu_gap", OpKind.HOST, explained, n, selset,
+                                                {"gap": "cpu"}))
                 prev_e = n.e
                 first = False
         nodes.extend(gaps)
@@ -1467,11 +1633,6 @@ class _Importer:
         gpu_times = [max(0.0, gpu_hi[k] - gpu_lo[k]) * 1e-6 if gpu_hi[k] > -math.inf else 0.0
                      for k in sel]
         spans = [max(0.0, self.steps[k][2] - self.steps[k][1]) * 1e-6 for k in sel]
-        if gap_stats:
-            parts = ", ".join(f"{r}: {gap_stats[r]} ({gap_time[r] / 1e3:.3f} ms)" for r in sorted(gap_stats))
-            self.gap_summary = parts
-        else:
-            self.gap_summary = ""
         dev = self.devices.most_common(1)[0][0] if self.devices else None
         graph = b.build(
             source=f"kineto:{self.fname}",
@@ -1491,6 +1652,7 @@ class _Importer:
                 "orphan_gpu_ops": self.n_orphan,
                 "cross_stream_edges": self.n_cross,
                 "inferred_stream_edges": self.n_inferred,
+                "thread_edges": self.n_thread_edges,
                 "sync_ops": self.n_sync,
                 "main_stream": main_stream,
             },
@@ -1509,6 +1671,29 @@ class _Importer:
             path=self.path,
         )
 
+    def _gap_nodes(self, name: str, kind: OpKind, start: float, n: _Node, selset: set,
+                   meta: dict) -> list[_Node]:
+        """Gap op(s) filling ``[start, n.s]`` before ``n`` on its stream, carrying ``n``'s deps.
+
+        A gap that crosses the start of ``n``'s step is split there, so that every op of a step
+        starts inside the step (the first part goes to the step it starts in).
+        """
+        k0 = self.steps[n.step][1] if n.step is not None else None
+        if k0 is not None and start < k0 - _EPS_US and n.s > k0 + _EPS_US:
+            st0 = self._step_of(start)
+            pieces = [(start, k0, st0 if st0 in selset else n.step), (k0, n.s, n.step)]
+        else:
+            pieces = [(start, n.s, n.step)]
+        out = []
+        for a, b, st in pieces:
+            gn = _Node(name, kind, n.stream, a, b, is_gpu=n.is_gpu)
+            gn.deps = list(n.deps) if n.is_gpu else []
+            gn.step = st
+            gn.phase = n.phase
+            gn.meta = dict(meta, dur_us=b - a)
+            out.append(gn)
+        return out
+
     def _device_name(self, dev) -> str | None:
         props = self.top.get("deviceProperties") if isinstance(self.top, dict) else None
         if not isinstance(props, list) or not props:
@@ -1523,10 +1708,16 @@ class _Importer:
         return str(p.get("name")) if isinstance(p, dict) and p.get("name") else None
 
     def _topo_order(self, nodes: list[_Node]) -> list[_Node]:
-        """Topological order (deps and stream order), as close to start-time order as possible."""
+        """Topological order (deps and stream order), as close to start-time order as possible.
+
+        Dependencies are consistent with the measured times, so cycles can only come from
+        ties within the tolerances; one is broken by dropping the (non-stream) dependencies of
+        the earliest op that waits on an unplaced op.
+        """
         idx = {id(n): i for i, n in enumerate(nodes)}
         succ: list[list[int]] = [[] for _ in nodes]
         indeg = [0] * len(nodes)
+        stream_pred = [-1] * len(nodes)
         per: dict[str, list[int]] = defaultdict(list)
         for i, n in enumerate(nodes):
             per[n.stream].append(i)
@@ -1535,6 +1726,7 @@ class _Importer:
             for a, b in zip(lst, lst[1:]):
                 succ[a].append(b)
                 indeg[b] += 1
+                stream_pred[b] = a
         for i, n in enumerate(nodes):
             for d in n.deps:
                 j = idx[id(d)]
@@ -1547,20 +1739,22 @@ class _Importer:
 
         heap = [key(i) for i in range(len(nodes)) if indeg[i] == 0]
         heapq.heapify(heap)
+        pending = [key(i) for i in range(len(nodes))]
+        heapq.heapify(pending)
         out: list[_Node] = []
         placed = [False] * len(nodes)
         broken = 0
         while len(out) < len(nodes):
             if not heap:
-                # dependency cycle (inconsistent timestamps): drop the deps of the earliest
-                # unplaced op that is waiting only on deps
-                rest = [i for i in range(len(nodes)) if not placed[i]]
-                i = min(rest, key=key)
+                while placed[pending[0][-1]]:
+                    heapq.heappop(pending)
+                i = pending[0][-1]
+                while stream_pred[i] >= 0 and not placed[stream_pred[i]]:
+                    i = stream_pred[i]
                 n = nodes[i]
                 drop = [d for d in n.deps if not placed[idx[id(d)]]]
                 for d in drop:
-                    j = idx[id(d)]
-                    succ[j].remove(i)
+                    succ[idx[id(d)]].remove(i)
                     indeg[i] -= 1
                 n.deps = [d for d in n.deps if placed[idx[id(d)]]]
                 broken += len(drop)
@@ -1610,6 +1804,8 @@ def load_kineto(
             decompression; not a Kineto trace; no GPU events; bad ``steps``.
     """
     imp = _Importer(path, max_bytes, gpu_gaps, gpu_gap_min_us, infer_stream_waits)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the parse creates millions of acyclic objects; GC passes would dominate
     try:
         imp.load()
         return imp.build(steps)
@@ -1621,3 +1817,6 @@ def load_kineto(
         raise TraceImportError(
             f"{imp.fname}: malformed trace ({type(e).__name__}: {e})"
         ) from e
+    finally:
+        if gc_was_enabled:
+            gc.enable()
