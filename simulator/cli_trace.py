@@ -15,6 +15,9 @@ def add_parser(subparsers):
     p.add_argument("--gpu", help="what-if: re-cost the kernels for this GPU preset")
     p.add_argument("--pcie-speedup", type=float, default=1.0, help="what-if: copies this many times faster")
     p.add_argument("--host-speedup", type=float, default=1.0, help="what-if: CPU side this many times faster")
+    p.add_argument("--dataloader-workers", type=int, help="what-if: a single-process loader replaced by N workers")
+    p.add_argument("--gpu-gaps", choices=["all", "boundary", "none"], default="all",
+                   help="unexplained GPU idle kept as measured gap ops (all), only at boundaries, or none")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=run_replay)
 
@@ -33,7 +36,8 @@ def run_replay(args) -> int:
 
     steps = args.steps if args.steps == "all" else int(args.steps)
     try:
-        out = replay(args.trace, steps, args.gpu, args.pcie_speedup, args.host_speedup)
+        out = replay(args.trace, steps, args.gpu, args.pcie_speedup, args.host_speedup, args.dataloader_workers,
+                     args.gpu_gaps)
     except (TraceImportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

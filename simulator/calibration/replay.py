@@ -10,6 +10,11 @@ waits, synchronisations). What-ifs rewrite the graph before replay:
 * ``pcie_speedup``: host<->device copies get ``1 / pcie_speedup`` of their measured time.
 * ``host_speedup``: CPU-side ops (runtime calls and the host gaps between them) get
   ``1 / host_speedup`` of their measured time (e.g. a faster host, or fewer Python overheads).
+* ``dataloader_workers``: a trace of a single-process loader (``num_workers=0``), replayed as if
+  ``N`` worker processes loaded batches in the background. The main thread's time inside the
+  ``enumerate(DataLoader)`` annotations (``T_load`` per step) becomes the steady-state wait of
+  PyTorch's round-robin workers: ``max(0, T_load / N - T_rest)``, where ``T_rest`` is the rest of
+  the step (each worker needs ``T_load`` per batch; ``N`` of them deliver one every ``T_load / N``).
 """
 
 from __future__ import annotations
@@ -78,6 +83,80 @@ def what_if(graph: OpGraph, src: GpuSpec | None = None, dst: GpuSpec | None = No
     return dataclasses.replace(graph, ops=tuple(ops))
 
 
+def dataloader_intervals_us(trace_path: str | Path) -> list[tuple[float, float]]:
+    """``(start_us, end_us)`` of the trace's ``enumerate(DataLoader)...__next__`` annotations."""
+    from simulator.graph.importers.kineto import read_trace_json
+
+    t = read_trace_json(trace_path)
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in t.get("traceEvents", [])
+                  if e.get("ph") == "X" and "DataLoader" in str(e.get("name", "")) and "__next__" in str(e.get("name", "")))
+
+
+def _host_op_times_us(graph: OpGraph) -> dict[int, tuple[float, float]]:
+    """Measured ``(start_us, end_us)`` of every CPU-side op, inferring gap ops from their neighbours.
+
+    Gap ops carry no timestamp; on a thread they are contiguous with the ops around them, so a
+    backward pass from the next timed op and a forward pass from the previous one place them.
+    """
+    out: dict[int, tuple[float, float]] = {}
+    by_stream: dict[str, list] = {}
+    for op in graph.ops:
+        if op.stream.startswith("cpu"):
+            by_stream.setdefault(op.stream, []).append(op)
+    for ops in by_stream.values():
+        starts: list[float | None] = [op.meta.get("ts_us") for op in ops]
+        durs = [(op.fixed_duration_s or 0.0) * 1e6 for op in ops]
+        for i in range(len(ops) - 2, -1, -1):  # backward fill: end at the next op's start
+            if starts[i] is None and starts[i + 1] is not None:
+                starts[i] = starts[i + 1] - durs[i]
+        for i in range(1, len(ops)):  # forward fill
+            if starts[i] is None and starts[i - 1] is not None:
+                starts[i] = starts[i - 1] + durs[i - 1]
+        for op, st, d in zip(ops, starts, durs):
+            if st is not None:
+                out[op.id] = (st, st + d)
+    return out
+
+
+def with_dataloader_workers(graph: OpGraph, intervals: list[tuple[float, float]], step_times_s: list[float],
+                            workers: int) -> OpGraph:
+    """Shrink the host time spent loading batches to the wait ``N`` background workers would leave.
+
+    Raises:
+        ValueError: ``workers`` < 1 or no DataLoader annotations.
+    """
+    if workers < 1:
+        raise ValueError(f"dataloader_workers must be >= 1, got {workers}")
+    if not intervals:
+        raise ValueError("the trace has no enumerate(DataLoader)...__next__ annotations to rewrite")
+    times = _host_op_times_us(graph)
+
+    def overlap_s(op) -> float:
+        t = times.get(op.id)
+        if t is None:
+            return 0.0
+        return sum(max(0.0, min(t[1], b) - max(t[0], a)) for a, b in intervals) * 1e-6
+
+    load_by_step: dict[int, float] = {}
+    for op in graph.ops:
+        if op.id in times:
+            st = op.meta.get("step", -1)
+            load_by_step[st] = load_by_step.get(st, 0.0) + overlap_s(op)
+    keep: dict[int, float] = {}  # fraction of the loading time left per step
+    for step, t_load in load_by_step.items():
+        if 0 <= step < len(step_times_s) and t_load > 0:
+            t_rest = step_times_s[step] - t_load
+            keep[step] = max(0.0, t_load / workers - t_rest) / t_load
+    ops = []
+    for op in graph.ops:
+        st = op.meta.get("step", -1)
+        ov = overlap_s(op) if st in keep else 0.0
+        if ov > 0:
+            op = dataclasses.replace(op, fixed_duration_s=max(0.0, (op.fixed_duration_s or 0.0) - ov * (1 - keep[st])))
+        ops.append(op)
+    return dataclasses.replace(graph, ops=tuple(ops))
+
+
 def simulated_step_times(spans: pd.DataFrame, graph: OpGraph) -> list[float]:
     """Per traced step: first start to last end of the ops the importer attributed to it, seconds."""
     step_of = np.array([op.meta.get("step", -1) for op in graph.ops])
@@ -88,7 +167,7 @@ def simulated_step_times(spans: pd.DataFrame, graph: OpGraph) -> list[float]:
 
 
 def replay(path: str | Path, steps="all", gpu: str | None = None, pcie_speedup: float = 1.0,
-           host_speedup: float = 1.0) -> dict:
+           host_speedup: float = 1.0, dataloader_workers: int | None = None, gpu_gaps: str = "all") -> dict:
     """Import, (rewrite,) replay and compare.
 
     Returns:
@@ -102,15 +181,18 @@ def replay(path: str | Path, steps="all", gpu: str | None = None, pcie_speedup: 
     from simulator.engine.run import simulate_graph
     from simulator.graph.importers.kineto import load_kineto
 
-    imp = load_kineto(path, steps=steps)
+    imp = load_kineto(path, steps=steps, gpu_gaps=gpu_gaps)
     src_name = gpu_preset_for(imp.device_name)
     graph = imp.graph
     whatif = {}
+    if dataloader_workers is not None:
+        graph = with_dataloader_workers(graph, dataloader_intervals_us(path), imp.step_times_s, dataloader_workers)
+        whatif["dataloader_workers"] = dataloader_workers
     if gpu or pcie_speedup != 1.0 or host_speedup != 1.0:
         src = presets.get("gpus", src_name)
         dst = presets.get("gpus", gpu) if gpu else None
         graph = what_if(graph, src, dst, pcie_speedup, host_speedup)
-        whatif = {"gpu": gpu or src_name, "pcie_speedup": pcie_speedup, "host_speedup": host_speedup,
+        whatif |= {"gpu": gpu or src_name, "pcie_speedup": pcie_speedup, "host_speedup": host_speedup,
                   "recosted": "GPU kernels (peak ratios)" if gpu else "", "kept": "CPU-side measured durations"}
     res = simulate_graph(graph, replay_hardware(gpu or src_name), steps=1)
     sim = simulated_step_times(res.spans, imp.graph)
