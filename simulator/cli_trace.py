@@ -38,11 +38,15 @@ def run_replay(args) -> int:
     try:
         out = replay(args.trace, steps, args.gpu, args.pcie_speedup, args.host_speedup, args.dataloader_workers,
                      args.gpu_gaps)
-    except (TraceImportError, ValueError) as exc:
+    except (TraceImportError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(out))
+    elif out["measured_step_time_s"] is None:
+        print(f"trace               {out['trace']} (Chakra execution trace)")
+        print(f"sum of node times   {out['serial_sum_s'] * 1e3:.3f} ms")
+        print(f"simulated makespan  {out['simulated_step_time_s'] * 1e3:.3f} ms (dependencies and streams)")
     else:
         label = "predicted" if out["what_if"] else "simulated"
         print(f"trace               {out['trace']} ({out['device']}, {out['steps']} steps)")
