@@ -56,6 +56,8 @@ class Executor:
                  hooks=(), host_handlers=None):
         self.env, self.sys, self.g, self.rec, self.steps = env, system, graph, recorder, steps
         self.hooks = list(hooks)
+        self._on_start = [h.on_op_start for h in self.hooks if hasattr(h, "on_op_start")]
+        self._on_end = [h.on_op_end for h in self.hooks if hasattr(h, "on_op_end")]
         self.host_handlers = dict(host_handlers or {})
         # completion flags and lazily created events (an event exists only if someone waits)
         self.finished: list[list[bool]] = [[False] * len(graph.ops) for _ in range(steps)]
@@ -166,10 +168,8 @@ class Executor:
         env, sys = self.env, self.sys
         for t in op.allocs:
             sys.memory.get(t.device, sys.memory["gpu"]).alloc(t.name, t.nbytes, env.now)
-        for h in self.hooks:
-            fn = getattr(h, "on_op_start", None)
-            if fn:
-                fn(op, step, sys)
+        for fn in self._on_start:
+            fn(op, step, sys)
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s > 0:
                 yield env.timeout(op.fixed_duration_s)
@@ -189,10 +189,8 @@ class Executor:
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         env, sys = self.env, self.sys
         self.rec.span(step, op, start, env.now, stream)
-        for h in self.hooks:
-            fn = getattr(h, "on_op_end", None)
-            if fn:
-                fn(op, step, sys)
+        for fn in self._on_end:
+            fn(op, step, sys)
         refs = self._refs[step]
         for name in op.uses:
             n = refs.get(name, self._users.get(name, 0)) - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class OomEvent:
                 f"allocating {self.tensor}; largest: {top}")
 
 
+@lru_cache(maxsize=65536)
 def category(tensor: str) -> str:
     """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...)."""
     head = tensor.split(".", 1)[0].split("#", 1)[0]

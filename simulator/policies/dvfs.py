@@ -77,6 +77,9 @@ def power_model_for(cfg, gpu):
     return generic_power_model(gpu)
 
 
+_MISSING = object()
+
+
 @register_dvfs("locked_clock")
 class LockedClock:
     """Fixed SM clock (``nvidia-smi -lgc``)."""
@@ -144,6 +147,8 @@ class DvfsRuntime:
         self.ctl = ClockController(env, self.state, gpu.max_sm_clock_mhz, latency, self._clock_changed)
         self.supported = tuple(gpu.supported_sm_clocks_mhz) or (gpu.max_sm_clock_mhz,)
         self.active: dict[tuple, Activity] = {}
+        self._activity_cache: dict[tuple, Activity | None] = {}
+        self._power_cache: dict[tuple, float] = {}
         self.policy = None
         self.kind = dcfg.kind if dcfg is not None else "default"
         self.ledger = EnergyLedger(env.now, self._power())
@@ -206,6 +211,14 @@ class DvfsRuntime:
 
     # -- internals ------------------------------------------------------------------------------
     def _activity(self, op) -> Activity | None:
+        """The op's activity at the current clocks (cached: ops repeat every step)."""
+        key = (op.id, self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        hit = self._activity_cache.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = self._activity_cache[key] = self._activity_uncached(op)
+        return hit
+
+    def _activity_uncached(self, op) -> Activity | None:
         if op.kind in _KERNEL_KINDS and op.fixed_duration_s is None:
             c, m, f = self.sys.cost.split_s(op)
             c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz
@@ -221,7 +234,13 @@ class DvfsRuntime:
         return None
 
     def _power(self) -> float:
-        return self.model.power_of(self.active.values(), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        """Board power of the running ops at the current clocks (cached by running op set)."""
+        key = (tuple(op_id for _, op_id in self.active), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        p = self._power_cache.get(key)
+        if p is None:
+            p = self._power_cache[key] = self.model.power_of(self.active.values(), self.state.sm_clock_mhz,
+                                                              self.state.mem_clock_mhz)
+        return p
 
     def _update(self) -> None:
         p = self._power()
