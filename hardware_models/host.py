@@ -18,6 +18,12 @@ class HostCpuSpec:
         name: Model name.
         cores: Physical cores available to the job.
         memory_bandwidth_bytes_per_s: Achievable DRAM bandwidth (read + write), bytes/s.
+        first_touch_bytes_per_s: Write bandwidth into freshly allocated host memory, bytes/s: the
+            bytes a pass writes into pages it is the first to touch (``malloc``/``mmap``-backed
+            tensors allocated anew each step), each of which takes a page fault and is zeroed by
+            the kernel before the write. Charged instead of ``memory_bandwidth_bytes_per_s`` for
+            those bytes only (reads and in-place writes keep the memory bandwidth). 0 (default):
+            no separate rate, fresh writes cost the same as in-place ones (the old behaviour).
         adam_params_per_s: CPU AdamW throughput with all cores, parameters/s, by implementation
             (``torch_foreach``, ``torch_single``, ``deepspeed_cpu_adam``); a list of
             ``(params, params_per_s)`` points to interpolate, smallest first.
@@ -28,14 +34,17 @@ class HostCpuSpec:
     cores: int
     memory_bandwidth_bytes_per_s: float
     adam_params_per_s: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    first_touch_bytes_per_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: non-positive cores or bandwidth."""
+        """Raises: ValueError: non-positive cores or bandwidth, or a negative first-touch bandwidth."""
         if self.cores <= 0:
             raise ValueError(f"cores must be > 0, got {self.cores}")
         if self.memory_bandwidth_bytes_per_s <= 0:
             raise ValueError("memory_bandwidth_bytes_per_s must be > 0")
+        if self.first_touch_bytes_per_s < 0:
+            raise ValueError("first_touch_bytes_per_s must be >= 0 (0: same as memory_bandwidth_bytes_per_s)")
 
 
 @dataclass(frozen=True, slots=True)

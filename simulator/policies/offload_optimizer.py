@@ -27,7 +27,8 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   step i-1's gradients out of the staging buffer, the upload waits for the end of step i's
   backward, and step i+1's forward waits for that upload (``meta["prev_step_deps"]``).
 
-CPU time model (all inputs measured or from presets, nothing fitted to offload runs):
+CPU time model (all inputs measured or from presets; one, the host's first-touch bandwidth, is
+fitted to the measured offload run's trace, see below):
 
 * ``adam_s = P / rate(P) + n_tensors * n_passes * launch_overhead_s``. ``rate(P)`` interpolates
   the host's measured AdamW throughput points ``(params, params/s)`` linearly in log-log space,
@@ -42,9 +43,46 @@ CPU time model (all inputs measured or from presets, nothing fitted to offload r
   Ren et al., ZeRO-Offload, ATC'21, section 4.1). The dispatch term counts one eager op per tensor
   per pass (``foreach`` ops fall back to a per-tensor loop on CPU) at the profile's measured
   per-op launch overhead.
-* ``grad_cast_s = 6 B * P / host_bw + n_tensors * launch_overhead_s`` (read bf16, write fp32),
-  ``param_cast_s`` the same (read fp32, write bf16; fused into DeepSpeed's kernel, so 0 there),
+* ``grad_cast_s = 2 B * P / host_bw + 4 B * P / ft_bw + n_tensors * launch_overhead_s`` (read
+  bf16 at the memory bandwidth, write fp32 into a fresh tensor at the first-touch bandwidth),
+  ``param_cast_s = 6 B * P / host_bw + n_tensors * launch_overhead_s`` (read fp32, write bf16 into
+  the preallocated pinned staging buffer: in place; fused into DeepSpeed's kernel, so 0 there),
   with ``host_bw`` the host preset's memory bandwidth (H200 host: measured memcpy, read + write).
+
+First-touch host memory. A pass that writes into memory allocated anew every step pays a page
+fault (and the kernel's zeroing of the page) per page before the write, so it runs far below the
+in-place bandwidth (the measured run's Kineto trace: the fresh-output passes at 21-29 GB/s of
+bytes moved against 57-79 GB/s for the in-place ones). ``ft_bw`` is the host preset's
+``first_touch_bytes_per_s`` (0: same as ``host_bw``, the model without this term). The bytes
+written into fresh allocations per step, per parameter:
+
+* ``grad_cast``: 4 B, the fp32 gradients (``g.to(torch.float32)`` allocates a new tensor each
+  step, notes.offload: "fresh tensors each step").
+* ``adam`` (``torch_foreach`` / ``torch_single``): 4 B, ``exp_avg_sq_sqrt =
+  torch._foreach_sqrt(device_exp_avg_sqs)`` in ``torch/optim/adamw.py`` (``adam.py`` in newer
+  releases) ``_multi_tensor_adamw``. (``torch_single`` is charged the same 4 B, an unmeasured
+  assumption: ``_single_tensor_adamw``'s ``(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``
+  allocates two temporaries per tensor but frees them before the next tensor, so malloc may
+  recycle small ones.) Every other pass of the
+  step is in place: ``_foreach_add_`` (step counters), ``_foreach_mul_`` (decoupled weight decay
+  on the params), ``_foreach_lerp_`` (exp_avg), ``_foreach_mul_`` + ``_foreach_addcmul_``
+  (exp_avg_sq), ``_foreach_div_`` and ``_foreach_add_`` (on the sqrt temporary itself),
+  ``_foreach_addcdiv_`` (params); the bias corrections are Python floats (``_get_value(step)``,
+  the ``aten::item`` calls of the trace); state tensors are allocated once, at the first step.
+  The trace of the measured run shows exactly this op sequence inside ``Optimizer.step``.
+  DeepSpeed's fused kernel allocates nothing: 0 B.
+* ``param_cast``: 0 B (copies into the pinned staging buffer allocated once).
+
+The AdamW throughput ``rate(P)`` is taken as the all-in-place rate (the microbenchmark's single
+192M-element tensor does not show the first-touch cost the 148-tensor step does, see
+tests/validation/test_offload.py), so the sqrt temporary's 4 B written are moved from the memory
+bandwidth to the first-touch bandwidth: ``adam_s += 4 B * P * (1 / ft_bw - 1 / host_bw)``.
+
+``first_touch_bytes_per_s`` of the H200 host is fitted by scripts/fit_host_first_touch.py from
+the two fresh-output passes (grad cast, ``_foreach_sqrt``) of the Kineto trace
+tests/data/h200/trace_gpt_184m_b16_offload_overlap.json.gz, i.e. from the run that
+tests/validation/test_offload.py compares against (in-sample for that one parameter):
+``ft_bw = sum(fresh bytes) / sum(t_pass - read bytes / host_bw - n_tensors * launch_overhead_s)``.
 """
 
 from __future__ import annotations
@@ -67,6 +105,10 @@ ADAM_BYTES_PER_PARAM = {"torch_foreach": 80.0, "torch_single": 80.0, "deepspeed_
 ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "deepspeed_cpu_adam": 1}
 #: Bytes read + written by a bf16 <-> fp32 cast, per parameter.
 CAST_BYTES_PER_PARAM = 6.0
+#: Bytes per parameter the grad cast writes into a fresh fp32 tensor (of CAST_BYTES_PER_PARAM).
+GRAD_CAST_FRESH_BYTES_PER_PARAM = 4.0
+#: Bytes per parameter AdamW writes into fresh allocations each step (the fp32 sqrt temporary).
+ADAM_FRESH_BYTES_PER_PARAM = {"torch_foreach": 4.0, "torch_single": 4.0, "deepspeed_cpu_adam": 0.0}
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
 
@@ -114,16 +156,26 @@ def cpu_adam_rate(params: float, impl: str, hw) -> tuple[float, str]:
             f"{how} (torch_foreach x DRAM-traffic ratio {ratio:.3g} for {impl})")
 
 
+def first_touch_bw(hw) -> float:
+    """Host write bandwidth into fresh allocations, bytes/s (the memory bandwidth when unset)."""
+    cpu = hw.host_cpu
+    return cpu.first_touch_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
+
+
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw) -> dict[str, float]:
     """Seconds of the three CPU ops of one offloaded optimizer step (see the module docstring)."""
     rate, _ = cpu_adam_rate(params, impl, hw)
     launch = hw.launch_overhead_s if hw.launch_overhead_s is not None else hw.profile.launch_overhead_s
     bw = hw.host_cpu.memory_bandwidth_bytes_per_s
-    cast = CAST_BYTES_PER_PARAM * params / bw + n_tensors * launch
+    ft = first_touch_bw(hw)
+    fresh = GRAD_CAST_FRESH_BYTES_PER_PARAM * params
+    grad_cast = (CAST_BYTES_PER_PARAM * params - fresh) / bw + fresh / ft + n_tensors * launch
+    param_cast = CAST_BYTES_PER_PARAM * params / bw + n_tensors * launch
+    adam_fresh = ADAM_FRESH_BYTES_PER_PARAM[impl] * params
     return {
-        "cpu.grad_cast": cast,
-        "cpu.adam": params / rate + n_tensors * ADAM_PASSES[impl] * launch,
-        "cpu.param_cast": 0.0 if impl == "deepspeed_cpu_adam" else cast,
+        "cpu.grad_cast": grad_cast,
+        "cpu.adam": params / rate + adam_fresh * (1.0 / ft - 1.0 / bw) + n_tensors * ADAM_PASSES[impl] * launch,
+        "cpu.param_cast": 0.0 if impl == "deepspeed_cpu_adam" else param_cast,
     }
 
 
