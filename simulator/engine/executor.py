@@ -173,6 +173,8 @@ class Executor:
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s > 0:
                 yield env.timeout(op.fixed_duration_s)
+        elif op.kind == OpKind.COMPUTE:
+            yield env.timeout(sys.cost.duration_s(op, sys.state))
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
             yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)

@@ -147,6 +147,7 @@ class DvfsRuntime:
         self.ctl = ClockController(env, self.state, gpu.max_sm_clock_mhz, latency, self._clock_changed)
         self.supported = tuple(gpu.supported_sm_clocks_mhz) or (gpu.max_sm_clock_mhz,)
         self.active: dict[tuple, Activity] = {}
+        self._dirty_t: float | None = None
         self._activity_cache: dict[tuple, Activity | None] = {}
         self._power_cache: dict[tuple, float] = {}
         self.policy = None
@@ -173,16 +174,30 @@ class DvfsRuntime:
             self.policy.on_op_start(op, self.ctl)
         act = self._activity(op)
         if act is not None:
+            self._flush()
             self.active[(step, op.id)] = act
             self._update()
 
     def on_op_end(self, op, step, system) -> None:
-        if self.active.pop((step, op.id), None) is not None:
-            self._update()
+        # Deferred: when the stream's next op starts at the same instant (the common case), the
+        # idle level in between lasts zero time and is never computed (see ``_flush``).
+        if self.active.pop((step, op.id), None) is not None and self._dirty_t is None:
+            self._dirty_t = self.env.now
+
+    def _flush(self) -> None:
+        """Commit a level change deferred by ``on_op_end`` if time has moved on since."""
+        t = self._dirty_t
+        if t is not None:
+            self._dirty_t = None
+            if t < self.env.now:
+                p = self._power()
+                if self.ledger.set(t, p):
+                    self._count(t, "power_w", p)
 
     def summarize(self, spans=None, steps=None, counters=None, summary=None) -> dict:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
         summary = summary or {}
+        self._update()  # commit any deferred level change
         measured = steps[~steps.warmup]
         n = max(len(measured), 1)
         w = int(steps.warmup.sum())
@@ -243,6 +258,7 @@ class DvfsRuntime:
         return p
 
     def _update(self) -> None:
+        self._flush()
         p = self._power()
         if self.ledger.set(self.env.now, p):
             self._count(self.env.now, "power_w", p)
@@ -264,6 +280,7 @@ class DvfsRuntime:
             if ctl.pending:  # wait until the last change has landed before judging again
                 continue
             now = env.now
+            self._flush()
             avg = self.ledger.average_w(max(0.0, now - self.window_s), now)
             if avg <= 0:
                 continue

@@ -15,18 +15,34 @@ class Recorder:
     """Collects spans (op executions) and counter samples (memory, clock, power levels)."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple] = []
+        self._spans: list[tuple] = []
         self.counters: list[tuple] = []
+        self._last: dict[tuple[str, str], int] = {}
 
     def span(self, step: int, op, start_s: float, end_s: float, stream: str | None = None) -> None:
         """Record that ``op`` ran from ``start_s`` to ``end_s`` (seconds) in ``step``."""
-        self.spans.append((
-            step, op.id, op.name, stream or op.stream, op.kind.value, op.phase.value, op.layer,
-            op.cost_class.value, start_s, end_s, op.flops, op.bytes_moved,
-        ))
+        self._spans.append((step, op, start_s, end_s, stream))
+
+    @property
+    def spans(self) -> list[tuple]:
+        """Spans as tuples in ``SPAN_COLUMNS`` order."""
+        return [
+            (step, op.id, op.name, stream or op.stream, op.kind.value, op.phase.value, op.layer,
+             op.cost_class.value, s, e, op.flops, op.bytes_moved)
+            for step, op, s, e, stream in self._spans
+        ]
 
     def counter(self, t_s: float, scope: str, metric: str, value: float) -> None:
-        """Record a level sample (the value holds from ``t_s`` until the next sample)."""
+        """Record a level sample (the value holds from ``t_s`` until the next sample).
+
+        Several samples of one counter at the same instant keep only the last.
+        """
+        key = (scope, metric)
+        i = self._last.get(key)
+        if i is not None and self.counters[i][0] == t_s:
+            self.counters[i] = (t_s, scope, metric, value)
+            return
+        self._last[key] = len(self.counters)
         self.counters.append((t_s, scope, metric, value))
 
     def spans_frame(self) -> pd.DataFrame:
