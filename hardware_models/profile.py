@@ -56,6 +56,9 @@ class EfficiencyProfile:
             ``cast``, ``optimizer``, ``copy``, ``reduction``, ``embedding``) -> achieved device
             memory bandwidth counting bytes read + written, bytes/s.
         kernel_fixed_s: GPU-side fixed time per kernel (launch latency on the device), s.
+        reference_hbm_bandwidth_bytes_per_s: The GPU's peak HBM bandwidth when the memory
+            bandwidths were measured; a GPU spec with another peak (an override, a what-if)
+            scales them in proportion (0 = use them as they are).
         launch_overhead_s: Host CPU time to dispatch one eager PyTorch op (framework + CUDA
             launch), s.
         launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per
@@ -75,6 +78,7 @@ class EfficiencyProfile:
     attention_efficiency: dict[str, float]
     memory_bandwidth_bytes_per_s: dict[str, float]
     kernel_fixed_s: float = 0.0
+    reference_hbm_bandwidth_bytes_per_s: float = 0.0
     launch_overhead_s: float = 0.0
     launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
     h2d_bytes_per_s: float = 0.0

@@ -96,6 +96,7 @@ def build(meas_path: Path) -> dict:
             "softmax": mem["softmax_bf16_GBps_rw"] * 1e9,
         },
         "kernel_fixed_s": mem["tiny_kernel_us_graph"] * 1e-6,
+        "reference_hbm_bandwidth_bytes_per_s": 4.8e12,  # hardware_models/presets/gpus/h200-sxm-141gb.yaml
         "launch_overhead_s": mem["tiny_kernel_us_eager"] * 1e-6,
         "h2d_bytes_per_s": bw_h2d,
         "d2h_bytes_per_s": bw_d2h,

@@ -71,6 +71,20 @@ def strip_sources(d: Any, sources: dict[str, str] | None = None, prefix: str = "
     return d
 
 
+#: Smallest plausible value of a bare number (no unit) per dimension; below it the user most
+#: likely meant a unit ("4.8" for "4.8 TB/s"), which would otherwise make runs absurdly slow.
+_BARE_MINIMUM = {"bytes_per_s": 1e6, "bytes": 1e3, "flops_per_s": 1e9}
+
+
+def _check_bare(value: Any, dim: str, path: str) -> None:
+    low = _BARE_MINIMUM.get(dim)
+    if low is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < low:
+        unit = {"bytes_per_s": "bytes/s", "bytes": "bytes", "flops_per_s": "FLOP/s"}[dim]
+        raise PresetError(f"{path}: a bare number is taken in {unit}: {value!r} is implausibly small; "
+                          f"give a unit, e.g. \"{value} TB/s\"" if dim == "bytes_per_s" else
+                          f"{path}: a bare number is taken in {unit}: {value!r} is implausibly small; give a unit")
+
+
 def convert_units(d: dict, where: str = "") -> dict:
     """Convert unit strings by field-name suffix (recursing into dicts keyed by dtype etc.).
 
@@ -83,10 +97,13 @@ def convert_units(d: dict, where: str = "") -> dict:
         dim = dimension_of(k)
         try:
             if dim and isinstance(v, dict):
+                for kk, vv in v.items():
+                    _check_bare(vv, dim, f"{path}.{kk}")
                 out[k] = {kk: parse_quantity(vv, dim) for kk, vv in v.items()}
             elif dim and isinstance(v, list):
                 out[k] = [parse_quantity(vv, dim) for vv in v]
             elif dim and v is not None:
+                _check_bare(v, dim, path)
                 out[k] = parse_quantity(v, dim)
             else:
                 out[k] = v
@@ -117,7 +134,13 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
         if cls is EfficiencyProfile:
             return EfficiencyProfile.from_dict(clean)
         return cls(**clean)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:
+        import re
+
+        missing = re.findall(r"'(\w+)'", str(exc)) if "missing" in str(exc) else []
+        msg = f"missing required key(s): {', '.join(missing)}" if missing else str(exc)
+        raise PresetError(f"{where}: {msg}") from None
+    except ValueError as exc:
         raise PresetError(f"{where}: {exc}") from None
 
 
@@ -138,10 +161,16 @@ def load_profile_file(path: str | Path) -> EfficiencyProfile:
         PresetError: a missing file or invalid content.
     """
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise PresetError(f"profile file {str(p)!r} does not exist")
-    with open(p) as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise PresetError(f"profile file {str(p)!r}: YAML syntax error{where}") from None
+    if not isinstance(data, dict):
+        raise PresetError(f"profile file {str(p)!r}: expected a mapping of profile fields")
     return build_spec(EfficiencyProfile, data, str(p))
 
 

@@ -48,12 +48,16 @@ class RooflineCostModel:
         self.gpu = gpu
         self.profile = profile
         self._cache: dict[tuple, tuple[float, float, float]] = {}
+        ref = profile.reference_hbm_bandwidth_bytes_per_s
+        #: achieved memory bandwidths follow the GPU's peak when it differs from the profile's
+        self._bw_scale = gpu.hbm_bandwidth_bytes_per_s / ref if ref else 1.0
 
     def memory_bandwidth(self, cost_class: CostClass) -> float:
         """Achieved bandwidth for a memory-bound kernel class, bytes/s (falls back on ``elementwise``)."""
         key = _MEMORY_CLASSES.get(cost_class, "elementwise")
         table = self.profile.memory_bandwidth_bytes_per_s
-        return table.get(key) or table.get("elementwise") or self.gpu.hbm_bandwidth_bytes_per_s
+        bw = table.get(key) or table.get("elementwise")
+        return bw * self._bw_scale if bw else self.gpu.hbm_bandwidth_bytes_per_s
 
     def gemm_compute_s(self, m: int, n: int, k: int, dtype: str) -> float:
         """GEMM time at the maximum clock from the tile/wave model, seconds (without fixed time)."""
