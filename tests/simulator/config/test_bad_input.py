@@ -79,3 +79,30 @@ def test_console_script_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "simulator", "run", str(p)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_implausible_bare_number_needs_a_unit(capsys):
+    """4.8 (no unit) would be 4.8 B/s and an endless run: rejected, asking for a unit."""
+    scen = str(ROOT / "scenarios/h200/gpt_184m_b8.yaml")
+    assert main(["run", scen, "--set", "hardware.gpu.overrides.hbm_bandwidth_bytes_per_s=4.8"]) == 2
+    err = capsys.readouterr().err
+    assert "hbm_bandwidth_bytes_per_s" in err and "give a unit" in err
+
+
+def test_profile_file_with_yaml_error(tmp_path, capsys):
+    bad = tmp_path / "prof.yaml"
+    bad.write_text("gemm: [1\n")
+    assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", f"hardware.profile={bad}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hardware.profile" in err and "YAML syntax error" in err and "\n" not in err
+
+
+def test_trace_verbs_reject_bad_arguments(tmp_path, capsys):
+    trace = str(ROOT / "tests/data/h200/trace_gpt_184m_b16.json.gz")
+    with pytest.raises(SystemExit) as e:
+        main(["replay", trace, "--steps", "foo"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    assert main(["calibrate", trace, "--scenario", str(ROOT / "scenarios/h200/gpt_184m_b16.yaml"),
+                 "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
