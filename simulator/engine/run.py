@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pandas as pd
 import simpy
@@ -15,10 +13,10 @@ from simulator.config.loader import resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.executor import Executor
 from simulator.engine.system import System
-from simulator.policies import apply_graph_policies, build_runtime
-from simulator.policies.registry import PolicyError, Runtime
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
+from simulator.policies import apply_graph_policies, build_runtime
+from simulator.policies.registry import PolicyError, Runtime
 from simulator.recording.recorder import Recorder
 
 
@@ -62,9 +60,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     Raises:
         SimulationError: the engine failed.
     """
-    random.seed(seed)
     env = simpy.Environment()
-    env.rng = np.random.default_rng(seed)
+    env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     rec = Recorder()
     system = System(env, hw, rec)
     runtime = build_runtime(cfg, hw, env, system) if cfg is not None else Runtime([])
