@@ -33,6 +33,14 @@ def format_summary(s: dict, name: str) -> str:
     cats = s.get("peak_memory_by_category_bytes") or {}
     if cats:
         lines.append("  at peak           " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
+    if s.get("peak_host_pinned_bytes") or s.get("peak_host_pageable_bytes"):
+        lines.append(f"peak host memory    {_fmt_bytes(s.get('peak_host_pinned_bytes', 0))} pinned, "
+                     f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
+    if "offload_cpu_optimizer_s" in s:
+        lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
+                     f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")
+    if s.get("step_latency_s"):
+        lines.append(f"step latency        {s['step_latency_s'] * 1e3:.1f} ms (steps overlap: delayed parameter update)")
     if s.get("data_stall_s"):
         lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step")
     if "energy_j_per_step" in s:
