@@ -15,6 +15,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "tests" / "data" / "h200" / "measurements.json"
+PAPER = ROOT / "tests" / "data" / "paper" / "paper_cases.yaml"
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,20 @@ def _h200_other_cases() -> list[Case]:
     return out
 
 
+def _paper_cases() -> list[Case]:
+    out = []
+    for gpu in ("V100", "A100"):
+        cid = f"MLM20-GPT2-1.2B-1x{gpu}"
+        out.append(Case(f"megatron2020_1b_1x{gpu.lower()}.step_time",
+                        f"scenarios/paper/megatron2020_gpt2_1p2b_1x{gpu.lower()}.yaml", "step_time_s",
+                        lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.15,
+                        f"paper_cases.yaml {cid} (Megatron-LM README, 2020)"))
+    return out
+
+
 def all_cases() -> list[Case]:
-    """Every bundled case: training steps, energy, offload and dataloader runs on the H200."""
-    return _h200_train_cases() + _h200_other_cases()
+    """Every bundled case: H200 training steps, energy, offload and dataloader runs; published cases."""
+    return _h200_train_cases() + _h200_other_cases() + _paper_cases()
 
 
 def _get(summary: dict, dotted: str) -> float:
@@ -113,7 +125,10 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
         if bad:
             raise ScenarioError(f"unknown validation case(s) {bad}; known: {sorted(known)}")
         cases = [c for c in cases if any(c.name == n or c.name.startswith(n) for n in names)]
+    import yaml
+
     meas = json.loads(H200.read_text())
+    meas["paper"] = {c["id"]: c for c in yaml.safe_load(PAPER.read_text())}
     results: dict[str, dict] = {}
     rows = []
     for c in cases:

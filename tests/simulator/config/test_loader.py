@@ -59,3 +59,11 @@ def test_scenarios_readme_is_up_to_date():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert (ROOT / "scenarios/README.md").read_text() == gen.render()
+
+
+def test_validate_command_subset_and_unknown_case(capsys):
+    assert main(["validate", "gpt_184m_b8.step_time", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["case"] == "gpt_184m_b8.step_time" and abs(rows[0]["error"]) < 0.10
+    assert main(["validate", "no_such_case"]) == 2
+    assert "unknown validation case" in capsys.readouterr().err
