@@ -139,8 +139,18 @@ def cmd_sweep(args) -> int:
     for key, values in factors.items():
         for v in values:
             load_scenario(args.scenario, list(args.set) + [f"{key}={v}"])
+    client = None
+    if args.dask_scheduler:
+        try:
+            from dask.distributed import Client
+        except ImportError:
+            raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
+        try:
+            client = Client(args.dask_scheduler, timeout="10s")
+        except OSError as exc:
+            raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect ({exc})") from None
     df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
-                   out_dir=args.out, progress=not args.json)
+                   out_dir=args.out, progress=not args.json, client=client)
     if args.json:
         print(df.to_json(orient="records"))
     else:
@@ -168,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factor", action="append", required=True, metavar="KEY=V1,V2,...")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    p.add_argument("--dask-scheduler", metavar="ADDRESS", help="run the points on a dask.distributed cluster")
     p.add_argument("--out", help="one output folder per point under here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
