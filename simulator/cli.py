@@ -17,6 +17,15 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
 
 
+def _busy_line(s: dict) -> list[str]:
+    """GPU compute-stream busy fraction, flagged when the host cannot keep the GPU fed."""
+    busy = (s.get("utilisation") or {}).get("compute")
+    if busy is None:
+        return []
+    note = "  (host-bound: the GPU waits for kernel launches or host work)" if busy < 0.85 else ""
+    return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]
+
+
 def format_summary(s: dict, name: str) -> str:
     """Human-readable summary of a run."""
     ph = s.get("phase_s", {})
@@ -28,6 +37,7 @@ def format_summary(s: dict, name: str) -> str:
         f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms)",
         f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
         f"MFU                 {s['mfu'] * 100:.1f} %",
+        *_busy_line(s),
         f"peak GPU memory     {_fmt_bytes(s['peak_memory_bytes'])} of {_fmt_bytes(s['gpu_memory_capacity_bytes'])}",
     ]
     cats = s.get("peak_memory_by_category_bytes") or {}
