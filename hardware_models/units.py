@@ -84,6 +84,9 @@ def _byte_power(unit: "pint.Unit") -> int:
     return int(sum(exp for name, exp in unit._units.items() if name.endswith(("byte", "bit"))))
 
 
+_WORDS = {"bytes": "size in bytes", "bytes_per_s": "bandwidth in bytes/s", "s": "time", "w": "power",
+          "j": "energy", "mhz": "frequency", "flops": "FLOP count", "flops_per_s": "FLOP rate"}
+
+
 def _wrong_dimension(value: object, dimension: str) -> str:
-    what = dimension.replace("_per_", "/")
-    return f"{value!r} is not a {what} quantity (expected e.g. {EXAMPLES[dimension]})"
+    return f"{value!r} is not a {_WORDS[dimension]} (expected e.g. {EXAMPLES[dimension]})"

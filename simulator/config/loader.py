@@ -75,7 +75,8 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     if kind == "missing":
         return f"{source}: {path}: required key is missing"
     msg = msg.replace("Value error, ", "")
-    extra = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    extra = (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list))
+             and repr(err["input"]) not in msg else "")
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {path}: {msg}{extra}{more}"
 

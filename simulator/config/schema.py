@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from simulator.config.quantities import Seconds
+
 from simulator.config.sections.offload import ActivationCheckpointingConfig, ZeroOptimizationConfig
 
 from simulator.config.sections.dataloader import DataLoaderConfig
@@ -39,8 +41,8 @@ class HardwareConfig(_Model):
     )
     pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
     host: PresetRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset.")
-    launch_overhead_s: float | None = Field(
-        default=None, ge=0, description="Override the host's per-op launch time, s (default: from the profile)."
+    launch_overhead_s: Seconds | None = Field(
+        default=None, ge=0, description='Override the host\'s per-op launch time ("10 us"; default: from the profile).'
     )
 
 
