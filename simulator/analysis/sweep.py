@@ -44,6 +44,8 @@ def _run_point(args) -> dict:
         for k in SUMMARY_COLUMNS:
             if k in res.summary:
                 row[k] = res.summary[k]
+        # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
+        row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         if out_dir:
             tag = "_".join(f"{k.split('.')[-1]}={v}" for k, v in point.items())
             write_outputs(res, Path(out_dir) / tag)
