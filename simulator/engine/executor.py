@@ -27,6 +27,8 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind
 
 HOST_STREAM = "host"
+# enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
+_COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 
 
 @dataclass
@@ -173,17 +175,17 @@ class Executor:
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s > 0:
                 yield env.timeout(op.fixed_duration_s)
-        elif op.kind == OpKind.COMPUTE:
+        elif op.kind is _COMPUTE:
             yield env.timeout(sys.cost.duration_s(op, sys.state))
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
             yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)
-        elif op.kind in (OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D):
-            yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind != OpKind.MEMCPY_D2D
+        elif op.kind is _COLLECTIVE or op.kind is _D2D:
+            yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind is not _D2D
                               else op.bytes_moved / sys.cost.memory_bandwidth(op.cost_class))
         elif op.kind in self.host_handlers:
             yield from self.host_handlers[op.kind](op, step)
-        elif op.kind == OpKind.HOST:
+        elif op.kind is _HOST:
             if op.host_s > 0:
                 yield env.timeout(op.host_s)
         # SYNC and DATALOADER without a handler take no time beyond their dependencies

@@ -147,6 +147,7 @@ class DvfsRuntime:
         self.ctl = ClockController(env, self.state, gpu.max_sm_clock_mhz, latency, self._clock_changed)
         self.supported = tuple(gpu.supported_sm_clocks_mhz) or (gpu.max_sm_clock_mhz,)
         self.active: dict[tuple, Activity] = {}
+        self._ids: list[int] = []  # op ids of ``active``, in insertion order (the power-cache key)
         self._dirty_t: float | None = None
         self._activity_cache: dict[tuple, Activity | None] = {}
         self._power_cache: dict[tuple, float] = {}
@@ -176,13 +177,16 @@ class DvfsRuntime:
         if act is not None:
             self._flush()
             self.active[(step, op.id)] = act
+            self._ids.append(op.id)
             self._update()
 
     def on_op_end(self, op, step, system) -> None:
         # Deferred: when the stream's next op starts at the same instant (the common case), the
         # idle level in between lasts zero time and is never computed (see ``_flush``).
-        if self.active.pop((step, op.id), None) is not None and self._dirty_t is None:
-            self._dirty_t = self.env.now
+        if self.active.pop((step, op.id), None) is not None:
+            self._ids.remove(op.id)
+            if self._dirty_t is None:
+                self._dirty_t = self.env.now
 
     def _flush(self) -> None:
         """Commit a level change deferred by ``on_op_end`` if time has moved on since."""
@@ -250,7 +254,7 @@ class DvfsRuntime:
 
     def _power(self) -> float:
         """Board power of the running ops at the current clocks (cached by running op set)."""
-        key = (tuple(op_id for _, op_id in self.active), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        key = (tuple(self._ids), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
         p = self._power_cache.get(key)
         if p is None:
             p = self._power_cache[key] = self.model.power_of(self.active.values(), self.state.sm_clock_mhz,
