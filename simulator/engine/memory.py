@@ -64,10 +64,10 @@ class MemoryPool:
     Args:
         name: Pool name.
         capacity_bytes: Capacity, bytes.
-        on_change: Callback ``(live_bytes)`` after every change (for the memory timeline).
+        clock: Callable returning the current simulated time, s (for the memory timeline).
     """
 
-    def __init__(self, name: str, capacity_bytes: float, on_change=None):
+    def __init__(self, name: str, capacity_bytes: float, clock=None):
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.live = 0
@@ -76,7 +76,9 @@ class MemoryPool:
         self.peak_by_category: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
         self.oom: OomEvent | None = None
-        self._on_change = on_change
+        self._clock = clock
+        #: ``(t_s, live_bytes)`` after every change; changes at one instant keep the last value
+        self.timeline: list[tuple[float, int]] = []
 
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
@@ -89,8 +91,17 @@ class MemoryPool:
         if self.live > self.capacity_bytes and self.oom is None:
             top = tuple(sorted(self.by_category.items(), key=lambda kv: -kv[1]))
             self.oom = OomEvent(self.name, tensor, t_s, nbytes, self.live, self.capacity_bytes, top)
-        if self._on_change:
-            self._on_change(self.live)
+        self._sample()
+
+    def _sample(self) -> None:
+        if self._clock is None:
+            return
+        t = self._clock()
+        tl = self.timeline
+        if tl and tl[-1][0] == t:
+            tl[-1] = (t, self.live)
+        else:
+            tl.append((t, self.live))
 
     def oom_message(self) -> str | None:
         """One line for the out-of-memory result, or None if everything fitted.
@@ -114,5 +125,4 @@ class MemoryPool:
             return
         self.live -= nbytes
         self.by_category[category(tensor)] -= nbytes
-        if self._on_change:
-            self._on_change(self.live)
+        self._sample()

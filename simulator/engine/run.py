@@ -70,6 +70,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         env.run(ex.start())
     except Exception as exc:  # pragma: no cover - engine bugs surface with the phase named
         raise SimulationError(f"run phase failed: {type(exc).__name__}: {exc}") from exc
+    rec.counters.extend(system.memory_counters())
     spans = rec.spans_frame()
     step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
     step_df["step_time_s"] = step_df.end_s - step_df.start_s

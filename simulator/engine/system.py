@@ -29,8 +29,12 @@ class System:
     Args:
         env: SimPy environment.
         hw: Hardware specs.
-        recorder: Recorder for memory counters.
+        recorder: The run's recorder (runtime components record counters through it).
     """
+
+    def memory_counters(self) -> list[tuple[float, str, str, int]]:
+        """Memory timelines of all pools as counter rows ``(t_s, scope, "memory_bytes", bytes)``."""
+        return [(t, pool.name, "memory_bytes", v) for pool in self.memory.values() for t, v in pool.timeline]
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder):
         self.env = env
@@ -47,12 +51,10 @@ class System:
         #: host time per launched op by phase (a scenario override applies to every phase)
         self.launch_overhead_by_phase_s = {} if hw.launch_overhead_s is not None else dict(p.launch_overhead_by_phase_s)
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
-        rec = recorder
+        clock = lambda: env.now  # noqa: E731
         self.memory = {
-            "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes,
-                              lambda v: rec.counter(env.now, "gpu0.hbm", "memory_bytes", v)),
+            "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
             "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_limit_bytes or hw.host_memory.capacity_bytes,
-                                      lambda v: rec.counter(env.now, "host.pinned", "memory_bytes", v)),
-            "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes,
-                                        lambda v: rec.counter(env.now, "host.pageable", "memory_bytes", v)),
+                                      clock),
+            "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes, clock),
         }

@@ -52,5 +52,6 @@ class Recorder:
         return df
 
     def counters_frame(self) -> pd.DataFrame:
-        """Counter samples as a DataFrame with ``COUNTER_COLUMNS``."""
-        return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order."""
+        df = pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        return df.sort_values("t_s", kind="stable", ignore_index=True)
