@@ -93,7 +93,7 @@ from functools import lru_cache
 import numpy as np
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import CostClass, Op, OpKind, Phase, TensorAlloc
+from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 

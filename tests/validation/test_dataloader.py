@@ -38,26 +38,20 @@ import json
 import numpy as np
 import pytest
 
-from simulator import load_scenario, run_scenario
 from tests.conftest import ROOT
+from tests.validation.common import check_rel, scenario_summary
 
 pytestmark = pytest.mark.validation
 MEAS = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["dataloader"]
 GPU_ONLY_MEAS_S = float(np.mean(MEAS["setup"]["gpu_only_step"]["step_s"]))
-_cache: dict[str, dict] = {}
 
 
 def summary(name: str) -> dict:
-    if name not in _cache:
-        _cache[name] = run_scenario(load_scenario(ROOT / f"scenarios/h200/{name}.yaml")).summary
-    return _cache[name]
+    return scenario_summary(f"h200/{name}.yaml")
 
 
 def check(pred: float, meas: float, tol: float, what: str) -> None:
-    err = pred / meas - 1
-    msg = f"{what}: measured {meas * 1e3:.3f} ms, predicted {pred * 1e3:.3f} ms, error {err:+.1%} (tolerance {tol:.0%})"
-    print(msg)
-    assert abs(err) <= tol, msg
+    check_rel(what, pred * 1e3, meas * 1e3, tol, " ms")
 
 
 def check_abs(pred: float, meas: float, tol_s: float, what: str) -> None:

@@ -24,23 +24,19 @@ import json
 
 import pytest
 
-from simulator import load_scenario, run_scenario
 from tests.conftest import ROOT
+from tests.validation.common import check_rel, scenario_summary
 
 pytestmark = pytest.mark.validation
 MEAS = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["train"]
-_cache: dict[int, dict] = {}
 
 
 def summary(b: int) -> dict:
-    if b not in _cache:
-        _cache[b] = run_scenario(load_scenario(ROOT / f"scenarios/h200/gpt_184m_b{b}.yaml")).summary
-    return _cache[b]
+    return scenario_summary(f"h200/gpt_184m_b{b}.yaml")
 
 
 def check(pred: float, meas: float, tol: float, what: str) -> None:
-    err = pred / meas - 1
-    assert abs(err) <= tol, f"{what}: measured {meas:.6g}, predicted {pred:.6g}, error {err:+.1%} (tolerance {tol:.0%})"
+    check_rel(what, pred, meas, tol)
 
 
 OPT_BW = pytest.mark.xfail(strict=True, reason="fused AdamW bandwidth taken from the elementwise microbenchmark")

@@ -40,6 +40,7 @@ import yaml
 
 from simulator import load_scenario, run_scenario
 from tests.conftest import ROOT
+from tests.validation.common import check_rel
 
 pytestmark = pytest.mark.validation
 
@@ -58,8 +59,7 @@ def paper():
 
 
 def _check(what: str, predicted: float, measured: float, tol: float) -> None:
-    err = predicted / measured - 1
-    assert abs(err) <= tol, f"{what}: measured {measured:.4g} s, predicted {predicted:.4g} s, error {err:+.1%} (tolerance {tol:.0%})"
+    check_rel(what, predicted, measured, tol, " s")
 
 
 CPU_XFAIL = pytest.mark.xfail(strict=True, reason="CPU step short even with first-touch bandwidth fitted in-sample to "
