@@ -9,8 +9,8 @@ out-of-sample for every parameter. Errors at the time of writing (predicted / me
 
     case   step     fwd     bwd     opt     peak memory
     b4     -8.9%  +13.3%  -14.5%  -12.9%   +0.5%
-    b8     -4.4%   -8.6%   +0.4%  -18.6%   +1.3%
-    b16    +6.5%  +11.1%   +6.1%  -18.3%   +1.9%
+    b8     -4.8%   -8.6%   -0.4%  -18.6%   +1.3%
+    b16    +6.3%  +11.1%   +5.7%  -18.3%   +1.9%
 
 The optimizer phase runs PyTorch's fused AdamW kernel at ~3.4 TB/s while the profile prices it at
 the 4.1 TB/s of the elementwise-add microbenchmark; that case is a known failure (strict xfail) so
