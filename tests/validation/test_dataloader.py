@@ -11,10 +11,10 @@ simulator (profile h200-sxm-141gb), ``worker_startup_s`` only moves the first ba
 Errors at the time of writing (predicted / measured - 1):
 
     case  quantity                         measured    predicted   error
-    w0    mean step time                   84.31 ms    79.01 ms    -6.3%
+    w0    mean step time                   84.31 ms    78.88 ms    -6.4%
     w0    mean data wait                   49.14 ms    48.45 ms    -1.4%
     w0    step minus GPU-only step (*)     48.21 ms    48.45 ms    +0.5%
-    w8    mean step time                   36.28 ms    30.57 ms   -15.7%   (known failure, see below)
+    w8    mean step time                   36.28 ms    30.43 ms   -16.1%   (known failure, see below)
     w8    mean data wait                    0.19 ms     0.00 ms   -100%    (0.5% of the step)
     w8    step minus GPU-only step (*)      0.18 ms     0.00 ms    n/a (0.5% of the step)
 
@@ -23,8 +23,8 @@ loader); predicted: the scenario's step minus gpt_184m_b8.yaml's step.
 
 * w8 step time misses because of the GPU step, not the loader: with 8 workers the loader adds
   nothing (measured wait 0.19 ms), and the same session's GPU-only step averaged 36.1 ms, 13% above
-  the 32.0 ms of ``train.gpt_184m_b8`` (another session) that the simulator's 30.57 ms matches
-  within 4.4%. Marked strict xfail so that a change shows up.
+  the 32.0 ms of ``train.gpt_184m_b8`` (another session) that the simulator's 30.4 ms matches
+  within 4.8%. Marked strict xfail so that a change shows up.
 * w8 data wait: 0.19 ms is the multi-process hand-off in ``next()`` (queue get, unpickling the
   shared-memory handles), which nothing in the setup measures; ``handoff_s`` defaults to 0, so a
   relative error is meaningless. The check is on the stall as a share of the step instead

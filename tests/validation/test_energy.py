@@ -10,9 +10,9 @@ load) and ONE dynamic coefficient, ``sm_w``, on **b16 only**. b4 and b8 are pred
 of writing (predicted / measured - 1; the step-time column is the simulator's, not fitted here):
 
     case   energy/step          avg power            step time
-    b4     10.48 vs 13.15 J  -20.3%   486 vs 577 W  -15.9%   -5.3%   (predicted, FAILS: xfail)
-    b8     18.41 vs 18.72 J   -1.7%   602 vs 579 W   +4.1%   -5.5%   (predicted)
-    b16    35.42 vs 34.37 J   +3.0%   609 vs 629 W   -3.2%   +6.5%   (fitted)
+    b4     10.43 vs 13.15 J  -20.7%   483 vs 577 W  -16.3%   -8.9%   (predicted, FAILS: xfail)
+    b8     18.34 vs 18.72 J   -2.0%   603 vs 579 W   +4.1%   -4.8%   (predicted)
+    b16    35.35 vs 34.37 J   +2.8%   609 vs 629 W   -3.2%   +6.3%   (fitted)
 
 b4 fails: the simulated b4 step is host-launch bound, so ~20% of it is GPU gaps priced at idle power
 (120 W at 1980 MHz), while the measured 577 W says the real GPU does not fall to idle power in
