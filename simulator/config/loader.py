@@ -70,8 +70,12 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     path = ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "(top level)"
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
+        import difflib
+
         allowed = _allowed_keys(model, loc)
-        return f"{source}: {path}: unknown key (allowed: {', '.join(allowed)})"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
     if kind == "missing":
         return f"{source}: {path}: required key is missing"
     msg = msg.replace("Value error, ", "")

@@ -106,3 +106,8 @@ def test_trace_verbs_reject_bad_arguments(tmp_path, capsys):
     assert main(["calibrate", trace, "--scenario", str(ROOT / "scenarios/h200/gpt_184m_b16.yaml"),
                  "--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_unknown_key_suggests_the_closest(capsys):
+    assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_sizee=4"]) == 2
+    assert "did you mean 'micro_batch_size'?" in capsys.readouterr().err
