@@ -24,6 +24,14 @@ class HostCpuSpec:
             the kernel before the write. Charged instead of ``memory_bandwidth_bytes_per_s`` for
             those bytes only (reads and in-place writes keep the memory bandwidth). 0 (default):
             no separate rate, fresh writes cost the same as in-place ones (the old behaviour).
+        launch_overhead_s: Host CPU time to dispatch one eager PyTorch op (framework + CUDA launch)
+            on this host, s; None (default): not measured (the machine falls back on a documented
+            generic value, see ``hardware_models.machine.resolve_launch_overhead``). A property of
+            the host CPU and software stack, not of the GPU: it moves with the host when the GPU is
+            swapped.
+        launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per launched
+            graph op, s, when fitted from a profiler trace taken on this host (used instead of
+            ``launch_overhead_s`` for those phases); empty: none.
         adam_params_per_s: CPU AdamW throughput with all cores, parameters/s, by implementation
             (``torch_foreach``, ``torch_single``, ``deepspeed_cpu_adam``); a list of
             ``(params, params_per_s)`` points to interpolate, smallest first.
@@ -35,16 +43,20 @@ class HostCpuSpec:
     memory_bandwidth_bytes_per_s: float
     adam_params_per_s: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     first_touch_bytes_per_s: float = 0.0
+    launch_overhead_s: float | None = None
+    launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: non-positive cores or bandwidth, or a negative first-touch bandwidth."""
+        """Raises: ValueError: non-positive cores or bandwidth, a negative first-touch bandwidth or launch time."""
         if self.cores <= 0:
             raise ValueError(f"cores must be > 0, got {self.cores}")
         if self.memory_bandwidth_bytes_per_s <= 0:
             raise ValueError("memory_bandwidth_bytes_per_s must be > 0")
         if self.first_touch_bytes_per_s < 0:
             raise ValueError("first_touch_bytes_per_s must be >= 0 (0: same as memory_bandwidth_bytes_per_s)")
+        if (self.launch_overhead_s or 0) < 0 or any(v < 0 for v in self.launch_overhead_by_phase_s.values()):
+            raise ValueError("launch_overhead_s and launch_overhead_by_phase_s must be >= 0 (None: not measured)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,10 +59,13 @@ class EfficiencyProfile:
         reference_hbm_bandwidth_bytes_per_s: The GPU's peak HBM bandwidth when the memory
             bandwidths were measured; a GPU spec with another peak (an override, a what-if)
             scales them in proportion (0 = use them as they are).
-        launch_overhead_s: Host CPU time to dispatch one eager PyTorch op (framework + CUDA
-            launch), s.
+        launch_overhead_s: Host CPU time to dispatch one eager PyTorch op, s, or None (default).
+            A host property: shipped GPU profiles leave it unset and the host preset carries it
+            (``HostCpuSpec.launch_overhead_s``); a profile file written by ``simulate calibrate``
+            may carry a value fitted on the traced host, which then takes precedence
+            (``hardware_models.machine.resolve_launch_overhead``).
         launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per
-            launched graph op, s, when fitted from a trace (overrides ``launch_overhead_s``).
+            launched graph op, s, when fitted from a trace by ``simulate calibrate`` (same rule).
         h2d_bytes_per_s / d2h_bytes_per_s: Pinned copy bandwidth, bytes/s.
         pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s: Pageable copy bandwidth, bytes/s.
         duplex_bytes_per_s: Both directions together, bytes/s.
@@ -79,7 +82,7 @@ class EfficiencyProfile:
     memory_bandwidth_bytes_per_s: dict[str, float]
     kernel_fixed_s: float = 0.0
     reference_hbm_bandwidth_bytes_per_s: float = 0.0
-    launch_overhead_s: float = 0.0
+    launch_overhead_s: float | None = None
     launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
     h2d_bytes_per_s: float = 0.0
     d2h_bytes_per_s: float = 0.0
@@ -99,7 +102,7 @@ class EfficiencyProfile:
         for k, v in self.memory_bandwidth_bytes_per_s.items():
             if v <= 0:
                 raise ValueError(f"memory_bandwidth_bytes_per_s.{k} must be > 0, got {v}")
-        if self.kernel_fixed_s < 0 or self.launch_overhead_s < 0 or self.copy_latency_s < 0:
+        if self.kernel_fixed_s < 0 or (self.launch_overhead_s or 0) < 0 or self.copy_latency_s < 0:
             raise ValueError("overheads must be >= 0")
 
     @classmethod

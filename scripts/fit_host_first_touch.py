@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     from hardware_models import presets
 
     host_bw = presets.get("hosts", HOST)[0].memory_bandwidth_bytes_per_s
-    launch = presets.get("profiles", PROFILE).launch_overhead_s
+    launch = presets.get("hosts", HOST)[0].launch_overhead_s  # the eager per-op time (moved from the profile)
     rows = passes(Path(args.trace))
     print(f"host_bw {host_bw / 1e9:.2f} GB/s (read + write), launch {launch * 1e6:.2f} us/tensor op")
     print(f"{'step':14s} {'op':24s} {'role':26s} {'n':>4s} {'read MB':>8s} {'inpl MB':>8s} {'new MB':>8s} "

@@ -38,7 +38,9 @@ def format_summary(s: dict, name: str) -> str:
         f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
         f"MFU                 {s['mfu'] * 100:.1f} %",
         *_busy_line(s),
-        f"peak GPU memory     {_fmt_bytes(s['peak_memory_bytes'])} of {_fmt_bytes(s['gpu_memory_capacity_bytes'])}",
+        f"peak GPU memory     {_fmt_bytes(s.get('peak_device_memory_bytes', s['peak_memory_bytes']))} of "
+        f"{_fmt_bytes(s['gpu_memory_capacity_bytes'])}  (tensors {_fmt_bytes(s['peak_memory_bytes'])}; the rest is "
+        "CUDA context and allocator reserve)",
     ]
     cats = s.get("peak_memory_by_category_bytes") or {}
     if cats:
@@ -57,6 +59,7 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average")
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
+    lines += [f"warning             {w}" for w in s.get("warnings") or []]
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ def _run_point(args) -> dict:
                 row[k] = res.summary[k]
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
+        row["profile"] = res.summary.get("profile")  # "generic:..." = unfitted GPU profile (see summary warnings)
         if out_dir:
             tag = "_".join(f"{k.split('.')[-1]}={v}" for k, v in point.items())
             write_outputs(res, Path(out_dir) / tag)

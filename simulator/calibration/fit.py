@@ -138,7 +138,8 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
 
         raise ScenarioError("give one --scenario for all traces or one per trace")
     cfgs = [load_scenario(p, ["run.steps=3", "run.warmup_steps=1"]) for p in scenario_paths]
-    base = resolve_hardware(cfgs[0], str(scenario_paths[0])).profile
+    base_hw = resolve_hardware(cfgs[0], str(scenario_paths[0]))
+    base = base_hw.profile
     imports = [load_kineto(t, steps=-1) for t in traces]
     measured = [measured_class_times(i) for i in imports]
     before = [simulated_class_times(run_scenario(c)) for c in cfgs]
@@ -151,7 +152,7 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     host = {}
     try:
         graph = build_graph(cfgs[0])
-        fit = fit_launch_overhead(read_trace_json(traces[0]), graph, base.launch_overhead_s)
+        fit = fit_launch_overhead(read_trace_json(traces[0]), graph, base_hw.launch.per_op_s)
         prof = dataclasses.replace(prof, launch_overhead_by_phase_s=fit["launch_overhead_by_phase_s"])
         host = {"profiler_inflation": round(fit["profiler_inflation"], 4)}
     except ValueError as exc:

@@ -153,7 +153,7 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
         gemm={"bf16": GemmEfficiency(0.7), "fp16": GemmEfficiency(0.7), "fp32": GemmEfficiency(0.7)},
         attention_efficiency={"fwd": 0.35, "bwd": 0.30},
         memory_bandwidth_bytes_per_s={"elementwise": bw},
-        kernel_fixed_s=2e-6, launch_overhead_s=10e-6,
+        kernel_fixed_s=2e-6,  # host dispatch time: the host's (hardware_models.machine.resolve_launch_overhead)
         h2d_bytes_per_s=pcie.bandwidth_bytes_per_s, d2h_bytes_per_s=pcie.bandwidth_bytes_per_s,
         pageable_h2d_bytes_per_s=pcie.pageable_h2d_bytes_per_s, pageable_d2h_bytes_per_s=pcie.pageable_d2h_bytes_per_s,
         duplex_bytes_per_s=pcie.duplex_bandwidth_bytes_per_s, copy_latency_s=pcie.latency_s,

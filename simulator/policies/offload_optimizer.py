@@ -165,7 +165,7 @@ def first_touch_bw(hw) -> float:
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw) -> dict[str, float]:
     """Seconds of the three CPU ops of one offloaded optimizer step (see the module docstring)."""
     rate, _ = cpu_adam_rate(params, impl, hw)
-    launch = hw.launch_overhead_s if hw.launch_overhead_s is not None else hw.profile.launch_overhead_s
+    launch = hw.launch.per_op_s
     bw = hw.host_cpu.memory_bandwidth_bytes_per_s
     ft = first_touch_bw(hw)
     fresh = GRAD_CAST_FRESH_BYTES_PER_PARAM * params

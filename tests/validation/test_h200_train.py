@@ -12,6 +12,13 @@ out-of-sample for every parameter. Errors at the time of writing (predicted / me
     b8     -4.8%   -8.6%   -0.4%  -18.6%   +1.3%
     b16    +6.3%  +11.1%   +5.7%  -18.3%   +1.9%
 
+Peak memory compares like with like: ``peak_mem_bytes`` in measurements.json is taken to be
+``torch.cuda.max_memory_allocated()`` (tensor bytes; the file records no reserved or nvidia-smi
+figure, and a device-level reading would hold the ~0.4 GB CUDA context, which the +0.5% match of
+the tensor count leaves no room for), so the test checks ``peak_memory_allocated_bytes``. The
+device-level ``peak_device_memory_bytes`` (context + allocator reserve, the OOM check) is
++7.8% / +6.3% / +5.2% above that figure.
+
 The optimizer phase runs PyTorch's fused AdamW kernel at ~3.4 TB/s while the profile prices it at
 the 4.1 TB/s of the elementwise-add microbenchmark; that case is a known failure (strict xfail) so
 that a fix shows up. With the microbenchmark-only profile (h200-sxm-141gb-micro) b4 is -29.7%:
@@ -49,7 +56,10 @@ def test_step_time_within_10_percent(b):
 
 @pytest.mark.parametrize("b", [4, 8, 16])
 def test_peak_memory_within_15_percent(b):
-    check(summary(b)["peak_memory_bytes"], MEAS[f"gpt_184m_b{b}"]["peak_mem_bytes"], 0.15, f"b{b} peak memory")
+    """Allocated tensor bytes vs the measured max_memory_allocated (see the module docstring)."""
+    s = summary(b)
+    check(s["peak_memory_allocated_bytes"], MEAS[f"gpt_184m_b{b}"]["peak_mem_bytes"], 0.15, f"b{b} peak memory")
+    assert s["peak_device_memory_bytes"] > s["peak_memory_reserved_bytes"] > s["peak_memory_allocated_bytes"]
 
 
 @pytest.mark.parametrize("b,phase", [
