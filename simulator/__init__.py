@@ -11,7 +11,7 @@ Public API::
 from simulator.analysis.results import SimulationResult
 from simulator.config.errors import ScenarioError
 from simulator.config.loader import load_scenario, scenario_from_dict
-from simulator.engine.run import SimulationError, run_scenario
+from simulator.api import SimulationError, run_scenario
 from simulator.recording.writers import write_outputs
 
 __all__ = [

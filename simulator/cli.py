@@ -128,7 +128,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from simulator.analysis.validation import validation_table
+    from simulator.studies.validation import validation_table
 
     df = validation_table(args.case or None)
     if args.json:
@@ -140,7 +140,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from simulator.analysis.sweep import parse_factor, run_sweep
+    from simulator.studies.sweep import parse_factor, run_sweep
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
     from simulator.config.errors import ScenarioError
-    from simulator.engine.run import SimulationError
+    from simulator.api import SimulationError
     from simulator.policies.registry import PolicyError
 
     import warnings

@@ -37,10 +37,10 @@ def run(args) -> int:
     """Run the verb; prints the table and the answer. Returns the exit status."""
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
-    from simulator.analysis.whatif_dataloader import min_workers_without_stall, workers_sweep
+    from simulator.studies.whatif_dataloader import min_workers_without_stall, workers_sweep
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
-    from simulator.engine.run import SimulationError
+    from simulator.api import SimulationError
 
     try:
         if args.max_workers < 0:

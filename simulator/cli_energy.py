@@ -50,10 +50,10 @@ def run(args) -> int:
 
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
-    from simulator.analysis.pareto import energy_time_pareto
+    from simulator.studies.pareto import energy_time_pareto
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
-    from simulator.engine.run import SimulationError
+    from simulator.api import SimulationError
 
     try:
         clocks = _floats(args.clocks, "--clocks") if args.clocks else None

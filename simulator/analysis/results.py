@@ -13,7 +13,7 @@ class SimulationResult:
     """Everything a run produced.
 
     Attributes:
-        summary: Headline metrics (see ``simulator.analysis.metrics.summarize``).
+        summary: Headline metrics (see ``simulator.analysis.summary.summarize``).
         spans: One row per op execution (``recording.recorder.SPAN_COLUMNS`` + ``duration_s``).
         counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``.
         steps: One row per step: ``step, start_s, end_s, step_time_s, warmup``.

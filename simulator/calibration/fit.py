@@ -128,7 +128,7 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     """
     from simulator.calibration.host_overhead import fit_launch_overhead
     from simulator.config.loader import load_scenario, resolve_hardware
-    from simulator.engine.run import build_graph, run_scenario, simulate_graph
+    from simulator.api import build_graph, run_scenario, simulate_graph
     from simulator.graph.importers.kineto import load_kineto, read_trace_json
 
     if len(scenario_paths) == 1:

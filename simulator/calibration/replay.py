@@ -178,7 +178,7 @@ def replay(path: str | Path, steps="all", gpu: str | None = None, pcie_speedup: 
     Raises:
         TraceImportError: unreadable or unsupported trace.
     """
-    from simulator.engine.run import simulate_graph
+    from simulator.api import simulate_graph
     from simulator.graph.importers.kineto import load_kineto
 
     if str(path).endswith((".et", ".et.gz")):
@@ -210,7 +210,7 @@ def replay(path: str | Path, steps="all", gpu: str | None = None, pcie_speedup: 
 
 def _replay_chakra(path: str | Path) -> dict:
     """Replay a Chakra execution trace: nodes keep their ``duration_micros``; there is no measured step."""
-    from simulator.engine.run import simulate_graph
+    from simulator.api import simulate_graph
     from simulator.graph.importers.chakra import load_chakra
 
     imp = load_chakra(path)

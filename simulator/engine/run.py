@@ -1,23 +1,24 @@
-"""``run_scenario``: build -> elaborate -> run -> collect. Touches no files."""
+"""``run_graph``: repeat a step graph on a machine and return the raw records. Touches no files.
+
+The engine knows graphs and machine specs, not scenarios: what a scenario attaches at run time
+(DVFS controllers, dataloaders) comes in through ``attach``, and the headline summary is
+computed from the records by ``simulator.analysis.summary``.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
 import simpy
 
 from hardware_models.machine import Hardware
-from simulator.analysis import metrics
-from simulator.analysis.results import SimulationResult
-from simulator.config.loader import resolve_hardware
-from simulator.config.schema import ScenarioConfig
 from simulator.engine.executor import Executor
-from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
+from simulator.engine.memory import DeviceMemoryOverheads
 from simulator.engine.system import System
-from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
-from simulator.policies import apply_graph_policies, build_runtime
-from simulator.policies.registry import PolicyError, Runtime
 from simulator.recording.recorder import Recorder
 
 
@@ -25,38 +26,52 @@ class SimulationError(RuntimeError):
     """A run failed; the message names the phase (build, run, collect)."""
 
 
-def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
-    """The builder's view of a scenario's model, batch and precision."""
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
-    per_step = t.micro_batch_size * p.data_parallel_size
-    gbs = t.global_batch_size or per_step
-    return TransformerSpec(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
-        tied_embeddings=not m.untie_embeddings_and_output_weights, bias=m.add_bias_linear,
-        precision=t.precision, optimizer_impl=t.optimizer.impl,
-        recompute=t.recompute_granularity or "none", data_parallel_size=p.data_parallel_size,
-    )
+@dataclass(frozen=True)
+class RunRecords:
+    """What one engine run recorded.
+
+    Attributes:
+        spans: One row per op execution (``recording.recorder.SPAN_COLUMNS`` + ``duration_s``).
+        counters: Level samples ``t_s, scope, metric, value`` (memory, clocks, power).
+        steps: One row per step: ``step, start_s, end_s, step_time_s``, seconds.
+        memory: Memory pools by name (``gpu``, ``host_pinned``, ``host_pageable``), each with
+            ``capacity_bytes``, ``peak``, ``peak_by_category``, ``oom`` and ``oom_message()``.
+    """
+
+    spans: pd.DataFrame
+    counters: pd.DataFrame
+    steps: pd.DataFrame
+    memory: dict[str, Any]
 
 
-def build_graph(cfg: ScenarioConfig) -> OpGraph:
-    """The step graph of a scenario."""
-    return build_gpt_step(transformer_spec(cfg))
+class _NoRuntime:
+    components: list = []
+
+    def hooks(self) -> list:
+        return []
+
+    def host_handlers(self) -> dict:
+        return {}
 
 
-def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int = 0, seed: int = 0,
-                   config: dict | None = None, cfg: ScenarioConfig | None = None) -> SimulationResult:
-    """Run ``steps`` repetitions of ``graph`` on ``hw`` and summarise.
+def run_graph(graph: OpGraph, hw: Hardware, steps: int, seed: int = 0,
+              attach: Callable[[simpy.Environment, System], Any] | None = None,
+              overheads: DeviceMemoryOverheads | None = None) -> tuple[RunRecords, Any]:
+    """Run ``steps`` repetitions of ``graph`` on ``hw``.
 
     Args:
         graph: Step graph.
         hw: Machine specs.
         steps: Steps to simulate (>= 1).
-        warmup_steps: Leading steps excluded from the metrics.
-        seed: Seed of the run's random generator (stochastic models draw from it).
-        config: Resolved config to attach to the result.
-        cfg: The scenario, when there is one: runtime components (DVFS, dataloader...) attach from it.
+        seed: Seed of the run's random generator ``env.rng`` (stochastic models draw from it).
+        attach: ``attach(env, system)`` returns the run's runtime components (an object with
+            ``hooks()``, ``host_handlers()`` and ``components``), or None for none.
+        overheads: The GPU's non-tensor memory (CUDA context, allocator reserve); None counts
+            tensors only.
+
+    Returns:
+        ``(records, runtime)``: the raw records and the attached runtime (whose components
+        may add metrics to the summary).
 
     Raises:
         SimulationError: the engine failed.
@@ -65,115 +80,14 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     rec = Recorder()
     system = System(env, hw, rec)
-    # CUDA context and allocator reserve: from the scenario's memory section (documented defaults);
-    # a bare graph run (no scenario) counts tensors only
-    system.memory["gpu"].overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
-    runtime = build_runtime(cfg, hw, env, system) if cfg is not None else Runtime([])
+    system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
+    runtime = attach(env, system) if attach is not None else _NoRuntime()
     ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers())
     try:
         env.run(ex.start())
     except Exception as exc:  # pragma: no cover - engine bugs surface with the phase named
         raise SimulationError(f"run phase failed: {type(exc).__name__}: {exc}") from exc
     rec.counters.extend(system.memory_counters())
-    spans = rec.spans_frame()
     step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
     step_df["step_time_s"] = step_df.end_s - step_df.start_s
-    step_df["warmup"] = step_df.step < warmup_steps
-    summary = summarize(graph, hw, system, spans, step_df)
-    summary["warnings"] = run_warnings(hw, cfg)
-    counters = rec.counters_frame()
-    for comp in runtime.components:
-        if hasattr(comp, "summarize"):
-            summary.update(comp.summarize(spans=spans, steps=step_df, counters=counters, summary=summary))
-    return SimulationResult(summary, spans, counters, step_df, config or {})
-
-
-def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
-    """The scenario's non-tensor GPU memory (``memory:`` section; documented defaults for unset keys)."""
-    m = cfg.memory
-    return default_overheads(m.cuda_context_bytes, m.allocator_reserve_fraction)
-
-
-def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
-    """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
-    out = []
-    if hw.profile.name.startswith("generic:"):
-        out.append(f"generic GPU profile {hw.profile.name!r}: no fitted efficiency profile for this GPU, so GEMM and "
-                   "memory-kernel efficiencies are assumed (70% / 80% of peak); comparisons with a fitted GPU "
-                   "(h200-sxm-141gb) mix measured and assumed numbers")
-    if hw.launch.source == "generic":
-        out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
-                   f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
-    z = getattr(cfg, "zero_optimization", None)
-    if z is not None and z.stage >= 1 and z.offload_optimizer.device == "none" and z.offload_param.device == "none":
-        out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
-                   "partition model states across data-parallel ranks (multi-GPU is not yet simulated)")
-    return out
-
-
-def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame, steps: pd.DataFrame) -> dict:
-    """Headline metrics of a run (SI units; per GPU unless named otherwise).
-
-    Memory keys: ``peak_memory_bytes`` (= ``peak_memory_allocated_bytes``) counts tensors, as
-    ``torch.cuda.max_memory_allocated()``; ``peak_memory_reserved_bytes`` adds the caching
-    allocator's reserve (``max_memory_reserved()``); ``peak_device_memory_bytes`` adds the CUDA
-    context too (what ``nvidia-smi`` shows) and is what is checked against the capacity (``oom``).
-    ``peak_memory_by_category_bytes`` sums to ``peak_device_memory_bytes`` (categories
-    ``cuda_context`` and ``allocator_reserve`` besides the tensors'); ``memory_overheads`` gives the
-    two values used and whether each was assumed (a documented default) or set by the scenario.
-    """
-    measured = steps[~steps.warmup]
-    step_time = float(measured.step_time_s.mean())
-    gpu_mem = system.memory["gpu"]
-    oom = [p.oom_message() for p in system.memory.values() if p.oom is not None]
-    util = metrics.utilisation(spans, steps)
-    split = metrics.phase_split(spans, steps)
-    return {
-        "step_time_s": step_time,
-        "samples_per_s": graph.samples_per_step / step_time if step_time else 0.0,
-        "tokens_per_s": graph.tokens_per_step / step_time if step_time else 0.0,
-        "mfu": metrics.mfu(graph.model_flops_per_step, step_time, hw.gpu.peak("bf16")),
-        "model_flops_per_step": graph.model_flops_per_step,
-        "peak_memory_bytes": int(gpu_mem.peak),
-        "peak_memory_allocated_bytes": int(gpu_mem.peak),
-        "peak_memory_reserved_bytes": int(gpu_mem.peak) + gpu_mem.overheads.reserve_bytes(gpu_mem.peak),
-        "peak_device_memory_bytes": gpu_mem.peak_device_bytes,
-        "peak_memory_by_category_bytes": {k: int(v) for k, v in gpu_mem.by_category_with_overheads(
-            gpu_mem.peak_by_category, gpu_mem.peak).items() if v},
-        "memory_overheads": {"cuda_context_bytes": gpu_mem.overheads.cuda_context_bytes,
-                             "allocator_reserve_fraction": gpu_mem.overheads.allocator_reserve_fraction,
-                             "sources": dict(gpu_mem.overheads.sources)},
-        "gpu_memory_capacity_bytes": float(gpu_mem.capacity_bytes),
-        "peak_host_pinned_bytes": int(system.memory["host_pinned"].peak),
-        "peak_host_pageable_bytes": int(system.memory["host_pageable"].peak),
-        "oom": oom[0] if oom else None,
-        "phase_s": split,
-        "data_stall_s": 0.0,
-        "exposed_comm_s": 0.0,
-        "utilisation": util,
-        "num_ops": len(graph),
-        "steps_simulated": int(len(steps)),
-        "warmup_steps": int(steps.warmup.sum()),
-        "gpu": hw.gpu.name,
-        "profile": hw.profile.name,
-        "launch_overhead_source": hw.launch.source,
-    }
-
-
-def run_scenario(cfg: ScenarioConfig) -> SimulationResult:
-    """Simulate a validated scenario.
-
-    Raises:
-        ScenarioError: presets do not resolve.
-        PolicyError: a policy's parameters are invalid for this scenario.
-        SimulationError: the engine failed.
-    """
-    hw = resolve_hardware(cfg)
-    try:
-        graph = apply_graph_policies(build_graph(cfg), cfg, hw)
-    except PolicyError:
-        raise
-    except ValueError as exc:
-        raise SimulationError(f"build phase failed: {exc}") from exc
-    return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                          cfg.model_dump(mode="json"), cfg)
+    return RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory), runtime

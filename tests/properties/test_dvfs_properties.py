@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator.config.loader import resolve_hardware, scenario_from_dict
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import CostClass, OpKind, Phase
 from tests.conftest import ROOT

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hardware_models.fabrics import FluidNetwork
 from simulator.analysis.metrics import busy_time
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import OpKind
 from tests.conftest import make_hw

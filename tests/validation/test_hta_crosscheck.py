@@ -13,7 +13,7 @@ import pytest
 
 from simulator.analysis.breakdown import temporal_breakdown
 from simulator.calibration.replay import replay_hardware
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.importers.kineto import load_kineto
 from tests.conftest import ROOT
 

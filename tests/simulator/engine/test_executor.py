@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import CostClass, OpKind, TensorAlloc
 from tests.conftest import make_hw

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from simulator.config.loader import scenario_from_dict
 from simulator.engine.memory import (DEFAULT_ALLOCATOR_RESERVE_FRACTION, DEFAULT_CUDA_CONTEXT_BYTES,
                                      DeviceMemoryOverheads, MemoryPool)
-from simulator.engine.run import run_scenario
+from simulator.api import run_scenario
 
 
 def test_demand_adds_context_and_reserve_worked_by_hand():

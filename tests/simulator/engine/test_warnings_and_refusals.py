@@ -10,7 +10,7 @@ import pytest
 from simulator.cli import format_summary
 from simulator.config.errors import ScenarioError
 from simulator.config.loader import load_scenario
-from simulator.engine.run import run_scenario
+from simulator.api import run_scenario
 from tests.conftest import ROOT
 
 B4 = ROOT / "scenarios/h200/gpt_184m_b4.yaml"

@@ -9,7 +9,7 @@ import pytest
 
 from hardware_models.host import HostCpuSpec, HostMemorySpec
 from simulator import ScenarioError, load_scenario, run_scenario, scenario_from_dict
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import OpKind
 from simulator.policies.offload_optimizer import (

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from simulator import load_scenario, run_scenario, scenario_from_dict
-from simulator.analysis.whatif import largest_fitting, with_overrides
-from simulator.engine.run import simulate_graph
+from simulator.studies.whatif import largest_fitting, with_overrides
+from simulator.api import simulate_graph
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import OpKind

@@ -51,7 +51,7 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
         DataFrame with ``COLUMNS``; ``df.attrs["largest"]`` is the largest value that fits
         (``None`` if none does), ``df.attrs["key"]`` the key.
     """
-    from simulator.engine.run import SimulationError, run_scenario
+    from simulator.api import SimulationError, run_scenario
 
     rows = []
     for v in values:

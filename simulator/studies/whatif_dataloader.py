@@ -7,7 +7,7 @@ is negligible (at most ``stall_tolerance`` of the step time, default 1%).
 Example::
 
     from simulator import load_scenario
-    from simulator.analysis.whatif_dataloader import min_workers_without_stall
+    from simulator.studies.whatif_dataloader import min_workers_without_stall
     n, df = min_workers_without_stall(load_scenario("scenarios/h200/dataloader_w0.yaml"), max_workers=8)
 """
 
@@ -22,7 +22,7 @@ from hardware_models.dataloader import OversubscribedCpuWarning
 from simulator.config.errors import ScenarioError
 from simulator.config.loader import scenario_from_dict
 from simulator.config.schema import ScenarioConfig
-from simulator.engine.run import run_scenario
+from simulator.api import run_scenario
 
 COLUMNS = ("num_workers", "step_time_s", "data_stall_s", "stall_fraction", "samples_per_s",
            "worker_utilisation", "host_cpu_busy_cores", "oversubscribed")

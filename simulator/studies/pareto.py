@@ -56,7 +56,7 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
     Raises:
         ValueError: both ``clocks`` and ``power_caps`` given, or a power cap out of range.
     """
-    from simulator.engine.run import run_scenario
+    from simulator.api import run_scenario
 
     if clocks is not None and power_caps is not None:
         raise ValueError("give clocks or power_caps, not both")

@@ -35,7 +35,7 @@ def parse_factor(text: str) -> tuple[str, list]:
 def _run_point(args) -> dict:
     scenario, overrides, point, out_dir = args
     from simulator.config.loader import load_scenario
-    from simulator.engine.run import run_scenario
+    from simulator.api import run_scenario
     from simulator.recording.writers import write_outputs
 
     row = dict(point)

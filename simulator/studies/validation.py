@@ -116,7 +116,7 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
     """
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
-    from simulator.engine.run import run_scenario
+    from simulator.api import run_scenario
 
     cases = all_cases()
     if names:

@@ -1,0 +1,68 @@
+"""The headline summary of a run, computed from its raw records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from hardware_models.machine import Hardware
+from simulator.analysis import metrics
+from simulator.graph.op_graph import OpGraph
+
+
+def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.DataFrame,
+              steps: pd.DataFrame) -> dict:
+    """Headline metrics of a run (SI units; per GPU unless named otherwise).
+
+    Memory keys: ``peak_memory_bytes`` (= ``peak_memory_allocated_bytes``) counts tensors, as
+    ``torch.cuda.max_memory_allocated()``; ``peak_memory_reserved_bytes`` adds the caching
+    allocator's reserve (``max_memory_reserved()``); ``peak_device_memory_bytes`` adds the CUDA
+    context too (what ``nvidia-smi`` shows) and is what is checked against the capacity (``oom``).
+    ``peak_memory_by_category_bytes`` sums to ``peak_device_memory_bytes`` (categories
+    ``cuda_context`` and ``allocator_reserve`` besides the tensors'); ``memory_overheads`` gives the
+    two values used and whether each was assumed (a documented default) or set by the scenario.
+
+    Args:
+        graph: The step graph that ran.
+        hw: The machine it ran on.
+        memory: The run's memory pools by name (``simulator.engine.run.RunRecords.memory``).
+        spans: The run's spans.
+        steps: One row per step with ``step, start_s, end_s, step_time_s, warmup``.
+    """
+    measured = steps[~steps.warmup]
+    step_time = float(measured.step_time_s.mean())
+    gpu_mem = memory["gpu"]
+    oom = [p.oom_message() for p in memory.values() if p.oom is not None]
+    util = metrics.utilisation(spans, steps)
+    split = metrics.phase_split(spans, steps)
+    return {
+        "step_time_s": step_time,
+        "samples_per_s": graph.samples_per_step / step_time if step_time else 0.0,
+        "tokens_per_s": graph.tokens_per_step / step_time if step_time else 0.0,
+        "mfu": metrics.mfu(graph.model_flops_per_step, step_time, hw.gpu.peak("bf16")),
+        "model_flops_per_step": graph.model_flops_per_step,
+        "peak_memory_bytes": int(gpu_mem.peak),
+        "peak_memory_allocated_bytes": int(gpu_mem.peak),
+        "peak_memory_reserved_bytes": int(gpu_mem.peak) + gpu_mem.overheads.reserve_bytes(gpu_mem.peak),
+        "peak_device_memory_bytes": gpu_mem.peak_device_bytes,
+        "peak_memory_by_category_bytes": {k: int(v) for k, v in gpu_mem.by_category_with_overheads(
+            gpu_mem.peak_by_category, gpu_mem.peak).items() if v},
+        "memory_overheads": {"cuda_context_bytes": gpu_mem.overheads.cuda_context_bytes,
+                             "allocator_reserve_fraction": gpu_mem.overheads.allocator_reserve_fraction,
+                             "sources": dict(gpu_mem.overheads.sources)},
+        "gpu_memory_capacity_bytes": float(gpu_mem.capacity_bytes),
+        "peak_host_pinned_bytes": int(memory["host_pinned"].peak),
+        "peak_host_pageable_bytes": int(memory["host_pageable"].peak),
+        "oom": oom[0] if oom else None,
+        "phase_s": split,
+        "data_stall_s": 0.0,
+        "exposed_comm_s": 0.0,
+        "utilisation": util,
+        "num_ops": len(graph),
+        "steps_simulated": int(len(steps)),
+        "warmup_steps": int(steps.warmup.sum()),
+        "gpu": hw.gpu.name,
+        "profile": hw.profile.name,
+        "launch_overhead_source": hw.launch.source,
+    }

@@ -1,0 +1,117 @@
+"""The thin API every study, the CLI and the notebooks call: scenario -> graph -> engine -> summary.
+
+``load_scenario`` validates a scenario; ``run_scenario`` builds its step graph, applies its
+policies, runs it on the engine and summarises the records. Touches no files.
+"""
+
+from __future__ import annotations
+
+from hardware_models.machine import Hardware
+from simulator.analysis.results import SimulationResult
+from simulator.analysis.summary import summarize
+from simulator.config.loader import load_scenario, resolve_hardware
+from simulator.config.schema import ScenarioConfig
+from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
+from simulator.engine.run import SimulationError, run_graph
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.op_graph import OpGraph
+from simulator.policies import apply_graph_policies, build_runtime
+from simulator.policies.registry import PolicyError
+
+__all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "simulate_graph", "transformer_spec"]
+
+
+def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
+    """The builder's view of a scenario's model, batch and precision."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    per_step = t.micro_batch_size * p.data_parallel_size
+    gbs = t.global_batch_size or per_step
+    return TransformerSpec(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
+        tied_embeddings=not m.untie_embeddings_and_output_weights, bias=m.add_bias_linear,
+        precision=t.precision, optimizer_impl=t.optimizer.impl,
+        recompute=t.recompute_granularity or "none", data_parallel_size=p.data_parallel_size,
+    )
+
+
+def build_graph(cfg: ScenarioConfig) -> OpGraph:
+    """The step graph of a scenario (before its policies)."""
+    return build_gpt_step(transformer_spec(cfg))
+
+
+def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int = 0, seed: int = 0,
+                   config: dict | None = None, cfg: ScenarioConfig | None = None) -> SimulationResult:
+    """Run ``steps`` repetitions of ``graph`` on ``hw`` and summarise.
+
+    Args:
+        graph: Step graph.
+        hw: Machine specs.
+        steps: Steps to simulate (>= 1).
+        warmup_steps: Leading steps excluded from the metrics.
+        seed: Seed of the run's random generator (stochastic models draw from it).
+        config: Resolved config to attach to the result.
+        cfg: The scenario, when there is one: runtime components (DVFS, dataloader...) attach from it.
+
+    Raises:
+        SimulationError: the engine failed.
+    """
+    attach = (lambda env, system: build_runtime(cfg, hw, env, system)) if cfg is not None else None
+    # CUDA context and allocator reserve: from the scenario's memory section (documented defaults);
+    # a bare graph run (no scenario) counts tensors only
+    overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
+    rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
+    step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
+    summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
+    summary["warnings"] = run_warnings(hw, cfg)
+    for comp in runtime.components:
+        if hasattr(comp, "summarize"):
+            summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
+    return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {})
+
+
+def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
+    """The scenario's non-tensor GPU memory (``memory:`` section; documented defaults for unset keys)."""
+    m = cfg.memory
+    return default_overheads(m.cuda_context_bytes, m.allocator_reserve_fraction)
+
+
+def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
+    """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
+    out = []
+    if hw.profile.name.startswith("generic:"):
+        out.append(f"generic GPU profile {hw.profile.name!r}: no fitted efficiency profile for this GPU, so GEMM and "
+                   "memory-kernel efficiencies are assumed (70% / 80% of peak); comparisons with a fitted GPU "
+                   "(h200-sxm-141gb) mix measured and assumed numbers")
+    if hw.launch.source == "generic":
+        out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
+                   f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
+    z = getattr(cfg, "zero_optimization", None)
+    if z is not None and z.stage >= 1 and z.offload_optimizer.device == "none" and z.offload_param.device == "none":
+        out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
+                   "partition model states across data-parallel ranks (multi-GPU is not yet simulated)")
+    return out
+
+
+def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationResult:
+    """Simulate a validated scenario.
+
+    Args:
+        cfg: The scenario.
+        hw: Its resolved machine, when the caller already has it (``resolve_hardware(cfg)``).
+
+    Raises:
+        ScenarioError: presets do not resolve.
+        PolicyError: a policy's parameters are invalid for this scenario.
+        SimulationError: the engine failed.
+    """
+    hw = hw if hw is not None else resolve_hardware(cfg)
+    try:
+        graph = apply_graph_policies(build_graph(cfg), cfg, hw)
+    except PolicyError:
+        raise
+    except ValueError as exc:
+        raise SimulationError(f"build phase failed: {exc}") from exc
+    return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
+                          cfg.model_dump(mode="json"), cfg)

@@ -1,0 +1,1 @@
+"""Studies: what runs many scenarios (sweeps, Pareto fronts, what-ifs, validation) on top of ``simulator.api``."""
