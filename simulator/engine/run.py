@@ -17,7 +17,7 @@ from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, Runtime
-from simulator.recording.recorder import Recorder
+from simulator.recording.recorder import Recorder, dependencies_frame, launches_frame
 
 
 class SimulationError(RuntimeError):
@@ -80,7 +80,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     for comp in runtime.components:
         if hasattr(comp, "summarize"):
             summary.update(comp.summarize(spans=spans, steps=step_df, counters=counters, summary=summary))
-    return SimulationResult(summary, spans, counters, step_df, config or {})
+    launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
+    return SimulationResult(summary, spans, counters, step_df, config or {}, launches, dependencies_frame(graph))
 
 
 def summarize(graph: OpGraph, hw: Hardware, system: System, spans: pd.DataFrame, steps: pd.DataFrame) -> dict:

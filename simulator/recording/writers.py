@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from simulator.recording.chrome_trace import to_chrome_trace
+from simulator.recording.chrome_trace import result_trace
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -33,7 +33,7 @@ def write_outputs(result, out_dir: str | Path) -> list[Path]:
         ("spans.csv", lambda: result.spans.to_csv(index=False)),
         ("steps.csv", lambda: result.steps.to_csv(index=False)),
         ("counters.csv", lambda: result.counters.to_csv(index=False)),
-        ("trace.json", lambda: json.dumps(to_chrome_trace(result.spans, result.counters))),
+        ("trace.json", lambda: json.dumps(result_trace(result))),
     ]
     for name, make in items:
         p = out / name
