@@ -31,7 +31,8 @@ print(json.dumps({"pkg": str(pkg), "bundle": str(paths.bundle_root()),
 
 def test_verbs_data_is_package_data(tmp_path):
     lib = tmp_path / "lib"
-    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
+                    "build_py", "--build-lib", str(lib)], cwd=ROOT, check=True,
                    capture_output=True)
     work = tmp_path / "elsewhere"
     work.mkdir()
