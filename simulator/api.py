@@ -17,6 +17,7 @@ from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError
+from simulator.recording.recorder import dependencies_frame
 
 __all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "simulate_graph", "transformer_spec"]
 
@@ -68,7 +69,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     for comp in runtime.components:
         if hasattr(comp, "summarize"):
             summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
-    return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {})
+    return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
+                            dependencies_frame(graph))
 
 
 def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:

@@ -63,17 +63,27 @@ def format_summary(s: dict, name: str) -> str:
     return "\n".join(lines)
 
 
-def check_out_dir(path: str | None) -> None:
+def check_out_dir(path: str | None, run_folder: bool = False) -> None:
     """Fail early (before simulating) if ``--out`` cannot be a folder.
 
+    Args:
+        path: The ``--out`` value (None: nothing to check).
+        run_folder: The folder becomes one run's outputs: it must be new, empty or a previous run
+            (``recording.writers``), so that replacing it deletes no user file.
+
     Raises:
-        ScenarioError: the path is an existing file or cannot be created.
+        ScenarioError: the path is an existing file or cannot be created, or (``run_folder``) holds
+            files that are not a previous run's.
     """
     from simulator.config.errors import ScenarioError
 
     if not path:
         return
     p = Path(path)
+    if run_folder:
+        from simulator.recording.writers import check_replaceable
+
+        check_replaceable(p)
     if p.exists() and not p.is_dir():
         raise ScenarioError(f"--out {path}: is an existing file, expected a folder")
     try:
@@ -85,17 +95,17 @@ def check_out_dir(path: str | None) -> None:
 def cmd_run(args) -> int:
     from simulator import load_scenario, run_scenario, write_outputs
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, run_folder=True)
     cfg = load_scenario(args.scenario, args.set)
     result = run_scenario(cfg)
     if args.out:
-        write_outputs(result, args.out)
+        write_outputs(result, args.out, overrides=args.set, scenario=args.scenario)
     if args.json:
         print(json.dumps(result.summary, default=float))
     else:
         print(format_summary(result.summary, cfg.name))
         if args.out:
-            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev)")
+            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev or HTA)")
     return 0 if result.ok else 1
 
 
@@ -140,7 +150,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from simulator.studies.sweep import parse_factor, run_sweep
+    from simulator.studies.sweep import SweepInterrupted, parse_factor, run_sweep
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
 
@@ -162,21 +172,45 @@ def cmd_sweep(args) -> int:
             client = Client(args.dask_scheduler, timeout="10s")
         except OSError as exc:
             raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect ({exc})") from None
-    df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
-                   out_dir=args.out, progress=not args.json, client=client)
-    if args.json:
-        print(df.to_json(orient="records"))
-    else:
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    try:
+        df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
+                       out_dir=args.out, progress=not args.json, client=client)
+    except SweepInterrupted as stop:
+        if len(stop.table):
+            _print_sweep(stop.table, args.json)
+        where = f"; the table is in {Path(args.out) / 'results.csv'}" if args.out else ""
+        print(f"interrupted: {len(stop.table)} of {stop.total} points finished{where}", file=sys.stderr)
+        return 130
+    _print_sweep(df, args.json)
+    if args.out:
+        print(f"table: {Path(args.out) / 'results.csv'}", file=sys.stderr)
     failed = int(df["error"].notna().sum()) if "error" in df else 0
     if failed:
         print(f"error: {failed} of {len(df)} points failed (see the error column)", file=sys.stderr)
     return 1 if failed else 0
 
 
+def _print_sweep(df, as_json: bool) -> None:
+    if as_json:
+        print(df.to_json(orient="records"))
+        return
+    shown = df.drop(columns=["error"]) if df["error"].isna().all() else df
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainsim-des")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (verbs: run, sweep, validate, presets, schema, ...)."""
     ap = argparse.ArgumentParser(prog="simulate", description="Discrete-event simulator of ML training systems.")
+    ap.add_argument("--version", action="version", version=f"simulate (trainsim-des) {_version()}")
     sub = ap.add_subparsers(dest="verb", required=True)
 
     p = sub.add_parser("run", help="simulate a scenario YAML")
@@ -192,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS", help="run the points on a dask.distributed cluster")
-    p.add_argument("--out", help="one output folder per point under here")
+    p.add_argument("--out", help="one output folder per point under here, and results.csv (one row per point)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
 

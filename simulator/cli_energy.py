@@ -29,6 +29,7 @@ def add_parser(subparsers):
     g.add_argument("--power-caps", help="power limits, W, comma-separated")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
+    p.add_argument("--out", help="also write the table to OUT/pareto.csv")
     p.set_defaults(fn=run)
     return p
 
@@ -56,6 +57,10 @@ def run(args) -> int:
     from simulator.api import SimulationError
 
     try:
+        if getattr(args, "out", None):
+            from simulator.cli import check_out_dir
+
+            check_out_dir(args.out)
         clocks = _floats(args.clocks, "--clocks") if args.clocks else None
         caps = _floats(args.power_caps, "--power-caps") if args.power_caps else None
         cfg = load_scenario(args.scenario, args.set)
@@ -70,6 +75,12 @@ def run(args) -> int:
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)
         return 1
+    if getattr(args, "out", None):
+        from pathlib import Path
+
+        from simulator.recording.writers import atomic_write_text
+
+        atomic_write_text(Path(args.out) / "pareto.csv", df.to_csv(index=False))
     if args.json:
         print(df.to_json(orient="records"))
     else:

@@ -18,6 +18,9 @@ class SimulationResult:
         counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``.
         steps: One row per step: ``step, start_s, end_s, step_time_s, warmup``.
         config: The resolved scenario as a plain dict.
+        launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (the host
+            thread's busy interval; ``recording.recorder.launches_frame``).
+        deps: The step graph's dependencies: ``op_id, dep_id, step_lag`` (0 same step, 1 previous).
     """
 
     summary: dict[str, Any]
@@ -25,6 +28,8 @@ class SimulationResult:
     counters: pd.DataFrame
     steps: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
+    launches: pd.DataFrame | None = None
+    deps: pd.DataFrame | None = None
 
     @property
     def ok(self) -> bool:

@@ -125,7 +125,7 @@ class Executor:
         env = self.env
         default = self.sys.launch_overhead_s
         by_phase = self.sys.launch_overhead_by_phase_s
-        cost = [by_phase.get(op.phase.value, default) for op in self.g.ops]
+        cost = self.launch_cost_s = [by_phase.get(op.phase.value, default) for op in self.g.ops]
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t

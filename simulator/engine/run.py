@@ -19,7 +19,7 @@ from simulator.engine.executor import Executor
 from simulator.engine.memory import DeviceMemoryOverheads
 from simulator.engine.system import System
 from simulator.graph.op_graph import OpGraph
-from simulator.recording.recorder import Recorder
+from simulator.recording.recorder import Recorder, launches_frame
 
 
 class SimulationError(RuntimeError):
@@ -36,12 +36,14 @@ class RunRecords:
         steps: One row per step: ``step, start_s, end_s, step_time_s``, seconds.
         memory: Memory pools by name (``gpu``, ``host_pinned``, ``host_pageable``), each with
             ``capacity_bytes``, ``peak``, ``peak_by_category``, ``oom`` and ``oom_message()``.
+        launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s``.
     """
 
     spans: pd.DataFrame
     counters: pd.DataFrame
     steps: pd.DataFrame
     memory: dict[str, Any]
+    launches: pd.DataFrame
 
 
 class _NoRuntime:
@@ -90,4 +92,5 @@ def run_graph(graph: OpGraph, hw: Hardware, steps: int, seed: int = 0,
     rec.counters.extend(system.memory_counters())
     step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
     step_df["step_time_s"] = step_df.end_s - step_df.start_s
-    return RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory), runtime
+    launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
+    return RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime

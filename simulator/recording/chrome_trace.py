@@ -1,8 +1,23 @@
-"""Chrome / Perfetto trace JSON of a run (opens in ui.perfetto.dev and chrome://tracing).
+"""Chrome / Perfetto trace JSON of a run (opens in ui.perfetto.dev, chrome://tracing and HTA).
 
-Each stream becomes a thread (``tid``) of one process per device; spans are ``"X"`` events and
-counters (memory, clock, power) ``"C"`` events. Times convert from seconds to microseconds here
-and only here.
+Layout (Chrome trace event format, the Kineto conventions HolisticTraceAnalysis reads):
+
+* process 0 ``host``: one thread per host stream. The main training thread (``host``) holds
+  ``ProfilerStep#N`` slices (``cat: user_annotation``; from the host's start of step N to its start
+  of step N+1, as ``torch.profiler`` marks them), the launch of every GPU kernel or copy
+  (``cudaLaunchKernel`` / ``cudaMemcpyAsync``, ``cat: cuda_runtime``, lasting the modelled launch
+  time), host ops, and ``wait: <op>`` slices where the thread is blocked on a dependency.
+* process 1 ``gpu0``: one thread per stream (``args.stream`` > 0); kernels are ``cat: kernel``,
+  copies ``cat: gpu_memcpy``; step and phase extents are async slices (``ph: b/e``), since steps
+  and phases may overlap.
+* flows (``ph: s`` then ``ph: f`` with ``bp: e``): launch -> kernel (``cat: ac2g``, ``id`` =
+  ``args.correlation`` of both ends, as Kineto writes them) and every dependency between ops on
+  different streams (``cat: dependency``; H2D -> compute, compute -> D2H, device -> host waits).
+* counters (memory, clock, power) are ``ph: C`` events.
+
+Zero-length spans (e.g. a ``SYNC`` that found its dependencies done) become instant events
+(``ph: i``), so every slice has a positive duration. Times convert from seconds to microseconds
+here and only here.
 """
 
 from __future__ import annotations
@@ -12,40 +27,176 @@ from pathlib import Path
 
 import pandas as pd
 
+HOST_PID, GPU_PID = 0, 1
+MAIN_THREAD = "host"
+_GPU_CAT = {"compute": "kernel", "collective": "kernel", "memcpy_h2d": "gpu_memcpy", "memcpy_d2h": "gpu_memcpy",
+            "memcpy_d2d": "gpu_memcpy"}
+_LAUNCH_NAME = {"compute": "cudaLaunchKernel", "collective": "cudaLaunchKernel"}  # copies: cudaMemcpyAsync
+_US = 1e6
 
-def _pid(stream: str) -> tuple[int, str]:
-    if stream.startswith(("host", "cpu", "dataloader", "worker")):
-        return 0, "host"
-    return 1, "gpu0"
+
+def _pid(stream: str) -> int:
+    return HOST_PID if stream.startswith(("host", "cpu", "dataloader", "worker")) else GPU_PID
 
 
-def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None) -> dict:
-    """Build the trace dict (``{"traceEvents": [...], "displayTimeUnit": "ms"}``)."""
+def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, steps: pd.DataFrame | None = None,
+                    launches: pd.DataFrame | None = None, deps: pd.DataFrame | None = None) -> dict:
+    """Build the trace dict (``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``).
+
+    Args:
+        spans: Op executions (``SimulationResult.spans``; seconds).
+        counters: Level samples (``SimulationResult.counters``).
+        steps: ``step, start_s, end_s`` per step: ProfilerStep and step slices (none without it).
+        launches: ``step, op_id, start_s, end_s`` host launch intervals (``recorder.launches_frame``).
+        deps: ``op_id, dep_id, step_lag`` dependency edges (``recorder.dependencies_frame``).
+    """
     events: list[dict] = []
-    tids: dict[str, int] = {}
-    for stream in spans.stream.unique() if len(spans) else []:
-        pid, pname = _pid(stream)
-        tids[stream] = len(tids) + 1
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[stream], "args": {"name": stream}})
-    for pid, pname in ((0, "host"), (1, "gpu0")):
+    streams = list(spans.stream.unique()) if len(spans) else []
+    if MAIN_THREAD not in streams and (launches is not None and len(launches) or steps is not None and len(steps)):
+        streams.insert(0, MAIN_THREAD)
+    tids = {s: i + 1 for i, s in enumerate(sorted(streams, key=lambda s: (s != MAIN_THREAD, s)))}
+    for pid, pname in ((HOST_PID, "host"), (GPU_PID, "gpu0")):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": pname}})
+    for stream, tid in tids.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": _pid(stream), "tid": tid, "args": {"name": stream}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": _pid(stream), "tid": tid, "args": {"sort_index": tid}})
+
+    # -- launches: correlation ids tie a host launch to its GPU op ------------------------------
+    corr: dict[tuple[int, int], int] = {}
+    launch_at: dict[tuple[int, int], float] = {}
+    kind_of = dict(zip(spans.op_id, spans.kind)) if len(spans) else {}
+    if launches is not None and len(launches):
+        for r in launches.itertuples(index=False):
+            key = (int(r.step), int(r.op_id))
+            corr[key] = len(corr) + 1
+            if r.end_s > r.start_s:
+                launch_at[key] = r.start_s
+                events.append({"ph": "X", "name": _LAUNCH_NAME.get(kind_of.get(r.op_id), "cudaMemcpyAsync"),
+                               "cat": "cuda_runtime", "pid": HOST_PID, "tid": tids[MAIN_THREAD],
+                               "ts": r.start_s * _US, "dur": (r.end_s - r.start_s) * _US,
+                               "args": {"correlation": corr[key], "step": key[0], "op_id": key[1]}})
+
+    # -- op spans; where each (step, op) can be bound by a flow ---------------------------------
+    slice_of: dict[tuple[int, int], tuple[int, int, float]] = {}  # (step, op) -> (pid, tid, ts in a slice)
+    zero: set[tuple[int, int]] = set()
+    # busy intervals of the main thread: (start, end, (step, op) of a host op or None for a launch, name)
+    host_activity: list[tuple[float, float, tuple[int, int] | None, str]] = []
+    if launches is not None and len(launches):
+        host_activity += [(a, b, None, "") for a, b in zip(launches.start_s, launches.end_s)]
     for r in spans.itertuples(index=False):
-        events.append({
-            "ph": "X", "name": r.name, "cat": r.kind, "pid": _pid(r.stream)[0], "tid": tids[r.stream],
-            "ts": r.start_s * 1e6, "dur": max(r.end_s - r.start_s, 0.0) * 1e6,
-            "args": {"step": int(r.step), "phase": r.phase, "op_id": int(r.op_id), "class": r.cost_class,
-                     "flops": float(r.flops), "bytes": float(r.bytes)},
-        })
+        key = (int(r.step), int(r.op_id))
+        pid, tid, dur = _pid(r.stream), tids[r.stream], max(r.end_s - r.start_s, 0.0)
+        args = {"step": key[0], "phase": r.phase, "op_id": key[1], "class": r.cost_class,
+                "flops": float(r.flops), "bytes": float(r.bytes)}
+        if pid == GPU_PID:
+            args.update(stream=tid, device=0)
+        if key in corr:
+            args["correlation"] = corr[key]
+        ev = {"name": r.name, "cat": _GPU_CAT.get(r.kind, r.kind) if pid == GPU_PID else r.kind,
+              "pid": pid, "tid": tid, "ts": r.start_s * _US, "args": args}
+        if dur > 0:
+            events.append({"ph": "X", **ev, "dur": dur * _US})
+            slice_of[key] = (pid, tid, r.start_s)
+        else:
+            events.append({"ph": "i", "s": "t", **ev})
+            zero.add(key)
+        if r.stream == MAIN_THREAD:
+            host_activity.append((r.start_s, r.end_s, key, r.name))
+
+    # -- waits: a gap on the main thread before a host op is the thread blocked on its deps ----
+    prev_end = float(steps.start_s.min()) if steps is not None and len(steps) else 0.0
+    for start, end, key, name in sorted(host_activity, key=lambda a: (a[0], a[1])):
+        if key is not None and start - prev_end > 1e-12 * max(1.0, start):
+            events.append({"ph": "X", "name": f"wait: {name}", "cat": "host_wait", "pid": HOST_PID,
+                           "tid": tids[MAIN_THREAD], "ts": prev_end * _US, "dur": (start - prev_end) * _US,
+                           "args": {"step": key[0], "op_id": key[1]}})
+            if key in zero:
+                slice_of[key] = (HOST_PID, tids[MAIN_THREAD], prev_end)
+        prev_end = max(prev_end, end)
+
+    # -- flows ----------------------------------------------------------------------------------
+    flow_id = 0
+
+    def flow(cat: str, src: tuple[int, int, float], dst: tuple[int, int, float], fid: int) -> None:
+        events.append({"ph": "s", "name": cat, "cat": cat, "id": fid, "pid": src[0], "tid": src[1], "ts": src[2] * _US})
+        events.append({"ph": "f", "bp": "e", "name": cat, "cat": cat, "id": fid, "pid": dst[0], "tid": dst[1],
+                       "ts": dst[2] * _US})
+
+    for key, t in launch_at.items():
+        if key in slice_of and slice_of[key][0] == GPU_PID:
+            flow("ac2g", (HOST_PID, tids[MAIN_THREAD], t), slice_of[key], corr[key])
+    flow_id = len(corr)
+    if deps is not None and len(deps) and len(spans):
+        stream_of = dict(zip(spans.op_id, spans.stream))
+        by_op: dict[int, list[tuple[int, int]]] = {}
+        for op, dep, lag in deps.itertuples(index=False):
+            by_op.setdefault(int(op), []).append((int(dep), int(lag)))
+
+        def sources(step: int, op: int, seen: set) -> list[tuple[int, int]]:
+            """Positive-length spans an op stands for: itself, or (zero-length) its own deps."""
+            if (step, op) in slice_of and (step, op) not in zero:
+                return [(step, op)]
+            out = []
+            for d, lag in by_op.get(op, ()):
+                if step - lag >= 0 and (step - lag, d) not in seen:
+                    seen.add((step - lag, d))
+                    out += sources(step - lag, d, seen)
+            return out
+
+        n_steps = int(spans.step.max()) + 1
+        for op, edges in by_op.items():
+            for step in range(n_steps):
+                dst = slice_of.get((step, op))
+                if dst is None:
+                    continue
+                for d, lag in edges:
+                    if step - lag < 0:
+                        continue
+                    for src_key in dict.fromkeys(sources(step - lag, d, {(step - lag, d)})):
+                        if stream_of.get(src_key[1]) == stream_of.get(op) or src_key == (step, op):
+                            continue  # same stream: order is implicit
+                        flow_id += 1
+                        flow("dependency", slice_of[src_key], dst, flow_id)
+
+    # -- steps and phases -----------------------------------------------------------------------
+    if steps is not None and len(steps):
+        st = steps.sort_values("step")
+        starts, ends_s = list(st.start_s), list(st.end_s)
+        for i, n in enumerate(st.step):
+            host_end = starts[i + 1] if i + 1 < len(starts) else max([ends_s[i], *(a[1] for a in host_activity)])
+            events.append({"ph": "X", "name": f"ProfilerStep#{int(n)}", "cat": "user_annotation", "pid": HOST_PID,
+                           "tid": tids[MAIN_THREAD], "ts": starts[i] * _US, "dur": max(host_end - starts[i], 0) * _US,
+                           "args": {"step": int(n)}})
+            events.append({"ph": "b", "name": f"step {int(n)}", "cat": "step", "id": f"step{int(n)}",
+                           "pid": GPU_PID, "ts": starts[i] * _US, "args": {"step": int(n)}})
+            events.append({"ph": "e", "name": f"step {int(n)}", "cat": "step", "id": f"step{int(n)}",
+                           "pid": GPU_PID, "ts": ends_s[i] * _US})
+        if len(spans):
+            ext = spans.groupby(["step", "phase"]).agg(start_s=("start_s", "min"), end_s=("end_s", "max"))
+            for (n, ph), r in ext.iterrows():
+                if r.end_s > r.start_s:
+                    eid = f"phase{int(n)}.{ph}"
+                    events.append({"ph": "b", "name": ph, "cat": "phase", "id": eid, "pid": GPU_PID,
+                                   "ts": float(r.start_s) * _US, "args": {"step": int(n)}})
+                    events.append({"ph": "e", "name": ph, "cat": "phase", "id": eid, "pid": GPU_PID,
+                                   "ts": float(r.end_s) * _US})
+
     if counters is not None and len(counters):
         for r in counters.itertuples(index=False):
-            pid = 0 if str(r.scope).startswith("host") else 1
-            events.append({"ph": "C", "name": f"{r.scope}.{r.metric}", "pid": pid, "ts": r.t_s * 1e6,
+            pid = HOST_PID if str(r.scope).startswith("host") else GPU_PID
+            events.append({"ph": "C", "name": f"{r.scope}.{r.metric}", "pid": pid, "ts": r.t_s * _US,
                            "args": {r.metric: float(r.value)}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "distributedInfo": {"rank": 0, "world_size": 1}}
 
 
-def write_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None, path: str | Path) -> Path:
-    """Write the trace JSON to ``path``; returns the path."""
+def result_trace(result) -> dict:
+    """The trace of a ``SimulationResult`` (spans, counters, steps, launches, dependencies)."""
+    return to_chrome_trace(result.spans, result.counters, result.steps, getattr(result, "launches", None),
+                           getattr(result, "deps", None))
+
+
+def write_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None, path: str | Path, **parts) -> Path:
+    """Write the trace JSON to ``path`` (``parts``: ``steps``, ``launches``, ``deps``); returns the path."""
     p = Path(path)
-    p.write_text(json.dumps(to_chrome_trace(spans, counters)))
+    p.write_text(json.dumps(to_chrome_trace(spans, counters, **parts)))
     return p

@@ -55,3 +55,31 @@ class Recorder:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order."""
         df = pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
         return df.sort_values("t_s", kind="stable", ignore_index=True)
+
+
+LAUNCH_COLUMNS = ["step", "op_id", "start_s", "end_s"]
+DEPENDENCY_COLUMNS = ["op_id", "dep_id", "step_lag"]
+
+
+def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: list[float] | None) -> pd.DataFrame:
+    """Host launch intervals of the launched ops (``LAUNCH_COLUMNS``, seconds).
+
+    Args:
+        graph: The step graph (its ops' ``launch`` flags).
+        launch_time: ``[step][op_id]`` time the host finished launching the op (None: never launched).
+        launch_cost_s: ``[op_id]`` host time one launch takes; None gives an empty frame.
+    """
+    if launch_cost_s is None:
+        return pd.DataFrame(columns=LAUNCH_COLUMNS)
+    launched = [op.id for op in graph.ops if op.launch]
+    rows = [(step, i, t - launch_cost_s[i], t) for step, lt in enumerate(launch_time) for i in launched
+            if (t := lt[i]) is not None]
+    return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
+
+
+def dependencies_frame(graph) -> pd.DataFrame:
+    """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
+    starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
+    rows = [(op.id, d, 0) for op in graph.ops for d in op.deps]
+    rows += [(op.id, d, 1) for op in graph.ops for d in ((op.meta or {}).get("prev_step_deps") or ())]
+    return pd.DataFrame(rows, columns=DEPENDENCY_COLUMNS)

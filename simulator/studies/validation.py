@@ -1,21 +1,22 @@
 """Predicted vs measured for the bundled validation cases (``simulate validate``).
 
 Cases pair a scenario file with a measured value in ``tests/data`` (copied from the project's
-shared measurements). Run from a checkout of the repository.
+shared measurements). Both ship in the wheel (``simulator.paths``), so an installed package runs
+them without a checkout.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parents[2]
-H200 = ROOT / "tests" / "data" / "h200" / "measurements.json"
-PAPER = ROOT / "tests" / "data" / "paper" / "paper_cases.yaml"
+from simulator.paths import data_file
+
+H200 = "tests/data/h200/measurements.json"
+PAPER = "tests/data/paper/paper_cases.yaml"
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,13 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
         cases = [c for c in cases if any(c.name == n or c.name.startswith(n) for n in names)]
     import yaml
 
-    meas = json.loads(H200.read_text())
-    meas["paper"] = {c["id"]: c for c in yaml.safe_load(PAPER.read_text())}
+    meas = json.loads(data_file(H200).read_text())
+    meas["paper"] = {c["id"]: c for c in yaml.safe_load(data_file(PAPER).read_text())}
     results: dict[str, dict] = {}
     rows = []
     for c in cases:
         if c.scenario not in results:
-            results[c.scenario] = run_scenario(load_scenario(ROOT / c.scenario)).summary
+            results[c.scenario] = run_scenario(load_scenario(data_file(c.scenario))).summary
         pred = _get(results[c.scenario], c.metric)
         m = float(c.measured(meas))
         err = pred / m - 1

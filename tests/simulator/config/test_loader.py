@@ -36,6 +36,7 @@ def test_json_output_has_required_keys(capsys):
 
 def test_out_dir_files_and_perfetto_trace(tmp_path, capsys):
     assert main(["run", str(SCEN), "--out", str(tmp_path)]) == 0
+    assert f"outputs             {tmp_path}/" in capsys.readouterr().out
     names = {p.name for p in tmp_path.iterdir()}
     assert {"config.resolved.yaml", "summary.json", "spans.csv", "trace.json"} <= names
     trace = json.loads((tmp_path / "trace.json").read_text())
