@@ -91,6 +91,10 @@ class CollectiveProfile:
         nvls_latency_s: NVLS latency (tuning.cc v2.30: 25 us per NVLink hop, base 0).
         channel_bytes_per_s: Achieved bus bandwidth of one NCCL channel (for ``nchannels``;
             0 = unknown).
+        ring_fill_bytes_per_s: Rate of the ring's pipeline fill/drain: one chunk (S/n) that is
+            not overlapped with the ring steps adds ``(S/n) / ring_fill_bytes_per_s`` (0 = none).
+            It makes the achieved busbw grow with n, as the vidur H100 data do (307 / 333 / 350
+            GB/s at 32-64 MiB for n = 2 / 4 / 8, MULTI_GPU.md 2.2).
         sources: Citation per field; ``fit`` entries hold the fit error where fitted.
     """
 
@@ -106,6 +110,7 @@ class CollectiveProfile:
     nvls_half_size_bytes: float = 0.0
     nvls_latency_s: float = 25e-6
     channel_bytes_per_s: float = 0.0
+    ring_fill_bytes_per_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,7 +130,8 @@ class CollectiveProfile:
                     raise ValueError(f"{fname}.{k} must be >= 0, got {v}")
         if not 0 <= self.nvls_efficiency <= 1:
             raise ValueError(f"nvls_efficiency must be in [0, 1], got {self.nvls_efficiency}")
-        for n in ("host_dispatch_s", "simple_base_s", "nvls_half_size_bytes", "nvls_latency_s", "channel_bytes_per_s"):
+        for n in ("host_dispatch_s", "simple_base_s", "nvls_half_size_bytes", "nvls_latency_s", "channel_bytes_per_s",
+                  "ring_fill_bytes_per_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -384,7 +390,8 @@ class CollectiveModel:
             lat = (self._base("ring", proto) + (steps - inter_steps) * self._hop("ring", proto, intra)
                    + inter_steps * (self._hop("ring", proto, "net") + wire))
             bw = b_ring * _PROTO_BW["ring"][proto] * self._eff(bus, tier)
-            return lat + bus / bw, lat, tier
+            fill = nbytes / n / self.profile.ring_fill_bytes_per_s if self.profile.ring_fill_bytes_per_s else 0.0
+            return lat + bus / bw + fill, lat, tier
         if algo == "tree":
             lat = self._base("tree", proto) + 2 * ((ppn - 1) * self._hop("tree", proto, intra)
                                                  + math.log2(n_nodes) * (self._hop("tree", proto, "net") + wire))
