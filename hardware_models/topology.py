@@ -230,10 +230,11 @@ class Topology:
     def __init__(self, cluster: ClusterSpec, nodes: int = 1, network: NetworkSpec | None = None):
         if not isinstance(nodes, int) or nodes < 1:
             raise TopologyError(f"cluster.nodes must be an integer >= 1, got {nodes!r}")
+        if nodes > 1 and cluster.nics_per_node == 0:
+            raise TopologyError(f"cluster.nodes: {cluster.name} has no NICs (nics_per_node: 0), so nodes must be 1; "
+                                f"got {nodes}")
         if nodes > 1 and network is None:
             raise TopologyError(f"cluster.network: {nodes} nodes of {cluster.name} need a network preset")
-        if nodes > 1 and cluster.nics_per_node == 0:
-            raise TopologyError(f"cluster.nodes: {cluster.name} has no NICs (nics_per_node: 0); use nodes: 1")
         self.cluster = cluster
         self.nodes = nodes
         self.network = network if nodes > 1 else None
@@ -375,18 +376,20 @@ class Topology:
             # rail affinity: GPU i leaves and enters through NIC i % nics (one NIC per GPU on HGX;
             # NCCL picks the closest NIC per GPU, src/graph/search.cc)
             na, nb = f"n{a['node']}.nic{a['local'] % nics}", f"n{b['node']}.nic{b['local'] % nics}"
-            path = self._path(src, na)[:-1] + self._path(na, nb)[:-1] + self._path(nb, dst)
+            path = self._path(src, na)[:-1] + self._path(na, nb, net_only=True)[:-1] + self._path(nb, dst)
         else:
             path = self._path(src, dst)
         names = tuple(g.edges[u, v]["name"] for u, v in zip(path, path[1:]))
         self._routes[key] = names
         return names
 
-    def _path(self, src: str, dst: str) -> list[str]:
+    def _path(self, src: str, dst: str, net_only: bool = False) -> list[str]:
         g = self.graph
 
         def weight(u: str, v: str, d: dict) -> float | None:
             if v != dst and g.nodes[v].get("kind") == "gpu":
+                return None
+            if net_only and d["tier"] != "net":
                 return None
             return _WEIGHT[d["tier"]]
 
