@@ -1,0 +1,423 @@
+"""Cluster topology: a directed networkx graph of GPUs, switches, hosts and network links.
+
+A cluster is ``nodes`` copies of a node preset (``ClusterSpec``: GPUs, NVSwitch or NVLink bridges,
+PCIe switches, CPU sockets and host memory, NICs) joined by a scale-out network preset
+(``NetworkSpec``: rail-optimised leaf/spine or a fat tree with an oversubscription ratio, over
+InfiniBand or RoCE). Every physical connection becomes two directed edges (one per direction)
+named ``"u->v"`` with ``capacity_bytes_per_s`` (one direction, datasheet rate), ``latency_s`` and
+a ``tier`` (``nvlink``, ``pcie``, ``host``, ``net``). The edge names and capacities feed
+``hardware_models.fabrics.FluidNetwork`` unchanged (``Topology.capacities()``); a route between
+two devices (``Topology.route``) is computed once per pair and cached.
+
+Graph node names: ``n{k}.gpu{i}``, ``n{k}.nvswitch``, ``n{k}.pcie{j}``, ``n{k}.cpu{s}``,
+``n{k}.mem{s}``, ``n{k}.nic{r}``; network switches ``leaf{l}`` and ``spine{x}``. Global rank
+``r`` is GPU ``r % gpus_per_node`` of node ``r // gpus_per_node``.
+
+Structure sources: DGX H100/H200 put each ConnectX-7 NIC on the PCIe switch of its GPU (NVIDIA
+DGX H100 User Guide, "system topology"; ``nvidia-smi topo`` shows GPU-NIC "PIX", NVIDIA/nccl#1357);
+rail-optimised fabrics connect NIC ``i`` of every node to leaf ``i`` (NVIDIA DGX SuperPOD reference
+architecture). Numbers come from the preset files, each with its own source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import yaml
+
+from hardware_models.presets import PresetError, build_spec
+
+INTRA_KINDS = ("nvswitch", "nvlink_bridge", "pcie")
+NETWORK_KINDS = ("rail", "fat_tree")
+TIERS = ("nvlink", "pcie", "host", "net")
+#: Route preference per tier (lower = preferred): NCCL prefers NVLink over PCIe over the CPU
+#: (``PATH_NVL`` < ``PATH_PIX`` < ``PATH_PHB`` < ``PATH_SYS`` < ``PATH_NET`` in NCCL ``src/graph/topo.h``).
+_WEIGHT = {"nvlink": 1.0, "pcie": 2.0, "host": 3.0, "net": 4.0}
+
+
+class TopologyError(PresetError):
+    """An invalid cluster or network description (a ``PresetError``, so the CLI exits 2)."""
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{n} must be > 0, got {v!r}")
+
+
+def _nonneg(obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{n} must be >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One node type of a cluster (all bandwidths per direction, bytes/s; datasheet rates).
+
+    Attributes:
+        name: Product name.
+        gpu: GPU preset name (``hardware_models/presets/gpus``).
+        gpus_per_node: GPUs per node (>= 1).
+        intra: ``nvswitch`` (every GPU has one aggregate port to a non-blocking crossbar),
+            ``nvlink_bridge`` (GPUs 2i and 2i+1 bridged) or ``pcie`` (no NVLink).
+        nvlink_bytes_per_s: NVLink rate per GPU (all its links) or per bridge; 0 with ``pcie``.
+        nvlink_latency_s: One NVLink hop's wire latency.
+        nvls: The NVSwitch reduces in the switch (NVLink SHARP, third-generation NVSwitch).
+        nvswitch_count: NVSwitch chips per node (descriptive; the crossbar is one graph node).
+        pcie_bytes_per_s: Each GPU's and NIC's PCIe link to its switch or root port.
+        pcie_switches: PCIe switches per node (0 = GPUs on CPU root ports directly). GPUs and
+            NICs are spread evenly over them, switch ``j`` on socket ``j * sockets // pcie_switches``.
+        pcie_switch_uplink_bytes_per_s: Switch to root complex link.
+        pcie_latency_s: One PCIe hop's latency.
+        sockets: CPU sockets (each with a root complex and local memory).
+        inter_socket_bytes_per_s: Socket-to-socket link (UPI / xGMI) per direction.
+        host_memory_bytes_per_s: DRAM bandwidth per socket.
+        nics_per_node: Scale-out NICs per node (0 = single-node only).
+        collective_profile: Name of the collective profile (``presets/collectives``).
+        network: Default network preset for multi-node clusters ("" = none).
+        sources: Citation per field.
+    """
+
+    name: str
+    gpu: str
+    gpus_per_node: int
+    intra: str
+    pcie_bytes_per_s: float
+    sockets: int
+    inter_socket_bytes_per_s: float
+    host_memory_bytes_per_s: float
+    collective_profile: str
+    nvlink_bytes_per_s: float = 0.0
+    nvlink_latency_s: float = 0.0
+    nvls: bool = False
+    nvswitch_count: int = 0
+    pcie_switches: int = 0
+    pcie_switch_uplink_bytes_per_s: float = 0.0
+    pcie_latency_s: float = 0.0
+    nics_per_node: int = 0
+    network: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: an unknown ``intra`` kind, a non-positive count or bandwidth."""
+        if self.intra not in INTRA_KINDS:
+            raise ValueError(f"intra must be one of {INTRA_KINDS}, got {self.intra!r}")
+        _positive(self, "gpus_per_node", "pcie_bytes_per_s", "sockets", "inter_socket_bytes_per_s",
+                  "host_memory_bytes_per_s")
+        _nonneg(self, "nvlink_latency_s", "pcie_latency_s", "pcie_switches", "nics_per_node", "nvswitch_count",
+                "nvlink_bytes_per_s", "pcie_switch_uplink_bytes_per_s")
+        if self.intra != "pcie":
+            _positive(self, "nvlink_bytes_per_s")
+        if self.intra == "nvlink_bridge" and self.gpus_per_node % 2:
+            raise ValueError(f"nvlink_bridge needs an even gpus_per_node, got {self.gpus_per_node}")
+        if self.nvls and self.intra != "nvswitch":
+            raise ValueError("nvls (in-switch reduction) needs intra: nvswitch")
+        if self.pcie_switches:
+            _positive(self, "pcie_switch_uplink_bytes_per_s")
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """A scale-out network (per-direction bandwidths in bytes/s).
+
+    Attributes:
+        name: Product name.
+        kind: ``rail`` (NIC i of every node on leaf i, leaves joined by spines) or ``fat_tree``
+            (``nodes_per_leaf`` nodes per leaf, all their NICs on it).
+        transport: ``ib`` or ``roce`` (descriptive; the profile carries its efficiency).
+        nic_bytes_per_s: One NIC port's rate (each of the cluster's ``nics_per_node`` NICs).
+        link_latency_s: Per network hop (NIC-leaf, leaf-spine) latency.
+        oversubscription: Leaf downlink / uplink capacity ratio (1 = non-blocking).
+        nodes_per_leaf: ``fat_tree`` only: nodes under one leaf.
+        busbw_efficiency: Achieved collective bus bandwidth per NIC / ``nic_bytes_per_s`` at
+            >= 1 GiB (the ``net`` tier efficiency unless the collective profile sets one).
+        p2p_efficiency: Achieved one-pair send/recv rate / ``nic_bytes_per_s``.
+        p2p_latency_s: Fixed time of one cross-node send/recv.
+        sources: Citation per field.
+    """
+
+    name: str
+    kind: str
+    nic_bytes_per_s: float
+    transport: str = "ib"
+    link_latency_s: float = 0.0
+    oversubscription: float = 1.0
+    nodes_per_leaf: int = 1
+    busbw_efficiency: float = 1.0
+    p2p_efficiency: float = 1.0
+    p2p_latency_s: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: unknown kind/transport, non-positive rate or ratio < 1."""
+        if self.kind not in NETWORK_KINDS:
+            raise ValueError(f"kind must be one of {NETWORK_KINDS}, got {self.kind!r}")
+        if self.transport not in ("ib", "roce"):
+            raise ValueError(f"transport must be 'ib' or 'roce', got {self.transport!r}")
+        _positive(self, "nic_bytes_per_s", "nodes_per_leaf")
+        _nonneg(self, "link_latency_s", "p2p_latency_s")
+        for n in ("busbw_efficiency", "p2p_efficiency"):
+            v = getattr(self, n)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{n} must be in (0, 1], got {v!r}")
+        if not isinstance(self.oversubscription, (int, float)) or self.oversubscription < 1:
+            raise ValueError(f"oversubscription must be >= 1, got {self.oversubscription!r}")
+
+
+# -- preset loading -------------------------------------------------------------------------------
+def _preset_root() -> Path:
+    return Path(str(resources.files("hardware_models") / "presets"))
+
+
+def list_cluster_presets(family: str = "clusters") -> list[str]:
+    """Shipped preset names of ``family`` (``clusters``, ``networks``, ``collectives``)."""
+    return sorted(p.stem for p in (_preset_root() / family).glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def _read(family: str, name: str) -> dict:
+    path = _preset_root() / family / f"{name}.yaml"
+    if not path.is_file():
+        raise PresetError(f"unknown {family[:-1]} preset {name!r}; known: {', '.join(list_cluster_presets(family))}")
+    with open(path) as fh:
+        return yaml.safe_load(fh) or {}
+
+
+def load_cluster(name: str, overrides: dict[str, Any] | None = None) -> ClusterSpec:
+    """The cluster node preset ``name`` with optional field overrides (SI values or unit strings).
+
+    Raises:
+        PresetError: unknown name, unknown key, bad unit or a failed invariant (names the key).
+    """
+    data = {**_read("clusters", name), **(overrides or {})}
+    return build_spec(ClusterSpec, data, f"preset clusters/{name}")
+
+
+def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkSpec:
+    """The network preset ``name`` with optional overrides. Raises: PresetError as ``load_cluster``."""
+    data = {**_read("networks", name), **(overrides or {})}
+    return build_spec(NetworkSpec, data, f"preset networks/{name}")
+
+
+def raw_preset(family: str, name: str) -> dict:
+    """The preset file's mapping, sources kept (for provenance reports)."""
+    return dict(_read(family, name))
+
+
+# -- the graph --------------------------------------------------------------------------------------
+class Topology:
+    """The directed link graph of ``nodes`` x ``cluster`` joined by ``network``.
+
+    Args:
+        cluster: The node description.
+        nodes: Number of nodes (>= 1).
+        network: The scale-out network; required when ``nodes > 1``.
+
+    Raises:
+        TopologyError: ``nodes < 1``, several nodes without a network or NICs, NIC counts that do
+            not match, or a graph in which some GPU cannot reach another.
+    """
+
+    def __init__(self, cluster: ClusterSpec, nodes: int = 1, network: NetworkSpec | None = None):
+        if not isinstance(nodes, int) or nodes < 1:
+            raise TopologyError(f"cluster.nodes must be an integer >= 1, got {nodes!r}")
+        if nodes > 1 and cluster.nics_per_node == 0:
+            raise TopologyError(f"cluster.nodes: {cluster.name} has no NICs (nics_per_node: 0), so nodes must be 1; "
+                                f"got {nodes}")
+        if nodes > 1 and network is None:
+            raise TopologyError(f"cluster.network: {nodes} nodes of {cluster.name} need a network preset")
+        self.cluster = cluster
+        self.nodes = nodes
+        self.network = network if nodes > 1 else None
+        self.graph = nx.DiGraph()
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        for k in range(nodes):
+            self._build_node(k)
+        if self.network is not None:
+            self._build_network()
+        self._check_connected()
+
+    # world
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs per node."""
+        return self.cluster.gpus_per_node
+
+    @property
+    def world_size(self) -> int:
+        """Number of GPUs (= nodes x gpus_per_node)."""
+        return self.nodes * self.cluster.gpus_per_node
+
+    def gpu(self, rank: int) -> str:
+        """Graph node of global rank ``rank``. Raises: TopologyError: rank outside the world."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank!r} is outside the world (0..{self.world_size - 1})")
+        g = self.cluster.gpus_per_node
+        return f"n{rank // g}.gpu{rank % g}"
+
+    def node_of(self, rank: int) -> int:
+        """Node index of global rank ``rank``."""
+        return rank // self.cluster.gpus_per_node
+
+    # links
+    def _link(self, u: str, v: str, cap: float, tier: str, latency_s: float = 0.0) -> None:
+        for a, b in ((u, v), (v, u)):
+            self.graph.add_edge(a, b, name=f"{a}->{b}", capacity_bytes_per_s=float(cap), tier=tier,
+                                latency_s=float(latency_s))
+
+    def _build_node(self, k: int) -> None:
+        c = self.cluster
+        p = f"n{k}."
+        for s in range(c.sockets):
+            self.graph.add_node(f"{p}cpu{s}", kind="cpu")
+            self.graph.add_node(f"{p}mem{s}", kind="memory")
+            self._link(f"{p}cpu{s}", f"{p}mem{s}", c.host_memory_bytes_per_s, "host")
+        for s in range(1, c.sockets):
+            self._link(f"{p}cpu{s - 1}", f"{p}cpu{s}", c.inter_socket_bytes_per_s, "host")
+        for j in range(c.pcie_switches):
+            self.graph.add_node(f"{p}pcie{j}", kind="pcie_switch")
+            self._link(f"{p}pcie{j}", f"{p}cpu{j * c.sockets // c.pcie_switches}", c.pcie_switch_uplink_bytes_per_s,
+                       "pcie", c.pcie_latency_s)
+
+        def attach(dev: str, i: int, count: int) -> None:
+            if c.pcie_switches:
+                self._link(dev, f"{p}pcie{i * c.pcie_switches // count}", c.pcie_bytes_per_s, "pcie", c.pcie_latency_s)
+            else:
+                self._link(dev, f"{p}cpu{i * c.sockets // count}", c.pcie_bytes_per_s, "pcie", c.pcie_latency_s)
+
+        for i in range(c.gpus_per_node):
+            self.graph.add_node(f"{p}gpu{i}", kind="gpu", node=k, local=i)
+            attach(f"{p}gpu{i}", i, c.gpus_per_node)
+        for r in range(c.nics_per_node):
+            self.graph.add_node(f"{p}nic{r}", kind="nic", node=k, rail=r)
+            attach(f"{p}nic{r}", r, c.nics_per_node)
+        if c.intra == "nvswitch":
+            self.graph.add_node(f"{p}nvswitch", kind="nvswitch", nvls=c.nvls)
+            for i in range(c.gpus_per_node):
+                self._link(f"{p}gpu{i}", f"{p}nvswitch", c.nvlink_bytes_per_s, "nvlink", c.nvlink_latency_s)
+        elif c.intra == "nvlink_bridge":
+            for i in range(0, c.gpus_per_node, 2):
+                self._link(f"{p}gpu{i}", f"{p}gpu{i + 1}", c.nvlink_bytes_per_s, "nvlink", c.nvlink_latency_s)
+
+    def _build_network(self) -> None:
+        n = self.network
+        assert n is not None
+        lat = n.link_latency_s
+        if n.kind == "rail":
+            rails = self.cluster.nics_per_node
+            leaves = [f"leaf{r}" for r in range(rails)]
+            for leaf in leaves:
+                self.graph.add_node(leaf, kind="leaf")
+            for k in range(self.nodes):
+                for r in range(rails):
+                    self._link(f"n{k}.nic{r}", f"leaf{r}", n.nic_bytes_per_s, "net", lat)
+            down = self.nodes * n.nic_bytes_per_s
+        else:
+            n_leaves = -(-self.nodes // n.nodes_per_leaf)
+            leaves = [f"leaf{l}" for l in range(n_leaves)]
+            for k in range(self.nodes):
+                for r in range(self.cluster.nics_per_node):
+                    self._link(f"n{k}.nic{r}", f"leaf{k // n.nodes_per_leaf}", n.nic_bytes_per_s, "net", lat)
+            down = n.nodes_per_leaf * self.cluster.nics_per_node * n.nic_bytes_per_s
+        if len(leaves) > 1:
+            self.graph.add_node("spine0", kind="spine")
+            for leaf in leaves:
+                # one aggregate uplink per leaf: downlink capacity / oversubscription
+                self._link(leaf, "spine0", down / n.oversubscription, "net", lat)
+
+    def _check_connected(self) -> None:
+        gpus = [f"n{k}.gpu{i}" for k in range(self.nodes) for i in range(self.cluster.gpus_per_node)]
+        reach = nx.descendants(self.graph, gpus[0]) | {gpus[0]}
+        missing = [g for g in gpus if g not in reach]
+        if missing:
+            raise TopologyError(f"topology of {self.cluster.name} x {self.nodes} is disconnected: "
+                                f"{missing[0]} cannot be reached from {gpus[0]}")
+
+    def capacities(self) -> dict[str, float]:
+        """Link name -> datasheet capacity, bytes/s (the ``FluidNetwork`` argument)."""
+        return {d["name"]: d["capacity_bytes_per_s"] for _, _, d in self.graph.edges(data=True)}
+
+    def link(self, name: str) -> dict:
+        """Edge attributes of link ``name`` (``"u->v"``). Raises: KeyError: unknown link."""
+        u, v = name.split("->")
+        return self.graph.edges[u, v]
+
+    def route(self, src: str, dst: str) -> tuple[str, ...]:
+        """Link names from graph node ``src`` to ``dst`` (cached; NVLink preferred over PCIe, CPU,
+        network; no transit through another GPU).
+
+        Raises:
+            TopologyError: unknown node, or no path.
+        """
+        key = (src, dst)
+        hit = self._routes.get(key)
+        if hit is not None:
+            return hit
+        for node in key:
+            if node not in self.graph:
+                raise TopologyError(f"link to a device that does not exist: {node!r}")
+        if src == dst:
+            self._routes[key] = ()
+            return ()
+        g = self.graph
+        a, b = g.nodes[src], g.nodes[dst]
+        nics = self.cluster.nics_per_node
+        if (self.network is not None and a.get("kind") == "gpu" and b.get("kind") == "gpu"
+                and a["node"] != b["node"] and nics):
+            # rail affinity: GPU i leaves and enters through NIC i % nics (one NIC per GPU on HGX;
+            # NCCL picks the closest NIC per GPU, src/graph/search.cc)
+            na, nb = f"n{a['node']}.nic{a['local'] % nics}", f"n{b['node']}.nic{b['local'] % nics}"
+            path = self._path(src, na)[:-1] + self._path(na, nb, net_only=True)[:-1] + self._path(nb, dst)
+        else:
+            path = self._path(src, dst)
+        names = tuple(g.edges[u, v]["name"] for u, v in zip(path, path[1:]))
+        self._routes[key] = names
+        return names
+
+    def _path(self, src: str, dst: str, net_only: bool = False) -> list[str]:
+        g = self.graph
+
+        def weight(u: str, v: str, d: dict) -> float | None:
+            if v != dst and g.nodes[v].get("kind") == "gpu":
+                return None
+            if net_only and d["tier"] != "net":
+                return None
+            return _WEIGHT[d["tier"]]
+
+        try:
+            return nx.dijkstra_path(g, src, dst, weight=weight)
+        except nx.NetworkXNoPath:
+            raise TopologyError(f"no route from {src} to {dst} in {self.cluster.name} x {self.nodes}") from None
+
+    def rank_route(self, a: int, b: int) -> tuple[str, ...]:
+        """``route`` between global ranks ``a`` and ``b``."""
+        return self.route(self.gpu(a), self.gpu(b))
+
+    def route_latency_s(self, links: tuple[str, ...]) -> float:
+        """Sum of the wire latencies of ``links``."""
+        return sum(self.link(n)["latency_s"] for n in links)
+
+
+def build_topology(cluster: str | ClusterSpec, nodes: int = 1, network: str | NetworkSpec | None = None,
+                   cluster_overrides: dict[str, Any] | None = None,
+                   network_overrides: dict[str, Any] | None = None) -> Topology:
+    """Build a ``Topology`` from preset names (or specs) with optional field overrides.
+
+    Raises:
+        PresetError: unknown preset, bad override, or an invalid topology.
+    """
+    spec = load_cluster(cluster, cluster_overrides) if isinstance(cluster, str) else (
+        dataclasses.replace(cluster, **cluster_overrides) if cluster_overrides else cluster)
+    if network is None and nodes > 1 and spec.network:
+        network = spec.network
+    net = load_network(network, network_overrides) if isinstance(network, str) else network
+    return Topology(spec, nodes, net)

@@ -1,0 +1,44 @@
+"""``simulate collective``: JSON output and one-line bad-input errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simulator.cli import main
+
+
+def test_json_fields_and_values(capsys):
+    assert main(["collective", "dgx-h100", "--op", "all_reduce", "--ranks", "8", "--bytes", "1MiB,1GiB",
+                 "--algo", "ring", "--proto", "simple", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [o["bytes"] for o in out] == [2**20, 2**30]
+    for o in out:
+        assert {"op", "ranks", "ranks_per_node", "bytes", "time_s", "algbw_bytes_per_s", "busbw_bytes_per_s",
+                "algorithm", "protocol"} <= set(o)
+        assert (o["op"], o["ranks"], o["ranks_per_node"], o["algorithm"], o["protocol"]) == (
+            "all_reduce", 8, 8, "Ring", "Simple")
+        assert o["busbw_bytes_per_s"] == pytest.approx(o["bytes"] / o["time_s"] * 1.75)
+
+
+def test_two_nodes(capsys):
+    assert main(["collective", "dgx-h100", "--ranks", "16", "--ranks-per-node", "8", "--bytes", "1GiB", "--json"]) == 0
+    o = json.loads(capsys.readouterr().out)[0]
+    assert o["ranks_per_node"] == 8 and o["ranks"] == 16
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["dgx-h100", "--ranks", "12"], "multiple of --ranks-per-node"),
+    (["dgx-h100", "--ranks-per-node", "9"], "--ranks-per-node must be in 1..8"),
+    (["dgx-a100", "--algo", "nvls"], "NVSwitch with in-switch reduction"),
+    (["dgx-h100", "--set", "nvlink_bytes_per_s=0"], "nvlink_bytes_per_s must be > 0"),
+    (["dgx-h100", "--ranks", "16", "--set", "network.nic_bytes_per_s=-1"], "nic_bytes_per_s must be > 0"),
+    (["no-such-cluster"], "unknown cluster preset"),
+    (["4x-a100-pcie", "--ranks", "8"], "no NICs"),
+    (["dgx-h100", "--op", "gather"], "op 'gather' is not modelled"),
+])
+def test_bad_input_one_line_exit_2(capsys, argv, msg):
+    assert main(["collective", *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
