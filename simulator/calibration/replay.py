@@ -1,10 +1,21 @@
 """Replay an imported trace on the engine, compare with its measured step time, and ask what-ifs.
 
+Step time (a definition change: it used to be the latency). The measured and the replayed step
+time are the steady-state *period*: the median distance between consecutive step ends, a step's
+end being the last end of any CPU or GPU op attributed to it. The first traced step has no
+predecessor and is dropped as warm-up (named in ``warmup_steps``). The step *latency* (step start
+to its last end, i.e. including the GPU's lag behind the CPU) is reported as its own field; it is
+what a step looks like from one profiler annotation, and it grows when the CPU runs further ahead,
+so it must not be compared across what-ifs. A one-step trace has no period; its latency is used
+and the result says so (``step_time_basis == "latency"``).
+
 Replay keeps every measured duration (kernels, copies, CPU runtime calls and the gaps between
 them) and re-derives only the *timing* from the dependencies (stream order, launch links, event
 waits, synchronisations). What-ifs rewrite the graph before replay:
 
-* ``gpu``: GPU kernels are re-costed by the ratio of the two GPUs' peaks: GEMM and attention
+* ``gpu``: needs a preset for the traced GPU (``gpu_preset_for``; an unknown device is refused by
+  name, never replaced by another GPU's numbers). GPU kernels are re-costed by the ratio of the
+  two GPUs' peaks: GEMM and attention
   kernels by the dense bf16 (or fp16) FLOP/s ratio, all other kernels by the HBM bandwidth ratio
   (the roofline's two regimes); CPU-side ops keep their measured durations.
 * ``pcie_speedup``: host<->device copies get ``1 / pcie_speedup`` of their measured time.
@@ -15,6 +26,11 @@ waits, synchronisations). What-ifs rewrite the graph before replay:
   ``enumerate(DataLoader)`` annotations (``T_load`` per step) becomes the steady-state wait of
   PyTorch's round-robin workers: ``max(0, T_load / N - T_rest)``, where ``T_rest`` is the rest of
   the step (each worker needs ``T_load`` per batch; ``N`` of them deliver one every ``T_load / N``).
+  A trace whose loader already uses worker processes (``KinetoImport.uses_worker_processes``) is
+  refused: its main-thread wait is not the loading time.
+
+GPU busy (``gpu_busy``): the fraction of the window in which a traced GPU op runs; the gap ops
+the importer inserts to reproduce unexplained idle time are not counted as busy.
 """
 
 from __future__ import annotations
@@ -272,14 +288,25 @@ def replay(path: str | Path, steps="all", gpu: str | None = None, pcie_speedup: 
         ValueError: a speed-up that is not a finite number > 0; ``dataloader_workers`` on a
             trace that already uses worker processes or has no DataLoader annotations.
     """
-    from simulator.engine.run import simulate_graph
-    from simulator.graph.importers.kineto import TraceImportError, load_kineto
+    from simulator.graph.importers.kineto import load_kineto
 
     _check_speedup("pcie_speedup", pcie_speedup)
     _check_speedup("host_speedup", host_speedup)
     if str(path).endswith((".et", ".et.gz")):
         return _replay_chakra(path)
     imp = load_kineto(path, steps=steps, gpu_gaps=gpu_gaps)
+    return replay_import(imp, gpu, pcie_speedup, host_speedup, dataloader_workers)
+
+
+def replay_import(imp, gpu: str | None = None, pcie_speedup: float = 1.0, host_speedup: float = 1.0,
+                  dataloader_workers: int | None = None) -> dict:
+    """``replay`` of an already imported ``KinetoImport`` (same result and errors)."""
+    from simulator.engine.run import simulate_graph
+    from simulator.graph.importers.kineto import TraceImportError
+
+    _check_speedup("pcie_speedup", pcie_speedup)
+    _check_speedup("host_speedup", host_speedup)
+    path = imp.path
     name = Path(path).name
     try:
         src_name: str | None = gpu_preset_for(imp.device_name)

@@ -56,7 +56,9 @@ Every op carries ``meta["step"]`` (index of its step among *all* steps detected 
 ``meta["ts_us"]`` / ``meta["dur_us"]`` (the original values from the file, microseconds).
 
 Units: the file's ``ts``/``dur`` are microseconds (always, whatever ``displayTimeUnit`` says);
-everything on ``Op`` is in seconds.
+everything on ``Op`` is in seconds. An event longer than a day, or a trace whose events span more
+than a day, is refused (``TraceImportError``): such numbers are not profiler timestamps, and
+replaying them would run the engine at times where float resolution is lost.
 
 Steps
 -----

@@ -542,26 +542,11 @@ def test_boundary_shortcut_matches_import_option():
     assert replayed_step_times(a) == pytest.approx(replayed_step_times(b), rel=1e-9)
 
 
-def test_replay_error_table(capsys):
-    """Print measured vs replayed step times (``pytest -s`` shows the table)."""
-    rows = []
+def test_replay_error_table():
+    """Every bundled trace replays within 2% per step (``gpu_gaps="all"``); nothing is printed."""
     for key in sorted(TRACES):
         r = imp(key)
-        meas = r.step_times_s
-        rep = replayed_step_times(r)
-        rep_b = replayed_step_times(_boundary_only(r))
-        err = max(step_errors(r))
-        err_b = max(abs(x - m) / m for x, m in zip(rep_b, meas))
-        gap = sum(r.graph.meta["gpu_gap_us"].values()) / 1e3
-        n_gpu = len(gpu_ops(r.graph))
-        rows.append(f"{key:18s} {r.schema_era:7s} {len(r.steps):3d} {n_gpu:6d} "
-                    f"{sum(meas) / len(meas) * 1e3:10.3f} {sum(rep) / len(rep) * 1e3:10.3f} "
-                    f"{err * 100:8.4f} {err_b * 100:8.3f} {gap:10.3f}")
-        assert err < 0.02
-    with capsys.disabled():
-        print("\ntrace              era     steps gpu_ops  meas_ms    replay_ms  err%     "
-              "err%_bnd  gpu_gap_ms")
-        print("\n".join(rows))
+        assert max(step_errors(r)) < 0.02, key
 
 
 # ---------------------------------------------------------------------------------------------
