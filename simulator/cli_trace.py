@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 
 
-def _steps_value(text: str):
-    """``all`` or a step index >= 0, else ``None``."""
+def _steps_arg(text: str):
+    """``all`` or an integer step index (argparse type; a negative index is refused in ``run_replay``)."""
+    import argparse
+
     if text == "all":
         return text
     try:
-        k = int(text)
+        return int(text)
     except ValueError:
-        return None
-    return k if k >= 0 else None
+        raise argparse.ArgumentTypeError(f"expected 'all' or a step index, got {text!r}") from None
 
 
 def _strict_json(obj) -> str:
@@ -54,7 +55,7 @@ def add_parser(subparsers):
     """Register ``replay`` and ``calibrate``."""
     p = subparsers.add_parser("replay", help="replay a PyTorch-profiler (Kineto) trace and compare its step time")
     p.add_argument("trace")
-    p.add_argument("--steps", default="all", help="'all' or a step index >= 0 (default all)")
+    p.add_argument("--steps", default="all", type=_steps_arg, help="'all' or a step index >= 0 (default all)")
     p.add_argument("--gpu", help="what-if: re-cost the kernels for this GPU preset")
     p.add_argument("--pcie-speedup", type=float, default=1.0, help="what-if: copies this many times faster")
     p.add_argument("--host-speedup", type=float, default=1.0, help="what-if: CPU side this many times faster")
@@ -86,8 +87,9 @@ def run_replay(args) -> int:
     from simulator.calibration.replay import replay
     from simulator.graph.importers.kineto import TraceImportError
 
-    steps = _steps_value(args.steps)
-    problems = [None if steps is not None else f"--steps {args.steps}: expected 'all' or a step index >= 0",
+    steps = args.steps
+    problems = [None if steps == "all" or steps >= 0 else f"--steps {steps}: expected 'all' or a step index >= 0 "
+                "(negative indices are not accepted)",
                 _speedup_problem("--pcie-speedup", args.pcie_speedup),
                 _speedup_problem("--host-speedup", args.host_speedup),
                 None if args.dataloader_workers is None or args.dataloader_workers >= 1
