@@ -129,7 +129,7 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     from simulator.calibration.host_overhead import fit_launch_overhead
     from simulator.config.loader import load_scenario, resolve_hardware
     from simulator.api import build_graph, run_scenario, simulate_graph
-    from simulator.graph.importers.kineto import load_kineto, read_trace_json
+    from simulator.graph.importers.kineto import load_kineto
 
     if len(scenario_paths) == 1:
         scenario_paths = list(scenario_paths) * len(traces)
@@ -152,7 +152,7 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     host = {}
     try:
         graph = build_graph(cfgs[0])
-        fit = fit_launch_overhead(read_trace_json(traces[0]), graph, base_hw.launch.per_op_s)
+        fit = fit_launch_overhead(imports[0], graph, base_hw.launch.per_op_s)
         prof = dataclasses.replace(prof, launch_overhead_by_phase_s=fit["launch_overhead_by_phase_s"])
         host = {"profiler_inflation": round(fit["profiler_inflation"], 4)}
     except ValueError as exc:

@@ -21,9 +21,7 @@ def test_notebook_executes(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_keeps_the_users_matplotlib_backend(request, path):
+def test_notebook_keeps_the_users_matplotlib_backend(path):
     """``matplotlib.use("Agg")`` in a notebook hides every figure from the user who opens it."""
-    if path.name.startswith("05_"):
-        request.applymarker(pytest.mark.xfail(reason="notebook 05 is fixed on another branch", strict=False))
     nb = nbformat.read(path, as_version=4)
     assert not [c for c in nb.cells if c.cell_type == "code" and "matplotlib.use(" in c.source]

@@ -59,6 +59,9 @@ COLLECTIVES = {
 }
 
 
+_MAX_DURATION_US = 86_400_000_000  # a node longer than a day is refused: not a profiled duration
+
+
 class _Truncated(Exception):
     pass
 
@@ -120,6 +123,7 @@ def _zigzag(v: int) -> int:
 
 
 def _packed_varints(wt: int, v) -> list[int]:
+    _expect("repeated int", 0, wt, (0, 2))
     if wt == 0:
         return [v]
     out, i = [], 0
@@ -137,7 +141,21 @@ _ATTR_SCALAR = {
 }
 
 
+#: Wire type each scalar kind is encoded with (0 varint, 1 64-bit, 2 length-delimited, 5 32-bit).
+_KIND_WIRE = {"double": 1, "fixed64": 1, "sfixed64": 1, "float": 5, "fixed32": 5, "sfixed32": 5,
+              "int": 0, "uint": 0, "sint": 0, "bool": 0, "string": 2, "bytes": 2}
+
+
+def _expect(where: str, f: int, wt: int, want: int | tuple[int, ...]) -> None:
+    """Refuse a known field encoded with the wrong wire type (``ValueError``)."""
+    ok = want if isinstance(want, tuple) else (want,)
+    if wt not in ok:
+        raise ValueError(f"{where} field {f} has wire type {wt}, expected {' or '.join(map(str, ok))}")
+
+
 def _scalar(kind: str, wt: int, v):
+    if wt != _KIND_WIRE[kind]:
+        raise ValueError(f"AttributeProto {kind} value has wire type {wt}, expected {_KIND_WIRE[kind]}")
     if kind == "double":
         return struct.unpack("<d", v)[0]
     if kind == "float":
@@ -185,10 +203,12 @@ def _attr(body: bytes) -> tuple[str, Any]:
     name, value = "", None
     for f, wt, v in _fields(body):
         if f == 1:
+            _expect("AttributeProto", f, wt, 2)
             name = v.decode("utf-8", "replace")
         elif f in _ATTR_SCALAR:
             value = _scalar(_ATTR_SCALAR[f], wt, v)
         elif 4 <= f <= 32 and f % 2 == 0:
+            _expect("AttributeProto", f, wt, 2)
             value = _list_values(_ATTR_SCALAR[f - 1], v)
     return name, value
 
@@ -222,9 +242,16 @@ class ChakraNode:
         return NODE_TYPES.get(self.type, f"TYPE_{self.type}")
 
 
+#: Wire type of each Node field (et_def.proto): 1 id, 3 type, 6/7 times are varints; 2 name,
+#: 8/9 IOInfo, 10 AttributeProto are length-delimited; 4/5 deps are repeated varints.
+_NODE_WIRE = {1: 0, 2: 2, 3: 0, 4: (0, 2), 5: (0, 2), 6: 0, 7: 0, 8: 2, 9: 2, 10: 2}
+
+
 def _node(body: bytes) -> ChakraNode:
     n = ChakraNode(id=-1)
     for f, wt, v in _fields(body):
+        if f in _NODE_WIRE:
+            _expect("Node", f, wt, _NODE_WIRE[f])
         if f == 1:
             n.id = v
         elif f == 2:
@@ -238,6 +265,8 @@ def _node(body: bytes) -> ChakraNode:
         elif f == 6:
             n.start_time_micros = v
         elif f == 7:
+            if v > _MAX_DURATION_US:
+                raise ValueError(f"node duration_micros {v} is more than a day")
             n.duration_micros = v
         elif f == 8:
             n.inputs = _io(v)
@@ -406,6 +435,8 @@ def load_chakra(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> 
         a = nd.attrs
         is_cpu = bool(a.get("is_cpu_op", False))
         tid = a.get("tid", 0)
+        if not isinstance(tid, (int, str)) or isinstance(tid, bool):
+            tid = 0
         dur_s = max(0, nd.duration_micros) * 1e-6
         total_us += max(0, nd.duration_micros)
         ph = _phase_label(nd.name)
@@ -428,11 +459,15 @@ def load_chakra(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> 
             if nd.type in (5, 6, 7):
                 kind = OpKind.COLLECTIVE
                 ct = a.get("comm_type")
-                m["collective"] = (COLLECTIVES.get(ct, str(ct)) if nd.type == 7 else
+                m["collective"] = (COLLECTIVES.get(ct, str(ct)) if nd.type == 7 and isinstance(ct, int) else
+                                   str(ct) if nd.type == 7 else
                                    ("send" if nd.type == 5 else "recv"))
-                if a.get("comm_size") is not None:
-                    m["comm_size"] = a["comm_size"]
-                    fields["bytes_read"] = float(a["comm_size"])
+                size = a.get("comm_size")
+                if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size < float("inf"):
+                    m["comm_size"] = size
+                    fields["bytes_read"] = float(size)
+                elif size is not None:
+                    warnings.append(f"node {nid}: comm_size {size!r} is not a byte count (ignored)")
             elif nd.type == 2 or nd.name.startswith("Memcpy HtoD"):
                 kind, fields["cost_class"] = OpKind.MEMCPY_H2D, CostClass.COPY
             elif nd.type == 3 or nd.name.startswith("Memcpy DtoH"):

@@ -56,7 +56,9 @@ Every op carries ``meta["step"]`` (index of its step among *all* steps detected 
 ``meta["ts_us"]`` / ``meta["dur_us"]`` (the original values from the file, microseconds).
 
 Units: the file's ``ts``/``dur`` are microseconds (always, whatever ``displayTimeUnit`` says);
-everything on ``Op`` is in seconds.
+everything on ``Op`` is in seconds. An event longer than a day, or a trace whose events span more
+than a day, is refused (``TraceImportError``): such numbers are not profiler timestamps, and
+replaying them would run the engine at times where float resolution is lost.
 
 Steps
 -----
@@ -111,6 +113,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "KinetoImport",
     "TraceImportError",
+    "annotation_events",
     "classify_kernel",
     "load_kineto",
     "read_trace_bytes",
@@ -126,6 +129,7 @@ _CHUNK = 16 * 1024 * 1024
 _WAIT_MIN_GAP_US = 2.0  # an unexplained GPU start delay at least this long may be a stream wait
 _WAIT_WINDOW_US = 5.0  # ... on an op of another stream that ended at most this long before
 _WAKE_IDLE_US = 50.0  # a host thread idle this long between runtime calls is taken to be waiting
+_MAX_SPAN_US = 86_400e6  # a trace window (and any event) longer than a day is refused: not a profile
 
 GpuGapMode = Literal["all", "boundary", "none"]
 
@@ -225,6 +229,30 @@ def read_trace_json(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
         raise TraceImportError(f"{name}: JSON nested too deeply") from None
     finally:
         del raw
+
+
+def annotation_events(events: Any) -> list[dict]:
+    """CPU annotation events of a raw ``traceEvents`` list, validated as the importer keeps them.
+
+    For callers holding a trace dict rather than a ``KinetoImport`` (synthetic traces in tests,
+    scripts): the same record as ``KinetoImport.cpu_annotations``. Events that are not objects,
+    not ``ph == "X"``, not of an annotation category, or without a finite ``ts`` are skipped; a
+    missing, negative or non-finite ``dur`` becomes 0; ``name`` becomes a string.
+    """
+    out: list[dict] = []
+    if not isinstance(events, list):
+        return out
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") not in _ANNOT_CATS:
+            continue
+        ts, dur = _num(e.get("ts")), _num(e.get("dur"))
+        if ts is None:
+            continue
+        name = e.get("name")
+        out.append({"ts": ts, "dur": dur if dur is not None and dur >= 0 else 0.0,
+                    "name": name if isinstance(name, str) else str(name), "tid": _ident(e.get("tid")),
+                    "cat": e.get("cat")})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +394,21 @@ class KinetoImport:
         gpu_step_times_s: First GPU start to last GPU end of each step's GPU ops, seconds
             (0.0 for a step without GPU ops).
         path: The imported file.
+        step_starts_s: Start of each selected step (its ``ProfilerStep`` span start, or the
+            fallback boundary), seconds from the start of the first selected step.
+        step_ends_s: Last end of any op attributed to each selected step, same origin, seconds
+            (``step_ends_s[k] - step_starts_s[k] == step_times_s[k]``).
+        gpu_step_starts_s: First start of each selected step's GPU ops (gap ops excluded), same
+            origin, seconds (``None`` for a step without GPU ops).
+        uses_worker_processes: The trace shows DataLoader worker processes (a multi-process
+            ``DataLoader``: ``_MultiProcessingDataLoaderIter`` annotations, or a
+            ``pt_data_worker`` / ``pt_data_pin`` thread).
+        dataloader_intervals_us: ``(start, end)`` of the ``enumerate(DataLoader)...__next__``
+            annotations, the file's own microsecond timestamps (as ``op.meta["ts_us"]``), sorted.
+        cpu_annotations: Every CPU annotation event (``cpu_op``, ``user_annotation``, 2021
+            ``Operator``) as ``{"ts", "dur", "name", "tid", "cat"}``: ``ts``/``dur`` finite
+            microseconds (file timestamps; ``dur >= 0``), ``name`` a string. Consumers of the
+            CPU timeline (``calibration.host_overhead``) read these instead of parsing the file.
     """
 
     graph: OpGraph
@@ -379,6 +422,12 @@ class KinetoImport:
     step_spans_s: list[float] = field(default_factory=list)
     gpu_step_times_s: list[float] = field(default_factory=list)
     path: str = ""
+    step_starts_s: list[float] = field(default_factory=list)
+    step_ends_s: list[float] = field(default_factory=list)
+    gpu_step_starts_s: list[float | None] = field(default_factory=list)
+    uses_worker_processes: bool = False
+    dataloader_intervals_us: list[tuple[float, float]] = field(default_factory=list)
+    cpu_annotations: list[dict] = field(default_factory=list, repr=False)
 
     _GPU_KINDS = (OpKind.COMPUTE, OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H, OpKind.MEMCPY_D2D,
                   OpKind.COLLECTIVE)
@@ -559,6 +608,9 @@ _MEMCPY_CALL = re.compile(r"^(cuda|hip|cu)Memcpy")
 _EVENT_RECORD = re.compile(r"^(cuda|hip|cu)EventRecord")
 _STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
 _STEP_RX = re.compile(r"^ProfilerStep#(\d+)")
+# a multi-process DataLoader: PyTorch's iterator class name, or its worker / pin-memory threads
+_WORKER_ANNOT = re.compile(r"_MultiProcessingDataLoaderIter")
+_WORKER_THREAD = re.compile(r"pt_data_worker|pt_data_pin")
 
 
 def _phase_label(name: str) -> Phase | None:
@@ -672,8 +724,9 @@ class _Importer:
         fwd_src: set = set()
         thread_names: dict = {}
         bad = 0
-        t_min = math.inf
+        t_min, t_max = math.inf, -math.inf
         kept: list[tuple] = []
+        cpu_annots: list[dict] = []
         for e in events:
             if not isinstance(e, dict):
                 continue
@@ -701,10 +754,18 @@ class _Importer:
             name = e.get("name")
             if not isinstance(name, str):
                 name = str(name)
+            if dur > _MAX_SPAN_US:
+                raise TraceImportError(f"{self.fname}: event {name[:60]!r} has dur {dur:g} us, more than a day "
+                                       f"({_MAX_SPAN_US:g} us): not a profiler duration")
             kept.append((e.get("cat"), name, ts, dur, e))
             if ts < t_min:
                 t_min = ts
+            if ts + dur > t_max:
+                t_max = ts + dur
         events.clear()
+        if t_max - t_min > _MAX_SPAN_US:
+            raise TraceImportError(f"{self.fname}: events span {t_max - t_min:g} us, more than a day "
+                                   f"({_MAX_SPAN_US:g} us): a ts is not a profiler timestamp")
         if bad:
             self.warnings.append(f"skipped {bad} events without a numeric ts")
         if not kept:
@@ -725,6 +786,7 @@ class _Importer:
                 calls.append(_Call(rel, rel + dur, name, _int(args.get("correlation")), thread, ts, dur))
             elif cat in _ANNOT_CATS:
                 thread = (_ident(e.get("pid")), _ident(e.get("tid")))
+                cpu_annots.append({"ts": ts, "dur": dur, "name": name, "tid": thread[1], "cat": cat})
                 keep_args = args if name.startswith(_KEEP_ANNOT_ARGS) else None
                 lab = _phase_label(name)
                 if lab is None and (thread[1], ts) in fwd_src:
@@ -743,6 +805,12 @@ class _Importer:
         self.calls = calls
         self.gpu_raw = gpu_raw
         self.annots = annots
+        self.cpu_annotations = cpu_annots
+        self.dataloader_intervals_us = sorted(
+            (a["ts"], a["ts"] + a["dur"]) for a in cpu_annots
+            if "DataLoader" in a["name"] and "__next__" in a["name"])
+        self.uses_workers = (any(_WORKER_ANNOT.search(a["name"]) for a in cpu_annots)
+                             or any(_WORKER_THREAD.search(n) for n in thread_names.values()))
         self.gpu_annots = gpu_annots
         self.syncs = syncs
         self.thread_names = thread_names
@@ -1633,6 +1701,9 @@ class _Importer:
         gpu_times = [max(0.0, gpu_hi[k] - gpu_lo[k]) * 1e-6 if gpu_hi[k] > -math.inf else 0.0
                      for k in sel]
         spans = [max(0.0, self.steps[k][2] - self.steps[k][1]) * 1e-6 for k in sel]
+        starts_s = [(self.steps[k][1] - t_origin) * 1e-6 for k in sel]
+        ends_s = [st + t for st, t in zip(starts_s, step_times)]
+        gpu_starts = [(gpu_lo[k] - t_origin) * 1e-6 if gpu_lo[k] < math.inf else None for k in sel]
         dev = self.devices.most_common(1)[0][0] if self.devices else None
         graph = b.build(
             source=f"kineto:{self.fname}",
@@ -1669,6 +1740,12 @@ class _Importer:
             step_spans_s=spans,
             gpu_step_times_s=gpu_times,
             path=self.path,
+            step_starts_s=starts_s,
+            step_ends_s=ends_s,
+            gpu_step_starts_s=gpu_starts,
+            uses_worker_processes=self.uses_workers,
+            dataloader_intervals_us=list(self.dataloader_intervals_us),
+            cpu_annotations=self.cpu_annotations,
         )
 
     def _gap_nodes(self, name: str, kind: OpKind, start: float, n: _Node, selset: set,

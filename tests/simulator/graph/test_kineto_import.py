@@ -543,23 +543,10 @@ def test_boundary_shortcut_matches_import_option():
 
 
 def test_replay_error_table():
-    """Measured vs replayed step times of every bundled trace within 2% (the table is in the failure message)."""
-    rows = []
+    """Every bundled trace replays within 2% per step (``gpu_gaps="all"``); nothing is printed."""
     for key in sorted(TRACES):
         r = imp(key)
-        meas = r.step_times_s
-        rep = replayed_step_times(r)
-        rep_b = replayed_step_times(_boundary_only(r))
-        err = max(step_errors(r))
-        err_b = max(abs(x - m) / m for x, m in zip(rep_b, meas))
-        gap = sum(r.graph.meta["gpu_gap_us"].values()) / 1e3
-        n_gpu = len(gpu_ops(r.graph))
-        rows.append(f"{key:18s} {r.schema_era:7s} {len(r.steps):3d} {n_gpu:6d} "
-                    f"{sum(meas) / len(meas) * 1e3:10.3f} {sum(rep) / len(rep) * 1e3:10.3f} "
-                    f"{err * 100:8.4f} {err_b * 100:8.3f} {gap:10.3f}")
-        table = "\n".join(["trace              era     steps gpu_ops  meas_ms    replay_ms  err%     "
-                            "err%_bnd  gpu_gap_ms", *rows])
-        assert err < 0.02, table
+        assert max(step_errors(r)) < 0.02, key
 
 
 # ---------------------------------------------------------------------------------------------
