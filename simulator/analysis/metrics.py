@@ -6,25 +6,133 @@ import numpy as np
 import pandas as pd
 
 PHASES = ("fwd", "bwd", "opt")
+DATA_PHASE = "data"
+#: span kind of the GPU compute stream's kernels (``OpKind.COMPUTE``): the stream CUDA events time
+COMPUTE_KIND = "compute"
+#: span kinds of work on the GPU (kernels, copies, collectives): the GPU is idle when none runs
+GPU_KINDS = ("compute", "collective", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d")
+
+
+def _merge(iv: np.ndarray) -> np.ndarray:
+    """Disjoint sorted intervals covering the union of ``[[start, end], ...]`` (shape ``(n, 2)``)."""
+    if len(iv) == 0:
+        return np.zeros((0, 2))
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    out = [list(iv[0])]
+    for s, e in iv[1:]:
+        if s > out[-1][1]:
+            out.append([s, e])
+        else:
+            out[-1][1] = max(out[-1][1], e)
+    return np.asarray(out, dtype=float)
+
+
+def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``)."""
+    out = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+            if cur >= e:
+                break
+        if cur < e:
+            out.append((cur, e))
+    return np.asarray(out, dtype=float).reshape(-1, 2)
+
+
+def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
+    """Length of disjoint intervals ``iv`` inside ``[t0, t1]``."""
+    if t1 <= t0 or len(iv) == 0:
+        return 0.0
+    return float(np.clip(np.minimum(iv[:, 1], t1) - np.maximum(iv[:, 0], t0), 0.0, None).sum())
+
+
+def _segments(d: pd.DataFrame) -> list[tuple[str, float]]:
+    """``[(phase, end_s), ...]`` of one step, in device order (see ``phase_split``)."""
+    d = d[d.phase.isin(PHASES)]
+    comp = d[d.kind == COMPUTE_KIND].sort_values(["start_s", "end_s"], kind="stable")
+    other = d[d.kind != COMPUTE_KIND]
+    ph = comp.phase.to_numpy()
+    seg_id = np.concatenate([[0], np.cumsum(ph[1:] != ph[:-1])]) if len(ph) else np.zeros(0, int)
+    segs: list[list] = []  # [phase, end_s, sort key]
+    ends = comp.end_s.to_numpy()
+    for k in range(int(seg_id[-1]) + 1 if len(ph) else 0):
+        m = seg_id == k
+        e = float(ends[m].max())
+        segs.append([str(ph[m][0]), e, e])
+    orphans: dict[str, float] = {}
+    for p, e in zip(other.phase.to_numpy(), other.end_s.to_numpy()):
+        same = [g for g in segs if g[0] == p]
+        if not same:
+            orphans[p] = max(orphans.get(p, -np.inf), float(e))
+            continue
+        g = next((g for g in same if g[2] >= e), same[-1])  # the first of its phase ending after it
+        g[1] = max(g[1], float(e))
+    segs.extend([p, e, e] for p, e in orphans.items())
+    segs.sort(key=lambda g: g[2])
+    return [(p, e) for p, e, _ in segs]
 
 
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
-    """Mean forward / backward / optimizer time per measured step, seconds.
+    """Mean data-wait / forward / backward / optimizer time per measured step, seconds.
 
-    Boundaries are taken on the device timeline, as CUDA events recorded between the phases
-    measure them: forward runs from the step start to the end of the last forward op, backward
-    from there to the end of the last backward op, optimizer from there to the end of the last
-    optimizer op.
+    The split is what CUDA events recorded on the compute stream at every phase boundary of every
+    micro-batch measure, summed per phase over the micro-batches of the step:
+
+    * The step's GPU compute kernels (span kind ``compute``), in stream order, form *segments*:
+      maximal runs of one phase (``fwd`` / ``bwd`` / ``opt``). With ``m`` micro-batches there are
+      ``2m`` forward/backward segments (``fwd, bwd, fwd, bwd, ..., opt``).
+    * Other ops of a phase (copies, host ops such as a CPU optimizer, collectives) belong to the
+      first segment of their phase whose kernels end after them (a micro-batch's input copy,
+      prefetched during the previous backward, belongs to the next forward); one that ends after
+      every segment of its phase extends the last (gradient copies trailing backward). A phase
+      with no GPU kernel forms one segment of its own, placed by its end.
+    * Segment ``k`` lasts from the end of segment ``k - 1`` to its own last end, at least 0 (the
+      boundary event of a phase completes when its last op has). The first starts at the step
+      start or, if later, at the end of the previous step's last phase op: an event recorded at
+      the step start completes only once the stream has finished the previous step (steps that
+      overlap, as with a delayed parameter update or a GPU lagging behind the host).
+    * ``data_s``: the time in these intervals during which the training thread waits for an
+      input batch (spans of phase ``data``, ``next(iterator)``) while the GPU runs nothing (no
+      kernel, copy or collective, ``GPU_KINDS``), i.e. the GPU time lost to the input pipeline. It is taken out of the segment it falls in, so
+      forward is not inflated by a data stall; a stall hidden behind GPU work counts nowhere
+      (the host-side wait is the dataloader's ``data_stall_s``).
+
+    ``data_s + fwd_s + bwd_s + opt_s`` is the time from the step start (as above) to the end of
+    the step's last phase op. With one micro-batch and no data wait this is the same as taking each phase's
+    boundary at the end of its last op.
+
+    Args:
+        spans: Span frame (``step, kind, phase, start_s, end_s``).
+        steps: Step frame (``step, start_s, warmup``).
+
+    Returns:
+        ``{"data_s", "fwd_s", "bwd_s", "opt_s"}``, means over the measured steps (0 without any).
     """
-    out = {p: [] for p in PHASES}
-    last_end = spans.groupby(["step", "phase"]).end_s.max()
+    out = {p: [] for p in (DATA_PHASE, *PHASES)}
+    by_step = dict(tuple(spans.groupby("step"))) if len(spans) else {}
+    last_end = spans[spans.phase.isin(PHASES)].groupby("step").end_s.max() if len(spans) else pd.Series()
     for row in steps[~steps.warmup].itertuples():
-        t = row.start_s
-        for p in PHASES:
-            e = last_end.get((row.step, p))
-            if e is not None:
-                out[p].append(max(float(e) - t, 0.0))
-                t = max(t, float(e))
+        d = by_step.get(row.step)
+        acc = dict.fromkeys(out, 0.0)
+        if d is not None:
+            gpu_busy = _merge(d.loc[d.kind.isin(GPU_KINDS), ["start_s", "end_s"]].to_numpy(float))
+            data_iv = _merge(d.loc[d.phase == DATA_PHASE, ["start_s", "end_s"]].to_numpy(float))
+            idle_data = _subtract(data_iv, gpu_busy)
+            t = max(float(row.start_s), float(last_end.get(row.step - 1, -np.inf)))
+            for p, e in _segments(d):
+                if e > t:
+                    w = _overlap(idle_data, t, e)
+                    acc[DATA_PHASE] += w
+                    acc[p] += (e - t) - w
+                    t = e
+        for p, v in acc.items():
+            out[p].append(v)
     return {f"{p}_s": float(np.mean(v)) if v else 0.0 for p, v in out.items()}
 
 
