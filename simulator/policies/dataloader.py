@@ -146,7 +146,11 @@ def host_cpu_pool(env, hw, system) -> CpuPool:
 
 @register_runtime("dataloader")
 class DataLoaderRuntime:
-    """Feeds the ``DATALOADER`` ops from a simulated ``torch.utils.data.DataLoader``."""
+    """Feeds the ``DATALOADER`` ops from a simulated ``torch.utils.data.DataLoader``.
+
+    Per-sample costs are drawn from the run's random generator ``env.rng`` (set by
+    ``simulate_graph`` from ``run.seed``), in sample order.
+    """
 
     @staticmethod
     def applies(cfg) -> bool:
@@ -156,8 +160,9 @@ class DataLoaderRuntime:
         self.env = env
         self.spec = loader_spec(cfg)
         self.pool = host_cpu_pool(env, hw, system)
-        rng = np.random.default_rng([int(cfg.run.seed), 4])  # own stream: independent of other components
-        self.loader = DataLoaderModel(env, self.spec, self.pool, rng, hw.host_cpu.memory_bandwidth_bytes_per_s,
+        # per-sample costs come from the run's generator (simulate_graph: default_rng(run.seed)), so
+        # that run.seed decides every random draw of the run
+        self.loader = DataLoaderModel(env, self.spec, self.pool, env.rng, hw.host_cpu.memory_bandwidth_bytes_per_s,
                                       storage_spec(cfg))
         self.waits: list[tuple[int, float]] = []  # (step, wait_s) per batch
 
