@@ -18,13 +18,9 @@ def _merge(iv: np.ndarray) -> np.ndarray:
     if len(iv) == 0:
         return np.zeros((0, 2))
     iv = iv[np.argsort(iv[:, 0], kind="stable")]
-    out = [list(iv[0])]
-    for s, e in iv[1:]:
-        if s > out[-1][1]:
-            out.append([s, e])
-        else:
-            out[-1][1] = max(out[-1][1], e)
-    return np.asarray(out, dtype=float)
+    reach = np.maximum.accumulate(iv[:, 1])
+    first = np.flatnonzero(np.concatenate([[True], iv[1:, 0] > reach[:-1]]))
+    return np.stack([iv[first, 0], np.maximum.reduceat(iv[:, 1], first)], axis=1)
 
 
 def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -52,21 +48,22 @@ def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
     return float(np.clip(np.minimum(iv[:, 1], t1) - np.maximum(iv[:, 0], t0), 0.0, None).sum())
 
 
-def _segments(d: pd.DataFrame) -> list[tuple[str, float]]:
-    """``[(phase, end_s), ...]`` of one step, in device order (see ``phase_split``)."""
-    d = d[d.phase.isin(PHASES)]
-    comp = d[d.kind == COMPUTE_KIND].sort_values(["start_s", "end_s"], kind="stable")
-    other = d[d.kind != COMPUTE_KIND]
-    ph = comp.phase.to_numpy()
-    seg_id = np.concatenate([[0], np.cumsum(ph[1:] != ph[:-1])]) if len(ph) else np.zeros(0, int)
+def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[tuple[str, float]]:
+    """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``)."""
+    inph = np.isin(phase, PHASES)
+    comp = inph & (kind == COMPUTE_KIND)
+    ci = np.flatnonzero(comp)
+    ci = ci[np.lexsort((end[ci], start[ci]))]
+    ph, ends = phase[ci], end[ci]
     segs: list[list] = []  # [phase, end_s, sort key]
-    ends = comp.end_s.to_numpy()
-    for k in range(int(seg_id[-1]) + 1 if len(ph) else 0):
-        m = seg_id == k
-        e = float(ends[m].max())
-        segs.append([str(ph[m][0]), e, e])
+    if len(ci):
+        cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
+            e = float(ends[a:b].max())
+            segs.append([str(ph[a]), e, e])
     orphans: dict[str, float] = {}
-    for p, e in zip(other.phase.to_numpy(), other.end_s.to_numpy()):
+    oi = np.flatnonzero(inph & ~comp)
+    for p, e in zip(phase[oi], end[oi]):
         same = [g for g in segs if g[0] == p]
         if not same:
             orphans[p] = max(orphans.get(p, -np.inf), float(e))
@@ -75,7 +72,7 @@ def _segments(d: pd.DataFrame) -> list[tuple[str, float]]:
         g[1] = max(g[1], float(e))
     segs.extend([p, e, e] for p, e in orphans.items())
     segs.sort(key=lambda g: g[2])
-    return [(p, e) for p, e, _ in segs]
+    return [(str(p), e) for p, e, _ in segs]
 
 
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
@@ -115,17 +112,31 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         ``{"data_s", "fwd_s", "bwd_s", "opt_s"}``, means over the measured steps (0 without any).
     """
     out = {p: [] for p in (DATA_PHASE, *PHASES)}
-    by_step = dict(tuple(spans.groupby("step"))) if len(spans) else {}
-    last_end = spans[spans.phase.isin(PHASES)].groupby("step").end_s.max() if len(spans) else pd.Series()
+    order = np.argsort(spans.step.to_numpy(), kind="stable")
+    step_col = spans.step.to_numpy()[order]
+    kind = spans.kind.to_numpy().astype(str)[order]
+    phase = spans.phase.to_numpy().astype(str)[order]
+    start = spans.start_s.to_numpy(float)[order]
+    end = spans.end_s.to_numpy(float)[order]
+
+    def rows(step: int) -> slice:
+        return slice(int(np.searchsorted(step_col, step, "left")), int(np.searchsorted(step_col, step, "right")))
+
+    def last_phase_end(step: int) -> float:
+        r = rows(step)
+        m = np.isin(phase[r], PHASES)
+        return float(end[r][m].max()) if m.any() else -np.inf
+
     for row in steps[~steps.warmup].itertuples():
-        d = by_step.get(row.step)
+        r = rows(row.step)
         acc = dict.fromkeys(out, 0.0)
-        if d is not None:
-            gpu_busy = _merge(d.loc[d.kind.isin(GPU_KINDS), ["start_s", "end_s"]].to_numpy(float))
-            data_iv = _merge(d.loc[d.phase == DATA_PHASE, ["start_s", "end_s"]].to_numpy(float))
-            idle_data = _subtract(data_iv, gpu_busy)
-            t = max(float(row.start_s), float(last_end.get(row.step - 1, -np.inf)))
-            for p, e in _segments(d):
+        k, p_, s_, e_ = kind[r], phase[r], start[r], end[r]
+        if len(k):
+            iv = np.stack([s_, e_], axis=1)
+            gpu_busy = _merge(iv[np.isin(k, GPU_KINDS)])
+            idle_data = _subtract(_merge(iv[p_ == DATA_PHASE]), gpu_busy)
+            t = max(float(row.start_s), last_phase_end(row.step - 1))
+            for p, e in _segments(k, p_, s_, e_):
                 if e > t:
                     w = _overlap(idle_data, t, e)
                     acc[DATA_PHASE] += w
