@@ -119,7 +119,7 @@ def steady_run(cfg: ScenarioConfig, start_steps: int = START_STEPS, max_steps: i
     round_steps = max(cfg.dataloader.num_workers if cfg.dataloader is not None else 1, 1)
     shortest = warm + max(8, 4 * round_steps)
     if max_steps < shortest:
-        raise ScenarioError(f"max_steps ({max_steps}) must be >= run.warmup_steps + max(8, 4 * num_workers) "
+        raise ScenarioError(f"max_steps (--max-steps) {max_steps} must be >= run.warmup_steps + max(8, 4 * num_workers) "
                             f"= {shortest}")
     n = min(max(cfg.run.steps, start_steps, shortest), max_steps)
     while True:
