@@ -88,16 +88,12 @@ def test_time_the_loader_adds_to_the_gpu_step(case, key):
     check_abs(pred, meas, 0.10 * MEAS[key]["mean_step_s"], f"{case} step minus GPU-only step")
 
 
-def test_predictions_for_held_back_worker_counts(capsys):
-    """w1..w4 are predictions (measurements held back): print them; check they are ordered sensibly."""
+def test_predictions_for_held_back_worker_counts():
+    """w1..w4 are predictions (measurements held back): check they are ordered sensibly."""
     rows = []
     for w in (0, 1, 2, 3, 4, 8):
         s = summary(f"dataloader_w{w}")
         rows.append((w, s["step_time_s"], s["data_stall_s"]))
-    with capsys.disabled():
-        print("\nworkers  step ms  data wait ms")
-        for w, st, dw in rows:
-            print(f"{w:>7d}  {st * 1e3:7.2f}  {dw * 1e3:12.2f}")
     steps = [r[1] for r in rows]
     assert all(a >= b - 1e-9 for a, b in zip(steps, steps[1:]))
     # one worker builds a batch in 8 x 6.055 ms: the step becomes loader-bound at that rate
