@@ -388,7 +388,9 @@ class DataLoaderModel:
         env: SimPy environment.
         spec: The DataLoader.
         cpu: Host CPU pool (shared with other host work).
-        rng: Random generator for per-sample costs (drawn in sample order: deterministic).
+        rng: The run's random generator, for per-sample costs (drawn in sample order, 1024 at a
+            time: deterministic for a given generator state). Required unless the cost is
+            ``constant``; the caller owns the seed (no generator is created here).
         memcpy_bandwidth_bytes_per_s: Host memcpy bandwidth counting bytes read + written
             (collate and pinning copy each batch once: 2 x bytes).
         storage: Storage read from, if samples are read (``sample_read_bytes > 0``).
@@ -396,7 +398,8 @@ class DataLoaderModel:
             waiting for a batch.
 
     Raises:
-        DataLoaderSpecError: samples need reading but no storage is given.
+        DataLoaderSpecError: samples need reading but no storage is given, or the sample cost is
+            random and no generator is given.
     """
 
     def __init__(self, env: simpy.Environment, spec: DataLoaderSpec, cpu: CpuPool,
@@ -405,7 +408,10 @@ class DataLoaderModel:
         if spec.sample_read_bytes > 0 and storage is None:
             raise DataLoaderSpecError("sample_read_bytes > 0 needs a storage (preset or spec)")
         self.env, self.spec, self.cpu = env, spec, cpu
-        self.rng = rng if rng is not None else np.random.default_rng(0)
+        if rng is None and spec.sample_cost.distribution != "constant":
+            raise DataLoaderSpecError(f"a {spec.sample_cost.distribution} sample cost needs the run's random "
+                                      "generator (rng)")
+        self.rng = rng
         self.memcpy_bw = memcpy_bandwidth_bytes_per_s
         self.storage = storage
         self._storage_net = (FluidNetwork(env, {"storage.read": storage.read_bandwidth_bytes_per_s})

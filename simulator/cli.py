@@ -18,11 +18,25 @@ def _fmt_bytes(b: float) -> str:
 
 
 def _busy_line(s: dict) -> list[str]:
-    """GPU compute-stream busy fraction, flagged when the host cannot keep the GPU fed."""
+    """GPU compute-stream busy fraction, flagged with the cause when the GPU is kept waiting.
+
+    Below 85 % busy the idle time is blamed on the input pipeline (*data-bound*) when the GPU's
+    data wait (``phase_s.data_s``: no kernel runs while the training thread is in
+    ``next(iterator)``) is at least half of it, otherwise on the host (*host-bound*: kernel
+    launches or other host work such as a CPU optimizer).
+    """
     busy = (s.get("utilisation") or {}).get("compute")
     if busy is None:
         return []
-    note = "  (host-bound: the GPU waits for kernel launches or host work)" if busy < 0.85 else ""
+    note = ""
+    if busy < 0.85:
+        idle_s = (1.0 - busy) * s.get("step_time_s", 0.0)
+        data_s = (s.get("phase_s") or {}).get("data_s", 0.0)
+        if data_s > 0 and data_s >= 0.5 * idle_s:
+            note = (f"  (data-bound: the GPU waits {data_s * 1e3:.2f} ms/step for input batches;"
+                    " see `simulate dataloader-workers`)")
+        else:
+            note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]
 
 
@@ -33,7 +47,7 @@ def format_summary(s: dict, name: str) -> str:
         f"scenario            {name}",
         f"gpu / profile       {s['gpu']} / {s['profile']}",
         f"step time           {s['step_time_s'] * 1e3:.2f} ms"
-        f"  (forward {ph.get('fwd_s', 0) * 1e3:.2f} / backward {ph.get('bwd_s', 0) * 1e3:.2f}"
+        f"  ({'data wait %.2f / ' % (ph['data_s'] * 1e3) if ph.get('data_s') else ''}forward {ph.get('fwd_s', 0) * 1e3:.2f} / backward {ph.get('bwd_s', 0) * 1e3:.2f}"
         f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms)",
         f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
         f"MFU                 {s['mfu'] * 100:.1f} %",
@@ -54,7 +68,8 @@ def format_summary(s: dict, name: str) -> str:
     if s.get("step_latency_s"):
         lines.append(f"step latency        {s['step_latency_s'] * 1e3:.1f} ms (steps overlap: delayed parameter update)")
     if s.get("data_stall_s"):
-        lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step")
+        lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step in next(iterator)"
+                     f"{' (hidden behind GPU work)' if not ph.get('data_s') else ''}")
     if "energy_j_per_step" in s:
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average")
     if s.get("oom"):

@@ -1,11 +1,17 @@
-"""``simulate dataloader-workers SCENARIO``: the smallest ``num_workers`` without a data stall.
+"""``simulate dataloader-workers SCENARIO``: the smallest ``num_workers`` without a steady data stall.
 
-Wire it into the ``simulate`` parser with ``add_parser(subparsers)``; ``run(args)`` returns the exit
-status (0 answered, 1 no value up to ``--max-workers`` removes the stall, 2 bad input).
+Each value is simulated until its stall settles (``simulator.studies.whatif_dataloader``), up to
+``--max-steps`` steps; a value that does not settle is marked and never answers. Wire it into
+the ``simulate`` parser with ``add_parser(subparsers)``; ``run(args)`` returns the exit status
+(0 answered, 1 no value up to ``--max-workers`` removes the stall in steady state, 2 bad input).
+``--json`` prints one object: ``scenario``, ``answer`` (or null), ``steady`` (every row tried
+settled), ``tolerance``, ``max_steps`` and ``rows`` (the table's columns, SI units).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 
 
@@ -19,17 +25,22 @@ def add_parser(subparsers):
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="stall allowed, as a fraction of the step time (default 0.01)")
     p.add_argument("--all", action="store_true", help="try every value up to --max-workers (full table)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="longest run per value while waiting for the stall to settle (default 1024)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=run)
     return p
 
 
 def format_table(df) -> str:
     """The sweep as a small aligned table (ms, %)."""
-    lines = [f"{'workers':>7}  {'step ms':>8}  {'stall ms':>8}  {'stall %':>7}  {'worker util':>11}"]
+    lines = [f"{'workers':>7}  {'step ms':>8}  {'stall ms':>8}  {'stall %':>7}  {'worker util':>11}  {'steps':>5}"]
     for r in df.itertuples():
         flag = "  (more threads than cores)" if r.oversubscribed else ""
+        if not r.steady:
+            flag += "  (not steady)"
         lines.append(f"{r.num_workers:>7d}  {r.step_time_s * 1e3:>8.2f}  {r.data_stall_s * 1e3:>8.2f}  "
-                     f"{r.stall_fraction * 100:>6.1f}%  {r.worker_utilisation * 100:>10.0f}%{flag}")
+                     f"{r.stall_fraction * 100:>6.1f}%  {r.worker_utilisation * 100:>10.0f}%  {r.steps_simulated:>5d}{flag}")
     return "\n".join(lines)
 
 
@@ -42,23 +53,42 @@ def run(args) -> int:
     from simulator.config.loader import load_scenario
     from simulator.api import SimulationError
 
+    from simulator.studies.whatif_dataloader import MAX_STEPS
+
+    max_steps = MAX_STEPS if args.max_steps is None else args.max_steps
     try:
         if args.max_workers < 0:
             raise ScenarioError(f"--max-workers must be >= 0, got {args.max_workers}")
+        if not (math.isfinite(args.tolerance) and 0 <= args.tolerance < 1):
+            raise ScenarioError(f"--tolerance must be a fraction in [0, 1), got {args.tolerance}")
+        if max_steps < 1:
+            raise ScenarioError(f"--max-steps must be >= 1, got {max_steps}")
         cfg = load_scenario(args.scenario, args.set)
-        answer, df = min_workers_without_stall(cfg, args.max_workers, args.tolerance)
+        answer, df = min_workers_without_stall(cfg, args.max_workers, args.tolerance, max_steps)
         if args.all and len(df) < args.max_workers + 1:
-            df = workers_sweep(cfg, range(args.max_workers + 1))
+            df = workers_sweep(cfg, range(args.max_workers + 1), max_steps)
     except (ScenarioError, PresetError, UnitError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)
         return 1
+    unsteady = [int(n) for n in df.num_workers[~df.steady]]
+    below = [n for n in unsteady if answer is None or n < answer]
+    if args.json:
+        print(json.dumps({"scenario": cfg.name, "answer": answer, "steady": not unsteady,
+                          "not_steady_workers": unsteady, "tolerance": args.tolerance, "max_steps": max_steps,
+                          "rows": json.loads(df.to_json(orient="records"))}))
+        return 0 if answer is not None else 1
     print(f"scenario {cfg.name}: DataLoader batch_size {cfg.training.micro_batch_size}")
     print(format_table(df))
+    if below:
+        print(f"not steady within {max_steps} steps: num_workers {', '.join(map(str, below))} "
+              "(the stall still changes; try a larger --max-steps)")
     if answer is None:
-        print(f"no num_workers up to {args.max_workers} keeps the stall within {args.tolerance:.0%} of the step")
+        print(f"no num_workers up to {args.max_workers} keeps the steady-state stall within {args.tolerance:.0%} "
+              "of the step")
         return 1
-    print(f"smallest num_workers without a data stall (<= {args.tolerance:.0%} of the step): {answer}")
+    print(f"smallest num_workers without a data stall in steady state (<= {args.tolerance:.0%} of the step): "
+          f"{answer}{' (a smaller value that did not settle might do)' if below else ''}")
     return 0

@@ -6,25 +6,144 @@ import numpy as np
 import pandas as pd
 
 PHASES = ("fwd", "bwd", "opt")
+DATA_PHASE = "data"
+#: span kind of the GPU compute stream's kernels (``OpKind.COMPUTE``): the stream CUDA events time
+COMPUTE_KIND = "compute"
+#: span kinds of work on the GPU (kernels, copies, collectives): the GPU is idle when none runs
+GPU_KINDS = ("compute", "collective", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d")
+
+
+def _merge(iv: np.ndarray) -> np.ndarray:
+    """Disjoint sorted intervals covering the union of ``[[start, end], ...]`` (shape ``(n, 2)``)."""
+    if len(iv) == 0:
+        return np.zeros((0, 2))
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(iv[:, 1])
+    first = np.flatnonzero(np.concatenate([[True], iv[1:, 0] > reach[:-1]]))
+    return np.stack([iv[first, 0], np.maximum.reduceat(iv[:, 1], first)], axis=1)
+
+
+def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``)."""
+    out = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+            if cur >= e:
+                break
+        if cur < e:
+            out.append((cur, e))
+    return np.asarray(out, dtype=float).reshape(-1, 2)
+
+
+def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
+    """Length of disjoint intervals ``iv`` inside ``[t0, t1]``."""
+    if t1 <= t0 or len(iv) == 0:
+        return 0.0
+    return float(np.clip(np.minimum(iv[:, 1], t1) - np.maximum(iv[:, 0], t0), 0.0, None).sum())
+
+
+def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[tuple[str, float]]:
+    """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``)."""
+    inph = np.isin(phase, PHASES)
+    comp = inph & (kind == COMPUTE_KIND)
+    ci = np.flatnonzero(comp)
+    ci = ci[np.lexsort((end[ci], start[ci]))]
+    ph, ends = phase[ci], end[ci]
+    segs: list[list] = []  # [phase, end_s, sort key]
+    if len(ci):
+        cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
+            e = float(ends[a:b].max())
+            segs.append([str(ph[a]), e, e])
+    orphans: dict[str, float] = {}
+    oi = np.flatnonzero(inph & ~comp)
+    for p, e in zip(phase[oi], end[oi]):
+        same = [g for g in segs if g[0] == p]
+        if not same:
+            orphans[p] = max(orphans.get(p, -np.inf), float(e))
+            continue
+        g = next((g for g in same if g[2] >= e), same[-1])  # the first of its phase ending after it
+        g[1] = max(g[1], float(e))
+    segs.extend([p, e, e] for p, e in orphans.items())
+    segs.sort(key=lambda g: g[2])
+    return [(str(p), e) for p, e, _ in segs]
 
 
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
-    """Mean forward / backward / optimizer time per measured step, seconds.
+    """Mean data-wait / forward / backward / optimizer time per measured step, seconds.
 
-    Boundaries are taken on the device timeline, as CUDA events recorded between the phases
-    measure them: forward runs from the step start to the end of the last forward op, backward
-    from there to the end of the last backward op, optimizer from there to the end of the last
-    optimizer op.
+    The split is what CUDA events recorded on the compute stream at every phase boundary of every
+    micro-batch measure, summed per phase over the micro-batches of the step:
+
+    * The step's GPU compute kernels (span kind ``compute``), in stream order, form *segments*:
+      maximal runs of one phase (``fwd`` / ``bwd`` / ``opt``). With ``m`` micro-batches there are
+      ``2m`` forward/backward segments (``fwd, bwd, fwd, bwd, ..., opt``).
+    * Other ops of a phase (copies, host ops such as a CPU optimizer, collectives) belong to the
+      first segment of their phase whose kernels end after them (a micro-batch's input copy,
+      prefetched during the previous backward, belongs to the next forward); one that ends after
+      every segment of its phase extends the last (gradient copies trailing backward). A phase
+      with no GPU kernel forms one segment of its own, placed by its end.
+    * Segment ``k`` lasts from the end of segment ``k - 1`` to its own last end, at least 0 (the
+      boundary event of a phase completes when its last op has). The first starts at the step
+      start or, if later, at the end of the previous step's last phase op: an event recorded at
+      the step start completes only once the stream has finished the previous step (steps that
+      overlap, as with a delayed parameter update or a GPU lagging behind the host).
+    * ``data_s``: the time in these intervals during which the training thread waits for an
+      input batch (spans of phase ``data``, ``next(iterator)``) while the GPU runs nothing (no
+      kernel, copy or collective, ``GPU_KINDS``), i.e. the GPU time lost to the input pipeline. It is taken out of the segment it falls in, so
+      forward is not inflated by a data stall; a stall hidden behind GPU work counts nowhere
+      (the host-side wait is the dataloader's ``data_stall_s``).
+
+    ``data_s + fwd_s + bwd_s + opt_s`` is the time from the step start (as above) to the end of
+    the step's last phase op. With one micro-batch and no data wait this is the same as taking each phase's
+    boundary at the end of its last op.
+
+    Args:
+        spans: Span frame (``step, kind, phase, start_s, end_s``).
+        steps: Step frame (``step, start_s, warmup``).
+
+    Returns:
+        ``{"data_s", "fwd_s", "bwd_s", "opt_s"}``, means over the measured steps (0 without any).
     """
-    out = {p: [] for p in PHASES}
-    last_end = spans.groupby(["step", "phase"]).end_s.max()
+    out = {p: [] for p in (DATA_PHASE, *PHASES)}
+    order = np.argsort(spans.step.to_numpy(), kind="stable")
+    step_col = spans.step.to_numpy()[order]
+    kind = spans.kind.to_numpy().astype(str)[order]
+    phase = spans.phase.to_numpy().astype(str)[order]
+    start = spans.start_s.to_numpy(float)[order]
+    end = spans.end_s.to_numpy(float)[order]
+
+    def rows(step: int) -> slice:
+        return slice(int(np.searchsorted(step_col, step, "left")), int(np.searchsorted(step_col, step, "right")))
+
+    def last_phase_end(step: int) -> float:
+        r = rows(step)
+        m = np.isin(phase[r], PHASES)
+        return float(end[r][m].max()) if m.any() else -np.inf
+
     for row in steps[~steps.warmup].itertuples():
-        t = row.start_s
-        for p in PHASES:
-            e = last_end.get((row.step, p))
-            if e is not None:
-                out[p].append(max(float(e) - t, 0.0))
-                t = max(t, float(e))
+        r = rows(row.step)
+        acc = dict.fromkeys(out, 0.0)
+        k, p_, s_, e_ = kind[r], phase[r], start[r], end[r]
+        if len(k):
+            iv = np.stack([s_, e_], axis=1)
+            gpu_busy = _merge(iv[np.isin(k, GPU_KINDS)])
+            idle_data = _subtract(_merge(iv[p_ == DATA_PHASE]), gpu_busy)
+            t = max(float(row.start_s), last_phase_end(row.step - 1))
+            for p, e in _segments(k, p_, s_, e_):
+                if e > t:
+                    w = _overlap(idle_data, t, e)
+                    acc[DATA_PHASE] += w
+                    acc[p] += (e - t) - w
+                    t = e
+        for p, v in acc.items():
+            out[p].append(v)
     return {f"{p}_s": float(np.mean(v)) if v else 0.0 for p, v in out.items()}
 
 

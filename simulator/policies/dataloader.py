@@ -11,7 +11,9 @@ Two registered pieces, both active when the scenario has a ``dataloader:`` secti
   host's CPU pool (``system.host_cpu_pool``, created here when no other component made it, so
   that other host work can share the cores), answers the ``DATALOADER`` ops and adds to the
   summary ``data_stall_s`` (mean time per measured step the training thread waited in ``next``)
-  and ``dataloader`` (waits, worker / pin-thread / host-CPU utilisation).
+  and ``dataloader`` (waits, worker / pin-thread / host-CPU utilisation, and per step of the run
+  ``stall_by_step_s`` and ``lead_by_step_s``, which ``simulate dataloader-workers`` uses to tell
+  a steady state from a prefetch buffer that is still draining).
 """
 
 from __future__ import annotations
@@ -146,7 +148,11 @@ def host_cpu_pool(env, hw, system) -> CpuPool:
 
 @register_runtime("dataloader")
 class DataLoaderRuntime:
-    """Feeds the ``DATALOADER`` ops from a simulated ``torch.utils.data.DataLoader``."""
+    """Feeds the ``DATALOADER`` ops from a simulated ``torch.utils.data.DataLoader``.
+
+    Per-sample costs are drawn from the run's random generator ``env.rng`` (set by
+    ``simulate_graph`` from ``run.seed``), in sample order.
+    """
 
     @staticmethod
     def applies(cfg) -> bool:
@@ -156,10 +162,12 @@ class DataLoaderRuntime:
         self.env = env
         self.spec = loader_spec(cfg)
         self.pool = host_cpu_pool(env, hw, system)
-        rng = np.random.default_rng([int(cfg.run.seed), 4])  # own stream: independent of other components
-        self.loader = DataLoaderModel(env, self.spec, self.pool, rng, hw.host_cpu.memory_bandwidth_bytes_per_s,
+        # per-sample costs come from the run's generator (simulate_graph: default_rng(run.seed)), so
+        # that run.seed decides every random draw of the run
+        self.loader = DataLoaderModel(env, self.spec, self.pool, env.rng, hw.host_cpu.memory_bandwidth_bytes_per_s,
                                       storage_spec(cfg))
         self.waits: list[tuple[int, float]] = []  # (step, wait_s) per batch
+        self.leads: list[tuple[int, float]] = []  # (step, request_s - ready_s) per batch
 
     def host_handlers(self) -> dict:
         return {OpKind.DATALOADER: self._next}
@@ -167,6 +175,7 @@ class DataLoaderRuntime:
     def _next(self, op, step):
         rec = yield from self.loader.next_batch()
         self.waits.append((step, rec.wait_s))
+        self.leads.append((step, (rec.received_s - rec.wait_s) - rec.ready_s))
 
     def summarize(self, spans=None, steps=None, counters=None, summary=None) -> dict:
         measured = steps[~steps.warmup]
@@ -179,6 +188,12 @@ class DataLoaderRuntime:
         t0 = float(measured.start_s.min()) if len(measured) else 0.0
         t1 = float(measured.end_s.max()) if len(measured) else 0.0
         span = t1 - t0
+        n_steps = len(steps)
+        stall_by_step, lead_by_step = [0.0] * n_steps, [[] for _ in range(n_steps)]
+        for (s, w), (_, lead) in zip(self.waits, self.leads):
+            if 0 <= s < n_steps:
+                stall_by_step[s] += w
+                lead_by_step[s].append(lead)
         return {
             "data_stall_s": float(np.mean(list(per_step.values()))) if per_step else 0.0,
             "dataloader": {
@@ -196,5 +211,9 @@ class DataLoaderRuntime:
                 "batch_bytes": self.spec.batch_bytes,
                 "stall_fraction": (float(np.mean(list(per_step.values()))) / float(measured.step_time_s.mean())
                                    if per_step and len(measured) and not math.isclose(span, 0.0) else 0.0),
+                # per step of the run (warm-up included): time in next() and the mean lead of the
+                # step's batches (ready this long before next() asked; negative: a stall)
+                "stall_by_step_s": stall_by_step,
+                "lead_by_step_s": [float(np.mean(v)) if v else 0.0 for v in lead_by_step],
             },
         }

@@ -54,7 +54,7 @@ def test_round_robin_order_even_when_a_later_batch_is_ready_first():
     cost = SampleCost("empirical", samples_s=(1.0,))  # overwritten below through the cost cache
     s = DataLoaderSpec(batch_size=1, num_workers=2, prefetch_factor=1, sample_cost=cost)
     env = simpy.Environment()
-    ld = DataLoaderModel(env, s, CpuPool(env, 8))
+    ld = DataLoaderModel(env, s, CpuPool(env, 8), np.random.default_rng(0))
     ld._costs = np.array([50 * MS, 2 * MS, 2 * MS, 2 * MS])
     out = []
 
@@ -156,7 +156,16 @@ def test_same_seed_same_result(seed, workers):
     s = DataLoaderSpec(batch_size=3, num_workers=workers, sample_cost=SampleCost("lognormal", 5 * MS, 0.5), **kw)
     a = simulate_loader(s, 2 * MS, 10, cores=8, seed=seed)
     b = simulate_loader(s, 2 * MS, 10, cores=8, seed=seed)
+    c = simulate_loader(s, 2 * MS, 10, cores=8, seed=seed + 1)
     assert received(a) == received(b)
+    assert received(a) != received(c)
+
+
+def test_random_cost_without_a_generator_is_refused():
+    s = DataLoaderSpec(batch_size=1, num_workers=0, sample_cost=SampleCost("lognormal", 5 * MS, 0.5))
+    env = simpy.Environment()
+    with pytest.raises(DataLoaderSpecError, match="needs the run's random generator"):
+        DataLoaderModel(env, s, CpuPool(env, 8))
 
 
 def test_lognormal_mean_is_the_given_mean():

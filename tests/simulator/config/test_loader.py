@@ -31,7 +31,7 @@ def test_json_output_has_required_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     for key in ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes", "phase_s"):
         assert key in out
-    assert set(out["phase_s"]) == {"fwd_s", "bwd_s", "opt_s"}
+    assert set(out["phase_s"]) == {"data_s", "fwd_s", "bwd_s", "opt_s"}
 
 
 def test_out_dir_files_and_perfetto_trace(tmp_path, capsys):
