@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from hardware_models.machine import Hardware
@@ -11,9 +12,35 @@ from simulator.analysis import metrics
 from simulator.graph.op_graph import OpGraph
 
 
+def step_period_s(steps: pd.DataFrame) -> tuple[float, float]:
+    """``(period_s, latency_s)`` of the measured (non-warm-up) steps, seconds.
+
+    The period of step ``i > 0`` is ``end_i - end_{i-1}``: how often a step completes, which is
+    what throughput follows when steps overlap (a delayed parameter update runs step ``i``'s CPU
+    optimizer during step ``i + 1``). Step 0 has no predecessor: its period is its latency. The
+    latency is ``end_i - start_i``. When every step starts as the previous one ends (a
+    synchronised training loop) the two are equal.
+
+    Args:
+        steps: One row per step with ``step, start_s, end_s, warmup`` (in step order).
+    """
+    ends = steps.end_s.to_numpy()
+    prev_end = np.concatenate(([np.nan], ends[:-1]))
+    first = steps.step.to_numpy() == 0
+    period = np.where(first, steps.end_s - steps.start_s, ends - prev_end)
+    mask = ~steps.warmup.to_numpy()
+    if not mask.any():
+        return 0.0, 0.0
+    latency = (steps.end_s - steps.start_s).to_numpy()[mask]
+    return float(np.mean(period[mask])), float(np.mean(latency))
+
+
 def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.DataFrame,
               steps: pd.DataFrame) -> dict:
     """Headline metrics of a run (SI units; per GPU unless named otherwise).
+
+    ``step_time_s`` is the steady-state step *period* and ``step_latency_s`` the mean time from a
+    step's start to its last op (see ``step_period_s``); they differ only when steps overlap.
 
     Memory keys: ``peak_memory_bytes`` (= ``peak_memory_allocated_bytes``) counts tensors, as
     ``torch.cuda.max_memory_allocated()``; ``peak_memory_reserved_bytes`` adds the caching
@@ -30,14 +57,14 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
         spans: The run's spans.
         steps: One row per step with ``step, start_s, end_s, step_time_s, warmup``.
     """
-    measured = steps[~steps.warmup]
-    step_time = float(measured.step_time_s.mean())
+    step_time, latency = step_period_s(steps)
     gpu_mem = memory["gpu"]
     oom = [p.oom_message() for p in memory.values() if p.oom is not None]
     util = metrics.utilisation(spans, steps)
     split = metrics.phase_split(spans, steps)
     return {
         "step_time_s": step_time,
+        "step_latency_s": latency,
         "samples_per_s": graph.samples_per_step / step_time if step_time else 0.0,
         "tokens_per_s": graph.tokens_per_step / step_time if step_time else 0.0,
         "mfu": metrics.mfu(graph.model_flops_per_step, step_time, hw.gpu.peak("bf16")),

@@ -420,10 +420,10 @@ class OffloadSummary:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        return offload_parts(spans, steps, summary, dpu=self.cfg.zero_optimization.offload_mode == "delayed_param_update")
+        return offload_parts(spans, steps)
 
 
-def offload_parts(spans, steps, summary: dict | None = None, dpu: bool = False) -> dict:
+def offload_parts(spans, steps) -> dict:
     """Per-step parts of an offloaded step, averaged over measured steps (seconds).
 
     ``offload_gpu_fwd_bwd_s``: step start to the end of backward and its gradient copies (the
@@ -446,15 +446,4 @@ def offload_parts(spans, steps, summary: dict | None = None, dpu: bool = False) 
         if len(h2d):
             parts["offload_h2d_s"].append(float(h2d.end_s.max() - h2d.start_s.min()))
     out = {k: float(np.mean(v)) if v else 0.0 for k, v in parts.items()}
-    if dpu and len(steps) >= 2 and summary is not None:
-        ends = steps.end_s.to_numpy()
-        periods = np.diff(ends)[steps.step.to_numpy()[1:] >= max(1, int(steps.warmup.sum()))]
-        if len(periods):
-            period = float(np.mean(periods))
-            old = summary.get("step_time_s") or period
-            out["step_time_s"] = period
-            out["step_latency_s"] = old
-            for k in ("samples_per_s", "tokens_per_s", "mfu"):
-                if summary.get(k):
-                    out[k] = summary[k] * old / period
     return out
