@@ -68,8 +68,17 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
 
     Returns:
         The rate of each flow, in order (units/s).
+
+    Raises:
+        ValueError: a flow crosses no link and has no cap (unbounded rate).
     """
     n = len(flows)
+    if n == 1:  # the common case: a lone flow gets its bottleneck
+        ls, c = flows[0]
+        level = min(c, min((capacities[k] for k in ls), default=math.inf))
+        if level == math.inf:
+            _unbounded()
+        return [level]
     rates = [0.0] * n
     links = [tuple(ls) for ls, _ in flows]
     caps = [c for _, c in flows]
@@ -82,8 +91,8 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
                 count[k] = count.get(k, 0) + 1
         share = {k: max(capacities[k] - used[k], 0.0) / c for k, c in count.items()}
         level = min(min(share.values(), default=math.inf), min(caps[i] for i in active))
-        if level == math.inf:  # flows crossing no link and without a cap: unbounded
-            raise ValueError("a flow crosses no link and has no rate cap")
+        if level == math.inf:
+            _unbounded()
         tight = {k for k, s in share.items() if s <= level}
         frozen = {i for i in active if caps[i] <= level or any(k in tight for k in links[i])}
         for i in frozen:
@@ -92,6 +101,10 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
                 used[k] += rates[i]
         active -= frozen
     return rates
+
+
+def _unbounded():
+    raise ValueError("a flow crosses no link and has no rate cap: its rate is unbounded")
 
 
 class FluidScheduler:
