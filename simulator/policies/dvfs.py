@@ -27,7 +27,7 @@ power of running ops follows the clock immediately.
 
 from __future__ import annotations
 
-import bisect
+import math
 from typing import Callable
 
 from hardware_models.power import (
@@ -172,13 +172,14 @@ class DvfsRuntime:
         self._power_cache: dict[tuple, float] = {}
         self.policy = None
         self.kind = dcfg.kind if dcfg is not None else "default"
-        self.ledger = EnergyLedger(env.now, self._power())
-        self._fw_sleep = None  # event the sleeping firmware waits on (see _firmware)
-        if dcfg is not None:
-            self.policy = DVFS_POLICIES[dcfg.kind](dcfg, gpu, self.ctl)
         # the power limit binds whatever the clock policy (nvidia-smi -pl over -lgc): see _firmware
         cap = requested_power_limit_w(dcfg, gpu) or gpu.tdp_w or gpu.max_power_limit_w or None
         self.power_limit_w = cap
+        self.ledger = EnergyLedger(env.now, self._power())
+        self._fw_sleep = None  # event the sleeping firmware waits on (see _firmware)
+        self._over_end_t = -math.inf  # when the last power level above the cap ended
+        if dcfg is not None:
+            self.policy = DVFS_POLICIES[dcfg.kind](dcfg, gpu, self.ctl)
         self.period_s = dcfg.power_sample_period_s if dcfg is not None else 0.01
         self.window_s = dcfg.power_window_s if dcfg is not None else 0.02
         self.fmax_mhz = float(max(max(self.supported), gpu.max_sm_clock_mhz))
@@ -294,9 +295,14 @@ class DvfsRuntime:
 
     def _set_level(self, t: float, p: float) -> None:
         """Power becomes ``p`` at ``t``: ledger, counter, and a sleeping firmware wakes if it may bind."""
+        prev, cap = self.ledger.p[-1], self.power_limit_w
         if self.ledger.set(t, p):
             self._count(t, "power_w", p)
-            if self._fw_sleep is not None and p > self.power_limit_w:
+            if cap is None:
+                return
+            if prev > cap >= p:
+                self._over_end_t = t
+            elif p > cap and self._fw_sleep is not None:
                 ev, self._fw_sleep = self._fw_sleep, None
                 ev.succeed(t)
 
@@ -346,17 +352,16 @@ class DvfsRuntime:
             elif avg < cap * (1 - _HYSTERESIS) and ctl.limit_mhz < fmax:
                 ratio = min(1.05, (cap / avg) ** 0.5)
                 ctl.set_limit(min(fmax, ratio_step(ctl.limit_mhz, ratio, self.supported + (fmax,))))
-            elif ctl.limit_mhz >= fmax and self._power() <= cap and self._peak_since(now - self.window_s) <= cap:
+            elif ctl.limit_mhz >= fmax and self._quiet_since(now - self.window_s):
                 # cannot bind until the power rises above the cap: sleep until it does
                 self._fw_sleep = env.event()
                 t_rise = yield self._fw_sleep
                 k = max(k, int((max(t_rise, env.now) - t0) // period))
 
-    def _peak_since(self, t: float) -> float:
-        """Highest power level in force at any time after ``t``, W."""
-        led = self.ledger
-        i = max(0, bisect.bisect_right(led.t, t) - 1)
-        return max(led.p[i:])
+    def _quiet_since(self, t: float) -> bool:
+        """Whether the power has been at or below the cap since ``t`` and still is (deferred level included)."""
+        cap = self.power_limit_w
+        return self.ledger.p[-1] <= cap and self._power() <= cap and self._over_end_t <= t
 
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
         """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""
