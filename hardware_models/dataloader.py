@@ -321,9 +321,9 @@ class CpuPool:
         Raises:
             ValueError: ``cpu_s`` is NaN or infinite.
         """
-        if not cpu_s > 0:
-            if cpu_s != cpu_s:
-                raise ValueError(f"{self.name}: CPU work must be finite, got {cpu_s!r} s")
+        if not math.isfinite(cpu_s):
+            raise ValueError(f"{self.name}: CPU work must be finite, got {cpu_s!r} s")
+        if cpu_s <= 0:
             return
         yield self._fluid.add(float(cpu_s))
 

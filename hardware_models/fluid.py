@@ -22,7 +22,7 @@ section 6.5.2.
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import simpy
 
@@ -45,7 +45,7 @@ class FluidFlow:
         cap: The flow's own rate limit, units/s (``inf`` = none).
     """
 
-    __slots__ = ("size", "remaining", "rate", "done", "links", "cap")
+    __slots__ = ("cap", "done", "links", "rate", "remaining", "size")
 
     def __init__(self, size: float, done: simpy.Event, links: tuple = (), cap: float = math.inf):
         self.size = float(size)
