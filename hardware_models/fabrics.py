@@ -42,14 +42,15 @@ class LinkSpec:
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: non-positive bandwidth or negative latency."""
-        if self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
-        if self.latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        """Raises: ValueError: non-positive or infinite bandwidth, negative or infinite latency."""
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(f"bandwidth_bytes_per_s must be a positive finite number, got {self.bandwidth_bytes_per_s}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be >= 0 and finite, got {self.latency_s}")
         for name in ("duplex_bandwidth_bytes_per_s", "pageable_h2d_bytes_per_s", "pageable_d2h_bytes_per_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be >= 0 and finite, got {v}")
 
 
 class FluidNetwork:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import simulator.engine.run as run_mod
 from hardware_models.dataloader import CpuPool
-from hardware_models.fabrics import FluidNetwork
+from hardware_models.fabrics import FluidNetwork, LinkSpec
 from hardware_models.fluid import FluidScheduler, maxmin_rates
 from simulator.config.loader import load_scenario
 from tests.conftest import ROOT
@@ -271,3 +271,11 @@ def test_zerooffload_scenario_runs_at_late_simulated_times(monkeypatch):
     with deadline(20):
         late = run_mod.run_scenario(cfg).summary["step_time_s"]
     assert late == pytest.approx(base, rel=1e-9)
+
+
+def test_infinite_bandwidth_is_refused():
+    """``1e400 TB/s`` parses to inf; a link that fast is refused, not taken as instantaneous copies."""
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be a positive finite number, got inf"):
+        LinkSpec("x", math.inf)
+    with pytest.raises(ValueError, match="capacity must be a positive finite number"):
+        FluidNetwork(simpy.Environment(), {"l": math.inf})
