@@ -45,6 +45,7 @@ import numpy as np
 import simpy
 
 from hardware_models.fabrics import FluidNetwork
+from hardware_models.fluid import FluidScheduler
 
 DISTRIBUTIONS = ("constant", "lognormal", "empirical")
 
@@ -271,21 +272,14 @@ def load_storage_preset(name: str) -> StorageSpec:
 
 
 # -- host CPU as processor sharing --------------------------------------------------------------
-class _Job:
-    __slots__ = ("remaining", "done")
-
-    def __init__(self, work: float, done: simpy.Event):
-        self.remaining = work
-        self.done = done
-
-
 class CpuPool:
     """Host CPU cores shared by runnable threads (egalitarian processor sharing).
 
     Each runnable thread advances at ``min(1, cores / runnable)`` CPU-seconds per second, where
     ``runnable`` counts the jobs in ``run`` plus the *background* threads (``set_background``:
     e.g. the training thread while it is not blocked). Rates are recomputed whenever a job
-    starts or ends.
+    starts or ends; the time stepping (and its termination at any simulated time) is
+    ``hardware_models.fluid.FluidScheduler``'s, shared with the link network.
 
     Args:
         env: SimPy environment.
@@ -297,17 +291,15 @@ class CpuPool:
         if cores <= 0:
             raise DataLoaderSpecError(f"{name}: cores must be > 0, got {cores}")
         self.env, self.cores, self.name = env, int(cores), name
-        self._jobs: list[_Job] = []
         self._background: dict[str, int] = {}
-        self._last_t = env.now
-        self._gen = 0
+        self._fluid = FluidScheduler(env, self._rates, self._integrate)
         #: integral of busy cores over time (core-seconds)
         self.busy_core_s = 0.0
 
     @property
     def runnable(self) -> int:
         """Threads currently runnable (jobs + background)."""
-        return len(self._jobs) + sum(self._background.values())
+        return len(self._fluid.flows) + sum(self._background.values())
 
     def speed(self) -> float:
         """CPU-seconds per second each runnable thread gets now."""
@@ -316,52 +308,32 @@ class CpuPool:
 
     def set_background(self, key: str, threads: int) -> None:
         """Declare ``threads`` always-runnable threads under ``key`` (0 removes them)."""
-        self._advance()
+        self._fluid.advance()
         if threads:
             self._background[key] = threads
         else:
             self._background.pop(key, None)
-        self._reschedule()
+        self._fluid.reschedule()
 
     def run(self, cpu_s: float):
-        """SimPy process body: do ``cpu_s`` CPU-seconds of single-threaded work."""
+        """SimPy process body: do ``cpu_s`` CPU-seconds of single-threaded work.
+
+        Raises:
+            ValueError: ``cpu_s`` is NaN or infinite.
+        """
+        if not math.isfinite(cpu_s):
+            raise ValueError(f"{self.name}: CPU work must be finite, got {cpu_s!r} s")
         if cpu_s <= 0:
             return
-        self._advance()
-        job = _Job(float(cpu_s), self.env.event())
-        self._jobs.append(job)
-        self._reschedule()
-        yield job.done
+        yield self._fluid.add(float(cpu_s))
 
-    def _advance(self) -> None:
-        dt = self.env.now - self._last_t
-        if dt > 0:
-            s = self.speed()
-            for j in self._jobs:
-                j.remaining -= s * dt
-            self.busy_core_s += min(self.runnable, self.cores) * dt
-        self._last_t = self.env.now
-
-    def _reschedule(self) -> None:
-        self._gen += 1
-        if not self._jobs:
-            return
+    def _rates(self, jobs) -> None:
         s = self.speed()
-        t = min(j.remaining for j in self._jobs) / s
-        self.env.process(self._wake(max(t, 0.0), self._gen))
+        for j in jobs:
+            j.rate = s
 
-    def _wake(self, delay: float, gen: int):
-        yield self.env.timeout(delay)
-        if gen != self._gen:
-            return
-        self._advance()
-        done = [j for j in self._jobs if j.remaining <= 1e-12]
-        if not done:  # numerical: finish the smallest
-            done = [min(self._jobs, key=lambda j: j.remaining)]
-        for j in done:
-            self._jobs.remove(j)
-            j.done.succeed()
-        self._reschedule()
+    def _integrate(self, dt: float) -> None:
+        self.busy_core_s += min(self.runnable, self.cores) * dt
 
 
 # -- the loader ---------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class GpuSpec:
         """Check invariants.
 
         Raises:
-            ValueError: a non-positive size, bandwidth, clock or peak, or an empty peak table.
+            ValueError: a non-positive size, bandwidth, clock or peak, an empty peak table, or a
+                maximum clock that is not the highest supported clock.
         """
         if not self.peak_flops_per_s:
             raise ValueError("peak_flops_per_s must list at least one dtype")
@@ -62,6 +63,10 @@ class GpuSpec:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_power_limit_w and self.min_power_limit_w > self.max_power_limit_w:
             raise ValueError("min_power_limit_w exceeds max_power_limit_w")
+        top = max(self.supported_sm_clocks_mhz, default=self.max_sm_clock_mhz)
+        if top != self.max_sm_clock_mhz:  # the clock controller moves within the list, up to the max clock
+            raise ValueError(f"max_sm_clock_mhz {self.max_sm_clock_mhz:g} MHz must be the highest of "
+                             f"supported_sm_clocks_mhz (highest {top:g} MHz); override both together")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (bf16 and fp16 fall back on each other).

@@ -8,10 +8,15 @@ default limit, as on a real GPU). The scenario's ``dvfs.kind`` picks a clock pol
 
 * ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
   the GPU does not support is snapped to the nearest supported one, with a warning, as the driver
-  rounds too).
+  rounds too). A ``power_limit_w`` given with it (or with ``phase_plan``) still binds: the
+  firmware lowers the clock below the requested one while the power is above the limit, as on a
+  real board, and returns to it when the power allows (see ``DvfsRuntime._firmware``).
 * ``power_cap`` — ``nvidia-smi -pl W``: the firmware controller samples the average power over a
   window every period and steps the clock down (up) when it is above (below) the cap; each change
-  takes the switching latency. It reacts to the draw, it does not know the future.
+  takes the switching latency. It reacts to the draw, it does not know the future. While the limit
+  cannot bind (clock not limited and power at or below the cap for a whole window) the loop sleeps
+  until the power rises above the cap, so a long idle stretch costs no evaluations; the result is
+  the same as evaluating every period.
 * ``phase_plan`` — a clock per step phase (``fwd``, ``bwd``, ``opt``, ``data``, ``other``): when a
   GPU op of another phase starts, the clock is requested; it arrives after the switching latency
   and the GPU runs at the old clock meanwhile.
@@ -22,6 +27,7 @@ power of running ops follows the clock immediately.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from hardware_models.power import (
@@ -94,17 +100,30 @@ class LockedClock:
         return None
 
 
+def requested_power_limit_w(dcfg, gpu) -> float | None:
+    """``dvfs.power_limit_w`` checked against the board's settable range, W (None when not set).
+
+    Applies with every ``dvfs.kind``: the firmware enforces the limit over locked or planned clocks.
+
+    Raises:
+        PolicyError: the limit lies outside ``[min_power_limit_w, max_power_limit_w]``.
+    """
+    cap = getattr(dcfg, "power_limit_w", None)
+    if cap is None:
+        return None
+    lo, hi = gpu.min_power_limit_w, gpu.max_power_limit_w
+    if hi and not lo <= cap <= hi:
+        raise PolicyError(f"dvfs.power_limit_w {cap:g} W is outside the settable range of {gpu.name}: "
+                          f"{lo:g}-{hi:g} W")
+    return float(cap)
+
+
 @register_dvfs("power_cap")
 class PowerCap:
-    """Power limit (``nvidia-smi -pl``); the controller itself is the runtime's firmware loop."""
+    """Power limit (``nvidia-smi -pl``) at the maximum clock; the controller is the runtime's firmware loop."""
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
-        cap = dcfg.power_limit_w
-        lo, hi = gpu.min_power_limit_w, gpu.max_power_limit_w
-        if hi and not lo <= cap <= hi:
-            raise PolicyError(f"dvfs.power_limit_w {cap:g} W is outside the settable range of {gpu.name}: "
-                              f"{lo:g}-{hi:g} W")
-        self.power_limit_w = cap
+        self.power_limit_w = requested_power_limit_w(dcfg, gpu)
 
     def on_op_start(self, op, ctl: ClockController) -> None:
         return None
@@ -153,18 +172,29 @@ class DvfsRuntime:
         self._power_cache: dict[tuple, float] = {}
         self.policy = None
         self.kind = dcfg.kind if dcfg is not None else "default"
+        # the power limit binds whatever the clock policy (nvidia-smi -pl over -lgc): see _firmware
+        cap = requested_power_limit_w(dcfg, gpu) or gpu.tdp_w or gpu.max_power_limit_w or None
+        self.power_limit_w = cap
         self.ledger = EnergyLedger(env.now, self._power())
+        self._fw_sleep = None  # event the sleeping firmware waits on (see _firmware)
+        self._over_end_t = -math.inf  # when the last power level above the cap ended
         if dcfg is not None:
             self.policy = DVFS_POLICIES[dcfg.kind](dcfg, gpu, self.ctl)
-        cap = getattr(self.policy, "power_limit_w", None) or gpu.tdp_w or gpu.max_power_limit_w or None
-        self.power_limit_w = cap
         self.period_s = dcfg.power_sample_period_s if dcfg is not None else 0.01
         self.window_s = dcfg.power_window_s if dcfg is not None else 0.02
+        self.fmax_mhz = float(max(max(self.supported), gpu.max_sm_clock_mhz))
+        #: firmware evaluations that ran (the loop sleeps while the limit cannot bind)
+        self.firmware_ticks = 0
+        self._fw_t0 = env.now
         self._update()
         self._count(env.now, "sm_clock_mhz", self.state.sm_clock_mhz)
         self._count(env.now, "power_w", self.ledger.p[-1])
-        if cap:
+        if cap and cap < self.max_reachable_power_w():
             env.process(self._firmware(cap))
+
+    def max_reachable_power_w(self) -> float:
+        """Highest board power the model can draw: every unit fully busy at the highest clock, W."""
+        return self.model.power_w(self.fmax_mhz, busy=1.0, compute=1.0, memory=1.0, copy=1.0)
 
     # -- runtime-component interface ----------------------------------------------------------
     def hooks(self) -> list:
@@ -194,9 +224,7 @@ class DvfsRuntime:
         if t is not None:
             self._dirty_t = None
             if t < self.env.now:
-                p = self._power()
-                if self.ledger.set(t, p):
-                    self._count(t, "power_w", p)
+                self._set_level(t, self._power())
 
     def summarize(self, spans=None, steps=None, counters=None, summary=None) -> dict:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
@@ -263,9 +291,20 @@ class DvfsRuntime:
 
     def _update(self) -> None:
         self._flush()
-        p = self._power()
-        if self.ledger.set(self.env.now, p):
-            self._count(self.env.now, "power_w", p)
+        self._set_level(self.env.now, self._power())
+
+    def _set_level(self, t: float, p: float) -> None:
+        """Power becomes ``p`` at ``t``: ledger, counter, and a sleeping firmware wakes if it may bind."""
+        prev, cap = self.ledger.p[-1], self.power_limit_w
+        if self.ledger.set(t, p):
+            self._count(t, "power_w", p)
+            if cap is None:
+                return
+            if prev > cap >= p:
+                self._over_end_t = t
+            elif p > cap and self._fw_sleep is not None:
+                ev, self._fw_sleep = self._fw_sleep, None
+                ev.succeed(t)
 
     def _count(self, t: float, metric: str, value: float) -> None:
         if self.rec is not None:
@@ -276,11 +315,29 @@ class DvfsRuntime:
         self._update()
 
     def _firmware(self, cap: float):
-        """Power-limit loop: every period, compare the windowed average power with the cap."""
+        """Power-limit loop: every period, compare the windowed average power with the cap.
+
+        The limit is the firmware's, so it binds over any clock policy: a locked or planned clock is
+        only the upper bound, and the effective clock is ``min(target, limit)`` (NVIDIA NVML API
+        reference, *NvmlClocksThrottleReasons*: ``SwPowerCap`` = "SW Power Scaling algorithm is
+        reducing the clocks below requested clocks because the GPU is consuming too much power";
+        nvidia-smi reports it as "SW Power Cap" under Clocks Throttle Reasons). When power allows, the
+        limit climbs back to the highest clock, so the GPU returns to the requested clock.
+
+        Evaluations happen on the grid ``t0 + k * period``. While the limit cannot bind (clock not
+        limited, current level and every level in the last window at or below the cap) the loop
+        sleeps until a level above the cap appears; the evaluations it skips would have done nothing,
+        so the result equals ticking every period (up to the float rounding of the grid times).
+        """
         env, ctl = self.env, self.ctl
-        fmax = float(max(self.supported))
+        fmax, t0, period = self.fmax_mhz, self._fw_t0, self.period_s
+        k = 0
         while True:
-            yield env.timeout(self.period_s)
+            k += 1
+            t_next = t0 + k * period
+            if t_next > env.now:
+                yield env.timeout(t_next - env.now)
+            self.firmware_ticks += 1
             if ctl.pending:  # wait until the last change has landed before judging again
                 continue
             now = env.now
@@ -294,7 +351,17 @@ class DvfsRuntime:
                 ctl.set_limit(ratio_step(cur, ratio, self.supported))
             elif avg < cap * (1 - _HYSTERESIS) and ctl.limit_mhz < fmax:
                 ratio = min(1.05, (cap / avg) ** 0.5)
-                ctl.set_limit(min(fmax, ratio_step(ctl.limit_mhz, ratio, self.supported)))
+                ctl.set_limit(min(fmax, ratio_step(ctl.limit_mhz, ratio, self.supported + (fmax,))))
+            elif ctl.limit_mhz >= fmax and self._quiet_since(now - self.window_s):
+                # cannot bind until the power rises above the cap: sleep until it does
+                self._fw_sleep = env.event()
+                t_rise = yield self._fw_sleep
+                k = max(k, int((max(t_rise, env.now) - t0) // period))
+
+    def _quiet_since(self, t: float) -> bool:
+        """Whether the power has been at or below the cap since ``t`` and still is (deferred level included)."""
+        cap = self.power_limit_w
+        return self.ledger.p[-1] <= cap and self._power() <= cap and self._over_end_t <= t
 
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
         """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""

@@ -1,15 +1,27 @@
-"""DVFS policies end to end: bad input, outputs in the summary and the Perfetto trace, phase plans."""
+"""DVFS policies end to end: bad input, outputs in the summary and the Perfetto trace, phase plans,
+the power limit over any clock policy and the firmware loop that sleeps while the limit cannot bind."""
 
 from __future__ import annotations
 
-import pytest
+import warnings
 
+import pytest
+import simpy
+import yaml
+
+import simulator.policies.dvfs as dvfs_mod
 from simulator import ScenarioError, load_scenario, run_scenario
+from simulator.cli import main
+from simulator.config.loader import resolve_hardware, scenario_from_dict
+from simulator.engine.run import simulate_graph
+from simulator.graph.op_graph import GraphBuilder
+from simulator.graph.ops import CostClass, OpKind, Phase
 from simulator.policies.registry import PolicyError
 from simulator.recording.chrome_trace import to_chrome_trace
 from tests.conftest import ROOT
 
 B8 = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+B16 = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
 
 
 def test_unsupported_clock_snaps_with_warning():
@@ -72,3 +84,111 @@ def test_phase_plan_switches_with_latency_and_costs_time():
     slow = run_scenario(load_scenario(B8, overrides=plan)).summary
     assert slow["clock_switches"] == 0
     assert slow["step_time_s"] == pytest.approx(base["step_time_s"], rel=1e-9)
+
+
+# -- power limit over any clock policy; the firmware only evaluates when the limit can bind ----------
+
+
+def gemms_then_idle(n_gemms: int = 40, idle_s: float = 0.1):
+    """``n_gemms`` 8192^3 bf16 GEMMs (~1.6 ms each at 1980 MHz, board power > 700 W) then the GPU idles
+    for ``idle_s`` while the host works."""
+    b, prev, m = GraphBuilder(), [], 8192
+    for i in range(n_gemms):
+        prev = [b.add(f"g{i}", OpKind.COMPUTE, "compute", deps=prev, phase=Phase.FWD, cost_class=CostClass.GEMM,
+                      shape=(m, m, m), flops=2.0 * m**3, bytes_read=4.0 * m * m, bytes_written=2.0 * m * m)]
+    b.add("host_work", OpKind.HOST, "host", deps=prev, phase=Phase.OTHER, fixed_duration_s=idle_s)
+    return b.build(samples_per_step=1, tokens_per_step=1)
+
+
+def run_graph(graph, dvfs: dict | None, steps: int = 3):
+    base = yaml.safe_load(B8.read_text())
+    cfg = scenario_from_dict({**base, **({"dvfs": dvfs} if dvfs else {})})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return simulate_graph(graph, resolve_hardware(cfg), steps=steps, warmup_steps=1, cfg=cfg)
+
+
+@pytest.fixture
+def runtimes(monkeypatch):
+    """The DVFS runtime components the runs of a test create, in order."""
+    made, init = [], dvfs_mod.DvfsRuntime.__init__
+
+    def capture(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    return made
+
+
+def test_power_limit_binds_over_a_locked_clock():
+    """nvidia-smi -pl over -lgc: a 300 W limit with the clock locked at 1410 MHz holds ~300 W
+    (it ran at 391 W, the limit ignored) and the clock drops below the lock."""
+    s = run_scenario(load_scenario(B8, overrides=["dvfs.kind=locked_clock", "dvfs.locked_clocks_mhz=1410",
+                                                  "dvfs.power_limit_w=300", "run.steps=8"])).summary
+    assert s["power_limit_w"] == 300
+    assert s["avg_power_w"] == pytest.approx(300, rel=0.06)
+    assert s["avg_sm_clock_mhz"] < 1410 and s["clock_switches"] >= 1
+
+
+def test_power_limit_range_is_checked_for_every_kind():
+    cfg = load_scenario(B8, overrides=["dvfs.kind=locked_clock", "dvfs.locked_clocks_mhz=1410",
+                                       "dvfs.power_limit_w=150 W"])
+    with pytest.raises(PolicyError, match=r"^dvfs.power_limit_w 150 W is outside the settable range .*200-700 W$"):
+        run_scenario(cfg)
+
+
+def test_clock_returns_to_the_requested_clock_when_power_allows():
+    """Locked at 1410 MHz under a 300 W limit: GEMMs throttle the clock, the idle host phase lets it
+    climb back, and every step starts at the requested 1410 MHz again, never above it."""
+    r = run_graph(gemms_then_idle(), {"kind": "locked_clock", "locked_clocks_mhz": 1410, "power_limit_w": 300})
+    c = r.counters[(r.counters.scope == "gpu0") & (r.counters.metric == "sm_clock_mhz")]
+    assert c.value.max() == 1410 and c.value.min() < 1300
+    for start in r.steps.start_s.iloc[1:]:
+        assert c[c.t_s <= start].value.iloc[-1] == 1410
+
+
+def test_gpu_override_above_the_supported_clocks_is_refused(capsys):
+    """A max clock above the supported list used to be accepted; after one throttle the clock stuck at
+    the list's top (+21% step time). One line naming the key, exit 2."""
+    assert main(["run", str(B16), "--set", "hardware.gpu.overrides.max_sm_clock_mhz=2400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "hardware.gpu: overrides: max_sm_clock_mhz 2400 MHz must be the highest of supported_sm_clocks_mhz" in err
+
+
+def test_firmware_sleeps_while_the_limit_cannot_bind(runtimes, monkeypatch):
+    """A step with 1,000 s of GPU idle under the default 700 W limit: a 10 ms tick evaluated 300,000
+    times over 3 steps; now the firmware evaluates only around the GEMMs (power above 700 W), and the
+    events the run processes are bounded by its ops, not by its simulated time."""
+    events, step = [0], simpy.Environment.step
+
+    def counted(env):
+        events[0] += 1
+        return step(env)
+
+    monkeypatch.setattr(simpy.Environment, "step", counted)
+    short = run_graph(gemms_then_idle(idle_s=0.1), None)
+    n_short, events[0] = events[0], 0
+    long = run_graph(gemms_then_idle(idle_s=1000.0), None)
+    assert long.steps.end_s.iloc[-1] > 3000
+    assert events[0] <= n_short + 50  # a 10 ms tick adds 300,000
+    assert runtimes[-1].firmware_ticks < 100
+    assert long.summary["clock_switches"] == short.summary["clock_switches"] == 0
+
+
+@pytest.mark.parametrize("path, over", [
+    (B8, []), (B16, []),
+    (B8, ["dvfs.kind=power_cap", "dvfs.power_limit_w=400", "run.steps=8"]),
+    (B8, ["dvfs.kind=locked_clock", "dvfs.locked_clocks_mhz=1410", "dvfs.power_limit_w=300", "run.steps=8"]),
+])
+def test_sleeping_firmware_equals_ticking_every_period(monkeypatch, path, over):
+    """Energy and power with the sleeping firmware vs evaluating every 10 ms (the old loop): within
+    0.01% (the issue allows 0.5%) on the bundled H200 b8/b16 scenarios, capped or not."""
+    cfg = load_scenario(path, overrides=over)
+    lazy = run_scenario(cfg).summary
+    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "_quiet_since", lambda self, t: False)  # never sleeps
+    tick = run_scenario(cfg).summary
+    for k in ("energy_j_per_step", "avg_power_w", "step_time_s", "avg_sm_clock_mhz"):
+        assert lazy[k] == pytest.approx(tick[k], rel=1e-4), k
+    assert lazy["clock_switches"] == tick["clock_switches"]

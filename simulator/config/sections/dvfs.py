@@ -4,6 +4,7 @@ Kinds (registered in ``simulator.policies.dvfs``)::
 
     dvfs: {kind: locked_clock, locked_clocks_mhz: 1410}          # like nvidia-smi -lgc 1410
     dvfs: {kind: power_cap, power_limit_w: 400}                  # like nvidia-smi -pl 400
+    dvfs: {kind: locked_clock, locked_clocks_mhz: 1410, power_limit_w: 300}   # -lgc 1410 and -pl 300
     dvfs: {kind: phase_plan, phase_clocks_mhz: {fwd: 1980, bwd: 1980, opt: 1200}}
 
 Without a ``dvfs`` section the GPU runs at its maximum clock under its default power limit (the
@@ -37,7 +38,9 @@ class DvfsConfig(BaseModel):
     locked_clocks_mhz: MHz | None = Field(
         default=None, gt=0, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning).")
     power_limit_w: Watts | None = Field(
-        default=None, gt=0, description="power_cap: board power limit, W (must lie in the GPU's settable range).")
+        default=None, gt=0, description="Board power limit, W (must lie in the GPU's settable range; default the "
+        "GPU's TDP). Needed by power_cap; with locked_clock or phase_plan it still binds: the firmware lowers the "
+        "clock below the requested one while the power is above the limit (nvidia-smi -pl over -lgc).")
     phase_clocks_mhz: dict[str, MHz] = Field(
         default_factory=dict, description=f"phase_plan: SM clock per phase ({', '.join(PLAN_PHASES)}); "
         "unnamed phases run at the maximum clock.")
