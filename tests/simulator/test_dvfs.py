@@ -13,7 +13,7 @@ import simulator.policies.dvfs as dvfs_mod
 from simulator import ScenarioError, load_scenario, run_scenario
 from simulator.cli import main
 from simulator.config.loader import resolve_hardware, scenario_from_dict
-from simulator.engine.run import simulate_graph
+from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import CostClass, OpKind, Phase
 from simulator.policies.registry import PolicyError
