@@ -238,8 +238,14 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
     unknown = sorted(set(clean) - names)
     if unknown:
         raise PresetError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
-    clean = convert_units(clean, where)
     hints = typing.get_type_hints(cls)
+    for k, v in clean.items():  # containers first, so a mapping is never read as a per-dtype table
+        if isinstance(v, (dict, list)) and _type_word(hints[k]) not in ("a mapping", "a list"):
+            raise PresetError(f"{where}.{k}: expected {_type_word(hints[k])}"
+                              f"{' (a quantity with a unit)' if dimension_of(k) else ''}, got {_kind(v)}")
+        if _type_word(hints[k]) == "a mapping" and v is not None and not isinstance(v, dict):
+            raise PresetError(f"{where}.{k}: expected a mapping, got {_kind(v)}")
+    clean = convert_units(clean, where)
     for k, v in clean.items():
         _check_type(v, hints[k], f"{where}.{k}", dimension_of(k) is not None)
     if "sources" in names:

@@ -9,7 +9,7 @@ from hardware_models import safe_yaml
 from simulator.config.errors import ScenarioError
 
 #: Longest ``--set`` text accepted, characters.
-MAX_OVERRIDE_CHARS = 10_000
+MAX_OVERRIDE_CHARS = 100_000
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
