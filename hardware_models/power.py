@@ -48,7 +48,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
+from hardware_models import safe_yaml
 
 from hardware_models.gpu import GpuSpec
 
@@ -190,7 +190,11 @@ def load_power_model(name_or_path: str) -> GpuPowerModel:
         p = Path(str(resources.files("hardware_models") / "presets" / "power")) / f"{name_or_path}.yaml"
     if not p.exists():
         raise FileNotFoundError(f"no power model preset or file {name_or_path!r}")
-    return power_model_from_dict(yaml.safe_load(p.read_text()), str(p))
+    try:
+        data = safe_yaml.load_mapping(p, "a mapping of power-model fields")
+    except safe_yaml.YamlInputError as exc:
+        raise ValueError(f"{p}: {exc}") from None
+    return power_model_from_dict(data, str(p))
 
 
 def has_power_preset(name: str) -> bool:

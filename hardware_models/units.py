@@ -7,6 +7,8 @@ Decimal and binary prefixes are respected: ``"1 GB" == 1e9`` bytes, ``"1 GiB" ==
 
 from __future__ import annotations
 
+import math
+import re
 from functools import lru_cache
 
 import pint
@@ -43,40 +45,92 @@ class UnitError(ValueError):
     """A quantity string could not be parsed or has the wrong dimension."""
 
 
-@lru_cache(maxsize=4096)
-def parse_quantity(value: str | float | int, dimension: str) -> float:
+#: Longest quantity string accepted (``"989.4 TFLOP/s"`` has 13 characters).
+MAX_QUANTITY_CHARS = 64
+
+_NUMBER = r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?"
+_UNIT = r"[A-Za-zµμΩ_%]+(?:\s*(?:\^|\*\*)\s*[-+]?[1-9])?"
+#: ``<number> <unit expression>``: units joined by ``*``, ``/`` or a space, each with an optional
+#: one-digit exponent (``m^2``, ``s**-1``). Checked before pint sees the text, so pint never
+#: evaluates an arbitrary expression (``"9**9**9 s"`` would run for hours).
+_QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*({_UNIT}(?:\s*[*/]\s*{_UNIT}|\s+{_UNIT})*)?\s*$")
+
+
+def parse_quantity(value: object, dimension: str) -> float:
     """Parse a quantity and return it in the SI unit of ``dimension``.
 
     Args:
-        value: A number (taken as already in SI units) or a string with a unit (``"4.8 TB/s"``).
+        value: A number (taken as already in SI units) or a string ``"<number> <unit expression>"``
+            (``"4.8 TB/s"``) of at most ``MAX_QUANTITY_CHARS`` characters.
         dimension: One of ``DIMENSIONS`` (``"bytes_per_s"``...).
 
     Returns:
-        The magnitude in the canonical unit (bytes, seconds, bytes/s, W, J, MHz, FLOP, FLOP/s).
+        The magnitude in the canonical unit (bytes, seconds, bytes/s, W, J, MHz, FLOP, FLOP/s), a
+        finite float.
 
     Raises:
-        UnitError: unparsable text, a string without a unit, or a unit of another dimension
+        UnitError: a value that is not a number or a string (booleans, lists, mappings, dates),
+            a non-finite number (NaN, infinity, or an overflow such as ``"1e400 TB/s"``),
+            unparsable text, a string without a unit, or a unit of another dimension
             (``"4.8 TB"`` for a bandwidth).
     """
+    if dimension not in DIMENSIONS:
+        raise UnitError(f"unknown dimension {dimension!r}; known: {', '.join(DIMENSIONS)}")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise UnitError(f"expected a quantity like {EXAMPLES[dimension]}, got {value!r}")
-    if isinstance(value, (int, float)):
+        raise UnitError(f"expected a quantity like {EXAMPLES[dimension]}, got {short_repr(value)}")
+    if isinstance(value, int):
+        if abs(value) >= 2**63:
+            raise UnitError(f"{short_repr(value)} is out of range (at most 2**63)")
         return float(value)
-    text = value.strip()
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnitError(f"{value!r} is not a finite number (expected e.g. {EXAMPLES[dimension]})")
+        return value
+    return _parse_text(value, dimension)
+
+
+@lru_cache(maxsize=4096)
+def _parse_text(value: str, dimension: str) -> float:
+    """``parse_quantity`` for strings (cached: keys are strings only, so ``True`` never hits ``1``)."""
+    if len(value) > MAX_QUANTITY_CHARS:
+        raise UnitError(f"quantity text of {len(value)} characters is too long (at most "
+                        f"{MAX_QUANTITY_CHARS}; expected e.g. {EXAMPLES[dimension]})")
+    m = _QUANTITY.match(value)
+    if m is None:
+        raise UnitError(f"cannot parse {value!r} as a quantity (expected a number and a unit, e.g. "
+                        f"{EXAMPLES[dimension]})")
+    number, unit = float(m.group(1)), (m.group(2) or "").strip()
+    if not unit:
+        raise UnitError(f"{value!r} has no unit (expected e.g. {EXAMPLES[dimension]})")
+    if not math.isfinite(number):
+        raise UnitError(f"{value!r} is not a finite number (expected e.g. {EXAMPLES[dimension]})")
     try:
-        q = _UREG.Quantity(text)
+        q = _UREG.Quantity(number, _UREG.parse_units(unit))
     except Exception as exc:  # pint raises several unrelated exception types
         raise UnitError(f"cannot parse {value!r} as a quantity (expected e.g. {EXAMPLES[dimension]})") from exc
-    if not isinstance(q, _UREG.Quantity) or q.unitless:
+    if q.unitless:
         raise UnitError(f"{value!r} has no unit (expected e.g. {EXAMPLES[dimension]})")
     target = _UREG.Unit(DIMENSIONS[dimension])
     # pint treats byte as dimensionless, so the byte exponent is checked by hand.
-    if _byte_power(q.units) != _byte_power(target) or (q.unitless and not target.dimensionless):
+    if _byte_power(q.units) != _byte_power(target):
         raise UnitError(_wrong_dimension(value, dimension))
     try:
-        return float(q.to(target).magnitude)
+        out = float(q.to(target).magnitude)
     except pint.DimensionalityError as exc:
         raise UnitError(_wrong_dimension(value, dimension)) from exc
+    except (OverflowError, ArithmeticError):
+        out = math.inf
+    if not math.isfinite(out):
+        raise UnitError(f"{value!r} overflows: not a finite {_WORDS[dimension]}")
+    return out
+
+
+def short_repr(value: object) -> str:
+    """``repr`` of a value cut to 60 characters (errors never quote a whole input)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _byte_power(unit: "pint.Unit") -> int:

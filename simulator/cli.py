@@ -144,7 +144,9 @@ def cmd_presets(args) -> int:
     if args.name:
         fam = args.family or next((f for f, names in presets.list_presets().items() if args.name in names), None)
         if fam is None:
-            raise presets.PresetError(f"unknown preset {args.name!r}; see `simulate presets`")
+            from hardware_models.units import short_repr
+
+            raise presets.PresetError(f"unknown preset {short_repr(args.name)}; see `simulate presets`")
         print(yaml.safe_dump(presets.raw(fam, args.name), sort_keys=False))
         return 0
     for fam, names in presets.list_presets(args.family).items():
@@ -277,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``simulate`` console script; returns the exit status."""
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
+    from pydantic import ValidationError
+
+    from hardware_models.safe_yaml import YamlInputError
     from simulator.config.errors import ScenarioError
     from simulator.api import SimulationError
     from simulator.policies.registry import PolicyError
@@ -290,8 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (ScenarioError, PresetError, UnitError) as exc:
+    except (ScenarioError, PresetError, UnitError, YamlInputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValidationError as exc:  # a model built from user input outside load_scenario
+        from simulator.config.loader import format_validation_error
+
+        where = getattr(args, "scenario", None) or "input"
+        print(f"error: {format_validation_error(exc, where, exc.title)}", file=sys.stderr)
         return EXIT_USAGE
     except PolicyError as exc:  # stage-2 validation of a policy's parameters
         where = getattr(args, "scenario", None)

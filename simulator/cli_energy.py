@@ -10,13 +10,24 @@ from __future__ import annotations
 import sys
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _floats(text: str, what: str, unit: str) -> list[float]:
+    """Comma-separated positive finite numbers.
+
+    Raises:
+        ValueError: empty, not numbers, or a value that is zero, negative, NaN or infinite.
+    """
+    import math
+
+    shown = text if len(text) <= 60 else text[:57] + "..."
     try:
         vals = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"{what} must be comma-separated numbers in {unit}, got {shown!r}") from None
     if not vals:
         raise ValueError(f"{what} is empty")
+    bad = [v for v in vals if not (math.isfinite(v) and v > 0)]
+    if bad:
+        raise ValueError(f"{what}: every value must be a finite number > 0 {unit}, got {bad[0]:g}")
     return vals
 
 
@@ -53,22 +64,28 @@ def run(args) -> int:
     from hardware_models.units import UnitError
     from simulator.studies.pareto import energy_time_pareto
     from simulator.config.errors import ScenarioError
-    from simulator.config.loader import load_scenario
+    from pydantic import ValidationError
+
     from simulator.api import SimulationError
+    from simulator.config.loader import format_validation_error, load_scenario
+    from simulator.config.sections.dvfs import DvfsConfig
 
     try:
         if getattr(args, "out", None):
             from simulator.cli import check_out_dir
 
             check_out_dir(args.out)
-        clocks = _floats(args.clocks, "--clocks") if args.clocks else None
-        caps = _floats(args.power_caps, "--power-caps") if args.power_caps else None
+        clocks = _floats(args.clocks, "--clocks", "MHz") if args.clocks is not None else None
+        caps = _floats(args.power_caps, "--power-caps", "W") if args.power_caps is not None else None
         cfg = load_scenario(args.scenario, args.set)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             df = energy_time_pareto(cfg, clocks=clocks, power_caps=caps)
         for w in {str(w.message) for w in caught}:
             print(f"warning: {w}", file=sys.stderr)
+    except ValidationError as exc:  # a setting the dvfs section refuses
+        print(f"error: {format_validation_error(exc, args.scenario, DvfsConfig)}", file=sys.stderr)
+        return 2
     except (ScenarioError, PresetError, UnitError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,18 +10,20 @@ file may be a number (SI units), a string with a unit (``"4.8 TB/s"``), or ``{va
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import typing
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hardware_models.fabrics import LinkSpec
 from hardware_models.gpu import GpuSpec
 from hardware_models.host import HostCpuSpec, HostMemorySpec
 from hardware_models.profile import EfficiencyProfile
-from hardware_models.units import UnitError, parse_quantity
+from hardware_models import safe_yaml
+from hardware_models.units import UnitError, parse_quantity, short_repr
 
 FAMILIES = ("gpus", "links", "hosts", "profiles", "storage", "power")
 _SUFFIXES = (
@@ -38,6 +40,41 @@ _SUFFIXES = (
 
 class PresetError(ValueError):
     """An unknown preset name or an invalid preset file."""
+
+
+#: A preset name: letters, digits, ``.``, ``_``, ``+`` and ``-``, at most 100 characters, not
+#: starting with a dot (so never a path: no ``/``, no ``..``).
+_NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,99}$")
+
+#: Prefixes that make a string a file path rather than a preset name (``hardware.profile``,
+#: ``dvfs.power_model``). Anything else is a name, looked up in the preset folders only.
+FILE_PREFIXES = ("./", "../", "/")
+
+
+def is_file_reference(text: str) -> bool:
+    """Whether ``text`` names a file (starts with ``./``, ``../`` or ``/``) rather than a preset."""
+    return isinstance(text, str) and text.startswith(FILE_PREFIXES)
+
+
+def check_name(family: str, name: object) -> str:
+    """Check that ``name`` is a shipped preset of ``family`` (a name, never a path).
+
+    Raises:
+        PresetError: not a string, not a valid name (e.g. ``../x``, too long) or not shipped; the
+            message lists the known names.
+    """
+    known = list_presets(family)[family]
+    if not isinstance(name, str) or not _NAME.match(name) or name not in known:
+        shown = short_repr(name)
+        if isinstance(name, str) and "/" in name:
+            why = (" (a preset name, not a path; files are accepted only where the schema says so, "
+                   f"as paths starting with {', '.join(FILE_PREFIXES)})")
+        elif not isinstance(name, str) or not _NAME.match(name):
+            why = " (a preset name is letters, digits, '.', '_', '+' and '-', at most 100 characters)"
+        else:
+            why = ""
+        raise PresetError(f"unknown {family[:-1]} preset {shown}{why}; known: {', '.join(known)}")
+    return name
 
 
 def dimension_of(field_name: str) -> str | None:
@@ -112,6 +149,86 @@ def convert_units(d: dict, where: str = "") -> dict:
     return out
 
 
+def _type_word(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(None) in args:  # Optional[X]: described as X
+        tp = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(tp)
+    if origin is dict:
+        return "a mapping"
+    if origin is tuple or origin is list:
+        return "a list"
+    return {float: "a number", int: "an integer", str: "a string", bool: "true or false"}.get(tp, "a mapping")
+
+
+def _kind(value: Any) -> str:
+    """A value's type in words ("a list"), for errors that must not quote the value."""
+    if isinstance(value, bool):
+        return "true/false"
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping",
+            type(None): "null"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _check_type(value: Any, tp: Any, path: str, quantity: bool = False) -> None:
+    """Check a converted preset value against its dataclass field type.
+
+    Numbers must be finite (and >= 0 for quantities with a unit suffix); integers fit in 64 bits.
+
+    Raises:
+        PresetError: naming ``path`` and the type expected.
+    """
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        if value is None and type(None) in args:
+            return
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is float or tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PresetError(f"{path}: expected {_type_word(tp)}, got {_kind(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PresetError(f"{path}: expected a finite number, got {value!r}")
+        if tp is int and (isinstance(value, float) and not value.is_integer() or abs(value) >= 2**63):
+            raise PresetError(f"{path}: expected an integer below 2**63")
+        if quantity and value < 0:
+            raise PresetError(f"{path}: must be >= 0, got {value!r}")
+        return
+    if tp is str or tp is bool:
+        if not isinstance(value, tp):
+            raise PresetError(f"{path}: expected {_type_word(tp)}, got {_kind(value)}")
+        return
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise PresetError(f"{path}: expected a mapping, got {_kind(value)}")
+        if args:
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise PresetError(f"{path}: keys must be strings, got {_kind(k)}")
+                _check_type(v, args[1], f"{path}.{k}", quantity)
+        return
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise PresetError(f"{path}: expected a list, got {_kind(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            for i, v in enumerate(value):
+                _check_type(v, args[0], f"{path}[{i}]", quantity)
+        elif len(value) != len(args):
+            raise PresetError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
+        else:
+            for i, (v, a) in enumerate(zip(value, args)):
+                _check_type(v, a, f"{path}[{i}]", quantity)
+        return
+    if dataclasses.is_dataclass(tp) and not isinstance(value, tp):
+        if not isinstance(value, dict):
+            raise PresetError(f"{path}: expected a mapping of {tp.__name__} fields, got {_kind(value)}")
+        hints = typing.get_type_hints(tp)
+        unknown = sorted(str(k) for k in value if k not in hints)
+        if unknown:
+            raise PresetError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(hints)}")
+        for k, v in value.items():
+            _check_type(v, hints[k], f"{path}.{k}", dimension_of(k) is not None)
+
+
 def build_spec(cls: type, data: dict, where: str) -> Any:
     """Instantiate a frozen spec dataclass from a preset dict (units converted, sources kept).
 
@@ -124,7 +241,16 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
     unknown = sorted(set(clean) - names)
     if unknown:
         raise PresetError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for k, v in clean.items():  # containers first, so a mapping is never read as a per-dtype table
+        if isinstance(v, (dict, list)) and _type_word(hints[k]) not in ("a mapping", "a list"):
+            raise PresetError(f"{where}.{k}: expected {_type_word(hints[k])}"
+                              f"{' (a quantity with a unit)' if dimension_of(k) else ''}, got {_kind(v)}")
+        if _type_word(hints[k]) == "a mapping" and v is not None and not isinstance(v, dict):
+            raise PresetError(f"{where}.{k}: expected a mapping, got {_kind(v)}")
     clean = convert_units(clean, where)
+    for k, v in clean.items():
+        _check_type(v, hints[k], f"{where}.{k}", dimension_of(k) is not None)
     if "sources" in names:
         clean["sources"] = {**sources, **(clean.get("sources") or {})}
     for f in dataclasses.fields(cls):
@@ -146,32 +272,27 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
 
 @lru_cache(maxsize=None)
 def _load(family: str, name: str) -> dict:
-    path = _root() / family / f"{name}.yaml"
-    if not path.exists():
-        known = ", ".join(list_presets(family)[family])
-        raise PresetError(f"unknown {family[:-1]} preset {name!r}; known: {known}")
-    with open(path) as fh:
-        return yaml.safe_load(fh) or {}
+    check_name(family, name)
+    try:
+        return safe_yaml.load_mapping(_root() / family / f"{name}.yaml", f"a mapping of {family[:-1]} fields")
+    except safe_yaml.YamlInputError as exc:
+        raise PresetError(f"preset {family}/{name}: {exc}") from None
 
 
 def load_profile_file(path: str | Path) -> EfficiencyProfile:
     """Load an efficiency profile from a YAML file (e.g. written by ``simulate calibrate``).
 
     Raises:
-        PresetError: a missing file or invalid content.
+        PresetError: a missing file or invalid content (see ``hardware_models.safe_yaml``); the
+            message names the file and a key, never the file's values.
     """
     p = Path(path)
-    if not p.is_file():
-        raise PresetError(f"profile file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise PresetError(f"profile file {str(p)!r}: YAML syntax error{where}") from None
-    if not isinstance(data, dict):
-        raise PresetError(f"profile file {str(p)!r}: expected a mapping of profile fields")
-    return build_spec(EfficiencyProfile, data, str(p))
+        data = safe_yaml.load_mapping(p, "a mapping of profile fields")
+    except safe_yaml.YamlInputError as exc:
+        msg = "does not exist" if str(exc) == "file not found" else str(exc)
+        raise PresetError(f"profile file {str(p)!r}: {msg}") from None
+    return build_spec(EfficiencyProfile, data, f"profile file {str(p)!r}")
 
 
 def get(family: str, name: str) -> Any:
@@ -186,7 +307,7 @@ def get(family: str, name: str) -> Any:
     """
     if family not in FAMILIES:
         raise PresetError(f"unknown preset family {family!r}; known: {FAMILIES}")
-    data = dict(_load(family, name))
+    data = dict(_load(family, name))  # checks the name first
     where = f"preset {family}/{name}"
     if family == "gpus":
         return build_spec(GpuSpec, data, where)

@@ -9,43 +9,33 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from hardware_models import presets
+from hardware_models import presets, safe_yaml
 from hardware_models.fabrics import LinkSpec
 from hardware_models.gpu import GpuSpec
 from hardware_models.machine import Hardware
 from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
+from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
 from simulator.config.overrides import apply_overrides
 from simulator.config.schema import PresetRef, ScenarioConfig
 
 
 def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping.
+    """Read a scenario YAML mapping with ``hardware_models.safe_yaml`` (bounded, strict YAML 1.2).
 
     Raises:
-        ScenarioError: missing file, syntax error (with line), or not a mapping.
+        ScenarioError: missing file, not a regular file, over ``MAX_FILE_BYTES``, not UTF-8, a
+            syntax error (with line), a duplicate key, an unsupported tag, too deep or too many
+            values, or not a mapping.
     """
     p = Path(path)
-    if not p.exists():
-        raise ScenarioError(f"{p}: file not found")
-    if p.is_dir():
-        raise ScenarioError(f"{p}: is a directory, expected a scenario YAML file")
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ScenarioError(f"{p}: YAML syntax error{where}: {problem}") from None
-    if data is None:
-        raise ScenarioError(f"{p}: the file is empty; expected a scenario (see scenarios/README.md)")
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{p}: expected a mapping of keys at the top level, got {type(data).__name__}")
-    return data
+        return safe_yaml.load_mapping(p, "a mapping of scenario keys (see scenarios/README.md)")
+    except safe_yaml.YamlInputError as exc:
+        raise ScenarioError(f"{p}: {exc}") from None
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -67,7 +57,8 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     """One line for the first error of a pydantic ``ValidationError``."""
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p[:1].isupper() and "[" in p))
-    path = ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "(top level)"
+    path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p
+                    for p in loc if not str(p).startswith("function-")) or "(top level)"
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         import difflib
@@ -79,8 +70,9 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     if kind == "missing":
         return f"{source}: {path}: required key is missing"
     msg = msg.replace("Value error, ", "")
-    extra = (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list))
-             and repr(err["input"]) not in msg else "")
+    shown = short_repr(err.get("input"))
+    extra = (f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list))
+             and shown not in msg else "")
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {path}: {msg}{extra}{more}"
 
@@ -117,6 +109,15 @@ def _ref(ref: PresetRef | str) -> tuple[str, dict]:
     return (ref, {}) if isinstance(ref, str) else (ref.preset, dict(ref.overrides))
 
 
+def _merged(data: dict, over: dict) -> dict:
+    """``data`` with ``over`` applied; a mapping-valued field (``peak_flops_per_s``) is merged key by
+    key, so overriding one dtype keeps the others."""
+    out = dict(data)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _with_overrides(family: str, ref, cls, key: str, source: str):
     name, over = _ref(ref)
     try:
@@ -125,15 +126,16 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
             if over:
                 data = presets.raw(family, name)
                 mem_over = over.pop("memory", {})
-                data_mem = {**data.pop("memory", {}), **mem_over}
-                data.update(over)
-                cpu = presets.build_spec(type(cpu), data, "overrides")
+                if not isinstance(mem_over, dict):
+                    raise PresetError(f"overrides.memory: expected a mapping of host memory fields "
+                                      f"(capacity_bytes, pinned_limit_bytes), got {presets._kind(mem_over)}")
+                data_mem = _merged(data.pop("memory", {}), mem_over)
+                cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
             return cpu, mem
         spec = presets.get(family, name)
         if over:
-            data = {**presets.raw(family, name), **over}
-            spec = presets.build_spec(cls, data, "overrides")
+            spec = presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
         return spec
     except PresetError as exc:
         raise ScenarioError(f"{source}: {key}: {exc}") from None
@@ -185,9 +187,9 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     try:
         if prof_name is None:
             profile = default_profile()
-        elif prof_name.endswith((".yaml", ".yml")) or "/" in prof_name:
-            base = Path(source).parent if Path(source).exists() else Path(".")
+        elif presets.is_file_reference(prof_name):  # ./x.yaml, ../x.yaml, /abs/x.yaml: a file
             p = Path(prof_name)
+            base = Path(source).parent if not p.is_absolute() and Path(source).is_file() else Path(".")
             profile = presets.load_profile_file(p if p.is_absolute() or p.exists() else base / p)
         else:
             profile = presets.get("profiles", prof_name)

@@ -5,27 +5,39 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import yaml
-
+from hardware_models import safe_yaml
 from simulator.config.errors import ScenarioError
+
+#: Longest ``--set`` text accepted, characters.
+MAX_OVERRIDE_CHARS = 100_000
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"a.b=value"`` into a key path and a YAML-typed value (``8`` -> int, ``"8 GB"`` -> str).
 
+    The value is read with ``hardware_models.safe_yaml`` (YAML 1.2 scalars, bounded nesting and
+    size); text that is not valid YAML is taken as a plain string.
+
     Raises:
-        ScenarioError: no ``=`` or an empty key.
+        ScenarioError: no ``=``, an empty key, a text over ``MAX_OVERRIDE_CHARS``, or a value that
+            safe_yaml refuses (too deep, duplicate key, unsupported tag, integer out of range).
     """
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise ScenarioError(f"--set: a value of {len(text):,} characters; at most {MAX_OVERRIDE_CHARS:,}")
+    shown = text if len(text) <= 80 else text[:77] + "..."
     if "=" not in text:
-        raise ScenarioError(f"--set {text!r}: expected dotted.key=value")
+        raise ScenarioError(f"--set {shown!r}: expected dotted.key=value")
     key, _, raw = text.partition("=")
     parts = [p for p in key.strip().split(".")]
     if not all(parts):
-        raise ScenarioError(f"--set {text!r}: empty key component")
+        raise ScenarioError(f"--set {shown!r}: empty key component")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = safe_yaml.loads(raw) if raw.strip() else ""
+    except safe_yaml.YamlInputError as exc:
+        if str(exc).startswith("YAML syntax error"):
+            value = raw
+        else:
+            raise ScenarioError(f"--set {key.strip()}: {exc}") from None
     return parts, value
 
 
@@ -47,7 +59,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 if isinstance(nxt, str):  # a preset given by name: expand to {preset: name}
                     nxt = node[p] = {"preset": nxt}
                 else:
-                    raise ScenarioError(f"--set {text!r}: {'.'.join(parts[: i + 1])} is not a mapping")
+                    raise ScenarioError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a mapping")
             node = nxt
         node[parts[-1]] = value
     return out

@@ -11,6 +11,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from hardware_models.presets import FILE_PREFIXES
+from simulator.config.limits import (
+    MAX_DATA_PARALLEL_SIZE,
+    MAX_FFN_HIDDEN_SIZE,
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_HIDDEN_SIZE,
+    MAX_LAYER_PASSES,
+    MAX_LAUNCH_OVERHEAD_S,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_NUM_LAYERS,
+    MAX_SEED,
+    MAX_SEQ_LENGTH,
+    MAX_STEPS,
+    MAX_VOCAB_SIZE,
+    MODEL_CONFIG,
+    no_bool,
+)
 from simulator.config.quantities import Seconds
 
 from simulator.config.sections.offload import ActivationCheckpointingConfig, ZeroOptimizationConfig
@@ -21,14 +39,15 @@ from simulator.config.sections.memory import MemoryConfig
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = MODEL_CONFIG
 
 
 class PresetRef(_Model):
     """A preset by name, with per-field overrides (units allowed: ``hbm_bandwidth_bytes_per_s: "3 TB/s"``)."""
 
     preset: str = Field(description="Preset name (see `simulate presets`).")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Field -> value to replace.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Field -> value to replace "
+                                      "(a mapping such as peak_flops_per_s is merged key by key).")
 
 
 class HardwareConfig(_Model):
@@ -37,25 +56,29 @@ class HardwareConfig(_Model):
     gpu: PresetRef | str = Field(description="GPU preset name or {preset, overrides}.")
     profile: str | None = Field(
         default=None,
-        description="Efficiency profile: a preset name under presets/profiles, or a path to a YAML file "
-        "written by `simulate calibrate`. Default: the GPU's shipped profile if any, else a generic one.",
+        description="Efficiency profile: a preset name (looked up under presets/profiles only), or a YAML "
+        f"file written by `simulate calibrate`, given as a path starting with {', '.join(FILE_PREFIXES)} "
+        "(relative paths: from the current folder, else the scenario's folder). "
+        "Default: the GPU's shipped profile if any, else a generic one.",
     )
     pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
     host: PresetRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset.")
     launch_overhead_s: Seconds | None = Field(
-        default=None, ge=0, description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
+        default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
+        description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
     )
 
 
 class ModelConfig(_Model):
     """A dense GPT-style decoder (Megatron-LM argument names)."""
 
-    num_layers: PositiveInt
-    hidden_size: PositiveInt
-    num_attention_heads: PositiveInt
-    seq_length: PositiveInt
-    vocab_size: PositiveInt
-    ffn_hidden_size: PositiveInt | None = Field(default=None, description="Default 4 * hidden_size.")
+    num_layers: PositiveInt = Field(le=MAX_NUM_LAYERS)
+    hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
+    num_attention_heads: PositiveInt = Field(le=MAX_HIDDEN_SIZE, description="Must divide hidden_size.")
+    seq_length: PositiveInt = Field(le=MAX_SEQ_LENGTH)
+    vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
+    ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE,
+                                                description="Default 4 * hidden_size.")
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
 
@@ -78,9 +101,11 @@ class OptimizerConfig(_Model):
 class TrainingConfig(_Model):
     """Batch, precision, optimizer and recompute."""
 
-    micro_batch_size: PositiveInt
+    micro_batch_size: PositiveInt = Field(le=MAX_MICRO_BATCH_SIZE)
     global_batch_size: PositiveInt | None = Field(
-        default=None, description="Default micro_batch_size * data_parallel_size (no gradient accumulation)."
+        default=None, le=MAX_GLOBAL_BATCH_SIZE,
+        description="Default micro_batch_size * data_parallel_size (no gradient accumulation); at most "
+        f"{MAX_GRADIENT_ACCUMULATION:,} micro-batches per step.",
     )
     precision: Literal["amp_fp32_params", "bf16"] = Field(
         default="amp_fp32_params",
@@ -98,7 +123,7 @@ class ParallelismConfig(_Model):
     tensor_model_parallel_size: Literal[1] = 1
     pipeline_model_parallel_size: Literal[1] = 1
     data_parallel_size: PositiveInt = Field(
-        default=1, description="Must be 1: multi-GPU simulation is not yet supported (no gradient communication).")
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Must be 1: multi-GPU simulation is not yet supported (no gradient communication).")
 
     @field_validator("data_parallel_size")
     @classmethod
@@ -109,13 +134,15 @@ class ParallelismConfig(_Model):
                              "would scale throughput with no gradient communication")
         return v
 
+    _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", mode="before")(no_bool)
+
 
 class RunConfig(_Model):
     """How long to simulate."""
 
-    steps: PositiveInt = Field(default=5, description="Steps simulated (including warmup).")
+    steps: PositiveInt = Field(default=5, le=MAX_STEPS, description="Steps simulated (including warmup).")
     warmup_steps: int = Field(default=1, ge=0, description="Leading steps excluded from the metrics.")
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the run's random generator (64-bit).")
 
     @model_validator(mode="after")
     def _warmup_below_steps(self):
@@ -147,5 +174,16 @@ class ScenarioConfig(_Model):
         if gbs is not None and gbs % per:
             raise ValueError(
                 f"global_batch_size ({gbs}) must be a multiple of micro_batch_size x data_parallel_size ({per})"
+            )
+        if gbs is not None and gbs // per > MAX_GRADIENT_ACCUMULATION:
+            raise ValueError(
+                f"global_batch_size ({gbs}) asks for {gbs // per:,} micro-batches per step (micro_batch_size x "
+                f"data_parallel_size = {per}); at most {MAX_GRADIENT_ACCUMULATION:,} are simulated"
+            )
+        passes = self.model.num_layers * (gbs // per if gbs else 1) * self.run.steps
+        if passes > MAX_LAYER_PASSES:
+            raise ValueError(
+                f"num_layers x micro-batches per step x run.steps = {passes:,} layer passes; at most "
+                f"{MAX_LAYER_PASSES:,} are simulated in one run (lower run.steps)"
             )
         return self

@@ -17,8 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
+from hardware_models import safe_yaml
 from simulator.config.errors import ScenarioError
 
 RESULTS_FILE = "results.csv"
@@ -61,12 +61,15 @@ def parse_factor(text: str) -> tuple[str, list]:
     """``"training.micro_batch_size=4,8,16"`` -> ``("training.micro_batch_size", [4, 8, 16])``.
 
     Raises:
-        ScenarioError: no ``=`` or no values.
+        ScenarioError: no ``=``, no values, or a value ``hardware_models.safe_yaml`` refuses.
     """
     key, sep, vals = text.partition("=")
     if not sep or not key.strip() or not vals.strip():
         raise ScenarioError(f"--factor {text!r}: expected dotted.key=v1,v2,...")
-    return key.strip(), [yaml.safe_load(v) for v in vals.split(",")]
+    try:  # the same YAML 1.2 reader as --set: "1:30" stays a string, "yes" is not a boolean
+        return key.strip(), [safe_yaml.loads(v) if v.strip() else "" for v in vals.split(",")]
+    except safe_yaml.YamlInputError as exc:
+        raise ScenarioError(f"--factor {key.strip()}: {exc}") from None
 
 
 def _run_point(args) -> dict:

@@ -186,3 +186,68 @@ def test_wrong_unit_names_the_key(tmp_path):
         reloaded = yaml.safe_load(fh)
     with pytest.raises(PresetError, match="hbm_bandwidth_bytes_per_s"):
         presets.build_spec(GpuSpec, reloaded, str(bad))
+
+
+# -- names are names, files are explicit paths (issue 16 item 4) ------------------------------
+@pytest.mark.parametrize("name", ["../../x", "../gpus/h200-sxm-141gb", "/etc/passwd", "gpus/h200-sxm-141gb",
+                                  ".hidden", "a" * 300, "h200 sxm"])
+def test_preset_names_are_not_paths(name):
+    with pytest.raises(PresetError, match="unknown gpu preset") as e:
+        presets.get("gpus", name)
+    assert len(str(e.value)) < 600
+
+
+def test_a_yaml_file_outside_the_presets_is_never_read_as_a_preset(tmp_path):
+    """A ``../`` name that reaches a real, valid GPU file elsewhere on the machine is refused."""
+    import os
+
+    (tmp_path / "evil.yaml").write_text(yaml.safe_dump(presets.raw("gpus", "h200-sxm-141gb")))
+    rel = os.path.relpath(tmp_path / "evil", PRESET_ROOT / "gpus")
+    assert rel.startswith("..") and (PRESET_ROOT / "gpus" / f"{rel}.yaml").exists()
+    for fn in (presets.get, presets.raw):
+        with pytest.raises(PresetError, match="not a path"):
+            fn("gpus", rel)
+
+
+def test_profile_is_a_name_unless_it_is_a_dot_or_slash_path(tmp_path, capsys, monkeypatch):
+    from simulator.cli import main
+
+    scen = str(Path(__file__).resolve().parents[2] / "scenarios/h200/gpt_184m_b8.yaml")
+    prof = yaml.safe_dump(presets.raw("profiles", "h200-sxm-141gb"))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "p.yaml").write_text(prof)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", scen, "--set", "hardware.profile=sub/p.yaml", "--set", "run.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown profile preset 'sub/p.yaml'" in err and "./" in err
+    for ref in ("./sub/p.yaml", str(tmp_path / "sub" / "p.yaml")):
+        assert main(["run", scen, "--set", f"hardware.profile={ref}", "--set", "run.steps=2", "--json"]) == 0
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("- secret_value_123\n- other\n", "expected a mapping of profile fields at the top level, got a list"),
+    ("secret_value_123\n", "got a str"),
+    ("name: [secret_value_123\n", "YAML syntax error"),
+    ("", "the file is empty"),
+])
+def test_profile_file_errors_never_echo_content(tmp_path, content, fragment):
+    p = tmp_path / "prof.yaml"
+    p.write_text(content)
+    with pytest.raises(PresetError) as e:
+        presets.load_profile_file(p)
+    assert fragment in str(e.value) and "secret_value_123" not in str(e.value)
+
+
+def test_presets_verb_does_not_print_a_file(capsys):
+    from simulator.cli import main
+
+    assert main(["presets", "--family", "gpus", "../../../pyproject"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "unknown gpu preset" in captured.err and "[project]" not in captured.err
+
+
+def test_every_shipped_preset_passes_the_strict_reader():
+    """Strict YAML 1.2, no duplicate keys, within the size and node bounds; typed fields."""
+    for fam, name in ALL_PRESETS:
+        presets.get(fam, name)

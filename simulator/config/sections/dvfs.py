@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from hardware_models.presets import FILE_PREFIXES, PresetError, check_name, is_file_reference
+from simulator.config.limits import MAX_CLOCK_MHZ, MAX_DVFS_TIME_S, MAX_POWER_W, MIN_POWER_SAMPLE_PERIOD_S, MODEL_CONFIG
 from simulator.config.quantities import MHz, Seconds, Watts
 from simulator.graph.ops import Phase
 
@@ -32,28 +34,40 @@ DEFAULT_SWITCH_LATENCY_S = 0.010
 class DvfsConfig(BaseModel):
     """Clock and power policy of the GPU."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = MODEL_CONFIG
 
     kind: Literal["locked_clock", "power_cap", "phase_plan"] = Field(description="Which DVFS policy.")
     locked_clocks_mhz: MHz | None = Field(
-        default=None, gt=0, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning).")
+        default=None, gt=0, le=MAX_CLOCK_MHZ, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning).")
     power_limit_w: Watts | None = Field(
-        default=None, gt=0, description="Board power limit, W (must lie in the GPU's settable range; default the "
+        default=None, gt=0, le=MAX_POWER_W, description="Board power limit, W (must lie in the GPU's settable range; default the "
         "GPU's TDP). Needed by power_cap; with locked_clock or phase_plan it still binds: the firmware lowers the "
         "clock below the requested one while the power is above the limit (nvidia-smi -pl over -lgc).")
     phase_clocks_mhz: dict[str, MHz] = Field(
         default_factory=dict, description=f"phase_plan: SM clock per phase ({', '.join(PLAN_PHASES)}); "
         "unnamed phases run at the maximum clock.")
     clock_switch_latency_s: Seconds = Field(
-        default=DEFAULT_SWITCH_LATENCY_S, ge=0,
+        default=DEFAULT_SWITCH_LATENCY_S, ge=0, le=MAX_DVFS_TIME_S,
         description="Time from a clock request to the new clock; the GPU runs at the old clock meanwhile "
         "(default 10 ms, assumed; see DEFAULT_SWITCH_LATENCY_S).")
     power_sample_period_s: Seconds = Field(
-        default=0.01, gt=0, description="Power-cap controller: how often the firmware re-evaluates (assumed 10 ms).")
+        default=0.01, ge=MIN_POWER_SAMPLE_PERIOD_S, le=MAX_DVFS_TIME_S,
+        description="Power-cap controller: how often the firmware re-evaluates (assumed 10 ms).")
     power_window_s: Seconds = Field(
-        default=0.02, gt=0, description="Power-cap controller: averaging window of the power reading (assumed 20 ms).")
+        default=0.02, gt=0, le=MAX_DVFS_TIME_S, description="Power-cap controller: averaging window of the power reading (assumed 20 ms).")
     power_model: str | None = Field(
-        default=None, description="Power-model preset name or YAML path (default: the GPU preset's, else generic).")
+        default=None, description="Power-model preset name (looked up under presets/power only) or a YAML file "
+        f"given as a path starting with {', '.join(FILE_PREFIXES)} (default: the GPU preset's, else generic).")
+
+    @field_validator("power_model")
+    @classmethod
+    def _power_model_name(cls, v):
+        if v is not None and not is_file_reference(v):
+            try:
+                check_name("power", v)
+            except PresetError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @model_validator(mode="after")
     def _fields_for_kind(self):
@@ -69,6 +83,6 @@ class DvfsConfig(BaseModel):
                 raise ValueError(f"phase_clocks_mhz names unknown phase(s) {', '.join(bad)}; "
                                  f"allowed: {', '.join(PLAN_PHASES)}")
             for ph, mhz in self.phase_clocks_mhz.items():
-                if mhz <= 0:
-                    raise ValueError(f"phase_clocks_mhz.{ph} must be > 0, got {mhz}")
+                if not 0 < mhz <= MAX_CLOCK_MHZ:
+                    raise ValueError(f"phase_clocks_mhz.{ph} must lie in (0, {MAX_CLOCK_MHZ:g}] MHz, got {mhz}")
         return self

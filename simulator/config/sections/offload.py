@@ -35,7 +35,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from simulator.config.limits import MAX_NUM_LAYERS, MAX_REDUCE_BUCKET_SIZE, MODEL_CONFIG, no_bool
 
 OFFLOAD_DEVICES = ("none", "cpu")
 OFFLOAD_MODES = ("serial", "overlap", "delayed_param_update")
@@ -43,7 +45,7 @@ CPU_ADAM_IMPLS = ("torch_foreach", "torch_single", "deepspeed_cpu_adam")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = MODEL_CONFIG
 
 
 def _check_device(v):
@@ -79,7 +81,7 @@ class OffloadParamConfig(_Model):
 
     device: Literal["none", "cpu"] = Field(default="none", description="none | cpu (DeepSpeed offload_param.device).")
     pin_memory: bool = Field(default=False, description="Host copy of the parameters page-locked.")
-    prefetch_depth: int = Field(default=1, description="Layers fetched ahead of use (>= 0; 0 = on demand).")
+    prefetch_depth: int = Field(default=1, le=MAX_NUM_LAYERS, description="Layers fetched ahead of use (>= 0; 0 = on demand).")
 
     @field_validator("device", mode="before")
     @classmethod
@@ -98,9 +100,11 @@ class ZeroOptimizationConfig(_Model):
     """DeepSpeed ``zero_optimization`` (the parts this simulator models)."""
 
     stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage 0-3.")
+    _no_bool = field_validator("stage", mode="before")(no_bool)
     overlap_comm: bool = Field(default=False, description="Overlap gradient copies with backward.")
     reduce_bucket_size: int | None = Field(
-        default=None, gt=0, description="Elements per gradient copy bucket (null = one copy per parameter)."
+        default=None, gt=0, le=MAX_REDUCE_BUCKET_SIZE,
+        description="Elements per gradient copy bucket (null = one copy per parameter)."
     )
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()

@@ -1,0 +1,259 @@
+"""Strict, bounded YAML reading for every input file (scenarios, presets, profiles, power models).
+
+PyYAML's ``safe_load`` is safe against code execution but not against bad input: it reads YAML
+1.1 (``yes``/``on`` are booleans, ``1:30`` is 90, ``2001-12-14`` a date), silently keeps the last
+of duplicate keys, recurses once per nesting level (``RecursionError`` at a few thousand levels),
+expands aliases without bound when the result is walked (the "billion laughs"), and raises
+``ValueError``/``KeyError`` for some tags. This module reads a subset instead:
+
+* the YAML 1.2 core schema for plain scalars: ``true``/``false``, ``null``/``~``, decimal, ``0x``
+  and ``0o`` integers, decimal floats with ``.inf``/``.nan``; everything else is a string
+  (``1:30``, ``yes``, ``2001-12-14`` stay strings);
+* duplicate keys are an error naming the key and its line;
+* at most ``MAX_DEPTH`` levels of nesting and ``MAX_NODES`` nodes after alias expansion;
+* integers of at most ``MAX_INT_DIGITS`` digits (64-bit integers have 19);
+* files of at most ``MAX_FILE_BYTES`` bytes, regular files only (no FIFO, device or folder),
+  UTF-8 text.
+
+Every problem is a ``YamlInputError`` with one line of text that never quotes the file's content
+beyond a key name (which the caller may prefix with the file name).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: Largest input file, bytes. Scenario and preset files are a few kB; a calibrated profile is
+#: under 50 kB. PyYAML's pure-Python parser needs about 1 s per 100 kB, so 2 MiB is seconds.
+MAX_FILE_BYTES = 2 * 2**20
+#: Deepest nesting of mappings/sequences (the deepest shipped file has 5 levels).
+MAX_DEPTH = 64
+#: Most nodes in the document with every alias expanded (shipped files have under 2,000; 100,000 take about 2 s).
+MAX_NODES = 100_000
+#: Most digits of an integer literal (2**63 has 19 digits).
+MAX_INT_DIGITS = 19
+
+
+class YamlInputError(ValueError):
+    """A YAML text or file that this reader refuses; the message is one line."""
+
+
+_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
+
+
+class _Resolver(yaml.resolver.BaseResolver):
+    """YAML 1.2 core schema for plain scalars (no YAML 1.1 booleans, sexagesimals, timestamps)."""
+
+
+for _tag, _rx, _first in (
+    ("tag:yaml.org,2002:bool", _BOOL, list("tTfF")),
+    ("tag:yaml.org,2002:int", _INT, list("-+0123456789")),
+    ("tag:yaml.org,2002:float", _FLOAT, list("-+.0123456789")),
+    ("tag:yaml.org,2002:null", _NULL, ["~", "n", "N", ""]),
+):
+    _Resolver.add_implicit_resolver(_tag, _rx, _first)
+
+
+def _line(node) -> str:
+    mark = getattr(node, "start_mark", None)
+    return f"line {mark.line + 1}" if mark is not None else "an unknown line"
+
+
+def _key_text(key: Any) -> str:
+    text = repr(key) if not isinstance(key, str) else key
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Constructor(yaml.constructor.SafeConstructor):
+    """Safe constructor with duplicate-key detection and bounded integers."""
+
+    def construct_yaml_int(self, node):
+        text = str(node.value).replace("_", "")
+        digits = text.lstrip("+-")
+        if len(digits) > MAX_INT_DIGITS + 2:  # 0x / 0o prefixes
+            raise YamlInputError(f"{_line(node)}: integer with {len(digits)} digits is out of range "
+                                 f"(at most {MAX_INT_DIGITS} digits, i.e. 64-bit)")
+        value = int(digits, 0) if digits[:2] in ("0x", "0o") else int(digits)
+        value = -value if text.startswith("-") else value
+        if not -(2**63) <= value < 2**63:
+            raise YamlInputError(f"{_line(node)}: integer out of the 64-bit range")
+        return value
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (YamlInputError, yaml.YAMLError):
+            raise
+        except (ValueError, TypeError, KeyError, OverflowError):
+            raise YamlInputError(f"{_line(node)}: value does not match its tag "
+                                 f"{_key_text(node.tag)!r}") from None
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise YamlInputError(f"{_line(key_node)}: a mapping key must be a plain value, "
+                                         f"not a list or mapping") from None
+                if key in seen:
+                    raise YamlInputError(f"{_line(key_node)}: duplicate key {_key_text(key)!r} "
+                                         f"(first given at {seen[key]})")
+                seen[key] = _line(key_node)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Constructor.add_constructor("tag:yaml.org,2002:int", _Constructor.construct_yaml_int)
+_Constructor.add_constructor("tag:yaml.org,2002:map", _Constructor.construct_yaml_map)
+# no timestamps, no Python objects: unknown tags are refused below
+_Constructor.yaml_constructors.pop("tag:yaml.org,2002:timestamp", None)
+
+
+def _unknown_tag(loader, node):
+    raise YamlInputError(f"{_line(node)}: YAML tag {_key_text(node.tag)!r} is not supported "
+                         f"(plain values, lists and mappings only)")
+
+
+_Constructor.add_constructor(None, _unknown_tag)
+for _t in ("set", "omap", "pairs", "binary", "timestamp"):
+    _Constructor.add_constructor(f"tag:yaml.org,2002:{_t}", _unknown_tag)
+
+
+class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
+              _Constructor, _Resolver):
+    """Bounded loader: depth and expanded node count are checked while composing."""
+
+    def __init__(self, stream):
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        _Constructor.__init__(self)
+        _Resolver.__init__(self)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise YamlInputError(f"{_line(self.peek_event())}: nesting deeper than {MAX_DEPTH} levels")
+            alias = self.check_event(yaml.events.AliasEvent)
+            mark = self.peek_event().start_mark if alias else None
+            node = super().compose_node(parent, index)
+            if alias and id(node) not in self._sizes:  # the anchor is still being composed: a cycle
+                raise YamlInputError(f"line {mark.line + 1}: an alias refers to the list or mapping that contains "
+                                     "it (a recursive structure)")
+        finally:
+            self._depth -= 1
+        size = self._sizes.get(id(node))
+        if size is None:  # a new node (an alias returns a node already sized)
+            if isinstance(node, yaml.MappingNode):
+                size = 1 + sum(self._sizes.get(id(k), 1) + self._sizes.get(id(v), 1) for k, v in node.value)
+            elif isinstance(node, yaml.SequenceNode):
+                size = 1 + sum(self._sizes.get(id(v), 1) for v in node.value)
+            else:
+                size = 1
+            self._sizes[id(node)] = size  # every node stays referenced by the tree: ids are unique
+        if size > MAX_NODES:
+            raise YamlInputError(f"{_line(node)}: more than {MAX_NODES:,} values once aliases are expanded")
+        return node
+
+
+def loads(text: str) -> Any:
+    """Parse one YAML document with the rules above.
+
+    Raises:
+        YamlInputError: syntax error (with line and column), duplicate key, unsupported tag,
+            too deep, too many values, or an integer out of the 64-bit range.
+    """
+    loader = None
+    try:
+        loader = _Loader(text)
+        return loader.get_single_data()
+    except YamlInputError:
+        raise
+    except yaml.reader.ReaderError as exc:
+        raise YamlInputError(f"YAML error: control character 0x{exc.character:02x} at position "
+                             f"{exc.position} is not allowed") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = (exc.problem or exc.context or "invalid YAML").split("\n")[0]
+        raise YamlInputError(f"YAML syntax error{where}: {problem}") from None
+    except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:
+        raise YamlInputError(f"YAML error: {type(exc).__name__}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most ``max_bytes`` bytes.
+
+    Raises:
+        YamlInputError: missing, not a regular file (folder, FIFO, device), too large, unreadable,
+            or not UTF-8.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise YamlInputError("file not found") from None
+    except OSError as exc:
+        raise YamlInputError(f"cannot read the file ({exc.strerror or type(exc).__name__})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise YamlInputError("is a directory, expected a YAML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise YamlInputError("is not a regular file (a FIFO, socket or device), expected a YAML file")
+    if st.st_size > max_bytes:
+        raise YamlInputError(f"file is {st.st_size:,} bytes; at most {max_bytes:,} bytes are read")
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise YamlInputError(f"cannot read the file ({exc.strerror or type(exc).__name__})") from None
+    if len(raw) > max_bytes:
+        raise YamlInputError(f"file is over {max_bytes:,} bytes; at most {max_bytes:,} bytes are read")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise YamlInputError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line})") from None
+
+
+def load_file(path: str | Path) -> Any:
+    """``loads(read_text(path))``.
+
+    Raises:
+        YamlInputError: see ``read_text`` and ``loads``.
+    """
+    return loads(read_text(path))
+
+
+def load_mapping(path: str | Path, what: str = "a mapping of keys") -> dict:
+    """A YAML file whose top level must be a mapping.
+
+    Raises:
+        YamlInputError: see ``load_file``; also an empty file or another top-level type.
+    """
+    data = load_file(path)
+    if data is None:
+        raise YamlInputError(f"the file is empty; expected {what}")
+    if not isinstance(data, dict):
+        raise YamlInputError(f"expected {what} at the top level, got a {type(data).__name__}")
+    return data
