@@ -25,7 +25,9 @@ __all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "s
 def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
     """The builder's view of a scenario's model, batch and precision."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
-    per_step = t.micro_batch_size * p.data_parallel_size
+    dp = p.data_parallel_size or 1
+    z, ddp = cfg.zero_optimization, cfg.ddp
+    per_step = t.micro_batch_size * dp
     gbs = t.global_batch_size or per_step
     return TransformerSpec(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
@@ -33,7 +35,12 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
         tied_embeddings=not m.untie_embeddings_and_output_weights, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl,
-        recompute=t.recompute_granularity or "none", data_parallel_size=p.data_parallel_size,
+        recompute=t.recompute_granularity or "none", data_parallel_size=dp,
+        zero_stage=z.stage if dp > 1 else 0,
+        ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
+        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_comm,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
     )
 
 
