@@ -198,6 +198,11 @@ class ScenarioConfig(_Model):
         if dp > 1 and z.stage == 3:
             raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 is not modelled yet "
                              "(allowed: 0, 1, 2)")
+        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
+        if dp > 1 and z.stage == 2 and gbs is not None and gbs > mbs * dp:
+            raise ValueError("zero_optimization.stage: 2 with gradient accumulation (global_batch_size > "
+                             "micro_batch_size x data_parallel_size; DeepSpeed reduces every micro-batch) is not "
+                             "modelled yet (allowed: stage 0 or 1, or no accumulation)")
         if dp > 1 and (z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
             raise ValueError("zero_optimization.offload_optimizer: offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none)")
