@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hardware_models.collectives import CollectiveModel, NcclConfig
 from hardware_models.fabrics import LinkSpec
 from hardware_models.gpu import GpuSpec
 from hardware_models.host import HostCpuSpec, HostMemorySpec
@@ -65,6 +66,10 @@ class Hardware:
         host_memory: Host memory spec.
         launch_overhead_s: Scenario override of the host time per eager op launch, s (None: the
             host's, see ``launch``).
+        collectives: NCCL cost model over the cluster topology (None: one GPU, no cluster).
+        world_size: Ranks in the cluster (1 without one).
+        dp_group: Global ranks of the representative rank's data-parallel group.
+        nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
     gpu: GpuSpec
@@ -73,6 +78,10 @@ class Hardware:
     host_cpu: HostCpuSpec
     host_memory: HostMemorySpec
     launch_overhead_s: float | None = None
+    collectives: CollectiveModel | None = None
+    world_size: int = 1
+    dp_group: tuple[int, ...] = (0,)
+    nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 
     @property

@@ -184,3 +184,48 @@ def mfu(model_flops_per_step: float, step_time_s: float, peak_flops_per_s: float
     if step_time_s <= 0 or peak_flops_per_s <= 0:
         return 0.0
     return model_flops_per_step / (step_time_s * peak_flops_per_s)
+
+
+COLLECTIVE_KIND = "collective"
+
+
+def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict[str, float]]:
+    """Exposed communication and communication busy time per process group, per measured step.
+
+    **Exposed communication** of a step = the time within the step's ``[start_s, end_s]`` during
+    which the compute stream is idle (no ``compute`` span) while at least one collective is in
+    flight: ``|union(collective spans) - union(compute spans)|``. A collective that runs under
+    compute is hidden and counts zero; compute idle with no collective in flight (host-bound gaps,
+    data stalls) is not communication.
+
+    **Busy time per group** = the length of the union of the group's collective spans in the
+    step; the group is the stream's suffix (``comm.dp`` -> ``dp``; other streams -> ``other``).
+
+    Args:
+        spans: The run's spans (``SPAN_COLUMNS``).
+        steps: One row per step with ``step, start_s, end_s`` and a boolean ``warmup``.
+
+    Returns:
+        ``(exposed_comm_s, {group: busy_s})``: means over the measured (non-warmup) steps, s.
+    """
+    measured = steps[~steps.warmup] if "warmup" in steps else steps
+    coll = spans[spans.kind == COLLECTIVE_KIND]
+    if coll.empty or measured.empty:
+        return 0.0, {}
+    comp = spans[spans.kind == COMPUTE_KIND]
+    group = coll.stream.str.split(".", n=1).str[-1].where(coll.stream.str.startswith("comm."), "other")
+    exposed, busy = 0.0, {}
+    for _, st in measured.iterrows():
+        t0, t1 = float(st.start_s), float(st.end_s)
+
+        def window(df):
+            iv = df[["start_s", "end_s"]].to_numpy(dtype=float)
+            iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
+            return _merge(np.clip(iv, t0, t1))
+
+        k = window(coll)
+        exposed += float(np.sum(np.diff(_subtract(k, window(comp)), axis=1)))
+        for g in sorted(set(group)):
+            busy[g] = busy.get(g, 0.0) + float(np.sum(np.diff(window(coll[group == g]), axis=1)))
+    n = len(measured)
+    return exposed / n, {g: v / n for g, v in busy.items()}

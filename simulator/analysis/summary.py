@@ -50,6 +50,12 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
     ``cuda_context`` and ``allocator_reserve`` besides the tensors'); ``memory_overheads`` gives the
     two values used and whether each was assumed (a documented default) or set by the scenario.
 
+    Communication: ``exposed_comm_s`` is the time per step the compute stream is idle while at
+    least one collective is in flight, ``comm_s_by_group`` the busy time per step of each process
+    group's collectives (``metrics.comm_exposure``); ``world_size`` and ``data_parallel_size`` are
+    the cluster's (1 without one). Throughput counts every data-parallel replica; MFU and memory
+    are per GPU.
+
     Args:
         graph: The step graph that ran.
         hw: The machine it ran on.
@@ -62,6 +68,7 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
     oom = [p.oom_message() for p in memory.values() if p.oom is not None]
     util = metrics.utilisation(spans, steps)
     split = metrics.phase_split(spans, steps)
+    exposed, comm_by_group = metrics.comm_exposure(spans, steps)
     return {
         "step_time_s": step_time,
         "step_latency_s": latency,
@@ -84,7 +91,10 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
         "oom": oom[0] if oom else None,
         "phase_s": split,
         "data_stall_s": 0.0,
-        "exposed_comm_s": 0.0,
+        "exposed_comm_s": exposed,
+        "comm_s_by_group": comm_by_group,
+        "world_size": hw.world_size,
+        "data_parallel_size": len(hw.dp_group),
         "utilisation": util,
         "num_ops": len(graph),
         "steps_simulated": int(len(steps)),

@@ -5,6 +5,7 @@ Every failure becomes one ``ScenarioError`` line: ``FILE: key.path: problem (all
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return sorted(getattr(cur, "model_fields", {}))
 
 
+_KEYED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
+
+
 def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
     """One line for the first error of a pydantic ``ValidationError``."""
     err = exc.errors()[0]
@@ -70,6 +74,8 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     if kind == "missing":
         return f"{source}: {path}: required key is missing"
     msg = msg.replace("Value error, ", "")
+    if path == "(top level)" and _KEYED.match(msg):  # a cross-field check that names its own key
+        return f"{source}: {msg}"
     shown = short_repr(err.get("input"))
     extra = (f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list))
              and shown not in msg else "")
@@ -202,4 +208,53 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
             warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
                           f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
         profile = fallback
-    return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s)
+    return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, **resolve_cluster(cfg, source, gpu_name))
+
+
+def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
+    """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
+
+    Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``nccl``
+    (an empty dict without ``hardware.cluster``: one GPU). The data-parallel group of the
+    representative rank 0 is every rank (tp = pp = 1), numbered node by node.
+
+    Raises:
+        ScenarioError: an unknown cluster/network/profile preset, a bad override, a cluster GPU that is
+            not ``hardware.gpu``, a ``data_parallel_size`` that does not match the world size, or an
+            invalid ``nccl`` setting; one line naming the key.
+    """
+    from hardware_models.collectives import CollectiveModel, NcclConfig, load_collective_profile
+    from hardware_models.topology import build_topology, load_cluster
+
+    c = cfg.hardware.cluster
+    if c is None:
+        return {}
+    try:
+        spec = load_cluster(c.preset, c.overrides or None)
+    except PresetError as exc:
+        raise ScenarioError(f"{source}: hardware.cluster.preset: {exc}") from None
+    if spec.gpu != gpu_name:
+        raise ScenarioError(f"{source}: hardware.gpu: {gpu_name!r} is not the GPU of cluster {c.preset!r} "
+                            f"(allowed: {spec.gpu!r}, or another hardware.cluster.preset)")
+    try:
+        topo = build_topology(spec, nodes=c.nodes, network=c.network)
+    except PresetError as exc:
+        key = "network" if "network" in str(exc) else "nodes"
+        raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
+    try:
+        model = CollectiveModel(topo, load_collective_profile(c.collective_profile or spec.collective_profile))
+    except PresetError as exc:
+        raise ScenarioError(f"{source}: hardware.cluster.collective_profile: {exc}") from None
+    world = topo.world_size
+    dp = cfg.parallelism.data_parallel_size
+    if dp != world:  # tp = pp = 1 (schema); the schema checked this already unless its preset lookup failed
+        raise ScenarioError(f"{source}: parallelism.data_parallel_size: {dp} does not match the world size {world} "
+                            f"of hardware.cluster (allowed: {world})")
+    n = cfg.nccl
+    try:
+        nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels)
+        if world > 1:
+            model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
+    except PresetError as exc:
+        raise ScenarioError(f"{source}: {exc}") from None
+    return {"collectives": model, "world_size": world, "dp_group": tuple(range(world)), "nccl": nccl}

@@ -33,6 +33,7 @@ from simulator.config.quantities import Seconds
 
 from simulator.config.sections.offload import ActivationCheckpointingConfig, ZeroOptimizationConfig
 
+from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSectionConfig
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.memory import MemoryConfig
@@ -67,6 +68,9 @@ class HardwareConfig(_Model):
         default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
     )
+    cluster: ClusterConfig | None = Field(
+        default=None, description="Cluster of identical nodes for data-parallel runs (absent: one GPU). Its preset's "
+        "GPU must be hardware.gpu. One representative rank is simulated; its collectives are priced over the topology.")
 
 
 class ModelConfig(_Model):
@@ -118,21 +122,13 @@ class TrainingConfig(_Model):
 
 
 class ParallelismConfig(_Model):
-    """Megatron-LM parallel sizes. This build simulates one GPU: every size must be 1."""
+    """Megatron-LM parallel sizes. Tensor and pipeline parallelism are not modelled yet (must be 1)."""
 
     tensor_model_parallel_size: Literal[1] = 1
     pipeline_model_parallel_size: Literal[1] = 1
-    data_parallel_size: PositiveInt = Field(
-        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Must be 1: multi-GPU simulation is not yet supported (no gradient communication).")
-
-    @field_validator("data_parallel_size")
-    @classmethod
-    def _single_gpu(cls, v: int) -> int:
-        # Refused, not approximated: dp > 1 would scale throughput with no gradient all-reduce (issue 9 item 11).
-        if v != 1:
-            raise ValueError(f"multi-GPU simulation is not yet supported (got {v}; allowed: 1): data parallel ranks "
-                             "would scale throughput with no gradient communication")
-        return v
+    data_parallel_size: PositiveInt | None = Field(
+        default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
+        "must equal its world size / (tp x pp); default: that (1 without a cluster).")
 
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", mode="before")(no_bool)
 
@@ -151,6 +147,24 @@ class RunConfig(_Model):
         return self
 
 
+def world_size_of(cluster: dict | ClusterConfig) -> int | None:
+    """Ranks of a ``hardware.cluster`` mapping: nodes x the preset's ``gpus_per_node`` (None: unknown preset)."""
+    from hardware_models.presets import PresetError
+    from hardware_models.topology import load_cluster
+
+    c = cluster.model_dump() if isinstance(cluster, ClusterConfig) else cluster
+    if not isinstance(c, dict) or not isinstance(c.get("preset"), str):
+        return None
+    nodes = c.get("nodes", 1)
+    if not isinstance(nodes, int) or nodes < 1:
+        return None
+    try:
+        spec = load_cluster(c["preset"], c.get("overrides") or None)
+    except (PresetError, ValueError, TypeError):
+        return None
+    return nodes * spec.gpus_per_node
+
+
 class ScenarioConfig(_Model):
     """One simulated training setup."""
 
@@ -166,11 +180,66 @@ class ScenarioConfig(_Model):
     dataloader: DataLoaderConfig | None = None
     dvfs: DvfsConfig | None = None
     memory: MemoryConfig = MemoryConfig()  # simulator/config/sections/memory.py
+    ddp: DdpConfig = DdpConfig()  # simulator/config/sections/cluster.py
+    nccl: NcclSectionConfig = NcclSectionConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_data_parallel(cls, data):
+        """Fill ``parallelism.data_parallel_size`` (the one place it is resolved) and check it.
+
+        Without a cluster it is 1 and > 1 is refused; with one it is world size / (tp x pp), where
+        world size = nodes x the cluster preset's ``gpus_per_node``. An unknown preset is left to
+        ``resolve_hardware`` (which names the key).
+        """
+        if not isinstance(data, dict):
+            return data
+        hw = data.get("hardware")
+        par = data.get("parallelism") if isinstance(data.get("parallelism"), dict) else {}
+        dp = par.get("data_parallel_size")
+        cl = hw.get("cluster") if isinstance(hw, dict) else None
+        if cl is None:
+            # out-of-range values are left to the field's bound, which names the limit
+            if isinstance(dp, int) and not isinstance(dp, bool) and 1 < dp <= MAX_DATA_PARALLEL_SIZE:
+                raise ValueError(f"parallelism.data_parallel_size: {dp} > 1 needs hardware.cluster "
+                                 "(e.g. {preset: dgx-h100, nodes: 1}); without it one GPU is simulated (allowed: 1)")
+            return data
+        world = world_size_of(cl)
+        if world is None:
+            return data
+        tp = par.get("tensor_model_parallel_size", 1) or 1
+        pp = par.get("pipeline_model_parallel_size", 1) or 1
+        want = world // (tp * pp) if isinstance(tp, int) and isinstance(pp, int) and tp * pp else None
+        if dp is None:
+            if want is not None:
+                data = {**data, "parallelism": {**par, "data_parallel_size": want}}
+        elif isinstance(dp, int) and want is not None and dp != want:
+            raise ValueError(f"parallelism.data_parallel_size: {dp} does not match the world size {world} of "
+                             f"hardware.cluster ({cl.get('nodes', 1)} node(s) x {world // cl.get('nodes', 1)} GPUs) / "
+                             f"(tp {tp} x pp {pp}) = {want} (allowed: {want}, or omit it)")
+        return data
+
+    @model_validator(mode="after")
+    def _data_parallel_scope(self):
+        dp = self.parallelism.data_parallel_size or 1
+        z = self.zero_optimization
+        if dp > 1 and z.stage == 3:
+            raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 is not modelled yet "
+                             "(allowed: 0, 1, 2)")
+        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
+        if dp > 1 and z.stage == 2 and gbs is not None and gbs > mbs * dp:
+            raise ValueError("zero_optimization.stage: 2 with gradient accumulation (global_batch_size > "
+                             "micro_batch_size x data_parallel_size; DeepSpeed reduces every micro-batch) is not "
+                             "modelled yet (allowed: stage 0 or 1, or no accumulation)")
+        if dp > 1 and (z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
+            raise ValueError("zero_optimization.offload_optimizer: offload with data_parallel_size > 1 is not "
+                             "modelled yet (allowed: device none)")
+        return self
 
     @model_validator(mode="after")
     def _batch_consistency(self):
         gbs = self.training.global_batch_size
-        per = self.training.micro_batch_size * self.parallelism.data_parallel_size
+        per = self.training.micro_batch_size * (self.parallelism.data_parallel_size or 1)
         if gbs is not None and gbs % per:
             raise ValueError(
                 f"global_batch_size ({gbs}) must be a multiple of micro_batch_size x data_parallel_size ({per})"

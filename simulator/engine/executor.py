@@ -7,6 +7,10 @@
   a GPU op cannot start before the host has reached it. Launching costs ``launch_overhead_s``.
 * An op starts when its stream is free, it has been launched, and its dependencies are done
   (``simpy.AllOf`` over their completion events).
+* Collectives with ``meta["collective"]`` on a machine with a collective model take the NCCL
+  model's time over their group (``System.collective_s``) on their own stream, overlapping
+  compute; their host launch costs the profile's ``host_dispatch_s``. Interference between the
+  two (SMs, HBM) is not modelled.
 * Kernels take the cost model's time at the current clocks; host<->device copies are fluid flows
   over the PCIe links (max-min fair sharing with everything else on them); host ops take
   ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
@@ -126,6 +130,9 @@ class Executor:
         default = self.sys.launch_overhead_s
         by_phase = self.sys.launch_overhead_by_phase_s
         cost = self.launch_cost_s = [by_phase.get(op.phase.value, default) for op in self.g.ops]
+        for op in self.g.ops:  # an NCCL call's host side is the collective profile's dispatch time
+            if op.kind is _COLLECTIVE and self.sys.collective_model(op):
+                cost[op.id] = self.sys.collective_dispatch_s
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
@@ -180,6 +187,8 @@ class Executor:
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
             yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)
+        elif op.kind is _COLLECTIVE and sys.collective_model(op):
+            yield env.timeout(sys.collective_s(op))
         elif op.kind is _COLLECTIVE or op.kind is _D2D:
             yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind is not _D2D
                               else op.bytes_moved / sys.cost.memory_bandwidth(op.cost_class))

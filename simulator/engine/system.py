@@ -52,6 +52,7 @@ class System:
         #: host time per launched op by phase (a scenario override applies to every phase)
         self.launch_overhead_by_phase_s = launch.by_phase_s
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
+        self._collective_s: dict[tuple[str, str, int], float] = {}
         clock = lambda: env.now  # noqa: E731
         self.memory = {
             "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
@@ -59,3 +60,33 @@ class System:
                                       clock),
             "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes, clock),
         }
+
+    def collective_model(self, op) -> bool:
+        """Whether ``op`` is a collective this machine prices with its NCCL model (``meta["collective"]``)."""
+        return self.hw.collectives is not None and bool(op.meta) and "collective" in op.meta
+
+    def collective_s(self, op) -> float:
+        """Device time of collective ``op`` over its group (``meta``: ``collective``, ``bytes``, ``group``), s.
+
+        Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
+        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group`` (the only one modelled).
+
+        Raises:
+            CollectiveError: an unknown group name or an op/size the model cannot price.
+        """
+        m = op.meta
+        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]))
+        t = self._collective_s.get(key)
+        if t is None:
+            from hardware_models.collectives import CollectiveError
+
+            if key[1] != "dp":
+                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp)")
+            t = self._collective_s[key] = self.hw.collectives.price(key[0], self.hw.dp_group, key[2],
+                                                                      self.hw.nccl).time_s
+        return t
+
+    @property
+    def collective_dispatch_s(self) -> float:
+        """Host time of one eager collective call (the collective profile's ``host_dispatch_s``), s."""
+        return self.hw.collectives.profile.host_dispatch_s if self.hw.collectives is not None else 0.0

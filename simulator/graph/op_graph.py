@@ -23,6 +23,32 @@ class GraphError(ValueError):
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """One parameter tensor and where its gradient is finished (typed structure for policies).
+
+    Attributes:
+        name: Parameter name (``"L3.qkv.weight"``, ``"wte.weight"``).
+        numel: Elements.
+        layer: Transformer layer, or -1 outside the blocks.
+        grad_bytes_per_element: Bytes per element of its ``.grad`` (4: fp32 gradients).
+        grad_op: Id of the op that finalises its gradient in the last micro-batch.
+        grad_tensor: GPU tensor holding the gradient, when the graph models it as a tensor.
+    """
+
+    name: str
+    numel: int
+    layer: int
+    grad_bytes_per_element: int
+    grad_op: int
+    grad_tensor: str | None = None
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradient."""
+        return self.numel * self.grad_bytes_per_element
+
+
+@dataclass(frozen=True)
 class OpGraph:
     """An immutable operator DAG for one training step.
 
@@ -34,6 +60,8 @@ class OpGraph:
         model_flops_per_step: Model FLOPs of one step, no recompute (for MFU), per GPU.
         policies: Names of the policies that rewrote the graph, in order.
         source: Where the graph came from (``"builder:gpt"``, ``"kineto:<file>"``).
+        param_groups: Parameter tensors in the order backward finishes their gradients (builder
+            graphs; empty for imported traces).
     """
 
     ops: tuple[Op, ...]
@@ -43,6 +71,7 @@ class OpGraph:
     model_flops_per_step: float = 0.0
     policies: tuple[str, ...] = ()
     source: str = ""
+    param_groups: tuple[ParamGroup, ...] = ()
     schema_version: str = SCHEMA_VERSION
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 

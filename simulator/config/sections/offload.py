@@ -104,8 +104,12 @@ class ZeroOptimizationConfig(_Model):
     overlap_comm: bool = Field(default=False, description="Overlap gradient copies with backward.")
     reduce_bucket_size: int | None = Field(
         default=None, gt=0, le=MAX_REDUCE_BUCKET_SIZE,
-        description="Elements per gradient copy bucket (null = one copy per parameter)."
+        description="Elements per gradient bucket: offload copies (null = one copy per parameter); "
+        "data-parallel reduce-scatter with stage 1/2 (null = DeepSpeed's default 5e8)."
     )
+    allgather_bucket_size: int = Field(
+        default=500_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Elements per parameter all-gather after the step with data-parallel "
+        "stage 1/2 (DeepSpeed default 5e8).")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 

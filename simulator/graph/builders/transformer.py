@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.op_graph import GraphBuilder, OpGraph
+from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
-from simulator.graph.ops import OpKind, Phase
+from simulator.graph.ops import OpKind, Phase, TensorAlloc
 
 PRECISIONS = ("amp_fp32_params", "bf16")
 RECOMPUTE = ("none", "full", "selective")
@@ -58,7 +58,16 @@ class TransformerSpec:
         precision: One of ``PRECISIONS``.
         optimizer_impl: ``fused`` (one multi-tensor kernel) or ``foreach``.
         recompute: One of ``RECOMPUTE``.
-        data_parallel_size: Samples-per-step multiplier for throughput (ranks are identical).
+        data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
+            gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
+        zero_stage: DeepSpeed ZeRO stage with data parallelism: 0 (DDP all-reduce), 1 (optimizer
+            state and master weights sharded), 2 (+ gradients sharded after a reduce-scatter).
+        ddp_first_bucket_bytes: First DDP gradient bucket cap, bytes (PyTorch 1 MiB).
+        ddp_bucket_cap_bytes: Other DDP bucket caps, bytes (PyTorch ``bucket_cap_mb`` 25 MiB).
+        overlap_grad_reduce: Reduce buckets during backward (else all after backward).
+        gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
+        reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
+        allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
     """
 
     num_layers: int
@@ -75,6 +84,13 @@ class TransformerSpec:
     optimizer_impl: str = "fused"
     recompute: str = "none"
     data_parallel_size: int = 1
+    zero_stage: int = 0
+    ddp_first_bucket_bytes: int = 1 << 20
+    ddp_bucket_cap_bytes: int = 25 << 20
+    overlap_grad_reduce: bool = True
+    gradient_as_bucket_view: bool = False
+    reduce_bucket_elements: int = 500_000_000
+    allgather_bucket_elements: int = 500_000_000
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes."""
@@ -90,6 +106,11 @@ class TransformerSpec:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2 (stage 3 is not modelled), got {self.zero_stage}")
+        if self.zero_stage == 2 and self.data_parallel_size > 1 and self.num_micro_batches > 1:
+            raise ValueError("ZeRO stage 2 with gradient accumulation (DeepSpeed reduces every micro-batch) is not "
+                             "modelled yet")
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -130,8 +151,28 @@ def build_gpt_step(spec: TransformerSpec) -> OpGraph:
     Args:
         spec: Model and per-GPU batch description.
 
+    Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
+    the earlier ones) gradients are bucketed in the order backward finishes them and one
+    ``COLLECTIVE`` op per bucket runs on stream ``comm.dp`` right after the op that completes the
+    bucket (``meta``: ``collective``, ``bytes``, ``group="dp"``); without overlap all buckets follow
+    backward. The optimizer waits for them.
+
+    * ZeRO 0 (PyTorch DDP, ``torch/csrc/distributed/c10d/reducer.cpp``
+      ``compute_bucket_assignment_by_size``): a bucket closes once its bytes reach its cap (first
+      bucket 1 MiB, then ``bucket_cap_mb``); all-reduce of the fp32 bucket. Without
+      ``gradient_as_bucket_view`` the bucket buffers are one more fp32 copy of the gradients
+      (PyTorch DDP docs: the view "saves memory equal to the total gradients size").
+    * ZeRO 1/2 (Rajbhandari et al., *ZeRO*, SC20, section 7: 2Psi communication per step for
+      P_os and P_os+g, as DP's all-reduce): DeepSpeed's buckets (``reduce_bucket_size``
+      elements, flushed before a gradient that would overflow them) are reduce-scattered; Adam
+      state (8 bytes/param) and fp32 master weights (bf16 mode) are divided by dp (ceil), as are
+      the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
+      bucket (the full gradients live until their bucket's reduce-scatter ends); after the step
+      the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
+
     Returns:
-        The step graph; ``samples_per_step`` counts all data-parallel replicas.
+        The step graph; ``samples_per_step`` counts all data-parallel replicas;
+        ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
     return _GptBuilder(spec).build()
 
@@ -146,6 +187,16 @@ class _GptBuilder:
         self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
         self.T = spec.micro_batch_size * spec.seq_length
         self.grad_made: set[str] = set()
+        self.last_mb = False
+        self.groups: list[ParamGroup] = []
+        self.dp = spec.data_parallel_size > 1
+        self.zero = spec.zero_stage if self.dp else 0
+        self.overlap = spec.overlap_grad_reduce
+        self._bucket: list[ParamGroup] = []
+        self._buckets: list[tuple[ParamGroup, ...]] = []  # closed, not yet emitted (overlap off)
+        self._limits = ((spec.ddp_first_bucket_bytes,) if self.zero == 0 else ())
+        self.comm_ops: list[int] = []
+        self.grad_shards: list[str] = []
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
@@ -185,9 +236,14 @@ class _GptBuilder:
         e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(out_dim, in_dim, T),
                  reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
                  out=[(dw, 2 * in_dim * out_dim)], uses=[gin, xin])
+        head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
         if self.s.bias:
-            e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
-        self._accumulate_grad(name, dw, in_dim * out_dim)
+            bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
+            if not head:
+                self._grad_ready(f"{name}.bias", out_dim, bid)
+        wid, gname = self._accumulate_grad(name, dw, in_dim * out_dim)
+        if name != "wte":  # the tied wte gradient is finished by embed.grad_accum
+            self._grad_ready(f"{name}.weight", in_dim * out_dim, wid, gname)
         return dx
 
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
@@ -198,8 +254,9 @@ class _GptBuilder:
         if first:
             self.grad_made.add(gname)
         reads = 2 * numel + (0 if first else 4 * numel)
-        self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
-                      writes=4 * numel, out=out, uses=[dw16], dtype="fp32")
+        i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
+                          writes=4 * numel, out=out, uses=[dw16], dtype="fp32")
+        return i, gname
 
     def _norm_fwd(self, name: str, x: str):
         e, T, h = self.e, self.T, self.s.hidden_size
@@ -218,8 +275,11 @@ class _GptBuilder:
         dx = e.fresh(f"{name}.dx")
         e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
                  out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
-        e.kernel(f"{name}.dgamma_dbeta", C.REDUCTION, reads=2 * self.act * T * h, writes=8 * h,
-                 uses=[gin, x], dtype="fp32")
+        i = e.kernel(f"{name}.dgamma_dbeta", C.REDUCTION, reads=2 * self.act * T * h, writes=8 * h,
+                     uses=[gin, x], dtype="fp32")
+        self._grad_ready(f"{name}.weight", h, i)
+        if self.s.bias:
+            self._grad_ready(f"{name}.bias", h, i)
         return dx
 
     def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int):
@@ -299,13 +359,16 @@ class _GptBuilder:
     def _persistent(self) -> None:
         s, b = self.s, self.b
         P = s.num_parameters
+        Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
         if self.amp:
             b.persistent("params.fp32", 4 * P)
         else:
             b.persistent("params.bf16", 2 * P)
-            b.persistent("params.master_fp32", 4 * P)
-        b.persistent("optimizer.exp_avg", 4 * P)
-        b.persistent("optimizer.exp_avg_sq", 4 * P)
+            b.persistent("params.master_fp32", 4 * Ps)
+        b.persistent("optimizer.exp_avg", 4 * Ps)
+        b.persistent("optimizer.exp_avg_sq", 4 * Ps)
+        if self.dp and self.zero == 0 and not s.gradient_as_bucket_view:
+            b.persistent("grad.ddp_buckets", 4 * P)  # DDP's flat bucket buffers (fp32, all parameters)
 
     def _micro_batch(self, mb: int) -> None:
         s, e, T = self.s, self.e, self.T
@@ -360,25 +423,105 @@ class _GptBuilder:
         gname = "grad.wte"
         first = gname not in self.grad_made
         self.grad_made.add(gname)
-        e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h * (1 if first else 2),
-                 writes=4 * V * h, out=[(gname, 4 * V * h)] if first else [], uses=[d_emb], dtype="fp32")
-        e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * s.seq_length * h, uses=[g],
-                 dtype="fp32")
+        i = e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h * (1 if first else 2),
+                     writes=4 * V * h, out=[(gname, 4 * V * h)] if first else [], uses=[d_emb], dtype="fp32")
+        self._grad_ready("wte.weight", V * h, i, gname)
+        i = e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * s.seq_length * h, uses=[g],
+                     dtype="fp32")
+        self._grad_ready("wpe.weight", s.seq_length * h, i)
+        self._end_of_backward()
 
     def _optimizer(self) -> None:
         s, e = self.s, self.e
         P = s.num_parameters
         e.phase, e.layer = Phase.OPT, -1
-        grads = sorted(self.grad_made)
+        grads = sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
         reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
-        e.kernel("adamw", C.OPTIMIZER, reads=reads, writes=writes, flops=12 * P, uses=grads, dtype="fp32",
-                 meta={"params": P})
+        share = self._shard(P) / P if self.zero else 1.0  # ZeRO-1/2: this rank updates its 1/dp partition
+        e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
+                 dtype="fp32", deps=self.comm_ops, meta={"params": P})
+        if self.zero:
+            opt = len(self.b) - 1
+            pbytes = 4 if self.amp else 2
+            left, k = P, 0
+            while left > 0:
+                n = min(left, s.allgather_bucket_elements)
+                self.comm_ops.append(self._collective(f"zero.param_all_gather.{k}", "all_gather", n * pbytes, [opt],
+                                                      Phase.OPT))
+                left, k = left - n, k + 1
+
+    # -- data parallel -----------------------------------------------------------------------
+    def _shard(self, n: int) -> int:
+        """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp)."""
+        dp = self.s.data_parallel_size
+        return -(-n // dp)
+
+    def _grad_ready(self, name: str, numel: int, op: int, tensor: str | None = None) -> None:
+        """Record that op ``op`` finished the gradient of parameter ``name`` (last micro-batch)."""
+        if not self.last_mb:
+            return
+        layer = self.e.layer
+        pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, 4, op, tensor)
+        self.groups.append(pg)
+        if not self.dp:
+            return
+        s = self.s
+        if self.zero == 0:  # DDP: close once the bucket reaches its cap (reducer.cpp)
+            self._bucket.append(pg)
+            cap = self._limits[0] if len(self._buckets) + len(self.comm_ops) == 0 else s.ddp_bucket_cap_bytes
+            if sum(g.grad_bytes for g in self._bucket) >= cap:
+                self._close_bucket()
+        else:  # DeepSpeed: flush before a gradient that would overflow reduce_bucket_size elements
+            if self._bucket and sum(g.numel for g in self._bucket) + numel > s.reduce_bucket_elements:
+                self._close_bucket()
+            self._bucket.append(pg)
+
+    def _close_bucket(self) -> None:
+        bucket, self._bucket = tuple(self._bucket), []
+        if self.overlap:
+            self._emit_bucket(bucket, ())
+        else:
+            self._buckets.append(bucket)
+
+    def _end_of_backward(self) -> None:
+        if not (self.dp and self.last_mb):
+            return
+        if self._bucket:
+            self._close_bucket()
+        last = len(self.b) - 1
+        for bucket in self._buckets:
+            self._emit_bucket(bucket, (last,))
+        self._buckets = []
+
+    def _emit_bucket(self, bucket: tuple[ParamGroup, ...], extra: tuple[int, ...]) -> None:
+        k = len(self.comm_ops)
+        nbytes = sum(g.grad_bytes for g in bucket)
+        tensors = [g.grad_tensor for g in bucket if g.grad_tensor]
+        deps = [g.grad_op for g in bucket] + list(extra)
+        if self.zero == 0:
+            self.comm_ops.append(self._collective(f"ddp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD,
+                                                  uses=tensors))
+            return
+        out = []
+        if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
+            shard = self.e.fresh(f"grad.shard.b{k}")
+            self.grad_shards.append(shard)
+            out = [TensorAlloc(shard, -(-nbytes // self.s.data_parallel_size))]
+        self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
+                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=tuple(out)))
+
+    def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=()) -> int:
+        """A collective over the ``dp`` group on stream ``comm.dp`` (priced by the engine's NCCL model)."""
+        return self.b.add(name, OpKind.COLLECTIVE, "comm.dp", deps=deps, phase=phase, bytes_read=float(nbytes),
+                          uses=tuple(uses), allocs=tuple(allocs), dtype="fp32",
+                          meta={"collective": op, "bytes": int(nbytes), "group": "dp"})
 
     def build(self) -> OpGraph:
         s = self.s
         self._persistent()
         for mb in range(s.num_micro_batches):
+            self.last_mb = mb == s.num_micro_batches - 1
             self._micro_batch(mb)
         self._optimizer()
         # the measured training loops synchronise the device after every step
@@ -390,5 +533,6 @@ class _GptBuilder:
             tokens_per_step=float(samples * s.seq_length),
             model_flops_per_step=s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches,
             source="builder:gpt",
+            param_groups=tuple(self.groups),
             meta={"num_parameters": s.num_parameters, "spec": s},
         )

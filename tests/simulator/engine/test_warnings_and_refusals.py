@@ -22,7 +22,7 @@ def test_data_parallel_above_one_is_refused_in_one_line():
     assert r.returncode == 2 and r.stdout == ""
     line = r.stderr.strip()
     assert "\n" not in line and "parallelism.data_parallel_size" in line
-    assert "multi-GPU simulation is not yet supported" in line and "allowed: 1" in line
+    assert "needs hardware.cluster" in line and "allowed: 1" in line
 
 
 def test_fitted_h200_run_has_no_warnings():
@@ -56,5 +56,5 @@ def test_h100_keeps_the_hosts_dispatch_time():
 
 
 def test_scenario_key_data_parallel_refused_by_loader():
-    with pytest.raises(ScenarioError, match="data_parallel_size: multi-GPU simulation is not yet supported"):
+    with pytest.raises(ScenarioError, match="parallelism.data_parallel_size: 2 > 1 needs hardware.cluster"):
         load_scenario(B4, ["parallelism.data_parallel_size=2"])

@@ -1,0 +1,74 @@
+"""Cluster, data-parallel (PyTorch DDP) and NCCL settings.
+
+YAML::
+
+    hardware:
+      gpu: h100-sxm-80gb
+      cluster:
+        preset: dgx-h100           # hardware_models/presets/clusters
+        nodes: 1                   # world size = nodes x the preset's gpus_per_node
+        network: ib-ndr-rail       # default: the cluster preset's network
+        collective_profile: null   # default: the cluster preset's collective profile
+        overrides: {}              # cluster preset fields (nvlink_bytes_per_s: "300 GB/s")
+    parallelism:
+      data_parallel_size: 8        # default: world size / (tp x pp)
+    ddp:
+      bucket_cap_mb: 25            # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
+      first_bucket_mb: 1           # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB
+      overlap_grad_reduce: true    # Megatron-LM --overlap-grad-reduce: buckets reduced during backward
+      gradient_as_bucket_view: false
+    nccl: {algo: null, proto: null, nvls_enable: true, nchannels: null}   # NCCL_ALGO / NCCL_PROTO ...
+
+Sources: PyTorch ``torch/nn/parallel/distributed.py`` (``bucket_cap_mb`` default 25, MiB;
+``_DEFAULT_FIRST_BUCKET_BYTES = int(1024 * 1024)`` in ``torch/distributed/constants.py``) and the
+DDP notes (https://pytorch.org/docs/stable/notes/ddp.html: buckets are all-reduced as soon as all
+their gradients are ready, overlapping backward; under ``no_sync()`` only the last micro-batch
+reduces); Megatron-LM ``--overlap-grad-reduce``; NCCL environment variables (NCCL docs, "Environment
+Variables": ``NCCL_ALGO``, ``NCCL_PROTO``, ``NCCL_NVLS_ENABLE``, ``NCCL_MIN/MAX_NCHANNELS``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClusterConfig(_Model):
+    """A cluster of identical nodes (``hardware_models/presets/clusters``) joined by a network."""
+
+    preset: str = Field(description="Cluster node preset: dgx-h100, dgx-h200, dgx-a100, h100-pcie-8gpu, "
+                                    "4x-a100-pcie-nvlink, 4x-a100-pcie.")
+    nodes: PositiveInt = Field(default=1, description="Nodes; world size = nodes x the preset's gpus_per_node.")
+    network: str | None = Field(default=None, description="Network preset (ib-ndr-rail, ib-hdr, roce-400g); "
+                                                          "default: the cluster preset's. Used when nodes > 1.")
+    collective_profile: str | None = Field(default=None, description="Collective profile preset "
+                                           "(presets/collectives); default: the cluster preset's.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Cluster preset field -> value.")
+
+
+class DdpConfig(_Model):
+    """PyTorch DistributedDataParallel gradient bucketing (used when data_parallel_size > 1, ZeRO stage 0)."""
+
+    bucket_cap_mb: float = Field(default=25.0, gt=0, description="Bucket size cap, MiB (PyTorch DDP default 25).")
+    first_bucket_mb: float = Field(default=1.0, gt=0, description="First bucket cap, MiB (PyTorch "
+                                   "_DEFAULT_FIRST_BUCKET_BYTES = 1 MiB).")
+    overlap_grad_reduce: bool = Field(default=True, description="Reduce each bucket as soon as backward completes "
+                                      "it (PyTorch DDP; Megatron-LM --overlap-grad-reduce); false: all buckets "
+                                      "after backward.")
+    gradient_as_bucket_view: bool = Field(default=False, description="PyTorch DDP gradient_as_bucket_view: "
+                                          "false keeps a separate bucket buffer (one more fp32 copy of the "
+                                          "gradients on the GPU).")
+
+
+class NcclSectionConfig(_Model):
+    """NCCL overrides (``NCCL_ALGO``, ``NCCL_PROTO``, ``NCCL_NVLS_ENABLE``, channels); null = NCCL's tuner."""
+
+    algo: str | None = Field(default=None, description="NCCL_ALGO: Ring, Tree, NVLS, NVLSTree.")
+    proto: str | None = Field(default=None, description="NCCL_PROTO: LL, LL128, Simple.")
+    nvls_enable: bool = Field(default=True, description="NCCL_NVLS_ENABLE.")
+    nchannels: PositiveInt | None = Field(default=None, description="NCCL channel count (caps the bus bandwidth).")
