@@ -62,6 +62,11 @@ def format_summary(s: dict, name: str) -> str:
     if s.get("peak_host_pinned_bytes") or s.get("peak_host_pageable_bytes"):
         lines.append(f"peak host memory    {_fmt_bytes(s.get('peak_host_pinned_bytes', 0))} pinned, "
                      f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
+    if (s.get("world_size") or 1) > 1:
+        groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
+        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}")
+        lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
+                     "(compute idle while a collective is in flight)")
     if "offload_cpu_optimizer_s" in s:
         lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
                      f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")

@@ -178,6 +178,17 @@ def test_no_overlap_exposes_every_bucket(runs):
     assert r["step_time_s"] - runs["dp1"]["step_time_s"] == pytest.approx(r["exposed_comm_s"], rel=0.02)
 
 
+def test_summary_prints_the_parallel_layout_and_communication(runs):
+    from simulator.cli import format_summary
+
+    r = runs["dp8"]
+    text = format_summary(r, "dp8")
+    assert "parallel            8 GPUs, data parallel 8" in text
+    assert (f"communication       dp {r['comm_s_by_group']['dp'] * 1e3:.2f} ms per step; exposed "
+            f"{r['exposed_comm_s'] * 1e3:.2f} ms") in text
+    assert "communication" not in format_summary(runs["dp1"], "dp1")
+
+
 def test_dp_warnings(runs):
     w = runs["dp8"]["warnings"]
     assert any("folded symmetrically" in x for x in w) and any("arXiv 2507.03114" in x for x in w)
