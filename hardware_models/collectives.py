@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from hardware_models.presets import PresetError, build_spec
-from hardware_models.topology import TIERS, Topology, _read
+from hardware_models import presets
+from hardware_models.topology import TIERS, Topology
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "send_recv")
 ALGOS = ("ring", "tree", "nvls", "nvlstree", "p2p")
@@ -138,7 +139,7 @@ class CollectiveProfile:
 
 def load_collective_profile(name: str, overrides: dict[str, Any] | None = None) -> CollectiveProfile:
     """Collective profile preset ``name`` (``presets/collectives``). Raises: PresetError."""
-    data = {**_read("collectives", name), **(overrides or {})}
+    data = {**presets.read("collectives", name), **(overrides or {})}
     data.pop("fit", None)
     return build_spec(CollectiveProfile, data, f"preset collectives/{name}")
 

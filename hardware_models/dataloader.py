@@ -39,11 +39,11 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import simpy
 
+from hardware_models import presets
 from hardware_models.fabrics import FluidNetwork
 from hardware_models.fluid import FluidScheduler
 
@@ -255,18 +255,8 @@ def load_storage_preset(name: str) -> StorageSpec:
     Raises:
         DataLoaderSpecError: unknown name (lists the known ones) or a bad file.
     """
-    from hardware_models import presets  # local import: presets imports nothing from here
-
-    root = Path(__file__).parent / "presets" / "storage"
-    path = root / f"{name}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in root.glob("*.yaml")))
-        raise DataLoaderSpecError(f"unknown storage preset {name!r}; known: {known}")
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
     try:
-        return presets.build_spec(StorageSpec, data, f"preset storage/{name}")
+        return presets.build_spec(StorageSpec, presets.read("storage", name), f"preset storage/{name}")
     except presets.PresetError as exc:
         raise DataLoaderSpecError(str(exc)) from None
 

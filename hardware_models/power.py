@@ -44,11 +44,10 @@ from __future__ import annotations
 import bisect
 import warnings
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from hardware_models import safe_yaml
+from hardware_models import presets, safe_yaml
 
 from hardware_models.gpu import GpuSpec
 
@@ -180,14 +179,21 @@ def power_model_from_dict(data: dict, source: str = "<power model>") -> GpuPower
 
 
 def load_power_model(name_or_path: str) -> GpuPowerModel:
-    """A shipped power preset (``presets/power/<name>.yaml``) or a YAML file path.
+    """A shipped power preset (``presets/power/<name>.yaml``, read by ``presets.read``) or a YAML file path.
 
     Raises:
         FileNotFoundError: neither a preset nor a file of that name exists.
+        ValueError: the file is not a valid power model.
     """
+    if not Path(name_or_path).suffix:
+        if not has_power_preset(name_or_path):
+            raise FileNotFoundError(f"no power model preset or file {name_or_path!r}")
+        try:
+            data = presets.read("power", name_or_path)
+        except presets.PresetError as exc:
+            raise ValueError(str(exc)) from None
+        return power_model_from_dict(data, f"preset power/{name_or_path}")
     p = Path(name_or_path)
-    if not p.suffix:
-        p = Path(str(resources.files("hardware_models") / "presets" / "power")) / f"{name_or_path}.yaml"
     if not p.exists():
         raise FileNotFoundError(f"no power model preset or file {name_or_path!r}")
     try:
@@ -199,7 +205,7 @@ def load_power_model(name_or_path: str) -> GpuPowerModel:
 
 def has_power_preset(name: str) -> bool:
     """Whether a shipped power preset ``name`` exists."""
-    return (Path(str(resources.files("hardware_models") / "presets" / "power")) / f"{name}.yaml").exists()
+    return name in presets.list_presets("power")["power"]
 
 
 def generic_power_model(gpu: GpuSpec) -> GpuPowerModel:

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import networkx as nx
-import yaml
 
+from hardware_models import presets
 from hardware_models.presets import PresetError, build_spec
 
 INTRA_KINDS = ("nvswitch", "nvlink_bridge", "pcie")
@@ -174,43 +171,20 @@ class NetworkSpec:
 
 
 # -- preset loading -------------------------------------------------------------------------------
-def _preset_root() -> Path:
-    return Path(str(resources.files("hardware_models") / "presets"))
-
-
-def list_cluster_presets(family: str = "clusters") -> list[str]:
-    """Shipped preset names of ``family`` (``clusters``, ``networks``, ``collectives``)."""
-    return sorted(p.stem for p in (_preset_root() / family).glob("*.yaml"))
-
-
-@lru_cache(maxsize=None)
-def _read(family: str, name: str) -> dict:
-    path = _preset_root() / family / f"{name}.yaml"
-    if not path.is_file():
-        raise PresetError(f"unknown {family[:-1]} preset {name!r}; known: {', '.join(list_cluster_presets(family))}")
-    with open(path) as fh:
-        return yaml.safe_load(fh) or {}
-
-
 def load_cluster(name: str, overrides: dict[str, Any] | None = None) -> ClusterSpec:
     """The cluster node preset ``name`` with optional field overrides (SI values or unit strings).
 
     Raises:
         PresetError: unknown name, unknown key, bad unit or a failed invariant (names the key).
     """
-    data = {**_read("clusters", name), **(overrides or {})}
+    data = {**presets.read("clusters", name), **(overrides or {})}
     return build_spec(ClusterSpec, data, f"preset clusters/{name}")
 
 
 def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkSpec:
     """The network preset ``name`` with optional overrides. Raises: PresetError as ``load_cluster``."""
-    data = {**_read("networks", name), **(overrides or {})}
+    data = {**presets.read("networks", name), **(overrides or {})}
     return build_spec(NetworkSpec, data, f"preset networks/{name}")
-
-
-def raw_preset(family: str, name: str) -> dict:
-    """The preset file's mapping, sources kept (for provenance reports)."""
-    return dict(_read(family, name))
 
 
 # -- the graph --------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from scipy.optimize import least_squares
 
 from hardware_models.collectives import CollectiveModel, CollectiveProfile, NcclConfig
 from hardware_models.presets import build_spec
-from hardware_models.topology import build_topology, raw_preset
+from hardware_models.presets import read as raw_preset
+from hardware_models.topology import build_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "nccl"

@@ -257,9 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_validate)
 
+    from hardware_models.presets import FAMILIES as PRESET_FAMILIES
+
     p = sub.add_parser("presets", help="list presets, or show one")
     p.add_argument("name", nargs="?")
-    p.add_argument("--family", choices=["gpus", "links", "hosts", "profiles", "storage", "power"])
+    p.add_argument("--family", choices=list(PRESET_FAMILIES))
     p.set_defaults(fn=cmd_presets)
 
     p = sub.add_parser("schema", help="print the scenario JSON schema")

@@ -9,6 +9,7 @@ file may be a number (SI units), a string with a unit (``"4.8 TB/s"``), or ``{va
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -25,7 +26,15 @@ from hardware_models.profile import EfficiencyProfile
 from hardware_models import safe_yaml
 from hardware_models.units import UnitError, parse_quantity, short_repr
 
-FAMILIES = ("gpus", "links", "hosts", "profiles", "storage", "power")
+#: Preset families, one folder each. This module builds the first four; the others are built by their
+#: own modules from ``read(family, name)``: storage (``hardware_models.dataloader.load_storage_preset``),
+#: power (``hardware_models.power.load_power_model``), clusters and networks
+#: (``hardware_models.topology``), collectives (``hardware_models.collectives``).
+FAMILIES = ("gpus", "links", "hosts", "profiles", "storage", "power", "clusters", "networks", "collectives")
+_BUILT_HERE = ("gpus", "links", "hosts", "profiles")
+#: One preset of each family, in words (for messages).
+_ONE = {"gpus": "gpu", "links": "link", "hosts": "host", "profiles": "profile", "storage": "storage",
+        "power": "power", "clusters": "cluster", "networks": "network", "collectives": "collective"}
 _SUFFIXES = (
     ("_flops_per_s", "flops_per_s"),
     ("_bytes_per_s", "bytes_per_s"),
@@ -73,7 +82,7 @@ def check_name(family: str, name: object) -> str:
             why = " (a preset name is letters, digits, '.', '_', '+' and '-', at most 100 characters)"
         else:
             why = ""
-        raise PresetError(f"unknown {family[:-1]} preset {shown}{why}; known: {', '.join(known)}")
+        raise PresetError(f"unknown {_ONE.get(family, family)} preset {shown}{why}; known: {', '.join(known)}")
     return name
 
 
@@ -270,11 +279,24 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
         raise PresetError(f"{where}: {exc}") from None
 
 
+def read(family: str, name: str) -> dict:
+    """The mapping in shipped preset ``name`` of ``family``, sources kept: the one preset reader.
+
+    The name is checked first (a name, never a path); the file is read with ``hardware_models.safe_yaml``.
+
+    Raises:
+        PresetError: unknown family or name (the message lists the known names), or a bad file.
+    """
+    if family not in FAMILIES:
+        raise PresetError(f"unknown preset family {family!r}; known: {', '.join(FAMILIES)}")
+    return copy.deepcopy(_load(family, name))  # callers may change what they get; the cache must not
+
+
 @lru_cache(maxsize=None)
 def _load(family: str, name: str) -> dict:
     check_name(family, name)
     try:
-        return safe_yaml.load_mapping(_root() / family / f"{name}.yaml", f"a mapping of {family[:-1]} fields")
+        return safe_yaml.load_mapping(_root() / family / f"{name}.yaml", f"a mapping of {_ONE.get(family, family)} fields")
     except safe_yaml.YamlInputError as exc:
         raise PresetError(f"preset {family}/{name}: {exc}") from None
 
@@ -296,18 +318,20 @@ def load_profile_file(path: str | Path) -> EfficiencyProfile:
 
 
 def get(family: str, name: str) -> Any:
-    """Return the spec for preset ``name`` of ``family``.
+    """Return the spec for preset ``name`` of one of the families built here.
 
     Returns:
-        ``GpuSpec`` / ``LinkSpec`` / ``(HostCpuSpec, HostMemorySpec)`` / ``EfficiencyProfile`` /
-        ``StorageSpec`` / ``GpuPowerModel``.
+        ``GpuSpec`` (gpus) / ``LinkSpec`` (links) / ``(HostCpuSpec, HostMemorySpec)`` (hosts) /
+        ``EfficiencyProfile`` (profiles).
 
     Raises:
-        PresetError: unknown family or name (the message lists the known names), or a bad file.
+        PresetError: a family built elsewhere (see ``FAMILIES``), an unknown name (the message lists
+            the known names), or a bad file.
     """
-    if family not in FAMILIES:
-        raise PresetError(f"unknown preset family {family!r}; known: {FAMILIES}")
-    data = dict(_load(family, name))  # checks the name first
+    if family not in _BUILT_HERE:
+        raise PresetError(f"preset family {family!r} is not built by hardware_models.presets.get "
+                          f"(allowed: {', '.join(_BUILT_HERE)}; see FAMILIES for the others' loaders)")
+    data = read(family, name)  # checks the name first
     where = f"preset {family}/{name}"
     if family == "gpus":
         return build_spec(GpuSpec, data, where)
@@ -316,17 +340,9 @@ def get(family: str, name: str) -> Any:
     if family == "hosts":
         mem = data.pop("memory", {})
         return build_spec(HostCpuSpec, data, where), build_spec(HostMemorySpec, mem, where + ".memory")
-    if family == "storage":
-        from hardware_models.dataloader import load_storage_preset
-
-        return load_storage_preset(name)
-    if family == "power":
-        from hardware_models.power import load_power_model
-
-        return load_power_model(name)
     return build_spec(EfficiencyProfile, data, where)
 
 
 def raw(family: str, name: str) -> dict:
     """The preset file's content with sources stripped (for ``simulate presets show``)."""
-    return strip_sources(dict(_load(family, name)))
+    return strip_sources(read(family, name))

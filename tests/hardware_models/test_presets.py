@@ -12,6 +12,7 @@ from hardware_models.fabrics import LinkSpec
 from hardware_models.gpu import GpuSpec
 from hardware_models.host import HostCpuSpec, HostMemorySpec
 from hardware_models.presets import PresetError
+from hardware_models.profile import EfficiencyProfile
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 PRESET_ROOT = Path(presets.__file__).resolve().parent
@@ -50,16 +51,48 @@ def test_shipped_families_are_not_empty():
         assert listed[fam], f"no {fam} presets shipped"
 
 
+def _load(family: str, name: str):
+    """Each family's own loader (``presets.FAMILIES`` names them)."""
+    from hardware_models.collectives import CollectiveProfile, load_collective_profile
+    from hardware_models.dataloader import StorageSpec, load_storage_preset
+    from hardware_models.power import GpuPowerModel, load_power_model
+    from hardware_models.topology import ClusterSpec, NetworkSpec, load_cluster, load_network
+
+    loaders = {"storage": (load_storage_preset, StorageSpec), "power": (load_power_model, GpuPowerModel),
+               "clusters": (load_cluster, ClusterSpec), "networks": (load_network, NetworkSpec),
+               "collectives": (load_collective_profile, CollectiveProfile)}
+    fn, cls = loaders[family]
+    return fn(name), cls
+
+
 @pytest.mark.parametrize(("family", "name"), ALL_PRESETS)
 def test_every_preset_loads(family, name):
-    spec = presets.get(family, name)
-    if family == "gpus":
-        assert isinstance(spec, GpuSpec)
-    elif family == "links":
-        assert isinstance(spec, LinkSpec)
-    elif family == "hosts":
-        cpu, mem = spec
-        assert isinstance(cpu, HostCpuSpec) and isinstance(mem, HostMemorySpec)
+    if family in ("gpus", "links", "hosts", "profiles"):
+        spec = presets.get(family, name)
+        if family == "gpus":
+            assert isinstance(spec, GpuSpec)
+        elif family == "links":
+            assert isinstance(spec, LinkSpec)
+        elif family == "hosts":
+            cpu, mem = spec
+            assert isinstance(cpu, HostCpuSpec) and isinstance(mem, HostMemorySpec)
+        else:
+            assert isinstance(spec, EfficiencyProfile)
+    else:
+        spec, cls = _load(family, name)
+        assert isinstance(spec, cls)
+        with pytest.raises(presets.PresetError, match="not built by hardware_models.presets.get"):
+            presets.get(family, name)
+
+
+def test_no_preset_module_imports_presets_back():
+    """One reader and no cycle: ``hardware_models.presets`` imports none of the family modules."""
+    import ast
+
+    tree = ast.parse((PRESET_ROOT / "__init__.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"hardware_models.dataloader", "hardware_models.power", "hardware_models.topology",
+                           "hardware_models.collectives"}, imported
 
 
 @pytest.mark.parametrize(
@@ -250,4 +283,7 @@ def test_presets_verb_does_not_print_a_file(capsys):
 def test_every_shipped_preset_passes_the_strict_reader():
     """Strict YAML 1.2, no duplicate keys, within the size and node bounds; typed fields."""
     for fam, name in ALL_PRESETS:
-        presets.get(fam, name)
+        if fam in ("gpus", "links", "hosts", "profiles"):
+            presets.get(fam, name)
+        else:
+            _load(fam, name)

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from hardware_models import presets
 from hardware_models.presets import PresetError
-from hardware_models.topology import (ClusterSpec, Topology, TopologyError, build_topology, list_cluster_presets,
+from hardware_models.topology import (ClusterSpec, Topology, TopologyError, build_topology,
                                       load_cluster, load_network)
 
 
@@ -20,7 +21,7 @@ def tiny(intra="nvswitch", gpus=4, **kw) -> ClusterSpec:
 
 
 def test_every_preset_builds_connected():
-    for name in list_cluster_presets("clusters"):
+    for name in presets.list_presets("clusters")["clusters"]:
         spec = load_cluster(name)
         nodes = 2 if spec.nics_per_node else 1
         t = build_topology(name, nodes=nodes)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
 from hardware_models import presets, safe_yaml
 from hardware_models.units import UnitError, parse_quantity

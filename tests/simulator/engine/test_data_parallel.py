@@ -7,7 +7,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
