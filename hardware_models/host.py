@@ -79,3 +79,8 @@ class HostMemorySpec:
             raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
         if self.pinned_limit_bytes > self.capacity_bytes:
             raise ValueError("pinned_limit_bytes exceeds capacity_bytes")
+
+    @property
+    def pinned_capacity_bytes(self) -> float:
+        """Most memory that may be page-locked, bytes: ``pinned_limit_bytes``, or all of it when 0."""
+        return self.pinned_limit_bytes or self.capacity_bytes

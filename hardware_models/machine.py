@@ -54,6 +54,48 @@ def resolve_launch_overhead(override_s: float | None, host: HostCpuSpec, profile
     return LaunchOverhead(GENERIC_LAUNCH_OVERHEAD_S, {}, "generic")
 
 
+class CopyRates(NamedTuple):
+    """Host<->device copy rates in force, bytes/s, and where each came from.
+
+    Attributes:
+        h2d_bytes_per_s, d2h_bytes_per_s: Pinned copy rate per direction.
+        duplex_bytes_per_s: Both directions together when both are busy.
+        pageable_h2d_bytes_per_s, pageable_d2h_bytes_per_s: Driver staging cap of pageable copies
+            (0: none, pageable copies run at the pinned rate).
+        latency_s: Fixed latency per copy, s.
+        sources: Field -> ``"profile"`` (measured on the GPU's host link), ``"link"`` (the link
+            preset) or ``"derived"`` (duplex = the sum of the two directions).
+    """
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float
+    pageable_h2d_bytes_per_s: float
+    pageable_d2h_bytes_per_s: float
+    latency_s: float
+    sources: dict
+
+
+def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec) -> CopyRates:
+    """The copy rates, chosen in one place: a value measured in the profile (non-zero) wins over
+    the link preset's; a duplex limit neither gives is the sum of the two directions."""
+    sources: dict[str, str] = {}
+
+    def pick(name: str, measured: float, spec: float) -> float:
+        sources[name] = "profile" if measured else "link"
+        return float(measured or spec)
+
+    h2d = pick("h2d_bytes_per_s", profile.h2d_bytes_per_s, link.bandwidth_bytes_per_s)
+    d2h = pick("d2h_bytes_per_s", profile.d2h_bytes_per_s, link.bandwidth_bytes_per_s)
+    duplex = pick("duplex_bytes_per_s", profile.duplex_bytes_per_s, link.duplex_bandwidth_bytes_per_s)
+    if not duplex:
+        duplex, sources["duplex_bytes_per_s"] = h2d + d2h, "derived"
+    return CopyRates(h2d, d2h, duplex,
+                     pick("pageable_h2d_bytes_per_s", profile.pageable_h2d_bytes_per_s, link.pageable_h2d_bytes_per_s),
+                     pick("pageable_d2h_bytes_per_s", profile.pageable_d2h_bytes_per_s, link.pageable_d2h_bytes_per_s),
+                     pick("latency_s", profile.copy_latency_s, link.latency_s), sources)
+
+
 @dataclass
 class Hardware:
     """Specs of the simulated machine (one representative GPU and its host).
@@ -89,19 +131,21 @@ class Hardware:
         """Host dispatch time per op in force (``resolve_launch_overhead``)."""
         return resolve_launch_overhead(self.launch_overhead_s, self.host_cpu, self.profile)
 
+    @property
+    def copy(self) -> CopyRates:
+        """Host<->device copy rates in force (``resolve_copy_rates``)."""
+        return resolve_copy_rates(self.profile, self.pcie)
+
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").
 
-        Pinned copies run at the link rate (profile's measured rate, else the link spec);
-        pageable copies are capped by the driver's staging rate.
+        Pinned copies run at the link rate; pageable copies are capped by the driver's staging rate.
         """
-        p, link = self.profile, self.pcie
+        c = self.copy
         if kind in ("h2d", "memcpy_h2d"):
-            bw = p.h2d_bytes_per_s or link.bandwidth_bytes_per_s
-            pg = p.pageable_h2d_bytes_per_s or link.pageable_h2d_bytes_per_s
+            bw, pg = c.h2d_bytes_per_s, c.pageable_h2d_bytes_per_s
         else:
-            bw = p.d2h_bytes_per_s or link.bandwidth_bytes_per_s
-            pg = p.pageable_d2h_bytes_per_s or link.pageable_d2h_bytes_per_s
+            bw, pg = c.d2h_bytes_per_s, c.pageable_d2h_bytes_per_s
         return bw, (0.0 if pinned or not pg else pg)
 
 

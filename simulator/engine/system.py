@@ -41,12 +41,10 @@ class System:
         self.hw = hw
         self.recorder = recorder
         self.cost = RooflineCostModel(hw.gpu, hw.profile)
-        p = hw.profile
-        h2d = p.h2d_bytes_per_s or hw.pcie.bandwidth_bytes_per_s
-        d2h = p.d2h_bytes_per_s or hw.pcie.bandwidth_bytes_per_s
-        duplex = p.duplex_bytes_per_s or hw.pcie.duplex_bandwidth_bytes_per_s or (h2d + d2h)
-        self.network = FluidNetwork(env, {"pcie.h2d": h2d, "pcie.d2h": d2h, "pcie.duplex": duplex})
-        self.copy_latency_s = p.copy_latency_s if p.copy_latency_s else hw.pcie.latency_s
+        c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
+        self.network = FluidNetwork(env, {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s,
+                                          "pcie.duplex": c.duplex_bytes_per_s})
+        self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
         self.launch_overhead_s = launch.per_op_s
         #: host time per launched op by phase (a scenario override applies to every phase)
@@ -56,8 +54,7 @@ class System:
         clock = lambda: env.now  # noqa: E731
         self.memory = {
             "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
-            "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_limit_bytes or hw.host_memory.capacity_bytes,
-                                      clock),
+            "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_capacity_bytes, clock),
             "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes, clock),
         }
 

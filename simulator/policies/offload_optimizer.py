@@ -395,7 +395,7 @@ def _check_host_memory(persistent, hw, key: str) -> None:
     pinned = sum(t.nbytes for t in persistent if t.device == "host_pinned")
     total = sum(t.nbytes for t in persistent if t.device.startswith("host"))
     cap = hw.host_memory.capacity_bytes
-    limit = hw.host_memory.pinned_limit_bytes or cap
+    limit = hw.host_memory.pinned_capacity_bytes
     if pinned > limit:
         raise PolicyError(
             f"{key}.pin_memory: pinned host buffers need {pinned / 1e9:.1f} GB but the host allows "

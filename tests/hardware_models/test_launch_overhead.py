@@ -45,3 +45,19 @@ def test_negative_host_launch_time_is_rejected():
 def test_resolve_is_a_plain_function_of_specs():
     hw = _hw(host_s=5e-6)
     assert resolve_launch_overhead(None, hw.host_cpu, hw.profile).per_op_s == 5e-6
+
+
+def test_copy_rates_are_chosen_in_one_place_with_their_source():
+    """A rate measured in the profile wins over the link preset; an unset duplex is the sum of both directions."""
+    from hardware_models.fabrics import LinkSpec
+    from hardware_models.machine import resolve_copy_rates
+    from hardware_models.profile import EfficiencyProfile
+
+    link = LinkSpec("toy", 10e9, latency_s=2e-6, pageable_h2d_bytes_per_s=4e9)
+    prof = EfficiencyProfile(name="p", gpu="g", gemm={}, attention_efficiency={}, memory_bandwidth_bytes_per_s={},
+                             h2d_bytes_per_s=8e9)
+    c = resolve_copy_rates(prof, link)
+    assert (c.h2d_bytes_per_s, c.d2h_bytes_per_s, c.duplex_bytes_per_s) == (8e9, 10e9, 18e9)
+    assert (c.pageable_h2d_bytes_per_s, c.pageable_d2h_bytes_per_s, c.latency_s) == (4e9, 0.0, 2e-6)
+    assert c.sources["h2d_bytes_per_s"] == "profile" and c.sources["d2h_bytes_per_s"] == "link"
+    assert c.sources["duplex_bytes_per_s"] == "derived"
