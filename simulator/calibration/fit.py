@@ -138,11 +138,12 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
 
         raise ScenarioError("give one --scenario for all traces or one per trace")
     cfgs = [load_scenario(p, ["run.steps=3", "run.warmup_steps=1"]) for p in scenario_paths]
-    base_hw = resolve_hardware(cfgs[0], str(scenario_paths[0]))
+    hws = [resolve_hardware(c, str(p)) for c, p in zip(cfgs, scenario_paths)]  # once per scenario
+    base_hw = hws[0]
     base = base_hw.profile
     imports = [load_kineto(t, steps=-1) for t in traces]
     measured = [measured_class_times(i) for i in imports]
-    before = [simulated_class_times(run_scenario(c)) for c in cfgs]
+    before = [simulated_class_times(run_scenario(c, hw)) for c, hw in zip(cfgs, hws)]
     scales = fit_scales(list(zip(measured, before)))
     prof = apply_scales(base, scales)
     # device-side gap per graph kernel: backlogged idle time per step / kernels per step in the graph
@@ -158,8 +159,8 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     except ValueError as exc:
         host = {"skipped": str(exc)}
     after = []
-    for c, p in zip(cfgs, scenario_paths):
-        hw = dataclasses.replace(resolve_hardware(c, str(p)), profile=prof)
+    for c, hw0 in zip(cfgs, hws):
+        hw = dataclasses.replace(hw0, profile=prof)
         after.append(simulated_class_times(simulate_graph(build_graph(c), hw, 3, 1)))
     rows = []
     for t, m, b, a in zip(traces, measured, before, after):

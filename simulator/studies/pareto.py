@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from hardware_models.gpu import GpuSpec
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
 
@@ -29,11 +30,8 @@ def pareto_mask(time_s: Iterable[float], energy_j: Iterable[float]) -> list[bool
     return out
 
 
-def default_clocks(cfg: ScenarioConfig, n: int = 8) -> list[float]:
-    """About ``n`` supported clocks spread from the maximum down to ~45% of it."""
-    from simulator.config.loader import resolve_hardware
-
-    gpu = resolve_hardware(cfg).gpu
+def default_clocks(gpu: GpuSpec, n: int = 8) -> list[float]:
+    """About ``n`` of ``gpu``'s supported clocks spread from the maximum down to ~45% of it, MHz."""
     sup = sorted(gpu.supported_sm_clocks_mhz or (gpu.max_sm_clock_mhz,), reverse=True)
     sup = [s for s in sup if s >= 0.45 * sup[0]] or sup
     step = max(1, (len(sup) - 1) // max(n - 1, 1))
@@ -57,21 +55,23 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
         ValueError: both ``clocks`` and ``power_caps`` given, or a power cap out of range.
     """
     from simulator.api import run_scenario
+    from simulator.config.loader import resolve_hardware
 
     if clocks is not None and power_caps is not None:
         raise ValueError("give clocks or power_caps, not both")
     base = cfg.dvfs.model_dump() if cfg.dvfs is not None else {}
     keep = {k: base[k] for k in ("clock_switch_latency_s", "power_sample_period_s", "power_window_s", "power_model")
             if k in base}
+    hw = resolve_hardware(cfg)  # once: the points differ in their dvfs section only
     if power_caps is not None:
         points = [("power_limit_w", float(p), DvfsConfig(kind="power_cap", power_limit_w=p, **keep)) for p in power_caps]
     else:
-        clocks = default_clocks(cfg) if clocks is None else clocks
+        clocks = default_clocks(hw.gpu) if clocks is None else clocks
         points = [("locked_clocks_mhz", float(c), DvfsConfig(kind="locked_clock", locked_clocks_mhz=c, **keep))
                   for c in clocks]
     rows = []
     for setting, value, dvfs in points:
-        s = run_scenario(cfg.model_copy(update={"dvfs": dvfs})).summary
+        s = run_scenario(cfg.model_copy(update={"dvfs": dvfs}), hw).summary
         rows.append({"setting": setting, "value": value, "step_time_s": s["step_time_s"],
                      "energy_j_per_step": s["energy_j_per_step"], "avg_power_w": s["avg_power_w"],
                      "energy_per_token_j": s["energy_per_token_j"], "avg_sm_clock_mhz": s["avg_sm_clock_mhz"]})
