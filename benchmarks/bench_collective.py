@@ -5,14 +5,16 @@
 
 Rows: pricing one all-reduce (closed form, cached routes) on 64 ranks of 8 DGX H100; one 64-rank
 flow-level all-reduce (SimPy rendezvous + max-min fair flows over the topology); 8 concurrent
-8-rank all-reduces (one per node) plus one 64-rank all-reduce sharing the NVLink ports; and raw
-SimPy timeouts/s measured in the same run for reference.
+8-rank all-reduces (one per node) plus one 64-rank all-reduce sharing the NVLink ports; a whole
+64-rank data-parallel training scenario (scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml on 8 nodes,
+3 steps, ranks folded); and raw SimPy timeouts/s measured in the same run for reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import simpy
 
@@ -78,11 +80,20 @@ def main() -> None:
         env.process(p())
         env.run()
 
+    def dp64_scenario():
+        from simulator.api import load_scenario, run_scenario
+
+        root = Path(__file__).resolve().parents[1]
+        cfg = load_scenario(root / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml",
+                            ["hardware.cluster.nodes=8", "run.steps=3", "run.warmup_steps=1"])
+        return run_scenario(cfg).summary
+
     rows = [("build topology, 8 x dgx-h100 (64 GPUs)", build_s, 1),
             ("price all_reduce, 64 ranks, cold model", best(price_cold, args.repeat), 1),
             ("price all_reduce, 64 ranks, cached routes", best(price_warm, args.repeat) / 100, 1),
             ("flow all_reduce, 64 ranks (120 flows)", best(flows_one, args.repeat), 1),
-            ("flows: 8 x 8-rank + 1 x 64-rank concurrent", best(flows_concurrent, args.repeat), 1)]
+            ("flows: 8 x 8-rank + 1 x 64-rank concurrent", best(flows_concurrent, args.repeat), 1),
+            ("DP64 training scenario, 3 steps (whole run)", best(dp64_scenario, args.repeat), 1)]
     ts = best(simpy_timeouts, args.repeat)
     print(f"{'case':48s} {'wall ms':>10s}")
     for name, t, _ in rows:
