@@ -23,7 +23,7 @@ arXiv 2507.03114); a one-wave H100 GEMM nearly doubles beside an all-gather hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 #: Smallest HBM share a kernel keeps beside collectives (the formula would reach 0 when the
 #: collectives' traffic equals the HBM peak; no measurement goes that far, so it is a guard).
@@ -49,7 +49,7 @@ class InterferenceFactors:
     sm_source: str
 
     @classmethod
-    def from_profile(cls, profile, nchannels: int | None) -> "InterferenceFactors":
+    def from_profile(cls, profile, nchannels: int | None) -> InterferenceFactors:
         """Factors of a ``CollectiveProfile``; ``nchannels`` (``nccl.nchannels``) overrides its channel count."""
         if nchannels is not None:
             sm, src = int(nchannels), "nccl.nchannels"

@@ -165,7 +165,7 @@ def test_interference_never_makes_a_step_faster(ops, sm, beta, gamma, steps):
                 b.add(f"H{i}", OpKind.HOST, "host", deps=d, host_s=t)
         return b.build(samples_per_step=1.0)
 
-    kw = dict(sm=sm, beta=beta, gamma=gamma)
+    kw = {"sm": sm, "beta": beta, "gamma": gamma}
     on = simulate_graph(graph(), _hw(True, **kw), steps=steps)
     off = simulate_graph(graph(), _hw(False, **kw), steps=steps)
     assert on.summary["step_time_s"] >= off.summary["step_time_s"] * (1 - 1e-12)
