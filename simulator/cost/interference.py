@@ -22,8 +22,8 @@ arXiv 2507.03114); a one-wave H100 GEMM nearly doubles beside an all-gather hold
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 #: Smallest HBM share a kernel keeps beside collectives (the formula would reach 0 when the
 #: collectives' traffic equals the HBM peak; no measurement goes that far, so it is a guard).
