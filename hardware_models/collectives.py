@@ -96,6 +96,20 @@ class CollectiveProfile:
             not overlapped with the ring steps adds ``(S/n) / ring_fill_bytes_per_s`` (0 = none).
             It makes the achieved busbw grow with n, as the vidur H100 data do (307 / 333 / 350
             GB/s at 32-64 MiB for n = 2 / 4 / 8, MULTI_GPU.md 2.2).
+        nccl_sm_channels: SMs one collective holds while in flight when ``nccl.nchannels`` is not
+            set: NCCL runs one thread block (CTA) per channel, and a GEMM CTA that fills an SM's
+            shared memory cannot share the SM with it, so the SM is lost to compute (the NCCL
+            default channel count of the fabric). Default 24: NVIDIA developer forum thread
+            337991, an ``ncclAllGather`` on H100 held 24 blocks (MULTI_GPU.md section 5).
+        hbm_bytes_per_bus_byte: HBM bytes (reads + writes) a collective moves on each GPU per
+            bus byte (beta): a ring step writes the received chunk into the FIFO buffer, reads it
+            and writes the result (the reduced chunk or the gathered copy), 3 per bus byte. The
+            collective's HBM traffic is ``beta x busbw``. Default 3, the upper end of MULTI_GPU.md
+            section 5 ("beta about 2-3 for reduction traffic").
+        overlap_comm_slowdown: gamma: while compute kernels run beside it, a collective
+            progresses at ``1 / (1 + gamma)`` of its isolated rate. Default 0.3: vTrain measured
+            NCCL about 30 % slower in training than in isolated profiling, Daydream about 34 %
+            (MULTI_GPU.md section 5).
         sources: Citation per field; ``fit`` entries hold the fit error where fitted.
     """
 
@@ -112,6 +126,9 @@ class CollectiveProfile:
     nvls_latency_s: float = 25e-6
     channel_bytes_per_s: float = 0.0
     ring_fill_bytes_per_s: float = 0.0
+    nccl_sm_channels: int = 24
+    hbm_bytes_per_bus_byte: float = 3.0
+    overlap_comm_slowdown: float = 0.3
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,8 +148,11 @@ class CollectiveProfile:
                     raise ValueError(f"{fname}.{k} must be >= 0, got {v}")
         if not 0 <= self.nvls_efficiency <= 1:
             raise ValueError(f"nvls_efficiency must be in [0, 1], got {self.nvls_efficiency}")
+        if not isinstance(self.nccl_sm_channels, int) or isinstance(self.nccl_sm_channels, bool) \
+                or self.nccl_sm_channels < 0:
+            raise ValueError(f"nccl_sm_channels must be an integer >= 0, got {self.nccl_sm_channels!r}")
         for n in ("host_dispatch_s", "simple_base_s", "nvls_half_size_bytes", "nvls_latency_s", "channel_bytes_per_s",
-                  "ring_fill_bytes_per_s"):
+                  "ring_fill_bytes_per_s", "hbm_bytes_per_bus_byte", "overlap_comm_slowdown"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
 
@@ -148,6 +168,11 @@ def load_collective_profile(name: str, overrides: dict[str, Any] | None = None) 
 class NcclConfig:
     """NCCL overrides (``NCCL_ALGO``, ``NCCL_PROTO``, ``NCCL_NVLS_ENABLE``, channel count).
 
+    ``interference`` (not an NCCL variable): whether the engine models compute/communication
+    interference (SMs and HBM a collective takes from the kernels beside it, and its slowdown by
+    them; the collective profile's ``nccl_sm_channels``, ``hbm_bytes_per_bus_byte``,
+    ``overlap_comm_slowdown``); false prices both sides as if alone on the GPU.
+
     Raises:
         CollectiveError: an unknown algorithm/protocol name or ``nchannels < 1``.
     """
@@ -156,6 +181,7 @@ class NcclConfig:
     proto: str | None = None
     nvls_enable: bool = True
     nchannels: int | None = None
+    interference: bool = True
 
     def __post_init__(self) -> None:
         if self.algo is not None and self.algo.lower() not in ALGOS:

@@ -100,9 +100,16 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"{len(hw.dp_group)} data-parallel ranks folded symmetrically: one representative rank is simulated "
                    "and its collectives are priced by the NCCL model (no stragglers, no network contention from "
                    "other jobs)")
-        out.append("compute/communication interference is not modelled: overlapped collectives do not slow the "
-                   "kernels beside them (measured: overlapped compute 19% slower on average, up to 40%; Lee et al. "
-                   "2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+        nccl = hw.nccl
+        if nccl is None or nccl.interference:
+            from simulator.cost.interference import InterferenceFactors
+
+            f = InterferenceFactors.from_profile(hw.collectives.profile, nccl.nchannels if nccl is not None else None)
+            out.append(f.describe(hw.gpu.sm_count))
+        else:
+            out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
+                       "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
+                       "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
     z = getattr(cfg, "zero_optimization", None)
     dp_many = len(hw.dp_group) > 1
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"

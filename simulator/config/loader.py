@@ -252,7 +252,8 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
                             f"of hardware.cluster (allowed: {world})")
     n = cfg.nccl
     try:
-        nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels)
+        nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels,
+                          interference=n.interference)
         if world > 1:
             model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
     except PresetError as exc:

@@ -11,6 +11,12 @@ Clock scaling (DVFS): the compute part scales with ``max_sm_clock / sm_clock``, 
 with ``max_mem_clock / mem_clock``; fixed time does not scale. This is the standard split of
 DVFS-aware GPU performance models (e.g. Guerreiro et al., *GPU Static Modeling Using PTX and
 Deep Structured Learning*, and the compute/memory-bound split used by Zeus, NSDI'23, section 2).
+
+Interference (``interfered_split_s``): while collectives are in flight on the GPU they hold
+``sm_held`` SMs (one NCCL thread block per channel) and ``hbm_bytes_per_s`` of HBM traffic; the
+kernel beside them is priced by ``simulator.cost.interference``'s rules (GEMM waves re-quantised on
+the SMs left, other compute scaled by ``sm_count / (sm_count - sm_held)``, memory traffic at the
+HBM share left).
 """
 
 from __future__ import annotations
@@ -59,14 +65,26 @@ class RooflineCostModel:
         bw = table.get(key) or table.get("elementwise")
         return bw * self._bw_scale if bw else self.gpu.hbm_bandwidth_bytes_per_s
 
-    def gemm_compute_s(self, m: int, n: int, k: int, dtype: str) -> float:
-        """GEMM time at the maximum clock from the tile/wave model, seconds (without fixed time)."""
+    def gemm_compute_s(self, m: int, n: int, k: int, dtype: str, sm_held: int = 0) -> float:
+        """GEMM time at the maximum clock from the tile/wave model, seconds (without fixed time).
+
+        ``sm_held`` SMs taken by collectives (0..sm_count-1) leave ``sm_count - sm_held`` SMs: the
+        fitted (fractional) wave count is multiplied by ``ceil(tiles / (sm_count - sm_held)) /
+        ceil(tiles / sm_count)``, the quantised waves on the SMs left over those on all of them.
+        A full wave that no longer fits takes two (NVIDIA developer forum thread 337991: a
+        132-block H100 GEMM nearly doubles beside an all-gather holding 24 SMs); ``sm_held = 0``
+        is the baseline exactly. Without a tile model (no GEMM entry) the time scales by
+        ``sm_count / (sm_count - sm_held)``.
+        """
         g = self.profile.gemm.get(dtype) or self.profile.gemm.get("bf16")
         peak = self.gpu.peak(dtype)
+        sms = self.gpu.sm_count
         if g is None:
-            return 2.0 * m * n * k / peak
+            return 2.0 * m * n * k / peak * sms / (sms - sm_held)
         tiles = math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n)
-        waves = tiles / self.gpu.sm_count
+        waves = tiles / sms
+        if sm_held:
+            waves *= math.ceil(tiles / (sms - sm_held)) / math.ceil(tiles / sms)
         tile_flops = 2.0 * g.tile_m * g.tile_n * k
         return g.fixed_s + waves * (g.wave_overhead_s + tile_flops / (peak / self.gpu.sm_count * g.efficiency))
 
@@ -99,9 +117,48 @@ class RooflineCostModel:
         self._cache[key] = out
         return out
 
-    def duration_s(self, op: Op, state: DeviceState | None = None) -> float:
-        """Kernel duration in seconds at ``state`` (``None`` = maximum clocks)."""
+    def interfered_split_s(self, op: Op, sm_held: int, hbm_share: float) -> tuple[float, float, float]:
+        """``(compute_s, memory_s, fixed_s)`` at the maximum clocks beside in-flight collectives.
+
+        Args:
+            op: A GPU kernel.
+            sm_held: SMs the collectives hold, 0..sm_count-1.
+            hbm_share: Fraction of its isolated memory bandwidth the kernel keeps, (0, 1].
+
+        GEMMs (3-d shape) re-quantise their waves on the SMs left (``gemm_compute_s``); other
+        compute parts scale by ``sm_count / (sm_count - sm_held)``; memory parts divide by
+        ``hbm_share``; the fixed part is unchanged.
+
+        Raises:
+            ValueError: the op is a copy or host op; ``sm_held`` or ``hbm_share`` out of range.
+        """
+        sms = self.gpu.sm_count
+        if not 0 <= sm_held < sms or not 0 < hbm_share <= 1:
+            raise ValueError(f"interference: sm_held {sm_held} must be in 0..{sms - 1} and hbm_share {hbm_share} "
+                             "in (0, 1]")
+        key = (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype, sm_held, hbm_share)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
         compute, memory, fixed = self.split_s(op)
+        if op.cost_class == CostClass.GEMM and len(op.shape) == 3:
+            compute = self.gemm_compute_s(*op.shape, op.dtype, sm_held)
+        else:
+            compute *= sms / (sms - sm_held)
+        out = (compute, memory / hbm_share, fixed)
+        self._cache[key] = out
+        return out
+
+    def duration_s(self, op: Op, state: DeviceState | None = None, sm_held: int = 0, hbm_share: float = 1.0) -> float:
+        """Kernel duration in seconds at ``state`` (``None`` = maximum clocks).
+
+        ``sm_held`` / ``hbm_share``: SMs taken by in-flight collectives and the fraction of HBM
+        bandwidth left (``interfered_split_s``); the defaults price the kernel alone on the GPU.
+        """
+        if sm_held or hbm_share != 1.0:
+            compute, memory, fixed = self.interfered_split_s(op, sm_held, hbm_share)
+        else:
+            compute, memory, fixed = self.split_s(op)
         if state is not None:
             compute *= self.gpu.max_sm_clock_mhz / state.sm_clock_mhz
             if self.gpu.mem_clock_mhz:

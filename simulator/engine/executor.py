@@ -9,8 +9,11 @@
   (``simpy.AllOf`` over their completion events).
 * Collectives with ``meta["collective"]`` on a machine with a collective model take the NCCL
   model's time over their group (``System.collective_s``) on their own stream, overlapping
-  compute; their host launch costs the profile's ``host_dispatch_s``. Interference between the
-  two (SMs, HBM) is not modelled.
+  compute; their host launch costs the profile's ``host_dispatch_s``. Unless
+  ``nccl.interference`` is false, compute and collectives interfere (``System.run_kernel`` /
+  ``System.run_collective``, ``simulator.cost.interference``): in-flight collectives take SMs and
+  HBM bandwidth from the kernels beside them, and run slower while compute overlaps them; rates
+  change whenever a kernel or collective starts or ends.
 * Kernels take the cost model's time at the current clocks; host<->device copies are fluid flows
   over the PCIe links (max-min fair sharing with everything else on them); host ops take
   ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
@@ -181,14 +184,17 @@ class Executor:
             fn(op, step, sys)
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s > 0:
-                yield env.timeout(op.fixed_duration_s)
+                if op.kind is _COMPUTE:
+                    yield from sys.run_kernel(op, op.fixed_duration_s)
+                else:
+                    yield env.timeout(op.fixed_duration_s)
         elif op.kind is _COMPUTE:
-            yield env.timeout(sys.cost.duration_s(op, sys.state))
+            yield from sys.run_kernel(op)
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
             yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)
         elif op.kind is _COLLECTIVE and sys.collective_model(op):
-            yield env.timeout(sys.collective_s(op))
+            yield from sys.run_collective(op)
         elif op.kind is _COLLECTIVE or op.kind is _D2D:
             yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind is not _D2D
                               else op.bytes_moved / sys.cost.memory_bandwidth(op.cost_class))

@@ -3,6 +3,12 @@
 ``System`` instantiates the runtime objects the executor needs from the specs: the cost model,
 the fluid network of links (PCIe per direction plus the shared duplex limit), memory pools
 (HBM, pinned and pageable host memory) and the current device clocks.
+
+It also holds the GPU's interference state (``simulator.cost.interference``): the collectives in
+flight (the SMs and HBM traffic they take) and whether compute kernels are running. Kernels and
+collectives progress at rates that follow that state (``run_kernel``, ``run_collective``): when
+a collective starts or ends mid-kernel, the kernel's remaining work continues at the new rate,
+and a collective runs ``1 + gamma`` times slower exactly while a compute kernel runs beside it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import simpy
 from hardware_models.fabrics import FluidNetwork
 from hardware_models.machine import Hardware
 from simulator.cost.base import DeviceState
+from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load, kernel_share
 from simulator.cost.roofline import RooflineCostModel
 from simulator.engine.memory import MemoryPool
 from simulator.graph.ops import OpKind
@@ -50,7 +57,17 @@ class System:
         #: host time per launched op by phase (a scenario override applies to every phase)
         self.launch_overhead_by_phase_s = launch.by_phase_s
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
-        self._collective_s: dict[tuple[str, str, int], float] = {}
+        self._collective: dict[tuple[str, str, int], object] = {}
+        nccl = hw.nccl
+        #: interference factors of this run (None: off, no collective model or nccl.interference false)
+        self.interference: InterferenceFactors | None = None
+        if hw.collectives is not None and (nccl is None or nccl.interference):
+            self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
+                                                                 nccl.nchannels if nccl is not None else None)
+        self._loads: list[CommLoad] = []  # collectives in flight on this GPU
+        self._kernels = 0  # compute kernels running on this GPU
+        self._comm_changed: simpy.Event | None = None  # fires when self._loads changes
+        self._compute_changed: simpy.Event | None = None  # fires when compute goes busy <-> idle
         clock = lambda: env.now  # noqa: E731
         self.memory = {
             "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
@@ -62,10 +79,11 @@ class System:
         """Whether ``op`` is a collective this machine prices with its NCCL model (``meta["collective"]``)."""
         return self.hw.collectives is not None and bool(op.meta) and "collective" in op.meta
 
-    def collective_s(self, op) -> float:
-        """Device time of collective ``op`` over its group (``meta``: ``collective``, ``bytes``, ``group``), s.
+    def collective_result(self, op):
+        """The NCCL model's ``CollectiveResult`` of collective ``op`` over its group (``meta``:
+        ``collective``, ``bytes``, ``group``), in isolation.
 
-        Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
+        Priced once per (collective, group, bytes) by ``hw.collectives.price(...)`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group`` (the only one modelled).
 
         Raises:
@@ -73,15 +91,99 @@ class System:
         """
         m = op.meta
         key = (m["collective"], m.get("group", "dp"), int(m["bytes"]))
-        t = self._collective_s.get(key)
-        if t is None:
+        r = self._collective.get(key)
+        if r is None:
             from hardware_models.collectives import CollectiveError
 
             if key[1] != "dp":
                 raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp)")
-            t = self._collective_s[key] = self.hw.collectives.price(key[0], self.hw.dp_group, key[2],
-                                                                      self.hw.nccl).time_s
-        return t
+            r = self._collective[key] = self.hw.collectives.price(key[0], self.hw.dp_group, key[2], self.hw.nccl)
+        return r
+
+    def collective_s(self, op) -> float:
+        """Isolated device time of collective ``op`` (``collective_result(op).time_s``), s."""
+        return self.collective_result(op).time_s
+
+    # -- interference ------------------------------------------------------------------------------
+    def _signal(self, name: str) -> None:
+        ev = getattr(self, name)
+        if ev is not None:
+            setattr(self, name, None)
+            ev.succeed()
+
+    def _watch(self, name: str) -> simpy.Event:
+        ev = getattr(self, name)
+        if ev is None:
+            ev = self.env.event()
+            setattr(self, name, ev)
+        return ev
+
+    def _progress(self, duration_s, watch: str):
+        """Run one unit of work whose full duration at the current state is ``duration_s()``,
+        re-rated whenever the event ``watch`` names fires (rate = 1 / duration)."""
+        env = self.env
+        done = 0.0
+        while True:
+            d = duration_s()
+            left = (1.0 - done) * d
+            if left <= 0:
+                return
+            t0 = env.now
+            to = env.timeout(left)
+            yield to | self._watch(watch)
+            if to.processed:
+                return
+            done = min(1.0, done + (env.now - t0) / d)
+
+    def run_kernel(self, op, duration_s: float | None = None):
+        """SimPy process body: compute kernel ``op`` on this GPU (``duration_s``: a measured time).
+
+        Without interference it takes ``cost.duration_s(op, state)`` (or ``duration_s``). With it,
+        the kernel's rate at each moment is 1 / its duration beside the collectives then in flight
+        (``cost.duration_s(op, state, sm_held, hbm_share)``); a measured kernel is not re-priced
+        (its measurement includes whatever ran beside it) but counts as compute for the
+        collectives' slowdown. The clocks are read when the rate changes.
+        """
+        env = self.env
+        if self.interference is None:
+            yield env.timeout(duration_s if duration_s is not None else self.cost.duration_s(op, self.state))
+            return
+        self._kernels += 1
+        if self._kernels == 1:
+            self._signal("_compute_changed")
+        try:
+            if duration_s is not None:
+                yield env.timeout(duration_s)
+            else:
+                gpu = self.hw.gpu
+                yield from self._progress(lambda: self.cost.duration_s(
+                    op, self.state, *kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)),
+                    "_comm_changed")
+        finally:
+            self._kernels -= 1
+            if self._kernels == 0:
+                self._signal("_compute_changed")
+
+    def run_collective(self, op):
+        """SimPy process body: collective ``op`` priced by the NCCL model (``collective_result``).
+
+        With interference it holds its SMs and HBM traffic (``comm_load``) while in flight, and
+        progresses at ``1 / (1 + gamma)`` of its isolated rate while any compute kernel runs.
+        """
+        res = self.collective_result(op)
+        f = self.interference
+        if f is None:
+            yield self.env.timeout(res.time_s)
+            return
+        load = comm_load(f, res.busbw_bytes_per_s)
+        self._loads.append(load)
+        self._signal("_comm_changed")
+        slow = 1.0 + f.comm_slowdown
+        try:
+            yield from self._progress(lambda: res.time_s * (slow if self._kernels else 1.0), "_compute_changed")
+        finally:
+            self._loads.remove(load)
+            self._signal("_comm_changed")
 
     @property
     def collective_dispatch_s(self) -> float:

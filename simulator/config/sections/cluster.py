@@ -17,7 +17,8 @@ YAML::
       first_bucket_mb: 1           # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB
       overlap_grad_reduce: true    # Megatron-LM --overlap-grad-reduce: buckets reduced during backward
       gradient_as_bucket_view: false
-    nccl: {algo: null, proto: null, nvls_enable: true, nchannels: null}   # NCCL_ALGO / NCCL_PROTO ...
+    nccl: {algo: null, proto: null, nvls_enable: true, nchannels: null,   # NCCL_ALGO / NCCL_PROTO ...
+           interference: true}     # compute/communication interference (false: each side priced alone)
 
 Sources: PyTorch ``torch/nn/parallel/distributed.py`` (``bucket_cap_mb`` default 25, MiB;
 ``_DEFAULT_FIRST_BUCKET_BYTES = int(1024 * 1024)`` in ``torch/distributed/constants.py``) and the
@@ -71,4 +72,9 @@ class NcclSectionConfig(_Model):
     algo: str | None = Field(default=None, description="NCCL_ALGO: Ring, Tree, NVLS, NVLSTree.")
     proto: str | None = Field(default=None, description="NCCL_PROTO: LL, LL128, Simple.")
     nvls_enable: bool = Field(default=True, description="NCCL_NVLS_ENABLE.")
-    nchannels: PositiveInt | None = Field(default=None, description="NCCL channel count (caps the bus bandwidth).")
+    nchannels: PositiveInt | None = Field(default=None, description="NCCL channel count (caps the bus bandwidth; "
+                                          "also the SMs a collective holds from compute).")
+    interference: bool = Field(default=True, description="Model compute/communication interference: collectives "
+                               "hold SMs (one per channel) and HBM bandwidth from the kernels beside them and run "
+                               "slower while compute overlaps them (factors in the collective profile); false "
+                               "prices each side alone, for comparison.")
