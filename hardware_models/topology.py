@@ -188,6 +188,11 @@ def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkS
 
 
 # -- the graph --------------------------------------------------------------------------------------
+#: Most nodes a topology may have: 4,096 nodes is 32,768 GPUs of 8-GPU nodes, twice the largest
+#: published training runs the project targets (16,384 GPUs); larger inputs are refused, not slow.
+MAX_NODES = 4096
+
+
 class Topology:
     """The directed link graph of ``nodes`` x ``cluster`` joined by ``network``.
 
@@ -204,6 +209,9 @@ class Topology:
     def __init__(self, cluster: ClusterSpec, nodes: int = 1, network: NetworkSpec | None = None):
         if not isinstance(nodes, int) or nodes < 1:
             raise TopologyError(f"cluster.nodes must be an integer >= 1, got {nodes!r}")
+        if nodes > MAX_NODES:
+            raise TopologyError(f"cluster.nodes: {nodes} is above the {MAX_NODES:,} nodes this simulator builds "
+                                f"({MAX_NODES * cluster.gpus_per_node:,} GPUs of {cluster.name})")
         if nodes > 1 and cluster.nics_per_node == 0:
             raise TopologyError(f"cluster.nodes: {cluster.name} has no NICs (nics_per_node: 0), so nodes must be 1; "
                                 f"got {nodes}")
@@ -214,6 +222,7 @@ class Topology:
         self.network = network if nodes > 1 else None
         self.graph = nx.DiGraph()
         self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._node0_paths: dict[tuple[str, str], list[str]] = {}
         for k in range(nodes):
             self._build_node(k)
         if self.network is not None:
@@ -350,12 +359,43 @@ class Topology:
             # rail affinity: GPU i leaves and enters through NIC i % nics (one NIC per GPU on HGX;
             # NCCL picks the closest NIC per GPU, src/graph/search.cc)
             na, nb = f"n{a['node']}.nic{a['local'] % nics}", f"n{b['node']}.nic{b['local'] % nics}"
-            path = self._path(src, na)[:-1] + self._path(na, nb, net_only=True)[:-1] + self._path(nb, dst)
+            path = self._in_node(src, na)[:-1] + self._net_path(na, nb)[:-1] + self._in_node(nb, dst)
+        elif a.get("node") is not None and a.get("node") == b.get("node"):
+            path = self._in_node(src, dst)
         else:
             path = self._path(src, dst)
         names = tuple(g.edges[u, v]["name"] for u, v in zip(path, path[1:]))
         self._routes[key] = names
         return names
+
+    def _in_node(self, src: str, dst: str) -> list[str]:
+        """Path between two devices of one node: node 0's path, renamed (every node is built alike),
+        so a ring over thousands of nodes costs one search per pair of local devices."""
+        k = self.graph.nodes[src]["node"]
+        if k == 0:
+            return self._path(src, dst)
+        own = f"n{k}."
+        tmpl_key = ("n0." + src[len(own):], "n0." + dst[len(own):])
+        tmpl = self._node0_paths.get(tmpl_key)
+        if tmpl is None:
+            tmpl = self._node0_paths[tmpl_key] = self._path(*tmpl_key)
+        if not all(v.startswith("n0.") for v in tmpl):  # the path leaves the node: search this pair
+            return self._path(src, dst)
+        return [own + v[3:] for v in tmpl]
+
+    def _net_path(self, na: str, nb: str) -> list[str]:
+        """NIC-to-NIC path over the scale-out network: NIC -> its leaf (-> spine -> the other leaf)
+        -> NIC, as ``_build_network`` wires it (one spine); a search only if the wiring differs."""
+        g = self.graph
+
+        def leaf(nic: str) -> str | None:
+            return next((v for v in g.successors(nic) if g.nodes[v].get("kind") == "leaf"), None)
+
+        la, lb = leaf(na), leaf(nb)
+        path = [na, la, nb] if la == lb else [na, la, "spine0", lb, nb]
+        if la is not None and lb is not None and all(g.has_edge(u, v) for u, v in zip(path, path[1:])):
+            return path
+        return self._path(na, nb, net_only=True)
 
     def _path(self, src: str, dst: str, net_only: bool = False) -> list[str]:
         g = self.graph

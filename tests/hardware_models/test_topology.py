@@ -114,3 +114,32 @@ def test_disconnected_topology_is_refused():
 def test_specs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         load_cluster("dgx-h100").gpus_per_node = 4
+
+
+def test_structural_routes_equal_the_graph_search():
+    """Routes built from node 0's paths and the leaf/spine wiring equal a full search for every GPU pair."""
+    for cluster, network in (("dgx-h100", "ib-ndr-rail"), ("dgx-a100", "ib-hdr")):
+        topo = build_topology(cluster, nodes=3, network=network)
+        n = topo.world_size
+        for a in range(n):
+            for b in range(n):
+                if a == b:
+                    continue
+                fast = topo.rank_route(a, b)
+                ga, gb = topo.gpu(a), topo.gpu(b)
+                nics = topo.cluster.nics_per_node
+                if topo.node_of(a) != topo.node_of(b):
+                    la, lb = a % topo.gpus_per_node % nics, b % topo.gpus_per_node % nics
+                    na, nb = f"n{topo.node_of(a)}.nic{la}", f"n{topo.node_of(b)}.nic{lb}"
+                    path = topo._path(ga, na)[:-1] + topo._path(na, nb, net_only=True)[:-1] + topo._path(nb, gb)
+                else:
+                    path = topo._path(ga, gb)
+                slow = tuple(topo.graph.edges[u, v]["name"] for u, v in zip(path, path[1:]))
+                assert fast == slow, (cluster, a, b)
+
+
+def test_more_nodes_than_the_limit_are_refused_in_one_line():
+    from hardware_models.topology import MAX_NODES
+
+    with pytest.raises(TopologyError, match="above the 4,096 nodes"):
+        build_topology("dgx-h100", nodes=MAX_NODES + 1, network="ib-ndr-rail")

@@ -34,6 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from hardware_models.topology import MAX_NODES
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,7 +46,8 @@ class ClusterConfig(_Model):
 
     preset: str = Field(description="Cluster node preset: dgx-h100, dgx-h200, dgx-a100, h100-pcie-8gpu, "
                                     "4x-a100-pcie-nvlink, 4x-a100-pcie.")
-    nodes: PositiveInt = Field(default=1, description="Nodes; world size = nodes x the preset's gpus_per_node.")
+    nodes: PositiveInt = Field(default=1, le=MAX_NODES,
+                               description=f"Nodes; world size = nodes x the preset's gpus_per_node (at most {MAX_NODES:,}).")
     network: str | None = Field(default=None, description="Network preset (ib-ndr-rail, ib-hdr, roce-400g); "
                                                           "default: the cluster preset's. Used when nodes > 1.")
     collective_profile: str | None = Field(default=None, description="Collective profile preset "
