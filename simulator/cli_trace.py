@@ -41,13 +41,31 @@ def _speedup_problem(flag: str, x: float) -> str | None:
     return None if math.isfinite(x) and x > 0 else f"{flag} {x}: must be a finite number > 0"
 
 
+#: First line of every profile ``simulate calibrate`` writes: only such a file may be replaced.
+CALIBRATED_HEADER = "# Written by simulate calibrate"
+
+
 def _check_writable_file(path: str, what: str) -> str | None:
-    """An error message if ``path`` cannot be written as a file, else None."""
+    """An error message if ``path`` cannot be written as a profile YAML, else None.
+
+    The name must end in ``.yaml``/``.yml`` (it is referenced as ``hardware.profile``); an existing
+    file is replaced only if an earlier ``simulate calibrate`` wrote it.
+    """
     p = Path(path)
     if p.is_dir():
         return f"{what} {path}: is a folder, expected a file name"
     if not p.parent.exists():
         return f"{what} {path}: folder {p.parent} does not exist"
+    if p.suffix not in (".yaml", ".yml"):
+        return f"{what} {path}: expected a profile file name ending in .yaml or .yml"
+    if p.exists():
+        try:
+            with open(p, encoding="utf-8", errors="replace") as fh:
+                first = fh.readline().rstrip("\n")
+        except OSError:
+            first = ""
+        if first != CALIBRATED_HEADER:
+            return f"{what} {path}: exists and was not written by simulate calibrate; choose another file name"
     return None
 
 
@@ -166,13 +184,13 @@ def run_calibrate(args) -> int:
     from simulator.calibration.fit import calibrate, plot_report
     from simulator.graph.importers.kineto import TraceImportError
 
-    problems = [_check_writable_file(args.out, "--out")]
+    problems = [f"--out {args.out}: is one of the inputs ({f}); choose another file name"
+                for f in [*args.traces, *args.scenario] if _same_file(args.out, f)]
+    problems.append(_check_writable_file(args.out, "--out"))
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         problems.append(f"--report {args.report}: is an existing file, expected a folder")
     problems += [f"{t}: calibrate takes Kineto traces, not Chakra execution traces"
                  for t in args.traces if str(t).endswith((".et", ".et.gz"))]
-    problems += [f"--out {args.out}: is one of the inputs ({f}); choose another file name"
-                 for f in [*args.traces, *args.scenario] if _same_file(args.out, f)]
     problems = [p for p in problems if p]
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
@@ -182,7 +200,7 @@ def run_calibrate(args) -> int:
     except (TraceImportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    Path(args.out).write_text("# Written by simulate calibrate\n" + yaml.safe_dump(prof, sort_keys=False))
+    Path(args.out).write_text(CALIBRATED_HEADER + "\n" + yaml.safe_dump(prof, sort_keys=False))
     if args.json:
         print(_strict_json({"profile": str(args.out), "provenance": prof["provenance"],
                             "report": report.to_dict(orient="records")}))

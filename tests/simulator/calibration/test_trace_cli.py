@@ -115,6 +115,21 @@ def test_calibrate_out_never_overwrites_an_input(tmp_path, capsys):
     assert trace.read_bytes() == before
 
 
+def test_calibrate_out_replaces_only_its_own_profiles(tmp_path, capsys):
+    """An unrelated existing file is never overwritten; a profile an earlier calibrate wrote is."""
+    unrelated = tmp_path / "notes.yaml"
+    unrelated.write_text("my: notes\n")
+    assert main(["calibrate", str(SMALL), "--scenario", str(SCENARIO), "--out", str(unrelated)]) == 2
+    _one_line_error(capsys, "was not written by simulate calibrate")
+    assert unrelated.read_text() == "my: notes\n"
+    assert main(["calibrate", str(SMALL), "--scenario", str(SCENARIO), "--out", str(tmp_path / "existing")]) == 2
+    _one_line_error(capsys, "ending in .yaml or .yml")
+    ours = tmp_path / "p.yaml"
+    assert main(["calibrate", str(SMALL), "--scenario", str(SCENARIO), "--out", str(ours)]) == 0
+    capsys.readouterr()
+    assert main(["calibrate", str(SMALL), "--scenario", str(SCENARIO), "--out", str(ours)]) == 0
+
+
 def test_calibrate_json_is_strict(tmp_path, capsys):
     out_yaml = tmp_path / "p.yaml"
     assert main(["calibrate", str(SMALL), "--scenario", str(SCENARIO), "--out", str(out_yaml), "--json"]) == 0
