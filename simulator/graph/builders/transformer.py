@@ -159,9 +159,11 @@ def build_gpt_step(spec: TransformerSpec) -> OpGraph:
 
     * ZeRO 0 (PyTorch DDP, ``torch/csrc/distributed/c10d/reducer.cpp``
       ``compute_bucket_assignment_by_size``): a bucket closes once its bytes reach its cap (first
-      bucket 1 MiB, then ``bucket_cap_mb``); all-reduce of the fp32 bucket. Without
-      ``gradient_as_bucket_view`` the bucket buffers are one more fp32 copy of the gradients
-      (PyTorch DDP docs: the view "saves memory equal to the total gradients size").
+      bucket 1 MiB, then ``bucket_cap_mb``); all-reduce of the fp32 bucket. The bucket buffers
+      (4 bytes/param) are allocated when DDP is constructed and persist. Without
+      ``gradient_as_bucket_view`` the ``.grad`` tensors are one more fp32 copy allocated in
+      backward; with it they are views of the buckets and take no memory of their own (PyTorch
+      DDP docs: the view "saves memory equal to the total gradients size").
     * ZeRO 1/2 (Rajbhandari et al., *ZeRO*, SC20, section 7: 2Psi communication per step for
       P_os and P_os+g, as DP's all-reduce): DeepSpeed's buckets (``reduce_bucket_size``
       elements, flushed before a gradient that would overflow them) are reduce-scattered; Adam
@@ -191,6 +193,8 @@ class _GptBuilder:
         self.groups: list[ParamGroup] = []
         self.dp = spec.data_parallel_size > 1
         self.zero = spec.zero_stage if self.dp else 0
+        # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
+        self._grads_in_buckets = self.dp and self.zero == 0 and spec.gradient_as_bucket_view
         self.overlap = spec.overlap_grad_reduce
         self._bucket: list[ParamGroup] = []
         self._buckets: list[tuple[ParamGroup, ...]] = []  # closed, not yet emitted (overlap off)
@@ -250,7 +254,7 @@ class _GptBuilder:
         """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
         gname = f"grad.L{self.e.layer}.{pname}" if self.e.layer >= 0 else f"grad.{pname}"
         first = gname not in self.grad_made
-        out = [(gname, 4 * numel)] if first else []
+        out = [(gname, 4 * numel)] if first and not self._grads_in_buckets else []
         if first:
             self.grad_made.add(gname)
         reads = 2 * numel + (0 if first else 4 * numel)
@@ -367,7 +371,7 @@ class _GptBuilder:
             b.persistent("params.master_fp32", 4 * Ps)
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
-        if self.dp and self.zero == 0 and not s.gradient_as_bucket_view:
+        if self.dp and self.zero == 0:
             b.persistent("grad.ddp_buckets", 4 * P)  # DDP's flat bucket buffers (fp32, all parameters)
 
     def _micro_batch(self, mb: int) -> None:
@@ -424,7 +428,8 @@ class _GptBuilder:
         first = gname not in self.grad_made
         self.grad_made.add(gname)
         i = e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h * (1 if first else 2),
-                     writes=4 * V * h, out=[(gname, 4 * V * h)] if first else [], uses=[d_emb], dtype="fp32")
+                     writes=4 * V * h, out=[(gname, 4 * V * h)] if first and not self._grads_in_buckets else [],
+                     uses=[d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
         i = e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * s.seq_length * h, uses=[g],
                      dtype="fp32")

@@ -253,3 +253,22 @@ def test_bad_input_one_line_exit_2(sets, needle):
                        cwd=ROOT, timeout=120)
     lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("warning")]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_gradient_as_bucket_view_keeps_the_buckets_and_drops_the_grad_copies():
+    """DDP's fp32 buckets (4 bytes/param) persist either way; without the view the ``.grad`` tensors
+    are a second copy allocated in backward, with it they are views (PyTorch DDP docs)."""
+    small = DGX + ["training.micro_batch_size=1", "model.seq_length=128", "run.steps=2"]
+    peak = {v: run_scenario(load_scenario(B16, small + [f"ddp.gradient_as_bucket_view={v}"])).summary
+            for v in ("false", "true")}
+    params = peak["true"]["peak_memory_by_category_bytes"]["params"] // 4  # fp32 parameters
+    assert peak["true"]["peak_memory_by_category_bytes"]["grad"] == 4 * params
+    assert peak["false"]["peak_memory_by_category_bytes"]["grad"] > 1.9 * 4 * params
+    assert peak["false"]["peak_memory_bytes"] > peak["true"]["peak_memory_bytes"]
+
+
+def test_gradient_as_bucket_view_does_not_lower_a_forward_peak():
+    """At the end of forward the buckets are already allocated, view or not (the fresh-user report)."""
+    runs = {v: run_scenario(load_scenario(B16, DGX + ["run.steps=2", f"ddp.gradient_as_bucket_view={v}"])).summary
+            for v in ("false", "true")}
+    assert runs["true"]["peak_memory_bytes"] == runs["false"]["peak_memory_bytes"]
