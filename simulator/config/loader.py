@@ -57,10 +57,30 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
 _KEYED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
 
 
+def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[str]:
+    """Class names of every pydantic model reachable from ``model`` (pydantic puts a union member's
+    class name in an error's location: ``hardware.gpu.PresetRef.preset``)."""
+    seen = set() if seen is None else seen
+    if model.__name__ in seen:
+        return seen
+    seen.add(model.__name__)
+    for f in model.model_fields.values():
+        for a in getattr(f.annotation, "__args__", (f.annotation,)):
+            if isinstance(a, type) and issubclass(a, BaseModel):
+                _model_names(a, seen)
+    return seen
+
+
 def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
-    """One line for the first error of a pydantic ``ValidationError``."""
-    err = exc.errors()[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p[:1].isupper() and "[" in p))
+    """One line for the most useful error of a pydantic ``ValidationError``.
+
+    An unknown key is reported before anything else: a misspelt required key also makes that key
+    "missing", and the typo is what the user must fix.
+    """
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    names = _model_names(model)
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p[:1].isupper() and "[" in p or p in names)))
     path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p
                     for p in loc if not str(p).startswith("function-")) or "(top level)"
     kind, msg = err["type"], err["msg"]

@@ -42,6 +42,15 @@ CASES = [
     ("heads do not divide", mutate(["model", "num_attention_heads"], 7), ["num_attention_heads (7) must divide"]),
     ("missing key", {k: v for k, v in BASE.items() if k != "model"}, ["model", "required"]),
     ("bad precision", mutate(["training", "precision"], "fp8"), ["training.precision", "amp_fp32_params"]),
+    # a misspelt required key is an unknown key first (not "micro_batch_size: required key is missing")
+    ("misspelt required key", {**BASE, "training": {**{k: v for k, v in BASE["training"].items()
+                                                      if k != "micro_batch_size"}, "micro_bach_size": 8}},
+     ["training.micro_bach_size", "unknown key", "did you mean 'micro_batch_size'"]),
+    ("misspelt section", {**{k: v for k, v in BASE.items() if k != "training"}, "trainig": BASE["training"]},
+     ["trainig: unknown key", "did you mean 'training'"]),
+    # a field of a preset reference written as if hardware.gpu were the spec: no class names, the keys allowed
+    ("field on a preset name", mutate(["hardware", "gpu"], {"memory_bandwidth": "4.8 TB/s"}),
+     ["hardware.gpu.memory_bandwidth: unknown key (allowed: overrides, preset)"]),
 ]
 
 
