@@ -73,6 +73,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
     summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
     summary["warnings"] = run_warnings(hw, cfg)
+    if cfg is not None:
+        summary["zero_stage"] = cfg.zero_optimization.stage
     for comp in runtime.components:
         if hasattr(comp, "summarize"):
             summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))

@@ -64,7 +64,10 @@ def format_summary(s: dict, name: str) -> str:
                      f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
     if (s.get("world_size") or 1) > 1:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
-        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}")
+        zero = s.get("zero_stage") or 0
+        sharded = {1: "optimizer state sharded", 2: "optimizer state and gradients sharded"}.get(zero)
+        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}"
+                     + (f"; ZeRO stage {zero}: {sharded} over the data-parallel ranks" if sharded else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight)")
     if "offload_cpu_optimizer_s" in s:
@@ -79,6 +82,8 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average")
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
+        lines.append("                    (the step time and throughput above are what the step would take if it fit; "
+                     "exit status 1)")
     lines += [f"warning             {w}" for w in s.get("warnings") or []]
     return "\n".join(lines)
 
@@ -229,9 +234,16 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with the project's error contract: one line on stderr, exit status 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (verbs: run, sweep, validate, presets, schema, ...)."""
-    ap = argparse.ArgumentParser(prog="simulate", description="Discrete-event simulator of ML training systems.")
+    ap = _OneLineParser(prog="simulate", description="Discrete-event simulator of ML training systems.")
     ap.add_argument("--version", action="version", version=f"simulate (trainsim-des) {_version()}")
     sub = ap.add_subparsers(dest="verb", required=True)
 

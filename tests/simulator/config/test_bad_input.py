@@ -120,3 +120,22 @@ def test_trace_verbs_reject_bad_arguments(tmp_path, capsys):
 def test_unknown_key_suggests_the_closest(capsys):
     assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_sizee=4"]) == 2
     assert "did you mean 'micro_batch_size'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "the following arguments are required"),
+    (["run"], "simulate run: the following arguments are required: scenario"),
+    (["collective", "dgx-h100", "--ranks", "abc"], "argument --ranks: invalid int value"),
+])
+def test_argument_errors_are_one_line(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "simulator", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+
+
+def test_out_of_memory_summary_says_the_times_are_hypothetical(capsys):
+    rc = main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "model.hidden_size=16384",
+               "--set", "run.steps=2"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "OUT OF MEMORY" in out and "what the step would take if it fit" in out
