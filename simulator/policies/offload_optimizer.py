@@ -87,96 +87,93 @@ tests/validation/test_offload.py compares against (in-sample for that one parame
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-
 import numpy as np
 
+from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
+                                          pass_time_s)
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
-#: Host whose measured AdamW points are borrowed by hosts without their own.
-REFERENCE_HOST = "h200-measured-host"
-#: DRAM bytes per parameter of one AdamW step (see the module docstring).
-ADAM_BYTES_PER_PARAM = {"torch_foreach": 80.0, "torch_single": 80.0, "deepspeed_cpu_adam": 30.0}
-#: Eager per-tensor op dispatches of one step (the 8 passes + the step counter).
-ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "deepspeed_cpu_adam": 1}
+#: Eager per-tensor op dispatches of one step (hardware_models.host_kernels: passes + step counter).
+ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1}
 #: Bytes read + written by a bf16 <-> fp32 cast, per parameter.
 CAST_BYTES_PER_PARAM = 6.0
 #: Bytes per parameter the grad cast writes into a fresh fp32 tensor (of CAST_BYTES_PER_PARAM).
 GRAD_CAST_FRESH_BYTES_PER_PARAM = 4.0
-#: Bytes per parameter AdamW writes into fresh allocations each step (the fp32 sqrt temporary).
-ADAM_FRESH_BYTES_PER_PARAM = {"torch_foreach": 4.0, "torch_single": 4.0, "deepspeed_cpu_adam": 0.0}
+#: Training-thread cores the DPU worker loses: the training thread keeps launching GPU work on one
+#: core while the CPU step runs on the intra-op pool (delayed_param_update only).
+DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
+GRAD_CAST_INPLACE = StreamPass("fp32_grad.copy_(half)", 2.0, 4.0)
+PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
 
 
 # -- CPU time model ------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _reference_host():
-    from hardware_models import presets
-
-    return presets.get("hosts", REFERENCE_HOST)[0]
-
-
-def interp_loglog(points, x: float) -> float:
-    """Interpolate ``(x, y)`` points linearly in log-log space; constant outside their range."""
-    pts = sorted((float(a), float(b)) for a, b in points)
-    if not pts:
-        raise ValueError("no points to interpolate")
-    xs = np.log([p[0] for p in pts])
-    ys = np.log([p[1] for p in pts])
-    return float(np.exp(np.interp(math.log(max(x, 1.0)), xs, ys)))
+def cpu_threads(hw, mode: str = "overlap") -> int:
+    """Intra-op threads the CPU step gets: the host's, less the training thread's core under DPU
+    when the pool already covers every available core (oversubscription: the two share it)."""
+    cpu = hw.host_cpu
+    t = cpu.threads
+    if mode == "delayed_param_update" and t >= cpu.cores_available:
+        t = max(1, t - DPU_TRAINING_THREAD_CORES)
+    return t
 
 
-def cpu_adam_rate(params: float, impl: str, hw) -> tuple[float, str]:
-    """AdamW throughput of the host for a model of ``params`` parameters, params/s, and how it was got.
+def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
+                   pin_memory: bool = True) -> dict[str, float]:
+    """Seconds of the three CPU ops of one offloaded optimizer step (host roofline, see
+    ``hardware_models.host_kernels``).
+
+    ``tensor_elements``: element count per parameter tensor (default: ``n_tensors`` equal ones),
+    used for the page-fault term of fresh outputs (only tensors of 32 MiB and more fault each
+    step). Pinned host buffers are allocated and first touched by the main thread, so Linux's
+    first-touch policy puts them on ONE NUMA node (kernel doc admin-guide/mm/numa_memory_policy:
+    the default policy allocates on the node of the touching CPU): their streams get one node's
+    bandwidth. Pageable buffers filled by the intra-op pool spread over the threads' nodes.
 
     Raises:
-        PolicyError: no measured points to start from.
+        PolicyError: an unknown implementation.
     """
+    if impl not in IMPLEMENTATIONS:
+        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: unknown {impl!r}; "
+                          f"allowed: {', '.join(IMPLEMENTATIONS)}")
     cpu = hw.host_cpu
-    own = dict(cpu.adam_params_per_s or {})
-    if impl in own:
-        return interp_loglog(own[impl], params), f"host {cpu.name} measured {impl}"
-    ref = _reference_host()
-    scale = min(cpu.cores / ref.cores, cpu.memory_bandwidth_bytes_per_s / ref.memory_bandwidth_bytes_per_s)
-    how = f"{REFERENCE_HOST} points x min(cores, bandwidth) ratio {scale:.3g}"
-    pts = own or dict(ref.adam_params_per_s)
-    if own:
-        scale, how = 1.0, f"host {cpu.name} measured"
-    if impl in pts:
-        return interp_loglog(pts[impl], params) * scale, f"{how} ({impl})"
-    if "torch_foreach" not in pts:
-        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: no AdamW throughput known for {impl!r}")
-    ratio = ADAM_BYTES_PER_PARAM["torch_foreach"] / ADAM_BYTES_PER_PARAM[impl]
-    return (interp_loglog(pts["torch_foreach"], params) * scale * ratio,
-            f"{how} (torch_foreach x DRAM-traffic ratio {ratio:.3g} for {impl})")
-
-
-def first_touch_bw(hw) -> float:
-    """Host write bandwidth into fresh allocations, bytes/s (the memory bandwidth when unset)."""
-    cpu = hw.host_cpu
-    return cpu.first_touch_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
-
-
-def cpu_step_times(params: int, n_tensors: int, impl: str, hw) -> dict[str, float]:
-    """Seconds of the three CPU ops of one offloaded optimizer step (see the module docstring)."""
-    rate, _ = cpu_adam_rate(params, impl, hw)
+    sizes = list(tensor_elements) if tensor_elements is not None else [params / max(n_tensors, 1)] * n_tensors
     launch = hw.launch.per_op_s
-    bw = hw.host_cpu.memory_bandwidth_bytes_per_s
-    ft = first_touch_bw(hw)
-    fresh = GRAD_CAST_FRESH_BYTES_PER_PARAM * params
-    grad_cast = (CAST_BYTES_PER_PARAM * params - fresh) / bw + fresh / ft + n_tensors * launch
-    param_cast = CAST_BYTES_PER_PARAM * params / bw + n_tensors * launch
-    adam_fresh = ADAM_FRESH_BYTES_PER_PARAM[impl] * params
-    return {
-        "cpu.grad_cast": grad_cast,
-        "cpu.adam": params / rate + adam_fresh * (1.0 / ft - 1.0 / bw) + n_tensors * ADAM_PASSES[impl] * launch,
-        "cpu.param_cast": 0.0 if impl == "deepspeed_cpu_adam" else param_cast,
-    }
+    t = cpu_threads(hw, mode)
+    nodes = 1 if pin_memory else None
+    ds = impl == "deepspeed_cpu_adam"
+    # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
+    # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
+    cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
+    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes))
+                 + n_tensors * launch)
+    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes) + n_tensors * launch
+    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes)
+    return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+
+
+def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True) -> tuple[float, str]:
+    """AdamW throughput of the host on one tensor of ``params`` parameters, params/s, and how it was got."""
+    s = adamw_step_s(hw.host_cpu, impl, [params], threads=cpu_threads(hw, mode), memory_nodes=1 if pin_memory else None)
+    return params / s, f"host roofline ({hw.host_cpu.name}, {cpu_threads(hw, mode)} threads)"
+
+
+def param_tensor_sizes(spec) -> list[int]:
+    """Elements of each parameter tensor (what a per-parameter loop iterates over); sums to
+    ``spec.num_parameters``."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    norm = [h, h] if spec.bias else [h]
+    layer = norm + [3 * h * h] + ([3 * h] if spec.bias else []) + [h * h] + ([h] if spec.bias else []) + norm
+    layer += [f * h] + ([f] if spec.bias else []) + [h * f] + ([h] if spec.bias else [])
+    out = [spec.vocab_size * h, spec.seq_length * h] + layer * spec.num_layers + norm
+    if not spec.tied_embeddings:
+        out.append(spec.vocab_size * h)
+    return out
 
 
 # -- gradients of the built graph ------------------------------------------------------------------
@@ -300,7 +297,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         by_producer.setdefault(b[-1]["op"], []).append(b)
     bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
     last_bwd = bwd_ops[-1].id
-    times = cpu_step_times(P, param_tensor_count(spec), impl, hw)
+    sizes = param_tensor_sizes(spec)
+    times = cpu_step_times(P, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory)
     dpu = mode == "delayed_param_update"
     cpu_stream = "cpu.adam" if dpu else "host"
     rw = GraphRewriter(graph)
@@ -314,7 +312,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 allocs = (TensorAlloc("grad.fp32.host", 4 * P, "host_pageable"),)
             elif name == "cpu.adam":
                 uses = ("grad.fp32.host",)
-                if impl != "deepspeed_cpu_adam":
+                if impl in ("torch_foreach", "torch_single"):
                     allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * P, "host_pageable"),)
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
@@ -372,7 +370,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     meta = dict(graph.meta)
     meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
                                  "grad_copies": len(buckets), "param_copies": len(h2d_ids),
-                                 "adam_rate": cpu_adam_rate(P, impl, hw)}
+                                 "adam_rate": cpu_adam_rate(P, impl, hw, mode, pin_memory)}
     return rw.finish(persistent=persistent, meta=meta)
 
 
