@@ -266,8 +266,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                       pin_memory: bool = True, bucket_elems: int | None = None) -> OpGraph:
     """The rewrite itself, usable without a scenario (tests, notebooks).
 
+    Host memory is a capacity, not a precondition: buffers that do not fit make an out-of-memory
+    result (the engine's host pools, ``host_memory_oom``), as on the GPU.
+
     Raises:
-        PolicyError: not a bf16 builder graph, or pinned buffers larger than host memory.
+        PolicyError: not a bf16 builder graph, or an unknown mode.
     """
     key = "zero_optimization.offload_optimizer"
     spec = _spec(graph, key)
@@ -288,7 +291,6 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("offload.grad_staging.bf16", 2 * P, host_dev),
         TensorAlloc("offload.param_staging.bf16", 2 * P, host_dev),
     ]
-    _check_host_memory(persistent, hw, key)
 
     grads = gradients(graph, spec)
     buckets = _buckets(grads, bucket_elems)
@@ -389,20 +391,18 @@ def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     return out
 
 
-def _check_host_memory(persistent, hw, key: str) -> None:
-    pinned = sum(t.nbytes for t in persistent if t.device == "host_pinned")
-    total = sum(t.nbytes for t in persistent if t.device.startswith("host"))
+def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw) -> str | None:
+    """One line naming what did not fit in host memory, or None: the pinned and pageable host
+    buffers together against ``hardware.host`` memory (each pool alone is checked by the engine,
+    like the GPU's)."""
+    total = pinned_peak_bytes + pageable_peak_bytes
     cap = hw.host_memory.capacity_bytes
-    limit = hw.host_memory.pinned_capacity_bytes
-    if pinned > limit:
-        raise PolicyError(
-            f"{key}.pin_memory: pinned host buffers need {pinned / 1e9:.1f} GB but the host allows "
-            f"{limit / 1e9:.1f} GB of pinned memory (hardware.host); set pin_memory: false or use a larger host"
-        )
-    if total > cap:
-        raise PolicyError(
-            f"{key}: host buffers need {total / 1e9:.1f} GB but host memory (hardware.host) is {cap / 1e9:.1f} GB"
-        )
+    if total <= cap:
+        return None
+    return (f"out of memory on host: offload buffers need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
+            f"fp32 master weights, Adam moments, staging; pageable {pageable_peak_bytes / 1e9:.2f} GB: fp32 gradients, "
+            f"temporaries) but hardware.host ({hw.host_cpu.name}) has {cap / 1e9:.2f} GB, short by "
+            f"{(total - cap) / 1e9:.2f} GB")
 
 
 # -- runtime summary ---------------------------------------------------------------------------------
@@ -411,14 +411,19 @@ class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
 
     def __init__(self, cfg, hw, env, system):
-        self.cfg = cfg
+        self.cfg, self.hw = cfg, hw
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        return offload_parts(spans, steps)
+        out = offload_parts(spans, steps)
+        host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
+                                   self.hw)
+        if host_oom and not summary.get("oom"):
+            out["oom"] = host_oom
+        return out
 
 
 def offload_parts(spans, steps) -> dict:

@@ -14,6 +14,7 @@ from simulator.policies.offload_optimizer import (
     cpu_step_times,
     cpu_threads,
     gradients,
+    host_memory_oom,
     offload_optimizer,
     offload_parts,
     param_tensor_count,
@@ -160,13 +161,25 @@ def test_unknown_offload_device_is_one_line(device):
     assert "\n" not in msg and "zero_optimization.offload_optimizer.device" in msg and "allowed: none, cpu" in msg
 
 
-def test_pinned_larger_than_host_memory():
+def test_pinned_larger_than_host_memory_is_an_oom_result():
+    """185.76M params x 16 B pinned = 2.97 GB > a 2 GB host: an out-of-memory result naming the
+    host pinned pool and the first buffer that did not fit, like a GPU OOM (no exception)."""
     d = _cfg()
     d["hardware"]["host"] = {"preset": "h200-measured-host", "overrides": {"memory": {"capacity_bytes": "2 GB"}}}
-    with pytest.raises(PolicyError) as e:
-        run_scenario(scenario_from_dict(d))
-    msg = str(e.value)
-    assert "\n" not in msg and "offload_optimizer.pin_memory" in msg and "pinned host buffers need 3.0 GB" in msg
+    oom = run_scenario(scenario_from_dict(d)).summary["oom"]
+    assert oom.startswith("out of memory on host.pinned: peak demand 2.97 GB exceeds the capacity 2.00 GB")
+    assert "first allocation over capacity: " in oom and "\n" not in oom
+
+
+def test_host_buffers_together_over_capacity_is_an_oom_result():
+    """A 3.5 GB host: the pinned pool (2.97 GB) fits, but pinned + pageable (fp32 gradients +
+    sqrt temporary, 8 B/param = 1.49 GB) = 4.46 GB does not."""
+    d = _cfg()
+    d["hardware"]["host"] = {"preset": "h200-measured-host", "overrides": {"memory": {"capacity_bytes": "3.5 GB"}}}
+    s = run_scenario(scenario_from_dict(d)).summary
+    assert s["oom"].startswith("out of memory on host: offload buffers need 4.46 GB (pinned 2.97 GB")
+    assert "short by 0.96 GB" in s["oom"]
+    assert host_memory_oom(1.0, 1.0, toy_hw(host_mem=2.0)) is None
 
 
 def test_needs_bf16_and_a_zero_stage():
