@@ -27,62 +27,22 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   step i-1's gradients out of the staging buffer, the upload waits for the end of step i's
   backward, and step i+1's forward waits for that upload (``meta["prev_step_deps"]``).
 
-CPU time model (all inputs measured or from presets; one, the host's first-touch bandwidth, is
-fitted to the measured offload run's trace, see below):
+CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
+two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
+scripts/fit_host_cpu_model.py):
 
-* ``adam_s = P / rate(P) + n_tensors * n_passes * launch_overhead_s``. ``rate(P)`` interpolates
-  the host's measured AdamW throughput points ``(params, params/s)`` linearly in log-log space,
-  constant outside the measured range (the H200 host: ``micro.cpu_adam``, 16 threads, one fp32
-  tensor; at 192M params 838M params/s x ~80 B/param = 67 GB/s, the host memcpy bandwidth: the
-  foreach AdamW is DRAM-bound). A host without its own points borrows those of the measured H200
-  host scaled by ``min(cores / 16, memory_bandwidth / 67.05 GB/s)``. ``deepspeed_cpu_adam``
-  without points is derived from ``torch_foreach`` by the DRAM traffic ratio: PyTorch's foreach
-  AdamW makes 8 passes (``mul_`` weight decay 8 B, ``lerp_`` 12, ``mul_`` 8, ``addcmul_`` 12,
-  ``sqrt`` 8, ``div_`` 8, ``add_`` 8, ``addcdiv_`` 16 = 80 B/param); DeepSpeed's fused AVX kernel
-  reads param, grad and both moments and writes param, moments and the bf16 copy once (30 B/param;
-  Ren et al., ZeRO-Offload, ATC'21, section 4.1). The dispatch term counts one eager op per tensor
-  per pass (``foreach`` ops fall back to a per-tensor loop on CPU) at the profile's measured
-  per-op launch overhead.
-* ``grad_cast_s = 2 B * P / host_bw + 4 B * P / ft_bw + n_tensors * launch_overhead_s`` (read
-  bf16 at the memory bandwidth, write fp32 into a fresh tensor at the first-touch bandwidth),
-  ``param_cast_s = 6 B * P / host_bw + n_tensors * launch_overhead_s`` (read fp32, write bf16 into
-  the preallocated pinned staging buffer: in place; fused into DeepSpeed's kernel, so 0 there),
-  with ``host_bw`` the host preset's memory bandwidth (H200 host: measured memcpy, read + write).
-
-First-touch host memory. A pass that writes into memory allocated anew every step pays a page
-fault (and the kernel's zeroing of the page) per page before the write, so it runs far below the
-in-place bandwidth (the measured run's Kineto trace: the fresh-output passes at 21-29 GB/s of
-bytes moved against 57-79 GB/s for the in-place ones). ``ft_bw`` is the host preset's
-``first_touch_bytes_per_s`` (0: same as ``host_bw``, the model without this term). The bytes
-written into fresh allocations per step, per parameter:
-
-* ``grad_cast``: 4 B, the fp32 gradients (``g.to(torch.float32)`` allocates a new tensor each
-  step, notes.offload: "fresh tensors each step").
-* ``adam`` (``torch_foreach`` / ``torch_single``): 4 B, ``exp_avg_sq_sqrt =
-  torch._foreach_sqrt(device_exp_avg_sqs)`` in ``torch/optim/adamw.py`` (``adam.py`` in newer
-  releases) ``_multi_tensor_adamw``. (``torch_single`` is charged the same 4 B, an unmeasured
-  assumption: ``_single_tensor_adamw``'s ``(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``
-  allocates two temporaries per tensor but frees them before the next tensor, so malloc may
-  recycle small ones.) Every other pass of the
-  step is in place: ``_foreach_add_`` (step counters), ``_foreach_mul_`` (decoupled weight decay
-  on the params), ``_foreach_lerp_`` (exp_avg), ``_foreach_mul_`` + ``_foreach_addcmul_``
-  (exp_avg_sq), ``_foreach_div_`` and ``_foreach_add_`` (on the sqrt temporary itself),
-  ``_foreach_addcdiv_`` (params); the bias corrections are Python floats (``_get_value(step)``,
-  the ``aten::item`` calls of the trace); state tensors are allocated once, at the first step.
-  The trace of the measured run shows exactly this op sequence inside ``Optimizer.step``.
-  DeepSpeed's fused kernel allocates nothing: 0 B.
-* ``param_cast``: 0 B (copies into the pinned staging buffer allocated once).
-
-The AdamW throughput ``rate(P)`` is taken as the all-in-place rate (the microbenchmark's single
-192M-element tensor does not show the first-touch cost the 148-tensor step does, see
-tests/validation/test_offload.py), so the sqrt temporary's 4 B written are moved from the memory
-bandwidth to the first-touch bandwidth: ``adam_s += 4 B * P * (1 / ft_bw - 1 / host_bw)``.
-
-``first_touch_bytes_per_s`` of the H200 host is fitted by scripts/fit_host_first_touch.py from
-the two fresh-output passes (grad cast, ``_foreach_sqrt``) of the Kineto trace
-tests/data/h200/trace_gpt_184m_b16_offload_overlap.json.gz, i.e. from the run that
-tests/validation/test_offload.py compares against (in-sample for that one parameter):
-``ft_bw = sum(fresh bytes) / sum(t_pass - read bytes / host_bw - n_tensors * launch_overhead_s)``.
+* ``cpu.adam``: the implementation's passes (``torch_foreach`` / ``torch_single``: 8 streaming
+  passes, 80 B/param, the ``sqrt`` output (and for ``torch_single`` the ``div`` output) fresh
+  every step; ``torch_fused``: one pass, 28 B/param; ``deepspeed_cpu_adam``: one pass, 30 B/param
+  with the half-precision copy), each ``max(bytes / bandwidth, vector slots / SIMD throughput)``
+  + page faults of fresh outputs, + one dispatch per tensor per pass at the host's per-op time.
+* ``cpu.grad_cast``: bf16 -> fp32 gradients, 2 B read + 4 B written into fresh tensors
+  (``g.to(torch.float32)`` each step, notes.offload), or in place into DeepSpeed's fp32 buffer.
+* ``cpu.param_cast``: fp32 -> bf16 into the preallocated pinned staging buffer, 6 B in place (fused
+  into DeepSpeed's kernel: 0).
+* Threads: the host's ``threads`` (default all physical cores of the nodes in use); under DPU
+  the training thread takes one core from the pool (``cpu_threads``). Pinned state lives on one
+  NUMA node (first touch by the allocating thread): its streams get one node's bandwidth.
 """
 
 from __future__ import annotations
@@ -98,10 +58,6 @@ from simulator.policies.registry import PolicyError, register_graph_policy, regi
 
 #: Eager per-tensor op dispatches of one step (hardware_models.host_kernels: passes + step counter).
 ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1}
-#: Bytes read + written by a bf16 <-> fp32 cast, per parameter.
-CAST_BYTES_PER_PARAM = 6.0
-#: Bytes per parameter the grad cast writes into a fresh fp32 tensor (of CAST_BYTES_PER_PARAM).
-GRAD_CAST_FRESH_BYTES_PER_PARAM = 4.0
 #: Training-thread cores the DPU worker loses: the training thread keeps launching GPU work on one
 #: core while the CPU step runs on the intra-op pool (delayed_param_update only).
 DPU_TRAINING_THREAD_CORES = 1

@@ -106,3 +106,11 @@ def test_bad_cpu_specs_rejected(kw, match):
 def test_bound_node_gets_its_cores_and_one_node_of_bandwidth():
     bound = dataclasses.replace(ROUND, numa_node=1)
     assert bound.threads == 4 and stream_bandwidth(bound) == 16e9
+
+
+def test_default_page_fault_is_the_fitted_one():
+    """Hosts without their own page_fault_s borrow the H200 host's fitted value (module docstring)."""
+    from hardware_models import presets
+    from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S
+
+    assert presets.get("hosts", "h200-measured-host")[0].page_fault_s == pytest.approx(DEFAULT_PAGE_FAULT_S, rel=1e-3)
