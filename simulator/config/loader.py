@@ -132,7 +132,13 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
 
 
 def _ref(ref: PresetRef | str) -> tuple[str, dict]:
-    return (ref, {}) if isinstance(ref, str) else (ref.preset, dict(ref.overrides))
+    if isinstance(ref, str):
+        return ref, {}
+    over = dict(ref.overrides)
+    for key, field in (("threads", "threads_used"), ("numa_node", "numa_node")):  # HostRef's what-if keys
+        if getattr(ref, key, None) is not None:
+            over[field] = getattr(ref, key)
+    return ref.preset, over
 
 
 def _merged(data: dict, over: dict) -> dict:

@@ -51,6 +51,15 @@ class PresetRef(_Model):
                                       "(a mapping such as peak_flops_per_s is merged key by key).")
 
 
+class HostRef(PresetRef):
+    """A host preset with the CPU optimizer's thread count and NUMA binding (what-ifs)."""
+
+    threads: PositiveInt | None = Field(default=None, description="Intra-op threads of the CPU optimizer step "
+                                        "(torch.set_num_threads / OMP_NUM_THREADS); default: all physical cores.")
+    numa_node: int | None = Field(default=None, ge=0, description="Bind the CPU step's threads and memory to this "
+                                  "NUMA node (numactl --cpunodebind=N --membind=N); default: not bound.")
+
+
 class HardwareConfig(_Model):
     """The machine: GPU, its efficiency profile, the host link and the host."""
 
@@ -63,7 +72,8 @@ class HardwareConfig(_Model):
         "Default: the GPU's shipped profile if any, else a generic one.",
     )
     pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
-    host: PresetRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset.")
+    host: HostRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset "
+                                "(with threads / numa_node for the CPU optimizer step).")
     launch_overhead_s: Seconds | None = Field(
         default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'

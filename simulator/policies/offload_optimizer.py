@@ -27,156 +27,109 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   step i-1's gradients out of the staging buffer, the upload waits for the end of step i's
   backward, and step i+1's forward waits for that upload (``meta["prev_step_deps"]``).
 
-CPU time model (all inputs measured or from presets; one, the host's first-touch bandwidth, is
-fitted to the measured offload run's trace, see below):
+CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
+two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
+scripts/fit_host_cpu_model.py):
 
-* ``adam_s = P / rate(P) + n_tensors * n_passes * launch_overhead_s``. ``rate(P)`` interpolates
-  the host's measured AdamW throughput points ``(params, params/s)`` linearly in log-log space,
-  constant outside the measured range (the H200 host: ``micro.cpu_adam``, 16 threads, one fp32
-  tensor; at 192M params 838M params/s x ~80 B/param = 67 GB/s, the host memcpy bandwidth: the
-  foreach AdamW is DRAM-bound). A host without its own points borrows those of the measured H200
-  host scaled by ``min(cores / 16, memory_bandwidth / 67.05 GB/s)``. ``deepspeed_cpu_adam``
-  without points is derived from ``torch_foreach`` by the DRAM traffic ratio: PyTorch's foreach
-  AdamW makes 8 passes (``mul_`` weight decay 8 B, ``lerp_`` 12, ``mul_`` 8, ``addcmul_`` 12,
-  ``sqrt`` 8, ``div_`` 8, ``add_`` 8, ``addcdiv_`` 16 = 80 B/param); DeepSpeed's fused AVX kernel
-  reads param, grad and both moments and writes param, moments and the bf16 copy once (30 B/param;
-  Ren et al., ZeRO-Offload, ATC'21, section 4.1). The dispatch term counts one eager op per tensor
-  per pass (``foreach`` ops fall back to a per-tensor loop on CPU) at the profile's measured
-  per-op launch overhead.
-* ``grad_cast_s = 2 B * P / host_bw + 4 B * P / ft_bw + n_tensors * launch_overhead_s`` (read
-  bf16 at the memory bandwidth, write fp32 into a fresh tensor at the first-touch bandwidth),
-  ``param_cast_s = 6 B * P / host_bw + n_tensors * launch_overhead_s`` (read fp32, write bf16 into
-  the preallocated pinned staging buffer: in place; fused into DeepSpeed's kernel, so 0 there),
-  with ``host_bw`` the host preset's memory bandwidth (H200 host: measured memcpy, read + write).
-
-First-touch host memory. A pass that writes into memory allocated anew every step pays a page
-fault (and the kernel's zeroing of the page) per page before the write, so it runs far below the
-in-place bandwidth (the measured run's Kineto trace: the fresh-output passes at 21-29 GB/s of
-bytes moved against 57-79 GB/s for the in-place ones). ``ft_bw`` is the host preset's
-``first_touch_bytes_per_s`` (0: same as ``host_bw``, the model without this term). The bytes
-written into fresh allocations per step, per parameter:
-
-* ``grad_cast``: 4 B, the fp32 gradients (``g.to(torch.float32)`` allocates a new tensor each
-  step, notes.offload: "fresh tensors each step").
-* ``adam`` (``torch_foreach`` / ``torch_single``): 4 B, ``exp_avg_sq_sqrt =
-  torch._foreach_sqrt(device_exp_avg_sqs)`` in ``torch/optim/adamw.py`` (``adam.py`` in newer
-  releases) ``_multi_tensor_adamw``. (``torch_single`` is charged the same 4 B, an unmeasured
-  assumption: ``_single_tensor_adamw``'s ``(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``
-  allocates two temporaries per tensor but frees them before the next tensor, so malloc may
-  recycle small ones.) Every other pass of the
-  step is in place: ``_foreach_add_`` (step counters), ``_foreach_mul_`` (decoupled weight decay
-  on the params), ``_foreach_lerp_`` (exp_avg), ``_foreach_mul_`` + ``_foreach_addcmul_``
-  (exp_avg_sq), ``_foreach_div_`` and ``_foreach_add_`` (on the sqrt temporary itself),
-  ``_foreach_addcdiv_`` (params); the bias corrections are Python floats (``_get_value(step)``,
-  the ``aten::item`` calls of the trace); state tensors are allocated once, at the first step.
-  The trace of the measured run shows exactly this op sequence inside ``Optimizer.step``.
-  DeepSpeed's fused kernel allocates nothing: 0 B.
-* ``param_cast``: 0 B (copies into the pinned staging buffer allocated once).
-
-The AdamW throughput ``rate(P)`` is taken as the all-in-place rate (the microbenchmark's single
-192M-element tensor does not show the first-touch cost the 148-tensor step does, see
-tests/validation/test_offload.py), so the sqrt temporary's 4 B written are moved from the memory
-bandwidth to the first-touch bandwidth: ``adam_s += 4 B * P * (1 / ft_bw - 1 / host_bw)``.
-
-``first_touch_bytes_per_s`` of the H200 host is fitted by scripts/fit_host_first_touch.py from
-the two fresh-output passes (grad cast, ``_foreach_sqrt``) of the Kineto trace
-tests/data/h200/trace_gpt_184m_b16_offload_overlap.json.gz, i.e. from the run that
-tests/validation/test_offload.py compares against (in-sample for that one parameter):
-``ft_bw = sum(fresh bytes) / sum(t_pass - read bytes / host_bw - n_tensors * launch_overhead_s)``.
+* ``cpu.adam``: the implementation's passes (``torch_foreach`` / ``torch_single``: 8 streaming
+  passes, 80 B/param, the ``sqrt`` output (and for ``torch_single`` the ``div`` output) fresh
+  every step; ``torch_fused``: one pass, 28 B/param; ``deepspeed_cpu_adam``: one pass, 30 B/param
+  with the half-precision copy), each ``max(bytes / bandwidth, vector slots / SIMD throughput)``
+  + page faults of fresh outputs, + one dispatch per tensor per pass at the host's per-op time.
+* ``cpu.grad_cast``: bf16 -> fp32 gradients, 2 B read + 4 B written into fresh tensors
+  (``g.to(torch.float32)`` each step, notes.offload), or in place into DeepSpeed's fp32 buffer.
+* ``cpu.param_cast``: fp32 -> bf16 into the preallocated pinned staging buffer, 6 B in place (fused
+  into DeepSpeed's kernel: 0).
+* Threads: the host's ``threads`` (default all physical cores of the nodes in use); under DPU
+  the training thread takes one core from the pool (``cpu_threads``). Pinned state lives on one
+  NUMA node (first touch by the allocating thread): its streams get one node's bandwidth.
 """
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-
 import numpy as np
 
+from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
+                                          pass_time_s)
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
-#: Host whose measured AdamW points are borrowed by hosts without their own.
-REFERENCE_HOST = "h200-measured-host"
-#: DRAM bytes per parameter of one AdamW step (see the module docstring).
-ADAM_BYTES_PER_PARAM = {"torch_foreach": 80.0, "torch_single": 80.0, "deepspeed_cpu_adam": 30.0}
-#: Eager per-tensor op dispatches of one step (the 8 passes + the step counter).
-ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "deepspeed_cpu_adam": 1}
-#: Bytes read + written by a bf16 <-> fp32 cast, per parameter.
-CAST_BYTES_PER_PARAM = 6.0
-#: Bytes per parameter the grad cast writes into a fresh fp32 tensor (of CAST_BYTES_PER_PARAM).
-GRAD_CAST_FRESH_BYTES_PER_PARAM = 4.0
-#: Bytes per parameter AdamW writes into fresh allocations each step (the fp32 sqrt temporary).
-ADAM_FRESH_BYTES_PER_PARAM = {"torch_foreach": 4.0, "torch_single": 4.0, "deepspeed_cpu_adam": 0.0}
+#: Eager per-tensor op dispatches of one step (hardware_models.host_kernels: passes + step counter).
+ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1}
+#: Training-thread cores the DPU worker loses: the training thread keeps launching GPU work on one
+#: core while the CPU step runs on the intra-op pool (delayed_param_update only).
+DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
+GRAD_CAST_INPLACE = StreamPass("fp32_grad.copy_(half)", 2.0, 4.0)
+PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
 
 
 # -- CPU time model ------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _reference_host():
-    from hardware_models import presets
-
-    return presets.get("hosts", REFERENCE_HOST)[0]
-
-
-def interp_loglog(points, x: float) -> float:
-    """Interpolate ``(x, y)`` points linearly in log-log space; constant outside their range."""
-    pts = sorted((float(a), float(b)) for a, b in points)
-    if not pts:
-        raise ValueError("no points to interpolate")
-    xs = np.log([p[0] for p in pts])
-    ys = np.log([p[1] for p in pts])
-    return float(np.exp(np.interp(math.log(max(x, 1.0)), xs, ys)))
+def cpu_threads(hw, mode: str = "overlap") -> int:
+    """Intra-op threads the CPU step gets: the host's, less the training thread's core under DPU
+    when the pool already covers every available core (oversubscription: the two share it)."""
+    cpu = hw.host_cpu
+    t = cpu.threads
+    if mode == "delayed_param_update" and t >= cpu.cores_available:
+        t = max(1, t - DPU_TRAINING_THREAD_CORES)
+    return t
 
 
-def cpu_adam_rate(params: float, impl: str, hw) -> tuple[float, str]:
-    """AdamW throughput of the host for a model of ``params`` parameters, params/s, and how it was got.
+def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
+                   pin_memory: bool = True) -> dict[str, float]:
+    """Seconds of the three CPU ops of one offloaded optimizer step (host roofline, see
+    ``hardware_models.host_kernels``).
+
+    ``tensor_elements``: element count per parameter tensor (default: ``n_tensors`` equal ones),
+    used for the page-fault term of fresh outputs (only tensors of 32 MiB and more fault each
+    step). Pinned host buffers are allocated and first touched by the main thread, so Linux's
+    first-touch policy puts them on ONE NUMA node (kernel doc admin-guide/mm/numa_memory_policy:
+    the default policy allocates on the node of the touching CPU): their streams get one node's
+    bandwidth. Pageable buffers filled by the intra-op pool spread over the threads' nodes.
 
     Raises:
-        PolicyError: no measured points to start from.
+        PolicyError: an unknown implementation.
     """
+    if impl not in IMPLEMENTATIONS:
+        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: unknown {impl!r}; "
+                          f"allowed: {', '.join(IMPLEMENTATIONS)}")
     cpu = hw.host_cpu
-    own = dict(cpu.adam_params_per_s or {})
-    if impl in own:
-        return interp_loglog(own[impl], params), f"host {cpu.name} measured {impl}"
-    ref = _reference_host()
-    scale = min(cpu.cores / ref.cores, cpu.memory_bandwidth_bytes_per_s / ref.memory_bandwidth_bytes_per_s)
-    how = f"{REFERENCE_HOST} points x min(cores, bandwidth) ratio {scale:.3g}"
-    pts = own or dict(ref.adam_params_per_s)
-    if own:
-        scale, how = 1.0, f"host {cpu.name} measured"
-    if impl in pts:
-        return interp_loglog(pts[impl], params) * scale, f"{how} ({impl})"
-    if "torch_foreach" not in pts:
-        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: no AdamW throughput known for {impl!r}")
-    ratio = ADAM_BYTES_PER_PARAM["torch_foreach"] / ADAM_BYTES_PER_PARAM[impl]
-    return (interp_loglog(pts["torch_foreach"], params) * scale * ratio,
-            f"{how} (torch_foreach x DRAM-traffic ratio {ratio:.3g} for {impl})")
-
-
-def first_touch_bw(hw) -> float:
-    """Host write bandwidth into fresh allocations, bytes/s (the memory bandwidth when unset)."""
-    cpu = hw.host_cpu
-    return cpu.first_touch_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
-
-
-def cpu_step_times(params: int, n_tensors: int, impl: str, hw) -> dict[str, float]:
-    """Seconds of the three CPU ops of one offloaded optimizer step (see the module docstring)."""
-    rate, _ = cpu_adam_rate(params, impl, hw)
+    sizes = list(tensor_elements) if tensor_elements is not None else [params / max(n_tensors, 1)] * n_tensors
     launch = hw.launch.per_op_s
-    bw = hw.host_cpu.memory_bandwidth_bytes_per_s
-    ft = first_touch_bw(hw)
-    fresh = GRAD_CAST_FRESH_BYTES_PER_PARAM * params
-    grad_cast = (CAST_BYTES_PER_PARAM * params - fresh) / bw + fresh / ft + n_tensors * launch
-    param_cast = CAST_BYTES_PER_PARAM * params / bw + n_tensors * launch
-    adam_fresh = ADAM_FRESH_BYTES_PER_PARAM[impl] * params
-    return {
-        "cpu.grad_cast": grad_cast,
-        "cpu.adam": params / rate + adam_fresh * (1.0 / ft - 1.0 / bw) + n_tensors * ADAM_PASSES[impl] * launch,
-        "cpu.param_cast": 0.0 if impl == "deepspeed_cpu_adam" else param_cast,
-    }
+    t = cpu_threads(hw, mode)
+    nodes = 1 if pin_memory else None
+    ds = impl == "deepspeed_cpu_adam"
+    # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
+    # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
+    cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
+    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes))
+                 + n_tensors * launch)
+    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes) + n_tensors * launch
+    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes)
+    return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+
+
+def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True) -> tuple[float, str]:
+    """AdamW throughput of the host on one tensor of ``params`` parameters, params/s, and how it was got."""
+    s = adamw_step_s(hw.host_cpu, impl, [params], threads=cpu_threads(hw, mode), memory_nodes=1 if pin_memory else None)
+    return params / s, f"host roofline ({hw.host_cpu.name}, {cpu_threads(hw, mode)} threads)"
+
+
+def param_tensor_sizes(spec) -> list[int]:
+    """Elements of each parameter tensor (what a per-parameter loop iterates over); sums to
+    ``spec.num_parameters``."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    norm = [h, h] if spec.bias else [h]
+    layer = norm + [3 * h * h] + ([3 * h] if spec.bias else []) + [h * h] + ([h] if spec.bias else []) + norm
+    layer += [f * h] + ([f] if spec.bias else []) + [h * f] + ([h] if spec.bias else [])
+    out = [spec.vocab_size * h, spec.seq_length * h] + layer * spec.num_layers + norm
+    if not spec.tied_embeddings:
+        out.append(spec.vocab_size * h)
+    return out
 
 
 # -- gradients of the built graph ------------------------------------------------------------------
@@ -269,8 +222,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                       pin_memory: bool = True, bucket_elems: int | None = None) -> OpGraph:
     """The rewrite itself, usable without a scenario (tests, notebooks).
 
+    Host memory is a capacity, not a precondition: buffers that do not fit make an out-of-memory
+    result (the engine's host pools, ``host_memory_oom``), as on the GPU.
+
     Raises:
-        PolicyError: not a bf16 builder graph, or pinned buffers larger than host memory.
+        PolicyError: not a bf16 builder graph, or an unknown mode.
     """
     key = "zero_optimization.offload_optimizer"
     spec = _spec(graph, key)
@@ -291,7 +247,6 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("offload.grad_staging.bf16", 2 * P, host_dev),
         TensorAlloc("offload.param_staging.bf16", 2 * P, host_dev),
     ]
-    _check_host_memory(persistent, hw, key)
 
     grads = gradients(graph, spec)
     buckets = _buckets(grads, bucket_elems)
@@ -300,7 +255,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         by_producer.setdefault(b[-1]["op"], []).append(b)
     bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
     last_bwd = bwd_ops[-1].id
-    times = cpu_step_times(P, param_tensor_count(spec), impl, hw)
+    sizes = param_tensor_sizes(spec)
+    times = cpu_step_times(P, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory)
     dpu = mode == "delayed_param_update"
     cpu_stream = "cpu.adam" if dpu else "host"
     rw = GraphRewriter(graph)
@@ -314,7 +270,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 allocs = (TensorAlloc("grad.fp32.host", 4 * P, "host_pageable"),)
             elif name == "cpu.adam":
                 uses = ("grad.fp32.host",)
-                if impl != "deepspeed_cpu_adam":
+                if impl in ("torch_foreach", "torch_single"):
                     allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * P, "host_pageable"),)
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
@@ -372,7 +328,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     meta = dict(graph.meta)
     meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
                                  "grad_copies": len(buckets), "param_copies": len(h2d_ids),
-                                 "adam_rate": cpu_adam_rate(P, impl, hw)}
+                                 "adam_rate": cpu_adam_rate(P, impl, hw, mode, pin_memory)}
     return rw.finish(persistent=persistent, meta=meta)
 
 
@@ -391,20 +347,18 @@ def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     return out
 
 
-def _check_host_memory(persistent, hw, key: str) -> None:
-    pinned = sum(t.nbytes for t in persistent if t.device == "host_pinned")
-    total = sum(t.nbytes for t in persistent if t.device.startswith("host"))
+def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw) -> str | None:
+    """One line naming what did not fit in host memory, or None: the pinned and pageable host
+    buffers together against ``hardware.host`` memory (each pool alone is checked by the engine,
+    like the GPU's)."""
+    total = pinned_peak_bytes + pageable_peak_bytes
     cap = hw.host_memory.capacity_bytes
-    limit = hw.host_memory.pinned_capacity_bytes
-    if pinned > limit:
-        raise PolicyError(
-            f"{key}.pin_memory: pinned host buffers need {pinned / 1e9:.1f} GB but the host allows "
-            f"{limit / 1e9:.1f} GB of pinned memory (hardware.host); set pin_memory: false or use a larger host"
-        )
-    if total > cap:
-        raise PolicyError(
-            f"{key}: host buffers need {total / 1e9:.1f} GB but host memory (hardware.host) is {cap / 1e9:.1f} GB"
-        )
+    if total <= cap:
+        return None
+    return (f"out of memory on host: offload buffers need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
+            f"fp32 master weights, Adam moments, staging; pageable {pageable_peak_bytes / 1e9:.2f} GB: fp32 gradients, "
+            f"temporaries) but hardware.host ({hw.host_cpu.name}) has {cap / 1e9:.2f} GB, short by "
+            f"{(total - cap) / 1e9:.2f} GB")
 
 
 # -- runtime summary ---------------------------------------------------------------------------------
@@ -413,14 +367,19 @@ class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
 
     def __init__(self, cfg, hw, env, system):
-        self.cfg = cfg
+        self.cfg, self.hw = cfg, hw
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        return offload_parts(spans, steps)
+        out = offload_parts(spans, steps)
+        host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
+                                   self.hw)
+        if host_oom and not summary.get("oom"):
+            out["oom"] = host_oom
+        return out
 
 
 def offload_parts(spans, steps) -> dict:

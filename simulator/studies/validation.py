@@ -94,11 +94,38 @@ def _paper_cases() -> list[Case]:
                         f"scenarios/paper/megatron2020_gpt2_1p2b_1x{gpu.lower()}.yaml", "step_time_s",
                         lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.15,
                         f"paper_cases.yaml {cid} (Megatron-LM README, 2020)"))
+    out += _zerooffload_cases()
+    return out
+
+
+ZO_ID = "ZEROOFFLOAD-GPT2-10B-1xV100-log"
+#: optimizer_step (the CPU Adam step) of the logged iterations, s: paper_cases.yaml ZO_ID
+#: also_measured optimizer_time note "of which optimizer_step (CPU Adam) 6.48 / 6.22 s" (a note, not a field).
+ZO_CPU_ADAM_S = (6.48, 6.22)
+
+
+def _also(m: dict, cid: str, metric: str) -> float:
+    vals = next(x["value"] for x in m["paper"][cid]["also_measured"] if x["metric"] == metric)
+    return sum(vals) / len(vals)
+
+
+def _zerooffload_cases() -> list[Case]:
+    """The ZeRO-Offload tutorial step (GPT-2 10B, one V100, DeepSpeedCPUAdam): its logged parts, 15 %."""
+    scen = "scenarios/paper/zerooffload_gpt2_10b_v100.yaml"
+    src = f"paper_cases.yaml {ZO_ID} (DeepSpeed ZeRO-Offload tutorial log, 2020)"
+    out = [Case("zerooffload_10b_1xv100.step_time", scen, "step_time_s",
+                lambda m: m["paper"][ZO_ID]["measured"]["value"], 0.15, src + " iteration_time")]
+    for ph, metric in (("fwd", "forward_time"), ("bwd", "backward_time"), ("opt", "optimizer_time")):
+        out.append(Case(f"zerooffload_10b_1xv100.{ph}", scen, f"phase_s.{ph}_s",
+                        lambda m, x=metric: _also(m, ZO_ID, x), 0.15, f"{src} {metric} (mean)"))
+    out.append(Case("zerooffload_10b_1xv100.cpu_adam", scen, "offload_cpu_optimizer_s",
+                    lambda m: sum(ZO_CPU_ADAM_S) / len(ZO_CPU_ADAM_S), 0.15, f"{src} optimizer_step (CPU Adam, mean)"))
     return out
 
 
 def all_cases() -> list[Case]:
-    """Every bundled case: H200 training steps, energy, offload and dataloader runs; published cases."""
+    """Every bundled case: H200 training steps, energy, offload and dataloader runs; published cases
+    (Megatron-LM 2020, the ZeRO-Offload tutorial's 10B step)."""
     return _h200_train_cases() + _h200_other_cases() + _paper_cases()
 
 

@@ -176,23 +176,44 @@ def test_measured_pcie_link_matches_h200_measurements():
 
 
 def test_measured_host():
+    """The fitted roofline parameters reproduce the 192M-param micro.cpu_adam points exactly."""
+    import json
+
+    from hardware_models.host_kernels import adamw_step_s
+
     cpu, mem = presets.get("hosts", "h200-measured-host")
-    assert cpu.cores == 16
+    assert cpu.cores == 16 and cpu.threads == 16
     assert cpu.memory_bandwidth_bytes_per_s == pytest.approx(67.05e9, rel=1e-3)
     assert mem.capacity_bytes == 125 * 2**30
-    foreach = cpu.adam_params_per_s["torch_foreach"]
-    assert [p for p, _ in foreach] == [16e6, 64e6, 192e6]
-    assert foreach[0][1] == pytest.approx(1.156e9, rel=1e-3)
-    assert set(cpu.adam_params_per_s) == {"torch_foreach", "torch_single"}
+    assert cpu.stream_bandwidth_bytes_per_s == pytest.approx(98.11e9, rel=1e-3)
+    micro = json.loads((Path(__file__).resolve().parents[1] / "data/h200/measurements.json").read_text())["micro"]["cpu_adam"]
+    for r in (r for r in micro if r["params"] == 192_000_000):
+        impl = "torch_foreach" if r["foreach"] else "torch_single"
+        assert adamw_step_s(cpu, impl, [r["params"]]) == pytest.approx(r["median_s"], rel=2e-3)
 
 
 @pytest.mark.parametrize("name", presets.list_presets("hosts")["hosts"])
 def test_host_invariants(name):
+    """Every host has its CPU specs: threads within cores, a sustained bandwidth at most the peak."""
     cpu, mem = presets.get("hosts", name)
-    assert cpu.cores > 0 and mem.capacity_bytes >= 100 * 2**30
-    for points in cpu.adam_params_per_s.values():
-        sizes = [p for p, _ in points]
-        assert sizes == sorted(sizes) and all(rate > 0 for _, rate in points)
+    assert 0 < cpu.threads <= cpu.cores and mem.capacity_bytes >= 16 * 2**30
+    assert cpu.sustained_bandwidth_bytes_per_s > 0
+    if cpu.peak_memory_bandwidth_bytes_per_s:
+        assert cpu.sustained_bandwidth_bytes_per_s <= cpu.peak_memory_bandwidth_bytes_per_s
+    if name != "h200-measured-host":  # every spec-only host names its clock and SIMD
+        assert cpu.base_clock_mhz > 0 and cpu.simd_width_bits in (128, 256, 512)
+
+
+@pytest.mark.parametrize("name, cores, peak_gb_s", [
+    ("dgx2-v100-host", 48, 256.0), ("dgx-h100-host", 112, 614.4), ("dgx-a100-host", 128, 409.6),
+    ("epyc-9654-2s-host", 192, 921.6), ("xeon-silver-4210r-host", 10, 115.2), ("ryzen-5-5600-desktop", 6, 51.2),
+    ("core-i9-13900k-desktop", 24, 89.6),
+])
+def test_cpu_presets_match_their_datasheets(name, cores, peak_gb_s):
+    """Cores and channels x MT/s x 8 B peak as in the cited datasheets."""
+    cpu, _ = presets.get("hosts", name)
+    assert cpu.cores == cores
+    assert cpu.peak_memory_bandwidth_bytes_per_s == pytest.approx(peak_gb_s * 1e9, rel=1e-3)
 
 
 def test_unknown_preset_lists_known_names():

@@ -2,33 +2,36 @@
 
 Measured: tests/data/h200/measurements.json ``offload.gpt_184m_b16_offload_overlap`` (median of 6
 steps; notes.offload) and tests/data/paper/zerooffload_gpt2_10b_v100.yaml (DeepSpeed tutorial log).
-The CPU time comes from micro.cpu_adam (AdamW throughput), micro.host_memcpy_GBps_rw (casts), the
-profile's per-op launch time and ONE PARAMETER FITTED TO THIS RUN: the H200 host's
-``first_touch_bytes_per_s`` = 16.63 GB/s (bandwidth of writes into freshly allocated host memory),
-fitted by scripts/fit_host_first_touch.py from the grad cast and ``_foreach_sqrt`` passes of this
-run's own Kineto trace (tests/data/h200/trace_gpt_184m_b16_offload_overlap.json.gz). The overlap
-case's ``cpu_adam`` and ``step`` are therefore IN-SAMPLE for that parameter (not a validation of
-it); ``gpu_fwd_bwd`` and ``h2d`` do not depend on it. The copies come from micro.pcie. Errors
-(predicted / measured - 1):
+The CPU step is the host roofline of hardware_models.host_kernels: per pass max(bytes / sustained
+bandwidth, vector slots / SIMD throughput) + first-touch page faults + per-tensor dispatch. Its
+two free parameters (the H200 host's ``stream_bandwidth_bytes_per_s`` = 98.11 GB/s and
+``page_fault_s`` = 6.18 us) are fitted by scripts/fit_host_cpu_model.py on the single-tensor
+``micro.cpu_adam`` points only: nothing is fitted to the runs below (out of sample). The DGX-2
+host of the 10B case is priced from its datasheet alone. Errors (predicted / measured - 1):
 
-    H200 overlap   step -12.8%   gpu_fwd_bwd +8.3%   cpu_adam -20.0%   h2d -5.9%
-    (before the first-touch term: step -27.6%, cpu_adam -36.0%)
-    V100 10B       fwd -58%      bwd -34%            optimizer -60%
+    H200 overlap   step -14.4%   gpu_fwd_bwd +8.3%   cpu_adam -21.7%   h2d -5.9%
+    (before: fitted constants, first-touch bandwidth in-sample: step -12.8%, cpu_adam -20.0%)
+    V100 10B       step -39.8%   fwd -57.5%   bwd -34.2%   optimizer -36.8%   CPU Adam -42.9%
+    (before: step -47.0%, optimizer -60%, CPU Adam 1.79 s against 6.35 s, -72%)
 
-Predictions for the held-back modes (no measurement; the same fitted parameter):
-scenarios/h200/gpt_184m_b16_offload_serial.yaml 0.404 s per step (was 0.337 s),
-scenarios/h200/gpt_184m_b16_offload_dpu.yaml 0.337 s per step (was 0.270 s); CPU step 0.337 s.
+Held-back modes (no measurement): serial 0.397 s per step, DPU 0.339 s per step with a CPU step
+of 0.339 s against 0.330 s in overlap/serial (DPU: the training thread takes one of the 16 cores
+from the intra-op pool). Serial and overlap get the same CPU time: nothing runs beside the CPU
+step in either mode in this model (the measured difference is not explained).
 
 Known misses (strict xfail, so that a fix shows up):
 
-* cpu_adam (and so step): even with the fitted first-touch bandwidth the model is 20% short. The
-  traced steps' CPU passes add up to ~0.36 s (grad casts 39-47 ms, ``Optimizer.step`` 294-295 ms,
-  param casts 19-31 ms) against the 0.421 s median of the measured part: ~30 ms per step inside
-  ``Optimizer.step`` is Python between the foreach ops (list grouping, 296 ``.item()`` calls) and
-  the grad casts are spread over ~55 ms of wall time. Neither is modelled (the dispatch term is
-  148 x 9 x 9.6 us = 13 ms).
-* the 10B V100 case: no V100 efficiency profile exists (generic 70% GEMM efficiency), the host is
-  inferred, and the log's forward runs at ~35 TFLOP/s, half the backward's rate.
+* H200 cpu_adam (and so step): the run's Kineto trace shows the in-place foreach passes at
+  ~66 GB/s (201.7 ms for 72 B/param) where the single-tensor microbenchmark fits 98 GB/s, plus
+  ~30 ms of Python between the foreach ops; the model follows the microbenchmark. Unverified
+  explanation: the run's optimizer state is in pinned 4 KiB pages (no transparent huge pages)
+  in a KVM guest (two-dimensional page walks), the benchmark's in pageable THP-backed memory.
+* the 10B V100 case: the GPU side has no V100 efficiency profile (generic 70% GEMM efficiency;
+  the log's forward runs at ~35 TFLOP/s, half the backward's rate). The CPU Adam step (DeepSpeed
+  CPUAdam, 30 B/param on the inferred DGX-2 host, pinned state on one NUMA node: 102 GB/s)
+  predicts 3.63 s against 6.35 s logged: the host is inferred (the tutorial does not state it),
+  and the 2020 CPUAdam also copied fp16 parameters to the GPU inside the step, tile by tile
+  (csrc/adam/cpu_adam.cpp ``launch_param_update``), which the model does not charge there.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import pytest
 import yaml
 
 from simulator import load_scenario, run_scenario
+from simulator.studies.validation import ZO_CPU_ADAM_S, all_cases
 from tests.conftest import ROOT
 from tests.validation.common import check_rel
 
@@ -62,18 +66,14 @@ def _check(what: str, predicted: float, measured: float, tol: float) -> None:
     check_rel(what, predicted, measured, tol, " s")
 
 
-CPU_XFAIL = pytest.mark.xfail(strict=True, reason="CPU step short even with first-touch bandwidth fitted in-sample to "
-                              "this run's trace (module docstring): cpu_adam measured 0.421 s, predicted 0.337 s, -20%; "
-                              "step measured 0.4545 s, predicted 0.396 s, -12.8%")
+CPU_XFAIL = pytest.mark.xfail(strict=True, reason="CPU step short (module docstring): cpu_adam measured 0.421 s, "
+                              "predicted 0.330 s, -21.7%; step measured 0.4545 s, predicted 0.389 s, -14.4%")
 
 
 @CPU_XFAIL
 def test_step_time(overlap):
-    """Step time within 10%. Measured 0.4545 s, predicted 0.396 s, error -12.8%.
-
-    In-sample: uses the host's first_touch_bytes_per_s fitted to this run's own trace.
-    """
-    _check("step (in-sample for first_touch_bytes_per_s)", overlap["step_time_s"], MEASURED["median_step_s"], 0.10)
+    """Step time within 10%. Measured 0.4545 s, predicted 0.389 s, error -14.4%."""
+    _check("step", overlap["step_time_s"], MEASURED["median_step_s"], 0.10)
 
 
 def test_gpu_fwd_bwd(overlap):
@@ -83,11 +83,8 @@ def test_gpu_fwd_bwd(overlap):
 
 @CPU_XFAIL
 def test_cpu_adam(overlap):
-    """Grad cast + AdamW + param cast within 15%. Measured 0.4213 s, predicted 0.3369 s, error -20.0%.
-
-    In-sample: uses the host's first_touch_bytes_per_s fitted to this run's own trace.
-    """
-    _check("cpu_adam (in-sample for first_touch_bytes_per_s)", overlap["offload_cpu_optimizer_s"],
+    """Grad cast + AdamW + param cast within 15%. Measured 0.4213 s, predicted 0.3298 s, error -21.7%."""
+    _check("cpu_adam", overlap["offload_cpu_optimizer_s"],
            MEASURED["part_median_s"]["cpu_adam"], 0.15)
 
 
@@ -106,24 +103,56 @@ def _mean(v):
 
 
 PAPER_XFAIL = pytest.mark.xfail(strict=True, reason="no V100 profile, inferred host (module docstring)")
+PAPER_CPU_XFAIL = pytest.mark.xfail(strict=True, reason="CPU Adam 3.63 s predicted (DGX-2 datasheet roofline, 30 B/param "
+                                    "at 102 GB/s) against 6.35 s logged, -43%: inferred host, fp16 copy-back in the "
+                                    "step not charged (module docstring)")
+
+
+@PAPER_XFAIL
+def test_paper_step(paper):
+    """ZeRO-Offload 10B step within 15%. Measured 25.77 s, predicted 15.51 s, error -39.8%."""
+    _check("step", paper["step_time_s"], PAPER["iteration_time_s"], 0.15)
 
 
 @PAPER_XFAIL
 def test_paper_forward(paper):
-    """ZeRO-Offload 10B fwd within 20%. Measured 6.20 s, predicted 2.63 s, error -58%."""
-    _check("forward", paper["phase_s"]["fwd_s"], _mean(PAPER["forward_time_s"]), 0.20)
+    """ZeRO-Offload 10B fwd within 15%. Measured 6.20 s, predicted 2.63 s, error -57.5%."""
+    _check("forward", paper["phase_s"]["fwd_s"], _mean(PAPER["forward_time_s"]), 0.15)
 
 
 @PAPER_XFAIL
 def test_paper_backward(paper):
-    """ZeRO-Offload 10B bwd within 20%. Measured 12.07 s, predicted 7.95 s, error -34%."""
-    _check("backward", paper["phase_s"]["bwd_s"], _mean(PAPER["backward_time_s"]), 0.20)
+    """ZeRO-Offload 10B bwd within 15%. Measured 12.07 s, predicted 7.95 s, error -34.2%."""
+    _check("backward", paper["phase_s"]["bwd_s"], _mean(PAPER["backward_time_s"]), 0.15)
 
 
 @PAPER_XFAIL
 def test_paper_optimizer(paper):
-    """ZeRO-Offload 10B optimizer within 20%. Measured 7.80 s, predicted 3.09 s, error -60%."""
-    _check("optimizer", paper["phase_s"]["opt_s"], _mean(PAPER["optimizer_time_s"]), 0.20)
+    """ZeRO-Offload 10B optimizer within 15%. Measured 7.80 s, predicted 4.93 s, error -36.8%."""
+    _check("optimizer", paper["phase_s"]["opt_s"], _mean(PAPER["optimizer_time_s"]), 0.15)
+
+
+@PAPER_CPU_XFAIL
+def test_paper_cpu_adam(paper):
+    """ZeRO-Offload 10B CPU Adam (optimizer_step) within 15%. Measured 6.35 s, predicted 3.63 s, -42.9%."""
+    _check("cpu_adam", paper["offload_cpu_optimizer_s"], sum(ZO_CPU_ADAM_S) / len(ZO_CPU_ADAM_S), 0.15)
+
+
+def test_paper_cpu_adam_is_the_datasheet_roofline(paper):
+    """The 10B CPU step is what the DGX-2 datasheet gives, by hand: 10,279,047,168 params in 604
+    tensors, pinned state on one of two NUMA nodes: 6 channels x 2666 MT/s x 8 B x 0.8 = 102.4 GB/s;
+    DeepSpeed CPUAdam 30 B/param + the in-place fp32 gradient cast 6 B/param = 36 B/param; compute
+    (48 x 2.7 GHz x 2 FMA x 16 lanes = 4.1e12 slots/s, 19 slots/param) does not bind; one dispatch
+    per tensor for each of the two passes at the generic 10 us."""
+    P = 10_279_047_168
+    assert paper["offload_cpu_optimizer_s"] == pytest.approx(P * 36 / (6 * 2666e6 * 8 * 0.8) + 604 * 2 * 10e-6,
+                                                             rel=1e-9)
+
+
+def test_validate_lists_the_paper_case():
+    """`simulate validate` reports the 10B case's step, parts and CPU Adam."""
+    names = {c.name for c in all_cases()}
+    assert {f"zerooffload_10b_1xv100.{x}" for x in ("step_time", "fwd", "bwd", "opt", "cpu_adam")} <= names
 
 
 def test_paper_fits_on_32gb(paper):

@@ -1,0 +1,174 @@
+"""Roofline of host streaming kernels: the CPU optimizer step of ZeRO-Offload, from the host's specs.
+
+An optimizer step over ``P`` parameters is a sequence of *passes*, each a streaming kernel over
+every element (one per ``torch._foreach_*`` op for PyTorch's foreach AdamW, one fused pass for
+``torch.optim.AdamW(fused=True)`` on CPU and for DeepSpeed's CPUAdam). One pass takes::
+
+    t = max(bytes / bw(threads, memory nodes), vector slots / (threads x clock x FMA pipes x lanes))
+        + fresh pages x page_fault_s / threads          (first touch of freshly mmap-ed outputs)
+
+and the step adds ``n_tensors x n_dispatches x dispatch_s`` of Python/ATen dispatch on top.
+
+* ``bw = min(threads x per_core_bandwidth, memory nodes x node sustained bandwidth)``: one core
+  cannot saturate a socket (its outstanding-miss slots bound it, Little's law); the memory the
+  step streams lives on ``memory nodes`` NUMA nodes. Sustained node bandwidth = channels x MT/s
+  x 8 B x ``sustained_bandwidth_fraction`` (or the host's fitted ``stream_bandwidth_bytes_per_s``).
+* Bytes are DRAM traffic per element: every operand read, every output written; in-place outputs
+  need no write-allocate read (the line was just read), fresh outputs are charged as written bytes.
+* Fresh outputs fault on first touch every step when the pass's fresh outputs, freed together at
+  the end of the step, add up to 32 MiB or more: those of 32 MiB and more are ``mmap``-ed and
+  ``munmap``-ed on free, and a freed heap top above ``M_TRIM_THRESHOLD`` (dynamic, up to twice
+  the mmap threshold) is returned to the kernel by ``free`` (glibc malloc: mallopt(3),
+  ``DEFAULT_MMAP_THRESHOLD_MAX`` = 32 MiB on 64-bit). Smaller totals are recycled from the heap.
+
+Constants (all overridable per host preset):
+
+* ``DEFAULT_SUSTAINED_FRACTION`` 0.8: STREAM triad sustains 75-85 % of the DRAM peak on
+  multi-channel servers (McCalpin, STREAM benchmark, https://www.cs.virginia.edu/stream/ -- e.g.
+  the published 2-socket Xeon results; Intel's own figure for Xeon Scalable 8180: 199 GB/s triad
+  of 256 GB/s peak = 78 %, Intel *Xeon Scalable Platform Performance* brief, 2017).
+* ``DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S`` 12 GB/s: single-core STREAM on 2017-2023 server
+  cores is 10-20 GB/s (McCalpin, "Memory Bandwidth and System Balance in HPC Systems", SC16
+  invited talk: single-core bandwidth is concurrency-limited, Little's law with ~10-20 outstanding
+  L1 misses x 64 B / ~80-100 ns). Assumed for hosts without a measurement.
+* ``DEFAULT_PAGE_FAULT_S``: fitted on the measured H200 host (scripts/fit_host_cpu_model.py);
+  hosts without their own value borrow it (an assumption: bare-metal faults are likely cheaper
+  than in that KVM guest).
+* Vector slots per element: an FMA/add/mul = 1 slot; ``sqrt`` 6 and ``div`` 5 slots (reciprocal
+  throughput of VSQRTPS / VDIVPS zmm on Skylake-X, Agner Fog, *Instruction tables*, 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware_models.host import HostCpuSpec
+
+DEFAULT_SUSTAINED_FRACTION = 0.8
+DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S = 12e9
+#: Fitted on the measured H200 host by scripts/fit_host_cpu_model.py (copy of its preset's value).
+DEFAULT_PAGE_FAULT_S = 6.18e-6
+PAGE_BYTES = 4096
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+SQRT_SLOTS, DIV_SLOTS = 6.0, 5.0
+
+#: Optimizer implementations the model prices.
+IMPLEMENTATIONS = ("torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPass:
+    """One streaming kernel over every element, per element.
+
+    Attributes:
+        name: The op (``_foreach_lerp_``, ...).
+        read_bytes: Bytes read per element.
+        write_bytes: Bytes written in place per element.
+        fresh_bytes: Bytes written into a freshly allocated output per element.
+        slots: Vector instruction slots per element (FMA-pipe issue slots, see module docstring).
+    """
+
+    name: str
+    read_bytes: float
+    write_bytes: float
+    fresh_bytes: float = 0.0
+    slots: float = 1.0
+
+    @property
+    def bytes(self) -> float:
+        """DRAM bytes per element."""
+        return self.read_bytes + self.write_bytes + self.fresh_bytes
+
+
+def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_bytes: int = 2) -> tuple[StreamPass, ...]:
+    """The passes of one AdamW step, per element.
+
+    ``state_bytes``: parameter / moment dtype size (fp32: 4); ``grad_bytes``: the gradient the
+    step reads (torch: the same dtype as the parameters); ``copy_bytes``: DeepSpeed's fp16/bf16
+    parameter copy written by its fused kernel (0: none). Sources: ``torch/optim/adamw.py``
+    ``_multi_tensor_adamw`` (foreach: mul_ weight decay, lerp_ exp_avg, mul_ + addcmul_
+    exp_avg_sq, sqrt into a new list, div_, add_, addcdiv_ params), ``_single_tensor_adamw``
+    (the same with ``exp_avg_sq.sqrt() / bc`` making two new tensors), ``_fused_adamw`` (one
+    kernel, aten/src/ATen/native/cpu/FusedAdamKernel.cpp) and DeepSpeed csrc/adam/cpu_adam.cpp
+    (``Step_AVX``: one pass over param, grad, exp_avg, exp_avg_sq, writing param and moments, plus
+    the half-precision copy; Ren et al., ZeRO-Offload, ATC'21, section 4.1).
+
+    Raises:
+        ValueError: an unknown implementation.
+    """
+    s, g = float(state_bytes), float(grad_bytes)
+    if impl in ("torch_foreach", "torch_single"):
+        single = impl == "torch_single"
+        return (
+            StreamPass("mul_(weight decay)", s, s),
+            StreamPass("lerp_(exp_avg)", s + g, s, slots=2),
+            StreamPass("mul_(exp_avg_sq)", s, s),
+            StreamPass("addcmul_(exp_avg_sq)", s + g, s, slots=2),
+            StreamPass("sqrt", s, 0.0, s, slots=SQRT_SLOTS),
+            StreamPass("div", s, 0.0 if single else s, s if single else 0.0, slots=DIV_SLOTS),
+            StreamPass("add_(eps)", s, s),
+            StreamPass("addcdiv_(params)", 3 * s, s, slots=1 + DIV_SLOTS),
+        )
+    if impl == "torch_fused":
+        return (StreamPass("_fused_adamw", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
+    if impl == "deepspeed_cpu_adam":
+        return (StreamPass("Step_AVX", 3 * s + g, 3 * s + copy_bytes, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
+    raise ValueError(f"unknown optimizer implementation {impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+
+
+def stream_bandwidth(cpu: HostCpuSpec, threads: int | None = None, memory_nodes: int | None = None) -> float:
+    """DRAM bandwidth ``threads`` threads sustain on memory spread over ``memory_nodes`` nodes, bytes/s.
+
+    Defaults: the host's threads; memory on every node the threads run on (1 when bound).
+    """
+    t = threads or cpu.threads
+    nodes = memory_nodes or (1 if cpu.numa_node >= 0 else cpu.nodes)
+    node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
+    per_core = cpu.per_core_bandwidth_bytes_per_s or DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S
+    return min(t * per_core, nodes * node_bw)
+
+
+def vector_slots_per_s(cpu: HostCpuSpec, threads: int | None = None) -> float:
+    """Vector slots per second of ``threads`` threads (element-lanes of fp32): inf when the clock is unknown."""
+    clock = cpu.vector_clock_hz
+    if not clock:
+        return float("inf")
+    return (threads or cpu.threads) * clock * cpu.fma_units_per_core * cpu.simd_width_bits / 32.0
+
+
+def pass_time_s(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
+                memory_nodes: int | None = None, fresh_elements: float | None = None) -> float:
+    """Seconds of one pass over ``elements`` (``fresh_elements``: those whose fresh output faults)."""
+    t = threads or cpu.threads
+    mem = p.bytes * elements / stream_bandwidth(cpu, t, memory_nodes)
+    flop = p.slots * elements / vector_slots_per_s(cpu, t)
+    fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
+    fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
+    return max(mem, flop) + fault
+
+
+def faulting_elements(tensor_elements, elem_bytes: float) -> float:
+    """Elements of a pass's fresh outputs (``elem_bytes`` each) that fault: all of them when they
+    total 32 MiB or more (returned to the kernel when freed together), else none."""
+    n = float(sum(tensor_elements))
+    return n if n * elem_bytes >= MMAP_THRESHOLD_BYTES else 0.0
+
+
+def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0, threads: int | None = None,
+                 memory_nodes: int | None = None, state_bytes: int = 4, grad_bytes: int = 4,
+                 copy_bytes: int = 2) -> float:
+    """Seconds of one AdamW step over tensors of ``tensor_elements`` elements on ``cpu``.
+
+    ``dispatch_s``: host time per op per tensor (Python + ATen dispatch); each pass of the
+    PyTorch implementations dispatches once per tensor (foreach ops on CPU loop over tensors),
+    plus the step-counter update; the fused implementations dispatch once per tensor.
+    """
+    sizes = [float(n) for n in tensor_elements]
+    P = sum(sizes)
+    passes = adamw_passes(impl, state_bytes, grad_bytes, copy_bytes)
+    total = 0.0
+    for p in passes:
+        fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
+        total += pass_time_s(p, P, cpu, threads, memory_nodes, fe)
+    dispatches = len(passes) + (1 if impl.startswith("torch") and impl != "torch_fused" else 0)
+    return total + len(sizes) * dispatches * dispatch_s
