@@ -229,13 +229,14 @@ def cmd_sweep(args) -> int:
 
 def _print_sweep(df, as_json: bool) -> None:
     """JSON: every column; text: the inputs and the headline metrics (results.csv has them all)."""
-    from simulator.studies.sweep import SCALAR_METRICS, SUMMARY_COLUMNS, is_metric_name
+    from simulator.studies.sweep import SUMMARY_COLUMNS
 
     if as_json:
         print(df.to_json(orient="records"))
         return
-    inputs = [c for c in df.columns if not is_metric_name(c) and c in df.columns[:df.columns.get_loc("gpu_busy")]] \
-        if "gpu_busy" in df else [c for c in df.columns if c not in SCALAR_METRICS and c not in ("error", "folder")]
+    # run_sweep's rows start with the swept keys, then gpu_busy (a sweep whose points all failed has no metrics)
+    inputs = list(df.columns[:df.columns.get_loc("gpu_busy")]) if "gpu_busy" in df else \
+        [c for c in df.columns if c not in ("error", "folder")]
     shown = inputs + [c for c in ("gpu_busy", *SUMMARY_COLUMNS, "profile") if c in df]
     if not df["error"].isna().all():
         shown.append("error")

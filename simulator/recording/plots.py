@@ -132,15 +132,19 @@ def memory_over_time(counters: pd.DataFrame, ax):
         ax: Axes to draw on.
 
     Returns:
-        ``ax``: x = time (ms), y = memory (GB), one labelled line per (pool, category).
+        ``ax``: x = time (ms), y = memory (GB), one labelled line per (pool, category), each held
+        at its last level until the last memory sample.
 
     Raises:
         ValueError: no memory counter in ``counters``.
     """
     n = 0
-    for scope, metric, t, v in _level_series(counters, lambda m: m == "memory_bytes" or m.startswith("memory_bytes.")):
+    series = list(_level_series(counters, lambda m: m == "memory_bytes" or m.startswith("memory_bytes.")))
+    t_end = max((float(t[-1]) for *_, t, _ in series), default=0.0)
+    for scope, metric, t, v in series:  # a level holds until the next sample: extend each to the end
         cat = metric.partition(".")[2]
-        ax.step(t * 1e3, v / 1e9, where="post", label=f"{scope} {cat}" if cat else f"{scope} total")
+        ax.step(np.append(t, t_end) * 1e3, np.append(v, v[-1]) / 1e9, where="post",
+                label=f"{scope} {cat}" if cat else f"{scope} total")
         n += 1
     if not n:
         raise ValueError("no memory counters (metric memory_bytes) to plot")
