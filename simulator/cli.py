@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
+#: how long ``sweep --dask-scheduler`` waits for the scheduler before one error line (exit 2)
+DASK_CONNECT_TIMEOUT_S = 10
 
 
 def _fmt_bytes(b: float) -> str:
@@ -199,7 +201,7 @@ def cmd_sweep(args) -> int:
         except ImportError:
             raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
         try:
-            client = Client(args.dask_scheduler, timeout="10s")
+            client = Client(args.dask_scheduler, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
         except (OSError, ValueError, TypeError) as exc:
             raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect "
                                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
