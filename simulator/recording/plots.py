@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -296,5 +296,15 @@ def render_png(draw: Callable, *args, **kwargs) -> bytes:
     return render(draw, *args, fmt="png", **kwargs)
 
 
-__all__ = ["timeline", "breakdown_bars", "memory_over_time", "power_and_clock", "sweep_curves", "pareto_front",
-           "render", "render_png", "metric_label", "has_power"]
+__all__ = [
+    "breakdown_bars",
+    "has_power",
+    "memory_over_time",
+    "metric_label",
+    "pareto_front",
+    "power_and_clock",
+    "render",
+    "render_png",
+    "sweep_curves",
+    "timeline",
+]

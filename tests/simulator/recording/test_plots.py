@@ -86,8 +86,8 @@ def test_timeline_one_row_per_resource_one_bar_per_span():
     assert bars == 8  # every span of step 1
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == \
         ["collective", "compute", "dataloader", "memcpy_h2d", "sync"]
-    # the first compute bar spans 0-3 ms on the compute row (y = 2)
-    comp = [c for c in ax.collections if c.get_label() == "compute"][0]
+    # the compute bars (fwd 0-3, bwd 4-6, opt 7-8 ms) span 0-8 ms
+    comp = next(c for c in ax.collections if c.get_label() == "compute")
     xs = np.concatenate([p.vertices[:, 0] for p in comp.get_paths()])
     assert xs.min() == pytest.approx(0.0) and xs.max() == pytest.approx(8.0)
     ax = plots.timeline(HAND, _ax(), streams=["compute"], t0_s=0.0, t1_s=3.5e-3)

@@ -143,7 +143,7 @@ def test_point_hash_sees_the_resolved_scenario(tmp_path):
 
 
 def test_failed_points_are_recomputed_on_resume(tmp_path, monkeypatch, capsys):
-    import simulator.api as api
+    from simulator import api
     from simulator.engine.run import SimulationError
 
     real, fail = api.run_scenario, {"on": True}
@@ -237,7 +237,7 @@ def test_dask_cluster_resumes_the_same_way(tmp_path, capsys):
 
 def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     pytest.importorskip("dask.distributed")
-    import simulator.cli as cli
+    from simulator import cli
 
     monkeypatch.setattr(cli, "DASK_CONNECT_TIMEOUT_S", 1)
     assert main(["sweep", str(SCEN), "--factor", "training.micro_batch_size=1", *FAST,
