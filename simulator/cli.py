@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
+#: how long ``sweep --dask-scheduler`` waits for the scheduler before one error line (exit 2)
+DASK_CONNECT_TIMEOUT_S = 10
 
 
 def _fmt_bytes(b: float) -> str:
@@ -130,7 +132,8 @@ def cmd_run(args) -> int:
     else:
         print(format_summary(result.summary, cfg.name))
         if args.out:
-            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev or HTA)")
+            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev or HTA, "
+                  "breakdown.png, memory.png)")
     return 0 if result.ok else 1
 
 
@@ -177,12 +180,19 @@ def cmd_validate(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from simulator.studies.sweep import SweepInterrupted, parse_factor, run_sweep
+    from simulator.studies.sweep import SweepInterrupted, is_metric_name, parse_factor, run_sweep, write_sweep_plots
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
 
     if args.workers < 1:
         raise ScenarioError(f"--workers must be >= 1, got {args.workers}")
+    plots = [m.strip() for m in (args.plot or "").split(",") if m.strip()]
+    if plots and not args.out:
+        raise ScenarioError("--plot needs --out DIR (the figures go to DIR/sweep_<metric>.png)")
+    bad = [m for m in plots if not is_metric_name(m)]
+    if bad:
+        raise ScenarioError(f"--plot {bad[0]}: not a summary metric; use one such as step_time_s, tokens_per_s, mfu, "
+                            "energy_j_per_step, peak_memory_bytes, phase_s.fwd_s, utilisation.compute")
     check_out_dir(args.out)
     factors = dict(parse_factor(f) for f in args.factor)
     # check every key path and value before running anything (exit 2 on a typo)
@@ -196,21 +206,28 @@ def cmd_sweep(args) -> int:
         except ImportError:
             raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
         try:
-            client = Client(args.dask_scheduler, timeout="10s")
-        except OSError as exc:
-            raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect ({exc})") from None
+            client = Client(args.dask_scheduler, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
+        except (OSError, ValueError, TypeError) as exc:
+            raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect "
+                                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     try:
         df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
                        out_dir=args.out, progress=not args.json, client=client)
     except SweepInterrupted as stop:
         if len(stop.table):
             _print_sweep(stop.table, args.json)
-        where = f"; the table is in {Path(args.out) / 'results.csv'}" if args.out else ""
+        where = (f"; the table is in {Path(args.out) / 'results.csv'} and the same command resumes"
+                 if args.out else "")
         print(f"interrupted: {len(stop.table)} of {stop.total} points finished{where}", file=sys.stderr)
         return 130
+    finally:
+        if client is not None:
+            client.close()
     _print_sweep(df, args.json)
     if args.out:
-        print(f"table: {Path(args.out) / 'results.csv'}", file=sys.stderr)
+        written = write_sweep_plots(df, list(factors), plots, args.out) if plots else []
+        print(f"table: {Path(args.out) / 'results.csv'}"
+              + "".join(f", {p}" for p in written), file=sys.stderr)
     failed = int(df["error"].notna().sum()) if "error" in df else 0
     if failed:
         print(f"error: {failed} of {len(df)} points failed (see the error column)", file=sys.stderr)
@@ -218,11 +235,19 @@ def cmd_sweep(args) -> int:
 
 
 def _print_sweep(df, as_json: bool) -> None:
+    """JSON: every column; text: the inputs and the headline metrics (results.csv has them all)."""
+    from simulator.studies.sweep import SUMMARY_COLUMNS
+
     if as_json:
         print(df.to_json(orient="records"))
         return
-    shown = df.drop(columns=["error"]) if df["error"].isna().all() else df
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    # run_sweep's rows start with the swept keys, then gpu_busy (a sweep whose points all failed has no metrics)
+    inputs = list(df.columns[:df.columns.get_loc("gpu_busy")]) if "gpu_busy" in df else \
+        [c for c in df.columns if c not in ("error", "folder")]
+    shown = inputs + [c for c in ("gpu_busy", *SUMMARY_COLUMNS, "profile") if c in df]
+    if not df["error"].isna().all():
+        shown.append("error")
+    print(df[shown].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 
 
 def _version() -> str:
@@ -260,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS", help="run the points on a dask.distributed cluster")
-    p.add_argument("--out", help="one output folder per point under here, and results.csv (one row per point)")
+    p.add_argument("--out", help="one output folder per point under here, results.csv/.parquet (one row per "
+                   "point); re-running the same command skips the points already done")
+    p.add_argument("--plot", metavar="METRIC,...", help="with --out: write DIR/sweep_<metric>.png per metric "
+                   "(e.g. step_time_s,tokens_per_s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
 

@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import base64
+import html
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
+
+from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge
+
+#: ``SimulationResult.breakdown`` components, in priority order (an instant counts once, for the
+#: first that applies); exposed communication has one row per process group, after optimizer
+BREAKDOWN_COMPUTE = "compute (fwd/bwd kernels)"
+BREAKDOWN_OPTIMIZER = "optimizer"
+BREAKDOWN_COPIES = "exposed copies"
+BREAKDOWN_DATA = "data wait"
+BREAKDOWN_IDLE = "host-bound gaps / idle"
+#: summary rows of the HTML representation: (label, summary key, scale, unit)
+_HTML_ROWS = (("step time", "step_time_s", 1e3, "ms"), ("throughput", "samples_per_s", 1, "samples/s"),
+              ("tokens", "tokens_per_s", 1, "tokens/s"), ("MFU", "mfu", 100, "%"),
+              ("GPU busy", ("utilisation", "compute"), 100, "%"),
+              ("peak GPU memory", "peak_device_memory_bytes", 1e-9, "GB"),
+              ("GPU memory capacity", "gpu_memory_capacity_bytes", 1e-9, "GB"),
+              ("exposed communication", "exposed_comm_s", 1e3, "ms"), ("data stall", "data_stall_s", 1e3, "ms"),
+              ("energy", "energy_j_per_step", 1, "J/step"), ("average power", "avg_power_w", 1, "W"))
+
+
+def _covered(iv: np.ndarray, mid: np.ndarray) -> np.ndarray:
+    """Which points ``mid`` lie inside the disjoint sorted intervals ``iv`` (shape ``(n, 2)``)."""
+    if len(iv) == 0:
+        return np.zeros(len(mid), dtype=bool)
+    j = np.searchsorted(iv[:, 0], mid, side="right") - 1
+    return (j >= 0) & (mid < iv[np.clip(j, 0, None), 1])
 
 
 @dataclass(frozen=True)
@@ -35,3 +64,78 @@ class SimulationResult:
     def ok(self) -> bool:
         """False when the run went out of memory."""
         return not self.summary.get("oom")
+
+    def breakdown(self) -> pd.DataFrame:
+        """Where the time of a measured step goes, as a partition of each step's window.
+
+        Each instant of a measured step's ``[start_s, end_s]`` counts once, for the first of:
+        ``compute`` (a compute kernel of phase fwd/bwd runs), ``optimizer`` (any op of phase
+        ``opt``: GPU kernels, or a CPU optimizer while the GPU computes nothing else),
+        ``exposed comm (<group>)`` (a collective of that process group is in flight and no kernel
+        runs: the summary's ``exposed_comm_s`` split by group; where groups overlap the time goes
+        to the first in name order), ``exposed copies`` (a memory copy runs and nothing above),
+        ``data wait`` (the training thread is in ``next(iterator)`` and the GPU runs nothing: the
+        summary's ``phase_s.data_s``), and ``host-bound gaps / idle`` (the rest: the GPU waits
+        for kernel launches or other host work).
+
+        Returns:
+            ``component, seconds`` (mean per measured step, s); the seconds sum to the mean step
+            window, which is ``step_time_s`` unless steps overlap (then ``step_latency_s``).
+            Components that are zero in every step are left out, except compute.
+        """
+        steps = self.steps[~self.steps.warmup] if "warmup" in self.steps else self.steps
+        sp = self.spans[self.spans.kind != "sync"]
+        kind, phase = sp.kind.astype(str), sp.phase.astype(str)
+        coll = sp[kind == COLLECTIVE_KIND]
+        group = coll.stream.str.split(".", n=1).str[-1].where(coll.stream.str.startswith("comm."), "other")
+        groups = sorted(set(group))
+        cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
+                (BREAKDOWN_OPTIMIZER, sp[phase == "opt"])]
+        cats += [(f"exposed comm ({g})", coll[group == g]) for g in groups]
+        cats += [(BREAKDOWN_COPIES, sp[kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])]),
+                 (BREAKDOWN_DATA, sp[phase == DATA_PHASE])]
+        ivs = [(name, d[["start_s", "end_s"]].to_numpy(dtype=float)) for name, d in cats]
+        totals = dict.fromkeys([n for n, _ in cats] + [BREAKDOWN_IDLE], 0.0)
+        for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
+            clipped = []
+            for name, iv in ivs:
+                iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
+                clipped.append((name, _merge(np.clip(iv, t0, t1))))
+            edges = np.unique(np.concatenate([[t0, t1]] + [iv.ravel() for _, iv in clipped]))
+            mid, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
+            free = np.ones(len(mid), dtype=bool)
+            for name, iv in clipped:
+                hit = free & _covered(iv, mid)
+                totals[name] += float(width[hit].sum())
+                free &= ~hit
+            totals[BREAKDOWN_IDLE] += float(width[free].sum())
+        n = max(len(steps), 1)
+        rows = [(k, v / n) for k, v in totals.items() if v > 0 or k == BREAKDOWN_COMPUTE]
+        return pd.DataFrame(rows, columns=["component", "seconds"])
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: a summary table and the step breakdown as an inline PNG."""
+        from simulator.recording.plots import breakdown_bars, render_png
+
+        s = self.summary
+        name = html.escape(str(self.config.get("name") or "simulation result"))
+        rows = []
+        for label, key, scale, unit in _HTML_ROWS:
+            v = (s.get(key[0]) or {}).get(key[1]) if isinstance(key, tuple) else s.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                rows.append(f"<tr><th style='text-align:left'>{label}</th><td>{v * scale:,.4g} {unit}</td></tr>")
+        for label, key in (("GPU / profile", None), ("out of memory", "oom")):
+            if key is None:
+                rows.insert(0, f"<tr><th style='text-align:left'>{label}</th><td>"
+                               f"{html.escape(str(s.get('gpu')))} / {html.escape(str(s.get('profile')))}</td></tr>")
+            elif s.get(key):
+                rows.append(f"<tr><th style='text-align:left'>{label}</th><td style='color:#b00'>"
+                            f"{html.escape(str(s[key]))}</td></tr>")
+        rows += [f"<tr><th style='text-align:left'>warning</th><td>{html.escape(str(w))}</td></tr>"
+                 for w in s.get("warnings") or []]
+        img = ""
+        if len(self.spans):
+            png = render_png(breakdown_bars, self.breakdown(), title="step time breakdown", figsize=(7.0, 3.0))
+            img = (f"<img alt='step time breakdown' src='data:image/png;base64,"
+                   f"{base64.b64encode(png).decode()}'/>")
+        return (f"<div><h4>{name}</h4><table>{''.join(rows)}</table>{img}</div>")

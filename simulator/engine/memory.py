@@ -157,12 +157,16 @@ class MemoryPool:
         self._clock = clock
         #: ``(t_s, live_bytes)`` after every change; changes at one instant keep the last value
         self.timeline: list[tuple[float, int]] = []
+        #: ``(t_s, category, live_bytes)`` after every change of a category (same rule)
+        self.category_timeline: list[tuple[float, str, int]] = []
+        self._cat_last: dict[str, int] = {}
 
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
         self.sizes[tensor] = nbytes
         self.live += nbytes
-        self.by_category[category(tensor)] += nbytes
+        cat = category(tensor)
+        self.by_category[cat] += nbytes
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by_category = dict(self.by_category)
@@ -170,7 +174,7 @@ class MemoryPool:
         if demand > self.capacity_bytes and self.oom is None:
             top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
             self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
-        self._sample()
+        self._sample(cat)
 
     def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
         """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
@@ -188,7 +192,7 @@ class MemoryPool:
         """Peak device demand (tensors + overheads), bytes: what ``nvidia-smi`` would show at the peak."""
         return int(round(self.overheads.device_bytes(self.peak)))
 
-    def _sample(self) -> None:
+    def _sample(self, cat: str) -> None:
         if self._clock is None:
             return
         t = self._clock()
@@ -197,6 +201,12 @@ class MemoryPool:
             tl[-1] = (t, self.live)
         else:
             tl.append((t, self.live))
+        ct, i = self.category_timeline, self._cat_last.get(cat)
+        if i is not None and ct[i][0] == t:
+            ct[i] = (t, cat, self.by_category[cat])
+        else:
+            self._cat_last[cat] = len(ct)
+            ct.append((t, cat, self.by_category[cat]))
 
     def oom_message(self) -> str | None:
         """One line for the out-of-memory result, or None if everything fitted.
@@ -220,5 +230,6 @@ class MemoryPool:
         if nbytes is None:
             return
         self.live -= nbytes
-        self.by_category[category(tensor)] -= nbytes
-        self._sample()
+        cat = category(tensor)
+        self.by_category[cat] -= nbytes
+        self._sample(cat)

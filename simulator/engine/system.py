@@ -40,8 +40,11 @@ class System:
     """
 
     def memory_counters(self) -> list[tuple[float, str, str, int]]:
-        """Memory timelines of all pools as counter rows ``(t_s, scope, "memory_bytes", bytes)``."""
-        return [(t, pool.name, "memory_bytes", v) for pool in self.memory.values() for t, v in pool.timeline]
+        """Memory timelines of all pools as counter rows ``(t_s, scope, "memory_bytes", bytes)``, and
+        per tensor category ``(t_s, scope, "memory_bytes.<category>", bytes)`` (``memory.category``)."""
+        return ([(t, pool.name, "memory_bytes", v) for pool in self.memory.values() for t, v in pool.timeline]
+                + [(t, pool.name, f"memory_bytes.{c}", v) for pool in self.memory.values()
+                   for t, c, v in pool.category_timeline])
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder):
         self.env = env

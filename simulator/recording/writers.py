@@ -2,8 +2,9 @@
 
 Files: ``config.resolved.yaml`` (a header comment records the scenario file and the ``--set``
 overrides; the values below it already include them, so the file loads as a scenario),
-``summary.json``, ``spans.csv``, ``steps.csv``, ``counters.csv``, ``trace.json`` (Perfetto / HTA)
-and, written last, ``manifest.json`` (the file list, the source scenario and the overrides).
+``summary.json``, ``spans.csv``, ``steps.csv``, ``counters.csv``, ``trace.json`` (Perfetto / HTA),
+the figures ``breakdown.png`` (where a step's time goes), ``memory.png`` (memory over time) and,
+when the run has power counters, ``power.png`` (power and SM clock over time), and, written last, ``manifest.json`` (the file list, the source scenario and the overrides).
 
 A folder is either the old run or the new one, never a mix: everything is written into a hidden
 temporary sibling (``.NAME.tmp-*``), which then replaces the folder by rename (the old folder is
@@ -27,7 +28,9 @@ from simulator.config.errors import ScenarioError
 from simulator.recording.chrome_trace import result_trace
 
 MANIFEST = "manifest.json"
-RUN_FILES = ("config.resolved.yaml", "summary.json", "spans.csv", "steps.csv", "counters.csv", "trace.json", MANIFEST)
+PLOT_FILES = ("breakdown.png", "memory.png", "power.png")
+RUN_FILES = ("config.resolved.yaml", "summary.json", "spans.csv", "steps.csv", "counters.csv", "trace.json",
+             *PLOT_FILES, MANIFEST)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -40,6 +43,32 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return p
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """``atomic_write_text`` for bytes (whole file or the old one)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return p
+
+
+def _figures(result) -> list[tuple[str, object]]:
+    """``(file name, make bytes)`` of the run's PNGs; the breakdown comes from the result itself
+    (``result.breakdown()``: recording does not import analysis)."""
+    from simulator.recording import plots
+
+    figs = [("breakdown.png", lambda: plots.render_png(plots.breakdown_bars, result.breakdown(),
+                                                      title="step time breakdown", figsize=(8.0, 3.5)))]
+    if (result.counters.metric.astype(str).str.startswith("memory_bytes")).any():
+        figs.append(("memory.png", lambda: plots.render_png(plots.memory_over_time, result.counters)))
+    if plots.has_power(result.counters):
+        figs.append(("power.png", lambda: plots.render_png(plots.power_and_clock, result.counters)))
+    return figs
 
 
 def _config_text(config: dict, scenario: str | None, overrides: list[str]) -> str:
@@ -70,7 +99,7 @@ def check_replaceable(out: str | Path) -> None:
 
 
 def write_outputs(result, out_dir: str | Path, overrides: list[str] | None = None,
-                  scenario: str | Path | None = None) -> list[Path]:
+                  scenario: str | Path | None = None, plots: bool = True) -> list[Path]:
     """Write all outputs of ``result`` as the folder ``out_dir``, replacing a previous run there.
 
     Args:
@@ -78,6 +107,7 @@ def write_outputs(result, out_dir: str | Path, overrides: list[str] | None = Non
         out_dir: The run's folder (created; its parents too).
         overrides: The ``--set KEY=VALUE`` strings the run was made with (recorded, not applied).
         scenario: The scenario file the run came from (recorded).
+        plots: Also write the PNGs (``PLOT_FILES``; sweeps leave them out of every point folder).
 
     Returns:
         The paths written, inside ``out_dir``.
@@ -96,9 +126,12 @@ def write_outputs(result, out_dir: str | Path, overrides: list[str] | None = Non
         ("steps.csv", lambda: result.steps.to_csv(index=False)),
         ("counters.csv", lambda: result.counters.to_csv(index=False)),
         ("trace.json", lambda: json.dumps(result_trace(result))),
-        (MANIFEST, lambda: json.dumps({"files": list(RUN_FILES), "scenario": str(scenario) if scenario else None,
-                                       "overrides": overrides}, indent=2)),
     ]
+    if plots:
+        items += _figures(result)
+    names = [name for name, _ in items] + [MANIFEST]
+    items.append((MANIFEST, lambda: json.dumps({"files": names, "scenario": str(scenario) if scenario else None,
+                                                "overrides": overrides}, indent=2)))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -107,7 +140,8 @@ def write_outputs(result, out_dir: str | Path, overrides: list[str] | None = Non
         raise ScenarioError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
     try:
         for name, make in items:
-            (tmp / name).write_text(make())
+            data = make()
+            (tmp / name).write_bytes(data) if isinstance(data, bytes) else (tmp / name).write_text(data)
         _swap_into_place(tmp, out)
     finally:
         if tmp.exists():

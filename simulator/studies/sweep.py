@@ -1,18 +1,30 @@
 """Parameter sweeps: a grid of ``--set`` overrides, one run per point, one DataFrame back.
 
-Points run in a local process pool (``workers`` > 1) with a progress bar; each point may write
-its own output folder under ``out_dir`` (named after its values, sanitised so that no value can
-name a path outside ``out_dir``) and the table of all points to ``out_dir/results.csv``. A failed
-point becomes a row with its error instead of stopping the sweep. An interrupted sweep (Ctrl-C)
-raises ``SweepInterrupted`` carrying the points that finished. For more than one machine, pass a
-``dask.distributed.Client`` as ``client``.
+Points run in a local process pool (``workers`` > 1) with a progress bar, or on a Dask cluster
+(``client``: a ``dask.distributed.Client``; the scheduler re-runs a point whose worker was lost).
+With ``out_dir`` each point writes its own output folder (named after its values, sanitised so
+that no value can name a path outside ``out_dir``) and the sweep is **resumable**: every finished
+point is appended, as it completes, to ``out_dir/index.jsonl`` (one JSON line: folder, hash of the
+point's resolved scenario and hardware, simulator version, its table row). Re-running the same
+sweep skips the points recorded with the same hash and version whose folder is still there, and
+recomputes the others (a changed scenario invalidates exactly the points whose resolved scenario
+changed; failed points are always recomputed). ``out_dir/sweep.json`` names the scenario file the
+folder belongs to: a folder holding another scenario's sweep is refused. The table of all points
+goes to ``out_dir/results.csv`` (and ``results.parquet`` when pyarrow or fastparquet is
+installed). A failed point becomes a row with its error instead of stopping the sweep. An
+interrupted sweep (Ctrl-C) raises ``SweepInterrupted`` carrying the points that finished; what it
+had recorded stays recorded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
+import math
+import os
 import re
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -22,8 +34,14 @@ from hardware_models import safe_yaml
 from simulator.config.errors import ScenarioError
 
 RESULTS_FILE = "results.csv"
+PARQUET_FILE = "results.parquet"
+INDEX_FILE = "index.jsonl"
+SWEEP_FILE = "sweep.json"
+#: layout of ``index.jsonl`` / ``sweep.json``; a folder written with another one is recomputed
+INDEX_SCHEMA = 1
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]+")
 _MAX_NAME = 120  # bytes; file systems allow 255
+_NESTED_KEY = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -53,8 +71,48 @@ def point_folder_names(points: list[dict]) -> list[str]:
     return names
 
 
+#: headline metrics, first in the table (every other scalar of the summary follows them)
 SUMMARY_COLUMNS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes", "data_stall_s",
                    "energy_j_per_step", "avg_power_w", "oom")
+#: top-level summary keys whose values are dicts of scalars (flattened to ``key.sub`` columns)
+NESTED_METRICS = ("phase_s", "utilisation", "comm_s_by_group", "peak_memory_by_category_bytes", "memory_overheads")
+#: top-level scalar summary keys (``simulator.analysis.summary.summarize``); what ``--plot`` accepts
+SCALAR_METRICS = SUMMARY_COLUMNS + (
+    "step_latency_s", "model_flops_per_step", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
+    "peak_device_memory_bytes", "gpu_memory_capacity_bytes", "peak_host_pinned_bytes", "peak_host_pageable_bytes",
+    "exposed_comm_s", "world_size", "data_parallel_size", "num_ops", "energy_per_token_j", "energy_per_sample_j",
+    "host_avg_power_w", "host_energy_j_per_step", "avg_sm_clock_mhz", "clock_switches", "power_limit_w", "gpu_busy")
+
+
+def is_metric_name(name: str) -> bool:
+    """True if ``name`` can be a numeric column of a sweep table: a scalar summary key
+    (``step_time_s``) or ``nested.key`` under one of ``NESTED_METRICS`` (``phase_s.fwd_s``)."""
+    head, dot, rest = name.partition(".")
+    return name in SCALAR_METRICS or (bool(dot) and head in NESTED_METRICS and bool(_NESTED_KEY.fullmatch(rest)))
+
+
+def flatten_summary(summary: dict) -> dict:
+    """The scalar metrics of a run summary as one flat dict: nested dicts become ``outer.inner``
+    keys (``phase_s.fwd_s``, ``utilisation.compute``, ``comm_s_by_group.dp``), lists of scalars
+    (``warnings``) one ``"; "``-joined string; ``SUMMARY_COLUMNS`` first, then in summary order."""
+    flat: dict = {}
+
+    def put(key: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                put(f"{key}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            flat[key] = "; ".join(str(v) for v in value) if value else None
+        else:
+            flat[key] = value
+
+    for k in SUMMARY_COLUMNS:
+        if k in summary:
+            put(k, summary[k])
+    for k, v in summary.items():
+        if k not in SUMMARY_COLUMNS:
+            put(k, v)
+    return flat
 
 
 def parse_factor(text: str) -> tuple[str, list]:
@@ -72,6 +130,30 @@ def parse_factor(text: str) -> tuple[str, list]:
         raise ScenarioError(f"--factor {key.strip()}: {exc}") from None
 
 
+def simulator_version() -> str:
+    """The installed ``trainsim-des`` version (``"unknown"`` when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainsim-des")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def point_hash(scenario: str | Path, overrides: list[str]) -> str:
+    """SHA-256 (hex) of a point's resolved scenario (after ``overrides``) and its resolved hardware
+    (so an edited preset invalidates the points that use it).
+
+    Raises:
+        ScenarioError: the point's scenario does not load.
+    """
+    from simulator.config.loader import load_scenario, resolve_hardware
+
+    cfg = load_scenario(scenario, overrides)
+    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) + repr(resolve_hardware(cfg))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _run_point(args) -> dict:
     scenario, overrides, point, folder = args
     from simulator.config.loader import load_scenario
@@ -81,22 +163,97 @@ def _run_point(args) -> dict:
     row = dict(point)
     try:
         res = run_scenario(load_scenario(scenario, overrides))
-        for k in SUMMARY_COLUMNS:
-            if k in res.summary:
-                row[k] = res.summary[k]
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
-        row["profile"] = res.summary.get("profile")  # "generic:..." = unfitted GPU profile (see summary warnings)
+        # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
+        row.update(flatten_summary(res.summary))
         if folder:
-            write_outputs(res, folder, overrides=overrides, scenario=scenario)
+            write_outputs(res, folder, overrides=overrides, scenario=scenario, plots=False)
     except Exception as exc:  # one bad point must not lose the others
         row["error"] = str(exc)
     return row
 
 
+def _json_safe(row: dict) -> dict:
+    out = {}
+    for k, v in row.items():
+        if hasattr(v, "item"):  # numpy scalar
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None if math.isnan(v) else str(v)
+        out[k] = v
+    return out
+
+
+class _Index:
+    """``out_dir/index.jsonl``: finished points, appended one line at a time (a line is written
+    with a single ``write`` and flushed to disk; a torn last line from a crash is ignored)."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / INDEX_FILE
+        self.done: dict[str, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and rec.get("schema") == INDEX_SCHEMA and "folder" in rec:
+                    self.done[rec["folder"]] = rec
+
+    def lookup(self, folder: Path, digest: str, version: str) -> dict | None:
+        rec = self.done.get(folder.name)
+        if (rec and rec.get("hash") == digest and rec.get("version") == version and rec.get("error") is None
+                and (folder / "manifest.json").is_file()):
+            return rec["row"]
+        return None
+
+    def append(self, folder: Path, digest: str, version: str, row: dict) -> None:
+        rec = {"schema": INDEX_SCHEMA, "folder": folder.name, "hash": digest, "version": version,
+               "error": row.get("error"), "row": _json_safe(row)}
+        line = (json.dumps(rec, default=str) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _claim(out_dir: Path, scenario: str | Path) -> str | None:
+    """Tie ``out_dir`` to ``scenario`` (``sweep.json``). Returns a note when earlier results there
+    cannot be reused (older layout) and will be recomputed.
+
+    Raises:
+        ScenarioError: ``out_dir`` holds the sweep of another scenario file.
+    """
+    from simulator.recording.writers import atomic_write_text
+
+    meta_path = out_dir / SWEEP_FILE
+    mine = str(Path(scenario).resolve())
+    note = None
+    if meta_path.exists():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, OSError):
+            meta = {}
+        if meta.get("scenario") not in (None, mine):
+            raise ScenarioError(f"--out {out_dir}: holds the sweep of another scenario ({meta['scenario']}); "
+                                "give a new folder for this one")
+        if meta.get("schema") != INDEX_SCHEMA:
+            note = f"{out_dir}: sweep written by another version of the index (schema {meta.get('schema')}); recomputing"
+    elif (out_dir / RESULTS_FILE).exists():
+        note = f"{out_dir}/{RESULTS_FILE}: written without a resume index (older simulator); recomputing every point"
+    if note and (out_dir / INDEX_FILE).exists():
+        os.replace(out_dir / INDEX_FILE, out_dir / f"{INDEX_FILE}.old")
+    atomic_write_text(meta_path, json.dumps({"schema": INDEX_SCHEMA, "scenario": mine}, indent=2))
+    return note
+
+
 def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: list[str] | None = None,
-              workers: int = 1, out_dir: str | Path | None = None, progress: bool = True, client=None) -> pd.DataFrame:
-    """Run the full grid of ``factors`` over ``scenario``.
+              workers: int = 1, out_dir: str | Path | None = None, progress: bool = True, client=None,
+              log=None) -> pd.DataFrame:
+    """Run the full grid of ``factors`` over ``scenario`` (resuming a previous run in ``out_dir``).
 
     Args:
         scenario: Scenario YAML path.
@@ -104,57 +261,146 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         base_overrides: ``--set`` strings applied to every point.
         workers: Local processes.
         out_dir: If set, each point writes its outputs to a sub-folder (``point_folder_names``,
-            column ``folder``) and the table goes to ``out_dir/results.csv``.
+            column ``folder``), finished points are recorded in ``out_dir/index.jsonl`` and reused
+            by the next run, and the table goes to ``out_dir/results.csv`` (+ ``results.parquet``).
         progress: Show a tqdm progress bar on stderr.
         client: Optional ``dask.distributed.Client`` to run the points on a cluster.
+        log: ``callable(str)`` for one-line notes (skipped/computed counts, no parquet writer);
+            default: print to stderr.
 
     Returns:
-        One row per point, in grid order: the swept keys, the summary metrics, ``error`` (None when
-        the point ran) and, with ``out_dir``, ``folder``.
+        One row per point, in grid order: the swept keys, ``gpu_busy``, every scalar of the
+        summary (``flatten_summary``), ``error`` (None when the point ran) and, with ``out_dir``,
+        ``folder``. ``df.attrs["skipped"]`` / ``df.attrs["computed"]`` count reused and run points.
 
     Raises:
+        ScenarioError: the grid is empty, or ``out_dir`` holds another scenario's sweep.
         SweepInterrupted: Ctrl-C; it carries the finished points (also written to results.csv).
     """
     from tqdm import tqdm
 
+    log = log or (lambda msg: print(msg, file=sys.stderr))
     keys = list(factors)
+    if not keys or any(not factors[k] for k in keys):
+        raise ScenarioError("sweep: empty grid (every --factor needs at least one value)")
     points = [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
-    folders = [Path(out_dir) / n for n in point_folder_names(points)] if out_dir else [None] * len(points)
+    out = Path(out_dir) if out_dir else None
+    folders = [out / n for n in point_folder_names(points)] if out else [None] * len(points)
     jobs = [(str(scenario), list(base_overrides or []) + [f"{k}={v}" for k, v in p.items()], p,
              str(f) if f else None) for p, f in zip(points, folders)]
     done: dict[int, dict] = {}
-    try:
-        if client is not None:
-            for i, row in enumerate(client.gather(client.map(_run_point, jobs))):
+    index, digests, version = None, {}, simulator_version()
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        note = _claim(out, scenario)
+        if note:
+            log(note)
+        index = _Index(out)
+        for i, (job, folder) in enumerate(zip(jobs, folders)):
+            digests[i] = point_hash(scenario, job[1])
+            row = index.lookup(folder, digests[i], version)
+            if row is not None:
                 done[i] = row
-        elif workers > 1:
-            with ProcessPoolExecutor(workers) as pool:
-                futures = {pool.submit(_run_point, j): i for i, j in enumerate(jobs)}
-                try:
-                    from concurrent.futures import as_completed
+    skipped = len(done)
+    todo = [i for i in range(len(jobs)) if i not in done]
 
-                    for fut in tqdm(as_completed(futures), total=len(jobs), disable=not progress, desc="sweep"):
-                        done[futures[fut]] = fut.result()
+    def finish(i: int, row: dict) -> None:
+        done[i] = row
+        if index is not None:
+            index.append(folders[i], digests[i], version, row)
+
+    try:
+        if client is not None and todo:
+            from dask.distributed import as_completed as dask_completed
+
+            futures = client.map(_run_point, [jobs[i] for i in todo], pure=False)
+            where = {f.key: i for f, i in zip(futures, todo)}
+            try:
+                for fut in tqdm(dask_completed(futures), total=len(todo), disable=not progress, desc="sweep"):
+                    finish(where[fut.key], fut.result())
+            except KeyboardInterrupt:
+                client.cancel(futures)
+                raise
+        elif workers > 1 and len(todo) > 1:
+            from concurrent.futures import as_completed
+
+            with ProcessPoolExecutor(min(workers, len(todo))) as pool:
+                futures = {pool.submit(_run_point, jobs[i]): i for i in todo}
+                try:
+                    for fut in tqdm(as_completed(futures), total=len(todo), disable=not progress, desc="sweep"):
+                        finish(futures[fut], fut.result())
                 except KeyboardInterrupt:
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
         else:
-            for i, j in enumerate(tqdm(jobs, disable=not progress, desc="sweep")):
-                done[i] = _run_point(j)
+            for i in tqdm(todo, disable=not progress, desc="sweep"):
+                finish(i, _run_point(jobs[i]))
     except KeyboardInterrupt:
-        table = _table([done[i] for i in sorted(done)], [folders[i] for i in sorted(done)], out_dir)
+        order = sorted(done)
+        table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
         raise SweepInterrupted(table, len(jobs)) from None
-    return _table([done[i] for i in range(len(jobs))], folders, out_dir)
+    if out:
+        log(f"sweep: {skipped} of {len(jobs)} points already done and unchanged (skipped), {len(todo)} computed")
+    df = _table([done[i] for i in range(len(jobs))], folders, out, log)
+    df.attrs.update(skipped=skipped, computed=len(todo))
+    return df
 
 
-def _table(rows: list[dict], folders: list, out_dir) -> pd.DataFrame:
-    """The sweep's table; with ``out_dir`` also written to ``out_dir/results.csv``."""
+def parquet_engine() -> str | None:
+    """``"pyarrow"`` or ``"fastparquet"``, whichever is importable first; None when neither is."""
+    import importlib.util
+
+    return next((m for m in ("pyarrow", "fastparquet") if importlib.util.find_spec(m) is not None), None)
+
+
+def _table(rows: list[dict], folders: list, out: Path | None, log) -> pd.DataFrame:
+    """The sweep's table; with ``out`` also written to ``out/results.csv`` and ``results.parquet``."""
     df = pd.DataFrame(rows)
     if "error" not in df:
         df["error"] = None
-    if out_dir:
-        from simulator.recording.writers import atomic_write_text
+    df["error"] = df["error"].astype(object).where(df["error"].notna(), None)
+    df = df[[c for c in df.columns if c != "error"] + ["error"]]
+    if out:
+        from simulator.recording.writers import atomic_write_bytes, atomic_write_text
 
         df["folder"] = [f.name for f in folders]
-        atomic_write_text(Path(out_dir) / RESULTS_FILE, df.to_csv(index=False))
+        atomic_write_text(out / RESULTS_FILE, df.to_csv(index=False))
+        engine = parquet_engine()
+        if engine is None:
+            log(f"note: {out / PARQUET_FILE} not written (needs pyarrow or fastparquet: pip install 'trainsim-des[parquet]')")
+        else:
+            import io
+
+            buf = io.BytesIO()
+            df.astype({c: str for c in df.columns if df[c].dtype == object}).where(df.notna(), None) \
+                .to_parquet(buf, engine=engine, index=False)
+            atomic_write_bytes(out / PARQUET_FILE, buf.getvalue())
     return df
+
+
+def plot_factor(table: pd.DataFrame, factors: list[str]) -> tuple[str, list[str]]:
+    """The factor for a sweep curve's x axis (the first whose values are all numbers, else the
+    first) and the others (one series per combination)."""
+    numeric = [f for f in factors if pd.to_numeric(table[f], errors="coerce").notna().all()]
+    x = numeric[0] if numeric else factors[0]
+    return x, [f for f in factors if f != x]
+
+
+def write_sweep_plots(table: pd.DataFrame, factors: list[str], metrics: list[str], out_dir: str | Path) -> list[Path]:
+    """``out_dir/sweep_<metric>.png`` for each metric: ``recording.plots.sweep_curves`` of the
+    metric against ``plot_factor``'s x, one series per combination of the other factors.
+
+    Raises:
+        ScenarioError: a metric is not a column of ``table`` with at least one value.
+    """
+    from simulator.recording.plots import render_png, sweep_curves
+    from simulator.recording.writers import atomic_write_bytes
+
+    for m in metrics:
+        if m not in table or pd.to_numeric(table[m], errors="coerce").isna().all():
+            have = [c for c in table.columns if c not in factors and is_metric_name(c)]
+            raise ScenarioError(f"--plot {m}: no values of it in this sweep's table; columns with numbers: "
+                                f"{', '.join(have[:12])}{', ...' if len(have) > 12 else ''}")
+    x, by = plot_factor(table, factors)
+    return [atomic_write_bytes(Path(out_dir) / f"sweep_{m}.png", render_png(sweep_curves, table, x, m, by=by))
+            for m in metrics]
