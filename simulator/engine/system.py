@@ -66,7 +66,7 @@ class System:
         """Device time of collective ``op`` over its group (``meta``: ``collective``, ``bytes``, ``group``), s.
 
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
-        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group`` (the only one modelled).
+        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -77,9 +77,10 @@ class System:
         if t is None:
             from hardware_models.collectives import CollectiveError
 
-            if key[1] != "dp":
-                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp)")
-            t = self._collective_s[key] = self.hw.collectives.price(key[0], self.hw.dp_group, key[2],
+            groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group}
+            if key[1] not in groups:
+                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp, tp)")
+            t = self._collective_s[key] = self.hw.collectives.price(key[0], groups[key[1]], key[2],
                                                                       self.hw.nccl).time_s
         return t
 
