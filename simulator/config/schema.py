@@ -270,10 +270,6 @@ class ScenarioConfig(_Model):
         if cl is None:
             raise ValueError(f"{key}: {tp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
                              "without it one GPU is simulated (allowed: 1)")
-        for name, v in (("num_attention_heads", m.num_attention_heads),
-                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size)):
-            if v % tp:
-                raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
         world = world_size_of(cl)
         if world is not None:
             per_node = world // cl.nodes
@@ -281,6 +277,10 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"{key}: {tp} must divide the {per_node} GPUs per node of hardware.cluster "
                                  f"{cl.preset!r} (TP ranks are consecutive inside a node; allowed: a divisor "
                                  f"of {per_node})")
+        for name, v in (("num_attention_heads", m.num_attention_heads),
+                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size)):
+            if v % tp:
+                raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
         if self.training.precision == "amp_fp32_params":
             raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is torch.autocast, allowed with tp 1 only)")
