@@ -64,7 +64,8 @@ def format_summary(s: dict, name: str) -> str:
                      f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
     if (s.get("world_size") or 1) > 1:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
-        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}")
+        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
+                     f"tensor parallel {s.get('tensor_parallel_size', 1)}")
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight)")
     if "offload_cpu_optimizer_s" in s:

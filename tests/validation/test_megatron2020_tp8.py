@@ -8,7 +8,7 @@ its per-GPU efficiency 109.3 / 149.8 = 73.0% must be predicted within 5 percenta
 No profile is fitted for the A100: the generic profile (70% GEMM, 80% HBM) is used for both, so
 both are predicted too fast by a similar amount (the 1.2B case by 12.9%), and the ratio is the
 stronger check of the tensor-parallel model. Errors at the time of writing: TP8 -11.8%, efficiency
--0.7 points.
+-0.9 points.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_cluster_groups_follow_megatron_rank_order():
     (["parallelism.tensor_model_parallel_size=3"], "3 must divide the 8 GPUs per node"),
     (["hardware.cluster=null"], "parallelism.tensor_model_parallel_size: 8 > 1 needs hardware.cluster"),
     (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
-    (["zero_optimization.offload_optimizer.device=cpu"], "8 > 1 with zero_optimization offload is not modelled"),
+    (["zero_optimization.stage=1", "zero_optimization.offload_optimizer.device=cpu"], "8 > 1 with zero_optimization offload is not modelled"),
     (["parallelism.pipeline_model_parallel_size=2"], "parallelism.pipeline_model_parallel_size: 2 is not modelled"),
     (["parallelism.context_parallel_size=2"], "parallelism.context_parallel_size: 2 is not modelled"),
     (["parallelism.expert_model_parallel_size=2"], "parallelism.expert_model_parallel_size: 2 is not modelled"),
