@@ -197,3 +197,11 @@ def test_bad_tp_input_exits_2_from_the_cli():
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("warning")]
     assert r.returncode == 2 and len(lines) == 1 and "must divide model.num_attention_heads" in lines[0], r.stderr
+
+
+def test_summary_blames_idle_gpu_on_exposed_communication():
+    from simulator.cli import _busy_line
+
+    s = {"utilisation": {"compute": 0.78}, "step_time_s": 1.0, "exposed_comm_s": 0.22, "phase_s": {}}
+    assert _busy_line(s) == ["GPU busy            78 % of the step  (communication-bound: the GPU waits 220.00 ms/step "
+                             "for collectives)"]
