@@ -111,6 +111,7 @@ class Hardware:
         collectives: NCCL cost model over the cluster topology (None: one GPU, no cluster).
         world_size: Ranks in the cluster (1 without one).
         dp_group: Global ranks of the representative rank's data-parallel group.
+        tp_group: Global ranks of its tensor-parallel group (consecutive, inside one node).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -123,6 +124,7 @@ class Hardware:
     collectives: CollectiveModel | None = None
     world_size: int = 1
     dp_group: tuple[int, ...] = (0,)
+    tp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 

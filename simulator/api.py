@@ -41,6 +41,7 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_comm,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
+        tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
     )
 
 
@@ -98,10 +99,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     if hw.launch.source == "generic":
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
-    if hw.collectives is not None and len(hw.dp_group) > 1:
-        out.append(f"{len(hw.dp_group)} data-parallel ranks folded symmetrically: one representative rank is simulated "
-                   "and its collectives are priced by the NCCL model (no stragglers, no network contention from "
-                   "other jobs)")
+    if hw.collectives is not None and len(hw.dp_group) * len(hw.tp_group) > 1:
+        out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded symmetrically: "
+                   "one representative rank is simulated and its collectives are priced by the NCCL model (no "
+                   "stragglers, no network contention from other jobs)")
         nccl = hw.nccl
         if nccl is None or nccl.interference:
             from simulator.cost.interference import InterferenceFactors

@@ -24,7 +24,8 @@ def _busy_line(s: dict) -> list[str]:
 
     Below 85 % busy the idle time is blamed on the input pipeline (*data-bound*) when the GPU's
     data wait (``phase_s.data_s``: no kernel runs while the training thread is in
-    ``next(iterator)``) is at least half of it, otherwise on the host (*host-bound*: kernel
+    ``next(iterator)``) is at least half of it, on communication (*communication-bound*) when the
+    exposed communication (``exposed_comm_s``) is, otherwise on the host (*host-bound*: kernel
     launches or other host work such as a CPU optimizer).
     """
     busy = (s.get("utilisation") or {}).get("compute")
@@ -34,9 +35,12 @@ def _busy_line(s: dict) -> list[str]:
     if busy < 0.85:
         idle_s = (1.0 - busy) * s.get("step_time_s", 0.0)
         data_s = (s.get("phase_s") or {}).get("data_s", 0.0)
+        comm_s = s.get("exposed_comm_s", 0.0) or 0.0
         if data_s > 0 and data_s >= 0.5 * idle_s:
             note = (f"  (data-bound: the GPU waits {data_s * 1e3:.2f} ms/step for input batches;"
                     " see `simulate dataloader-workers`)")
+        elif comm_s > 0 and comm_s >= 0.5 * idle_s:
+            note = f"  (communication-bound: the GPU waits {comm_s * 1e3:.2f} ms/step for collectives)"
         else:
             note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]
@@ -68,7 +72,8 @@ def format_summary(s: dict, name: str) -> str:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
         zero = s.get("zero_stage") or 0
         sharded = {1: "optimizer state sharded", 2: "optimizer state and gradients sharded"}.get(zero)
-        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}"
+        lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
+                     f"tensor parallel {s.get('tensor_parallel_size', 1)}"
                      + (f"; ZeRO stage {zero}: {sharded} over the data-parallel ranks" if sharded else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight)")

@@ -95,6 +95,7 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
         "comm_s_by_group": comm_by_group,
         "world_size": hw.world_size,
         "data_parallel_size": len(hw.dp_group),
+        "tensor_parallel_size": len(hw.tp_group),
         "utilisation": util,
         "num_ops": len(graph),
         "steps_simulated": int(len(steps)),

@@ -240,9 +240,11 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
 def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
-    Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``nccl``
-    (an empty dict without ``hardware.cluster``: one GPU). The data-parallel group of the
-    representative rank 0 is every rank (tp = pp = 1), numbered node by node.
+    Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
+    ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are numbered node by node in
+    Megatron's default order (tp-dp, tensor-parallel fastest: ``initialize_model_parallel``), so the
+    representative rank 0 has the TP group ``0..tp-1`` (inside its node) and the DP group
+    ``0, tp, 2 tp, ...``.
 
     Raises:
         ScenarioError: an unknown cluster/network/profile preset, a bad override, a cluster GPU that is
@@ -272,10 +274,10 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     except PresetError as exc:
         raise ScenarioError(f"{source}: hardware.cluster.collective_profile: {exc}") from None
     world = topo.world_size
-    dp = cfg.parallelism.data_parallel_size
-    if dp != world:  # tp = pp = 1 (schema); the schema checked this already unless its preset lookup failed
+    dp, tp = cfg.parallelism.data_parallel_size, cfg.parallelism.tensor_model_parallel_size
+    if dp * tp != world:  # pp = 1 (schema); the schema checked this already unless its preset lookup failed
         raise ScenarioError(f"{source}: parallelism.data_parallel_size: {dp} does not match the world size {world} "
-                            f"of hardware.cluster (allowed: {world})")
+                            f"of hardware.cluster / tp {tp} (allowed: {world // tp})")
     n = cfg.nccl
     try:
         nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels,
@@ -284,4 +286,5 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
             model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
-    return {"collectives": model, "world_size": world, "dp_group": tuple(range(world)), "nccl": nccl}
+    return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, world, tp)),
+            "tp_group": tuple(range(tp)), "nccl": nccl}

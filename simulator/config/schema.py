@@ -121,9 +121,10 @@ class TrainingConfig(_Model):
         description="Default micro_batch_size * data_parallel_size (no gradient accumulation); at most "
         f"{MAX_GRADIENT_ACCUMULATION:,} micro-batches per step.",
     )
-    precision: Literal["amp_fp32_params", "bf16"] = Field(
+    precision: Literal["amp_fp32_params", "bf16", "fp16"] = Field(
         default="amp_fp32_params",
-        description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16.",
+        description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16; fp16: Megatron "
+        "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling).",
     )
     optimizer: OptimizerConfig = OptimizerConfig()
     recompute_granularity: Literal["full", "selective"] | None = Field(
@@ -132,15 +133,33 @@ class TrainingConfig(_Model):
 
 
 class ParallelismConfig(_Model):
-    """Megatron-LM parallel sizes. Tensor and pipeline parallelism are not modelled yet (must be 1)."""
+    """Megatron-LM parallel sizes (rank order tp-dp: tensor-parallel ranks are consecutive, inside a node).
 
-    tensor_model_parallel_size: Literal[1] = 1
-    pipeline_model_parallel_size: Literal[1] = 1
+    Pipeline, context and expert parallelism are not modelled yet (must be 1).
+    """
+
+    tensor_model_parallel_size: PositiveInt = Field(
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --tensor-model-parallel-size. > 1 needs "
+        "hardware.cluster, must divide the GPUs per node, num_attention_heads and ffn_hidden_size (the vocabulary "
+        "is padded to a multiple of 128 x tp as Megatron does), and training.precision bf16 or fp16.")
+    sequence_parallel: bool = Field(default=False, description="Megatron --sequence-parallel (with tp > 1; "
+                                    "tp must divide seq_length).")
+    pipeline_model_parallel_size: PositiveInt = 1
+    context_parallel_size: PositiveInt = 1
+    expert_model_parallel_size: PositiveInt = 1
     data_parallel_size: PositiveInt | None = Field(
         default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
 
-    _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", mode="before")(no_bool)
+    _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                               "expert_model_parallel_size", mode="before")(no_bool)
+
+    @field_validator("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+    @classmethod
+    def _not_modelled(cls, v: int, info):
+        if v != 1:
+            raise ValueError(f"{v} is not modelled yet (allowed: 1)")
+        return v
 
 
 class RunConfig(_Model):
@@ -244,6 +263,41 @@ class ScenarioConfig(_Model):
         if dp > 1 and (z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
             raise ValueError("zero_optimization.offload_optimizer: offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none)")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_scope(self):
+        """Megatron's rules for ``tensor_model_parallel_size`` > 1, and what is not modelled with it."""
+        p, m = self.parallelism, self.model
+        tp = p.tensor_model_parallel_size
+        key = "parallelism.tensor_model_parallel_size"
+        if p.sequence_parallel and tp > 1 and m.seq_length % tp:
+            raise ValueError(f"parallelism.sequence_parallel: tensor_model_parallel_size {tp} must divide "
+                             f"model.seq_length {m.seq_length} (Megatron splits the sequence over the TP ranks)")
+        if tp == 1:
+            return self
+        cl = self.hardware.cluster
+        if cl is None:
+            raise ValueError(f"{key}: {tp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
+                             "without it one GPU is simulated (allowed: 1)")
+        world = world_size_of(cl)
+        if world is not None:
+            per_node = world // cl.nodes
+            if tp > per_node or per_node % tp:
+                raise ValueError(f"{key}: {tp} must divide the {per_node} GPUs per node of hardware.cluster "
+                                 f"{cl.preset!r} (TP ranks are consecutive inside a node; allowed: a divisor "
+                                 f"of {per_node})")
+        for name, v in (("num_attention_heads", m.num_attention_heads),
+                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size)):
+            if v % tp:
+                raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
+        if self.training.precision == "amp_fp32_params":
+            raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
+                             "is torch.autocast, allowed with tp 1 only)")
+        z = self.zero_optimization
+        if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
+            raise ValueError(f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet "
+                             "(allowed: offload device none, or tp 1)")
         return self
 
     @model_validator(mode="after")

@@ -86,8 +86,8 @@ class System:
         """The NCCL model's ``CollectiveResult`` of collective ``op`` over its group (``meta``:
         ``collective``, ``bytes``, ``group``), in isolation.
 
-        Priced once per (collective, group, bytes) by ``hw.collectives.price(...)`` with the
-        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group`` (the only one modelled).
+        Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
+        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -98,9 +98,10 @@ class System:
         if r is None:
             from hardware_models.collectives import CollectiveError
 
-            if key[1] != "dp":
-                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp)")
-            r = self._collective[key] = self.hw.collectives.price(key[0], self.hw.dp_group, key[2], self.hw.nccl)
+            groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group}
+            if key[1] not in groups:
+                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp, tp)")
+            r = self._collective[key] = self.hw.collectives.price(key[0], groups[key[1]], key[2], self.hw.nccl)
         return r
 
     def collective_s(self, op) -> float:

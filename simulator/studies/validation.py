@@ -94,6 +94,10 @@ def _paper_cases() -> list[Case]:
                         f"scenarios/paper/megatron2020_gpt2_1p2b_1x{gpu.lower()}.yaml", "step_time_s",
                         lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.15,
                         f"paper_cases.yaml {cid} (Megatron-LM README, 2020)"))
+    cid = "MLM20-GPT2-8.7B-TP8-8xA100"
+    out.append(Case("megatron2020_8b_tp8_8xa100.step_time", "scenarios/paper/megatron2020_gpt2_8p7b_tp8_8xa100.yaml",
+                    "step_time_s", lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.10,
+                    f"paper_cases.yaml {cid} (Megatron-LM README, 2020; tensor parallel 8)"))
     out += _zerooffload_cases()
     return out
 

@@ -4,7 +4,7 @@ Measured: tests/data/paper/paper_cases.yaml (copied from the project's shared va
 MLM20-GPT2-1.2B-1xV100 (DGX-2 V100, batch 8) 1121 ms and MLM20-GPT2-1.2B-1xA100 (DGX-A100, batch 16)
 1076 ms, fp16 mixed precision, full activation recompute. No profile is fitted for these GPUs: the
 generic profile (70% GEMM, 80% HBM, flash attention 35%/30%) is used, so this checks the model
-structure, not a calibration. Errors at the time of writing: V100 +1.6%, A100 -12.9%.
+structure, not a calibration. Errors at the time of writing (precision fp16): V100 +2.7%, A100 -12.2%.
 """
 
 from __future__ import annotations

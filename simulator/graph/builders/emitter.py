@@ -28,6 +28,12 @@ class KernelEmitter:
         self.size: dict[str, int] = {}
         self.phase = Phase.FWD
         self.layer = -1
+        #: dtype of 16-bit kernels when ``kernel`` is given none ("bf16"; "fp16" under Megatron --fp16)
+        self.half = "bf16"
+        #: id of the last kernel on the default stream (-1: none yet)
+        self.last_compute = -1
+        #: ops the next default-stream kernel waits for (a blocking collective: the current stream waits for it)
+        self.wait_for: list[int] = []
         self._uid = 0
 
     def fresh(self, stem: str) -> str:
@@ -47,7 +53,7 @@ class KernelEmitter:
         out: Iterable[tuple[str, int]] = (),
         uses: Iterable[str] = (),
         deps: Iterable[int] = (),
-        dtype: str = "bf16",
+        dtype: str | None = None,
         kind: OpKind = OpKind.COMPUTE,
         stream: str | None = None,
         **fields,
@@ -64,7 +70,7 @@ class KernelEmitter:
             out: Tensors allocated by the op, ``(name, bytes)``.
             uses: Tensors read (their producers become dependencies; they stay alive until done).
             deps: Extra dependencies.
-            dtype: Operand dtype.
+            dtype: Operand dtype (default: ``self.half``).
             kind: Op kind (COMPUTE unless a copy).
             stream: Stream override.
             **fields: Other ``Op`` fields.
@@ -75,6 +81,10 @@ class KernelEmitter:
         uses = tuple(uses)
         dd = [self.producer[u] for u in uses if u in self.producer]
         dd.extend(deps)
+        on_default = (stream or self.stream) == self.stream
+        if on_default and self.wait_for:
+            dd.extend(self.wait_for)
+            self.wait_for = []
         allocs = tuple(TensorAlloc(n, int(sz)) for n, sz in out)
         prefix = f"L{self.layer}." if self.layer >= 0 else ""
         op = self.b.add(
@@ -91,10 +101,12 @@ class KernelEmitter:
             shape=tuple(int(x) for x in shape),
             allocs=allocs,
             uses=uses,
-            dtype=dtype,
+            dtype=dtype or self.half,
             **fields,
         )
         for t in allocs:
             self.producer[t.name] = op
             self.size[t.name] = t.nbytes
+        if on_default:
+            self.last_compute = op
         return op

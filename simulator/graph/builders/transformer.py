@@ -8,7 +8,15 @@ same memory traffic the GPU moves:
   when it comes from a LayerNorm) to bf16 before the bf16 GEMM; LayerNorm, residual adds and the
   loss run in fp32; gradients are cast back to fp32 for fp32 ``.grad``; the optimizer is AdamW on
   fp32 parameters. ``bf16`` (Megatron-LM ``--bf16``): bf16 parameters and activations, fp32 main
-  gradients and fp32 master weights in the optimizer.
+  gradients and fp32 master weights in the optimizer. ``fp16`` (Megatron-LM ``--fp16``): the same
+  with fp16 tensors (GEMMs at the GPU's fp16 peak) and dynamic loss scaling (Micikevicius et al.,
+  *Mixed Precision Training*, ICLR 2018, section 3.2; Megatron-LM ``--loss-scale`` /
+  ``--initial-loss-scale``: dynamic when no fixed scale is given): the loss is multiplied by the
+  scale before backward, and before the optimizer the fp32 main gradients are unscaled in place and
+  checked for inf/nan (``torch._amp_foreach_non_finite_check_and_unscale_``, one read and one write
+  of 4 B per parameter, as in Megatron's ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``);
+  the found-inf flag is all-reduced (MAX) over the tensor-parallel group and read by the host
+  (``found_inf.item()``, a device synchronisation) before the optimizer step is launched.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
   recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting).
@@ -23,6 +31,31 @@ same memory traffic the GPU moves:
   ``selective`` re-runs only the attention core (Korthikanti et al., *Reducing Activation
   Recomputation in Large Transformer Models*, MLSys 2023).
 
+* **Tensor parallelism** (Megatron-LM, Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter
+  Language Models Using Model Parallelism*, 2019, section 3; ``megatron/mpu/layers.py`` of 2020):
+  one tensor-parallel rank of ``t`` is built. QKV and fc1 are column-parallel (output ``/ t``),
+  proj and fc2 row-parallel (input ``/ t``), attention runs ``a / t`` heads; the token embedding
+  and the LM head are vocabulary-parallel (``V_p / t`` rows, ``V_p`` the vocabulary padded to a
+  multiple of ``128 t``: Megatron ``_vocab_size_with_padding`` with ``--make-vocab-size-divisible-by
+  128``), and the loss is the vocab-parallel cross-entropy, whose forward all-reduces three fp32
+  ``[b, s]`` tensors (the logit max, the target logit and the sum of exponentials:
+  ``_VocabParallelCrossEntropy.forward``). The TP collectives are ``COLLECTIVE`` ops on stream
+  ``comm.tp`` (group ``"tp"``) that the compute stream waits for (Megatron 2020 does not overlap
+  them): per layer forward, an all-reduce of the ``b s h`` 16-bit activations after proj and after
+  fc2 (row-parallel ``reduce_from_tensor_model_parallel_region``); backward, one after the qkv and
+  one after the fc1 input gradients (column-parallel ``copy_to_tensor_model_parallel_region``);
+  the embedding output is all-reduced in forward and the LM-head input gradient in backward; full
+  recompute repeats the forward ones. LayerNorms, position embedding and the biases of the
+  row-parallel layers are replicated.
+* **Sequence parallelism** (``sequence_parallel``; Korthikanti et al., MLSys 2023, section 4.2.2):
+  every TP all-reduce becomes a reduce-scatter / all-gather pair of the same ``b s h`` array (forward:
+  all-gather before qkv, fc1 and the LM head, reduce-scatter after proj, fc2 and the embedding;
+  backward the reverse), LayerNorm and residual kernels (and their activations) run on ``s / t``
+  tokens, and the gradients of the sequence-parallel parameters (LayerNorms, row-parallel biases)
+  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). Megatron's
+  re-gather of the LayerNorm output for the weight gradient in backward (overlapped with the input
+  gradient GEMM) is not modelled.
+
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
 ``V`` vocabulary, ``a`` heads, ``d = h / a``.
 """
@@ -36,7 +69,9 @@ from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, Phase, TensorAlloc
 
-PRECISIONS = ("amp_fp32_params", "bf16")
+PRECISIONS = ("amp_fp32_params", "bf16", "fp16")
+#: Megatron-LM --make-vocab-size-divisible-by default (arguments.py); the padded vocabulary is a multiple of 128 t
+VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE = ("none", "full", "selective")
 
 
@@ -68,6 +103,9 @@ class TransformerSpec:
         gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
         reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
         allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
+        tensor_parallel_size: Megatron tensor-parallel ranks ``t`` (one rank is built; its TP
+            collectives run over the ``tp`` group).
+        sequence_parallel: Megatron ``--sequence-parallel`` (with ``t > 1``).
     """
 
     num_layers: int
@@ -91,11 +129,16 @@ class TransformerSpec:
     gradient_as_bucket_view: bool = False
     reduce_bucket_elements: int = 500_000_000
     allgather_bucket_elements: int = 500_000_000
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes."""
+        """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
+        size not dividing the heads or the FFN, sequence parallelism with ``t`` not dividing ``s``, tensor
+        parallelism with ``amp_fp32_params``."""
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size"):
+                     "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
@@ -111,27 +154,64 @@ class TransformerSpec:
         if self.zero_stage == 2 and self.data_parallel_size > 1 and self.num_micro_batches > 1:
             raise ValueError("ZeRO stage 2 with gradient accumulation (DeepSpeed reduces every micro-batch) is not "
                              "modelled yet")
+        t = self.tensor_parallel_size
+        if t > 1:
+            for name in ("num_attention_heads", "ffn_hidden_size"):
+                if getattr(self, name) % t:
+                    raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({getattr(self, name)})")
+            if self.precision == "amp_fp32_params":
+                raise ValueError("tensor parallelism is modelled for Megatron precisions bf16 and fp16, not "
+                                 "amp_fp32_params (torch.autocast)")
+        if self.sequence_parallel and t > 1 and self.seq_length % t:
+            raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
 
     # -- counts ----------------------------------------------------------------------------
     @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rows of the embedding and LM head: ``V`` with ``t = 1``; with ``t > 1`` Megatron's
+        padding to a multiple of ``128 t`` (``_vocab_size_with_padding``)."""
+        t = self.tensor_parallel_size
+        if t == 1:
+            return self.vocab_size
+        m = VOCAB_DIVISIBLE_BY * t
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Vocabulary rows held by one tensor-parallel rank, ``V_p / t``."""
+        return self.padded_vocab_size // self.tensor_parallel_size
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one block: QKV, projection, two MLP matrices, two LayerNorms."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        w = 3 * h * h + h * h + 2 * h * f
-        b = (3 * h + h + f + h) if self.bias else 0
+        """Parameters of one block held by one TP rank: QKV and fc1 (column-parallel: weight and bias
+        ``/ t``), projection and fc2 (row-parallel: weight ``/ t``, bias replicated), two LayerNorms
+        (replicated)."""
+        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
+        w = (3 * h * h + h * h + 2 * h * f) // t
+        b = (3 * h // t + h + f // t + h) if self.bias else 0
         return w + b + 2 * (2 * h if self.bias else h)
 
     @property
     def num_parameters(self) -> int:
-        """All parameters: embeddings (token + learned position), blocks, final norm, LM head."""
+        """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
+        rows + learned position, replicated), blocks, final norm, LM head."""
         h = self.hidden_size
-        emb = self.vocab_size * h + self.seq_length * h
-        head = 0 if self.tied_embeddings else self.vocab_size * h
+        emb = self.vocab_per_rank * h + self.seq_length * h
+        head = 0 if self.tied_embeddings else self.vocab_per_rank * h
         final_norm = 2 * h if self.bias else h
         return emb + self.num_layers * self.layer_params + final_norm + head
 
+    @property
+    def sequence_parallel_params(self) -> int:
+        """Parameters replicated across TP ranks whose gradients differ per rank under sequence
+        parallelism (LayerNorms, row-parallel biases), all-reduced once per step."""
+        h = self.hidden_size
+        ln = 2 * h if self.bias else h
+        return self.num_layers * (2 * ln + (2 * h if self.bias else 0)) + ln
+
     def model_flops_per_sample(self) -> float:
-        """Training FLOPs per sample without recompute: 3x the forward's GEMM + attention FLOPs.
+        """Training FLOPs per sample and GPU without recompute: 3x the forward's GEMM + attention FLOPs,
+        divided by the tensor-parallel size.
 
         Forward per token: ``2 * (12 h^2 (for f = 4h: 2(4h^2) + 2 f h) ) + 2 * h * V`` for the
         matrices plus causal attention ``2 * s * h``; backward is twice the forward (Narayanan et
@@ -142,7 +222,7 @@ class TransformerSpec:
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
         per_token_layer = 2 * (4 * h * h + 2 * h * f) + 2 * s * h
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
-        return 3.0 * fwd
+        return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
 
 def build_gpt_step(spec: TransformerSpec) -> OpGraph:
@@ -201,6 +281,13 @@ class _GptBuilder:
         self._limits = ((spec.ddp_first_bucket_bytes,) if self.zero == 0 else ())
         self.comm_ops: list[int] = []
         self.grad_shards: list[str] = []
+        self.fp16 = spec.precision == "fp16"
+        self.e.half = "fp16" if self.fp16 else "bf16"
+        self.tp = spec.tensor_parallel_size
+        self.sp = spec.sequence_parallel and self.tp > 1
+        #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
+        self.Tn = self.T // self.tp if self.sp else self.T
+        self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
@@ -263,14 +350,14 @@ class _GptBuilder:
         return i, gname
 
     def _norm_fwd(self, name: str, x: str):
-        e, T, h = self.e, self.T, self.s.hidden_size
+        e, T, h = self.e, self.Tn, self.s.hidden_size
         y = e.fresh(f"{name}.out")
         e.kernel(f"{name}", C.NORM, reads=self.act * T * h, writes=self.act * T * h,
                  out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), 8 * T)], uses=[x], dtype="fp32")
         return y
 
     def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool):
-        e, T, h = self.e, self.T, self.s.hidden_size
+        e, T, h = self.e, self.Tn, self.s.hidden_size
         gin = g
         if self.amp and g_is_bf16:
             gin = e.fresh(f"{name}.g32")
@@ -287,20 +374,60 @@ class _GptBuilder:
         return dx
 
     def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int):
-        e, T, h = self.e, self.T, self.s.hidden_size
+        e, T, h = self.e, self.Tn, self.s.hidden_size
         y = e.fresh(f"{name}.out")
         e.kernel(name, C.ELEMENTWISE, reads=(a_bytes + b_bytes) * T * h, writes=out_bytes * T * h,
                  out=[(y, out_bytes * T * h)], uses=[a, b_], dtype="fp32")
         return y
 
+    # -- tensor parallel ---------------------------------------------------------------------
+    def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None) -> int:
+        """A blocking collective over the ``tp`` group on stream ``comm.tp`` (``nbytes``: the per-rank buffer
+        of an all-reduce, the whole gathered/scattered array of an all-gather/reduce-scatter).
+
+        As a synchronous ``torch.distributed`` call (ProcessGroupNCCL): it starts after every kernel issued
+        before it on the compute stream, and the next compute kernel waits for it (Megatron 2020: no
+        overlap of TP communication with compute)."""
+        e = self.e
+        i = e.kernel(f"tp.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.tp", reads=float(nbytes),
+                     uses=uses, out=out, deps=[*deps, e.last_compute], dtype=dtype,
+                     meta={"collective": op, "bytes": int(nbytes), "group": "tp"})
+        e.wait_for.append(i)
+        return i
+
+    def _tp_reduce(self, name: str, x: str) -> str:
+        """Sum the partial ``[T, h]`` output of a row-parallel GEMM (or a column-parallel input gradient)
+        over the TP ranks: an in-place all-reduce, or a reduce-scatter to ``T / t`` tokens with sequence
+        parallelism. The compute stream waits for it. Returns the reduced tensor (identity at ``t = 1``)."""
+        if self.tp == 1:
+            return x
+        nbytes = 2 * self.T * self.s.hidden_size
+        if not self.sp:
+            self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x])
+            return x
+        y = self.e.fresh(f"{name}.rs")
+        self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=[(y, nbytes // self.tp)])
+        return y
+
+    def _tp_gather(self, name: str, x: str) -> str:
+        """Sequence parallelism: all-gather the ``[T / t, h]`` 16-bit shard ``x`` into ``[T, h]`` before a
+        column-parallel GEMM (forward) or a row-parallel backward. Identity without it."""
+        if not self.sp:
+            return x
+        nbytes = 2 * self.T * self.s.hidden_size
+        y = self.e.fresh(f"{name}.ag")
+        self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
+        return y
+
     # -- blocks ----------------------------------------------------------------------------
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
-        s, e, T = self.s, self.e, self.T
+        s, e, T, t = self.s, self.e, self.T, self.tp
         h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
         d = h // a
-        ln1 = self._norm_fwd("ln1", x)
-        qkv, sv_qkv = self._linear_fwd("qkv", ln1, h, 3 * h, x_fp32=True, save=save)
+        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank: attention width, FFN width, heads; full width
+        ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, 3 * h, x_fp32=True, save=save)
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
@@ -309,14 +436,16 @@ class _GptBuilder:
                  out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)], uses=[qkv])
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
-        proj, sv_proj = self._linear_fwd("proj", attc, h, h, x_fp32=False, save=save)
+        proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
+        proj = self._tp_reduce("proj", proj)
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
-        ln2 = self._norm_fwd("ln2", x2)
-        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, h, f, x_fp32=True, save=save)
+        ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
+        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, f, x_fp32=True, save=save)
         g = e.fresh("gelu.out")
         e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
                  out=[(g, 2 * T * f)], uses=[fc1])
-        fc2, sv_fc2 = self._linear_fwd("fc2", g, f, h, x_fp32=False, save=save)
+        fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
+        fc2 = self._tp_reduce("fc2", fc2)
         x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
         saved = {}
         if save:
@@ -326,21 +455,22 @@ class _GptBuilder:
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
         """One block backward; ``gx`` is the gradient of the block output (residual dtype)."""
-        s, e, T = self.s, self.e, self.T
+        s, e, T, t = self.s, self.e, self.T, self.tp
         h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
         d = h // a
+        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank (see _layer_fwd)
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
         # MLP
-        g_fc2_in = self._linear_bwd("fc2", gx, sv["sv_fc2"], f, h, g_fp32=True)
+        g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
         g_gelu = e.fresh("gelu.dx")
         e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
                  out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
-        g_ln2 = self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], h, f, g_fp32=False)
+        g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, f, g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
-        g_proj_in = self._linear_bwd("proj", g_mid, sv["sv_proj"], h, h, g_fp32=True)
+        g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_mid), sv["sv_proj"], h, hf, g_fp32=True)
         g_att = e.fresh("attn.transpose.dx")
         e.kernel("attn.transpose.dgrad", C.COPY, reads=2 * T * h, writes=2 * T * h,
                  out=[(g_att, 2 * T * h)], uses=[g_proj_in])
@@ -355,7 +485,7 @@ class _GptBuilder:
                  shape=(bsz * a, s.seq_length, s.seq_length, d),
                  reads=2 * (3 * T * h + 2 * T * h), writes=2 * 3 * T * h + 4 * T * h,
                  out=[(g_qkv, 2 * 3 * T * h)], uses=[g_att, sv["qkv"], att])
-        g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], h, 3 * h, g_fp32=False)
+        g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, 3 * h, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
         return self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
 
@@ -367,7 +497,7 @@ class _GptBuilder:
         if self.amp:
             b.persistent("params.fp32", 4 * P)
         else:
-            b.persistent("params.bf16", 2 * P)
+            b.persistent(f"params.{self.e.half}", 2 * P)
             b.persistent("params.master_fp32", 4 * Ps)
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
@@ -376,7 +506,7 @@ class _GptBuilder:
 
     def _micro_batch(self, mb: int) -> None:
         s, e, T = self.s, self.e, self.T
-        h, V = s.hidden_size, s.vocab_size
+        h, V = s.hidden_size, s.vocab_per_rank  # vocabulary-parallel embedding and LM head: V_p / t rows
         full = s.recompute == "full"
         selective = s.recompute == "selective"
         e.phase, e.layer = Phase.FWD, -1
@@ -386,6 +516,7 @@ class _GptBuilder:
         x = e.fresh("embed.out")
         e.kernel("embed", C.EMBEDDING, reads=8 * T + 2 * self.act * T * h, writes=self.act * T * h,
                  out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
+        x = self._tp_reduce("embed", x)  # VocabParallelEmbedding: rows outside the rank's range are zero
         saved_layers = []
         for layer in range(s.num_layers):
             e.layer = layer
@@ -393,16 +524,25 @@ class _GptBuilder:
             x, sv = self._layer_fwd(x, save=not full, selective=selective)
             saved_layers.append(sv if not full else {"x": x_in})
         e.layer = -1
-        xf = self._norm_fwd("ln_f", x)
+        xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
         logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
         l32 = e.fresh("logits.fp32")
-        e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)], uses=[logits])
+        lf = e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)],
+                      uses=[logits])
+        ce = []  # vocab-parallel cross-entropy: all-reduce (MAX) of the logit max, then (SUM) of the target
+        if self.tp > 1:  # logit and of the sum of exponentials, fp32 [b, s] each (_VocabParallelCrossEntropy)
+            ce.append(self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * T, deps=[lf], dtype="fp32"))
         lsm = e.fresh("log_softmax.out")
-        e.kernel("log_softmax", C.SOFTMAX, reads=4 * T * V, writes=4 * T * V, out=[(lsm, 4 * T * V)],
-                 uses=[l32], dtype="fp32")
-        e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], dtype="fp32")
+        ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * T * V, writes=4 * T * V, out=[(lsm, 4 * T * V)],
+                      uses=[l32], deps=ce, dtype="fp32")
+        if self.tp > 1:
+            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * T, deps=[ls], dtype="fp32")
+                  for w in ("predicted_logits", "sum_exp_logits")]
+        e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], deps=ce, dtype="fp32")
         # backward
         e.phase = Phase.BWD
+        if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
+            e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
         g_lsm = e.fresh("nll_loss.dx")
         e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * T * V, out=[(g_lsm, 4 * T * V)], dtype="fp32")
         g_l32 = e.fresh("log_softmax.dx")
@@ -412,7 +552,7 @@ class _GptBuilder:
         e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
                  uses=[g_l32], dtype="fp32")
         g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, sv_head, h, V, g_fp32=False)
-        g = self._norm_bwd("ln_f", g, x, g_is_bf16=True)
+        g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), x, g_is_bf16=True)
         for layer in reversed(range(s.num_layers)):
             e.layer = layer
             sv = saved_layers[layer]
@@ -420,6 +560,7 @@ class _GptBuilder:
                 _, sv = self._layer_fwd(sv["x"], save=True, selective=False)
             g = self._layer_bwd(g, sv)
         e.layer = -1
+        g = self._tp_gather("embed.grad", g)  # sequence parallelism: the reduce-scatter's backward
         # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
         d_emb = e.fresh("embed.dw")
         e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
@@ -436,6 +577,15 @@ class _GptBuilder:
         self._grad_ready("wpe.weight", s.seq_length * h, i)
         self._end_of_backward()
 
+    def _sequence_parallel_grads(self) -> None:
+        """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
+        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``)."""
+        if self.sp:
+            self.e.phase, self.e.layer = Phase.BWD, -1
+            self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
+                                           4 * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
+                                           dtype="fp32"))
+
     def _optimizer(self) -> None:
         s, e = self.s, self.e
         P = s.num_parameters
@@ -444,8 +594,16 @@ class _GptBuilder:
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
         reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
         share = self._shard(P) / P if self.zero else 1.0  # ZeRO-1/2: this rank updates its 1/dp partition
+        deps = list(self.comm_ops) + self.tp_ops
+        if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
+            chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
+                           flops=P * share, uses=grads, deps=deps, dtype="fp32")
+            if self.tp > 1:
+                chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
+            deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
+                               launch=False)]
         e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
-                 dtype="fp32", deps=self.comm_ops, meta={"params": P})
+                 dtype="fp32", deps=deps, meta={"params": P})
         if self.zero:
             opt = len(self.b) - 1
             pbytes = 4 if self.amp else 2
@@ -528,6 +686,7 @@ class _GptBuilder:
         for mb in range(s.num_micro_batches):
             self.last_mb = mb == s.num_micro_batches - 1
             self._micro_batch(mb)
+        self._sequence_parallel_grads()
         self._optimizer()
         # the measured training loops synchronise the device after every step
         self.b.add("step.synchronize", OpKind.SYNC, "host", deps=[len(self.b) - 1], phase=Phase.OTHER,
@@ -539,5 +698,5 @@ class _GptBuilder:
             model_flops_per_step=s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches,
             source="builder:gpt",
             param_groups=tuple(self.groups),
-            meta={"num_parameters": s.num_parameters, "spec": s},
+            meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size},
         )
