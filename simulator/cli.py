@@ -185,13 +185,16 @@ def cmd_validate(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from simulator.studies.sweep import SweepInterrupted, is_metric_name, parse_factor, run_sweep, write_sweep_plots
+    from simulator.studies.sweep import (SweepInterrupted, check_sweep_folder, is_metric_name, parse_factor, run_sweep,
+                                         write_sweep_plots)
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
 
     if args.workers < 1:
         raise ScenarioError(f"--workers must be >= 1, got {args.workers}")
     plots = [m.strip() for m in (args.plot or "").split(",") if m.strip()]
+    if args.plot is not None and not plots:
+        raise ScenarioError(f"--plot {args.plot!r}: name at least one metric (e.g. step_time_s,tokens_per_s)")
     if plots and not args.out:
         raise ScenarioError("--plot needs --out DIR (the figures go to DIR/sweep_<metric>.png)")
     bad = [m for m in plots if not is_metric_name(m)]
@@ -199,7 +202,15 @@ def cmd_sweep(args) -> int:
         raise ScenarioError(f"--plot {bad[0]}: not a summary metric; use one such as step_time_s, tokens_per_s, mfu, "
                             "energy_j_per_step, peak_memory_bytes, phase_s.fwd_s, utilisation.compute")
     check_out_dir(args.out)
-    factors = dict(parse_factor(f) for f in args.factor)
+    if args.out:
+        check_sweep_folder(args.out)
+    parsed = [parse_factor(f) for f in args.factor]
+    keys = [k for k, _ in parsed]
+    dup = next((k for k in keys if keys.count(k) > 1), None)
+    if dup:
+        raise ScenarioError(f"--factor {dup}: given more than once; list all its values in one --factor "
+                            f"({dup}=v1,v2,...)")
+    factors = dict(parsed)
     # check every key path and value before running anything (exit 2 on a typo)
     for key, values in factors.items():
         for v in values:

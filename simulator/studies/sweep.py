@@ -77,11 +77,33 @@ SUMMARY_COLUMNS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_
 #: top-level summary keys whose values are dicts of scalars (flattened to ``key.sub`` columns)
 NESTED_METRICS = ("phase_s", "utilisation", "comm_s_by_group", "peak_memory_by_category_bytes", "memory_overheads")
 #: top-level scalar summary keys (``simulator.analysis.summary.summarize``); what ``--plot`` accepts
-SCALAR_METRICS = SUMMARY_COLUMNS + (
+SCALAR_METRICS = tuple(c for c in SUMMARY_COLUMNS if c != "oom") + (  # "oom" is a message, not a number
     "step_latency_s", "model_flops_per_step", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
     "peak_device_memory_bytes", "gpu_memory_capacity_bytes", "peak_host_pinned_bytes", "peak_host_pageable_bytes",
     "exposed_comm_s", "world_size", "data_parallel_size", "num_ops", "energy_per_token_j", "energy_per_sample_j",
     "host_avg_power_w", "host_energy_j_per_step", "avg_sm_clock_mhz", "clock_switches", "power_limit_w", "gpu_busy")
+
+
+def check_sweep_folder(out_dir: str | Path) -> None:
+    """Refuse an ``--out`` folder that holds anything but a sweep's own files, before running.
+
+    Allowed: the table, index and plots this module writes, and point folders (each with the
+    ``manifest.json`` a run writes, or a hidden temporary folder of an interrupted write).
+
+    Raises:
+        ScenarioError: a foreign file or folder in ``out_dir`` (named), e.g. one run's outputs.
+    """
+    p = Path(out_dir)
+    if not p.is_dir():
+        return
+    own = {RESULTS_FILE, PARQUET_FILE, INDEX_FILE, SWEEP_FILE}
+    foreign = sorted(c.name for c in p.iterdir()
+                     if not (c.name in own or c.name.startswith(".")
+                             or (c.is_file() and c.name.startswith("sweep_") and c.suffix == ".png")
+                             or (c.is_dir() and (c / "manifest.json").is_file())))
+    if foreign:
+        raise ScenarioError(f"--out {out_dir}: holds files that are not this sweep's ({', '.join(foreign[:5])}"
+                            f"{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder")
 
 
 def is_metric_name(name: str) -> bool:

@@ -247,7 +247,8 @@ def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("case", ["plot_unknown", "plot_without_out", "out_in_file", "other_scenario",
-                                  "empty_factor", "unknown_key"])
+                                  "empty_factor", "unknown_key", "repeated_factor", "plot_empty", "plot_text",
+                                  "foreign_files"])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     scen, out = _scenario(tmp_path), tmp_path / "sw"
     base = ["sweep", str(scen), "--factor", "training.micro_batch_size=1", *FAST]
@@ -266,6 +267,16 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         args, expect = ["sweep", str(other), *base[2:], "--out", str(out)], "holds the sweep of another scenario"
     elif case == "empty_factor":
         args, expect = ["sweep", str(scen), "--factor", "training.micro_batch_size=", *FAST], "expected dotted.key"
+    elif case == "repeated_factor":  # the fresh-user trial: the first --factor's values used to vanish
+        args, expect = base + ["--factor", "training.micro_batch_size=2"], "given more than once"
+    elif case == "plot_empty":
+        args, expect = base + ["--out", str(out), "--plot", ","], "name at least one metric"
+    elif case == "plot_text":  # "oom" is a message column, never plottable
+        args, expect = base + ["--out", str(out), "--plot", "oom"], "--plot oom: not a summary metric"
+    elif case == "foreign_files":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        args, expect = base + ["--out", str(out)], "holds files that are not this sweep's (notes.txt)"
     else:
         args, expect = ["sweep", str(scen), "--factor", "training.micro_batchsize=1", *FAST], "micro_batchsize"
     before = sorted(p.name for p in out.iterdir()) if out.exists() else None
