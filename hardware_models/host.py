@@ -94,8 +94,8 @@ class HostCpuSpec:
         avail = self.cores_available
         if self.threads_used < 0 or self.threads_used > avail:
             where = f"NUMA node {self.numa_node}" if self.numa_node >= 0 else "the host"
-            raise ValueError(f"threads_used {self.threads_used} exceeds the {avail} physical cores of {where} "
-                             f"({self.name}); allowed 1..{avail} (0: all of them)")
+            raise ValueError(f"threads {self.threads_used} exceeds the {avail} physical cores of {where} "
+                             f"({self.name}); allowed 1..{avail}")
         if self.simd_width_bits not in (128, 256, 512) or self.fma_units_per_core <= 0:
             raise ValueError(f"simd_width_bits must be 128, 256 or 512 and fma_units_per_core > 0, got "
                              f"{self.simd_width_bits}, {self.fma_units_per_core}")

@@ -130,15 +130,14 @@ def cmd_run(args) -> int:
     check_out_dir(args.out, run_folder=True)
     cfg = load_scenario(args.scenario, args.set)
     result = run_scenario(cfg)
-    if args.out:
-        write_outputs(result, args.out, overrides=args.set, scenario=args.scenario)
+    written = write_outputs(result, args.out, overrides=args.set, scenario=args.scenario) if args.out else []
     if args.json:
         print(json.dumps(result.summary, default=float))
     else:
         print(format_summary(result.summary, cfg.name))
         if args.out:
-            print(f"outputs             {args.out}/ (summary.json, spans.csv, trace.json for ui.perfetto.dev or HTA, "
-                  "breakdown.png, memory.png)")
+            print(f"outputs             {args.out}/ ({', '.join(p.name for p in written)}; trace.json opens in "
+                  "ui.perfetto.dev or HTA)")
     return 0 if result.ok else 1
 
 

@@ -59,8 +59,8 @@ def price(args) -> list:
     spec = load_cluster(args.cluster, cl_over)
     g = spec.gpus_per_node
     ranks = args.ranks if args.ranks is not None else g
-    if ranks < 1:
-        raise CollectiveError(f"--ranks must be >= 1, got {ranks}")
+    if ranks < 2:
+        raise CollectiveError(f"--ranks must be >= 2 (a collective over one rank moves nothing), got {ranks}")
     rpn = args.ranks_per_node if args.ranks_per_node is not None else min(ranks, g)
     if rpn < 1 or rpn > g:
         raise CollectiveError(f"--ranks-per-node must be in 1..{g} for {args.cluster}, got {rpn}")

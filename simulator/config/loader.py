@@ -39,19 +39,33 @@ def read_yaml(path: str | Path) -> dict:
         raise ScenarioError(f"{p}: {exc}") from None
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names allowed at ``loc`` (walking nested models)."""
+def _model_at(model: type[BaseModel], loc: tuple) -> Any:
+    """The model holding the field at ``loc`` (walking nested models; None if ``loc`` leaves them)."""
     cur: Any = model
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
         fields = getattr(cur, "model_fields", {})
         if part not in fields:
-            return []
+            return None
         ann = fields[part].annotation
         cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
                    ann)
-    return sorted(getattr(cur, "model_fields", {}))
+    return cur
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names allowed at ``loc`` (walking nested models)."""
+    return sorted(getattr(_model_at(model, loc), "model_fields", {}))
+
+
+def _choices(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The values a ``Literal`` field at ``loc`` allows (empty for other fields)."""
+    import typing
+
+    field = getattr(_model_at(model, loc), "model_fields", {}).get(loc[-1]) if loc else None
+    ann = getattr(field, "annotation", None)
+    return [repr(v) for v in typing.get_args(ann)] if typing.get_origin(ann) is typing.Literal else []
 
 
 _KEYED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
@@ -92,7 +106,8 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
     if kind == "missing":
-        return f"{source}: {path}: required key is missing"
+        choices = _choices(model, loc)
+        return f"{source}: {path}: required key is missing" + (f" (allowed: {', '.join(choices)})" if choices else "")
     msg = msg.replace("Value error, ", "")
     if path == "(top level)" and _KEYED.match(msg):  # a cross-field check that names its own key
         return f"{source}: {msg}"

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import pandas as pd
 
 from hardware_models.gpu import GpuSpec
+from hardware_models.power import snap_clock
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
 
@@ -66,7 +67,9 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
     if power_caps is not None:
         points = [("power_limit_w", float(p), DvfsConfig(kind="power_cap", power_limit_w=p, **keep)) for p in power_caps]
     else:
-        clocks = default_clocks(hw.gpu) if clocks is None else clocks
+        # the row is labelled with the clock that runs (an unsupported request is snapped, with a warning)
+        clocks = (default_clocks(hw.gpu) if clocks is None else
+                  [snap_clock(c, hw.gpu.supported_sm_clocks_mhz, "--clocks") for c in clocks])
         points = [("locked_clocks_mhz", float(c), DvfsConfig(kind="locked_clock", locked_clocks_mhz=c, **keep))
                   for c in clocks]
     rows = []

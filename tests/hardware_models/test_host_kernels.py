@@ -91,7 +91,7 @@ def test_more_bandwidth_or_threads_never_slower(impl, threads, bw_scale, per_cor
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"threads_used": 9}, "threads_used 9 exceeds the 8 physical cores"),
+    ({"threads_used": 9}, "threads 9 exceeds the 8 physical cores"),
     ({"numa_node": 2}, "numa_node 2 does not exist: this host has 2 NUMA node"),
     ({"numa_node": 1, "threads_used": 5}, "exceeds the 4 physical cores of NUMA node 1"),
     ({"sockets": 3}, "sockets must be > 0 and divide cores"),

@@ -43,3 +43,9 @@ def test_bad_input_one_line_exit_2(capsys, argv, msg):
     assert main(["collective", *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+def test_a_one_rank_collective_is_refused(capsys):
+    assert main(["collective", "dgx-h100", "--op", "all_reduce", "--ranks", "1", "--bytes", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ranks must be >= 2" in err[0]

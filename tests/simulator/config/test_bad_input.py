@@ -51,6 +51,8 @@ CASES = [
     # a field of a preset reference written as if hardware.gpu were the spec: no class names, the keys allowed
     ("field on a preset name", mutate(["hardware", "gpu"], {"memory_bandwidth": "4.8 TB/s"}),
      ["hardware.gpu.memory_bandwidth: unknown key (allowed: overrides, preset)"]),
+    ("missing kind lists the kinds", {**BASE, "dvfs": {"power_limit_w": 500}},
+     ["dvfs.kind: required key is missing (allowed: 'locked_clock', 'power_cap', 'phase_plan')"]),
 ]
 
 

@@ -13,8 +13,8 @@ SCEN = str(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")
 
 
 @pytest.mark.parametrize("override, fragments", [
-    ("hardware.host.threads=17", ["hardware.host", "threads_used 17 exceeds the 16 physical cores", "allowed 1..16"]),
-    ("hardware.host.overrides.threads_used=64", ["threads_used 64 exceeds the 16 physical cores"]),
+    ("hardware.host.threads=17", ["hardware.host", "threads 17 exceeds the 16 physical cores", "allowed 1..16"]),
+    ("hardware.host.overrides.threads_used=64", ["threads 64 exceeds the 16 physical cores"]),
     ("hardware.host=xeon-9999", ["unknown host preset 'xeon-9999'", "known: ", "dgx2-v100-host"]),
     ("hardware.host.numa_node=1", ["numa_node 1 does not exist: this host has 1 NUMA node(s)", "allowed 0..0"]),
 ])

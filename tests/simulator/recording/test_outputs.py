@@ -153,3 +153,11 @@ def test_pareto_out_writes_the_table(tmp_path, capsys):
     saved = pd.read_csv(out / "pareto.csv")
     assert list(saved["value"]) == [1980, 1200]
     assert saved["step_time_s"].tolist() == pytest.approx(printed["step_time_s"].tolist())
+
+
+def test_pareto_rows_name_the_clock_that_ran(capsys):
+    """An unsupported clock is snapped (with a warning); the row carries the snapped clock, not the request."""
+    assert main(["pareto", SCEN, "--clocks", "99999", *FAST, "--json"]) == 0
+    out = capsys.readouterr()
+    assert pd.DataFrame(json.loads(out.out))["value"].tolist() == [1980]
+    assert "99999 MHz is not a supported SM clock" in out.err
