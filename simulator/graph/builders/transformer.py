@@ -168,7 +168,8 @@ class TransformerSpec:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+        if (self.position_embedding == "learned_absolute" and self.max_position_embeddings is not None
+                and self.max_position_embeddings < self.seq_length):
             raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length "
                              f"({self.seq_length})")
         if self.precision not in PRECISIONS:
