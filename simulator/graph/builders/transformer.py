@@ -1,4 +1,5 @@
-"""Step graph of a dense GPT-style decoder (pre-LayerNorm, GELU MLP, causal attention).
+"""Step graph of a dense decoder: GPT-2 style (pre-LayerNorm, GELU MLP, causal multi-head attention,
+learned positions) or Llama style (grouped-query attention, SwiGLU MLP, RMSNorm, rotary embeddings).
 
 The graph follows what eager PyTorch runs, kernel by kernel, so that the roofline prices the
 same memory traffic the GPU moves:
@@ -55,6 +56,16 @@ same memory traffic the GPU moves:
   are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). Megatron's
   re-gather of the LayerNorm output for the weight gradient in backward (overlapped with the input
   gradient GEMM) is not modelled.
+
+* **Llama features** (Touvron et al., *Llama 2*, 2023, section 2.2; Megatron-LM names):
+  grouped-query attention (Ainslie et al., *GQA*, EMNLP 2023) with ``g`` K/V groups makes the
+  QKV projection ``h x (h + 2 g d)`` and the flash kernel read ``g`` K/V heads (FLOPs per query
+  head unchanged); SwiGLU (Shazeer, *GLU Variants Improve Transformer*, 2020) fuses gate and up
+  projections into fc1 ``h x 2f``, then an elementwise ``silu(a) * b`` kernel (backward: reads
+  dy, a, b; writes da, db) feeds fc2 ``f x h``; RMSNorm (Zhang and Sennrich, 2019) has one weight
+  and one fp32 statistic per token (LayerNorm: two), same activation traffic; rotary embeddings
+  (Su et al., *RoFormer*, 2021) are an elementwise kernel on q and k after the QKV GEMM and its
+  mirror in backward, with no position table.
 
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
 ``V`` vocabulary, ``a`` heads, ``d = h / a``.
