@@ -104,3 +104,15 @@ def test_gpt2_defaults_unchanged():
     s = TransformerSpec(**base)
     assert (s.qkv_out_size, s.fc1_out_size, s.position_table_rows) == (192, 256, 16)
     assert s == dataclasses.replace(s, num_query_groups=None, swiglu=False, normalization="LayerNorm")
+
+
+@pytest.mark.parametrize("kw", [dict(recompute="full"), dict(recompute="selective"), dict(bias=True),
+                                dict(qkv_bias=True), dict(tensor_parallel_size=2, sequence_parallel=True),
+                                dict(tied_embeddings=True, num_micro_batches=2)])
+def test_param_groups_sum_to_count_in_every_mode(kw):
+    """Every parameter tensor's gradient is produced once: the groups sum to num_parameters."""
+    s = spec(**kw)
+    g = build_gpt_step(s)
+    assert sum(p.numel for p in g.param_groups) == s.num_parameters
+    rope = [op for op in g.ops if op.name.split(".", 2)[-1] == "rope"]  # forward, and recomputed in backward
+    assert len(rope) == 2 * s.num_micro_batches * (2 if s.recompute == "full" else 1)
