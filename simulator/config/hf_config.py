@@ -58,7 +58,7 @@ def _flag(cfg: dict, where: str, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ValueError(f"{where}: {name}: expected true or false, got {v!r}")
+        raise ValueError(f"{where}: {name}: expected true or false, got {v!r}")  # noqa: TRY004 (pydantic reports ValueError)
     return v
 
 

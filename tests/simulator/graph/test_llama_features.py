@@ -9,9 +9,9 @@ import pytest
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 
 # tiny Llama-like model: h 64, a 8 heads of d 8, g 2 K/V groups, f 160, V 1000, 2 layers, s 16, b 2
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=16,
-            vocab_size=1000, ffn_hidden_size=160, micro_batch_size=2, tied_embeddings=False, bias=False,
-            swiglu=True, normalization="RMSNorm", position_embedding="rope", precision="bf16")
+TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2, "seq_length": 16,
+            "vocab_size": 1000, "ffn_hidden_size": 160, "micro_batch_size": 2, "tied_embeddings": False, "bias": False,
+            "swiglu": True, "normalization": "RMSNorm", "position_embedding": "rope", "precision": "bf16"}
 T = 2 * 16
 
 
@@ -39,8 +39,8 @@ def test_tiny_llama_parameter_count_by_hand():
 
 def test_published_llama_counts():
     """Llama-2-7B (HF card: 6.74B; exact 6,738,415,616) and Llama-3.1-8B (8,030,261,248) from their shapes."""
-    llama2 = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=None, vocab_size=32000,
-                  ffn_hidden_size=11008)
+    llama2 = {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": None, "vocab_size": 32000,
+                  "ffn_hidden_size": 11008}
     n = spec(**llama2).num_parameters
     assert n == 6_738_415_616 and abs(n / 6.74e9 - 1) < 1e-3
     assert spec(**{**llama2, "num_query_groups": 8, "vocab_size": 128256, "ffn_hidden_size": 14336}).num_parameters \
@@ -99,16 +99,16 @@ def test_model_flops_match_megatron_formula():
 
 
 def test_gpt2_defaults_unchanged():
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000,
-                ffn_hidden_size=256, micro_batch_size=2)
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 1000,
+                "ffn_hidden_size": 256, "micro_batch_size": 2}
     s = TransformerSpec(**base)
     assert (s.qkv_out_size, s.fc1_out_size, s.position_table_rows) == (192, 256, 16)
     assert s == dataclasses.replace(s, num_query_groups=None, swiglu=False, normalization="LayerNorm")
 
 
-@pytest.mark.parametrize("kw", [dict(recompute="full"), dict(recompute="selective"), dict(bias=True),
-                                dict(qkv_bias=True), dict(tensor_parallel_size=2, sequence_parallel=True),
-                                dict(tied_embeddings=True, num_micro_batches=2)])
+@pytest.mark.parametrize("kw", [{"recompute": "full"}, {"recompute": "selective"}, {"bias": True},
+                                {"qkv_bias": True}, {"tensor_parallel_size": 2, "sequence_parallel": True},
+                                {"tied_embeddings": True, "num_micro_batches": 2}])
 def test_param_groups_sum_to_count_in_every_mode(kw):
     """Every parameter tensor's gradient is produced once: the groups sum to num_parameters."""
     s = spec(**kw)
