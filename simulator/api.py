@@ -42,6 +42,9 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
+        num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
+        normalization=m.normalization, position_embedding=m.position_embedding_type,
+        max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
     )
 
 

@@ -140,6 +140,10 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
     Raises:
         ScenarioError: the first validation error, in one line.
     """
+    m = data.get("model") if isinstance(data, dict) else None
+    hf = m.get("from_hf") if isinstance(m, dict) else None
+    if isinstance(hf, str) and hf.startswith(("./", "../")) and not Path(hf).exists() and Path(source).is_file():
+        data = {**data, "model": {**m, "from_hf": str(Path(source).resolve().parent / hf)}}  # relative: the scenario's folder
     try:
         return ScenarioConfig.model_validate(data)
     except ValidationError as exc:

@@ -84,8 +84,16 @@ class HardwareConfig(_Model):
 
 
 class ModelConfig(_Model):
-    """A dense GPT-style decoder (Megatron-LM argument names)."""
+    """A dense decoder (Megatron-LM argument names): GPT-2 style by default (LayerNorm, GELU MLP,
+    multi-head attention, learned positions, tied embeddings), Llama style with
+    ``group_query_attention``, ``swiglu``, ``normalization: RMSNorm``, ``position_embedding_type: rope``,
+    ``untie_embeddings_and_output_weights`` and ``add_bias_linear: false``; or read from a Hugging Face
+    ``config.json`` with ``from_hf`` (``simulator/config/hf_config.py``)."""
 
+    from_hf: str | None = Field(
+        default=None, description="A Hugging Face config.json (llama, mistral, qwen2, gpt2), given as a path "
+        f"starting with {', '.join(FILE_PREFIXES)} (relative: from the current folder, else the scenario's folder); "
+        "its keys fill this section, keys set here override them (seq_length defaults to max_position_embeddings).")
     num_layers: PositiveInt = Field(le=MAX_NUM_LAYERS)
     hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
     num_attention_heads: PositiveInt = Field(le=MAX_HIDDEN_SIZE, description="Must divide hidden_size.")
@@ -93,8 +101,32 @@ class ModelConfig(_Model):
     vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
     ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE,
                                                 description="Default 4 * hidden_size.")
+    max_position_embeddings: PositiveInt | None = Field(
+        default=None, le=MAX_SEQ_LENGTH, description="Rows of the learned position table (default seq_length; "
+        "unused with rope).")
+    group_query_attention: bool = Field(default=False, description="Megatron --group-query-attention.")
+    num_query_groups: PositiveInt | None = Field(
+        default=None, le=MAX_HIDDEN_SIZE, description="K/V head groups with group_query_attention (default 1, "
+        "multi-query, as Megatron); must divide num_attention_heads (and be divisible by the TP size).")
+    swiglu: bool = Field(default=False, description="Megatron --swiglu: gated MLP silu(x W1) * (x W3) W2.")
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = Field(default=False, description="Megatron --add-qkv-bias: a QKV bias even with "
+                               "add_bias_linear false (Qwen2).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_from_hf(cls, data):
+        from simulator.config.hf_config import merge_hf
+
+        return merge_hf(data) if isinstance(data, dict) else data
+
+    @property
+    def query_groups(self) -> int:
+        """K/V head groups: ``num_query_groups`` (default 1) with GQA, else the head count."""
+        return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
@@ -102,6 +134,15 @@ class ModelConfig(_Model):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
             )
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ValueError(f"num_query_groups ({self.num_query_groups}) needs group_query_attention: true")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"num_query_groups ({self.query_groups}) must divide num_attention_heads "
+                             f"({self.num_attention_heads})")
+        mp = self.max_position_embeddings
+        if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
+            raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "
+                             "position table (allowed: seq_length <= max_position_embeddings)")
         return self
 
 
@@ -288,7 +329,8 @@ class ScenarioConfig(_Model):
                                  f"{cl.preset!r} (TP ranks are consecutive inside a node; allowed: a divisor "
                                  f"of {per_node})")
         for name, v in (("num_attention_heads", m.num_attention_heads),
-                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size)):
+                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size),
+                        ("num_query_groups", m.query_groups)):
             if v % tp:
                 raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
         if self.training.precision == "amp_fp32_params":

@@ -1,4 +1,5 @@
-"""Step graph of a dense GPT-style decoder (pre-LayerNorm, GELU MLP, causal attention).
+"""Step graph of a dense decoder: GPT-2 style (pre-LayerNorm, GELU MLP, causal multi-head attention,
+learned positions) or Llama style (grouped-query attention, SwiGLU MLP, RMSNorm, rotary embeddings).
 
 The graph follows what eager PyTorch runs, kernel by kernel, so that the roofline prices the
 same memory traffic the GPU moves:
@@ -56,6 +57,16 @@ same memory traffic the GPU moves:
   re-gather of the LayerNorm output for the weight gradient in backward (overlapped with the input
   gradient GEMM) is not modelled.
 
+* **Llama features** (Touvron et al., *Llama 2*, 2023, section 2.2; Megatron-LM names):
+  grouped-query attention (Ainslie et al., *GQA*, EMNLP 2023) with ``g`` K/V groups makes the
+  QKV projection ``h x (h + 2 g d)`` and the flash kernel read ``g`` K/V heads (FLOPs per query
+  head unchanged); SwiGLU (Shazeer, *GLU Variants Improve Transformer*, 2020) fuses gate and up
+  projections into fc1 ``h x 2f``, then an elementwise ``silu(a) * b`` kernel (backward: reads
+  dy, a, b; writes da, db) feeds fc2 ``f x h``; RMSNorm (Zhang and Sennrich, 2019) has one weight
+  and one fp32 statistic per token (LayerNorm: two), same activation traffic; rotary embeddings
+  (Su et al., *RoFormer*, 2021) are an elementwise kernel on q and k after the QKV GEMM and its
+  mirror in backward, with no position table.
+
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
 ``V`` vocabulary, ``a`` heads, ``d = h / a``.
 """
@@ -73,6 +84,8 @@ PRECISIONS = ("amp_fp32_params", "bf16", "fp16")
 #: Megatron-LM --make-vocab-size-divisible-by default (arguments.py); the padded vocabulary is a multiple of 128 t
 VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE = ("none", "full", "selective")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,14 @@ class TransformerSpec:
         tensor_parallel_size: Megatron tensor-parallel ranks ``t`` (one rank is built; its TP
             collectives run over the ``tp`` group).
         sequence_parallel: Megatron ``--sequence-parallel`` (with ``t > 1``).
+        num_query_groups: K/V head groups ``g`` (Megatron ``--num-query-groups`` with
+            ``--group-query-attention``; ``None``: ``a``, plain multi-head attention; 1: multi-query).
+        swiglu: Gated MLP (Megatron ``--swiglu``): fc1 is ``h -> 2f`` and ``silu(a) * b`` feeds fc2.
+        normalization: One of ``NORMALIZATIONS`` (RMSNorm: one weight, no bias, whatever ``bias`` says).
+        position_embedding: One of ``POSITION_EMBEDDINGS`` (``rope``: no position table; rotary kernels
+            on q and k).
+        max_position_embeddings: Rows of the learned position table (``None``: ``seq_length``).
+        qkv_bias: The QKV projection has a bias even without ``bias`` (Megatron ``--add-qkv-bias``; Qwen2).
     """
 
     num_layers: int
@@ -131,6 +152,12 @@ class TransformerSpec:
     allgather_bucket_elements: int = 500_000_000
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    num_query_groups: int | None = None
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    position_embedding: str = "learned_absolute"
+    max_position_embeddings: int | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -145,6 +172,17 @@ class TransformerSpec:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
             )
+        g = self.query_groups
+        if g <= 0 or self.num_attention_heads % g:
+            raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
+        if (self.position_embedding == "learned_absolute" and self.max_position_embeddings is not None
+                and self.max_position_embeddings < self.seq_length):
+            raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length "
+                             f"({self.seq_length})")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE:
@@ -156,9 +194,10 @@ class TransformerSpec:
                              "modelled yet")
         t = self.tensor_parallel_size
         if t > 1:
-            for name in ("num_attention_heads", "ffn_hidden_size"):
-                if getattr(self, name) % t:
-                    raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({getattr(self, name)})")
+            for name, v in (("num_attention_heads", self.num_attention_heads),
+                            ("ffn_hidden_size", self.ffn_hidden_size), ("num_query_groups", g)):
+                if v % t:
+                    raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({v})")
             if self.precision == "amp_fp32_params":
                 raise ValueError("tensor parallelism is modelled for Megatron precisions bf16 and fp16, not "
                                  "amp_fp32_params (torch.autocast)")
@@ -166,6 +205,43 @@ class TransformerSpec:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
 
     # -- counts ----------------------------------------------------------------------------
+    @property
+    def query_groups(self) -> int:
+        """K/V head groups ``g`` (``a`` without grouped-query attention)."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """``d = h / a``."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_out_size(self) -> int:
+        """Output width of the fused QKV projection, whole model: ``h + 2 g d`` (``3h`` for MHA)."""
+        return self.hidden_size + 2 * self.query_groups * self.head_dim
+
+    @property
+    def fc1_out_size(self) -> int:
+        """Output width of fc1, whole model: ``2f`` with SwiGLU (gate and up projections fused), else ``f``."""
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: LayerNorm ``2h`` (weight + bias; ``h`` without biases), RMSNorm ``h``."""
+        return 2 * self.hidden_size if self.bias and self.normalization == "LayerNorm" else self.hidden_size
+
+    @property
+    def norm_has_bias(self) -> bool:
+        """The norms carry a bias (LayerNorm with ``bias``)."""
+        return self.norm_params == 2 * self.hidden_size
+
+    @property
+    def position_table_rows(self) -> int:
+        """Rows of the learned position table (0 with rotary embeddings)."""
+        if self.position_embedding == "rope":
+            return 0
+        return self.max_position_embeddings or self.seq_length
+
     @property
     def padded_vocab_size(self) -> int:
         """Vocabulary rows of the embedding and LM head: ``V`` with ``t = 1``; with ``t > 1`` Megatron's
@@ -183,30 +259,32 @@ class TransformerSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one block held by one TP rank: QKV and fc1 (column-parallel: weight and bias
-        ``/ t``), projection and fc2 (row-parallel: weight ``/ t``, bias replicated), two LayerNorms
-        (replicated)."""
+        """Parameters of one block held by one TP rank: QKV (``h x (h + 2 g d)``) and fc1 (``h x f``, ``h x 2f``
+        with SwiGLU; column-parallel: weight and bias ``/ t``), projection and fc2 (row-parallel: weight
+        ``/ t``, bias replicated), two norms (replicated). Whole layer with GQA + SwiGLU + RMSNorm and no
+        biases: ``2 h^2 + 2 h g d + 3 h f + 2 h`` (Llama: Touvron et al., *Llama 2*, 2023, section 2.2 and
+        the Hugging Face ``LlamaDecoderLayer``)."""
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
-        w = (3 * h * h + h * h + 2 * h * f) // t
-        b = (3 * h // t + h + f // t + h) if self.bias else 0
-        return w + b + 2 * (2 * h if self.bias else h)
+        qkv, fc1 = self.qkv_out_size, self.fc1_out_size
+        w = (h * qkv + h * h + h * fc1 + f * h) // t
+        b = (qkv // t + h + fc1 // t + h) if self.bias else (qkv // t if self.qkv_bias else 0)
+        return w + b + 2 * self.norm_params
 
     @property
     def num_parameters(self) -> int:
         """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
-        rows + learned position, replicated), blocks, final norm, LM head."""
+        rows + learned position, replicated; none with rope), blocks, final norm, LM head."""
         h = self.hidden_size
-        emb = self.vocab_per_rank * h + self.seq_length * h
+        emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
-        final_norm = 2 * h if self.bias else h
-        return emb + self.num_layers * self.layer_params + final_norm + head
+        return emb + self.num_layers * self.layer_params + self.norm_params + head
 
     @property
     def sequence_parallel_params(self) -> int:
         """Parameters replicated across TP ranks whose gradients differ per rank under sequence
         parallelism (LayerNorms, row-parallel biases), all-reduced once per step."""
         h = self.hidden_size
-        ln = 2 * h if self.bias else h
+        ln = self.norm_params
         return self.num_layers * (2 * ln + (2 * h if self.bias else 0)) + ln
 
     def model_flops_per_sample(self) -> float:
@@ -217,10 +295,14 @@ class TransformerSpec:
         matrices plus causal attention ``2 * s * h``; backward is twice the forward (Narayanan et
         al., *Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*,
         SC21, eq. 3, with causal attention counted at half the ``s^2`` work, as PaLM's MFU
-        definition in Chowdhery et al. 2022, appendix B, and FlashAttention do).
+        definition in Chowdhery et al. 2022, appendix B, and FlashAttention do). With GQA the
+        QKV matrix is ``h (h + 2 g d)`` (attention FLOPs per query head unchanged) and with SwiGLU the
+        MLP is ``3 h f``: Megatron-LM ``training.py num_floating_point_operations``, terms
+        ``(1 + num_query_groups / num_attention_heads)`` and ``gated_linear_multiplier = 3/2``.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
-        per_token_layer = 2 * (4 * h * h + 2 * h * f) + 2 * s * h
+        mlp = (3 if self.swiglu else 2) * h * f
+        per_token_layer = 2 * (h * self.qkv_out_size + h * h + mlp) + 2 * s * h
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
@@ -328,7 +410,7 @@ class _GptBuilder:
                  reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
                  out=[(dw, 2 * in_dim * out_dim)], uses=[gin, xin])
         head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
-        if self.s.bias:
+        if self.s.bias or (name == "qkv" and self.s.qkv_bias):
             bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
             if not head:
                 self._grad_ready(f"{name}.bias", out_dim, bid)
@@ -352,8 +434,9 @@ class _GptBuilder:
     def _norm_fwd(self, name: str, x: str):
         e, T, h = self.e, self.Tn, self.s.hidden_size
         y = e.fresh(f"{name}.out")
+        stats = 8 * T if self.s.normalization == "LayerNorm" else 4 * T  # fp32 mean + rstd, or rstd only (RMSNorm)
         e.kernel(f"{name}", C.NORM, reads=self.act * T * h, writes=self.act * T * h,
-                 out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), 8 * T)], uses=[x], dtype="fp32")
+                 out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), stats)], uses=[x], dtype="fp32")
         return y
 
     def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool):
@@ -366,10 +449,11 @@ class _GptBuilder:
         dx = e.fresh(f"{name}.dx")
         e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
                  out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
-        i = e.kernel(f"{name}.dgamma_dbeta", C.REDUCTION, reads=2 * self.act * T * h, writes=8 * h,
-                     uses=[gin, x], dtype="fp32")
+        nb = self.s.norm_has_bias
+        i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, reads=2 * self.act * T * h,
+                     writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
         self._grad_ready(f"{name}.weight", h, i)
-        if self.s.bias:
+        if nb:
             self._grad_ready(f"{name}.bias", h, i)
         return dx
 
@@ -419,6 +503,32 @@ class _GptBuilder:
         self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
         return y
 
+    # -- rotary embeddings -----------------------------------------------------------------
+    def _rope_fwd(self, qkv: str, width: int) -> str | None:
+        """Rotary embedding of q and k (Su et al., *RoFormer*, 2021, eq. 34; Megatron
+        ``apply_rotary_pos_emb``): elementwise ``x cos + rotate_half(x) sin`` over the ``[T, width]``
+        16-bit q and k (``width = h / t + g d / t``), memory-bound: reads q, k and the fp32 ``[s, d]``
+        cos/sin tables, writes the rotated q, k (saved for the attention backward). ``None`` without rope."""
+        if self.s.position_embedding != "rope":
+            return None
+        e, T, s = self.e, self.T, self.s
+        n = T * width
+        y = e.fresh("rope.qk")
+        e.kernel("rope", C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
+                 flops=3 * n, out=[(y, 2 * n)], uses=[qkv])
+        return y
+
+    def _rope_bwd(self, g_qkv: str, width: int) -> str:
+        """Backward of ``_rope_fwd`` (the inverse rotation of dq, dk: same traffic); returns the QKV gradient."""
+        if self.s.position_embedding != "rope":
+            return g_qkv
+        e, T, s = self.e, self.T, self.s
+        n = T * width
+        y = e.fresh("rope.dx")
+        e.kernel("rope.dgrad", C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
+                 flops=3 * n, out=[(y, 2 * n)], uses=[g_qkv])
+        return y
+
     # -- blocks ----------------------------------------------------------------------------
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
@@ -426,30 +536,38 @@ class _GptBuilder:
         h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
         d = h // a
         h, f, a, hf = h // t, f // t, a // t, h  # per TP rank: attention width, FFN width, heads; full width
+        qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width h + 2 g d, K (or V) width g d per rank
         ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
-        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, 3 * h, x_fp32=True, save=save)
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
+        qk = self._rope_fwd(qkv, h + kv)
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         e.kernel("attn", C.ATTENTION_FWD, flops=att_flops, shape=(bsz * a, s.seq_length, s.seq_length, d),
-                 reads=2 * 3 * T * h, writes=2 * T * h + 4 * bsz * a * s.seq_length,
-                 out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)], uses=[qkv])
+                 reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s.seq_length,
+                 out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)],
+                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t})
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
         ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
-        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, f, x_fp32=True, save=save)
-        g = e.fresh("gelu.out")
-        e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
-                 out=[(g, 2 * T * f)], uses=[fc1])
+        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
+        g = e.fresh("swiglu.out" if s.swiglu else "gelu.out")
+        if s.swiglu:  # silu(a) * b over the two halves of fc1 (Megatron fused bias_swiglu): ~6 FLOPs/element
+            e.kernel("swiglu", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=6 * T * f,
+                     out=[(g, 2 * T * f)], uses=[fc1])
+        else:
+            e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
+                     out=[(g, 2 * T * f)], uses=[fc1])
         fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
         fc2 = self._tp_reduce("fc2", fc2)
         x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
         saved = {}
         if save:
-            saved = dict(x=x, qkv=qkv, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
+            saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
                          x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2)
         return x3, saved
 
@@ -459,14 +577,21 @@ class _GptBuilder:
         h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
         d = h // a
         h, f, a, hf = h // t, f // t, a // t, h  # per TP rank (see _layer_fwd)
+        qo, kv = s.qkv_out_size // t, s.query_groups * d // t
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
         # MLP
         g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
-        g_gelu = e.fresh("gelu.dx")
-        e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
-                 out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
-        g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, f, g_fp32=False))
+        if s.swiglu:  # d/da silu(a) b and d/db: read dy and both halves, write both gradients (~12 FLOPs/element)
+            g_gelu = e.fresh("swiglu.dx")
+            e.kernel("swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f, flops=12 * T * f,
+                     out=[(g_gelu, 2 * 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
+        else:
+            g_gelu = e.fresh("gelu.dx")
+            e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
+                     out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
+        g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
+                                                             g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
@@ -478,14 +603,16 @@ class _GptBuilder:
         if att is None:  # selective recompute: re-run the attention forward
             att = e.fresh("attn.out.recomputed")
             e.kernel("attn.recompute", C.ATTENTION_FWD, flops=att_flops,
-                     shape=(bsz * a, s.seq_length, s.seq_length, d), reads=2 * 3 * T * h, writes=2 * T * h,
-                     out=[(att, 2 * T * h)], uses=[sv["qkv"]])
+                     shape=(bsz * a, s.seq_length, s.seq_length, d), reads=2 * T * qo, writes=2 * T * h,
+                     out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []))
         g_qkv = e.fresh("attn.dqkv")
         e.kernel("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops,
                  shape=(bsz * a, s.seq_length, s.seq_length, d),
-                 reads=2 * (3 * T * h + 2 * T * h), writes=2 * 3 * T * h + 4 * T * h,
-                 out=[(g_qkv, 2 * 3 * T * h)], uses=[g_att, sv["qkv"], att])
-        g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, 3 * h, g_fp32=False))
+                 reads=2 * (T * qo + 2 * T * h), writes=2 * T * qo + 4 * T * h,
+                 out=[(g_qkv, 2 * T * qo)], uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
+                 meta={"kv_heads": s.query_groups // t})
+        g_qkv = self._rope_bwd(g_qkv, h + kv)
+        g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
         return self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
 
@@ -514,7 +641,8 @@ class _GptBuilder:
         e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T, out=[(tokens, 16 * T)],
                  dtype="int64")
         x = e.fresh("embed.out")
-        e.kernel("embed", C.EMBEDDING, reads=8 * T + 2 * self.act * T * h, writes=self.act * T * h,
+        rows = 2 if s.position_table_rows else 1  # token row (+ learned position row) per token
+        e.kernel("embed", C.EMBEDDING, reads=8 * T + rows * self.act * T * h, writes=self.act * T * h,
                  out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
         x = self._tp_reduce("embed", x)  # VocabParallelEmbedding: rows outside the rank's range are zero
         saved_layers = []
@@ -572,9 +700,11 @@ class _GptBuilder:
                      writes=4 * V * h, out=[(gname, 4 * V * h)] if first and not self._grads_in_buckets else [],
                      uses=[d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
-        i = e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * s.seq_length * h, uses=[g],
-                     dtype="fp32")
-        self._grad_ready("wpe.weight", s.seq_length * h, i)
+        if s.position_table_rows:
+            P = s.position_table_rows
+            i = e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * P * h, uses=[g],
+                         dtype="fp32")
+            self._grad_ready("wpe.weight", P * h, i)
         self._end_of_backward()
 
     def _sequence_parallel_grads(self) -> None:

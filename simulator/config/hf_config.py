@@ -1,0 +1,171 @@
+"""``model.from_hf``: a Hugging Face ``config.json`` read into the scenario's model section.
+
+Supported ``model_type`` values and the keys read (``transformers`` configuration classes
+``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPT2Config``):
+
+* ``hidden_size`` / ``n_embd`` -> ``hidden_size``; ``num_hidden_layers`` / ``n_layer`` -> ``num_layers``;
+  ``num_attention_heads`` / ``n_head`` -> ``num_attention_heads``; ``intermediate_size`` / ``n_inner``
+  -> ``ffn_hidden_size``; ``vocab_size``; ``max_position_embeddings`` / ``n_positions`` ->
+  ``max_position_embeddings`` and, unless the scenario sets it, ``seq_length``;
+* ``num_key_value_heads`` below the head count -> ``group_query_attention: true`` and
+  ``num_query_groups``;
+* ``tie_word_embeddings`` (class default: false for llama, mistral, qwen2; true for gpt2) ->
+  ``untie_embeddings_and_output_weights``;
+* llama / mistral / qwen2: ``hidden_act`` must be ``silu`` (-> ``swiglu: true``), RMSNorm
+  (``rms_norm_eps``) and rotary embeddings (``rope_theta``; ``rope_scaling`` changes the
+  frequencies, not the cost, and is ignored); biases: llama ``attention_bias`` / ``mlp_bias``
+  (both or neither), qwen2 a QKV bias only (``add_qkv_bias``), mistral none;
+* gpt2: LayerNorm, GELU, learned positions, biases everywhere.
+
+Other keys (token ids, dtype, initialiser ranges...) do not change the step's cost and are ignored.
+Refused, in one line naming the key: mixture-of-experts keys, another ``model_type``, a ``head_dim``
+other than ``hidden_size / num_attention_heads``, a sliding window shorter than ``seq_length``.
+The file is read with ``hardware_models.safe_yaml`` (JSON is YAML 1.2: size, depth and integer
+limits, duplicate keys refused).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hardware_models import safe_yaml
+from hardware_models.presets import FILE_PREFIXES, is_file_reference
+
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
+#: Mixture-of-experts keys of Mixtral, Qwen2-MoE, DeepSeek and others: not modelled yet
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "n_shared_experts", "shared_expert_intermediate_size")
+_GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+
+
+def _get(cfg: dict, where: str, *names: str, required: bool = True) -> int | None:
+    """The first of ``names`` present (not null) in ``cfg``, as a positive int."""
+    for n in names:
+        v = cfg.get(n)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{where}: {n}: expected a positive integer, got {v!r}")
+        return v
+    if required:
+        raise ValueError(f"{where}: required key {' / '.join(names)} is missing")
+    return None
+
+
+def _flag(cfg: dict, where: str, name: str, default: bool) -> bool:
+    v = cfg.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: {name}: expected true or false, got {v!r}")  # noqa: TRY004 (pydantic reports ValueError)
+    return v
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Model-section keys (Megatron-LM names) of a Hugging Face ``config.json``.
+
+    Args:
+        path: The file.
+
+    Returns:
+        ``{"hidden_size": ..., "num_layers": ..., ...}`` plus ``sliding_window`` (int or None, a
+        check for ``merge_hf``, not a model key).
+
+    Raises:
+        ValueError: one line starting with the path: unreadable file, unsupported architecture or key.
+    """
+    where = str(path)
+    try:
+        cfg = safe_yaml.load_mapping(path, "a Hugging Face config.json mapping")
+    except safe_yaml.YamlInputError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    for k in MOE_KEYS:
+        if cfg.get(k) not in (None, 0):
+            raise ValueError(f"{where}: {k}: mixture-of-experts configs are not modelled yet (supported model_type: "
+                             f"{', '.join(SUPPORTED)}, dense)")
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        arch = cfg.get("architectures")
+        name = f"{mt!r}" + (f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else "")
+        raise ValueError(f"{where}: model_type: {name} is not supported (supported: {', '.join(SUPPORTED)})")
+    gpt2 = mt == "gpt2"
+    h = _get(cfg, where, "n_embd" if gpt2 else "hidden_size")
+    a = _get(cfg, where, "n_head" if gpt2 else "num_attention_heads")
+    out: dict[str, Any] = {
+        "num_layers": _get(cfg, where, "n_layer" if gpt2 else "num_hidden_layers"),
+        "hidden_size": h,
+        "num_attention_heads": a,
+        "vocab_size": _get(cfg, where, "vocab_size"),
+    }
+    pos = _get(cfg, where, "n_positions" if gpt2 else "max_position_embeddings")
+    out["max_position_embeddings"] = pos
+    out["seq_length"] = pos
+    f = _get(cfg, where, "n_inner" if gpt2 else "intermediate_size", required=not gpt2)
+    if f is not None:
+        out["ffn_hidden_size"] = f
+    out["untie_embeddings_and_output_weights"] = not _flag(cfg, where, "tie_word_embeddings", gpt2)
+    if h % a:
+        raise ValueError(f"{where}: num_attention_heads ({a}) must divide hidden_size ({h})")
+    hd = cfg.get("head_dim")
+    if hd is not None and hd != h // a:
+        raise ValueError(f"{where}: head_dim: {hd!r} differs from hidden_size / num_attention_heads ({h // a}); "
+                         "a separate head dimension is not modelled yet")
+    out["sliding_window"] = None
+    if gpt2:
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in _GELU:
+            raise ValueError(f"{where}: activation_function: {act!r} is not supported (allowed: {', '.join(_GELU)})")
+        out.update(normalization="LayerNorm", position_embedding_type="learned_absolute", add_bias_linear=True)
+        return out
+    kv = _get(cfg, where, "num_key_value_heads", required=False) or a
+    if a % kv:
+        raise ValueError(f"{where}: num_key_value_heads ({kv}) must divide num_attention_heads ({a})")
+    if kv != a:
+        out.update(group_query_attention=True, num_query_groups=kv)
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act: {act!r} is not supported for {mt} (allowed: silu, i.e. SwiGLU)")
+    out.update(swiglu=True, normalization="RMSNorm", position_embedding_type="rope")
+    if mt == "llama":
+        ab, mb = _flag(cfg, where, "attention_bias", False), _flag(cfg, where, "mlp_bias", False)
+        if ab != mb:
+            raise ValueError(f"{where}: attention_bias ({ab}) with mlp_bias ({mb}): biases on one of the two only "
+                             "are not modelled (allowed: both true or both false)")
+        out["add_bias_linear"] = ab
+    elif mt == "qwen2":  # q/k/v projections have a bias, o_proj and the MLP none (Qwen2Attention)
+        out.update(add_bias_linear=False, add_qkv_bias=True)
+        if _flag(cfg, where, "use_sliding_window", False):
+            out["sliding_window"] = _get(cfg, where, "sliding_window")
+    else:  # mistral
+        out["add_bias_linear"] = False
+        out["sliding_window"] = _get(cfg, where, "sliding_window", required=False)
+    return out
+
+
+def merge_hf(model: dict) -> dict:
+    """The model section with ``from_hf`` expanded: the file's keys, then the scenario's explicit keys.
+
+    Raises:
+        ValueError: one line starting with ``from_hf:`` (see ``read_hf_config``; also a path not
+            starting with ``./``, ``../`` or ``/``, or a sliding window shorter than ``seq_length``).
+    """
+    path = model.get("from_hf")
+    if path is None:
+        return model
+    if not is_file_reference(path):
+        raise ValueError(f"from_hf: {path!r}: expected a path starting with {', '.join(FILE_PREFIXES)} "
+                         "(e.g. ./scenarios/models/llama-3.1-8b.json)")
+    try:
+        keys = read_hf_config(path)
+    except ValueError as exc:
+        raise ValueError(f"from_hf: {exc}") from None
+    window = keys.pop("sliding_window")
+    merged = {**keys, **model}
+    if "max_position_embeddings" in model and "seq_length" not in model:
+        merged["seq_length"] = model["max_position_embeddings"]
+    seq = merged.get("seq_length")
+    if window is not None and isinstance(seq, int) and seq > window:
+        raise ValueError(f"from_hf: {path}: sliding_window {window} is shorter than seq_length {seq}; sliding-window "
+                         f"attention is not modelled yet (allowed: seq_length <= {window})")
+    return merged
