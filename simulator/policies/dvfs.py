@@ -90,6 +90,9 @@ _MISSING = object()
 class LockedClock:
     """Fixed SM clock (``nvidia-smi -lgc``)."""
 
+    #: the policy does nothing per op (the clock is set once, before the job)
+    per_op = False
+
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.clock_mhz = snap_clock(dcfg.locked_clocks_mhz, gpu.supported_sm_clocks_mhz, "dvfs.locked_clocks_mhz")
         if not gpu.supported_sm_clocks_mhz:
@@ -122,6 +125,8 @@ def requested_power_limit_w(dcfg, gpu) -> float | None:
 class PowerCap:
     """Power limit (``nvidia-smi -pl``) at the maximum clock; the controller is the runtime's firmware loop."""
 
+    per_op = False
+
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.power_limit_w = requested_power_limit_w(dcfg, gpu)
 
@@ -132,6 +137,8 @@ class PowerCap:
 @register_dvfs("phase_plan")
 class PhaseClockPlan:
     """A clock per phase, requested when a GPU op of that phase starts."""
+
+    per_op = True
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.plan = {ph: snap_clock(mhz, gpu.supported_sm_clocks_mhz, f"dvfs.phase_clocks_mhz.{ph}")
@@ -189,7 +196,13 @@ class DvfsRuntime:
         self._update()
         self._count(env.now, "sm_clock_mhz", self.state.sm_clock_mhz)
         self._count(env.now, "power_w", self.ledger.p[-1])
-        if cap and cap < self.max_reachable_power_w():
+        #: meter per op during the run (True) or from the spans afterwards (False, see ``finish``)
+        self.online = bool(getattr(system, "exact_power", False)
+                           or (self.policy is not None and getattr(self.policy, "per_op", True))
+                           or (dcfg is not None and dcfg.power_limit_w is not None)
+                           or self.ctl.limit_mhz < self.fmax_mhz)
+        self._can_bind = bool(cap and cap < self.max_reachable_power_w())
+        if self._can_bind and self.online:
             env.process(self._firmware(cap))
 
     def max_reachable_power_w(self) -> float:
@@ -198,7 +211,69 @@ class DvfsRuntime:
 
     # -- runtime-component interface ----------------------------------------------------------
     def hooks(self) -> list:
-        return [self]
+        return [self] if self.online else []
+
+    def finish(self, recorder) -> bool:
+        """After the run: meter power from the recorded spans when it was not metered online.
+
+        Offline metering applies when the clock cannot change during the run except by the
+        power-limit firmware (no ``dvfs`` section, ``locked_clock`` or ``power_cap`` at the board's
+        default limit): the power at each instant is that of the spans covering it at the constant
+        clocks, so the ledger and the ``power_w`` counters equal the online ones. The firmware only
+        changes anything when the windowed average power exceeds the limit at one of its evaluation
+        times (``t0 + k * period``; a sleeping firmware evaluates a subset of them), so that is
+        checked on the whole grid.
+
+        Returns:
+            False when the firmware would have lowered the clock: the run must be repeated with
+            online metering (``System.exact_power``) to stay exact; True otherwise.
+        """
+        if self.online:
+            return True
+        self._meter_spans(recorder._spans)
+        return not (self._can_bind and self._firmware_would_act(self.env.now))
+
+    def _meter_spans(self, spans) -> None:
+        """Ledger and ``power_w`` counters from spans ``(step, op, start_s, end_s, stream)`` at the current clocks."""
+        events = []
+        for i, (_step, op, s, e, _stream) in enumerate(spans):
+            if e > s and self._activity(op) is not None:
+                events.append((s, i, op))
+                events.append((e, -1 - i, op))
+        events.sort(key=lambda ev: ev[0])
+        active, ids = self.active, self._ids
+        n, j = len(events), 0
+        while j < n:
+            t = events[j][0]
+            while j < n and events[j][0] == t:
+                _, i, op = events[j]
+                if i >= 0:
+                    active[i] = self._activity(op)
+                    ids.append(op.id)
+                else:
+                    del active[-1 - i]
+                    ids.remove(op.id)
+                j += 1
+            self._set_level(t, self._power())
+
+    def _firmware_would_act(self, t_end: float) -> bool:
+        """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
+        import numpy as np
+
+        t0, period = self._fw_t0, self.period_s
+        kmax = int((t_end - t0) // period)
+        if kmax < 1:
+            return False
+        T, P, E = (np.asarray(x, dtype=float) for x in (self.ledger.t, self.ledger.p, self.ledger.e))
+        tk = t0 + np.arange(1, kmax + 1) * period
+        lo = np.maximum(0.0, tk - self.window_s)
+
+        def energy_at(x):
+            i = np.maximum(np.searchsorted(T, x, side="right") - 1, 0)
+            return E[i] + P[i] * (x - T[i])
+
+        avg = (energy_at(tk) - energy_at(lo)) / (tk - lo)
+        return bool(np.any(avg > self.power_limit_w))
 
     def on_op_start(self, op, step, system) -> None:
         if self.policy is not None:
@@ -213,7 +288,10 @@ class DvfsRuntime:
     def on_op_end(self, op, step, system) -> None:
         # Deferred: when the stream's next op starts at the same instant (the common case), the
         # idle level in between lasts zero time and is never computed (see ``_flush``).
-        if self.active.pop((step, op.id), None) is not None:
+        key = (step, op.id)
+        if key in self.active:
+            self._flush()  # a level deferred from an earlier instant lasted until now, with this op running
+            del self.active[key]
             self._ids.remove(op.id)
             if self._dirty_t is None:
                 self._dirty_t = self.env.now
