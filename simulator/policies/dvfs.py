@@ -244,17 +244,21 @@ class DvfsRuntime:
         active, ids = self.active, self._ids
         n, j = len(events), 0
         while j < n:
-            t = events[j][0]
+            t, started = events[j][0], False
             while j < n and events[j][0] == t:
                 _, i, op = events[j]
                 if i >= 0:
                     active[i] = self._activity(op)
                     ids.append(op.id)
+                    started = True
                 else:
                     del active[-1 - i]
                     ids.remove(op.id)
                 j += 1
-            self._set_level(t, self._power())
+            if j == n and not started:
+                self._dirty_t = t  # as online: the level after the last op end is committed by ``summarize``
+            else:
+                self._set_level(t, self._power())
 
     def _firmware_would_act(self, t_end: float) -> bool:
         """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
