@@ -69,6 +69,8 @@ class System:
         if hw.collectives is not None and (nccl is None or nccl.interference):
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
+        self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
+        self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
         self._kernels = 0  # compute kernels running on this GPU
         self._comm_changed: simpy.Event | None = None  # fires when self._loads changes
@@ -139,6 +141,21 @@ class System:
             if to.processed:
                 return
             done = min(1.0, done + (env.now - t0) / d)
+
+    def kernel_s(self, op) -> float:
+        """``cost.duration_s(op, state)``, cached per op id while the clocks stay the same, s.
+
+        The cost model's time depends only on the op and the device clocks (without interference,
+        which ``run_kernel`` prices itself); op ids are unique in the run's graph.
+        """
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._dur.clear()
+            self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+        d = self._dur.get(op.id)
+        if d is None:
+            d = self._dur[op.id] = self.cost.duration_s(op, st)
+        return d
 
     def run_kernel(self, op, duration_s: float | None = None):
         """SimPy process body: compute kernel ``op`` on this GPU (``duration_s``: a measured time).

@@ -28,6 +28,7 @@ power of running ops follows the clock immediately.
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from typing import Callable
 
 from hardware_models.power import (
@@ -84,6 +85,7 @@ def power_model_for(cfg, gpu):
 
 
 _MISSING = object()
+_first = itemgetter(0)
 
 
 @register_dvfs("locked_clock")
@@ -234,31 +236,46 @@ class DvfsRuntime:
         return not (self._can_bind and self._firmware_would_act(self.env.now))
 
     def _meter_spans(self, spans) -> None:
-        """Ledger and ``power_w`` counters from spans ``(step, op, start_s, end_s, stream)`` at the current clocks."""
+        """Ledger and ``power_w`` counters from spans ``(step, op, start_s, end_s, stream)`` at the current clocks.
+
+        The level at each instant is the power of the ops running just after it, as ``on_op_start`` /
+        ``on_op_end`` set it; the level after the last op end stays deferred (``summarize`` commits it).
+        """
+        acts: dict[int, Activity | None] = {}
         events = []
         for i, (_step, op, s, e, _stream) in enumerate(spans):
-            if e > s and self._activity(op) is not None:
-                events.append((s, i, op))
-                events.append((e, -1 - i, op))
-        events.sort(key=lambda ev: ev[0])
-        active, ids = self.active, self._ids
-        n, j = len(events), 0
-        while j < n:
-            t, started = events[j][0], False
-            while j < n and events[j][0] == t:
-                _, i, op = events[j]
-                if i >= 0:
-                    active[i] = self._activity(op)
-                    ids.append(op.id)
-                    started = True
-                else:
-                    del active[-1 - i]
-                    ids.remove(op.id)
-                j += 1
-            if j == n and not started:
-                self._dirty_t = t  # as online: the level after the last op end is committed by ``summarize``
+            if e > s:
+                a = acts.get(op.id, _MISSING)
+                if a is _MISSING:
+                    a = acts[op.id] = self._activity(op)
+                if a is not None:
+                    events.append((s, i, op.id))
+                    events.append((e, ~i, op.id))
+        events.sort(key=_first)
+        active, ids, power = self.active, self._ids, self._power
+        ledger_set, count = self.ledger.set, self.rec.counter if self.rec is not None else None
+        t_cur, started = None, False
+        for t, i, oid in events:
+            if t != t_cur:
+                if t_cur is not None:
+                    p = power()
+                    if ledger_set(t_cur, p) and count is not None:
+                        count(t_cur, "gpu0", "power_w", float(p))
+                t_cur, started = t, False
+            if i >= 0:
+                active[i] = acts[oid]
+                ids.append(oid)
+                started = True
             else:
-                self._set_level(t, self._power())
+                del active[~i]
+                ids.remove(oid)
+        if t_cur is not None:
+            if started:
+                p = power()
+                if ledger_set(t_cur, p) and count is not None:
+                    count(t_cur, "gpu0", "power_w", float(p))
+            else:
+                self._dirty_t = t_cur  # as online: the level after the last op end is committed by ``summarize``
 
     def _firmware_would_act(self, t_end: float) -> bool:
         """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
