@@ -164,17 +164,20 @@ class MemoryPool:
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
         self.sizes[tensor] = nbytes
-        self.live += nbytes
+        live = self.live = self.live + nbytes
         cat = category(tensor)
-        self.by_category[cat] += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-            self.peak_by_category = dict(self.by_category)
-        demand = self.overheads.device_bytes(self.live)
-        if demand > self.capacity_bytes and self.oom is None:
-            top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
-            self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
-        self._sample(cat)
+        by_cat = self.by_category
+        by_cat[cat] += nbytes
+        if live > self.peak:
+            self.peak = live
+            self.peak_by_category = dict(by_cat)
+        if self.oom is None:
+            demand = self.overheads.device_bytes(live)
+            if demand > self.capacity_bytes:
+                top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
+                self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
+        if self._clock is not None:
+            self._sample(cat)
 
     def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
         """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
@@ -193,8 +196,6 @@ class MemoryPool:
         return int(round(self.overheads.device_bytes(self.peak)))
 
     def _sample(self, cat: str) -> None:
-        if self._clock is None:
-            return
         t = self._clock()
         tl = self.timeline
         if tl and tl[-1][0] == t:
@@ -232,4 +233,5 @@ class MemoryPool:
         self.live -= nbytes
         cat = category(tensor)
         self.by_category[cat] -= nbytes
-        self._sample(cat)
+        if self._clock is not None:
+            self._sample(cat)

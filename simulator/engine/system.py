@@ -75,7 +75,7 @@ class System:
         self._kernels = 0  # compute kernels running on this GPU
         self._comm_changed: simpy.Event | None = None  # fires when self._loads changes
         self._compute_changed: simpy.Event | None = None  # fires when compute goes busy <-> idle
-        clock = lambda: env.now  # noqa: E731
+        clock = type(env).now.fget.__get__(env)  # env.now as a bound call (no lambda frame)
         self.memory = {
             "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
             "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_capacity_bytes, clock),

@@ -46,8 +46,27 @@ class Recorder:
         self.counters.append((t_s, scope, metric, value))
 
     def spans_frame(self) -> pd.DataFrame:
-        """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds)."""
-        df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
+        """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
+
+        Built column by column: an op's attributes are read once however many steps it ran in.
+        """
+        if not self._spans:
+            df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
+            df["duration_s"] = df["end_s"] - df["start_s"]
+            return df
+        steps, ops, starts, ends, streams = zip(*self._spans)
+        attrs: dict[int, tuple] = {}
+        for op in ops:
+            if id(op) not in attrs:
+                attrs[id(op)] = (op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
+                                 op.cost_class.value, op.flops, op.bytes_moved)
+        rows = [attrs[id(op)] for op in ops]
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = zip(*rows)
+        cols = {"step": steps, "op_id": op_id, "name": name,
+                "stream": [s or d for s, d in zip(streams, op_stream)], "kind": kind, "phase": phase,
+                "layer": layer, "cost_class": cost_class, "start_s": starts, "end_s": ends, "flops": flops,
+                "bytes": nbytes}
+        df = pd.DataFrame({k: list(v) for k, v in cols.items()}, columns=SPAN_COLUMNS)
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
