@@ -28,6 +28,7 @@ power of running ops follows the clock immediately.
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from operator import itemgetter
 from typing import Callable
 
@@ -239,43 +240,102 @@ class DvfsRuntime:
         """Ledger and ``power_w`` counters from spans ``(step, op, start_s, end_s, stream)`` at the current clocks.
 
         The level at each instant is the power of the ops running just after it, as ``on_op_start`` /
-        ``on_op_end`` set it; the level after the last op end stays deferred (``summarize`` commits it).
+        ``on_op_end`` set it (``GpuPowerModel.power_of``, evaluated on arrays); the level after the
+        last op end stays deferred (``summarize`` commits it). A stream runs one op at a time, so the
+        op running on each stream at an instant is the last one started on it, if not yet ended.
         """
-        acts: dict[int, Activity | None] = {}
-        events = []
-        for i, (_step, op, s, e, _stream) in enumerate(spans):
-            if e > s:
-                a = acts.get(op.id, _MISSING)
-                if a is _MISSING:
-                    a = acts[op.id] = self._activity(op)
-                if a is not None:
-                    events.append((s, i, op.id))
-                    events.append((e, ~i, op.id))
-        events.sort(key=_first)
-        active, ids, power = self.active, self._ids, self._power
-        ledger_set, count = self.ledger.set, self.rec.counter if self.rec is not None else None
-        t_cur, started = None, False
-        for t, i, oid in events:
-            if t != t_cur:
-                if t_cur is not None:
-                    p = power()
-                    if ledger_set(t_cur, p) and count is not None:
-                        count(t_cur, "gpu0", "power_w", float(p))
-                t_cur, started = t, False
-            if i >= 0:
-                active[i] = acts[oid]
-                ids.append(oid)
-                started = True
-            else:
-                del active[~i]
-                ids.remove(oid)
-        if t_cur is not None:
-            if started:
-                p = power()
-                if ledger_set(t_cur, p) and count is not None:
-                    count(t_cur, "gpu0", "power_w", float(p))
-            else:
-                self._dirty_t = t_cur  # as online: the level after the last op end is committed by ``summarize``
+        import numpy as np
+
+        if not spans:
+            return
+        _steps, ops, s_all, e_all, streams = zip(*spans)
+        uniq = {id(op): op for op in ops}
+        table: dict[int, tuple] = {}
+        for op in uniq.values():
+            a = self._activity(op)
+            if a is not None:
+                table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+        codes: dict[str, int] = {}
+        stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
+                                  dtype=np.int64, count=len(ops))
+        if not table:
+            return
+        top = max(max(table), max(op.id for op in uniq.values()))
+        act_of = np.zeros((top + 1, 4))
+        has_of = np.zeros(top + 1, dtype=bool)
+        keys = np.fromiter(table, dtype=np.int64, count=len(table))
+        act_of[keys] = np.array(list(table.values()), dtype=float)
+        has_of[keys] = True
+        op_ids = np.fromiter((op.id for op in ops), dtype=np.int64, count=len(ops))
+        has, act = has_of[op_ids], act_of[op_ids]
+        s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
+        use = has & (e_all > s_all)
+        if not use.any():
+            return
+        times = np.unique(np.concatenate((s_all[use], e_all[use])))
+        busy = np.zeros(len(times), dtype=bool)
+        compute = np.zeros(len(times))
+        memory = np.zeros(len(times))
+        copy = np.zeros(len(times))
+        starts = np.zeros(len(times), dtype=bool)
+        for k in range(len(codes)):
+            sel = np.nonzero(use & (stream_code == k))[0]
+            if not len(sel):
+                continue
+            sel = sel[np.argsort(s_all[sel], kind="stable")]
+            s_k, e_k, a = s_all[sel], e_all[sel], act[sel]
+            i = np.searchsorted(s_k, times, side="right") - 1
+            ok = i >= 0
+            i = np.maximum(i, 0)
+            run = ok & (e_k[i] > times)
+            compute = compute + np.where(run, a[i, 0], 0.0)
+            memory = memory + np.where(run, a[i, 1], 0.0)
+            copy = copy + np.where(run, a[i, 2], 0.0)
+            busy |= run & (a[i, 3] > 0)
+            starts |= ok & (s_k[i] == times)
+        m, sm_mhz, mem_mhz = self.model, self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        phi = m.clock_factor(sm_mhz)
+        fm = m.max_mem_clock_mhz if mem_mhz is None else mem_mhz
+        b = np.where(busy, 1.0, 0.0)
+        compute, memory, copy = (np.minimum(1.0, np.maximum(0.0, v)) for v in (compute, memory, copy))
+        sm = phi * m.sm_w * (m.sm_floor * b + (1.0 - m.sm_floor) * compute)
+        power = (m.static_w + m.clock_w * phi + sm + m.mem_w * memory * (fm / m.max_mem_clock_mhz) + m.copy_w * copy)
+        n = len(times)
+        if not starts[-1]:
+            n -= 1
+            self._dirty_t = float(times[-1])  # as online: the level after the last op end is committed by ``summarize``
+        self._append_levels(times[:n], power[:n])
+
+    def _append_levels(self, times, power) -> None:
+        """``_set_level(t, p)`` for each level in time order (the firmware is not running), on arrays:
+        the same ledger entries (energy accumulated in the same order) and ``power_w`` counters."""
+        import numpy as np
+
+        led = self.ledger
+        if not len(times):
+            return
+        keep = power != np.concatenate(([led.p[-1]], power[:-1]))  # ledger.set skips an unchanged level
+        times, power = times[keep], power[keep]
+        if not len(times):
+            return
+        t_list, p_list = times.tolist(), power.tolist()
+        if t_list[0] == led.t[-1]:  # a change at the ledger's last instant replaces its level
+            led.p[-1] = p_list[0]
+            self._count(t_list[0], "power_w", p_list[0])
+            t_list, p_list, times, power = t_list[1:], p_list[1:], times[1:], power[1:]
+            if not t_list:
+                return
+        t_prev = np.concatenate(([led.t[-1]], times[:-1]))
+        p_prev = np.concatenate(([led.p[-1]], power[:-1]))
+        e = np.cumsum(np.concatenate(([led.e[-1]], p_prev * (times - t_prev))))[1:]
+        led.t.extend(t_list)
+        led.p.extend(p_list)
+        led.e.extend(e.tolist())
+        if self.rec is not None:
+            self._count(t_list[0], "power_w", p_list[0])  # may replace a sample at that instant
+            rows = self.rec.counters
+            rows.extend(zip(t_list[1:], repeat("gpu0"), repeat("power_w"), p_list[1:]))
+            self.rec._last[("gpu0", "power_w")] = len(rows) - 1
 
     def _firmware_would_act(self, t_end: float) -> bool:
         """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
