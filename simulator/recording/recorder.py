@@ -72,7 +72,9 @@ class Recorder:
 
     def counters_frame(self) -> pd.DataFrame:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order."""
-        df = pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        if not self.counters:
+            return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        df = pd.DataFrame(dict(zip(COUNTER_COLUMNS, map(list, zip(*self.counters)))), columns=COUNTER_COLUMNS)
         return df.sort_values("t_s", kind="stable", ignore_index=True)
 
 
@@ -93,7 +95,9 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     launched = [op.id for op in graph.ops if op.launch]
     rows = [(step, i, t - launch_cost_s[i], t) for step, lt in enumerate(launch_time) for i in launched
             if (t := lt[i]) is not None]
-    return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
+    if not rows:
+        return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
+    return pd.DataFrame(dict(zip(LAUNCH_COLUMNS, map(list, zip(*rows)))), columns=LAUNCH_COLUMNS)
 
 
 def dependencies_frame(graph) -> pd.DataFrame:
