@@ -32,6 +32,9 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Callable
 
+import numpy as np
+import pandas as pd
+
 from hardware_models.power import (
     Activity,
     ClockController,
@@ -244,8 +247,6 @@ class DvfsRuntime:
         last op end stays deferred (``summarize`` commits it). A stream runs one op at a time, so the
         op running on each stream at an instant is the last one started on it, if not yet ended.
         """
-        import numpy as np
-
         if not spans:
             return
         _steps, ops, s_all, e_all, streams = zip(*spans)
@@ -309,8 +310,6 @@ class DvfsRuntime:
     def _append_levels(self, times, power) -> None:
         """``_set_level(t, p)`` for each level in time order (the firmware is not running), on arrays:
         the same ledger entries (energy accumulated in the same order) and ``power_w`` counters."""
-        import numpy as np
-
         led = self.ledger
         if not len(times):
             return
@@ -339,8 +338,6 @@ class DvfsRuntime:
 
     def _firmware_would_act(self, t_end: float) -> bool:
         """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
-        import numpy as np
-
         t0, period = self._fw_t0, self.period_s
         kmax = int((t_end - t0) // period)
         if kmax < 1:
@@ -530,7 +527,9 @@ class DvfsRuntime:
             s = spans[(spans.end_s > t0) & (spans.start_s < t1)]
             dur = (s.end_s.clip(upper=t1) - s.start_s.clip(lower=t0))
             host_ops = dur[(s.stream == "host") & (s.kind == "host")].sum()
-            workers = dur[s.stream.astype(str).str.startswith(("dataloader", "worker"))].sum()
+            codes, names = pd.factorize(s.stream)
+            is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
+            workers = dur[is_worker[codes] if len(names) else np.zeros(len(s), dtype=bool)].sum()
             busy += (self.host_cores - 1) * host_ops / window + workers / window
         return min(busy, float(self.host_cores))
 
