@@ -167,7 +167,7 @@ class MemoryPool:
         live = self.live = self.live + nbytes
         cat = category(tensor)
         by_cat = self.by_category
-        by_cat[cat] += nbytes
+        v = by_cat[cat] = by_cat[cat] + nbytes
         if live > self.peak:
             self.peak = live
             self.peak_by_category = dict(by_cat)
@@ -177,7 +177,7 @@ class MemoryPool:
                 top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
                 self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
         if self._clock is not None:
-            self._sample(cat)
+            self._sample(cat, live, v)
 
     def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
         """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
@@ -195,19 +195,20 @@ class MemoryPool:
         """Peak device demand (tensors + overheads), bytes: what ``nvidia-smi`` would show at the peak."""
         return int(round(self.overheads.device_bytes(self.peak)))
 
-    def _sample(self, cat: str) -> None:
+    def _sample(self, cat: str, live: int, cat_bytes: int) -> None:
+        """Record ``live`` and category ``cat``'s bytes at the current time (one sample per instant)."""
         t = self._clock()
         tl = self.timeline
         if tl and tl[-1][0] == t:
-            tl[-1] = (t, self.live)
+            tl[-1] = (t, live)
         else:
-            tl.append((t, self.live))
+            tl.append((t, live))
         ct, i = self.category_timeline, self._cat_last.get(cat)
         if i is not None and ct[i][0] == t:
-            ct[i] = (t, cat, self.by_category[cat])
+            ct[i] = (t, cat, cat_bytes)
         else:
             self._cat_last[cat] = len(ct)
-            ct.append((t, cat, self.by_category[cat]))
+            ct.append((t, cat, cat_bytes))
 
     def oom_message(self) -> str | None:
         """One line for the out-of-memory result, or None if everything fitted.
@@ -230,8 +231,9 @@ class MemoryPool:
         nbytes = self.sizes.pop(tensor, None)
         if nbytes is None:
             return
-        self.live -= nbytes
+        live = self.live = self.live - nbytes
         cat = category(tensor)
-        self.by_category[cat] -= nbytes
+        by_cat = self.by_category
+        v = by_cat[cat] = by_cat[cat] - nbytes
         if self._clock is not None:
-            self._sample(cat)
+            self._sample(cat, live, v)
