@@ -203,33 +203,39 @@ class Executor:
 
     def _stream(self, stream: str, ops: list[Op]):
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
+        allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         for step in range(self.steps):
-            lt, lev = self.launch_time[step], self._launch_ev[step]
+            lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
+                oid = op.id
                 if op.launch:
-                    when = lt[op.id]
+                    when = lt[oid]
                     if when is None:
-                        ev = lev.get(op.id)
+                        ev = lev.get(oid)
                         if ev is None:
-                            ev = lev[op.id] = env.event()
+                            ev = lev[oid] = env.event()
                         yield ev
-                        when = lt[op.id]
+                        when = lt[oid]
                     if when > env.now:
                         yield env.timeout(when - env.now)
                 # _execute, inlined (one generator less per op)
-                ev = self._deps_event(op, step)
-                if ev is not None:
-                    yield ev
+                if op.meta or not all(fin[d] for d in op.deps):
+                    ev = self._deps_event(op, step)
+                    if ev is not None:
+                        yield ev
                 start = env.now
-                self._begin(op, step)
-                m = mode[op.id]
+                for pool, name, nbytes in allocs[oid]:  # _begin, inlined
+                    pool.alloc(name, nbytes, start)
+                for fn in on_start:
+                    fn(op, step, sys)
+                m = mode[oid]
                 if m == _KERNEL:
                     yield env.timeout(kernel_s(op))
                 elif m == _FIXED:
-                    yield env.timeout(fixed[op.id])
+                    yield env.timeout(fixed[oid])
                 elif m == _GENERIC:
                     yield from self._run(op, step)
-                self._finish(op, step, start, stream)
+                finish(op, step, start, stream)
 
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""
@@ -266,10 +272,10 @@ class Executor:
         # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
-        env, sys = self.env, self.sys
+        env = self.env
         self.rec.span(step, op, start, env.now, stream)
         for fn in self._on_end:
-            fn(op, step, sys)
+            fn(op, step, self.sys)
         if op.uses:
             refs, users = self._refs[step], self._users
             for name in op.uses:
@@ -283,8 +289,9 @@ class Executor:
         ev = self._done_ev[step].get(op.id)
         if ev is not None:
             ev.succeed()
-        self._remaining_ops[step] -= 1
-        if self._remaining_ops[step] == 0:
+        rem = self._remaining_ops
+        rem[step] -= 1
+        if rem[step] == 0:
             self.step_end[step] = env.now
 
     def _free(self, name: str) -> None:
