@@ -1,9 +1,13 @@
 """DVFS policies and the GPU power meter (runtime components).
 
-One runtime component, ``dvfs``, attaches to every run: it meters GPU power online (from the ops
-running at each instant, at the current clocks; ``hardware_models.power``), integrates energy, and
-runs the GPU's clock controller and the firmware power-limit controller (always on at the board's
-default limit, as on a real GPU). The scenario's ``dvfs.kind`` picks a clock policy from
+One runtime component, ``dvfs``, attaches to every run: it meters GPU power (from the ops running
+at each instant, at the current clocks; ``hardware_models.power``), integrates energy, and runs the
+GPU's clock controller and the firmware power-limit controller (always on at the board's default
+limit, as on a real GPU). When nothing but the firmware could change the clock (no ``dvfs``
+section, or ``locked_clock`` / ``power_cap`` without an explicit ``power_limit_w``) nothing runs per
+op: the power is computed from the recorded spans after the run (``DvfsRuntime.finish``), and if
+the firmware would have lowered the clock at one of its evaluations the run is repeated with the
+power metered per op, so the result is exact either way. The scenario's ``dvfs.kind`` picks a clock policy from
 ``DVFS_POLICIES``:
 
 * ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
