@@ -12,7 +12,7 @@ from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
-from simulator.engine.run import SimulationError, run_graph
+from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
@@ -73,15 +73,16 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     # CUDA context and allocator reserve: from the scenario's memory section (documented defaults);
     # a bare graph run (no scenario) counts tensors only
     overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
-    rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
-    step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
-    summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
-    summary["warnings"] = run_warnings(hw, cfg)
-    if cfg is not None:
-        summary["zero_stage"] = cfg.zero_optimization.stage
-    for comp in runtime.components:
-        if hasattr(comp, "summarize"):
-            summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
+    with gc_paused():  # the run and its summary (see simulator.engine.run.gc_paused)
+        rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
+        step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
+        summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
+        summary["warnings"] = run_warnings(hw, cfg)
+        if cfg is not None:
+            summary["zero_stage"] = cfg.zero_optimization.stage
+        for comp in runtime.components:
+            if hasattr(comp, "summarize"):
+                summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
     return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
                             dependencies_frame(graph))
 

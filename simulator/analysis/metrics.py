@@ -147,20 +147,23 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     return {f"{p}_s": float(np.mean(v)) if v else 0.0 for p, v in out.items()}
 
 
+def _union_s(start, end) -> float:
+    """Length of the union of intervals ``[start_i, end_i]`` (arrays, any order), seconds."""
+    if not len(start):
+        return 0.0
+    order = np.argsort(start, kind="stable")
+    s, e = np.asarray(start, dtype=float)[order], np.asarray(end, dtype=float)[order]
+    reach = np.maximum.accumulate(e)  # the furthest end so far: the current merged interval's end
+    first = np.concatenate(([True], s[1:] > reach[:-1]))  # an interval that starts a new merged one
+    heads = np.flatnonzero(first)
+    lasts = np.concatenate((heads[1:] - 1, [len(s) - 1]))
+    return sum((reach[lasts] - s[heads]).tolist())  # summed in time order, as merging one by one
+
+
 def busy_time(spans: pd.DataFrame, stream: str) -> float:
     """Union of busy intervals of one stream, seconds."""
-    d = spans[spans.stream == stream].sort_values("start_s")
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in zip(d.start_s.to_numpy(), d.end_s.to_numpy()):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+    d = spans[spans.stream == stream]
+    return _union_s(d.start_s.to_numpy(), d.end_s.to_numpy())
 
 
 def utilisation(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
@@ -169,8 +172,16 @@ def utilisation(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     if m.empty:
         return {}
     t0, t1 = float(m.start_s.min()), float(m.end_s.max())
+    if not t1 > t0:
+        return {}
     d = spans[(spans.step.isin(m.step))]
-    return {s: busy_time(d, s) / (t1 - t0) for s in sorted(d.stream.unique())} if t1 > t0 else {}
+    codes, names = pd.factorize(d.stream)
+    start, end = d.start_s.to_numpy(), d.end_s.to_numpy()
+    out = {}
+    for k, name in sorted(enumerate(names), key=lambda kv: kv[1]):
+        sel = codes == k
+        out[name] = _union_s(start[sel], end[sel]) / (t1 - t0)
+    return out
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, peak_flops_per_s: float) -> float:

@@ -36,6 +36,8 @@ from simulator.graph.ops import Op, OpKind
 HOST_STREAM = "host"
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
+# how an op runs (``Executor._plan``)
+_NOTHING, _FIXED, _KERNEL, _GENERIC = 0, 1, 2, 3
 
 
 @dataclass
@@ -83,13 +85,37 @@ class Executor:
             for t in op.uses:
                 users[t] += 1
         self._users = dict(users)
-        self._device_of = {t.name: t.device for op in graph.ops for t in op.allocs}
         self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
         self.by_stream: dict[str, list[Op]] = defaultdict(list)
         for op in graph.ops:
             if op.stream != HOST_STREAM:
                 self.by_stream[op.stream].append(op)
         self.host_ops = [op for op in graph.ops if op.stream == HOST_STREAM or op.launch]
+        # per-op plans, fixed for the run (see ``_plan``): what running the op takes, its pools
+        mem = system.memory
+        self._pool_of = {t.name: mem.get(t.device, mem["gpu"]) for op in graph.ops for t in op.allocs}
+        self._allocs = [tuple((self._pool_of[t.name], t.name, t.nbytes) for t in op.allocs) for op in graph.ops]
+        #: tensors an op allocates that no op uses: freed when it ends
+        self._unused = [tuple(t.name for t in op.allocs if self._users.get(t.name, 0) == 0) for op in graph.ops]
+        self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
+
+    def _plan(self, op: Op) -> tuple[int, float]:
+        """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
+        ``(_KERNEL, 0)`` one timeout of its cost-model time at the current clocks
+        (``System.kernel_s``), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are
+        exactly what ``_run`` would do for the op."""
+        inter = self.sys.interference is not None
+        if op.fixed_duration_s is not None:
+            if op.fixed_duration_s <= 0:
+                return _NOTHING, 0.0
+            return (_GENERIC, 0.0) if op.kind is _COMPUTE and inter else (_FIXED, op.fixed_duration_s)
+        if op.kind is _COMPUTE:
+            return (_GENERIC, 0.0) if inter else (_KERNEL, 0.0)
+        if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
+            return _GENERIC, 0.0
+        if op.kind is _HOST:
+            return (_FIXED, op.host_s) if op.host_s > 0 else (_NOTHING, 0.0)
+        return _NOTHING, 0.0  # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def start(self) -> simpy.Event:
         """Start all stream processes; returns an event that fires when the last step ends."""
@@ -111,7 +137,8 @@ class Executor:
                 ev.succeed()
         return ev
 
-    def _wait(self, op: Op, step: int):
+    def _deps_event(self, op: Op, step: int) -> simpy.Event | None:
+        """The event to wait on before ``op`` of ``step`` may start (None: its dependencies are done)."""
         fin = self.finished[step]
         evs = [self.done_event(step, d) for d in op.deps if not fin[d]]
         prev = op.meta.get("prev_step_deps") if op.meta else None
@@ -119,9 +146,30 @@ class Executor:
             pfin = self.finished[step - 1]
             evs.extend(self.done_event(step - 1, d) for d in prev if not pfin[d])
         if len(evs) == 1:
-            yield evs[0]
-        elif evs:
-            yield self.env.all_of(evs)
+            return evs[0]
+        return self.env.all_of(evs) if evs else None
+
+    def _wait(self, op: Op, step: int):
+        ev = self._deps_event(op, step)
+        if ev is not None:
+            yield ev
+
+    def _execute(self, op: Op, step: int, stream: str):
+        """Wait for ``op``'s dependencies, run it and record it (the op has been launched)."""
+        env = self.env
+        ev = self._deps_event(op, step)
+        if ev is not None:
+            yield ev
+        start = env.now
+        self._begin(op, step)
+        mode = self._mode[op.id]
+        if mode == _KERNEL:
+            yield env.timeout(self.sys.kernel_s(op))
+        elif mode == _FIXED:
+            yield env.timeout(self._fixed[op.id])
+        elif mode == _GENERIC:
+            yield from self._run(op, step)
+        self._finish(op, step, start, stream)
 
     def _host(self):
         """The main training thread: launches device ops in order and runs host ops.
@@ -150,38 +198,56 @@ class Executor:
                     continue
                 if t > env.now:
                     yield env.timeout(t - env.now)
-                yield from self._wait(op, step)
-                start = env.now
-                yield from self._run(op, step)
-                self._finish(op, step, start, HOST_STREAM)
+                yield from self._execute(op, step, HOST_STREAM)
                 t = env.now
 
     def _stream(self, stream: str, ops: list[Op]):
-        env = self.env
+        env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
+        allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         for step in range(self.steps):
-            lt, lev = self.launch_time[step], self._launch_ev[step]
+            lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
+                oid = op.id
                 if op.launch:
-                    when = lt[op.id]
+                    when = lt[oid]
                     if when is None:
-                        ev = lev.get(op.id)
+                        ev = lev.get(oid)
                         if ev is None:
-                            ev = lev[op.id] = env.event()
+                            ev = lev[oid] = env.event()
                         yield ev
-                        when = lt[op.id]
+                        when = lt[oid]
                     if when > env.now:
                         yield env.timeout(when - env.now)
-                yield from self._wait(op, step)
+                # _execute, inlined (one generator less per op)
+                if op.meta or not all(fin[d] for d in op.deps):
+                    ev = self._deps_event(op, step)
+                    if ev is not None:
+                        yield ev
                 start = env.now
-                yield from self._run(op, step)
-                self._finish(op, step, start, stream)
+                for pool, name, nbytes in allocs[oid]:  # _begin, inlined
+                    pool.alloc(name, nbytes, start)
+                for fn in on_start:
+                    fn(op, step, sys)
+                m = mode[oid]
+                if m == _KERNEL:
+                    yield env.timeout(kernel_s(op))
+                elif m == _FIXED:
+                    yield env.timeout(fixed[oid])
+                elif m == _GENERIC:
+                    yield from self._run(op, step)
+                finish(op, step, start, stream)
+
+    def _begin(self, op: Op, step: int) -> None:
+        """``op`` starts now: allocate its tensors, call the start hooks."""
+        now = self.env.now
+        for pool, name, nbytes in self._allocs[op.id]:
+            pool.alloc(name, nbytes, now)
+        for fn in self._on_start:
+            fn(op, step, self.sys)
 
     def _run(self, op: Op, step: int):
+        """SimPy process body: the time ``op`` takes once started (``_begin``)."""
         env, sys = self.env, self.sys
-        for t in op.allocs:
-            sys.memory.get(t.device, sys.memory["gpu"]).alloc(t.name, t.nbytes, env.now)
-        for fn in self._on_start:
-            fn(op, step, sys)
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s > 0:
                 if op.kind is _COMPUTE:
@@ -206,29 +272,29 @@ class Executor:
         # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
-        env, sys = self.env, self.sys
+        env = self.env
         self.rec.span(step, op, start, env.now, stream)
         for fn in self._on_end:
-            fn(op, step, sys)
-        refs = self._refs[step]
-        for name in op.uses:
-            n = refs.get(name, self._users.get(name, 0)) - 1
-            refs[name] = n
-            if n <= 0:
-                self._free(name)
-        for t in op.allocs:
-            if self._users.get(t.name, 0) == 0:
-                self._free(t.name)
+            fn(op, step, self.sys)
+        if op.uses:
+            refs, users = self._refs[step], self._users
+            for name in op.uses:
+                n = refs.get(name, users.get(name, 0)) - 1
+                refs[name] = n
+                if n <= 0:
+                    self._free(name)
+        for name in self._unused[op.id]:
+            self._free(name)
         self.finished[step][op.id] = True
         ev = self._done_ev[step].get(op.id)
         if ev is not None:
             ev.succeed()
-        self._remaining_ops[step] -= 1
-        if self._remaining_ops[step] == 0:
+        rem = self._remaining_ops
+        rem[step] -= 1
+        if rem[step] == 0:
             self.step_end[step] = env.now
 
     def _free(self, name: str) -> None:
-        dev = self._device_of.get(name)
-        if dev is None:
-            return
-        self.sys.memory.get(dev, self.sys.memory["gpu"]).free(name)
+        pool = self._pool_of.get(name)
+        if pool is not None:
+            pool.free(name)

@@ -164,17 +164,20 @@ class MemoryPool:
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
         self.sizes[tensor] = nbytes
-        self.live += nbytes
+        live = self.live = self.live + nbytes
         cat = category(tensor)
-        self.by_category[cat] += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-            self.peak_by_category = dict(self.by_category)
-        demand = self.overheads.device_bytes(self.live)
-        if demand > self.capacity_bytes and self.oom is None:
-            top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
-            self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
-        self._sample(cat)
+        by_cat = self.by_category
+        v = by_cat[cat] = by_cat[cat] + nbytes
+        if live > self.peak:
+            self.peak = live
+            self.peak_by_category = dict(by_cat)
+        if self.oom is None:
+            demand = self.overheads.device_bytes(live)
+            if demand > self.capacity_bytes:
+                top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
+                self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
+        if self._clock is not None:
+            self._sample(cat, live, v)
 
     def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
         """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
@@ -192,21 +195,20 @@ class MemoryPool:
         """Peak device demand (tensors + overheads), bytes: what ``nvidia-smi`` would show at the peak."""
         return int(round(self.overheads.device_bytes(self.peak)))
 
-    def _sample(self, cat: str) -> None:
-        if self._clock is None:
-            return
+    def _sample(self, cat: str, live: int, cat_bytes: int) -> None:
+        """Record ``live`` and category ``cat``'s bytes at the current time (one sample per instant)."""
         t = self._clock()
         tl = self.timeline
         if tl and tl[-1][0] == t:
-            tl[-1] = (t, self.live)
+            tl[-1] = (t, live)
         else:
-            tl.append((t, self.live))
+            tl.append((t, live))
         ct, i = self.category_timeline, self._cat_last.get(cat)
         if i is not None and ct[i][0] == t:
-            ct[i] = (t, cat, self.by_category[cat])
+            ct[i] = (t, cat, cat_bytes)
         else:
             self._cat_last[cat] = len(ct)
-            ct.append((t, cat, self.by_category[cat]))
+            ct.append((t, cat, cat_bytes))
 
     def oom_message(self) -> str | None:
         """One line for the out-of-memory result, or None if everything fitted.
@@ -229,7 +231,9 @@ class MemoryPool:
         nbytes = self.sizes.pop(tensor, None)
         if nbytes is None:
             return
-        self.live -= nbytes
+        live = self.live = self.live - nbytes
         cat = category(tensor)
-        self.by_category[cat] -= nbytes
-        self._sample(cat)
+        by_cat = self.by_category
+        v = by_cat[cat] = by_cat[cat] - nbytes
+        if self._clock is not None:
+            self._sample(cat, live, v)

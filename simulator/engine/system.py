@@ -50,6 +50,8 @@ class System:
         self.env = env
         self.hw = hw
         self.recorder = recorder
+        #: runtime components meter power per op during the run (else they may from the spans afterwards)
+        self.exact_power = False
         self.cost = RooflineCostModel(hw.gpu, hw.profile)
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
         self.network = FluidNetwork(env, {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s,
@@ -67,11 +69,13 @@ class System:
         if hw.collectives is not None and (nccl is None or nccl.interference):
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
+        self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
+        self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
         self._kernels = 0  # compute kernels running on this GPU
         self._comm_changed: simpy.Event | None = None  # fires when self._loads changes
         self._compute_changed: simpy.Event | None = None  # fires when compute goes busy <-> idle
-        clock = lambda: env.now  # noqa: E731
+        clock = type(env).now.fget.__get__(env)  # env.now as a bound call (no lambda frame)
         self.memory = {
             "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
             "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_capacity_bytes, clock),
@@ -138,6 +142,21 @@ class System:
             if to.processed:
                 return
             done = min(1.0, done + (env.now - t0) / d)
+
+    def kernel_s(self, op) -> float:
+        """``cost.duration_s(op, state)``, cached per op id while the clocks stay the same, s.
+
+        The cost model's time depends only on the op and the device clocks (without interference,
+        which ``run_kernel`` prices itself); op ids are unique in the run's graph.
+        """
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._dur.clear()
+            self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+        d = self._dur.get(op.id)
+        if d is None:
+            d = self._dur[op.id] = self.cost.duration_s(op, st)
+        return d
 
     def run_kernel(self, op, duration_s: float | None = None):
         """SimPy process body: compute kernel ``op`` on this GPU (``duration_s``: a measured time).

@@ -1,9 +1,13 @@
 """DVFS policies and the GPU power meter (runtime components).
 
-One runtime component, ``dvfs``, attaches to every run: it meters GPU power online (from the ops
-running at each instant, at the current clocks; ``hardware_models.power``), integrates energy, and
-runs the GPU's clock controller and the firmware power-limit controller (always on at the board's
-default limit, as on a real GPU). The scenario's ``dvfs.kind`` picks a clock policy from
+One runtime component, ``dvfs``, attaches to every run: it meters GPU power (from the ops running
+at each instant, at the current clocks; ``hardware_models.power``), integrates energy, and runs the
+GPU's clock controller and the firmware power-limit controller (always on at the board's default
+limit, as on a real GPU). When nothing but the firmware could change the clock (no ``dvfs``
+section, or ``locked_clock`` / ``power_cap`` without an explicit ``power_limit_w``) nothing runs per
+op: the power is computed from the recorded spans after the run (``DvfsRuntime.finish``), and if
+the firmware would have lowered the clock at one of its evaluations the run is repeated with the
+power metered per op, so the result is exact either way. The scenario's ``dvfs.kind`` picks a clock policy from
 ``DVFS_POLICIES``:
 
 * ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
@@ -28,7 +32,12 @@ power of running ops follows the clock immediately.
 from __future__ import annotations
 
 import math
+from itertools import repeat
+from operator import itemgetter
 from typing import Callable
+
+import numpy as np
+import pandas as pd
 
 from hardware_models.power import (
     Activity,
@@ -84,11 +93,15 @@ def power_model_for(cfg, gpu):
 
 
 _MISSING = object()
+_first = itemgetter(0)
 
 
 @register_dvfs("locked_clock")
 class LockedClock:
     """Fixed SM clock (``nvidia-smi -lgc``)."""
+
+    #: the policy does nothing per op (the clock is set once, before the job)
+    per_op = False
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.clock_mhz = snap_clock(dcfg.locked_clocks_mhz, gpu.supported_sm_clocks_mhz, "dvfs.locked_clocks_mhz")
@@ -122,6 +135,8 @@ def requested_power_limit_w(dcfg, gpu) -> float | None:
 class PowerCap:
     """Power limit (``nvidia-smi -pl``) at the maximum clock; the controller is the runtime's firmware loop."""
 
+    per_op = False
+
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.power_limit_w = requested_power_limit_w(dcfg, gpu)
 
@@ -132,6 +147,8 @@ class PowerCap:
 @register_dvfs("phase_plan")
 class PhaseClockPlan:
     """A clock per phase, requested when a GPU op of that phase starts."""
+
+    per_op = True
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
         self.plan = {ph: snap_clock(mhz, gpu.supported_sm_clocks_mhz, f"dvfs.phase_clocks_mhz.{ph}")
@@ -189,7 +206,13 @@ class DvfsRuntime:
         self._update()
         self._count(env.now, "sm_clock_mhz", self.state.sm_clock_mhz)
         self._count(env.now, "power_w", self.ledger.p[-1])
-        if cap and cap < self.max_reachable_power_w():
+        #: meter per op during the run (True) or from the spans afterwards (False, see ``finish``)
+        self.online = bool(getattr(system, "exact_power", False)
+                           or (self.policy is not None and getattr(self.policy, "per_op", True))
+                           or (dcfg is not None and dcfg.power_limit_w is not None)
+                           or self.ctl.limit_mhz < self.fmax_mhz)
+        self._can_bind = bool(cap and cap < self.max_reachable_power_w())
+        if self._can_bind and self.online:
             env.process(self._firmware(cap))
 
     def max_reachable_power_w(self) -> float:
@@ -198,7 +221,141 @@ class DvfsRuntime:
 
     # -- runtime-component interface ----------------------------------------------------------
     def hooks(self) -> list:
-        return [self]
+        return [self] if self.online else []
+
+    def finish(self, recorder) -> bool:
+        """After the run: meter power from the recorded spans when it was not metered online.
+
+        Offline metering applies when the clock cannot change during the run except by the
+        power-limit firmware (no ``dvfs`` section, ``locked_clock`` or ``power_cap`` at the board's
+        default limit): the power at each instant is that of the spans covering it at the constant
+        clocks, so the ledger and the ``power_w`` counters equal the online ones. The firmware only
+        changes anything when the windowed average power exceeds the limit at one of its evaluation
+        times (``t0 + k * period``; a sleeping firmware evaluates a subset of them), so that is
+        checked on the whole grid.
+
+        Returns:
+            False when the firmware would have lowered the clock: the run must be repeated with
+            online metering (``System.exact_power``) to stay exact; True otherwise.
+        """
+        if self.online:
+            return True
+        self._meter_spans(recorder._spans)
+        return not (self._can_bind and self._firmware_would_act(self.env.now))
+
+    def _meter_spans(self, spans) -> None:
+        """Ledger and ``power_w`` counters from spans ``(step, op, start_s, end_s, stream)`` at the current clocks.
+
+        The level at each instant is the power of the ops running just after it, as ``on_op_start`` /
+        ``on_op_end`` set it (``GpuPowerModel.power_of``, evaluated on arrays); the level after the
+        last op end stays deferred (``summarize`` commits it). A stream runs one op at a time, so the
+        op running on each stream at an instant is the last one started on it, if not yet ended.
+        """
+        if not spans:
+            return
+        _steps, ops, s_all, e_all, streams = zip(*spans)
+        uniq = {id(op): op for op in ops}
+        table: dict[int, tuple] = {}
+        for op in uniq.values():
+            a = self._activity(op)
+            if a is not None:
+                table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+        codes: dict[str, int] = {}
+        stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
+                                  dtype=np.int64, count=len(ops))
+        if not table:
+            return
+        top = max(max(table), max(op.id for op in uniq.values()))
+        act_of = np.zeros((top + 1, 4))
+        has_of = np.zeros(top + 1, dtype=bool)
+        keys = np.fromiter(table, dtype=np.int64, count=len(table))
+        act_of[keys] = np.array(list(table.values()), dtype=float)
+        has_of[keys] = True
+        op_ids = np.fromiter((op.id for op in ops), dtype=np.int64, count=len(ops))
+        has, act = has_of[op_ids], act_of[op_ids]
+        s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
+        use = has & (e_all > s_all)
+        if not use.any():
+            return
+        times = np.unique(np.concatenate((s_all[use], e_all[use])))
+        busy = np.zeros(len(times), dtype=bool)
+        compute = np.zeros(len(times))
+        memory = np.zeros(len(times))
+        copy = np.zeros(len(times))
+        starts = np.zeros(len(times), dtype=bool)
+        for k in range(len(codes)):
+            sel = np.nonzero(use & (stream_code == k))[0]
+            if not len(sel):
+                continue
+            sel = sel[np.argsort(s_all[sel], kind="stable")]
+            s_k, e_k, a = s_all[sel], e_all[sel], act[sel]
+            i = np.searchsorted(s_k, times, side="right") - 1
+            ok = i >= 0
+            i = np.maximum(i, 0)
+            run = ok & (e_k[i] > times)
+            compute = compute + np.where(run, a[i, 0], 0.0)
+            memory = memory + np.where(run, a[i, 1], 0.0)
+            copy = copy + np.where(run, a[i, 2], 0.0)
+            busy |= run & (a[i, 3] > 0)
+            starts |= ok & (s_k[i] == times)
+        m, sm_mhz, mem_mhz = self.model, self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        phi = m.clock_factor(sm_mhz)
+        fm = m.max_mem_clock_mhz if mem_mhz is None else mem_mhz
+        b = np.where(busy, 1.0, 0.0)
+        compute, memory, copy = (np.minimum(1.0, np.maximum(0.0, v)) for v in (compute, memory, copy))
+        sm = phi * m.sm_w * (m.sm_floor * b + (1.0 - m.sm_floor) * compute)
+        power = (m.static_w + m.clock_w * phi + sm + m.mem_w * memory * (fm / m.max_mem_clock_mhz) + m.copy_w * copy)
+        n = len(times)
+        if not starts[-1]:
+            n -= 1
+            self._dirty_t = float(times[-1])  # as online: the level after the last op end is committed by ``summarize``
+        self._append_levels(times[:n], power[:n])
+
+    def _append_levels(self, times, power) -> None:
+        """``_set_level(t, p)`` for each level in time order (the firmware is not running), on arrays:
+        the same ledger entries (energy accumulated in the same order) and ``power_w`` counters."""
+        led = self.ledger
+        if not len(times):
+            return
+        keep = power != np.concatenate(([led.p[-1]], power[:-1]))  # ledger.set skips an unchanged level
+        times, power = times[keep], power[keep]
+        if not len(times):
+            return
+        t_list, p_list = times.tolist(), power.tolist()
+        if t_list[0] == led.t[-1]:  # a change at the ledger's last instant replaces its level
+            led.p[-1] = p_list[0]
+            self._count(t_list[0], "power_w", p_list[0])
+            t_list, p_list, times, power = t_list[1:], p_list[1:], times[1:], power[1:]
+            if not t_list:
+                return
+        t_prev = np.concatenate(([led.t[-1]], times[:-1]))
+        p_prev = np.concatenate(([led.p[-1]], power[:-1]))
+        e = np.cumsum(np.concatenate(([led.e[-1]], p_prev * (times - t_prev))))[1:]
+        led.t.extend(t_list)
+        led.p.extend(p_list)
+        led.e.extend(e.tolist())
+        if self.rec is not None:
+            self._count(t_list[0], "power_w", p_list[0])  # may replace a sample at that instant
+            rows = self.rec.counters
+            rows.extend(zip(t_list[1:], repeat("gpu0"), repeat("power_w"), p_list[1:]))
+            self.rec._last[("gpu0", "power_w")] = len(rows) - 1
+
+    def _firmware_would_act(self, t_end: float) -> bool:
+        """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
+        t0, period = self._fw_t0, self.period_s
+        kmax = int((t_end - t0) // period)
+        if kmax < 1:
+            return False
+        T, P, E = (np.asarray(x, dtype=float) for x in (self.ledger.t, self.ledger.p, self.ledger.e))
+        tk = t0 + np.arange(1, kmax + 1) * period
+        lo = np.maximum(0.0, tk - self.window_s)
+
+        def energy_at(x):
+            i = np.maximum(np.searchsorted(T, x, side="right") - 1, 0)
+            return E[i] + P[i] * (x - T[i])
+
+        avg = (energy_at(tk) - energy_at(lo)) / (tk - lo)
+        return bool(np.any(avg > self.power_limit_w))
 
     def on_op_start(self, op, step, system) -> None:
         if self.policy is not None:
@@ -213,7 +370,10 @@ class DvfsRuntime:
     def on_op_end(self, op, step, system) -> None:
         # Deferred: when the stream's next op starts at the same instant (the common case), the
         # idle level in between lasts zero time and is never computed (see ``_flush``).
-        if self.active.pop((step, op.id), None) is not None:
+        key = (step, op.id)
+        if key in self.active:
+            self._flush()  # a level deferred from an earlier instant lasted until now, with this op running
+            del self.active[key]
             self._ids.remove(op.id)
             if self._dirty_t is None:
                 self._dirty_t = self.env.now
@@ -371,7 +531,9 @@ class DvfsRuntime:
             s = spans[(spans.end_s > t0) & (spans.start_s < t1)]
             dur = (s.end_s.clip(upper=t1) - s.start_s.clip(lower=t0))
             host_ops = dur[(s.stream == "host") & (s.kind == "host")].sum()
-            workers = dur[s.stream.astype(str).str.startswith(("dataloader", "worker"))].sum()
+            codes, names = pd.factorize(s.stream)
+            is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
+            workers = dur[is_worker[codes] if len(names) else np.zeros(len(s), dtype=bool)].sum()
             busy += (self.host_cores - 1) * host_ops / window + workers / window
         return min(busy, float(self.host_cores))
 

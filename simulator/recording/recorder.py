@@ -46,14 +46,35 @@ class Recorder:
         self.counters.append((t_s, scope, metric, value))
 
     def spans_frame(self) -> pd.DataFrame:
-        """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds)."""
-        df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
+        """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
+
+        Built column by column: an op's attributes are read once however many steps it ran in.
+        """
+        if not self._spans:
+            df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
+            df["duration_s"] = df["end_s"] - df["start_s"]
+            return df
+        steps, ops, starts, ends, streams = zip(*self._spans)
+        attrs: dict[int, tuple] = {}
+        for op in ops:
+            if id(op) not in attrs:
+                attrs[id(op)] = (op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
+                                 op.cost_class.value, op.flops, op.bytes_moved)
+        rows = [attrs[id(op)] for op in ops]
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = zip(*rows)
+        cols = {"step": steps, "op_id": op_id, "name": name,
+                "stream": [s or d for s, d in zip(streams, op_stream)], "kind": kind, "phase": phase,
+                "layer": layer, "cost_class": cost_class, "start_s": starts, "end_s": ends, "flops": flops,
+                "bytes": nbytes}
+        df = pd.DataFrame({k: list(v) for k, v in cols.items()}, columns=SPAN_COLUMNS)
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
     def counters_frame(self) -> pd.DataFrame:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order."""
-        df = pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        if not self.counters:
+            return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
+        df = pd.DataFrame(dict(zip(COUNTER_COLUMNS, map(list, zip(*self.counters)))), columns=COUNTER_COLUMNS)
         return df.sort_values("t_s", kind="stable", ignore_index=True)
 
 
@@ -74,7 +95,9 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     launched = [op.id for op in graph.ops if op.launch]
     rows = [(step, i, t - launch_cost_s[i], t) for step, lt in enumerate(launch_time) for i in launched
             if (t := lt[i]) is not None]
-    return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
+    if not rows:
+        return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
+    return pd.DataFrame(dict(zip(LAUNCH_COLUMNS, map(list, zip(*rows)))), columns=LAUNCH_COLUMNS)
 
 
 def dependencies_frame(graph) -> pd.DataFrame:
