@@ -33,20 +33,8 @@ RUN_FILES = ("config.resolved.yaml", "summary.json", "spans.csv", "steps.csv", "
              *PLOT_FILES, MANIFEST)
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename (whole file or the old one)."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return p
-
-
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """``atomic_write_text`` for bytes (whole file or the old one)."""
+    """Write ``data`` to ``path`` through a temporary file and a rename (whole file or the old one)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:
@@ -55,6 +43,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return p
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write_bytes`` for text (UTF-8)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _figures(result) -> list[tuple[str, object]]:
