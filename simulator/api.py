@@ -6,6 +6,8 @@ policies, runs it on the engine and summarises the records. Touches no files.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hardware_models.machine import Hardware
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
@@ -48,6 +50,13 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
     )
 
 
+def model_num_parameters(cfg: ScenarioConfig) -> int:
+    """Parameters of the whole model, unsharded and with the vocabulary as given (no tensor-parallel
+    padding): the count a model card publishes (Llama-3.1-8B: 8,030,261,248)."""
+    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False)
+    return spec.num_parameters
+
+
 def build_graph(cfg: ScenarioConfig) -> OpGraph:
     """The step graph of a scenario (before its policies)."""
     return build_gpt_step(transformer_spec(cfg))
@@ -80,6 +89,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         summary["warnings"] = run_warnings(hw, cfg)
         if cfg is not None:
             summary["zero_stage"] = cfg.zero_optimization.stage
+            summary["num_parameters"] = model_num_parameters(cfg)
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))

@@ -207,3 +207,14 @@ def test_summary_blames_idle_gpu_on_exposed_communication():
     s = {"utilisation": {"compute": 0.78}, "step_time_s": 1.0, "exposed_comm_s": 0.22, "phase_s": {}}
     assert _busy_line(s) == ["GPU busy            78 % of the step  (communication-bound: the GPU waits 220.00 ms/step "
                              "for collectives)"]
+
+
+def test_summary_num_parameters_is_the_published_unsharded_count():
+    """``num_parameters`` in the summary counts the whole model (no TP sharding, no vocabulary padding):
+    Llama-3.1-8B 8,030,261,248 (Hugging Face model card); the MLM20 "8B" case 8.67 B (paper_cases.yaml)."""
+    from simulator.api import model_num_parameters
+
+    llama = load_scenario(ROOT / "scenarios/h200/llama3_8b_b1.yaml", ["model.num_layers=32"])
+    assert model_num_parameters(llama) == 8_030_261_248
+    tp8 = load_scenario(ROOT / "scenarios/paper/megatron2020_gpt2_8p7b_tp8_8xa100.yaml")
+    assert round(model_num_parameters(tp8) / 1e9, 2) == 8.67
