@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     # verbs contributed by feature modules: add_parser(subparsers) registers them with fn defaults
     import importlib
 
-    for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace", "simulator.cli_collective"):
+    for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace", "simulator.cli_collective",
+                "simulator.cli_kernel"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -192,6 +192,13 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
         raise ScenarioError(f"{source}: {key}: {exc}") from None
 
 
+def default_profile_for(gpu: GpuSpec, gpu_name: str, pcie: LinkSpec) -> EfficiencyProfile:
+    """The GPU preset ``gpu_name``'s shipped profile (the shortest name starting with it:
+    ``h200-sxm-141gb`` before ``h200-sxm-141gb-micro``), else ``generic_profile``."""
+    shipped = [p for p in presets.list_presets("profiles")["profiles"] if p.startswith(gpu_name)]
+    return presets.get("profiles", min(shipped, key=len)) if shipped else generic_profile(gpu, pcie, gpu_name)
+
+
 def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfile:
     """A profile for a GPU with no measurements: documented typical fractions of the peaks.
 
@@ -231,9 +238,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     prof_name = hwc.profile
 
     def default_profile() -> EfficiencyProfile:
-        shipped = [p for p in presets.list_presets("profiles")["profiles"] if p.startswith(gpu_name)]
-        # the shortest name is the GPU's main profile (h200-sxm-141gb before h200-sxm-141gb-micro)
-        return presets.get("profiles", min(shipped, key=len)) if shipped else generic_profile(gpu, pcie, gpu_name)
+        return default_profile_for(gpu, gpu_name, pcie)
 
     try:
         if prof_name is None:

@@ -1,0 +1,57 @@
+"""``simulate kernel``: one kernel's price, against hand-worked values and the H200 GEMM microbenchmarks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hardware_models import presets
+from simulator.cli import main
+from simulator.cli_kernel import price_kernel
+from tests.conftest import ROOT
+
+MEAS = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["micro"]["gemm"]
+DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def test_elementwise_on_a_generic_profile_by_hand():
+    """Generic profile: 2 us fixed + bytes / (80% of the HBM peak) (simulator.config.loader.generic_profile)."""
+    gpu = presets.get("gpus", "h100-sxm-80gb")
+    r = price_kernel("h100-sxm-80gb", "elementwise", [10**9])
+    assert r["time_s"] == pytest.approx(2e-6 + 1e9 / (0.8 * gpu.hbm_bandwidth_bytes_per_s), rel=1e-12)
+    assert r["bound"] == "memory" and r["flops"] == 0 and r["bytes"] == 1e9
+    assert r["profile"] == "generic:h100-sxm-80gb"
+
+
+def test_gemm_reports_flops_bytes_and_compute_bound():
+    r = price_kernel("h200-sxm-141gb", "gemm", [8192, 8192, 8192])
+    assert r["flops"] == 2 * 8192**3 and r["bytes"] == 2 * 3 * 8192**2 and r["bound"] == "compute"
+    assert 0 < r["efficiency"] <= 1
+
+
+@pytest.mark.validation
+def test_large_h200_gemms_within_20_percent_of_the_microbenchmarks():
+    """In sample: the H200 profile's GEMM tile model was fitted on these (scripts/build_h200_profile.py).
+    GEMMs under 0.1 ms sit on the benchmark's ~26 us dispatch floor, not device time, and are left out."""
+    errs = []
+    for g in MEAS:
+        if g["median_s"] < 1e-4:
+            continue
+        r = price_kernel("h200-sxm-141gb", "gemm", [g["m"], g["n"], g["k"]], DTYPES[g["dtype"]])
+        errs.append((g["m"], g["n"], g["k"], g["dtype"], r["time_s"] / g["median_s"] - 1))
+    assert len(errs) >= 15
+    worst = max(errs, key=lambda e: abs(e[-1]))
+    assert abs(worst[-1]) <= 0.20, f"worst {worst} (tolerance 20%)"
+
+
+def test_json_and_bad_input(capsys):
+    assert main(["kernel", "h200-sxm-141gb", "--gemm", "4096,4096,4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"time_s", "flops", "bytes", "efficiency", "bound"} <= set(out)
+    for argv, needle in ((["kernel", "nope", "--gemm", "1,2,3"], "unknown gpu preset 'nope'"),
+                         (["kernel", "h200-sxm-141gb", "--gemm", "1,2"], "expected 3 comma-separated integers"),
+                         (["kernel", "h200-sxm-141gb", "--elementwise", "4 TB/s"], "--elementwise")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
