@@ -694,15 +694,15 @@ class _Importer:
         if isinstance(data, dict):
             if "traceEvents" not in data:
                 hint = " (looks like a PyTorch execution trace)" if "nodes" in data else ""
-                raise TraceImportError(f"{self.fname}: not a Kineto trace (no traceEvents){hint}")
+                raise TraceImportError(f"{self.path}: not a Kineto trace (no traceEvents){hint}")
             events = data.pop("traceEvents")
             self.top = data
         elif isinstance(data, list):
             events, self.top = data, {}
         else:
-            raise TraceImportError(f"{self.fname}: not a Kineto trace (top level is not an object)")
+            raise TraceImportError(f"{self.path}: not a Kineto trace (top level is not an object)")
         if not isinstance(events, list):
-            raise TraceImportError(f"{self.fname}: not a Kineto trace (traceEvents is not a list)")
+            raise TraceImportError(f"{self.path}: not a Kineto trace (traceEvents is not a list)")
         self._normalise(events)
 
     def _normalise(self, events: list):
@@ -755,7 +755,7 @@ class _Importer:
             if not isinstance(name, str):
                 name = str(name)
             if dur > _MAX_SPAN_US:
-                raise TraceImportError(f"{self.fname}: event {name[:60]!r} has dur {dur:g} us, more than a day "
+                raise TraceImportError(f"{self.path}: event {name[:60]!r} has dur {dur:g} us, more than a day "
                                        f"({_MAX_SPAN_US:g} us): not a profiler duration")
             kept.append((e.get("cat"), name, ts, dur, e))
             if ts < t_min:
@@ -764,12 +764,12 @@ class _Importer:
                 t_max = ts + dur
         events.clear()
         if t_max - t_min > _MAX_SPAN_US:
-            raise TraceImportError(f"{self.fname}: events span {t_max - t_min:g} us, more than a day "
+            raise TraceImportError(f"{self.path}: events span {t_max - t_min:g} us, more than a day "
                                    f"({_MAX_SPAN_US:g} us): a ts is not a profiler timestamp")
         if bad:
             self.warnings.append(f"skipped {bad} events without a numeric ts")
         if not kept:
-            raise TraceImportError(f"{self.fname}: not a Kineto trace (no complete events)")
+            raise TraceImportError(f"{self.path}: not a Kineto trace (no complete events)")
         self.t0_abs = t_min
         t0 = t_min
         n_gpu = 0
@@ -801,7 +801,7 @@ class _Importer:
                 gpu_annots.append((rel, rel + dur, name, _ident(e.get("pid")), _ident(e.get("tid"))))
         kept.clear()
         if n_gpu == 0:
-            raise TraceImportError(f"{self.fname}: no GPU events (kernels, memcpy or memset)")
+            raise TraceImportError(f"{self.path}: no GPU events (kernels, memcpy or memset)")
         self.calls = calls
         self.gpu_raw = gpu_raw
         self.annots = annots
@@ -1577,21 +1577,21 @@ class _Importer:
         if steps == "all" or steps is None:
             return list(range(K))
         if isinstance(steps, bool):
-            raise TraceImportError(f"{self.fname}: steps must be 'all', an int or a list of ints")
+            raise TraceImportError(f"{self.path}: steps must be 'all', an int or a list of ints")
         if isinstance(steps, int):
             steps = [steps]
         if not isinstance(steps, (list, tuple, range)):
-            raise TraceImportError(f"{self.fname}: steps must be 'all', an int or a list of ints")
+            raise TraceImportError(f"{self.path}: steps must be 'all', an int or a list of ints")
         out = []
         for s in steps:
             if not isinstance(s, int) or isinstance(s, bool):
-                raise TraceImportError(f"{self.fname}: step index {s!r} is not an int")
+                raise TraceImportError(f"{self.path}: step index {s!r} is not an int")
             if not -K <= s < K:
-                raise TraceImportError(f"{self.fname}: step index {s} out of range (trace has {K} steps)")
+                raise TraceImportError(f"{self.path}: step index {s} out of range (trace has {K} steps)")
             out.append(s % K)
         out = sorted(set(out))
         if not out:
-            raise TraceImportError(f"{self.fname}: no steps selected")
+            raise TraceImportError(f"{self.path}: no steps selected")
         return out
 
     def _finish(self, sel: list[int]) -> KinetoImport:
@@ -1889,10 +1889,10 @@ def load_kineto(
     except TraceImportError:
         raise
     except MemoryError:
-        raise TraceImportError(f"{imp.fname}: out of memory while importing") from None
+        raise TraceImportError(f"{imp.path}: out of memory while importing") from None
     except Exception as e:  # malformed content we did not anticipate: keep the one-line contract
         raise TraceImportError(
-            f"{imp.fname}: malformed trace ({type(e).__name__}: {e})"
+            f"{imp.path}: malformed trace ({type(e).__name__}: {e})"
         ) from e
     finally:
         if gc_was_enabled:

@@ -144,3 +144,12 @@ def test_readme_replay_example_names_a_bundled_trace():
     assert examples
     for path in examples:
         assert (ROOT / path).exists(), path
+
+
+def test_trace_errors_name_the_path_given(tmp_path, capsys):
+    bad = tmp_path / "sub" / "notrace.json"
+    bad.parent.mkdir()
+    bad.write_text('{"a": 1}')
+    assert main(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {bad}: not a Kineto trace"), err
