@@ -127,6 +127,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+    if cfg is not None and cfg.training.precision in ("bf16", "amp_fp32_params") and "bf16" not in hw.gpu.peak_flops_per_s:
+        out.append(f"training.precision {cfg.training.precision} uses bf16, which {hw.gpu.name} has no tensor-core rate "
+                   "for (Volta/Turing): its GEMMs are priced at the fp16 rate, while a real bf16 job runs emulated, "
+                   "far slower, or fails; use training.precision: fp16 for this GPU")
+    if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
+        out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
+                   "it off); the run is the same as without it")
     z = getattr(cfg, "zero_optimization", None)
     dp_many = len(hw.dp_group) > 1
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"

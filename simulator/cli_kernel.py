@@ -50,6 +50,7 @@ def price_kernel(gpu_name: str, op_kind: str, dims: list[int], dtype: str = "bf1
 
     Raises:
         PresetError: unknown GPU or profile preset.
+        ScenarioError: the GPU has no peak for ``dtype`` (fp8 on an A100, bf16 on a V100).
     """
     from hardware_models import presets
     from simulator.config.loader import default_profile_for
@@ -57,6 +58,11 @@ def price_kernel(gpu_name: str, op_kind: str, dims: list[int], dtype: str = "bf1
     from simulator.graph.ops import CostClass, Op, OpKind
 
     gpu = presets.get("gpus", gpu_name)
+    if dtype not in gpu.peak_flops_per_s:
+        from simulator.config.errors import ScenarioError
+
+        raise ScenarioError(f"--dtype {dtype}: {gpu.name} has no {dtype} rate (allowed: "
+                            f"{', '.join(sorted(gpu.peak_flops_per_s))})")
     prof = (presets.get("profiles", profile_name) if profile_name
             else default_profile_for(gpu, gpu_name, presets.get("links", "pcie-gen5-x16")))
     b = DTYPE_BYTES[dtype]

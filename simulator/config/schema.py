@@ -280,6 +280,8 @@ class ScenarioConfig(_Model):
         tp = par.get("tensor_model_parallel_size", 1) or 1
         pp = par.get("pipeline_model_parallel_size", 1) or 1
         want = world // (tp * pp) if isinstance(tp, int) and isinstance(pp, int) and tp * pp else None
+        if want is not None and world % (tp * pp):  # tp x pp does not divide the world: its own check names it
+            want = None
         if dp is None:
             if want is not None:
                 data = {**data, "parallelism": {**par, "data_parallel_size": want}}

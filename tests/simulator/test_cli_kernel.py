@@ -55,3 +55,10 @@ def test_json_and_bad_input(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_dtype_the_gpu_lacks_is_one_line(capsys):
+    """The fresh-user trial found a traceback for fp8 on a V100."""
+    assert main(["kernel", "v100-sxm2-32gb", "--gemm", "8192,8192,8192", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no fp8 rate (allowed: fp16, fp32)" in err[0]

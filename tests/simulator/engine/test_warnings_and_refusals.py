@@ -58,3 +58,24 @@ def test_h100_keeps_the_hosts_dispatch_time():
 def test_scenario_key_data_parallel_refused_by_loader():
     with pytest.raises(ScenarioError, match="parallelism.data_parallel_size: 2 > 1 needs hardware.cluster"):
         load_scenario(B4, ["parallelism.data_parallel_size=2"])
+
+
+def test_bf16_on_a_gpu_without_bf16_and_sequence_parallel_without_tp_are_flagged():
+    from simulator.api import run_scenario
+    from simulator.config.loader import load_scenario
+
+    v100 = ROOT / "scenarios/paper/megatron2020_gpt2_1p2b_1xv100.yaml"
+    w = run_scenario(load_scenario(v100, ["training.precision=bf16", "run.steps=2", "model.num_layers=2"])).summary
+    assert any("has no tensor-core rate" in x for x in w["warnings"])
+    w16 = run_scenario(load_scenario(v100, ["run.steps=2", "model.num_layers=2"])).summary  # fp16: no warning
+    assert not any("has no tensor-core rate" in x for x in w16["warnings"])
+    dgx = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
+    sp = run_scenario(load_scenario(dgx, ["parallelism.sequence_parallel=true", "run.steps=2", "model.num_layers=2"]))
+    assert any("sequence_parallel has no effect" in x for x in sp.summary["warnings"])
+
+
+def test_tp_not_dividing_the_node_names_tp_not_dp():
+    r = subprocess.run([sys.executable, "-m", "simulator", "run", str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"),
+                        "--set", "training.precision=bf16", "--set", "parallelism.tensor_model_parallel_size=16"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "tensor_model_parallel_size: 16 must divide the 8 GPUs per node" in r.stderr
