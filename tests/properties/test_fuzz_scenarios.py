@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from simulator.cli import main
 from tests.conftest import ROOT
+from tests.json_numbers import json_numbers
 
 BASES = ["h200/gpt_184m_b8.yaml", "h200/dataloader_w8.yaml", "h200/gpt_184m_b16_offload_overlap.yaml"]
 _BASE = {b: yaml.safe_load((ROOT / "scenarios" / b).read_text()) for b in BASES}
@@ -111,20 +112,6 @@ def _reject_constant(text):
 SIGNED = {"lead_by_step_s"}
 
 
-def _numbers(x, key=""):
-    """``(key, number)`` for every number in a JSON value (``key``: the innermost mapping key)."""
-    if isinstance(x, bool):
-        return
-    if isinstance(x, (int, float)):
-        yield key, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _numbers(v, k)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _numbers(v, key)
-
-
 #: More examples for a longer local hunt: FUZZ_EXAMPLES=2000 python -m pytest tests/properties/test_fuzz_scenarios.py
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 
@@ -148,7 +135,7 @@ def test_mutated_scenarios_are_refused_in_one_line_or_run_cleanly(data):
     assert rc in (0, 1), (rc, stderr)
     if out.getvalue():
         summary = json.loads(out.getvalue(), parse_constant=_reject_constant)
-        for key, v in _numbers(summary):
+        for key, v in json_numbers(summary):
             assert math.isfinite(v) and (key in SIGNED or v >= 0), (key, v, summary)
     else:
         assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: "), stderr

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from simulator.cli import main
 from tests.conftest import ROOT
+from tests.json_numbers import json_numbers
 
 SMALL = ROOT / "tests/data/traces/HolisticTraceAnalysis/tests/data/critical_path/cuda_event_sync/event_sync_trace.json.gz"
 SCENARIO = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
@@ -72,19 +73,6 @@ def _run(argv: list[str]) -> tuple[int, str, str, float]:
     return rc, out.getvalue(), err.getvalue(), time.monotonic() - t0
 
 
-def _numbers(obj, key=""):
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return
-    if isinstance(obj, (int, float)):
-        yield key, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _numbers(v, k)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _numbers(v, key)
-
-
 def _check(rc: int, out: str, err: str, elapsed: float) -> None:
     assert elapsed < 10, f"took {elapsed:.1f} s"
     if rc == 2:
@@ -97,7 +85,7 @@ def _check(rc: int, out: str, err: str, elapsed: float) -> None:
         raise AssertionError(f"non-strict JSON constant {c}")
 
     doc = json.loads(out, parse_constant=bad)
-    for key, v in _numbers(doc):
+    for key, v in json_numbers(doc):
         assert math.isfinite(v), (key, v)
         assert key in SIGNED or v >= 0, (key, v)
 

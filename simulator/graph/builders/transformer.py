@@ -511,22 +511,21 @@ class _GptBuilder:
         cos/sin tables, writes the rotated q, k (saved for the attention backward). ``None`` without rope."""
         if self.s.position_embedding != "rope":
             return None
-        e, T, s = self.e, self.T, self.s
-        n = T * width
-        y = e.fresh("rope.qk")
-        e.kernel("rope", C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
-                 flops=3 * n, out=[(y, 2 * n)], uses=[qkv])
-        return y
+        return self._rope_kernel("rope", "rope.qk", qkv, width)
 
     def _rope_bwd(self, g_qkv: str, width: int) -> str:
         """Backward of ``_rope_fwd`` (the inverse rotation of dq, dk: same traffic); returns the QKV gradient."""
         if self.s.position_embedding != "rope":
             return g_qkv
-        e, T, s = self.e, self.T, self.s
-        n = T * width
-        y = e.fresh("rope.dx")
-        e.kernel("rope.dgrad", C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
-                 flops=3 * n, out=[(y, 2 * n)], uses=[g_qkv])
+        return self._rope_kernel("rope.dgrad", "rope.dx", g_qkv, width)
+
+    def _rope_kernel(self, name: str, out: str, src: str, width: int) -> str:
+        """One rotation pass over ``[T, width]`` 16-bit elements (forward or backward: the same traffic)."""
+        e, s = self.e, self.s
+        n = self.T * width
+        y = e.fresh(out)
+        e.kernel(name, C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
+                 flops=3 * n, out=[(y, 2 * n)], uses=[src])
         return y
 
     # -- blocks ----------------------------------------------------------------------------
