@@ -131,6 +131,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.precision {cfg.training.precision} uses bf16, which {hw.gpu.name} has no tensor-core rate "
                    "for (Volta/Turing): its GEMMs are priced at the fp16 rate, while a real bf16 job runs emulated, "
                    "far slower, or fails; use training.precision: fp16 for this GPU")
+    if cfg is not None and cfg.dataloader is not None and hw.collectives is not None and hw.world_size > 1:
+        per_node = hw.collectives.topo.gpus_per_node
+        out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
+                   "workers get every core and all host memory bandwidth, so data_stall_s is a lower bound")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

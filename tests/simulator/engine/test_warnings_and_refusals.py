@@ -79,3 +79,15 @@ def test_tp_not_dividing_the_node_names_tp_not_dp():
                         "--set", "training.precision=bf16", "--set", "parallelism.tensor_model_parallel_size=16"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "tensor_model_parallel_size: 16 must divide the 8 GPUs per node" in r.stderr
+
+
+def test_a_dataloader_on_a_cluster_flags_the_shared_host(tmp_path):
+    """Eight ranks share one host's cores; the folded rank gets all of them: flagged, not silent."""
+    p = tmp_path / "dl_dp.yaml"
+    p.write_text("name: dl_dp\nhardware: {gpu: h100-sxm-80gb, host: dgx-h100-host, cluster: {preset: dgx-h100}}\n"
+                 "model: {num_layers: 2, hidden_size: 1024, num_attention_heads: 16, seq_length: 1024, "
+                 "vocab_size: 32768}\ntraining: {micro_batch_size: 8}\n"
+                 "dataloader: {num_workers: 2, sample: {bytes: 8200 B, cost: {distribution: constant, mean_s: 6 ms}}}\n"
+                 "run: {steps: 3}\n")
+    w = run_scenario(load_scenario(p)).summary["warnings"]
+    assert any("shared by 8 ranks per node" in x for x in w)
