@@ -186,10 +186,27 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
             return cpu, mem
         spec = presets.get(family, name)
         if over:
-            spec = presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
+            base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
+            _warn_far_from_preset(base, spec, over, key)
         return spec
     except PresetError as exc:
         raise ScenarioError(f"{source}: {key}: {exc}") from None
+
+
+#: An override more than this factor away from the preset's value is printed as a warning: likely a
+#: unit slip ("4.8 TB/h" for "4.8 TB/s" is 3,600x), still allowed for deliberate what-ifs.
+FAR_FROM_PRESET = 100.0
+
+
+def _warn_far_from_preset(base, spec, over: dict, key: str) -> None:
+    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's."""
+    for field_name in over:
+        a, b = getattr(base, field_name, None), getattr(spec, field_name, None)
+        if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+                and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET):
+            warnings.warn(f"{key}.overrides.{field_name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
+                          f"{'below' if b < a else 'above'} the preset's {a:.4g} (SI units); check the unit",
+                          ScenarioWarning, stacklevel=3)
 
 
 def default_profile_for(gpu: GpuSpec, gpu_name: str, pcie: LinkSpec) -> EfficiencyProfile:

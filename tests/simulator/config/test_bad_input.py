@@ -141,3 +141,19 @@ def test_out_of_memory_summary_says_the_times_are_hypothetical(capsys):
                "--set", "run.steps=2"])
     out = capsys.readouterr().out
     assert rc == 1 and "OUT OF MEMORY" in out and "what the step would take if it fit" in out
+
+
+def test_an_override_far_from_the_preset_is_a_warning():
+    """``4.8 TB/h`` is a bandwidth, but 3,600x below the H200's 4.8 TB/s: likely a unit slip (fresh-user trial)."""
+    from simulator.config.errors import ScenarioWarning
+    from simulator.config.loader import load_scenario
+
+    scen = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+    slip = "hardware.gpu={preset: h200-sxm-141gb, overrides: {hbm_bandwidth_bytes_per_s: 4.8 TB/h}}"
+    with pytest.warns(ScenarioWarning, match="hbm_bandwidth_bytes_per_s: 1.333e\\+09 is 3,600x below"):
+        load_scenario(scen, [slip])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScenarioWarning)  # a 20% what-if stays silent
+        load_scenario(scen, ["hardware.gpu={preset: h200-sxm-141gb, overrides: {hbm_bandwidth_bytes_per_s: 4 TB/s}}"])
