@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx is imported where a topology is built (start-up of single-GPU runs)
+    import networkx as nx
 
 from hardware_models import presets
 from hardware_models.presets import PresetError, build_spec
@@ -220,6 +221,8 @@ class Topology:
         self.cluster = cluster
         self.nodes = nodes
         self.network = network if nodes > 1 else None
+        import networkx as nx
+
         self.graph = nx.DiGraph()
         self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
         self._node0_paths: dict[tuple[str, str], list[str]] = {}
@@ -318,6 +321,8 @@ class Topology:
                 self._link(leaf, "spine0", down / n.oversubscription, "net", lat)
 
     def _check_connected(self) -> None:
+        import networkx as nx
+
         gpus = [f"n{k}.gpu{i}" for k in range(self.nodes) for i in range(self.cluster.gpus_per_node)]
         reach = nx.descendants(self.graph, gpus[0]) | {gpus[0]}
         missing = [g for g in gpus if g not in reach]
@@ -398,6 +403,8 @@ class Topology:
         return self._path(na, nb, net_only=True)
 
     def _path(self, src: str, dst: str, net_only: bool = False) -> list[str]:
+        import networkx as nx
+
         g = self.graph
 
         def weight(u: str, v: str, d: dict) -> float | None:

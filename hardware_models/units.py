@@ -10,11 +10,21 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import pint
+if TYPE_CHECKING:
+    import pint
 
-_UREG = pint.UnitRegistry()
-_UREG.define("FLOP = [flop] = flop = flops")
+
+@lru_cache(maxsize=1)
+def _registry() -> "pint.UnitRegistry":
+    """The pint registry, built on the first quantity string (pint's import and its definitions file
+    take about 0.3 s: commands that parse no quantity do not pay it)."""
+    import pint
+
+    ureg = pint.UnitRegistry()
+    ureg.define("FLOP = [flop] = flop = flops")
+    return ureg
 
 #: Canonical SI unit for each dimension name used in field names.
 DIMENSIONS: dict[str, str] = {
@@ -104,13 +114,27 @@ def _parse_text(value: str, dimension: str) -> float:
         raise UnitError(f"{value!r} has no unit (expected e.g. {EXAMPLES[dimension]})")
     if not math.isfinite(number):
         raise UnitError(f"{value!r} is not a finite number (expected e.g. {EXAMPLES[dimension]})")
+    factor = _FACTORS.get((unit, dimension))
+    if factor is not None:  # what pint returns for these units, without importing pint (start-up)
+        out = number * factor
+        if not math.isfinite(out):
+            raise UnitError(f"{value!r} overflows: not a finite {_WORDS[dimension]}")
+        return out
+    return _parse_with_pint(value, number, unit, dimension)
+
+
+def _parse_with_pint(value: str, number: float, unit: str, dimension: str) -> float:
+    """``number`` ``unit`` (the parts of ``value``) in the SI unit of ``dimension``, by pint."""
+    import pint
+
+    ureg = _registry()
     try:
-        q = _UREG.Quantity(number, _UREG.parse_units(unit))
+        q = ureg.Quantity(number, ureg.parse_units(unit))
     except Exception as exc:  # pint raises several unrelated exception types
         raise UnitError(f"cannot parse {value!r} as a quantity (expected e.g. {EXAMPLES[dimension]})") from exc
     if q.unitless:
         raise UnitError(f"{value!r} has no unit (expected e.g. {EXAMPLES[dimension]})")
-    target = _UREG.Unit(DIMENSIONS[dimension])
+    target = ureg.Unit(DIMENSIONS[dimension])
     # pint treats byte as dimensionless, so the byte exponent is checked by hand.
     if _byte_power(q.units) != _byte_power(target):
         raise UnitError(_wrong_dimension(value, dimension))
@@ -123,6 +147,34 @@ def _parse_text(value: str, dimension: str) -> float:
     if not math.isfinite(out):
         raise UnitError(f"{value!r} overflows: not a finite {_WORDS[dimension]}")
     return out
+
+
+def _common_factors() -> dict[tuple[str, str], float]:
+    """``(unit text, dimension) -> factor`` to the dimension's SI unit for the units presets and
+    scenarios use most (SI and IEC prefixes of B, B/s, FLOP, FLOP/s; s, ms, us, ns; W, J, MHz, GHz).
+
+    pint converts a plain quantity by one multiplication, ``number * factor``; for these units the
+    factor is written here so that parsing them does not import pint (about 0.3 s of start-up).
+    ``tests/hardware_models/test_units_fast_path.py`` checks every entry against pint, bit for bit.
+    Any other unit text (spacing, other units, wrong dimensions and their errors) goes to pint.
+    """
+    si = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    iec = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
+    out: dict[tuple[str, str], float] = {}
+    for p, v in (si | iec).items():
+        out[f"{p}B", "bytes"] = v
+        out[f"{p}B/s", "bytes_per_s"] = v
+    for p, v in si.items():
+        out[f"{p}FLOP", "flops"] = v
+        out[f"{p}FLOP/s", "flops_per_s"] = v
+        out[f"{p}W", "w"] = v
+        out[f"{p}J", "j"] = v
+    out |= {("s", "s"): 1.0, ("ms", "s"): 1e-3, ("us", "s"): 1e-6, ("\u00b5s", "s"): 1e-6, ("ns", "s"): 1e-9,
+            ("MHz", "mhz"): 1.0, ("GHz", "mhz"): 1e3}
+    return out
+
+
+_FACTORS = _common_factors()
 
 
 def short_repr(value: object) -> str:

@@ -345,9 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from hardware_models.safe_yaml import YamlInputError
-    from simulator.config.errors import ScenarioError
-    from simulator.api import SimulationError
-    from simulator.policies.registry import PolicyError
+    from simulator.config.errors import PolicyError, ScenarioError
+    from simulator.engine.errors import SimulationError
 
     import warnings
 

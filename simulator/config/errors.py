@@ -1,4 +1,4 @@
-"""The one error type the config layer raises: a one-line, user-facing message."""
+"""The config layer's error types: one-line, user-facing messages."""
 
 
 class ScenarioError(ValueError):
@@ -7,3 +7,10 @@ class ScenarioError(ValueError):
 
 class ScenarioWarning(UserWarning):
     """Something in a scenario was replaced or adjusted (printed as one ``warning:`` line)."""
+
+
+class PolicyError(ValueError):
+    """A policy's parameters are invalid (one line, naming the scenario key).
+
+    Raised by the policies (``simulator.policies.registry`` re-exports it); defined here so that the
+    CLI can catch it without importing the policies (pandas) at start-up."""

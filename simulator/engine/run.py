@@ -17,6 +17,7 @@ import pandas as pd
 import simpy
 
 from hardware_models.machine import Hardware
+from simulator.engine.errors import SimulationError
 from simulator.engine.executor import Executor
 from simulator.engine.memory import DeviceMemoryOverheads
 from simulator.engine.system import System
@@ -41,10 +42,6 @@ def gc_paused():
     finally:
         if on:
             gc.enable()
-
-
-class SimulationError(RuntimeError):
-    """A run failed; the message names the phase (build, run, collect)."""
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 from simulator.graph.ops import Op, OpKind, Phase, TensorAlloc
 
@@ -108,6 +110,8 @@ class OpGraph:
         Same-stream program order is added as edges with ``kind="stream"``, explicit
         dependencies with ``kind="data"``.
         """
+        import networkx as nx
+
         g = nx.DiGraph()
         last: dict[str, int] = {}
         for op in self.ops:

@@ -19,12 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from simulator.config.errors import PolicyError
+
 GRAPH_POLICIES: dict[str, tuple[int, type]] = {}
 RUNTIME_COMPONENTS: dict[str, type] = {}
-
-
-class PolicyError(ValueError):
-    """A policy's parameters are invalid (one line, naming the scenario key)."""
 
 
 def register_graph_policy(name: str, order: int) -> Callable[[type], type]:
