@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 import pandas as pd
 
@@ -24,12 +26,21 @@ def _merge(iv: np.ndarray) -> np.ndarray:
 
 
 def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``)."""
+    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``).
+
+    Each interval of ``a`` is cut by the intervals of ``b`` from the first one ending after its
+    start (``bisect``) to the first one starting after its end: linear in the pieces, not ``|a| x |b|``.
+    """
     out = []
-    for s, e in a:
+    bl = b.tolist()
+    ends = [be for _, be in bl]
+    for s, e in a.tolist():
         cur = s
-        for bs, be in b:
-            if be <= cur or bs >= e:
+        for k in range(bisect_right(ends, cur), len(bl)):
+            bs, be = bl[k]
+            if bs >= e:
+                break
+            if be <= cur:
                 continue
             if bs > cur:
                 out.append((cur, bs))

@@ -97,6 +97,10 @@ class Executor:
         self._allocs = [tuple((self._pool_of[t.name], t.name, t.nbytes) for t in op.allocs) for op in graph.ops]
         #: tensors an op allocates that no op uses: freed when it ends
         self._unused = [tuple(t.name for t in op.allocs if self._users.get(t.name, 0) == 0) for op in graph.ops]
+        # the same, resolved for ``_finish``: ``(name, users, pool or None)`` per use, ``(pool, name)`` per unused
+        pool_of = self._pool_of
+        self._use_plan = [tuple((n, self._users.get(n, 0), pool_of.get(n)) for n in op.uses) for op in graph.ops]
+        self._unused_plan = [tuple((pool_of[n], n) for n in names if n in pool_of) for names in self._unused]
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
 
     def _plan(self, op: Op) -> tuple[int, float]:
@@ -219,7 +223,13 @@ class Executor:
                     if when > env.now:
                         yield env.timeout(when - env.now)
                 # _execute, inlined (one generator less per op)
-                if op.meta or not all(fin[d] for d in op.deps):
+                wait = op.meta
+                if not wait:
+                    for d in op.deps:
+                        if not fin[d]:
+                            wait = True
+                            break
+                if wait:
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
@@ -272,27 +282,30 @@ class Executor:
         # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
-        env = self.env
-        self.rec.span(step, op, start, env.now, stream)
-        for fn in self._on_end:
-            fn(op, step, self.sys)
-        if op.uses:
-            refs, users = self._refs[step], self._users
-            for name in op.uses:
-                n = refs.get(name, users.get(name, 0)) - 1
+        now = self.env.now
+        self.rec.span(step, op, start, now, stream)
+        if self._on_end:
+            for fn in self._on_end:
+                fn(op, step, self.sys)
+        oid = op.id
+        uses = self._use_plan[oid]
+        if uses:  # a tensor is freed when its last user ends (refcounts re-armed per step)
+            refs = self._refs[step]
+            for name, users, pool in uses:
+                n = refs.get(name, users) - 1
                 refs[name] = n
-                if n <= 0:
-                    self._free(name)
-        for name in self._unused[op.id]:
-            self._free(name)
-        self.finished[step][op.id] = True
-        ev = self._done_ev[step].get(op.id)
+                if n <= 0 and pool is not None:
+                    pool.free(name)
+        for pool, name in self._unused_plan[oid]:
+            pool.free(name)
+        self.finished[step][oid] = True
+        ev = self._done_ev[step].get(oid)
         if ev is not None:
             ev.succeed()
         rem = self._remaining_ops
         rem[step] -= 1
         if rem[step] == 0:
-            self.step_end[step] = env.now
+            self.step_end[step] = now
 
     def _free(self, name: str) -> None:
         pool = self._pool_of.get(name)

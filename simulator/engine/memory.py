@@ -141,74 +141,159 @@ class MemoryPool:
 
     ``live``/``peak`` count tensor bytes (``torch.cuda.memory_allocated`` / ``max_memory_allocated``);
     the out-of-memory check uses ``overheads.device_bytes(live)``.
+
+    ``alloc``/``free`` only append to a change log (an allocation never blocks, so nothing in a run
+    waits on the accounting); reading any figure (``live``, ``peak``, ``oom``, the timelines...)
+    first applies the pending changes in order, with the same arithmetic as applying each at once.
     """
 
     def __init__(self, name: str, capacity_bytes: float, clock=None,
                  overheads: DeviceMemoryOverheads | None = None):
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self.overheads = overheads or DeviceMemoryOverheads()
-        self.live = 0
-        self.peak = 0
-        self.by_category: dict[str, int] = defaultdict(int)
-        self.peak_by_category: dict[str, int] = {}
-        self.sizes: dict[str, int] = {}
-        self.oom: OomEvent | None = None
+        self._overheads = overheads or DeviceMemoryOverheads()
+        self._live = 0
+        self._peak = 0
+        self._by_category: dict[str, int] = defaultdict(int)
+        self._peak_by_category: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        self._oom: OomEvent | None = None
         self._clock = clock
-        #: ``(t_s, live_bytes)`` after every change; changes at one instant keep the last value
-        self.timeline: list[tuple[float, int]] = []
-        #: ``(t_s, category, live_bytes)`` after every change of a category (same rule)
-        self.category_timeline: list[tuple[float, str, int]] = []
+        #: pending changes ``(clock_t_s or None, tensor, nbytes (None: a free), alloc t_s)``
+        self._log: list[tuple] = []
+        self._timeline: list[tuple[float, int]] = []
+        self._category_timeline: list[tuple[float, str, int]] = []
         self._cat_last: dict[str, int] = {}
 
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
-        self.sizes[tensor] = nbytes
-        live = self.live = self.live + nbytes
-        cat = category(tensor)
-        by_cat = self.by_category
-        v = by_cat[cat] = by_cat[cat] + nbytes
-        if live > self.peak:
-            self.peak = live
-            self.peak_by_category = dict(by_cat)
-        if self.oom is None:
-            demand = self.overheads.device_bytes(live)
-            if demand > self.capacity_bytes:
-                top = tuple(sorted(self.by_category_with_overheads().items(), key=lambda kv: -kv[1]))
-                self.oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
-        if self._clock is not None:
-            self._sample(cat, live, v)
+        clock = self._clock
+        self._log.append((clock() if clock is not None else None, tensor, nbytes, t_s))
+
+    def free(self, tensor: str) -> None:
+        """Free a tensor allocated earlier (unknown names are ignored)."""
+        clock = self._clock
+        self._log.append((clock() if clock is not None else None, tensor, None, None))
+
+    def _settle(self) -> None:
+        """Apply the pending changes in order: live and per-category bytes, the peak and its
+        categories, the first out-of-memory, and the timelines (one sample per instant)."""
+        log = self._log
+        if not log:
+            return
+        self._log = []
+        sizes, by_cat, live = self._sizes, self._by_category, self._live
+        tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
+        for t, tensor, nbytes, t_s in log:
+            if nbytes is None:  # free
+                nbytes = sizes.pop(tensor, None)
+                if nbytes is None:
+                    continue
+                live -= nbytes
+                cat = category(tensor)
+                v = by_cat[cat] = by_cat[cat] - nbytes
+            else:
+                sizes[tensor] = nbytes
+                live += nbytes
+                cat = category(tensor)
+                v = by_cat[cat] = by_cat[cat] + nbytes
+                if live > self._peak:
+                    self._peak = live
+                    self._peak_by_category = dict(by_cat)
+                if self._oom is None:
+                    demand = self._overheads.device_bytes(live)
+                    if demand > self.capacity_bytes:
+                        top = tuple(sorted(self._with_overheads(by_cat, live).items(), key=lambda kv: -kv[1]))
+                        self._oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
+            if t is not None:  # the sample at this instant (``_sample``)
+                if tl and tl[-1][0] == t:
+                    tl[-1] = (t, live)
+                else:
+                    tl.append((t, live))
+                i = cat_last.get(cat)
+                if i is not None and ct[i][0] == t:
+                    ct[i] = (t, cat, v)
+                else:
+                    cat_last[cat] = len(ct)
+                    ct.append((t, cat, v))
+        self._live = live
+
+    # -- figures (each applies the pending changes first) --------------------------------------
+    @property
+    def overheads(self) -> DeviceMemoryOverheads:
+        """Non-tensor memory of the pool; setting it applies the changes made before under the old one."""
+        return self._overheads
+
+    @overheads.setter
+    def overheads(self, value: DeviceMemoryOverheads) -> None:
+        self._settle()
+        self._overheads = value
+
+    @property
+    def live(self) -> int:
+        """Tensor bytes allocated now."""
+        self._settle()
+        return self._live
+
+    @property
+    def peak(self) -> int:
+        """Largest ``live`` so far, bytes."""
+        self._settle()
+        return self._peak
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        """Live bytes per category (``category``)."""
+        self._settle()
+        return self._by_category
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes per category when ``peak`` was first reached."""
+        self._settle()
+        return self._peak_by_category
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Live tensors and their sizes, bytes."""
+        self._settle()
+        return self._sizes
+
+    @property
+    def oom(self) -> OomEvent | None:
+        """The first allocation that took the device demand above capacity (None: all fitted)."""
+        self._settle()
+        return self._oom
+
+    @property
+    def timeline(self) -> list[tuple[float, int]]:
+        """``(t_s, live_bytes)`` after every change; changes at one instant keep the last value."""
+        self._settle()
+        return self._timeline
+
+    @property
+    def category_timeline(self) -> list[tuple[float, str, int]]:
+        """``(t_s, category, live_bytes)`` after every change of a category (same rule)."""
+        self._settle()
+        return self._category_timeline
+
+    def _with_overheads(self, cats: dict, live: int) -> dict[str, int]:
+        out = dict(cats)
+        if self._overheads.cuda_context_bytes:
+            out["cuda_context"] = int(self._overheads.cuda_context_bytes)
+        if self._overheads.allocator_reserve_fraction:
+            out["allocator_reserve"] = self._overheads.reserve_bytes(live)
+        return out
 
     def by_category_with_overheads(self, cats: dict | None = None, live: int | None = None) -> dict[str, int]:
         """Bytes per category (live ones unless ``cats``/``live`` are given) plus ``cuda_context`` and
         ``allocator_reserve`` when the pool has them; the values sum to the device demand."""
-        out = dict(self.by_category if cats is None else cats)
-        live = self.live if live is None else live
-        if self.overheads.cuda_context_bytes:
-            out["cuda_context"] = int(self.overheads.cuda_context_bytes)
-        if self.overheads.allocator_reserve_fraction:
-            out["allocator_reserve"] = self.overheads.reserve_bytes(live)
-        return out
+        return self._with_overheads(self.by_category if cats is None else cats, self.live if live is None else live)
 
     @property
     def peak_device_bytes(self) -> int:
         """Peak device demand (tensors + overheads), bytes: what ``nvidia-smi`` would show at the peak."""
         return int(round(self.overheads.device_bytes(self.peak)))
-
-    def _sample(self, cat: str, live: int, cat_bytes: int) -> None:
-        """Record ``live`` and category ``cat``'s bytes at the current time (one sample per instant)."""
-        t = self._clock()
-        tl = self.timeline
-        if tl and tl[-1][0] == t:
-            tl[-1] = (t, live)
-        else:
-            tl.append((t, live))
-        ct, i = self.category_timeline, self._cat_last.get(cat)
-        if i is not None and ct[i][0] == t:
-            ct[i] = (t, cat, cat_bytes)
-        else:
-            self._cat_last[cat] = len(ct)
-            ct.append((t, cat, cat_bytes))
 
     def oom_message(self) -> str | None:
         """One line for the out-of-memory result, or None if everything fitted.
@@ -225,15 +310,3 @@ class MemoryPool:
                 f"{self.capacity_bytes / 1e9:.2f} GB by {(peak - self.capacity_bytes) / 1e9:.2f} GB; "
                 f"first allocation over capacity: {self.oom.tensor} ({self.oom.requested_bytes / 1e9:.3f} GB) "
                 f"at t={self.oom.t_s * 1e3:.3f} ms; largest at peak: {cats}")
-
-    def free(self, tensor: str) -> None:
-        """Free a tensor allocated earlier (unknown names are ignored)."""
-        nbytes = self.sizes.pop(tensor, None)
-        if nbytes is None:
-            return
-        live = self.live = self.live - nbytes
-        cat = category(tensor)
-        by_cat = self.by_category
-        v = by_cat[cat] = by_cat[cat] - nbytes
-        if self._clock is not None:
-            self._sample(cat, live, v)
