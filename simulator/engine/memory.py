@@ -184,18 +184,19 @@ class MemoryPool:
         self._log = []
         sizes, by_cat, live = self._sizes, self._by_category, self._live
         tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
+        cats = {tensor: category(tensor) for tensor in {e[1] for e in log}}
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
                 nbytes = sizes.pop(tensor, None)
                 if nbytes is None:
                     continue
                 live -= nbytes
-                cat = category(tensor)
+                cat = cats[tensor]
                 v = by_cat[cat] = by_cat[cat] - nbytes
             else:
                 sizes[tensor] = nbytes
                 live += nbytes
-                cat = category(tensor)
+                cat = cats[tensor]
                 v = by_cat[cat] = by_cat[cat] + nbytes
                 if live > self._peak:
                     self._peak = live
