@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from hardware_models.machine import Hardware
+from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
@@ -57,6 +58,21 @@ def model_num_parameters(cfg: ScenarioConfig) -> int:
     return spec.num_parameters
 
 
+def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | None:
+    """Achieved FLOP/s per GPU counted the Megatron-LM papers' way (``metrics.megatron_flops_per_step``:
+    Narayanan et al. 2021 eq. 3 with full recompute), the figure they publish as "TFLOP/s per GPU":
+    iteration FLOPs / (``step_time_s`` x ``world_size``). None for a model the formula does not
+    describe (FFN not 4h, SwiGLU, grouped-query attention) or a run without a step time."""
+    m, t = cfg.model, cfg.training
+    gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention)
+    if not gpt_shaped or not summary["step_time_s"]:
+        return None
+    batch = t.global_batch_size or t.micro_batch_size * (cfg.parallelism.data_parallel_size or 1)
+    flops = metrics.megatron_flops_per_step(batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
+                                            t.recompute_granularity == "full")
+    return flops / (summary["step_time_s"] * summary["world_size"])
+
+
 def build_graph(cfg: ScenarioConfig) -> OpGraph:
     """The step graph of a scenario (before its policies)."""
     return build_gpt_step(transformer_spec(cfg))
@@ -90,6 +106,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         if cfg is not None:
             summary["zero_stage"] = cfg.zero_optimization.stage
             summary["num_parameters"] = model_num_parameters(cfg)
+            summary["megatron_flops_per_s_per_gpu"] = megatron_flops_per_s_per_gpu(cfg, summary)
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))

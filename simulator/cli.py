@@ -177,9 +177,17 @@ def cmd_validate(args) -> int:
     df = validation_table(args.case or None)
     if args.json:
         print(df.to_json(orient="records"))
-    else:
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-        print(f"{int(df.ok.sum())} of {len(df)} within tolerance (the README lists the known gaps)")
+        return 0
+    gaps, within = df.known_gap.notna(), df.within
+    reasons = list(dict.fromkeys(df.known_gap[gaps]))
+    shown = df.drop(columns="source").assign(
+        known_gap=[f"[{reasons.index(r) + 1}]" if g else "" for r, g in zip(df.known_gap, gaps)])
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"{int(within.sum())} of {len(df)} within tolerance; {int(gaps.sum())} known gaps; "
+          f"{int((~within & ~gaps).sum())} outside tolerance and not a known gap")
+    print("known gaps (sources: --json):")
+    for i, r in enumerate(reasons, 1):
+        print(f"[{i}] {r}")
     return 0
 
 

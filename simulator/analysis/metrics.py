@@ -208,6 +208,33 @@ def mfu(model_flops_per_step: float, step_time_s: float, peak_flops_per_s: float
     return model_flops_per_step / (step_time_s * peak_flops_per_s)
 
 
+def megatron_flops_per_step(batch: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int,
+                            full_recompute: bool) -> float:
+    """FLOPs of one training iteration as the Megatron-LM papers count them for a GPT model.
+
+    ``F = 24 k B s l h^2 (1 + s / (6 h)) + 6 B s h V``: with full activation recompute ``k = 4``
+    (one extra forward), which is Narayanan et al., *Efficient Large-Scale Language Model Training
+    on GPU Clusters Using Megatron-LM* (SC21), eq. 3, ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``;
+    otherwise ``k = 3``, ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` (the model-FLOPs count behind
+    Korthikanti et al., MLSys 2023, Table 5 MFU; selective recompute is not counted). It assumes the
+    GPT block (FFN 4h, one K/V head per query head, GELU MLP) and counts the full ``s^2`` attention.
+
+    Args:
+        batch: Samples per iteration (global batch, every data-parallel replica).
+        seq_length: Tokens per sample ``s``.
+        num_layers: ``l``.
+        hidden_size: ``h``.
+        vocab_size: ``V`` (as the papers do: the vocabulary given, not a TP-padded one).
+        full_recompute: Count the recompute forward (``k = 4``).
+
+    Returns:
+        FLOPs per iteration (all GPUs together).
+    """
+    B, s, l, h, V = batch, seq_length, num_layers, hidden_size, vocab_size
+    k = 4 if full_recompute else 3
+    return 24.0 * k * B * s * l * h**2 * (1 + s / (6 * h)) + 6.0 * B * s * h * V
+
+
 COLLECTIVE_KIND = "collective"
 
 

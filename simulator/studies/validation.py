@@ -24,20 +24,94 @@ class Case:
     """One predicted-vs-measured comparison.
 
     Attributes:
-        name: Case name.
-        scenario: Scenario path relative to the repository root.
-        metric: Summary key compared (dotted for nested: ``phase_s.fwd_s``).
-        measured: Callable returning the measured value from the measurement file.
-        tolerance: Relative error the tests require.
+        case_id: The measurement's id: a paper case id of ``paper_cases.yaml`` (with a variant suffix
+            where the case has variants, ``-ratio`` for a ratio of two), or the H200 measurement's
+            key. Rows are identified by ``(case_id, metric)``.
+        scenario: Scenario path relative to the repository root (the first of ``scenarios``).
+        metric: Summary key compared (dotted for nested: ``phase_s.fwd_s``), or the name of a
+            quantity computed from the summaries by ``predict``.
+        measured: Callable returning the measured value from the measurement files.
+        tolerance: Allowed relative error (or absolute difference with ``absolute``).
         source: Which measurement it is.
+        more_scenarios: Further scenarios ``predict`` reads (ratios of two runs).
+        predict: ``predict(measurements, *summaries)`` (the scenarios' summaries in order) -> the
+            predicted value; default: ``metric`` of the one summary.
+        absolute: ``tolerance`` bounds ``|predicted - measured|`` (a share in points), not the ratio.
     """
 
-    name: str
+    case_id: str
     scenario: str
     metric: str
     measured: Callable[[dict], float]
     tolerance: float
     source: str
+    more_scenarios: tuple[str, ...] = ()
+    predict: Callable[..., float] | None = None
+    absolute: bool = False
+
+    @property
+    def scenarios(self) -> tuple[str, ...]:
+        """Every scenario the case runs."""
+        return (self.scenario, *self.more_scenarios)
+
+    @property
+    def known_gap(self) -> str | None:
+        """Why the case misses its tolerance, when it is a known miss (``KNOWN_GAPS``), else None."""
+        return known_gap(self.case_id, self.metric)
+
+
+COLUMNS = ("case_id", "metric", "measured", "predicted", "error", "tolerance", "within", "source", "known_gap")
+
+_OPT_BW = "fused AdamW bandwidth taken from the elementwise microbenchmark"
+_B4_GAPS = "b4 launch gaps priced at idle power (tests/validation/test_energy.py)"
+_OFFLOAD_CPU = ("CPU step short (tests/validation/test_offload.py): cpu_adam measured 0.421 s, predicted 0.330 s, "
+                "-21.7%; step measured 0.4545 s, predicted 0.389 s, -14.4%")
+_ZO_PAPER = "no V100 profile, inferred host (tests/validation/test_offload.py)"
+_ZO_CPU = ("CPU Adam 3.63 s predicted (DGX-2 datasheet roofline, 30 B/param at 102 GB/s) against 6.35 s logged, -43%: "
+           "inferred host, fp16 copy-back in the step not charged (tests/validation/test_offload.py)")
+#: Megatron-LM of 2020-2022 ran unfused attention (Q K^T batched GEMM, fused scale-mask-softmax,
+#: dropout, attention x V; the [b, a, s, s] scores written and read in fp16) where the simulator
+#: prices one flash-attention kernel at the generic 35% / 30% of peak. A hand estimate of that
+#: traffic (~45 b a s^2 bytes per layer with full recompute, at 80% of HBM) adds ~0.2 s to both
+#: 1-GPU MLM20 cases: it would close the A100 gap but put the V100 case ~20% over, so with
+#: unfitted profiles for both GPUs it is a candidate cause, not an established one.
+_CANDIDATES = ("not explained; candidates: the generic A100 profile (70% GEMM / 80% HBM of peak; no public A100 "
+               "fp16 GEMM microbenchmark to fit) and attention priced as a flash kernel where Megatron 2020-2022 "
+               "ran unfused softmax attention (not modelled)")
+
+#: Known misses, ``(case_id, metric) -> reason``: the one place the reasons live. ``simulate validate``
+#: shows them and tests/validation marks these cases strict xfails with the same text.
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("gpt_184m_b8.opt", "phase_s.opt_s"): _OPT_BW,
+    ("gpt_184m_b16.opt", "phase_s.opt_s"): _OPT_BW,
+    ("gpt_184m_b4.energy_j_per_step", "energy_j_per_step"): _B4_GAPS,
+    ("gpt_184m_b4.avg_power_w", "avg_power_w"): _B4_GAPS,
+    ("gpt_184m_b16_offload_overlap.step_time", "step_time_s"): _OFFLOAD_CPU,
+    ("gpt_184m_b16_offload_overlap.cpu_adam", "offload_cpu_optimizer_s"): _OFFLOAD_CPU,
+    ("dataloader_w8.step_time", "step_time_s"): "GPU step: the session's GPU-only step (36.1 ms) is 13% above "
+                                                "train.gpt_184m_b8",
+    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "step_time_s"): _ZO_PAPER,
+    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "phase_s.fwd_s"): _ZO_PAPER,
+    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "phase_s.bwd_s"): _ZO_PAPER,
+    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "phase_s.opt_s"): _ZO_PAPER,
+    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "offload_cpu_optimizer_s"): _ZO_CPU,
+    ("MLM20-GPT2-8.7B-TP8-8xA100", "step_time_s"):
+        "generic A100 profile (70% GEMM efficiency, no dropout, flash attention in place of Megatron 2020's unfused "
+        "softmax) predicts -11.8%, as the single-GPU A100 case (-12.2%); the TP8/1-GPU time ratio is within 0.5%",
+    ("KORTHIKANTI22-T5-GPT22B-recompute-8xA100-seq_par_plus_selective", "step_time_s"):
+        f"-14.7% where full recompute is -7.1%: {_CANDIDATES}; selective recompute re-runs exactly that attention "
+        "core, priced here as a cheap flash forward",
+    ("KORTHIKANTI22-T5-GPT22B-recompute-8xA100-ratio", "step_time_s full_recompute / seq_par_plus_selective"):
+        "the selective-recompute variant is predicted too fast (its own known gap), so the ratio is too high",
+    ("NARAYANAN21-T1-GPT1.7B-32xA100", "megatron_flops_per_s_per_gpu"):
+        f"+35% (iteration 2.61 s predicted, 3.53 s implied): {_CANDIDATES}, largest here (s = 2048); also an "
+        "end-to-end figure (data loading, logging) and a micro-batch the paper does not state",
+}
+
+
+def known_gap(case_id: str, metric: str) -> str | None:
+    """The reason a case is a known miss, or None (``KNOWN_GAPS``)."""
+    return KNOWN_GAPS.get((case_id, metric))
 
 
 def _h200_train_cases() -> list[Case]:
@@ -86,20 +160,66 @@ def _h200_other_cases() -> list[Case]:
     return out
 
 
-def _paper_cases() -> list[Case]:
+def _paper_value(m: dict, cid: str, scale: float = 1.0, variant: str | None = None) -> float:
+    v = m["paper"][cid]["measured"]["value"]
+    return float(v[variant] if variant else v) * scale
+
+
+def _paper_also(m: dict, cid: str, metric: str) -> float:
+    return float(next(x["value"] for x in m["paper"][cid]["also_measured"] if x["metric"] == metric))
+
+
+def _scenario(cid: str) -> str:
+    return f"scenarios/validation/{cid}.yaml"
+
+
+MLM20_TP8 = "MLM20-GPT2-8.7B-TP8-8xA100"
+MLM20_ONE = "MLM20-GPT2-1.2B-1xA100"
+KORTH = "KORTHIKANTI22-T5-GPT22B-recompute-8xA100"
+KORTH_VARIANTS = ("full_recompute", "seq_par_plus_selective")
+NARAYANAN = "NARAYANAN21-T1-GPT1.7B-32xA100"
+
+
+def _weak_scaling(m: dict, t_tp8: float | None = None, t_one: float | None = None) -> float:
+    """Per-GPU throughput of the TP8 8.7B run over the 1-GPU 1.2B run, from the published TFLOP/s
+    (F96, fixed per case, so a predicted TFLOP/s is the published one x measured / predicted time)."""
+    f_tp8, f_one = _paper_also(m, MLM20_TP8, "achieved_tflops_per_gpu"), _paper_also(m, MLM20_ONE, "achieved_tflops_per_gpu")
+    if t_tp8 is None:
+        return f_tp8 / f_one
+    return (f_tp8 * _paper_value(m, MLM20_TP8, 1e-3) / t_tp8) / (f_one * _paper_value(m, MLM20_ONE, 1e-3) / t_one)
+
+
+def _megatron_cases() -> list[Case]:
+    """Published Megatron-LM runs (2020 README, Narayanan et al. 2021, Korthikanti et al. 2022)."""
     out = []
     for gpu in ("V100", "A100"):
         cid = f"MLM20-GPT2-1.2B-1x{gpu}"
-        out.append(Case(f"megatron2020_1b_1x{gpu.lower()}.step_time",
-                        f"scenarios/paper/megatron2020_gpt2_1p2b_1x{gpu.lower()}.yaml", "step_time_s",
-                        lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.15,
+        out.append(Case(cid, _scenario(cid), "step_time_s", lambda m, c=cid: _paper_value(m, c, 1e-3), 0.15,
                         f"paper_cases.yaml {cid} (Megatron-LM README, 2020)"))
-    cid = "MLM20-GPT2-8.7B-TP8-8xA100"
-    out.append(Case("megatron2020_8b_tp8_8xa100.step_time", "scenarios/paper/megatron2020_gpt2_8p7b_tp8_8xa100.yaml",
-                    "step_time_s", lambda m, c=cid: m["paper"][c]["measured"]["value"] / 1e3, 0.10,
-                    f"paper_cases.yaml {cid} (Megatron-LM README, 2020; tensor parallel 8)"))
-    out += _zerooffload_cases()
+    out.append(Case(MLM20_TP8, _scenario(MLM20_TP8), "step_time_s", lambda m: _paper_value(m, MLM20_TP8, 1e-3), 0.10,
+                    f"paper_cases.yaml {MLM20_TP8} (Megatron-LM README, 2020; tensor parallel 8)"))
+    out.append(Case(f"{MLM20_TP8}-weak-scaling", _scenario(MLM20_TP8), "weak_scaling_efficiency", lambda m: _weak_scaling(m),
+                    0.05, f"paper_cases.yaml {MLM20_TP8} / {MLM20_ONE} achieved_tflops_per_gpu (109.3 / 149.8); "
+                    "tolerance: 5 points, absolute",
+                    more_scenarios=(_scenario(MLM20_ONE),), absolute=True,
+                    predict=lambda m, a, b: _weak_scaling(m, a["step_time_s"], b["step_time_s"])))
+    out.append(Case(NARAYANAN, _scenario(NARAYANAN), "megatron_flops_per_s_per_gpu",
+                    lambda m: _paper_value(m, NARAYANAN, 1e12), 0.10,
+                    f"paper_cases.yaml {NARAYANAN} (Narayanan et al. SC21 Table 1; eq. 3 FLOPs)"))
+    for v in KORTH_VARIANTS:
+        out.append(Case(f"{KORTH}-{v}", _scenario(f"{KORTH}-{v}"), "step_time_s",
+                        lambda m, v=v: _paper_value(m, KORTH, variant=v), 0.10,
+                        f"paper_cases.yaml {KORTH} {v} (Korthikanti et al. MLSys 2023 Table 5)"))
+    full, sel = KORTH_VARIANTS
+    out.append(Case(f"{KORTH}-ratio", _scenario(f"{KORTH}-{full}"), f"step_time_s {full} / {sel}",
+                    lambda m: _paper_value(m, KORTH, variant=full) / _paper_value(m, KORTH, variant=sel), 0.05,
+                    f"paper_cases.yaml {KORTH} {full} / {sel} (1.42 / 1.10 s)",
+                    more_scenarios=(_scenario(f"{KORTH}-{sel}"),), predict=lambda m, a, b: a["step_time_s"] / b["step_time_s"]))
     return out
+
+
+def _paper_cases() -> list[Case]:
+    return _megatron_cases() + _zerooffload_cases()
 
 
 ZO_ID = "ZEROOFFLOAD-GPT2-10B-1xV100-log"
@@ -109,27 +229,29 @@ ZO_CPU_ADAM_S = (6.48, 6.22)
 
 
 def _also(m: dict, cid: str, metric: str) -> float:
+    """Mean of a list-valued ``also_measured`` entry."""
     vals = next(x["value"] for x in m["paper"][cid]["also_measured"] if x["metric"] == metric)
     return sum(vals) / len(vals)
 
 
 def _zerooffload_cases() -> list[Case]:
     """The ZeRO-Offload tutorial step (GPT-2 10B, one V100, DeepSpeedCPUAdam): its logged parts, 15 %."""
-    scen = "scenarios/paper/zerooffload_gpt2_10b_v100.yaml"
+    scen = _scenario(ZO_ID)
     src = f"paper_cases.yaml {ZO_ID} (DeepSpeed ZeRO-Offload tutorial log, 2020)"
-    out = [Case("zerooffload_10b_1xv100.step_time", scen, "step_time_s",
+    out = [Case(ZO_ID, scen, "step_time_s",
                 lambda m: m["paper"][ZO_ID]["measured"]["value"], 0.15, src + " iteration_time")]
     for ph, metric in (("fwd", "forward_time"), ("bwd", "backward_time"), ("opt", "optimizer_time")):
-        out.append(Case(f"zerooffload_10b_1xv100.{ph}", scen, f"phase_s.{ph}_s",
+        out.append(Case(ZO_ID, scen, f"phase_s.{ph}_s",
                         lambda m, x=metric: _also(m, ZO_ID, x), 0.15, f"{src} {metric} (mean)"))
-    out.append(Case("zerooffload_10b_1xv100.cpu_adam", scen, "offload_cpu_optimizer_s",
+    out.append(Case(ZO_ID, scen, "offload_cpu_optimizer_s",
                     lambda m: sum(ZO_CPU_ADAM_S) / len(ZO_CPU_ADAM_S), 0.15, f"{src} optimizer_step (CPU Adam, mean)"))
     return out
 
 
 def all_cases() -> list[Case]:
     """Every bundled case: H200 training steps, energy, offload and dataloader runs; published cases
-    (Megatron-LM 2020, the ZeRO-Offload tutorial's 10B step)."""
+    (Megatron-LM 2020, Narayanan et al. 2021, Korthikanti et al. 2022, the ZeRO-Offload tutorial's
+    10B step)."""
     return _h200_train_cases() + _h200_other_cases() + _paper_cases()
 
 
@@ -141,7 +263,13 @@ def _get(summary: dict, dotted: str) -> float:
 
 
 def validation_table(names: list[str] | None = None) -> pd.DataFrame:
-    """Run the cases and return ``case, metric, measured, predicted, error, tolerance, ok, source``.
+    """Run the cases and return one row per case with ``case_id, metric, measured, predicted, error``
+    (``predicted / measured - 1``), ``tolerance, within, source, known_gap`` (the reason string of a
+    known miss, ``KNOWN_GAPS``, else None). ``within`` compares ``|error|`` with the tolerance, or
+    ``|predicted - measured|`` for a case with an absolute tolerance (a share, in points).
+
+    Args:
+        names: Case ids (or prefixes of them) to run; default all.
 
     Raises:
         ScenarioError: an unknown case name.
@@ -152,11 +280,10 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
 
     cases = all_cases()
     if names:
-        known = {c.name for c in cases}
-        bad = [n for n in names if n not in known and not any(c.name.startswith(n) for c in cases)]
+        bad = [n for n in names if not any(c.case_id.startswith(n) for c in cases)]
         if bad:
-            raise ScenarioError(f"unknown validation case(s) {bad}; known: {sorted(known)}")
-        cases = [c for c in cases if any(c.name == n or c.name.startswith(n) for n in names)]
+            raise ScenarioError(f"unknown validation case(s) {bad}; known: {sorted({c.case_id for c in cases})}")
+        cases = [c for c in cases if any(c.case_id.startswith(n) for n in names)]
     import yaml
 
     meas = json.loads(data_file(H200).read_text())
@@ -164,11 +291,16 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
     results: dict[str, dict] = {}
     rows = []
     for c in cases:
-        if c.scenario not in results:
-            results[c.scenario] = run_scenario(load_scenario(data_file(c.scenario))).summary
-        pred = _get(results[c.scenario], c.metric)
+        for scen in c.scenarios:
+            if scen not in results:
+                results[scen] = run_scenario(load_scenario(data_file(scen))).summary
+        summaries = [results[s] for s in c.scenarios]
+        pred = float(c.predict(meas, *summaries)) if c.predict else _get(summaries[0], c.metric)
         m = float(c.measured(meas))
         err = pred / m - 1
-        rows.append({"case": c.name, "metric": c.metric, "measured": m, "predicted": pred, "error": err,
-                     "tolerance": c.tolerance, "ok": abs(err) <= c.tolerance, "source": c.source})
-    return pd.DataFrame(rows)
+        within = abs(pred - m) <= c.tolerance if c.absolute else abs(err) <= c.tolerance
+        rows.append({"case_id": c.case_id, "metric": c.metric, "measured": m, "predicted": pred, "error": err,
+                     "tolerance": c.tolerance, "within": bool(within), "source": c.source, "known_gap": c.known_gap})
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df["known_gap"] = df.known_gap.astype(object).where(df.known_gap.notna(), None)  # None, not NaN
+    return df

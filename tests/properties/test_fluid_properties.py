@@ -264,7 +264,7 @@ def test_zerooffload_scenario_runs_at_late_simulated_times(monkeypatch):
     Before the shared solver this hung (the PCIe fluid model re-scheduled the same instant); the
     alarm turns a hang into a failure.
     """
-    cfg = load_scenario(ROOT / "scenarios/paper/zerooffload_gpt2_10b_v100.yaml",
+    cfg = load_scenario(ROOT / "scenarios/validation/ZEROOFFLOAD-GPT2-10B-1xV100-log.yaml",
                         ["model.num_layers=2", "run.steps=3"])
     base = api.run_scenario(cfg).summary["step_time_s"]
     environment = simpy.Environment

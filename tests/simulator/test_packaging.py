@@ -23,7 +23,7 @@ from simulator.studies.validation import all_cases, H200, PAPER
 from hardware_models import presets
 pkg = Path(simulator.__file__).parent
 files = [paths.scenario("h200/gpt_184m_b8.yaml"), paths.data_file(H200), paths.data_file(PAPER)]
-files += [paths.data_file(c.scenario) for c in all_cases()]
+files += [paths.data_file(s) for c in all_cases() for s in c.scenarios]
 print(json.dumps({"pkg": str(pkg), "bundle": str(paths.bundle_root()),
                   "files": [str(f) for f in files], "presets": str(presets.list_presets())}))
 """
@@ -47,7 +47,7 @@ def test_verbs_data_is_package_data(tmp_path):
     run = subprocess.run([sys.executable, "-m", "simulator", "validate", "dataloader_w0.data_wait", "--json"],
                          cwd=work, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)[0]["case"] == "dataloader_w0.data_wait"
+    assert json.loads(run.stdout)[0]["case_id"] == "dataloader_w0.data_wait"
 
 
 def test_checkout_falls_back_to_the_repository():

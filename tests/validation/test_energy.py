@@ -27,6 +27,7 @@ import pytest
 
 from simulator import load_scenario, run_scenario
 from tests.conftest import ROOT
+from tests.validation.common import gap_marks
 
 pytestmark = pytest.mark.validation
 MEAS = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["train"]
@@ -40,14 +41,9 @@ def summary(b: int) -> dict:
     return _cache[b]
 
 
-CASES = [
-    pytest.param(4, "energy_j_per_step", marks=pytest.mark.xfail(strict=True, reason="b4 launch gaps priced at idle power (see module doc)")),
-    pytest.param(4, "avg_power_w", marks=pytest.mark.xfail(strict=True, reason="b4 launch gaps priced at idle power (see module doc)")),
-    pytest.param(8, "energy_j_per_step"),
-    pytest.param(8, "avg_power_w"),
-    pytest.param(16, "energy_j_per_step"),   # fitted
-    pytest.param(16, "avg_power_w"),         # fitted
-]
+# b16 is the fitted case; b4 is a known gap (module doc)
+CASES = [pytest.param(b, m, marks=gap_marks(f"gpt_184m_b{b}.{m}", m))
+         for b in (4, 8, 16) for m in ("energy_j_per_step", "avg_power_w")]
 
 
 @pytest.mark.parametrize("batch,metric", CASES)

@@ -20,8 +20,8 @@ CASES = {c["id"]: c for c in yaml.safe_load((ROOT / "tests/data/paper/paper_case
 
 
 @pytest.mark.parametrize("case_id,scenario", [
-    ("MLM20-GPT2-1.2B-1xV100", "scenarios/paper/megatron2020_gpt2_1p2b_1xv100.yaml"),
-    ("MLM20-GPT2-1.2B-1xA100", "scenarios/paper/megatron2020_gpt2_1p2b_1xa100.yaml"),
+    ("MLM20-GPT2-1.2B-1xV100", "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"),
+    ("MLM20-GPT2-1.2B-1xA100", "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml"),
 ])
 def test_iteration_time_within_15_percent(case_id, scenario):
     meas = CASES[case_id]["measured"]["value"] / 1e3

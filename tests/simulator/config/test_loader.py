@@ -65,6 +65,7 @@ def test_scenarios_readme_is_up_to_date():
 def test_validate_command_subset_and_unknown_case(capsys):
     assert main(["validate", "gpt_184m_b8.step_time", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["case"] == "gpt_184m_b8.step_time" and abs(rows[0]["error"]) < 0.10
+    assert rows[0]["case_id"] == "gpt_184m_b8.step_time" and abs(rows[0]["error"]) < 0.10
+    assert rows[0]["within"] is True and rows[0]["known_gap"] is None
     assert main(["validate", "no_such_case"]) == 2
     assert "unknown validation case" in capsys.readouterr().err

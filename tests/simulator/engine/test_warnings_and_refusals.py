@@ -64,7 +64,7 @@ def test_bf16_on_a_gpu_without_bf16_and_sequence_parallel_without_tp_are_flagged
     from simulator.api import run_scenario
     from simulator.config.loader import load_scenario
 
-    v100 = ROOT / "scenarios/paper/megatron2020_gpt2_1p2b_1xv100.yaml"
+    v100 = ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"
     w = run_scenario(load_scenario(v100, ["training.precision=bf16", "run.steps=2", "model.num_layers=2"])).summary
     assert any("has no tensor-core rate" in x for x in w["warnings"])
     w16 = run_scenario(load_scenario(v100, ["run.steps=2", "model.num_layers=2"])).summary  # fp16: no warning

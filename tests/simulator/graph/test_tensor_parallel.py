@@ -21,7 +21,7 @@ from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import CostClass, OpKind
 from tests.conftest import ROOT, make_hw
 
-MLM20 = ROOT / "scenarios/paper/megatron2020_gpt2_8p7b_tp8_8xa100.yaml"
+MLM20 = ROOT / "scenarios/validation/MLM20-GPT2-8.7B-TP8-8xA100.yaml"
 # tiny model: L=2, h=64, a=4, f=256, s=16, b=2 (T = 32 tokens), V=1000
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000, ffn_hidden_size=256,
             micro_batch_size=2, precision="fp16")
@@ -216,5 +216,5 @@ def test_summary_num_parameters_is_the_published_unsharded_count():
 
     llama = load_scenario(ROOT / "scenarios/h200/llama3_8b_b1.yaml", ["model.num_layers=32"])
     assert model_num_parameters(llama) == 8_030_261_248
-    tp8 = load_scenario(ROOT / "scenarios/paper/megatron2020_gpt2_8p7b_tp8_8xa100.yaml")
+    tp8 = load_scenario(ROOT / "scenarios/validation/MLM20-GPT2-8.7B-TP8-8xA100.yaml")
     assert round(model_num_parameters(tp8) / 1e9, 2) == 8.67
