@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hardware_models.fluid import maxmin_rates
 from hardware_models.host import HostCpuSpec
 
 DEFAULT_SUSTAINED_FRACTION = 0.8
@@ -128,6 +129,35 @@ def stream_bandwidth(cpu: HostCpuSpec, threads: int | None = None, memory_nodes:
     return min(t * per_core, nodes * node_bw)
 
 
+def shared_stream_bandwidth(cpu: HostCpuSpec, ranks: int, threads: int | None = None,
+                            memory_nodes: int | None = None) -> float:
+    """DRAM bandwidth one of ``ranks`` processes streaming at once on this host gets, bytes/s.
+
+    ``ranks`` == 1: :func:`stream_bandwidth`. ``ranks`` > 1 (several GPUs' ZeRO-Offload CPU steps on
+    one host, DeepSpeed runs one ``DeepSpeedCPUAdam`` per rank): each rank is bound to one NUMA node,
+    ranks in consecutive blocks per node (rank ``r`` on node ``r * nodes // ranks``; DeepSpeed's
+    launcher ``--bind_cores_to_rank`` splits the node's cores evenly in rank order,
+    deepspeed/launcher/launch.py), its memory local to that node (first touch, as for one rank). Each
+    rank is one flow capped by its own ``threads x per-core bandwidth``; the flows share each node's
+    sustained bandwidth max-min fairly (``hardware_models.fluid.maxmin_rates``, the solver of the link
+    network and the CPU pool). Returns the smallest rank's share: the data-parallel step waits for
+    the slowest rank. ``memory_nodes`` is ignored for ``ranks`` > 1 (one node per rank).
+
+    Raises:
+        ValueError: ``ranks`` < 1.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    t = threads or cpu.threads
+    if ranks == 1:
+        return stream_bandwidth(cpu, t, memory_nodes)
+    per_core = cpu.per_core_bandwidth_bytes_per_s or DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S
+    node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
+    flows = [((f"mem{r * cpu.nodes // ranks}",), t * per_core) for r in range(ranks)]
+    caps = {f"mem{n}": node_bw for n in range(cpu.nodes)}
+    return min(maxmin_rates(flows, caps))
+
+
 def vector_slots_per_s(cpu: HostCpuSpec, threads: int | None = None) -> float:
     """Vector slots per second of ``threads`` threads (element-lanes of fp32): inf when the clock is unknown."""
     clock = cpu.vector_clock_hz
@@ -137,10 +167,12 @@ def vector_slots_per_s(cpu: HostCpuSpec, threads: int | None = None) -> float:
 
 
 def pass_time_s(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
-                memory_nodes: int | None = None, fresh_elements: float | None = None) -> float:
-    """Seconds of one pass over ``elements`` (``fresh_elements``: those whose fresh output faults)."""
+                memory_nodes: int | None = None, fresh_elements: float | None = None,
+                bandwidth_bytes_per_s: float | None = None) -> float:
+    """Seconds of one pass over ``elements`` (``fresh_elements``: those whose fresh output faults;
+    ``bandwidth_bytes_per_s``: the DRAM bandwidth this pass gets, default :func:`stream_bandwidth`)."""
     t = threads or cpu.threads
-    mem = p.bytes * elements / stream_bandwidth(cpu, t, memory_nodes)
+    mem = p.bytes * elements / (bandwidth_bytes_per_s or stream_bandwidth(cpu, t, memory_nodes))
     flop = p.slots * elements / vector_slots_per_s(cpu, t)
     fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
     fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
@@ -156,8 +188,11 @@ def faulting_elements(tensor_elements, elem_bytes: float) -> float:
 
 def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0, threads: int | None = None,
                  memory_nodes: int | None = None, state_bytes: int = 4, grad_bytes: int = 4,
-                 copy_bytes: int = 2) -> float:
+                 copy_bytes: int = 2, bandwidth_bytes_per_s: float | None = None) -> float:
     """Seconds of one AdamW step over tensors of ``tensor_elements`` elements on ``cpu``.
+
+    ``bandwidth_bytes_per_s``: DRAM bandwidth the step gets (default :func:`stream_bandwidth`; a
+    rank sharing the host: :func:`shared_stream_bandwidth`).
 
     ``dispatch_s``: host time per op per tensor (Python + ATen dispatch); each pass of the
     PyTorch implementations dispatches once per tensor (foreach ops on CPU loop over tensors),
@@ -169,6 +204,6 @@ def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: fl
     total = 0.0
     for p in passes:
         fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
-        total += pass_time_s(p, P, cpu, threads, memory_nodes, fe)
+        total += pass_time_s(p, P, cpu, threads, memory_nodes, fe, bandwidth_bytes_per_s)
     dispatches = len(passes) + (1 if impl.startswith("torch") and impl != "torch_fused" else 0)
     return total + len(sizes) * dispatches * dispatch_s

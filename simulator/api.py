@@ -161,6 +161,16 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
+    if z is not None and dp_many and z.offload_optimizer.device == "cpu":
+        from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
+
+        r = ranks_per_node(hw)
+        out.append(f"ZeRO-Offload on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
+                   f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, z.offload_mode, r)} threads "
+                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
+                   "share of its NUMA node's memory bandwidth (ranks bound to nodes in blocks); host memory is "
+                   "checked for all of the node's ranks; not modelled: the PCIe switches / root ports the node's "
+                   "GPUs share (each rank's copies get the whole link) and the other ranks' training threads")
     return out
 
 

@@ -303,9 +303,9 @@ class ScenarioConfig(_Model):
             raise ValueError("zero_optimization.stage: 2 with gradient accumulation (global_batch_size > "
                              "micro_batch_size x data_parallel_size; DeepSpeed reduces every micro-batch) is not "
                              "modelled yet (allowed: stage 0 or 1, or no accumulation)")
-        if dp > 1 and (z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
-            raise ValueError("zero_optimization.offload_optimizer: offload with data_parallel_size > 1 is not "
-                             "modelled yet (allowed: device none)")
+        if dp > 1 and z.offload_param.device != "none":
+            raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
+                             "modelled yet (allowed: device none; offload_optimizer is)")
         return self
 
     @model_validator(mode="after")

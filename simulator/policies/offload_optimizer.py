@@ -27,6 +27,14 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   step i-1's gradients out of the staging buffer, the upload waits for the end of step i's
   backward, and step i+1's forward waits for that upload (``meta["prev_step_deps"]``).
 
+* **Data parallel** (``data_parallel_size`` > 1 on a cluster, ZeRO 1/2): each rank owns ``ceil(P /
+  dp)`` parameters (host buffers, CPU step and upload are for that partition); the builder's
+  gradient reduce-scatters run in bf16 and each is followed by the D2H copy of this rank's shard
+  (DeepSpeed stage_1_and_2.py with ``offload_optimizer``); the updated partition goes up in one
+  H2D copy and is all-gathered (``allgather_bucket_size`` chunks). The node's ranks share its host:
+  ``cpu_threads`` / ``hardware_models.host_kernels.shared_stream_bandwidth`` and ``host_memory_oom``
+  with ``ranks_per_node``; the PCIe switches they share are not modelled (a run warning says so).
+
 CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
 two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
 scripts/fit_host_cpu_model.py):
@@ -50,7 +58,7 @@ from __future__ import annotations
 import numpy as np
 
 from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
-                                          pass_time_s)
+                                          pass_time_s, shared_stream_bandwidth)
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
@@ -69,20 +77,38 @@ PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
 
 
 # -- CPU time model ------------------------------------------------------------------------------
-def cpu_threads(hw, mode: str = "overlap") -> int:
-    """Intra-op threads the CPU step gets: the host's, less the training thread's core under DPU
-    when the pool already covers every available core (oversubscription: the two share it)."""
+def ranks_per_node(hw) -> int:
+    """Ranks of the cluster that share this rank's host (1 without a cluster): each GPU of the node
+    is one rank, and each offloads its optimizer partition to the same host."""
+    if getattr(hw, "collectives", None) is None or hw.world_size <= 1:
+        return 1
+    return max(1, min(hw.collectives.topo.gpus_per_node, hw.world_size))
+
+
+def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
+    """Intra-op threads one rank's CPU step gets.
+
+    One rank: the host's ``threads``. ``ranks`` > 1 sharing the host: ``threads_used`` if set (per
+    rank), else the node's cores split evenly, ``cores // ranks`` (DeepSpeed runs one CPUAdam per
+    rank; its launcher's ``--bind_cores_to_rank`` gives each rank ``cores / ranks`` cores,
+    deepspeed/launcher/launch.py). Under DPU the training thread takes one core from the rank's pool
+    when the pool already covers every core it has (oversubscription: the two share it)."""
     cpu = hw.host_cpu
-    t = cpu.threads
-    if mode == "delayed_param_update" and t >= cpu.cores_available:
+    avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores // ranks)
+    t = cpu.threads if ranks == 1 else (cpu.threads_used or avail)
+    if mode == "delayed_param_update" and t >= avail:
         t = max(1, t - DPU_TRAINING_THREAD_CORES)
     return t
 
 
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
-                   pin_memory: bool = True) -> dict[str, float]:
+                   pin_memory: bool = True, ranks: int = 1) -> dict[str, float]:
     """Seconds of the three CPU ops of one offloaded optimizer step (host roofline, see
     ``hardware_models.host_kernels``).
+
+    ``ranks``: ranks of the node running their CPU steps on this host at the same time (each on its
+    own ``params``); they split the cores (``cpu_threads``) and share the memory bandwidth max-min
+    fairly (``hardware_models.host_kernels.shared_stream_bandwidth``). 1: the host is this rank's.
 
     ``tensor_elements``: element count per parameter tensor (default: ``n_tensors`` equal ones),
     used for the page-fault term of fresh outputs (only tensors of 32 MiB and more fault each
@@ -100,23 +126,30 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     cpu = hw.host_cpu
     sizes = list(tensor_elements) if tensor_elements is not None else [params / max(n_tensors, 1)] * n_tensors
     launch = hw.launch.per_op_s
-    t = cpu_threads(hw, mode)
+    t = cpu_threads(hw, mode, ranks)
     nodes = 1 if pin_memory else None
+    bw = shared_stream_bandwidth(cpu, ranks, t, nodes)
     ds = impl == "deepspeed_cpu_adam"
     # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
-    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes))
+    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
                  + n_tensors * launch)
-    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes) + n_tensors * launch
-    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes)
+    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes, None, bw) + n_tensors * launch
+    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes, bandwidth_bytes_per_s=bw)
     return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
 
 
-def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True) -> tuple[float, str]:
-    """AdamW throughput of the host on one tensor of ``params`` parameters, params/s, and how it was got."""
-    s = adamw_step_s(hw.host_cpu, impl, [params], threads=cpu_threads(hw, mode), memory_nodes=1 if pin_memory else None)
-    return params / s, f"host roofline ({hw.host_cpu.name}, {cpu_threads(hw, mode)} threads)"
+def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True,
+                  ranks: int = 1) -> tuple[float, str]:
+    """AdamW throughput of one rank on one tensor of ``params`` parameters, params/s, and how it was
+    got (``ranks``: ranks sharing the host, see ``cpu_step_times``)."""
+    t = cpu_threads(hw, mode, ranks)
+    nodes = 1 if pin_memory else None
+    s = adamw_step_s(hw.host_cpu, impl, [params], threads=t, memory_nodes=nodes,
+                     bandwidth_bytes_per_s=shared_stream_bandwidth(hw.host_cpu, ranks, t, nodes))
+    shared = f", host shared by {ranks} ranks" if ranks > 1 else ""
+    return params / s, f"host roofline ({hw.host_cpu.name}, {t} threads{shared})"
 
 
 def param_tensor_sizes(spec) -> list[int]:
@@ -235,28 +268,33 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     if mode not in ("serial", "overlap", "delayed_param_update"):
         raise PolicyError(f"{key}.mode: unknown mode {mode!r}; allowed: serial, overlap, delayed_param_update")
     P = spec.num_parameters
+    dp = spec.data_parallel_size
+    shard = -(-P // dp)  # this rank's ZeRO partition (DeepSpeed pads the flat buffer to dp)
+    share = shard / P
+    ranks = ranks_per_node(hw) if dp > 1 else 1
     host_dev = "host_pinned" if pin_memory else "host_pageable"
     persistent = [t for t in graph.persistent if t.name not in
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
     if not any(t.name == "params.bf16" for t in persistent):
         persistent.append(TensorAlloc("params.bf16", 2 * P, "gpu"))
     persistent += [
-        TensorAlloc("params.master_fp32.host", 4 * P, host_dev),
-        TensorAlloc("optimizer.exp_avg.host", 4 * P, host_dev),
-        TensorAlloc("optimizer.exp_avg_sq.host", 4 * P, host_dev),
-        TensorAlloc("offload.grad_staging.bf16", 2 * P, host_dev),
-        TensorAlloc("offload.param_staging.bf16", 2 * P, host_dev),
+        TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
+        TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
+        TensorAlloc("optimizer.exp_avg_sq.host", 4 * shard, host_dev),
+        TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev),
+        TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
     ]
 
     grads = gradients(graph, spec)
-    buckets = _buckets(grads, bucket_elems)
+    buckets = _buckets(grads, bucket_elems) if dp == 1 else []
     by_producer: dict[int, list[list[dict]]] = {}
     for b in buckets:
         by_producer.setdefault(b[-1]["op"], []).append(b)
     bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
     last_bwd = bwd_ops[-1].id
-    sizes = param_tensor_sizes(spec)
-    times = cpu_step_times(P, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory)
+    sizes = [n * share for n in param_tensor_sizes(spec)]
+    times = cpu_step_times(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
+                           ranks=ranks)
     dpu = mode == "delayed_param_update"
     cpu_stream = "cpu.adam" if dpu else "host"
     rw = GraphRewriter(graph)
@@ -267,14 +305,14 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         for name in CPU_OPS:
             allocs, uses = (), ()
             if name == "cpu.grad_cast":
-                allocs = (TensorAlloc("grad.fp32.host", 4 * P, "host_pageable"),)
+                allocs = (TensorAlloc("grad.fp32.host", 4 * shard, "host_pageable"),)
             elif name == "cpu.adam":
                 uses = ("grad.fp32.host",)
                 if impl in ("torch_foreach", "torch_single"):
-                    allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * P, "host_pageable"),)
+                    allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * shard, "host_pageable"),)
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
-                       meta={"params": P, "impl": impl})
+                       meta={"params": shard, "impl": impl})
             ids.append(i)
             d = [i]
         return ids
@@ -303,6 +341,18 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             continue
         if op.name == "step.synchronize":
             break
+        if dp > 1 and op.kind == OpKind.COLLECTIVE and (op.meta or {}).get("collective") == "reduce_scatter":
+            # ZeRO-2 offload: the bucket is reduce-scattered in the model dtype (bf16: half the fp32
+            # bytes of the builder), then this rank's reduced shard goes to the host's fp32 buffer
+            # (DeepSpeed stage_1_and_2.py: copy_grads_in_partition -> async copy to the CPU buffer)
+            nb = int(op.meta["bytes"]) // 2
+            new = rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
+                          allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs))
+            i = rw.add(f"offload.d2h.grad.shard.{op.name.rsplit('.', 1)[-1]}", OpKind.MEMCPY_D2H, "d2h",
+                       deps=[new] + ([chain[0]] if dpu else []), phase=Phase.BWD, layer=op.layer,
+                       cost_class=CostClass.COPY, bytes_read=float(-(-nb // dp)), pinned=pin_memory)
+            d2h_ids.append(i)
+            continue
         new = rw.copy(op)
         if first_fwd is None and op.kind == OpKind.COMPUTE and op.phase == Phase.FWD:
             first_fwd = new
@@ -315,20 +365,31 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     if not dpu:
         chain = cpu_chain([bwd_done])
     h2d_ids = []
-    for gname, layer, n in layer_param_groups(spec):
+    groups = layer_param_groups(spec) if dp == 1 else [("shard", -1, shard)]  # one flat partition per rank
+    for gname, layer, n in groups:
         deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
         h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
                               layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory))
-    sync_deps = [bwd_done] if dpu else h2d_ids
+    ag_ids = []
+    if dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
+        left = P
+        while left > 0:
+            n = min(left, spec.allgather_bucket_elements)
+            ag_ids.append(rw.add(f"zero.param_all_gather.{len(ag_ids)}", OpKind.COLLECTIVE, "comm.dp", deps=h2d_ids,
+                                 phase=Phase.OPT, bytes_read=float(2 * n), dtype="bf16",
+                                 meta={"collective": "all_gather", "bytes": int(2 * n), "group": "dp"}))
+            left -= n
+    sync_deps = [bwd_done] if dpu else h2d_ids + ag_ids
     rw.add("step.synchronize", OpKind.SYNC, "host", deps=sync_deps, phase=Phase.OTHER, launch=False)
     if dpu:
         rw.prev_step(chain[0], d2h_ids)  # step i's CPU work reads step i-1's gradients
         if first_fwd is not None:
-            rw.prev_step(first_fwd, h2d_ids)  # step i+1 runs on the parameters uploaded in step i
+            rw.prev_step(first_fwd, h2d_ids + ag_ids)  # step i+1 runs on the parameters uploaded in step i
     meta = dict(graph.meta)
     meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
-                                 "grad_copies": len(buckets), "param_copies": len(h2d_ids),
-                                 "adam_rate": cpu_adam_rate(P, impl, hw, mode, pin_memory)}
+                                 "grad_copies": len(d2h_ids), "param_copies": len(h2d_ids),
+                                 "params_per_rank": shard, "ranks_per_host": ranks,
+                                 "adam_rate": cpu_adam_rate(shard, impl, hw, mode, pin_memory, ranks)}
     return rw.finish(persistent=persistent, meta=meta)
 
 
@@ -347,15 +408,17 @@ def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     return out
 
 
-def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw) -> str | None:
+def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw, ranks: int = 1) -> str | None:
     """One line naming what did not fit in host memory, or None: the pinned and pageable host
     buffers together against ``hardware.host`` memory (each pool alone is checked by the engine,
-    like the GPU's)."""
+    like the GPU's). ``ranks``: ranks of the node whose buffers (this rank's, each) share the host."""
+    pinned_peak_bytes, pageable_peak_bytes = ranks * pinned_peak_bytes, ranks * pageable_peak_bytes
     total = pinned_peak_bytes + pageable_peak_bytes
     cap = hw.host_memory.capacity_bytes
     if total <= cap:
         return None
-    return (f"out of memory on host: offload buffers need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
+    who = f" for the node's {ranks} ranks" if ranks > 1 else ""
+    return (f"out of memory on host: offload buffers{who} need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
             f"fp32 master weights, Adam moments, staging; pageable {pageable_peak_bytes / 1e9:.2f} GB: fp32 gradients, "
             f"temporaries) but hardware.host ({hw.host_cpu.name}) has {cap / 1e9:.2f} GB, short by "
             f"{(total - cap) / 1e9:.2f} GB")
@@ -375,8 +438,9 @@ class OffloadSummary:
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = offload_parts(spans, steps)
+        dp = self.cfg.parallelism.data_parallel_size or 1
         host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                                   self.hw)
+                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1)
         if host_oom and not summary.get("oom"):
             out["oom"] = host_oom
         return out

@@ -21,13 +21,30 @@ step in either mode in this model (the measured difference is not explained).
 
 Known misses (strict xfail, so that a fix shows up):
 
-* H200 cpu_adam (and so step): the run's Kineto trace shows the in-place foreach passes at
-  ~66 GB/s (201.7 ms for 72 B/param) where the single-tensor microbenchmark fits 98 GB/s, plus
-  ~30 ms of Python between the foreach ops; the model follows the microbenchmark. Unverified
-  explanation: the run's optimizer state is in pinned 4 KiB pages (no transparent huge pages)
-  in a KVM guest (two-dimensional page walks), the benchmark's in pageable THP-backed memory.
+* H200 cpu_adam (and so step): the run's Kineto trace (tests/data/h200/trace_gpt_184m_b16_offload_overlap,
+  ProfilerStep#2, main thread) against the model, ms: grad cast 48.0 vs 82.8 (model over: its
+  6.18 us/page fault cost charges 70 ms for the fp32 gradients' 181k fresh pages); foreach passes
+  mul_ 21.7 / lerp_ 31.6 / mul_ 18.1 / addcmul_ 39.2 / div_ 18.8 / add_ 20.8 / addcdiv_ 42.8
+  (56-82 GB/s) vs 15.2 / 22.7 / 15.2 / 22.7 / 15.2 / 15.2 / 30.3 at the fitted 98 GB/s; sqrt 71.0
+  vs 85.2; 26 ms after the last pass inside Optimizer.step with no op (the 743 MB of sqrt
+  temporaries freed: munmap, not modelled); param cast + upload issue 36 vs 12.8. Totals 378 vs
+  330 (the unprofiled median is 421). So the 2x2 fit of scripts/fit_host_cpu_model.py is
+  confounded: it explains foreach=False's extra 72 ms at 192M by faults alone, but at 64M (one
+  256 MB tensor, under the 300 MiB L3) foreach=False is *faster* than foreach=True, which a
+  per-page fault cost cannot give; bandwidth, fault and unmap costs need a third measurement
+  (e.g. the microbenchmark with a preallocated ``out=`` temporary) to separate. Not refitted on
+  this trace: it is the validation run itself.
 * the 10B V100 case: the GPU side has no V100 efficiency profile (generic 70% GEMM efficiency;
-  the log's forward runs at ~35 TFLOP/s, half the backward's rate). The CPU Adam step (DeepSpeed
+  the log's forward runs at ~35 TFLOP/s (2.19e14 FLOP in 6.20 s), the backward with its
+  recompute at ~55 (6.6e14 in 12.07 s), the model both at ~83). What the scenario leaves out of
+  the logged run: its DeepSpeed config (DeepSpeedExamples Megatron-LM/scripts/
+  ds_zero-offload_10B_config.json, loss scale 4096 as in the log) checkpoints activations to
+  the CPU (cpu_checkpointing, partition_activations, contiguous_memory_optimization: in the 2020
+  checkpointing.py a blocking copy_ into freshly allocated pageable CPU buffers, 84 MB per layer
+  per direction, whose first-touch faults a later DeepSpeed comment names as slowing the copy),
+  and the 2020 Megatron GPT-2 attention is unfused (QK^T, scale, mask, softmax, dropout over
+  10 x 32 x 1024^2 scores per layer: ~5 memory-bound passes over 671 MB each way) where the
+  builder has one flash kernel (98 ms for all 50 forward layers). The CPU Adam step (DeepSpeed
   CPUAdam, 30 B/param on the inferred DGX-2 host, pinned state on one NUMA node: 102 GB/s)
   predicts 3.63 s against 6.35 s logged: the host is inferred (the tutorial does not state it),
   and the 2020 CPUAdam also copied fp16 parameters to the GPU inside the step, tile by tile
