@@ -361,6 +361,10 @@ def build_gpt_step(spec: TransformerSpec) -> OpGraph:
       the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
       bucket (the full gradients live until their bucket's reduce-scatter ends); after the step
       the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
+    * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
+      all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
+      through the hooks ``_gather_layer_params`` / ``_release_layer_params``
+      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources).
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
