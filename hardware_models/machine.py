@@ -112,6 +112,8 @@ class Hardware:
         world_size: Ranks in the cluster (1 without one).
         dp_group: Global ranks of the representative rank's data-parallel group.
         tp_group: Global ranks of its tensor-parallel group (consecutive, inside one node).
+        dp_shard_group: The data-parallel ranks of its node (FSDP HYBRID_SHARD shards inside a node).
+        dp_replicate_group: The ranks with its local rank on every node (HYBRID_SHARD's all-reduce across nodes).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -125,6 +127,8 @@ class Hardware:
     world_size: int = 1
     dp_group: tuple[int, ...] = (0,)
     tp_group: tuple[int, ...] = (0,)
+    dp_shard_group: tuple[int, ...] = (0,)
+    dp_replicate_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 

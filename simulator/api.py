@@ -41,14 +41,62 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if dp > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
-        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_comm,
+        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
+        sharding=sharding_spec(cfg) if dp > 1 else None,
     )
+
+
+def sharding_spec(cfg: ScenarioConfig):
+    """The builder's ``ShardingSpec`` of a scenario (ZeRO-3, FSDP, Megatron distributed optimizer), or None."""
+    from simulator.config.sections.fsdp import DTYPE_BYTES
+    from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
+                                                   zero3_prefetch_depth)
+
+    dp = cfg.parallelism.data_parallel_size or 1
+    z, f, ddp = cfg.zero_optimization, cfg.fsdp, cfg.ddp
+    if z.stage == 3:
+        spec = transformer_spec(cfg.model_copy(update={"zero_optimization": z.model_copy(update={"stage": 0})}))
+        thr = z.stage3_param_persistence_threshold
+        unit = sum(k for k in layer_param_sizes(spec).values() if k > thr)
+        d = zero3_prefetch_depth(unit, spec.num_layers, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+        return ShardingSpec("zero3", dp, fwd_prefetch_depth=d, bwd_prefetch="pre", bwd_prefetch_depth=d,
+                            reshard_after_forward=True, reshard_root=True, persistence_threshold=thr)
+    if f is not None:
+        param, reduce = f.dtypes
+        st = f.sharding_strategy.lower()
+        shard, rep = dp, 1
+        if st == "hybrid_shard":
+            per_node = len(cfg_node_ranks(cfg))
+            shard, rep = per_node, dp // per_node
+        if st == "no_shard":
+            return ShardingSpec("no_shard", dp, grad_bytes=4, sharded_param_bytes=4, param_bytes=4)
+        bp = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", None: None}[f.backward_prefetch]
+        return ShardingSpec(st, shard, rep, fwd_prefetch_depth=1 if (f.limit_all_gathers or f.forward_prefetch) else None,
+                            bwd_prefetch=bp, bwd_prefetch_depth=1, reshard_after_forward=f.reshards, reshard_root=False,
+                            param_bytes=DTYPE_BYTES[param], sharded_param_bytes=4, grad_bytes=DTYPE_BYTES[reduce])
+    if ddp.use_distributed_optimizer:
+        b = ddp.bucket_size if ddp.bucket_size is not None else megatron_default_bucket_elements(
+            dp, ddp.overlap_grad_reduce)
+        return ShardingSpec("distributed_optimizer", dp, grad_bytes=4, bucket_elements=b,
+                            overlap_param_gather=ddp.overlap_param_gather)
+    return None
+
+
+def cfg_node_ranks(cfg: ScenarioConfig) -> tuple[int, ...]:
+    """Data-parallel ranks of the representative rank's node (HYBRID_SHARD's shard group)."""
+    from simulator.config.schema import world_size_of
+
+    c = cfg.hardware.cluster
+    world = world_size_of(c) if c is not None else 1
+    per_node = (world or 1) // (c.nodes if c is not None else 1)
+    tp = cfg.parallelism.tensor_model_parallel_size
+    return tuple(range(0, per_node, tp))
 
 
 def model_num_parameters(cfg: ScenarioConfig) -> int:

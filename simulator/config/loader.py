@@ -327,5 +327,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
             model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
+    per_node = world // c.nodes
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, world, tp)),
-            "tp_group": tuple(range(tp)), "nccl": nccl}
+            "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
+            "dp_replicate_group": tuple(range(0, world, per_node)), "nccl": nccl}

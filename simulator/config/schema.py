@@ -36,6 +36,7 @@ from simulator.config.sections.offload import ActivationCheckpointingConfig, Zer
 from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSectionConfig
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
+from simulator.config.sections.fsdp import FsdpConfig
 from simulator.config.sections.memory import MemoryConfig
 
 
@@ -251,6 +252,7 @@ class ScenarioConfig(_Model):
     dvfs: DvfsConfig | None = None
     memory: MemoryConfig = MemoryConfig()  # simulator/config/sections/memory.py
     ddp: DdpConfig = DdpConfig()  # simulator/config/sections/cluster.py
+    fsdp: FsdpConfig | None = None  # simulator/config/sections/fsdp.py
     nccl: NcclSectionConfig = NcclSectionConfig()
 
     @model_validator(mode="before")
@@ -295,9 +297,7 @@ class ScenarioConfig(_Model):
     def _data_parallel_scope(self):
         dp = self.parallelism.data_parallel_size or 1
         z = self.zero_optimization
-        if dp > 1 and z.stage == 3:
-            raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 is not modelled yet "
-                             "(allowed: 0, 1, 2)")
+        self._sharding_scope(dp)
         gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
         if dp > 1 and z.stage == 2 and gbs is not None and gbs > mbs * dp:
             raise ValueError("zero_optimization.stage: 2 with gradient accumulation (global_batch_size > "
@@ -307,6 +307,44 @@ class ScenarioConfig(_Model):
             raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none; offload_optimizer is)")
         return self
+
+    def _sharding_scope(self, dp: int) -> None:
+        """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
+        z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
+        prec, tp = self.training.precision, self.parallelism.tensor_model_parallel_size
+        if f is not None and z.stage > 0:
+            raise ValueError(f"fsdp: exclusive with zero_optimization.stage {z.stage} (FSDP and DeepSpeed ZeRO both "
+                             "shard the model states; allowed: one of them)")
+        if f is not None and ddp.use_distributed_optimizer:
+            raise ValueError("fsdp: exclusive with ddp.use_distributed_optimizer (allowed: one of them)")
+        if ddp.use_distributed_optimizer and z.stage > 0:
+            raise ValueError(f"ddp.use_distributed_optimizer: exclusive with zero_optimization.stage {z.stage} "
+                             "(allowed: one of them)")
+        if ddp.overlap_param_gather and not ddp.use_distributed_optimizer:
+            raise ValueError("ddp.overlap_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM)")
+        accum = (self.training.global_batch_size or 0) > self.training.micro_batch_size * dp
+        if dp > 1 and z.stage == 3:
+            if prec == "amp_fp32_params":
+                raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
+                                 "or fp16 (16-bit parameter partitions; allowed: bf16, fp16)")
+            if tp > 1:
+                raise ValueError("zero_optimization.stage: 3 with tensor_model_parallel_size > 1 is not modelled yet "
+                                 "(allowed: tp 1)")
+            if accum:
+                raise ValueError("zero_optimization.stage: 3 with gradient accumulation (global_batch_size > "
+                                 "micro_batch_size x data_parallel_size) is not modelled yet (allowed: no accumulation)")
+        if f is not None and dp > 1:
+            if prec != "amp_fp32_params":
+                raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
+                                 "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
+            if tp > 1:
+                raise ValueError("fsdp: tensor_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+            if accum:
+                raise ValueError("fsdp: gradient accumulation (global_batch_size > micro_batch_size x "
+                                 "data_parallel_size) is not modelled yet (allowed: no accumulation)")
+        if ddp.use_distributed_optimizer and dp > 1 and prec == "amp_fp32_params":
+            raise ValueError("ddp.use_distributed_optimizer needs training.precision bf16 or fp16 (Megatron-LM; "
+                             "allowed: bf16, fp16)")
 
     @model_validator(mode="after")
     def _tensor_parallel_scope(self):

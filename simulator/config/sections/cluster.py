@@ -1,4 +1,4 @@
-"""Cluster, data-parallel (PyTorch DDP) and NCCL settings.
+"""Cluster, data-parallel (PyTorch DDP, Megatron-LM DDP and distributed optimizer) and NCCL settings.
 
 YAML::
 
@@ -17,6 +17,9 @@ YAML::
       first_bucket_mb: 1           # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB
       overlap_grad_reduce: true    # Megatron-LM --overlap-grad-reduce: buckets reduced during backward
       gradient_as_bucket_view: false
+      use_distributed_optimizer: false  # Megatron-LM --use-distributed-optimizer
+      overlap_param_gather: false  # Megatron-LM --overlap-param-gather
+      bucket_size: null            # Megatron-LM --ddp-bucket-size (elements)
     nccl: {algo: null, proto: null, nvls_enable: true, nchannels: null,   # NCCL_ALGO / NCCL_PROTO ...
            interference: true}     # compute/communication interference (false: each side priced alone)
 
@@ -67,6 +70,16 @@ class DdpConfig(_Model):
     gradient_as_bucket_view: bool = Field(default=False, description="PyTorch DDP gradient_as_bucket_view: "
                                           "false keeps a separate bucket buffer (one more fp32 copy of the "
                                           "gradients on the GPU).")
+    use_distributed_optimizer: bool = Field(default=False, description="Megatron-LM --use-distributed-optimizer: "
+                                            "fp32 main grads reduce-scattered per bucket, optimizer state and fp32 "
+                                            "master weights 1/dp, bf16 params all-gathered after the step "
+                                            "(training.precision bf16 or fp16).")
+    overlap_param_gather: bool = Field(default=False, description="Megatron-LM --overlap-param-gather (with "
+                                       "use_distributed_optimizer): the parameter all-gathers overlap the next "
+                                       "forward, each block waiting for its bucket.")
+    bucket_size: int | None = Field(default=None, gt=0, le=10**12, description="Megatron-LM --ddp-bucket-size, "
+                                    "elements, with use_distributed_optimizer (default: max(4e7, 1e6 x dp) with "
+                                    "overlap_grad_reduce, else one bucket).")
 
 
 class NcclSectionConfig(_Model):

@@ -101,7 +101,9 @@ class ZeroOptimizationConfig(_Model):
 
     stage: Literal[0, 1, 2, 3] = Field(default=0, description="ZeRO stage 0-3.")
     _no_bool = field_validator("stage", mode="before")(no_bool)
-    overlap_comm: bool = Field(default=False, description="Overlap gradient copies with backward.")
+    overlap_comm: bool | None = Field(default=None, description="Overlap gradient copies (offload) or "
+                                      "reductions (data parallel) with backward; default: true for stage 3, else "
+                                      "false (DeepSpeed's default).")
     reduce_bucket_size: int | None = Field(
         default=None, gt=0, le=MAX_REDUCE_BUCKET_SIZE,
         description="Elements per gradient bucket: offload copies (null = one copy per parameter); "
@@ -110,8 +112,22 @@ class ZeroOptimizationConfig(_Model):
     allgather_bucket_size: int = Field(
         default=500_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Elements per parameter all-gather after the step with data-parallel "
         "stage 1/2 (DeepSpeed default 5e8).")
+    stage3_prefetch_bucket_size: int = Field(
+        default=50_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3 with data parallelism: parameter "
+        "elements gathered ahead of use (DeepSpeed default 5e7; block granularity).")
+    stage3_param_persistence_threshold: int = Field(
+        default=100_000, ge=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: parameters of at most this many "
+        "elements are not partitioned (DeepSpeed default 1e5).")
+    stage3_max_live_parameters: int = Field(
+        default=1_000_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: most parameter elements "
+        "gathered at once (DeepSpeed default 1e9).")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+
+    @property
+    def overlap(self) -> bool:
+        """``overlap_comm`` in force (DeepSpeed: true for stage 3 when not given, else false)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.graph.builders import sharding as shd
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
@@ -109,7 +110,10 @@ class TransformerSpec:
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
         zero_stage: DeepSpeed ZeRO stage with data parallelism: 0 (DDP all-reduce), 1 (optimizer
-            state and master weights sharded), 2 (+ gradients sharded after a reduce-scatter).
+            state and master weights sharded), 2 (+ gradients sharded after a reduce-scatter), 3 (+
+            parameters sharded; needs ``sharding`` with strategy ``zero3``).
+        sharding: ZeRO-3, FSDP or Megatron distributed-optimizer sharding (``sharding.ShardingSpec``;
+            ``None``: DDP or ZeRO-1/2 as ``zero_stage`` says).
         ddp_first_bucket_bytes: First DDP gradient bucket cap, bytes (PyTorch 1 MiB).
         ddp_bucket_cap_bytes: Other DDP bucket caps, bytes (PyTorch ``bucket_cap_mb`` 25 MiB).
         overlap_grad_reduce: Reduce buckets during backward (else all after backward).
@@ -158,6 +162,7 @@ class TransformerSpec:
     position_embedding: str = "learned_absolute"
     max_position_embeddings: int | None = None
     qkv_bias: bool = False
+    sharding: shd.ShardingSpec | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -187,8 +192,31 @@ class TransformerSpec:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2 (stage 3 is not modelled), got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
+        sh = self.sharding
+        if self.zero_stage == 3 and self.data_parallel_size > 1 and (sh is None or sh.strategy != "zero3"):
+            raise ValueError("zero_stage 3 with data parallelism needs sharding=ShardingSpec('zero3', ...)")
+        if sh is not None and self.data_parallel_size > 1:
+            if sh.strategy == "zero3" and self.zero_stage != 3:
+                raise ValueError("sharding strategy zero3 needs zero_stage 3")
+            if sh.strategy != "zero3" and self.zero_stage:
+                raise ValueError(f"sharding strategy {sh.strategy} excludes ZeRO stage {self.zero_stage}")
+            if sh.shard_size * sh.replicate_size != self.data_parallel_size:
+                raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
+                                 f"data_parallel_size ({self.data_parallel_size})")
+            if sh.strategy != "distributed_optimizer" and self.num_micro_batches > 1:
+                raise ValueError(f"{sh.strategy} with gradient accumulation (gradients reduced every micro-batch) "
+                                 "is not modelled yet")
+            if sh.strategy != "distributed_optimizer" and self.tensor_parallel_size > 1:
+                raise ValueError(f"{sh.strategy} with tensor parallelism is not modelled yet")
+            if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
+                raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
+            if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
+                raise ValueError("the distributed optimizer is modelled with precision bf16 or fp16 (Megatron-LM)")
+            if sh.unit_buckets and self.precision != "amp_fp32_params":
+                raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
+                                 "FSDP mixed_precision for the compute dtype)")
         if self.zero_stage == 2 and self.data_parallel_size > 1 and self.num_micro_batches > 1:
             raise ValueError("ZeRO stage 2 with gradient accumulation (DeepSpeed reduces every micro-batch) is not "
                              "modelled yet")
@@ -333,6 +361,10 @@ def build_gpt_step(spec: TransformerSpec) -> OpGraph:
       the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
       bucket (the full gradients live until their bucket's reduce-scatter ends); after the step
       the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
+    * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
+      all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
+      through the hooks ``_gather_layer_params`` / ``_release_layer_params``
+      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources).
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
@@ -370,17 +402,19 @@ class _GptBuilder:
         #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
+        self._init_sharding()
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
         """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue)."""
         e, T = self.e, self.T
+        wg = self.pg.weight(e.layer, e.phase) if self.pg is not None else None  # ZeRO-3/FSDP gathered unit
         w16 = e.fresh(f"{name}.w16")
-        if self.amp:
+        if self.amp and not (wg is not None and self.sh.param_bytes == 2):
             e.kernel(f"{name}.cast_w", C.CAST, reads=4 * in_dim * out_dim, writes=2 * in_dim * out_dim,
-                     out=[(w16, 2 * in_dim * out_dim)], dtype="fp32")
+                     out=[(w16, 2 * in_dim * out_dim)], uses=[wg] if wg else [], dtype="fp32")
         else:
-            w16 = f"param.{name}"
+            w16 = wg or f"param.{name}"
         xin = x
         if self.amp and x_fp32:
             xin = e.fresh(f"{name}.in16")
@@ -396,6 +430,8 @@ class _GptBuilder:
         """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation."""
         e, T = self.e, self.T
         xin, w16 = saved
+        if self.pg is not None:  # ZeRO-3/FULL_SHARD: read the parameters gathered again for backward
+            w16 = self.pg.backward_weight(w16)
         gin = g
         if g_fp32 and self.amp:
             gin = e.fresh(f"{name}.g16")
@@ -423,12 +459,13 @@ class _GptBuilder:
         """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
         gname = f"grad.L{self.e.layer}.{pname}" if self.e.layer >= 0 else f"grad.{pname}"
         first = gname not in self.grad_made
-        out = [(gname, 4 * numel)] if first and not self._grads_in_buckets else []
+        gb = self._grad_elem_bytes  # 4: fp32 .grad / main_grad; ZeRO-3 16-bit, FSDP reduce_dtype
+        out = [(gname, gb * numel)] if first and not self._grads_in_buckets else []
         if first:
             self.grad_made.add(gname)
-        reads = 2 * numel + (0 if first else 4 * numel)
+        reads = 2 * numel + (0 if first else gb * numel)
         i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
-                          writes=4 * numel, out=out, uses=[dw16], dtype="fp32")
+                          writes=gb * numel, out=out, uses=[dw16], dtype="fp32")
         return i, gname
 
     def _norm_fwd(self, name: str, x: str):
@@ -536,6 +573,7 @@ class _GptBuilder:
         d = h // a
         h, f, a, hf = h // t, f // t, a // t, h  # per TP rank: attention width, FFN width, heads; full width
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width h + 2 g d, K (or V) width g d per rank
+        self._gather_layer_params(e.layer, e.phase)
         ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         qk = self._rope_fwd(qkv, h + kv)
@@ -577,6 +615,7 @@ class _GptBuilder:
         d = h // a
         h, f, a, hf = h // t, f // t, a // t, h  # per TP rank (see _layer_fwd)
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t
+        self._gather_layer_params(e.layer, e.phase)
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
         # MLP
@@ -613,10 +652,15 @@ class _GptBuilder:
         g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
-        return self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
+        out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
+        self._release_layer_params(e.layer, Phase.BWD)
+        return out
 
     # -- whole step ------------------------------------------------------------------------
     def _persistent(self) -> None:
+        if self.sh is not None:
+            self._persistent_sharded()
+            return
         s, b = self.s, self.b
         P = s.num_parameters
         Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
@@ -636,6 +680,8 @@ class _GptBuilder:
         full = s.recompute == "full"
         selective = s.recompute == "selective"
         e.phase, e.layer = Phase.FWD, -1
+        self._new_micro_batch(mb)
+        self._gather_layer_params(-1, Phase.FWD)  # the root unit (embeddings, final norm, head)
         tokens = e.fresh("input.tokens")
         e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T, out=[(tokens, 16 * T)],
                  dtype="int64")
@@ -651,6 +697,7 @@ class _GptBuilder:
             x, sv = self._layer_fwd(x, save=not full, selective=selective)
             saved_layers.append(sv if not full else {"x": x_in})
         e.layer = -1
+        self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
         xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
         logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
         l32 = e.fresh("logits.fp32")
@@ -678,6 +725,7 @@ class _GptBuilder:
         g_logits = e.fresh("logits.float.dx")
         e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
                  uses=[g_l32], dtype="fp32")
+        self._gather_layer_params(s.num_layers, Phase.BWD)
         g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, sv_head, h, V, g_fp32=False)
         g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), x, g_is_bf16=True)
         for layer in reversed(range(s.num_layers)):
@@ -695,8 +743,9 @@ class _GptBuilder:
         gname = "grad.wte"
         first = gname not in self.grad_made
         self.grad_made.add(gname)
-        i = e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h * (1 if first else 2),
-                     writes=4 * V * h, out=[(gname, 4 * V * h)] if first and not self._grads_in_buckets else [],
+        gb = self._grad_elem_bytes
+        i = e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h + (0 if first else gb * V * h),
+                     writes=gb * V * h, out=[(gname, gb * V * h)] if first and not self._grads_in_buckets else [],
                      uses=[d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
         if s.position_table_rows:
@@ -719,10 +768,10 @@ class _GptBuilder:
         s, e = self.s, self.e
         P = s.num_parameters
         e.phase, e.layer = Phase.OPT, -1
-        grads = sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
+        grads = self._optimizer_grads()
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
         reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
-        share = self._shard(P) / P if self.zero else 1.0  # ZeRO-1/2: this rank updates its 1/dp partition
+        share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
@@ -733,7 +782,8 @@ class _GptBuilder:
                                launch=False)]
         e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
                  dtype="fp32", deps=deps, meta={"params": P})
-        if self.zero:
+        self._after_step_gathers(len(self.b) - 1)
+        if self.zero in (1, 2):
             opt = len(self.b) - 1
             pbytes = 4 if self.amp else 2
             left, k = P, 0
@@ -754,11 +804,13 @@ class _GptBuilder:
         if not self.last_mb:
             return
         layer = self.e.layer
-        pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, 4, op, tensor)
+        pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, self._grad_elem_bytes, op, tensor)
         self.groups.append(pg)
         if not self.dp:
             return
         s = self.s
+        if self.sh is not None and self._sharded_grad_ready(pg):
+            return
         if self.zero == 0:  # DDP: close once the bucket reaches its cap (reducer.cpp)
             self._bucket.append(pg)
             cap = self._limits[0] if len(self._buckets) + len(self.comm_ops) == 0 else s.ddp_bucket_cap_bytes
@@ -771,14 +823,18 @@ class _GptBuilder:
 
     def _close_bucket(self) -> None:
         bucket, self._bucket = tuple(self._bucket), []
-        if self.overlap:
+        if self.overlap or self.zero == 3 or (self.sh is not None and self.sh.unit_buckets):
             self._emit_bucket(bucket, ())
+            if self.zero == 3 and not self.overlap:  # overlap_comm false: the reduction blocks the compute stream
+                self.e.wait_for.append(self.comm_ops[-1])
         else:
             self._buckets.append(bucket)
 
     def _end_of_backward(self) -> None:
         if not (self.dp and self.last_mb):
             return
+        self._bucket = self._root_bucket + self._bucket  # FSDP: the root unit's reduce-scatter comes last
+        self._root_bucket = []
         if self._bucket:
             self._close_bucket()
         last = len(self.b) - 1
@@ -791,6 +847,9 @@ class _GptBuilder:
         nbytes = sum(g.grad_bytes for g in bucket)
         tensors = [g.grad_tensor for g in bucket if g.grad_tensor]
         deps = [g.grad_op for g in bucket] + list(extra)
+        if self.sh is not None:
+            self._emit_sharded_bucket(k, nbytes, tensors, deps)
+            return
         if self.zero == 0:
             self.comm_ops.append(self._collective(f"ddp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD,
                                                   uses=tensors))
@@ -803,11 +862,163 @@ class _GptBuilder:
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                               Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=tuple(out)))
 
-    def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=()) -> int:
-        """A collective over the ``dp`` group on stream ``comm.dp`` (priced by the engine's NCCL model)."""
-        return self.b.add(name, OpKind.COLLECTIVE, "comm.dp", deps=deps, phase=phase, bytes_read=float(nbytes),
+    def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=(),
+                    group: str = "dp") -> int:
+        """A collective over ``group`` (``dp``; HYBRID_SHARD: ``dp_shard`` / ``dp_replicate``) on stream
+        ``comm.<group>`` (priced by the engine's NCCL model)."""
+        return self.b.add(name, OpKind.COLLECTIVE, f"comm.{group}", deps=deps, phase=phase, bytes_read=float(nbytes),
                           uses=tuple(uses), allocs=tuple(allocs), dtype="fp32",
-                          meta={"collective": op, "bytes": int(nbytes), "group": "dp"})
+                          meta={"collective": op, "bytes": int(nbytes), "group": group})
+
+    # -- sharded data parallel (ZeRO-3, FSDP, Megatron distributed optimizer: sharding.py) ----------
+    def _init_sharding(self) -> None:
+        s = self.s
+        sh = s.sharding if self.dp else None
+        self.sh = sh
+        self._mb = 0
+        self._root_bucket: list[ParamGroup] = []
+        #: bytes per element of a parameter's gradient tensor (and of its reduction)
+        self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
+        self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
+        self.pg = None
+        if sh is not None and sh.gathers:
+            self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(): self._collective(
+                name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
+        if sh is not None and sh.strategy == "distributed_optimizer":
+            self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
+            order = shd.backward_param_order(s)
+            buckets = shd.megatron_buckets([k for _, _, k in order], sh.bucket_elements)
+            self._mg_bucket_len = [len(b) for b in buckets]
+            self._mg_bucket_numel = [sum(order[i][2] for i in b) for b in buckets]
+            hooks: dict[int, set[int]] = {}
+            L = s.num_layers
+            for bi, b in enumerate(buckets):
+                for i in b:
+                    name, unit, _ = order[i]
+                    hooks.setdefault(unit if unit >= 0 else (-1 if name.startswith(("wte", "wpe")) else L),
+                                     set()).add(bi)
+                    if name == "wte.weight" and s.tied_embeddings:  # the tied head reads the token table
+                        hooks.setdefault(L, set()).add(bi)
+            self._mg_hook_buckets = {h: sorted(v) for h, v in hooks.items()}
+            self._mg_closed = 0
+            self._mg_gather_ops: dict[int, int] = {}
+
+    def _new_micro_batch(self, mb: int) -> None:
+        self._mb = mb
+        if self.pg is not None:
+            self.pg.new_micro_batch()
+
+    def _gather_layer_params(self, layer: int, phase: Phase) -> None:
+        """Hook at the start of a unit's compute (``layer`` -1: embeddings, ``num_layers``: the head):
+        ZeRO-3/FSDP all-gather with prefetch; Megatron ``overlap_param_gather``: wait for the unit's buckets."""
+        if self.pg is not None:
+            self.pg.enter(layer, phase)
+        elif (self.sh is not None and self.sh.strategy == "distributed_optimizer" and self.sh.overlap_param_gather
+              and phase == Phase.FWD and self._mb == 0):
+            if not self._mg_gather_ops:  # all buckets, in forward order, on the dp stream at the step's start
+                for bi in reversed(range(len(self._mg_bucket_len))):
+                    self._mg_gather_ops[bi] = self._collective(
+                        f"megatron.param_all_gather.{bi}", "all_gather", 2 * self._mg_bucket_numel[bi], [], Phase.FWD)
+            self.e.wait_for.extend(self._mg_gather_ops[bi] for bi in self._mg_hook_buckets.get(layer, ()))
+
+    def _release_layer_params(self, layer: int, phase: Phase) -> None:
+        """Hook at the end of a block's backward: BACKWARD_POST prefetch, then the FSDP unit's reduce-scatter."""
+        if self.pg is not None:
+            self.pg.leave(layer, phase)
+        if self.sh is not None and self.sh.unit_buckets and self.last_mb and self._bucket:
+            self._close_bucket()
+
+    def _persistent_sharded(self) -> None:
+        s, b, sh = self.s, self.b, self.sh
+        P = s.num_parameters
+        Ps = sh.shard(P)
+        half = self.e.half
+        st = sh.strategy
+        if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
+            b.persistent(f"params.{half}", 2 * P)
+            b.persistent("params.master_fp32", 4 * Ps)
+            b.persistent("grad.ddp_buckets", 4 * P)
+        elif st == "zero3":  # 16-bit partition + gradient partition + fp32 master (ZeRO paper (2 + 2 + K) Psi / Nd)
+            b.persistent(f"params.{half}.partition", 2 * Ps)
+            if self.pg.persistent_numel:
+                b.persistent(f"params.{half}.persistent", 2 * self.pg.persistent_numel)
+            b.persistent("params.master_fp32", 4 * Ps)
+            b.persistent(f"grad.{half}.partition", 2 * Ps)
+        elif st == "no_shard":
+            b.persistent("params.fp32", 4 * P)
+        else:  # FSDP: the fp32 flat parameters, sharded
+            b.persistent("params.fp32.shard", 4 * Ps)
+        n = P if st == "no_shard" else Ps
+        b.persistent("optimizer.exp_avg", 4 * n)
+        b.persistent("optimizer.exp_avg_sq", 4 * n)
+
+    def _optimizer_grads(self) -> list[str]:
+        if self.sh is None:
+            return sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
+        if self.sh.strategy == "zero3":
+            return []  # the persistent gradient partition
+        if self.sh.unit_buckets and self.sh.shards_grads:
+            return list(self.grad_shards)
+        return sorted(self.grad_made)
+
+    def _optimizer_share(self) -> float:
+        P = self.s.num_parameters
+        if self.sh is not None:
+            return 1.0 if self.sh.strategy == "no_shard" else self.sh.shard(P) / P
+        return self._shard(P) / P if self.zero else 1.0
+
+    def _after_step_gathers(self, opt: int) -> None:
+        """ZeRO-3: the persistent parameters' all-gather; Megatron without overlap_param_gather: the bf16
+        parameters' all-gather per bucket after the step."""
+        sh = self.sh
+        if sh is None:
+            return
+        if sh.strategy == "zero3" and self.pg.persistent_numel:
+            self.comm_ops.append(self._collective("zero3.persistent_param_all_gather", "all_gather",
+                                                  2 * self.pg.persistent_numel, [opt], Phase.OPT,
+                                                  group=self._shard_group))
+        if sh.strategy == "distributed_optimizer" and not sh.overlap_param_gather:
+            for bi, n in enumerate(self._mg_bucket_numel):
+                self.comm_ops.append(self._collective(f"megatron.param_all_gather.{bi}", "all_gather", 2 * n, [opt],
+                                                      Phase.OPT))
+
+    def _sharded_grad_ready(self, pg: ParamGroup) -> bool:
+        """Bucket a finished gradient (FSDP: per unit; Megatron: its precomputed buckets). False: use the
+        DeepSpeed rule (ZeRO-3)."""
+        sh = self.sh
+        if sh.unit_buckets:
+            (self._bucket if pg.layer >= 0 else self._root_bucket).append(pg)
+            return True
+        if sh.strategy == "distributed_optimizer":
+            self._bucket.append(pg)
+            if len(self._bucket) == self._mg_bucket_len[self._mg_closed]:
+                self._mg_closed += 1
+                self._close_bucket()
+            return True
+        return False
+
+    def _emit_sharded_bucket(self, k: int, nbytes: int, tensors: list[str], deps: list[int]) -> None:
+        sh, st = self.sh, self.sh.strategy
+        if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP)
+            self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD))
+        elif st == "distributed_optimizer":  # in place in the grad buffer
+            self.comm_ops.append(self._collective(f"megatron.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
+                                                  Phase.BWD))
+        elif st == "zero3":  # into the persistent partition; the full gradients are freed
+            self.comm_ops.append(self._collective(f"zero3.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
+                                                  Phase.BWD, uses=tensors, group=self._shard_group))
+        else:  # FSDP: the reduced shard becomes the fp32 sharded .grad; HYBRID: then all-reduced across nodes
+            numel = nbytes // sh.grad_bytes
+            shard = self.e.fresh(f"grad.shard.b{k}")
+            self.grad_shards.append(shard)
+            rs = self._collective(f"fsdp.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps, Phase.BWD,
+                                  uses=tensors, allocs=(TensorAlloc(shard, 4 * sh.shard(numel)),),
+                                  group=self._shard_group)
+            self.comm_ops.append(rs)
+            if sh.replicate_size > 1:
+                self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce_replicas.{k}", "all_reduce",
+                                                      sh.grad_bytes * sh.shard(numel), [rs], Phase.BWD,
+                                                      group="dp_replicate"))
 
     def build(self) -> OpGraph:
         s = self.s
@@ -827,5 +1038,6 @@ class _GptBuilder:
             model_flops_per_step=s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches,
             source="builder:gpt",
             param_groups=tuple(self.groups),
-            meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size},
+            meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size,
+                  "sharding": self.sh.strategy if self.sh is not None else None},
         )

@@ -240,7 +240,7 @@ def test_more_nvlink_bandwidth_is_never_slower(bw, factor, overlap):
     (H100 + ["hardware.cluster={preset: dgx-nope}"], "hardware.cluster.preset: unknown cluster preset"),
     (H100 + ["hardware.cluster={preset: dgx-h100, nodes: 2, network: nope}"], "hardware.cluster.network: unknown"),
     (H100 + ["hardware.cluster={preset: dgx-h100, collective_profile: nope}"], "hardware.cluster.collective_profile"),
-    (DGX + ["zero_optimization.stage=3"], "zero_optimization.stage: 3 with data_parallel_size > 1 is not modelled"),
+    (DGX + ["zero_optimization.stage=3"], "zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16"),
     (DGX + ["nccl.algo=Foo"], "nccl.algo: 'Foo' is not modelled"),
     (["hardware.gpu=a100-sxm4-80gb", "hardware.cluster={preset: dgx-a100}", "nccl.algo=NVLS"], "nccl.algo: NVLS needs"),
     (DGX + ["zero_optimization.stage=2", "training.global_batch_size=256"], "zero_optimization.stage: 2 with gradient accumulation"),

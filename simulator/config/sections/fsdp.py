@@ -1,0 +1,94 @@
+"""PyTorch FullyShardedDataParallel settings (``fsdp:``), named as in ``torch.distributed.fsdp`` and
+llm-foundry's ``fsdp_config``.
+
+YAML::
+
+    fsdp:
+      sharding_strategy: FULL_SHARD    # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
+      backward_prefetch: BACKWARD_PRE  # BACKWARD_PRE | BACKWARD_POST | null
+      forward_prefetch: false
+      limit_all_gathers: true
+      reshard_after_forward: null      # default: true for FULL_SHARD / HYBRID_SHARD, false otherwise
+      cpu_offload: false               # true is not modelled
+      mixed_precision: DEFAULT         # DEFAULT | PURE | FULL, or {param_dtype: bf16, reduce_dtype: fp32}
+
+One FSDP unit per transformer block (``transformer_auto_wrap_policy``) plus the root (embeddings,
+final norm, LM head). The model is fp32 under ``torch.autocast`` (``training.precision:
+amp_fp32_params``, llm-foundry ``precision: amp_bf16``): FSDP shards the fp32 parameters, the
+optimizer updates the fp32 shard, and ``mixed_precision`` sets the dtype of the gathered parameters
+(``param_dtype``) and of the gradient reduction (``reduce_dtype``). ``mixed_precision`` strings are
+composer's ``get_mixed_precision`` (llm-foundry): ``DEFAULT`` = param bf16, reduce fp32; ``PURE`` =
+both bf16; ``FULL`` = both fp32. Defaults are PyTorch's (``backward_prefetch=BACKWARD_PRE``,
+``forward_prefetch=False``, ``limit_all_gathers=True``: ``FullyShardedDataParallel.__init__``,
+torch 2.x) with llm-foundry's ``mixed_precision: DEFAULT``. See
+``simulator/graph/builders/sharding.py`` for the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from simulator.config.limits import MODEL_CONFIG
+
+#: composer ``get_mixed_precision`` presets: name -> (param_dtype, reduce_dtype)
+MIXED_PRECISION_PRESETS = {"DEFAULT": ("bf16", "fp32"), "PURE": ("bf16", "bf16"), "FULL": ("fp32", "fp32")}
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+class _Model(BaseModel):
+    model_config = MODEL_CONFIG
+
+
+class FsdpMixedPrecision(_Model):
+    """``torch.distributed.fsdp.MixedPrecision`` (the parts modelled)."""
+
+    param_dtype: Literal["bf16", "fp32"] = Field(default="bf16", description="Dtype of the gathered parameters "
+                                                 "(forward/backward compute).")
+    reduce_dtype: Literal["bf16", "fp32"] = Field(default="fp32", description="Dtype of the gradient reduce-scatter.")
+
+
+class FsdpConfig(_Model):
+    """PyTorch FSDP (exclusive with ``zero_optimization.stage`` > 0 and ``ddp.use_distributed_optimizer``)."""
+
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
+        default="FULL_SHARD", description="FULL_SHARD (params, grads, optimizer state sharded; params gathered in "
+        "forward and again in backward), SHARD_GRAD_OP (params stay gathered from forward to backward), "
+        "HYBRID_SHARD (FULL_SHARD inside a node, gradients all-reduced across nodes), NO_SHARD (DDP).")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | None = Field(
+        default="BACKWARD_PRE", description="When the next unit's all-gather is issued in backward (null: on demand).")
+    forward_prefetch: bool = Field(default=False, description="Issue the next unit's all-gather at the start of "
+                                   "the current unit's forward.")
+    limit_all_gathers: bool = Field(default=True, description="Rate limiter: at most two all-gathers in flight "
+                                    "(false: the host issues them as fast as it runs ahead).")
+    reshard_after_forward: bool | None = Field(default=None, description="Free the gathered parameters after "
+                                               "forward (default: true for FULL_SHARD and HYBRID_SHARD).")
+    cpu_offload: bool = Field(default=False, description="CPUOffload(offload_params=True): not modelled.")
+    mixed_precision: Literal["DEFAULT", "PURE", "FULL"] | FsdpMixedPrecision = Field(
+        default="DEFAULT", description="DEFAULT | PURE | FULL (composer/llm-foundry) or {param_dtype, reduce_dtype}.")
+
+    @field_validator("cpu_offload")
+    @classmethod
+    def _no_offload(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("cpu_offload: true is not modelled (allowed: false)")
+        return v
+
+    @field_validator("sharding_strategy", "backward_prefetch", mode="before")
+    @classmethod
+    def _upper(cls, v):
+        return v.upper() if isinstance(v, str) else v
+
+    @property
+    def dtypes(self) -> tuple[str, str]:
+        """``(param_dtype, reduce_dtype)``."""
+        mp = self.mixed_precision
+        return MIXED_PRECISION_PRESETS[mp] if isinstance(mp, str) else (mp.param_dtype, mp.reduce_dtype)
+
+    @property
+    def reshards(self) -> bool:
+        """Whether block parameters are gathered again for backward."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")

@@ -1,0 +1,317 @@
+"""Sharded data parallelism for the GPT builder: DeepSpeed ZeRO-3, PyTorch FSDP and Megatron-LM's
+distributed optimizer.
+
+One representative data-parallel rank is built (as for DDP and ZeRO-1/2 in
+``simulator/graph/builders/transformer.py``). This module holds the sharding logic the builder
+calls; the builder only calls its hooks (``enter`` at the start of a unit's compute, ``leave`` at
+the end of a layer's backward, ``weight`` / ``backward_weight`` for the tensor a GEMM reads).
+
+**Units.** A unit is what is gathered at once: one transformer block (FSDP's
+``transformer_auto_wrap_policy`` wraps every block; DeepSpeed ZeRO-3 fetches a block's parameters
+module by module, approximated here as one fetch per block) plus the *root* (token and position
+embeddings, final norm, LM head: FSDP's root instance). The root is gathered once per phase (the
+tied token table serves both the embedding and the LM head).
+
+**Prefetch** (one rule for ZeRO-3 and FSDP, the one of ``simulator/policies/offload_param.py``):
+with depth ``d`` a rank holds at most ``d + 1`` gathered units per phase; the all-gather of the
+``k``-th unit of a phase is issued when the ``(k - d)``-th unit starts, i.e. after unit ``k - d - 1``
+finished with its buffer, and overlaps the compute of the units in between. ``d = 0`` gathers on
+demand: every gather is exposed. The units of a phase are ``[root, 0 .. L-1]`` forward and
+``[root, L-1 .. 0]`` backward. All data-parallel collectives of a group run in issue order on one
+stream (ProcessGroupNCCL has one NCCL stream per group and device).
+
+* ZeRO-3 (Rajbhandari et al., *ZeRO*, SC20, section 5.3 and 7.2.2; DeepSpeed
+  ``deepspeed/runtime/zero/partitioned_param_coordinator.py``): ``d`` is the number of following
+  blocks whose parameters fit in ``stage3_prefetch_bucket_size`` elements with at most
+  ``stage3_max_live_parameters`` elements gathered at once (block granularity), in forward and in
+  backward. Parameters of at most ``stage3_param_persistence_threshold`` elements (norms, biases)
+  are not partitioned: they stay whole on every rank and are all-gathered once after the optimizer
+  step (DeepSpeed ``_post_step``: ``persistent_parameters[0].all_gather(...)``).
+* FSDP (Zhao et al., *PyTorch FSDP*, VLDB 2023, section 3.3 and 4; ``torch.distributed.fsdp``):
+  forward ``d = 1`` with ``limit_all_gathers`` (the rate limiter keeps two all-gathers in flight) or
+  ``forward_prefetch``, else every block's all-gather is issued as soon as the host reaches it (no
+  bound). Backward ``BACKWARD_PRE``: ``d = 1`` (the next unit's all-gather is issued before the
+  current gradients' reduce-scatter); ``BACKWARD_POST``: the next unit's all-gather is issued after
+  the current unit's gradient computation, before its reduce-scatter; ``None``: on demand, after the
+  reduce-scatter. The root is not resharded after forward (FSDP keeps the root gathered). One
+  reduce-scatter per unit after its backward.
+
+**Byte counts** (``meta["bytes"]`` of the collectives; bytes on the wire per GPU are ``(n-1)/n`` of
+it): ZeRO-3 and FULL_SHARD move ``3 Psi`` 16-bit elements per step (forward gather, backward
+gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.graph.ops import Phase, TensorAlloc
+
+STRATEGIES = ("zero3", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "distributed_optimizer")
+BACKWARD_PREFETCH = ("pre", "post", None)
+#: Unit key of the root (embeddings, final norm, LM head)
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """How the model states are sharded over the data-parallel group (see the module docstring).
+
+    Attributes:
+        strategy: One of ``STRATEGIES``.
+        shard_size: Ranks a state is sharded over (dp; HYBRID_SHARD: the data-parallel ranks of one node).
+        replicate_size: Shard replicas all-reduced across nodes (HYBRID_SHARD), else 1.
+        fwd_prefetch_depth: Units gathered ahead in forward (``None``: all, no bound).
+        bwd_prefetch: ``"pre"`` (depth 1), ``"post"`` or ``None`` (on demand) in backward; ZeRO-3: ``"pre"``
+            with ``bwd_prefetch_depth``.
+        bwd_prefetch_depth: Units gathered ahead in backward with ``"pre"``.
+        reshard_after_forward: Gathered block parameters are freed after forward and gathered again
+            for backward (ZeRO-3, FULL_SHARD, HYBRID_SHARD); false: kept from forward to backward.
+        reshard_root: The root is gathered again for backward (ZeRO-3; FSDP keeps the root gathered).
+        param_bytes: Bytes per element of a gathered parameter (16-bit, or 4 for FSDP fp32 param_dtype).
+        sharded_param_bytes: Bytes per element of the sharded parameter (ZeRO-3: 2, the 16-bit
+            partition beside the fp32 master; FSDP: 4, the fp32 flat parameter that the optimizer updates).
+        grad_bytes: Bytes per element of the unsharded gradient and of its reduce-scatter (ZeRO-3 16-bit;
+            FSDP ``reduce_dtype``; Megatron fp32 main grads).
+        persistence_threshold: ZeRO-3 parameters of at most this many elements stay whole (0: none).
+        bucket_elements: Megatron-LM gradient bucket size, elements (``None``: one bucket).
+        overlap_param_gather: Megatron-LM ``--overlap-param-gather``: the parameter all-gathers run at
+            the start of the next forward, each block waiting for its bucket; else after the step.
+    """
+
+    strategy: str
+    shard_size: int
+    replicate_size: int = 1
+    fwd_prefetch_depth: int | None = 1
+    bwd_prefetch: str | None = "pre"
+    bwd_prefetch_depth: int = 1
+    reshard_after_forward: bool = True
+    reshard_root: bool = False
+    param_bytes: int = 2
+    sharded_param_bytes: int = 2
+    grad_bytes: int = 2
+    persistence_threshold: int = 0
+    bucket_elements: int | None = None
+    overlap_param_gather: bool = False
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError: an unknown strategy or prefetch mode, non-positive sizes."""
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"sharding strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.bwd_prefetch not in BACKWARD_PREFETCH:
+            raise ValueError(f"bwd_prefetch must be one of {BACKWARD_PREFETCH}, got {self.bwd_prefetch!r}")
+        if self.shard_size < 1 or self.replicate_size < 1:
+            raise ValueError("shard_size and replicate_size must be >= 1")
+        if (self.fwd_prefetch_depth is not None and self.fwd_prefetch_depth < 0) or self.bwd_prefetch_depth < 0:
+            raise ValueError("prefetch depths must be >= 0")
+
+    @property
+    def gathers(self) -> bool:
+        """Parameters are sharded and gathered before use (ZeRO-3 and FSDP sharding strategies)."""
+        return self.strategy in ("zero3", "full_shard", "shard_grad_op", "hybrid_shard")
+
+    @property
+    def unit_buckets(self) -> bool:
+        """Gradients are reduced once per FSDP unit (FSDP strategies)."""
+        return self.strategy in ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients are reduce-scattered (every strategy but NO_SHARD)."""
+        return self.strategy != "no_shard"
+
+    def shard(self, n: int) -> int:
+        """Elements of one rank's shard of ``n`` (the flat buffer is padded to the shard size)."""
+        return -(-n // self.shard_size)
+
+
+def zero3_prefetch_depth(unit_numel: int, num_units: int, prefetch_bucket: int, max_live: int) -> int:
+    """Blocks gathered ahead by ZeRO-3: the largest ``d <= num_units`` with ``d * unit_numel`` within
+    ``stage3_prefetch_bucket_size`` and ``(d + 1) * unit_numel`` within ``stage3_max_live_parameters``
+    (elements; block granularity of DeepSpeed's per-parameter prefetch). 0 when a block is larger than
+    the bucket (every fetch on demand)."""
+    if unit_numel <= 0:
+        return 0
+    d = 0
+    while d < num_units and (d + 1) * unit_numel <= prefetch_bucket and (d + 2) * unit_numel <= max_live:
+        d += 1
+    return d
+
+
+def layer_param_sizes(spec) -> dict[str, int]:
+    """Parameters of one block on one TP rank, name -> elements, in the order backward finishes their
+    gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears).
+    Sums to ``spec.layer_params`` with ``t = 1``."""
+    h, t = spec.hidden_size, spec.tensor_parallel_size
+    f = spec.ffn_hidden_size
+    qkv, fc1 = spec.qkv_out_size, spec.fc1_out_size
+    bias = spec.bias
+    out: dict[str, int] = {}
+
+    def lin(name, i, o, has_bias, bias_n):
+        if has_bias:
+            out[f"{name}.bias"] = bias_n
+        out[f"{name}.weight"] = i * o // t
+
+    def norm(name):
+        out[f"{name}.weight"] = h
+        if spec.norm_has_bias:
+            out[f"{name}.bias"] = h
+
+    lin("fc2", f, h, bias, h)
+    lin("fc1", h, fc1, bias, fc1 // t)
+    norm("ln2")
+    lin("proj", h, h, bias, h)
+    lin("qkv", h, qkv, bias or spec.qkv_bias, qkv // t)
+    norm("ln1")
+    return out
+
+
+def root_param_sizes(spec) -> dict[str, int]:
+    """Parameters outside the blocks, name -> elements, in backward order (LM head if untied, final
+    norm, token table, position table)."""
+    h = spec.hidden_size
+    out: dict[str, int] = {}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = spec.vocab_per_rank * h
+    out["ln_f.weight"] = h
+    if spec.norm_has_bias:
+        out["ln_f.bias"] = h
+    out["wte.weight"] = spec.vocab_per_rank * h
+    if spec.position_table_rows:
+        out["wpe.weight"] = spec.position_table_rows * h
+    return out
+
+
+def backward_param_order(spec) -> list[tuple[str, int, int]]:
+    """``(name, unit, elements)`` of every parameter in the order backward finishes its gradient (the
+    builder's ``param_groups`` order): LM head and final norm, blocks ``L-1 .. 0``, embeddings."""
+    root = list(root_param_sizes(spec).items())
+    head = [(n, ROOT, k) for n, k in root if not n.startswith(("wte", "wpe"))]
+    emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
+    blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(range(spec.num_layers))
+              for n, k in layer_param_sizes(spec).items()]
+    return head + blocks + emb
+
+
+def megatron_buckets(sizes: list[int], bucket_elements: int | None) -> list[list[int]]:
+    """Indices of ``sizes`` (parameters in backward order) per gradient bucket: a bucket closes once it
+    holds at least ``bucket_elements`` elements (Megatron-LM ``_ParamAndGradBuffer``); ``None``: one."""
+    out: list[list[int]] = [[]]
+    n = 0
+    for i, k in enumerate(sizes):
+        out[-1].append(i)
+        n += k
+        if bucket_elements is not None and n >= bucket_elements and i < len(sizes) - 1:
+            out.append([])
+            n = 0
+    return [b for b in out if b]
+
+
+def megatron_default_bucket_elements(dp: int, overlap_grad_reduce: bool) -> int | None:
+    """Megatron-LM's bucket size when ``--ddp-bucket-size`` is not given: ``max(4e7, 1e6 dp)``
+    elements with ``--overlap-grad-reduce``, else one bucket (``DistributedDataParallel.__init__``)."""
+    return max(40_000_000, 1_000_000 * dp) if overlap_grad_reduce else None
+
+
+class ParamGather:
+    """Per-unit all-gathers of sharded parameters with prefetch, for one builder.
+
+    Args:
+        spec: The builder's ``TransformerSpec`` (its ``sharding`` set, ``gathers`` true).
+        emitter: The builder's ``KernelEmitter``.
+        collective: ``collective(name, op, nbytes, deps, phase, allocs=...) -> op id`` on the shard group.
+    """
+
+    def __init__(self, spec, emitter, collective):
+        sh = spec.sharding
+        self.sh, self.e, self._coll = sh, emitter, collective
+        L = spec.num_layers
+        self.num_layers = L
+        thr = sh.persistence_threshold
+        lay = layer_param_sizes(spec)
+        #: elements gathered per unit (parameters above the persistence threshold)
+        self.numel = {u: sum(k for k in lay.values() if k > thr) for u in range(L)}
+        self.numel[ROOT] = sum(k for k in root_param_sizes(spec).values() if k > thr)
+        #: elements kept whole on every rank (at most the threshold each)
+        self.persistent_numel = (L * sum(k for k in lay.values() if k <= thr)
+                                 + sum(k for k in root_param_sizes(spec).values() if k <= thr))
+        self.order = {Phase.FWD: [ROOT, *range(L)], Phase.BWD: [ROOT, *reversed(range(L))]}
+        self._pos = {p: {u: i for i, u in enumerate(o)} for p, o in self.order.items()}
+        self._ops: dict[tuple[Phase, int], tuple[int, str]] = {}
+        self._unit_of: dict[str, int] = {}
+        self._entered: set[tuple[Phase, int]] = set()
+
+    # -- schedule --------------------------------------------------------------------------
+    def _needs(self, phase: Phase, unit: int) -> bool:
+        if self.numel[unit] == 0:
+            return False
+        if phase == Phase.FWD:
+            return True
+        return self.sh.reshard_root if unit == ROOT else self.sh.reshard_after_forward
+
+    def _depth(self, phase: Phase) -> int:
+        if phase == Phase.FWD:
+            d = self.sh.fwd_prefetch_depth
+            return self.num_layers + 1 if d is None else d
+        return self.sh.bwd_prefetch_depth if self.sh.bwd_prefetch == "pre" else 0
+
+    def _emit(self, phase: Phase, unit: int) -> None:
+        if (phase, unit) in self._ops or not self._needs(phase, unit):
+            return
+        nbytes = self.sh.param_bytes * self.numel[unit]
+        tensor = self.e.fresh(f"params.L{unit}.gathered.{phase.value}" if unit >= 0 else
+                              f"params.root.gathered.{phase.value}")
+        deps = [self.e.last_compute] if self.e.last_compute >= 0 else []
+        name = f"{'root' if unit == ROOT else f'L{unit}'}.{phase.value}.param_all_gather"
+        op = self._coll(name, "all_gather", nbytes, deps, phase, allocs=(TensorAlloc(tensor, nbytes),))
+        self._ops[(phase, unit)] = (op, tensor)
+        self._unit_of[tensor] = unit
+
+    def unit_of_hook(self, hook: int) -> int:
+        """The unit a builder hook belongs to (``num_layers``: the LM head, part of the root)."""
+        return ROOT if hook < 0 or hook >= self.num_layers else hook
+
+    def new_micro_batch(self) -> None:
+        """Forget the gathers of the previous micro-batch (each micro-batch gathers again)."""
+        self._ops.clear()
+        self._entered.clear()
+        self._unit_of.clear()
+
+    def enter(self, hook: int, phase: Phase) -> None:
+        """Start of a unit's compute in ``phase``: issue the gathers the prefetch window allows (and this
+        unit's, on demand) and make the next compute kernel wait for this unit's gather."""
+        unit = self.unit_of_hook(hook)
+        if (phase, unit) in self._entered:
+            return
+        self._entered.add((phase, unit))
+        order, j = self.order[phase], self._pos[phase][unit]
+        for u in order[j:j + self._depth(phase) + 1]:
+            self._emit(phase, u)
+        got = self._ops.get((phase, unit))
+        if got is not None:
+            self.e.wait_for.append(got[0])
+
+    def leave(self, hook: int, phase: Phase) -> None:
+        """End of a block's backward compute: with ``BACKWARD_POST`` issue the next unit's gather now
+        (before this unit's reduce-scatter)."""
+        if phase != Phase.BWD or self.sh.bwd_prefetch != "post":
+            return
+        order, j = self.order[phase], self._pos[phase][self.unit_of_hook(hook)]
+        if j + 1 < len(order):
+            self._emit(phase, order[j + 1])
+
+    def weight(self, hook: int, phase: Phase) -> str | None:
+        """The gathered tensor a GEMM of this unit reads in ``phase`` (the forward one when not regathered)."""
+        unit = self.unit_of_hook(hook)
+        got = self._ops.get((phase, unit)) or self._ops.get((Phase.FWD, unit))
+        return got[1] if got else None
+
+    def backward_weight(self, tensor: str) -> str:
+        """The backward counterpart of a forward-gathered tensor saved for backward (itself if the unit
+        is not gathered again)."""
+        unit = self._unit_of.get(tensor)
+        if unit is None:
+            return tensor
+        got = self._ops.get((Phase.BWD, unit))
+        return got[1] if got else tensor

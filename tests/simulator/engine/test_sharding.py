@@ -1,0 +1,256 @@
+"""Sharded data parallelism: DeepSpeed ZeRO-3, PyTorch FSDP, Megatron-LM distributed optimizer.
+
+Collective byte counts on a tiny model worked out by hand (exact), the prefetch schedule's issue
+order, memory per rank by the ZeRO paper's formula (Rajbhandari et al., SC20, section 5: stage 3
+holds (2 + 2 + K) Psi / Nd bytes, K = 12 for mixed-precision Adam), prefetch that overlaps, and the
+one-line refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from simulator.api import run_scenario
+from simulator.config.loader import load_scenario
+from simulator.graph.builders.sharding import (ShardingSpec, backward_param_order, megatron_buckets,
+                                               zero3_prefetch_depth)
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.ops import OpKind, Phase
+from tests.conftest import ROOT
+
+B16 = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
+DGX = ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}"]
+SMALL = ["model.num_layers=4", "training.micro_batch_size=8", "run.steps=2", "run.warmup_steps=1"]
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# 1 layer, h 8, f 32, V 16, s 4, biases, tied: P = 1048. Root (wte 128, wpe 32, ln_f 16) = 176, block = 872.
+TINY = dict(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16, ffn_hidden_size=32,
+            micro_batch_size=1, data_parallel_size=8)
+P = 1048
+
+
+def _colls(g):
+    return [o for o in g.ops if o.kind is OpKind.COLLECTIVE]
+
+
+def _zero3(threshold=0, depth=1, layers=1):
+    sh = ShardingSpec("zero3", 8, fwd_prefetch_depth=depth, bwd_prefetch_depth=depth, reshard_root=True,
+                      persistence_threshold=threshold)
+    return build_gpt_step(TransformerSpec(**{**TINY, "num_layers": layers}, precision="bf16", zero_stage=3,
+                                          sharding=sh))
+
+
+def test_zero3_moves_3_psi_16bit_per_step():
+    # forward all-gather (root 2 x 176, block 2 x 872), the same in backward, one reduce-scatter of 2 x 1048
+    g = _zero3()
+    cs = _colls(g)
+    assert [(c.name, c.meta["collective"], c.meta["bytes"]) for c in cs] == [
+        ("root.fwd.param_all_gather", "all_gather", 352), ("L0.fwd.param_all_gather", "all_gather", 1744),
+        ("root.bwd.param_all_gather", "all_gather", 352), ("L0.bwd.param_all_gather", "all_gather", 1744),
+        ("zero3.grad_reduce_scatter.0", "reduce_scatter", 2 * P)]
+    n = 8
+    assert sum(c.meta["bytes"] for c in cs) * (n - 1) / n == 3 * (n - 1) / n * P * 2  # 3(n-1)/n Psi, 16-bit
+
+
+def test_zero3_persistence_threshold_keeps_small_params_whole():
+    # threshold 8: the norms (8 each), proj and fc2 biases stay whole: 48 per block + ln_f 16 = 64 elements,
+    # gathered once after the step; qkv (24) and fc1 (32) biases are still gathered with their block
+    g = _zero3(threshold=8)
+    by = {c.name: c.meta["bytes"] for c in _colls(g)}
+    assert by["L0.fwd.param_all_gather"] == by["L0.bwd.param_all_gather"] == 2 * (872 - 48)
+    assert by["root.fwd.param_all_gather"] == 2 * (176 - 16)
+    assert by["zero3.persistent_param_all_gather"] == 2 * 64
+    assert sum(by.values()) == 2 * (3 * P - 64)
+    assert {t.name: t.nbytes for t in g.persistent}["params.bf16.persistent"] == 2 * 64
+
+
+def test_zero3_prefetch_depth_from_the_buckets():
+    assert zero3_prefetch_depth(100, 10, 250, 10**9) == 2
+    assert zero3_prefetch_depth(100, 10, 99, 10**9) == 0  # a block larger than the bucket: on demand
+    assert zero3_prefetch_depth(100, 10, 10**9, 150) == 0  # two live blocks would exceed max_live
+    assert zero3_prefetch_depth(100, 10, 10**9, 250) == 1
+    assert zero3_prefetch_depth(100, 3, 10**9, 10**9) == 3
+
+
+def test_prefetch_window_issue_order():
+    # depth 1, 3 blocks: the gather of block k is issued when block k-1 starts and waits for block k-2's end
+    g = _zero3(depth=1, layers=3)
+    ag = [o for o in _colls(g) if o.meta["collective"] == "all_gather" and o.phase is Phase.FWD]
+    assert [o.name for o in ag] == ["root.fwd.param_all_gather", "L0.fwd.param_all_gather",
+                                    "L1.fwd.param_all_gather", "L2.fwd.param_all_gather"]
+    first = {k: min(o.id for o in g.ops if o.layer == k and o.phase is Phase.FWD and o.kind is OpKind.COMPUTE)
+             for k in range(3)}
+    last = {k: max(o.id for o in g.ops if o.layer == k and o.phase is Phase.FWD and o.kind is OpKind.COMPUTE)
+            for k in range(3)}
+    embed = next(o.id for o in g.ops if o.name == "fwd.embed")
+    assert ag[2].deps == (embed,) and ag[3].deps == (last[0],)  # L1 after the embedding, L2 after block 0
+    assert ag[2].id < first[0] and ag[3].id < first[1]
+    assert ag[1].id in g.ops[first[0]].deps and ag[3].id in g.ops[first[2]].deps
+    d0 = _zero3(depth=0, layers=3)
+    ag0 = [o for o in _colls(d0) if o.name == "L2.fwd.param_all_gather"][0]
+    first2 = min(o.id for o in d0.ops if o.layer == 2 and o.phase is Phase.FWD and o.kind is OpKind.COMPUTE)
+    assert ag0.id == first2 - 1  # on demand: issued right before its block
+
+
+def _fsdp(strategy="full_shard", prefetch="pre", layers=2, param_bytes=2, grad_bytes=4, replicate=1, **kw):
+    sh = ShardingSpec(strategy, 8 // replicate if replicate > 1 else 8, replicate, bwd_prefetch=prefetch,
+                      reshard_after_forward=strategy != "shard_grad_op", param_bytes=param_bytes,
+                      sharded_param_bytes=4, grad_bytes=grad_bytes, **kw)
+    return build_gpt_step(TransformerSpec(**{**TINY, "num_layers": layers, "data_parallel_size": 8},
+                                          precision="amp_fp32_params", sharding=sh))
+
+
+def test_fsdp_full_shard_bytes_and_backward_prefetch_order():
+    # DEFAULT mixed precision: bf16 gathers (root 352, blocks 1744), fp32 reduce-scatters (blocks 3488, root 704);
+    # the root is not resharded after forward (no backward gather)
+    names = {}
+    for pf in ("pre", "post", None):
+        cs = _colls(_fsdp(prefetch=pf))
+        names[pf] = [c.name for c in cs if c.phase is Phase.BWD]
+        assert [c.meta["bytes"] for c in cs if c.phase is Phase.FWD] == [352, 1744, 1744]
+        assert sorted(c.meta["bytes"] for c in cs if c.phase is Phase.BWD) == [704, 1744, 1744, 3488, 3488]
+    assert names["pre"] == names["post"] == ["L1.bwd.param_all_gather", "L0.bwd.param_all_gather",
+                                             "fsdp.grad_reduce_scatter.0", "fsdp.grad_reduce_scatter.1",
+                                             "fsdp.grad_reduce_scatter.2"]
+    assert names[None] == ["L1.bwd.param_all_gather", "fsdp.grad_reduce_scatter.0", "L0.bwd.param_all_gather",
+                           "fsdp.grad_reduce_scatter.1", "fsdp.grad_reduce_scatter.2"]
+    g_pre, g_post = _fsdp(prefetch="pre"), _fsdp(prefetch="post")
+
+    def l0_gather_dep(g):
+        op = next(o for o in g.ops if o.name == "L0.bwd.param_all_gather")
+        return g.ops[op.deps[0]]
+
+    # BACKWARD_PRE issues it as block 1's backward starts, BACKWARD_POST after block 1's gradients
+    assert l0_gather_dep(g_pre).layer == -1
+    assert l0_gather_dep(g_post).layer == 1 and l0_gather_dep(g_post).phase is Phase.BWD
+
+
+def test_fsdp_pure_full_shard_is_3_psi_and_shard_grad_op_skips_the_backward_gather():
+    pure = _colls(_fsdp(grad_bytes=2))
+    assert sum(c.meta["bytes"] for c in pure) == 2 * 2 * (2 * 872 + 176) + 2 * (2 * 872 + 176) - 2 * 176
+    sgo = _fsdp("shard_grad_op")
+    assert not [c for c in _colls(sgo) if c.meta["collective"] == "all_gather" and c.phase is Phase.BWD]
+    fwd_w = next(o for o in sgo.ops if o.name == "L0.fwd.fc1.gemm").uses[1]
+    assert fwd_w in next(o for o in sgo.ops if o.name == "L0.bwd.fc1.dgrad").uses  # kept from forward
+
+
+def test_hybrid_shard_reduces_shards_across_nodes():
+    cs = _colls(_fsdp("hybrid_shard", replicate=2, layers=1))  # shards of 4 ranks, 2 replicas: ceil(872 / 4) = 218
+    ar = [c for c in cs if c.meta["group"] == "dp_replicate"]
+    assert [(c.meta["collective"], c.meta["bytes"]) for c in ar] == [("all_reduce", 4 * 218), ("all_reduce", 4 * 44)]
+    assert {c.meta["group"] for c in cs} == {"dp_shard", "dp_replicate"}
+    assert {c.stream for c in ar} == {"comm.dp_replicate"}
+
+
+def test_megatron_distributed_optimizer_buckets_by_hand():
+    # backward order: ln_f 8 8 | fc2.b 8, fc2.w 256, fc1.b 32 -> 312 | fc1.w 256, ln2 8 8, proj.b 8, proj.w 64 -> 344
+    # | qkv.b 24, qkv.w 192, ln1 8 8, wte 128 -> 360 | wpe 32
+    spec = TransformerSpec(**TINY, precision="bf16",
+                           sharding=ShardingSpec("distributed_optimizer", 8, grad_bytes=4, bucket_elements=300))
+    assert [sum(backward_param_order(spec)[i][2] for i in b)
+            for b in megatron_buckets([k for *_, k in backward_param_order(spec)], 300)] == [312, 344, 360, 32]
+    cs = _colls(build_gpt_step(spec))
+    assert [(c.meta["collective"], c.meta["bytes"], c.phase) for c in cs] == (
+        [("reduce_scatter", 4 * n, Phase.BWD) for n in (312, 344, 360, 32)]
+        + [("all_gather", 2 * n, Phase.OPT) for n in (312, 344, 360, 32)])
+    g = build_gpt_step(TransformerSpec(**TINY, precision="bf16", sharding=ShardingSpec(
+        "distributed_optimizer", 8, grad_bytes=4, bucket_elements=300, overlap_param_gather=True)))
+    ag = [c for c in _colls(g) if c.meta["collective"] == "all_gather"]
+    assert [c.phase for c in ag] == [Phase.FWD] * 4 and [c.meta["bytes"] for c in ag] == [64, 720, 688, 624]
+    embed = next(o for o in g.ops if o.name == "fwd.embed")
+    first = min(o.id for o in g.ops if o.layer == 0 and o.kind is OpKind.COMPUTE)
+    assert set(embed.deps) >= {ag[0].id, ag[1].id}  # wpe and wte
+    assert set(g.ops[first].deps) >= {ag[1].id, ag[2].id, ag[3].id}  # block 0 spans three buckets
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tied_embeddings=False), dict(bias=False, normalization="RMSNorm",
+                                position_embedding="rope", swiglu=True)])
+def test_backward_param_order_is_the_builders(kw):
+    spec = TransformerSpec(**{**TINY, "num_layers": 2}, **kw)
+    g = build_gpt_step(spec)
+    assert [(p.name, p.numel) for p in g.param_groups] == [(n, k) for n, _, k in backward_param_order(spec)]
+
+
+# -- memory per rank and step time on a small model (engine) -------------------------------------------
+def _run(extra):
+    return run_scenario(load_scenario(B16, SMALL + DGX + extra))
+
+
+def _end_of_step_bytes(r) -> int:
+    """Live tensor bytes after the last step (transients freed): the model states."""
+    c = r.counters[(r.counters.metric == "memory_bytes") & (r.counters.scope == "gpu0.hbm")]
+    return int(c.sort_values("t_s").value.iloc[-1])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    z3 = ["training.precision=bf16", "zero_optimization.stage=3"]
+    return {k: _run(v) for k, v in {
+        "zero3": z3 + ["zero_optimization.stage3_param_persistence_threshold=0"],
+        "zero3_on_demand": z3 + ["zero_optimization.stage3_param_persistence_threshold=0",
+                                 "zero_optimization.stage3_prefetch_bucket_size=1"],
+        "fsdp": ["fsdp={sharding_strategy: FULL_SHARD}"],
+        "fsdp_no_prefetch": ["fsdp={sharding_strategy: FULL_SHARD, backward_prefetch: null}"],
+        "megatron": ["training.precision=bf16", "ddp.use_distributed_optimizer=true"],
+    }.items()}
+
+
+def _psi(r) -> int:
+    return r.summary["num_parameters"]
+
+
+def test_zero3_memory_is_the_zero_paper_formula(runs):
+    r = runs["zero3"]
+    psi, nd = _psi(r), 8
+    assert _end_of_step_bytes(r) == pytest.approx((2 + 2 + 12) * psi / nd, rel=0.01)
+    cat = r.summary["peak_memory_by_category_bytes"]
+    assert cat["optimizer"] == pytest.approx(8 * psi / nd, rel=0.01)
+
+
+def test_fsdp_and_megatron_memory_formulas(runs):
+    psi, nd = _psi(runs["fsdp"]), 8
+    # FSDP: fp32 shard + Adam moments persist; the fp32 sharded gradients live from backward to the step
+    assert _end_of_step_bytes(runs["fsdp"]) == pytest.approx(12 * psi / nd, rel=0.01)
+    assert runs["fsdp"].summary["peak_memory_by_category_bytes"]["optimizer"] == pytest.approx(8 * psi / nd, rel=0.01)
+    # Megatron distributed optimizer: bf16 params and fp32 grad buffer whole, 12 bytes/param sharded (6 + 12/d)
+    assert _end_of_step_bytes(runs["megatron"]) == pytest.approx((6 + 12 / nd) * psi, rel=0.01)
+
+
+def test_prefetch_overlaps_the_gathers(runs):
+    for fast, slow in (("zero3", "zero3_on_demand"), ("fsdp", "fsdp_no_prefetch")):
+        a, b = runs[fast].summary, runs[slow].summary
+        assert a["step_time_s"] < b["step_time_s"], (fast, a["step_time_s"], b["step_time_s"])
+        assert a["exposed_comm_s"] < b["exposed_comm_s"]
+
+
+def test_hybrid_shard_two_nodes_runs_with_both_groups():
+    s = run_scenario(load_scenario(B16, SMALL + ["hardware.gpu=h100-sxm-80gb",
+                                                 "hardware.cluster={preset: dgx-h100, nodes: 2}",
+                                                 "fsdp={sharding_strategy: HYBRID_SHARD}"])).summary
+    assert set(s["comm_s_by_group"]) == {"dp_shard", "dp_replicate"}
+    assert s["data_parallel_size"] == 16
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["fsdp={sharding_strategy: FULL_SHARD}", "zero_optimization.stage=2"], "fsdp: exclusive with zero_optimization"),
+    (["fsdp={sharding_strategy: FULL_SHARD}", "ddp.use_distributed_optimizer=true"],
+     "fsdp: exclusive with ddp.use_distributed_optimizer"),
+    (["fsdp={cpu_offload: true}"], "cpu_offload: true is not modelled"),
+    (["fsdp={sharding_strategy: FULL_SHARD}", "training.precision=bf16"], "fsdp: training.precision bf16 is not"),
+    (["fsdp={sharding_strategy: FULL_SHARD}", "training.global_batch_size=256"], "fsdp: gradient accumulation"),
+    (["fsdp={sharding_strategy: ZERO}"], "sharding_strategy"),
+    (["training.precision=bf16", "zero_optimization.stage=3", "training.global_batch_size=256"],
+     "zero_optimization.stage: 3 with gradient accumulation"),
+    (["ddp.overlap_param_gather=true"], "ddp.overlap_param_gather needs ddp.use_distributed_optimizer"),
+    (["ddp.use_distributed_optimizer=true", "zero_optimization.stage=1"],
+     "ddp.use_distributed_optimizer: exclusive with zero_optimization.stage 1"),
+    (["ddp.use_distributed_optimizer=true"], "ddp.use_distributed_optimizer needs training.precision bf16"),
+])
+def test_bad_input_one_line_exit_2(sets, needle):
+    args = [a for s in DGX + sets for a in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "simulator", "run", str(B16), *args], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("warning")]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
