@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from hardware_models.collectives import CollectiveModel, NcclConfig
@@ -114,6 +114,8 @@ class Hardware:
         tp_group: Global ranks of its tensor-parallel group (consecutive, inside one node).
         dp_shard_group: The data-parallel ranks of its node (FSDP HYBRID_SHARD shards inside a node).
         dp_replicate_group: The ranks with its local rank on every node (HYBRID_SHARD's all-reduce across nodes).
+        pp_group: Global ranks of the representative rank of each pipeline stage, stage order.
+        pp_rank: The pipeline stage this machine's representative rank belongs to.
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -129,6 +131,8 @@ class Hardware:
     tp_group: tuple[int, ...] = (0,)
     dp_shard_group: tuple[int, ...] = (0,)
     dp_replicate_group: tuple[int, ...] = (0,)
+    pp_group: tuple[int, ...] = (0,)
+    pp_rank: int = 0
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 
@@ -141,6 +145,17 @@ class Hardware:
     def copy(self) -> CopyRates:
         """Host<->device copy rates in force (``resolve_copy_rates``)."""
         return resolve_copy_rates(self.profile, self.pcie)
+
+    def for_pipeline_rank(self, rank: int) -> "Hardware":
+        """The machine of pipeline stage ``rank``'s representative: its global rank ``pp_group[rank]`` and the
+        TP and DP groups shifted by the same offset (Megatron tp-dp-pp rank order).
+
+        Raises:
+            IndexError: ``rank`` outside ``0..len(pp_group) - 1``.
+        """
+        base = self.pp_group[rank] - self.pp_group[0]
+        return replace(self, pp_rank=rank, dp_group=tuple(r + base for r in self.dp_group),
+                       tp_group=tuple(r + base for r in self.tp_group))
 
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pandas as pd
+
 from hardware_models.machine import Hardware
 from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
@@ -22,11 +24,12 @@ from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError
 from simulator.recording.recorder import dependencies_frame
 
-__all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "simulate_graph", "transformer_spec"]
+__all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "simulate_graph", "simulate_pipeline",
+           "transformer_spec"]
 
 
-def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
-    """The builder's view of a scenario's model, batch and precision."""
+def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> TransformerSpec:
+    """The builder's view of a scenario's model, batch and precision, for pipeline stage ``pipeline_rank``."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
     dp = p.data_parallel_size or 1
     z, ddp = cfg.zero_optimization, cfg.ddp
@@ -49,6 +52,9 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         normalization=m.normalization, position_embedding=m.position_embedding_type,
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
         sharding=sharding_spec(cfg) if dp > 1 else None,
+        pipeline_parallel_size=p.pipeline_model_parallel_size, pipeline_rank=pipeline_rank,
+        virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
+        pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
     )
 
 
@@ -102,7 +108,9 @@ def cfg_node_ranks(cfg: ScenarioConfig) -> tuple[int, ...]:
 def model_num_parameters(cfg: ScenarioConfig) -> int:
     """Parameters of the whole model, unsharded and with the vocabulary as given (no tensor-parallel
     padding): the count a model card publishes (Llama-3.1-8B: 8,030,261,248)."""
-    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False)
+    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
+                               pipeline_parallel_size=1, virtual_pipeline_size=1, pipeline_schedule="1f1b",
+                               pipeline_layers=None)
     return spec.num_parameters
 
 
@@ -121,9 +129,9 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
     return flops / (summary["step_time_s"] * summary["world_size"])
 
 
-def build_graph(cfg: ScenarioConfig) -> OpGraph:
-    """The step graph of a scenario (before its policies)."""
-    return build_gpt_step(transformer_spec(cfg))
+def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0) -> OpGraph:
+    """The step graph of a scenario's pipeline stage ``pipeline_rank`` (before its policies)."""
+    return build_gpt_step(transformer_spec(cfg, pipeline_rank))
 
 
 def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int = 0, seed: int = 0,
@@ -160,6 +168,55 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
     return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
                             dependencies_frame(graph))
+
+
+def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioConfig) -> SimulationResult:
+    """Run a scenario's pipeline stages side by side (``engine.run.run_ranks``) and summarise.
+
+    Each stage is one representative rank (its TP and DP peers are folded, as with one stage), with its
+    own GPU, host thread, memory and runtime components (DVFS); the stages meet at their send/recv and
+    cross-stage all-reduces. The summary is ``analysis.pipeline.combine_stages`` of the stages'; the
+    result's spans, counters, launches and dependencies are every stage's, with a ``pp_rank`` column.
+
+    Raises:
+        SimulationError: the engine failed (a deadlock names the rendezvous).
+    """
+    from simulator.analysis.pipeline import combine_stages, combined_steps, pipeline_bubble_s
+    from simulator.engine.run import run_ranks
+
+    run, p = cfg.run, cfg.parallelism
+    attach = lambda env, system: build_runtime(cfg, system.hw, env, system)  # noqa: E731
+    with gc_paused():
+        runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
+        stages, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
+        stage_steps = []
+        for r, ((rec, runtime), g, h) in enumerate(zip(runs, graphs, hws)):
+            step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
+            summ = summarize(g, h, rec.memory, rec.spans, step_df)
+            for comp in runtime.components:
+                if hasattr(comp, "summarize"):
+                    summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
+            summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
+            stages.append(summ)
+            stage_steps.append(step_df)
+            for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
+                            ("deps", dependencies_frame(g))):
+                frames[key].append(df.assign(pp_rank=r))
+        steps = combined_steps(stage_steps)
+        specs = [g.meta["spec"] for g in graphs]
+        summary = combine_stages(
+            stages, steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
+            virtual=p.virtual_pipeline_model_parallel_size, micro_batches=specs[0].num_micro_batches,
+            samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
+            model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"),
+            ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group))
+        summary["warnings"] = run_warnings(hws[0], cfg)
+        summary["zero_stage"] = cfg.zero_optimization.stage
+        summary["num_parameters"] = model_num_parameters(cfg)
+        summary["pipeline_parallel_size"] = len(graphs)
+        cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
+    return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
+                            cat["launches"], cat["deps"])
 
 
 def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
@@ -235,11 +292,16 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         SimulationError: the engine failed.
     """
     hw = hw if hw is not None else resolve_hardware(cfg)
+    pp = cfg.parallelism.pipeline_model_parallel_size
+    hws = [hw.for_pipeline_rank(r) for r in range(pp)] if pp > 1 else [hw]
     try:
-        graph = apply_graph_policies(build_graph(cfg), cfg, hw)
+        graphs = [apply_graph_policies(build_graph(cfg, r), cfg, h) for r, h in enumerate(hws)]
     except PolicyError:
         raise
     except ValueError as exc:
         raise SimulationError(f"build phase failed: {exc}") from exc
+    if pp > 1:
+        return simulate_pipeline(graphs, hws, cfg)
+    graph = graphs[0]
     return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
                           cfg.model_dump(mode="json"), cfg)

@@ -72,11 +72,18 @@ def format_summary(s: dict, name: str) -> str:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
         zero = s.get("zero_stage") or 0
         sharded = {1: "optimizer state sharded", 2: "optimizer state and gradients sharded"}.get(zero)
+        pipe = s.get("pipeline")
         lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
+                     + (f", pipeline parallel {pipe['pipeline_model_parallel_size']} ({pipe['schedule']}, "
+                        f"{pipe['micro_batches']} micro-batches)" if pipe else "")
                      + (f"; ZeRO stage {zero}: {sharded} over the data-parallel ranks" if sharded else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
-                     "(compute idle while a collective is in flight)")
+                     "(compute idle while a collective is in flight)" + (" (largest stage)" if pipe else ""))
+        for st in (pipe or {}).get("stages", ()):
+            lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers: bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
+                         f", exposed comm {st['exposed_comm_s'] * 1e3:.2f} ms, peak memory "
+                         f"{_fmt_bytes(st['peak_device_memory_bytes'])}" + (" OUT OF MEMORY" if st.get("oom") else ""))
     if "offload_cpu_optimizer_s" in s:
         lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
                      f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")

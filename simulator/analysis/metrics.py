@@ -238,6 +238,11 @@ def megatron_flops_per_step(batch: int, seq_length: int, num_layers: int, hidden
 COLLECTIVE_KIND = "collective"
 
 
+def comm_group(streams: pd.Series) -> pd.Series:
+    """Process group of each collective's stream: ``comm.<group>[.<channel>]`` -> ``<group>``, else ``other``."""
+    return streams.str.split(".").str[1].where(streams.str.startswith("comm."), "other")
+
+
 def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict[str, float]]:
     """Exposed communication and communication busy time per process group, per measured step.
 
@@ -248,7 +253,8 @@ def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict
     data stalls) is not communication.
 
     **Busy time per group** = the length of the union of the group's collective spans in the
-    step; the group is the stream's suffix (``comm.dp`` -> ``dp``; other streams -> ``other``).
+    step; the group is the stream's second part (``comm.dp`` -> ``dp``, ``comm.pp.send_next`` -> ``pp``;
+    other streams -> ``other``: ``comm_group``).
 
     Args:
         spans: The run's spans (``SPAN_COLUMNS``).
@@ -262,7 +268,7 @@ def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict
     if coll.empty or measured.empty:
         return 0.0, {}
     comp = spans[spans.kind == COMPUTE_KIND]
-    group = coll.stream.str.split(".", n=1).str[-1].where(coll.stream.str.startswith("comm."), "other")
+    group = comm_group(coll.stream)
     exposed, busy = 0.0, {}
     for _, st in measured.iterrows():
         t0, t1 = float(st.start_s), float(st.end_s)

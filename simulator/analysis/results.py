@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge
+from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge, comm_group
 
 #: ``SimulationResult.breakdown`` components, in priority order (an instant counts once, for the
 #: first that applies); exposed communication has one row per process group, after optimizer
@@ -87,7 +87,7 @@ class SimulationResult:
         sp = self.spans[self.spans.kind != "sync"]
         kind, phase = sp.kind.astype(str), sp.phase.astype(str)
         coll = sp[kind == COLLECTIVE_KIND]
-        group = coll.stream.str.split(".", n=1).str[-1].where(coll.stream.str.startswith("comm."), "other")
+        group = comm_group(coll.stream)
         groups = sorted(set(group))
         cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
                 (BREAKDOWN_OPTIMIZER, sp[phase == "opt"])]

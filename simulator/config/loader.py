@@ -282,10 +282,11 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
-    ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are numbered node by node in
-    Megatron's default order (tp-dp, tensor-parallel fastest: ``initialize_model_parallel``), so the
-    representative rank 0 has the TP group ``0..tp-1`` (inside its node) and the DP group
-    ``0, tp, 2 tp, ...``.
+    ``pp_group``, ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are numbered node by
+    node in Megatron's default order (tp-dp-pp, tensor-parallel fastest: ``initialize_model_parallel``), so
+    the representative rank 0 has the TP group ``0..tp-1`` (inside its node), the DP group
+    ``0, tp, 2 tp, ..., (dp - 1) tp`` and the pipeline group ``0, tp dp, 2 tp dp, ...``
+    (``Hardware.for_pipeline_rank`` gives the other stages' representatives).
 
     Raises:
         ScenarioError: an unknown cluster/network/profile preset, a bad override, a cluster GPU that is
@@ -315,10 +316,11 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     except PresetError as exc:
         raise ScenarioError(f"{source}: hardware.cluster.collective_profile: {exc}") from None
     world = topo.world_size
-    dp, tp = cfg.parallelism.data_parallel_size, cfg.parallelism.tensor_model_parallel_size
-    if dp * tp != world:  # pp = 1 (schema); the schema checked this already unless its preset lookup failed
+    par = cfg.parallelism
+    dp, tp, pp = par.data_parallel_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if dp * tp * pp != world:  # the schema checked this already unless its preset lookup failed
         raise ScenarioError(f"{source}: parallelism.data_parallel_size: {dp} does not match the world size {world} "
-                            f"of hardware.cluster / tp {tp} (allowed: {world // tp})")
+                            f"of hardware.cluster / (tp {tp} x pp {pp}) (allowed: {world // (tp * pp)})")
     n = cfg.nccl
     try:
         nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels,
@@ -328,6 +330,8 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     per_node = world // c.nodes
-    return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, world, tp)),
+    stage = tp * dp  # ranks per pipeline stage (tp-dp-pp order: the stages are the outermost dimension)
+    return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
             "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
-            "dp_replicate_group": tuple(range(0, world, per_node)), "nccl": nccl}
+            "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
+            "nccl": nccl}

@@ -175,9 +175,10 @@ class TrainingConfig(_Model):
 
 
 class ParallelismConfig(_Model):
-    """Megatron-LM parallel sizes (rank order tp-dp: tensor-parallel ranks are consecutive, inside a node).
+    """Megatron-LM parallel sizes (rank order tp-dp-pp: tensor-parallel ranks are consecutive, inside a node;
+    pipeline stages are the outermost dimension).
 
-    Pipeline, context and expert parallelism are not modelled yet (must be 1).
+    Context and expert parallelism are not modelled yet (must be 1).
     """
 
     tensor_model_parallel_size: PositiveInt = Field(
@@ -186,7 +187,18 @@ class ParallelismConfig(_Model):
         "is padded to a multiple of 128 x tp as Megatron does), and training.precision bf16 or fp16.")
     sequence_parallel: bool = Field(default=False, description="Megatron --sequence-parallel (with tp > 1; "
                                     "tp must divide seq_length).")
-    pipeline_model_parallel_size: PositiveInt = 1
+    pipeline_model_parallel_size: PositiveInt = Field(
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --pipeline-model-parallel-size. > 1 needs "
+        "hardware.cluster; the layers are split evenly unless pipeline_layers_per_stage is given.")
+    virtual_pipeline_model_parallel_size: PositiveInt = Field(
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Model chunks per pipeline rank (Megatron "
+        "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b.")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = Field(
+        default=None, description="Default 1f1b (Megatron forward_backward_pipelining_without_interleaving), "
+        "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1.")
+    pipeline_layers_per_stage: list[PositiveInt] | None = Field(
+        default=None, max_length=MAX_DATA_PARALLEL_SIZE, description="Custom split: transformer blocks of each "
+        "pipeline stage (pp x virtual numbers, model-chunk order) summing to model.num_layers.")
     context_parallel_size: PositiveInt = 1
     expert_model_parallel_size: PositiveInt = 1
     data_parallel_size: PositiveInt | None = Field(
@@ -194,9 +206,17 @@ class ParallelismConfig(_Model):
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
 
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                               "expert_model_parallel_size", mode="before")(no_bool)
+                               "expert_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                               mode="before")(no_bool)
 
-    @field_validator("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule in force (``pipeline_schedule``, else by the virtual size)."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
+
+    @field_validator("context_parallel_size", "expert_model_parallel_size")
     @classmethod
     def _not_modelled(cls, v: int, info):
         if v != 1:
@@ -380,6 +400,67 @@ class ScenarioConfig(_Model):
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
             raise ValueError(f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet "
                              "(allowed: offload device none, or tp 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_parallel_scope(self):
+        """Megatron's rules for pipeline parallelism, and what is not modelled with it."""
+        p, m = self.parallelism, self.model
+        pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+        key = "parallelism.pipeline_model_parallel_size"
+        if v > 1 and p.schedule != "interleaved_1f1b":
+            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs pipeline_schedule "
+                             f"interleaved_1f1b (got {p.schedule}; allowed: 1 with gpipe/1f1b)")
+        if p.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1:
+            raise ValueError("parallelism.pipeline_schedule: interleaved_1f1b needs "
+                             "virtual_pipeline_model_parallel_size > 1 (allowed: gpipe, 1f1b with 1)")
+        if v > 1 and pp == 1:
+            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs "
+                             "pipeline_model_parallel_size > 1 (allowed: 1)")
+        chunks = pp * v
+        split = p.pipeline_layers_per_stage
+        if split is not None:
+            if len(split) != chunks or sum(split) != m.num_layers:
+                raise ValueError(f"parallelism.pipeline_layers_per_stage: {split} must be {chunks} numbers (pp {pp} x "
+                                 f"virtual {v}) summing to model.num_layers {m.num_layers} (got {len(split)} summing "
+                                 f"to {sum(split)})")
+        elif m.num_layers % chunks:
+            raise ValueError(f"{key}: pp {pp} x virtual {v} = {chunks} must divide model.num_layers {m.num_layers} "
+                             "(or give parallelism.pipeline_layers_per_stage)")
+        if pp == 1:
+            return self
+        if self.hardware.cluster is None:
+            raise ValueError(f"{key}: {pp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
+                             "without it one GPU is simulated (allowed: 1)")
+        world = world_size_of(self.hardware.cluster)
+        tp = p.tensor_model_parallel_size
+        if world is not None and world % (tp * pp):
+            raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
+                             f"hardware.cluster (allowed: pp dividing {world // tp})")
+        if self.training.precision == "amp_fp32_params":
+            raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
+                             "is torch.autocast, allowed with pp 1 only)")
+        dp = p.data_parallel_size or 1
+        gbs = self.training.global_batch_size or self.training.micro_batch_size * dp
+        mbs = gbs // (self.training.micro_batch_size * dp)
+        if p.schedule == "interleaved_1f1b" and mbs % pp:
+            raise ValueError(f"parallelism.pipeline_schedule: interleaved_1f1b needs the micro-batches per step "
+                             f"(global_batch_size / (micro_batch_size x data_parallel_size) = {mbs}) to be a multiple "
+                             f"of pipeline_model_parallel_size {pp} (Megatron-LM)")
+        z = self.zero_optimization
+        if z.stage >= 2:
+            raise ValueError(f"zero_optimization.stage: {z.stage} with pipeline parallelism is not modelled (DeepSpeed's "
+                             "pipeline engine supports ZeRO stage 0 or 1; allowed: 0, 1)")
+        if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
+            raise ValueError(f"{key}: {pp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
+                             "device none, or pp 1)")
+        if self.fsdp is not None or self.ddp.use_distributed_optimizer:
+            what = "fsdp" if self.fsdp is not None else "ddp.use_distributed_optimizer"
+            raise ValueError(f"{what}: with {key} {pp} > 1 is not modelled yet (allowed: DDP or ZeRO stage 0/1 "
+                             "data parallelism, or pp 1)")
+        if self.dataloader is not None:
+            raise ValueError(f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
+                             "dataloader section, or pp 1)")
         return self
 
     @model_validator(mode="after")

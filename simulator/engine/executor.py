@@ -17,6 +17,9 @@
 * Kernels take the cost model's time at the current clocks; host<->device copies are fluid flows
   over the PCIe links (max-min fair sharing with everything else on them); host ops take
   ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
+* Ops naming a ``rendezvous`` (pipeline send/recv, cross-stage all-reduces) meet the same op of the
+  other ranks' executors running in the same environment: each starts when the last party arrives,
+  and all take the same isolated NCCL time.
 * Steps repeat: each stream moves on to the next step's ops when it finishes its own; an op may
   also wait for ops of the previous step (``meta["prev_step_deps"]``), which is how a delayed
   parameter update overlaps step i's CPU work with step i+1.
@@ -61,11 +64,16 @@ class Executor:
             methods (DVFS controllers, dataloaders).
         host_ops: Extra callables ``(op, step) -> generator`` that run special host ops
             (e.g. ``DATALOADER`` ops), keyed by op kind.
+        rendezvous: ``engine.rendezvous.Rendezvous`` shared with other ranks' executors: an op whose
+            ``meta`` names a ``rendezvous`` key (and its ``parties``) starts, once its dependencies are
+            done, only when every party has reached the same key in the same step.
     """
 
     def __init__(self, env: simpy.Environment, system: System, graph: OpGraph, recorder, steps: int,
-                 hooks=(), host_handlers=None):
+                 hooks=(), host_handlers=None, rendezvous=None):
         self.env, self.sys, self.g, self.rec, self.steps = env, system, graph, recorder, steps
+        #: meeting points shared with the executors of the other ranks (``engine.rendezvous``); None: one rank
+        self.rendezvous = rendezvous
         self.hooks = list(hooks)
         self._on_start = [h.on_op_start for h in self.hooks if hasattr(h, "on_op_start")]
         self._on_end = [h.on_op_end for h in self.hooks if hasattr(h, "on_op_end")]
@@ -233,6 +241,8 @@ class Executor:
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
+                    if op.meta and "rendezvous" in op.meta:  # the peers (other ranks' ops) must arrive too
+                        yield self.rendezvous.arrive(op.meta["rendezvous"], step, op.meta["parties"])
                 start = env.now
                 for pool, name, nbytes in allocs[oid]:  # _begin, inlined
                     pool.alloc(name, nbytes, start)

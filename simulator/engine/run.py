@@ -1,4 +1,5 @@
-"""``run_graph``: repeat a step graph on a machine and return the raw records. Touches no files.
+"""``run_graph``: repeat a step graph on a machine and return the raw records (``run_ranks``: several
+ranks side by side, meeting at their rendezvous ops). Touches no files.
 
 The engine knows graphs and machine specs, not scenarios: what a scenario attaches at run time
 (DVFS controllers, dataloaders) comes in through ``attach``, and the headline summary is
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +22,7 @@ from hardware_models.machine import Hardware
 from simulator.engine.errors import SimulationError
 from simulator.engine.executor import Executor
 from simulator.engine.memory import DeviceMemoryOverheads
+from simulator.engine.rendezvous import Rendezvous
 from simulator.engine.system import System
 from simulator.graph.op_graph import OpGraph
 from simulator.recording.recorder import Recorder, launches_frame
@@ -99,25 +102,60 @@ def run_graph(graph: OpGraph, hw: Hardware, steps: int, seed: int = 0,
     Raises:
         SimulationError: the engine failed.
     """
+    return run_ranks([graph], [hw], steps, seed, attach, overheads, exact_power=exact_power)[0]
+
+
+def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, seed: int = 0,
+              attach: Callable[[simpy.Environment, System], Any] | None = None,
+              overheads: DeviceMemoryOverheads | None = None, *,
+              exact_power: bool = False) -> list[tuple[RunRecords, Any]]:
+    """Run several ranks side by side in one SimPy environment (one ``System`` and ``Executor`` each),
+    meeting at their ``rendezvous`` ops (pipeline send/recv): ``run_graph`` for each, coupled.
+
+    Args:
+        graphs: One step graph per rank (pipeline stage representative).
+        hws: The machine of each rank (same length).
+        steps, seed, attach, overheads, exact_power: as ``run_graph`` (``attach`` is called per rank).
+
+    Returns:
+        ``[(records, runtime)]`` per rank, in the order given.
+
+    Raises:
+        SimulationError: the engine failed, or the ranks deadlocked (a rendezvous some rank never reached:
+            the message names it).
+    """
     env = simpy.Environment()
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
-    rec = Recorder()
-    system = System(env, hw, rec)
-    system.exact_power = exact_power
-    system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
-    runtime = attach(env, system) if attach is not None else _NoRuntime()
-    ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers())
+    meet = Rendezvous(env)
+    ranks = []
+    for graph, hw in zip(graphs, hws, strict=True):
+        rec = Recorder()
+        system = System(env, hw, rec)
+        system.exact_power = exact_power
+        system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
+        runtime = attach(env, system) if attach is not None else _NoRuntime()
+        ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers(),
+                      rendezvous=meet)
+        ranks.append((graph, rec, system, runtime, ex))
     try:
         with gc_paused():
-            env.run(ex.start())
+            env.run(env.all_of([ex.start() for *_, ex in ranks]))
     except Exception as exc:  # pragma: no cover - engine bugs surface with the phase named
+        stuck = meet.pending()
+        if stuck:
+            raise SimulationError(f"run phase failed: the ranks deadlocked at rendezvous {stuck[0][0]!r} of step "
+                                  f"{stuck[0][1]} ({len(stuck)} waiting)") from exc
         raise SimulationError(f"run phase failed: {type(exc).__name__}: {exc}") from exc
-    for comp in getattr(runtime, "components", ()):
-        finish = getattr(comp, "finish", None)
-        if finish is not None and finish(rec) is False:
-            return run_graph(graph, hw, steps, seed, attach, overheads, exact_power=True)
-    rec.counters.extend(system.memory_counters())
-    step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
-    step_df["step_time_s"] = step_df.end_s - step_df.start_s
-    launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
-    return RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime
+    for _, rec, _, runtime, _ in ranks:
+        for comp in getattr(runtime, "components", ()):
+            finish = getattr(comp, "finish", None)
+            if finish is not None and finish(rec) is False and not exact_power:
+                return run_ranks(graphs, hws, steps, seed, attach, overheads, exact_power=True)
+    out = []
+    for graph, rec, system, runtime, ex in ranks:
+        rec.counters.extend(system.memory_counters())
+        step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
+        step_df["step_time_s"] = step_df.end_s - step_df.start_s
+        launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
+        out.append((RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime))
+    return out

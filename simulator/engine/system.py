@@ -76,10 +76,12 @@ class System:
         self._comm_changed: simpy.Event | None = None  # fires when self._loads changes
         self._compute_changed: simpy.Event | None = None  # fires when compute goes busy <-> idle
         clock = type(env).now.fget.__get__(env)  # env.now as a bound call (no lambda frame)
+        # pools are named after the rank: pipeline stage r > 0 is global rank pp_group[r] (its host: ppR.host)
+        gpu, host = ("gpu0", "host") if hw.pp_rank == 0 else (f"gpu{hw.pp_group[hw.pp_rank]}", f"pp{hw.pp_rank}.host")
         self.memory = {
-            "gpu": MemoryPool("gpu0.hbm", hw.gpu.hbm_capacity_bytes, clock),
-            "host_pinned": MemoryPool("host.pinned", hw.host_memory.pinned_capacity_bytes, clock),
-            "host_pageable": MemoryPool("host.pageable", hw.host_memory.capacity_bytes, clock),
+            "gpu": MemoryPool(f"{gpu}.hbm", hw.gpu.hbm_capacity_bytes, clock),
+            "host_pinned": MemoryPool(f"{host}.pinned", hw.host_memory.pinned_capacity_bytes, clock),
+            "host_pageable": MemoryPool(f"{host}.pageable", hw.host_memory.capacity_bytes, clock),
         }
 
     def collective_model(self, op) -> bool:
@@ -93,21 +95,24 @@ class System:
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
         ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
+        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``).
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
         """
         m = op.meta
-        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]))
+        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
         r = self._collective.get(key)
         if r is None:
             from hardware_models.collectives import CollectiveError
 
             groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
                       "dp_replicate": self.hw.dp_replicate_group}
+            if key[1] == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
+                groups["pp"] = tuple(self.hw.pp_group[i] for i in key[3])
             if key[1] not in groups:
                 raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: "
-                                      f"{', '.join(groups)})")
+                                      f"{', '.join([*groups, 'pp'] if 'pp' not in groups else groups)})")
             r = self._collective[key] = self.hw.collectives.price(key[0], groups[key[1]], key[2], self.hw.nccl)
         return r
 
@@ -198,7 +203,9 @@ class System:
         """
         res = self.collective_result(op)
         f = self.interference
-        if f is None:
+        # a rendezvous op ends at the same time on every rank it joins: its isolated time, not re-rated
+        # by one GPU's compute (the interference state is per GPU)
+        if f is None or "rendezvous" in op.meta:
             yield self.env.timeout(res.time_s)
             return
         load = comm_load(f, res.busbw_bytes_per_s)

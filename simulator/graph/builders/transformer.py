@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders.emitter import KernelEmitter
+from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, Phase, TensorAlloc
@@ -131,6 +132,12 @@ class TransformerSpec:
             on q and k).
         max_position_embeddings: Rows of the learned position table (``None``: ``seq_length``).
         qkv_bias: The QKV projection has a bias even without ``bias`` (Megatron ``--add-qkv-bias``; Qwen2).
+        pipeline_parallel_size: Pipeline ranks ``p`` (Megatron ``--pipeline-model-parallel-size``); one
+            rank's graph is built (``pipeline_rank``), its send/recv ops meet the other ranks' in the engine.
+        pipeline_rank: The pipeline rank built, ``0..p-1``.
+        virtual_pipeline_size: Model chunks per pipeline rank ``v`` (interleaved schedule).
+        pipeline_schedule: One of ``pipeline.SCHEDULES``.
+        pipeline_layers: Layers per model chunk, ``p v`` numbers summing to ``num_layers`` (``None``: even).
     """
 
     num_layers: int
@@ -163,6 +170,11 @@ class TransformerSpec:
     max_position_embeddings: int | None = None
     qkv_bias: bool = False
     sharding: shd.ShardingSpec | None = None
+    pipeline_parallel_size: int = 1
+    pipeline_rank: int = 0
+    virtual_pipeline_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -231,6 +243,14 @@ class TransformerSpec:
                                  "amp_fp32_params (torch.autocast)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
+        p, v = self.pipeline_parallel_size, self.virtual_pipeline_size
+        check_schedule(self.pipeline_schedule, p, self.num_micro_batches, v)
+        if not 0 <= self.pipeline_rank < p:
+            raise ValueError(f"pipeline_rank {self.pipeline_rank} outside 0..{p - 1}")
+        split = self.layer_split
+        if len(split) != p * v or sum(split) != self.num_layers or min(split) < 1:
+            raise ValueError(f"pipeline_layers {list(split)} must be {p * v} numbers >= 1 (pipeline size x virtual "
+                             f"stages) summing to num_layers {self.num_layers}")
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -299,6 +319,56 @@ class TransformerSpec:
         return w + b + 2 * self.norm_params
 
     @property
+    def layer_split(self) -> tuple[int, ...]:
+        """Layers per model chunk (``pipeline_layers``, else an even split: ``pipeline.uniform_split``)."""
+        if self.pipeline_layers is not None:
+            return tuple(self.pipeline_layers)
+        return uniform_split(self.num_layers, self.pipeline_parallel_size * self.virtual_pipeline_size)
+
+    @property
+    def model_chunks(self) -> tuple[int, ...]:
+        """Model chunks held by ``pipeline_rank``: ``c p + r`` for local chunk ``c`` (``pipeline`` module)."""
+        p, r = self.pipeline_parallel_size, self.pipeline_rank
+        return tuple(c * p + r for c in range(self.virtual_pipeline_size))
+
+    @property
+    def rank_layers(self) -> int:
+        """Transformer blocks held by this pipeline rank."""
+        split = self.layer_split
+        return sum(split[k] for k in self.model_chunks)
+
+    @property
+    def has_embedding(self) -> bool:
+        """This pipeline rank holds the input embedding (model chunk 0)."""
+        return self.pipeline_rank == 0
+
+    @property
+    def has_head(self) -> bool:
+        """This pipeline rank holds the final norm, the LM head and the loss (the last model chunk)."""
+        return self.pipeline_rank == self.pipeline_parallel_size - 1
+
+    @property
+    def embedding_copy(self) -> bool:
+        """The last pipeline rank keeps its own copy of the tied word embeddings for the LM head, whose
+        gradient is all-reduced with the first rank's (Megatron-LM ``_allreduce_word_embedding_grads``)."""
+        return self.tied_embeddings and self.pipeline_parallel_size > 1
+
+    @property
+    def rank_num_parameters(self) -> int:
+        """Parameters held by this (tensor- and pipeline-parallel) rank: ``num_parameters`` with one
+        pipeline rank; otherwise its blocks, plus the embeddings on the first rank, plus the final norm and
+        the LM head (or the tied-embedding copy) on the last."""
+        if self.pipeline_parallel_size == 1:
+            return self.num_parameters
+        h = self.hidden_size
+        n = self.rank_layers * self.layer_params
+        if self.has_embedding:
+            n += self.vocab_per_rank * h + self.position_table_rows * h
+        if self.has_head:
+            n += self.norm_params + self.vocab_per_rank * h  # LM head, or the tied embedding's copy
+        return n
+
+    @property
     def num_parameters(self) -> int:
         """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
         rows + learned position, replicated; none with rope), blocks, final norm, LM head."""
@@ -313,7 +383,7 @@ class TransformerSpec:
         parallelism (LayerNorms, row-parallel biases), all-reduced once per step."""
         h = self.hidden_size
         ln = self.norm_params
-        return self.num_layers * (2 * ln + (2 * h if self.bias else 0)) + ln
+        return self.rank_layers * (2 * ln + (2 * h if self.bias else 0)) + (ln if self.has_head else 0)
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs per sample and GPU without recompute: 3x the forward's GEMM + attention FLOPs,
@@ -403,6 +473,10 @@ class _GptBuilder:
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
         self._init_sharding()
+        self.n_chunks = spec.pipeline_parallel_size * spec.virtual_pipeline_size  # model chunks
+        self.received: dict[tuple, str] = {}  # pipeline transfers received, not yet read by their pass
+        self.outgoing: dict[tuple, str] = {}  # pipeline transfers produced, not yet sent
+        self._last_call: list[int] = []  # ops of the previous point-to-point call
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
@@ -451,7 +525,7 @@ class _GptBuilder:
             if not head:
                 self._grad_ready(f"{name}.bias", out_dim, bid)
         wid, gname = self._accumulate_grad(name, dw, in_dim * out_dim)
-        if name != "wte":  # the tied wte gradient is finished by embed.grad_accum
+        if name != "wte" or not self.s.has_embedding:  # the tied wte gradient is finished by embed.grad_accum
             self._grad_ready(f"{name}.weight", in_dim * out_dim, wid, gname)
         return dx
 
@@ -662,7 +736,7 @@ class _GptBuilder:
             self._persistent_sharded()
             return
         s, b = self.s, self.b
-        P = s.num_parameters
+        P = s.rank_num_parameters
         Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
         if self.amp:
             b.persistent("params.fp32", 4 * P)
@@ -674,78 +748,115 @@ class _GptBuilder:
         if self.dp and self.zero == 0:
             b.persistent("grad.ddp_buckets", 4 * P)  # DDP's flat bucket buffers (fp32, all parameters)
 
-    def _micro_batch(self, mb: int) -> None:
+    def _forward(self, chunk: int, mb: int) -> dict:
+        """Forward of micro-batch ``mb`` through local chunk ``chunk``: the embedding on model chunk 0 (else
+        the activation received from the previous chunk), the chunk's blocks, then the LM head and the
+        loss on the last model chunk (else the activation sent to the next). Returns what backward needs."""
         s, e, T = self.s, self.e, self.T
         h, V = s.hidden_size, s.vocab_per_rank  # vocabulary-parallel embedding and LM head: V_p / t rows
+        k = s.model_chunks[chunk]
+        first, last = k == 0, k == self.n_chunks - 1
         full = s.recompute == "full"
         selective = s.recompute == "selective"
         e.phase, e.layer = Phase.FWD, -1
         self._new_micro_batch(mb)
         self._gather_layer_params(-1, Phase.FWD)  # the root unit (embeddings, final norm, head)
-        tokens = e.fresh("input.tokens")
-        e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T, out=[(tokens, 16 * T)],
-                 dtype="int64")
-        x = e.fresh("embed.out")
-        rows = 2 if s.position_table_rows else 1  # token row (+ learned position row) per token
-        e.kernel("embed", C.EMBEDDING, reads=8 * T + rows * self.act * T * h, writes=self.act * T * h,
-                 out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
-        x = self._tp_reduce("embed", x)  # VocabParallelEmbedding: rows outside the rank's range are zero
-        saved_layers = []
-        for layer in range(s.num_layers):
+        st: dict = {}
+        if first or last:  # tokens (first stage) and labels (last stage): Megatron get_batch
+            tokens = st["tokens"] = e.fresh("input.tokens")
+            e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T,
+                     out=[(tokens, 16 * T)], dtype="int64")
+        if first:
+            x = e.fresh("embed.out")
+            rows = 2 if s.position_table_rows else 1  # token row (+ learned position row) per token
+            e.kernel("embed", C.EMBEDDING, reads=8 * T + rows * self.act * T * h, writes=self.act * T * h,
+                     out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
+            x = self._tp_reduce("embed", x)  # VocabParallelEmbedding: rows outside the rank's range are zero
+        else:
+            x = self.received.pop(("act", k - 1, mb))
+        saved_layers = st["layers"] = {}
+        for layer in chunk_layers(s.layer_split, k):
             e.layer = layer
             x_in = x
             x, sv = self._layer_fwd(x, save=not full, selective=selective)
-            saved_layers.append(sv if not full else {"x": x_in})
+            saved_layers[layer] = sv if not full else {"x": x_in}
         e.layer = -1
+        if not last:
+            self.outgoing["act", k, mb] = x
+            return st
+        st["x"] = x
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
         xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
-        logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
+        logits, st["sv_head"] = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
         l32 = e.fresh("logits.fp32")
         lf = e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)],
                       uses=[logits])
         ce = []  # vocab-parallel cross-entropy: all-reduce (MAX) of the logit max, then (SUM) of the target
         if self.tp > 1:  # logit and of the sum of exponentials, fp32 [b, s] each (_VocabParallelCrossEntropy)
             ce.append(self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * T, deps=[lf], dtype="fp32"))
-        lsm = e.fresh("log_softmax.out")
+        lsm = st["lsm"] = e.fresh("log_softmax.out")
         ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * T * V, writes=4 * T * V, out=[(lsm, 4 * T * V)],
                       uses=[l32], deps=ce, dtype="fp32")
         if self.tp > 1:
             ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * T, deps=[ls], dtype="fp32")
                   for w in ("predicted_logits", "sum_exp_logits")]
         e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], deps=ce, dtype="fp32")
-        # backward
-        e.phase = Phase.BWD
-        if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
-            e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
-        g_lsm = e.fresh("nll_loss.dx")
-        e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * T * V, out=[(g_lsm, 4 * T * V)], dtype="fp32")
-        g_l32 = e.fresh("log_softmax.dx")
-        e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * T * V, writes=4 * T * V, out=[(g_l32, 4 * T * V)],
-                 uses=[g_lsm, lsm], dtype="fp32")
-        g_logits = e.fresh("logits.float.dx")
-        e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
-                 uses=[g_l32], dtype="fp32")
-        self._gather_layer_params(s.num_layers, Phase.BWD)
-        g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, sv_head, h, V, g_fp32=False)
-        g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), x, g_is_bf16=True)
-        for layer in reversed(range(s.num_layers)):
+        return st
+
+    def _backward(self, chunk: int, mb: int, st: dict, last_pass: bool) -> None:
+        """Backward of micro-batch ``mb`` through local chunk ``chunk`` (``st``: its forward's state): from the
+        loss on the last model chunk (else the gradient received from the next chunk), the blocks in reverse,
+        then the embedding backward on model chunk 0 (else the input gradient sent to the previous chunk).
+        ``last_pass``: the chunk's final backward of the step (gradients complete: DP buckets are reduced)."""
+        s, e, T = self.s, self.e, self.T
+        h, V = s.hidden_size, s.vocab_per_rank
+        k = s.model_chunks[chunk]
+        first, last = k == 0, k == self.n_chunks - 1
+        full = s.recompute == "full"
+        self.last_mb = last_pass
+        e.phase, e.layer = Phase.BWD, -1
+        if last:
+            if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
+                e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
+            g_lsm = e.fresh("nll_loss.dx")
+            e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * T * V, out=[(g_lsm, 4 * T * V)], dtype="fp32")
+            g_l32 = e.fresh("log_softmax.dx")
+            e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * T * V, writes=4 * T * V, out=[(g_l32, 4 * T * V)],
+                     uses=[g_lsm, st["lsm"]], dtype="fp32")
+            g_logits = e.fresh("logits.float.dx")
+            e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
+                     uses=[g_l32], dtype="fp32")
+            self._gather_layer_params(s.num_layers, Phase.BWD)
+            g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
+                                 g_fp32=False)
+            g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), st["x"], g_is_bf16=True)
+        else:
+            g = self.received.pop(("grad", k, mb))
+        saved_layers = st["layers"]
+        for layer in reversed(chunk_layers(s.layer_split, k)):
             e.layer = layer
             sv = saved_layers[layer]
             if full:
                 _, sv = self._layer_fwd(sv["x"], save=True, selective=False)
             g = self._layer_bwd(g, sv)
         e.layer = -1
+        if not first:
+            self.outgoing["grad", k - 1, mb] = g
+            self._end_of_backward()
+            return
+        tokens = st["tokens"]
         g = self._tp_gather("embed.grad", g)  # sequence parallelism: the reduce-scatter's backward
         # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
         d_emb = e.fresh("embed.dw")
         e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
                  out=[(d_emb, 4 * V * h)], uses=[g, tokens], dtype="fp32")
         gname = "grad.wte"
-        first = gname not in self.grad_made
+        first_write = gname not in self.grad_made
         self.grad_made.add(gname)
         gb = self._grad_elem_bytes
-        i = e.kernel("embed.grad_accum", C.COPY if first else C.ELEMENTWISE, reads=4 * V * h + (0 if first else gb * V * h),
-                     writes=gb * V * h, out=[(gname, gb * V * h)] if first and not self._grads_in_buckets else [],
+        i = e.kernel("embed.grad_accum", C.COPY if first_write else C.ELEMENTWISE,
+                     reads=4 * V * h + (0 if first_write else gb * V * h), writes=gb * V * h,
+                     out=[(gname, gb * V * h)] if first_write and not self._grads_in_buckets else [],
                      uses=[d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
         if s.position_table_rows:
@@ -754,6 +865,66 @@ class _GptBuilder:
                          dtype="fp32")
             self._grad_ready("wpe.weight", P * h, i)
         self._end_of_backward()
+
+    # -- pipeline parallel -------------------------------------------------------------------
+    def _comm(self, call: Comm) -> None:
+        """One blocking point-to-point call of the schedule: an NCCL send/recv per transfer of the ``[b, s, h]``
+        16-bit residual stream (``[b, s / t, h]`` with sequence parallelism) between two pipeline ranks, a
+        rendezvous that starts when both sides have posted it (``engine.rendezvous``).
+
+        As Megatron-LM's ``p2p_communication._communicate`` (``batch_isend_irecv``, ``wait_on_reqs``): the
+        call's sends and receives are posted together after the kernel issued before it and after the
+        previous call has returned; the next kernel waits for all of them. Each direction has its own stream
+        (both ranks post one direction's transfers in the same order). Received tensors are kept for the
+        pass that reads them (``self.received``)."""
+        s, e = self.s, self.e
+        p = s.pipeline_parallel_size
+        nbytes = self.act * self.Tn * s.hidden_size
+        ops = []
+        for sending, moves in ((True, call.sends), (False, call.recvs)):
+            for key in moves:
+                direction, boundary, mb = key
+                src, dst = (boundary, boundary + 1) if direction == "act" else (boundary + 1, boundary)
+                meta = {"collective": "send_recv", "bytes": int(nbytes), "group": "pp",
+                        "pp_ranks": (src % p, dst % p), "rendezvous": ("pp", *key), "parties": 2}
+                stream = "comm.pp." + {("act", True): "send_next", ("act", False): "recv_prev",
+                                       ("grad", True): "send_prev", ("grad", False): "recv_next"}[direction, sending]
+                what = "activation" if direction == "act" else "grad"
+                deps = [e.last_compute, *self._last_call]
+                if sending:
+                    ops.append(e.kernel(f"pp.send_{what}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
+                                        reads=float(nbytes), uses=[self.outgoing.pop(key)], deps=deps, meta=meta))
+                else:
+                    y = self.received[key] = e.fresh(f"pp.{direction}.recv")
+                    ops.append(e.kernel(f"pp.recv_{what}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
+                                        reads=float(nbytes), out=[(y, nbytes)], deps=deps, meta=meta))
+        self._last_call = ops
+        e.wait_for.extend(ops)
+
+    def _pipeline_syncs(self) -> None:
+        """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
+        pipeline ranks are all-reduced (fp32; Megatron-LM ``_allreduce_word_embedding_grads``), then every
+        pipeline rank joins the gradient-norm all-reduce of ``clip_grad_norm`` (one fp32 value over the
+        model-parallel group; with fp16 the found-inf check joins the same way), which makes the step end
+        together on all ranks."""
+        s, e = self.s, self.e
+        p = s.pipeline_parallel_size
+        if p == 1:
+            return
+        e.phase, e.layer = Phase.OPT, -1
+        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops]
+        if s.embedding_copy and (s.has_embedding or s.has_head):
+            nbytes = 4 * s.vocab_per_rank * s.hidden_size
+            deps.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
+                                   phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
+                                   meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
+                                         "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
+                                         "parties": 2}))
+        self.tp_ops.append(self.b.add("pp.grad_norm.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
+                                      phase=Phase.OPT, bytes_read=4.0, dtype="fp32",
+                                      meta={"collective": "all_reduce", "bytes": 4, "group": "pp",
+                                            "pp_ranks": tuple(range(p)), "rendezvous": ("pp", "grad_norm"),
+                                            "parties": p}))
 
     def _sequence_parallel_grads(self) -> None:
         """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
@@ -766,7 +937,7 @@ class _GptBuilder:
 
     def _optimizer(self) -> None:
         s, e = self.s, self.e
-        P = s.num_parameters
+        P = s.rank_num_parameters
         e.phase, e.layer = Phase.OPT, -1
         grads = self._optimizer_grads()
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
@@ -1023,10 +1194,17 @@ class _GptBuilder:
     def build(self) -> OpGraph:
         s = self.s
         self._persistent()
-        for mb in range(s.num_micro_batches):
-            self.last_mb = mb == s.num_micro_batches - 1
-            self._micro_batch(mb)
+        state: dict[tuple[int, int], dict] = {}
+        for a in stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches,
+                               s.pipeline_rank, s.virtual_pipeline_size):
+            if isinstance(a, Comm):
+                self._comm(a)
+            elif a.kind == "F":
+                state[a.chunk, a.micro_batch] = self._forward(a.chunk, a.micro_batch)
+            else:
+                self._backward(a.chunk, a.micro_batch, state.pop((a.chunk, a.micro_batch)), a.last)
         self._sequence_parallel_grads()
+        self._pipeline_syncs()
         self._optimizer()
         # the measured training loops synchronise the device after every step
         self.b.add("step.synchronize", OpKind.SYNC, "host", deps=[len(self.b) - 1], phase=Phase.OTHER,
@@ -1035,7 +1213,9 @@ class _GptBuilder:
         return self.b.build(
             samples_per_step=float(samples),
             tokens_per_step=float(samples * s.seq_length),
-            model_flops_per_step=s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches,
+            # per GPU: a pipeline rank's share is counted as the average, 1 / p of the model's FLOPs
+            model_flops_per_step=(s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches
+                                  / s.pipeline_parallel_size),
             source="builder:gpt",
             param_groups=tuple(self.groups),
             meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size,

@@ -1,0 +1,100 @@
+"""Pipeline-parallel results: the bubble of one stage, and one summary from the stages' summaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, _merge, mfu
+from simulator.analysis.summary import step_period_s
+
+#: per-stage keys copied into ``summary["pipeline"]["stages"]``
+_STAGE_KEYS = ("step_time_s", "exposed_comm_s", "comm_s_by_group", "pipeline_bubble_s", "peak_device_memory_bytes",
+               "peak_memory_bytes", "oom", "phase_s", "energy_j_per_step", "avg_power_w", "num_ops")
+#: DVFS / energy keys averaged over the stages (per GPU)
+_MEAN_KEYS = ("energy_j_per_step", "avg_power_w", "avg_sm_clock_mhz")
+
+
+def pipeline_bubble_s(spans: pd.DataFrame, steps: pd.DataFrame) -> float:
+    """Pipeline bubble of one stage: the time per measured step its compute stream is idle while none of
+    its collectives (send/recv included) is in flight, ``|window - union(compute, collectives)|``, s.
+
+    It counts the waits for the neighbouring stages (a send/recv is in flight only once both sides
+    have posted it: the time before is the bubble) and also any host-bound gap of the stage.
+
+    Args:
+        spans: The stage's spans.
+        steps: Its steps with ``step, start_s, end_s, warmup``.
+    """
+    measured = steps[~steps.warmup] if "warmup" in steps else steps
+    if measured.empty:
+        return 0.0
+    busy = spans[(spans.kind == COMPUTE_KIND) | (spans.kind == COLLECTIVE_KIND)]
+    iv_all = busy[["start_s", "end_s"]].to_numpy(dtype=float)
+    total = 0.0
+    for t0, t1 in measured[["start_s", "end_s"]].to_numpy(dtype=float):
+        iv = iv_all[(iv_all[:, 1] > t0) & (iv_all[:, 0] < t1)]
+        total += (t1 - t0) - float(np.sum(np.diff(_merge(np.clip(iv, t0, t1)), axis=1)))
+    return total / len(measured)
+
+
+def combined_steps(stage_steps: list[pd.DataFrame]) -> pd.DataFrame:
+    """One row per step over all stages: the first stage start and the last stage end."""
+    starts = np.min([s.start_s.to_numpy() for s in stage_steps], axis=0)
+    ends = np.max([s.end_s.to_numpy() for s in stage_steps], axis=0)
+    out = stage_steps[0][["step"]].copy()
+    out["start_s"], out["end_s"] = starts, ends
+    out["step_time_s"] = out.end_s - out.start_s
+    if "warmup" in stage_steps[0]:
+        out["warmup"] = stage_steps[0].warmup.to_numpy()
+    return out
+
+
+def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int], schedule: str,
+                   virtual: int, micro_batches: int, samples_per_step: float, tokens_per_step: float,
+                   model_flops_per_step: float, peak_flops_per_s: float, ranks_per_stage: int) -> dict:
+    """One run summary from the stages' summaries (``summarize`` plus ``pipeline_bubble_s`` each).
+
+    ``step_time_s`` is the period of the whole pipeline's steps (``steps``: ``combined_steps``); memory
+    keys are those of the stage with the largest device memory (``peak_memory_pp_rank`` names it) and
+    ``oom`` the first stage's that ran out; ``exposed_comm_s``, ``pipeline_bubble_s`` and each
+    ``comm_s_by_group`` entry are the largest over the stages; energy and power are the mean per GPU and
+    ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
+    ``pipeline.stages`` lists every stage.
+
+    Args:
+        stages: Per-stage summaries, stage order.
+        steps: ``combined_steps`` of the stages (with ``warmup``).
+        layers: Transformer blocks per stage.
+        schedule, virtual, micro_batches: The pipeline schedule, chunks per rank and micro-batches per step.
+        samples_per_step, tokens_per_step: Global per step.
+        model_flops_per_step: Model FLOPs per GPU per step (the stages' average).
+        peak_flops_per_s: The GPU's dense bf16 peak (MFU).
+        ranks_per_stage: GPUs per pipeline stage (tp x dp).
+    """
+    step, latency = step_period_s(steps)
+    mem = max(range(len(stages)), key=lambda r: stages[r]["peak_device_memory_bytes"])
+    out = dict(stages[mem])
+    out.update(step_time_s=step, step_latency_s=latency,
+               samples_per_s=samples_per_step / step if step else 0.0,
+               tokens_per_s=tokens_per_step / step if step else 0.0,
+               mfu=mfu(model_flops_per_step, step, peak_flops_per_s), model_flops_per_step=model_flops_per_step,
+               peak_memory_pp_rank=mem, num_ops=sum(s["num_ops"] for s in stages),
+               exposed_comm_s=max(s["exposed_comm_s"] for s in stages),
+               pipeline_bubble_s=max(s["pipeline_bubble_s"] for s in stages))
+    ooms = [f"pipeline stage {r}: {s['oom']}" for r, s in enumerate(stages) if s.get("oom")]
+    out["oom"] = ooms[0] if ooms else None
+    groups = sorted({g for s in stages for g in s["comm_s_by_group"]})
+    out["comm_s_by_group"] = {g: max(s["comm_s_by_group"].get(g, 0.0) for s in stages) for g in groups}
+    for k in _MEAN_KEYS:
+        if all(k in s for s in stages):
+            out[k] = float(np.mean([s[k] for s in stages]))
+    if all("energy_j_per_step" in s for s in stages):
+        out["energy_j_per_step_all_gpus"] = float(sum(s["energy_j_per_step"] for s in stages) * ranks_per_stage)
+    out["pipeline"] = {
+        "pipeline_model_parallel_size": len(stages), "virtual_pipeline_model_parallel_size": virtual,
+        "schedule": schedule, "micro_batches": micro_batches,
+        "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s}}
+                   for r, s in enumerate(stages)],
+    }
+    return out

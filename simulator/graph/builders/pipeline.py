@@ -1,0 +1,275 @@
+"""Pipeline-parallel schedules: the order in which one pipeline rank runs its forward and backward passes.
+
+A model of ``L`` blocks is cut into ``p * v`` *model chunks* of consecutive layers (``p`` pipeline
+ranks, ``v`` virtual stages per rank); rank ``r`` holds model chunks ``r, r + p, ..., r + (v - 1) p``
+(Megatron-LM ``--num-layers-per-virtual-pipeline-stage``; its local chunk ``c`` is model chunk
+``c p + r``). The activation of model chunk ``k`` goes to chunk ``k + 1`` (on rank ``(r + 1) mod p``)
+and its gradient comes back.
+
+Schedules (``stage_actions``), for ``m`` micro-batches:
+
+* ``gpipe`` (Huang et al., *GPipe*, NeurIPS 2019): every forward, then every backward in reverse
+  micro-batch order; ``m`` micro-batches' activations are alive at the peak.
+* ``1f1b`` (Narayanan et al., *PipeDream-Flush* / Megatron-LM
+  ``forward_backward_pipelining_without_interleaving``): ``min(p - r - 1, m)`` warm-up forwards,
+  then one forward and one backward alternately, then the remaining backwards; rank 0 keeps ``p``
+  micro-batches in flight.
+* ``interleaved_1f1b`` (Narayanan et al., SC21, section 2.2.2; Megatron-LM
+  ``forward_backward_pipelining_with_interleaving``): ``v`` chunks per rank visited in groups of
+  ``p`` micro-batches; ``(p - r - 1) * 2 + (v - 1) p`` warm-up forwards; needs ``m`` a multiple of
+  ``p`` (Megatron's rule).
+
+With uniform stages and no communication, the step is ``(m + p - 1)(t_f + t_b)`` for GPipe and
+1F1B and ``(m + (p - 1) / v)(t_f + t_b)`` for the interleaved schedule (Narayanan et al., SC21,
+section 2.2), ``t_f, t_b`` a whole rank's forward and backward of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One pass of one micro-batch through one local chunk.
+
+    Attributes:
+        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        chunk: Local chunk index ``0..v-1`` (model chunk ``chunk * p + rank``).
+        micro_batch: Micro-batch index ``0..m-1``.
+        last: For ``"B"``: the chunk's final backward of the step (its gradients are then complete).
+    """
+
+    kind: str
+    chunk: int
+    micro_batch: int
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One blocking point-to-point call of the schedule (Megatron-LM ``p2p_communication``: the sends and
+    receives of one call are posted together and the call returns when all have finished).
+
+    Transfers are ``(direction, boundary, micro_batch)``: ``("act", k, i)`` is the activation of model
+    chunk ``k`` for micro-batch ``i`` going to chunk ``k + 1``, ``("grad", k, i)`` its gradient coming back.
+
+    Attributes:
+        sends: Transfers this rank sends.
+        recvs: Transfers this rank receives.
+    """
+
+    sends: tuple[tuple[str, int, int], ...] = ()
+    recvs: tuple[tuple[str, int, int], ...] = ()
+
+
+def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
+    """Raises ValueError: an unknown schedule, non-positive sizes, ``v > 1`` without the interleaved
+    schedule, or the interleaved schedule with ``m`` not a multiple of ``p`` (Megatron-LM's rule)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline sizes must be >= 1 (p {p}, m {m}, v {v})")
+    if v > 1 and schedule != "interleaved_1f1b":
+        raise ValueError(f"virtual pipeline size {v} > 1 needs the interleaved_1f1b schedule, not {schedule!r}")
+    if v > 1 and p == 1:
+        raise ValueError(f"virtual pipeline size {v} > 1 needs more than one pipeline rank")
+    if schedule == "interleaved_1f1b" and p > 1 and m % p:
+        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of the "
+                         f"pipeline size ({p}) (Megatron-LM)")
+
+
+def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[Action | Comm]:
+    """The passes and point-to-point calls pipeline rank ``rank`` runs in one step, in order.
+
+    Args:
+        schedule: One of ``SCHEDULES``.
+        p: Pipeline ranks.
+        m: Micro-batches per step.
+        rank: This rank, ``0..p-1``.
+        v: Chunks per rank (``interleaved_1f1b`` only; 1 otherwise).
+
+    Returns:
+        ``2 m v`` ``Action``s (every (chunk, micro-batch) forward and backward exactly once, each backward
+        after its forward) and the ``Comm`` calls between them, in Megatron-LM's order. A pass that needs
+        a received tensor comes after the call that receives it.
+
+    Raises:
+        ValueError: see ``check_schedule``; ``rank`` outside ``0..p-1``.
+    """
+    check_schedule(schedule, p, m, v)
+    if not 0 <= rank < p:
+        raise ValueError(f"pipeline rank {rank} outside 0..{p - 1}")
+    if schedule != "interleaved_1f1b" or v == 1:
+        v = 1
+    sched = _Schedule(p, m, rank, v)
+    if schedule == "gpipe":
+        sched.set_orders([(0, i) for i in range(m)], [(0, i) for i in reversed(range(m))])
+        for i in range(m):
+            sched.recv_forward()
+            sched.forward(0, i)
+            sched.send_forward()
+        for i in reversed(range(m)):
+            sched.recv_backward()
+            sched.backward(0, i)
+            sched.send_backward()
+    elif v == 1:
+        _one_f_one_b(sched, p, m, rank)
+    else:
+        _interleaved(sched, p, m, rank, v)
+    return _mark_last(sched.items)
+
+
+class _Schedule:
+    """Collects a rank's passes and calls; works out which transfer each send and receive carries (the
+    receives of one direction arrive in the order this rank consumes them, as Megatron's queues do)."""
+
+    def __init__(self, p: int, m: int, rank: int, v: int):
+        self.p, self.rank, self.n = p, rank, p * v
+        self.items: list[Action | Comm] = []
+        self.outbox: list[tuple[str, int, int]] = []  # what the last pass produced for a neighbour
+        self.fwd_order: list[tuple[int, int]] = []
+        self.bwd_order: list[tuple[int, int]] = []
+        self._fwd_in: list[tuple[str, int, int]] | None = None
+        self._bwd_in: list[tuple[str, int, int]] | None = None
+
+    def set_orders(self, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]]) -> None:
+        """The (chunk, micro-batch) order of this rank's forwards and backwards (the receive queues)."""
+        k = lambda c: c * self.p + self.rank  # noqa: E731 - model chunk of local chunk c
+        self._fwd_in = [("act", k(c) - 1, i) for c, i in fwd if k(c) > 0]
+        self._bwd_in = [("grad", k(c), i) for c, i in bwd if k(c) < self.n - 1]
+
+    def forward(self, c: int, i: int) -> None:
+        self.items.append(Action("F", c, i))
+        k = c * self.p + self.rank
+        self.outbox = [("act", k, i)] if k < self.n - 1 else []
+
+    def backward(self, c: int, i: int) -> None:
+        self.items.append(Action("B", c, i))
+        k = c * self.p + self.rank
+        self.outbox = [("grad", k - 1, i)] if k > 0 else []
+
+    def call(self, send: bool = False, recv_prev: bool = False, recv_next: bool = False,
+             sends: list | None = None) -> None:
+        out = list(sends if sends is not None else (self.outbox if send else []))
+        recvs = []
+        if recv_prev and self._fwd_in:
+            recvs.append(self._fwd_in.pop(0))
+        if recv_next and self._bwd_in:
+            recvs.append(self._bwd_in.pop(0))
+        if out or recvs:
+            self.items.append(Comm(tuple(out), tuple(recvs)))
+
+    # Megatron-LM's named calls (no-ops where the rank has no neighbour in that direction)
+    def recv_forward(self) -> None:
+        self.call(recv_prev=True)
+
+    def recv_backward(self) -> None:
+        self.call(recv_next=True)
+
+    def send_forward(self) -> None:
+        self.call(send=True)
+
+    def send_backward(self) -> None:
+        self.call(send=True)
+
+
+def _one_f_one_b(sched: _Schedule, p: int, m: int, rank: int) -> None:
+    """Megatron-LM ``forward_backward_pipelining_without_interleaving``."""
+    warm = min(p - rank - 1, m)
+    rest = m - warm
+    sched.set_orders([(0, i) for i in range(m)], [(0, i) for i in range(m)])
+    for i in range(warm):
+        sched.recv_forward()
+        sched.forward(0, i)
+        sched.send_forward()
+    if rest:
+        sched.recv_forward()
+    for i in range(rest):
+        sched.forward(0, warm + i)
+        sched.call(send=True, recv_next=True)  # send_forward_recv_backward
+        sched.backward(0, i)
+        if i == rest - 1:
+            sched.send_backward()
+        else:
+            sched.call(send=True, recv_prev=True)  # send_backward_recv_forward
+    for i in range(warm):
+        sched.recv_backward()
+        sched.backward(0, rest + i)
+        sched.send_backward()
+
+
+def _interleaved(sched: _Schedule, p: int, m: int, rank: int, v: int) -> None:
+    """Megatron-LM ``forward_backward_pipelining_with_interleaving`` (without ``overlap_p2p_comm``):
+    forward pass ``k`` runs chunk ``(k mod p v) // p`` on micro-batch ``(k // p v) p + k mod p``, backward
+    pass ``k`` the same with the chunks reversed; warm-up ``(p - r - 1) 2 + (v - 1) p`` forwards (all of
+    them when ``m = p``); one call after each warm-up forward, one after each steady forward + backward pair,
+    one after each cool-down backward."""
+    total = m * v
+
+    def fwd(k: int) -> tuple[int, int]:
+        return (k % (p * v)) // p, (k // (p * v)) * p + k % p
+
+    def bwd(k: int) -> tuple[int, int]:
+        return v - 1 - (k % (p * v)) // p, (k // (p * v)) * p + k % p
+
+    sched.set_orders([fwd(k) for k in range(total)], [bwd(k) for k in range(total)])
+    all_warm = m == p
+    warm = total if all_warm else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    rest = total - warm
+    first, last = rank == 0, rank == p - 1
+    if not first:  # the first rank's chunk 0 reads the embedding, not a neighbour
+        sched.recv_forward()
+    for k in range(warm):
+        sched.forward(*fwd(k))
+        recv_prev = not (first and k + 1 < total and fwd(k + 1)[0] == 0) and k < total - 1
+        if k == warm - 1 and not all_warm:  # send_forward_backward_recv_forward_backward
+            sched.call(send=True, recv_prev=recv_prev, recv_next=not last)
+        else:  # send_forward_recv_forward
+            sched.call(send=True, recv_prev=recv_prev)
+    for k in range(rest):
+        fk = warm + k
+        sched.forward(*fwd(fk))
+        out = sched.outbox
+        sched.backward(*bwd(k))
+        # the first (last) rank receives what the last (first) rank produced p - 1 passes earlier
+        recv_prev = fwd(fk - (p - 1))[0] != v - 1 if first else True
+        recv_next = bwd(k - (p - 1))[0] != 0 if last else True
+        sched.call(sends=out + sched.outbox, recv_prev=recv_prev and k < rest - 1, recv_next=recv_next)
+    if all_warm and not last:  # the last rank's last chunk starts backward from its own loss
+        sched.recv_backward()
+    for k in range(rest, total):
+        sched.backward(*bwd(k))
+        recv_next = not (last and k + 1 < total and bwd(k + 1)[0] == v - 1) and k < total - 1
+        sched.call(send=True, recv_next=recv_next)
+
+
+def _mark_last(items: list[Action | Comm]) -> list[Action | Comm]:
+    seen: set[int] = set()
+    out: list[Action | Comm] = []
+    for a in reversed(items):
+        if isinstance(a, Action) and a.kind == "B" and a.chunk not in seen:
+            seen.add(a.chunk)
+            a = Action(a.kind, a.chunk, a.micro_batch, last=True)
+        out.append(a)
+    return out[::-1]
+
+
+def uniform_split(num_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per model chunk for an even split (Megatron-LM's default).
+
+    Raises:
+        ValueError: ``chunks`` does not divide ``num_layers`` (give the split explicitly).
+    """
+    if num_layers % chunks:
+        raise ValueError(f"{chunks} pipeline chunks do not divide num_layers {num_layers} (give the layers per "
+                         "stage explicitly)")
+    return (num_layers // chunks,) * chunks
+
+
+def chunk_layers(split: tuple[int, ...], k: int) -> range:
+    """Layer indices of model chunk ``k`` for ``split`` (layers per model chunk)."""
+    lo = sum(split[:k])
+    return range(lo, lo + split[k])

@@ -1,0 +1,157 @@
+"""Pipeline-parallel stage graphs and runs: parameters per stage, send/recv counts and bytes worked out by
+hand, activations in flight per schedule, the cross-stage syncs, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from simulator.api import build_graph, run_scenario, transformer_spec
+from simulator.config.loader import scenario_from_dict
+from simulator.graph.builders.transformer import build_gpt_step
+from simulator.graph.ops import OpKind
+
+BASE = {
+    "name": "pp",
+    "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}},
+    "model": {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256, "vocab_size": 1024},
+    "training": {"micro_batch_size": 2, "global_batch_size": 32, "precision": "bf16"},
+    "parallelism": {"pipeline_model_parallel_size": 4},
+    "run": {"steps": 3, "warmup_steps": 1},
+}
+
+
+def _cfg(**par):
+    d = {**BASE, "parallelism": {**BASE["parallelism"], **par}}
+    return scenario_from_dict(d)
+
+
+def test_stage_parameters_add_up_to_the_model_plus_the_tied_embedding_copy():
+    cfg = _cfg()
+    specs = [transformer_spec(cfg, r) for r in range(4)]
+    whole = specs[0].num_parameters
+    h, V = 512, 1024
+    # 4 stages of 2 blocks; the last keeps a copy of the tied word embeddings (Megatron)
+    assert sum(s.rank_num_parameters for s in specs) == whole + V * h
+    assert [s.rank_layers for s in specs] == [2, 2, 2, 2]
+    assert specs[1].rank_num_parameters == 2 * specs[1].layer_params
+    graphs = [build_graph(cfg, r) for r in range(4)]
+    for g, s in zip(graphs, specs):
+        assert sum(pg.numel for pg in g.param_groups) == s.rank_num_parameters
+
+
+def test_send_recv_counts_and_bytes_by_hand():
+    # dp = 8 / 4 = 2, m = 32 / (2 x 2) = 8 micro-batches; each transfer is b s h bf16 = 2 x 256 x 512 x 2 B
+    cfg = _cfg()
+    nbytes = 2 * 256 * 512 * 2
+    for r in range(4):
+        ops = [op for op in build_graph(cfg, r).ops if op.stream.startswith("comm.pp.")]
+        by = {}
+        for op in ops:
+            by[op.stream] = by.get(op.stream, 0) + 1
+            assert op.meta["bytes"] == nbytes and op.meta["collective"] == "send_recv"
+        want = {}
+        if r < 3:
+            want.update({"comm.pp.send_next": 8, "comm.pp.recv_next": 8})
+        if r > 0:
+            want.update({"comm.pp.recv_prev": 8, "comm.pp.send_prev": 8})
+        assert by == want
+
+
+def test_sequence_parallel_sends_one_tp_share():
+    d = {**BASE, "parallelism": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                 "sequence_parallel": True}}
+    cfg = scenario_from_dict(d)
+    op = next(op for op in build_graph(cfg, 0).ops if op.stream == "comm.pp.send_next")
+    assert op.meta["bytes"] == 2 * 256 * 512 * 2 // 2
+
+
+def _forwards_before_first_backward(g):
+    names = [op.name for op in g.ops if op.kind == OpKind.COMPUTE]
+    first_bwd = next(i for i, n in enumerate(names) if ".bwd." in n or n.startswith("bwd."))
+    return sum(1 for n in names[:first_bwd] if n.endswith("fwd.ln1") and n.startswith("L0."))
+
+
+@pytest.mark.parametrize("schedule,want", [("1f1b", 4), ("gpipe", 8)])
+def test_stage_zero_keeps_p_or_m_micro_batches_in_flight(schedule, want):
+    g = build_graph(_cfg(pipeline_schedule=schedule), 0)
+    assert _forwards_before_first_backward(g) == want
+
+
+def test_gpipe_peaks_higher_than_1f1b_on_stage_zero():
+    peaks = {sch: run_scenario(_cfg(pipeline_schedule=sch)).summary["pipeline"]["stages"][0]["peak_memory_bytes"]
+             for sch in ("gpipe", "1f1b")}
+    assert peaks["gpipe"] > peaks["1f1b"]
+
+
+def test_pipeline_run_reports_every_stage_and_the_syncs():
+    r = run_scenario(_cfg())
+    s = r.summary
+    assert s["pipeline"]["pipeline_model_parallel_size"] == 4 and s["pipeline"]["micro_batches"] == 8
+    assert [st["pp_rank"] for st in s["pipeline"]["stages"]] == [0, 1, 2, 3]
+    assert s["world_size"] == 8 and s["data_parallel_size"] == 2
+    assert s["comm_s_by_group"]["pp"] > 0 and s["pipeline_bubble_s"] > 0
+    assert set(r.spans.pp_rank) == {0, 1, 2, 3}
+    # the gradient-norm all-reduce of every stage ends at the same instant (rendezvous)
+    gn = r.spans[(r.spans.name == "pp.grad_norm.all_reduce") & (r.spans.step == 1)]
+    assert len(gn) == 4 and gn.end_s.max() - gn.end_s.min() < 1e-12
+
+
+def test_interleaving_shrinks_the_bubble_as_the_textbook_says():
+    # a GPU-bound model (h 2048, seq 1024), p = 4, m = 8: the 1F1B bubble is about (p - 1) / (m + p - 1) of the
+    # step, and v chunks divide it by about v (Narayanan et al., SC21, section 2.2.2)
+    big = {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 1024}
+    d = {**BASE, "model": {**BASE["model"], **big}, "training": {**BASE["training"], "micro_batch_size": 4,
+                                                                 "global_batch_size": 64}}
+    runs = {}
+    for v in (1, 2):
+        d["parallelism"] = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": v}
+        runs[v] = run_scenario(scenario_from_dict(d)).summary
+    one, two = runs[1], runs[2]
+    assert two["pipeline"]["schedule"] == "interleaved_1f1b"
+    assert one["pipeline_bubble_s"] / one["step_time_s"] == pytest.approx(3 / 11, rel=0.15)
+    assert two["pipeline_bubble_s"] / one["pipeline_bubble_s"] == pytest.approx(1 / 2, rel=0.2)
+    assert two["step_time_s"] < one["step_time_s"]
+
+
+def test_custom_layer_split():
+    cfg = _cfg(pipeline_layers_per_stage=[3, 2, 2, 1])
+    assert [transformer_spec(cfg, r).rank_layers for r in range(4)] == [3, 2, 2, 1]
+    layers = {op.layer for op in build_graph(cfg, 0).ops if op.layer >= 0}
+    assert layers == {0, 1, 2}
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["parallelism.pipeline_model_parallel_size=3", "model.num_layers=6"],
+     "parallelism.pipeline_model_parallel_size: tp 1 x pp 3 = 3 must divide the world size 8"),
+    (["model.num_layers=6"], "pp 4 x virtual 1 = 4 must divide model.num_layers 6"),
+    (["parallelism.pipeline_layers_per_stage=[3,2,2]"], "must be 4 numbers"),
+    (["parallelism.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24"],
+     "to be a multiple of pipeline_model_parallel_size 4"),
+    (["parallelism.pipeline_schedule=gpipe", "parallelism.virtual_pipeline_model_parallel_size=2"],
+     "needs pipeline_schedule interleaved_1f1b"),
+    (["zero_optimization.stage=2", "training.global_batch_size=4"], "zero_optimization.stage: 2 with pipeline "
+     "parallelism"),
+    (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
+])
+def test_bad_pipeline_input_is_one_line(tmp_path, sets, msg):
+    import yaml
+
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(BASE))
+    args = [sys.executable, "-m", "simulator", "run", str(p)]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], out.stderr
+
+
+def test_pipeline_without_cluster_is_refused():
+    d = {**BASE, "hardware": {"gpu": "h100-sxm-80gb"}}
+    with pytest.raises(Exception, match="needs hardware.cluster"):
+        scenario_from_dict(d)
