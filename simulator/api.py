@@ -257,6 +257,15 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
                    "workers get every core and all host memory bandwidth, so data_stall_s is a lower bound")
+    pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
+    if pp > 1:
+        spec = transformer_spec(cfg)
+        out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "
+                   "cross-stage all-reduces take their isolated NCCL time (no interference with the kernels beside "
+                   "them, no contention with the data-parallel traffic on shared links)")
+        if spec.num_micro_batches < pp:
+            out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
+                       "pipeline bubble (raise training.global_batch_size)")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

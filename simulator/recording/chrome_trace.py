@@ -190,13 +190,50 @@ def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, s
 
 
 def result_trace(result) -> dict:
-    """The trace of a ``SimulationResult`` (spans, counters, steps, launches, dependencies)."""
-    return to_chrome_trace(result.spans, result.counters, result.steps, getattr(result, "launches", None),
-                           getattr(result, "deps", None))
+    """The trace of a ``SimulationResult`` (spans, counters, steps, launches, dependencies).
+
+    A pipeline-parallel result (frames with a ``pp_rank`` column) gets one ``host`` and one ``gpu``
+    process per stage (pids ``2 r`` and ``2 r + 1``, named ``pp<r>.host`` / ``pp<r>.gpu``), each stage's
+    trace built as one GPU's; flow ids are made unique per stage."""
+    parts = (result.spans, result.counters, getattr(result, "launches", None), getattr(result, "deps", None))
+    if "pp_rank" not in result.spans:
+        return to_chrome_trace(result.spans, result.counters, result.steps, parts[2], parts[3])
+    events: list[dict] = []
+    for r in sorted(int(x) for x in result.spans.pp_rank.unique()):
+        sel = [None if df is None else df[df.pp_rank == r].drop(columns="pp_rank") for df in parts]
+        one = to_chrome_trace(sel[0], sel[1], result.steps, sel[2], sel[3])["traceEvents"]
+        for ev in one:
+            ev["pid"] = 2 * r + ev.get("pid", 0)
+            if ev.get("name") == "process_name":
+                ev["args"] = {"name": f"pp{r}.{ev['args']['name']}".replace(".gpu0", ".gpu")}
+            if "id" in ev:
+                ev["id"] = f"pp{r}.{ev['id']}"
+            events.append(ev)
+    events += _p2p_flows(result.spans)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "distributedInfo": {"rank": 0, "world_size": int(result.summary.get("world_size", 1))}}
 
 
-def write_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None, path: str | Path, **parts) -> Path:
-    """Write the trace JSON to ``path`` (``parts``: ``steps``, ``launches``, ``deps``); returns the path."""
-    p = Path(path)
-    p.write_text(json.dumps(to_chrome_trace(spans, counters, **parts)))
-    return p
+def _p2p_flows(spans: pd.DataFrame) -> list[dict]:
+    """Flow arrows (``cat: p2p``) from each pipeline send (``...pp.send_<what>.k<boundary>.mb<i>``) to the
+    receive of the same transfer on the other stage (the transfer runs between the two ends)."""
+    m = spans.name.str.extract(r"pp\.(send|recv)_(\w+\.k\d+\.mb\d+)$")
+    p2p = spans.assign(way=m[0], key=m[1]).dropna(subset=["key"])
+    if p2p.empty:
+        return []
+    tid = {}
+    for r, d in spans.groupby("pp_rank"):  # the thread ids to_chrome_trace gives each stage's streams
+        names = sorted({*d.stream.unique(), MAIN_THREAD}, key=lambda x: (x != MAIN_THREAD, x))
+        tid.update({(r, name): i + 1 for i, name in enumerate(names)})
+    recv = {(r.step, r.key): r for r in p2p[p2p.way == "recv"].itertuples()}
+    out = []
+    for n, s in enumerate(p2p[p2p.way == "send"].itertuples()):
+        d = recv.get((s.step, s.key))
+        if d is None:
+            continue
+        fid = f"p2p.{n}"
+        out.append({"ph": "s", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * int(s.pp_rank) + GPU_PID,
+                    "tid": tid[s.pp_rank, s.stream], "ts": s.start_s * _US})
+        out.append({"ph": "f", "bp": "e", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * int(d.pp_rank) + GPU_PID,
+                    "tid": tid[d.pp_rank, d.stream], "ts": d.end_s * _US})
+    return out

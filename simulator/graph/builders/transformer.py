@@ -892,11 +892,11 @@ class _GptBuilder:
                 what = "activation" if direction == "act" else "grad"
                 deps = [e.last_compute, *self._last_call]
                 if sending:
-                    ops.append(e.kernel(f"pp.send_{what}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
+                    ops.append(e.kernel(f"pp.send_{what}.k{boundary}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
                                         reads=float(nbytes), uses=[self.outgoing.pop(key)], deps=deps, meta=meta))
                 else:
                     y = self.received[key] = e.fresh(f"pp.{direction}.recv")
-                    ops.append(e.kernel(f"pp.recv_{what}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
+                    ops.append(e.kernel(f"pp.recv_{what}.k{boundary}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
                                         reads=float(nbytes), out=[(y, nbytes)], deps=deps, meta=meta))
         self._last_call = ops
         e.wait_for.extend(ops)

@@ -155,3 +155,14 @@ def test_pipeline_without_cluster_is_refused():
     d = {**BASE, "hardware": {"gpu": "h100-sxm-80gb"}}
     with pytest.raises(Exception, match="needs hardware.cluster"):
         scenario_from_dict(d)
+
+
+def test_perfetto_trace_has_a_process_pair_per_stage_and_p2p_flows():
+    from simulator.recording.chrome_trace import result_trace
+
+    r = run_scenario(_cfg())
+    t = result_trace(r)["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in t if e.get("name") == "process_name"}
+    assert names == {(2 * k + g, f"pp{k}.{'gpu' if g else 'host'}") for k in range(4) for g in (0, 1)}
+    # 3 steps x 3 stage boundaries x 8 micro-batches x 2 directions, one arrow each (start + finish event)
+    assert sum(1 for e in t if e.get("cat") == "p2p") == 2 * 3 * 3 * 8 * 2
