@@ -81,8 +81,15 @@ class SimulationResult:
         Returns:
             ``component, seconds`` (mean per measured step, s); the seconds sum to the mean step
             window, which is ``step_time_s`` unless steps overlap (then ``step_latency_s``).
-            Components that are zero in every step are left out, except compute.
+            Components that are zero in every step are left out, except compute. A pipeline-parallel
+            result (spans with ``pp_rank``) gives the mean over its stages (each stage's partition of the
+            pipeline's step windows).
         """
+        if "pp_rank" in self.spans:  # pipeline stages: the mean over the stages of each one's partition
+            parts = [SimulationResult(self.summary, d.drop(columns="pp_rank"), self.counters, self.steps).breakdown()
+                     for _, d in self.spans.groupby("pp_rank")]
+            return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
+                seconds=lambda d: d.seconds / len(parts))
         steps = self.steps[~self.steps.warmup] if "warmup" in self.steps else self.steps
         sp = self.spans[self.spans.kind != "sync"]
         kind, phase = sp.kind.astype(str), sp.phase.astype(str)

@@ -166,3 +166,10 @@ def test_perfetto_trace_has_a_process_pair_per_stage_and_p2p_flows():
     assert names == {(2 * k + g, f"pp{k}.{'gpu' if g else 'host'}") for k in range(4) for g in (0, 1)}
     # 3 steps x 3 stage boundaries x 8 micro-batches x 2 directions, one arrow each (start + finish event)
     assert sum(1 for e in t if e.get("cat") == "p2p") == 2 * 3 * 3 * 8 * 2
+
+
+def test_breakdown_is_the_mean_stage_partition_of_the_pipeline_step():
+    r = run_scenario(_cfg())
+    b = r.breakdown()
+    assert b.seconds.sum() == pytest.approx(r.summary["step_latency_s"], rel=1e-9)
+    assert "exposed comm (pp)" in set(b.component)
