@@ -160,9 +160,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
         summary["warnings"] = run_warnings(hw, cfg)
         if cfg is not None:
-            summary["zero_stage"] = cfg.zero_optimization.stage
-            summary["num_parameters"] = model_num_parameters(cfg)
-            summary["megatron_flops_per_s_per_gpu"] = megatron_flops_per_s_per_gpu(cfg, summary)
+            summary.update(scenario_keys(cfg, summary))
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
@@ -181,7 +179,7 @@ def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioC
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import combine_stages, combined_steps, pipeline_bubble_s
+    from simulator.analysis.pipeline import combine_stages, combined_steps, phase_compute_s, pipeline_bubble_s
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -197,6 +195,7 @@ def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioC
                 if hasattr(comp, "summarize"):
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
+            summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             stages.append(summ)
             stage_steps.append(step_df)
             for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
@@ -211,12 +210,32 @@ def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioC
             model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"),
             ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group))
         summary["warnings"] = run_warnings(hws[0], cfg)
-        summary["zero_stage"] = cfg.zero_optimization.stage
-        summary["num_parameters"] = model_num_parameters(cfg)
-        summary["pipeline_parallel_size"] = len(graphs)
+        summary.update(scenario_keys(cfg, summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])
+
+
+def data_parallel_strategy(cfg: ScenarioConfig) -> str:
+    """How the data-parallel ranks hold the model states: ``DDP``, ``DeepSpeed ZeRO-<stage>``, ``FSDP
+    <strategy>``, ``Megatron distributed optimizer`` (``none`` without data parallelism)."""
+    if (cfg.parallelism.data_parallel_size or 1) == 1:
+        return "none"
+    if cfg.fsdp is not None:
+        return f"FSDP {cfg.fsdp.sharding_strategy}"
+    if cfg.ddp.use_distributed_optimizer:
+        return "Megatron distributed optimizer"
+    z = cfg.zero_optimization.stage
+    return f"DeepSpeed ZeRO-{z}" if z else "DDP"
+
+
+def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
+    """Summary keys that come from the scenario rather than the records: ``zero_stage``,
+    ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``."""
+    return {"zero_stage": cfg.zero_optimization.stage, "data_parallel_strategy": data_parallel_strategy(cfg),
+            "pipeline_parallel_size": cfg.parallelism.pipeline_model_parallel_size,
+            "num_parameters": model_num_parameters(cfg),
+            "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary)}
 
 
 def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
@@ -257,6 +276,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
                    "workers get every core and all host memory bandwidth, so data_stall_s is a lower bound")
+    if cfg is not None and cfg.parallelism.pipeline_model_parallel_size == 1 and cfg.parallelism.pipeline_schedule:
+        out.append(f"parallelism.pipeline_schedule {cfg.parallelism.pipeline_schedule} has no effect with "
+                   "pipeline_model_parallel_size 1")
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     if pp > 1:
         spec = transformer_spec(cfg)
@@ -271,6 +293,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "it off); the run is the same as without it")
     z = getattr(cfg, "zero_optimization", None)
     dp_many = len(hw.dp_group) > 1
+    if cfg is not None and cfg.fsdp is not None and not dp_many:
+        out.append("fsdp on one GPU shards nothing: FSDP partitions model states across data-parallel ranks (set "
+                   "hardware.cluster for data_parallel_size > 1)")
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "

@@ -24,7 +24,8 @@ def _busy_line(s: dict) -> list[str]:
 
     Below 85 % busy the idle time is blamed on the input pipeline (*data-bound*) when the GPU's
     data wait (``phase_s.data_s``: no kernel runs while the training thread is in
-    ``next(iterator)``) is at least half of it, on communication (*communication-bound*) when the
+    ``next(iterator)``) is at least half of it, on the pipeline bubble (``pipeline_bubble_s``) when that is,
+    on communication (*communication-bound*) when the
     exposed communication (``exposed_comm_s``) is, otherwise on the host (*host-bound*: kernel
     launches or other host work such as a CPU optimizer).
     """
@@ -36,7 +37,11 @@ def _busy_line(s: dict) -> list[str]:
         idle_s = (1.0 - busy) * s.get("step_time_s", 0.0)
         data_s = (s.get("phase_s") or {}).get("data_s", 0.0)
         comm_s = s.get("exposed_comm_s", 0.0) or 0.0
-        if data_s > 0 and data_s >= 0.5 * idle_s:
+        bubble_s = s.get("pipeline_bubble_s", 0.0) or 0.0
+        if bubble_s > 0 and bubble_s >= 0.5 * idle_s:
+            note = (f"  (pipeline bubble: the stages wait {bubble_s * 1e3:.2f} ms/step for each other; more "
+                    "micro-batches or interleaving shrink it)")
+        elif data_s > 0 and data_s >= 0.5 * idle_s:
             note = (f"  (data-bound: the GPU waits {data_s * 1e3:.2f} ms/step for input batches;"
                     " see `simulate dataloader-workers`)")
         elif comm_s > 0 and comm_s >= 0.5 * idle_s:
@@ -54,7 +59,7 @@ def format_summary(s: dict, name: str) -> str:
         f"gpu / profile       {s['gpu']} / {s['profile']}",
         f"step time           {s['step_time_s'] * 1e3:.2f} ms"
         f"  ({'data wait %.2f / ' % (ph['data_s'] * 1e3) if ph.get('data_s') else ''}forward {ph.get('fwd_s', 0) * 1e3:.2f} / backward {ph.get('bwd_s', 0) * 1e3:.2f}"
-        f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms)",
+        f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms{' of compute per stage on average' if s.get('pipeline') else ''})",
         f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
         f"MFU                 {s['mfu'] * 100:.1f} %",
         *_busy_line(s),
@@ -70,20 +75,27 @@ def format_summary(s: dict, name: str) -> str:
                      f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
     if (s.get("world_size") or 1) > 1:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
-        zero = s.get("zero_stage") or 0
-        sharded = {1: "optimizer state sharded", 2: "optimizer state and gradients sharded"}.get(zero)
+        strategy = s.get("data_parallel_strategy") or "DDP"
+        sharded = {"DeepSpeed ZeRO-1": "optimizer state sharded", "DeepSpeed ZeRO-2": "optimizer state and gradients "
+                   "sharded", "DeepSpeed ZeRO-3": "parameters, gradients and optimizer state sharded",
+                   "Megatron distributed optimizer": "optimizer state sharded, gradients reduce-scattered"}.get(
+            strategy, "model states sharded" if strategy.startswith("FSDP") and "NO_SHARD" not in strategy else None)
         pipe = s.get("pipeline")
         lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
                      + (f", pipeline parallel {pipe['pipeline_model_parallel_size']} ({pipe['schedule']}, "
                         f"{pipe['micro_batches']} micro-batches)" if pipe else "")
-                     + (f"; ZeRO stage {zero}: {sharded} over the data-parallel ranks" if sharded else ""))
+                     + (f"; {strategy}: {sharded} over the data-parallel ranks" if sharded else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
-                     "(compute idle while a collective is in flight)" + (" (largest stage)" if pipe else ""))
+                     "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
+        if pipe:
+            lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (the least idle stage's idle "
+                         "time; a stage's imbalance is its idle time beyond that)")
         for st in (pipe or {}).get("stages", ()):
             lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers: bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
-                         f", exposed comm {st['exposed_comm_s'] * 1e3:.2f} ms, peak memory "
-                         f"{_fmt_bytes(st['peak_device_memory_bytes'])}" + (" OUT OF MEMORY" if st.get("oom") else ""))
+                         f" (imbalance {st['pipeline_imbalance_s'] * 1e3:.2f}), exposed comm "
+                         f"{st['exposed_comm_s'] * 1e3:.2f} ms, peak memory {_fmt_bytes(st['peak_device_memory_bytes'])}"
+                         + (" OUT OF MEMORY" if st.get("oom") else ""))
     if "offload_cpu_optimizer_s" in s:
         lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
                      f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")
@@ -93,7 +105,10 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step in next(iterator)"
                      f"{' (hidden behind GPU work)' if not ph.get('data_s') else ''}")
     if "energy_j_per_step" in s:
-        lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average")
+        every = (f"; {s['energy_j_per_step_all_gpus']:.1f} J/step for all {s['world_size']} GPUs"
+                 if "energy_j_per_step_all_gpus" in s else "")
+        lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average"
+                     f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}")
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
         lines.append("                    (the step time and throughput above are what the step would take if it fit; "

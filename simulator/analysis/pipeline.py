@@ -9,8 +9,9 @@ from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, _merge, mf
 from simulator.analysis.summary import step_period_s
 
 #: per-stage keys copied into ``summary["pipeline"]["stages"]``
-_STAGE_KEYS = ("step_time_s", "exposed_comm_s", "comm_s_by_group", "pipeline_bubble_s", "peak_device_memory_bytes",
-               "peak_memory_bytes", "oom", "phase_s", "energy_j_per_step", "avg_power_w", "num_ops")
+_STAGE_KEYS = ("step_time_s", "exposed_comm_s", "comm_s_by_group", "pipeline_bubble_s", "pipeline_imbalance_s",
+               "peak_device_memory_bytes", "peak_memory_bytes", "oom", "phase_compute_s", "energy_j_per_step",
+               "avg_power_w", "num_ops")
 #: DVFS / energy keys averaged over the stages (per GPU)
 _MEAN_KEYS = ("energy_j_per_step", "avg_power_w", "avg_sm_clock_mhz")
 
@@ -38,6 +39,20 @@ def pipeline_bubble_s(spans: pd.DataFrame, steps: pd.DataFrame) -> float:
     return total / len(measured)
 
 
+def phase_compute_s(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
+    """Compute-kernel time per phase of one stage, per measured step: the union of its ``compute`` spans of
+    each phase (``fwd_s``, ``bwd_s``, ``opt_s``; ``data_s`` 0), s. Unlike ``metrics.phase_split`` (the
+    CUDA-event split, whose phases also hold the waits between them) it leaves the pipeline's idle time out.
+    """
+    measured = steps[~steps.warmup] if "warmup" in steps else steps
+    comp = spans[(spans.kind == COMPUTE_KIND) & spans.step.isin(measured.step)]
+    out = {"data_s": 0.0}
+    for ph in ("fwd", "bwd", "opt"):
+        iv = comp[comp.phase.astype(str) == ph][["start_s", "end_s"]].to_numpy(dtype=float)
+        out[f"{ph}_s"] = float(np.sum(np.diff(_merge(iv), axis=1))) / max(len(measured), 1)
+    return out
+
+
 def combined_steps(stage_steps: list[pd.DataFrame]) -> pd.DataFrame:
     """One row per step over all stages: the first stage start and the last stage end."""
     starts = np.min([s.start_s.to_numpy() for s in stage_steps], axis=0)
@@ -57,8 +72,11 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
 
     ``step_time_s`` is the period of the whole pipeline's steps (``steps``: ``combined_steps``); memory
     keys are those of the stage with the largest device memory (``peak_memory_pp_rank`` names it) and
-    ``oom`` the first stage's that ran out; ``exposed_comm_s``, ``pipeline_bubble_s`` and each
-    ``comm_s_by_group`` entry are the largest over the stages; energy and power are the mean per GPU and
+    ``oom`` that of the worst stage that ran out; ``exposed_comm_s`` and each ``comm_s_by_group`` entry
+    are the largest over the stages; ``phase_s`` is the mean over the stages of each phase's compute time
+    (``phase_compute_s``: the stages' fwd/bwd/opt kernels, without the bubble); ``pipeline_bubble_s`` is
+    the least idle stage's bubble (the schedule's own bubble) and each stage's ``pipeline_imbalance_s``
+    its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
     ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
     ``pipeline.stages`` lists every stage.
 
@@ -75,15 +93,19 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     step, latency = step_period_s(steps)
     mem = max(range(len(stages)), key=lambda r: stages[r]["peak_device_memory_bytes"])
     out = dict(stages[mem])
+    bubble = min(s["pipeline_bubble_s"] for s in stages)
+    for s in stages:
+        s["pipeline_imbalance_s"] = s["pipeline_bubble_s"] - bubble
     out.update(step_time_s=step, step_latency_s=latency,
                samples_per_s=samples_per_step / step if step else 0.0,
                tokens_per_s=tokens_per_step / step if step else 0.0,
                mfu=mfu(model_flops_per_step, step, peak_flops_per_s), model_flops_per_step=model_flops_per_step,
                peak_memory_pp_rank=mem, num_ops=sum(s["num_ops"] for s in stages),
-               exposed_comm_s=max(s["exposed_comm_s"] for s in stages),
-               pipeline_bubble_s=max(s["pipeline_bubble_s"] for s in stages))
-    ooms = [f"pipeline stage {r}: {s['oom']}" for r, s in enumerate(stages) if s.get("oom")]
-    out["oom"] = ooms[0] if ooms else None
+               exposed_comm_s=max(s["exposed_comm_s"] for s in stages), pipeline_bubble_s=bubble,
+               phase_s={k: float(np.mean([s["phase_compute_s"][k] for s in stages])) for k in stages[0]["phase_compute_s"]})
+    out.pop("phase_compute_s", None)
+    ooms = sorted((r for r, s in enumerate(stages) if s.get("oom")), key=lambda r: -stages[r]["peak_device_memory_bytes"])
+    out["oom"] = f"pipeline stage {ooms[0]}: {stages[ooms[0]]['oom']}" if ooms else None
     groups = sorted({g for s in stages for g in s["comm_s_by_group"]})
     out["comm_s_by_group"] = {g: max(s["comm_s_by_group"].get(g, 0.0) for s in stages) for g in groups}
     for k in _MEAN_KEYS:

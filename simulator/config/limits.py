@@ -28,8 +28,8 @@ MAX_GLOBAL_BATCH_SIZE = 100_000_000
 #: Micro-batches per step (global_batch_size / (micro_batch_size x data_parallel_size)).
 MAX_GRADIENT_ACCUMULATION = 10_000
 #: num_layers x micro-batches per step x run.steps: the simulator's work (about a millisecond of
-#: CPU per layer pass on the development machine, so the bound is minutes, not hours).
-MAX_LAYER_PASSES = 1_000_000
+#: CPU per layer pass on the development machine, so a run is bounded by a few minutes).
+MAX_LAYER_PASSES = 100_000
 MAX_DATA_PARALLEL_SIZE = 1_000_000
 MAX_STEPS = 100_000
 #: The run's seed is a 64-bit unsigned integer (``numpy.random.default_rng`` takes any >= 0).

@@ -68,7 +68,7 @@ def _choices(model: type[BaseModel], loc: tuple) -> list[str]:
     return [repr(v) for v in typing.get_args(ann)] if typing.get_origin(ann) is typing.Literal else []
 
 
-_KEYED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
+_KEYED = re.compile(r"^([a-z_]+)(\.[a-z0-9_]+)*:? ")
 
 
 def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[str]:
@@ -109,7 +109,8 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
         choices = _choices(model, loc)
         return f"{source}: {path}: required key is missing" + (f" (allowed: {', '.join(choices)})" if choices else "")
     msg = msg.replace("Value error, ", "")
-    if path == "(top level)" and _KEYED.match(msg):  # a cross-field check that names its own key
+    keyed = _KEYED.match(msg)
+    if path == "(top level)" and keyed and keyed.group(1) in model.model_fields:  # a cross-field check naming its key
         return f"{source}: {msg}"
     shown = short_repr(err.get("input"))
     extra = (f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list))

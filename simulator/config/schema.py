@@ -331,6 +331,12 @@ class ScenarioConfig(_Model):
     def _sharding_scope(self, dp: int) -> None:
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
+        pp = self.parallelism.pipeline_model_parallel_size
+        if pp > 1 and (f is not None or ddp.use_distributed_optimizer or z.stage >= 2):
+            what = ("fsdp" if f is not None else "ddp.use_distributed_optimizer" if ddp.use_distributed_optimizer
+                    else f"zero_optimization.stage: {z.stage}")
+            raise ValueError(f"{what}: with parallelism.pipeline_model_parallel_size {pp} > 1 is not modelled yet "
+                             "(allowed: DDP or ZeRO stage 0/1 data parallelism with pipelines, or pp 1)")
         prec, tp = self.training.precision, self.parallelism.tensor_model_parallel_size
         if f is not None and z.stage > 0:
             raise ValueError(f"fsdp: exclusive with zero_optimization.stage {z.stage} (FSDP and DeepSpeed ZeRO both "
@@ -419,6 +425,9 @@ class ScenarioConfig(_Model):
                              "pipeline_model_parallel_size > 1 (allowed: 1)")
         chunks = pp * v
         split = p.pipeline_layers_per_stage
+        if split is not None and pp == 1:
+            raise ValueError("parallelism.pipeline_layers_per_stage needs pipeline_model_parallel_size > 1 (allowed: "
+                             "omit it with one stage)")
         if split is not None:
             if len(split) != chunks or sum(split) != m.num_layers:
                 raise ValueError(f"parallelism.pipeline_layers_per_stage: {split} must be {chunks} numbers (pp {pp} x "
@@ -469,11 +478,11 @@ class ScenarioConfig(_Model):
         per = self.training.micro_batch_size * (self.parallelism.data_parallel_size or 1)
         if gbs is not None and gbs % per:
             raise ValueError(
-                f"global_batch_size ({gbs}) must be a multiple of micro_batch_size x data_parallel_size ({per})"
+                f"training.global_batch_size: {gbs} must be a multiple of micro_batch_size x data_parallel_size ({per})"
             )
         if gbs is not None and gbs // per > MAX_GRADIENT_ACCUMULATION:
             raise ValueError(
-                f"global_batch_size ({gbs}) asks for {gbs // per:,} micro-batches per step (micro_batch_size x "
+                f"training.global_batch_size: {gbs} asks for {gbs // per:,} micro-batches per step (micro_batch_size x "
                 f"data_parallel_size = {per}); at most {MAX_GRADIENT_ACCUMULATION:,} are simulated"
             )
         passes = self.model.num_layers * (gbs // per if gbs else 1) * self.run.steps

@@ -133,8 +133,11 @@ def test_custom_layer_split():
      "to be a multiple of pipeline_model_parallel_size 4"),
     (["parallelism.pipeline_schedule=gpipe", "parallelism.virtual_pipeline_model_parallel_size=2"],
      "needs pipeline_schedule interleaved_1f1b"),
-    (["zero_optimization.stage=2", "training.global_batch_size=4"], "zero_optimization.stage: 2 with pipeline "
-     "parallelism"),
+    (["zero_optimization.stage=2", "training.global_batch_size=4"], "zero_optimization.stage: 2: with "
+     "parallelism.pipeline_model_parallel_size 4 > 1 is not modelled yet"),
+    (["fsdp.sharding_strategy=FULL_SHARD"], "fsdp: with parallelism.pipeline_model_parallel_size 4 > 1"),
+    (["parallelism.pipeline_model_parallel_size=1", "parallelism.pipeline_layers_per_stage=[4,4]"],
+     "pipeline_layers_per_stage needs pipeline_model_parallel_size > 1"),
     (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
 ])
 def test_bad_pipeline_input_is_one_line(tmp_path, sets, msg):
@@ -173,3 +176,23 @@ def test_breakdown_is_the_mean_stage_partition_of_the_pipeline_step():
     b = r.breakdown()
     assert b.seconds.sum() == pytest.approx(r.summary["step_latency_s"], rel=1e-9)
     assert "exposed comm (pp)" in set(b.component)
+
+
+def test_bubble_is_the_least_idle_stage_and_imbalance_the_rest():
+    s = run_scenario(_cfg(pipeline_layers_per_stage=[3, 2, 2, 1])).summary
+    stages = s["pipeline"]["stages"]
+    assert s["pipeline_bubble_s"] == min(st["pipeline_bubble_s"] for st in stages)
+    assert all(st["pipeline_imbalance_s"] == pytest.approx(st["pipeline_bubble_s"] - s["pipeline_bubble_s"])
+               for st in stages)
+    assert stages[0]["pipeline_imbalance_s"] == 0.0  # the 3-layer stage paces the pipeline: never idle beyond it
+    # phase_s of a pipeline is compute per stage (no bubble inside): it is below the step
+    ph = s["phase_s"]
+    assert ph["fwd_s"] + ph["bwd_s"] + ph["opt_s"] < s["step_time_s"] - s["pipeline_bubble_s"] + 1e-9
+
+
+def test_strategy_and_pipeline_warnings_are_named():
+    s = run_scenario(_cfg()).summary
+    assert s["data_parallel_strategy"] == "DDP" and s["pipeline_parallel_size"] == 4
+    assert any("4 pipeline stages simulated side by side" in w for w in s["warnings"])
+    one = run_scenario(_cfg(pipeline_model_parallel_size=1, pipeline_schedule="gpipe")).summary
+    assert any("pipeline_schedule gpipe has no effect" in w for w in one["warnings"])
