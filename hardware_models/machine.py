@@ -116,6 +116,7 @@ class Hardware:
         dp_replicate_group: The ranks with its local rank on every node (HYBRID_SHARD's all-reduce across nodes).
         pp_group: Global ranks of the representative rank of each pipeline stage, stage order.
         pp_rank: The pipeline stage this machine's representative rank belongs to.
+        slowdown: Multiplier on every kernel's time of this rank (``rank_overrides``; 1: as priced).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -133,6 +134,7 @@ class Hardware:
     dp_replicate_group: tuple[int, ...] = (0,)
     pp_group: tuple[int, ...] = (0,)
     pp_rank: int = 0
+    slowdown: float = 1.0
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 

@@ -7,6 +7,7 @@ policies, runs it on the engine and summarises the records. Touches no files.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -24,8 +25,8 @@ from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError
 from simulator.recording.recorder import dependencies_frame
 
-__all__ = ["SimulationError", "build_graph", "load_scenario", "run_scenario", "simulate_graph", "simulate_pipeline",
-           "transformer_spec"]
+__all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
+           "simulate_graph", "simulate_ranks", "transformer_spec"]
 
 
 def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> TransformerSpec:
@@ -168,26 +169,81 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                             dependencies_frame(graph))
 
 
-def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioConfig) -> SimulationResult:
-    """Run a scenario's pipeline stages side by side (``engine.run.run_ranks``) and summarise.
+@dataclass(frozen=True)
+class RankClass:
+    """Ranks that behave identically, simulated by one representative.
 
-    Each stage is one representative rank (its TP and DP peers are folded, as with one stage), with its
-    own GPU, host thread, memory and runtime components (DVFS); the stages meet at their send/recv and
-    cross-stage all-reduces. The summary is ``analysis.pipeline.combine_stages`` of the stages'; the
-    result's spans, counters, launches and dependencies are every stage's, with a ``pp_rank`` column.
+    Attributes:
+        label: What it stands for (``"pp_rank 2"``, ``"dp_rank 3"``, ``"dp ranks (others)"``).
+        pp_rank: Its pipeline stage.
+        hw: Its machine (``Hardware.for_pipeline_rank``, with an override's ``slowdown``).
+        cfg: Its scenario (an override's ``dvfs`` in place of the scenario's).
+        replicas: Data-parallel replicas it stands for.
+    """
+
+    label: str
+    pp_rank: int
+    hw: Hardware
+    cfg: ScenarioConfig
+    replicas: int
+
+
+def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
+    """The rank classes of a scenario: one per pipeline stage (with its ``rank_overrides`` entry, if any),
+    and with one stage, one per overridden data-parallel replica beside one for the other replicas."""
+    by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
+    by_dp = {o.dp_rank: o for o in cfg.rank_overrides if o.dp_rank is not None}
+    pp, dp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.data_parallel_size or 1
+
+    def changed(label, r, h, o, replicas):
+        if o is None:
+            return RankClass(label, r, h, cfg, replicas)
+        c = cfg.model_copy(update={"dvfs": o.dvfs}) if o.dvfs is not None else cfg
+        return RankClass(label, r, dataclasses.replace(h, slowdown=o.slowdown), c, replicas)
+
+    out = [changed(f"pp_rank {r}" if pp > 1 else "all ranks", r, hw.for_pipeline_rank(r) if pp > 1 else hw,
+                   by_pp.get(r), dp) for r in range(pp)]
+    if by_dp:  # pp = 1 (schema): the other replicas, then each overridden one
+        base = out[0]
+        out = [RankClass("dp ranks (others)", 0, base.hw, base.cfg, dp - len(by_dp))]
+        out += [changed(f"dp_rank {j}", 0, base.hw, o, 1) for j, o in sorted(by_dp.items())]
+    return out
+
+
+def _meet_across_classes(graph: OpGraph, parties: int) -> OpGraph:
+    """The graph with every data-parallel collective a rendezvous of ``parties`` rank classes (it starts when
+    the last class's replica arrives, as the NCCL collective does)."""
+    ops = tuple(dataclasses.replace(op, meta={**op.meta, "rendezvous": ("dp", op.id), "parties": parties})
+                if op.meta and op.meta.get("group") in ("dp", "dp_shard", "dp_replicate") else op for op in graph.ops)
+    return graph.with_changes(ops=ops)
+
+
+def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: ScenarioConfig) -> SimulationResult:
+    """Run a scenario's rank classes side by side (``engine.run.run_ranks``) and summarise.
+
+    Pipeline stages: each stage is one representative rank (its TP and DP peers folded), with its own GPU,
+    host thread, memory and runtime components (DVFS); the stages meet at their send/recv and cross-stage
+    all-reduces; the summary is ``analysis.pipeline.combine_stages``, and the result's spans, counters,
+    launches and dependencies are every stage's with a ``pp_rank`` column. Data-parallel classes (one
+    stage, ``rank_overrides`` by ``dp_rank``): the classes meet at every data-parallel collective; the
+    summary is ``combine_classes``, the frames carry a ``rank_class`` column.
 
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import combine_stages, combined_steps, phase_compute_s, pipeline_bubble_s
+    from simulator.analysis.pipeline import (combine_classes, combine_stages, combined_steps, phase_compute_s,
+                                             pipeline_bubble_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
-    attach = lambda env, system: build_runtime(cfg, system.hw, env, system)  # noqa: E731
+    pipeline = p.pipeline_model_parallel_size > 1
+    column = "pp_rank" if pipeline else "rank_class"
+    hws = [c.hw for c in classes]
+    attach = [lambda env, system, c=c: build_runtime(c.cfg, system.hw, env, system) for c in classes]
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
-        stages, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
-        stage_steps = []
+        parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
+        part_steps = []
         for r, ((rec, runtime), g, h) in enumerate(zip(runs, graphs, hws)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
@@ -196,19 +252,26 @@ def simulate_pipeline(graphs: list[OpGraph], hws: list[Hardware], cfg: ScenarioC
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
-            stages.append(summ)
-            stage_steps.append(step_df)
+            parts.append(summ)
+            part_steps.append(step_df)
             for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
                             ("deps", dependencies_frame(g))):
-                frames[key].append(df.assign(pp_rank=r))
-        steps = combined_steps(stage_steps)
-        specs = [g.meta["spec"] for g in graphs]
-        summary = combine_stages(
-            stages, steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
-            virtual=p.virtual_pipeline_model_parallel_size, micro_batches=specs[0].num_micro_batches,
-            samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
-            model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"),
-            ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group))
+                frames[key].append(df.assign(**{column: r}))
+        steps = combined_steps(part_steps)
+        common = dict(samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
+                      model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"))
+        if pipeline:
+            specs = [g.meta["spec"] for g in graphs]
+            summary = combine_stages(
+                parts, steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
+                virtual=p.virtual_pipeline_model_parallel_size, micro_batches=specs[0].num_micro_batches,
+                ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
+            for row, c in zip(summary["pipeline"]["stages"], classes):
+                row["slowdown"] = c.hw.slowdown
+        else:
+            summary = combine_classes(parts, steps, labels=[c.label for c in classes],
+                                      replicas=[c.replicas for c in classes], slowdowns=[c.hw.slowdown for c in classes],
+                                      gpus_per_replica=len(hws[0].tp_group), **common)
         summary["warnings"] = run_warnings(hws[0], cfg)
         summary.update(scenario_keys(cfg, summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
@@ -255,9 +318,15 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
     if hw.collectives is not None and len(hw.dp_group) * len(hw.tp_group) > 1:
-        out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded symmetrically: "
-                   "one representative rank is simulated and its collectives are priced by the NCCL model (no "
-                   "stragglers, no network contention from other jobs)")
+        if cfg is not None and any(o.dp_rank is not None for o in cfg.rank_overrides):
+            out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded into rank "
+                       f"classes by rank_overrides ({len(cfg.rank_overrides)} override(s)); each class is one "
+                       "representative, the classes meet at the data-parallel collectives (which then take their "
+                       "isolated NCCL time, without interference); no network contention from other jobs")
+        else:
+            out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded "
+                       "symmetrically: one representative rank is simulated and its collectives are priced by the NCCL "
+                       "model (no stragglers, no network contention from other jobs)")
         nccl = hw.nccl
         if nccl is None or nccl.interference:
             from simulator.cost.interference import InterferenceFactors
@@ -279,6 +348,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     if cfg is not None and cfg.parallelism.pipeline_model_parallel_size == 1 and cfg.parallelism.pipeline_schedule:
         out.append(f"parallelism.pipeline_schedule {cfg.parallelism.pipeline_schedule} has no effect with "
                    "pipeline_model_parallel_size 1")
+    for o in (cfg.rank_overrides if cfg is not None else ()):
+        if o.pp_rank is not None:
+            out.append(f"rank_overrides: pipeline stage {o.pp_rank} (all its ranks) runs with slowdown {o.slowdown:g}"
+                       + (f" and dvfs {o.dvfs.kind}" if o.dvfs is not None else ""))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     if pp > 1:
         spec = transformer_spec(cfg)
@@ -326,16 +399,17 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         SimulationError: the engine failed.
     """
     hw = hw if hw is not None else resolve_hardware(cfg)
-    pp = cfg.parallelism.pipeline_model_parallel_size
-    hws = [hw.for_pipeline_rank(r) for r in range(pp)] if pp > 1 else [hw]
+    classes = rank_classes(cfg, hw)
     try:
-        graphs = [apply_graph_policies(build_graph(cfg, r), cfg, h) for r, h in enumerate(hws)]
+        graphs = [apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw) for c in classes]
     except PolicyError:
         raise
     except ValueError as exc:
         raise SimulationError(f"build phase failed: {exc}") from exc
-    if pp > 1:
-        return simulate_pipeline(graphs, hws, cfg)
-    graph = graphs[0]
-    return simulate_graph(graph, hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                          cfg.model_dump(mode="json"), cfg)
+    if cfg.parallelism.pipeline_model_parallel_size > 1:
+        return simulate_ranks(classes, graphs, cfg)
+    if len(classes) > 1:
+        return simulate_ranks(classes, [_meet_across_classes(g, len(classes)) for g in graphs], cfg)
+    c = classes[0]
+    return simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
+                          cfg.model_dump(mode="json"), c.cfg)

@@ -92,10 +92,17 @@ def format_summary(s: dict, name: str) -> str:
             lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (the least idle stage's idle "
                          "time; a stage's imbalance is its idle time beyond that)")
         for st in (pipe or {}).get("stages", ()):
-            lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers: bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
+            lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers"
+                         + (f" (slowdown {st['slowdown']:g})" if st.get("slowdown", 1.0) != 1.0 else "")
+                         + f": bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
                          f" (imbalance {st['pipeline_imbalance_s'] * 1e3:.2f}), exposed comm "
                          f"{st['exposed_comm_s'] * 1e3:.2f} ms, peak memory {_fmt_bytes(st['peak_device_memory_bytes'])}"
                          + (" OUT OF MEMORY" if st.get("oom") else ""))
+    for i, rc in enumerate(s.get("rank_classes") or ()):
+        head = "rank classes        " if i == 0 else "                    "
+        lines.append(f"{head}{rc['label']} ({rc['replicas']} replica(s), slowdown {rc['slowdown']:g}): compute "
+                     f"{rc['compute_s'] * 1e3:.2f} ms, waits {rc['wait_s'] * 1e3:.2f} ms/step"
+                     + ("  <- straggler" if rc["label"] == s.get("straggler") else ""))
     if "offload_cpu_optimizer_s" in s:
         lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
                      f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")

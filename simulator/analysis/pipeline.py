@@ -1,4 +1,5 @@
-"""Pipeline-parallel results: the bubble of one stage, and one summary from the stages' summaries."""
+"""Results of ranks simulated side by side: the bubble of one pipeline stage, one summary from the stages'
+summaries (``combine_stages``) or from data-parallel rank classes' (``combine_classes``: stragglers)."""
 
 from __future__ import annotations
 
@@ -119,4 +120,56 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
         "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s}}
                    for r, s in enumerate(stages)],
     }
+    return out
+
+
+def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[str], replicas: list[int],
+                    slowdowns: list[float], gpus_per_replica: int, samples_per_step: float, tokens_per_step: float,
+                    model_flops_per_step: float, peak_flops_per_s: float) -> dict:
+    """One run summary from data-parallel rank classes (``rank_overrides`` by ``dp_rank``) that meet at every
+    data-parallel collective.
+
+    ``step_time_s`` is the period of the job's steps (``steps``: ``combined_steps``, first start to last end
+    over the classes); the other keys are the first class's (the replicas not overridden), except memory and
+    ``oom`` (the worst class's). ``rank_classes`` lists every class with its ``replicas``, ``slowdown``, own
+    ``step_time_s``, ``compute_s`` (compute-stream busy time per step), ``wait_s`` (the rest of the job's
+    step: what it waits for the slowest class, at the collectives), exposed communication and peak memory;
+    ``straggler`` names the class with the most compute. Energy and power are the per-GPU mean weighted by
+    replicas and ``energy_j_per_step_all_gpus`` the sum over every GPU.
+
+    Args:
+        classes: Per-class summaries (``summarize`` each), the not-overridden class first.
+        steps: ``combined_steps`` of the classes.
+        labels, replicas, slowdowns: Each class's name, data-parallel replicas and kernel-time multiplier.
+        gpus_per_replica: GPUs of one replica (tensor-parallel size).
+        samples_per_step, tokens_per_step, model_flops_per_step, peak_flops_per_s: as ``combine_stages``.
+    """
+    step, latency = step_period_s(steps)
+    mem = max(range(len(classes)), key=lambda r: classes[r]["peak_device_memory_bytes"])
+    out = dict(classes[0])
+    for k in ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
+              "peak_device_memory_bytes", "peak_memory_by_category_bytes", "oom"):
+        out[k] = classes[mem][k]
+    out.update(step_time_s=step, step_latency_s=latency,
+               samples_per_s=samples_per_step / step if step else 0.0,
+               tokens_per_s=tokens_per_step / step if step else 0.0,
+               mfu=mfu(model_flops_per_step, step, peak_flops_per_s))
+    out.pop("phase_compute_s", None)
+    out.pop("pipeline_bubble_s", None)
+    rows = []
+    for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
+        compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
+        rows.append({"label": lab, "replicas": n, "slowdown": slow, "step_time_s": c["step_time_s"],
+                     "compute_s": compute, "wait_s": max(step - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
+                     "peak_device_memory_bytes": c["peak_device_memory_bytes"],
+                     **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
+    out["rank_classes"] = rows
+    out["straggler"] = max(rows, key=lambda r: r["compute_s"])["label"]
+    if all("energy_j_per_step" in c for c in classes):
+        total = sum(n for n in replicas)
+        for k in _MEAN_KEYS:
+            if all(k in c for c in classes):
+                out[k] = float(sum(c[k] * n for c, n in zip(classes, replicas)) / total)
+        out["energy_j_per_step_all_gpus"] = float(sum(c["energy_j_per_step"] * n for c, n in zip(classes, replicas))
+                                                  * gpus_per_replica)
     return out

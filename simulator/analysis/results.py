@@ -37,6 +37,12 @@ def _covered(iv: np.ndarray, mid: np.ndarray) -> np.ndarray:
     return (j >= 0) & (mid < iv[np.clip(j, 0, None), 1])
 
 
+def rank_column(frame: pd.DataFrame) -> str | None:
+    """The column naming which simulated rank a row belongs to: ``pp_rank`` (pipeline stages),
+    ``rank_class`` (data-parallel rank classes), or None (one rank)."""
+    return next((c for c in ("pp_rank", "rank_class") if c in frame), None)
+
+
 @dataclass(frozen=True)
 class SimulationResult:
     """Everything a run produced.
@@ -81,13 +87,14 @@ class SimulationResult:
         Returns:
             ``component, seconds`` (mean per measured step, s); the seconds sum to the mean step
             window, which is ``step_time_s`` unless steps overlap (then ``step_latency_s``).
-            Components that are zero in every step are left out, except compute. A pipeline-parallel
-            result (spans with ``pp_rank``) gives the mean over its stages (each stage's partition of the
-            pipeline's step windows).
+            Components that are zero in every step are left out, except compute. A result of several
+            ranks (spans with ``pp_rank`` or ``rank_class``: ``rank_column``) gives the mean over them (each
+            one's partition of the job's step windows).
         """
-        if "pp_rank" in self.spans:  # pipeline stages: the mean over the stages of each one's partition
-            parts = [SimulationResult(self.summary, d.drop(columns="pp_rank"), self.counters, self.steps).breakdown()
-                     for _, d in self.spans.groupby("pp_rank")]
+        col = rank_column(self.spans)
+        if col:  # pipeline stages or rank classes: the mean over them of each one's partition
+            parts = [SimulationResult(self.summary, d.drop(columns=col), self.counters, self.steps).breakdown()
+                     for _, d in self.spans.groupby(col)]
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
                 seconds=lambda d: d.seconds / len(parts))
         steps = self.steps[~self.steps.warmup] if "warmup" in self.steps else self.steps

@@ -38,6 +38,7 @@ from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig
 from simulator.config.sections.memory import MemoryConfig
+from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, RankOverride
 
 
 class _Model(BaseModel):
@@ -274,6 +275,9 @@ class ScenarioConfig(_Model):
     ddp: DdpConfig = DdpConfig()  # simulator/config/sections/cluster.py
     fsdp: FsdpConfig | None = None  # simulator/config/sections/fsdp.py
     nccl: NcclSectionConfig = NcclSectionConfig()
+    rank_overrides: list[RankOverride] = Field(default_factory=list, max_length=MAX_RANK_OVERRIDES,
+                                               description="Ranks that differ (stragglers, capped GPUs); "
+                                               "simulator/config/sections/ranks.py.")
 
     @model_validator(mode="before")
     @classmethod
@@ -470,6 +474,38 @@ class ScenarioConfig(_Model):
         if self.dataloader is not None:
             raise ValueError(f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
                              "dataloader section, or pp 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _rank_override_scope(self):
+        """Each override selects ranks that exist, once; what is not modelled with it."""
+        p = self.parallelism
+        pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size or 1
+        seen = set()
+        for i, o in enumerate(self.rank_overrides):
+            key = f"rank_overrides[{i}]"
+            if self.hardware.cluster is None:
+                raise ValueError(f"{key}: needs hardware.cluster (one GPU has no other ranks; set slowdown or dvfs of "
+                                 "the scenario itself)")
+            sel = ("pp_rank", o.pp_rank) if o.pp_rank is not None else ("dp_rank", o.dp_rank)
+            top = pp if sel[0] == "pp_rank" else dp
+            if sel[1] >= top:
+                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is outside the {top} {'pipeline stages' if top == pp else 'data-parallel replicas'} (allowed: 0..{top - 1})")
+            if sel in seen:
+                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
+            seen.add(sel)
+            if sel[0] == "dp_rank":
+                if pp > 1:
+                    raise ValueError(f"{key}.dp_rank: a data-parallel straggler with pipeline_model_parallel_size {pp} > 1 "
+                                     "is not modelled yet (allowed: pp_rank overrides, or pp 1)")
+                if self.fsdp is not None and self.fsdp.sharding_strategy == "HYBRID_SHARD":
+                    raise ValueError(f"{key}.dp_rank: with fsdp HYBRID_SHARD is not modelled yet (allowed: another "
+                                     "sharding strategy)")
+                if dp == 1:
+                    raise ValueError(f"{key}.dp_rank: needs data_parallel_size > 1")
+        if any(o.dp_rank is not None for o in self.rank_overrides) and len(seen) >= dp:
+            raise ValueError("rank_overrides: every data-parallel replica is overridden; override the scenario "
+                             "instead (allowed: fewer dp_rank overrides than replicas)")
         return self
 
     @model_validator(mode="after")

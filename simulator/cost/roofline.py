@@ -48,11 +48,13 @@ class RooflineCostModel:
     Args:
         gpu: GPU spec (peaks, clocks).
         profile: Achieved-efficiency profile.
+        slowdown: Multiplier on every kernel's duration (a straggler: ``rank_overrides``), 1 by default.
     """
 
-    def __init__(self, gpu: GpuSpec, profile: EfficiencyProfile):
+    def __init__(self, gpu: GpuSpec, profile: EfficiencyProfile, slowdown: float = 1.0):
         self.gpu = gpu
         self.profile = profile
+        self.slowdown = slowdown
         self._cache: dict[tuple, tuple[float, float, float]] = {}
         ref = profile.reference_hbm_bandwidth_bytes_per_s
         #: achieved memory bandwidths follow the GPU's peak when it differs from the profile's
@@ -163,4 +165,5 @@ class RooflineCostModel:
             compute *= self.gpu.max_sm_clock_mhz / state.sm_clock_mhz
             if self.gpu.mem_clock_mhz:
                 memory *= self.gpu.mem_clock_mhz / state.mem_clock_mhz
-        return fixed + max(compute, memory)
+        d = fixed + max(compute, memory)
+        return d * self.slowdown if self.slowdown != 1.0 else d

@@ -106,7 +106,7 @@ def run_graph(graph: OpGraph, hw: Hardware, steps: int, seed: int = 0,
 
 
 def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, seed: int = 0,
-              attach: Callable[[simpy.Environment, System], Any] | None = None,
+              attach: Callable[[simpy.Environment, System], Any] | Sequence | None = None,
               overheads: DeviceMemoryOverheads | None = None, *,
               exact_power: bool = False) -> list[tuple[RunRecords, Any]]:
     """Run several ranks side by side in one SimPy environment (one ``System`` and ``Executor`` each),
@@ -115,7 +115,8 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     Args:
         graphs: One step graph per rank (pipeline stage representative).
         hws: The machine of each rank (same length).
-        steps, seed, attach, overheads, exact_power: as ``run_graph`` (``attach`` is called per rank).
+        steps, seed, attach, overheads, exact_power: as ``run_graph`` (``attach`` is called per rank; a
+            sequence gives each rank its own).
 
     Returns:
         ``[(records, runtime)]`` per rank, in the order given.
@@ -128,12 +129,13 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     meet = Rendezvous(env)
     ranks = []
-    for graph, hw in zip(graphs, hws, strict=True):
+    attaches = list(attach) if isinstance(attach, Sequence) else [attach] * len(graphs)
+    for graph, hw, attach_one in zip(graphs, hws, attaches, strict=True):
         rec = Recorder()
         system = System(env, hw, rec)
         system.exact_power = exact_power
         system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
-        runtime = attach(env, system) if attach is not None else _NoRuntime()
+        runtime = attach_one(env, system) if attach_one is not None else _NoRuntime()
         ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers(),
                       rendezvous=meet)
         ranks.append((graph, rec, system, runtime, ex))

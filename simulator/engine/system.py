@@ -52,7 +52,7 @@ class System:
         self.recorder = recorder
         #: runtime components meter power per op during the run (else they may from the spans afterwards)
         self.exact_power = False
-        self.cost = RooflineCostModel(hw.gpu, hw.profile)
+        self.cost = RooflineCostModel(hw.gpu, hw.profile, hw.slowdown)
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
         self.network = FluidNetwork(env, {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s,
                                           "pcie.duplex": c.duplex_bytes_per_s})

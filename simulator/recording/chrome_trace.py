@@ -192,24 +192,28 @@ def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, s
 def result_trace(result) -> dict:
     """The trace of a ``SimulationResult`` (spans, counters, steps, launches, dependencies).
 
-    A pipeline-parallel result (frames with a ``pp_rank`` column) gets one ``host`` and one ``gpu``
-    process per stage (pids ``2 r`` and ``2 r + 1``, named ``pp<r>.host`` / ``pp<r>.gpu``), each stage's
-    trace built as one GPU's; flow ids are made unique per stage."""
+    A result of several ranks (frames with a ``pp_rank`` or ``rank_class`` column) gets one ``host`` and
+    one ``gpu`` process per rank (pids ``2 r`` and ``2 r + 1``, named ``pp<r>.host`` / ``pp<r>.gpu`` or
+    ``class<r>...``), each built as one GPU's trace; flow ids are made unique per rank, and pipeline
+    sends point to their receives."""
     parts = (result.spans, result.counters, getattr(result, "launches", None), getattr(result, "deps", None))
-    if "pp_rank" not in result.spans:
+    col = next((c for c in ("pp_rank", "rank_class") if c in result.spans), None)
+    if col is None:
         return to_chrome_trace(result.spans, result.counters, result.steps, parts[2], parts[3])
+    tag = "pp" if col == "pp_rank" else "class"
     events: list[dict] = []
-    for r in sorted(int(x) for x in result.spans.pp_rank.unique()):
-        sel = [None if df is None else df[df.pp_rank == r].drop(columns="pp_rank") for df in parts]
+    for r in sorted(int(x) for x in result.spans[col].unique()):
+        sel = [None if df is None else df[df[col] == r].drop(columns=col) for df in parts]
         one = to_chrome_trace(sel[0], sel[1], result.steps, sel[2], sel[3])["traceEvents"]
         for ev in one:
             ev["pid"] = 2 * r + ev.get("pid", 0)
             if ev.get("name") == "process_name":
-                ev["args"] = {"name": f"pp{r}.{ev['args']['name']}".replace(".gpu0", ".gpu")}
+                ev["args"] = {"name": f"{tag}{r}.{ev['args']['name']}".replace(".gpu0", ".gpu")}
             if "id" in ev:
                 ev["id"] = f"pp{r}.{ev['id']}"
             events.append(ev)
-    events += _p2p_flows(result.spans)
+    if col == "pp_rank":
+        events += _p2p_flows(result.spans)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "distributedInfo": {"rank": 0, "world_size": int(result.summary.get("world_size", 1))}}
 

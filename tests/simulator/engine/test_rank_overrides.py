@@ -1,0 +1,103 @@
+"""Rank overrides: a data-parallel straggler (its own rank class, meeting the others at every DP collective)
+and overridden pipeline stages, with values worked out by hand, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.api import rank_classes, run_scenario
+from simulator.config.loader import resolve_hardware, scenario_from_dict
+
+BASE = {
+    "name": "straggler",
+    "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}, "launch_overhead_s": 0},
+    "model": {"num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 1024, "vocab_size": 1024},
+    "training": {"micro_batch_size": 4, "precision": "bf16"},
+    "ddp": {"overlap_grad_reduce": False},
+    "nccl": {"interference": False},
+    "run": {"steps": 3, "warmup_steps": 1},
+}
+
+
+def _run(**extra):
+    return run_scenario(scenario_from_dict({**BASE, **extra})).summary
+
+
+def test_one_slow_replica_raises_the_step_by_exactly_its_extra_compute():
+    # no overlap, no launch cost, no interference: the step is the straggler's own, whose kernels all take
+    # 1.2x: the step grows by 0.2 x the compute-stream busy time of a normal rank
+    base = _run()
+    slow = _run(rank_overrides=[{"dp_rank": 3, "slowdown": 1.2}])
+    compute = base["utilisation"]["compute"] * base["step_time_s"]
+    assert slow["step_time_s"] - base["step_time_s"] == pytest.approx(0.2 * compute, rel=1e-6)
+    assert slow["straggler"] == "dp_rank 3"
+    others, straggler = slow["rank_classes"]
+    assert (others["replicas"], straggler["replicas"]) == (7, 1)
+    assert straggler["compute_s"] == pytest.approx(1.2 * others["compute_s"], rel=1e-6)
+    # the others wait for it: their wait grows by exactly its extra compute
+    assert others["wait_s"] - straggler["wait_s"] == pytest.approx(0.2 * compute, rel=1e-6)
+
+
+def test_rank_classes_split_only_what_is_overridden():
+    cfg = scenario_from_dict({**BASE, "rank_overrides": [{"dp_rank": 1, "slowdown": 1.5}, {"dp_rank": 6,
+                                                                                          "slowdown": 2.0}]})
+    classes = rank_classes(cfg, resolve_hardware(cfg))
+    assert [(c.label, c.replicas, c.hw.slowdown) for c in classes] == [
+        ("dp ranks (others)", 6, 1.0), ("dp_rank 1", 1, 1.5), ("dp_rank 6", 1, 2.0)]
+
+
+def test_a_slow_pipeline_stage_paces_the_pipeline():
+    pp = {"pipeline_model_parallel_size": 4}
+    d = {**BASE, "parallelism": pp, "training": {**BASE["training"], "global_batch_size": 32}}
+    base = run_scenario(scenario_from_dict(d)).summary
+    slow = run_scenario(scenario_from_dict({**d, "rank_overrides": [{"pp_rank": 2, "slowdown": 1.5}]})).summary
+    stages = slow["pipeline"]["stages"]
+    assert slow["step_time_s"] > base["step_time_s"]
+    assert stages[2]["slowdown"] == 1.5 and stages[2]["pipeline_imbalance_s"] == 0.0  # the least idle stage
+
+
+def test_a_power_capped_stage_draws_less():
+    # the firmware's power controller acts over its own window, so a 3-step run is not held at the cap; the
+    # capped stage draws less than the same stage without the override, and the other stage is unchanged
+    pp = {"pipeline_model_parallel_size": 2}
+    d = {**BASE, "parallelism": pp, "training": {**BASE["training"], "global_batch_size": 16}}
+    free = run_scenario(scenario_from_dict(d)).summary["pipeline"]["stages"]
+    cap = [{"pp_rank": 1, "dvfs": {"kind": "power_cap", "power_limit_w": 250}}]
+    capped = run_scenario(scenario_from_dict({**d, "rank_overrides": cap})).summary["pipeline"]["stages"]
+    assert capped[1]["avg_power_w"] < free[1]["avg_power_w"]
+    assert capped[1]["energy_j_per_step"] < free[1]["energy_j_per_step"]
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    ([{"dp_rank": 8, "slowdown": 1.2}], "rank_overrides[0].dp_rank: 8 is outside the 8 data-parallel replicas"),
+    ([{"dp_rank": 1}], "changes nothing"),
+    ([{"dp_rank": 1, "pp_rank": 0, "slowdown": 2}], "give exactly one of pp_rank or dp_rank"),
+    ([{"dp_rank": 1, "slowdown": 2}, {"dp_rank": 1, "slowdown": 3}], "overridden twice"),
+    ([{"dp_rank": 1, "slowdown": 0}], "greater than 0"),
+])
+def test_bad_overrides_are_one_line(overrides, msg):
+    from simulator.config.errors import ScenarioError
+    from simulator.config.loader import format_validation_error
+    from simulator.config.schema import ScenarioConfig
+    from pydantic import ValidationError
+
+    try:
+        scenario_from_dict({**BASE, "rank_overrides": overrides})
+    except ScenarioError as exc:
+        line = str(exc)
+    except ValidationError as exc:
+        line = format_validation_error(exc, "s.yaml", ScenarioConfig)
+    else:
+        raise AssertionError("accepted")
+    assert msg in line and "\n" not in line
+
+
+def test_overrides_need_a_cluster_and_a_straggler_is_refused_with_pipelines():
+    from simulator.config.errors import ScenarioError
+
+    with pytest.raises(ScenarioError, match="needs hardware.cluster"):
+        scenario_from_dict({**BASE, "hardware": {"gpu": "h100-sxm-80gb"}, "rank_overrides": [{"pp_rank": 0,
+                                                                                               "slowdown": 2}]})
+    with pytest.raises(ScenarioError, match="not modelled yet"):
+        scenario_from_dict({**BASE, "parallelism": {"pipeline_model_parallel_size": 2},
+                            "rank_overrides": [{"dp_rank": 0, "slowdown": 2}]})
