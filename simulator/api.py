@@ -174,48 +174,68 @@ class RankClass:
     """Ranks that behave identically, simulated by one representative.
 
     Attributes:
-        label: What it stands for (``"pp_rank 2"``, ``"dp_rank 3"``, ``"dp ranks (others)"``).
+        label: What it stands for (``"pp_rank 2"``, ``"dp_rank 3"``, ``"dp ranks (others)"``; both with
+            pipelines and data-parallel classes: ``"pp_rank 2 / dp_rank 3"``).
         pp_rank: Its pipeline stage.
-        hw: Its machine (``Hardware.for_pipeline_rank``, with an override's ``slowdown``).
+        dp_class: Its data-parallel class (0: the replicas not overridden; one per overridden replica, or
+            per replica with ``run.rank_folding: none``).
+        hw: Its machine (``Hardware.for_pipeline_rank``, with the overrides' ``slowdown``).
         cfg: Its scenario (an override's ``dvfs`` in place of the scenario's).
         replicas: Data-parallel replicas it stands for.
     """
 
     label: str
     pp_rank: int
+    dp_class: int
     hw: Hardware
     cfg: ScenarioConfig
     replicas: int
 
 
 def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
-    """The rank classes of a scenario: one per pipeline stage (with its ``rank_overrides`` entry, if any),
-    and with one stage, one per overridden data-parallel replica beside one for the other replicas."""
+    """The rank classes of a scenario, stage-major: for every pipeline stage (with its ``rank_overrides``
+    entry), the data-parallel classes: one for the replicas not overridden and one per overridden replica
+    (``run.rank_folding: none``: one per replica). The slowdowns of a stage and a replica override
+    multiply; a dvfs override applies to its ranks."""
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     by_dp = {o.dp_rank: o for o in cfg.rank_overrides if o.dp_rank is not None}
     pp, dp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.data_parallel_size or 1
-
-    def changed(label, r, h, o, replicas):
-        if o is None:
-            return RankClass(label, r, h, cfg, replicas)
-        c = cfg.model_copy(update={"dvfs": o.dvfs}) if o.dvfs is not None else cfg
-        return RankClass(label, r, dataclasses.replace(h, slowdown=o.slowdown), c, replicas)
-
-    out = [changed(f"pp_rank {r}" if pp > 1 else "all ranks", r, hw.for_pipeline_rank(r) if pp > 1 else hw,
-                   by_pp.get(r), dp) for r in range(pp)]
-    if by_dp:  # pp = 1 (schema): the other replicas, then each overridden one
-        base = out[0]
-        out = [RankClass("dp ranks (others)", 0, base.hw, base.cfg, dp - len(by_dp))]
-        out += [changed(f"dp_rank {j}", 0, base.hw, o, 1) for j, o in sorted(by_dp.items())]
+    if cfg.run.rank_folding == "none":
+        dp_classes = [(f"dp_rank {j}", 1, by_dp.get(j)) for j in range(dp)]
+    else:
+        dp_classes = [("dp ranks (others)" if by_dp else "", dp - len(by_dp), None)]
+        dp_classes += [(f"dp_rank {j}", 1, o) for j, o in sorted(by_dp.items())]
+    out = []
+    for r in range(pp):
+        stage_hw = hw.for_pipeline_rank(r) if pp > 1 else hw
+        for c, (dp_label, replicas, o_dp) in enumerate(dp_classes):
+            overrides = [o for o in (by_pp.get(r), o_dp) if o is not None]
+            slow = 1.0
+            for o in overrides:
+                slow *= o.slowdown
+            dvfs = next((o.dvfs for o in overrides if o.dvfs is not None), None)
+            label = " / ".join(x for x in (f"pp_rank {r}" if pp > 1 else "", dp_label) if x) or "all ranks"
+            out.append(RankClass(label, r, c, dataclasses.replace(stage_hw, slowdown=slow) if slow != 1.0 else stage_hw,
+                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas))
     return out
 
 
-def _meet_across_classes(graph: OpGraph, parties: int) -> OpGraph:
-    """The graph with every data-parallel collective a rendezvous of ``parties`` rank classes (it starts when
-    the last class's replica arrives, as the NCCL collective does)."""
-    ops = tuple(dataclasses.replace(op, meta={**op.meta, "rendezvous": ("dp", op.id), "parties": parties})
-                if op.meta and op.meta.get("group") in ("dp", "dp_shard", "dp_replicate") else op for op in graph.ops)
-    return graph.with_changes(ops=ops)
+def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int) -> OpGraph:
+    """The graph of one rank class among ``dp_classes`` per stage: its data-parallel collectives become
+    rendezvous of the stage's classes (a collective starts when the last class's replica arrives, as the NCCL
+    collective does), and its pipeline rendezvous (send/recv, cross-stage all-reduces) meet only the same
+    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``)."""
+    if dp_classes == 1:
+        return graph
+    ops = []
+    for op in graph.ops:
+        m = op.meta
+        if m and "rendezvous" in m:
+            op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate"):
+            op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
+        ops.append(op)
+    return graph.with_changes(ops=tuple(ops))
 
 
 def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: ScenarioConfig) -> SimulationResult:
@@ -224,27 +244,30 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     Pipeline stages: each stage is one representative rank (its TP and DP peers folded), with its own GPU,
     host thread, memory and runtime components (DVFS); the stages meet at their send/recv and cross-stage
     all-reduces; the summary is ``analysis.pipeline.combine_stages``, and the result's spans, counters,
-    launches and dependencies are every stage's with a ``pp_rank`` column. Data-parallel classes (one
-    stage, ``rank_overrides`` by ``dp_rank``): the classes meet at every data-parallel collective; the
-    summary is ``combine_classes``, the frames carry a ``rank_class`` column.
+    launches and dependencies are every stage's with a ``pp_rank`` column. Data-parallel classes
+    (``rank_overrides`` by ``dp_rank``, ``run.rank_folding: none``): a stage's classes meet at its
+    data-parallel collectives, each class's pipeline at its own send/recv; the summary is
+    ``combine_classes`` (one stage) or ``combine_stages`` of each stage's first class plus
+    ``rank_classes`` and ``straggler``; the frames carry ``rank_class`` (the simulated rank's index) and
+    ``dp_class`` columns.
 
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import (combine_classes, combine_stages, combined_steps, phase_compute_s,
-                                             pipeline_bubble_s)
+    from simulator.analysis.pipeline import (class_rows, combine_classes, combine_stages, combined_steps,
+                                             phase_compute_s, pipeline_bubble_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
-    pipeline = p.pipeline_model_parallel_size > 1
-    column = "pp_rank" if pipeline else "rank_class"
+    pp = p.pipeline_model_parallel_size
+    n_dp = len(classes) // pp
     hws = [c.hw for c in classes]
     attach = [lambda env, system, c=c: build_runtime(c.cfg, system.hw, env, system) for c in classes]
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
         parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
         part_steps = []
-        for r, ((rec, runtime), g, h) in enumerate(zip(runs, graphs, hws)):
+        for i, ((rec, runtime), g, h, c) in enumerate(zip(runs, graphs, hws, classes)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
             for comp in runtime.components:
@@ -254,23 +277,42 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             parts.append(summ)
             part_steps.append(step_df)
+            cols = {"rank_class": i, "pp_rank": c.pp_rank, "dp_class": c.dp_class}
+            if pp == 1:
+                del cols["pp_rank"]
+            if n_dp == 1:
+                cols.pop("dp_class")
+                cols.pop("rank_class")
             for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
                             ("deps", dependencies_frame(g))):
-                frames[key].append(df.assign(**{column: r}))
+                frames[key].append(df.assign(**cols))
         steps = combined_steps(part_steps)
         common = dict(samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
                       model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"))
-        if pipeline:
-            specs = [g.meta["spec"] for g in graphs]
+        labels, replicas = [c.label for c in classes], [c.replicas for c in classes]
+        slowdowns = [c.hw.slowdown for c in classes]
+        if pp > 1:
+            first = [k for k, c in enumerate(classes) if c.dp_class == 0]  # each stage's first class
+            specs = [graphs[k].meta["spec"] for k in first]
             summary = combine_stages(
-                parts, steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
+                [parts[k] for k in first], steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
                 virtual=p.virtual_pipeline_model_parallel_size, micro_batches=specs[0].num_micro_batches,
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
-            for row, c in zip(summary["pipeline"]["stages"], classes):
-                row["slowdown"] = c.hw.slowdown
+            for row, k in zip(summary["pipeline"]["stages"], first):
+                row["slowdown"] = classes[k].hw.slowdown
+            if n_dp > 1:  # data-parallel classes in every stage: the worst memory, every class, the straggler
+                worst = max(parts, key=lambda x: x["peak_device_memory_bytes"])
+                for k in ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
+                          "peak_device_memory_bytes", "peak_memory_by_category_bytes"):
+                    summary[k] = worst[k]
+                summary["oom"] = summary["oom"] or next((x["oom"] for x in parts if x.get("oom")), None)
+                summary["rank_classes"] = class_rows(parts, summary["step_time_s"], labels, replicas, slowdowns)
+                summary["straggler"] = max(summary["rank_classes"], key=lambda r: r["compute_s"])["label"]
+                if all("energy_j_per_step" in x for x in parts):
+                    summary["energy_j_per_step_all_gpus"] = float(sum(
+                        x["energy_j_per_step"] * n for x, n in zip(parts, replicas)) * len(hws[0].tp_group))
         else:
-            summary = combine_classes(parts, steps, labels=[c.label for c in classes],
-                                      replicas=[c.replicas for c in classes], slowdowns=[c.hw.slowdown for c in classes],
+            summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
         summary["warnings"] = run_warnings(hws[0], cfg)
         summary.update(scenario_keys(cfg, summary))
@@ -400,16 +442,16 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
     """
     hw = hw if hw is not None else resolve_hardware(cfg)
     classes = rank_classes(cfg, hw)
+    n_dp = len(classes) // cfg.parallelism.pipeline_model_parallel_size
     try:
-        graphs = [apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw) for c in classes]
+        graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw), c.pp_rank,
+                                       c.dp_class, n_dp) for c in classes]
     except PolicyError:
         raise
     except ValueError as exc:
         raise SimulationError(f"build phase failed: {exc}") from exc
-    if cfg.parallelism.pipeline_model_parallel_size > 1:
-        return simulate_ranks(classes, graphs, cfg)
     if len(classes) > 1:
-        return simulate_ranks(classes, [_meet_across_classes(g, len(classes)) for g in graphs], cfg)
+        return simulate_ranks(classes, graphs, cfg)
     c = classes[0]
     return simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
                           cfg.model_dump(mode="json"), c.cfg)

@@ -156,15 +156,8 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
                mfu=mfu(model_flops_per_step, step, peak_flops_per_s))
     out.pop("phase_compute_s", None)
     out.pop("pipeline_bubble_s", None)
-    rows = []
-    for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
-        compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
-        rows.append({"label": lab, "replicas": n, "slowdown": slow, "step_time_s": c["step_time_s"],
-                     "compute_s": compute, "wait_s": max(step - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
-                     "peak_device_memory_bytes": c["peak_device_memory_bytes"],
-                     **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
-    out["rank_classes"] = rows
-    out["straggler"] = max(rows, key=lambda r: r["compute_s"])["label"]
+    out["rank_classes"] = class_rows(classes, step, labels, replicas, slowdowns)
+    out["straggler"] = max(out["rank_classes"], key=lambda r: r["compute_s"])["label"]
     if all("energy_j_per_step" in c for c in classes):
         total = sum(n for n in replicas)
         for k in _MEAN_KEYS:
@@ -173,3 +166,18 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
         out["energy_j_per_step_all_gpus"] = float(sum(c["energy_j_per_step"] * n for c, n in zip(classes, replicas))
                                                   * gpus_per_replica)
     return out
+
+
+def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: list[int],
+               slowdowns: list[float]) -> list[dict]:
+    """One row per rank class: ``label, replicas, slowdown``, its own ``step_time_s``, ``compute_s``
+    (compute-stream busy time per step), ``wait_s`` (the rest of the job's step ``step_s``), exposed
+    communication, peak device memory and, when metered, energy and power."""
+    rows = []
+    for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
+        compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
+        rows.append({"label": lab, "replicas": n, "slowdown": slow, "step_time_s": c["step_time_s"],
+                     "compute_s": compute, "wait_s": max(step_s - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
+                     "peak_device_memory_bytes": c["peak_device_memory_bytes"],
+                     **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
+    return rows

@@ -38,9 +38,9 @@ def _covered(iv: np.ndarray, mid: np.ndarray) -> np.ndarray:
 
 
 def rank_column(frame: pd.DataFrame) -> str | None:
-    """The column naming which simulated rank a row belongs to: ``pp_rank`` (pipeline stages),
-    ``rank_class`` (data-parallel rank classes), or None (one rank)."""
-    return next((c for c in ("pp_rank", "rank_class") if c in frame), None)
+    """The column naming which simulated rank a row belongs to: ``rank_class`` (several classes: the rank's
+    index), ``pp_rank`` (one class per pipeline stage), or None (one rank)."""
+    return next((c for c in ("rank_class", "pp_rank") if c in frame), None)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ class SimulationResult:
         """
         col = rank_column(self.spans)
         if col:  # pipeline stages or rank classes: the mean over them of each one's partition
-            parts = [SimulationResult(self.summary, d.drop(columns=col), self.counters, self.steps).breakdown()
+            drop = [c for c in ("rank_class", "pp_rank", "dp_class") if c in self.spans]
+            parts = [SimulationResult(self.summary, d.drop(columns=drop), self.counters, self.steps).breakdown()
                      for _, d in self.spans.groupby(col)]
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
                 seconds=lambda d: d.seconds / len(parts))

@@ -38,7 +38,7 @@ from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig
 from simulator.config.sections.memory import MemoryConfig
-from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, RankOverride
+from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
 
 
 class _Model(BaseModel):
@@ -231,6 +231,10 @@ class RunConfig(_Model):
     steps: PositiveInt = Field(default=5, le=MAX_STEPS, description="Steps simulated (including warmup).")
     warmup_steps: int = Field(default=1, ge=0, description="Leading steps excluded from the metrics.")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the run's random generator (64-bit).")
+    rank_folding: Literal["classes", "none"] = Field(
+        default="classes", description="classes: ranks that behave identically share one simulated representative "
+        "(split by rank_overrides); none: every data-parallel replica of every stage is simulated (tensor-parallel "
+        "ranks stay folded), at most MAX_SIMULATED_RANKS.")
 
     @model_validator(mode="after")
     def _warmup_below_steps(self):
@@ -495,17 +499,24 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)
             if sel[0] == "dp_rank":
-                if pp > 1:
-                    raise ValueError(f"{key}.dp_rank: a data-parallel straggler with pipeline_model_parallel_size {pp} > 1 "
-                                     "is not modelled yet (allowed: pp_rank overrides, or pp 1)")
                 if self.fsdp is not None and self.fsdp.sharding_strategy == "HYBRID_SHARD":
                     raise ValueError(f"{key}.dp_rank: with fsdp HYBRID_SHARD is not modelled yet (allowed: another "
                                      "sharding strategy)")
                 if dp == 1:
                     raise ValueError(f"{key}.dp_rank: needs data_parallel_size > 1")
-        if any(o.dp_rank is not None for o in self.rank_overrides) and len(seen) >= dp:
+        n_dp = sum(1 for o in self.rank_overrides if o.dp_rank is not None)
+        if n_dp and n_dp >= dp:
             raise ValueError("rank_overrides: every data-parallel replica is overridden; override the scenario "
                              "instead (allowed: fewer dp_rank overrides than replicas)")
+        for i, o in enumerate(self.rank_overrides):
+            if o.dvfs is not None and o.dp_rank is not None and any(
+                    q.pp_rank is not None and q.dvfs is not None for q in self.rank_overrides):
+                raise ValueError(f"rank_overrides[{i}].dvfs: a replica's and a stage's dvfs would both apply to one "
+                                 "rank (allowed: dvfs on stage overrides or on replica overrides, not both)")
+        classes = dp if self.run.rank_folding == "none" else 1 + n_dp
+        if pp * classes > MAX_SIMULATED_RANKS:
+            raise ValueError(f"run.rank_folding: {pp} stages x {classes} data-parallel classes = {pp * classes:,} "
+                             f"simulated ranks; at most {MAX_SIMULATED_RANKS:,} (allowed: rank_folding classes)")
         return self
 
     @model_validator(mode="after")

@@ -197,47 +197,55 @@ def result_trace(result) -> dict:
     ``class<r>...``), each built as one GPU's trace; flow ids are made unique per rank, and pipeline
     sends point to their receives."""
     parts = (result.spans, result.counters, getattr(result, "launches", None), getattr(result, "deps", None))
-    col = next((c for c in ("pp_rank", "rank_class") if c in result.spans), None)
+    col = next((c for c in ("rank_class", "pp_rank") if c in result.spans), None)
     if col is None:
         return to_chrome_trace(result.spans, result.counters, result.steps, parts[2], parts[3])
-    tag = "pp" if col == "pp_rank" else "class"
+    extra = [c for c in ("rank_class", "pp_rank", "dp_class") if c in result.spans]
+    first = result.spans.drop_duplicates(col).set_index(col)
     events: list[dict] = []
     for r in sorted(int(x) for x in result.spans[col].unique()):
-        sel = [None if df is None else df[df[col] == r].drop(columns=col) for df in parts]
+        row = first.loc[r]
+        tag = ".".join(t for t in (f"pp{int(row.pp_rank)}" if "pp_rank" in first else "",
+                                   f"class{int(row.dp_class)}" if "dp_class" in first else "") if t) or f"pp{r}"
+        sel = [None if df is None else df[df[col] == r].drop(columns=extra) for df in parts]
         one = to_chrome_trace(sel[0], sel[1], result.steps, sel[2], sel[3])["traceEvents"]
         for ev in one:
             ev["pid"] = 2 * r + ev.get("pid", 0)
             if ev.get("name") == "process_name":
-                ev["args"] = {"name": f"{tag}{r}.{ev['args']['name']}".replace(".gpu0", ".gpu")}
+                ev["args"] = {"name": f"{tag}.{ev['args']['name']}".replace(".gpu0", ".gpu")}
             if "id" in ev:
-                ev["id"] = f"pp{r}.{ev['id']}"
+                ev["id"] = f"r{r}.{ev['id']}"
             events.append(ev)
-    if col == "pp_rank":
-        events += _p2p_flows(result.spans)
+    if "pp_rank" in result.spans:
+        events += _p2p_flows(result.spans, col)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "distributedInfo": {"rank": 0, "world_size": int(result.summary.get("world_size", 1))}}
 
 
-def _p2p_flows(spans: pd.DataFrame) -> list[dict]:
+def _p2p_flows(spans: pd.DataFrame, col: str) -> list[dict]:
     """Flow arrows (``cat: p2p``) from each pipeline send (``...pp.send_<what>.k<boundary>.mb<i>``) to the
-    receive of the same transfer on the other stage (the transfer runs between the two ends)."""
+    receive of the same transfer on the other stage, in the same data-parallel class (the transfer runs
+    between the two ends); ``col`` numbers the simulated ranks (their pids are ``2 col + 1``)."""
     m = spans.name.str.extract(r"pp\.(send|recv)_(\w+\.k\d+\.mb\d+)$")
     p2p = spans.assign(way=m[0], key=m[1]).dropna(subset=["key"])
     if p2p.empty:
         return []
     tid = {}
-    for r, d in spans.groupby("pp_rank"):  # the thread ids to_chrome_trace gives each stage's streams
+    cls = p2p.dp_class if "dp_class" in p2p else 0
+    p2p = p2p.assign(cls=cls)
+    for r, d in spans.groupby(col):  # the thread ids to_chrome_trace gives each rank's streams
         names = sorted({*d.stream.unique(), MAIN_THREAD}, key=lambda x: (x != MAIN_THREAD, x))
         tid.update({(r, name): i + 1 for i, name in enumerate(names)})
-    recv = {(r.step, r.key): r for r in p2p[p2p.way == "recv"].itertuples()}
+    recv = {(r.step, r.key, r.cls): r for r in p2p[p2p.way == "recv"].itertuples()}
     out = []
     for n, s in enumerate(p2p[p2p.way == "send"].itertuples()):
-        d = recv.get((s.step, s.key))
+        d = recv.get((s.step, s.key, s.cls))
         if d is None:
             continue
         fid = f"p2p.{n}"
-        out.append({"ph": "s", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * int(s.pp_rank) + GPU_PID,
-                    "tid": tid[s.pp_rank, s.stream], "ts": s.start_s * _US})
-        out.append({"ph": "f", "bp": "e", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * int(d.pp_rank) + GPU_PID,
-                    "tid": tid[d.pp_rank, d.stream], "ts": d.end_s * _US})
+        a, b = int(getattr(s, col)), int(getattr(d, col))
+        out.append({"ph": "s", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * a + GPU_PID,
+                    "tid": tid[a, s.stream], "ts": s.start_s * _US})
+        out.append({"ph": "f", "bp": "e", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * b + GPU_PID,
+                    "tid": tid[b, d.stream], "ts": d.end_s * _US})
     return out

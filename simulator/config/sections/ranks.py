@@ -7,8 +7,8 @@
       - {pp_rank: 2, dvfs: {kind: power_cap, power_limit_w: 250}}   # pipeline stage 2 power-capped
 
 An override selects the ranks of one pipeline stage (``pp_rank``, all its data- and tensor-parallel
-ranks) or of one data-parallel replica (``dp_rank``, all its tensor-parallel ranks; with one pipeline
-stage), and changes their GPU: ``slowdown`` multiplies every kernel's time (a thermally throttled or
+ranks) or of one data-parallel replica (``dp_rank``, all its tensor-parallel ranks in every stage: one
+pipeline), and changes their GPU: ``slowdown`` multiplies every kernel's time (a thermally throttled or
 degraded GPU, a noisy neighbour), ``dvfs`` replaces the scenario's clock/power policy for them.
 Folding splits only what the override touches: a stage override changes that stage's representative; a
 replica override adds one rank class (the replica) beside the others, and the data-parallel collectives
@@ -23,6 +23,8 @@ from simulator.config.sections.dvfs import DvfsConfig
 
 #: rank_overrides entries per scenario
 MAX_RANK_OVERRIDES = 64
+#: ranks simulated side by side (stages x data-parallel classes): each is one SimPy executor
+MAX_SIMULATED_RANKS = 1024
 
 
 class RankOverride(BaseModel):
@@ -31,7 +33,8 @@ class RankOverride(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pp_rank: NonNegativeInt | None = Field(default=None, description="Pipeline stage whose ranks are overridden.")
-    dp_rank: NonNegativeInt | None = Field(default=None, description="Data-parallel replica overridden (pp 1).")
+    dp_rank: NonNegativeInt | None = Field(default=None, description="Data-parallel replica overridden (its ranks "
+                                           "in every pipeline stage).")
     slowdown: float = Field(default=1.0, gt=0, le=100, description="Multiplier on every kernel's time (1.2: 20% "
                             "slower).")
     dvfs: DvfsConfig | None = Field(default=None, description="Clock/power policy of these ranks (replaces dvfs:).")

@@ -92,12 +92,35 @@ def test_bad_overrides_are_one_line(overrides, msg):
     assert msg in line and "\n" not in line
 
 
-def test_overrides_need_a_cluster_and_a_straggler_is_refused_with_pipelines():
+def test_overrides_need_a_cluster():
     from simulator.config.errors import ScenarioError
 
     with pytest.raises(ScenarioError, match="needs hardware.cluster"):
         scenario_from_dict({**BASE, "hardware": {"gpu": "h100-sxm-80gb"}, "rank_overrides": [{"pp_rank": 0,
                                                                                                "slowdown": 2}]})
-    with pytest.raises(ScenarioError, match="not modelled yet"):
-        scenario_from_dict({**BASE, "parallelism": {"pipeline_model_parallel_size": 2},
-                            "rank_overrides": [{"dp_rank": 0, "slowdown": 2}]})
+
+
+PIPE = {**BASE, "parallelism": {"pipeline_model_parallel_size": 2},
+        "training": {**BASE["training"], "global_batch_size": 32}}
+
+
+@pytest.mark.parametrize("extra", [{}, {"parallelism": {"pipeline_model_parallel_size": 2}}])
+def test_unfolded_ranks_give_the_folded_answer(extra):
+    # run.rank_folding none simulates every data-parallel replica (4 x 2 or 8 executors): symmetric ranks,
+    # no interference, so the step and memory are the folded run's
+    d = {**(PIPE if extra else BASE), **extra}
+    folded = run_scenario(scenario_from_dict(d)).summary
+    full = run_scenario(scenario_from_dict({**d, "run": {**d["run"], "rank_folding": "none"}})).summary
+    assert full["step_time_s"] == pytest.approx(folded["step_time_s"], rel=1e-9)
+    assert full["peak_device_memory_bytes"] == folded["peak_device_memory_bytes"]
+    n = 8 // (2 if extra else 1)
+    assert len(full["rank_classes"]) == (2 * n if extra else n)
+
+
+def test_a_slow_replica_in_a_pipeline_is_one_class_per_stage():
+    base = run_scenario(scenario_from_dict(PIPE)).summary
+    slow = run_scenario(scenario_from_dict({**PIPE, "rank_overrides": [{"dp_rank": 2, "slowdown": 1.3}]})).summary
+    labels = [r["label"] for r in slow["rank_classes"]]
+    assert labels == ["pp_rank 0 / dp ranks (others)", "pp_rank 0 / dp_rank 2", "pp_rank 1 / dp ranks (others)",
+                      "pp_rank 1 / dp_rank 2"]
+    assert slow["straggler"].endswith("dp_rank 2") and slow["step_time_s"] > base["step_time_s"]
