@@ -56,6 +56,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         pipeline_parallel_size=p.pipeline_model_parallel_size, pipeline_rank=pipeline_rank,
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
+        tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
     )
 
 
@@ -109,7 +110,7 @@ def cfg_node_ranks(cfg: ScenarioConfig) -> tuple[int, ...]:
 def model_num_parameters(cfg: ScenarioConfig) -> int:
     """Parameters of the whole model, unsharded and with the vocabulary as given (no tensor-parallel
     padding): the count a model card publishes (Llama-3.1-8B: 8,030,261,248)."""
-    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
+    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False, tp_comm_overlap="none",
                                pipeline_parallel_size=1, virtual_pipeline_size=1, pipeline_schedule="1f1b",
                                pipeline_layers=None)
     return spec.num_parameters

@@ -188,6 +188,11 @@ class ParallelismConfig(_Model):
         "is padded to a multiple of 128 x tp as Megatron does), and training.precision bf16 or fp16.")
     sequence_parallel: bool = Field(default=False, description="Megatron --sequence-parallel (with tp > 1; "
                                     "tp must divide seq_length).")
+    tp_comm_overlap: bool | Literal["fused"] = Field(
+        default=False, description="true: Megatron --tp-comm-overlap (Transformer Engine userbuffers: the "
+        "sequence-parallel all-gathers / reduce-scatters run beside their GEMMs and interfere with them); fused: a "
+        "fused GEMM + collective kernel (Triton-distributed, async-TP) that overlaps without taking SMs. Needs "
+        "sequence_parallel and tp > 1.")
     pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --pipeline-model-parallel-size. > 1 needs "
         "hardware.cluster; the layers are split evenly unless pipeline_layers_per_stage is given.")
@@ -389,6 +394,9 @@ class ScenarioConfig(_Model):
         if p.sequence_parallel and tp > 1 and m.seq_length % tp:
             raise ValueError(f"parallelism.sequence_parallel: tensor_model_parallel_size {tp} must divide "
                              f"model.seq_length {m.seq_length} (Megatron splits the sequence over the TP ranks)")
+        if p.tp_comm_overlap is not False and not (tp > 1 and p.sequence_parallel):
+            raise ValueError("parallelism.tp_comm_overlap needs sequence_parallel: true and tensor_model_parallel_size "
+                             "> 1 (Megatron-LM --tp-comm-overlap)")
         if tp == 1:
             return self
         cl = self.hardware.cluster

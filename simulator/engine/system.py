@@ -205,7 +205,8 @@ class System:
         f = self.interference
         # a rendezvous op ends at the same time on every rank it joins: its isolated time, not re-rated
         # by one GPU's compute (the interference state is per GPU)
-        if f is None or "rendezvous" in op.meta:
+        # a fused GEMM + collective kernel (tp_comm_overlap: fused) takes nothing from the GEMM beside it
+        if f is None or "rendezvous" in op.meta or op.meta.get("fused"):
             yield self.env.timeout(res.time_s)
             return
         load = comm_load(f, res.busbw_bytes_per_s)

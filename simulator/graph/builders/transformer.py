@@ -88,6 +88,7 @@ VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE = ("none", "full", "selective")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+TP_COMM_OVERLAP = ("none", "overlap", "fused")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,11 @@ class TransformerSpec:
         virtual_pipeline_size: Model chunks per pipeline rank ``v`` (interleaved schedule).
         pipeline_schedule: One of ``pipeline.SCHEDULES``.
         pipeline_layers: Layers per model chunk, ``p v`` numbers summing to ``num_layers`` (``None``: even).
+        tp_comm_overlap: ``none``; ``overlap`` (Megatron-LM ``--tp-comm-overlap``, Transformer Engine
+            userbuffers: the sequence-parallel all-gather before a column-parallel GEMM and the reduce-scatter
+            after a row-parallel GEMM run beside that GEMM, chunk by chunk, and interfere with it as any
+            collective does); ``fused`` (one fused GEMM + collective kernel, Triton-distributed / async-TP:
+            the same overlap without taking SMs or HBM bandwidth from the GEMM). Needs sequence parallelism.
     """
 
     num_layers: int
@@ -175,6 +181,7 @@ class TransformerSpec:
     virtual_pipeline_size: int = 1
     pipeline_schedule: str = "1f1b"
     pipeline_layers: tuple[int, ...] | None = None
+    tp_comm_overlap: str = "none"
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -243,6 +250,10 @@ class TransformerSpec:
                                  "amp_fp32_params (torch.autocast)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
+        if self.tp_comm_overlap not in TP_COMM_OVERLAP:
+            raise ValueError(f"tp_comm_overlap must be one of {TP_COMM_OVERLAP}, got {self.tp_comm_overlap!r}")
+        if self.tp_comm_overlap != "none" and not (self.sequence_parallel and t > 1):
+            raise ValueError("tp_comm_overlap needs sequence_parallel with tensor_parallel_size > 1 (Megatron-LM)")
         p, v = self.pipeline_parallel_size, self.virtual_pipeline_size
         check_schedule(self.pipeline_schedule, p, self.num_micro_batches, v)
         if not 0 <= self.pipeline_rank < p:
@@ -477,6 +488,7 @@ class _GptBuilder:
         self.received: dict[tuple, str] = {}  # pipeline transfers received, not yet read by their pass
         self.outgoing: dict[tuple, str] = {}  # pipeline transfers produced, not yet sent
         self._last_call: list[int] = []  # ops of the previous point-to-point call
+        self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
@@ -498,6 +510,7 @@ class _GptBuilder:
         e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
                  reads=2 * (T * in_dim + in_dim * out_dim), writes=2 * T * out_dim,
                  out=[(y, 2 * T * out_dim)], uses=[xin, w16])
+        self._after_overlapped_gemm()
         return y, (xin, w16) if save else ()
 
     def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool):
@@ -515,6 +528,7 @@ class _GptBuilder:
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
                  reads=2 * (T * out_dim + in_dim * out_dim), writes=2 * T * in_dim,
                  out=[(dx, 2 * T * in_dim)], uses=[gin, w16])
+        self._after_overlapped_gemm()
         dw = e.fresh(f"{name}.dw16")
         e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(out_dim, in_dim, T),
                  reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
@@ -576,21 +590,32 @@ class _GptBuilder:
         return y
 
     # -- tensor parallel ---------------------------------------------------------------------
-    def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None) -> int:
+    def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None,
+               after=None, fused: bool = False) -> int:
         """A blocking collective over the ``tp`` group on stream ``comm.tp`` (``nbytes``: the per-rank buffer
         of an all-reduce, the whole gathered/scattered array of an all-gather/reduce-scatter).
 
         As a synchronous ``torch.distributed`` call (ProcessGroupNCCL): it starts after every kernel issued
-        before it on the compute stream, and the next compute kernel waits for it (Megatron 2020: no
-        overlap of TP communication with compute)."""
+        before it on the compute stream (``after``: these ops instead, to run beside the last kernel), and the
+        next compute kernel waits for it (Megatron 2020: no overlap of TP communication with compute).
+        ``fused``: part of a fused GEMM + collective kernel (no interference with the GEMM)."""
         e = self.e
+        meta = {"collective": op, "bytes": int(nbytes), "group": "tp"}
+        if fused:
+            meta["fused"] = True
         i = e.kernel(f"tp.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.tp", reads=float(nbytes),
-                     uses=uses, out=out, deps=[*deps, e.last_compute], dtype=dtype,
-                     meta={"collective": op, "bytes": int(nbytes), "group": "tp"})
+                     uses=uses, out=out, deps=[*deps, *(after if after is not None else [e.last_compute])],
+                     dtype=dtype, meta=meta)
         e.wait_for.append(i)
         return i
 
-    def _tp_reduce(self, name: str, x: str) -> str:
+    def _after_overlapped_gemm(self) -> None:
+        """After a GEMM that ran beside a TP all-gather (``tp_comm_overlap``): the next kernel waits for it."""
+        if self._overlapped:
+            self.e.wait_for.extend(self._overlapped)
+            self._overlapped = []
+
+    def _tp_reduce(self, name: str, x: str, beside_gemm: bool = True) -> str:
         """Sum the partial ``[T, h]`` output of a row-parallel GEMM (or a column-parallel input gradient)
         over the TP ranks: an in-place all-reduce, or a reduce-scatter to ``T / t`` tokens with sequence
         parallelism. The compute stream waits for it. Returns the reduced tensor (identity at ``t = 1``)."""
@@ -601,17 +626,27 @@ class _GptBuilder:
             self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x])
             return x
         y = self.e.fresh(f"{name}.rs")
+        if self.s.tp_comm_overlap != "none" and beside_gemm:  # beside the GEMM producing x, chunk by chunk
+            gemm = self.e.producer[x]
+            self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, out=[(y, nbytes // self.tp)],
+                        after=list(self.b.ops[gemm].deps), fused=self.s.tp_comm_overlap == "fused")
+            return y
         self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=[(y, nbytes // self.tp)])
         return y
 
-    def _tp_gather(self, name: str, x: str) -> str:
+    def _tp_gather(self, name: str, x: str, before_gemm: bool = True) -> str:
         """Sequence parallelism: all-gather the ``[T / t, h]`` 16-bit shard ``x`` into ``[T, h]`` before a
         column-parallel GEMM (forward) or a row-parallel backward. Identity without it."""
         if not self.sp:
             return x
         nbytes = 2 * self.T * self.s.hidden_size
         y = self.e.fresh(f"{name}.ag")
-        self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
+        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)],
+                        fused=self.s.tp_comm_overlap == "fused" and before_gemm)
+        if self.s.tp_comm_overlap != "none" and before_gemm:  # the GEMM reading y runs beside it, chunk by chunk
+            self.e.wait_for.remove(i)
+            self.e.producer[y] = self.e.producer.get(x, -1)
+            self._overlapped.append(i)
         return y
 
     # -- rotary embeddings -----------------------------------------------------------------
@@ -771,7 +806,7 @@ class _GptBuilder:
             rows = 2 if s.position_table_rows else 1  # token row (+ learned position row) per token
             e.kernel("embed", C.EMBEDDING, reads=8 * T + rows * self.act * T * h, writes=self.act * T * h,
                      out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
-            x = self._tp_reduce("embed", x)  # VocabParallelEmbedding: rows outside the rank's range are zero
+            x = self._tp_reduce("embed", x, beside_gemm=False)  # VocabParallelEmbedding: other ranks' rows are 0
         else:
             x = self.received.pop(("act", k - 1, mb))
         saved_layers = st["layers"] = {}
@@ -845,7 +880,7 @@ class _GptBuilder:
             self._end_of_backward()
             return
         tokens = st["tokens"]
-        g = self._tp_gather("embed.grad", g)  # sequence parallelism: the reduce-scatter's backward
+        g = self._tp_gather("embed.grad", g, before_gemm=False)  # sequence parallelism: the reduce-scatter's backward
         # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
         d_emb = e.fresh("embed.dw")
         e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
