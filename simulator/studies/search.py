@@ -330,6 +330,9 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
                 row["status"] = "ok"
                 row.update(bounds(row))
     table = pd.DataFrame(rows)
+    for c in ("data_parallel_size", "micro_batches"):  # integers, missing on refused points
+        if c in table:
+            table[c] = table[c].astype("Int64")
     ok = table["status"] == "ok"
     table["rank"] = pd.NA
     if ok.any():
