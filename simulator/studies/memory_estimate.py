@@ -47,7 +47,7 @@ from simulator.config.schema import ScenarioConfig
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
 #: optimizer, TP with and without SP, recompute, 1F1B, GPipe, interleaved, GQA/SwiGLU/rope) is within it
-#: (measured: at most 1.2%, always above). ``search`` prunes a point only when even
+#: (measured: at most 1.2%). ``search`` prunes a point only when even
 #: ``estimate / (1 + TOLERANCE)`` exceeds the GPU's memory, so a point that might fit is simulated.
 TOLERANCE = 0.05
 

@@ -90,7 +90,8 @@ def test_bounds_of_a_row_by_hand():
 
 def test_cli_prints_the_ranking_and_json(capsys, tmp_path):
     out = tmp_path / "s"
-    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--json", "--top", "1", "--out", str(out)]) == 0
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--json", "--top", "1", "--out", str(out),
+                 "--workers", "2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["objective"] == "tokens_per_s" and doc["counts"]["ok"] == 2 and len(doc["best"]) == 1
     assert doc["best"][0][TP] == 1 and doc["best"][0]["rank"] == 1 and len(doc["points"]) == 2
@@ -138,6 +139,16 @@ def test_bad_input_is_one_line_exit_2(case, capsys):
     assert expect in err[0], err[0]
     if case == "unknown_key":
         assert "did you mean 'tensor_model_parallel_size'?" in err[0]
+
+
+def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
+    pytest.importorskip("dask.distributed")
+    from simulator import cli
+
+    monkeypatch.setattr(cli, "DASK_CONNECT_TIMEOUT_S", 1)
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--dask-scheduler", "tcp://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --dask-scheduler tcp://127.0.0.1:1: cannot connect")
 
 
 def test_nothing_fits_names_the_smallest_shortfall():
