@@ -251,17 +251,7 @@ def cmd_sweep(args) -> int:
     for key, values in factors.items():
         for v in values:
             load_scenario(args.scenario, list(args.set) + [f"{key}={v}"])
-    client = None
-    if args.dask_scheduler:
-        try:
-            from dask.distributed import Client
-        except ImportError:
-            raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
-        try:
-            client = Client(args.dask_scheduler, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
-        except (OSError, ValueError, TypeError) as exc:
-            raise ScenarioError(f"--dask-scheduler {args.dask_scheduler}: cannot connect "
-                                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    client = dask_client(args.dask_scheduler) if args.dask_scheduler else None
     try:
         df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
                        out_dir=args.out, progress=not args.json, client=client)
@@ -284,6 +274,26 @@ def cmd_sweep(args) -> int:
     if failed:
         print(f"error: {failed} of {len(df)} points failed (see the error column)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def dask_client(address: str):
+    """A ``dask.distributed.Client`` connected to ``address`` (``--dask-scheduler``).
+
+    Raises:
+        ScenarioError: dask.distributed is not installed, or the scheduler cannot be reached within
+            ``DASK_CONNECT_TIMEOUT_S``.
+    """
+    from simulator.config.errors import ScenarioError
+
+    try:
+        from dask.distributed import Client
+    except ImportError:
+        raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
+    try:
+        return Client(address, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
+    except (OSError, ValueError, TypeError) as exc:
+        raise ScenarioError(f"--dask-scheduler {address}: cannot connect "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
 
 def _print_sweep(df, as_json: bool) -> None:
@@ -364,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace", "simulator.cli_collective",
-                "simulator.cli_kernel"):
+                "simulator.cli_kernel", "simulator.cli_search"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -141,14 +141,20 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
     Raises:
         ScenarioError: the first validation error, in one line.
     """
+    try:
+        return ScenarioConfig.model_validate(with_hf_path(data, source))
+    except ValidationError as exc:
+        raise ScenarioError(format_validation_error(exc, source, ScenarioConfig)) from None
+
+
+def with_hf_path(data: dict, source: str) -> dict:
+    """``data`` with a relative ``model.from_hf`` that is not found from the current folder taken from the
+    folder of the scenario file ``source``."""
     m = data.get("model") if isinstance(data, dict) else None
     hf = m.get("from_hf") if isinstance(m, dict) else None
     if isinstance(hf, str) and hf.startswith(("./", "../")) and not Path(hf).exists() and Path(source).is_file():
         data = {**data, "model": {**m, "from_hf": str(Path(source).resolve().parent / hf)}}  # relative: the scenario's folder
-    try:
-        return ScenarioConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, source, ScenarioConfig)) from None
+    return data
 
 
 def _ref(ref: PresetRef | str) -> tuple[str, dict]:

@@ -37,6 +37,7 @@ RESULTS_FILE = "results.csv"
 PARQUET_FILE = "results.parquet"
 INDEX_FILE = "index.jsonl"
 SWEEP_FILE = "sweep.json"
+SEARCH_FILE = "search.csv"  # simulator.studies.search: every point of a layout search, refused and pruned ones too
 #: layout of ``index.jsonl`` / ``sweep.json``; a folder written with another one is recomputed
 INDEX_SCHEMA = 1
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]+")
@@ -75,7 +76,11 @@ def point_folder_names(points: list[dict]) -> list[str]:
 SUMMARY_COLUMNS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes", "data_stall_s",
                    "energy_j_per_step", "avg_power_w", "oom")
 #: top-level summary keys whose values are dicts of scalars (flattened to ``key.sub`` columns)
-NESTED_METRICS = ("phase_s", "utilisation", "comm_s_by_group", "peak_memory_by_category_bytes", "memory_overheads")
+NESTED_METRICS = ("phase_s", "utilisation", "comm_s_by_group", "peak_memory_by_category_bytes", "memory_overheads",
+                  "breakdown_s")
+#: ``SimulationResult.breakdown`` components -> ``breakdown_s.<key>`` columns (``run_sweep(breakdown=True)``)
+BREAKDOWN_KEYS = {"compute (fwd/bwd kernels)": "compute", "optimizer": "optimizer", "exposed copies": "exposed_copies",
+                  "data wait": "data_wait", "host-bound gaps / idle": "idle"}
 #: top-level scalar summary keys (``simulator.analysis.summary.summarize``); what ``--plot`` accepts
 SCALAR_METRICS = tuple(c for c in SUMMARY_COLUMNS if c != "oom") + (  # "oom" is a message, not a number
     "step_latency_s", "model_flops_per_step", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
@@ -96,7 +101,7 @@ def check_sweep_folder(out_dir: str | Path) -> None:
     p = Path(out_dir)
     if not p.is_dir():
         return
-    own = {RESULTS_FILE, PARQUET_FILE, INDEX_FILE, SWEEP_FILE}
+    own = {RESULTS_FILE, PARQUET_FILE, INDEX_FILE, SWEEP_FILE, SEARCH_FILE}
     foreign = sorted(c.name for c in p.iterdir()
                      if not (c.name in own or c.name.startswith(".")
                              or (c.is_file() and c.name.startswith("sweep_") and c.suffix == ".png")
@@ -172,12 +177,46 @@ def point_hash(scenario: str | Path, overrides: list[str]) -> str:
     from simulator.config.loader import load_scenario, resolve_hardware
 
     cfg = load_scenario(scenario, overrides)
-    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) + repr(resolve_hardware(cfg))
+    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) + stable_repr(resolve_hardware(cfg))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def stable_repr(obj, depth: int = 0) -> str:
+    """``repr`` that is the same in every process: dataclasses field by field, mappings sorted, and objects
+    with the default ``repr`` (which shows a memory address: a cluster's ``CollectiveModel``, ``Topology``)
+    by their public attributes."""
+    import dataclasses
+
+    if depth > 8:
+        return type(obj).__name__
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return f"{type(obj).__name__}(" + ", ".join(
+            f"{f.name}={stable_repr(getattr(obj, f.name), depth + 1)}" for f in dataclasses.fields(obj)) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {stable_repr(v, depth + 1)}"
+                               for k, v in sorted(obj.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ", ".join(stable_repr(v, depth + 1) for v in obj) + "]"
+    if hasattr(obj, "__dict__") and type(obj).__repr__ is object.__repr__:
+        return f"{type(obj).__name__}(" + ", ".join(
+            f"{k}={stable_repr(v, depth + 1)}" for k, v in sorted(vars(obj).items()) if not k.startswith("_")) + ")"
+    return repr(obj)
+
+
+def breakdown_columns(result) -> dict:
+    """``breakdown_s.<component>`` (s per step) of ``result.breakdown()``: ``compute``, ``optimizer``,
+    ``exposed_comm_<group>``, ``exposed_copies``, ``data_wait``, ``idle`` (a pipeline run: the mean over its
+    stages, where ``idle`` holds the bubble)."""
+    out = {}
+    for comp, sec in result.breakdown().itertuples(index=False):
+        key = BREAKDOWN_KEYS.get(comp) or "exposed_comm_" + _UNSAFE.sub("_", comp.split("(", 1)[-1].rstrip(")"))
+        out[f"breakdown_s.{key}"] = float(sec)
+    return out
+
+
 def _run_point(args) -> dict:
-    scenario, overrides, point, folder = args
+    scenario, overrides, point, folder = args[:4]
+    breakdown = len(args) > 4 and args[4]
     from simulator.config.loader import load_scenario
     from simulator.api import run_scenario
     from simulator.recording.writers import write_outputs
@@ -189,6 +228,8 @@ def _run_point(args) -> dict:
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
         row.update(flatten_summary(res.summary))
+        if breakdown:
+            row.update(breakdown_columns(res))
         if folder:
             write_outputs(res, folder, overrides=overrides, scenario=scenario, plots=False)
     except Exception as exc:  # one bad point must not lose the others
@@ -274,7 +315,7 @@ def _claim(out_dir: Path, scenario: str | Path) -> str | None:
 
 def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: list[str] | None = None,
               workers: int = 1, out_dir: str | Path | None = None, progress: bool = True, client=None,
-              log=None) -> pd.DataFrame:
+              log=None, points: list[dict] | None = None, breakdown: bool = False) -> pd.DataFrame:
     """Run the full grid of ``factors`` over ``scenario`` (resuming a previous run in ``out_dir``).
 
     Args:
@@ -289,6 +330,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         client: Optional ``dask.distributed.Client`` to run the points on a cluster.
         log: ``callable(str)`` for one-line notes (skipped/computed counts, no parquet writer);
             default: print to stderr.
+        points: Run these points (dicts of ``factors``' keys) instead of the full grid (a layout search's
+            survivors).
+        breakdown: Add each point's step breakdown (``breakdown_columns``).
 
     Returns:
         One row per point, in grid order: the swept keys, ``gpu_busy``, every scalar of the
@@ -305,11 +349,14 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
     keys = list(factors)
     if not keys or any(not factors[k] for k in keys):
         raise ScenarioError("sweep: empty grid (every --factor needs at least one value)")
-    points = [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
+    if points is None:
+        points = [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
+    elif not points:
+        raise ScenarioError("sweep: no point to run")
     out = Path(out_dir) if out_dir else None
     folders = [out / n for n in point_folder_names(points)] if out else [None] * len(points)
     jobs = [(str(scenario), list(base_overrides or []) + [f"{k}={v}" for k, v in p.items()], p,
-             str(f) if f else None) for p, f in zip(points, folders)]
+             str(f) if f else None, breakdown) for p, f in zip(points, folders)]
     done: dict[int, dict] = {}
     index, digests, version = None, {}, simulator_version()
     if out:
@@ -319,7 +366,7 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             log(note)
         index = _Index(out)
         for i, (job, folder) in enumerate(zip(jobs, folders)):
-            digests[i] = point_hash(scenario, job[1])
+            digests[i] = point_hash(scenario, job[1]) + ("+breakdown" if breakdown else "")
             row = index.lookup(folder, digests[i], version)
             if row is not None:
                 done[i] = row

@@ -1,0 +1,266 @@
+"""Analytic peak GPU memory per rank, without simulating: what ``simulate search`` prunes with.
+
+The estimate mirrors the tensors the GPT builder (``simulator/graph/builders/transformer.py``)
+allocates, so that it predicts the simulator's own ``peak_device_memory_bytes``; it is checked
+against simulated peaks on bundled scenarios (``tests/simulator/studies/test_memory_estimate.py``:
+within ``TOLERANCE``). For pipeline stage ``r`` with ``P`` parameters (``TransformerSpec.rank_num_parameters``:
+its blocks split by TP, the embedding on the first stage, the LM head on the last), ``N_d`` data-parallel
+ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
+
+* **Model states** (Rajbhandari et al., *ZeRO*, SC20, section 3.1: ``(2 + 2 + K) Psi`` with ``K = 12``
+  for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
+  ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
+  ``4P`` (DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
+  ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus the full gradients of
+  the buckets not yet reduce-scattered, at most ``2 x reduce_bucket_size`` elements); ZeRO-3 all of
+  them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
+  parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
+  master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
+* **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
+  in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
+  dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
+  2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
+  the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
+  (+ the rotated q, k with rope), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
+  with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics, and with
+  ``amp_fp32_params`` the bf16 copies of the block's weights. With full recompute only ``x`` is kept
+  per block, plus one block's activations during its backward. A stage keeps ``n_r`` micro-batches in
+  flight, counted from its schedule (``pipeline.stage_actions``: ``p - r`` for 1F1B, ``m`` for GPipe,
+  Megatron's warm-up for the interleaved schedule; 1 without pipelining).
+* **Transients**: the last stage's fp32 logits ``12 T V / t`` (log-softmax output, its gradient and the
+  loss gradient live together in backward; ``4 T V / t`` saved per micro-batch in flight), the first
+  stage's fp32 embedding gradient ``4 V h / t``, one block's backward working set ``2 T (f_1 + f) / t +
+  2 a_b T h`` and its largest 16-bit weight gradient.
+* **Overheads**: ``memory.cuda_context_bytes`` + ``memory.allocator_reserve_fraction`` x tensors (the
+  scenario's ``memory`` section, the engine's defaults).
+
+Not estimated (``NotEstimated``; the search simulates such points instead of pruning them): optimizer,
+parameter or activation offload to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.config.schema import ScenarioConfig
+
+#: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
+#: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
+#: optimizer, TP with and without SP, recompute, 1F1B, GPipe, interleaved, GQA/SwiGLU/rope) is within it
+#: (measured: at most 1.2%). ``search`` prunes a point only when even
+#: ``estimate / (1 + TOLERANCE)`` exceeds the GPU's memory, so a point that might fit is simulated.
+TOLERANCE = 0.05
+
+
+class NotEstimated(ValueError):
+    """The scenario uses a feature the analytic estimate does not cover (offload)."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated peak of one pipeline stage, bytes per GPU, by category.
+
+    Attributes:
+        pp_rank: The stage.
+        in_flight: Micro-batch passes whose activations are held at the peak (model chunks x micro-batches).
+        by_category_bytes: ``params``, ``grad``, ``optimizer``, ``activations``, ``transient``, ``overheads``.
+    """
+
+    pp_rank: int
+    in_flight: int
+    by_category_bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> float:
+        """Sum of the categories, bytes."""
+        return float(sum(self.by_category_bytes.values()))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak device memory of the worst stage, against the GPU's capacity.
+
+    Attributes:
+        peak_device_bytes: Largest stage total, bytes (compare with the summary's ``peak_device_memory_bytes``).
+        capacity_bytes: The GPU's memory (``hbm_capacity_bytes``).
+        stages: Every stage's estimate.
+    """
+
+    peak_device_bytes: float
+    capacity_bytes: float
+    stages: tuple[StageMemory, ...]
+
+    @property
+    def pp_rank(self) -> int:
+        """The stage with the largest estimate."""
+        return max(self.stages, key=lambda s: s.total_bytes).pp_rank
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Capacity minus the estimated peak (negative: does not fit), bytes."""
+        return self.capacity_bytes - self.peak_device_bytes
+
+    def surely_over(self, tolerance: float = TOLERANCE) -> bool:
+        """True when even the lower end of the estimate's error band exceeds the capacity."""
+        return self.peak_device_bytes / (1.0 + tolerance) > self.capacity_bytes
+
+
+def in_flight_passes(schedule: str, p: int, m: int, rank: int, v: int,
+                     split: tuple[int, ...]) -> tuple[int, int, bool]:
+    """Peak of the activations a pipeline rank holds: ``(passes, layers, after_backward)``: the number of
+    (chunk, micro-batch) forwards not yet run backward and the blocks they hold, at the moment the blocks
+    held are the most (``pipeline.stage_actions``'s order), and whether that peak is reached again after a
+    backward (then an earlier micro-batch's gradients exist at the peak: 1F1B with ``m > p - r``, not GPipe)."""
+    from simulator.graph.builders.pipeline import Action, stage_actions
+
+    if p == 1:
+        return 1, sum(split), m > 1
+    held, passes, best, after, backwards = 0, 0, (0, 0), False, 0
+    for a in stage_actions(schedule, p, m, rank, v):
+        if not isinstance(a, Action):
+            continue
+        layers = split[a.chunk * p + rank]
+        if a.kind == "F":
+            held, passes = held + layers, passes + 1
+            if held > best[1]:
+                best, after = (passes, held), False
+            if held == best[1] and backwards:
+                after = True
+        else:
+            held, passes, backwards = held - layers, passes - 1, backwards + 1
+    return best[0], best[1], after
+
+
+def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -> float:
+    """Bytes one block saves for backward per micro-batch (module docstring; the builder's saved tensors)."""
+    t = spec.tensor_parallel_size
+    sp = spec.sequence_parallel and t > 1
+    amp = spec.precision == "amp_fp32_params"
+    act = 4 if amp else 2
+    T = spec.micro_batch_size * spec.seq_length
+    Tn = T // t if sp else T
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    qo, f1 = spec.qkv_out_size // t, spec.fc1_out_size // t
+    residual = act * Tn * h
+    if recompute == "full":
+        return residual
+    stats = 2 * (8 if spec.normalization == "LayerNorm" else 4) * Tn
+    rope = 2 * T * (h // t + spec.query_groups * spec.head_dim // t) if spec.position_embedding == "rope" else 0
+    attn = (1 if recompute == "selective" else 2) * 2 * T * h // t
+    # autocast's bf16 copies of the block's weights, saved for backward (not with FSDP's bf16 gathered weights)
+    weights16 = 2 * (h * spec.qkv_out_size + h * h + h * spec.fc1_out_size + f * h) if amp and not bf16_gathered else 0
+    return (2 * residual + 2 * 2 * T * h + 2 * T * qo + rope + attn + 2 * T * (f1 + f // t) + stats + weights16)
+
+
+def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
+    """``({params, grad, optimizer}, grads_in_backward)``: the persistent model states of one rank and the
+    gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
+    from simulator.api import sharding_spec
+
+    dp = spec.data_parallel_size
+    amp = spec.precision == "amp_fp32_params"
+    P = spec.rank_num_parameters
+    z, ddp = cfg.zero_optimization, cfg.ddp
+    sh = sharding_spec(cfg) if dp > 1 else None
+
+    def part(n: float) -> float:
+        return -(-n // dp)
+
+    if sh is None:
+        zero = spec.zero_stage
+        Ps = part(P) if zero else P
+        params = 4 * P if amp else 2 * P + 4 * Ps
+        buckets = 4 * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers
+        if zero == 2:  # shards, plus the full gradients of the buckets not yet reduce-scattered
+            dynamic = 4 * part(P) + 4 * min(P, 2 * (z.reduce_bucket_size or 500_000_000))
+        else:
+            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
+        return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
+    P = spec.num_parameters  # sharded strategies: pipeline parallelism is refused with them
+    Ps = sh.shard(P)
+    if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer
+        return {"params": 2 * P + 4 * Ps, "grad": 4 * P, "optimizer": 8 * Ps}, 0
+    if sh.strategy == "no_shard":
+        return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
+    unit = spec.layer_params
+    root = (spec.vocab_per_rank + spec.position_table_rows) * spec.hidden_size
+    if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit
+        gathered = 2 * unit * ((sh.fwd_prefetch_depth or 0) + 1) + 2 * root
+        return {"params": 6 * Ps + gathered, "grad": 2 * Ps, "optimizer": 8 * Ps}, 0
+    kept = spec.num_layers if not sh.reshard_after_forward else 2  # SHARD_GRAD_OP keeps forward's gathers
+    gathered = sh.param_bytes * (unit * kept + root)
+    return {"params": 4 * Ps + gathered, "grad": 0, "optimizer": 8 * Ps}, 4 * Ps
+
+
+def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
+    """The estimate for pipeline stage ``pp_rank`` (module docstring), bytes per GPU.
+
+    The peak is at the start of a backward pass: every activation in flight plus the largest transient.
+    With one micro-batch per step and no pipeline, no gradient exists yet at that moment and the peak is
+    the larger of (activations + transient) and the gradients at the end of backward; otherwise the
+    gradients of an earlier micro-batch are already there and add to it.
+
+    Raises:
+        NotEstimated: offload of the optimizer, parameters or activations.
+    """
+    from simulator.api import memory_overheads, transformer_spec
+
+    z = cfg.zero_optimization
+    if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
+        raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
+    if cfg.activation_checkpointing.cpu_checkpointing:
+        raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
+    spec = transformer_spec(cfg, pp_rank)
+    states, grads = _model_state_bytes(cfg, spec)
+    recompute = spec.recompute
+    t = spec.tensor_parallel_size
+    amp = spec.precision == "amp_fp32_params"
+    act = 4 if amp else 2
+    T = spec.micro_batch_size * spec.seq_length
+    h, V = spec.hidden_size, spec.vocab_per_rank
+    p, v, m = spec.pipeline_parallel_size, spec.virtual_pipeline_size, spec.num_micro_batches
+    passes, layers, after_backward = in_flight_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
+    sh = spec.sharding if spec.data_parallel_size > 1 else None
+    bf16_gathered = sh is not None and sh.gathers and sh.param_bytes == 2  # the GEMMs read the gathered weights
+    activations = layers * _layer_activation_bytes(spec, recompute, bf16_gathered)
+    f1 = (spec.fc1_out_size + spec.ffn_hidden_size) // t
+    largest_weight = max(h * spec.qkv_out_size, h * spec.fc1_out_size, spec.ffn_hidden_size * h) // t
+    transient = 2 * T * f1 + 2 * act * T * h + 2 * largest_weight  # one block's backward working set
+    if recompute == "full":  # one block's activations are rebuilt during its backward
+        transient += _layer_activation_bytes(spec, "none", bf16_gathered)
+    if spec.has_head:  # saved per pass in flight: fp32 log-softmax, the final norm's input and output
+        activations += min(passes, m) * (4 * T * V + 2 * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
+        transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
+    if spec.has_embedding:
+        activations += 16 * T * passes  # int64 tokens and labels
+        transient = max(transient, 4 * V * h)  # the fp32 embedding gradient
+    dynamic = activations + transient
+    if not after_backward and grads > dynamic:  # the peak is the end of backward: all gradients, no activations
+        activations, transient = 0.0, 0.0
+    else:
+        grads = grads if after_backward else 0.0
+    tensors = sum(states.values()) + grads + activations + transient
+    o = memory_overheads(cfg)
+    cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
+            "activations": float(activations), "transient": float(transient),
+            "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+    return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
+
+
+def estimate_memory(cfg: ScenarioConfig, capacity_bytes: float | None = None) -> MemoryEstimate:
+    """Estimated peak device memory per GPU over the pipeline stages (module docstring).
+
+    Args:
+        cfg: A validated scenario.
+        capacity_bytes: The GPU's memory, bytes (default: ``resolve_hardware(cfg).gpu.hbm_capacity_bytes``).
+
+    Raises:
+        NotEstimated: offload of the optimizer, parameters or activations.
+        ScenarioError: the hardware presets do not resolve (only without ``capacity_bytes``).
+    """
+    if capacity_bytes is None:
+        from simulator.config.loader import resolve_hardware
+
+        capacity_bytes = resolve_hardware(cfg).gpu.hbm_capacity_bytes
+    stages = tuple(stage_memory(cfg, r) for r in range(cfg.parallelism.pipeline_model_parallel_size))
+    return MemoryEstimate(max(s.total_bytes for s in stages), float(capacity_bytes), stages)

@@ -1,0 +1,437 @@
+"""Layout search: which parallel layout (TP / PP / micro-batch / ZeRO ...) trains a scenario fastest, and
+what limits each layout.
+
+``run_search(scenario, {"parallelism.tensor_model_parallel_size": [1, 2, 4, 8], ...})``:
+
+1. **Checks the space** before anything runs: every key must exist in the scenario schema
+   (``parallelism.data_parallel_size`` is refused: it is derived from the world size, ``world / (tp x pp)``),
+   every value must be one its field accepts on its own (type, range); an empty space or a key without
+   values is refused. These raise ``ScenarioError`` (``simulate search``: one line, exit 2).
+2. **Enumerates** the product of the values. A point the schema refuses as a combination (Megatron's
+   divisibility rules, tp x pp not dividing the world, a global batch that micro-batch x dp does not
+   divide, ZeRO-2 with pipelining...) is recorded as ``refused`` with the schema's message.
+3. **Prunes by memory** without simulating: ``memory_estimate.estimate_memory`` per point; a point whose
+   estimate exceeds the GPU's memory even at the low end of the estimate's stated error
+   (``MemoryEstimate.surely_over``) is ``pruned`` with its shortfall. Points it cannot estimate (offload)
+   are simulated.
+4. **Simulates** the survivors with ``sweep.run_sweep`` (process pool, a Dask cluster, resumable ``out_dir``),
+   with each point's step breakdown. A survivor that runs out of memory in the simulation is ``oom``.
+5. **Ranks** the layouts that fit by the objective (``tokens_per_s`` and ``mfu``: higher is better;
+   ``step_time_s``: lower) and says what bounds each (``bounds``): the compute share of the step, the
+   exposed communication of each process group, the pipeline bubble / idle time, the optimizer, and the
+   memory headroom.
+
+The global batch stays fixed across layouts (tokens per step are then the same, so tokens/s compares
+like with like): the scenario's ``training.global_batch_size``, else its ``micro_batch_size x
+data_parallel_size``, set on every point (``SearchResult.notes`` says which).
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from pydantic import BaseModel, ValidationError
+
+from simulator.config.errors import ScenarioError
+
+#: objective -> "max" (higher is better) or "min"
+OBJECTIVES = {"tokens_per_s": "max", "step_time_s": "min", "mfu": "max"}
+#: keys a search may not vary, with the reason
+DERIVED_KEYS = {"parallelism.data_parallel_size": "derived from the world size (hardware.cluster nodes x GPUs per node "
+                "/ (tp x pp)); vary hardware.cluster.nodes or the tp/pp sizes instead"}
+STATUSES = ("ok", "oom", "pruned", "refused", "error")
+#: a layout with less free memory than this share of the GPU is also called memory-bound
+MEMORY_BOUND_SHARE = 0.05
+_DP_DERIVED = "parallelism.data_parallel_size=null"
+
+
+class NothingFits(ScenarioError):
+    """No point of the space fits in GPU memory (or none is accepted by the schema); ``result`` holds them all."""
+
+    def __init__(self, message: str, result: SearchResult):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class SearchResult:
+    """Every point of a layout search.
+
+    Attributes:
+        table: One row per point in product order: the space's keys, ``data_parallel_size``,
+            ``micro_batches`` (per step), ``status`` (one of ``STATUSES``), ``reason`` (refused: the schema's
+            message; pruned: the estimate against the capacity; oom: the simulator's message),
+            ``est_peak_device_bytes``, ``gpu_memory_capacity_bytes``, and for simulated points the sweep's
+            columns (``tokens_per_s``, ``step_time_s``, ``mfu``, ``peak_device_memory_bytes``,
+            ``breakdown_s.*``...) plus ``bounds``' columns and ``rank`` (1 = best; fitting points only).
+        objective: The ranking metric.
+        keys: The space's keys, in order.
+        global_batch_size: Samples per step of every point.
+        notes: One line each: what was assumed (the global batch), what could not be estimated.
+    """
+
+    table: pd.DataFrame
+    objective: str
+    keys: list[str]
+    global_batch_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Points per status (every status present, zeros included)."""
+        vc = self.table["status"].value_counts()
+        return {s: int(vc.get(s, 0)) for s in STATUSES}
+
+    def best(self, n: int = 10) -> pd.DataFrame:
+        """The ``n`` best fitting layouts, best first."""
+        ok = self.table[self.table["status"] == "ok"]
+        return ok.sort_values("rank").head(n)
+
+
+def parse_space(texts: list[str]) -> dict[str, list]:
+    """``["parallelism.tensor_model_parallel_size=1,2,4"]`` -> ``{key: [1, 2, 4]}`` (values read as ``--set`` reads them).
+
+    Raises:
+        ScenarioError: no ``--space``, a text without ``=`` or without values, a key given twice, a value
+            repeated.
+    """
+    from simulator.studies.sweep import parse_factor
+
+    if not texts:
+        raise ScenarioError("search: empty space (give at least one --space dotted.key=v1,v2,...)")
+    space: dict[str, list] = {}
+    for text in texts:
+        try:
+            key, values = parse_factor(text)
+        except ScenarioError as exc:
+            raise ScenarioError(str(exc).replace("--factor", "--space", 1)) from None
+        if key in space:
+            raise ScenarioError(f"--space {key}: given more than once; list all its values in one --space ({key}=v1,v2,...)")
+        dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if dup is not None:
+            raise ScenarioError(f"--space {key}: value {dup!r} given more than once")
+        space[key] = values
+    return space
+
+
+def _models_of(annotation) -> list[type[BaseModel]]:
+    args = typing.get_args(annotation) or (annotation,)
+    return [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
+def check_key(key: str) -> None:
+    """Raise unless ``key`` names a field of the scenario schema (a free-form mapping such as
+    ``hardware.gpu.overrides`` takes any key below it).
+
+    Raises:
+        ScenarioError: an unknown key (with the keys allowed there and the closest one), a key below a plain
+            value, or a derived key (``DERIVED_KEYS``).
+    """
+    from simulator.config.schema import ScenarioConfig
+
+    if key in DERIVED_KEYS:
+        raise ScenarioError(f"--space {key}: not a search key: {DERIVED_KEYS[key]}")
+    parts = key.split(".")
+    model: type[BaseModel] = ScenarioConfig
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        where = ".".join(parts[:i]) or "the top level"
+        if part not in fields:
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            raise ScenarioError(f"--space {key}: unknown key {part!r} under {where} (allowed: {', '.join(sorted(fields))})"
+                                + (f"; did you mean {close[0]!r}?" if close else ""))
+        if i == len(parts) - 1:
+            return
+        ann = fields[part].annotation
+        subs = _models_of(ann)
+        if subs:
+            model = subs[0]
+            continue
+        if any(typing.get_origin(a) is dict or a is dict for a in (typing.get_args(ann) or (ann,))):
+            return
+        raise ScenarioError(f"--space {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+
+
+def check_values(scenario: str | Path, space: dict[str, list], base_overrides: list[str]) -> None:
+    """Raise if a value is one its field refuses by itself (wrong type, out of range), whatever the
+    other keys: each value is validated on the base scenario with only that key changed.
+
+    Raises:
+        ScenarioError: ``FILE: --space KEY=VALUE: problem``.
+    """
+    from simulator.config.loader import _model_names, read_yaml, with_hf_path
+    from simulator.config.overrides import apply_overrides
+    from simulator.config.schema import ScenarioConfig
+
+    base = read_yaml(scenario)
+    names = _model_names(ScenarioConfig)
+    for key, values in space.items():
+        want = tuple(key.split("."))
+        for v in values:
+            data = with_hf_path(apply_overrides(base, [*base_overrides, f"{key}={v}"]), str(scenario))
+            try:
+                ScenarioConfig.model_validate(data)
+            except ValidationError as exc:
+                for err in exc.errors():
+                    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in names))
+                    if loc[:len(want)] == want:
+                        msg = err["msg"].replace("Value error, ", "")
+                        raise ScenarioError(f"{scenario}: --space {key}={v}: {msg} (got {v!r})") from None
+
+
+def bounds(row: dict | pd.Series) -> dict:
+    """What bounds a simulated layout, from its sweep row (``breakdown_s.*`` columns, s per step).
+
+    Returns:
+        ``compute_share`` (compute kernels / step), ``exposed_<group>_share`` per process group,
+        ``idle_share`` (the compute stream idle with nothing in flight: the pipeline bubble with pp > 1,
+        host-bound gaps otherwise), ``optimizer_share``, ``headroom_bytes`` (GPU memory minus the simulated
+        peak) and ``bound``: the largest share that is not compute, as ``"tp comm 18%"`` /
+        ``"pipeline bubble 12%"``, with ``"; memory (x GB free)"`` when the headroom is under
+        ``MEMORY_BOUND_SHARE`` of the GPU.
+    """
+    step = float(row.get("step_time_s") or 0.0)
+    parts = {k.split(".", 1)[1]: float(v) for k, v in dict(row).items()
+             if isinstance(k, str) and k.startswith("breakdown_s.") and v is not None and not _isnan(v)}
+    window = sum(parts.values()) or step or 1.0
+    out: dict = {"compute_share": parts.get("compute", 0.0) / window}
+    pp = int(row.get("pipeline_parallel_size") or 1) if not _isnan(row.get("pipeline_parallel_size")) else 1
+    labels = {}
+    for k, v in parts.items():
+        if k.startswith("exposed_comm_"):
+            g = k[len("exposed_comm_"):]
+            out[f"exposed_{g}_share"] = v / window
+            labels[f"exposed_{g}_share"] = f"{g} comm"
+    out["idle_share"] = parts.get("idle", 0.0) / window
+    labels["idle_share"] = "pipeline bubble" if pp > 1 else "host-bound / idle"
+    out["optimizer_share"] = parts.get("optimizer", 0.0) / window
+    labels["optimizer_share"] = "optimizer"
+    for k, name, label in (("data_wait", "data_wait_share", "data wait"), ("exposed_copies", "copies_share", "copies")):
+        if k in parts:
+            out[name] = parts[k] / window
+            labels[name] = label
+    cap, peak = row.get("gpu_memory_capacity_bytes"), row.get("peak_device_memory_bytes")
+    out["headroom_bytes"] = float(cap) - float(peak) if cap is not None and peak is not None else math.nan
+    worst = max(labels, key=lambda k: out[k]) if labels else None
+    bound = f"{labels[worst]} {out[worst] * 100:.0f}%" if worst and out[worst] > 0.005 else "compute"
+    if cap and not _isnan(out["headroom_bytes"]) and out["headroom_bytes"] < MEMORY_BOUND_SHARE * float(cap):
+        bound += f"; memory ({out['headroom_bytes'] / 1e9:.1f} GB free)"
+    out["bound"] = bound
+    return out
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _reason(exc: Exception, scenario: str | Path) -> str:
+    msg = str(exc)
+    prefix = f"{scenario}: "
+    return msg[len(prefix):] if msg.startswith(prefix) else msg
+
+
+def run_search(scenario: str | Path, space: dict[str, list], base_overrides: list[str] | None = None,
+               objective: str = "tokens_per_s", workers: int = 1, out_dir: str | Path | None = None,
+               client=None, progress: bool = True, log=None, tolerance: float | None = None) -> SearchResult:
+    """Search the product of ``space`` over ``scenario`` (module docstring).
+
+    Args:
+        scenario: Scenario YAML path (its ``hardware.cluster`` gives the world size).
+        space: Dotted key -> values (``parse_space``).
+        base_overrides: ``--set`` strings applied to every point.
+        objective: One of ``OBJECTIVES``.
+        workers, out_dir, client, progress, log: As ``sweep.run_sweep`` (``out_dir`` also gets ``search.csv``,
+            every point with its status).
+        tolerance: Relative error allowed to the memory estimate before a point is pruned (default
+            ``memory_estimate.TOLERANCE``).
+
+    Returns:
+        The ``SearchResult``.
+
+    Raises:
+        ScenarioError: an empty space, an unknown or derived key, a value its field refuses, an unknown
+            objective, a base scenario that does not load.
+        NothingFits: no point is accepted by the schema, or none fits in GPU memory (the message names the
+            smallest shortfall).
+        SweepInterrupted: Ctrl-C during the simulations.
+    """
+    from simulator.config.loader import load_scenario, resolve_hardware
+    from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory
+    from simulator.studies.sweep import SEARCH_FILE, run_sweep
+
+    if objective not in OBJECTIVES:
+        raise ScenarioError(f"--objective {objective}: unknown (allowed: {', '.join(OBJECTIVES)})")
+    if not space or any(not v for v in space.values()):
+        raise ScenarioError("search: empty space (every --space needs a key and at least one value)")
+    tol = TOLERANCE if tolerance is None else tolerance
+    keys = list(space)
+    for k in keys:
+        check_key(k)
+    base_ov = [*(base_overrides or []), _DP_DERIVED]
+    base = load_scenario(scenario, base_ov)
+    check_values(scenario, space, base_ov)
+    notes = []
+    gbs = base.training.global_batch_size
+    if "training.global_batch_size" not in space:
+        if gbs is None:
+            gbs = base.training.micro_batch_size * (base.parallelism.data_parallel_size or 1)
+            notes.append(f"global batch fixed at {gbs} samples (the scenario's micro_batch_size x data_parallel_size; "
+                         "set training.global_batch_size to choose another)")
+        base_ov.append(f"training.global_batch_size={gbs}")
+    points = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+    rows, survivors, not_estimated = [], [], set()
+    for pt in points:
+        row: dict = {**pt, "status": None, "reason": None}
+        try:
+            cfg = load_scenario(scenario, base_ov + [f"{k}={v}" for k, v in pt.items()])
+        except ScenarioError as exc:
+            row.update(status="refused", reason=_reason(exc, scenario))
+            rows.append(row)
+            continue
+        dp = cfg.parallelism.data_parallel_size or 1
+        row["data_parallel_size"] = dp
+        row["micro_batches"] = (cfg.training.global_batch_size or cfg.training.micro_batch_size * dp) // (
+            cfg.training.micro_batch_size * dp)
+        cap = resolve_hardware(cfg).gpu.hbm_capacity_bytes
+        row["gpu_memory_capacity_bytes"] = cap
+        try:
+            est = estimate_memory(cfg, cap)
+        except NotEstimated as exc:
+            not_estimated.add(str(exc))
+            est = None
+        if est is not None:
+            row["est_peak_device_bytes"] = est.peak_device_bytes
+            if est.surely_over(tol):
+                row.update(status="pruned", reason=f"estimated {est.peak_device_bytes / 1e9:.2f} GB on pipeline "
+                           f"stage {est.pp_rank} > {cap / 1e9:.2f} GB (+{tol * 100:.0f}% margin)")
+        if row["status"] is None:
+            survivors.append(len(rows))
+        rows.append(row)
+    notes += [f"{m}: those points were simulated without pruning" for m in sorted(not_estimated)]
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if survivors:
+        df = run_sweep(scenario, space, base_overrides=base_ov, workers=workers, out_dir=out_dir, progress=progress,
+                       client=client, log=log, points=[points[i] for i in survivors], breakdown=True)
+        for i, sim in zip(survivors, df.to_dict("records")):
+            row = rows[i]
+            row.update({k: v for k, v in sim.items() if k not in space})
+            if sim.get("error") is not None:
+                row.update(status="error", reason=sim["error"])
+            elif isinstance(sim.get("oom"), str) and sim["oom"]:
+                row.update(status="oom", reason=sim["oom"])
+            else:
+                row["status"] = "ok"
+                row.update(bounds(row))
+    table = pd.DataFrame(rows)
+    for c in ("data_parallel_size", "micro_batches"):  # integers, missing on refused points
+        if c in table:
+            table[c] = table[c].astype("Int64")
+    ok = table["status"] == "ok"
+    table["rank"] = pd.NA
+    if ok.any():
+        order = table.loc[ok, objective].rank(method="first", ascending=OBJECTIVES[objective] == "min")
+        table.loc[ok, "rank"] = order.astype(int)
+    result = SearchResult(table, objective, keys, int(gbs) if gbs else 0, notes)
+    if out_dir is not None:
+        from simulator.recording.writers import atomic_write_text
+
+        atomic_write_text(Path(out_dir) / SEARCH_FILE, table.to_csv(index=False))
+    if not ok.any():
+        _raise_nothing_fits(result)
+    return result
+
+
+def _raise_nothing_fits(result: SearchResult) -> None:
+    """Raise ``NothingFits`` when no point was accepted or none fits (not when the simulations only failed)."""
+    t, c = result.table, result.counts
+    n = len(t)
+    if c["refused"] == n:
+        raise NothingFits(f"search: none of the {n} points is accepted by the schema (e.g. {t['reason'].iloc[0]})",
+                          result)
+    if c["error"]:
+        return
+    over = []
+    for _, r in t.iterrows():
+        cap = r.get("gpu_memory_capacity_bytes")
+        if r["status"] == "pruned":
+            over.append((r["est_peak_device_bytes"] - cap, "estimated", r))
+        elif r["status"] == "oom":
+            over.append((r["peak_device_memory_bytes"] - cap, "simulated", r))
+    short, how, r = min(over, key=lambda o: o[0])
+    names = short_names(result.keys)
+    where = ", ".join(f"{names[k]}={r[k]}" for k in result.keys)
+    raise NothingFits(f"search: no point of the space fits in GPU memory ({c['pruned']} pruned by the memory estimate, "
+                      f"{c['oom']} out of memory when simulated, {c['refused']} refused by the schema); the smallest "
+                      f"shortfall is {short / 1e9:.2f} GB ({how}, {where})", result)
+
+
+#: column labels of the usual layout keys
+SHORT_NAMES = {"parallelism.tensor_model_parallel_size": "tp", "parallelism.pipeline_model_parallel_size": "pp",
+               "parallelism.virtual_pipeline_model_parallel_size": "vpp", "parallelism.sequence_parallel": "sp",
+               "parallelism.pipeline_schedule": "schedule", "training.micro_batch_size": "mbs",
+               "training.global_batch_size": "gbs", "training.recompute_granularity": "recompute",
+               "zero_optimization.stage": "zero", "hardware.cluster.nodes": "nodes"}
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Column labels for the keys: ``SHORT_NAMES``, else their last component unless two keys share it."""
+    last = [SHORT_NAMES.get(k, k.split(".")[-1]) for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+
+
+def format_search(result: SearchResult, top: int = 10) -> str:
+    """The text report: the counts, the refusals by reason, the best ``top`` layouts with what bounds them."""
+    t, c = result.table, result.counts
+    lines = [f"search: {len(t)} points: {c['refused']} refused by the schema, {c['pruned']} pruned by the memory "
+             f"estimate, {c['ok'] + c['oom'] + c['error']} simulated ({c['oom']} out of memory, {c['error']} failed); "
+             f"global batch {result.global_batch_size} samples on every point"]
+    lines += [f"note: {n}" for n in result.notes]
+    for status in ("refused", "pruned", "oom", "error"):
+        sub = t[t["status"] == status]
+        for reason, n in sub["reason"].value_counts().head(5).items():
+            lines.append(f"{status} ({n}): {reason}")
+    best = result.best(top)
+    if best.empty:
+        return "\n".join(lines)
+    names = short_names(result.keys)
+    groups = sorted(c[len("exposed_"):-len("_share")] for c in t.columns
+                    if c.startswith("exposed_") and c.endswith("_share") and t.loc[best.index, c].notna().any())
+    shown = pd.DataFrame({"rank": best["rank"].astype(int)})
+    for k in result.keys:
+        shown[names[k]] = best[k]
+    shown["dp"] = best["data_parallel_size"].astype(int)
+    shown["m"] = best["micro_batches"].astype(int)
+    shown["tokens/s"] = best["tokens_per_s"].map(lambda v: f"{v:,.0f}")
+    shown["step ms"] = (best["step_time_s"] * 1e3).map(lambda v: f"{v:.1f}")
+    shown["MFU %"] = (best["mfu"] * 100).map(lambda v: f"{v:.1f}")
+    shown["peak GB"] = (best["peak_device_memory_bytes"] / 1e9).map(lambda v: f"{v:.1f}")
+    shown["free GB"] = (best["headroom_bytes"] / 1e9).map(lambda v: f"{v:.1f}")
+    shown["compute %"] = (best["compute_share"] * 100).map(lambda v: f"{v:.0f}")
+    for g in groups:
+        shown[f"{g} %"] = (best[f"exposed_{g}_share"].fillna(0.0) * 100).map(lambda v: f"{v:.0f}")
+    shown["idle/bubble %"] = (best["idle_share"] * 100).map(lambda v: f"{v:.0f}")
+    shown["opt %"] = (best["optimizer_share"] * 100).map(lambda v: f"{v:.0f}")
+    shown["limited by"] = best["bound"]
+    lines.append(f"best {len(best)} by {result.objective} ({'higher' if OBJECTIVES[result.objective] == 'max' else 'lower'}"
+                 " is better; shares of the step: compute, exposed communication per group, idle/bubble, optimizer):")
+    lines.append(shown.to_string(index=False))
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult, top: int = 10) -> dict:
+    """The result as one JSON-ready object: ``objective``, ``global_batch_size``, ``counts``, ``notes``,
+    ``best`` (the ``top`` best rows) and ``points`` (every row)."""
+    from simulator.studies.sweep import _json_safe
+
+    def rows(df: pd.DataFrame) -> list[dict]:
+        return [_json_safe({k: (None if v is pd.NA else v) for k, v in r.items()}) for r in df.to_dict("records")]
+
+    return {"objective": result.objective, "global_batch_size": result.global_batch_size, "counts": result.counts,
+            "notes": result.notes, "best": rows(result.best(top)), "points": rows(result.table)}

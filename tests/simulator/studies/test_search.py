@@ -1,0 +1,175 @@
+"""``simulate search``: a tiny space worked out by hand (refused, pruned, ranked), what bounds a layout, and
+the bad inputs (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from simulator.cli import main
+from simulator.cli_search import OBJECTIVE_CHOICES
+from simulator.studies import search
+from tests.conftest import ROOT
+
+TINY = ROOT / "tests" / "data" / "search" / "tiny_gpt_dgx_h100.yaml"
+TP, PP = "parallelism.tensor_model_parallel_size", "parallelism.pipeline_model_parallel_size"
+# the shrunk GPUs below are what these tests want: silence the loader's "far below the preset" warning
+pytestmark = pytest.mark.filterwarnings("ignore:hardware.gpu.overrides.hbm_capacity_bytes")
+#: GPU memory for the hand-worked space: between tp 1 x pp 1's 22 bytes/parameter and the others'
+SMALL_GPU = "hardware.gpu.overrides.hbm_capacity_bytes=1.3e9"
+
+
+@pytest.fixture(scope="module")
+def hand_space():
+    """tp {1, 2, 8} x pp {1, 2, 3} on 8 GPUs, 4 heads, 4 layers, global batch 8 (micro-batch 1 x dp 8), 1.3 GB GPUs."""
+    return search.run_search(TINY, {TP: [1, 2, 8], PP: [1, 2, 3]}, base_overrides=[SMALL_GPU], progress=False,
+                             log=lambda m: None)
+
+
+def _status(result, tp, pp):
+    t = result.table
+    return t[(t[TP] == tp) & (t[PP] == pp)].iloc[0]
+
+
+def test_refused_points_and_why(hand_space):
+    """tp 8 does not divide the 4 heads (3 points, whatever pp), pp 3 does not divide the 4 layers (tp 1 and 2)."""
+    assert hand_space.counts == {"ok": 3, "oom": 0, "pruned": 1, "refused": 5, "error": 0}
+    for pp in (1, 2, 3):
+        r = _status(hand_space, 8, pp)
+        assert r.status == "refused" and "must divide model.num_attention_heads (4" in r.reason
+    for tp in (1, 2):
+        r = _status(hand_space, tp, 3)
+        assert r.status == "refused" and "must divide model.num_layers 4" in r.reason
+
+
+def test_pruned_by_memory_without_simulating(hand_space):
+    """tp 1 x pp 1 holds every parameter: 22 B x 54,646,784 + 0.4 GB context + 0.78% reserve = 1.61 GB, over
+    1.3 GB even at -5%: pruned, never simulated. Each pipeline stage of tp 1 x pp 2 holds about half (29.45M on
+    stage 0) and tp 2 x pp 1 27.37M: simulated, and they fit."""
+    r = _status(hand_space, 1, 1)
+    assert r.status == "pruned" and math.isnan(r.get("step_time_s", math.nan))
+    assert r.est_peak_device_bytes == pytest.approx(22 * 54_646_784 * 1.0078 + 400e6, rel=1e-9)
+    assert "estimated 1.61 GB on pipeline stage 0 > 1.30 GB" in r.reason
+    for tp, pp in ((1, 2), (2, 1), (2, 2)):
+        r = _status(hand_space, tp, pp)
+        assert r.status == "ok" and r.peak_device_memory_bytes < 1.3e9
+        assert r.est_peak_device_bytes == pytest.approx(r.peak_device_memory_bytes, rel=0.05)
+    # the global batch stays 8: dp and micro-batches per step follow the layout
+    assert [(_status(hand_space, tp, pp).data_parallel_size, _status(hand_space, tp, pp).micro_batches)
+            for tp, pp in ((1, 2), (2, 1), (2, 2))] == [(4, 2), (4, 2), (2, 4)]
+    assert hand_space.global_batch_size == 8 and "global batch fixed at 8" in hand_space.notes[0]
+
+
+def test_ranking_where_the_answer_is_clear():
+    """A launch-bound tiny model with the global batch fixed: each doubling of tp halves dp, doubles the
+    micro-batches per step (and the kernels launched) and adds 4 TP all-reduces per block: tp 1 > tp 2 > tp 4,
+    by tokens/s, by MFU and (ascending) by step time; the TP share grows with tp."""
+    ranks = {}
+    for objective in OBJECTIVE_CHOICES:
+        res = search.run_search(TINY, {TP: [4, 1, 2]}, objective=objective, progress=False, log=lambda m: None)
+        ranks[objective] = list(res.best(3)[TP])
+        t = res.table.set_index(TP)
+    assert ranks == {o: [1, 2, 4] for o in OBJECTIVE_CHOICES}
+    assert t.loc[1, "tokens_per_s"] > 1.5 * t.loc[2, "tokens_per_s"] > 1.5 * t.loc[4, "tokens_per_s"]
+    assert math.isnan(t.loc[1].get("exposed_tp_share", math.nan)) and 0 < t.loc[2, "exposed_tp_share"] < t.loc[4, "exposed_tp_share"]
+    assert set(search.OBJECTIVES) == set(OBJECTIVE_CHOICES)
+
+
+def test_bounds_of_a_row_by_hand():
+    row = {"step_time_s": 1.0, "breakdown_s.compute": 0.5, "breakdown_s.exposed_comm_tp": 0.3,
+           "breakdown_s.idle": 0.15, "breakdown_s.optimizer": 0.05, "pipeline_parallel_size": 2,
+           "gpu_memory_capacity_bytes": 80e9, "peak_device_memory_bytes": 78e9}
+    b = search.bounds(row)
+    assert (b["compute_share"], b["exposed_tp_share"], b["idle_share"], b["optimizer_share"]) == (0.5, 0.3, 0.15, 0.05)
+    assert b["headroom_bytes"] == 2e9 and b["bound"] == "tp comm 30%; memory (2.0 GB free)"
+    b = search.bounds({**row, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.45})
+    assert b["bound"] == "pipeline bubble 45%; memory (2.0 GB free)"
+
+
+def test_cli_prints_the_ranking_and_json(capsys, tmp_path):
+    out = tmp_path / "s"
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--json", "--top", "1", "--out", str(out),
+                 "--workers", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["objective"] == "tokens_per_s" and doc["counts"]["ok"] == 2 and len(doc["best"]) == 1
+    assert doc["best"][0][TP] == 1 and doc["best"][0]["rank"] == 1 and len(doc["points"]) == 2
+    assert (out / "search.csv").is_file() and (out / "index.jsonl").is_file()
+    # the same command again reuses both simulated points
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "2 of 2 points already done" in cap.err
+    text = cap.out.splitlines()
+    assert text[0].startswith("search: 2 points: 0 refused by the schema, 0 pruned")
+    assert any(line.split()[:3] == ["1", "1", "8"] for line in text)  # rank 1: tp 1, dp 8
+
+
+@pytest.mark.parametrize("case", ["empty_space", "no_values", "unknown_key", "wrong_type", "out_of_range",
+                                  "derived_dp", "repeated_key", "nothing_fits", "all_refused", "not_a_section"])
+def test_bad_input_is_one_line_exit_2(case, capsys):
+    args = {
+        "empty_space": [],
+        "no_values": ["--space", f"{TP}="],
+        "unknown_key": ["--space", "parallelism.tensor_parallel_size=1,2"],
+        "wrong_type": ["--space", "training.micro_batch_size=1,two"],
+        "out_of_range": ["--space", f"{TP}=0,1"],
+        "derived_dp": ["--space", "parallelism.data_parallel_size=1,2"],
+        "repeated_key": ["--space", f"{TP}=1", "--space", f"{TP}=2"],
+        "nothing_fits": ["--space", f"{TP}=1,2", "--space", f"{PP}=1,2", "--set", "model.hidden_size=20480"],
+        "all_refused": ["--space", f"{TP}=8,16"],
+        "not_a_section": ["--space", "training.micro_batch_size.x=1"],
+    }[case]
+    assert main(["search", str(TINY), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    expect = {
+        "empty_space": "search: empty space",
+        "no_values": f"--space '{TP}=': expected dotted.key=v1,v2",
+        "unknown_key": "unknown key 'tensor_parallel_size' under parallelism",
+        "wrong_type": "--space training.micro_batch_size=two: Input should be a valid integer",
+        "out_of_range": f"--space {TP}=0: Input should be greater than 0",
+        "derived_dp": "not a search key: derived from the world size",
+        "repeated_key": "given more than once",
+        "nothing_fits": "no point of the space fits in GPU memory (4 pruned by the memory estimate, 0 out of memory "
+                        "when simulated, 0 refused by the schema); the smallest shortfall is",
+        "all_refused": "none of the 2 points is accepted by the schema",
+        "not_a_section": "training.micro_batch_size is a value, not a section",
+    }[case]
+    assert expect in err[0], err[0]
+    if case == "unknown_key":
+        assert "did you mean 'tensor_model_parallel_size'?" in err[0]
+
+
+def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
+    pytest.importorskip("dask.distributed")
+    from simulator import cli
+
+    monkeypatch.setattr(cli, "DASK_CONNECT_TIMEOUT_S", 1)
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--dask-scheduler", "tcp://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --dask-scheduler tcp://127.0.0.1:1: cannot connect")
+
+
+def test_nothing_fits_names_the_smallest_shortfall():
+    """Every point over a 0.3 GB GPU (below the CUDA context alone): the smallest shortfall is the point with the
+    smallest estimate, tp 2 x pp 2 (a quarter of the model per GPU)."""
+    with pytest.raises(search.NothingFits) as info:
+        search.run_search(TINY, {TP: [1, 2], PP: [1, 2]}, base_overrides=["hardware.gpu.overrides.hbm_capacity_bytes=3e8"],
+                          progress=False, log=lambda m: None)
+    t = info.value.result.table
+    assert list(t.status) == ["pruned"] * 4
+    best = t.loc[t.est_peak_device_bytes.idxmin()]
+    assert (best[TP], best[PP]) == (2, 2)
+    assert f"the smallest shortfall is {(best.est_peak_device_bytes - 3e8) / 1e9:.2f} GB (estimated, tp=2, pp=2)" \
+        in str(info.value)
+
+
+def test_point_hash_of_a_cluster_scenario_is_stable():
+    """The resume index's hash covers the resolved hardware; a cluster's collective model and topology have
+    the default repr (a memory address), which made every cluster point look changed on a re-run."""
+    from simulator.studies.sweep import point_hash
+
+    assert point_hash(TINY, [f"{TP}=2"]) == point_hash(TINY, [f"{TP}=2"]) != point_hash(TINY, [f"{TP}=4"])
+    assert point_hash(TINY, []) != point_hash(TINY, ["hardware.cluster.network=ib-ndr-rail",
+                                                     "hardware.cluster.nodes=2"])
