@@ -230,6 +230,10 @@ class RunConfig(_Model):
     steps: PositiveInt = Field(default=5, le=MAX_STEPS, description="Steps simulated (including warmup).")
     warmup_steps: int = Field(default=1, ge=0, description="Leading steps excluded from the metrics.")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the run's random generator (64-bit).")
+    fidelity: Literal["kernel", "layer"] = Field(
+        default="kernel", description="kernel: every kernel is an op; layer: each layer's consecutive compute "
+        "kernels of one phase and micro-batch run as one op priced as the sum of its kernels (fewer ops, faster "
+        "at scale; collectives, copies and send/recv stay separate; simulator/policies/fidelity.py).")
 
     @model_validator(mode="after")
     def _warmup_below_steps(self):
