@@ -22,9 +22,10 @@ engine's work) by the number of kernels per block:
   the first part's launch, and does not end before the last part could have run after its own launch
   (``Executor``), so a launch-bound stream keeps its kernel-fidelity time.
 * **Memory per block.** The block allocates, when it starts, every tensor of its parts that outlives it;
-  the tensors used only inside it are replaced by one scratch tensor of their high-water mark inside the
-  block (the peak the parts reach one after another), freed when the block ends; tensors it reads are
-  freed when it (or their last later user) ends.
+  the tensors used only inside it are replaced by one scratch tensor, freed when the block ends, that brings
+  the block's demand up to the high-water mark its parts reach one after another at kernel fidelity; tensors
+  it reads are freed when it (or their last later user) ends. The in-block peak is kept; what is live
+  between its kernels is not (the block holds its high-water mark from start to end).
 
 Measured on the bundled scenarios (``tests/simulator/policies/test_fidelity.py``): step time within 2 % and
 peak memory within a few % of kernel fidelity.
@@ -38,7 +39,6 @@ from collections import defaultdict
 from simulator.engine.memory import category
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
-from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import register_graph_policy
 
 FIDELITIES = ("kernel", "layer")
@@ -98,42 +98,54 @@ def _signature(op: Op) -> tuple:
     return (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
 
 
-def _block_op(parts: list[Op], users: dict[str, set[int]]) -> Op:
-    """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block."""
+def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int]) -> Op:
+    """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
+
+    ``users``: op ids using each tensor; ``size``: bytes of each GPU tensor ops allocate. The block allocates
+    the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
+    to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
+    inside, tensors allocated before it whose last users are in it; ``memory.category`` of the scratch:
+    activations unless all the tensors inside share another category).
+    """
     ids = {p.id for p in parts}
+    first_id = parts[0].id
     internal = {t.name for p in parts for t in p.allocs if users.get(t.name, set()) <= ids}
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
-    live = high = 0
-    internal_bytes: dict[str, int] = {}
     last_use: dict[str, int] = {}
     for i, p in enumerate(parts):
         for u in p.uses:
             last_use[u] = i
+    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
+    freed_in = {u for u in last_use if u not in internal and u in size
+                and all(j in ids or j < first_id for j in users[u])}
+    live = base = sum(size[u] for u in freed_in)
+    high = live
+    alive: dict[str, int] = {u: size[u] for u in freed_in}
     cats: set[str] = set()
     for i, p in enumerate(parts):
         for t in p.allocs:
             if t.name in internal and t.device == "gpu":
-                internal_bytes[t.name] = t.nbytes
+                alive[t.name] = t.nbytes
                 live += t.nbytes
                 cats.add(category(t.name))
             else:
                 allocs.append(t)
+                if t.device == "gpu":
+                    live += t.nbytes
+                    base += t.nbytes
         high = max(high, live)
         for u in p.uses:
             if u not in internal:
                 uses[u] = None
-        for t in p.allocs:  # internal tensors freed at their last user's end (or at once if unused)
-            if t.name in internal_bytes and last_use.get(t.name, i) <= i:
-                live -= internal_bytes.pop(t.name)
-        for u in p.uses:
-            if u in internal_bytes and last_use[u] == i:
-                live -= internal_bytes.pop(u)
+        for name in [t.name for t in p.allocs] + list(p.uses):  # freed at their last user's end (unused: at once)
+            if name in alive and last_use.get(name, i) <= i:
+                live -= alive.pop(name)
     first = parts[0]
     name = f"L{first.layer}.{first.phase.value}.block[{first.name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}]"
-    if high:
+    if high > base:
         head = cats.pop() if len(cats) == 1 and next(iter(cats)) != "activations" else "activations"
-        allocs.append(TensorAlloc(f"{head}.block_scratch#{first.id}", high))
+        allocs.append(TensorAlloc(f"{head}.block_scratch#{first.id}", high - base))
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
     meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
     return dataclasses.replace(
@@ -142,39 +154,69 @@ def _block_op(parts: list[Op], users: dict[str, set[int]]) -> Op:
         shape=(), allocs=tuple(allocs), uses=tuple(uses), meta=meta)
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(Op))
+
+
+def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
+    """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
+    several times slower, and large pipelines have hundreds of thousands of ops)."""
+    vals = [getattr(op, f) for f in _FIELDS]
+    vals[0] = new_id
+    vals[_DEPS] = deps
+    vals[_META] = meta
+    return Op(*vals)
+
+
+_DEPS, _META = _FIELDS.index("deps"), _FIELDS.index("meta")
+
+
 def coarsen(graph: OpGraph) -> OpGraph:
     """The graph at layer fidelity: each run of ``blocks_of`` replaced by one block op at its first part's
-    place (dependencies on any part become dependencies on the block). Kernel-fidelity graphs without
-    such runs come back with the same ops.
+    place (dependencies on any part become dependencies on the block; ``meta["prev_step_deps"]`` and the
+    parameter groups' ``grad_op`` are renumbered). A graph without such runs comes back with the same ops.
 
     Returns:
         The new graph; ``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks"}``.
     """
     blocks = blocks_of(graph)
+    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks)}
     if not blocks:
-        return graph.with_changes(meta={**graph.meta, "fidelity": {"ops_before": len(graph.ops),
-                                                                   "ops_after": len(graph.ops), "blocks": 0}})
+        return graph.with_changes(meta={**graph.meta, "fidelity": info})
     users: dict[str, set[int]] = defaultdict(set)
+    size: dict[str, int] = {}
     for op in graph.ops:
         for u in op.uses:
             users[u].add(op.id)
+        for t in op.allocs:
+            if t.device == "gpu":
+                size[t.name] = t.nbytes
     start_of = {b[0]: b for b in blocks}
-    inside = {i for b in blocks for i in b[1:]}
-    rw = GraphRewriter(graph)
+    new_id: dict[int, int] = {}  # first pass: ids (``prev_step_deps`` may name later ops)
+    n = 0
     for op in graph.ops:
-        if op.id in inside:
+        if op.id in new_id:  # a later part of a block already placed
+            continue
+        for j in start_of.get(op.id, (op.id,)):
+            new_id[j] = n
+        n += 1
+    out: list[Op] = []
+    for op in graph.ops:
+        i = new_id[op.id]
+        if i < len(out):
             continue
         b = start_of.get(op.id)
         if b is None:
-            rw.copy(op)
+            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
+            meta = op.meta
+            if meta and "prev_step_deps" in meta:
+                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
+            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
             continue
-        parts = [graph.ops[i] for i in b]
-        block = _block_op(parts, users)
+        parts = [graph.ops[j] for j in b]
+        block = _block_op(parts, users, size)
         ids = set(b)
-        ext = {d for p in parts for d in p.deps if d not in ids}
-        new = rw.copy(dataclasses.replace(block, deps=tuple(sorted(ext))))
-        for i in b[1:]:
-            rw.map[i] = (new,)
-    out = rw.finish()
-    return out.with_changes(meta={**out.meta, "fidelity": {"ops_before": len(graph.ops), "ops_after": len(out.ops),
-                                                           "blocks": len(blocks)}})
+        deps = tuple(sorted({new_id[d] for p in parts for d in p.deps if d not in ids}))
+        out.append(_renumbered(block, i, deps, block.meta))
+    info["ops_after"] = len(out)
+    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info})
