@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from simulator.engine.memory import category
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
 from simulator.policies.registry import register_graph_policy
@@ -104,8 +103,7 @@ def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int])
     ``users``: op ids using each tensor; ``size``: bytes of each GPU tensor ops allocate. The block allocates
     the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
     to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
-    inside, tensors allocated before it whose last users are in it; ``memory.category`` of the scratch:
-    activations unless all the tensors inside share another category).
+    inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
     """
     ids = {p.id for p in parts}
     first_id = parts[0].id
@@ -122,13 +120,11 @@ def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int])
     live = base = sum(size[u] for u in freed_in)
     high = live
     alive: dict[str, int] = {u: size[u] for u in freed_in}
-    cats: set[str] = set()
     for i, p in enumerate(parts):
         for t in p.allocs:
             if t.name in internal and t.device == "gpu":
                 alive[t.name] = t.nbytes
                 live += t.nbytes
-                cats.add(category(t.name))
             else:
                 allocs.append(t)
                 if t.device == "gpu":
@@ -144,8 +140,7 @@ def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int])
     first = parts[0]
     name = f"L{first.layer}.{first.phase.value}.block[{first.name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}]"
     if high > base:
-        head = cats.pop() if len(cats) == 1 and next(iter(cats)) != "activations" else "activations"
-        allocs.append(TensorAlloc(f"{head}.block_scratch#{first.id}", high - base))
+        allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", high - base))
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
     meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
     return dataclasses.replace(
