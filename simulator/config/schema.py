@@ -240,6 +240,10 @@ class RunConfig(_Model):
         default="classes", description="classes: ranks that behave identically share one simulated representative "
         "(split by rank_overrides); none: every data-parallel replica of every stage is simulated (tensor-parallel "
         "ranks stay folded), at most MAX_SIMULATED_RANKS.")
+    fidelity: Literal["kernel", "layer"] = Field(
+        default="kernel", description="kernel: every kernel is an op; layer: each layer's consecutive compute "
+        "kernels of one phase and micro-batch run as one op priced as the sum of its kernels (fewer ops, faster "
+        "at scale; collectives, copies and send/recv stay separate; simulator/policies/fidelity.py).")
 
     @model_validator(mode="after")
     def _warmup_below_steps(self):

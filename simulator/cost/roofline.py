@@ -17,6 +17,10 @@ Interference (``interfered_split_s``): while collectives are in flight on the GP
 kernel beside them is priced by ``simulator.cost.interference``'s rules (GEMM waves re-quantised on
 the SMs left, other compute scaled by ``sm_count / (sm_count - sm_held)``, memory traffic at the
 HBM share left).
+
+Blocks (layer fidelity, ``simulator.policies.fidelity``): an op whose ``meta["fused"]`` holds the kernels
+it replaces is priced as the sum of their times at the same clocks and interference (``fused_s``), cached
+by the parts' signature ``meta["fused_key"]``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class RooflineCostModel:
         self.profile = profile
         self.slowdown = slowdown
         self._cache: dict[tuple, tuple[float, float, float]] = {}
+        self._fused: dict[tuple, tuple[float, float, float]] = {}
         ref = profile.reference_hbm_bandwidth_bytes_per_s
         #: achieved memory bandwidths follow the GPU's peak when it differs from the profile's
         self._bw_scale = gpu.hbm_bandwidth_bytes_per_s / ref if ref else 1.0
@@ -96,6 +101,9 @@ class RooflineCostModel:
         Raises:
             ValueError: the op is a copy or host op (priced elsewhere).
         """
+        if op.meta and "fused" in op.meta:  # a block: its parts' sums, the fixed part making up their total time
+            c, m, d = self.fused_s(op)
+            return c, m, d - max(c, m)
         key = (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
         hit = self._cache.get(key)
         if hit is not None:
@@ -157,6 +165,9 @@ class RooflineCostModel:
         ``sm_held`` / ``hbm_share``: SMs taken by in-flight collectives and the fraction of HBM
         bandwidth left (``interfered_split_s``); the defaults price the kernel alone on the GPU.
         """
+        if op.meta and "fused" in op.meta:
+            d = self.fused_s(op, state, sm_held, hbm_share)[2]
+            return d * self.slowdown if self.slowdown != 1.0 else d
         if sm_held or hbm_share != 1.0:
             compute, memory, fixed = self.interfered_split_s(op, sm_held, hbm_share)
         else:
@@ -167,3 +178,30 @@ class RooflineCostModel:
                 memory *= self.gpu.mem_clock_mhz / state.mem_clock_mhz
         d = fixed + max(compute, memory)
         return d * self.slowdown if self.slowdown != 1.0 else d
+
+    def fused_s(self, op: Op, state: DeviceState | None = None, sm_held: int = 0,
+                hbm_share: float = 1.0) -> tuple[float, float, float]:
+        """``(compute_s, memory_s, duration_s)`` of a block (``meta["fused"]``: the kernels it replaces), each
+        summed over the parts at ``state`` beside collectives holding ``sm_held`` SMs and leaving
+        ``hbm_share`` of the HBM bandwidth (``duration_s`` of each part); cached by ``meta["fused_key"]``.
+        """
+        sm = state.sm_clock_mhz if state is not None else None
+        mem = state.mem_clock_mhz if state is not None else None
+        key = (op.meta["fused_key"], sm, mem, sm_held, hbm_share)
+        hit = self._fused.get(key)
+        if hit is not None:
+            return hit
+        c_scale = self.gpu.max_sm_clock_mhz / sm if sm else 1.0
+        m_scale = self.gpu.mem_clock_mhz / mem if mem and self.gpu.mem_clock_mhz else 1.0
+        c_sum = m_sum = d_sum = 0.0
+        for p in op.meta["fused"]:
+            if sm_held or hbm_share != 1.0:
+                c, m, f = self.interfered_split_s(p, sm_held, hbm_share)
+            else:
+                c, m, f = self.split_s(p)
+            c, m = c * c_scale, m * m_scale
+            c_sum += c
+            m_sum += m
+            d_sum += f + max(c, m)
+        out = self._fused[key] = (c_sum, m_sum, d_sum)
+        return out

@@ -20,6 +20,10 @@
 * Ops naming a ``rendezvous`` (pipeline send/recv, cross-stage all-reduces) meet the same op of the
   other ranks' executors running in the same environment: each starts when the last party arrives,
   and all take the same isolated NCCL time.
+* A layer-fidelity block (``meta["fused"]``, ``simulator.policies.fidelity``) costs the host one launch
+  per part, takes the sum of its parts' kernel times, and starts once its first part is launched and
+  late enough not to end before its last part could have run after its own launch
+  (``System.block_tail_s``): on a launch-bound stream the gaps between its kernels sit idle before it.
 * Steps repeat: each stream moves on to the next step's ops when it finishes its own; an op may
   also wait for ops of the previous step (``meta["prev_step_deps"]``), which is how a delayed
   parameter update overlaps step i's CPU work with step i+1.
@@ -110,6 +114,9 @@ class Executor:
         self._use_plan = [tuple((n, self._users.get(n, 0), pool_of.get(n)) for n in op.uses) for op in graph.ops]
         self._unused_plan = [tuple((pool_of[n], n) for n in names if n in pool_of) for names in self._unused]
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
+        #: layer-fidelity blocks: op id -> parts (each launched by the host; the block may start after the first)
+        self._blocks = {op.id: op.meta["launches"] for op in graph.ops if op.meta and "launches" in op.meta}
+        self._early: dict[int, float] = {}  # block id -> host time from its first part's launch to its last's
 
     def _plan(self, op: Op) -> tuple[int, float]:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
@@ -196,6 +203,9 @@ class Executor:
         for op in self.g.ops:  # an NCCL call's host side is the collective profile's dispatch time
             if op.kind is _COLLECTIVE and self.sys.collective_model(op):
                 cost[op.id] = self.sys.collective_dispatch_s
+        for oid, n in self._blocks.items():  # a block's host side: one launch per part
+            self._early[oid] = cost[oid] * (n - 1)
+            cost[oid] *= n
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
@@ -216,6 +226,7 @@ class Executor:
     def _stream(self, stream: str, ops: list[Op]):
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
+        early = self._early
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -228,6 +239,8 @@ class Executor:
                             ev = lev[oid] = env.event()
                         yield ev
                         when = lt[oid]
+                    if early:  # a block may start once its first part is launched
+                        when -= early.get(oid, 0.0)
                     if when > env.now:
                         yield env.timeout(when - env.now)
                 # _execute, inlined (one generator less per op)
@@ -243,6 +256,10 @@ class Executor:
                         yield ev
                     if op.meta and "rendezvous" in op.meta:  # the peers (other ranks' ops) must arrive too
                         yield self.rendezvous.arrive(op.meta["rendezvous"], step, op.meta["parties"])
+                if early and oid in early:  # a block: it runs when its parts' launches let it run back to back
+                    late = self._block_end_s(op, step) - env.now - kernel_s(op)
+                    if late > 0:
+                        yield env.timeout(late)
                 start = env.now
                 for pool, name, nbytes in allocs[oid]:  # _begin, inlined
                     pool.alloc(name, nbytes, start)
@@ -256,6 +273,15 @@ class Executor:
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                 finish(op, step, start, stream)
+
+    def _block_end_s(self, op: Op, step: int) -> float:
+        """Earliest end of layer-fidelity block ``op`` allowed by its parts' host launches (``System.block_tail_s``
+        from its first part's launch), s. The block waits, before it starts, until it can run its parts back to
+        back and end then: the same end as its kernels would have, with the launch gaps idle before it."""
+        oid = op.id
+        n = self._blocks[oid]
+        first = self.launch_time[step][oid] - self._early[oid]
+        return first + self.sys.block_tail_s(op, self.launch_cost_s[oid] / n)
 
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""

@@ -70,6 +70,7 @@ class System:
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
         self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
+        self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
         self._kernels = 0  # compute kernels running on this GPU
@@ -166,6 +167,24 @@ class System:
             d = self._dur[op.id] = self.cost.duration_s(op, st)
         return d
 
+    def block_tail_s(self, op, per_launch_s: float) -> float:
+        """Shortest time from a block's first host launch to its end when its parts (``meta["fused"]``) are
+        launched ``per_launch_s`` apart and each starts only once launched: ``max_i (i * per_launch_s +
+        sum_{j >= i} d_j)`` over parts ``i = 0..n-1`` of durations ``d_j`` at the current clocks, s
+        (layer fidelity, ``simulator.policies.fidelity``: a launch-bound stream keeps its kernel-level time).
+        """
+        st = self.state
+        key = (op.id, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
+        t = self._tail.get(key)
+        if t is None:
+            parts = op.meta["fused"]
+            t = rest = 0.0
+            for i in range(len(parts) - 1, -1, -1):
+                rest += self.cost.duration_s(parts[i], st)
+                t = max(t, i * per_launch_s + rest)
+            self._tail[key] = t
+        return t
+
     def run_kernel(self, op, duration_s: float | None = None):
         """SimPy process body: compute kernel ``op`` on this GPU (``duration_s``: a measured time).
 
@@ -206,7 +225,7 @@ class System:
         # a rendezvous op ends at the same time on every rank it joins: its isolated time, not re-rated
         # by one GPU's compute (the interference state is per GPU)
         # a fused GEMM + collective kernel (tp_comm_overlap: fused) takes nothing from the GEMM beside it
-        if f is None or "rendezvous" in op.meta or op.meta.get("fused"):
+        if f is None or "rendezvous" in op.meta or op.meta.get("fused_gemm"):
             yield self.env.timeout(res.time_s)
             return
         load = comm_load(f, res.busbw_bytes_per_s)

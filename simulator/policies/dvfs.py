@@ -426,6 +426,9 @@ class DvfsRuntime:
         return hit
 
     def _activity_uncached(self, op) -> Activity | None:
+        if op.meta and "fused" in op.meta:  # a layer-fidelity block: its parts' time-weighted mean activity
+            c, m, d = self.sys.cost.fused_s(op, self.state)
+            return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
         if op.kind in _KERNEL_KINDS and op.fixed_duration_s is None:
             c, m, f = self.sys.cost.split_s(op)
             c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz

@@ -602,7 +602,7 @@ class _GptBuilder:
         e = self.e
         meta = {"collective": op, "bytes": int(nbytes), "group": "tp"}
         if fused:
-            meta["fused"] = True
+            meta["fused_gemm"] = True
         i = e.kernel(f"tp.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.tp", reads=float(nbytes),
                      uses=uses, out=out, deps=[*deps, *(after if after is not None else [e.last_compute])],
                      dtype=dtype, meta=meta)

@@ -36,7 +36,7 @@ def test_the_gather_starts_with_its_gemm_and_the_next_kernel_waits_for_both(mode
     assert ag.id in after.deps
     rs, proj = _op(g, "L0.fwd.tp.proj.reduce_scatter"), _op(g, "L0.fwd.proj.gemm")
     assert proj.id not in rs.deps and set(rs.deps) == set(proj.deps)  # beside the GEMM, from its inputs
-    assert bool(ag.meta.get("fused")) == (mode == "fused")
+    assert bool(ag.meta.get("fused_gemm")) == (mode == "fused")
 
 
 def test_blocking_gathers_feed_their_gemm():

@@ -1,0 +1,217 @@
+"""Layer fidelity (``run.fidelity: layer``): consecutive compute kernels of one layer and phase become one op.
+
+At kernel fidelity (the default) the engine runs every kernel the builder emits. At layer fidelity this
+graph policy, which runs after every other one, replaces each maximal run of consecutive ``compute``-stream
+kernels with the same ``layer`` (>= 0) and ``phase`` by one *block* op, cutting the op count (and the
+engine's work) by the number of kernels per block:
+
+* **What stays separate.** Only ``COMPUTE`` ops on stream ``compute`` with no measured duration and no
+  collective / rendezvous / previous-step metadata are merged. A block ends at a kernel that an op on
+  another stream (a collective, copy, send/recv, host op) or of the next step waits for, and a new block
+  starts at a kernel that waits for an op on another stream: every cross-stream dependency keeps its
+  exact endpoints. A micro-batch boundary always falls between blocks (another layer, phase, or a
+  send/recv dependency lies between two micro-batches' kernels of one layer).
+* **Time.** The block's parts (the original ops) travel in ``meta["fused"]``; the roofline prices the block
+  as the sum of its parts' kernel-level times at the current clocks (``RooflineCostModel.duration_s``),
+  cached by the parts' signature (``meta["fused_key"]``), so identical layers and micro-batches are priced
+  once per clock. DVFS: the clock is read when the block starts (a change lands at the next block, not the
+  next kernel). Interference: the block is re-rated as a whole while collectives are in flight (each
+  part priced beside them and summed), i.e. the collectives' SM and HBM share is spread evenly over the
+  block rather than over the kernels they overlap.
+* **Host launches.** The host pays one launch per part (``meta["launches"]``); the block may start after
+  the first part's launch, and does not end before the last part could have run after its own launch
+  (``Executor``), so a launch-bound stream keeps its kernel-fidelity time.
+* **Memory per block.** The block allocates, when it starts, every tensor of its parts that outlives it;
+  the tensors used only inside it are replaced by one scratch tensor, freed when the block ends, that brings
+  the block's demand up to the high-water mark its parts reach one after another at kernel fidelity; tensors
+  it reads are freed when it (or their last later user) ends. The in-block peak is kept; what is live
+  between its kernels is not (the block holds its high-water mark from start to end).
+
+Measured on the bundled scenarios (``tests/simulator/policies/test_fidelity.py``): step time within 2 % and
+peak memory within a few % of kernel fidelity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import Op, OpKind, TensorAlloc
+from simulator.policies.registry import register_graph_policy
+
+FIDELITIES = ("kernel", "layer")
+#: op metadata that keeps a kernel out of any block (it synchronises with something outside the stream)
+_UNMERGEABLE_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "fused"})
+COMPUTE_STREAM = "compute"
+
+
+@register_graph_policy("layer_fidelity", order=1000)
+class LayerFidelity:
+    """``run.fidelity: layer``: merge each layer's consecutive compute kernels (see the module docstring)."""
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        return getattr(cfg.run, "fidelity", "kernel") == "layer"
+
+    def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
+        return coarsen(graph)
+
+
+def _mergeable(op: Op) -> bool:
+    return (op.kind is OpKind.COMPUTE and op.stream == COMPUTE_STREAM and op.layer >= 0
+            and op.fixed_duration_s is None and op.launch and not (op.meta and _UNMERGEABLE_META & op.meta.keys()))
+
+
+def blocks_of(graph: OpGraph) -> list[list[int]]:
+    """The runs of op ids ``coarsen`` merges (each of two or more ops), in graph order."""
+    ops = graph.ops
+    waited: set[int] = set()  # ops something outside their stream (or the next step) waits for
+    for op in ops:
+        for d in op.deps:
+            if ops[d].stream != op.stream:
+                waited.add(d)
+        waited.update((op.meta or {}).get("prev_step_deps") or ())
+    out: list[list[int]] = []
+    cur: list[int] | None = None
+    key = None
+    for op in ops:
+        if op.stream != COMPUTE_STREAM:
+            continue
+        if not _mergeable(op):
+            cur = None
+            continue
+        k = (op.layer, op.phase)
+        cross = any(ops[d].stream != COMPUTE_STREAM for d in op.deps)
+        if cur is not None and k == key and not cross:
+            cur.append(op.id)
+        else:
+            cur, key = [op.id], k
+            out.append(cur)
+        if op.id in waited:
+            cur = None
+    return [b for b in out if len(b) > 1]
+
+
+def _signature(op: Op) -> tuple:
+    return (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
+
+
+def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int]) -> Op:
+    """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
+
+    ``users``: op ids using each tensor; ``size``: bytes of each GPU tensor ops allocate. The block allocates
+    the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
+    to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
+    inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
+    """
+    ids = {p.id for p in parts}
+    first_id = parts[0].id
+    internal = {t.name for p in parts for t in p.allocs if users.get(t.name, set()) <= ids}
+    allocs: list[TensorAlloc] = []
+    uses: dict[str, None] = {}
+    last_use: dict[str, int] = {}
+    for i, p in enumerate(parts):
+        for u in p.uses:
+            last_use[u] = i
+    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
+    freed_in = {u for u in last_use if u not in internal and u in size
+                and all(j in ids or j < first_id for j in users[u])}
+    live = base = sum(size[u] for u in freed_in)
+    high = live
+    alive: dict[str, int] = {u: size[u] for u in freed_in}
+    for i, p in enumerate(parts):
+        for t in p.allocs:
+            if t.name in internal and t.device == "gpu":
+                alive[t.name] = t.nbytes
+                live += t.nbytes
+            else:
+                allocs.append(t)
+                if t.device == "gpu":
+                    live += t.nbytes
+                    base += t.nbytes
+        high = max(high, live)
+        for u in p.uses:
+            if u not in internal:
+                uses[u] = None
+        for name in [t.name for t in p.allocs] + list(p.uses):  # freed at their last user's end (unused: at once)
+            if name in alive and last_use.get(name, i) <= i:
+                live -= alive.pop(name)
+    first = parts[0]
+    name = f"L{first.layer}.{first.phase.value}.block[{first.name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}]"
+    if high > base:
+        allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", high - base))
+    longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
+    meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
+    return dataclasses.replace(
+        first, name=name, cost_class=longest.cost_class, flops=sum(p.flops for p in parts),
+        bytes_read=sum(p.bytes_read for p in parts), bytes_written=sum(p.bytes_written for p in parts),
+        shape=(), allocs=tuple(allocs), uses=tuple(uses), meta=meta)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Op))
+
+
+def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
+    """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
+    several times slower, and large pipelines have hundreds of thousands of ops)."""
+    vals = [getattr(op, f) for f in _FIELDS]
+    vals[0] = new_id
+    vals[_DEPS] = deps
+    vals[_META] = meta
+    return Op(*vals)
+
+
+_DEPS, _META = _FIELDS.index("deps"), _FIELDS.index("meta")
+
+
+def coarsen(graph: OpGraph) -> OpGraph:
+    """The graph at layer fidelity: each run of ``blocks_of`` replaced by one block op at its first part's
+    place (dependencies on any part become dependencies on the block; ``meta["prev_step_deps"]`` and the
+    parameter groups' ``grad_op`` are renumbered). A graph without such runs comes back with the same ops.
+
+    Returns:
+        The new graph; ``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks"}``.
+    """
+    blocks = blocks_of(graph)
+    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks)}
+    if not blocks:
+        return graph.with_changes(meta={**graph.meta, "fidelity": info})
+    users: dict[str, set[int]] = defaultdict(set)
+    size: dict[str, int] = {}
+    for op in graph.ops:
+        for u in op.uses:
+            users[u].add(op.id)
+        for t in op.allocs:
+            if t.device == "gpu":
+                size[t.name] = t.nbytes
+    start_of = {b[0]: b for b in blocks}
+    new_id: dict[int, int] = {}  # first pass: ids (``prev_step_deps`` may name later ops)
+    n = 0
+    for op in graph.ops:
+        if op.id in new_id:  # a later part of a block already placed
+            continue
+        for j in start_of.get(op.id, (op.id,)):
+            new_id[j] = n
+        n += 1
+    out: list[Op] = []
+    for op in graph.ops:
+        i = new_id[op.id]
+        if i < len(out):
+            continue
+        b = start_of.get(op.id)
+        if b is None:
+            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
+            meta = op.meta
+            if meta and "prev_step_deps" in meta:
+                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
+            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
+            continue
+        parts = [graph.ops[j] for j in b]
+        block = _block_op(parts, users, size)
+        ids = set(b)
+        deps = tuple(sorted({new_id[d] for p in parts for d in p.deps if d not in ids}))
+        out.append(_renumbered(block, i, deps, block.meta))
+    info["ops_after"] = len(out)
+    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info})
