@@ -112,6 +112,8 @@ class Hardware:
         world_size: Ranks in the cluster (1 without one).
         dp_group: Global ranks of the representative rank's data-parallel group.
         tp_group: Global ranks of its tensor-parallel group (consecutive, inside one node).
+        ep_group: Global ranks of its expert-parallel group (MoE all-to-alls; inside the data-parallel group).
+        edp_group: Global ranks of its expert-data-parallel group (replicas of its experts: expert gradients).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -125,6 +127,8 @@ class Hardware:
     world_size: int = 1
     dp_group: tuple[int, ...] = (0,)
     tp_group: tuple[int, ...] = (0,)
+    ep_group: tuple[int, ...] = (0,)
+    edp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 

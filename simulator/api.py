@@ -47,14 +47,24 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
+        num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        expert_parallel_size=p.expert_model_parallel_size,
     )
 
 
 def model_num_parameters(cfg: ScenarioConfig) -> int:
     """Parameters of the whole model, unsharded and with the vocabulary as given (no tensor-parallel
     padding): the count a model card publishes (Llama-3.1-8B: 8,030,261,248)."""
-    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False)
-    return spec.num_parameters
+    return _whole_model(cfg).num_parameters
+
+
+def _whole_model(cfg: ScenarioConfig) -> TransformerSpec:
+    """The scenario's spec on one rank holding everything (tp 1, ep 1, dp 1)."""
+    return dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
+                               expert_parallel_size=1, data_parallel_size=1, zero_stage=0)
 
 
 def build_graph(cfg: ScenarioConfig) -> OpGraph:
@@ -90,6 +100,9 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         if cfg is not None:
             summary["zero_stage"] = cfg.zero_optimization.stage
             summary["num_parameters"] = model_num_parameters(cfg)
+            if cfg.model.num_experts:  # parameters one token passes through (router + top-k experts)
+                summary["num_active_parameters"] = _whole_model(cfg).num_active_parameters
+                summary["expert_parallel_size"] = cfg.parallelism.expert_model_parallel_size
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
@@ -135,6 +148,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
                    "workers get every core and all host memory bandwidth, so data_stall_s is a lower bound")
+    if cfg is not None and cfg.model.num_experts:
+        m = cfg.model
+        out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
+                   f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load imbalance, "
+                   "padding to capacity), so expert GEMM and all-to-all times are lower bounds")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

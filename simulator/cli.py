@@ -74,6 +74,8 @@ def format_summary(s: dict, name: str) -> str:
         sharded = {1: "optimizer state sharded", 2: "optimizer state and gradients sharded"}.get(zero)
         lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
+                     + (f", expert parallel {s['expert_parallel_size']} (inside data parallel)"
+                        if s.get("expert_parallel_size", 1) > 1 else "")
                      + (f"; ZeRO stage {zero}: {sharded} over the data-parallel ranks" if sharded else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight)")

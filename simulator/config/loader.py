@@ -282,10 +282,12 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
-    ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are numbered node by node in
-    Megatron's default order (tp-dp, tensor-parallel fastest: ``initialize_model_parallel``), so the
-    representative rank 0 has the TP group ``0..tp-1`` (inside its node) and the DP group
-    ``0, tp, 2 tp, ...``.
+    ``ep_group``, ``edp_group``, ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are
+    numbered node by node in Megatron's default order (tp-cp-ep-dp, tensor-parallel fastest:
+    ``initialize_model_parallel``; cp = 1), so the representative rank 0 has the TP group ``0..tp-1``
+    (inside its node), the DP group ``0, tp, 2 tp, ...`` (dp ranks), the expert-parallel group
+    ``0, tp, ..., (ep - 1) tp`` (the first ep of its DP group) and the expert-data-parallel group
+    ``0, tp ep, 2 tp ep, ...`` (dp / ep ranks: the replicas of its experts).
 
     Raises:
         ScenarioError: an unknown cluster/network/profile preset, a bad override, a cluster GPU that is
@@ -327,5 +329,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
             model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
+    ep = cfg.parallelism.expert_model_parallel_size
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, world, tp)),
-            "tp_group": tuple(range(tp)), "nccl": nccl}
+            "tp_group": tuple(range(tp)), "ep_group": tuple(range(0, ep * tp, tp)),
+            "edp_group": tuple(range(0, world, tp * ep)), "nccl": nccl}

@@ -91,7 +91,8 @@ class System:
         ``collective``, ``bytes``, ``group``), in isolation.
 
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
-        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``.
+        scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``, ``"ep"``
+        is ``hw.ep_group`` and ``"edp"`` is ``hw.edp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -102,9 +103,11 @@ class System:
         if r is None:
             from hardware_models.collectives import CollectiveError
 
-            groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group}
+            groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "ep": self.hw.ep_group,
+                      "edp": self.hw.edp_group}
             if key[1] not in groups:
-                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: dp, tp)")
+                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: "
+                                      f"{', '.join(groups)})")
             r = self._collective[key] = self.hw.collectives.price(key[0], groups[key[1]], key[2], self.hw.nccl)
         return r
 

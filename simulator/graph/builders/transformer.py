@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.graph.builders import moe
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
@@ -127,6 +128,15 @@ class TransformerSpec:
             on q and k).
         max_position_embeddings: Rows of the learned position table (``None``: ``seq_length``).
         qkv_bias: The QKV projection has a bias even without ``bias`` (Megatron ``--add-qkv-bias``; Qwen2).
+        num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
+            MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
+        moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
+        moe_ffn_hidden_size: Width of one expert ``f_e`` (``None``: ``ffn_hidden_size``).
+        moe_shared_expert_intermediate_size: Width of the shared expert run on every token (``None``: none).
+        moe_expert_capacity_factor: Expert capacity factor ``c`` (token dropping; ``None``: dropless).
+        moe_router_load_balancing_type: ``aux_loss`` (Switch-style auxiliary loss) or ``none``.
+        expert_parallel_size: Expert-parallel ranks ``ep`` (Megatron ``--expert-model-parallel-size``): each
+            rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
     """
 
     num_layers: int
@@ -158,6 +168,13 @@ class TransformerSpec:
     position_embedding: str = "learned_absolute"
     max_position_embeddings: int | None = None
     qkv_bias: bool = False
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -203,6 +220,7 @@ class TransformerSpec:
                                  "amp_fp32_params (torch.autocast)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
+        moe.check_moe_spec(self)
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -263,21 +281,46 @@ class TransformerSpec:
         with SwiGLU; column-parallel: weight and bias ``/ t``), projection and fc2 (row-parallel: weight
         ``/ t``, bias replicated), two norms (replicated). Whole layer with GQA + SwiGLU + RMSNorm and no
         biases: ``2 h^2 + 2 h g d + 3 h f + 2 h`` (Llama: Touvron et al., *Llama 2*, 2023, section 2.2 and
-        the Hugging Face ``LlamaDecoderLayer``)."""
+        the Hugging Face ``LlamaDecoderLayer``). With experts the MLP is the MoE layer's share on this rank
+        (``moe.moe_mlp_params``: router, ``E / ep`` experts, shared expert)."""
+        return self._layer_params(self.local_experts)
+
+    def _layer_params(self, experts: int) -> int:
+        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE)."""
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
         qkv, fc1 = self.qkv_out_size, self.fc1_out_size
-        w = (h * qkv + h * h + h * fc1 + f * h) // t
+        if self.num_experts:
+            mlp = moe.moe_mlp_params(self, experts)
+        else:
+            mlp = (h * fc1 + f * h) // t
+        w = (h * qkv + h * h) // t + mlp
         b = (qkv // t + h + fc1 // t + h) if self.bias else (qkv // t if self.qkv_bias else 0)
         return w + b + 2 * self.norm_params
 
     @property
-    def num_parameters(self) -> int:
-        """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
-        rows + learned position, replicated; none with rope), blocks, final norm, LM head."""
+    def local_experts(self) -> int:
+        """Routed experts held by one rank, ``E / ep`` (0 without MoE)."""
+        return (self.num_experts or 0) // self.expert_parallel_size
+
+    def _params(self, experts: int) -> int:
         h = self.hidden_size
         emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
-        return emb + self.num_layers * self.layer_params + self.norm_params + head
+        return emb + self.num_layers * self._layer_params(experts) + self.norm_params + head
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
+        rows + learned position, replicated; none with rope), blocks, final norm, LM head. With experts:
+        the ``E / ep`` experts of this expert-parallel rank (all of them with ``ep = 1``)."""
+        return self._params(self.local_experts)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through (``num_parameters`` without MoE): every dense weight, the
+        router and ``k`` routed experts per block (Mixtral-8x7B: 12,879,925,248 of 46,702,792,704; Jiang et
+        al., *Mixtral of Experts*, 2024, section 2: "13B active parameters")."""
+        return self._params(self.moe_router_topk) if self.num_experts else self.num_parameters
 
     @property
     def sequence_parallel_params(self) -> int:
@@ -301,7 +344,10 @@ class TransformerSpec:
         ``(1 + num_query_groups / num_attention_heads)`` and ``gated_linear_multiplier = 3/2``.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
-        mlp = (3 if self.swiglu else 2) * h * f
+        if self.num_experts:  # active weights only: router + k experts (+ shared expert), see moe_mlp_params
+            mlp = moe.moe_mlp_params(self, self.moe_router_topk)
+        else:
+            mlp = (3 if self.swiglu else 2) * h * f
         per_token_layer = 2 * (h * self.qkv_out_size + h * h + mlp) + 2 * s * h
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
@@ -370,15 +416,21 @@ class _GptBuilder:
         #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
+        self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
-        """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue)."""
-        e, T = self.e, self.T
+    def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
+                    tokens: int | None = None, groups: int = 1):
+        """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue).
+
+        ``tokens`` rows (default ``T``); ``groups > 1``: a grouped GEMM of ``groups`` weights ``[in, out]``
+        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows."""
+        e = self.e
+        T = self.T if tokens is None else tokens
+        W = groups * in_dim * out_dim
         w16 = e.fresh(f"{name}.w16")
         if self.amp:
-            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * in_dim * out_dim, writes=2 * in_dim * out_dim,
-                     out=[(w16, 2 * in_dim * out_dim)], dtype="fp32")
+            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * W, writes=2 * W, out=[(w16, 2 * W)], dtype="fp32")
         else:
             w16 = f"param.{name}"
         xin = x
@@ -388,13 +440,18 @@ class _GptBuilder:
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
         y = e.fresh(f"{name}.out")
         e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                 reads=2 * (T * in_dim + in_dim * out_dim), writes=2 * T * out_dim,
+                 reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
                  out=[(y, 2 * T * out_dim)], uses=[xin, w16])
         return y, (xin, w16) if save else ()
 
-    def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool):
-        """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation."""
-        e, T = self.e, self.T
+    def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool,
+                    tokens: int | None = None, groups: int = 1):
+        """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation (``tokens``,
+        ``groups``: as ``_linear_fwd``; the grouped weight gradient is ``groups`` GEMMs ``(out, in,
+        tokens / groups)``, priced as one of ``groups * out`` rows)."""
+        e = self.e
+        T = self.T if tokens is None else tokens
+        W = groups * in_dim * out_dim
         xin, w16 = saved
         gin = g
         if g_fp32 and self.amp:
@@ -403,20 +460,20 @@ class _GptBuilder:
                      out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
-                 reads=2 * (T * out_dim + in_dim * out_dim), writes=2 * T * in_dim,
+                 reads=2 * (T * out_dim + W), writes=2 * T * in_dim,
                  out=[(dx, 2 * T * in_dim)], uses=[gin, w16])
         dw = e.fresh(f"{name}.dw16")
-        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(out_dim, in_dim, T),
-                 reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
-                 out=[(dw, 2 * in_dim * out_dim)], uses=[gin, xin])
+        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(groups * out_dim, in_dim, -(-T // groups)),
+                 reads=2 * (T * out_dim + T * in_dim), writes=2 * W,
+                 out=[(dw, 2 * W)], uses=[gin, xin])
         head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
         if self.s.bias or (name == "qkv" and self.s.qkv_bias):
             bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
             if not head:
                 self._grad_ready(f"{name}.bias", out_dim, bid)
-        wid, gname = self._accumulate_grad(name, dw, in_dim * out_dim)
+        wid, gname = self._accumulate_grad(name, dw, W)
         if name != "wte":  # the tied wte gradient is finished by embed.grad_accum
-            self._grad_ready(f"{name}.weight", in_dim * out_dim, wid, gname)
+            self._grad_ready(f"{name}.weight", W, wid, gname)
         return dx
 
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
@@ -465,17 +522,19 @@ class _GptBuilder:
         return y
 
     # -- tensor parallel ---------------------------------------------------------------------
-    def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None) -> int:
-        """A blocking collective over the ``tp`` group on stream ``comm.tp`` (``nbytes``: the per-rank buffer
-        of an all-reduce, the whole gathered/scattered array of an all-gather/reduce-scatter).
+    def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None,
+               group: str = "tp") -> int:
+        """A blocking collective over the ``tp`` group (or ``group``: ``ep`` for the MoE all-to-alls) on stream
+        ``comm.<group>`` (``nbytes``: the per-rank buffer of an all-reduce or all-to-all, the whole
+        gathered/scattered array of an all-gather/reduce-scatter).
 
         As a synchronous ``torch.distributed`` call (ProcessGroupNCCL): it starts after every kernel issued
         before it on the compute stream, and the next compute kernel waits for it (Megatron 2020: no
         overlap of TP communication with compute)."""
         e = self.e
-        i = e.kernel(f"tp.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.tp", reads=float(nbytes),
+        i = e.kernel(f"{group}.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream=f"comm.{group}", reads=float(nbytes),
                      uses=uses, out=out, deps=[*deps, e.last_compute], dtype=dtype,
-                     meta={"collective": op, "bytes": int(nbytes), "group": "tp"})
+                     meta={"collective": op, "bytes": int(nbytes), "group": group})
         e.wait_for.append(i)
         return i
 
@@ -528,6 +587,33 @@ class _GptBuilder:
                  flops=3 * n, out=[(y, 2 * n)], uses=[src])
         return y
 
+    # -- MLP activation ----------------------------------------------------------------------
+    def _act_fwd(self, prefix: str, fc1: str, T: int, f: int) -> str:
+        """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
+        SwiGLU ``silu(a) * b`` over the two halves of fc1 (Megatron fused bias_swiglu, ~6 FLOPs/element), or
+        GELU (~8 FLOPs/element)."""
+        e = self.e
+        name = "swiglu" if self.s.swiglu else "gelu"
+        g = e.fresh(f"{prefix}{name}.out")
+        n_in = 2 * T * f if self.s.swiglu else T * f
+        e.kernel(f"{prefix}{name}", C.ELEMENTWISE, reads=2 * n_in, writes=2 * T * f,
+                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, 2 * T * f)], uses=[fc1])
+        return g
+
+    def _act_bwd(self, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
+        """Backward of ``_act_fwd``: SwiGLU reads dy and both halves, writes both gradients (~12 FLOPs/element);
+        GELU reads dy and its input, writes dx (~16 FLOPs/element)."""
+        e = self.e
+        if self.s.swiglu:
+            dx = e.fresh(f"{prefix}swiglu.dx")
+            e.kernel(f"{prefix}swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f,
+                     flops=12 * T * f, out=[(dx, 2 * 2 * T * f)], uses=[g, fc1])
+        else:
+            dx = e.fresh(f"{prefix}gelu.dx")
+            e.kernel(f"{prefix}gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
+                     out=[(dx, 2 * T * f)], uses=[g, fc1])
+        return dx
+
     # -- blocks ----------------------------------------------------------------------------
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
@@ -553,21 +639,19 @@ class _GptBuilder:
         proj = self._tp_reduce("proj", proj)
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
         ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
-        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
-        g = e.fresh("swiglu.out" if s.swiglu else "gelu.out")
-        if s.swiglu:  # silu(a) * b over the two halves of fc1 (Megatron fused bias_swiglu): ~6 FLOPs/element
-            e.kernel("swiglu", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=6 * T * f,
-                     out=[(g, 2 * T * f)], uses=[fc1])
+        fc1 = sv_fc1 = sv_fc2 = sv_moe = None
+        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+            fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
-            e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
-                     out=[(g, 2 * T * f)], uses=[fc1])
-        fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
-        fc2 = self._tp_reduce("fc2", fc2)
+            fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
+            g = self._act_fwd("", fc1, T, f)
+            fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
+            fc2 = self._tp_reduce("fc2", fc2)
         x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
         saved = {}
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
-                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2)
+                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -580,17 +664,13 @@ class _GptBuilder:
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
         # MLP
-        g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
-        if s.swiglu:  # d/da silu(a) b and d/db: read dy and both halves, write both gradients (~12 FLOPs/element)
-            g_gelu = e.fresh("swiglu.dx")
-            e.kernel("swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f, flops=12 * T * f,
-                     out=[(g_gelu, 2 * 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
+        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+            g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
-            g_gelu = e.fresh("gelu.dx")
-            e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
-                     out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
-        g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
-                                                             g_fp32=False))
+            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
+            g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
+            g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
+                                                                 g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
@@ -723,7 +803,7 @@ class _GptBuilder:
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
         reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
         share = self._shard(P) / P if self.zero else 1.0  # ZeRO-1/2: this rank updates its 1/dp partition
-        deps = list(self.comm_ops) + self.tp_ops
+        deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
@@ -757,6 +837,9 @@ class _GptBuilder:
         pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, 4, op, tensor)
         self.groups.append(pg)
         if not self.dp:
+            return
+        if self.s.expert_parallel_size > 1 and name.startswith("experts."):  # over the expert-data-parallel group
+            moe.reduce_expert_grad(self, pg)
             return
         s = self.s
         if self.zero == 0:  # DDP: close once the bucket reaches its cap (reducer.cpp)
@@ -803,11 +886,13 @@ class _GptBuilder:
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                               Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=tuple(out)))
 
-    def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=()) -> int:
-        """A collective over the ``dp`` group on stream ``comm.dp`` (priced by the engine's NCCL model)."""
-        return self.b.add(name, OpKind.COLLECTIVE, "comm.dp", deps=deps, phase=phase, bytes_read=float(nbytes),
+    def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=(),
+                    group: str = "dp") -> int:
+        """A collective over the ``dp`` group (or ``group``) on stream ``comm.<group>`` (priced by the engine's
+        NCCL model)."""
+        return self.b.add(name, OpKind.COLLECTIVE, f"comm.{group}", deps=deps, phase=phase, bytes_read=float(nbytes),
                           uses=tuple(uses), allocs=tuple(allocs), dtype="fp32",
-                          meta={"collective": op, "bytes": int(nbytes), "group": "dp"})
+                          meta={"collective": op, "bytes": int(nbytes), "group": group})
 
     def build(self) -> OpGraph:
         s = self.s
