@@ -51,7 +51,7 @@ def transformer_spec(cfg: ScenarioConfig) -> TransformerSpec:
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        expert_parallel_size=p.expert_model_parallel_size,
+        expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
     )
 
 

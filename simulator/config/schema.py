@@ -117,6 +117,14 @@ class ModelConfig(_Model):
     add_bias_linear: bool = True
     add_qkv_bias: bool = Field(default=False, description="Megatron --add-qkv-bias: a QKV bias even with "
                                "add_bias_linear false (Qwen2).")
+    kv_channels: PositiveInt | None = Field(
+        default=None, le=MAX_HIDDEN_SIZE, description="Megatron --kv-channels: head dimension d when it is not "
+        "hidden_size / num_attention_heads (Qwen3, Gemma, Mistral-Nemo): QKV is h x (a d + 2 g d), the output "
+        "projection a d x h. Default hidden_size / num_attention_heads.")
+    window_size: PositiveInt | None = Field(
+        default=None, le=MAX_SEQ_LENGTH, description="Sliding-window attention (Mistral): each query attends to "
+        "its window_size most recent keys, itself included (the Hugging Face sliding_window); the flash-attention "
+        "FLOPs count w (2 s - w) / 2 pairs per head instead of s^2 / 2. Default: full causal attention.")
     num_experts: PositiveInt | None = Field(
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
         "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
@@ -138,7 +146,7 @@ class ModelConfig(_Model):
         default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
         "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
 
-    _moe_no_bool = field_validator("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                                    "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
                                    mode="before")(no_bool)
 
@@ -156,9 +164,10 @@ class ModelConfig(_Model):
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
+                "(or set kv_channels, the head dimension)"
             )
         if self.num_query_groups is not None and not self.group_query_attention:
             raise ValueError(f"num_query_groups ({self.num_query_groups}) needs group_query_attention: true")

@@ -67,8 +67,17 @@ same memory traffic the GPU moves:
   (Su et al., *RoFormer*, 2021) are an elementwise kernel on q and k after the QKV GEMM and its
   mirror in backward, with no position table.
 
+* **Head dimension** ``kv_channels`` (Megatron ``--kv-channels``) makes the attention width ``a d``
+  instead of ``h``; **sliding-window attention** ``window_size`` (Jiang et al., *Mistral 7B*, 2023,
+  section 2) scores ``w (2 s - w) / 2`` (query, key) pairs per head instead of ``s^2 / 2``
+  (``TransformerSpec.attention_pairs``), in the flash kernels forward and backward and in the model
+  FLOPs. The flash kernels' HBM traffic stays q, k, v read once: in training every key lies in some
+  query's window, so the window removes work, not compulsory K/V bytes (a decode-time KV cache
+  would shrink; not modelled here).
+* **Mixture of experts** ``num_experts``: the MLP of every block is ``simulator.graph.builders.moe``.
+
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
-``V`` vocabulary, ``a`` heads, ``d = h / a``.
+``V`` vocabulary, ``a`` heads, ``d = h / a`` (or ``kv_channels``).
 """
 
 from __future__ import annotations
@@ -137,6 +146,12 @@ class TransformerSpec:
         moe_router_load_balancing_type: ``aux_loss`` (Switch-style auxiliary loss) or ``none``.
         expert_parallel_size: Expert-parallel ranks ``ep`` (Megatron ``--expert-model-parallel-size``): each
             rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
+        kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
+            (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
+            ``a d x h``.
+        window_size: Sliding-window attention (Mistral; Beltagy et al., *Longformer*, 2020): each query
+            attends to its ``window_size`` most recent keys, itself included (the Hugging Face
+            ``sliding_window``); ``None``: full causal attention.
     """
 
     num_layers: int
@@ -175,6 +190,8 @@ class TransformerSpec:
     moe_expert_capacity_factor: float | None = None
     moe_router_load_balancing_type: str = "aux_loss"
     expert_parallel_size: int = 1
+    kv_channels: int | None = None
+    window_size: int | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -185,10 +202,13 @@ class TransformerSpec:
                      "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
             )
+        for name in ("kv_channels", "window_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
@@ -230,13 +250,28 @@ class TransformerSpec:
 
     @property
     def head_dim(self) -> int:
-        """``d = h / a``."""
-        return self.hidden_size // self.num_attention_heads
+        """``d``: ``kv_channels``, else ``h / a``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the attention output (query heads), whole model: ``a d`` (``h`` unless ``kv_channels``)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def qkv_out_size(self) -> int:
-        """Output width of the fused QKV projection, whole model: ``h + 2 g d`` (``3h`` for MHA)."""
-        return self.hidden_size + 2 * self.query_groups * self.head_dim
+        """Output width of the fused QKV projection, whole model: ``a d + 2 g d`` (``3h`` for MHA)."""
+        return self.attention_width + 2 * self.query_groups * self.head_dim
+
+    @property
+    def attention_pairs(self) -> float:
+        """(query, key) pairs one head scores per sequence: ``s^2 / 2`` causal (the half square, as the FLOP
+        count of FlashAttention and PaLM's MFU), ``w (2 s - w) / 2`` with a window ``w < s`` (the half square
+        minus the ``(s - w)^2 / 2`` pairs beyond the window)."""
+        s, w = self.seq_length, self.window_size
+        if w is None or w >= s:
+            return s * s / 2
+        return w * (2 * s - w) / 2
 
     @property
     def fc1_out_size(self) -> int:
@@ -293,7 +328,7 @@ class TransformerSpec:
             mlp = moe.moe_mlp_params(self, experts)
         else:
             mlp = (h * fc1 + f * h) // t
-        w = (h * qkv + h * h) // t + mlp
+        w = (h * qkv + self.attention_width * h) // t + mlp
         b = (qkv // t + h + fc1 // t + h) if self.bias else (qkv // t if self.qkv_bias else 0)
         return w + b + 2 * self.norm_params
 
@@ -342,13 +377,20 @@ class TransformerSpec:
         QKV matrix is ``h (h + 2 g d)`` (attention FLOPs per query head unchanged) and with SwiGLU the
         MLP is ``3 h f``: Megatron-LM ``training.py num_floating_point_operations``, terms
         ``(1 + num_query_groups / num_attention_heads)`` and ``gated_linear_multiplier = 3/2``.
+        With ``kv_channels`` the attention matrices are ``h (a d + 2 g d) + a d h`` and attention
+        ``4 a d`` FLOPs per (query, key) pair; a sliding window counts only the pairs inside it
+        (``attention_pairs``). Mixture of experts: the active weights (router, ``k`` experts, shared
+        expert; Megatron's formula has ``num_experts_routed_to = moe_router_topk`` and omits the
+        router's ``2 h E``, < 0.01% of Mixtral's); dropped tokens (capacity factor) still count.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
         if self.num_experts:  # active weights only: router + k experts (+ shared expert), see moe_mlp_params
             mlp = moe.moe_mlp_params(self, self.moe_router_topk)
         else:
             mlp = (3 if self.swiglu else 2) * h * f
-        per_token_layer = 2 * (h * self.qkv_out_size + h * h + mlp) + 2 * s * h
+        # causal attention per token: 2 (QK^T) + 2 (PV) FLOPs x d per (query, key) pair and head
+        att = 4 * self.attention_width * self.attention_pairs / s
+        per_token_layer = 2 * (h * self.qkv_out_size + self.attention_width * h + mlp) + att
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
@@ -618,21 +660,20 @@ class _GptBuilder:
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
         s, e, T, t = self.s, self.e, self.T, self.tp
-        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
-        d = h // a
-        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank: attention width, FFN width, heads; full width
-        qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width h + 2 g d, K (or V) width g d per rank
+        f, a, d, hf = s.ffn_hidden_size // t, s.num_attention_heads // t, s.head_dim, s.hidden_size
+        h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
+        qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         qk = self._rope_fwd(qkv, h + kv)
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
-        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         e.kernel("attn", C.ATTENTION_FWD, flops=att_flops, shape=(bsz * a, s.seq_length, s.seq_length, d),
                  reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s.seq_length,
                  out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)],
-                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t})
+                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size})
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
@@ -657,12 +698,11 @@ class _GptBuilder:
     def _layer_bwd(self, gx: str, sv: dict) -> str:
         """One block backward; ``gx`` is the gradient of the block output (residual dtype)."""
         s, e, T, t = self.s, self.e, self.T, self.tp
-        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
-        d = h // a
-        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank (see _layer_fwd)
+        f, a, d, hf = s.ffn_hidden_size // t, s.num_attention_heads // t, s.head_dim, s.hidden_size
+        h = s.attention_width // t  # per TP rank (see _layer_fwd)
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t
         bsz = s.micro_batch_size
-        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        att_flops = 4 * bsz * a * s.attention_pairs * d
         # MLP
         if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
             g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
@@ -689,7 +729,7 @@ class _GptBuilder:
                  shape=(bsz * a, s.seq_length, s.seq_length, d),
                  reads=2 * (T * qo + 2 * T * h), writes=2 * T * qo + 4 * T * h,
                  out=[(g_qkv, 2 * T * qo)], uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                 meta={"kv_heads": s.query_groups // t})
+                 meta={"kv_heads": s.query_groups // t, "window": s.window_size})
         g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
