@@ -117,6 +117,8 @@ class Hardware:
         pp_group: Global ranks of the representative rank of each pipeline stage, stage order.
         pp_rank: The pipeline stage this machine's representative rank belongs to.
         slowdown: Multiplier on every kernel's time of this rank (``rank_overrides``; 1: as priced).
+        ep_group: Global ranks of its expert-parallel group (MoE all-to-alls; inside the data-parallel group).
+        edp_group: Global ranks of its expert-data-parallel group (replicas of its experts: expert gradients).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -135,6 +137,8 @@ class Hardware:
     pp_group: tuple[int, ...] = (0,)
     pp_rank: int = 0
     slowdown: float = 1.0
+    ep_group: tuple[int, ...] = (0,)
+    edp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 
@@ -150,14 +154,15 @@ class Hardware:
 
     def for_pipeline_rank(self, rank: int) -> "Hardware":
         """The machine of pipeline stage ``rank``'s representative: its global rank ``pp_group[rank]`` and the
-        TP and DP groups shifted by the same offset (Megatron tp-dp-pp rank order).
+        TP, DP, EP and expert-DP groups shifted by the same offset (Megatron tp-cp-ep-dp-pp rank order).
 
         Raises:
             IndexError: ``rank`` outside ``0..len(pp_group) - 1``.
         """
         base = self.pp_group[rank] - self.pp_group[0]
-        return replace(self, pp_rank=rank, dp_group=tuple(r + base for r in self.dp_group),
-                       tp_group=tuple(r + base for r in self.tp_group))
+        shift = lambda g: tuple(r + base for r in g)  # noqa: E731
+        return replace(self, pp_rank=rank, dp_group=shift(self.dp_group), tp_group=shift(self.tp_group),
+                       ep_group=shift(self.ep_group), edp_group=shift(self.edp_group))
 
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").

@@ -57,6 +57,11 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
+        num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
     )
 
 
@@ -110,10 +115,15 @@ def cfg_node_ranks(cfg: ScenarioConfig) -> tuple[int, ...]:
 def model_num_parameters(cfg: ScenarioConfig) -> int:
     """Parameters of the whole model, unsharded and with the vocabulary as given (no tensor-parallel
     padding): the count a model card publishes (Llama-3.1-8B: 8,030,261,248)."""
-    spec = dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False, tp_comm_overlap="none",
-                               pipeline_parallel_size=1, virtual_pipeline_size=1, pipeline_schedule="1f1b",
-                               pipeline_layers=None)
-    return spec.num_parameters
+    return _whole_model(cfg).num_parameters
+
+
+def _whole_model(cfg: ScenarioConfig) -> TransformerSpec:
+    """The scenario's spec on one rank holding everything (tp 1, ep 1, dp 1, one pipeline stage)."""
+    return dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
+                               tp_comm_overlap="none", expert_parallel_size=1, data_parallel_size=1, zero_stage=0,
+                               sharding=None, pipeline_parallel_size=1, virtual_pipeline_size=1,
+                               pipeline_schedule="1f1b", pipeline_layers=None)
 
 
 def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | None:
@@ -233,7 +243,7 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
         m = op.meta
         if m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
-        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate"):
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
     return graph.with_changes(ops=tuple(ops))
@@ -337,11 +347,14 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
 
 def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
     """Summary keys that come from the scenario rather than the records: ``zero_stage``,
-    ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``."""
+    ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``;
+    with experts ``num_active_parameters`` and ``expert_parallel_size``."""
     return {"zero_stage": cfg.zero_optimization.stage, "data_parallel_strategy": data_parallel_strategy(cfg),
             "pipeline_parallel_size": cfg.parallelism.pipeline_model_parallel_size,
             "num_parameters": model_num_parameters(cfg),
-            "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary)}
+            "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary),
+            **({"num_active_parameters": _whole_model(cfg).num_active_parameters,  # router + top-k experts
+                "expert_parallel_size": cfg.parallelism.expert_model_parallel_size} if cfg.model.num_experts else {})}
 
 
 def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
@@ -404,6 +417,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")
+    if cfg is not None and cfg.model.num_experts:
+        m = cfg.model
+        out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
+                   f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load imbalance, "
+                   "padding to capacity), so expert GEMM and all-to-all times are lower bounds")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

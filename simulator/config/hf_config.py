@@ -1,7 +1,7 @@
 """``model.from_hf``: a Hugging Face ``config.json`` read into the scenario's model section.
 
 Supported ``model_type`` values and the keys read (``transformers`` configuration classes
-``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPT2Config``):
+``LlamaConfig``, ``MistralConfig``, ``MixtralConfig``, ``Qwen2Config``, ``GPT2Config``):
 
 * ``hidden_size`` / ``n_embd`` -> ``hidden_size``; ``num_hidden_layers`` / ``n_layer`` -> ``num_layers``;
   ``num_attention_heads`` / ``n_head`` -> ``num_attention_heads``; ``intermediate_size`` / ``n_inner``
@@ -15,11 +15,18 @@ Supported ``model_type`` values and the keys read (``transformers`` configuratio
   (``rms_norm_eps``) and rotary embeddings (``rope_theta``; ``rope_scaling`` changes the
   frequencies, not the cost, and is ignored); biases: llama ``attention_bias`` / ``mlp_bias``
   (both or neither), qwen2 a QKV bias only (``add_qkv_bias``), mistral none;
+* ``head_dim`` other than ``hidden_size / num_attention_heads`` -> ``kv_channels`` (Mistral-Nemo, Qwen3 style);
+* mistral / mixtral ``sliding_window`` -> ``window_size`` (sliding-window attention; null: none);
+* mixtral: as mistral, with ``num_local_experts`` -> ``num_experts`` and ``num_experts_per_tok`` ->
+  ``moe_router_topk`` (``MixtralConfig`` defaults 8 and 2); ``intermediate_size`` is each expert's
+  width; ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` change the
+  loss, not the cost, and are ignored;
 * gpt2: LayerNorm, GELU, learned positions, biases everywhere.
 
 Other keys (token ids, dtype, initialiser ranges...) do not change the step's cost and are ignored.
-Refused, in one line naming the key: mixture-of-experts keys, another ``model_type``, a ``head_dim``
-other than ``hidden_size / num_attention_heads``, a sliding window shorter than ``seq_length``.
+Refused, in one line naming the key: mixture-of-experts keys outside mixtral, another ``model_type``, a
+qwen2 sliding window (``use_sliding_window``; Qwen2 applies it above ``max_window_layers`` only, not
+modelled) shorter than ``seq_length``.
 The file is read with ``hardware_models.safe_yaml`` (JSON is YAML 1.2: size, depth and integer
 limits, duplicate keys refused).
 """
@@ -32,8 +39,8 @@ from typing import Any
 from hardware_models import safe_yaml
 from hardware_models.presets import FILE_PREFIXES, is_file_reference
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
-#: Mixture-of-experts keys of Mixtral, Qwen2-MoE, DeepSeek and others: not modelled yet
+SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2")
+#: Mixture-of-experts keys of Qwen2-MoE, DeepSeek and others: not modelled yet outside mixtral
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "n_shared_experts", "shared_expert_intermediate_size")
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -80,11 +87,11 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         cfg = safe_yaml.load_mapping(path, "a Hugging Face config.json mapping")
     except safe_yaml.YamlInputError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    for k in MOE_KEYS:
-        if cfg.get(k) not in (None, 0):
-            raise ValueError(f"{where}: {k}: mixture-of-experts configs are not modelled yet (supported model_type: "
-                             f"{', '.join(SUPPORTED)}, dense)")
     mt = cfg.get("model_type")
+    for k in MOE_KEYS:
+        if mt != "mixtral" and cfg.get(k) not in (None, 0):
+            raise ValueError(f"{where}: {k}: mixture-of-experts configs of model_type {mt!r} are not modelled yet "
+                             f"(supported model_type: {', '.join(SUPPORTED)}; mixture of experts: mixtral only)")
     if mt not in SUPPORTED:
         arch = cfg.get("architectures")
         name = f"{mt!r}" + (f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else "")
@@ -105,12 +112,11 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if f is not None:
         out["ffn_hidden_size"] = f
     out["untie_embeddings_and_output_weights"] = not _flag(cfg, where, "tie_word_embeddings", gpt2)
-    if h % a:
-        raise ValueError(f"{where}: num_attention_heads ({a}) must divide hidden_size ({h})")
-    hd = cfg.get("head_dim")
-    if hd is not None and hd != h // a:
-        raise ValueError(f"{where}: head_dim: {hd!r} differs from hidden_size / num_attention_heads ({h // a}); "
-                         "a separate head dimension is not modelled yet")
+    hd = _get(cfg, where, "head_dim", required=False)
+    if hd is not None and (h % a or hd != h // a):
+        out["kv_channels"] = hd
+    elif h % a:
+        raise ValueError(f"{where}: num_attention_heads ({a}) must divide hidden_size ({h}) (or set head_dim)")
     out["sliding_window"] = None
     if gpt2:
         act = cfg.get("activation_function", "gelu_new")
@@ -137,9 +143,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         out.update(add_bias_linear=False, add_qkv_bias=True)
         if _flag(cfg, where, "use_sliding_window", False):
             out["sliding_window"] = _get(cfg, where, "sliding_window")
-    else:  # mistral
+    else:  # mistral, mixtral
         out["add_bias_linear"] = False
-        out["sliding_window"] = _get(cfg, where, "sliding_window", required=False)
+        w = _get(cfg, where, "sliding_window", required=False)
+        if w is not None:
+            out["window_size"] = w
+    if mt == "mixtral":  # MixtralConfig defaults: 8 experts, top-2
+        out["num_experts"] = _get(cfg, where, "num_local_experts", required=False) or 8
+        out["moe_router_topk"] = _get(cfg, where, "num_experts_per_tok", required=False) or 2
     return out
 
 
@@ -166,6 +177,7 @@ def merge_hf(model: dict) -> dict:
         merged["seq_length"] = model["max_position_embeddings"]
     seq = merged.get("seq_length")
     if window is not None and isinstance(seq, int) and seq > window:
-        raise ValueError(f"from_hf: {path}: sliding_window {window} is shorter than seq_length {seq}; sliding-window "
-                         f"attention is not modelled yet (allowed: seq_length <= {window})")
+        raise ValueError(f"from_hf: {path}: sliding_window {window} is shorter than seq_length {seq}; Qwen2's "
+                         f"sliding window (on the layers above max_window_layers) is not modelled yet (allowed: "
+                         f"seq_length <= {window})")
     return merged

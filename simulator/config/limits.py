@@ -21,6 +21,10 @@ MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_na
 MAX_NUM_LAYERS = 10_000
 MAX_HIDDEN_SIZE = 1_000_000
 MAX_FFN_HIDDEN_SIZE = 4_000_000
+#: routed experts per MoE block (DeepSeek-V3 has 256; a bound on the schema, not on the model)
+MAX_NUM_EXPERTS = 65_536
+#: MoE expert capacity factor (Megatron --moe-expert-capacity-factor; Switch Transformers use 1.0-2.0)
+MAX_CAPACITY_FACTOR = 1_000.0
 MAX_SEQ_LENGTH = 10_000_000
 MAX_VOCAB_SIZE = 10_000_000
 MAX_MICRO_BATCH_SIZE = 1_000_000

@@ -289,11 +289,13 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
-    ``pp_group``, ``nccl`` (an empty dict without ``hardware.cluster``: one GPU). Ranks are numbered node by
-    node in Megatron's default order (tp-dp-pp, tensor-parallel fastest: ``initialize_model_parallel``), so
-    the representative rank 0 has the TP group ``0..tp-1`` (inside its node), the DP group
-    ``0, tp, 2 tp, ..., (dp - 1) tp`` and the pipeline group ``0, tp dp, 2 tp dp, ...``
-    (``Hardware.for_pipeline_rank`` gives the other stages' representatives).
+    ``pp_group``, ``ep_group``, ``edp_group``, ``nccl`` (an empty dict without ``hardware.cluster``: one GPU).
+    Ranks are numbered node by node in Megatron's default order (tp-cp-ep-dp-pp, tensor-parallel fastest:
+    ``initialize_model_parallel``; cp = 1), so the representative rank 0 has the TP group ``0..tp-1``
+    (inside its node), the DP group ``0, tp, 2 tp, ..., (dp - 1) tp``, the expert-parallel group
+    ``0, tp, ..., (ep - 1) tp`` (the first ep of its DP group), the expert-data-parallel group
+    ``0, tp ep, 2 tp ep, ...`` (dp / ep ranks: the replicas of its experts) and the pipeline group
+    ``0, tp dp, 2 tp dp, ...`` (``Hardware.for_pipeline_rank`` gives the other stages' representatives).
 
     Raises:
         ScenarioError: an unknown cluster/network/profile preset, a bad override, a cluster GPU that is
@@ -338,7 +340,8 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
         raise ScenarioError(f"{source}: {exc}") from None
     per_node = world // c.nodes
     stage = tp * dp  # ranks per pipeline stage (tp-dp-pp order: the stages are the outermost dimension)
+    ep = cfg.parallelism.expert_model_parallel_size
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
             "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
             "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
-            "nccl": nccl}
+            "ep_group": tuple(range(0, ep * tp, tp)), "edp_group": tuple(range(0, stage, tp * ep)), "nccl": nccl}

@@ -21,6 +21,8 @@ from simulator.config.limits import (
     MAX_LAYER_PASSES,
     MAX_LAUNCH_OVERHEAD_S,
     MAX_MICRO_BATCH_SIZE,
+    MAX_CAPACITY_FACTOR,
+    MAX_NUM_EXPERTS,
     MAX_NUM_LAYERS,
     MAX_SEED,
     MAX_SEQ_LENGTH,
@@ -117,6 +119,38 @@ class ModelConfig(_Model):
     add_bias_linear: bool = True
     add_qkv_bias: bool = Field(default=False, description="Megatron --add-qkv-bias: a QKV bias even with "
                                "add_bias_linear false (Qwen2).")
+    kv_channels: PositiveInt | None = Field(
+        default=None, le=MAX_HIDDEN_SIZE, description="Megatron --kv-channels: head dimension d when it is not "
+        "hidden_size / num_attention_heads (Qwen3, Gemma, Mistral-Nemo): QKV is h x (a d + 2 g d), the output "
+        "projection a d x h. Default hidden_size / num_attention_heads.")
+    window_size: PositiveInt | None = Field(
+        default=None, le=MAX_SEQ_LENGTH, description="Sliding-window attention (Mistral): each query attends to "
+        "its window_size most recent keys, itself included (the Hugging Face sliding_window); the flash-attention "
+        "FLOPs count w (2 s - w) / 2 pairs per head instead of s^2 / 2. Default: full causal attention.")
+    num_experts: PositiveInt | None = Field(
+        default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
+        "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
+        "assumed balanced: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
+        "add_bias_linear false and tensor_model_parallel_size 1.")
+    moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "
+                                         "experts per token (at most num_experts).")
+    moe_ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE, description="Megatron "
+                                                    "--moe-ffn-hidden-size: width of one expert (default "
+                                                    "ffn_hidden_size).")
+    moe_shared_expert_intermediate_size: PositiveInt | None = Field(
+        default=None, le=MAX_FFN_HIDDEN_SIZE, description="Megatron --moe-shared-expert-intermediate-size: width of "
+        "the shared expert every token passes through (default: none).")
+    moe_expert_capacity_factor: float | None = Field(
+        default=None, gt=0, le=MAX_CAPACITY_FACTOR, description="Megatron --moe-expert-capacity-factor: each expert "
+        "takes at most ceil(factor x T x topk / num_experts) tokens of a rank's T, the rest are dropped (no "
+        "padding); null: dropless.")
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
+        default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
+        "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
+
+    _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                   "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
+                                   mode="before")(no_bool)
 
     @model_validator(mode="before")
     @classmethod
@@ -132,15 +166,23 @@ class ModelConfig(_Model):
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
+                "(or set kv_channels, the head dimension)"
             )
         if self.num_query_groups is not None and not self.group_query_attention:
             raise ValueError(f"num_query_groups ({self.num_query_groups}) needs group_query_attention: true")
         if self.num_attention_heads % self.query_groups:
             raise ValueError(f"num_query_groups ({self.query_groups}) must divide num_attention_heads "
                              f"({self.num_attention_heads})")
+        moe_keys = sorted(k for k, f in type(self).model_fields.items()  # not their defaults (round trips of dumps)
+                          if k.startswith("moe_") and getattr(self, k) != f.default)
+        if self.num_experts is None and moe_keys:
+            raise ValueError(f"{moe_keys[0]} needs model.num_experts (a mixture-of-experts model)")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
+                             f"(allowed: 1..{self.num_experts})")
         mp = self.max_position_embeddings
         if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "
@@ -176,10 +218,10 @@ class TrainingConfig(_Model):
 
 
 class ParallelismConfig(_Model):
-    """Megatron-LM parallel sizes (rank order tp-dp-pp: tensor-parallel ranks are consecutive, inside a node;
-    pipeline stages are the outermost dimension).
+    """Megatron-LM parallel sizes (rank order tp-cp-ep-dp-pp: tensor-parallel ranks are consecutive, inside a
+    node; expert-parallel ranks lie inside the data-parallel dimension; pipeline stages are the outermost).
 
-    Context and expert parallelism are not modelled yet (must be 1).
+    Context parallelism is not modelled yet (must be 1).
     """
 
     tensor_model_parallel_size: PositiveInt = Field(
@@ -206,7 +248,10 @@ class ParallelismConfig(_Model):
         default=None, max_length=MAX_DATA_PARALLEL_SIZE, description="Custom split: transformer blocks of each "
         "pipeline stage (pp x virtual numbers, model-chunk order) summing to model.num_layers.")
     context_parallel_size: PositiveInt = 1
-    expert_model_parallel_size: PositiveInt = 1
+    expert_model_parallel_size: PositiveInt = Field(
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-model-parallel-size: each rank holds "
+        "num_experts / ep experts; must divide model.num_experts and data_parallel_size (EP ranks lie inside the "
+        "data-parallel dimension, Megatron order tp-cp-ep-dp); tokens go to their experts by all-to-all.")
     data_parallel_size: PositiveInt | None = Field(
         default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
@@ -222,7 +267,7 @@ class ParallelismConfig(_Model):
             return self.pipeline_schedule
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
 
-    @field_validator("context_parallel_size", "expert_model_parallel_size")
+    @field_validator("context_parallel_size")
     @classmethod
     def _not_modelled(cls, v: int, info):
         if v != 1:
@@ -529,6 +574,38 @@ class ScenarioConfig(_Model):
         if pp * classes > MAX_SIMULATED_RANKS:
             raise ValueError(f"run.rank_folding: {pp} stages x {classes} data-parallel classes = {pp * classes:,} "
                              f"simulated ranks; at most {MAX_SIMULATED_RANKS:,} (allowed: rank_folding classes)")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_scope(self):
+        """Megatron's rules for ``num_experts`` and ``expert_model_parallel_size``, and what is not modelled."""
+        p, m = self.parallelism, self.model
+        ep, E = p.expert_model_parallel_size, m.num_experts
+        key = "parallelism.expert_model_parallel_size"
+        if E is None:
+            if ep > 1:
+                raise ValueError(f"{key}: {ep} > 1 needs model.num_experts (a mixture-of-experts model)")
+            return self
+        if E % ep:
+            raise ValueError(f"{key}: {ep} must divide model.num_experts ({E})")
+        dp = p.data_parallel_size or 1
+        if dp % ep:
+            raise ValueError(f"{key}: {ep} must divide data_parallel_size {dp} = world size / (tp x pp) (EP ranks lie "
+                             "inside the data-parallel dimension, Megatron order tp-cp-ep-dp"
+                             + ("; set hardware.cluster)" if self.hardware.cluster is None else ")"))
+        if p.tensor_model_parallel_size > 1:
+            raise ValueError(f"model.num_experts with parallelism.tensor_model_parallel_size "
+                             f"{p.tensor_model_parallel_size} (expert tensor parallelism) is not modelled yet "
+                             "(allowed: tensor_model_parallel_size 1)")
+        if self.training.precision == "amp_fp32_params":
+            raise ValueError("model.num_experts needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
+                             "is not modelled with experts)")
+        if m.add_bias_linear:
+            raise ValueError("model.num_experts with model.add_bias_linear true is not modelled (Megatron's grouped "
+                             "experts have no biases; allowed: add_bias_linear false)")
+        if ep > 1 and dp > 1 and self.zero_optimization.stage:
+            raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
+                             "modelled yet (allowed: 0)")
         return self
 
     @model_validator(mode="after")

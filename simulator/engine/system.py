@@ -96,7 +96,7 @@ class System:
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
         ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
-        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``).
+        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``). ``"ep"`` is ``hw.ep_group`` and ``"edp"`` is ``hw.edp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -108,7 +108,7 @@ class System:
             from hardware_models.collectives import CollectiveError
 
             groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
-                      "dp_replicate": self.hw.dp_replicate_group}
+                      "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group}
             if key[1] == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
                 groups["pp"] = tuple(self.hw.pp_group[i] for i in key[3])
             if key[1] not in groups:

@@ -67,8 +67,17 @@ same memory traffic the GPU moves:
   (Su et al., *RoFormer*, 2021) are an elementwise kernel on q and k after the QKV GEMM and its
   mirror in backward, with no position table.
 
+* **Head dimension** ``kv_channels`` (Megatron ``--kv-channels``) makes the attention width ``a d``
+  instead of ``h``; **sliding-window attention** ``window_size`` (Jiang et al., *Mistral 7B*, 2023,
+  section 2) scores ``w (2 s - w) / 2`` (query, key) pairs per head instead of ``s^2 / 2``
+  (``TransformerSpec.attention_pairs``), in the flash kernels forward and backward and in the model
+  FLOPs. The flash kernels' HBM traffic stays q, k, v read once: in training every key lies in some
+  query's window, so the window removes work, not compulsory K/V bytes (a decode-time KV cache
+  would shrink; not modelled here).
+* **Mixture of experts** ``num_experts``: the MLP of every block is ``simulator.graph.builders.moe``.
+
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
-``V`` vocabulary, ``a`` heads, ``d = h / a``.
+``V`` vocabulary, ``a`` heads, ``d = h / a`` (or ``kv_channels``).
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.graph.builders import sharding as shd
+from simulator.graph.builders import moe
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
@@ -144,6 +154,21 @@ class TransformerSpec:
             after a row-parallel GEMM run beside that GEMM, chunk by chunk, and interfere with it as any
             collective does); ``fused`` (one fused GEMM + collective kernel, Triton-distributed / async-TP:
             the same overlap without taking SMs or HBM bandwidth from the GEMM). Needs sequence parallelism.
+        num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
+            MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
+        moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
+        moe_ffn_hidden_size: Width of one expert ``f_e`` (``None``: ``ffn_hidden_size``).
+        moe_shared_expert_intermediate_size: Width of the shared expert run on every token (``None``: none).
+        moe_expert_capacity_factor: Expert capacity factor ``c`` (token dropping; ``None``: dropless).
+        moe_router_load_balancing_type: ``aux_loss`` (Switch-style auxiliary loss) or ``none``.
+        expert_parallel_size: Expert-parallel ranks ``ep`` (Megatron ``--expert-model-parallel-size``): each
+            rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
+        kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
+            (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
+            ``a d x h``.
+        window_size: Sliding-window attention (Mistral; Beltagy et al., *Longformer*, 2020): each query
+            attends to its ``window_size`` most recent keys, itself included (the Hugging Face
+            ``sliding_window``); ``None``: full causal attention.
     """
 
     num_layers: int
@@ -182,6 +207,15 @@ class TransformerSpec:
     pipeline_schedule: str = "1f1b"
     pipeline_layers: tuple[int, ...] | None = None
     tp_comm_overlap: str = "none"
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    expert_parallel_size: int = 1
+    kv_channels: int | None = None
+    window_size: int | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -192,10 +226,13 @@ class TransformerSpec:
                      "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
             )
+        for name in ("kv_channels", "window_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
@@ -262,6 +299,7 @@ class TransformerSpec:
         if len(split) != p * v or sum(split) != self.num_layers or min(split) < 1:
             raise ValueError(f"pipeline_layers {list(split)} must be {p * v} numbers >= 1 (pipeline size x virtual "
                              f"stages) summing to num_layers {self.num_layers}")
+        moe.check_moe_spec(self)
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -271,13 +309,28 @@ class TransformerSpec:
 
     @property
     def head_dim(self) -> int:
-        """``d = h / a``."""
-        return self.hidden_size // self.num_attention_heads
+        """``d``: ``kv_channels``, else ``h / a``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the attention output (query heads), whole model: ``a d`` (``h`` unless ``kv_channels``)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def qkv_out_size(self) -> int:
-        """Output width of the fused QKV projection, whole model: ``h + 2 g d`` (``3h`` for MHA)."""
-        return self.hidden_size + 2 * self.query_groups * self.head_dim
+        """Output width of the fused QKV projection, whole model: ``a d + 2 g d`` (``3h`` for MHA)."""
+        return self.attention_width + 2 * self.query_groups * self.head_dim
+
+    @property
+    def attention_pairs(self) -> float:
+        """(query, key) pairs one head scores per sequence: ``s^2 / 2`` causal (the half square, as the FLOP
+        count of FlashAttention and PaLM's MFU), ``w (2 s - w) / 2`` with a window ``w < s`` (the half square
+        minus the ``(s - w)^2 / 2`` pairs beyond the window)."""
+        s, w = self.seq_length, self.window_size
+        if w is None or w >= s:
+            return s * s / 2
+        return w * (2 * s - w) / 2
 
     @property
     def fc1_out_size(self) -> int:
@@ -322,10 +375,19 @@ class TransformerSpec:
         with SwiGLU; column-parallel: weight and bias ``/ t``), projection and fc2 (row-parallel: weight
         ``/ t``, bias replicated), two norms (replicated). Whole layer with GQA + SwiGLU + RMSNorm and no
         biases: ``2 h^2 + 2 h g d + 3 h f + 2 h`` (Llama: Touvron et al., *Llama 2*, 2023, section 2.2 and
-        the Hugging Face ``LlamaDecoderLayer``)."""
+        the Hugging Face ``LlamaDecoderLayer``). With experts the MLP is the MoE layer's share on this rank
+        (``moe.moe_mlp_params``: router, ``E / ep`` experts, shared expert)."""
+        return self._layer_params(self.local_experts)
+
+    def _layer_params(self, experts: int) -> int:
+        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE)."""
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
         qkv, fc1 = self.qkv_out_size, self.fc1_out_size
-        w = (h * qkv + h * h + h * fc1 + f * h) // t
+        if self.num_experts:
+            mlp = moe.moe_mlp_params(self, experts)
+        else:
+            mlp = (h * fc1 + f * h) // t
+        w = (h * qkv + self.attention_width * h) // t + mlp
         b = (qkv // t + h + fc1 // t + h) if self.bias else (qkv // t if self.qkv_bias else 0)
         return w + b + 2 * self.norm_params
 
@@ -380,13 +442,29 @@ class TransformerSpec:
         return n
 
     @property
-    def num_parameters(self) -> int:
-        """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
-        rows + learned position, replicated; none with rope), blocks, final norm, LM head."""
+    def local_experts(self) -> int:
+        """Routed experts held by one rank, ``E / ep`` (0 without MoE)."""
+        return (self.num_experts or 0) // self.expert_parallel_size
+
+    def _params(self, experts: int) -> int:
         h = self.hidden_size
         emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
-        return emb + self.num_layers * self.layer_params + self.norm_params + head
+        return emb + self.num_layers * self._layer_params(experts) + self.norm_params + head
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters held by one TP rank (the whole model with ``t = 1``): embeddings (token ``V_p / t``
+        rows + learned position, replicated; none with rope), blocks, final norm, LM head. With experts:
+        the ``E / ep`` experts of this expert-parallel rank (all of them with ``ep = 1``)."""
+        return self._params(self.local_experts)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through (``num_parameters`` without MoE): every dense weight, the
+        router and ``k`` routed experts per block (Mixtral-8x7B: 12,879,925,248 of 46,702,792,704; Jiang et
+        al., *Mixtral of Experts*, 2024, section 2: "13B active parameters")."""
+        return self._params(self.moe_router_topk) if self.num_experts else self.num_parameters
 
     @property
     def sequence_parallel_params(self) -> int:
@@ -408,10 +486,20 @@ class TransformerSpec:
         QKV matrix is ``h (h + 2 g d)`` (attention FLOPs per query head unchanged) and with SwiGLU the
         MLP is ``3 h f``: Megatron-LM ``training.py num_floating_point_operations``, terms
         ``(1 + num_query_groups / num_attention_heads)`` and ``gated_linear_multiplier = 3/2``.
+        With ``kv_channels`` the attention matrices are ``h (a d + 2 g d) + a d h`` and attention
+        ``4 a d`` FLOPs per (query, key) pair; a sliding window counts only the pairs inside it
+        (``attention_pairs``). Mixture of experts: the active weights (router, ``k`` experts, shared
+        expert; Megatron's formula has ``num_experts_routed_to = moe_router_topk`` and omits the
+        router's ``2 h E``, < 0.01% of Mixtral's); dropped tokens (capacity factor) still count.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
-        mlp = (3 if self.swiglu else 2) * h * f
-        per_token_layer = 2 * (h * self.qkv_out_size + h * h + mlp) + 2 * s * h
+        if self.num_experts:  # active weights only: router + k experts (+ shared expert), see moe_mlp_params
+            mlp = moe.moe_mlp_params(self, self.moe_router_topk)
+        else:
+            mlp = (3 if self.swiglu else 2) * h * f
+        # causal attention per token: 2 (QK^T) + 2 (PV) FLOPs x d per (query, key) pair and head
+        att = 4 * self.attention_width * self.attention_pairs / s
+        per_token_layer = 2 * (h * self.qkv_out_size + self.attention_width * h + mlp) + att
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
@@ -489,16 +577,23 @@ class _GptBuilder:
         self.outgoing: dict[tuple, str] = {}  # pipeline transfers produced, not yet sent
         self._last_call: list[int] = []  # ops of the previous point-to-point call
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
+        self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool):
-        """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue)."""
-        e, T = self.e, self.T
+    def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
+                    tokens: int | None = None, groups: int = 1):
+        """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue).
+
+        ``tokens`` rows (default ``T``); ``groups > 1``: a grouped GEMM of ``groups`` weights ``[in, out]``
+        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows."""
+        e = self.e
+        T = self.T if tokens is None else tokens
+        W = groups * in_dim * out_dim
         wg = self.pg.weight(e.layer, e.phase) if self.pg is not None else None  # ZeRO-3/FSDP gathered unit
         w16 = e.fresh(f"{name}.w16")
         if self.amp and not (wg is not None and self.sh.param_bytes == 2):
-            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * in_dim * out_dim, writes=2 * in_dim * out_dim,
-                     out=[(w16, 2 * in_dim * out_dim)], uses=[wg] if wg else [], dtype="fp32")
+            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * W, writes=2 * W, out=[(w16, 2 * W)], uses=[wg] if wg else [],
+                     dtype="fp32")
         else:
             w16 = wg or f"param.{name}"
         xin = x
@@ -508,14 +603,19 @@ class _GptBuilder:
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
         y = e.fresh(f"{name}.out")
         e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                 reads=2 * (T * in_dim + in_dim * out_dim), writes=2 * T * out_dim,
+                 reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
                  out=[(y, 2 * T * out_dim)], uses=[xin, w16])
         self._after_overlapped_gemm()
         return y, (xin, w16) if save else ()
 
-    def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool):
-        """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation."""
-        e, T = self.e, self.T
+    def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool,
+                    tokens: int | None = None, groups: int = 1):
+        """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation (``tokens``,
+        ``groups``: as ``_linear_fwd``; the grouped weight gradient is ``groups`` GEMMs ``(out, in,
+        tokens / groups)``, priced as one of ``groups * out`` rows)."""
+        e = self.e
+        T = self.T if tokens is None else tokens
+        W = groups * in_dim * out_dim
         xin, w16 = saved
         if self.pg is not None:  # ZeRO-3/FULL_SHARD: read the parameters gathered again for backward
             w16 = self.pg.backward_weight(w16)
@@ -526,21 +626,21 @@ class _GptBuilder:
                      out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
-                 reads=2 * (T * out_dim + in_dim * out_dim), writes=2 * T * in_dim,
+                 reads=2 * (T * out_dim + W), writes=2 * T * in_dim,
                  out=[(dx, 2 * T * in_dim)], uses=[gin, w16])
         self._after_overlapped_gemm()
         dw = e.fresh(f"{name}.dw16")
-        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(out_dim, in_dim, T),
-                 reads=2 * (T * out_dim + T * in_dim), writes=2 * in_dim * out_dim,
-                 out=[(dw, 2 * in_dim * out_dim)], uses=[gin, xin])
+        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(groups * out_dim, in_dim, -(-T // groups)),
+                 reads=2 * (T * out_dim + T * in_dim), writes=2 * W,
+                 out=[(dw, 2 * W)], uses=[gin, xin])
         head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
         if self.s.bias or (name == "qkv" and self.s.qkv_bias):
             bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
             if not head:
                 self._grad_ready(f"{name}.bias", out_dim, bid)
-        wid, gname = self._accumulate_grad(name, dw, in_dim * out_dim)
+        wid, gname = self._accumulate_grad(name, dw, W)
         if name != "wte" or not self.s.has_embedding:  # the tied wte gradient is finished by embed.grad_accum
-            self._grad_ready(f"{name}.weight", in_dim * out_dim, wid, gname)
+            self._grad_ready(f"{name}.weight", W, wid, gname)
         return dx
 
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
@@ -591,19 +691,20 @@ class _GptBuilder:
 
     # -- tensor parallel ---------------------------------------------------------------------
     def _tp_op(self, name: str, op: str, nbytes: int, uses=(), out=(), deps=(), dtype: str | None = None,
-               after=None, fused: bool = False) -> int:
-        """A blocking collective over the ``tp`` group on stream ``comm.tp`` (``nbytes``: the per-rank buffer
-        of an all-reduce, the whole gathered/scattered array of an all-gather/reduce-scatter).
+               after=None, fused: bool = False, group: str = "tp") -> int:
+        """A blocking collective over the ``tp`` group (or ``group``: ``ep`` for the MoE all-to-alls) on stream
+        ``comm.<group>`` (``nbytes``: the per-rank buffer of an all-reduce or all-to-all, the whole
+        gathered/scattered array of an all-gather/reduce-scatter).
 
         As a synchronous ``torch.distributed`` call (ProcessGroupNCCL): it starts after every kernel issued
         before it on the compute stream (``after``: these ops instead, to run beside the last kernel), and the
         next compute kernel waits for it (Megatron 2020: no overlap of TP communication with compute).
         ``fused``: part of a fused GEMM + collective kernel (no interference with the GEMM)."""
         e = self.e
-        meta = {"collective": op, "bytes": int(nbytes), "group": "tp"}
+        meta = {"collective": op, "bytes": int(nbytes), "group": group}
         if fused:
             meta["fused_gemm"] = True
-        i = e.kernel(f"tp.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.tp", reads=float(nbytes),
+        i = e.kernel(f"{group}.{name}", C.OTHER, kind=OpKind.COLLECTIVE, stream=f"comm.{group}", reads=float(nbytes),
                      uses=uses, out=out, deps=[*deps, *(after if after is not None else [e.last_compute])],
                      dtype=dtype, meta=meta)
         e.wait_for.append(i)
@@ -674,71 +775,90 @@ class _GptBuilder:
                  flops=3 * n, out=[(y, 2 * n)], uses=[src])
         return y
 
+    # -- MLP activation ----------------------------------------------------------------------
+    def _act_fwd(self, prefix: str, fc1: str, T: int, f: int) -> str:
+        """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
+        SwiGLU ``silu(a) * b`` over the two halves of fc1 (Megatron fused bias_swiglu, ~6 FLOPs/element), or
+        GELU (~8 FLOPs/element)."""
+        e = self.e
+        name = "swiglu" if self.s.swiglu else "gelu"
+        g = e.fresh(f"{prefix}{name}.out")
+        n_in = 2 * T * f if self.s.swiglu else T * f
+        e.kernel(f"{prefix}{name}", C.ELEMENTWISE, reads=2 * n_in, writes=2 * T * f,
+                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, 2 * T * f)], uses=[fc1])
+        return g
+
+    def _act_bwd(self, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
+        """Backward of ``_act_fwd``: SwiGLU reads dy and both halves, writes both gradients (~12 FLOPs/element);
+        GELU reads dy and its input, writes dx (~16 FLOPs/element)."""
+        e = self.e
+        if self.s.swiglu:
+            dx = e.fresh(f"{prefix}swiglu.dx")
+            e.kernel(f"{prefix}swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f,
+                     flops=12 * T * f, out=[(dx, 2 * 2 * T * f)], uses=[g, fc1])
+        else:
+            dx = e.fresh(f"{prefix}gelu.dx")
+            e.kernel(f"{prefix}gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
+                     out=[(dx, 2 * T * f)], uses=[g, fc1])
+        return dx
+
     # -- blocks ----------------------------------------------------------------------------
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
         s, e, T, t = self.s, self.e, self.T, self.tp
-        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
-        d = h // a
-        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank: attention width, FFN width, heads; full width
-        qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width h + 2 g d, K (or V) width g d per rank
+        f, a, d, hf = s.ffn_hidden_size // t, s.num_attention_heads // t, s.head_dim, s.hidden_size
+        h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
+        qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         self._gather_layer_params(e.layer, e.phase)
         ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         qk = self._rope_fwd(qkv, h + kv)
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
-        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         e.kernel("attn", C.ATTENTION_FWD, flops=att_flops, shape=(bsz * a, s.seq_length, s.seq_length, d),
                  reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s.seq_length,
                  out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)],
-                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t})
+                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size})
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
         ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
-        fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
-        g = e.fresh("swiglu.out" if s.swiglu else "gelu.out")
-        if s.swiglu:  # silu(a) * b over the two halves of fc1 (Megatron fused bias_swiglu): ~6 FLOPs/element
-            e.kernel("swiglu", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=6 * T * f,
-                     out=[(g, 2 * T * f)], uses=[fc1])
+        fc1 = sv_fc1 = sv_fc2 = sv_moe = None
+        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+            fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
-            e.kernel("gelu", C.ELEMENTWISE, reads=2 * T * f, writes=2 * T * f, flops=8 * T * f,
-                     out=[(g, 2 * T * f)], uses=[fc1])
-        fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
-        fc2 = self._tp_reduce("fc2", fc2)
+            fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
+            g = self._act_fwd("", fc1, T, f)
+            fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
+            fc2 = self._tp_reduce("fc2", fc2)
         x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
         saved = {}
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
-                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2)
+                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
         """One block backward; ``gx`` is the gradient of the block output (residual dtype)."""
         s, e, T, t = self.s, self.e, self.T, self.tp
-        h, f, a = s.hidden_size, s.ffn_hidden_size, s.num_attention_heads
-        d = h // a
-        h, f, a, hf = h // t, f // t, a // t, h  # per TP rank (see _layer_fwd)
+        f, a, d, hf = s.ffn_hidden_size // t, s.num_attention_heads // t, s.head_dim, s.hidden_size
+        h = s.attention_width // t  # per TP rank (see _layer_fwd)
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t
         self._gather_layer_params(e.layer, e.phase)
         bsz = s.micro_batch_size
-        att_flops = 4 * bsz * a * s.seq_length**2 * d / 2
+        att_flops = 4 * bsz * a * s.attention_pairs * d
         # MLP
-        g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
-        if s.swiglu:  # d/da silu(a) b and d/db: read dy and both halves, write both gradients (~12 FLOPs/element)
-            g_gelu = e.fresh("swiglu.dx")
-            e.kernel("swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f, flops=12 * T * f,
-                     out=[(g_gelu, 2 * 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
+        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+            g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
-            g_gelu = e.fresh("gelu.dx")
-            e.kernel("gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
-                     out=[(g_gelu, 2 * T * f)], uses=[g_fc2_in, sv["fc1"]])
-        g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
-                                                             g_fp32=False))
+            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
+            g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
+            g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
+                                                                 g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
@@ -757,7 +877,7 @@ class _GptBuilder:
                  shape=(bsz * a, s.seq_length, s.seq_length, d),
                  reads=2 * (T * qo + 2 * T * h), writes=2 * T * qo + 4 * T * h,
                  out=[(g_qkv, 2 * T * qo)], uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                 meta={"kv_heads": s.query_groups // t})
+                 meta={"kv_heads": s.query_groups // t, "window": s.window_size})
         g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
@@ -978,7 +1098,7 @@ class _GptBuilder:
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
         reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
-        deps = list(self.comm_ops) + self.tp_ops
+        deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
@@ -1013,6 +1133,9 @@ class _GptBuilder:
         pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, self._grad_elem_bytes, op, tensor)
         self.groups.append(pg)
         if not self.dp:
+            return
+        if self.s.expert_parallel_size > 1 and name.startswith("experts."):  # over the expert-data-parallel group
+            moe.reduce_expert_grad(self, pg)
             return
         s = self.s
         if self.sh is not None and self._sharded_grad_ready(pg):

@@ -76,14 +76,15 @@ def test_qwen2_qkv_bias(tmp_path):
 
 LLAMA = json.loads((MODELS / "llama-2-7b.json").read_text())
 BAD = [
-    ("moe", {**LLAMA, "model_type": "mixtral", "num_local_experts": 8}, {}, ["num_local_experts", "mixture-of-experts"]),
+    ("moe", {**LLAMA, "model_type": "qwen2_moe", "num_experts": 60}, {}, ["num_experts", "mixture-of-experts", "mixtral only"]),
     ("architecture", {**LLAMA, "model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, {},
-     ["model_type", "'t5'", "T5ForConditionalGeneration", "gpt2, llama, mistral, qwen2"]),
+     ["model_type", "'t5'", "T5ForConditionalGeneration", "gpt2, llama, mistral, mixtral, qwen2"]),
     ("activation", {**LLAMA, "hidden_act": "gelu"}, {}, ["hidden_act", "silu"]),
-    ("head_dim", {**LLAMA, "head_dim": 256}, {}, ["head_dim"]),
+    ("head_dim", {**LLAMA, "head_dim": 0}, {}, ["head_dim", "positive integer"]),
     ("missing key", {k: v for k, v in LLAMA.items() if k != "hidden_size"}, {}, ["hidden_size", "missing"]),
     ("kv heads", {**LLAMA, "num_key_value_heads": 5}, {}, ["num_key_value_heads (5) must divide"]),
-    ("sliding window", {**LLAMA, "model_type": "mistral", "sliding_window": 1024}, {}, ["sliding_window 1024"]),
+    ("qwen2 sliding window", {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 1024}, {},
+     ["sliding_window 1024", "max_window_layers"]),
     ("groups do not divide", None, {"num_query_groups": 3}, ["num_query_groups (3) must divide"]),
     ("groups without gqa", None, {"num_query_groups": 4, "group_query_attention": False},
      ["needs group_query_attention"]),

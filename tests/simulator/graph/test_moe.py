@@ -1,0 +1,230 @@
+"""Mixture of experts: exact parameter counts (Mixtral-8x7B), all-to-all bytes per layer and grouped-GEMM shapes
+worked out by hand, capacity factor, model FLOPs from active parameters, expert-parallel rank groups, a 2-layer
+Mixtral-shaped run on a DGX H100 with ep 8, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from simulator.api import model_num_parameters, run_scenario, transformer_spec
+from simulator.cli import main
+from simulator.config.loader import load_scenario, resolve_hardware
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.ops import OpKind
+from tests.conftest import ROOT
+
+MIXTRAL = ROOT / "scenarios/models/mixtral-8x7b.json"
+# tiny MoE: L=2, h=64, a=4, s=16, b=2 (T = 32 tokens), V=1000, E=4 experts of f_e=128, top-2, SwiGLU, bf16
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000, ffn_hidden_size=128,
+            micro_batch_size=2, tied_embeddings=False, bias=False, precision="bf16", swiglu=True,
+            normalization="RMSNorm", position_embedding="rope", num_experts=4, moe_router_topk=2)
+T, H, K, E, FE = 32, 64, 2, 4, 128
+
+
+def _spec(**kw) -> TransformerSpec:
+    return TransformerSpec(**{**TINY, **kw})
+
+
+def _coll(graph, layer: int, group: str) -> Counter:
+    return Counter((o.meta["collective"], o.meta["bytes"]) for o in graph.ops
+                   if o.kind is OpKind.COLLECTIVE and o.layer == layer and o.meta["group"] == group)
+
+
+def _scenario(tmp_path: Path, model: dict, parallelism: dict | None = None, cluster: dict | None = None,
+              training: dict | None = None) -> Path:
+    d = {"name": "moe", "hardware": {"gpu": "h100-sxm-80gb", "host": "dgx-h100-host"},
+         "model": model, "training": {"micro_batch_size": 1, "precision": "bf16", **(training or {})},
+         "parallelism": parallelism or {}, "run": {"steps": 3, "warmup_steps": 1}}
+    if cluster is not None:
+        d["hardware"]["cluster"] = cluster
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def _mixtral(**kw) -> dict:
+    return {"from_hf": str(MIXTRAL), "seq_length": 4096, **kw}
+
+
+# -- parameters --------------------------------------------------------------------------------
+def test_mixtral_8x7b_parameter_counts_exact(tmp_path):
+    # per layer: attention 2 h^2 + 2 h (g d) = 41,943,040; router h E = 32,768; experts 8 x 3 h f = 1,409,286,144;
+    # 2 RMSNorms 8,192 -> 1,451,270,144 x 32 layers; + untied embedding and head 2 V h = 262,144,000 + final norm 4,096
+    cfg = load_scenario(_scenario(tmp_path, _mixtral()))
+    assert model_num_parameters(cfg) == 46_702_792_704  # published: "46.7B total" (Jiang et al. 2024)
+    per_layer = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 8 * 3 * 4096 * 14336 + 2 * 4096
+    assert 32 * per_layer + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    active = 32 * (per_layer - 6 * 3 * 4096 * 14336) + 2 * 32000 * 4096 + 4096  # top-2: 2 of the 8 experts
+    assert transformer_spec(cfg).num_active_parameters == active == 12_879_925_248  # "12.9B active"
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.ffn_hidden_size, m.query_groups) == (8, 2, 14336, 8)
+
+
+def test_expert_parallel_rank_holds_its_experts_and_param_groups_sum():
+    s = _spec(expert_parallel_size=2, data_parallel_size=2)
+    expert = 3 * H * FE
+    dense = 2 * (1000 * H) + H + 2 * (H * (H + 2 * H) + H * H + 2 * H + H * E)  # embeddings, norms, attention, router
+    assert s.num_parameters == dense + 2 * 2 * expert  # 2 layers x E / ep = 2 local experts
+    assert _spec().num_parameters == dense + 2 * 4 * expert
+    g = build_gpt_step(s)
+    assert sum(p.numel for p in g.param_groups) == s.num_parameters
+    assert [p.numel for p in g.param_groups if p.name == "L0.experts.fc1.weight"] == [2 * H * 2 * FE]
+
+
+# -- kernels -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("recompute,n_fwd", [("none", 2), ("full", 4)])
+def test_four_all_to_alls_per_layer_of_b_s_h_topk_16_bit(recompute, n_fwd):
+    # dispatch and combine forward, their two backward all-to-alls: each rank sends b s h x topk 16-bit values
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=2, recompute=recompute))
+    a2a = 2 * T * H * K  # 8192 bytes
+    for layer in (0, 1):
+        c = _coll(g, layer, "ep")
+        assert c[("all_to_all", a2a)] == n_fwd + 2
+        assert c[("all_gather", 8 * E * 2)] == n_fwd // 2  # tokens per expert [ep, E] int64, each forward pass
+    names = [o.name for o in g.ops if o.layer == 0 and o.meta and o.meta.get("collective") == "all_to_all"]
+    assert names[:2] == ["L0.fwd.ep.moe.dispatch.all_to_all", "L0.fwd.ep.moe.combine.all_to_all"]
+    assert all(o.stream == "comm.ep" for o in g.ops if o.meta and o.meta.get("group") == "ep")
+    assert not _coll(build_gpt_step(_spec()), 0, "ep")  # ep = 1: no all-to-all
+
+
+def test_grouped_gemm_shapes_and_flops_by_hand():
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=2))
+    ops = {o.name: o for o in g.ops if o.layer == 0}
+    N = T * K  # balanced: each rank's 2 local experts process T k = 64 rows (ep T k / E = 32 per expert)
+    fc1 = ops["L0.fwd.experts.fc1.gemm"]
+    assert fc1.shape == (N, 2 * FE, H) and fc1.flops == 2 * N * H * 2 * FE
+    assert fc1.bytes_read == 2 * (N * H + 2 * H * 2 * FE)  # tokens + both local experts' weights
+    assert ops["L0.fwd.experts.fc2.gemm"].shape == (N, H, FE)
+    wg = ops["L0.bwd.experts.fc1.wgrad"]
+    assert wg.shape == (2 * 2 * FE, H, N // 2) and wg.flops == 2 * N * H * 2 * FE
+    assert ops["L0.fwd.router.gemm"].shape == (T, E, H)
+    assert ops["L0.fwd.experts.swiglu"].bytes_written == 2 * N * FE
+    # the host waits for the tokens-per-expert counts once per forward pass (all-to-all splits, GEMM batch sizes)
+    syncs = [o for o in g.ops if o.kind is OpKind.SYNC and o.layer == 0]
+    assert [o.name for o in syncs] == ["L0.fwd.moe.tokens_per_expert.sync"]
+
+
+@pytest.mark.parametrize("factor,n", [(None, 64), (2.0, 64), (1.0, 64), (0.5, 32), (0.3, 20)])
+def test_capacity_factor_drops_tokens(factor, n):
+    # capacity ceil(c T k / E) per expert from T = 32 tokens, k = 2, E = 4 (16 each when balanced): c 0.5 -> 8,
+    # c 0.3 -> ceil(4.8) = 5, so 4 x 5 = 20 rows; c >= 1 drops nothing under balanced routing
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=2, moe_expert_capacity_factor=factor))
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * n * H)] == 4
+    assert [o.shape[0] for o in g.ops if o.name == "L0.fwd.experts.fc1.gemm"] == [n]
+
+
+def test_model_flops_use_active_parameters():
+    s = _spec()
+    qkv = H + 2 * H  # multi-head: 3h
+    per_token_layer = 2 * (H * qkv + H * H + H * E + K * 3 * H * FE) + 2 * 16 * H  # + causal attention 2 s h
+    assert s.model_flops_per_sample() == 3 * 16 * (2 * per_token_layer + 2 * H * 1000)
+    assert s.model_flops_per_sample() < _spec(moe_router_topk=4).model_flops_per_sample()
+
+
+def test_shared_expert_adds_a_dense_mlp():
+    s = _spec(moe_shared_expert_intermediate_size=96)
+    assert s.num_parameters - _spec().num_parameters == 2 * 3 * H * 96
+    g = build_gpt_step(s)
+    assert sum(p.numel for p in g.param_groups) == s.num_parameters
+    assert [o.shape for o in g.ops if o.name == "L0.fwd.shared_expert.fc1.gemm"] == [(T, 2 * 96, H)]
+
+
+def test_expert_gradients_reduced_over_the_expert_data_parallel_group():
+    # dp 4, ep 2: expert weights are replicated on dp / ep = 2 ranks -> one fp32 all-reduce per expert tensor
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=4))
+    edp = Counter((o.meta["collective"], o.meta["bytes"]) for o in g.ops if o.meta and o.meta.get("group") == "edp")
+    assert edp == {("all_reduce", 4 * 2 * H * 2 * FE): 2, ("all_reduce", 4 * 2 * FE * H): 2}  # 2 layers
+    ddp = sum(o.meta["bytes"] for o in g.ops if o.meta and o.meta.get("group") == "dp")
+    assert ddp == 4 * (_spec().num_parameters - 2 * 4 * 3 * H * FE)  # dense parameters only
+    # dp = ep: every replica of these experts is on this rank, nothing to reduce
+    g2 = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=2))
+    assert not [o for o in g2.ops if o.meta and o.meta.get("group") == "edp"]
+
+
+# -- cluster -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes,ep,ep_group,edp_group", [(1, 8, tuple(range(8)), (0,)),
+                                                          (1, 4, (0, 1, 2, 3), (0, 4)),
+                                                          (2, 8, tuple(range(8)), (0, 8))])
+def test_rank_groups_tp_cp_ep_dp(tmp_path, nodes, ep, ep_group, edp_group):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": ep},
+                  {"preset": "dgx-h100", "nodes": nodes})
+    hw = resolve_hardware(load_scenario(p))
+    assert (hw.ep_group, hw.edp_group, hw.dp_group) == (ep_group, edp_group, tuple(range(8 * nodes)))
+
+
+def test_two_layer_mixtral_on_dgx_h100_ep8(tmp_path):
+    p = _scenario(tmp_path, _mixtral(num_layers=2), {"expert_model_parallel_size": 8},
+                  {"preset": "dgx-h100", "nodes": 1})
+    cfg = load_scenario(p)
+    s = run_scenario(cfg).summary
+    assert s["expert_parallel_size"] == 8 and s["data_parallel_size"] == 8
+    assert s["num_parameters"] == 2 * 1_451_270_144 + 2 * 32000 * 4096 + 4096
+    assert s["num_active_parameters"] == 2 * (1_451_270_144 - 6 * 3 * 4096 * 14336) + 2 * 32000 * 4096 + 4096
+    # 4 all-to-alls per layer of 2 x 4096 x 4096 x 2 bytes: at most the NVLink bandwidth (450 GB/s per direction
+    # per H100, 7/8 of each buffer leaves the GPU) and no more than 5x slower than it
+    ep = s["comm_s_by_group"]["ep"]
+    wire = 2 * 4 * (7 / 8) * 2 * 4096 * 4096 * 2 / 450e9
+    assert wire < ep < 5 * wire
+    assert "edp" not in s["comm_s_by_group"]  # dp = ep = 8
+    assert 0 < s["step_time_s"] < 1.0
+    assert any("routing is assumed balanced" in w for w in s["warnings"])
+
+
+# -- bad input ---------------------------------------------------------------------------------
+BAD = [
+    ("ep without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
+                            "seq_length": 512}, {"expert_model_parallel_size": 2}, True,
+     ["parallelism.expert_model_parallel_size: 2 > 1 needs model.num_experts"]),
+    ("ep not dividing experts", _mixtral(num_layers=1), {"expert_model_parallel_size": 3}, True,
+     ["expert_model_parallel_size: 3 must divide model.num_experts (8)"]),
+    ("dp not divisible by ep", {**_mixtral(num_layers=1), "num_experts": 16}, {"expert_model_parallel_size": 16},
+     True, ["expert_model_parallel_size: 16 must divide data_parallel_size 8", "tp-cp-ep-dp"]),
+    ("ep without cluster", _mixtral(num_layers=1), {"expert_model_parallel_size": 2}, False,
+     ["must divide data_parallel_size 1", "hardware.cluster"]),
+    ("topk above experts", _mixtral(num_layers=1, moe_router_topk=9), {}, False,
+     ["moe_router_topk (9) exceeds num_experts (8)"]),
+    ("moe key without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
+                                 "seq_length": 512, "moe_router_topk": 4}, {}, False,
+     ["moe_router_topk needs model.num_experts"]),
+    ("tensor parallel experts", _mixtral(num_layers=1), {"tensor_model_parallel_size": 2}, True,
+     ["tensor_model_parallel_size 2", "not modelled"]),
+    ("biases", _mixtral(num_layers=1, add_bias_linear=True), {}, False, ["add_bias_linear", "not modelled"]),
+    ("capacity factor zero", _mixtral(num_layers=1, moe_expert_capacity_factor=0), {}, False,
+     ["moe_expert_capacity_factor"]),
+    ("sinkhorn", _mixtral(num_layers=1, moe_router_load_balancing_type="sinkhorn"), {}, False,
+     ["moe_router_load_balancing_type", "aux_loss"]),
+]
+
+
+@pytest.mark.parametrize("label,model,par,cluster,expected", BAD, ids=[b[0] for b in BAD])
+def test_bad_moe_input_one_line_exit_2(tmp_path, capsys, label, model, par, cluster, expected):
+    p = _scenario(tmp_path, model, par, {"preset": "dgx-h100", "nodes": 1} if cluster else None)
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and str(p) in err
+    for fragment in expected:
+        assert fragment in err, f"{label}: {fragment!r} not in {err!r}"
+
+
+def test_amp_precision_refused_with_experts(tmp_path, capsys):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), training={"precision": "amp_fp32_params"})
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "num_experts needs training.precision bf16 or fp16" in err
+
+
+def test_spec_refuses_what_the_schema_refuses():
+    with pytest.raises(ValueError, match="must divide num_experts"):
+        _spec(expert_parallel_size=3, data_parallel_size=3)
+    with pytest.raises(ValueError, match="must divide data_parallel_size"):
+        _spec(expert_parallel_size=2)
+    with pytest.raises(ValueError, match="between 1 and num_experts"):
+        _spec(moe_router_topk=5)
+    with pytest.raises(ValueError, match="need num_experts"):
+        _spec(num_experts=None, moe_ffn_hidden_size=64)
+    assert math.isfinite(_spec().model_flops_per_sample())
