@@ -115,6 +115,7 @@ class Hardware:
         dp_shard_group: The data-parallel ranks of its node (FSDP HYBRID_SHARD shards inside a node).
         dp_replicate_group: The ranks with its local rank on every node (HYBRID_SHARD's all-reduce across nodes).
         pp_group: Global ranks of the representative rank of each pipeline stage, stage order.
+        cp_group: Global ranks of its context-parallel group (``dp_group`` then spans data x context parallel).
         pp_rank: The pipeline stage this machine's representative rank belongs to.
         slowdown: Multiplier on every kernel's time of this rank (``rank_overrides``; 1: as priced).
         ep_group: Global ranks of its expert-parallel group (MoE all-to-alls; inside the data-parallel group).
@@ -135,6 +136,7 @@ class Hardware:
     dp_shard_group: tuple[int, ...] = (0,)
     dp_replicate_group: tuple[int, ...] = (0,)
     pp_group: tuple[int, ...] = (0,)
+    cp_group: tuple[int, ...] = (0,)
     pp_rank: int = 0
     slowdown: float = 1.0
     ep_group: tuple[int, ...] = (0,)
@@ -162,7 +164,7 @@ class Hardware:
         base = self.pp_group[rank] - self.pp_group[0]
         shift = lambda g: tuple(r + base for r in g)  # noqa: E731
         return replace(self, pp_rank=rank, dp_group=shift(self.dp_group), tp_group=shift(self.tp_group),
-                       ep_group=shift(self.ep_group), edp_group=shift(self.edp_group))
+                       ep_group=shift(self.ep_group), edp_group=shift(self.edp_group), cp_group=shift(self.cp_group))
 
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").

@@ -57,6 +57,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
+        context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
@@ -123,7 +124,7 @@ def _whole_model(cfg: ScenarioConfig) -> TransformerSpec:
     return dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
                                tp_comm_overlap="none", expert_parallel_size=1, data_parallel_size=1, zero_stage=0,
                                sharding=None, pipeline_parallel_size=1, virtual_pipeline_size=1,
-                               pipeline_schedule="1f1b", pipeline_layers=None)
+                               pipeline_schedule="1f1b", pipeline_layers=None, context_parallel_size=1)
 
 
 def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | None:
@@ -380,7 +381,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "representative, the classes meet at the data-parallel collectives (which then take their "
                        "isolated NCCL time, without interference); no network contention from other jobs")
         else:
-            out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded "
+            out.append(f"{len(hw.dp_group)} data{'- x context' if len(hw.cp_group) > 1 else ''}-parallel x "
+                       f"{len(hw.tp_group)} tensor-parallel ranks folded "
                        "symmetrically: one representative rank is simulated and its collectives are priced by the NCCL "
                        "model (no stragglers, no network contention from other jobs)")
         nccl = hw.nccl

@@ -85,6 +85,8 @@ def format_summary(s: dict, name: str) -> str:
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
                      + (f", pipeline parallel {pipe['pipeline_model_parallel_size']} ({pipe['schedule']}, "
                         f"{pipe['micro_batches']} micro-batches)" if pipe else "")
+                     + (f", context parallel {s['context_parallel_size']}" if s.get("context_parallel_size", 1) > 1
+                        else "")
                      + (f", expert parallel {s['expert_parallel_size']} (inside data parallel)"
                         if s.get("expert_parallel_size", 1) > 1 else "")
                      + (f"; {strategy}: {sharded} over the data-parallel ranks" if sharded else ""))

@@ -289,7 +289,9 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
-    ``pp_group``, ``ep_group``, ``edp_group``, ``nccl`` (an empty dict without ``hardware.cluster``: one GPU).
+    ``pp_group``, ``cp_group``, ``ep_group``, ``edp_group``, ``nccl`` (an empty dict without ``hardware.cluster``:
+    one GPU; with context parallelism ``dp_group`` is the data x context parallel group the gradients are
+    reduced over).
     Ranks are numbered node by node in Megatron's default order (tp-cp-ep-dp-pp, tensor-parallel fastest:
     ``initialize_model_parallel``; cp = 1), so the representative rank 0 has the TP group ``0..tp-1``
     (inside its node), the DP group ``0, tp, 2 tp, ..., (dp - 1) tp``, the expert-parallel group
@@ -327,9 +329,11 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     world = topo.world_size
     par = cfg.parallelism
     dp, tp, pp = par.data_parallel_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if dp * tp * pp != world:  # the schema checked this already unless its preset lookup failed
+    cp = par.context_parallel_size
+    if dp * tp * pp * cp != world:  # the schema checked this already unless its preset lookup failed
         raise ScenarioError(f"{source}: parallelism.data_parallel_size: {dp} does not match the world size {world} "
-                            f"of hardware.cluster / (tp {tp} x pp {pp}) (allowed: {world // (tp * pp)})")
+                            f"of hardware.cluster / (tp {tp} x pp {pp} x cp {cp}) (allowed: "
+                            f"{world // (tp * pp * cp)})")
     n = cfg.nccl
     try:
         nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels,
@@ -339,9 +343,12 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     per_node = world // c.nodes
-    stage = tp * dp  # ranks per pipeline stage (tp-dp-pp order: the stages are the outermost dimension)
+    stage = tp * cp * dp  # ranks per pipeline stage (tp-cp-ep-dp-pp order: the stages are the outermost)
     ep = cfg.parallelism.expert_model_parallel_size
+    # the gradient all-reduce group spans data and context parallelism (Megatron's data-parallel group with
+    # context parallelism): every stride-tp rank of the stage; the CP group is its first cp ranks
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
+            "cp_group": tuple(range(0, tp * cp, tp)),
             "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
             "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
             "ep_group": tuple(range(0, ep * tp, tp)), "edp_group": tuple(range(0, stage, tp * ep)), "nccl": nccl}

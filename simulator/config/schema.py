@@ -221,7 +221,6 @@ class ParallelismConfig(_Model):
     """Megatron-LM parallel sizes (rank order tp-cp-ep-dp-pp: tensor-parallel ranks are consecutive, inside a
     node; expert-parallel ranks lie inside the data-parallel dimension; pipeline stages are the outermost).
 
-    Context parallelism is not modelled yet (must be 1).
     """
 
     tensor_model_parallel_size: PositiveInt = Field(
@@ -247,7 +246,13 @@ class ParallelismConfig(_Model):
     pipeline_layers_per_stage: list[PositiveInt] | None = Field(
         default=None, max_length=MAX_DATA_PARALLEL_SIZE, description="Custom split: transformer blocks of each "
         "pipeline stage (pp x virtual numbers, model-chunk order) summing to model.num_layers.")
-    context_parallel_size: PositiveInt = 1
+    context_parallel_size: PositiveInt = Field(
+        default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --context-parallel-size: each sequence split over "
+        "cp ranks (needs hardware.cluster; 2 x cp must divide seq_length); world = tp x cp x dp x pp.")
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = Field(
+        default="p2p", description="Megatron --cp-comm-type: p2p (ring attention: K/V passed around the CP ring "
+        "beside the partial attention kernels), all_gather (K/V all-gathered before attention), a2a (Ulysses: "
+        "all-to-all to split heads instead of the sequence; cp must divide the heads per TP rank).")
     expert_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-model-parallel-size: each rank holds "
         "num_experts / ep experts; must divide model.num_experts and data_parallel_size (EP ranks lie inside the "
@@ -267,12 +272,6 @@ class ParallelismConfig(_Model):
             return self.pipeline_schedule
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
 
-    @field_validator("context_parallel_size")
-    @classmethod
-    def _not_modelled(cls, v: int, info):
-        if v != 1:
-            raise ValueError(f"{v} is not modelled yet (allowed: 1)")
-        return v
 
 
 class RunConfig(_Model):
@@ -363,8 +362,11 @@ class ScenarioConfig(_Model):
             return data
         tp = par.get("tensor_model_parallel_size", 1) or 1
         pp = par.get("pipeline_model_parallel_size", 1) or 1
-        want = world // (tp * pp) if isinstance(tp, int) and isinstance(pp, int) and tp * pp else None
-        if want is not None and world % (tp * pp):  # tp x pp does not divide the world: its own check names it
+        cp = par.get("context_parallel_size", 1) or 1
+        sizes = (tp, pp, cp)
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes)
+        want = world // (tp * pp * cp) if ok else None
+        if want is not None and world % (tp * pp * cp):  # they do not divide the world: their own check names it
             want = None
         if dp is None:
             if want is not None:
@@ -372,7 +374,7 @@ class ScenarioConfig(_Model):
         elif isinstance(dp, int) and want is not None and dp != want:
             raise ValueError(f"parallelism.data_parallel_size: {dp} does not match the world size {world} of "
                              f"hardware.cluster ({cl.get('nodes', 1)} node(s) x {world // cl.get('nodes', 1)} GPUs) / "
-                             f"(tp {tp} x pp {pp}) = {want} (allowed: {want}, or omit it)")
+                             f"(tp {tp} x pp {pp} x cp {cp}) = {want} (allowed: {want}, or omit it)")
         return data
 
     @model_validator(mode="after")
@@ -606,6 +608,37 @@ class ScenarioConfig(_Model):
         if ep > 1 and dp > 1 and self.zero_optimization.stage:
             raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
                              "modelled yet (allowed: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_scope(self):
+        """Megatron's rules for ``context_parallel_size`` > 1, and what is not modelled with it."""
+        p, m = self.parallelism, self.model
+        cp = p.context_parallel_size
+        key = "parallelism.context_parallel_size"
+        if cp == 1:
+            return self
+        if self.hardware.cluster is None:
+            raise ValueError(f"{key}: {cp} > 1 needs hardware.cluster (e.g. {{preset: dgx-h100, nodes: 1}})")
+        world = world_size_of(self.hardware.cluster)
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if world is not None and world % (tp * pp * cp):
+            raise ValueError(f"{key}: tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} must divide the world size {world} "
+                             "of hardware.cluster")
+        if m.seq_length % (2 * cp):
+            raise ValueError(f"{key}: 2 x {cp} must divide model.seq_length {m.seq_length} (Megatron splits each "
+                             "sequence into 2 cp chunks for causal load balance)")
+        if p.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
+            raise ValueError(f"parallelism.cp_comm_type: a2a needs cp {cp} to divide the attention heads per TP rank "
+                             f"({m.num_attention_heads // tp})")
+        if self.training.precision == "amp_fp32_params":
+            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM)")
+        z = self.zero_optimization
+        if z.stage or self.fsdp is not None or self.ddp.use_distributed_optimizer or m.num_experts:
+            raise ValueError(f"{key}: {cp} > 1 with ZeRO, FSDP, the distributed optimizer or experts is not modelled "
+                             "yet (allowed: DDP data parallelism, dense models)")
+        if z.offload_optimizer.device != "none" or z.offload_param.device != "none" or self.dataloader is not None:
+            raise ValueError(f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet")
         return self
 
     @model_validator(mode="after")

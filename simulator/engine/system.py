@@ -108,7 +108,10 @@ class System:
             from hardware_models.collectives import CollectiveError
 
             groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
-                      "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group}
+                      "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
+                      "cp": self.hw.cp_group}
+            if key[0] == "send_recv" and key[1] == "cp":  # the CP ring: this rank to its next neighbour
+                groups["cp"] = self.hw.cp_group[:2]
             if key[1] == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
                 groups["pp"] = tuple(self.hw.pp_group[i] for i in key[3])
             if key[1] not in groups:

@@ -99,6 +99,7 @@ RECOMPUTE = ("none", "full", "selective")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ class TransformerSpec:
     pipeline_schedule: str = "1f1b"
     pipeline_layers: tuple[int, ...] | None = None
     tp_comm_overlap: str = "none"
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -287,6 +290,11 @@ class TransformerSpec:
                                  "amp_fp32_params (torch.autocast)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
+        c = self.context_parallel_size
+        if c < 1 or self.seq_length % (2 * c) and c > 1:
+            raise ValueError(f"context_parallel_size {c}: 2 x {c} must divide seq_length {self.seq_length}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.tp_comm_overlap not in TP_COMM_OVERLAP:
             raise ValueError(f"tp_comm_overlap must be one of {TP_COMM_OVERLAP}, got {self.tp_comm_overlap!r}")
         if self.tp_comm_overlap != "none" and not (self.sequence_parallel and t > 1):
@@ -550,11 +558,14 @@ class _GptBuilder:
         amp = spec.precision == "amp_fp32_params"
         self.amp = amp
         self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
-        self.T = spec.micro_batch_size * spec.seq_length
+        self.cp = spec.context_parallel_size
+        #: tokens of one micro-batch on this rank (``s / c`` of each sequence with context parallelism)
+        self.T = spec.micro_batch_size * spec.seq_length // self.cp
         self.grad_made: set[str] = set()
         self.last_mb = False
         self.groups: list[ParamGroup] = []
-        self.dp = spec.data_parallel_size > 1
+        # gradients are reduced over the data x context parallel ranks (CP ranks hold other tokens of a sequence)
+        self.dp = spec.data_parallel_size * spec.context_parallel_size > 1
         self.zero = spec.zero_stage if self.dp else 0
         # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
         self._grads_in_buckets = self.dp and self.zero == 0 and spec.gradient_as_bucket_view
@@ -803,6 +814,65 @@ class _GptBuilder:
         return dx
 
     # -- blocks ----------------------------------------------------------------------------
+    def _attention(self, name: str, cc: C, *, flops: float, reads: float, writes: float, out, uses, meta: dict,
+                   kv: int, q_bytes: float, o_bytes: float, backward: bool = False) -> None:
+        """One flash-attention kernel (forward, recompute or backward) over this rank's queries, with context
+        parallelism's communication around it (``cp_comm_type``; nothing without context parallelism).
+
+        ``flops``: the kernel's FLOPs over the whole sequence for this rank's heads; ``kv``: K (or V) width per TP
+        rank (``g d / t``); ``q_bytes`` / ``o_bytes``: the 16-bit tensors the
+        Ulysses all-to-alls move before / after the kernel. With ``c`` CP ranks the kernel does ``1 / c`` of the
+        sequence's work (Megatron's causal load balancing: 2c chunks, rank ``i`` holds chunks ``i`` and
+        ``2c - 1 - i``): ``p2p`` runs it as ``c`` partial kernels, each over one K/V chunk, and passes the local
+        K/V chunk (with its gradient in backward) to the next CP rank beside each (Liu et al., *Ring
+        Attention*, 2023; Megatron ``AttnFuncWithCPAndKVP2P``); ``all_gather`` all-gathers K and V before the
+        kernel (and dK/dV are reduce-scattered after the backward); ``a2a`` all-to-alls q, k, v into a head split
+        and the output back (Jacobs et al., *DeepSpeed-Ulysses*, 2023)."""
+        s, e, c = self.s, self.e, self.cp
+        bsz, a, d = s.micro_batch_size, s.num_attention_heads // self.tp, s.head_dim
+        if c == 1:
+            e.kernel(name, cc, flops=flops, shape=(bsz * a, s.seq_length, s.seq_length, d), reads=reads,
+                     writes=writes, out=out, uses=uses, meta=meta)
+            return
+        s_loc = s.seq_length // c
+        chunk = 2 * 2 * bsz * s_loc * kv  # this rank's K and V, 16-bit
+        flops = flops / c  # ``flops`` is the whole sequence's for this rank's heads: 1 / c of it is this rank's
+        mode = s.cp_comm_type
+        if mode == "a2a":
+            self._cp_op(f"{name}.a2a_in", "all_to_all", q_bytes)
+            e.kernel(name, cc, flops=flops, shape=(bsz * a // c, s.seq_length, s.seq_length, d), reads=reads,
+                     writes=writes, out=out, uses=uses, meta=meta)
+            self._cp_op(f"{name}.a2a_out", "all_to_all", o_bytes)
+            return
+        if mode == "all_gather":
+            full = e.fresh(f"{name}.kv_gathered")
+            self._cp_op(f"{name}.kv.all_gather", "all_gather", chunk * c, out=[(full, chunk * c)])
+            e.kernel(name, cc, flops=flops, shape=(bsz * a, s_loc, s.seq_length, d), reads=reads + chunk * (c - 1),
+                     writes=writes, out=out, uses=[*uses, full], meta=meta)
+            if backward:
+                self._cp_op(f"{name}.dkv.reduce_scatter", "reduce_scatter", chunk * c)
+            return
+        # p2p: c partial kernels; the chunk for kernel i + 1 travels beside kernel i
+        nbytes = chunk * (2 if backward else 1)  # backward passes K/V and their gradients
+        held = [t for t, _ in out]
+        prev = e.last_compute
+        for i in range(c):
+            deps = []
+            if i > 0:
+                deps.append(ring)
+            k = e.kernel(f"{name}.part{i}", cc, flops=flops / c, shape=(bsz * a, s_loc, s_loc, d),
+                         reads=reads / c + (chunk if i else 0), writes=writes / c, out=out if i == 0 else [],
+                         uses=[*uses, *(held if i else [])], deps=deps, meta=meta)
+            if i < c - 1:
+                ring = e.kernel(f"cp.{name}.ring{i}", C.OTHER, kind=OpKind.COLLECTIVE, stream="comm.cp",
+                                reads=float(nbytes), deps=[prev], meta={"collective": "send_recv", "bytes": int(nbytes),
+                                                                        "group": "cp"})
+            prev = k
+
+    def _cp_op(self, name: str, op: str, nbytes: float, out=()) -> int:
+        """A blocking collective over the context-parallel group (as ``_tp_op``, stream ``comm.cp``)."""
+        return self._tp_op(name, op, int(nbytes), out=out, group="cp")
+
     def _layer_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """One block forward. Returns the output tensor and the tensors saved for backward."""
         s, e, T, t = self.s, self.e, self.T, self.tp
@@ -817,10 +887,11 @@ class _GptBuilder:
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
-        e.kernel("attn", C.ATTENTION_FWD, flops=att_flops, shape=(bsz * a, s.seq_length, s.seq_length, d),
-                 reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s.seq_length,
-                 out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s.seq_length)],
-                 uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size})
+        s_loc = s.seq_length // self.cp
+        self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s_loc,
+                        out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
+                        uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size},
+                        kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
@@ -869,15 +940,15 @@ class _GptBuilder:
         att = sv["att"]
         if att is None:  # selective recompute: re-run the attention forward
             att = e.fresh("attn.out.recomputed")
-            e.kernel("attn.recompute", C.ATTENTION_FWD, flops=att_flops,
-                     shape=(bsz * a, s.seq_length, s.seq_length, d), reads=2 * T * qo, writes=2 * T * h,
-                     out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []))
+            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h,
+                            out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
+                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
         g_qkv = e.fresh("attn.dqkv")
-        e.kernel("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops,
-                 shape=(bsz * a, s.seq_length, s.seq_length, d),
-                 reads=2 * (T * qo + 2 * T * h), writes=2 * T * qo + 4 * T * h,
-                 out=[(g_qkv, 2 * T * qo)], uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                 meta={"kv_heads": s.query_groups // t, "window": s.window_size})
+        self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
+                        writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
+                        uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
+                        meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
+                        q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
         g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
@@ -1373,7 +1444,7 @@ class _GptBuilder:
             tokens_per_step=float(samples * s.seq_length),
             # per GPU: a pipeline rank's share is counted as the average, 1 / p of the model's FLOPs
             model_flops_per_step=(s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches
-                                  / s.pipeline_parallel_size),
+                                  / s.pipeline_parallel_size / s.context_parallel_size),
             source="builder:gpt",
             param_groups=tuple(self.groups),
             meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size,

@@ -1,0 +1,96 @@
+"""Context parallelism (Megatron --context-parallel-size, --cp-comm-type): tokens, FLOPs and communication
+bytes per rank worked out by hand, the gradient reduction over data x context ranks, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.api import build_graph, run_scenario
+from simulator.config.errors import ScenarioError
+from simulator.config.loader import scenario_from_dict
+
+B, S, H, A, C, TP = 1, 8192, 2048, 16, 4, 2
+BASE = {
+    "name": "cp",
+    "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}},
+    "model": {"num_layers": 2, "hidden_size": H, "num_attention_heads": A, "seq_length": S, "vocab_size": 1024},
+    "training": {"micro_batch_size": B, "precision": "bf16"},
+    "parallelism": {"tensor_model_parallel_size": TP, "context_parallel_size": C},
+    "run": {"steps": 2, "warmup_steps": 1},
+}
+
+
+def _graph(mode="p2p", **par):
+    d = {**BASE, "parallelism": {**BASE["parallelism"], "cp_comm_type": mode, **par}}
+    return build_graph(scenario_from_dict(d))
+
+
+def _layer0(g, what):
+    return [op for op in g.ops if op.name.startswith("L0.") and what in op.name]
+
+
+def test_every_kernel_but_attention_sees_s_over_c_tokens():
+    qkv = _layer0(_graph(), "fwd.qkv.gemm")[0]
+    assert qkv.shape[0] == B * S // C  # GEMM rows: this rank's tokens
+
+
+def test_attention_flops_are_one_cth_of_the_sequence_for_the_ranks_heads():
+    whole = _layer0(_graph(context_parallel_size=1), "fwd.attn")[0].flops
+    for mode in ("p2p", "all_gather", "a2a"):
+        parts = [op for op in _layer0(_graph(mode), "fwd.attn") if op.kind.value == "compute"
+                 and "transpose" not in op.name]
+        assert sum(op.flops for op in parts) == pytest.approx(whole / C, rel=1e-12)
+
+
+def test_ring_attention_passes_the_kv_chunk_c_minus_1_times():
+    kv = A // TP * (H // A)  # K (or V) width per TP rank: g d / t with g = a
+    chunk = 2 * 2 * B * (S // C) * kv  # K and V of this rank's s / c tokens, bf16
+    g = _graph("p2p")
+    fwd = [op for op in _layer0(g, "cp.") if ".fwd." in op.name]
+    bwd = [op for op in _layer0(g, "cp.") if ".bwd." in op.name]
+    assert [op.meta["bytes"] for op in fwd] == [chunk] * (C - 1)
+    assert [op.meta["bytes"] for op in bwd] == [2 * chunk] * (C - 1)  # K/V and their gradients
+    assert all(op.meta["collective"] == "send_recv" and op.meta["group"] == "cp" for op in fwd + bwd)
+
+
+def test_all_gather_and_ulysses_bytes():
+    kv = A // TP * (H // A)
+    g = _graph("all_gather")
+    ag = [op for op in _layer0(g, "cp.") if op.meta["collective"] == "all_gather"]
+    rs = [op for op in _layer0(g, "cp.") if op.meta["collective"] == "reduce_scatter"]
+    # the whole gathered K and V, in forward and again in backward (not kept between them)
+    assert [op.meta["bytes"] for op in ag] == [2 * 2 * B * S * kv] * 2
+    assert [op.meta["bytes"] for op in rs] == [2 * 2 * B * S * kv]
+    a2a = [op.meta["bytes"] for op in _layer0(_graph("a2a"), "cp.") if ".fwd." in op.name]
+    T, qo, h = B * S // C, 3 * H // TP, H // TP
+    assert a2a == [2 * T * qo, 2 * T * h]  # q, k, v in; the output back
+
+
+def test_gradients_are_reduced_over_data_x_context_ranks():
+    r = run_scenario(scenario_from_dict(BASE)).summary
+    assert r["data_parallel_size"] == 1 and r["context_parallel_size"] == C
+    assert r["comm_s_by_group"]["dp"] > 0 and r["comm_s_by_group"]["cp"] > 0
+
+
+@pytest.mark.parametrize("par,msg", [
+    ({"context_parallel_size": 3}, "tp 2 x pp 1 x cp 3 = 6 must divide the world size 8"),
+    ({"context_parallel_size": 4, "cp_comm_type": "a2a", "tensor_model_parallel_size": 1},
+     None),  # 16 heads / 4: fine
+])
+def test_context_parallel_rules(par, msg):
+    d = {**BASE, "parallelism": {**BASE["parallelism"], **par}}
+    if msg is None:
+        scenario_from_dict(d)
+        return
+    with pytest.raises(ScenarioError, match=msg):
+        scenario_from_dict(d)
+
+
+def test_bad_context_parallel_input():
+    with pytest.raises(ScenarioError, match="2 x 4 must divide model.seq_length 8196"):
+        scenario_from_dict({**BASE, "model": {**BASE["model"], "seq_length": 8196}})
+    with pytest.raises(ScenarioError, match="with ZeRO, FSDP"):
+        scenario_from_dict({**BASE, "zero_optimization": {"stage": 1}, "parallelism": {
+            "tensor_model_parallel_size": 1, "context_parallel_size": 4}})
+    with pytest.raises(ScenarioError, match="needs hardware.cluster"):
+        scenario_from_dict({**BASE, "hardware": {"gpu": "h100-sxm-80gb"}})
