@@ -267,7 +267,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
     from simulator.analysis.pipeline import (class_rows, combine_classes, combine_stages, combined_steps,
-                                             phase_compute_s, pipeline_bubble_s)
+                                             phase_compute_s, pipeline_bubble_s, straggler)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -312,6 +312,10 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown
+                row["dvfs"] = classes[k].cfg.dvfs.kind if classes[k].cfg.dvfs is not None else None
+            if cfg.rank_overrides and n_dp == 1:  # an overridden stage: the one the others wait for
+                stages = summary["pipeline"]["stages"]
+                summary["straggler"] = f"pp_rank {min(stages, key=lambda st: st['pipeline_bubble_s'])['pp_rank']}"
             if n_dp > 1:  # data-parallel classes in every stage: the worst memory, every class, the straggler
                 worst = max(parts, key=lambda x: x["peak_device_memory_bytes"])
                 for k in ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
@@ -319,7 +323,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                     summary[k] = worst[k]
                 summary["oom"] = summary["oom"] or next((x["oom"] for x in parts if x.get("oom")), None)
                 summary["rank_classes"] = class_rows(parts, summary["step_time_s"], labels, replicas, slowdowns)
-                summary["straggler"] = max(summary["rank_classes"], key=lambda r: r["compute_s"])["label"]
+                summary["straggler"] = straggler(summary["rank_classes"], [c.pp_rank for c in classes])
                 if all("energy_j_per_step" in x for x in parts):
                     summary["energy_j_per_step_all_gpus"] = float(sum(
                         x["energy_j_per_step"] * n for x, n in zip(parts, replicas)) * len(hws[0].tp_group))
@@ -375,11 +379,15 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
     if hw.collectives is not None and len(hw.dp_group) * len(hw.tp_group) > 1:
-        if cfg is not None and any(o.dp_rank is not None for o in cfg.rank_overrides):
+        if cfg is not None and cfg.run.rank_folding == "none":
+            out.append(f"run.rank_folding none: every one of the {len(hw.dp_group)} data-parallel replicas is simulated "
+                       "(tensor-parallel ranks folded); they meet at the data-parallel collectives; no network "
+                       "contention from other jobs")
+        elif cfg is not None and any(o.dp_rank is not None for o in cfg.rank_overrides):
             out.append(f"{len(hw.dp_group)} data-parallel x {len(hw.tp_group)} tensor-parallel ranks folded into rank "
                        f"classes by rank_overrides ({len(cfg.rank_overrides)} override(s)); each class is one "
-                       "representative, the classes meet at the data-parallel collectives (which then take their "
-                       "isolated NCCL time, without interference); no network contention from other jobs")
+                       "representative, the classes meet at the data-parallel collectives (each class's copy of a "
+                       "collective runs beside its own kernels); no network contention from other jobs")
         else:
             out.append(f"{len(hw.dp_group)} data{'- x context' if len(hw.cp_group) > 1 else ''}-parallel x "
                        f"{len(hw.tp_group)} tensor-parallel ranks folded "

@@ -22,7 +22,8 @@ def _fmt_bytes(b: float) -> str:
 def _busy_line(s: dict) -> list[str]:
     """GPU compute-stream busy fraction, flagged with the cause when the GPU is kept waiting.
 
-    Below 85 % busy the idle time is blamed on the input pipeline (*data-bound*) when the GPU's
+    Below 85 % busy the idle time is blamed on a straggler when the run names one (``rank_overrides``), on the
+    input pipeline (*data-bound*) when the GPU's
     data wait (``phase_s.data_s``: no kernel runs while the training thread is in
     ``next(iterator)``) is at least half of it, on the pipeline bubble (``pipeline_bubble_s``) when that is,
     on communication (*communication-bound*) when the
@@ -38,7 +39,9 @@ def _busy_line(s: dict) -> list[str]:
         data_s = (s.get("phase_s") or {}).get("data_s", 0.0)
         comm_s = s.get("exposed_comm_s", 0.0) or 0.0
         bubble_s = s.get("pipeline_bubble_s", 0.0) or 0.0
-        if bubble_s > 0 and bubble_s >= 0.5 * idle_s:
+        if s.get("straggler"):
+            note = f"  (ranks wait for the slowest: {s['straggler']}, see rank classes / stages)"
+        elif bubble_s > 0 and bubble_s >= 0.5 * idle_s:
             note = (f"  (pipeline bubble: the stages wait {bubble_s * 1e3:.2f} ms/step for each other; more "
                     "micro-batches or interleaving shrink it)")
         elif data_s > 0 and data_s >= 0.5 * idle_s:

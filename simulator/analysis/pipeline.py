@@ -157,7 +157,7 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
     out.pop("phase_compute_s", None)
     out.pop("pipeline_bubble_s", None)
     out["rank_classes"] = class_rows(classes, step, labels, replicas, slowdowns)
-    out["straggler"] = max(out["rank_classes"], key=lambda r: r["compute_s"])["label"]
+    out["straggler"] = straggler(out["rank_classes"])
     if all("energy_j_per_step" in c for c in classes):
         total = sum(n for n in replicas)
         for k in _MEAN_KEYS:
@@ -181,3 +181,19 @@ def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: 
                      "peak_device_memory_bytes": c["peak_device_memory_bytes"],
                      **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
     return rows
+
+
+def straggler(rows: list[dict], groups: list[int] | None = None) -> str | None:
+    """The label of the class that computes the most beyond the others of its group (its pipeline stage;
+    ``groups``: each row's group, default one), or None when every class of each group computes the same
+    (within 1e-9 relative: symmetric ranks have no straggler)."""
+    groups = groups if groups is not None else [0] * len(rows)
+    best, margin = None, 1e-9
+    for g in set(groups):
+        mine = [r for r, k in zip(rows, groups) if k == g]
+        low = min(r["compute_s"] for r in mine)
+        top = max(mine, key=lambda r: r["compute_s"])
+        m = top["compute_s"] / low - 1 if low > 0 else 0.0
+        if m > margin:
+            best, margin = top["label"], m
+    return best

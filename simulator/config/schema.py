@@ -229,7 +229,7 @@ class ParallelismConfig(_Model):
         "is padded to a multiple of 128 x tp as Megatron does), and training.precision bf16 or fp16.")
     sequence_parallel: bool = Field(default=False, description="Megatron --sequence-parallel (with tp > 1; "
                                     "tp must divide seq_length).")
-    tp_comm_overlap: bool | Literal["fused"] = Field(
+    tp_comm_overlap: Any = Field(
         default=False, description="true: Megatron --tp-comm-overlap (Transformer Engine userbuffers: the "
         "sequence-parallel all-gathers / reduce-scatters run beside their GEMMs and interfere with them); fused: a "
         "fused GEMM + collective kernel (Triton-distributed, async-TP) that overlaps without taking SMs. Needs "
@@ -264,6 +264,13 @@ class ParallelismConfig(_Model):
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                "expert_model_parallel_size", "virtual_pipeline_model_parallel_size",
                                mode="before")(no_bool)
+
+    @field_validator("tp_comm_overlap", mode="before")
+    @classmethod
+    def _tp_comm_overlap_value(cls, v):
+        if v is True or v is False or v == "fused":
+            return v
+        raise ValueError(f"{v!r} is not allowed (allowed: true, false, fused)")
 
     @property
     def schedule(self) -> str:

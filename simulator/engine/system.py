@@ -225,10 +225,11 @@ class System:
         """
         res = self.collective_result(op)
         f = self.interference
-        # a rendezvous op ends at the same time on every rank it joins: its isolated time, not re-rated
-        # by one GPU's compute (the interference state is per GPU)
-        # a fused GEMM + collective kernel (tp_comm_overlap: fused) takes nothing from the GEMM beside it
-        if f is None or "rendezvous" in op.meta or op.meta.get("fused_gemm"):
+        # a pipeline rendezvous (send/recv, cross-stage all-reduce) ends at the same time on both stages: its
+        # isolated time, not re-rated by one GPU's compute; a data-parallel collective met across rank classes
+        # keeps its interference (each class beside its own kernels); a fused GEMM + collective kernel
+        # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
+        if f is None or op.meta.get("group") == "pp" or op.meta.get("fused_gemm"):
             yield self.env.timeout(res.time_s)
             return
         load = comm_load(f, res.busbw_bytes_per_s)

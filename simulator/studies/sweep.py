@@ -120,14 +120,17 @@ def is_metric_name(name: str) -> bool:
 
 def flatten_summary(summary: dict) -> dict:
     """The scalar metrics of a run summary as one flat dict: nested dicts become ``outer.inner``
-    keys (``phase_s.fwd_s``, ``utilisation.compute``, ``comm_s_by_group.dp``), lists of scalars
-    (``warnings``) one ``"; "``-joined string; ``SUMMARY_COLUMNS`` first, then in summary order."""
+    keys (``phase_s.fwd_s``, ``utilisation.compute``, ``comm_s_by_group.dp``), lists of dicts one key per item
+    and field (``pipeline.stages.0.step_time_s``), lists of scalars (``warnings``) one ``"; "``-joined string; ``SUMMARY_COLUMNS`` first, then in summary order."""
     flat: dict = {}
 
     def put(key: str, value) -> None:
         if isinstance(value, dict):
             for k, v in value.items():
                 put(f"{key}.{k}", v)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):  # per-stage / per-class rows: ``pipeline.stages.0.step_time_s``
+                put(f"{key}.{i}", v)
         elif isinstance(value, (list, tuple)):
             flat[key] = "; ".join(str(v) for v in value) if value else None
         else:

@@ -17,7 +17,7 @@ start when the slowest class arrives (``simulator.engine.rendezvous``).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
 
 from simulator.config.sections.dvfs import DvfsConfig
 
@@ -32,11 +32,11 @@ class RankOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pp_rank: NonNegativeInt | None = Field(default=None, description="Pipeline stage whose ranks are overridden.")
-    dp_rank: NonNegativeInt | None = Field(default=None, description="Data-parallel replica overridden (its ranks "
-                                           "in every pipeline stage).")
-    slowdown: float = Field(default=1.0, gt=0, le=100, description="Multiplier on every kernel's time (1.2: 20% "
-                            "slower).")
+    pp_rank: StrictInt | None = Field(default=None, ge=0, description="Pipeline stage whose ranks are overridden.")
+    dp_rank: StrictInt | None = Field(default=None, ge=0, description="Data-parallel replica overridden (its ranks "
+                                      "in every pipeline stage).")
+    slowdown: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=100, description="Multiplier on every kernel's "
+                                              "time (1.2: 20% slower).")
     dvfs: DvfsConfig | None = Field(default=None, description="Clock/power policy of these ranks (replaces dvfs:).")
 
     @model_validator(mode="after")

@@ -54,6 +54,7 @@ def test_a_slow_pipeline_stage_paces_the_pipeline():
     stages = slow["pipeline"]["stages"]
     assert slow["step_time_s"] > base["step_time_s"]
     assert stages[2]["slowdown"] == 1.5 and stages[2]["pipeline_imbalance_s"] == 0.0  # the least idle stage
+    assert slow["straggler"] == "pp_rank 2"
 
 
 def test_a_power_capped_stage_draws_less():
@@ -74,6 +75,9 @@ def test_a_power_capped_stage_draws_less():
     ([{"dp_rank": 1, "pp_rank": 0, "slowdown": 2}], "give exactly one of pp_rank or dp_rank"),
     ([{"dp_rank": 1, "slowdown": 2}, {"dp_rank": 1, "slowdown": 3}], "overridden twice"),
     ([{"dp_rank": 1, "slowdown": 0}], "greater than 0"),
+    ([{"dp_rank": True, "slowdown": 1.2}], "valid integer"),
+    ([{"dp_rank": 1, "slowdown": True}], "valid number"),
+    ([{"dp_rank": 1, "slowdown": "1.2"}], "valid number"),
 ])
 def test_bad_overrides_are_one_line(overrides, msg):
     from simulator.config.errors import ScenarioError
@@ -104,17 +108,20 @@ PIPE = {**BASE, "parallelism": {"pipeline_model_parallel_size": 2},
         "training": {**BASE["training"], "global_batch_size": 32}}
 
 
-@pytest.mark.parametrize("extra", [{}, {"parallelism": {"pipeline_model_parallel_size": 2}}])
-def test_unfolded_ranks_give_the_folded_answer(extra):
-    # run.rank_folding none simulates every data-parallel replica (4 x 2 or 8 executors): symmetric ranks,
-    # no interference, so the step and memory are the folded run's
-    d = {**(PIPE if extra else BASE), **extra}
+@pytest.mark.parametrize("extra,interference", [({}, False), ({}, True),
+                                               ({"parallelism": {"pipeline_model_parallel_size": 2}}, False),
+                                               ({"parallelism": {"pipeline_model_parallel_size": 2}}, True)])
+def test_unfolded_ranks_give_the_folded_answer(extra, interference):
+    # run.rank_folding none simulates every data-parallel replica (4 x 2 or 8 executors): symmetric ranks, so
+    # the step and memory are the folded run's, with and without compute/communication interference
+    d = {**(PIPE if extra else BASE), **extra, "nccl": {"interference": interference}}
     folded = run_scenario(scenario_from_dict(d)).summary
     full = run_scenario(scenario_from_dict({**d, "run": {**d["run"], "rank_folding": "none"}})).summary
     assert full["step_time_s"] == pytest.approx(folded["step_time_s"], rel=1e-9)
     assert full["peak_device_memory_bytes"] == folded["peak_device_memory_bytes"]
     n = 8 // (2 if extra else 1)
     assert len(full["rank_classes"]) == (2 * n if extra else n)
+    assert full["straggler"] is None  # identical ranks: nobody is the slowest
 
 
 def test_a_slow_replica_in_a_pipeline_is_one_class_per_stage():
