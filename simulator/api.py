@@ -57,7 +57,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
-        context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
+        context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,

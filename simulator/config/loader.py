@@ -259,6 +259,9 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]
+    if cfg.training.fp8 is not None and "fp8" not in gpu.peak_flops_per_s:
+        raise ScenarioError(f"{source}: training.fp8: {gpu.name} has no fp8 tensor-core rate (Hopper and later have "
+                            "one; allowed: null on this GPU)")
     prof_name = hwc.profile
 
     def default_profile() -> EfficiencyProfile:

@@ -211,6 +211,10 @@ class TrainingConfig(_Model):
         description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16; fp16: Megatron "
         "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling).",
     )
+    fp8: Literal["hybrid", "e4m3"] | None = Field(
+        default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "
+        "GEMMs in fp8 (e4m3 forward; hybrid: e5m2 gradients) with per-tensor scaling; needs precision bf16 and a GPU "
+        "with an fp8 rate. Attention, embeddings and the LM head stay bf16.")
     optimizer: OptimizerConfig = OptimizerConfig()
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
@@ -615,6 +619,15 @@ class ScenarioConfig(_Model):
         if ep > 1 and dp > 1 and self.zero_optimization.stage:
             raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
                              "modelled yet (allowed: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_scope(self):
+        if self.training.fp8 is not None and self.training.precision != "bf16":
+            raise ValueError(f"training.fp8: {self.training.fp8} needs training.precision bf16 (Megatron-LM trains "
+                             f"fp8 over bf16; got {self.training.precision})")
+        if self.training.fp8 is not None and self.zero_optimization.stage == 3:
+            raise ValueError("training.fp8 with zero_optimization.stage 3 is not modelled yet (allowed: stage 0-2)")
         return self
 
     @model_validator(mode="after")

@@ -210,6 +210,7 @@ class TransformerSpec:
     tp_comm_overlap: str = "none"
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
+    fp8: str | None = None
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -576,6 +577,8 @@ class _GptBuilder:
         self.comm_ops: list[int] = []
         self.grad_shards: list[str] = []
         self.fp16 = spec.precision == "fp16"
+        self.fp8 = spec.fp8 is not None
+        self._fp8_w: dict[tuple[int, str], str] = {}  # fp8 weight copies of this step
         self.e.half = "fp16" if self.fp16 else "bf16"
         self.tp = spec.tensor_parallel_size
         self.sp = spec.sequence_parallel and self.tp > 1
@@ -613,11 +616,31 @@ class _GptBuilder:
             e.kernel(f"{name}.cast_in", C.CAST, reads=4 * T * in_dim, writes=2 * T * in_dim,
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
         y = e.fresh(f"{name}.out")
-        e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                 reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
-                 out=[(y, 2 * T * out_dim)], uses=[xin, w16])
+        if self.fp8 and e.layer >= 0:  # Transformer Engine fp8 Linear
+            xin, w16 = self._fp8_operands(name, xin, w16, T * in_dim, W)
+            e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
+                     reads=T * in_dim + W, writes=2 * T * out_dim, out=[(y, 2 * T * out_dim)], uses=[xin, w16],
+                     dtype="fp8")
+        else:
+            e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
+                     reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
+                     out=[(y, 2 * T * out_dim)], uses=[xin, w16])
         self._after_overlapped_gemm()
         return y, (xin, w16) if save else ()
+
+    def _fp8_operands(self, name: str, x: str, w: str, x_numel: int, w_numel: int) -> tuple[str, str]:
+        """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight (once per
+        step: the first micro-batch's forward quantizes it, later GEMMs reuse it)."""
+        e = self.e
+        xq = e.fresh(f"{name}.x_fp8")
+        e.kernel(f"{name}.fp8_quantize_x", C.CAST, reads=2 * x_numel, writes=x_numel, out=[(xq, x_numel)], uses=[x])
+        key = (e.layer, name)
+        wq = self._fp8_w.get(key)
+        if wq is None:
+            wq = self._fp8_w[key] = e.fresh(f"{name}.w_fp8")
+            e.kernel(f"{name}.fp8_quantize_w", C.CAST, reads=2 * w_numel, writes=w_numel, out=[(wq, w_numel)],
+                     uses=[w])
+        return xq, wq
 
     def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool,
                     tokens: int | None = None, groups: int = 1):
@@ -636,14 +659,21 @@ class _GptBuilder:
             e.kernel(f"{name}.cast_grad", C.CAST, reads=4 * T * out_dim, writes=2 * T * out_dim,
                      out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
+        q = 2  # operand bytes
+        gdt = None
+        if self.fp8 and e.layer >= 0:  # the output gradient quantized (e5m2 with hybrid), then fp8 GEMMs
+            gq = e.fresh(f"{name}.g_fp8")
+            e.kernel(f"{name}.fp8_quantize_grad", C.CAST, reads=2 * T * out_dim, writes=T * out_dim,
+                     out=[(gq, T * out_dim)], uses=[gin])
+            gin, q, gdt = gq, 1, "fp8"
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
-                 reads=2 * (T * out_dim + W), writes=2 * T * in_dim,
-                 out=[(dx, 2 * T * in_dim)], uses=[gin, w16])
+                 reads=q * (T * out_dim + W), writes=2 * T * in_dim,
+                 out=[(dx, 2 * T * in_dim)], uses=[gin, w16], dtype=gdt)
         self._after_overlapped_gemm()
         dw = e.fresh(f"{name}.dw16")
         e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(groups * out_dim, in_dim, -(-T // groups)),
-                 reads=2 * (T * out_dim + T * in_dim), writes=2 * W,
-                 out=[(dw, 2 * W)], uses=[gin, xin])
+                 reads=q * (T * out_dim + T * in_dim), writes=2 * W,
+                 out=[(dw, 2 * W)], uses=[gin, xin], dtype=gdt)
         head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
         if self.s.bias or (name == "qkv" and self.s.qkv_bias):
             bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])

@@ -1,0 +1,61 @@
+"""fp8 training (Megatron-LM --fp8-format, Transformer Engine): the blocks' Linear GEMMs at the fp8 rate on
+8-bit operands, quantize kernels around them, weights quantized once per step, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.api import build_graph, run_scenario
+from simulator.config.errors import ScenarioError
+from simulator.config.loader import load_scenario, scenario_from_dict
+from simulator.graph.ops import CostClass
+
+BASE = {
+    "name": "fp8",
+    "hardware": {"gpu": "h100-sxm-80gb"},
+    "model": {"num_layers": 2, "hidden_size": 4096, "num_attention_heads": 32, "seq_length": 2048, "vocab_size": 32000},
+    "training": {"micro_batch_size": 1, "global_batch_size": 2, "precision": "bf16", "fp8": "hybrid"},
+    "run": {"steps": 2, "warmup_steps": 1},
+}
+
+
+def _graph(**training):
+    return build_graph(scenario_from_dict({**BASE, "training": {**BASE["training"], **training}}))
+
+
+def test_block_gemms_read_8_bit_operands_and_the_head_stays_bf16():
+    g = _graph()
+    T, h = 2048, 4096
+    qkv = next(op for op in g.ops if op.name == "L0.fwd.qkv.gemm")
+    assert qkv.dtype == "fp8" and qkv.bytes_read == T * h + h * 3 * h  # 1 byte per input and weight element
+    head = next(op for op in g.ops if op.name == "fwd.lm_head.gemm")
+    assert head.dtype == "bf16"
+    for name in ("L0.bwd.qkv.dgrad", "L0.bwd.qkv.wgrad"):
+        assert next(op for op in g.ops if op.name == name).dtype == "fp8"
+
+
+def test_weights_are_quantized_once_per_step_and_inputs_every_pass():
+    g = _graph()  # 2 micro-batches
+    wq = [op for op in g.ops if op.name.endswith("qkv.fp8_quantize_w") and op.layer == 0]
+    xq = [op for op in g.ops if op.name.endswith("qkv.fp8_quantize_x") and op.layer == 0]
+    assert len(wq) == 1 and len(xq) == 2
+    assert wq[0].cost_class == CostClass.CAST and wq[0].bytes_read == 2 * 4096 * 3 * 4096
+
+
+def test_fp8_is_faster_than_bf16_on_large_gemms():
+    bf16 = run_scenario(scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})).summary
+    fp8 = run_scenario(scenario_from_dict(BASE)).summary
+    assert fp8["step_time_s"] < 0.85 * bf16["step_time_s"]
+
+
+def test_fp8_needs_bf16_a_gpu_with_an_fp8_rate_and_no_zero3():
+    with pytest.raises(ScenarioError, match="needs training.precision bf16"):
+        scenario_from_dict({**BASE, "training": {**BASE["training"], "precision": "fp16"}})
+    bad = {**BASE, "hardware": {"gpu": "a100-sxm4-80gb"}}
+    import tempfile, yaml, pathlib
+
+    with tempfile.TemporaryDirectory() as d:
+        p = pathlib.Path(d) / "s.yaml"
+        p.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ScenarioError, match="has no fp8 tensor-core rate"):
+            load_scenario(p)
