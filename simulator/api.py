@@ -250,6 +250,19 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     return graph.with_changes(ops=tuple(ops))
 
 
+def _class_runtime(c: RankClass, cfg: ScenarioConfig):
+    """``attach(env, system)`` for one rank class: its runtime components; a bad value in an override's own
+    ``dvfs`` is reported under ``rank_overrides`` with the class named."""
+    def attach(env, system):
+        try:
+            return build_runtime(c.cfg, system.hw, env, system)
+        except PolicyError as exc:
+            if c.cfg is cfg:
+                raise
+            raise PolicyError(f"rank_overrides ({c.label}): {exc}") from None
+    return attach
+
+
 def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: ScenarioConfig) -> SimulationResult:
     """Run a scenario's rank classes side by side (``engine.run.run_ranks``) and summarise.
 
@@ -274,7 +287,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     pp = p.pipeline_model_parallel_size
     n_dp = len(classes) // pp
     hws = [c.hw for c in classes]
-    attach = [lambda env, system, c=c: build_runtime(c.cfg, system.hw, env, system) for c in classes]
+    attach = [_class_runtime(c, cfg) for c in classes]
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
         parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}

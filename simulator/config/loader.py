@@ -68,7 +68,7 @@ def _choices(model: type[BaseModel], loc: tuple) -> list[str]:
     return [repr(v) for v in typing.get_args(ann)] if typing.get_origin(ann) is typing.Literal else []
 
 
-_KEYED = re.compile(r"^([a-z_]+)(\.[a-z0-9_]+)*:? ")
+_KEYED = re.compile(r"^([a-z_]+)(\.[a-z0-9_]+|\[\d+\])*:? ")
 
 
 def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[str]:

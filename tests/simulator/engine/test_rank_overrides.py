@@ -131,3 +131,22 @@ def test_a_slow_replica_in_a_pipeline_is_one_class_per_stage():
     assert labels == ["pp_rank 0 / dp ranks (others)", "pp_rank 0 / dp_rank 2", "pp_rank 1 / dp ranks (others)",
                       "pp_rank 1 / dp_rank 2"]
     assert slow["straggler"].endswith("dp_rank 2") and slow["step_time_s"] > base["step_time_s"]
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("{dp_rank: 9, slowdown: 2}", "s.yaml: rank_overrides[0].dp_rank: 9 is outside the 8 data-parallel replicas"),
+    ("{dp_rank: 0, dvfs: {kind: power_cap, power_limit_w: 5000}}",
+     "rank_overrides (dp_rank 0): dvfs.power_limit_w 5000 W is outside the settable range"),
+])
+def test_override_errors_name_the_override(tmp_path, override, msg):
+    import subprocess
+    import sys
+
+    import yaml
+
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(BASE))
+    out = subprocess.run([sys.executable, "-m", "simulator", "run", str(p), "--set", f"rank_overrides=[{override}]"],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and msg in lines[0] and "(top level)" not in lines[0], out.stderr
