@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     for mod in ("simulator.cli_dataloader", "simulator.cli_energy", "simulator.cli_trace", "simulator.cli_collective",
-                "simulator.cli_kernel", "simulator.cli_search"):
+                "simulator.cli_kernel", "simulator.cli_search", "simulator.cli_fit"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -18,7 +18,8 @@ from simulator.config.loader import scenario_from_dict
 from simulator.config.overrides import apply_overrides
 from simulator.config.schema import ScenarioConfig
 
-COLUMNS = ("value", "fits", "peak_memory_bytes", "gpu_memory_capacity_bytes", "peak_host_pinned_bytes",
+COLUMNS = ("value", "fits", "peak_memory_bytes", "peak_device_memory_bytes", "gpu_memory_capacity_bytes",
+           "peak_host_pinned_bytes",
            "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error")
 
 
@@ -48,9 +49,32 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
         steps: Steps per run (1 warmup + the rest measured).
 
     Returns:
-        DataFrame with ``COLUMNS``; ``df.attrs["largest"]`` is the largest value that fits
-        (``None`` if none does), ``df.attrs["key"]`` the key.
+        DataFrame with ``COLUMNS``; ``df.attrs["largest"]`` / ``df.attrs["smallest"]`` are the largest /
+        smallest value that fits (``None`` if none does), ``df.attrs["key"]`` the key.
     """
+    return _fit_table(key, values, lambda v: with_overrides(
+        cfg, **{key: v, "run.steps": max(2, steps), "run.warmup_steps": 1}))
+
+
+def fitting_values(path: str, key: str, values: Iterable[Any], overrides: list[str] | None = None,
+                   steps: int = 2) -> pd.DataFrame:
+    """``largest_fitting`` for a scenario file: each value is applied as ``--set key=value`` (after
+    ``overrides``) and the scenario loaded as the CLI loads it, so derived keys (``data_parallel_size`` from a
+    new ``hardware.cluster.nodes``) follow. Same table and ``attrs``."""
+    import json
+
+    from simulator.config.loader import load_scenario
+
+    def point(v):
+        text = v if isinstance(v, str) else json.dumps(v)
+        return load_scenario(path, [*(overrides or []), f"{key}={text}", f"run.steps={max(2, steps)}",
+                                    "run.warmup_steps=1"])
+    return _fit_table(key, values, point)
+
+
+def _fit_table(key: str, values: Iterable[Any], point) -> pd.DataFrame:
+    """Simulate ``point(v)`` for each value: one row each (``COLUMNS``); a value the schema refuses is a row
+    that does not fit, with the reason in ``error``."""
     from simulator.api import SimulationError, run_scenario
 
     rows = []
@@ -58,8 +82,7 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
         row: dict[str, Any] = {c: None for c in COLUMNS}
         row["value"] = v
         try:
-            point = with_overrides(cfg, **{key: v, "run.steps": max(2, steps), "run.warmup_steps": 1})
-            s = run_scenario(point).summary
+            s = run_scenario(point(v)).summary
             row.update({c: s.get(c) for c in COLUMNS if c in s})
             row["fits"] = not s.get("oom")
         except (ScenarioError, SimulationError) as exc:
@@ -69,4 +92,5 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
     fitting = [r["value"] for r in rows if r["fits"]]
     df.attrs["key"] = key
     df.attrs["largest"] = max(fitting) if fitting else None
+    df.attrs["smallest"] = min(fitting) if fitting else None
     return df

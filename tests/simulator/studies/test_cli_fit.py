@@ -1,0 +1,42 @@
+"""``simulate fit``: the largest micro-batch that fits and the smallest world that fits, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+DP8 = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml")
+
+
+def _fit(*args):
+    return subprocess.run([sys.executable, "-m", "simulator", "fit", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_largest_micro_batch_that_fits():
+    out = _fit(DP8, "--largest", "training.micro_batch_size=8,16,32", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    fits = {p["value"]: p["fits"] for p in d["points"]}
+    assert d["largest"] == max(v for v, ok in fits.items() if ok)
+    assert fits[8] and not fits[32]  # 1.3B on 80 GB H100s: micro-batch 32 needs ~97 GB
+    dev = {p["value"]: p["peak_device_memory_bytes"] for p in d["points"]}
+    assert dev[8] < dev[16] < dev[32]
+
+
+def test_smallest_world_that_fits():
+    out = _fit(DP8, "--smallest", "hardware.cluster.nodes=1,2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["smallest"] == 1
+
+
+def test_bad_fit_input_is_one_line():
+    for args, msg in ((["--largest", "training.nope=1,2"], "training.nope: unknown key"),
+                      (["--largest", "training.micro_batch_size"], "expected dotted.key=v1,v2"),
+                      ([], "one of the arguments --largest --smallest is required")):
+        out = _fit(DP8, *args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and msg in lines[0], out.stderr
