@@ -279,8 +279,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import (class_rows, combine_classes, combine_stages, combined_steps,
-                                             phase_compute_s, pipeline_bubble_s, straggler)
+    from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps,
+                                             phase_compute_s, pipeline_bubble_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -330,16 +330,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 stages = summary["pipeline"]["stages"]
                 summary["straggler"] = f"pp_rank {min(stages, key=lambda st: st['pipeline_bubble_s'])['pp_rank']}"
             if n_dp > 1:  # data-parallel classes in every stage: the worst memory, every class, the straggler
-                worst = max(parts, key=lambda x: x["peak_device_memory_bytes"])
-                for k in ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
-                          "peak_device_memory_bytes", "peak_memory_by_category_bytes"):
-                    summary[k] = worst[k]
-                summary["oom"] = summary["oom"] or next((x["oom"] for x in parts if x.get("oom")), None)
-                summary["rank_classes"] = class_rows(parts, summary["step_time_s"], labels, replicas, slowdowns)
-                summary["straggler"] = straggler(summary["rank_classes"], [c.pp_rank for c in classes])
-                if all("energy_j_per_step" in x for x in parts):
-                    summary["energy_j_per_step_all_gpus"] = float(sum(
-                        x["energy_j_per_step"] * n for x, n in zip(parts, replicas)) * len(hws[0].tp_group))
+                add_classes(summary, parts, labels=labels, replicas=replicas, slowdowns=slowdowns,
+                            groups=[c.pp_rank for c in classes], gpus_per_replica=len(hws[0].tp_group))
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)

@@ -145,27 +145,43 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
         samples_per_step, tokens_per_step, model_flops_per_step, peak_flops_per_s: as ``combine_stages``.
     """
     step, latency = step_period_s(steps)
-    mem = max(range(len(classes)), key=lambda r: classes[r]["peak_device_memory_bytes"])
     out = dict(classes[0])
-    for k in ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
-              "peak_device_memory_bytes", "peak_memory_by_category_bytes", "oom"):
-        out[k] = classes[mem][k]
+    out["oom"] = None  # add_classes: the worst class's
     out.update(step_time_s=step, step_latency_s=latency,
                samples_per_s=samples_per_step / step if step else 0.0,
                tokens_per_s=tokens_per_step / step if step else 0.0,
                mfu=mfu(model_flops_per_step, step, peak_flops_per_s))
     out.pop("phase_compute_s", None)
     out.pop("pipeline_bubble_s", None)
-    out["rank_classes"] = class_rows(classes, step, labels, replicas, slowdowns)
-    out["straggler"] = straggler(out["rank_classes"])
     if all("energy_j_per_step" in c for c in classes):
         total = sum(n for n in replicas)
         for k in _MEAN_KEYS:
             if all(k in c for c in classes):
                 out[k] = float(sum(c[k] * n for c, n in zip(classes, replicas)) / total)
-        out["energy_j_per_step_all_gpus"] = float(sum(c["energy_j_per_step"] * n for c, n in zip(classes, replicas))
-                                                  * gpus_per_replica)
+    add_classes(out, classes, labels=labels, replicas=replicas, slowdowns=slowdowns, groups=None,
+                gpus_per_replica=gpus_per_replica)
     return out
+
+
+#: summary keys of a run's memory peak (taken together from the worst simulated rank)
+MEMORY_KEYS = ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
+               "peak_device_memory_bytes", "peak_memory_by_category_bytes")
+
+
+def add_classes(summary: dict, classes: list[dict], *, labels: list[str], replicas: list[int],
+                slowdowns: list[float], groups: list[int] | None, gpus_per_replica: int) -> None:
+    """Put the rank classes into ``summary`` (in place): the memory peak of the class with the largest device
+    memory (and its ``oom`` when ``summary`` has none), ``rank_classes`` (``class_rows``), ``straggler``
+    (``straggler``, compared within ``groups``: each class's pipeline stage) and, when every class metered
+    energy, ``energy_j_per_step_all_gpus`` (each class x its replicas x ``gpus_per_replica``)."""
+    worst = max(classes, key=lambda c: c["peak_device_memory_bytes"])
+    summary.update({k: worst[k] for k in MEMORY_KEYS})
+    summary["oom"] = summary.get("oom") or worst.get("oom") or next((c["oom"] for c in classes if c.get("oom")), None)
+    summary["rank_classes"] = class_rows(classes, summary["step_time_s"], labels, replicas, slowdowns)
+    summary["straggler"] = straggler(summary["rank_classes"], groups)
+    if all("energy_j_per_step" in c for c in classes):
+        summary["energy_j_per_step_all_gpus"] = float(sum(c["energy_j_per_step"] * n for c, n in zip(classes, replicas))
+                                                      * gpus_per_replica)
 
 
 def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: list[int],

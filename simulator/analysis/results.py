@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge, comm_group
+from simulator.recording.recorder import RANK_COLUMNS, rank_column
 
 #: ``SimulationResult.breakdown`` components, in priority order (an instant counts once, for the
 #: first that applies); exposed communication has one row per process group, after optimizer
@@ -35,12 +36,6 @@ def _covered(iv: np.ndarray, mid: np.ndarray) -> np.ndarray:
         return np.zeros(len(mid), dtype=bool)
     j = np.searchsorted(iv[:, 0], mid, side="right") - 1
     return (j >= 0) & (mid < iv[np.clip(j, 0, None), 1])
-
-
-def rank_column(frame: pd.DataFrame) -> str | None:
-    """The column naming which simulated rank a row belongs to: ``rank_class`` (several classes: the rank's
-    index), ``pp_rank`` (one class per pipeline stage), or None (one rank)."""
-    return next((c for c in ("rank_class", "pp_rank") if c in frame), None)
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,7 @@ class SimulationResult:
         """
         col = rank_column(self.spans)
         if col:  # pipeline stages or rank classes: the mean over them of each one's partition
-            drop = [c for c in ("rank_class", "pp_rank", "dp_class") if c in self.spans]
+            drop = [c for c in RANK_COLUMNS if c in self.spans]
             parts = [SimulationResult(self.summary, d.drop(columns=drop), self.counters, self.steps).breakdown()
                      for _, d in self.spans.groupby(col)]
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(

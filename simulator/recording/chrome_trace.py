@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from simulator.recording.recorder import RANK_COLUMNS, rank_column
+
 HOST_PID, GPU_PID = 0, 1
 MAIN_THREAD = "host"
 _GPU_CAT = {"compute": "kernel", "collective": "kernel", "memcpy_h2d": "gpu_memcpy", "memcpy_d2h": "gpu_memcpy",
@@ -197,10 +199,10 @@ def result_trace(result) -> dict:
     ``class<r>...``), each built as one GPU's trace; flow ids are made unique per rank, and pipeline
     sends point to their receives."""
     parts = (result.spans, result.counters, getattr(result, "launches", None), getattr(result, "deps", None))
-    col = next((c for c in ("rank_class", "pp_rank") if c in result.spans), None)
+    col = rank_column(result.spans)
     if col is None:
         return to_chrome_trace(result.spans, result.counters, result.steps, parts[2], parts[3])
-    extra = [c for c in ("rank_class", "pp_rank", "dp_class") if c in result.spans]
+    extra = [c for c in RANK_COLUMNS if c in result.spans]
     first = result.spans.drop_duplicates(col).set_index(col)
     events: list[dict] = []
     for r in sorted(int(x) for x in result.spans[col].unique()):

@@ -79,6 +79,15 @@ class Recorder:
 
 
 LAUNCH_COLUMNS = ["step", "op_id", "start_s", "end_s"]
+#: columns a run of several simulated ranks adds to its frames: the rank's index (several classes), its
+#: pipeline stage, its data-parallel class
+RANK_COLUMNS = ("rank_class", "pp_rank", "dp_class")
+
+
+def rank_column(frame) -> str | None:
+    """The column naming which simulated rank a row belongs to: ``rank_class`` (several classes: the rank's
+    index), ``pp_rank`` (one class per pipeline stage), or None (one rank)."""
+    return next((c for c in RANK_COLUMNS[:2] if c in frame), None)
 DEPENDENCY_COLUMNS = ["op_id", "dep_id", "step_lag"]
 
 
