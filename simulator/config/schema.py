@@ -659,6 +659,9 @@ class ScenarioConfig(_Model):
                              "yet (allowed: DDP data parallelism, dense models)")
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none" or self.dataloader is not None:
             raise ValueError(f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet")
+        if self.run.rank_folding == "none" or any(o.dp_rank is not None for o in self.rank_overrides):
+            raise ValueError(f"{key}: {cp} > 1 with data-parallel rank classes (run.rank_folding none or a dp_rank "
+                             "override) is not modelled yet (allowed: rank_folding classes, pp_rank overrides)")
         return self
 
     @model_validator(mode="after")

@@ -94,3 +94,11 @@ def test_bad_context_parallel_input():
             "tensor_model_parallel_size": 1, "context_parallel_size": 4}})
     with pytest.raises(ScenarioError, match="needs hardware.cluster"):
         scenario_from_dict({**BASE, "hardware": {"gpu": "h100-sxm-80gb"}})
+
+
+def test_context_parallel_with_data_parallel_rank_classes_is_refused():
+    for extra in ({"run": {**BASE["run"], "rank_folding": "none"}},
+                  {"rank_overrides": [{"dp_rank": 0, "slowdown": 1.5}],
+                   "parallelism": {"tensor_model_parallel_size": 1, "context_parallel_size": 4}}):
+        with pytest.raises(ScenarioError, match="with data-parallel rank classes"):
+            scenario_from_dict({**BASE, **extra})
