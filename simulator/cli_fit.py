@@ -45,7 +45,7 @@ def cmd_fit(args) -> int:
             mem = (f"{dev / 1e9:8.2f} / {r.gpu_memory_capacity_bytes / 1e9:.2f} GB" if dev == dev and dev is not None
                    else f"{'-':>8}")
             step = f"{r.step_time_s * 1e3:.1f} ms" if r.step_time_s == r.step_time_s and r.step_time_s else "-"
-            why = f"  ({r.error})" if r.error else ""
+            why = f"  ({r.error})" if isinstance(r.error, str) else ""
             print(f"{str(r.value):<32} {'yes' if r.fits else 'no ':<4}  {mem:<30} {step}{why}")
         print(f"{which} that fits: {answer if answer is not None else 'none of the values'}")
     return 0 if answer is not None else 1

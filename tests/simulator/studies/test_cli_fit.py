@@ -40,3 +40,11 @@ def test_bad_fit_input_is_one_line():
         out = _fit(DP8, *args)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and msg in lines[0], out.stderr
+
+
+def test_a_refused_value_is_a_row_with_its_reason_and_the_others_carry_none():
+    out = _fit(DP8, "--largest", "training.micro_batch_size=8,-1")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
+    assert "greater than 0" in rows["-1"] and "(" not in rows["8"] and "nan" not in out.stdout
+    assert out.stdout.strip().endswith("largest that fits: 8")
