@@ -44,12 +44,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``dotted.key=value`` set (creating mappings as needed).
 
+    ``model.from_hf=PATH`` replaces the scenario's model section by the file (keys an earlier
+    ``--set model.KEY`` gave are kept, later ones apply after): merged into the scenario's own model
+    keys it would quietly build a hybrid (a GPT-2 scenario's 12 layers with Llama's widths), since
+    a scenario's explicit keys override the file's.
+
     Raises:
         ScenarioError: a path goes through a non-mapping value.
     """
     out = copy.deepcopy(data)
+    set_model_keys: dict[str, Any] = {}
     for text in overrides:
         parts, value = parse_override(text)
+        if parts == ["model", "from_hf"]:
+            out["model"] = {**set_model_keys, "from_hf": value}
+            continue
         node = out
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p) if isinstance(node, dict) else None
@@ -62,4 +71,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                     raise ScenarioError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a mapping")
             node = nxt
         node[parts[-1]] = value
+        if len(parts) >= 2 and parts[0] == "model" and isinstance(out.get("model"), dict):
+            set_model_keys[parts[1]] = copy.deepcopy(out["model"].get(parts[1]))
     return out

@@ -58,6 +58,25 @@ from simulator.policies.registry import PolicyError, register_runtime
 DVFS_POLICIES: dict[str, type] = {}
 
 _KERNEL_KINDS = (OpKind.COMPUTE, OpKind.COLLECTIVE)
+
+
+def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
+    """The supported SM clock for a requested ``clock_mhz`` of ``gpu``, MHz.
+
+    A clock between the lowest and highest supported clocks snaps to the nearest one, with a
+    warning (``nvidia-smi -lgc`` rounds likewise); one outside that range is refused, since
+    snapping would quietly run a typo (14100 for 1410 MHz) at the maximum clock.
+
+    Raises:
+        PolicyError: ``clock_mhz`` below the lowest or above the highest supported clock (without a
+            list: above ``max_sm_clock_mhz``), naming ``key`` and the allowed range.
+    """
+    sup = gpu.supported_sm_clocks_mhz
+    lo, hi = (min(sup), max(sup)) if sup else (0.0, gpu.max_sm_clock_mhz)
+    if not lo <= clock_mhz <= hi:
+        raise PolicyError(f"{key} {clock_mhz:g} MHz is outside the SM clocks of {gpu.name} "
+                          f"(allowed: {lo:g}-{hi:g} MHz)")
+    return snap_clock(clock_mhz, sup, key)
 _COPY_KINDS = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H)
 #: The firmware raises the clock only when the power is this far below the cap.
 _HYSTERESIS = 0.03
@@ -104,9 +123,7 @@ class LockedClock:
     per_op = False
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
-        self.clock_mhz = snap_clock(dcfg.locked_clocks_mhz, gpu.supported_sm_clocks_mhz, "dvfs.locked_clocks_mhz")
-        if not gpu.supported_sm_clocks_mhz:
-            self.clock_mhz = min(self.clock_mhz, gpu.max_sm_clock_mhz)
+        self.clock_mhz = requested_clock_mhz(dcfg.locked_clocks_mhz, gpu, "dvfs.locked_clocks_mhz")
         ctl.set_target(self.clock_mhz, immediate=True)
 
     def on_op_start(self, op, ctl: ClockController) -> None:
@@ -151,7 +168,7 @@ class PhaseClockPlan:
     per_op = True
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
-        self.plan = {ph: snap_clock(mhz, gpu.supported_sm_clocks_mhz, f"dvfs.phase_clocks_mhz.{ph}")
+        self.plan = {ph: requested_clock_mhz(mhz, gpu, f"dvfs.phase_clocks_mhz.{ph}")
                      for ph, mhz in dcfg.phase_clocks_mhz.items()}
         self.default = gpu.max_sm_clock_mhz
 

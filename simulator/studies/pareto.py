@@ -13,9 +13,9 @@ from collections.abc import Iterable
 import pandas as pd
 
 from hardware_models.gpu import GpuSpec
-from hardware_models.power import snap_clock
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
+from simulator.policies.dvfs import requested_clock_mhz
 
 COLUMNS = ["setting", "value", "step_time_s", "energy_j_per_step", "avg_power_w", "energy_per_token_j",
            "avg_sm_clock_mhz", "pareto"]
@@ -69,7 +69,7 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
     else:
         # the row is labelled with the clock that runs (an unsupported request is snapped, with a warning)
         clocks = (default_clocks(hw.gpu) if clocks is None else
-                  [snap_clock(c, hw.gpu.supported_sm_clocks_mhz, "--clocks") for c in clocks])
+                  [requested_clock_mhz(c, hw.gpu, "--clocks") for c in clocks])
         points = [("locked_clocks_mhz", float(c), DvfsConfig(kind="locked_clock", locked_clocks_mhz=c, **keep))
                   for c in clocks]
     rows = []

@@ -38,7 +38,8 @@ class DvfsConfig(BaseModel):
 
     kind: Literal["locked_clock", "power_cap", "phase_plan"] = Field(description="Which DVFS policy.")
     locked_clocks_mhz: MHz | None = Field(
-        default=None, gt=0, le=MAX_CLOCK_MHZ, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning).")
+        default=None, gt=0, le=MAX_CLOCK_MHZ, description="locked_clock: SM clock (snapped to the nearest supported clock, with a warning; outside the "
+        "supported range refused).")
     power_limit_w: Watts | None = Field(
         default=None, gt=0, le=MAX_POWER_W, description="Board power limit, W (must lie in the GPU's settable range; default the "
         "GPU's TDP). Needed by power_cap; with locked_clock or phase_plan it still binds: the firmware lowers the "
@@ -71,6 +72,11 @@ class DvfsConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fields_for_kind(self):
+        for key, kinds in (("locked_clocks_mhz", ("locked_clock",)), ("phase_clocks_mhz", ("phase_plan",))):
+            if getattr(self, key) and self.kind not in kinds:  # else it would be ignored without a word
+                hint = (" (a locked clock under a power limit: kind locked_clock with power_limit_w)"
+                        if self.kind == "power_cap" and key == "locked_clocks_mhz" else "")
+                raise ValueError(f"{key} applies to dvfs kind {kinds[0]} only, not {self.kind}{hint}")
         if self.kind == "locked_clock" and self.locked_clocks_mhz is None:
             raise ValueError("dvfs kind locked_clock needs locked_clocks_mhz")
         if self.kind == "power_cap" and self.power_limit_w is None:

@@ -53,6 +53,16 @@ CASES = [
      ["hardware.gpu.memory_bandwidth: unknown key (allowed: overrides, preset)"]),
     ("missing kind lists the kinds", {**BASE, "dvfs": {"power_limit_w": 500}},
      ["dvfs.kind: required key is missing (allowed: 'locked_clock', 'power_cap', 'phase_plan')"]),
+    # was snapped to 1980 MHz with a warning: a typo ran at the maximum clock
+    ("locked clock above the GPU's range", {**BASE, "dvfs": {"kind": "locked_clock", "locked_clocks_mhz": 14100}},
+     ["dvfs.locked_clocks_mhz 14100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
+    ("phase clock below the GPU's range", {**BASE, "dvfs": {"kind": "phase_plan", "phase_clocks_mhz": {"opt": 100}}},
+     ["dvfs.phase_clocks_mhz.opt 100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
+    # was ignored without a word: the run used the power cap at the maximum clock
+    ("locked clock with kind power_cap",
+     {**BASE, "dvfs": {"kind": "power_cap", "power_limit_w": 400, "locked_clocks_mhz": 1410}},
+     ["dvfs: locked_clocks_mhz applies to dvfs kind locked_clock only, not power_cap (a locked clock under a power "
+      "limit: kind locked_clock with power_limit_w)"]),
 ]
 
 

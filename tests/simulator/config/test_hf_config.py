@@ -118,3 +118,15 @@ def test_query_groups_divisible_by_tp(tmp_path, capsys):
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "model.num_query_groups (2" in err and "tensor_model_parallel_size" in err
+
+
+def test_set_from_hf_replaces_the_scenarios_model_section():
+    """``--set model.from_hf`` on a GPT-2 184M scenario gives Llama-2-7B, not a hybrid with the
+    scenario's 12 layers and 1024 width; model keys set before it are kept, later ones apply."""
+    path = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+    hf = f"{MODELS}/llama-2-7b.json"
+    cfg = load_scenario(path, ["model.seq_length=1024", f"model.from_hf={hf}", "model.num_layers=2"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.seq_length) == (2, 4096, 11008, 32000, 1024)
+    full = load_scenario(path, [f"model.from_hf={hf}"]).model
+    assert (full.num_layers, full.hidden_size, full.seq_length) == (32, 4096, 4096)

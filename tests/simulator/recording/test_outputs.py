@@ -156,8 +156,11 @@ def test_pareto_out_writes_the_table(tmp_path, capsys):
 
 
 def test_pareto_rows_name_the_clock_that_ran(capsys):
-    """An unsupported clock is snapped (with a warning); the row carries the snapped clock, not the request."""
-    assert main(["pareto", SCEN, "--clocks", "99999", *FAST, "--json"]) == 0
+    """A clock between supported ones is snapped (with a warning); the row carries the snapped clock, not the
+    request. One outside the GPU's range is refused (it used to run at 1980 MHz)."""
+    assert main(["pareto", SCEN, "--clocks", "1412", *FAST, "--json"]) == 0
     out = capsys.readouterr()
-    assert pd.DataFrame(json.loads(out.out))["value"].tolist() == [1980]
-    assert "99999 MHz is not a supported SM clock" in out.err
+    assert pd.DataFrame(json.loads(out.out))["value"].tolist() == [1410]
+    assert "1412 MHz is not a supported SM clock" in out.err
+    assert main(["pareto", SCEN, "--clocks", "99999", *FAST, "--json"]) == 2
+    assert "--clocks 99999 MHz is outside the SM clocks" in capsys.readouterr().err
