@@ -393,11 +393,6 @@ class ScenarioConfig(_Model):
         dp = self.parallelism.data_parallel_size or 1
         z = self.zero_optimization
         self._sharding_scope(dp)
-        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
-        if dp > 1 and z.stage == 2 and gbs is not None and gbs > mbs * dp:
-            raise ValueError("zero_optimization.stage: 2 with gradient accumulation (global_batch_size > "
-                             "micro_batch_size x data_parallel_size; DeepSpeed reduces every micro-batch) is not "
-                             "modelled yet (allowed: stage 0 or 1, or no accumulation)")
         if dp > 1 and z.offload_param.device != "none":
             raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none; offload_optimizer is)")
@@ -423,7 +418,6 @@ class ScenarioConfig(_Model):
                              "(allowed: one of them)")
         if ddp.overlap_param_gather and not ddp.use_distributed_optimizer:
             raise ValueError("ddp.overlap_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM)")
-        accum = (self.training.global_batch_size or 0) > self.training.micro_batch_size * dp
         if dp > 1 and z.stage == 3:
             if prec == "amp_fp32_params":
                 raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
@@ -431,18 +425,12 @@ class ScenarioConfig(_Model):
             if tp > 1:
                 raise ValueError("zero_optimization.stage: 3 with tensor_model_parallel_size > 1 is not modelled yet "
                                  "(allowed: tp 1)")
-            if accum:
-                raise ValueError("zero_optimization.stage: 3 with gradient accumulation (global_batch_size > "
-                                 "micro_batch_size x data_parallel_size) is not modelled yet (allowed: no accumulation)")
         if f is not None and dp > 1:
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
             if tp > 1:
                 raise ValueError("fsdp: tensor_model_parallel_size > 1 is not modelled yet (allowed: 1)")
-            if accum:
-                raise ValueError("fsdp: gradient accumulation (global_batch_size > micro_batch_size x "
-                                 "data_parallel_size) is not modelled yet (allowed: no accumulation)")
         if ddp.use_distributed_optimizer and dp > 1 and prec == "amp_fp32_params":
             raise ValueError("ddp.use_distributed_optimizer needs training.precision bf16 or fp16 (Megatron-LM; "
                              "allowed: bf16, fp16)")

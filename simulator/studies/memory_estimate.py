@@ -235,6 +235,9 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         activations += 16 * T * passes  # int64 tokens and labels
         transient = max(transient, 4 * V * h)  # the fp32 embedding gradient
     dynamic = activations + transient
+    if after_backward and m > 1 and sh is None and spec.zero_stage == 2 and spec.data_parallel_size > 1:
+        grads = 4 * -(-spec.rank_num_parameters // spec.data_parallel_size)  # held between micro-batches: the
+        # shards (each micro-batch's full gradients are freed by its reduce-scatter)
     if not after_backward and grads > dynamic:  # the peak is the end of backward: all gradients, no activations
         activations, transient = 0.0, 0.0
     else:

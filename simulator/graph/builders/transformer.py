@@ -265,9 +265,6 @@ class TransformerSpec:
             if sh.shard_size * sh.replicate_size != self.data_parallel_size:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
                                  f"data_parallel_size ({self.data_parallel_size})")
-            if sh.strategy != "distributed_optimizer" and self.num_micro_batches > 1:
-                raise ValueError(f"{sh.strategy} with gradient accumulation (gradients reduced every micro-batch) "
-                                 "is not modelled yet")
             if sh.strategy != "distributed_optimizer" and self.tensor_parallel_size > 1:
                 raise ValueError(f"{sh.strategy} with tensor parallelism is not modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
@@ -277,9 +274,6 @@ class TransformerSpec:
             if sh.unit_buckets and self.precision != "amp_fp32_params":
                 raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
                                  "FSDP mixed_precision for the compute dtype)")
-        if self.zero_stage == 2 and self.data_parallel_size > 1 and self.num_micro_batches > 1:
-            raise ValueError("ZeRO stage 2 with gradient accumulation (DeepSpeed reduces every micro-batch) is not "
-                             "modelled yet")
         t = self.tensor_parallel_size
         if t > 1:
             for name, v in (("num_attention_heads", self.num_attention_heads),
@@ -586,6 +580,14 @@ class _GptBuilder:
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
         self._init_sharding()
+        # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
+        # FSDP outside no_sync()); the others once per step, after the last micro-batch
+        st = self.sh.strategy if self.sh is not None else None
+        self._every_mb = spec.num_micro_batches > 1 and (self.zero == 2 or st not in (None, "distributed_optimizer"))
+        #: the full gradients are freed by their reduce-scatter, so each micro-batch allocates them again
+        self._fresh_grads = self._every_mb and st != "no_shard"
+        self._partials: list[tuple[str, int]] = []  # reduced shards of this micro-batch to add into the step's
+        self._bwd_comm_start = 0
         self.n_chunks = spec.pipeline_parallel_size * spec.virtual_pipeline_size  # model chunks
         self.received: dict[tuple, str] = {}  # pipeline transfers received, not yet read by their pass
         self.outgoing: dict[tuple, str] = {}  # pipeline transfers produced, not yet sent
@@ -687,6 +689,8 @@ class _GptBuilder:
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
         """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
         gname = f"grad.L{self.e.layer}.{pname}" if self.e.layer >= 0 else f"grad.{pname}"
+        if self._fresh_grads:  # freed by the micro-batch's reduce-scatter: a new tensor per micro-batch
+            gname += f".mb{self._mb}"
         first = gname not in self.grad_made
         gb = self._grad_elem_bytes  # 4: fp32 .grad / main_grad; ZeRO-3 16-bit, FSDP reduce_dtype
         out = [(gname, gb * numel)] if first and not self._grads_in_buckets else []
@@ -1070,6 +1074,7 @@ class _GptBuilder:
         first, last = k == 0, k == self.n_chunks - 1
         full = s.recompute == "full"
         self.last_mb = last_pass
+        self._mb, self._bwd_comm_start = mb, len(self.comm_ops)
         e.phase, e.layer = Phase.BWD, -1
         if last:
             if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
@@ -1106,7 +1111,7 @@ class _GptBuilder:
         d_emb = e.fresh("embed.dw")
         e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
                  out=[(d_emb, 4 * V * h)], uses=[g, tokens], dtype="fp32")
-        gname = "grad.wte"
+        gname = f"grad.wte.mb{self._mb}" if self._fresh_grads else "grad.wte"
         first_write = gname not in self.grad_made
         self.grad_made.add(gname)
         gb = self._grad_elem_bytes
@@ -1227,16 +1232,19 @@ class _GptBuilder:
         return -(-n // dp)
 
     def _grad_ready(self, name: str, numel: int, op: int, tensor: str | None = None) -> None:
-        """Record that op ``op`` finished the gradient of parameter ``name`` (last micro-batch)."""
-        if not self.last_mb:
+        """Record that op ``op`` finished the gradient of parameter ``name`` (the last micro-batch's, or every
+        micro-batch's when ZeRO-2/3 or FSDP reduce each one)."""
+        if not (self.last_mb or self._every_mb):
             return
         layer = self.e.layer
         pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, self._grad_elem_bytes, op, tensor)
-        self.groups.append(pg)
+        if self.last_mb:
+            self.groups.append(pg)
         if not self.dp:
             return
         if self.s.expert_parallel_size > 1 and name.startswith("experts."):  # over the expert-data-parallel group
-            moe.reduce_expert_grad(self, pg)
+            if self.last_mb:
+                moe.reduce_expert_grad(self, pg)
             return
         s = self.s
         if self.sh is not None and self._sharded_grad_ready(pg):
@@ -1261,7 +1269,7 @@ class _GptBuilder:
             self._buckets.append(bucket)
 
     def _end_of_backward(self) -> None:
-        if not (self.dp and self.last_mb):
+        if not (self.dp and (self.last_mb or self._every_mb)):
             return
         self._bucket = self._root_bucket + self._bucket  # FSDP: the root unit's reduce-scatter comes last
         self._root_bucket = []
@@ -1271,6 +1279,32 @@ class _GptBuilder:
         for bucket in self._buckets:
             self._emit_bucket(bucket, (last,))
         self._buckets = []
+        if self._every_mb:
+            self._accumulate_shards()
+
+    def _accumulate_shards(self) -> None:
+        """End of a micro-batch's backward with per-micro-batch reductions: the compute stream waits for this
+        backward's reductions (DeepSpeed's ``independent_gradient_partition_epilogue`` waits for its reduction
+        stream; FSDP's ``_post_backward_final_callback`` for its post-backward stream) and, after the first
+        micro-batch, adds the reduced shards into the step's gradient shards (one elementwise pass each)."""
+        mine = self.comm_ops[self._bwd_comm_start:]
+        if self._partials:
+            nbytes = sum(n for _, n in self._partials)
+            self.e.kernel("grad.shard_accum", C.ELEMENTWISE, reads=2 * nbytes, writes=nbytes, flops=nbytes / 4,
+                          uses=[t for t, _ in self._partials], deps=mine, dtype="fp32")
+            self._partials = []
+        elif not self.last_mb:
+            self.e.wait_for.extend(mine)
+
+    def _reduced_shard(self, k: int, nbytes: int) -> tuple[TensorAlloc, ...]:
+        """Where bucket ``k``'s reduce-scatter writes its ``nbytes`` shard: the step's gradient shard on the first
+        micro-batch, a partial added into it at the end of a later one (``_accumulate_shards``)."""
+        shard = self.e.fresh(f"grad.shard.b{k}")
+        if self._every_mb and self._mb > 0:
+            self._partials.append((shard, nbytes))
+        else:
+            self.grad_shards.append(shard)
+        return (TensorAlloc(shard, nbytes),)
 
     def _emit_bucket(self, bucket: tuple[ParamGroup, ...], extra: tuple[int, ...]) -> None:
         k = len(self.comm_ops)
@@ -1284,13 +1318,11 @@ class _GptBuilder:
             self.comm_ops.append(self._collective(f"ddp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD,
                                                   uses=tensors))
             return
-        out = []
+        out: tuple[TensorAlloc, ...] = ()
         if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
-            shard = self.e.fresh(f"grad.shard.b{k}")
-            self.grad_shards.append(shard)
-            out = [TensorAlloc(shard, -(-nbytes // self.s.data_parallel_size))]
+            out = self._reduced_shard(k, -(-nbytes // self.s.data_parallel_size))
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=tuple(out)))
+                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out))
 
     def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=(),
                     group: str = "dp") -> int:
@@ -1355,7 +1387,7 @@ class _GptBuilder:
         """Hook at the end of a block's backward: BACKWARD_POST prefetch, then the FSDP unit's reduce-scatter."""
         if self.pg is not None:
             self.pg.leave(layer, phase)
-        if self.sh is not None and self.sh.unit_buckets and self.last_mb and self._bucket:
+        if self.sh is not None and self.sh.unit_buckets and (self.last_mb or self._every_mb) and self._bucket:
             self._close_bucket()
 
     def _persistent_sharded(self) -> None:
@@ -1434,15 +1466,15 @@ class _GptBuilder:
         elif st == "distributed_optimizer":  # in place in the grad buffer
             self.comm_ops.append(self._collective(f"megatron.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                                   Phase.BWD))
-        elif st == "zero3":  # into the persistent partition; the full gradients are freed
+        elif st == "zero3":  # into the persistent partition (after the first micro-batch: a partial added into
+            # it); the full gradients are freed
+            out = self._reduced_shard(k, sh.grad_bytes * sh.shard(nbytes // sh.grad_bytes)) if self._mb else ()
             self.comm_ops.append(self._collective(f"zero3.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                                  Phase.BWD, uses=tensors, group=self._shard_group))
+                                                  Phase.BWD, uses=tensors, allocs=out, group=self._shard_group))
         else:  # FSDP: the reduced shard becomes the fp32 sharded .grad; HYBRID: then all-reduced across nodes
             numel = nbytes // sh.grad_bytes
-            shard = self.e.fresh(f"grad.shard.b{k}")
-            self.grad_shards.append(shard)
             rs = self._collective(f"fsdp.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps, Phase.BWD,
-                                  uses=tensors, allocs=(TensorAlloc(shard, 4 * sh.shard(numel)),),
+                                  uses=tensors, allocs=self._reduced_shard(k, 4 * sh.shard(numel)),
                                   group=self._shard_group)
             self.comm_ops.append(rs)
             if sh.replicate_size > 1:

@@ -243,7 +243,6 @@ def test_more_nvlink_bandwidth_is_never_slower(bw, factor, overlap):
     (DGX + ["zero_optimization.stage=3"], "zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16"),
     (DGX + ["nccl.algo=Foo"], "nccl.algo: 'Foo' is not modelled"),
     (["hardware.gpu=a100-sxm4-80gb", "hardware.cluster={preset: dgx-a100}", "nccl.algo=NVLS"], "nccl.algo: NVLS needs"),
-    (DGX + ["zero_optimization.stage=2", "training.global_batch_size=256"], "zero_optimization.stage: 2 with gradient accumulation"),
 ])
 def test_bad_input_one_line_exit_2(sets, needle):
     args = [a for s in sets for a in ("--set", s)]

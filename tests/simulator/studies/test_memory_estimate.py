@@ -28,6 +28,8 @@ CASES = {
     "ZeRO-3": (DP8, ["zero_optimization.stage=3", "training.precision=bf16"]),
     "FSDP FULL_SHARD": (DP8, ["fsdp.sharding_strategy=FULL_SHARD"]),
     "distributed optimizer": (DP8, ["ddp.use_distributed_optimizer=true", "training.precision=bf16"]),
+    "ZeRO-2 accumulation": (DP8, ["zero_optimization.stage=2", "training.global_batch_size=128"]),
+    "FSDP accumulation": (DP8, ["fsdp.sharding_strategy=FULL_SHARD", "training.global_batch_size=128"]),
     "TP2 SP": (TP2, ["parallelism.sequence_parallel=true"]),
     "TP8 full recompute": (TP2, ["parallelism.tensor_model_parallel_size=8", "training.recompute_granularity=full"]),
     "TP4 selective": (TP2, ["parallelism.tensor_model_parallel_size=4", "training.recompute_granularity=selective"]),
