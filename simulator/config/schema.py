@@ -422,9 +422,6 @@ class ScenarioConfig(_Model):
             if prec == "amp_fp32_params":
                 raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
                                  "or fp16 (16-bit parameter partitions; allowed: bf16, fp16)")
-            if tp > 1:
-                raise ValueError("zero_optimization.stage: 3 with tensor_model_parallel_size > 1 is not modelled yet "
-                                 "(allowed: tp 1)")
         if f is not None and dp > 1:
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "

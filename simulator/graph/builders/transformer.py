@@ -265,7 +265,7 @@ class TransformerSpec:
             if sh.shard_size * sh.replicate_size != self.data_parallel_size:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
                                  f"data_parallel_size ({self.data_parallel_size})")
-            if sh.strategy != "distributed_optimizer" and self.tensor_parallel_size > 1:
+            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1:
                 raise ValueError(f"{sh.strategy} with tensor parallelism is not modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")

@@ -310,3 +310,20 @@ def test_accumulation_runs_and_shards_memory():
     assert z2["step_time_s"] > z1["step_time_s"]
     z3 = run("zero_optimization.stage=3")
     assert z3["peak_device_memory_bytes"] < z2["peak_device_memory_bytes"]
+
+
+def test_zero3_with_tensor_parallelism_shards_each_tp_ranks_parameters():
+    """ZeRO-3 on 4 data-parallel x 2 tensor-parallel ranks: each TP rank's own parameters are partitioned over
+    its data-parallel group. By hand (TINY, t = 2): the vocabulary padded to 128 t = 256 rows, 128 per rank;
+    root = 128 x 8 (token rows) + 32 (positions) + 16 (final norm) = 1072; block per TP rank = QKV 8 x 24 / 2 +
+    12 bias, proj 8 x 8 / 2 + 8, fc1 8 x 32 / 2 + 16, fc2 32 x 8 / 2 + 8, two norms 32 = 460; so the gathers are
+    2 x 1072 and 2 x 460 bytes (16-bit) each pass, the reduce-scatter 2 x 1532, and the persistent states
+    (2 + 2 + 4 + 4 + 4) bytes x 1532 / 4 per rank."""
+    sh = ShardingSpec("zero3", 4, reshard_root=True)
+    g = build_gpt_step(TransformerSpec(**{**TINY, "data_parallel_size": 4}, tensor_parallel_size=2, precision="bf16",
+                                       zero_stage=3, sharding=sh))
+    dp = [(c.name, c.meta["bytes"]) for c in _colls(g) if c.meta["group"] == "dp"]
+    assert dp == [("root.fwd.param_all_gather", 2144), ("L0.fwd.param_all_gather", 920),
+                  ("root.bwd.param_all_gather", 2144), ("L0.bwd.param_all_gather", 920),
+                  ("zero3.grad_reduce_scatter.0", 3064)]
+    assert sum(t.nbytes for t in g.persistent) == 16 * 1532 // 4
