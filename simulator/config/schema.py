@@ -402,11 +402,9 @@ class ScenarioConfig(_Model):
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
         pp = self.parallelism.pipeline_model_parallel_size
-        if pp > 1 and (f is not None or ddp.use_distributed_optimizer or z.stage >= 2):
-            what = ("fsdp" if f is not None else "ddp.use_distributed_optimizer" if ddp.use_distributed_optimizer
-                    else f"zero_optimization.stage: {z.stage}")
-            raise ValueError(f"{what}: with parallelism.pipeline_model_parallel_size {pp} > 1 is not modelled yet "
-                             "(allowed: DDP or ZeRO stage 0/1 data parallelism with pipelines, or pp 1)")
+        if pp > 1 and f is not None:  # first: the other FSDP refusals would not help with a pipeline
+            raise ValueError(f"fsdp: with parallelism.pipeline_model_parallel_size {pp} > 1 is not modelled yet "
+                             "(allowed: DDP, ZeRO stage 0/1 or ddp.use_distributed_optimizer data parallelism, or pp 1)")
         prec, tp = self.training.precision, self.parallelism.tensor_model_parallel_size
         if f is not None and z.stage > 0:
             raise ValueError(f"fsdp: exclusive with zero_optimization.stage {z.stage} (FSDP and DeepSpeed ZeRO both "
@@ -526,10 +524,6 @@ class ScenarioConfig(_Model):
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
             raise ValueError(f"{key}: {pp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
                              "device none, or pp 1)")
-        if self.fsdp is not None or self.ddp.use_distributed_optimizer:
-            what = "fsdp" if self.fsdp is not None else "ddp.use_distributed_optimizer"
-            raise ValueError(f"{what}: with {key} {pp} > 1 is not modelled yet (allowed: DDP or ZeRO stage 0/1 "
-                             "data parallelism, or pp 1)")
         if self.dataloader is not None:
             raise ValueError(f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
                              "dataloader section, or pp 1)")

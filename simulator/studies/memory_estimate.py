@@ -176,7 +176,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         else:
             dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
-    P = spec.num_parameters  # sharded strategies: pipeline parallelism is refused with them
+    P = spec.rank_num_parameters  # this stage's (ZeRO-3 and FSDP: the whole model, they refuse pipelines)
     Ps = sh.shard(P)
     if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer
         return {"params": 2 * P + 4 * Ps, "grad": 4 * P, "optimizer": 8 * Ps}, 0

@@ -43,8 +43,9 @@ gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, sectio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from simulator.graph.builders.pipeline import chunk_layers
 from simulator.graph.ops import Phase, TensorAlloc
 
 STRATEGIES = ("zero3", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "distributed_optimizer")
@@ -183,15 +184,64 @@ def root_param_sizes(spec) -> dict[str, int]:
     return out
 
 
-def backward_param_order(spec) -> list[tuple[str, int, int]]:
-    """``(name, unit, elements)`` of every parameter in the order backward finishes its gradient (the
-    builder's ``param_groups`` order): LM head and final norm, blocks ``L-1 .. 0``, embeddings."""
-    root = list(root_param_sizes(spec).items())
-    head = [(n, ROOT, k) for n, k in root if not n.startswith(("wte", "wpe"))]
-    emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
-    blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(range(spec.num_layers))
+def backward_param_order(spec, chunk: int = 0) -> list[tuple[str, int, int]]:
+    """``(name, unit, elements)`` of every parameter of model chunk ``chunk`` in the order backward finishes
+    its gradient (the builder's ``param_groups`` order): on the last model chunk the LM head (with tied
+    embeddings and a pipeline, the last rank's copy of the token table) and the final norm, then the chunk's
+    blocks in reverse, then on model chunk 0 the embeddings. With one pipeline rank chunk 0 is the whole
+    model: LM head and final norm, blocks ``L-1 .. 0``, embeddings."""
+    sizes = root_param_sizes(spec)
+    root = list(sizes.items())
+    head, emb = [], []
+    if chunk == spec.pipeline_parallel_size * spec.virtual_pipeline_size - 1:
+        if spec.embedding_copy:
+            head.append(("wte.weight", ROOT, sizes["wte.weight"]))
+        head += [(n, ROOT, k) for n, k in root if not n.startswith(("wte", "wpe"))]
+    if chunk == 0:
+        emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
+    blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(chunk_layers(spec.layer_split, chunk))
               for n, k in layer_param_sizes(spec).items()]
     return head + blocks + emb
+
+
+@dataclass
+class MegatronBuffer:
+    """One model chunk's contiguous gradient buffer and its buckets (Megatron-LM ``_ParamAndGradBuffer``;
+    with a virtual pipeline every model chunk is its own ``DistributedDataParallel`` with its own buffer).
+
+    Attributes:
+        first_bucket: Index of its first bucket among the rank's buckets (their names).
+        bucket_len: Parameters per bucket, in backward order.
+        bucket_numel: Elements per bucket.
+        hook_buckets: Builder hook (a layer; -1 the embeddings, ``num_layers`` the head) -> the buckets
+            holding its parameters (which the hook's forward waits for with ``overlap_param_gather``).
+        closed: Buckets whose gradients are complete (filled in by the builder).
+        gather_ops: Bucket -> its parameter all-gather op (filled in by the builder).
+    """
+
+    first_bucket: int
+    bucket_len: list[int]
+    bucket_numel: list[int]
+    hook_buckets: dict[int, list[int]]
+    closed: int = 0
+    gather_ops: dict[int, int] = field(default_factory=dict)
+
+
+def megatron_buffer(spec, chunk: int, first_bucket: int = 0) -> MegatronBuffer:
+    """The gradient buffer of model chunk ``chunk`` (``backward_param_order`` split by ``megatron_buckets``)."""
+    order = backward_param_order(spec, chunk)
+    buckets = megatron_buckets([k for _, _, k in order], spec.sharding.bucket_elements)
+    hooks: dict[int, set[int]] = {}
+    L = spec.num_layers
+    for bi, b in enumerate(buckets):
+        for i in b:
+            name, unit, _ = order[i]
+            emb = name.startswith(("wte", "wpe")) and chunk == 0
+            hooks.setdefault(unit if unit >= 0 else (-1 if emb else L), set()).add(bi)
+            if emb and name == "wte.weight" and spec.tied_embeddings and not spec.embedding_copy:
+                hooks.setdefault(L, set()).add(bi)  # the tied head reads the token table
+    return MegatronBuffer(first_bucket, [len(b) for b in buckets], [sum(order[i][2] for i in b) for b in buckets],
+                          {h: sorted(v) for h, v in hooks.items()})
 
 
 def megatron_buckets(sizes: list[int], bucket_elements: int | None) -> list[list[int]]:

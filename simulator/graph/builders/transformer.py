@@ -1014,7 +1014,7 @@ class _GptBuilder:
         loss on the last model chunk (else the activation sent to the next). Returns what backward needs."""
         s, e, T = self.s, self.e, self.T
         h, V = s.hidden_size, s.vocab_per_rank  # vocabulary-parallel embedding and LM head: V_p / t rows
-        k = s.model_chunks[chunk]
+        k = self._chunk = s.model_chunks[chunk]
         first, last = k == 0, k == self.n_chunks - 1
         full = s.recompute == "full"
         selective = s.recompute == "selective"
@@ -1070,7 +1070,7 @@ class _GptBuilder:
         ``last_pass``: the chunk's final backward of the step (gradients complete: DP buckets are reduced)."""
         s, e, T = self.s, self.e, self.T
         h, V = s.hidden_size, s.vocab_per_rank
-        k = s.model_chunks[chunk]
+        k = self._chunk = s.model_chunks[chunk]
         first, last = k == 0, k == self.n_chunks - 1
         full = s.recompute == "full"
         self.last_mb = last_pass
@@ -1337,7 +1337,7 @@ class _GptBuilder:
         s = self.s
         sh = s.sharding if self.dp else None
         self.sh = sh
-        self._mb = 0
+        self._mb = self._chunk = 0
         self._root_bucket: list[ParamGroup] = []
         #: bytes per element of a parameter's gradient tensor (and of its reduction)
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
@@ -1348,22 +1348,9 @@ class _GptBuilder:
                 name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
         if sh is not None and sh.strategy == "distributed_optimizer":
             self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
-            order = shd.backward_param_order(s)
-            buckets = shd.megatron_buckets([k for _, _, k in order], sh.bucket_elements)
-            self._mg_bucket_len = [len(b) for b in buckets]
-            self._mg_bucket_numel = [sum(order[i][2] for i in b) for b in buckets]
-            hooks: dict[int, set[int]] = {}
-            L = s.num_layers
-            for bi, b in enumerate(buckets):
-                for i in b:
-                    name, unit, _ = order[i]
-                    hooks.setdefault(unit if unit >= 0 else (-1 if name.startswith(("wte", "wpe")) else L),
-                                     set()).add(bi)
-                    if name == "wte.weight" and s.tied_embeddings:  # the tied head reads the token table
-                        hooks.setdefault(L, set()).add(bi)
-            self._mg_hook_buckets = {h: sorted(v) for h, v in hooks.items()}
-            self._mg_closed = 0
-            self._mg_gather_ops: dict[int, int] = {}
+            self._mg: dict[int, shd.MegatronBuffer] = {}  # model chunk -> its gradient buffer
+            for k in s.model_chunks:
+                self._mg[k] = shd.megatron_buffer(s, k, sum(len(b.bucket_len) for b in self._mg.values()))
 
     def _new_micro_batch(self, mb: int) -> None:
         self._mb = mb
@@ -1377,11 +1364,12 @@ class _GptBuilder:
             self.pg.enter(layer, phase)
         elif (self.sh is not None and self.sh.strategy == "distributed_optimizer" and self.sh.overlap_param_gather
               and phase == Phase.FWD and self._mb == 0):
-            if not self._mg_gather_ops:  # all buckets, in forward order, on the dp stream at the step's start
-                for bi in reversed(range(len(self._mg_bucket_len))):
-                    self._mg_gather_ops[bi] = self._collective(
-                        f"megatron.param_all_gather.{bi}", "all_gather", 2 * self._mg_bucket_numel[bi], [], Phase.FWD)
-            self.e.wait_for.extend(self._mg_gather_ops[bi] for bi in self._mg_hook_buckets.get(layer, ()))
+            buf = self._mg[self._chunk]
+            if not buf.gather_ops:  # the chunk's buckets, in forward order, on the dp stream at its first forward
+                for bi in reversed(range(len(buf.bucket_len))):
+                    buf.gather_ops[bi] = self._collective(f"megatron.param_all_gather.{buf.first_bucket + bi}",
+                                                          "all_gather", 2 * buf.bucket_numel[bi], [], Phase.FWD)
+            self.e.wait_for.extend(buf.gather_ops[bi] for bi in buf.hook_buckets.get(layer, ()))
 
     def _release_layer_params(self, layer: int, phase: Phase) -> None:
         """Hook at the end of a block's backward: BACKWARD_POST prefetch, then the FSDP unit's reduce-scatter."""
@@ -1392,7 +1380,7 @@ class _GptBuilder:
 
     def _persistent_sharded(self) -> None:
         s, b, sh = self.s, self.b, self.sh
-        P = s.num_parameters
+        P = s.rank_num_parameters  # this pipeline stage's (the whole model without a pipeline)
         Ps = sh.shard(P)
         half = self.e.half
         st = sh.strategy
@@ -1424,7 +1412,7 @@ class _GptBuilder:
         return sorted(self.grad_made)
 
     def _optimizer_share(self) -> float:
-        P = self.s.num_parameters
+        P = self.s.rank_num_parameters
         if self.sh is not None:
             return 1.0 if self.sh.strategy == "no_shard" else self.sh.shard(P) / P
         return self._shard(P) / P if self.zero else 1.0
@@ -1440,9 +1428,10 @@ class _GptBuilder:
                                                   2 * self.pg.persistent_numel, [opt], Phase.OPT,
                                                   group=self._shard_group))
         if sh.strategy == "distributed_optimizer" and not sh.overlap_param_gather:
-            for bi, n in enumerate(self._mg_bucket_numel):
-                self.comm_ops.append(self._collective(f"megatron.param_all_gather.{bi}", "all_gather", 2 * n, [opt],
-                                                      Phase.OPT))
+            for buf in self._mg.values():
+                for bi, n in enumerate(buf.bucket_numel):
+                    self.comm_ops.append(self._collective(f"megatron.param_all_gather.{buf.first_bucket + bi}",
+                                                          "all_gather", 2 * n, [opt], Phase.OPT))
 
     def _sharded_grad_ready(self, pg: ParamGroup) -> bool:
         """Bucket a finished gradient (FSDP: per unit; Megatron: its precomputed buckets). False: use the
@@ -1452,9 +1441,10 @@ class _GptBuilder:
             (self._bucket if pg.layer >= 0 else self._root_bucket).append(pg)
             return True
         if sh.strategy == "distributed_optimizer":
+            buf = self._mg[self._chunk]
             self._bucket.append(pg)
-            if len(self._bucket) == self._mg_bucket_len[self._mg_closed]:
-                self._mg_closed += 1
+            if len(self._bucket) == buf.bucket_len[buf.closed]:
+                buf.closed += 1
                 self._close_bucket()
             return True
         return False

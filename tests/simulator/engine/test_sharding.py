@@ -327,3 +327,46 @@ def test_zero3_with_tensor_parallelism_shards_each_tp_ranks_parameters():
                   ("root.bwd.param_all_gather", 2144), ("L0.bwd.param_all_gather", 920),
                   ("zero3.grad_reduce_scatter.0", 3064)]
     assert sum(t.nbytes for t in g.persistent) == 16 * 1532 // 4
+
+
+def _stage_spec(p, r, v=1, **kw):
+    return TransformerSpec(**{**TINY, "num_layers": 4, "data_parallel_size": 2}, pipeline_parallel_size=p,
+                           pipeline_rank=r, virtual_pipeline_size=v, num_micro_batches=2 * p,
+                           pipeline_schedule="1f1b" if v == 1 else "interleaved_1f1b", **kw)
+
+
+@pytest.mark.parametrize("v,kw", [(1, {}), (1, dict(tied_embeddings=False)), (2, {})])
+def test_backward_param_order_per_pipeline_chunk_is_the_builders(v, kw):
+    """With a pipeline each model chunk's order is its own: the last rank's head (the tied token table's copy, or
+    the untied LM head) and final norm, its blocks in reverse, the embeddings on chunk 0; the builder finishes the
+    chunks' gradients in the order of their last backward passes."""
+    from simulator.graph.builders.pipeline import Action, stage_actions
+
+    for r in range(2):
+        spec = _stage_spec(2, r, v, **kw)
+        done = [spec.model_chunks[a.chunk] for a in stage_actions(spec.pipeline_schedule, 2, 4, r, v)
+                if isinstance(a, Action) and a.kind == "B" and a.last]
+        want = [(n, k) for c in done for n, _, k in backward_param_order(spec, c)]
+        assert [(p.name, p.numel) for p in build_gpt_step(spec).param_groups] == want
+    last = backward_param_order(_stage_spec(2, 1, **kw), 1)
+    assert last[0][0] == ("lm_head.weight" if kw else "wte.weight") and last[-1][0] == "L2.ln1.bias"
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_distributed_optimizer_with_pipeline_shards_each_stage(v):
+    """Megatron distributed optimizer on 2 stages x 2 data-parallel ranks: each stage reduce-scatters its own
+    gradients (4 bytes x its parameters) and all-gathers its 16-bit parameters after the step (2 bytes x them),
+    and holds 2 P (bf16) + 4 P (fp32 grad buffer) + 12 ceil(P / 2) (master, Adam moments), P its parameters.
+    By hand (TINY, 4 layers of 872, h 8): stage 0 = 2 blocks + token table 128 + positions 32 = 1904; stage 1 =
+    2 blocks + final norm 16 + the tied table's copy 128 = 1888."""
+    want = {0: 1904, 1: 1888}
+    for r in range(2):
+        spec = _stage_spec(2, r, v, precision="bf16", sharding=ShardingSpec("distributed_optimizer", 2, grad_bytes=4))
+        assert spec.rank_num_parameters == want[r]
+        g = build_gpt_step(spec)
+        cs = [c for c in _colls(g) if c.meta["group"] == "dp"]
+        P = want[r]
+        assert sum(c.meta["bytes"] for c in cs if c.meta["collective"] == "reduce_scatter") == 4 * P
+        assert sum(c.meta["bytes"] for c in cs if c.meta["collective"] == "all_gather") == 2 * P
+        assert len({c.name for c in cs}) == len(cs)  # bucket names unique across the chunks' buffers
+        assert sum(t.nbytes for t in g.persistent) == 2 * P + 4 * P + 12 * -(-P // 2)

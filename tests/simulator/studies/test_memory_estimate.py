@@ -35,6 +35,9 @@ CASES = {
     "TP4 selective": (TP2, ["parallelism.tensor_model_parallel_size=4", "training.recompute_granularity=selective"]),
     "PP4 1F1B": (TP2, PP4),
     "PP4 GPipe": (TP2, [*PP4, "parallelism.pipeline_schedule=gpipe"]),
+    "PP4 distributed optimizer": (TP2, [*PP4, "ddp.use_distributed_optimizer=true"]),
+    "PP4 interleaved v2 distributed optimizer": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
+                                                       "ddp.use_distributed_optimizer=true"]),
     "PP4 interleaved v2 ZeRO-1": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
                                         "zero_optimization.stage=1"]),
 }
