@@ -140,9 +140,11 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
     """Achieved FLOP/s per GPU counted the Megatron-LM papers' way (``metrics.megatron_flops_per_step``:
     Narayanan et al. 2021 eq. 3 with full recompute), the figure they publish as "TFLOP/s per GPU":
     iteration FLOPs / (``step_time_s`` x ``world_size``). None for a model the formula does not
-    describe (FFN not 4h, SwiGLU, grouped-query attention) or a run without a step time."""
+    describe (FFN not 4h, SwiGLU, grouped-query attention; LoRA, which skips the weight gradients the formula
+    counts) or a run without a step time."""
     m, t = cfg.model, cfg.training
-    gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention)
+    gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention
+                  and t.lora is None)
     if not gpt_shaped or not summary["step_time_s"]:
         return None
     batch = t.global_batch_size or t.micro_batch_size * (cfg.parallelism.data_parallel_size or 1)

@@ -64,7 +64,7 @@ def check_lora_scenario(cfg) -> None:
     p, z = cfg.parallelism, cfg.zero_optimization
     dp = p.data_parallel_size or 1
     refused = [(k, v) for k, v, on in (
-        ("parallelism.tensor_model_parallel_size", p.tensor_model_parallel_size, p.tensor_model_parallel_size > 1),
+        ("parallelism.sequence_parallel", True, p.sequence_parallel and p.tensor_model_parallel_size > 1),
         ("parallelism.pipeline_model_parallel_size", p.pipeline_model_parallel_size, p.pipeline_model_parallel_size > 1),
         ("parallelism.context_parallel_size", p.context_parallel_size, p.context_parallel_size > 1),
         ("zero_optimization.stage", z.stage, z.stage > 0 and dp > 1),
@@ -77,5 +77,5 @@ def check_lora_scenario(cfg) -> None:
     if refused:
         k, v = refused[0]
         raise ValueError(f"training.lora with {k} {v} is not modelled yet (allowed with LoRA: one GPU or DDP data "
-                         "parallelism, tp = pp = cp = 1, no ZeRO/FSDP/distributed optimizer/offload, dense models, "
-                         "no fp8)")
+                         "parallelism, tensor parallelism without sequence_parallel, pp = cp = 1, no ZeRO/FSDP/"
+                         "distributed optimizer/offload, dense models, no fp8)")

@@ -43,10 +43,19 @@ adapters are fp32 parameters with fp32 gradients and moments (16 bytes); their w
 input is fp32, their inputs are cast to bf16 per GEMM as autocast does. With data parallelism (DDP) only
 the adapters' gradients are bucketed and all-reduced (DDP skips parameters without ``requires_grad``).
 
-Not modelled (refused by ``check_lora_spec`` and the scenario schema): tensor parallelism (PEFT's
-``LoraParallelLinear``, ``peft/tuners/lora/tp_layer.py``, would split ``A`` by rows under a row-parallel base
-and ``B`` by columns under a column-parallel one), pipeline and context parallelism, ZeRO, FSDP, the
-distributed optimizer, offload, experts and fp8.
+**Tensor parallelism** (PEFT ``LoraParallelLinear``, ``peft/tuners/lora/tp_layer.py``: "when the target layer
+is RowParallelLinear ... split the lora matrix A into rows, and the lora_B ... should be a complete linear
+layer; ... when the target layer is ColumnParallelLinear, we perform column segmentation on lora_B, while
+lora_A is still a complete linear layer"): under the column-parallel QKV and fc1, ``A [in, r]`` is replicated
+(every rank computes ``x A`` on the whole input) and ``B [r, out / t]`` is a ``ColumnParallelLinear`` whose input
+gradient ``[T, r]`` is all-reduced in backward; under the row-parallel proj and fc2, ``A [in / t, r]`` is a
+``RowParallelLinear`` whose ``[T, r]`` output is all-reduced in forward and ``B [r, out]`` is replicated. The
+replicated halves get identical gradients on every TP rank (their inputs are whole), so no extra TP
+reduction. The row-parallel adapter's output is added before the base output's all-reduce rather than after
+it (the same kernels and bytes, in another order).
+
+Not modelled (refused by ``check_lora_spec`` and the scenario schema): sequence parallelism, pipeline and
+context parallelism, ZeRO, FSDP, the distributed optimizer, offload, experts and fp8.
 """
 
 from __future__ import annotations
@@ -149,7 +158,7 @@ def check_lora_spec(s) -> None:
 
     Raises:
         ValueError: bad modules or rank (``adapter_shapes``, ``check_rank``), ``alpha <= 0``, dropout outside
-            ``[0, 1)``, or a combination that is not modelled (tensor, pipeline or context parallelism, ZeRO or
+            ``[0, 1)``, or a combination that is not modelled (sequence, pipeline or context parallelism, ZeRO or
             sharding with data parallelism, experts, fp8).
     """
     lo = s.lora
@@ -161,7 +170,8 @@ def check_lora_spec(s) -> None:
     if not 0 <= lo.dropout < 1:
         raise ValueError(f"lora dropout must be in [0, 1), got {lo.dropout}")
     dp = s.data_parallel_size > 1
-    for what, on in (("tensor parallelism", s.tensor_parallel_size > 1), ("pipeline parallelism",
+    for what, on in (("sequence parallelism", s.sequence_parallel and s.tensor_parallel_size > 1),
+                     ("pipeline parallelism",
                      s.pipeline_parallel_size > 1), ("context parallelism", s.context_parallel_size > 1),
                      ("ZeRO", dp and s.zero_stage > 0), ("sharded data parallelism", dp and s.sharding is not None),
                      ("experts", bool(s.num_experts)), ("fp8", s.fp8 is not None)):
@@ -169,29 +179,44 @@ def check_lora_spec(s) -> None:
             raise ValueError(f"LoRA with {what} is not modelled yet")
 
 
+#: builder Linears that are column-parallel under tensor parallelism (the others, proj and fc2, are row-parallel)
+COLUMN_PARALLEL = ("qkv", "fc1")
+
+
+def rank_adapters(spec) -> list[tuple[str, str, int, int]]:
+    """The adapters of one block as one tensor-parallel rank holds them, ``(linear, module, in, out)`` of its
+    ``A [in, r]`` and ``B [r, out]`` (PEFT ``LoraParallelLinear``, ``peft/tuners/lora/tp_layer.py``): under a
+    column-parallel Linear ``A`` is whole (replicated) and ``B`` split by columns (``out / t``); under a row-parallel
+    one ``A`` is split by rows (``in / t``) and ``B`` whole. The same as ``spec_adapters`` with ``t = 1``."""
+    t = spec.tensor_parallel_size
+    return [(lin, m, i, o // t) if lin in COLUMN_PARALLEL else (lin, m, i // t, o)
+            for lin, m, i, o in spec_adapters(spec)]
+
+
 def layer_trainable_parameters(spec) -> int:
-    """Adapter parameters of one block: ``sum r (in + out)`` over its adapters."""
+    """Adapter parameters of one block on one TP rank: ``sum r (in + out)`` over its adapters (``rank_adapters``)."""
     r = spec.lora.rank
-    return sum(r * (i + o) for _, _, i, o in spec_adapters(spec))
+    return sum(r * (i + o) for _, _, i, o in rank_adapters(spec))
 
 
 def trainable_parameters(spec) -> int:
-    """Trainable parameters of the model (the adapters of every block): Llama-2-7B, ``r = 16`` on all seven
-    HF modules: ``32 x 16 x (4 x 8192 + 2 x 15104 + 15104) = 39,976,960``."""
+    """Trainable parameters held by one TP rank (the whole model's with ``t = 1``: the adapters of every block):
+    Llama-2-7B, ``r = 16`` on all seven HF modules: ``32 x 16 x (4 x 8192 + 2 x 15104 + 15104) = 39,976,960``."""
     return spec.num_layers * layer_trainable_parameters(spec)
 
 
 def model_flops_per_sample(spec) -> float:
     """Training FLOPs per sample done by a LoRA step: the base matrices forward and input gradient (2 x their
     forward: no weight gradient), attention 3 x (forward and backward), the adapters 3 x (forward, input and
-    weight gradients). The same accounting as ``TransformerSpec.model_flops_per_sample`` (which is 3 x the
-    forward of everything) otherwise."""
+    weight gradients), per GPU (divided by the tensor-parallel size). The same accounting as
+    ``TransformerSpec.model_flops_per_sample`` (which is 3 x the forward of everything) otherwise."""
     h, s, V = spec.hidden_size, spec.seq_length, spec.vocab_size
     mlp = (3 if spec.swiglu else 2) * h * spec.ffn_hidden_size
     mat = s * (spec.num_layers * 2 * (h * spec.qkv_out_size + spec.attention_width * h + mlp) + 2 * h * V)
     att = s * spec.num_layers * 4 * spec.attention_width * spec.attention_pairs / s
-    adapters = 2 * s * trainable_parameters(spec)  # 2 r (in + out) FLOPs per token and adapter, forward
-    return 2.0 * mat + 3.0 * att + 3.0 * adapters
+    whole = spec.num_layers * spec.lora.rank * sum(i + o for _, _, i, o in spec_adapters(spec))
+    adapters = 2 * s * whole  # 2 r (in + out) FLOPs per token and adapter, forward
+    return (2.0 * mat + 3.0 * att + 3.0 * adapters) / spec.tensor_parallel_size
 
 
 # -- builder hooks (``bld``: the GPT builder) ----------------------------------------------------
@@ -237,7 +262,7 @@ def adapter_fwd(bld, linear: str, x: str, x_fp32: bool, y: str, save: bool) -> l
         return None
     r = lo.rank
     saved = []
-    for lin, mod, i, o in bld.lora_adapters:
+    for lin, mod, i, o in bld.lora_adapters:  # this TP rank's shapes (rank_adapters)
         if lin != linear:
             continue
         p = f"lora.{mod}"
@@ -256,13 +281,15 @@ def adapter_fwd(bld, linear: str, x: str, x_fp32: bool, y: str, save: bool) -> l
         if bld.amp:  # autocast: the fp32 adapter weights are cast to bf16 per forward
             wa, wb = (_cast_weight(bld, f"{p}.{ab}", n) for ab, n in (("A", r * i), ("B", r * o)))
         ha = _gemm(bld, f"{p}.A.gemm", T, r, i, xa, wa, f"{p}.A.out", T * r)
+        if bld.tp > 1 and lin not in COLUMN_PARALLEL:  # row-parallel A (RowParallelLinear): sum x A over the ranks
+            e.producer[ha] = bld._tp_op(f"lora.{mod}.A.all_reduce", "all_reduce", 2 * T * r, uses=[ha])
         hb = _gemm(bld, f"{p}.B.gemm", T, o, r, ha, wb, f"{p}.B.out", T * o)
         sc = e.fresh(f"{p}.scaled")
         e.kernel(f"{p}.scale", C.ELEMENTWISE, reads=2 * T * o, writes=2 * T * o, flops=T * o, out=[(sc, 2 * T * o)],
                  uses=[hb])
         e.producer[y] = e.kernel(f"{p}.add", C.ELEMENTWISE, reads=4 * T * o, writes=2 * T * o, flops=T * o,
                                  uses=[y, sc])
-        saved.append((mod, i, o, xa, mask, ha, wa, wb))
+        saved.append((lin, mod, i, o, xa, mask, ha, wa, wb))
     return saved if save and saved else None
 
 
@@ -274,12 +301,14 @@ def adapter_bwd(bld, g: str, saved: list | None, dx: str) -> str:
     if not saved:
         return dx
     e, T, r = bld.e, bld.T, bld.s.lora.rank
-    for mod, i, o, xa, mask, ha, wa, wb in saved:
+    for lin, mod, i, o, xa, mask, ha, wa, wb in saved:
         p = f"lora.{mod}"
         gs = e.fresh(f"{p}.scale.dx")
         e.kernel(f"{p}.scale.dgrad", C.ELEMENTWISE, reads=2 * T * o, writes=2 * T * o, flops=T * o,
                  out=[(gs, 2 * T * o)], uses=[g])
         gha = _gemm(bld, f"{p}.B.dgrad", T, r, o, gs, wb, f"{p}.B.dx", T * r)
+        if bld.tp > 1 and lin in COLUMN_PARALLEL:  # column-parallel B: its input gradient is summed over the ranks
+            e.producer[gha] = bld._tp_op(f"lora.{mod}.B.dgrad.all_reduce", "all_reduce", 2 * T * r, uses=[gha])
         dwb = _gemm(bld, f"{p}.B.wgrad", o, r, T, gs, ha, f"{p}.B.dw16", r * o)
         wid, gname = bld._accumulate_grad(f"{p}.B", dwb, r * o)
         bld._grad_ready(f"{p}.B", r * o, wid, gname)

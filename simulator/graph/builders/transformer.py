@@ -597,7 +597,7 @@ class _GptBuilder:
         self._last_call: list[int] = []  # ops of the previous point-to-point call
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
-        self.lora_adapters = lora.spec_adapters(spec) if spec.lora is not None else []
+        self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,

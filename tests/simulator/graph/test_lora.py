@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.api import model_num_parameters, run_scenario
 from simulator.cli import main
@@ -184,16 +186,43 @@ def test_bad_lora_input_one_line_exit_2(tmp_path, capsys, label, model, lora, tr
         assert fragment in err, f"{label}: {fragment!r} not in {err!r}"
 
 
-def test_tensor_parallel_refused_naming_the_key(tmp_path, capsys):
+def _tp_scenario(tmp_path: Path, sequence_parallel: bool) -> Path:
     d = yaml.safe_load(_scenario(tmp_path, {"from_hf": str(LLAMA2), "num_layers": 2, "seq_length": 256},
-                                 {"rank": 4, "target_modules": ["q_proj"]}).read_text())
+                                 {"rank": 4, "target_modules": ["q_proj", "o_proj"]}).read_text())
     d["hardware"] = {"gpu": "h100-sxm-80gb", "host": "dgx-h100-host", "cluster": {"preset": "dgx-h100", "nodes": 1}}
-    d["parallelism"] = {"tensor_model_parallel_size": 2}
+    d["parallelism"] = {"tensor_model_parallel_size": 2, "sequence_parallel": sequence_parallel}
     p = tmp_path / "tp.yaml"
     p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def test_sequence_parallel_refused_naming_the_key(tmp_path, capsys):
+    p = _tp_scenario(tmp_path, sequence_parallel=True)
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "training.lora with parallelism.tensor_model_parallel_size 2 is not modelled" in err
+    assert "\n" not in err and "training.lora with parallelism.sequence_parallel True is not modelled" in err
+
+
+def test_tensor_parallel_splits_b_of_column_and_a_of_row_parallel_linears():
+    # t 2: q_proj (column-parallel QKV) A [64, 4] whole, B [4, 32]; o_proj (row-parallel proj) A [32, 4], B [4, 64]
+    s = spec(LoraSpec(4, 8, ("q_proj", "o_proj")), tensor_parallel_size=2)
+    assert trainable_parameters(s) == 2 * (4 * (64 + 32) + 4 * (32 + 64)) == 1536  # per TP rank
+    assert trainable_parameters(spec(LoraSpec(4, 8, ("q_proj", "o_proj")))) == 2 * 2 * 4 * (64 + 64) == 2048
+    g = build_gpt_step(s)
+    gemm = {o.name: o.shape for o in g.ops if o.layer == 0 and ".lora." in o.name and o.cost_class is CostClass.GEMM}
+    assert gemm["L0.fwd.lora.q_proj.A.gemm"] == (T, 4, 64) and gemm["L0.fwd.lora.q_proj.B.gemm"] == (T, 32, 4)
+    assert gemm["L0.fwd.lora.o_proj.A.gemm"] == (T, 4, 32) and gemm["L0.fwd.lora.o_proj.B.gemm"] == (T, 64, 4)
+    # one [T, r] 16-bit all-reduce per adapter: forward after the row-parallel A, backward after the column-parallel
+    # B's input gradient (2 x 32 x 4 = 256 bytes)
+    lora_tp = sorted((o.name, o.meta["bytes"]) for o in g.ops if o.layer == 0 and o.kind is OpKind.COLLECTIVE
+                     and ".lora." in o.name)
+    assert lora_tp == [("L0.bwd.tp.lora.q_proj.B.dgrad.all_reduce", 256), ("L0.fwd.tp.lora.o_proj.A.all_reduce", 256)]
+    assert sum(p.numel for p in g.param_groups) == 1536
+
+
+def test_tensor_parallel_scenario_reports_whole_model_trainable_count(tmp_path):
+    summary = run_scenario(load_scenario(_tp_scenario(tmp_path, sequence_parallel=False))).summary
+    assert summary["num_trainable_parameters"] == 2 * 2 * 4 * (4096 + 4096) == 131_072
 
 
 def test_spec_refuses_what_the_schema_refuses():
@@ -203,5 +232,35 @@ def test_spec_refuses_what_the_schema_refuses():
         spec(LoraSpec(17, 8, ("k_proj",)))  # k_proj is [64, 16]
     with pytest.raises(ValueError, match="not a module"):
         spec(LoraSpec(4, 8, ("gate_proj",)), swiglu=False)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        spec(LoraSpec(4, 8, ("q_proj",)), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        spec(LoraSpec(4, 8, ("q_proj",)), tensor_parallel_size=2, sequence_parallel=True)
+
+
+def test_memory_estimate_and_megatron_flops_do_not_pretend_to_cover_lora(tmp_path):
+    from simulator.api import megatron_flops_per_s_per_gpu
+    from simulator.studies.memory_estimate import NotEstimated, estimate_memory
+
+    cfg = load_scenario(_scenario(tmp_path, {**GPT2_SMALL}, {"rank": 4, "target_modules": ["q_proj"]}))
+    with pytest.raises(NotEstimated, match="training.lora"):
+        estimate_memory(cfg)
+    # Megatron's formula counts weight gradients a LoRA step does not run: no figure rather than a wrong one
+    assert megatron_flops_per_s_per_gpu(cfg, {"step_time_s": 1.0, "world_size": 1}) is None
+    full = load_scenario(_scenario(tmp_path, {**GPT2_SMALL}))
+    assert megatron_flops_per_s_per_gpu(full, {"step_time_s": 1.0, "world_size": 1}) > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(mods=st.sets(st.sampled_from(ALL7), min_size=1), rank=st.integers(1, 16), t=st.sampled_from([1, 2]),
+       dp=st.sampled_from([1, 2]))
+def test_param_groups_grads_and_reductions_are_the_trainable_count(mods, rank, t, dp):
+    # any HF module subset, rank up to k_proj's width 16, TP 1/2, DDP 1/2: the gradients the graph makes, their
+    # DDP all-reduce and the optimizer step all cover exactly this rank's adapters
+    s = spec(LoraSpec(rank, 2 * rank, tuple(sorted(mods, key=ALL7.index))), tensor_parallel_size=t,
+             data_parallel_size=dp)
+    Pa = trainable_parameters(s)
+    g = build_gpt_step(s)
+    assert sum(p.numel for p in g.param_groups) == Pa
+    assert sum(a.nbytes for o in g.ops for a in o.allocs if a.name.startswith("grad.")) == 4 * Pa
+    dp_bytes = sum(o.meta["bytes"] for o in g.ops if o.kind is OpKind.COLLECTIVE and o.meta.get("group") == "dp")
+    assert dp_bytes == (4 * Pa if dp > 1 else 0)
+    assert not [o for o in g.ops if o.name.endswith(".wgrad") and ".lora." not in o.name]
