@@ -157,6 +157,10 @@ def test_lora_step_is_faster_and_smaller_than_full_fine_tune(tmp_path):
     assert lo["step_time_s"] < 0.9 * full["step_time_s"]
     assert lo["peak_memory_bytes"] < 0.5 * full["peak_memory_bytes"]
     assert any(w.startswith("training.lora:") for w in lo["warnings"])
+    from simulator.cli import format_summary
+
+    assert "parameters          trainable 2,498,560 of " in format_summary(lo, "lora")
+    assert "trainable" not in format_summary(full, "full")
 
 
 # -- bad input -----------------------------------------------------------------------------------
