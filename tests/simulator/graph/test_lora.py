@@ -268,3 +268,17 @@ def test_param_groups_grads_and_reductions_are_the_trainable_count(mods, rank, t
     dp_bytes = sum(o.meta["bytes"] for o in g.ops if o.kind is OpKind.COLLECTIVE and o.meta.get("group") == "dp")
     assert dp_bytes == (4 * Pa if dp > 1 else 0)
     assert not [o for o in g.ops if o.name.endswith(".wgrad") and ".lora." not in o.name]
+
+
+def test_model_flops_count_what_a_lora_step_runs():
+    # t 1: model FLOPs = base GEMMs 2 x forward (no wgrad) + adapters 3 x forward + attention 3 x forward; the first two
+    # are exactly the graph's GEMM FLOPs (the LM head included: forward and input gradient)
+    s = spec(LoraSpec(4, 8, ("q_proj", "o_proj", "down_proj")))
+    g = build_gpt_step(s)
+    att = 3 * 2 * 4 * s.attention_width * s.attention_pairs * s.micro_batch_size  # 2 layers
+    gemm = sum(o.flops for o in g.ops if o.cost_class is CostClass.GEMM)
+    # by hand (T 32): base forward 2 T (h x 96 + 64 h + 3 h f) x 2 layers + head 2 T h V = 5,242,880 + 4,096,000, x 2 =
+    # 18,677,760; adapters r (in + out) = 4 x (128 + 128 + 224) = 1,920 per layer, 2 T x 3,840 x 3 = 737,280
+    assert g.model_flops_per_step - att == gemm == 18_677_760 + 737_280
+    full = build_gpt_step(spec())
+    assert g.model_flops_per_step < full.model_flops_per_step
