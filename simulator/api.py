@@ -19,6 +19,7 @@ from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
+from simulator.graph.builders.lora import LoraSpec, trainable_parameters
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
@@ -63,7 +64,15 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
+        lora=lora_spec(t.lora),
     )
+
+
+def lora_spec(lo) -> LoraSpec | None:
+    """The builder's ``LoraSpec`` of a ``training.lora`` section (None without one)."""
+    if lo is None:
+        return None
+    return LoraSpec(rank=lo.rank, alpha=lo.alpha, target_modules=tuple(lo.target_modules), dropout=lo.dropout)
 
 
 def sharding_spec(cfg: ScenarioConfig):
@@ -131,9 +140,11 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
     """Achieved FLOP/s per GPU counted the Megatron-LM papers' way (``metrics.megatron_flops_per_step``:
     Narayanan et al. 2021 eq. 3 with full recompute), the figure they publish as "TFLOP/s per GPU":
     iteration FLOPs / (``step_time_s`` x ``world_size``). None for a model the formula does not
-    describe (FFN not 4h, SwiGLU, grouped-query attention) or a run without a step time."""
+    describe (FFN not 4h, SwiGLU, grouped-query attention; LoRA, which skips the weight gradients the formula
+    counts) or a run without a step time."""
     m, t = cfg.model, cfg.training
-    gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention)
+    gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention
+                  and t.lora is None)
     if not gpt_shaped or not summary["step_time_s"]:
         return None
     batch = t.global_batch_size or t.micro_batch_size * (cfg.parallelism.data_parallel_size or 1)
@@ -358,10 +369,13 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
 def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
     """Summary keys that come from the scenario rather than the records: ``zero_stage``,
     ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``;
-    with experts ``num_active_parameters`` and ``expert_parallel_size``."""
+    with experts ``num_active_parameters`` and ``expert_parallel_size``; ``num_trainable_parameters`` (all of them
+    without ``training.lora``; with it the adapters' count, as PEFT's ``print_trainable_parameters``)."""
     return {"zero_stage": cfg.zero_optimization.stage, "data_parallel_strategy": data_parallel_strategy(cfg),
             "pipeline_parallel_size": cfg.parallelism.pipeline_model_parallel_size,
             "num_parameters": model_num_parameters(cfg),
+            "num_trainable_parameters": (trainable_parameters(_whole_model(cfg)) if cfg.training.lora is not None
+                                         else model_num_parameters(cfg)),
             "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary),
             **({"num_active_parameters": _whole_model(cfg).num_active_parameters,  # router + top-k experts
                 "expert_parallel_size": cfg.parallelism.expert_model_parallel_size} if cfg.model.num_experts else {})}
@@ -437,6 +451,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
                    f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load imbalance, "
                    "padding to capacity), so expert GEMM and all-to-all times are lower bounds")
+    if cfg is not None and cfg.training.lora is not None:
+        out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
+                   "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "
+                   f"1/{cfg.model.num_layers} of the input-gradient work; embeddings, norms and the LM head are frozen")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

@@ -70,6 +70,9 @@ def format_summary(s: dict, name: str) -> str:
         f"{_fmt_bytes(s['gpu_memory_capacity_bytes'])}  (tensors {_fmt_bytes(s['peak_memory_bytes'])}; the rest is "
         "CUDA context and allocator reserve)",
     ]
+    n, nt = s.get("num_parameters"), s.get("num_trainable_parameters")
+    if n and nt is not None and nt != n:  # LoRA: as PEFT's print_trainable_parameters
+        lines.append(f"parameters          trainable {nt:,} of {n:,} ({100 * nt / n:.4f} %)")
     cats = s.get("peak_memory_by_category_bytes") or {}
     if cats:
         lines.append("  at peak           " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))

@@ -39,6 +39,7 @@ from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSect
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig
+from simulator.config.sections.lora import LoraConfig, check_lora_scenario
 from simulator.config.sections.memory import MemoryConfig
 from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
 
@@ -219,6 +220,9 @@ class TrainingConfig(_Model):
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )
+    lora: LoraConfig | None = Field(default=None, description="LoRA fine-tune (Hugging Face PEFT names; "
+                                    "simulator/config/sections/lora.py): base weights frozen, low-rank adapters "
+                                    "trained. Default: every parameter is trained.")
 
 
 class ParallelismConfig(_Model):
@@ -598,6 +602,11 @@ class ScenarioConfig(_Model):
         if ep > 1 and dp > 1 and self.zero_optimization.stage:
             raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
                              "modelled yet (allowed: 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_scope(self):
+        check_lora_scenario(self)
         return self
 
     @model_validator(mode="after")

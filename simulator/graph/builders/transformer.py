@@ -75,6 +75,7 @@ same memory traffic the GPU moves:
   query's window, so the window removes work, not compulsory K/V bytes (a decode-time KV cache
   would shrink; not modelled here).
 * **Mixture of experts** ``num_experts``: the MLP of every block is ``simulator.graph.builders.moe``.
+* **LoRA** ``lora``: frozen base weights and low-rank adapters, ``simulator.graph.builders.lora``.
 
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
 ``V`` vocabulary, ``a`` heads, ``d = h / a`` (or ``kv_channels``).
@@ -85,7 +86,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.graph.builders import sharding as shd
-from simulator.graph.builders import moe
+from simulator.graph.builders import lora, moe
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
@@ -170,6 +171,8 @@ class TransformerSpec:
         window_size: Sliding-window attention (Mistral; Beltagy et al., *Longformer*, 2020): each query
             attends to its ``window_size`` most recent keys, itself included (the Hugging Face
             ``sliding_window``); ``None``: full causal attention.
+        lora: LoRA fine-tune (``lora.LoraSpec``): base weights frozen, adapters trained; ``None``: every
+            parameter is trained.
     """
 
     num_layers: int
@@ -220,6 +223,7 @@ class TransformerSpec:
     expert_parallel_size: int = 1
     kv_channels: int | None = None
     window_size: int | None = None
+    lora: lora.LoraSpec | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -303,6 +307,7 @@ class TransformerSpec:
             raise ValueError(f"pipeline_layers {list(split)} must be {p * v} numbers >= 1 (pipeline size x virtual "
                              f"stages) summing to num_layers {self.num_layers}")
         moe.check_moe_spec(self)
+        lora.check_lora_spec(self)
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -594,6 +599,7 @@ class _GptBuilder:
         self._last_call: list[int] = []  # ops of the previous point-to-point call
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
+        self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
@@ -628,7 +634,8 @@ class _GptBuilder:
                      reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
                      out=[(y, 2 * T * out_dim)], uses=[xin, w16])
         self._after_overlapped_gemm()
-        return y, (xin, w16) if save else ()
+        ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
+        return y, (xin, w16, ad) if save else ()
 
     def _fp8_operands(self, name: str, x: str, w: str, x_numel: int, w_numel: int) -> tuple[str, str]:
         """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight (once per
@@ -652,7 +659,7 @@ class _GptBuilder:
         e = self.e
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
-        xin, w16 = saved
+        xin, w16 = saved[:2]
         if self.pg is not None:  # ZeRO-3/FULL_SHARD: read the parameters gathered again for backward
             w16 = self.pg.backward_weight(w16)
         gin = g
@@ -672,6 +679,8 @@ class _GptBuilder:
                  reads=q * (T * out_dim + W), writes=2 * T * in_dim,
                  out=[(dx, 2 * T * in_dim)], uses=[gin, w16], dtype=gdt)
         self._after_overlapped_gemm()
+        if self.s.lora is not None:  # frozen base weight: no weight or bias gradient (lora.py)
+            return lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
         dw = e.fresh(f"{name}.dw16")
         e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(groups * out_dim, in_dim, -(-T // groups)),
                  reads=q * (T * out_dim + T * in_dim), writes=2 * W,
@@ -719,6 +728,8 @@ class _GptBuilder:
         dx = e.fresh(f"{name}.dx")
         e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
                  out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
+        if self.s.lora is not None:  # frozen norm weights: no dgamma / dbeta
+            return dx
         nb = self.s.norm_has_bias
         i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, reads=2 * self.act * T * h,
                      writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
@@ -992,6 +1003,9 @@ class _GptBuilder:
 
     # -- whole step ------------------------------------------------------------------------
     def _persistent(self) -> None:
+        if self.s.lora is not None:
+            lora.persistent(self)
+            return
         if self.sh is not None:
             self._persistent_sharded()
             return
@@ -1106,6 +1120,9 @@ class _GptBuilder:
             self._end_of_backward()
             return
         tokens = st["tokens"]
+        if s.lora is not None:  # frozen embeddings: no embedding backward
+            self._end_of_backward()
+            return
         g = self._tp_gather("embed.grad", g, before_gemm=False)  # sequence parallelism: the reduce-scatter's backward
         # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
         d_emb = e.fresh("embed.dw")
@@ -1198,7 +1215,7 @@ class _GptBuilder:
 
     def _optimizer(self) -> None:
         s, e = self.s, self.e
-        P = s.rank_num_parameters
+        P = lora.trainable_parameters(s) if s.lora is not None else s.rank_num_parameters
         e.phase, e.layer = Phase.OPT, -1
         grads = self._optimizer_grads()
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
@@ -1495,10 +1512,12 @@ class _GptBuilder:
             samples_per_step=float(samples),
             tokens_per_step=float(samples * s.seq_length),
             # per GPU: a pipeline rank's share is counted as the average, 1 / p of the model's FLOPs
-            model_flops_per_step=(s.model_flops_per_sample() * s.micro_batch_size * s.num_micro_batches
+            model_flops_per_step=((lora.model_flops_per_sample(s) if s.lora is not None else s.model_flops_per_sample())
+                                  * s.micro_batch_size * s.num_micro_batches
                                   / s.pipeline_parallel_size / s.context_parallel_size),
             source="builder:gpt",
             param_groups=tuple(self.groups),
-            meta={"num_parameters": s.num_parameters, "spec": s, "tensor_parallel_size": s.tensor_parallel_size,
+            meta={"num_parameters": s.num_parameters, "spec": s,
+                  "num_trainable_parameters": lora.trainable_parameters(s) if s.lora is not None else s.num_parameters, "tensor_parallel_size": s.tensor_parallel_size,
                   "sharding": self.sh.strategy if self.sh is not None else None},
         )
