@@ -115,7 +115,7 @@ class TransformerSpec:
         hidden_size: Model width ``h``.
         num_attention_heads: Heads ``a`` (must divide ``h``).
         seq_length: Tokens per sample ``s``.
-        vocab_size: Vocabulary ``V``.
+        vocab_size: Vocabulary ``V`` (unused with ``vit``).
         ffn_hidden_size: MLP width ``f`` (Megatron default ``4h``).
         micro_batch_size: Samples per forward/backward pass ``b``.
         num_micro_batches: Gradient-accumulation steps per optimizer step.
