@@ -21,6 +21,7 @@ from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.lora import LoraSpec, trainable_parameters
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError
@@ -37,11 +38,13 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
     z, ddp = cfg.zero_optimization, cfg.ddp
     per_step = t.micro_batch_size * dp
     gbs = t.global_batch_size or per_step
+    vit = vit_shape(cfg)
     return TransformerSpec(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        seq_length=m.seq_length, vocab_size=vit.num_classes if vit else m.vocab_size,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
-        tied_embeddings=not m.untie_embeddings_and_output_weights, bias=m.add_bias_linear,
+        tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if dp > 1 else 0,
@@ -64,7 +67,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
-        lora=lora_spec(t.lora),
+        lora=lora_spec(t.lora), causal=vit is None, vit=vit,
     )
 
 
@@ -73,6 +76,14 @@ def lora_spec(lo) -> LoraSpec | None:
     if lo is None:
         return None
     return LoraSpec(rank=lo.rank, alpha=lo.alpha, target_modules=tuple(lo.target_modules), dropout=lo.dropout)
+
+
+def vit_shape(cfg: ScenarioConfig) -> VitShape | None:
+    """The builder's ``VitShape`` of a scenario with ``model.architecture: vit`` (None for a decoder)."""
+    m = cfg.model
+    if m.architecture != "vit":
+        return None
+    return VitShape(m.image_size, m.patch_size, m.num_channels or 3, m.num_classes)
 
 
 def sharding_spec(cfg: ScenarioConfig):
@@ -144,7 +155,7 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
     counts) or a run without a step time."""
     m, t = cfg.model, cfg.training
     gpt_shaped = (m.ffn_hidden_size in (None, 4 * m.hidden_size) and not m.swiglu and not m.group_query_attention
-                  and t.lora is None)
+                  and t.lora is None and m.architecture == "decoder")
     if not gpt_shaped or not summary["step_time_s"]:
         return None
     batch = t.global_batch_size or t.micro_batch_size * (cfg.parallelism.data_parallel_size or 1)

@@ -21,7 +21,13 @@ Supported ``model_type`` values and the keys read (``transformers`` configuratio
   ``moe_router_topk`` (``MixtralConfig`` defaults 8 and 2); ``intermediate_size`` is each expert's
   width; ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` change the
   loss, not the cost, and are ignored;
-* gpt2: LayerNorm, GELU, learned positions, biases everywhere.
+* gpt2: LayerNorm, GELU, learned positions, biases everywhere;
+* vit (``ViTConfig``, ``ViTForImageClassification``) -> ``architecture: vit``: ``hidden_size``,
+  ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size`` -> ``ffn_hidden_size``,
+  ``image_size``, ``patch_size``, ``num_channels`` (``ViTConfig`` defaults 224, 16, 3); ``num_labels``, else
+  the size of ``id2label``, else the ``PretrainedConfig`` default 2 -> ``num_classes``; ``hidden_act`` must be
+  a GELU and ``qkv_bias`` true (the class defaults; a QKV without bias beside biased layers is not modelled).
+  ``encoder_stride``, ``layer_norm_eps``, dropouts and ``label2id`` do not change the cost and are ignored.
 
 Other keys (token ids, dtype, initialiser ranges...) do not change the step's cost and are ignored.
 Refused, in one line naming the key: mixture-of-experts keys outside mixtral, another ``model_type``, a
@@ -39,7 +45,7 @@ from typing import Any
 from hardware_models import safe_yaml
 from hardware_models.presets import FILE_PREFIXES, is_file_reference
 
-SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2")
+SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "vit")
 #: Mixture-of-experts keys of Qwen2-MoE, DeepSeek and others: not modelled yet outside mixtral
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "n_shared_experts", "shared_expert_intermediate_size")
@@ -96,6 +102,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         arch = cfg.get("architectures")
         name = f"{mt!r}" + (f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else "")
         raise ValueError(f"{where}: model_type: {name} is not supported (supported: {', '.join(SUPPORTED)})")
+    if mt == "vit":
+        return _read_vit(cfg, where)
     gpt2 = mt == "gpt2"
     h = _get(cfg, where, "n_embd" if gpt2 else "hidden_size")
     a = _get(cfg, where, "n_head" if gpt2 else "num_attention_heads")
@@ -152,6 +160,30 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         out["num_experts"] = _get(cfg, where, "num_local_experts", required=False) or 8
         out["moe_router_topk"] = _get(cfg, where, "num_experts_per_tok", required=False) or 2
     return out
+
+
+def _read_vit(cfg: dict, where: str) -> dict[str, Any]:
+    """Model keys of a ``ViTConfig`` (module docstring); ``ViTConfig`` defaults for the image keys."""
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _GELU:
+        raise ValueError(f"{where}: hidden_act: {act!r} is not supported for vit (allowed: {', '.join(_GELU)})")
+    if not _flag(cfg, where, "qkv_bias", True):
+        raise ValueError(f"{where}: qkv_bias: false (a QKV without bias beside biased layers) is not modelled "
+                         "(allowed: true)")
+    labels = _get(cfg, where, "num_labels", required=False)
+    if labels is None:
+        id2label = cfg.get("id2label")
+        if id2label is not None and not (isinstance(id2label, dict) and id2label):
+            raise ValueError(f"{where}: id2label: expected a non-empty mapping of class ids to names")
+        labels = len(id2label) if id2label else 2  # PretrainedConfig: num_labels 2 without id2label
+    return {"architecture": "vit", "num_layers": _get(cfg, where, "num_hidden_layers"),
+            "hidden_size": _get(cfg, where, "hidden_size"), "num_attention_heads": _get(cfg, where,
+                                                                                         "num_attention_heads"),
+            "ffn_hidden_size": _get(cfg, where, "intermediate_size"),
+            "image_size": _get(cfg, where, "image_size", required=False) or 224,
+            "patch_size": _get(cfg, where, "patch_size", required=False) or 16,
+            "num_channels": _get(cfg, where, "num_channels", required=False) or 3,
+            "num_classes": labels, "sliding_window": None}
 
 
 def merge_hf(model: dict) -> dict:

@@ -27,6 +27,10 @@ MAX_NUM_EXPERTS = 65_536
 MAX_CAPACITY_FACTOR = 1_000.0
 MAX_SEQ_LENGTH = 10_000_000
 MAX_VOCAB_SIZE = 10_000_000
+#: ViT image side, pixels (a 100k x 100k image with patch 16 is 39M tokens, past MAX_SEQ_LENGTH already)
+MAX_IMAGE_SIZE = 100_000
+#: ViT image channels (RGB 3; multispectral satellite images have tens)
+MAX_NUM_CHANNELS = 10_000
 MAX_MICRO_BATCH_SIZE = 1_000_000
 MAX_GLOBAL_BATCH_SIZE = 100_000_000
 #: Micro-batches per step (global_batch_size / (micro_batch_size x data_parallel_size)).

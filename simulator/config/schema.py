@@ -28,6 +28,8 @@ from simulator.config.limits import (
     MAX_SEQ_LENGTH,
     MAX_STEPS,
     MAX_VOCAB_SIZE,
+    MAX_IMAGE_SIZE,
+    MAX_NUM_CHANNELS,
     MODEL_CONFIG,
     no_bool,
 )
@@ -42,6 +44,7 @@ from simulator.config.sections.fsdp import FsdpConfig
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
 from simulator.config.sections.memory import MemoryConfig
 from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
+from simulator.config.sections import vit as vit_section
 
 
 class _Model(BaseModel):
@@ -93,17 +96,36 @@ class ModelConfig(_Model):
     multi-head attention, learned positions, tied embeddings), Llama style with
     ``group_query_attention``, ``swiglu``, ``normalization: RMSNorm``, ``position_embedding_type: rope``,
     ``untie_embeddings_and_output_weights`` and ``add_bias_linear: false``; or read from a Hugging Face
-    ``config.json`` with ``from_hf`` (``simulator/config/hf_config.py``)."""
+    ``config.json`` with ``from_hf`` (``simulator/config/hf_config.py``). ``architecture: vit``: a vision
+    transformer (``simulator/config/sections/vit.py``)."""
+
+    architecture: Literal["decoder", "vit"] = Field(
+        default="decoder", description="Model family: decoder (a GPT/Llama-style causal language model) or vit (a "
+        "vision transformer for image classification, Hugging Face ViTForImageClassification / Megatron-LM "
+        "pretrain_vision_classify: patch embedding, CLS token, bidirectional pre-LayerNorm encoder blocks with GELU "
+        "MLP, head on the CLS token; keys image_size, patch_size, num_channels, num_classes; seq_length is derived, "
+        "no vocab_size).")
 
     from_hf: str | None = Field(
-        default=None, description="A Hugging Face config.json (llama, mistral, qwen2, gpt2), given as a path "
+        default=None, description="A Hugging Face config.json (llama, mistral, mixtral, qwen2, gpt2, vit), given as a path "
         f"starting with {', '.join(FILE_PREFIXES)} (relative: from the current folder, else the scenario's folder); "
         "its keys fill this section, keys set here override them (seq_length defaults to max_position_embeddings).")
     num_layers: PositiveInt = Field(le=MAX_NUM_LAYERS)
     hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
     num_attention_heads: PositiveInt = Field(le=MAX_HIDDEN_SIZE, description="Must divide hidden_size.")
-    seq_length: PositiveInt = Field(le=MAX_SEQ_LENGTH)
-    vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
+    seq_length: PositiveInt | None = Field(
+        default=None, le=MAX_SEQ_LENGTH, description="Tokens per sample; required with architecture decoder; vit: "
+        "(image_size / patch_size)^2 + 1 (patches and the CLS token), derived.")
+    vocab_size: PositiveInt | None = Field(default=None, le=MAX_VOCAB_SIZE, description="Required with architecture "
+                                           "decoder; refused with vit.")
+    image_size: PositiveInt | None = Field(default=None, le=MAX_IMAGE_SIZE, description="vit: image height = width, "
+                                           "pixels (HF image_size); required.")
+    patch_size: PositiveInt | None = Field(default=None, le=MAX_IMAGE_SIZE, description="vit: patch height = width, "
+                                           "pixels (HF patch_size); must divide image_size; required.")
+    num_channels: PositiveInt | None = Field(default=None, le=MAX_NUM_CHANNELS, description="vit: image channels (HF "
+                                             "num_channels); default 3.")
+    num_classes: PositiveInt | None = Field(default=None, le=MAX_VOCAB_SIZE, description="vit: classes of the "
+                                            "classification head (HF num_labels / id2label); required.")
     ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE,
                                                 description="Default 4 * hidden_size.")
     max_position_embeddings: PositiveInt | None = Field(
@@ -158,7 +180,9 @@ class ModelConfig(_Model):
     def _expand_from_hf(cls, data):
         from simulator.config.hf_config import merge_hf
 
-        return merge_hf(data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return vit_section.expand_model(merge_hf(data), {k: f.default for k, f in cls.model_fields.items()})
 
     @property
     def query_groups(self) -> int:
@@ -607,6 +631,11 @@ class ScenarioConfig(_Model):
     @model_validator(mode="after")
     def _lora_scope(self):
         check_lora_scenario(self)
+        return self
+
+    @model_validator(mode="after")
+    def _vit_scope(self):
+        vit_section.scenario_scope(self)  # what is not modelled with architecture vit
         return self
 
     @model_validator(mode="after")

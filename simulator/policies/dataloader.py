@@ -53,7 +53,7 @@ def loader_spec(cfg) -> DataLoaderSpec:
         raise PolicyError(f"dataloader.batch_size ({d.batch_size}) must equal training.micro_batch_size ({mbs}): "
                           "each micro-batch is one DataLoader batch")
     c = d.sample.cost
-    sample_bytes = d.sample.bytes or 8.0 * (cfg.model.seq_length + 1)  # seq + 1 int64 tokens
+    sample_bytes = d.sample.bytes or _input_sample_bytes(cfg)
     try:
         cost = SampleCost(c.distribution, c.mean_s, c.sigma or 0.0, tuple(c.samples_s or ()))
         remote = (RemoteSpec(d.remote.cores, d.remote.bandwidth_bytes_per_s, d.remote.latency_s)
@@ -66,6 +66,17 @@ def loader_spec(cfg) -> DataLoaderSpec:
             worker_startup_s=d.worker_startup_s, handoff_s=d.handoff_s, remote=remote)
     except DataLoaderSpecError as exc:
         raise PolicyError(f"dataloader: {exc}") from None
+
+
+def _input_sample_bytes(cfg) -> float:
+    """Bytes of one collated sample the step copies to the GPU: ``seq_length + 1`` int64 tokens, or a ViT's
+    fp32 image and int64 label (``vit.image_sample_bytes``)."""
+    from simulator.graph.builders.vit import VitShape, image_sample_bytes
+
+    m = cfg.model
+    if m.architecture == "vit":
+        return float(image_sample_bytes(VitShape(m.image_size, m.patch_size, m.num_channels or 3, m.num_classes)))
+    return 8.0 * (m.seq_length + 1)
 
 
 def storage_spec(cfg) -> StorageSpec | None:

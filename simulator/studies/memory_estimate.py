@@ -208,6 +208,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     z = cfg.zero_optimization
     if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
+    if cfg.model.architecture != "decoder":
+        raise NotEstimated("a vision transformer is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:
         raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
     if cfg.training.lora is not None:

@@ -72,7 +72,7 @@ class SampleConfig(_Model):
     cost: SampleCostConfig = SampleCostConfig()
     read_bytes: Bytes = Field(default=0.0, ge=0, le=MAX_SAMPLE_BYTES, description="Bytes read from storage per sample (0 = none).")
     bytes: Bytes = Field(default=0.0, ge=0, le=MAX_SAMPLE_BYTES, description="Collated tensor bytes per sample (default: the "
-                         "training step's input, seq_length + 1 int64 tokens).")
+                         "training step's input, seq_length + 1 int64 tokens; a ViT's fp32 image and int64 label, 4 C H W + 8).")
 
 
 class StorageConfig(_Model):

@@ -76,6 +76,9 @@ same memory traffic the GPU moves:
   would shrink; not modelled here).
 * **Mixture of experts** ``num_experts``: the MLP of every block is ``simulator.graph.builders.moe``.
 * **LoRA** ``lora``: frozen base weights and low-rank adapters, ``simulator.graph.builders.lora``.
+* **Vision transformer** ``vit``: patch embedding and classification head from
+  ``simulator.graph.builders.vit`` around the same blocks, with bidirectional attention (``causal`` false:
+  ``s^2`` pairs per head).
 
 Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f`` FFN hidden,
 ``V`` vocabulary, ``a`` heads, ``d = h / a`` (or ``kv_channels``).
@@ -87,6 +90,7 @@ from dataclasses import dataclass
 
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import lora, moe
+from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
@@ -112,7 +116,7 @@ class TransformerSpec:
         hidden_size: Model width ``h``.
         num_attention_heads: Heads ``a`` (must divide ``h``).
         seq_length: Tokens per sample ``s``.
-        vocab_size: Vocabulary ``V``.
+        vocab_size: Vocabulary ``V`` (unused with ``vit``).
         ffn_hidden_size: MLP width ``f`` (Megatron default ``4h``).
         micro_batch_size: Samples per forward/backward pass ``b``.
         num_micro_batches: Gradient-accumulation steps per optimizer step.
@@ -173,6 +177,9 @@ class TransformerSpec:
             ``sliding_window``); ``None``: full causal attention.
         lora: LoRA fine-tune (``lora.LoraSpec``): base weights frozen, adapters trained; ``None``: every
             parameter is trained.
+        causal: Causal (decoder) attention; false: bidirectional, every query scores all ``s`` keys (ViT).
+        vit: A vision transformer (``vit.VitShape``): patch embedding and classification head in place of the
+            token embedding and LM head (``vocab_size`` unused); ``None``: a decoder.
     """
 
     num_layers: int
@@ -224,6 +231,8 @@ class TransformerSpec:
     kv_channels: int | None = None
     window_size: int | None = None
     lora: lora.LoraSpec | None = None
+    causal: bool = True
+    vit: vitb.VitShape | None = None
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -308,6 +317,10 @@ class TransformerSpec:
                              f"stages) summing to num_layers {self.num_layers}")
         moe.check_moe_spec(self)
         lora.check_lora_spec(self)
+        if not self.causal and self.window_size is not None:
+            raise ValueError("window_size needs causal attention (a bidirectional window is not modelled)")
+        if self.vit is not None:
+            vitb.check_vit_spec(self)
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -336,6 +349,8 @@ class TransformerSpec:
         count of FlashAttention and PaLM's MFU), ``w (2 s - w) / 2`` with a window ``w < s`` (the half square
         minus the ``(s - w)^2 / 2`` pairs beyond the window)."""
         s, w = self.seq_length, self.window_size
+        if not self.causal:  # bidirectional (ViT): the full square
+            return float(s * s)
         if w is None or w >= s:
             return s * s / 2
         return w * (2 * s - w) / 2
@@ -456,6 +471,8 @@ class TransformerSpec:
 
     def _params(self, experts: int) -> int:
         h = self.hidden_size
+        if self.vit is not None:  # patch embedding, CLS, positions, head (vit.vit_params)
+            return vitb.vit_params(self, self.num_layers * self._layer_params(experts))
         emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
         return emb + self.num_layers * self._layer_params(experts) + self.norm_params + head
@@ -508,6 +525,8 @@ class TransformerSpec:
         # causal attention per token: 2 (QK^T) + 2 (PV) FLOPs x d per (query, key) pair and head
         att = 4 * self.attention_width * self.attention_pairs / s
         per_token_layer = 2 * (h * self.qkv_out_size + self.attention_width * h + mlp) + att
+        if self.vit is not None:  # patch embedding and head per image, fwd + bwd (vit.embed_head_flops)
+            return (3.0 * s * self.num_layers * per_token_layer + vitb.embed_head_flops(self)) / self.tensor_parallel_size
         fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
@@ -1036,11 +1055,13 @@ class _GptBuilder:
         self._new_micro_batch(mb)
         self._gather_layer_params(-1, Phase.FWD)  # the root unit (embeddings, final norm, head)
         st: dict = {}
-        if first or last:  # tokens (first stage) and labels (last stage): Megatron get_batch
+        if (first or last) and s.vit is None:  # tokens (first stage) and labels (last stage): Megatron get_batch
             tokens = st["tokens"] = e.fresh("input.tokens")
             e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T,
                      out=[(tokens, 16 * T)], dtype="int64")
-        if first:
+        if s.vit is not None:  # vision transformer: images, patch embedding, CLS token, positions (vit.py)
+            x = vitb.embed_fwd(self, st)
+        elif first:
             x = e.fresh("embed.out")
             rows = 2 if s.position_table_rows else 1  # token row (+ learned position row) per token
             e.kernel("embed", C.EMBEDDING, reads=8 * T + rows * self.act * T * h, writes=self.act * T * h,
@@ -1057,6 +1078,9 @@ class _GptBuilder:
         e.layer = -1
         if not last:
             self.outgoing["act", k, mb] = x
+            return st
+        if s.vit is not None:  # final LayerNorm, classifier on the CLS token, cross-entropy (vit.py)
+            vitb.head_fwd(self, st, x)
             return st
         st["x"] = x
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
@@ -1090,7 +1114,9 @@ class _GptBuilder:
         self.last_mb = last_pass
         self._mb, self._bwd_comm_start = mb, len(self.comm_ops)
         e.phase, e.layer = Phase.BWD, -1
-        if last:
+        if s.vit is not None:
+            g = vitb.head_bwd(self, st)
+        elif last:
             if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
                 e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
             g_lsm = e.fresh("nll_loss.dx")
@@ -1117,6 +1143,10 @@ class _GptBuilder:
         e.layer = -1
         if not first:
             self.outgoing["grad", k - 1, mb] = g
+            self._end_of_backward()
+            return
+        if s.vit is not None:  # position, CLS and patch-embedding gradients (vit.py)
+            vitb.embed_bwd(self, st, g)
             self._end_of_backward()
             return
         tokens = st["tokens"]
