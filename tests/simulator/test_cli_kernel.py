@@ -8,7 +8,7 @@ import pytest
 
 from hardware_models import presets
 from simulator.cli import main
-from simulator.cli_kernel import price_kernel
+from simulator.studies.kernels import price_kernel
 from tests.conftest import ROOT
 
 MEAS = json.loads((ROOT / "tests/data/h200/measurements.json").read_text())["micro"]["gemm"]
