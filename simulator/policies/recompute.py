@@ -4,17 +4,21 @@ The GPT builder emits the recompute itself (``TransformerSpec.recompute``, from
 ``training.recompute_granularity``): ``full`` keeps each block's input and re-runs the block's
 forward before its backward (Megatron-LM ``--recompute-granularity full``); ``selective`` re-runs
 only the attention core (Korthikanti et al., MLSys 2023). This policy checks that the graph has
-blocks to recompute and adds **activation offload** (DeepSpeed
-``activation_checkpointing.cpu_checkpointing``):
+blocks to recompute and adds **activation offload** as DeepSpeed's
+``activation_checkpointing.cpu_checkpointing`` runs it (``deepspeed/runtime/activation_checkpointing/
+checkpointing.py``, ``CheckpointFunction``): not overlapped, in line with the compute.
 
-* after the block's forward no longer needs its checkpointed input ``x_l``, a D2H copy (stream
-  ``d2h``, ``host_pinned``) moves it to the host and the GPU copy is freed;
-* an H2D copy (stream ``h2d``) brings it back one block ahead of use: it is issued when the
-  backward of block ``l+1`` starts (for the last block, when backward starts), and block ``l``'s
-  recompute waits for it.
+* forward: before block ``l`` runs, its checkpointed input ``x_l`` is copied to the host with
+  ``copy_to_device(args, torch.device('cpu'))`` (``Tensor.to('cpu')``: a D2H copy into fresh pageable
+  memory, in stream order on the compute stream, that the host waits for); the GPU copy is freed once
+  the block's forward no longer reads it;
+* backward: before block ``l``'s recompute, ``move_to_device(..., cuda_device)`` copies it back (an H2D
+  copy from pageable memory, on the compute stream; the host waits until the driver has staged it).
 
-Both copies share the PCIe links with everything else (gradient and parameter offload, input
-batches). GPU memory falls by one block input per layer (minus the one or two in flight).
+So each block pays two copies at the pageable rate (``pageable_h2d/d2h_bytes_per_s`` of the link or
+profile; unknown: the pinned rate) plus the lost launch-ahead at each host wait, and GPU memory falls
+by one block input per layer. Both copies share the PCIe links with everything else (gradient and
+parameter offload, input batches).
 """
 
 from __future__ import annotations
@@ -60,56 +64,62 @@ def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool =
 
 
 def offload_activations(graph: OpGraph) -> OpGraph:
-    """Move each checkpointed block input to pinned host memory between forward and backward."""
+    """Move each checkpointed block input to pageable host memory between forward and backward, with DeepSpeed's
+    blocking copies (module docstring).
+
+    Raises:
+        PolicyError: the graph has no checkpointed block inputs (no full recompute).
+    """
     size = {t.name: t.nbytes for op in graph.ops for t in op.allocs}
     producer = {t.name: op.id for op in graph.ops for t in op.allocs}
-    plans = []  # per checkpoint: tensor, last forward user, backward users, prefetch point
+    plans = []  # per checkpoint: tensor, first forward user, backward users
     for op in graph.ops:
         if op.phase == Phase.FWD and op.layer >= 0 and op.name.endswith(".fwd.ln1"):
             x = op.uses[0]
             users = [o for o in graph.ops if x in o.uses]
-            fwd_users = [o.id for o in users if o.phase == Phase.FWD]
             bwd_users = [o.id for o in users if o.phase == Phase.BWD]
             if not bwd_users or x not in size:
                 continue
-            last_fwd = max(fwd_users)
-            after = [o for o in graph.ops[last_fwd + 1:] if o.phase == Phase.BWD]
-            nxt = [o.id for o in after if o.layer == op.layer + 1]
-            first_bwd = after[0].id if after else min(bwd_users)
-            at = nxt[0] if nxt else first_bwd
-            at = min(at, min(bwd_users))
-            plans.append(dict(x=x, layer=op.layer, last_fwd=last_fwd, bwd=set(bwd_users), at=at, nbytes=size[x]))
+            plans.append(dict(x=x, layer=op.layer, first_fwd=op.id, bwd=set(bwd_users), at=min(bwd_users),
+                              nbytes=size[x]))
     if not plans:
         raise PolicyError("activation_checkpointing.cpu_checkpointing: no checkpointed block inputs found")
-    after_op = {}
-    before_op = {}
+    before_fwd = {p["first_fwd"]: p for p in plans}
+    before_bwd = {p["at"]: p for p in plans}
     for k, p in enumerate(plans):
         p["host"] = f"offload.act.L{p['layer']}#{k}"
         p["back"] = f"act.reloaded.L{p['layer']}#{k}"
-        after_op.setdefault(p["last_fwd"], []).append(p)
-        before_op.setdefault(p["at"], []).append(p)
     rename = {}
     for p in plans:
         for u in p["bwd"]:
             rename.setdefault(u, {})[p["x"]] = p
     rw = GraphRewriter(graph)
+    waits: list[int] = []  # host waits the next op must follow (the copy's .to() returns after it)
+
+    def blocking_copy(p, kind, phase, deps, **fields) -> int:
+        direction = "d2h" if kind is OpKind.MEMCPY_D2H else "h2d"
+        c = rw.add(f"L{p['layer']}.{phase.value}.act_offload.{direction}", kind, "compute", deps=deps, phase=phase,
+                   layer=p["layer"], cost_class=CostClass.COPY, bytes_read=float(p["nbytes"]), pinned=False, **fields)
+        waits.append(rw.add(f"L{p['layer']}.{phase.value}.act_offload.{direction}.wait", OpKind.SYNC, "host",
+                            deps=[c], phase=phase, layer=p["layer"]))
+        return c
+
     for op in graph.ops:
-        for p in before_op.get(op.id, []):
-            p["h2d"] = rw.add(f"L{p['layer']}.bwd.act_offload.h2d", OpKind.MEMCPY_H2D, "h2d", deps=[p["d2h"]],
-                              phase=Phase.BWD, layer=p["layer"], cost_class=CostClass.COPY,
-                              bytes_read=float(p["nbytes"]), allocs=(TensorAlloc(p["back"], p["nbytes"]),),
-                              uses=(p["host"],))
-        changes, extra = {}, []
+        p = before_fwd.get(op.id)
+        if p is not None:
+            p["d2h"] = blocking_copy(p, OpKind.MEMCPY_D2H, Phase.FWD, list(rw.new(producer[p["x"]])), uses=(p["x"],),
+                                     allocs=(TensorAlloc(p["host"], p["nbytes"], "host_pageable"),))
+        p = before_bwd.get(op.id)
+        if p is not None:
+            p["h2d"] = blocking_copy(p, OpKind.MEMCPY_H2D, Phase.BWD, [p["d2h"]], uses=(p["host"],),
+                                     allocs=(TensorAlloc(p["back"], p["nbytes"]),))
+        changes, extra = {}, list(waits)
+        waits.clear()
         if op.id in rename:
             m = rename[op.id]
             changes["uses"] = tuple(m[u]["back"] if u in m else u for u in op.uses)
-            extra = [m[u]["h2d"] for u in op.uses if u in m]
+            extra += [m[u]["h2d"] for u in op.uses if u in m]
         rw.copy(op, extra_deps=extra, **changes)
-        for p in after_op.get(op.id, []):
-            p["d2h"] = rw.add(f"L{p['layer']}.fwd.act_offload.d2h", OpKind.MEMCPY_D2H, "d2h",
-                              deps=list(rw.new(producer[p["x"]])), phase=Phase.FWD, layer=p["layer"],
-                              cost_class=CostClass.COPY, bytes_read=float(p["nbytes"]), uses=(p["x"],),
-                              allocs=(TensorAlloc(p["host"], p["nbytes"], "host_pinned"),))
     meta = dict(graph.meta)
     meta["activation_offload"] = {"checkpoints": len(plans), "bytes": sum(p["nbytes"] for p in plans)}
     return rw.finish(meta=meta)

@@ -152,5 +152,7 @@ class ActivationCheckpointingConfig(_Model):
     """DeepSpeed ``activation_checkpointing`` (only ``cpu_checkpointing`` is modelled)."""
 
     cpu_checkpointing: bool = Field(
-        default=False, description="Move checkpointed block inputs to host memory (needs recompute_granularity: full)."
+        default=False, description="Move checkpointed block inputs to host memory (needs recompute_granularity: full) "
+        "as DeepSpeed does: a blocking Tensor.to() into pageable memory before each block's forward and back before "
+        "its recompute, in line with the compute (simulator/policies/recompute.py)."
     )
