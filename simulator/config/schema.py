@@ -272,9 +272,11 @@ class ParallelismConfig(_Model):
     virtual_pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Model chunks per pipeline rank (Megatron "
         "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b.")
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = Field(
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"] | None = Field(
         default=None, description="Default 1f1b (Megatron forward_backward_pipelining_without_interleaving), "
-        "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1.")
+        "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1; zero_bubble_h1: ZB-H1 of Qi et al., "
+        "ICLR 2024 (weight gradients split from the backward and deferred into 1F1B's bubbles; not with "
+        "tp_comm_overlap).")
     pipeline_layers_per_stage: list[PositiveInt] | None = Field(
         default=None, max_length=MAX_DATA_PARALLEL_SIZE, description="Custom split: transformer blocks of each "
         "pipeline stage (pp x virtual numbers, model-chunk order) summing to model.num_layers.")
@@ -470,6 +472,9 @@ class ScenarioConfig(_Model):
         if p.tp_comm_overlap is not False and not (tp > 1 and p.sequence_parallel):
             raise ValueError("parallelism.tp_comm_overlap needs sequence_parallel: true and tensor_model_parallel_size "
                              "> 1 (Megatron-LM --tp-comm-overlap)")
+        if p.tp_comm_overlap is not False and p.pipeline_schedule == "zero_bubble_h1":
+            raise ValueError("parallelism.tp_comm_overlap with pipeline_schedule zero_bubble_h1 is not modelled yet "
+                             "(allowed: tp_comm_overlap false, or another schedule)")
         if tp == 1:
             return self
         cl = self.hardware.cluster

@@ -18,6 +18,16 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   ``forward_backward_pipelining_with_interleaving``): ``v`` chunks per rank visited in groups of
   ``p`` micro-batches; ``(p - r - 1) * 2 + (v - 1) p`` warm-up forwards; needs ``m`` a multiple of
   ``p`` (Megatron's rule).
+* ``zero_bubble_h1`` (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024, section 3.1, ZB-H1):
+  the backward is split into ``B`` (input gradients, sent on at once) and ``W`` (weight gradients,
+  needed by nobody else); 1F1B's order of ``F`` and ``B`` and its calls, with rank ``r`` holding back
+  the ``W`` of its first ``min(r, m - w_r)`` steady-state micro-batches (``w_r = p - r - 1`` warm-up
+  forwards) to fill its cool-down waits: after each later ``B`` it runs the oldest pending ``W``, after
+  the last ``B`` the rest. The send of a ``B``'s gradient does not hold up that ``W`` (posted
+  asynchronously, as the paper's implementation does). At most ``p`` micro-batches are in flight per
+  rank, 1F1B's peak on rank 0. With ``m >= p`` and uniform stages the step is
+  ``m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)`` against 1F1B's ``(m + p - 1)(t_f + t_b + t_w)``
+  (tested); ``m < p`` leaves more.
 
 With uniform stages and no communication, the step is ``(m + p - 1)(t_f + t_b)`` for GPipe and
 1F1B and ``(m + (p - 1) / v)(t_f + t_b)`` for the interleaved schedule (Narayanan et al., SC21,
@@ -28,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,12 @@ class Action:
     """One pass of one micro-batch through one local chunk.
 
     Attributes:
-        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        kind: ``"F"`` (forward), ``"B"`` (backward; with ``zero_bubble_h1`` the input gradients only) or
+            ``"W"`` (``zero_bubble_h1``: the weight gradients of an earlier ``"B"``).
         chunk: Local chunk index ``0..v-1`` (model chunk ``chunk * p + rank``).
         micro_batch: Micro-batch index ``0..m-1``.
-        last: For ``"B"``: the chunk's final backward of the step (its gradients are then complete).
+        last: For the pass that completes the weight gradients (``"B"``, or ``"W"`` with
+            ``zero_bubble_h1``): the chunk's final one of the step (its gradients are then complete).
     """
 
     kind: str
@@ -59,10 +71,13 @@ class Comm:
     Attributes:
         sends: Transfers this rank sends.
         recvs: Transfers this rank receives.
+        blocking: The next pass waits for the call (false: an asynchronous send that only the next call
+            waits for; ``zero_bubble_h1``'s send of a gradient before a ``W``).
     """
 
     sends: tuple[tuple[str, int, int], ...] = ()
     recvs: tuple[tuple[str, int, int], ...] = ()
+    blocking: bool = True
 
 
 def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
@@ -93,8 +108,9 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
 
     Returns:
         ``2 m v`` ``Action``s (every (chunk, micro-batch) forward and backward exactly once, each backward
-        after its forward) and the ``Comm`` calls between them, in Megatron-LM's order. A pass that needs
-        a received tensor comes after the call that receives it.
+        after its forward; ``zero_bubble_h1``: ``3 m``, each ``W`` after its ``B``) and the ``Comm`` calls
+        between them, in Megatron-LM's order. A pass that needs a received tensor comes after the call that
+        receives it.
 
     Raises:
         ValueError: see ``check_schedule``; ``rank`` outside ``0..p-1``.
@@ -116,7 +132,7 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
             sched.backward(0, i)
             sched.send_backward()
     elif v == 1:
-        _one_f_one_b(sched, p, m, rank)
+        _one_f_one_b(sched, p, m, rank, zero_bubble=schedule == "zero_bubble_h1")
     else:
         _interleaved(sched, p, m, rank, v)
     return _mark_last(sched.items)
@@ -151,8 +167,11 @@ class _Schedule:
         k = c * self.p + self.rank
         self.outbox = [("grad", k - 1, i)] if k > 0 else []
 
+    def weight(self, c: int, i: int) -> None:
+        self.items.append(Action("W", c, i))
+
     def call(self, send: bool = False, recv_prev: bool = False, recv_next: bool = False,
-             sends: list | None = None) -> None:
+             sends: list | None = None, blocking: bool = True) -> None:
         out = list(sends if sends is not None else (self.outbox if send else []))
         recvs = []
         if recv_prev and self._fwd_in:
@@ -160,7 +179,7 @@ class _Schedule:
         if recv_next and self._bwd_in:
             recvs.append(self._bwd_in.pop(0))
         if out or recvs:
-            self.items.append(Comm(tuple(out), tuple(recvs)))
+            self.items.append(Comm(tuple(out), tuple(recvs), blocking))
 
     # Megatron-LM's named calls (no-ops where the rank has no neighbour in that direction)
     def recv_forward(self) -> None:
@@ -176,11 +195,26 @@ class _Schedule:
         self.call(send=True)
 
 
-def _one_f_one_b(sched: _Schedule, p: int, m: int, rank: int) -> None:
-    """Megatron-LM ``forward_backward_pipelining_without_interleaving``."""
+def _one_f_one_b(sched: _Schedule, p: int, m: int, rank: int, zero_bubble: bool = False) -> None:
+    """Megatron-LM ``forward_backward_pipelining_without_interleaving``; ``zero_bubble``: ZB-H1's ``W`` passes
+    (module docstring) after the ``B`` passes, each after the asynchronous send of that ``B``'s gradient."""
     warm = min(p - rank - 1, m)
     rest = m - warm
+    held = min(rank, rest)  # ZB-H1: steady-state W passes held back to fill the cool-down
+    pending: list[int] = []
     sched.set_orders([(0, i) for i in range(m)], [(0, i) for i in range(m)])
+
+    def after_backward(i: int, recv_prev: bool) -> None:
+        if not zero_bubble:
+            sched.call(send=True, recv_prev=recv_prev)  # send_backward(_recv_forward)
+            return
+        sched.call(send=True, blocking=False)
+        pending.append(i)
+        if len(pending) > held:
+            sched.weight(0, pending.pop(0))
+        if recv_prev:
+            sched.recv_forward()
+
     for i in range(warm):
         sched.recv_forward()
         sched.forward(0, i)
@@ -191,14 +225,13 @@ def _one_f_one_b(sched: _Schedule, p: int, m: int, rank: int) -> None:
         sched.forward(0, warm + i)
         sched.call(send=True, recv_next=True)  # send_forward_recv_backward
         sched.backward(0, i)
-        if i == rest - 1:
-            sched.send_backward()
-        else:
-            sched.call(send=True, recv_prev=True)  # send_backward_recv_forward
+        after_backward(i, recv_prev=i < rest - 1)
     for i in range(warm):
         sched.recv_backward()
         sched.backward(0, rest + i)
-        sched.send_backward()
+        after_backward(rest + i, recv_prev=False)  # ZB-H1 cool-down: one held-back W after each B
+    for i in pending:
+        sched.weight(0, i)
 
 
 def _interleaved(sched: _Schedule, p: int, m: int, rank: int, v: int) -> None:
@@ -249,8 +282,9 @@ def _interleaved(sched: _Schedule, p: int, m: int, rank: int, v: int) -> None:
 def _mark_last(items: list[Action | Comm]) -> list[Action | Comm]:
     seen: set[int] = set()
     out: list[Action | Comm] = []
+    grads = "W" if any(isinstance(a, Action) and a.kind == "W" for a in items) else "B"
     for a in reversed(items):
-        if isinstance(a, Action) and a.kind == "B" and a.chunk not in seen:
+        if isinstance(a, Action) and a.kind == grads and a.chunk not in seen:
             seen.add(a.chunk)
             a = Action(a.kind, a.chunk, a.micro_batch, last=True)
         out.append(a)

@@ -307,6 +307,9 @@ class TransformerSpec:
             raise ValueError(f"tp_comm_overlap must be one of {TP_COMM_OVERLAP}, got {self.tp_comm_overlap!r}")
         if self.tp_comm_overlap != "none" and not (self.sequence_parallel and t > 1):
             raise ValueError("tp_comm_overlap needs sequence_parallel with tensor_parallel_size > 1 (Megatron-LM)")
+        if self.pipeline_schedule == "zero_bubble_h1" and (self.tp_comm_overlap != "none" or self.lora is not None):
+            raise ValueError("the zero_bubble_h1 schedule with tp_comm_overlap or LoRA is not modelled yet (its W passes "
+                             "move the weight-gradient GEMMs those pair with)")
         p, v = self.pipeline_parallel_size, self.virtual_pipeline_size
         check_schedule(self.pipeline_schedule, p, self.num_micro_batches, v)
         if not 0 <= self.pipeline_rank < p:
@@ -619,6 +622,9 @@ class _GptBuilder:
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
         self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
+        #: zero_bubble_h1: the weight-gradient work of the current B pass, and of each B pass until its W
+        self._deferred: list | None = None
+        self._w_queue: dict[tuple[int, int], list] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
@@ -700,19 +706,44 @@ class _GptBuilder:
         self._after_overlapped_gemm()
         if self.s.lora is not None:  # frozen base weight: no weight or bias gradient (lora.py)
             return lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
-        dw = e.fresh(f"{name}.dw16")
-        e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(groups * out_dim, in_dim, -(-T // groups)),
-                 reads=q * (T * out_dim + T * in_dim), writes=2 * W,
-                 out=[(dw, 2 * W)], uses=[gin, xin], dtype=gdt)
-        head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
-        if self.s.bias or (name == "qkv" and self.s.qkv_bias):
-            bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim, uses=[gin])
-            if not head:
-                self._grad_ready(f"{name}.bias", out_dim, bid)
-        wid, gname = self._accumulate_grad(name, dw, W)
-        if name != "wte" or not self.s.has_embedding:  # the tied wte gradient is finished by embed.grad_accum
-            self._grad_ready(f"{name}.weight", W, wid, gname)
+
+        def weight_grads() -> None:
+            dw = e.fresh(f"{name}.dw16")
+            e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim,
+                     shape=(groups * out_dim, in_dim, -(-T // groups)), reads=q * (T * out_dim + T * in_dim),
+                     writes=2 * W, out=[(dw, 2 * W)], uses=[gin, xin], dtype=gdt)
+            head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
+            if self.s.bias or (name == "qkv" and self.s.qkv_bias):
+                bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim,
+                               uses=[gin])
+                if not head:
+                    self._grad_ready(f"{name}.bias", out_dim, bid)
+            wid, gname = self._accumulate_grad(name, dw, W)
+            if name != "wte" or not self.s.has_embedding:  # the tied wte gradient is finished by embed.grad_accum
+                self._grad_ready(f"{name}.weight", W, wid, gname)
+
+        self._weight_grads(weight_grads)
         return dx
+
+    def _weight_grads(self, fn) -> None:
+        """Emit the weight-gradient work ``fn()`` now, or, in a ``zero_bubble_h1`` ``B`` pass, keep it (with its
+        layer) for the pass's ``W`` action (``_weight``)."""
+        if self._deferred is None:
+            fn()
+        else:
+            self._deferred.append((self.e.layer, fn))
+
+    def _weight(self, chunk: int, mb: int, last_pass: bool) -> None:
+        """The ``W`` action of ``zero_bubble_h1``: the weight gradients the ``B`` pass of (``chunk``, ``mb``) kept,
+        in the order backward produced them; ``last_pass``: the chunk's gradients are then complete."""
+        e = self.e
+        self.last_mb, self._chunk, self._mb = last_pass, self.s.model_chunks[chunk], mb
+        e.phase = Phase.BWD
+        for layer, fn in self._w_queue.pop((chunk, mb)):
+            e.layer = layer
+            fn()
+        e.layer = -1
+        self._end_of_backward()
 
     def _accumulate_grad(self, pname: str, dw16: str, numel: int) -> None:
         """Cast a bf16 weight gradient into the fp32 ``.grad`` (allocate on first write)."""
@@ -750,11 +781,15 @@ class _GptBuilder:
         if self.s.lora is not None:  # frozen norm weights: no dgamma / dbeta
             return dx
         nb = self.s.norm_has_bias
-        i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, reads=2 * self.act * T * h,
-                     writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
-        self._grad_ready(f"{name}.weight", h, i)
-        if nb:
-            self._grad_ready(f"{name}.bias", h, i)
+
+        def weight_grads() -> None:
+            i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION,
+                         reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
+            self._grad_ready(f"{name}.weight", h, i)
+            if nb:
+                self._grad_ready(f"{name}.bias", h, i)
+
+        self._weight_grads(weight_grads)
         return dx
 
     def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int):
@@ -1153,8 +1188,15 @@ class _GptBuilder:
         if s.lora is not None:  # frozen embeddings: no embedding backward
             self._end_of_backward()
             return
+        self._weight_grads(lambda: self._embedding_grads(g, tokens))
+        self._end_of_backward()
+
+    def _embedding_grads(self, g: str, tokens: str) -> None:
+        """Embedding backward of model chunk 0: the dense fp32 gradient of the token table (+ the tied LM-head
+        gradient) and of the position table (weight gradients only: nothing flows further back)."""
+        s, e, T = self.s, self.e, self.T
+        h, V = s.hidden_size, s.vocab_per_rank
         g = self._tp_gather("embed.grad", g, before_gemm=False)  # sequence parallelism: the reduce-scatter's backward
-        # embedding backward: dense fp32 gradient of the token table (+ tied LM-head gradient)
         d_emb = e.fresh("embed.dw")
         e.kernel("embed.dgrad", C.EMBEDDING, reads=self.act * T * h + 8 * T, writes=4 * V * h,
                  out=[(d_emb, 4 * V * h)], uses=[g, tokens], dtype="fp32")
@@ -1172,7 +1214,6 @@ class _GptBuilder:
             i = e.kernel("pos_embed.dgrad", C.REDUCTION, reads=self.act * T * h, writes=4 * P * h, uses=[g],
                          dtype="fp32")
             self._grad_ready("wpe.weight", P * h, i)
-        self._end_of_backward()
 
     # -- pipeline parallel -------------------------------------------------------------------
     def _comm(self, call: Comm) -> None:
@@ -1207,7 +1248,8 @@ class _GptBuilder:
                     ops.append(e.kernel(f"pp.recv_{what}.k{boundary}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
                                         reads=float(nbytes), out=[(y, nbytes)], deps=deps, meta=meta))
         self._last_call = ops
-        e.wait_for.extend(ops)
+        if call.blocking:  # else an asynchronous send: only the next call waits for it
+            e.wait_for.extend(ops)
 
     def _pipeline_syncs(self) -> None:
         """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
@@ -1220,7 +1262,7 @@ class _GptBuilder:
         if p == 1:
             return
         e.phase, e.layer = Phase.OPT, -1
-        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops]
+        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *self._last_call]
         if s.embedding_copy and (s.has_embedding or s.has_head):
             nbytes = 4 * s.vocab_per_rank * s.hidden_size
             deps.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
@@ -1529,8 +1571,13 @@ class _GptBuilder:
                 self._comm(a)
             elif a.kind == "F":
                 state[a.chunk, a.micro_batch] = self._forward(a.chunk, a.micro_batch)
-            else:
+            elif a.kind == "B":
+                if s.pipeline_schedule == "zero_bubble_h1":  # the weight gradients wait for the W action
+                    self._deferred = self._w_queue[a.chunk, a.micro_batch] = []
                 self._backward(a.chunk, a.micro_batch, state.pop((a.chunk, a.micro_batch)), a.last)
+                self._deferred = None
+            else:
+                self._weight(a.chunk, a.micro_batch, a.last)
         self._sequence_parallel_grads()
         self._pipeline_syncs()
         self._optimizer()

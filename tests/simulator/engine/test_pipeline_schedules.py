@@ -14,12 +14,14 @@ from simulator.graph.ops import OpKind
 from tests.conftest import make_hw
 
 
-def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: float, stall: float = 0.0):
-    """Rank ``r``'s passes as fixed-time kernels (``tf`` forward, ``tb`` backward per chunk) and its calls as
-    free send/recv rendezvous, with the builder's rule: a call's ops are posted after the previous kernel
-    and the previous call; the next kernel waits for them (blocking, as Megatron-LM's p2p calls)."""
+def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: float, stall: float = 0.0,
+                 tw: float = 0.0):
+    """Rank ``r``'s passes as fixed-time kernels (``tf`` forward, ``tb`` backward, ``tw`` weight-gradient pass per
+    chunk) and its calls as free send/recv rendezvous, with the builder's rule: a call's ops are posted after
+    the previous kernel and the previous call; the next kernel waits for them (blocking, as Megatron-LM's p2p
+    calls) unless the call is an asynchronous send (``Comm.blocking`` false)."""
     b = GraphBuilder()
-    last, wait = -1, []
+    last, prev, wait = -1, [], []
     for a in stage_actions(schedule, p, m, r, v):
         if isinstance(a, Comm):
             ops = []
@@ -27,22 +29,23 @@ def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: f
                 for d, k, i in moves:
                     stream = "comm.pp." + {("act", True): "send_next", ("act", False): "recv_prev",
                                            ("grad", True): "send_prev", ("grad", False): "recv_next"}[d, sending]
-                    ops.append(b.add(f"{d}.{k}.{i}", OpKind.COLLECTIVE, stream, deps=[last, *wait],
+                    ops.append(b.add(f"{d}.{k}.{i}", OpKind.COLLECTIVE, stream, deps=[last, *prev],
                                      fixed_duration_s=0.0, launch=False,
                                      meta={"rendezvous": ("pp", d, k, i), "parties": 2}))
-            wait = ops
+            prev = ops
+            wait = ops if a.blocking else []
             continue
-        t = (tf if a.kind == "F" else tb) * (1 + stall)
+        t = {"F": tf, "B": tb, "W": tw}[a.kind] * (1 + stall)
         last = b.add(f"{a.kind}{a.chunk}.{a.micro_batch}", OpKind.COMPUTE, "compute", deps=wait,
                      fixed_duration_s=t, launch=False)
         wait = []
-    b.add("end", OpKind.SYNC, "host", deps=[last, *wait], launch=False)
+    b.add("end", OpKind.SYNC, "host", deps=[last, *prev], launch=False)
     return b.build()
 
 
-def _step(schedule: str, p: int, m: int, v: int, tf: float, tb: float, stalls=None) -> float:
+def _step(schedule: str, p: int, m: int, v: int, tf: float, tb: float, stalls=None, tw: float = 0.0) -> float:
     hw = make_hw()
-    graphs = [_stage_graph(schedule, p, m, r, v, tf, tb, (stalls or {}).get(r, 0.0)) for r in range(p)]
+    graphs = [_stage_graph(schedule, p, m, r, v, tf, tb, (stalls or {}).get(r, 0.0), tw) for r in range(p)]
     runs = run_ranks(graphs, [hw] * p, steps=1)
     return max(rec.steps.end_s.iloc[0] for rec, _ in runs)
 
@@ -117,3 +120,38 @@ def test_a_missing_partner_is_a_named_deadlock():
     lone = b.build()
     with pytest.raises(SimulationError, match="deadlocked at rendezvous"):
         run_ranks([lone, GraphBuilder().build()], [hw, hw], steps=1)
+
+
+def test_zero_bubble_h1_step_by_hand():
+    """ZB-H1 (Qi et al., ICLR 2024, section 3.1): p = 4, m = 8, t_f = t_b = t_w = 1 ms: 8 x 3 ms of work plus a
+    bubble of (p - 1)(t_f + t_b - t_w) = 3 ms = 27 ms, against 1F1B's (8 + 3) x 3 ms = 33 ms with B and W fused."""
+    assert _step("zero_bubble_h1", 4, 8, 1, 1e-3, 1e-3, tw=1e-3) == pytest.approx(27e-3, rel=1e-12)
+    assert _step("1f1b", 4, 8, 1, 1e-3, 2e-3) == pytest.approx(33e-3, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), extra=st.integers(0, 6), tb=st.sampled_from([1.0, 1.2, 2.0]),
+       tw=st.sampled_from([0.25, 0.5, 0.8, 1.0]))
+def test_zero_bubble_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, extra, tb, tw):
+    """With m >= p micro-batches and W no longer than F: step = m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)."""
+    m, tf = p + extra, 1.0
+    want = (m * (tf + tb + tw) + (p - 1) * (tf + tb - tw)) * 1e-3
+    assert _step("zero_bubble_h1", p, m, 1, tf * 1e-3, tb * 1e-3, tw=tw * 1e-3) == pytest.approx(want, rel=1e-9)
+
+
+def test_zero_bubble_h1_actions():
+    """Every (micro-batch) F, B and W once, W after its B; rank r holds back min(r, m - (p - r - 1)) W passes; the
+    chunk's last W carries ``last``; at most p micro-batches in flight (F run, W not yet) on any rank."""
+    p, m = 4, 8
+    for r in range(p):
+        acts = [a for a in stage_actions("zero_bubble_h1", p, m, r) if isinstance(a, Action)]
+        pos = {(a.kind, a.micro_batch): n for n, a in enumerate(acts)}
+        assert len(acts) == 3 * m and all(pos["F", i] < pos["B", i] < pos["W", i] for i in range(m))
+        assert [a.last for a in acts].count(True) == 1 and acts[-1].kind == "W" and acts[-1].last
+        live = peak = 0
+        for a in acts:
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert peak <= p
+        first_w = next(n for n, a in enumerate(acts) if a.kind == "W")
+        assert sum(a.kind == "B" for a in acts[:first_w]) == min(r, m - (p - r - 1)) + 1
