@@ -84,6 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import moe
 from simulator.graph.builders.emitter import KernelEmitter
@@ -170,6 +171,12 @@ class TransformerSpec:
         window_size: Sliding-window attention (Mistral; Beltagy et al., *Longformer*, 2020): each query
             attends to its ``window_size`` most recent keys, itself included (the Hugging Face
             ``sliding_window``); ``None``: full causal attention.
+        attention_backend: ``flash`` (one flash-attention kernel) or ``unfused`` (Megatron-LM 2020-2022: batched
+            GEMMs, fused causal softmax, dropout; ``simulator.graph.builders.attention``).
+        attention_dropout: Attention-probability dropout rate (Megatron ``--attention-dropout``; kernels and
+            masks with ``unfused``; inside the flash kernel, not priced separately, with ``flash``).
+        hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
+            residual add: 1-byte masks saved for backward); 0: none.
     """
 
     num_layers: int
@@ -220,6 +227,9 @@ class TransformerSpec:
     expert_parallel_size: int = 1
     kv_channels: int | None = None
     window_size: int | None = None
+    attention_backend: str = "flash"
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -309,6 +319,7 @@ class TransformerSpec:
             raise ValueError(f"pipeline_layers {list(split)} must be {p * v} numbers >= 1 (pipeline size x virtual "
                              f"stages) summing to num_layers {self.num_layers}")
         moe.check_moe_spec(self)
+        core.check_attention_spec(self)
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -559,6 +570,7 @@ class _GptBuilder:
         amp = spec.precision == "amp_fp32_params"
         self.amp = amp
         self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
+        self.w = 2  # bytes per element of the GEMM operands and activations between them (16-bit)
         self.cp = spec.context_parallel_size
         #: tokens of one micro-batch on this rank (``s / c`` of each sequence with context parallelism)
         self.T = spec.micro_batch_size * spec.seq_length // self.cp
@@ -918,15 +930,21 @@ class _GptBuilder:
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
-        self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s_loc,
-                        out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
-                        uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size},
-                        kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+        sv_core = None
+        if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
+            att, sv_core = core.unfused_fwd(self, qkv, qk)
+        else:
+            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
+                            writes=2 * T * h + 4 * bsz * a * s_loc,
+                            out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
+                            uses=[qkv] + ([qk] if qk else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size},
+                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
         attc = e.fresh("attn.out_contig")
         e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
-        x2 = self._add("residual1", x, proj, self.act, 2, self.act)
+        x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, 2)
         ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
         if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
@@ -936,11 +954,12 @@ class _GptBuilder:
             g = self._act_fwd("", fc1, T, f)
             fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
             fc2 = self._tp_reduce("fc2", fc2)
-        x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
+        x3, mask2 = core.residual_dropout_add(self, "residual2", x2, fc2, 2)
         saved = {}
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
-                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe)
+                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
+                         core=None if selective else sv_core, mask1=mask1, mask2=mask2)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -956,30 +975,36 @@ class _GptBuilder:
         if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
             g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
-            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
+            g_fc2 = core.hidden_dropout_bwd(self, "residual2.dropout", gx, sv["mask2"])
+            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", g_fc2), sv["sv_fc2"], f, hf, g_fp32=True)
             g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
             g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
                                                                  g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
-        g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_mid), sv["sv_proj"], h, hf, g_fp32=True)
+        g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
+        g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_proj), sv["sv_proj"], h, hf, g_fp32=True)
         g_att = e.fresh("attn.transpose.dx")
         e.kernel("attn.transpose.dgrad", C.COPY, reads=2 * T * h, writes=2 * T * h,
                  out=[(g_att, 2 * T * h)], uses=[g_proj_in])
         att = sv["att"]
-        if att is None:  # selective recompute: re-run the attention forward
+        if s.attention_backend == "unfused":  # re-run the core first with selective recompute
+            sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
+            g_qkv = self._rope_bwd(core.unfused_bwd(self, g_att, sv_core, T * qo), h + kv)
+        elif att is None:  # selective recompute: re-run the attention forward
             att = e.fresh("attn.out.recomputed")
             self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h,
                             out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
-        g_qkv = e.fresh("attn.dqkv")
-        self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
-                        writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
-                        uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                        meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
-                        q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
-        g_qkv = self._rope_bwd(g_qkv, h + kv)
+        if s.attention_backend != "unfused":
+            g_qkv = e.fresh("attn.dqkv")
+            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
+                            writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
+                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
+                            q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
         out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)

@@ -35,6 +35,12 @@ CASES = {
     "PP4 GPipe": (TP2, [*PP4, "parallelism.pipeline_schedule=gpipe"]),
     "PP4 interleaved v2 ZeRO-1": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
                                         "zero_optimization.stage=1"]),
+    "TP2 unfused attention + dropout": (TP2, ["model.attention_backend=unfused", "model.attention_dropout=0.1",
+                                              "model.hidden_dropout=0.1"]),
+    "TP4 unfused selective": (TP2, ["parallelism.tensor_model_parallel_size=4", "model.attention_backend=unfused",
+                                    "model.attention_dropout=0.1", "training.recompute_granularity=selective"]),
+    "MLM20 unfused full recompute": (ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml",
+                                     ["model.attention_backend=unfused", "model.attention_dropout=0.1"]),
 }
 
 
