@@ -226,10 +226,13 @@ class TrainingConfig(_Model):
         description="Default micro_batch_size * data_parallel_size (no gradient accumulation); at most "
         f"{MAX_GRADIENT_ACCUMULATION:,} micro-batches per step.",
     )
-    precision: Literal["amp_fp32_params", "bf16", "fp16"] = Field(
+    precision: Literal["amp_fp32_params", "bf16", "fp16", "fp32", "tf32"] = Field(
         default="amp_fp32_params",
         description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16; fp16: Megatron "
-        "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling).",
+        "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling); fp32: plain fp32 training "
+        "(fp32 params, activations and Adam state; GEMMs at the GPU's fp32 rate); tf32: the same with "
+        "torch.backends.cuda.matmul.allow_tf32 = True (GEMMs at the TF32 tensor-core rate; needs a GPU with one, "
+        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention).",
     )
     fp8: Literal["hybrid", "e4m3"] | None = Field(
         default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "
@@ -648,6 +651,22 @@ class ScenarioConfig(_Model):
                              f"fp8 over bf16; got {self.training.precision})")
         if self.training.fp8 is not None and self.zero_optimization.stage == 3:
             raise ValueError("training.fp8 with zero_optimization.stage 3 is not modelled yet (allowed: stage 0-2)")
+        return self
+
+    @model_validator(mode="after")
+    def _full_precision_scope(self):
+        """What ``training.precision`` fp32 / tf32 needs, and what is not modelled with it."""
+        prec = self.training.precision
+        if prec not in ("fp32", "tf32"):
+            return self
+        if self.model.attention_backend != "unfused":
+            raise ValueError(f"training.precision: {prec} needs model.attention_backend: unfused (flash attention has "
+                             "fp16 / bf16 kernels only; allowed: unfused)")
+        z = self.zero_optimization
+        if (self.model.num_experts or z.stage == 3 or self.fsdp is not None or self.ddp.use_distributed_optimizer
+                or z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
+            raise ValueError(f"training.precision: {prec} with experts, ZeRO-3, FSDP, the distributed optimizer or "
+                             "offload is not modelled yet (allowed: DDP or ZeRO-1/2 data parallelism, TP, PP)")
         return self
 
     @model_validator(mode="after")

@@ -84,11 +84,11 @@ def saved_core_bytes(spec, tp: int, w: int = 2) -> int:
 
 
 def backward_working_bytes(spec, tp: int, w: int = 2) -> int:
-    """Transient bytes of the unfused core's backward beyond what it saved: two ``w B s^2`` score gradients
-    live at once (``dP`` while the dropout backward writes its result, that while the softmax backward
-    writes ``dS``)."""
+    """Peak bytes the unfused core's backward holds beyond what it saved: with dropout ``w B s^2`` (the dropout
+    backward writes its result while ``dP`` lives; the dropout output is freed by then, after ``dV``), without
+    ``2 w B s^2`` (``dP`` and ``dS`` beside the kept softmax output)."""
     _, _, _, n, _ = core_sizes(spec, tp)
-    return 2 * w * n
+    return w * n if spec.attention_dropout > 0 else 2 * w * n
 
 
 def unfused_fwd(bld, qkv: str, qk: str | None, prefix: str = "attn") -> tuple[str, dict]:
