@@ -266,7 +266,9 @@ def _perseus(m: dict, cap: str, what: str) -> float:
 def _pipeline_cases() -> list[Case]:
     """Pipeline parallelism under GPU power limits: Perseus's Zeus global-power-limit baseline (GPT-3 XL, PP4 on
     4x A100 PCIe), time and GPU energy per iteration at 300 W and their change at 175 W."""
-    scen, src = _scenario(PERSEUS), f"paper_cases.yaml {PERSEUS} (Perseus SOSP'24 artifact, zeus_global.csv)"
+    scen = _scenario(PERSEUS)
+    src = (f"paper_cases.yaml {PERSEUS} (Perseus SOSP'24 artifact, zeus_global.csv; precision tf32, full recompute "
+           "and HF eager attention assumed, not stated: scenario description)")
     cap = lambda w: (f"dvfs.power_limit_w={w}",)  # noqa: E731
     both = dict(more_scenarios=(scen,), sets=(cap(300), cap(175)))
     return [
