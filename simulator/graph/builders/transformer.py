@@ -26,7 +26,9 @@ same memory traffic the GPU moves:
   instead): 8 bytes per parameter per step too many.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
-  recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting).
+  recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
+  ``attention_backend: unfused`` it is Megatron-LM 2020-2022's batched GEMMs, fused causal softmax and
+  dropout (``simulator.graph.builders.attention``, which also holds the hidden-dropout kernels).
 * **GEMM FLOPs** are ``2 m n k``. A Linear ``[T, i] x [i, o]`` has forward ``(T, o, i)``,
   input-gradient ``(T, i, o)`` and weight-gradient ``(o, i, T)`` GEMMs.
 * **Memory**: each kernel allocates its outputs; a tensor lives until the last kernel that uses it
