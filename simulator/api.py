@@ -68,6 +68,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
+        attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
     )
 
 

@@ -262,6 +262,12 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     if cfg.training.fp8 is not None and "fp8" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.fp8: {gpu.name} has no fp8 tensor-core rate (Hopper and later have "
                             "one; allowed: null on this GPU)")
+    if cfg.training.precision == "tf32" and "tf32" not in gpu.peak_flops_per_s:
+        raise ScenarioError(f"{source}: training.precision: tf32 needs TF32 tensor cores, which {gpu.name} has not "
+                            "(Ampere and later have them; allowed: fp32, fp16 on this GPU)")
+    if cfg.training.precision == "fp32" and "fp32" not in gpu.peak_flops_per_s:
+        raise ScenarioError(f"{source}: training.precision: fp32: {gpu.name} lists no fp32 rate "
+                            "(hardware.gpu peak_flops_per_s.fp32)")
     prof_name = hwc.profile
 
     def default_profile() -> EfficiencyProfile:

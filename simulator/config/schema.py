@@ -167,6 +167,20 @@ class ModelConfig(_Model):
         default=None, gt=0, le=MAX_CAPACITY_FACTOR, description="Megatron --moe-expert-capacity-factor: each expert "
         "takes at most ceil(factor x T x topk / num_experts) tokens of a rank's T, the rest are dropped (no "
         "padding); null: dropless.")
+    attention_backend: Literal["flash", "unfused"] = Field(
+        default="flash", description="Megatron-Core --attention-backend: flash (one flash-attention kernel, the "
+        "default) or unfused (Megatron-LM before flash attention, 2020-2022: Q K^T and attention x V batched GEMMs "
+        "over the whole s x s square, the fused causal softmax, attention dropout; the [b, a, s, s] scores in HBM "
+        "and 5 a s^2 b bytes per layer saved for backward: simulator/graph/builders/attention.py). unfused: not "
+        "with group_query_attention, window_size or context parallelism; needed by precision fp32 / tf32.")
+    attention_dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="Megatron --attention-dropout (its default is 0.1; 0 here, no "
+        "dropout): with unfused a dropout kernel and a 1-byte mask over the attention probabilities; with flash "
+        "inside the kernel (no mask, not priced separately).")
+    hidden_dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="Megatron --hidden-dropout (its default is 0.1; 0 here): dropout after "
+        "the attention projection and fc2, fused with the residual add (bias_dropout_add): a 1-byte mask per "
+        "element saved for backward and one elementwise kernel per dropout in backward.")
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
         default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
         "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
@@ -208,6 +222,12 @@ class ModelConfig(_Model):
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
                              f"(allowed: 1..{self.num_experts})")
+        if self.attention_backend == "unfused":
+            if self.group_query_attention:
+                raise ValueError("attention_backend: unfused with group_query_attention is not modelled (allowed: "
+                                 "flash, or group_query_attention false)")
+            if self.window_size is not None and self.window_size < self.seq_length:
+                raise ValueError("attention_backend: unfused with window_size is not modelled (allowed: flash)")
         mp = self.max_position_embeddings
         if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "
@@ -231,10 +251,13 @@ class TrainingConfig(_Model):
         description="Default micro_batch_size * data_parallel_size (no gradient accumulation); at most "
         f"{MAX_GRADIENT_ACCUMULATION:,} micro-batches per step.",
     )
-    precision: Literal["amp_fp32_params", "bf16", "fp16"] = Field(
+    precision: Literal["amp_fp32_params", "bf16", "fp16", "fp32", "tf32"] = Field(
         default="amp_fp32_params",
         description="amp_fp32_params: torch.autocast(bf16) over fp32 params; bf16: Megatron --bf16; fp16: Megatron "
-        "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling).",
+        "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling); fp32: plain fp32 training "
+        "(fp32 params, activations and Adam state; GEMMs at the GPU's fp32 rate); tf32: the same with "
+        "torch.backends.cuda.matmul.allow_tf32 = True (GEMMs at the TF32 tensor-core rate; needs a GPU with one, "
+        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention).",
     )
     fp8: Literal["hybrid", "e4m3"] | None = Field(
         default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "
@@ -653,6 +676,22 @@ class ScenarioConfig(_Model):
         return self
 
     @model_validator(mode="after")
+    def _full_precision_scope(self):
+        """What ``training.precision`` fp32 / tf32 needs, and what is not modelled with it."""
+        prec = self.training.precision
+        if prec not in ("fp32", "tf32"):
+            return self
+        if self.model.attention_backend != "unfused":
+            raise ValueError(f"training.precision: {prec} needs model.attention_backend: unfused (flash attention has "
+                             "fp16 / bf16 kernels only; allowed: unfused)")
+        z = self.zero_optimization
+        if (self.model.num_experts or z.stage == 3 or self.fsdp is not None or self.ddp.use_distributed_optimizer
+                or z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
+            raise ValueError(f"training.precision: {prec} with experts, ZeRO-3, FSDP, the distributed optimizer or "
+                             "offload is not modelled yet (allowed: DDP or ZeRO-1/2 data parallelism, TP, PP)")
+        return self
+
+    @model_validator(mode="after")
     def _context_parallel_scope(self):
         """Megatron's rules for ``context_parallel_size`` > 1, and what is not modelled with it."""
         p, m = self.parallelism, self.model
@@ -675,6 +714,9 @@ class ScenarioConfig(_Model):
                              f"({m.num_attention_heads // tp})")
         if self.training.precision == "amp_fp32_params":
             raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM)")
+        if m.attention_backend == "unfused":
+            raise ValueError(f"{key}: {cp} > 1 with model.attention_backend unfused is not modelled (allowed: "
+                             "attention_backend flash with context parallelism)")
         z = self.zero_optimization
         if z.stage or self.fsdp is not None or self.ddp.use_distributed_optimizer or m.num_experts:
             raise ValueError(f"{key}: {cp} > 1 with ZeRO, FSDP, the distributed optimizer or experts is not modelled "

@@ -3,7 +3,8 @@
 A kernel's duration is ``fixed + max(compute, memory)`` where
 
 * ``compute = flops / (peak(dtype) * efficiency)``; GEMMs use the wave-quantised tile model of
-  ``hardware_models.profile`` and attention the fitted flash-attention efficiency;
+  ``hardware_models.profile`` (batched GEMMs, 4-d shapes, with their tiles summed over the batch and
+  their memory traffic kept in the max) and attention the fitted flash-attention efficiency;
 * ``memory = (bytes_read + bytes_written) / achieved_bandwidth(kernel class)``;
 * ``fixed`` is the device-side per-kernel time (``kernel_fixed_s``).
 
@@ -72,8 +73,12 @@ class RooflineCostModel:
         bw = table.get(key) or table.get("elementwise")
         return bw * self._bw_scale if bw else self.gpu.hbm_bandwidth_bytes_per_s
 
-    def gemm_compute_s(self, m: int, n: int, k: int, dtype: str, sm_held: int = 0) -> float:
+    def gemm_compute_s(self, m: int, n: int, k: int, dtype: str, sm_held: int = 0, batch: int = 1) -> float:
         """GEMM time at the maximum clock from the tile/wave model, seconds (without fixed time).
+
+        ``batch`` > 1: a strided batched GEMM (``torch.bmm`` / ``baddbmm``; cuBLAS ``gemmStridedBatched``) of
+        ``batch`` independent ``m x n x k`` products, whose ``batch x ceil(m / tile_m) x ceil(n / tile_n)``
+        tiles fill the waves together (one kernel, one ``fixed_s``).
 
         ``sm_held`` SMs taken by collectives (0..sm_count-1) leave ``sm_count - sm_held`` SMs: the
         fitted (fractional) wave count is multiplied by ``ceil(tiles / (sm_count - sm_held)) /
@@ -87,8 +92,8 @@ class RooflineCostModel:
         peak = self.gpu.peak(dtype)
         sms = self.gpu.sm_count
         if g is None:
-            return 2.0 * m * n * k / peak * sms / (sms - sm_held)
-        tiles = math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n)
+            return 2.0 * batch * m * n * k / peak * sms / (sms - sm_held)
+        tiles = batch * math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n)
         waves = tiles / sms
         if sm_held:
             waves *= math.ceil(tiles / (sms - sm_held)) / math.ceil(tiles / sms)
@@ -116,6 +121,10 @@ class RooflineCostModel:
         if op.cost_class == CostClass.GEMM and len(op.shape) == 3:
             compute = self.gemm_compute_s(*op.shape, op.dtype)
             memory = 0.0  # the tile model already covers operand traffic
+        elif op.cost_class == CostClass.GEMM and len(op.shape) == 4:  # batched (m, n, k, batch): unfused attention
+            compute = self.gemm_compute_s(*op.shape[:3], op.dtype, batch=op.shape[3])
+            # k = head dim <= 128: the [batch, s, s] scores it writes or reads dominate, so its traffic stays
+            # in the roofline (the tile model was fitted on large-k GEMMs whose traffic it covers)
         elif op.cost_class in (CostClass.ATTENTION_FWD, CostClass.ATTENTION_BWD):
             which = "fwd" if op.cost_class == CostClass.ATTENTION_FWD else "bwd"
             eff = self.profile.attention_efficiency.get(which, 0.5)
@@ -153,6 +162,8 @@ class RooflineCostModel:
         compute, memory, fixed = self.split_s(op)
         if op.cost_class == CostClass.GEMM and len(op.shape) == 3:
             compute = self.gemm_compute_s(*op.shape, op.dtype, sm_held)
+        elif op.cost_class == CostClass.GEMM and len(op.shape) == 4:
+            compute = self.gemm_compute_s(*op.shape[:3], op.dtype, sm_held, batch=op.shape[3])
         else:
             compute *= sms / (sms - sm_held)
         out = (compute, memory / hbm_share, fixed)

@@ -88,7 +88,7 @@ class Op:
         flops: Floating-point operations (multiply-add = 2).
         bytes_read: Bytes read from device memory (HBM) or, for copies, bytes moved.
         bytes_written: Bytes written to device memory.
-        shape: GEMM ``(m, n, k)`` or attention ``(batch*heads, seq_q, seq_k, head_dim)``.
+        shape: GEMM ``(m, n, k)``, batched GEMM ``(m, n, k, batch)`` or attention ``(batch*heads, seq_q, seq_k, head_dim)``.
         host_s: CPU seconds for HOST ops (single-thread equivalent unless ``threads`` > 1).
         fixed_duration_s: If set, the op takes exactly this long (measured durations on replay).
         deps: Ids of ops that must finish before this op starts.

@@ -23,7 +23,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
   (+ the rotated q, k with rope), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
   with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics, and with
-  ``amp_fp32_params`` the bf16 copies of the block's weights. With full recompute only ``x`` is kept
+  ``amp_fp32_params`` the bf16 copies of the block's weights (``fp32`` / ``tf32``: every 16-bit size above
+  doubles, no master weights, no copies); with ``attention_backend: unfused`` the
+  attention output is not kept but the core's ``s^2`` tensors are (``attention.saved_core_bytes``, ``5 a s^2 b
+  / t`` with attention dropout; none with selective recompute, which adds them and the core's score gradients
+  to the backward transient, the larger of them and the MLP's backward working set), and hidden dropout adds two 1-byte masks ``2 T_n h``. With full recompute only ``x`` is kept
   per block, plus one block's activations during its backward. A stage keeps ``n_r`` micro-batches in
   flight, counted from its schedule (``pipeline.stage_actions``: ``p - r`` for 1F1B, ``m`` for GPipe,
   Megatron's warm-up for the interleaved schedule; 1 without pipelining).
@@ -43,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
+from simulator.graph.builders import attention as core
+from simulator.graph.builders.transformer import FULL_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -136,7 +142,8 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     t = spec.tensor_parallel_size
     sp = spec.sequence_parallel and t > 1
     amp = spec.precision == "amp_fp32_params"
-    act = 4 if amp else 2
+    w = 4 if spec.precision in FULL_PRECISIONS else 2  # bytes of a GEMM operand / activation (fp32, tf32: 4)
+    act = 4 if amp or w == 4 else 2
     T = spec.micro_batch_size * spec.seq_length
     Tn = T // t if sp else T
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -145,11 +152,17 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     if recompute == "full":
         return residual
     stats = 2 * (8 if spec.normalization == "LayerNorm" else 4) * Tn
-    rope = 2 * T * (h // t + spec.query_groups * spec.head_dim // t) if spec.position_embedding == "rope" else 0
-    attn = (1 if recompute == "selective" else 2) * 2 * T * h // t
+    rope = w * T * (h // t + spec.query_groups * spec.head_dim // t) if spec.position_embedding == "rope" else 0
+    unfused = spec.attention_backend == "unfused"
+    if unfused:  # the contiguous context (proj input), plus the core's s^2 tensors unless recomputed
+        attn = w * T * h // t + (0 if recompute == "selective" else core.saved_core_bytes(spec, t, w))
+    else:
+        attn = (1 if recompute == "selective" else 2) * w * T * h // t
+    masks = 2 * Tn * h if spec.hidden_dropout > 0 else 0  # bias_dropout_add's 1-byte masks
     # autocast's bf16 copies of the block's weights, saved for backward (not with FSDP's bf16 gathered weights)
     weights16 = 2 * (h * spec.qkv_out_size + h * h + h * spec.fc1_out_size + f * h) if amp and not bf16_gathered else 0
-    return (2 * residual + 2 * 2 * T * h + 2 * T * qo + rope + attn + 2 * T * (f1 + f // t) + stats + weights16)
+    return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
+            + weights16)
 
 
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
@@ -158,7 +171,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     from simulator.api import sharding_spec
 
     dp = spec.data_parallel_size
-    amp = spec.precision == "amp_fp32_params"
+    amp = spec.precision in ("amp_fp32_params", *FULL_PRECISIONS)  # fp32 parameters, no master copy
     P = spec.rank_num_parameters
     z, ddp = cfg.zero_optimization, cfg.ddp
     sh = sharding_spec(cfg) if dp > 1 else None
@@ -222,7 +235,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     recompute = spec.recompute
     t = spec.tensor_parallel_size
     amp = spec.precision == "amp_fp32_params"
-    act = 4 if amp else 2
+    w = 4 if spec.precision in FULL_PRECISIONS else 2  # bytes of a GEMM operand / activation
+    act = 4 if amp or w == 4 else 2
     T = spec.micro_batch_size * spec.seq_length
     h, V = spec.hidden_size, spec.vocab_per_rank
     p, v, m = spec.pipeline_parallel_size, spec.virtual_pipeline_size, spec.num_micro_batches
@@ -232,11 +246,17 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     activations = layers * _layer_activation_bytes(spec, recompute, bf16_gathered)
     f1 = (spec.fc1_out_size + spec.ffn_hidden_size) // t
     largest_weight = max(h * spec.qkv_out_size, h * spec.fc1_out_size, spec.ffn_hidden_size * h) // t
-    transient = 2 * T * f1 + 2 * act * T * h + 2 * largest_weight  # one block's backward working set
+    transient = w * T * f1 + 2 * act * T * h + w * largest_weight  # one block's backward working set
     if recompute == "full":  # one block's activations are rebuilt during its backward
         transient += _layer_activation_bytes(spec, "none", bf16_gathered)
+    if spec.attention_backend == "unfused":  # the core's score gradients (and its recomputed tensors), after
+        # the MLP's backward has freed its working set: the larger of the two
+        mlp = w * T * f1 + 2 * act * T * h + w * largest_weight
+        score = core.backward_working_bytes(spec, t, w) + (core.saved_core_bytes(spec, t, w)
+                                                           if recompute == "selective" else 0)
+        transient += max(mlp, score) - mlp
     if spec.has_head:  # saved per pass in flight: fp32 log-softmax, the final norm's input and output
-        activations += min(passes, m) * (4 * T * V + 2 * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
+        activations += min(passes, m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
         transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
     if spec.has_embedding:
         activations += 16 * T * passes  # int64 tokens and labels

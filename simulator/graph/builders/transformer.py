@@ -18,9 +18,17 @@ same memory traffic the GPU moves:
   of 4 B per parameter, as in Megatron's ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``);
   the found-inf flag is all-reduced (MAX) over the tensor-parallel group and read by the host
   (``found_inf.item()``, a device synchronisation) before the optimizer step is launched.
+  ``fp32`` / ``tf32``: plain fp32 training (no autocast): fp32 parameters (no master copy), activations,
+  gradients and Adam state; every GEMM on fp32 operands at the GPU's fp32 rate, or with ``tf32``
+  (``torch.backends.cuda.matmul.allow_tf32 = True``; PyTorch's default from 1.7 to 1.11) at its TF32
+  tensor-core rate. Needs the unfused attention (flash attention has no fp32 kernel). The first
+  micro-batch's weight gradient is still copied into ``.grad`` (PyTorch's AccumulateGrad takes the buffer
+  instead): 8 bytes per parameter per step too many.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
-  recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting).
+  recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
+  ``attention_backend: unfused`` it is Megatron-LM 2020-2022's batched GEMMs, fused causal softmax and
+  dropout (``simulator.graph.builders.attention``, which also holds the hidden-dropout kernels).
 * **GEMM FLOPs** are ``2 m n k``. A Linear ``[T, i] x [i, o]`` has forward ``(T, o, i)``,
   input-gradient ``(T, i, o)`` and weight-gradient ``(o, i, T)`` GEMMs.
 * **Memory**: each kernel allocates its outputs; a tensor lives until the last kernel that uses it
@@ -88,6 +96,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import lora, moe
 from simulator.graph.builders import vit as vitb
@@ -97,7 +106,9 @@ from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, Phase, TensorAlloc
 
-PRECISIONS = ("amp_fp32_params", "bf16", "fp16")
+PRECISIONS = ("amp_fp32_params", "bf16", "fp16", "fp32", "tf32")
+#: precisions whose parameters, activations and GEMMs are all fp32 (tf32: GEMMs on TF32 tensor cores)
+FULL_PRECISIONS = ("fp32", "tf32")
 #: Megatron-LM --make-vocab-size-divisible-by default (arguments.py); the padded vocabulary is a multiple of 128 t
 VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE = ("none", "full", "selective")
@@ -180,6 +191,12 @@ class TransformerSpec:
         causal: Causal (decoder) attention; false: bidirectional, every query scores all ``s`` keys (ViT).
         vit: A vision transformer (``vit.VitShape``): patch embedding and classification head in place of the
             token embedding and LM head (``vocab_size`` unused); ``None``: a decoder.
+        attention_backend: ``flash`` (one flash-attention kernel) or ``unfused`` (Megatron-LM 2020-2022: batched
+            GEMMs, fused causal softmax, dropout; ``simulator.graph.builders.attention``).
+        attention_dropout: Attention-probability dropout rate (Megatron ``--attention-dropout``; kernels and
+            masks with ``unfused``; inside the flash kernel, not priced separately, with ``flash``).
+        hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
+            residual add: 1-byte masks saved for backward); 0: none.
     """
 
     num_layers: int
@@ -233,6 +250,9 @@ class TransformerSpec:
     lora: lora.LoraSpec | None = None
     causal: bool = True
     vit: vitb.VitShape | None = None
+    attention_backend: str = "flash"
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -324,6 +344,14 @@ class TransformerSpec:
             raise ValueError("window_size needs causal attention (a bidirectional window is not modelled)")
         if self.vit is not None:
             vitb.check_vit_spec(self)
+        core.check_attention_spec(self)
+        if self.precision in FULL_PRECISIONS:
+            if self.attention_backend == "flash":
+                raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
+                                 "fp16 / bf16 kernels only)")
+            if self.fp8 or self.num_experts or (self.sharding is not None and self.data_parallel_size > 1):
+                raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP or the distributed "
+                                 "optimizer is not modelled")
 
     # -- counts ----------------------------------------------------------------------------
     @property
@@ -580,6 +608,11 @@ class _GptBuilder:
         amp = spec.precision == "amp_fp32_params"
         self.amp = amp
         self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
+        #: fp32 / tf32: everything fp32 (PyTorch without autocast; tf32: torch.backends.cuda.matmul.allow_tf32)
+        self.full = spec.precision in FULL_PRECISIONS
+        if self.full:
+            self.act = 4
+        self.w = 4 if self.full else 2  # bytes per element of the GEMM operands and activations between them
         self.cp = spec.context_parallel_size
         #: tokens of one micro-batch on this rank (``s / c`` of each sequence with context parallelism)
         self.T = spec.micro_batch_size * spec.seq_length // self.cp
@@ -600,7 +633,7 @@ class _GptBuilder:
         self.fp16 = spec.precision == "fp16"
         self.fp8 = spec.fp8 is not None
         self._fp8_w: dict[tuple[int, str], str] = {}  # fp8 weight copies of this step
-        self.e.half = "fp16" if self.fp16 else "bf16"
+        self.e.half = "fp16" if self.fp16 else (spec.precision if self.full else "bf16")
         self.tp = spec.tensor_parallel_size
         self.sp = spec.sequence_parallel and self.tp > 1
         #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
@@ -656,8 +689,8 @@ class _GptBuilder:
                      dtype="fp8")
         else:
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                     reads=2 * (T * in_dim + W), writes=2 * T * out_dim,
-                     out=[(y, 2 * T * out_dim)], uses=[xin, w16])
+                     reads=self.w * (T * in_dim + W), writes=self.w * T * out_dim,
+                     out=[(y, self.w * T * out_dim)], uses=[xin, w16])
         self._after_overlapped_gemm()
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
         return y, (xin, w16, ad) if save else ()
@@ -693,7 +726,7 @@ class _GptBuilder:
             e.kernel(f"{name}.cast_grad", C.CAST, reads=4 * T * out_dim, writes=2 * T * out_dim,
                      out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
-        q = 2  # operand bytes
+        q = self.w  # operand bytes
         gdt = None
         if self.fp8 and e.layer >= 0:  # the output gradient quantized (e5m2 with hybrid), then fp8 GEMMs
             gq = e.fresh(f"{name}.g_fp8")
@@ -701,8 +734,8 @@ class _GptBuilder:
                      out=[(gq, T * out_dim)], uses=[gin])
             gin, q, gdt = gq, 1, "fp8"
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
-                 reads=q * (T * out_dim + W), writes=2 * T * in_dim,
-                 out=[(dx, 2 * T * in_dim)], uses=[gin, w16], dtype=gdt)
+                 reads=q * (T * out_dim + W), writes=self.w * T * in_dim,
+                 out=[(dx, self.w * T * in_dim)], uses=[gin, w16], dtype=gdt)
         self._after_overlapped_gemm()
         if self.s.lora is not None:  # frozen base weight: no weight or bias gradient (lora.py)
             return lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
@@ -711,10 +744,10 @@ class _GptBuilder:
             dw = e.fresh(f"{name}.dw16")
             e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim,
                      shape=(groups * out_dim, in_dim, -(-T // groups)), reads=q * (T * out_dim + T * in_dim),
-                     writes=2 * W, out=[(dw, 2 * W)], uses=[gin, xin], dtype=gdt)
+                     writes=self.w * W, out=[(dw, self.w * W)], uses=[gin, xin], dtype=gdt)
             head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
             if self.s.bias or (name == "qkv" and self.s.qkv_bias):
-                bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=2 * T * out_dim, writes=4 * out_dim,
+                bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=self.w * T * out_dim, writes=4 * out_dim,
                                uses=[gin])
                 if not head:
                     self._grad_ready(f"{name}.bias", out_dim, bid)
@@ -755,7 +788,7 @@ class _GptBuilder:
         out = [(gname, gb * numel)] if first and not self._grads_in_buckets else []
         if first:
             self.grad_made.add(gname)
-        reads = 2 * numel + (0 if first else gb * numel)
+        reads = self.w * numel + (0 if first else gb * numel)
         i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
                           writes=gb * numel, out=out, uses=[dw16], dtype="fp32")
         return i, gname
@@ -832,7 +865,7 @@ class _GptBuilder:
         parallelism. The compute stream waits for it. Returns the reduced tensor (identity at ``t = 1``)."""
         if self.tp == 1:
             return x
-        nbytes = 2 * self.T * self.s.hidden_size
+        nbytes = self.w * self.T * self.s.hidden_size
         if not self.sp:
             self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x])
             return x
@@ -850,7 +883,7 @@ class _GptBuilder:
         column-parallel GEMM (forward) or a row-parallel backward. Identity without it."""
         if not self.sp:
             return x
-        nbytes = 2 * self.T * self.s.hidden_size
+        nbytes = self.w * self.T * self.s.hidden_size
         y = self.e.fresh(f"{name}.ag")
         i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)],
                         fused=self.s.tp_comm_overlap == "fused" and before_gemm)
@@ -881,8 +914,9 @@ class _GptBuilder:
         e, s = self.e, self.s
         n = self.T * width
         y = e.fresh(out)
-        e.kernel(name, C.ELEMENTWISE, reads=2 * n + 2 * 4 * s.seq_length * s.head_dim, writes=2 * n,
-                 flops=3 * n, out=[(y, 2 * n)], uses=[src])
+        w = self.w
+        e.kernel(name, C.ELEMENTWISE, reads=w * n + 2 * 4 * s.seq_length * s.head_dim, writes=w * n,
+                 flops=3 * n, out=[(y, w * n)], uses=[src])
         return y
 
     # -- MLP activation ----------------------------------------------------------------------
@@ -894,22 +928,23 @@ class _GptBuilder:
         name = "swiglu" if self.s.swiglu else "gelu"
         g = e.fresh(f"{prefix}{name}.out")
         n_in = 2 * T * f if self.s.swiglu else T * f
-        e.kernel(f"{prefix}{name}", C.ELEMENTWISE, reads=2 * n_in, writes=2 * T * f,
-                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, 2 * T * f)], uses=[fc1])
+        w = self.w
+        e.kernel(f"{prefix}{name}", C.ELEMENTWISE, reads=w * n_in, writes=w * T * f,
+                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, w * T * f)], uses=[fc1])
         return g
 
     def _act_bwd(self, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
         """Backward of ``_act_fwd``: SwiGLU reads dy and both halves, writes both gradients (~12 FLOPs/element);
         GELU reads dy and its input, writes dx (~16 FLOPs/element)."""
-        e = self.e
+        e, w = self.e, self.w
         if self.s.swiglu:
             dx = e.fresh(f"{prefix}swiglu.dx")
-            e.kernel(f"{prefix}swiglu.dgrad", C.ELEMENTWISE, reads=2 * 3 * T * f, writes=2 * 2 * T * f,
-                     flops=12 * T * f, out=[(dx, 2 * 2 * T * f)], uses=[g, fc1])
+            e.kernel(f"{prefix}swiglu.dgrad", C.ELEMENTWISE, reads=w * 3 * T * f, writes=w * 2 * T * f,
+                     flops=12 * T * f, out=[(dx, w * 2 * T * f)], uses=[g, fc1])
         else:
             dx = e.fresh(f"{prefix}gelu.dx")
-            e.kernel(f"{prefix}gelu.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * f, writes=2 * T * f, flops=16 * T * f,
-                     out=[(dx, 2 * T * f)], uses=[g, fc1])
+            e.kernel(f"{prefix}gelu.dgrad", C.ELEMENTWISE, reads=w * 2 * T * f, writes=w * T * f, flops=16 * T * f,
+                     out=[(dx, w * T * f)], uses=[g, fc1])
         return dx
 
     # -- blocks ----------------------------------------------------------------------------
@@ -987,15 +1022,22 @@ class _GptBuilder:
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
-        self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h + 4 * bsz * a * s_loc,
-                        out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
-                        uses=[qkv] + ([qk] if qk else []), meta={"kv_heads": s.query_groups // t, "window": s.window_size},
-                        kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+        sv_core = None
+        if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
+            att, sv_core = core.unfused_fwd(self, qkv, qk)
+        else:
+            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
+                            writes=2 * T * h + 4 * bsz * a * s_loc,
+                            out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
+                            uses=[qkv] + ([qk] if qk else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size},
+                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
         attc = e.fresh("attn.out_contig")
-        e.kernel("attn.transpose", C.COPY, reads=2 * T * h, writes=2 * T * h, out=[(attc, 2 * T * h)], uses=[att])
+        e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h, out=[(attc, self.w * T * h)],
+                 uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
-        x2 = self._add("residual1", x, proj, self.act, 2, self.act)
+        x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
         ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
         if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
@@ -1005,11 +1047,12 @@ class _GptBuilder:
             g = self._act_fwd("", fc1, T, f)
             fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
             fc2 = self._tp_reduce("fc2", fc2)
-        x3 = self._add("residual2", x2, fc2, self.act, 2, self.act)
+        x3, mask2 = core.residual_dropout_add(self, "residual2", x2, fc2, self.w)
         saved = {}
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
-                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe)
+                         x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
+                         core=None if selective else sv_core, mask1=mask1, mask2=mask2)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -1025,30 +1068,36 @@ class _GptBuilder:
         if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
             g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
-            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
+            g_fc2 = core.hidden_dropout_bwd(self, "residual2.dropout", gx, sv["mask2"])
+            g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", g_fc2), sv["sv_fc2"], f, hf, g_fp32=True)
             g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
             g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
                                                                  g_fp32=False))
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
-        g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_mid), sv["sv_proj"], h, hf, g_fp32=True)
+        g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
+        g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_proj), sv["sv_proj"], h, hf, g_fp32=True)
         g_att = e.fresh("attn.transpose.dx")
-        e.kernel("attn.transpose.dgrad", C.COPY, reads=2 * T * h, writes=2 * T * h,
-                 out=[(g_att, 2 * T * h)], uses=[g_proj_in])
+        e.kernel("attn.transpose.dgrad", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
+                 out=[(g_att, self.w * T * h)], uses=[g_proj_in])
         att = sv["att"]
-        if att is None:  # selective recompute: re-run the attention forward
+        if s.attention_backend == "unfused":  # re-run the core first with selective recompute
+            sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
+            g_qkv = self._rope_bwd(core.unfused_bwd(self, g_att, sv_core, T * qo), h + kv)
+        elif att is None:  # selective recompute: re-run the attention forward
             att = e.fresh("attn.out.recomputed")
             self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h,
                             out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
-        g_qkv = e.fresh("attn.dqkv")
-        self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
-                        writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
-                        uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                        meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
-                        q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
-        g_qkv = self._rope_bwd(g_qkv, h + kv)
+        if s.attention_backend != "unfused":
+            g_qkv = e.fresh("attn.dqkv")
+            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
+                            writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
+                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
+                            q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
         out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
@@ -1066,7 +1115,7 @@ class _GptBuilder:
         s, b = self.s, self.b
         P = s.rank_num_parameters
         Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
-        if self.amp:
+        if self.amp or self.full:  # fp32 parameters, no separate master copy
             b.persistent("params.fp32", 4 * P)
         else:
             b.persistent(f"params.{self.e.half}", 2 * P)
@@ -1121,9 +1170,12 @@ class _GptBuilder:
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
         xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
         logits, st["sv_head"] = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
-        l32 = e.fresh("logits.fp32")
-        lf = e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)],
-                      uses=[logits])
+        if self.full:  # fp32 logits already: .float() is a no-op
+            l32, lf = logits, e.last_compute
+        else:
+            l32 = e.fresh("logits.fp32")
+            lf = e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)],
+                          uses=[logits])
         ce = []  # vocab-parallel cross-entropy: all-reduce (MAX) of the logit max, then (SUM) of the target
         if self.tp > 1:  # logit and of the sum of exponentials, fp32 [b, s] each (_VocabParallelCrossEntropy)
             ce.append(self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * T, deps=[lf], dtype="fp32"))
@@ -1159,9 +1211,11 @@ class _GptBuilder:
             g_l32 = e.fresh("log_softmax.dx")
             e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * T * V, writes=4 * T * V, out=[(g_l32, 4 * T * V)],
                      uses=[g_lsm, st["lsm"]], dtype="fp32")
-            g_logits = e.fresh("logits.float.dx")
-            e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
-                     uses=[g_l32], dtype="fp32")
+            g_logits = g_l32  # fp32 / tf32: the logits' gradient is the fp32 one
+            if not self.full:
+                g_logits = e.fresh("logits.float.dx")
+                e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
+                         uses=[g_l32], dtype="fp32")
             self._gather_layer_params(s.num_layers, Phase.BWD)
             g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
                                  g_fp32=False)
@@ -1291,7 +1345,7 @@ class _GptBuilder:
         e.phase, e.layer = Phase.OPT, -1
         grads = self._optimizer_grads()
         # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
-        reads, writes = 16 * P, 12 * P + (0 if self.amp else 2 * P)
+        reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
@@ -1306,7 +1360,7 @@ class _GptBuilder:
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1
-            pbytes = 4 if self.amp else 2
+            pbytes = 4 if self.amp or self.full else 2
             left, k = P, 0
             while left > 0:
                 n = min(left, s.allgather_bucket_elements)

@@ -40,6 +40,17 @@ CASES = {
                                                        "ddp.use_distributed_optimizer=true"]),
     "PP4 interleaved v2 ZeRO-1": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
                                         "zero_optimization.stage=1"]),
+    "TP2 unfused attention + dropout": (TP2, ["model.attention_backend=unfused", "model.attention_dropout=0.1",
+                                              "model.hidden_dropout=0.1"]),
+    "TP4 unfused selective": (TP2, ["parallelism.tensor_model_parallel_size=4", "model.attention_backend=unfused",
+                                    "model.attention_dropout=0.1", "training.recompute_granularity=selective"]),
+    "MLM20 unfused full recompute": (ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml",
+                                     ["model.attention_backend=unfused", "model.attention_dropout=0.1"]),
+    "fp32 1 GPU no recompute": (ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml",
+                                ["training.precision=fp32", "training.recompute_granularity=null",
+                                 "training.micro_batch_size=4"]),
+    "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
+                                ["training.global_batch_size=64"]),
 }
 
 
