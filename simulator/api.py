@@ -62,7 +62,9 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
+        expert_parallel_size=p.expert_model_parallel_size,
+        moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
+        kv_channels=m.kv_channels, window_size=m.window_size,
     )
 
 
@@ -434,9 +436,18 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "pipeline bubble (raise training.global_batch_size)")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
-        out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
-                   f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load imbalance, "
-                   "padding to capacity), so expert GEMM and all-to-all times are lower bounds")
+        if m.moe_tokens_per_expert is None:
+            out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
+                       f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load "
+                       "imbalance (set model.moe_tokens_per_expert), padding to capacity), so expert GEMM and "
+                       "all-to-all times are lower bounds")
+        elif cfg.parallelism.expert_model_parallel_size > 1:
+            from simulator.graph.builders import moe
+
+            spec = transformer_spec(cfg)
+            out.append(f"model.moe_tokens_per_expert: every EP rank is simulated with the busiest EP rank's "
+                       f"expert load ({moe.load_imbalance(spec, spec.micro_batch_size * spec.seq_length):.3g}x the "
+                       "mean): the step follows it, the other ranks' energy is overstated")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
         out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
                    "it off); the run is the same as without it")

@@ -130,7 +130,7 @@ class ModelConfig(_Model):
     num_experts: PositiveInt | None = Field(
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
         "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
-        "assumed balanced: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
+        "balanced unless moe_tokens_per_expert: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
         "add_bias_linear false and tensor_model_parallel_size 1.")
     moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "
                                          "experts per token (at most num_experts).")
@@ -147,6 +147,13 @@ class ModelConfig(_Model):
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
         default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
         "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
+
+    moe_tokens_per_expert: list[float] | None = Field(
+        default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
+        "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
+        "router log: the grouped GEMMs of an EP rank follow its experts' tokens, the all-to-alls the uneven split, "
+        "and the step follows the busiest EP rank (the others wait at the combine all-to-all). The same split is "
+        "used for every layer. Default: balanced routing.")
 
     _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                                    "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
@@ -183,6 +190,15 @@ class ModelConfig(_Model):
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
                              f"(allowed: 1..{self.num_experts})")
+        w = self.moe_tokens_per_expert
+        if self.num_experts is not None and w is not None:
+            if len(w) != self.num_experts:
+                raise ValueError(f"moe_tokens_per_expert: {len(w)} numbers for num_experts {self.num_experts} "
+                                 f"(allowed: one count or fraction per expert)")
+            bad = [x for x in w if not (x >= 0 and x < float("inf"))]
+            if bad or not sum(w) > 0:
+                raise ValueError(f"moe_tokens_per_expert: {bad[0] if bad else 'all 0'} (allowed: finite numbers >= 0, "
+                                 "not all 0)")
         mp = self.max_position_embeddings
         if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "

@@ -34,12 +34,17 @@ backward, permute backward (scatter-add), the router's softmax/top-k and auxilia
 the router GEMM's gradients, and the adds of the router (and shared expert) input gradients:
 **4 all-to-alls per MoE block** (2 forward, 2 backward) of ``2 N h`` bytes each.
 
-**Routing is balanced** (stated in the run's warnings): every expert receives ``T k / E`` token
-copies from every EP rank, so each rank's ``E_l`` experts process ``N = T k`` rows in all
-(``ep T k / E`` per expert) and each rank sends and receives ``2 T k h`` bytes per all-to-all
-(``b s h x k`` 16-bit values). With a capacity factor ``c`` (Megatron ``get_capacity``: ``ceil(c T k /
-E)`` copies per expert from ``T`` tokens, the rest dropped, no padding) ``N = min(T k, E ceil(c T k /
-E))``. Real routers are imbalanced, so these are lower bounds.
+**Routing**: balanced by default (stated in the run's warnings): every expert receives ``T k / E`` token
+copies from every EP rank, so each rank's ``E_l`` experts process ``N = T k`` rows in all (``ep T k / E`` per
+expert) and each rank sends and receives ``2 T k h`` bytes per all-to-all (``b s h x k`` 16-bit values). With a
+capacity factor ``c`` (Megatron ``get_capacity``: ``ceil(c T k / E)`` copies per expert from ``T`` tokens, the
+rest dropped, no padding) ``N = min(T k, E ceil(c T k / E))``. With ``moe_tokens_per_expert`` (shares ``f_i``,
+the same on every source rank) expert ``i`` gets ``T k f_i`` copies of each rank's tokens (at most the
+capacity), EP rank ``r`` receives ``ep`` x the copies of its experts ``r E_l .. (r + 1) E_l - 1``, and the rank
+built is the busiest one: its grouped GEMMs process its ``N = max_r`` rows and every all-to-all moves
+``max(N_l, N)`` rows (its receive in dispatch, its send in combine; ``N_l``: the copies leaving its own router,
+which permute/unpermute handle). The other EP ranks wait for it at the combine all-to-all, so the step follows
+it (``expert_tokens``, ``load_imbalance``).
 
 Expert gradients: with data parallelism they are reduced over the expert-data-parallel group
 ``edp`` (``dp / ep`` ranks: Megatron rank order tp-cp-ep-dp), one all-reduce per expert weight
@@ -72,7 +77,8 @@ def check_moe_spec(s) -> None:
     """
     E, ep = s.num_experts, s.expert_parallel_size
     if E is None:
-        if s.moe_ffn_hidden_size or s.moe_shared_expert_intermediate_size or s.moe_expert_capacity_factor is not None:
+        if (s.moe_ffn_hidden_size or s.moe_shared_expert_intermediate_size or s.moe_expert_capacity_factor is not None
+                or s.moe_tokens_per_expert is not None):
             raise ValueError("moe_* fields need num_experts")
         if ep != 1:
             raise ValueError(f"expert_parallel_size ({ep}) > 1 needs num_experts")
@@ -88,6 +94,10 @@ def check_moe_spec(s) -> None:
     if s.moe_router_load_balancing_type not in LOAD_BALANCING:
         raise ValueError(f"moe_router_load_balancing_type must be one of {LOAD_BALANCING}, got "
                          f"{s.moe_router_load_balancing_type!r}")
+    w = s.moe_tokens_per_expert
+    if w is not None and (len(w) != E or min(w) < 0 or not sum(w) > 0):
+        raise ValueError(f"moe_tokens_per_expert must be {E} (num_experts) non-negative numbers, not all 0; got "
+                         f"{len(w)} numbers")
     if ep <= 0 or E % ep:
         raise ValueError(f"expert_parallel_size ({ep}) must divide num_experts ({E})")
     if ep > 1 and s.data_parallel_size % ep:
@@ -123,16 +133,55 @@ def moe_mlp_params(s, experts: int) -> int:
             + (_mlp_weights(s, shared) if shared else 0))
 
 
-def routed_tokens(s, T: int) -> int:
-    """Token copies ``N`` this rank's local experts process per micro-batch of ``T`` tokens under balanced
-    routing: ``T k`` (dropless), or ``min(T k, E ceil(c T k / E))`` with capacity factor ``c``
-    (Megatron ``moe_utils.get_capacity(num_tokens * topk, num_experts, capacity_factor)``)."""
-    k, E = s.moe_router_topk, s.num_experts
-    n = T * k
+def expert_shares(s) -> tuple[float, ...]:
+    """Fraction of the routed token copies each expert receives, ``E`` numbers summing to 1: the normalised
+    ``moe_tokens_per_expert`` (counts or fractions, e.g. Megatron's per-expert token counts), else ``1 / E`` each
+    (balanced routing)."""
+    E = s.num_experts
+    w = s.moe_tokens_per_expert
+    if w is None:
+        return (1 / E,) * E
+    tot = sum(w)
+    return tuple(x / tot for x in w)
+
+
+def _kept(s, T: int) -> list[float]:
+    """Token copies of one rank's ``T`` tokens routed to each expert and kept: ``T k f_i``, at most the capacity
+    ``ceil(c T k / E)`` with capacity factor ``c`` (Megatron ``moe_utils.get_capacity(num_tokens * topk,
+    num_experts, capacity_factor)``, applied per expert to each rank's tokens). Every rank routes with the same
+    shares ``f_i`` (``expert_shares``)."""
+    n = T * s.moe_router_topk
     c = s.moe_expert_capacity_factor
-    if c is None:
-        return n
-    return min(n, E * math.ceil(n / E * c))
+    cap = math.inf if c is None else math.ceil(n / s.num_experts * c)
+    return [min(n * f, cap) for f in expert_shares(s)]
+
+
+def routed_tokens(s, T: int) -> int:
+    """Token copies ``N_l`` of this rank's ``T`` tokens that leave the router (permute, dispatch, unpermute):
+    ``T k`` dropless; with capacity factor ``c`` the sum over experts of ``min(T k f_i, ceil(c T k / E))``
+    (``min(T k, E ceil(c T k / E))`` balanced)."""
+    return round(sum(_kept(s, T)))
+
+
+def ep_rank_loads(s, T: int) -> list[float]:
+    """Token copies the local experts of each EP rank ``r`` receive from the whole EP group: ``ep`` x the kept
+    copies of its experts ``r E_l .. (r + 1) E_l - 1`` (Megatron ``local_expert_indices``; every source rank has
+    the same shares). Balanced and dropless: ``T k`` on every rank."""
+    kept, El, ep = _kept(s, T), s.local_experts, s.expert_parallel_size
+    return [ep * sum(kept[r * El:(r + 1) * El]) for r in range(ep)]
+
+
+def expert_tokens(s, T: int) -> int:
+    """Rows ``N`` the grouped expert GEMMs of the busiest EP rank process per micro-batch (before the expert
+    tensor-parallel all-gather): ``max_r ep_rank_loads``. The step follows that rank: the others wait for it at
+    the combine all-to-all, so the representative rank is built with its load."""
+    return round(max(ep_rank_loads(s, T)))
+
+
+def load_imbalance(s, T: int) -> float:
+    """The busiest EP rank's expert rows over the mean rank's (1.0 balanced): ``expert_tokens / mean``."""
+    loads = ep_rank_loads(s, T)
+    return max(loads) / (sum(loads) / len(loads))
 
 
 # -- kernels -----------------------------------------------------------------------------------
@@ -159,7 +208,8 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
     s, e, T = bld.s, bld.e, bld.T
     h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
     fe = expert_ffn(s)
-    N = routed_tokens(s, T)
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # copies leaving the router; rows at the busiest rank's experts
+    Na = max(Nl, N)  # all-to-all buffer rows: the busiest rank's receive (dispatch) / send (combine)
     sv: dict = {}
     logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save)
     probs, rmap = e.fresh("router.probs"), e.fresh("router.routing_map")
@@ -183,10 +233,10 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
     bld.b.add(f"L{e.layer}.{e.phase.value}.moe.tokens_per_expert.sync", OpKind.SYNC, "host", deps=[d2h],
               phase=e.phase, layer=e.layer, launch=False)
     perm = e.fresh("moe.permuted")
-    e.kernel("moe.permute", C.COPY, reads=2 * N * h + T * E, writes=2 * N * h, out=[(perm, 2 * N * h)],
+    e.kernel("moe.permute", C.COPY, reads=2 * Nl * h + T * E, writes=2 * Nl * h, out=[(perm, 2 * Nl * h)],
              uses=[x, rmap])
     if ep > 1:
-        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * N * h, perm, "moe.dispatched")
+        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * Na * h, perm, "moe.dispatched")
         if El > 1:
             perm = _copy(bld, "moe.sort_chunks", perm, 2 * N * h)
     fc1, sv["fc1"] = bld._linear_fwd("experts.fc1", perm, h, (2 if s.swiglu else 1) * fe, x_fp32=False, save=save,
@@ -196,10 +246,10 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
     if ep > 1:
         if El > 1:
             y = _copy(bld, "moe.unsort_chunks", y, 2 * N * h)
-        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * N * h, y, "moe.combined")
+        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
     out = e.fresh("moe.out")
-    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * N * h + 4 * T * E + T * E, writes=2 * T * h,
-             flops=2 * N * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
+    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
+             flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
     fs = s.moe_shared_expert_intermediate_size
     if fs:
         s1, sv["shared.fc1"] = bld._linear_fwd("shared_expert.fc1", x, h, (2 if s.swiglu else 1) * fs, x_fp32=True,
@@ -218,7 +268,8 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
     s, e, T = bld.s, bld.e, bld.T
     h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
     fe = expert_ffn(s)
-    N = routed_tokens(s, T)
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in moe_fwd
+    Na = max(Nl, N)
     fs = s.moe_shared_expert_intermediate_size
     g_shared = None
     if fs:
@@ -227,11 +278,11 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
         g_shared = bld._linear_bwd("shared_expert.fc1", gs, sv["shared.fc1"], h, (2 if s.swiglu else 1) * fs,
                                    g_fp32=False)
     gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
-    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * N * h + 4 * T * E + T * E,
-             writes=2 * N * h + 4 * T * E, flops=2 * N * h, out=[(gy, 2 * N * h), (gp, 4 * T * E)],
+    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
+             writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
              uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
     if ep > 1:
-        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * N * h, gy, "moe.combine.dx")
+        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
         if El > 1:
             gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * N * h)
     ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=N, groups=El)
@@ -241,9 +292,9 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
     if ep > 1:
         if El > 1:
             gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * N * h)
-        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * N * h, gx, "moe.dispatch.dx")
+        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * Na * h, gx, "moe.dispatch.dx")
     g_in = e.fresh("moe.permute.dx")
-    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * N * h + T * E, writes=2 * T * h, flops=N * h,
+    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * Nl * h + T * E, writes=2 * T * h, flops=Nl * h,
              out=[(g_in, 2 * T * h)], uses=[gx, sv["rmap"]])
     gl = e.fresh("router.logits.dx")
     e.kernel("router.topk_softmax.dgrad", C.SOFTMAX, reads=8 * T * E + T * E, writes=2 * T * E,

@@ -164,6 +164,8 @@ class TransformerSpec:
         moe_router_load_balancing_type: ``aux_loss`` (Switch-style auxiliary loss) or ``none``.
         expert_parallel_size: Expert-parallel ranks ``ep`` (Megatron ``--expert-model-parallel-size``): each
             rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
+        moe_tokens_per_expert: Routed tokens per expert, ``E`` non-negative counts or fractions (``None``:
+            balanced routing); the rank built is the busiest EP rank (``moe.expert_tokens``).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -218,6 +220,7 @@ class TransformerSpec:
     moe_expert_capacity_factor: float | None = None
     moe_router_load_balancing_type: str = "aux_loss"
     expert_parallel_size: int = 1
+    moe_tokens_per_expert: tuple[float, ...] | None = None
     kv_channels: int | None = None
     window_size: int | None = None
 

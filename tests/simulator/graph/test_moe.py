@@ -228,3 +228,71 @@ def test_spec_refuses_what_the_schema_refuses():
     with pytest.raises(ValueError, match="need num_experts"):
         _spec(num_experts=None, moe_ffn_hidden_size=64)
     assert math.isfinite(_spec().model_flops_per_sample())
+
+
+# -- load imbalance (model.moe_tokens_per_expert) ---------------------------------------------------
+def _ops(g, layer=0):
+    return {o.name: o for o in g.ops if o.layer == layer}
+
+
+@pytest.mark.parametrize("shares", [(3, 1), (0.75, 0.25), (300, 100)])
+def test_imbalance_two_experts_three_to_one_by_hand(shares):
+    # E 2, ep 2, top-1, T 32: every rank routes 24 copies to expert 0 (EP rank 0) and 8 to expert 1 (rank 1);
+    # rank 0 receives 2 x 24 = 48 rows, rank 1 16 (mean 32): the representative is rank 0 (1.5x the mean)
+    from simulator.graph.builders import moe
+
+    s = _spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2, data_parallel_size=2,
+              moe_tokens_per_expert=shares)
+    assert moe.ep_rank_loads(s, T) == [48, 16] and moe.load_imbalance(s, T) == 1.5
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (48, 2 * FE, H)
+    assert ops["L0.fwd.experts.fc2.gemm"].shape == (48, H, FE)
+    assert ops["L0.bwd.experts.fc1.wgrad"].shape == (2 * FE, H, 48)
+    assert ops["L0.fwd.moe.permute"].bytes_written == 2 * 32 * H  # this rank's own 32 copies
+    assert ops["L0.fwd.moe.unpermute"].bytes_written == 2 * T * H
+    # every all-to-all moves the busiest rank's 48 rows (received in dispatch, sent in combine)
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 48 * H)] == 4
+    balanced = _ops(build_gpt_step(_spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2,
+                                         data_parallel_size=2)))
+    assert balanced["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+
+
+def test_imbalance_with_capacity_factor_by_hand():
+    # capacity ceil(1.0 x 32 / 2) = 16 per expert from each rank: expert 0 keeps 16 of 24, expert 1 all 8 ->
+    # 24 copies leave each rank; rank 0 receives 2 x 16 = 32 rows; the all-to-all buffer is max(24, 32) rows
+    s = _spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2, data_parallel_size=2,
+              moe_tokens_per_expert=(3, 1), moe_expert_capacity_factor=1.0)
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape[0] == 32
+    assert ops["L0.fwd.moe.permute"].bytes_written == 2 * 24 * H
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 32 * H)] == 4
+
+
+def test_imbalance_without_expert_parallelism_changes_nothing():
+    # one rank holds both experts: the stacked rows are its T k copies whatever the split
+    g = build_gpt_step(_spec(num_experts=2, moe_router_topk=1, moe_tokens_per_expert=(3, 1)))
+    assert _ops(g)["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+
+
+def test_mixtral_ep8_imbalance_slows_the_step_and_drops_the_balanced_warning(tmp_path):
+    par, cl = {"expert_model_parallel_size": 8}, {"preset": "dgx-h100", "nodes": 1}
+    bal = run_scenario(load_scenario(_scenario(tmp_path, _mixtral(num_layers=2), par, cl))).summary
+    # expert 0 gets 2x the mean (2/8 of the copies): the busiest EP rank's GEMMs and all-to-alls double
+    skew = _mixtral(num_layers=2, moe_tokens_per_expert=[2, 1, 1, 1, 1, 1, 1, 0])
+    imb = run_scenario(load_scenario(_scenario(tmp_path, skew, par, cl))).summary
+    assert not any("balanced" in w for w in imb["warnings"])
+    assert any("busiest EP rank's expert load (2x the mean)" in w for w in imb["warnings"])
+    assert 1.9 < imb["comm_s_by_group"]["ep"] / bal["comm_s_by_group"]["ep"] < 2.1
+    assert imb["step_time_s"] > 1.2 * bal["step_time_s"]
+
+
+@pytest.mark.parametrize("tokens,expected", [([1, 2, 3], "moe_tokens_per_expert: 3 numbers for num_experts 8"),
+                                             ([1, 1, 1, 1, 1, 1, 1, -1], "moe_tokens_per_expert: -1.0 (allowed"),
+                                             ([0] * 8, "moe_tokens_per_expert: all 0")])
+def test_bad_tokens_per_expert_one_line(tmp_path, capsys, tokens, expected):
+    p = _scenario(tmp_path, _mixtral(num_layers=1, moe_tokens_per_expert=tokens))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err and str(p) in err
