@@ -63,6 +63,9 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         expert_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=(p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+                                     if m.num_experts else 1),
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
     )
@@ -124,7 +127,8 @@ def model_num_parameters(cfg: ScenarioConfig) -> int:
 def _whole_model(cfg: ScenarioConfig) -> TransformerSpec:
     """The scenario's spec on one rank holding everything (tp 1, ep 1, dp 1, one pipeline stage)."""
     return dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
-                               tp_comm_overlap="none", expert_parallel_size=1, data_parallel_size=1, zero_stage=0,
+                               tp_comm_overlap="none", expert_parallel_size=1, expert_tensor_parallel_size=1,
+                               data_parallel_size=1, zero_stage=0,
                                sharding=None, pipeline_parallel_size=1, virtual_pipeline_size=1,
                                pipeline_schedule="1f1b", pipeline_layers=None, context_parallel_size=1)
 

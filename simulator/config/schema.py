@@ -148,6 +148,9 @@ class ModelConfig(_Model):
         default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
         "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
 
+    moe_shared_expert_gate: bool = Field(default=False, description="Megatron --moe-shared-expert-gate: a sigmoid "
+                                         "gate (an h x 1 weight per layer) scales the shared expert's output "
+                                         "(Qwen2-MoE).")
     moe_tokens_per_expert: list[float] | None = Field(
         default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
         "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
@@ -275,15 +278,20 @@ class ParallelismConfig(_Model):
         "all-to-all to split heads instead of the sequence; cp must divide the heads per TP rank).")
     expert_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-model-parallel-size: each rank holds "
-        "num_experts / ep experts; must divide model.num_experts and data_parallel_size (EP ranks lie inside the "
-        "data-parallel dimension, Megatron order tp-cp-ep-dp); tokens go to their experts by all-to-all.")
+        "num_experts / ep experts; must divide model.num_experts, and ep x expert_tensor_parallel_size must divide "
+        "tp x dp (Megatron's expert grid etp-ep-edp over the ranks of a stage); tokens go to their experts by "
+        "all-to-all.")
+    expert_tensor_parallel_size: PositiveInt | None = Field(
+        default=None, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-tensor-parallel-size: ranks each "
+        "expert's width is split over (the dispatcher all-gathers the tokens over them after the all-to-all and "
+        "reduce-scatters the outputs before it); default tensor_model_parallel_size; at most it.")
     data_parallel_size: PositiveInt | None = Field(
         default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
 
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                "expert_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                               mode="before")(no_bool)
+                               "expert_tensor_parallel_size", mode="before")(no_bool)
 
     @field_validator("tp_comm_overlap", mode="before")
     @classmethod
@@ -614,18 +622,40 @@ class ScenarioConfig(_Model):
         if E is None:
             if ep > 1:
                 raise ValueError(f"{key}: {ep} > 1 needs model.num_experts (a mixture-of-experts model)")
+            et = p.expert_tensor_parallel_size
+            if et is not None and et != p.tensor_model_parallel_size:
+                raise ValueError(f"parallelism.expert_tensor_parallel_size: {et} needs model.num_experts (a "
+                                 "mixture-of-experts model)")
             return self
         if E % ep:
             raise ValueError(f"{key}: {ep} must divide model.num_experts ({E})")
-        dp = p.data_parallel_size or 1
-        if dp % ep:
-            raise ValueError(f"{key}: {ep} must divide data_parallel_size {dp} = world size / (tp x pp) (EP ranks lie "
-                             "inside the data-parallel dimension, Megatron order tp-cp-ep-dp"
+        dp, tp = p.data_parallel_size or 1, p.tensor_model_parallel_size
+        et = p.expert_tensor_parallel_size or tp
+        ekey = "parallelism.expert_tensor_parallel_size"
+        if et > tp:
+            raise ValueError(f"{ekey}: {et} above tensor_model_parallel_size {tp} is not modelled (allowed: a divisor "
+                             f"of {tp})")
+        if tp % et:
+            raise ValueError(f"{ekey}: {et} must divide tensor_model_parallel_size {tp} (modelled: the expert-tensor-"
+                             "parallel ranks inside the tensor-parallel group)")
+        fe = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+        if fe % et:
+            raise ValueError(f"{ekey}: {et} must divide the expert width {fe} (model.moe_ffn_hidden_size)")
+        if (tp * dp) % (ep * et):
+            raise ValueError(f"{key}: {ep} x {ekey.split('.')[1]} {et} must divide tensor_model_parallel_size x "
+                             f"data_parallel_size {tp} x {dp} (Megatron's expert grid etp-ep-edp spans the tp x dp "
+                             "ranks of a pipeline stage"
                              + ("; set hardware.cluster)" if self.hardware.cluster is None else ")"))
-        if p.tensor_model_parallel_size > 1:
-            raise ValueError(f"model.num_experts with parallelism.tensor_model_parallel_size "
-                             f"{p.tensor_model_parallel_size} (expert tensor parallelism) is not modelled yet "
-                             "(allowed: tensor_model_parallel_size 1)")
+        if tp > 1 and not p.sequence_parallel:
+            raise ValueError(f"parallelism.sequence_parallel: model.num_experts with tensor_model_parallel_size {tp} "
+                             "needs sequence_parallel true (Megatron-LM: \"When using MoE and tensor parallelism, "
+                             "sequence parallelism must be used\")")
+        fs = m.moe_shared_expert_intermediate_size
+        if fs and fs % tp:
+            raise ValueError(f"model.moe_shared_expert_intermediate_size: {fs} is not divisible by "
+                             f"tensor_model_parallel_size {tp} (the shared expert is split as the dense MLP)")
+        if m.moe_shared_expert_gate and not fs:
+            raise ValueError("model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size")
         if self.training.precision == "amp_fp32_params":
             raise ValueError("model.num_experts needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is not modelled with experts)")

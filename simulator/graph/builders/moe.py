@@ -46,10 +46,29 @@ built is the busiest one: its grouped GEMMs process its ``N = max_r`` rows and e
 which permute/unpermute handle). The other EP ranks wait for it at the combine all-to-all, so the step follows
 it (``expert_tokens``, ``load_imbalance``).
 
+**Tensor and expert tensor parallelism** (Megatron ``--expert-tensor-parallel-size`` ``etp``, default ``t``):
+attention is split over the ``t`` TP ranks as the dense path and, as Megatron requires, with sequence
+parallelism (arguments.py: "When using MoE and tensor parallelism, sequence parallelism must be used"): the
+MoE layer takes the ``T_n = T / t`` tokens of the rank's sequence shard, not gathered. The router runs on them
+(its weight replicated; its gradient joins the sequence-parallel LayerNorm all-reduce). The dispatcher is
+Megatron core's ``MoEAlltoAllTokenDispatcher`` (``megatron/core/transformer/moe/token_dispatcher.py``:
+"permute->A2A(EP)->AG(TP)->sort_chunk ... sort_chunk->RS(TP)->A2A(EP)->unpermute", with its ``tp_group`` the
+expert-tensor-parallel group): after the dispatch all-to-all the ``N`` rows are all-gathered over ``etp``
+(``etp N`` rows, each expert's ``f_e / etp`` columns on this rank), the fc2 partial sums reduce-scattered back
+to ``N`` rows before the combine all-to-all (16-bit; backward: the reverse pair). The tokens-per-expert counts
+are gathered over Megatron's ``tp_ep`` group (``ep etp`` ranks), priced over ``ep`` (``etp`` when ``ep = 1``).
+The shared expert is a dense MLP over the ``t`` TP ranks (all-gather, column/row-parallel GEMMs,
+reduce-scatter). The rank groups follow Megatron's expert grid (``initialize_model_parallel``: ``RankGenerator(
+tp=etp, ep=ep, dp=edp)``, ``edp = t dp / (ep etp)`` per stage): ``etp`` consecutive ranks, ``ep`` ranks at
+stride ``etp``. Not modelled (refused): ``etp > t``, ``etp`` not dividing ``t``, context parallelism with
+experts, the all-gather token dispatcher, the probabilities' small all-to-all beside the tokens'.
+
 Expert gradients: with data parallelism they are reduced over the expert-data-parallel group
 ``edp`` (``dp / ep`` ranks: Megatron rank order tp-cp-ep-dp), one all-reduce per expert weight
 tensor when its gradient is ready (Megatron buckets expert parameters in their own buffer; the
-bucketing is not modelled); nothing with ``edp`` of one rank. Dense parameters (attention, norms,
+bucketing is not modelled); nothing with ``edp`` of one rank. ``edp = t dp / (ep etp)`` (``dp / ep`` without
+TP) and it is the dense ``dp`` group when ``ep = 1`` and ``etp = t`` (then the expert gradients share the
+dense buckets). Dense parameters (attention, norms,
 router, shared expert, embeddings) are reduced over the whole ``dp`` group as before.
 """
 
@@ -100,17 +119,34 @@ def check_moe_spec(s) -> None:
                          f"{len(w)} numbers")
     if ep <= 0 or E % ep:
         raise ValueError(f"expert_parallel_size ({ep}) must divide num_experts ({E})")
-    if ep > 1 and s.data_parallel_size % ep:
-        raise ValueError(f"expert_parallel_size ({ep}) must divide data_parallel_size ({s.data_parallel_size}): EP "
-                         "ranks lie inside the data-parallel dimension")
-    if s.tensor_parallel_size > 1:
-        raise ValueError("num_experts with tensor_parallel_size > 1 (expert tensor parallelism) is not modelled yet")
+    t, et = s.tensor_parallel_size, s.expert_tensor_parallel_size
+    if et <= 0 or expert_ffn(s) % et:
+        raise ValueError(f"expert_tensor_parallel_size ({et}) must divide the expert width ({expert_ffn(s)})")
+    if et > t:
+        raise ValueError(f"expert_tensor_parallel_size ({et}) above tensor_parallel_size ({t}) is not modelled")
+    if (ep > 1 or et > 1) and (t * s.data_parallel_size) % (ep * et):
+        raise ValueError(f"expert_parallel_size x expert_tensor_parallel_size ({ep} x {et}) must divide "
+                         f"tensor_parallel_size x data_parallel_size ({t} x {s.data_parallel_size}): Megatron's "
+                         "expert grid etp-ep-edp spans the tp x dp ranks of a stage")
+    if t > 1 and not s.sequence_parallel:
+        raise ValueError("num_experts with tensor_parallel_size > 1 needs sequence_parallel (Megatron-LM)")
+    fs = s.moe_shared_expert_intermediate_size
+    if fs and fs % t:
+        raise ValueError(f"tensor_parallel_size ({t}) must divide moe_shared_expert_intermediate_size ({fs})")
+    if s.moe_shared_expert_gate and not fs:
+        raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
     if s.precision == "amp_fp32_params":
         raise ValueError("num_experts is modelled for Megatron precisions bf16 and fp16, not amp_fp32_params")
     if s.bias:
         raise ValueError("num_experts with biases (add_bias_linear) is not modelled (Megatron GroupedMLP has none)")
     if ep > 1 and s.zero_stage and s.data_parallel_size > 1:
         raise ValueError("ZeRO with expert_parallel_size > 1 is not modelled yet")
+
+
+def expert_data_parallel_size(s) -> int:
+    """Ranks ``edp`` holding the same expert shard: ``t dp / (ep etp)`` (Megatron ``expert_data_parallel_size``
+    = world / (etp x ep x pp), one stage's ``t dp`` ranks without context parallelism)."""
+    return s.tensor_parallel_size * s.data_parallel_size // (s.expert_parallel_size * s.expert_tensor_parallel_size)
 
 
 def expert_ffn(s) -> int:
@@ -130,7 +166,16 @@ def moe_mlp_params(s, experts: int) -> int:
     ``gate`` ``[E, h]``, experts ``w1, w2, w3``)."""
     shared = s.moe_shared_expert_intermediate_size
     return (s.hidden_size * s.num_experts + experts * _mlp_weights(s, expert_ffn(s))
-            + (_mlp_weights(s, shared) if shared else 0))
+            + (_mlp_weights(s, shared) + (s.hidden_size if s.moe_shared_expert_gate else 0) if shared else 0))
+
+
+def moe_rank_params(s, experts: int) -> int:
+    """One block's MoE parameters on one rank: the replicated router (and shared-expert gate), ``experts`` routed
+    experts split over ``etp`` ranks, the shared expert split over the ``t`` attention TP ranks."""
+    shared = s.moe_shared_expert_intermediate_size
+    h, t = s.hidden_size, s.tensor_parallel_size
+    return (h * s.num_experts + experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
+            + (_mlp_weights(s, shared) // t + (h if s.moe_shared_expert_gate else 0) if shared else 0))
 
 
 def expert_shares(s) -> tuple[float, ...]:
@@ -199,19 +244,28 @@ def _copy(bld, name: str, x: str, nbytes: int) -> str:
     return y
 
 
+def _etp(bld, name: str, op: str, nbytes: int, x: str, out: str, out_bytes: int) -> str:
+    """A blocking collective over the expert-tensor-parallel group ``etp`` (``nbytes``: the gathered array)."""
+    y = bld.e.fresh(out)
+    bld._tp_op(name, op, nbytes, uses=[x], out=[(y, out_bytes)], group="etp")
+    return y
+
+
 def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
-    """The MoE layer's forward on the normalised ``[T, h]`` 16-bit input ``x`` (see the module text).
+    """The MoE layer's forward on the normalised ``[T_n, h]`` 16-bit input ``x`` (``T_n = T / t`` with tensor
+    and sequence parallelism; see the module text).
 
     Returns:
-        The ``[T, h]`` 16-bit output (before the residual add) and the tensors saved for ``moe_bwd``.
+        The ``[T_n, h]`` 16-bit output (before the residual add) and the tensors saved for ``moe_bwd``.
     """
-    s, e, T = bld.s, bld.e, bld.T
-    h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
-    fe = expert_ffn(s)
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
     Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # copies leaving the router; rows at the busiest rank's experts
     Na = max(Nl, N)  # all-to-all buffer rows: the busiest rank's receive (dispatch) / send (combine)
+    Ng = N * et  # rows of the grouped GEMMs after the etp all-gather
     sv: dict = {}
-    logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save)
+    logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save, tokens=T)
     probs, rmap = e.fresh("router.probs"), e.fresh("router.routing_map")
     e.kernel("router.topk_softmax", C.SOFTMAX, reads=2 * T * E, writes=5 * T * E,
              out=[(probs, 4 * T * E), (rmap, T * E)], uses=[logits])
@@ -221,14 +275,17 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
         e.kernel("router.aux_loss.softmax", C.SOFTMAX, reads=2 * T * E, writes=4 * T * E,
                  out=[(scores, 4 * T * E)], uses=[logits], dtype="fp32")
         e.kernel("router.aux_loss", C.REDUCTION, reads=5 * T * E, writes=12 * E, uses=[scores, rmap], dtype="fp32")
-    # dispatcher preprocess: tokens per expert, gathered over EP, to the host (a synchronisation)
+    # dispatcher preprocess: tokens per expert, gathered over EP x ETP, to the host (a synchronisation)
     counts = e.fresh("moe.tokens_per_expert")
     e.kernel("moe.tokens_per_expert", C.REDUCTION, reads=T * E, writes=8 * E, out=[(counts, 8 * E)], uses=[rmap],
              dtype="int64")
-    if ep > 1:
-        counts = _ep(bld, "moe.tokens_per_expert.all_gather", "all_gather", 8 * E * ep, counts,
-                     "moe.global_tokens_per_expert", dtype="int64")
-    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=8 * E * ep,
+    n_gather = ep * et  # Megatron gathers them over the tp_ep group (ep x etp ranks): priced over ep (else etp)
+    if n_gather > 1:
+        y = e.fresh("moe.global_tokens_per_expert")
+        bld._tp_op("moe.tokens_per_expert.all_gather", "all_gather", 8 * E * n_gather, uses=[counts],
+                   out=[(y, 8 * E * n_gather)], dtype="int64", group="ep" if ep > 1 else "etp")
+        counts = y
+    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=8 * E * n_gather,
                    uses=[counts], dtype="int64")
     bld.b.add(f"L{e.layer}.{e.phase.value}.moe.tokens_per_expert.sync", OpKind.SYNC, "host", deps=[d2h],
               phase=e.phase, layer=e.layer, launch=False)
@@ -237,25 +294,39 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
              uses=[x, rmap])
     if ep > 1:
         perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * Na * h, perm, "moe.dispatched")
-        if El > 1:
-            perm = _copy(bld, "moe.sort_chunks", perm, 2 * N * h)
+    if et > 1:
+        perm = _etp(bld, "moe.dispatch.all_gather", "all_gather", 2 * Ng * h, perm, "moe.gathered", 2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        perm = _copy(bld, "moe.sort_chunks", perm, 2 * Ng * h)
     fc1, sv["fc1"] = bld._linear_fwd("experts.fc1", perm, h, (2 if s.swiglu else 1) * fe, x_fp32=False, save=save,
-                                     tokens=N, groups=El)
-    act = bld._act_fwd("experts.", fc1, N, fe)
-    y, sv["fc2"] = bld._linear_fwd("experts.fc2", act, fe, h, x_fp32=False, save=save, tokens=N, groups=El)
+                                     tokens=Ng, groups=El)
+    act = bld._act_fwd("experts.", fc1, Ng, fe)
+    y, sv["fc2"] = bld._linear_fwd("experts.fc2", act, fe, h, x_fp32=False, save=save, tokens=Ng, groups=El)
+    if El > 1 and (ep > 1 or et > 1):
+        y = _copy(bld, "moe.unsort_chunks", y, 2 * Ng * h)
+    if et > 1:  # partial sums of the etp ranks' slices of f_e, summed and scattered back to this rank's rows
+        y = _etp(bld, "moe.combine.reduce_scatter", "reduce_scatter", 2 * Ng * h, y, "moe.scattered", 2 * N * h)
     if ep > 1:
-        if El > 1:
-            y = _copy(bld, "moe.unsort_chunks", y, 2 * N * h)
         y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
     out = e.fresh("moe.out")
     e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
              flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
     fs = s.moe_shared_expert_intermediate_size
-    if fs:
-        s1, sv["shared.fc1"] = bld._linear_fwd("shared_expert.fc1", x, h, (2 if s.swiglu else 1) * fs, x_fp32=True,
-                                               save=save)
-        sa = bld._act_fwd("shared_expert.", s1, T, fs)
+    if fs:  # a dense MLP split over the attention TP group (Megatron SharedExpertMLP), as the dense path
+        fs //= bld.tp
+        xs = bld._tp_gather("shared_expert", x)
+        s1, sv["shared.fc1"] = bld._linear_fwd("shared_expert.fc1", xs, h, (2 if s.swiglu else 1) * fs,
+                                               x_fp32=True, save=save)
+        sa = bld._act_fwd("shared_expert.", s1, bld.T, fs)
         s2, sv["shared.fc2"] = bld._linear_fwd("shared_expert.fc2", sa, fs, h, x_fp32=False, save=save)
+        s2 = bld._tp_reduce("shared_expert.fc2", s2)
+        if s.moe_shared_expert_gate:  # Qwen2-MoE: sigmoid(x w_g) [T, 1] scales the shared expert's output
+            sg, sv["shared.gate"] = bld._linear_fwd("shared_expert.gate", x, h, 1, x_fp32=True, save=save, tokens=T)
+            s2g = e.fresh("shared_expert.gated")
+            e.kernel("shared_expert.gate.sigmoid_mul", C.ELEMENTWISE, reads=2 * T * h + 2 * T, writes=2 * T * h,
+                     flops=5 * T * h, out=[(s2g, 2 * T * h)], uses=[s2, sg])
+            sv["shared.gate_in"], sv["shared.out"] = sg, s2
+            s2 = s2g
         out = bld._add("moe.shared_expert.add", out, s2, 2, 2, 2)
         sv["shared.act_in"] = s1
     sv.update(probs=probs, rmap=rmap, scores=scores, fc1_out=fc1, combined=y)
@@ -263,35 +334,53 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
 
 
 def moe_bwd(bld, g: str, sv: dict) -> str:
-    """The MoE layer's backward from the gradient ``g`` of its ``[T, h]`` output; returns the gradient of its
-    input (``[T, h]`` 16-bit)."""
-    s, e, T = bld.s, bld.e, bld.T
-    h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
-    fe = expert_ffn(s)
+    """The MoE layer's backward from the gradient ``g`` of its ``[T_n, h]`` output; returns the gradient of its
+    input (``[T_n, h]`` 16-bit)."""
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
     Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in moe_fwd
-    Na = max(Nl, N)
+    Na, Ng = max(Nl, N), N * et
     fs = s.moe_shared_expert_intermediate_size
     g_shared = None
     if fs:
-        gs = bld._linear_bwd("shared_expert.fc2", g, sv["shared.fc2"], fs, h, g_fp32=True)
-        gs = bld._act_bwd("shared_expert.", gs, sv["shared.act_in"], T, fs)
-        g_shared = bld._linear_bwd("shared_expert.fc1", gs, sv["shared.fc1"], h, (2 if s.swiglu else 1) * fs,
-                                   g_fp32=False)
+        fs //= bld.tp
+        gs = g
+        if s.moe_shared_expert_gate:  # d(shared out) = g sigmoid, d(gate logit) = sum(g out) sigmoid'
+            gs, gg = e.fresh("shared_expert.gate.dx"), e.fresh("shared_expert.gate.dlogit")
+            e.kernel("shared_expert.gate.sigmoid_mul.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * h + 2 * T,
+                     writes=2 * T * h + 2 * T, flops=7 * T * h, out=[(gs, 2 * T * h), (gg, 2 * T)],
+                     uses=[g, sv["shared.out"], sv["shared.gate_in"]])
+            g_gate = bld._linear_bwd("shared_expert.gate", gg, sv["shared.gate"], h, 1, g_fp32=False, tokens=T)
+        gs = bld._linear_bwd("shared_expert.fc2", bld._tp_gather("shared_expert.fc2.grad", gs), sv["shared.fc2"], fs,
+                             h, g_fp32=True)
+        gs = bld._act_bwd("shared_expert.", gs, sv["shared.act_in"], bld.T, fs)
+        g_shared = bld._tp_reduce("shared_expert.fc1.grad",
+                                  bld._linear_bwd("shared_expert.fc1", gs, sv["shared.fc1"], h,
+                                                  (2 if s.swiglu else 1) * fs, g_fp32=False))
+        if s.moe_shared_expert_gate:
+            g_shared = bld._add("shared_expert.gate.dx.add", g_shared, g_gate, 2, 2, 2)
     gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
     e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
              writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
              uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
     if ep > 1:
         gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
-        if El > 1:
-            gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * N * h)
-    ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=N, groups=El)
-    ga = bld._act_bwd("experts.", ga, sv["fc1_out"], N, fe)
-    gx = bld._linear_bwd("experts.fc1", ga, sv["fc1"], h, (2 if s.swiglu else 1) * fe, g_fp32=False, tokens=N,
+    if et > 1:  # the reduce-scatter's backward
+        gy = _etp(bld, "moe.combine.dgrad.all_gather", "all_gather", 2 * Ng * h, gy, "moe.combine.dx_gathered",
+                  2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * Ng * h)
+    ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=Ng, groups=El)
+    ga = bld._act_bwd("experts.", ga, sv["fc1_out"], Ng, fe)
+    gx = bld._linear_bwd("experts.fc1", ga, sv["fc1"], h, (2 if s.swiglu else 1) * fe, g_fp32=False, tokens=Ng,
                          groups=El)
+    if El > 1 and (ep > 1 or et > 1):
+        gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * Ng * h)
+    if et > 1:  # the all-gather's backward: the etp ranks' input-gradient slices summed
+        gx = _etp(bld, "moe.dispatch.dgrad.reduce_scatter", "reduce_scatter", 2 * Ng * h, gx,
+                  "moe.dispatch.dx_scattered", 2 * N * h)
     if ep > 1:
-        if El > 1:
-            gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * N * h)
         gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * Na * h, gx, "moe.dispatch.dx")
     g_in = e.fresh("moe.permute.dx")
     e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * Nl * h + T * E, writes=2 * T * h, flops=Nl * h,
@@ -304,19 +393,26 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
         e.kernel("router.aux_loss.dgrad", C.SOFTMAX, reads=4 * T * E + 2 * T * E, writes=2 * T * E,
                  out=[(gl2, 2 * T * E)], uses=[gl, sv["scores"]], dtype="fp32")
         gl = gl2
-    g_router = bld._linear_bwd("router", gl, sv["router"], h, E, g_fp32=False)
+    g_router = bld._linear_bwd("router", gl, sv["router"], h, E, g_fp32=False, tokens=T)
     g_in = bld._add("moe.router.dx.add", g_in, g_router, 2, 2, 2)
     if g_shared is not None:
         g_in = bld._add("moe.shared_expert.dx.add", g_in, g_shared, 2, 2, 2)
     return g_in
 
 
+def own_expert_grads(s) -> bool:
+    """Expert gradients are reduced over their own group ``edp`` (not with the dense ones over ``dp``): with
+    ``ep > 1`` or ``etp != t``, where the ranks holding the same expert shard are not the data-parallel group."""
+    return bool(s.num_experts) and (s.expert_parallel_size > 1
+                                    or s.expert_tensor_parallel_size != s.tensor_parallel_size)
+
+
 def reduce_expert_grad(bld, pg: ParamGroup) -> None:
     """With ``ep > 1`` and data parallelism: all-reduce the finished fp32 gradient of one expert weight tensor
-    over the expert-data-parallel group ``edp`` (``dp / ep`` ranks) on stream ``comm.edp``; nothing when that
-    group is one rank (``dp = ep``: every replica of these experts is on this rank)."""
+    over the expert-data-parallel group ``edp`` (``expert_data_parallel_size``) on stream ``comm.edp``; nothing when that
+    group is one rank (``t dp = ep etp``: no other rank holds these experts)."""
     s = bld.s
-    if s.data_parallel_size // s.expert_parallel_size <= 1:
+    if expert_data_parallel_size(s) <= 1:
         return
     tensors = [pg.grad_tensor] if pg.grad_tensor else []
     bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,

@@ -166,6 +166,9 @@ class TransformerSpec:
             rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
         moe_tokens_per_expert: Routed tokens per expert, ``E`` non-negative counts or fractions (``None``:
             balanced routing); the rank built is the busiest EP rank (``moe.expert_tokens``).
+        expert_tensor_parallel_size: Ranks ``etp`` each expert's width is split over (Megatron
+            ``--expert-tensor-parallel-size``; the grid etp-ep-edp spans the tp x dp ranks of a stage).
+        moe_shared_expert_gate: A sigmoid gate ``[h, 1]`` scales the shared expert's output (Qwen2-MoE).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -221,6 +224,8 @@ class TransformerSpec:
     moe_router_load_balancing_type: str = "aux_loss"
     expert_parallel_size: int = 1
     moe_tokens_per_expert: tuple[float, ...] | None = None
+    expert_tensor_parallel_size: int = 1
+    moe_shared_expert_gate: bool = False
     kv_channels: int | None = None
     window_size: int | None = None
 
@@ -396,7 +401,7 @@ class TransformerSpec:
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
         qkv, fc1 = self.qkv_out_size, self.fc1_out_size
         if self.num_experts:
-            mlp = moe.moe_mlp_params(self, experts)
+            mlp = moe.moe_rank_params(self, experts)
         else:
             mlp = (h * fc1 + f * h) // t
         w = (h * qkv + self.attention_width * h) // t + mlp
@@ -484,7 +489,8 @@ class TransformerSpec:
         parallelism (LayerNorms, row-parallel biases), all-reduced once per step."""
         h = self.hidden_size
         ln = self.norm_params
-        return self.rank_layers * (2 * ln + (2 * h if self.bias else 0)) + (ln if self.has_head else 0)
+        moe_rep = (self.num_experts + (1 if self.moe_shared_expert_gate else 0)) * h if self.num_experts else 0
+        return self.rank_layers * (2 * ln + (2 * h if self.bias else 0) + moe_rep) + (ln if self.has_head else 0)
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs per sample and GPU without recompute: 3x the forward's GEMM + attention FLOPs,
@@ -930,11 +936,12 @@ class _GptBuilder:
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
-        ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
+        ln2 = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
-        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py), on the T / t sequence shard
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
+            ln2 = self._tp_gather("ln2", ln2)
             fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
             g = self._act_fwd("", fc1, T, f)
             fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
@@ -1236,10 +1243,10 @@ class _GptBuilder:
         layer = self.e.layer
         pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, self._grad_elem_bytes, op, tensor)
         self.groups.append(pg)
-        if not self.dp:
-            return
-        if self.s.expert_parallel_size > 1 and name.startswith("experts."):  # over the expert-data-parallel group
+        if name.startswith("experts.") and moe.own_expert_grads(self.s):  # over the expert-data-parallel group
             moe.reduce_expert_grad(self, pg)
+            return
+        if not self.dp:
             return
         s = self.s
         if self.sh is not None and self._sharded_grad_ready(pg):

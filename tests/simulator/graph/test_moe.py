@@ -183,16 +183,26 @@ BAD = [
     ("ep not dividing experts", _mixtral(num_layers=1), {"expert_model_parallel_size": 3}, True,
      ["expert_model_parallel_size: 3 must divide model.num_experts (8)"]),
     ("dp not divisible by ep", {**_mixtral(num_layers=1), "num_experts": 16}, {"expert_model_parallel_size": 16},
-     True, ["expert_model_parallel_size: 16 must divide data_parallel_size 8", "tp-cp-ep-dp"]),
+     True, ["expert_model_parallel_size: 16 x expert_tensor_parallel_size 1 must divide tensor_model_parallel_size x "
+            "data_parallel_size 1 x 8", "etp-ep-edp"]),
     ("ep without cluster", _mixtral(num_layers=1), {"expert_model_parallel_size": 2}, False,
-     ["must divide data_parallel_size 1", "hardware.cluster"]),
+     ["data_parallel_size 1 x 1", "hardware.cluster"]),
     ("topk above experts", _mixtral(num_layers=1, moe_router_topk=9), {}, False,
      ["moe_router_topk (9) exceeds num_experts (8)"]),
     ("moe key without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
                                  "seq_length": 512, "moe_router_topk": 4}, {}, False,
      ["moe_router_topk needs model.num_experts"]),
-    ("tensor parallel experts", _mixtral(num_layers=1), {"tensor_model_parallel_size": 2}, True,
-     ["tensor_model_parallel_size 2", "not modelled"]),
+    ("tensor parallel experts without sequence parallelism", _mixtral(num_layers=1),
+     {"tensor_model_parallel_size": 2}, True, ["parallelism.sequence_parallel", "must be used"]),
+    ("etp not dividing the expert width", _mixtral(num_layers=1, moe_ffn_hidden_size=14335),
+     {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2}, True,
+     ["parallelism.expert_tensor_parallel_size: 2 must divide the expert width 14335"]),
+    ("etp above tp", _mixtral(num_layers=1), {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                              "expert_tensor_parallel_size": 4}, True,
+     ["expert_tensor_parallel_size: 4 above tensor_model_parallel_size 2 is not modelled"]),
+    ("etp without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
+                             "seq_length": 512}, {"expert_tensor_parallel_size": 2}, True,
+     ["expert_tensor_parallel_size: 2 needs model.num_experts"]),
     ("biases", _mixtral(num_layers=1, add_bias_linear=True), {}, False, ["add_bias_linear", "not modelled"]),
     ("capacity factor zero", _mixtral(num_layers=1, moe_expert_capacity_factor=0), {}, False,
      ["moe_expert_capacity_factor"]),
@@ -221,8 +231,12 @@ def test_amp_precision_refused_with_experts(tmp_path, capsys):
 def test_spec_refuses_what_the_schema_refuses():
     with pytest.raises(ValueError, match="must divide num_experts"):
         _spec(expert_parallel_size=3, data_parallel_size=3)
-    with pytest.raises(ValueError, match="must divide data_parallel_size"):
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size x data_parallel_size"):
         _spec(expert_parallel_size=2)
+    with pytest.raises(ValueError, match="needs sequence_parallel"):
+        _spec(tensor_parallel_size=2, num_attention_heads=4)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size .3. must divide the expert width"):
+        _spec(tensor_parallel_size=4, sequence_parallel=True, expert_tensor_parallel_size=3)
     with pytest.raises(ValueError, match="between 1 and num_experts"):
         _spec(moe_router_topk=5)
     with pytest.raises(ValueError, match="need num_experts"):
@@ -296,3 +310,78 @@ def test_bad_tokens_per_expert_one_line(tmp_path, capsys, tokens, expected):
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and expected in err and str(p) in err
+
+
+# -- expert tensor parallelism (parallelism.expert_tensor_parallel_size) ----------------------------
+def _tp_spec(**kw) -> TransformerSpec:
+    return _spec(tensor_parallel_size=2, sequence_parallel=True, **kw)
+
+
+def test_etp_splits_the_experts_and_gathers_tokens_over_etp_by_hand():
+    # tp 2 (SP: each rank routes T / 2 = 16 tokens, 32 copies), etp 2, ep 1: after the (absent) all-to-all the
+    # 32 rows are all-gathered over etp into 64 rows of [h] (2 x 64 x H bytes), the GEMMs run on f_e / 2 columns,
+    # and the [64, h] partial sums are reduce-scattered back to 32 rows
+    s = _tp_spec(expert_tensor_parallel_size=2)
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.router.gemm"].shape == (16, E, H)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (64, 2 * FE // 2, H)
+    assert ops["L0.fwd.experts.fc2.gemm"].shape == (64, H, FE // 2)
+    etp = _coll(g, 0, "etp")
+    assert etp == {("all_gather", 2 * 64 * H): 2, ("reduce_scatter", 2 * 64 * H): 2, ("all_gather", 8 * E * 2): 1}
+    assert not _coll(g, 0, "ep")
+    # parameters on a rank: dense attention / t, router replicated, experts / etp
+    dense = 1000 * H // 2 * 2 + H + 2 * ((H * 3 * H + H * H) // 2 + 2 * H + H * E)  # padded V 1024 / 2 per rank
+    assert s.vocab_per_rank == 512
+    assert s.num_parameters == 2 * 512 * H + H + 2 * ((H * 3 * H + H * H) // 2 + 2 * H + H * E + 4 * 3 * H * FE // 2)
+    assert sum(p.numel for p in g.param_groups) == s.num_parameters
+    assert dense  # (the unpadded count, for reference)
+    # SP: the router weight's gradient differs per TP rank and joins the LayerNorm all-reduce
+    assert s.sequence_parallel_params == 2 * (2 * H + E * H) + H
+
+
+def test_ep_over_the_tensor_parallel_ranks_by_hand():
+    # tp 2, etp 1, ep 2 on 2 GPUs (dp 1): the two TP ranks hold 2 experts each at full width; each routes its 16
+    # tokens (32 copies), balanced: every rank's experts receive 32 rows; the all-to-alls move 2 x 32 x H bytes
+    g = build_gpt_step(_tp_spec(expert_tensor_parallel_size=1, expert_parallel_size=2))
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 32 * H)] == 4
+    assert not [o for o in g.ops if o.meta and o.meta.get("group") in ("etp", "edp")]
+
+
+def test_etp_one_without_ep_reduces_expert_grads_over_the_tp_ranks():
+    # tp 2, etp 1, ep 1: both TP ranks hold every expert (edp = 2 x 1 / 1 = 2): expert gradients all-reduced over edp
+    from simulator.graph.builders import moe
+
+    s = _tp_spec(expert_tensor_parallel_size=1)
+    assert moe.expert_data_parallel_size(s) == 2
+    edp = Counter(o.meta["bytes"] for o in build_gpt_step(s).ops if o.meta and o.meta.get("group") == "edp")
+    assert edp == {4 * 4 * H * 2 * FE: 2, 4 * 4 * FE * H: 2}
+
+
+def test_shared_expert_split_over_tp_with_sp_collectives():
+    g = build_gpt_step(_tp_spec(moe_shared_expert_intermediate_size=96))
+    ops = _ops(g)
+    assert ops["L0.fwd.shared_expert.fc1.gemm"].shape == (T, 2 * 96 // 2, H)  # gathered T tokens, f_s / t
+    tp = _coll(g, 0, "tp")
+    assert tp[("all_gather", 2 * T * H)] >= 2 and tp[("reduce_scatter", 2 * T * H)] >= 2
+
+
+@pytest.mark.parametrize("tp,etp,ep,ep_group,edp_group,etp_group", [
+    (2, 1, 4, (0, 1, 2, 3), (0, 4), (0,)), (4, 2, 2, (0, 2), (0, 4), (0, 1)), (2, 2, 4, (0, 2, 4, 6), (0,), (0, 1))])
+def test_expert_grid_rank_groups_etp_ep_edp(tmp_path, tp, etp, ep, ep_group, edp_group, etp_group):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": ep, "tensor_model_parallel_size": tp,
+                                                     "sequence_parallel": True, "expert_tensor_parallel_size": etp},
+                  {"preset": "dgx-h100", "nodes": 1})
+    hw = resolve_hardware(load_scenario(p))
+    assert (hw.ep_group, hw.edp_group, hw.etp_group) == (ep_group, edp_group, etp_group)
+
+
+def test_mixtral_tp2_etp1_ep4_runs_on_dgx_h100(tmp_path):
+    p = _scenario(tmp_path, _mixtral(num_layers=2), {"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2,
+                                                     "sequence_parallel": True, "expert_tensor_parallel_size": 1},
+                  {"preset": "dgx-h100", "nodes": 1})
+    s = run_scenario(load_scenario(p)).summary
+    assert s["num_parameters"] == 2 * 1_451_270_144 + 2 * 32000 * 4096 + 4096
+    assert {"ep", "tp", "edp"} <= set(s["comm_s_by_group"]) and 0 < s["step_time_s"] < 1.0
