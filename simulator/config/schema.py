@@ -131,7 +131,7 @@ class ModelConfig(_Model):
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
         "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
         "balanced unless moe_tokens_per_expert: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
-        "add_bias_linear false and tensor_model_parallel_size 1.")
+        "add_bias_linear false, and sequence_parallel with tensor_model_parallel_size > 1.")
     moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "
                                          "experts per token (at most num_experts).")
     moe_ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE, description="Megatron "
