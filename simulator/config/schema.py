@@ -662,9 +662,11 @@ class ScenarioConfig(_Model):
         if m.add_bias_linear:
             raise ValueError("model.num_experts with model.add_bias_linear true is not modelled (Megatron's grouped "
                              "experts have no biases; allowed: add_bias_linear false)")
-        if ep > 1 and dp > 1 and self.zero_optimization.stage:
-            raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
-                             "modelled yet (allowed: 0)")
+        if (ep > 1 or et != tp) and dp > 1 and (self.zero_optimization.stage == 3 or self.fsdp is not None):
+            what = "zero_optimization.stage: 3" if self.fsdp is None else "fsdp"
+            raise ValueError(f"{what} with {key} {ep} / expert_tensor_parallel_size {et} (expert parameters sharded "
+                             "over the expert-data-parallel group) is not modelled yet (allowed: ZeRO stage 0-2, "
+                             "ddp.use_distributed_optimizer)")
         return self
 
     @model_validator(mode="after")

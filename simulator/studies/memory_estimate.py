@@ -35,7 +35,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   scenario's ``memory`` section, the engine's defaults).
 
 Not estimated (``NotEstimated``; the search simulates such points instead of pruning them): optimizer,
-parameter or activation offload to the host.
+parameter or activation offload to the host; mixture-of-experts models (routed activations not estimated).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     gradients of an earlier micro-batch are already there and add to it.
 
     Raises:
-        NotEstimated: offload of the optimizer, parameters or activations.
+        NotEstimated: offload of the optimizer, parameters or activations; a mixture-of-experts model.
     """
     from simulator.api import memory_overheads, transformer_spec
 
@@ -210,6 +210,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:
         raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
+    if cfg.model.num_experts:
+        raise NotEstimated("model.num_experts (mixture-of-experts activations) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
     states, grads = _model_state_bytes(cfg, spec)
     recompute = spec.recompute

@@ -78,7 +78,7 @@ import math
 
 from simulator.graph.op_graph import ParamGroup
 from simulator.graph.ops import CostClass as C
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, TensorAlloc
 
 #: ``moe_router_load_balancing_type`` values modelled (Megatron also has seq_aux_loss and sinkhorn)
 LOAD_BALANCING = ("aux_loss", "none")
@@ -139,8 +139,10 @@ def check_moe_spec(s) -> None:
         raise ValueError("num_experts is modelled for Megatron precisions bf16 and fp16, not amp_fp32_params")
     if s.bias:
         raise ValueError("num_experts with biases (add_bias_linear) is not modelled (Megatron GroupedMLP has none)")
-    if ep > 1 and s.zero_stage and s.data_parallel_size > 1:
-        raise ValueError("ZeRO with expert_parallel_size > 1 is not modelled yet")
+    if own_expert_grads(s) and s.data_parallel_size > 1 and s.sharding is not None and \
+            s.sharding.strategy != "distributed_optimizer":
+        raise ValueError(f"{s.sharding.strategy} with expert parallelism (expert gradients over edp) is not modelled "
+                         "yet (ZeRO-1/2 and the distributed optimizer are)")
 
 
 def expert_data_parallel_size(s) -> int:
@@ -407,13 +409,50 @@ def own_expert_grads(s) -> bool:
                                     or s.expert_tensor_parallel_size != s.tensor_parallel_size)
 
 
+def own_expert_params(s) -> int:
+    """Routed-expert parameters of this rank whose gradients and optimizer state go over ``edp`` (0 unless
+    ``own_expert_grads``): ``rank_layers x E_l x 3 h f_e / etp`` (SwiGLU; ``2 h f_e`` without)."""
+    if not own_expert_grads(s):
+        return 0
+    return s.rank_layers * s.local_experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
+
+
+def sharded_state(s, P: int, shard) -> int:
+    """Elements of one rank's optimizer-state partition of its ``P`` parameters under ZeRO-1/2 or Megatron's
+    distributed optimizer: the dense ``P - P_e`` sharded over ``dp`` (``shard``), the experts' ``P_e``
+    (``own_expert_params``) over ``edp`` (ceil; DeepSpeed partitions expert parameter groups over the expert
+    data-parallel group, Megatron keeps expert parameters in their own buffer over ``expt_dp``)."""
+    pe = own_expert_params(s)
+    return shard(P - pe) + -(-pe // expert_data_parallel_size(s))
+
+
+def expert_param_gathers(bld, opt: int) -> None:
+    """ZeRO-1/2 and the distributed optimizer after the step: the updated 16-bit expert parameters
+    all-gathered over ``edp`` (one collective; nothing with ``edp`` of one rank)."""
+    pe = own_expert_params(bld.s)
+    if pe and expert_data_parallel_size(bld.s) > 1:
+        bld.comm_ops.append(bld._collective("edp.param_all_gather", "all_gather", 2 * pe, [opt], bld.e.phase,
+                                            group="edp"))
+
+
 def reduce_expert_grad(bld, pg: ParamGroup) -> None:
-    """With ``ep > 1`` and data parallelism: all-reduce the finished fp32 gradient of one expert weight tensor
+    """With ``own_expert_grads``: all-reduce (ZeRO-1/2, distributed optimizer: reduce-scatter) the finished fp32
+    gradient of one expert weight tensor
     over the expert-data-parallel group ``edp`` (``expert_data_parallel_size``) on stream ``comm.edp``; nothing when that
     group is one rank (``t dp = ep etp``: no other rank holds these experts)."""
     s = bld.s
     if expert_data_parallel_size(s) <= 1:
         return
     tensors = [pg.grad_tensor] if pg.grad_tensor else []
-    bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,
-                                            [pg.grad_op], bld.e.phase, uses=tensors, group="edp"))
+    if not (bld.zero in (1, 2) or (bld.sh is not None and bld.sh.strategy == "distributed_optimizer")):
+        bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,
+                                                [pg.grad_op], bld.e.phase, uses=tensors, group="edp"))
+        return
+    allocs = ()  # ZeRO-2: the reduced 1/edp shard stays, the full gradient is freed after the reduce-scatter
+    if bld.zero == 2:
+        shard = bld.e.fresh(f"grad.shard.{pg.name}")
+        bld.grad_shards.append(shard)
+        allocs = (TensorAlloc(shard, -(-pg.grad_bytes // expert_data_parallel_size(s))),)
+    bld.moe_grad_ops.append(bld._collective(f"edp.grad_reduce_scatter.{pg.name}", "reduce_scatter", pg.grad_bytes,
+                                            [pg.grad_op], bld.e.phase, uses=tensors if bld.zero == 2 else (),
+                                            allocs=allocs, group="edp"))

@@ -138,9 +138,11 @@ def zero3_prefetch_depth(unit_numel: int, num_units: int, prefetch_bucket: int, 
     return d
 
 
-def layer_param_sizes(spec) -> dict[str, int]:
+def layer_param_sizes(spec, experts: bool = True) -> dict[str, int]:
     """Parameters of one block on one TP rank, name -> elements, in the order backward finishes their
-    gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears).
+    gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears; a
+    mixture of experts: shared-expert gate, fc2, fc1, the experts' fc2, fc1, the router in place of ``fc2``,
+    ``fc1``). ``experts`` false: without the routed experts (reduced over their own group, ``moe.own_expert_grads``).
     Sums to ``spec.layer_params`` with ``t = 1``."""
     h, t = spec.hidden_size, spec.tensor_parallel_size
     f = spec.ffn_hidden_size
@@ -158,13 +160,33 @@ def layer_param_sizes(spec) -> dict[str, int]:
         if spec.norm_has_bias:
             out[f"{name}.bias"] = h
 
-    lin("fc2", f, h, bias, h)
-    lin("fc1", h, fc1, bias, fc1 // t)
+    if spec.num_experts:
+        _moe_param_sizes(spec, out, experts)
+    else:
+        lin("fc2", f, h, bias, h)
+        lin("fc1", h, fc1, bias, fc1 // t)
     norm("ln2")
     lin("proj", h, h, bias, h)
     lin("qkv", h, qkv, bias or spec.qkv_bias, qkv // t)
     norm("ln1")
     return out
+
+
+def _moe_param_sizes(spec, out: dict[str, int], experts: bool) -> None:
+    """The MoE layer's parameters on one rank in backward order (``moe.moe_bwd``), added to ``out``."""
+    h, t = spec.hidden_size, spec.tensor_parallel_size
+    fs = spec.moe_shared_expert_intermediate_size
+    g = 3 if spec.swiglu else 2
+    if fs:
+        if spec.moe_shared_expert_gate:
+            out["shared_expert.gate.weight"] = h
+        out["shared_expert.fc2.weight"] = fs * h // t
+        out["shared_expert.fc1.weight"] = h * (g - 1) * fs // t
+    if experts:
+        fe = (spec.moe_ffn_hidden_size or spec.ffn_hidden_size) // spec.expert_tensor_parallel_size
+        out["experts.fc2.weight"] = spec.local_experts * fe * h
+        out["experts.fc1.weight"] = spec.local_experts * h * (g - 1) * fe
+    out["router.weight"] = h * spec.num_experts
 
 
 def root_param_sizes(spec) -> dict[str, int]:
@@ -183,14 +205,15 @@ def root_param_sizes(spec) -> dict[str, int]:
     return out
 
 
-def backward_param_order(spec) -> list[tuple[str, int, int]]:
+def backward_param_order(spec, experts: bool = True) -> list[tuple[str, int, int]]:
     """``(name, unit, elements)`` of every parameter in the order backward finishes its gradient (the
-    builder's ``param_groups`` order): LM head and final norm, blocks ``L-1 .. 0``, embeddings."""
+    builder's ``param_groups`` order): LM head and final norm, blocks ``L-1 .. 0``, embeddings (``experts``:
+    as ``layer_param_sizes``)."""
     root = list(root_param_sizes(spec).items())
     head = [(n, ROOT, k) for n, k in root if not n.startswith(("wte", "wpe"))]
     emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
     blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(range(spec.num_layers))
-              for n, k in layer_param_sizes(spec).items()]
+              for n, k in layer_param_sizes(spec, experts).items()]
     return head + blocks + emb
 
 

@@ -1003,7 +1003,7 @@ class _GptBuilder:
             return
         s, b = self.s, self.b
         P = s.rank_num_parameters
-        Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
+        Ps = moe.sharded_state(s, P, self._shard) if self.zero else P  # ZeRO-1/2: states per rank (experts: edp)
         if self.amp:
             b.persistent("params.fp32", 4 * P)
         else:
@@ -1223,7 +1223,8 @@ class _GptBuilder:
         if self.zero in (1, 2):
             opt = len(self.b) - 1
             pbytes = 4 if self.amp else 2
-            left, k = P, 0
+            moe.expert_param_gathers(self, opt)
+            left, k = P - moe.own_expert_params(s), 0
             while left > 0:
                 n = min(left, s.allgather_bucket_elements)
                 self.comm_ops.append(self._collective(f"zero.param_all_gather.{k}", "all_gather", n * pbytes, [opt],
@@ -1326,7 +1327,7 @@ class _GptBuilder:
                 name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
         if sh is not None and sh.strategy == "distributed_optimizer":
             self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
-            order = shd.backward_param_order(s)
+            order = shd.backward_param_order(s, experts=not moe.own_expert_grads(s))
             buckets = shd.megatron_buckets([k for _, _, k in order], sh.bucket_elements)
             self._mg_bucket_len = [len(b) for b in buckets]
             self._mg_bucket_numel = [sum(order[i][2] for i in b) for b in buckets]
@@ -1371,7 +1372,7 @@ class _GptBuilder:
     def _persistent_sharded(self) -> None:
         s, b, sh = self.s, self.b, self.sh
         P = s.num_parameters
-        Ps = sh.shard(P)
+        Ps = moe.sharded_state(s, P, sh.shard) if sh.strategy == "distributed_optimizer" else sh.shard(P)
         half = self.e.half
         st = sh.strategy
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
@@ -1403,9 +1404,11 @@ class _GptBuilder:
 
     def _optimizer_share(self) -> float:
         P = self.s.num_parameters
+        if self.sh is not None and self.sh.strategy == "distributed_optimizer":
+            return moe.sharded_state(self.s, P, self.sh.shard) / P
         if self.sh is not None:
             return 1.0 if self.sh.strategy == "no_shard" else self.sh.shard(P) / P
-        return self._shard(P) / P if self.zero else 1.0
+        return moe.sharded_state(self.s, P, self._shard) / P if self.zero else 1.0
 
     def _after_step_gathers(self, opt: int) -> None:
         """ZeRO-3: the persistent parameters' all-gather; Megatron without overlap_param_gather: the bf16
@@ -1417,6 +1420,8 @@ class _GptBuilder:
             self.comm_ops.append(self._collective("zero3.persistent_param_all_gather", "all_gather",
                                                   2 * self.pg.persistent_numel, [opt], Phase.OPT,
                                                   group=self._shard_group))
+        if sh.strategy == "distributed_optimizer":
+            moe.expert_param_gathers(self, opt)  # (after the step even with overlap_param_gather)
         if sh.strategy == "distributed_optimizer" and not sh.overlap_param_gather:
             for bi, n in enumerate(self._mg_bucket_numel):
                 self.comm_ops.append(self._collective(f"megatron.param_all_gather.{bi}", "all_gather", 2 * n, [opt],

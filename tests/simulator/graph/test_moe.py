@@ -385,3 +385,91 @@ def test_mixtral_tp2_etp1_ep4_runs_on_dgx_h100(tmp_path):
     s = run_scenario(load_scenario(p)).summary
     assert s["num_parameters"] == 2 * 1_451_270_144 + 2 * 32000 * 4096 + 4096
     assert {"ep", "tp", "edp"} <= set(s["comm_s_by_group"]) and 0 < s["step_time_s"] < 1.0
+
+
+# -- ZeRO-1/2 and the distributed optimizer with expert parallelism -------------------------------------
+# TINY on ep 2, dp 4 (edp 2): dense D = 2 V h + h + 2 (3 h^2 + h^2 + 2 h + h E) = 161,600 parameters over dp,
+# experts P_e = 2 layers x 2 local x 3 h f_e = 98,304 over edp
+D, PE = 2 * 1000 * H + H + 2 * (3 * H * H + H * H + 2 * H + H * E), 2 * 2 * 3 * H * FE
+
+
+def _persist(g) -> dict:
+    return {t.name: t.nbytes for t in g.persistent}
+
+
+def _bytes(g, group, op) -> list[int]:
+    return sorted(o.meta["bytes"] for o in g.ops if o.meta and o.meta.get("group") == group
+                  and o.meta.get("collective") == op)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_ep_shards_expert_states_over_edp_by_hand(stage):
+    assert (D, PE) == (161_600, 98_304)
+    s = _spec(expert_parallel_size=2, data_parallel_size=4, zero_stage=stage)
+    assert s.num_parameters == D + PE
+    g = build_gpt_step(s)
+    ps = 161_600 // 4 + 98_304 // 2  # 40,400 + 49,152 = 89,552
+    m = _persist(g)
+    assert m["optimizer.exp_avg"] == m["optimizer.exp_avg_sq"] == m["params.master_fp32"] == 4 * ps
+    assert m["params.bf16"] == 2 * (D + PE)
+    # expert gradients reduce-scattered over edp (fp32), dense ones over dp; 16-bit parameters all-gathered after
+    assert _bytes(g, "edp", "reduce_scatter") == [4 * 2 * FE * H] * 2 + [4 * 2 * H * 2 * FE] * 2
+    assert not _bytes(g, "edp", "all_reduce")
+    assert sum(_bytes(g, "dp", "reduce_scatter")) == 4 * D
+    assert _bytes(g, "edp", "all_gather") == [2 * PE] and sum(_bytes(g, "dp", "all_gather")) == 2 * D
+    adam = next(o for o in g.ops if o.name.endswith("adamw"))
+    assert adam.flops == pytest.approx(12 * ps)
+
+
+def test_zero2_keeps_the_expert_gradient_shards():
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=4, zero_stage=2))
+    rs = [o for o in g.ops if o.meta and o.meta.get("group") == "edp" and o.meta.get("collective") == "reduce_scatter"]
+    assert sorted(a.nbytes for o in rs for a in o.allocs) == [4 * 2 * FE * H // 2] * 2 + [4 * 2 * H * 2 * FE // 2] * 2
+
+
+def test_distributed_optimizer_with_ep_by_hand():
+    from simulator.graph.builders.sharding import ShardingSpec, backward_param_order
+
+    sh = ShardingSpec("distributed_optimizer", shard_size=4, grad_bytes=4)
+    s = _spec(expert_parallel_size=2, data_parallel_size=4, sharding=sh)
+    g = build_gpt_step(s)
+    m = _persist(g)
+    ps = 161_600 // 4 + 98_304 // 2
+    assert m["params.master_fp32"] == m["optimizer.exp_avg"] == 4 * ps and m["grad.ddp_buckets"] == 4 * (D + PE)
+    assert sum(_bytes(g, "dp", "reduce_scatter")) == 4 * D  # one bucket of the dense gradients
+    assert _bytes(g, "edp", "reduce_scatter") == [4 * 2 * FE * H] * 2 + [4 * 2 * H * 2 * FE] * 2
+    assert _bytes(g, "edp", "all_gather") == [2 * PE] and _bytes(g, "dp", "all_gather") == [2 * D]
+    # the bucket plan follows the builder's gradient order (MoE names included; experts left out with edp)
+    order = [(n, k) for n, _, k in backward_param_order(_spec())]
+    assert order == [(p.name, p.numel) for p in build_gpt_step(_spec()).param_groups]
+    s2 = _spec(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True)
+    assert [(n, k) for n, _, k in backward_param_order(s2)] == [(p.name, p.numel)
+                                                                for p in build_gpt_step(s2).param_groups]
+    assert sum(k for _, _, k in backward_param_order(s, experts=False)) == D
+
+
+def test_zero_with_ep_on_a_cluster_by_hand(tmp_path):
+    # Mixtral 1 layer, ep 4 on 8 H100 (edp 2), ZeRO-1: the optimizer state is 4 bytes x (dense / 8 + experts / 2)
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": 4},
+                  {"preset": "dgx-h100", "nodes": 1}, )
+    d = yaml.safe_load(p.read_text())
+    d["zero_optimization"] = {"stage": 1}
+    p.write_text(yaml.safe_dump(d))
+    spec = transformer_spec(load_scenario(p))
+    dense = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 2 * 4096 + 2 * 32000 * 4096 + 4096
+    experts = 2 * 3 * 4096 * 14336
+    assert spec.num_parameters == dense + experts
+    g = build_gpt_step(spec)
+    assert _persist(g)["optimizer.exp_avg"] == 4 * (-(-dense // 8) + experts // 2)
+    assert run_scenario(load_scenario(p)).summary["step_time_s"] > 0
+
+
+def test_zero3_with_ep_refused_one_line(tmp_path, capsys):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": 4},
+                  {"preset": "dgx-h100", "nodes": 1})
+    d = yaml.safe_load(p.read_text())
+    d["zero_optimization"] = {"stage": 3}
+    p.write_text(yaml.safe_dump(d))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "zero_optimization.stage: 3 with parallelism.expert_model_parallel_size 4" in err
