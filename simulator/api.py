@@ -65,10 +65,18 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         expert_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=(p.expert_tensor_parallel_size or p.tensor_model_parallel_size
                                      if m.num_experts else 1),
-        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_pattern=_moe_layer_pattern(m),
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
     )
+
+
+def _moe_layer_pattern(m) -> tuple[int, ...] | None:
+    """``model.moe_layer_freq`` as one 0/1 per block (Megatron ``moe_layer_freq``: block ``i`` is MoE when ``i % N
+    == 0``), ``None`` when every block is MoE (or without experts)."""
+    f = m.moe_layer_freq
+    pat = tuple(f) if isinstance(f, list) else tuple(int(i % f == 0) for i in range(m.num_layers))
+    return None if not m.num_experts or all(pat) else pat
 
 
 def sharding_spec(cfg: ScenarioConfig):

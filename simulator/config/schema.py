@@ -151,6 +151,9 @@ class ModelConfig(_Model):
     moe_shared_expert_gate: bool = Field(default=False, description="Megatron --moe-shared-expert-gate: a sigmoid "
                                          "gate (an h x 1 weight per layer) scales the shared expert's output "
                                          "(Qwen2-MoE).")
+    moe_layer_freq: PositiveInt | list[Literal[0, 1]] = Field(
+        default=1, description="Megatron --moe-layer-freq: an integer N (block i is MoE when i % N == 0) or one 0 "
+        "(dense MLP of ffn_hidden_size) / 1 (MoE) per block, e.g. DeepSeek-MoE's first dense block [0, 1, 1, ...].")
     moe_tokens_per_expert: list[float] | None = Field(
         default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
         "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
@@ -193,6 +196,12 @@ class ModelConfig(_Model):
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
                              f"(allowed: 1..{self.num_experts})")
+        f = self.moe_layer_freq
+        if isinstance(f, list) and len(f) != self.num_layers:
+            raise ValueError(f"moe_layer_freq: {len(f)} values for num_layers {self.num_layers} (allowed: an integer, "
+                             "or one 0/1 per layer)")
+        if isinstance(f, list) and 1 not in f:
+            raise ValueError("moe_layer_freq: no MoE layer (allowed: at least one 1; or drop num_experts)")
         w = self.moe_tokens_per_expert
         if self.num_experts is not None and w is not None:
             if len(w) != self.num_experts:

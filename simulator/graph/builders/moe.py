@@ -97,7 +97,7 @@ def check_moe_spec(s) -> None:
     E, ep = s.num_experts, s.expert_parallel_size
     if E is None:
         if (s.moe_ffn_hidden_size or s.moe_shared_expert_intermediate_size or s.moe_expert_capacity_factor is not None
-                or s.moe_tokens_per_expert is not None):
+                or s.moe_tokens_per_expert is not None or s.moe_layer_pattern is not None):
             raise ValueError("moe_* fields need num_experts")
         if ep != 1:
             raise ValueError(f"expert_parallel_size ({ep}) > 1 needs num_experts")
@@ -113,6 +113,12 @@ def check_moe_spec(s) -> None:
     if s.moe_router_load_balancing_type not in LOAD_BALANCING:
         raise ValueError(f"moe_router_load_balancing_type must be one of {LOAD_BALANCING}, got "
                          f"{s.moe_router_load_balancing_type!r}")
+    pat = s.moe_layer_pattern
+    if pat is not None and (len(pat) != s.num_layers or set(pat) - {0, 1} or 1 not in pat):
+        raise ValueError(f"moe_layer_pattern must be {s.num_layers} (num_layers) values 0 or 1 with at least one 1")
+    if pat is not None and 0 in pat and s.sharding is not None and s.sharding.gathers and s.data_parallel_size > 1:
+        raise ValueError(f"moe_layer_pattern (dense and MoE blocks) with {s.sharding.strategy} (per-block gathers of "
+                         "uniform blocks) is not modelled")
     w = s.moe_tokens_per_expert
     if w is not None and (len(w) != E or min(w) < 0 or not sum(w) > 0):
         raise ValueError(f"moe_tokens_per_expert must be {E} (num_experts) non-negative numbers, not all 0; got "
@@ -149,6 +155,26 @@ def expert_data_parallel_size(s) -> int:
     """Ranks ``edp`` holding the same expert shard: ``t dp / (ep etp)`` (Megatron ``expert_data_parallel_size``
     = world / (etp x ep x pp), one stage's ``t dp`` ranks without context parallelism)."""
     return s.tensor_parallel_size * s.data_parallel_size // (s.expert_parallel_size * s.expert_tensor_parallel_size)
+
+
+def is_moe_layer(s, layer: int) -> bool:
+    """Block ``layer`` has the MoE MLP (every block of an MoE model unless ``moe_layer_pattern`` says 0)."""
+    if not s.num_experts:
+        return False
+    pat = s.moe_layer_pattern
+    return pat is None or bool(pat[layer])
+
+
+def moe_layer_count(s, layers) -> int:
+    """How many of the block indices ``layers`` are MoE blocks."""
+    return sum(1 for i in layers if is_moe_layer(s, i))
+
+
+def rank_layer_ids(s) -> list[int]:
+    """The block indices held by this pipeline rank (its model chunks' layers)."""
+    from simulator.graph.builders.pipeline import chunk_layers
+
+    return [i for k in s.model_chunks for i in chunk_layers(s.layer_split, k)]
 
 
 def expert_ffn(s) -> int:
@@ -411,10 +437,11 @@ def own_expert_grads(s) -> bool:
 
 def own_expert_params(s) -> int:
     """Routed-expert parameters of this rank whose gradients and optimizer state go over ``edp`` (0 unless
-    ``own_expert_grads``): ``rank_layers x E_l x 3 h f_e / etp`` (SwiGLU; ``2 h f_e`` without)."""
+    ``own_expert_grads``): ``MoE blocks on the rank x E_l x 3 h f_e / etp`` (SwiGLU; ``2 h f_e`` without)."""
     if not own_expert_grads(s):
         return 0
-    return s.rank_layers * s.local_experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
+    n = moe_layer_count(s, rank_layer_ids(s))
+    return n * s.local_experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
 
 
 def sharded_state(s, P: int, shard) -> int:

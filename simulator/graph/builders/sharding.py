@@ -138,11 +138,12 @@ def zero3_prefetch_depth(unit_numel: int, num_units: int, prefetch_bucket: int, 
     return d
 
 
-def layer_param_sizes(spec, experts: bool = True) -> dict[str, int]:
+def layer_param_sizes(spec, experts: bool = True, layer: int | None = None) -> dict[str, int]:
     """Parameters of one block on one TP rank, name -> elements, in the order backward finishes their
     gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears; a
     mixture of experts: shared-expert gate, fc2, fc1, the experts' fc2, fc1, the router in place of ``fc2``,
-    ``fc1``). ``experts`` false: without the routed experts (reduced over their own group, ``moe.own_expert_grads``).
+    ``fc1``). ``experts`` false: without the routed experts (reduced over their own group, ``moe.own_expert_grads``);
+    ``layer``: that block (a dense block of a mixed model, ``moe_layer_pattern``; ``None``: an MoE block).
     Sums to ``spec.layer_params`` with ``t = 1``."""
     h, t = spec.hidden_size, spec.tensor_parallel_size
     f = spec.ffn_hidden_size
@@ -160,7 +161,7 @@ def layer_param_sizes(spec, experts: bool = True) -> dict[str, int]:
         if spec.norm_has_bias:
             out[f"{name}.bias"] = h
 
-    if spec.num_experts:
+    if spec.num_experts and (layer is None or spec.moe_layer_pattern is None or spec.moe_layer_pattern[layer]):
         _moe_param_sizes(spec, out, experts)
     else:
         lin("fc2", f, h, bias, h)
@@ -213,7 +214,7 @@ def backward_param_order(spec, experts: bool = True) -> list[tuple[str, int, int
     head = [(n, ROOT, k) for n, k in root if not n.startswith(("wte", "wpe"))]
     emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
     blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(range(spec.num_layers))
-              for n, k in layer_param_sizes(spec, experts).items()]
+              for n, k in layer_param_sizes(spec, experts, layer).items()]
     return head + blocks + emb
 
 

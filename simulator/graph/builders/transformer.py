@@ -169,6 +169,8 @@ class TransformerSpec:
         expert_tensor_parallel_size: Ranks ``etp`` each expert's width is split over (Megatron
             ``--expert-tensor-parallel-size``; the grid etp-ep-edp spans the tp x dp ranks of a stage).
         moe_shared_expert_gate: A sigmoid gate ``[h, 1]`` scales the shared expert's output (Qwen2-MoE).
+        moe_layer_pattern: 1 (MoE) or 0 (dense MLP of ``ffn_hidden_size``) per block (Megatron
+            ``--moe-layer-freq`` as a list; ``None``: every block is MoE).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -226,6 +228,7 @@ class TransformerSpec:
     moe_tokens_per_expert: tuple[float, ...] | None = None
     expert_tensor_parallel_size: int = 1
     moe_shared_expert_gate: bool = False
+    moe_layer_pattern: tuple[int, ...] | None = None
     kv_channels: int | None = None
     window_size: int | None = None
 
@@ -396,11 +399,12 @@ class TransformerSpec:
         (``moe.moe_mlp_params``: router, ``E / ep`` experts, shared expert)."""
         return self._layer_params(self.local_experts)
 
-    def _layer_params(self, experts: int) -> int:
-        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE)."""
+    def _layer_params(self, experts: int, moe_layer: bool = True) -> int:
+        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE or with
+        ``moe_layer`` false: a dense block of a mixed model, ``moe_layer_pattern``)."""
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
         qkv, fc1 = self.qkv_out_size, self.fc1_out_size
-        if self.num_experts:
+        if self.num_experts and moe_layer:
             mlp = moe.moe_rank_params(self, experts)
         else:
             mlp = (h * fc1 + f * h) // t
@@ -451,7 +455,7 @@ class TransformerSpec:
         if self.pipeline_parallel_size == 1:
             return self.num_parameters
         h = self.hidden_size
-        n = self.rank_layers * self.layer_params
+        n = sum(self._layer_params(self.local_experts, moe.is_moe_layer(self, i)) for i in moe.rank_layer_ids(self))
         if self.has_embedding:
             n += self.vocab_per_rank * h + self.position_table_rows * h
         if self.has_head:
@@ -467,7 +471,9 @@ class TransformerSpec:
         h = self.hidden_size
         emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
-        return emb + self.num_layers * self._layer_params(experts) + self.norm_params + head
+        n_moe = moe.moe_layer_count(self, range(self.num_layers))
+        blocks = n_moe * self._layer_params(experts) + (self.num_layers - n_moe) * self._layer_params(experts, False)
+        return emb + blocks + self.norm_params + head
 
     @property
     def num_parameters(self) -> int:
@@ -490,7 +496,9 @@ class TransformerSpec:
         h = self.hidden_size
         ln = self.norm_params
         moe_rep = (self.num_experts + (1 if self.moe_shared_expert_gate else 0)) * h if self.num_experts else 0
-        return self.rank_layers * (2 * ln + (2 * h if self.bias else 0) + moe_rep) + (ln if self.has_head else 0)
+        n_moe = moe.moe_layer_count(self, moe.rank_layer_ids(self)) if self.num_experts else 0
+        return (self.rank_layers * (2 * ln + (2 * h if self.bias else 0)) + n_moe * moe_rep
+                + (ln if self.has_head else 0))
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs per sample and GPU without recompute: 3x the forward's GEMM + attention FLOPs,
@@ -511,14 +519,15 @@ class TransformerSpec:
         router's ``2 h E``, < 0.01% of Mixtral's); dropped tokens (capacity factor) still count.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
-        if self.num_experts:  # active weights only: router + k experts (+ shared expert), see moe_mlp_params
-            mlp = moe.moe_mlp_params(self, self.moe_router_topk)
-        else:
-            mlp = (3 if self.swiglu else 2) * h * f
+        dense = (3 if self.swiglu else 2) * h * f
+        # active weights only: router + k experts (+ shared expert), see moe_mlp_params; dense blocks of a mixed model
+        mlp = moe.moe_mlp_params(self, self.moe_router_topk) if self.num_experts else dense
+        n_moe = moe.moe_layer_count(self, range(self.num_layers)) if self.num_experts else 0
         # causal attention per token: 2 (QK^T) + 2 (PV) FLOPs x d per (query, key) pair and head
         att = 4 * self.attention_width * self.attention_pairs / s
         per_token_layer = 2 * (h * self.qkv_out_size + self.attention_width * h + mlp) + att
-        fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
+        per_token_dense = 2 * (h * self.qkv_out_size + self.attention_width * h + dense) + att
+        fwd = s * (n_moe * per_token_layer + (self.num_layers - n_moe) * per_token_dense + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
 
@@ -938,7 +947,7 @@ class _GptBuilder:
         x2 = self._add("residual1", x, proj, self.act, 2, self.act)
         ln2 = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
-        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py), on the T / t sequence shard
+        if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py), T / t tokens
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
             ln2 = self._tp_gather("ln2", ln2)
@@ -963,7 +972,7 @@ class _GptBuilder:
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # MLP
-        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+        if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py)
             g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
             g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", gx), sv["sv_fc2"], f, hf, g_fp32=True)
