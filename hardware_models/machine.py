@@ -120,6 +120,7 @@ class Hardware:
         slowdown: Multiplier on every kernel's time of this rank (``rank_overrides``; 1: as priced).
         ep_group: Global ranks of its expert-parallel group (MoE all-to-alls; inside the data-parallel group).
         edp_group: Global ranks of its expert-data-parallel group (replicas of its experts: expert gradients).
+        etp_group: Global ranks of its expert-tensor-parallel group (the ranks splitting its experts' width).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
     """
 
@@ -141,6 +142,7 @@ class Hardware:
     slowdown: float = 1.0
     ep_group: tuple[int, ...] = (0,)
     edp_group: tuple[int, ...] = (0,)
+    etp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     extra: dict = field(default_factory=dict)
 
@@ -164,7 +166,8 @@ class Hardware:
         base = self.pp_group[rank] - self.pp_group[0]
         shift = lambda g: tuple(r + base for r in g)  # noqa: E731
         return replace(self, pp_rank=rank, dp_group=shift(self.dp_group), tp_group=shift(self.tp_group),
-                       ep_group=shift(self.ep_group), edp_group=shift(self.edp_group), cp_group=shift(self.cp_group))
+                       ep_group=shift(self.ep_group), edp_group=shift(self.edp_group), cp_group=shift(self.cp_group),
+                       etp_group=shift(self.etp_group))
 
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").

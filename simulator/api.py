@@ -66,10 +66,23 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        expert_parallel_size=p.expert_model_parallel_size, kv_channels=m.kv_channels, window_size=m.window_size,
+        expert_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=(p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+                                     if m.num_experts else 1),
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_pattern=_moe_layer_pattern(m),
+        moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
+        kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
         attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
     )
+
+
+def _moe_layer_pattern(m) -> tuple[int, ...] | None:
+    """``model.moe_layer_freq`` as one 0/1 per block (Megatron ``moe_layer_freq``: block ``i`` is MoE when ``i % N
+    == 0``), ``None`` when every block is MoE (or without experts)."""
+    f = m.moe_layer_freq
+    pat = tuple(f) if isinstance(f, list) else tuple(int(i % f == 0) for i in range(m.num_layers))
+    return None if not m.num_experts or all(pat) else pat
 
 
 def lora_spec(lo) -> LoraSpec | None:
@@ -143,7 +156,8 @@ def model_num_parameters(cfg: ScenarioConfig) -> int:
 def _whole_model(cfg: ScenarioConfig) -> TransformerSpec:
     """The scenario's spec on one rank holding everything (tp 1, ep 1, dp 1, one pipeline stage)."""
     return dataclasses.replace(transformer_spec(cfg), tensor_parallel_size=1, sequence_parallel=False,
-                               tp_comm_overlap="none", expert_parallel_size=1, data_parallel_size=1, zero_stage=0,
+                               tp_comm_overlap="none", expert_parallel_size=1, expert_tensor_parallel_size=1,
+                               data_parallel_size=1, zero_stage=0,
                                sharding=None, pipeline_parallel_size=1, virtual_pipeline_size=1,
                                pipeline_schedule="1f1b", pipeline_layers=None, context_parallel_size=1)
 
@@ -460,9 +474,18 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "pipeline bubble (raise training.global_batch_size)")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
-        out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
-                   f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load imbalance, "
-                   "padding to capacity), so expert GEMM and all-to-all times are lower bounds")
+        if m.moe_tokens_per_expert is None:
+            out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
+                       f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load "
+                       "imbalance (set model.moe_tokens_per_expert), padding to capacity), so expert GEMM and "
+                       "all-to-all times are lower bounds")
+        elif cfg.parallelism.expert_model_parallel_size > 1:
+            from simulator.graph.builders import moe
+
+            spec = transformer_spec(cfg)
+            out.append(f"model.moe_tokens_per_expert: every EP rank is simulated with the busiest EP rank's "
+                       f"expert load ({moe.load_imbalance(spec, spec.micro_batch_size * spec.seq_length):.3g}x the "
+                       "mean): the step follows it, the other ranks' energy is overstated")
     if cfg is not None and cfg.training.lora is not None:
         out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
                    "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "

@@ -28,9 +28,18 @@ Supported ``model_type`` values and the keys read (``transformers`` configuratio
   the size of ``id2label``, else the ``PretrainedConfig`` default 2 -> ``num_classes``; ``hidden_act`` must be
   a GELU and ``qkv_bias`` true (the class defaults; a QKV without bias beside biased layers is not modelled).
   ``encoder_stride``, ``layer_norm_eps``, dropouts and ``label2id`` do not change the cost and are ignored.
+* qwen2_moe (Qwen1.5-MoE, Qwen2-57B-A14B): as qwen2, with ``num_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size`` -> ``moe_ffn_hidden_size``, ``shared_expert_intermediate_size`` and its sigmoid
+  gate (``moe_shared_expert_gate``), ``decoder_sparse_step`` / ``mlp_only_layers`` -> ``moe_layer_freq`` (one
+  0/1 per block; a dense block is an MLP of ``intermediate_size``); see ``_qwen2_moe``;
+* deepseek (DeepSeek-MoE 16B): as llama, with ``n_routed_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size``, ``n_shared_experts`` x ``moe_intermediate_size`` -> the shared expert,
+  ``first_k_dense_replace`` / ``moe_layer_freq`` -> ``moe_layer_freq``; see ``_deepseek_moe``;
+* gpt2: LayerNorm, GELU, learned positions, biases everywhere.
 
 Other keys (token ids, dtype, initialiser ranges...) do not change the step's cost and are ignored.
-Refused, in one line naming the key: mixture-of-experts keys outside mixtral, another ``model_type``, a
+Refused, in one line naming the key: mixture-of-experts keys outside mixtral, qwen2_moe and deepseek; deepseek_v2 /
+deepseek_v3 (MLA attention, not modelled); another ``model_type``; a
 qwen2 sliding window (``use_sliding_window``; Qwen2 applies it above ``max_window_layers`` only, not
 modelled) shorter than ``seq_length``.
 The file is read with ``hardware_models.safe_yaml`` (JSON is YAML 1.2: size, depth and integer
@@ -45,8 +54,12 @@ from typing import Any
 from hardware_models import safe_yaml
 from hardware_models.presets import FILE_PREFIXES, is_file_reference
 
-SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "vit")
-#: Mixture-of-experts keys of Qwen2-MoE, DeepSeek and others: not modelled yet outside mixtral
+SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek", "vit")
+#: model types with mixture-of-experts keys read here
+MOE_TYPES = ("mixtral", "qwen2_moe", "deepseek")
+#: MLA attention (Multi-head Latent Attention, DeepSeek-V2 section 2.1): not modelled
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+#: Mixture-of-experts keys of Qwen2-MoE, DeepSeek and others: refused outside MOE_TYPES
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "n_shared_experts", "shared_expert_intermediate_size")
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -83,7 +96,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
     Returns:
         ``{"hidden_size": ..., "num_layers": ..., ...}`` plus ``sliding_window`` (int or None, a
-        check for ``merge_hf``, not a model key).
+        check for ``merge_hf``, not a model key) and ``moe_layers`` (None, or ``num_layers -> [0/1 per block]``
+        for ``merge_hf``, which applies it to the scenario's ``num_layers``).
 
     Raises:
         ValueError: one line starting with the path: unreadable file, unsupported architecture or key.
@@ -94,10 +108,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     except safe_yaml.YamlInputError as exc:
         raise ValueError(f"{where}: {exc}") from None
     mt = cfg.get("model_type")
+    if mt in MLA_TYPES:
+        raise ValueError(f"{where}: model_type: {mt!r} uses MLA attention (multi-head latent attention, kv_lora_rank) "
+                         f"which is not modelled (supported: {', '.join(SUPPORTED)})")
     for k in MOE_KEYS:
-        if mt != "mixtral" and cfg.get(k) not in (None, 0):
+        if mt not in MOE_TYPES and cfg.get(k) not in (None, 0):
             raise ValueError(f"{where}: {k}: mixture-of-experts configs of model_type {mt!r} are not modelled yet "
-                             f"(supported model_type: {', '.join(SUPPORTED)}; mixture of experts: mixtral only)")
+                             f"(supported model_type: {', '.join(SUPPORTED)}; mixture of experts: "
+                             f"{', '.join(MOE_TYPES)})")
     if mt not in SUPPORTED:
         arch = cfg.get("architectures")
         name = f"{mt!r}" + (f" ({', '.join(map(str, arch))})" if isinstance(arch, list) and arch else "")
@@ -126,6 +144,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     elif h % a:
         raise ValueError(f"{where}: num_attention_heads ({a}) must divide hidden_size ({h}) (or set head_dim)")
     out["sliding_window"] = None
+    out["moe_layers"] = None
     if gpt2:
         act = cfg.get("activation_function", "gelu_new")
         if act not in _GELU:
@@ -141,16 +160,23 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if act != "silu":
         raise ValueError(f"{where}: hidden_act: {act!r} is not supported for {mt} (allowed: silu, i.e. SwiGLU)")
     out.update(swiglu=True, normalization="RMSNorm", position_embedding_type="rope")
-    if mt == "llama":
+    if mt == "deepseek":
+        if _flag(cfg, where, "attention_bias", False):
+            raise ValueError(f"{where}: attention_bias: true with experts is not modelled (allowed: false)")
+        out["add_bias_linear"] = False
+        _deepseek_moe(cfg, where, out)
+    elif mt == "llama":
         ab, mb = _flag(cfg, where, "attention_bias", False), _flag(cfg, where, "mlp_bias", False)
         if ab != mb:
             raise ValueError(f"{where}: attention_bias ({ab}) with mlp_bias ({mb}): biases on one of the two only "
                              "are not modelled (allowed: both true or both false)")
         out["add_bias_linear"] = ab
-    elif mt == "qwen2":  # q/k/v projections have a bias, o_proj and the MLP none (Qwen2Attention)
+    elif mt in ("qwen2", "qwen2_moe"):  # q/k/v projections have a bias, o_proj and the MLP none (Qwen2Attention)
         out.update(add_bias_linear=False, add_qkv_bias=True)
         if _flag(cfg, where, "use_sliding_window", False):
             out["sliding_window"] = _get(cfg, where, "sliding_window")
+        if mt == "qwen2_moe":
+            _qwen2_moe(cfg, where, out)
     else:  # mistral, mixtral
         out["add_bias_linear"] = False
         w = _get(cfg, where, "sliding_window", required=False)
@@ -186,6 +212,53 @@ def _read_vit(cfg: dict, where: str) -> dict[str, Any]:
             "num_classes": labels, "sliding_window": None}
 
 
+def _qwen2_moe(cfg: dict, where: str, out: dict) -> None:
+    """Qwen2-MoE (``Qwen2MoeConfig`` defaults: 60 experts, top-4, expert width 1408, shared expert 5632):
+    ``Qwen2MoeSparseMoeBlock`` = router ``gate`` ``[E, h]``, ``E`` SwiGLU experts of ``moe_intermediate_size``, one
+    shared SwiGLU expert of ``shared_expert_intermediate_size`` scaled by ``sigmoid(shared_expert_gate(x))``
+    (``[1, h]``). Block ``i`` is MoE unless ``i`` is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``;
+    a dense block is an MLP of ``intermediate_size``. ``norm_topk_prob`` renormalises the top-k weights inside
+    the top-k kernel (no cost of its own) and is ignored."""
+    out["num_experts"] = _get(cfg, where, "num_experts", required=False) or 60
+    out["moe_router_topk"] = _get(cfg, where, "num_experts_per_tok", required=False) or 4
+    out["moe_ffn_hidden_size"] = _get(cfg, where, "moe_intermediate_size", required=False) or 1408
+    fs = cfg.get("shared_expert_intermediate_size", 5632)
+    if fs:
+        out["moe_shared_expert_intermediate_size"] = _get(cfg, where, "shared_expert_intermediate_size",
+                                                          required=False) or 5632
+        out["moe_shared_expert_gate"] = True
+    step = _get(cfg, where, "decoder_sparse_step", required=False) or 1
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers: expected a list of layer indices, got {only!r}")
+    out["moe_layers"] = lambda n: [int(i not in only and (i + 1) % step == 0) for i in range(n)]
+
+
+def _deepseek_moe(cfg: dict, where: str, out: dict) -> None:
+    """DeepSeek-MoE (``deepseek-ai/deepseek-moe-16b-base``, ``DeepseekConfig``; Dai et al., *DeepSeekMoE*, 2024):
+    ``n_routed_experts`` SwiGLU experts of ``moe_intermediate_size``, top ``num_experts_per_tok`` by softmax
+    (``scoring_func`` must be ``softmax``), ``n_shared_experts`` shared experts fused into one of
+    ``n_shared_experts x moe_intermediate_size`` (``DeepseekMoE.shared_experts``, no gate). Block ``i`` is MoE when
+    ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``, else a dense MLP of ``intermediate_size``.
+    ``aux_loss_alpha`` / ``seq_aux`` (the loss, not the cost) and ``norm_topk_prob`` are ignored."""
+    E = _get(cfg, where, "n_routed_experts", required=False)
+    if E is None:
+        return
+    sf = cfg.get("scoring_func", "softmax")
+    if sf != "softmax":
+        raise ValueError(f"{where}: scoring_func: {sf!r} is not modelled (allowed: softmax)")
+    fe = _get(cfg, where, "moe_intermediate_size")
+    out.update(num_experts=E, moe_router_topk=_get(cfg, where, "num_experts_per_tok"), moe_ffn_hidden_size=fe)
+    ns = cfg.get("n_shared_experts")
+    if ns:
+        out["moe_shared_expert_intermediate_size"] = _get(cfg, where, "n_shared_experts") * fe
+    k = cfg.get("first_k_dense_replace", 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{where}: first_k_dense_replace: expected an integer >= 0, got {k!r}")
+    freq = _get(cfg, where, "moe_layer_freq", required=False) or 1
+    out["moe_layers"] = lambda n: [int(i >= k and i % freq == 0) for i in range(n)]
+
+
 def merge_hf(model: dict) -> dict:
     """The model section with ``from_hf`` expanded: the file's keys, then the scenario's explicit keys.
 
@@ -204,7 +277,14 @@ def merge_hf(model: dict) -> dict:
     except ValueError as exc:
         raise ValueError(f"from_hf: {exc}") from None
     window = keys.pop("sliding_window")
+    moe_layers = keys.pop("moe_layers")
     merged = {**keys, **model}
+    n = merged.get("num_layers")
+    if moe_layers is not None and "moe_layer_freq" not in model and isinstance(n, int) and not isinstance(n, bool) \
+            and 0 < n <= 100_000:  # the pattern of the blocks built (num_layers may be cut down by the scenario)
+        pat = moe_layers(n)
+        if not all(pat):
+            merged["moe_layer_freq"] = pat
     if "max_position_embeddings" in model and "seq_length" not in model:
         merged["seq_length"] = model["max_position_embeddings"]
     seq = merged.get("seq_length")

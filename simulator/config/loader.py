@@ -298,14 +298,15 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
-    ``pp_group``, ``cp_group``, ``ep_group``, ``edp_group``, ``nccl`` (an empty dict without ``hardware.cluster``:
+    ``pp_group``, ``cp_group``, ``ep_group``, ``edp_group``, ``etp_group``, ``nccl`` (an empty dict without ``hardware.cluster``:
     one GPU; with context parallelism ``dp_group`` is the data x context parallel group the gradients are
     reduced over).
     Ranks are numbered node by node in Megatron's default order (tp-cp-ep-dp-pp, tensor-parallel fastest:
     ``initialize_model_parallel``; cp = 1), so the representative rank 0 has the TP group ``0..tp-1``
     (inside its node), the DP group ``0, tp, 2 tp, ..., (dp - 1) tp``, the expert-parallel group
-    ``0, tp, ..., (ep - 1) tp`` (the first ep of its DP group), the expert-data-parallel group
-    ``0, tp ep, 2 tp ep, ...`` (dp / ep ranks: the replicas of its experts) and the pipeline group
+    ``0, etp, ..., (ep - 1) etp``, the expert-data-parallel group ``0, etp ep, 2 etp ep, ...`` (tp dp / (ep etp)
+    ranks: the replicas of its experts) and the expert-tensor-parallel group ``0..etp-1`` (Megatron's expert grid
+    etp-ep-edp-pp over the same ranks, ``initialize_model_parallel``; etp defaults to tp) and the pipeline group
     ``0, tp dp, 2 tp dp, ...`` (``Hardware.for_pipeline_rank`` gives the other stages' representatives).
 
     Raises:
@@ -354,10 +355,12 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     per_node = world // c.nodes
     stage = tp * cp * dp  # ranks per pipeline stage (tp-cp-ep-dp-pp order: the stages are the outermost)
     ep = cfg.parallelism.expert_model_parallel_size
+    et = cfg.parallelism.expert_tensor_parallel_size or tp  # Megatron: expert_tensor_parallel_size defaults to tp
     # the gradient all-reduce group spans data and context parallelism (Megatron's data-parallel group with
     # context parallelism): every stride-tp rank of the stage; the CP group is its first cp ranks
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
             "cp_group": tuple(range(0, tp * cp, tp)),
             "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
             "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
-            "ep_group": tuple(range(0, ep * tp, tp)), "edp_group": tuple(range(0, stage, tp * ep)), "nccl": nccl}
+            "ep_group": tuple(range(0, ep * et, et)), "edp_group": tuple(range(0, stage, et * ep)),
+            "etp_group": tuple(range(et)), "nccl": nccl}

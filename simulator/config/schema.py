@@ -153,8 +153,8 @@ class ModelConfig(_Model):
     num_experts: PositiveInt | None = Field(
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
         "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
-        "assumed balanced: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
-        "add_bias_linear false and tensor_model_parallel_size 1.")
+        "balanced unless moe_tokens_per_expert: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
+        "add_bias_linear false, and sequence_parallel with tensor_model_parallel_size > 1.")
     moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "
                                          "experts per token (at most num_experts).")
     moe_ffn_hidden_size: PositiveInt | None = Field(default=None, le=MAX_FFN_HIDDEN_SIZE, description="Megatron "
@@ -184,6 +184,19 @@ class ModelConfig(_Model):
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
         default="aux_loss", description="Megatron --moe-router-load-balancing-type (aux_loss: the Switch "
         "auxiliary loss kernels; sinkhorn and seq_aux_loss are not modelled).")
+
+    moe_shared_expert_gate: bool = Field(default=False, description="Megatron --moe-shared-expert-gate: a sigmoid "
+                                         "gate (an h x 1 weight per layer) scales the shared expert's output "
+                                         "(Qwen2-MoE).")
+    moe_layer_freq: PositiveInt | list[Literal[0, 1]] = Field(
+        default=1, description="Megatron --moe-layer-freq: an integer N (block i is MoE when i % N == 0) or one 0 "
+        "(dense MLP of ffn_hidden_size) / 1 (MoE) per block, e.g. DeepSeek-MoE's first dense block [0, 1, 1, ...].")
+    moe_tokens_per_expert: list[float] | None = Field(
+        default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
+        "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
+        "router log: the grouped GEMMs of an EP rank follow its experts' tokens, the all-to-alls the uneven split, "
+        "and the step follows the busiest EP rank (the others wait at the combine all-to-all). The same split is "
+        "used for every layer. Default: balanced routing.")
 
     _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                                    "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
@@ -228,6 +241,21 @@ class ModelConfig(_Model):
                                  "flash, or group_query_attention false)")
             if self.window_size is not None and self.window_size < self.seq_length:
                 raise ValueError("attention_backend: unfused with window_size is not modelled (allowed: flash)")
+        f = self.moe_layer_freq
+        if isinstance(f, list) and len(f) != self.num_layers:
+            raise ValueError(f"moe_layer_freq: {len(f)} values for num_layers {self.num_layers} (allowed: an integer, "
+                             "or one 0/1 per layer)")
+        if isinstance(f, list) and 1 not in f:
+            raise ValueError("moe_layer_freq: no MoE layer (allowed: at least one 1; or drop num_experts)")
+        w = self.moe_tokens_per_expert
+        if self.num_experts is not None and w is not None:
+            if len(w) != self.num_experts:
+                raise ValueError(f"moe_tokens_per_expert: {len(w)} numbers for num_experts {self.num_experts} "
+                                 f"(allowed: one count or fraction per expert)")
+            bad = [x for x in w if not (x >= 0 and x < float("inf"))]
+            if bad or not sum(w) > 0:
+                raise ValueError(f"moe_tokens_per_expert: {bad[0] if bad else 'all 0'} (allowed: finite numbers >= 0, "
+                                 "not all 0)")
         mp = self.max_position_embeddings
         if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "
@@ -312,15 +340,20 @@ class ParallelismConfig(_Model):
         "all-to-all to split heads instead of the sequence; cp must divide the heads per TP rank).")
     expert_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-model-parallel-size: each rank holds "
-        "num_experts / ep experts; must divide model.num_experts and data_parallel_size (EP ranks lie inside the "
-        "data-parallel dimension, Megatron order tp-cp-ep-dp); tokens go to their experts by all-to-all.")
+        "num_experts / ep experts; must divide model.num_experts, and ep x expert_tensor_parallel_size must divide "
+        "tp x dp (Megatron's expert grid etp-ep-edp over the ranks of a stage); tokens go to their experts by "
+        "all-to-all.")
+    expert_tensor_parallel_size: PositiveInt | None = Field(
+        default=None, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --expert-tensor-parallel-size: ranks each "
+        "expert's width is split over (the dispatcher all-gathers the tokens over them after the all-to-all and "
+        "reduce-scatters the outputs before it); default tensor_model_parallel_size; at most it.")
     data_parallel_size: PositiveInt | None = Field(
         default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
 
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                "expert_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                               mode="before")(no_bool)
+                               "expert_tensor_parallel_size", mode="before")(no_bool)
 
     @field_validator("tp_comm_overlap", mode="before")
     @classmethod
@@ -479,6 +512,14 @@ class ScenarioConfig(_Model):
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
             if tp > 1:
                 raise ValueError("fsdp: tensor_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+        p = self.parallelism
+        own_experts = bool(self.model.num_experts) and (
+            p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)  # moe.own_expert_grads
+        if dp > 1 and z.stage == 2 and own_experts and (self.training.global_batch_size or 0) > \
+                self.training.micro_batch_size * dp:
+            raise ValueError("zero_optimization.stage: 2 with gradient accumulation and experts reduced over their "
+                             "own group (expert_model_parallel_size > 1) is not modelled yet (allowed: stage 0 or 1, "
+                             "or no accumulation)")
         if ddp.use_distributed_optimizer and dp > 1 and prec == "amp_fp32_params":
             raise ValueError("ddp.use_distributed_optimizer needs training.precision bf16 or fp16 (Megatron-LM; "
                              "allowed: bf16, fp16)")
@@ -633,27 +674,51 @@ class ScenarioConfig(_Model):
         if E is None:
             if ep > 1:
                 raise ValueError(f"{key}: {ep} > 1 needs model.num_experts (a mixture-of-experts model)")
+            et = p.expert_tensor_parallel_size
+            if et is not None and et != p.tensor_model_parallel_size:
+                raise ValueError(f"parallelism.expert_tensor_parallel_size: {et} needs model.num_experts (a "
+                                 "mixture-of-experts model)")
             return self
         if E % ep:
             raise ValueError(f"{key}: {ep} must divide model.num_experts ({E})")
-        dp = p.data_parallel_size or 1
-        if dp % ep:
-            raise ValueError(f"{key}: {ep} must divide data_parallel_size {dp} = world size / (tp x pp) (EP ranks lie "
-                             "inside the data-parallel dimension, Megatron order tp-cp-ep-dp"
+        dp, tp = p.data_parallel_size or 1, p.tensor_model_parallel_size
+        et = p.expert_tensor_parallel_size or tp
+        ekey = "parallelism.expert_tensor_parallel_size"
+        if et > tp:
+            raise ValueError(f"{ekey}: {et} above tensor_model_parallel_size {tp} is not modelled (allowed: a divisor "
+                             f"of {tp})")
+        if tp % et:
+            raise ValueError(f"{ekey}: {et} must divide tensor_model_parallel_size {tp} (modelled: the expert-tensor-"
+                             "parallel ranks inside the tensor-parallel group)")
+        fe = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+        if fe % et:
+            raise ValueError(f"{ekey}: {et} must divide the expert width {fe} (model.moe_ffn_hidden_size)")
+        if (tp * dp) % (ep * et):
+            raise ValueError(f"{key}: {ep} x {ekey.split('.')[1]} {et} must divide tensor_model_parallel_size x "
+                             f"data_parallel_size {tp} x {dp} (Megatron's expert grid etp-ep-edp spans the tp x dp "
+                             "ranks of a pipeline stage"
                              + ("; set hardware.cluster)" if self.hardware.cluster is None else ")"))
-        if p.tensor_model_parallel_size > 1:
-            raise ValueError(f"model.num_experts with parallelism.tensor_model_parallel_size "
-                             f"{p.tensor_model_parallel_size} (expert tensor parallelism) is not modelled yet "
-                             "(allowed: tensor_model_parallel_size 1)")
+        if tp > 1 and not p.sequence_parallel:
+            raise ValueError(f"parallelism.sequence_parallel: model.num_experts with tensor_model_parallel_size {tp} "
+                             "needs sequence_parallel true (Megatron-LM: \"When using MoE and tensor parallelism, "
+                             "sequence parallelism must be used\")")
+        fs = m.moe_shared_expert_intermediate_size
+        if fs and fs % tp:
+            raise ValueError(f"model.moe_shared_expert_intermediate_size: {fs} is not divisible by "
+                             f"tensor_model_parallel_size {tp} (the shared expert is split as the dense MLP)")
+        if m.moe_shared_expert_gate and not fs:
+            raise ValueError("model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size")
         if self.training.precision == "amp_fp32_params":
             raise ValueError("model.num_experts needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is not modelled with experts)")
         if m.add_bias_linear:
             raise ValueError("model.num_experts with model.add_bias_linear true is not modelled (Megatron's grouped "
                              "experts have no biases; allowed: add_bias_linear false)")
-        if ep > 1 and dp > 1 and self.zero_optimization.stage:
-            raise ValueError(f"zero_optimization.stage: {self.zero_optimization.stage} with {key} {ep} is not "
-                             "modelled yet (allowed: 0)")
+        if (ep > 1 or et != tp) and dp > 1 and (self.zero_optimization.stage == 3 or self.fsdp is not None):
+            what = "zero_optimization.stage: 3" if self.fsdp is None else "fsdp"
+            raise ValueError(f"{what} with {key} {ep} / expert_tensor_parallel_size {et} (expert parameters sharded "
+                             "over the expert-data-parallel group) is not modelled yet (allowed: ZeRO stage 0-2, "
+                             "ddp.use_distributed_optimizer)")
         return self
 
     @model_validator(mode="after")

@@ -96,7 +96,7 @@ class System:
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
         ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
-        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``). ``"ep"`` is ``hw.ep_group`` and ``"edp"`` is ``hw.edp_group``.
+        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``). ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -109,7 +109,7 @@ class System:
 
             groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
                       "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
-                      "cp": self.hw.cp_group}
+                      "cp": self.hw.cp_group, "etp": self.hw.etp_group}
             if key[0] == "send_recv" and key[1] == "cp":  # the CP ring: this rank to its next neighbour
                 groups["cp"] = self.hw.cp_group[:2]
             if key[1] == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``

@@ -39,7 +39,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   scenario's ``memory`` section, the engine's defaults).
 
 Not estimated (``NotEstimated``; the search simulates such points instead of pruning them): optimizer,
-parameter or activation offload to the host; LoRA (``training.lora``).
+parameter or activation offload to the host; LoRA (``training.lora``); mixture-of-experts models (routed
+activations not estimated).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     gradients of an earlier micro-batch are already there and add to it.
 
     Raises:
-        NotEstimated: offload of the optimizer, parameters or activations; LoRA.
+        NotEstimated: offload of the optimizer, parameters or activations; LoRA; a mixture-of-experts model.
     """
     from simulator.api import memory_overheads, transformer_spec
 
@@ -230,6 +231,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
     if cfg.training.lora is not None:
         raise NotEstimated("training.lora (frozen weights) is not covered by the memory estimate")
+    if cfg.model.num_experts:
+        raise NotEstimated("model.num_experts (mixture-of-experts activations) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
     states, grads = _model_state_bytes(cfg, spec)
     recompute = spec.recompute

@@ -34,17 +34,41 @@ backward, permute backward (scatter-add), the router's softmax/top-k and auxilia
 the router GEMM's gradients, and the adds of the router (and shared expert) input gradients:
 **4 all-to-alls per MoE block** (2 forward, 2 backward) of ``2 N h`` bytes each.
 
-**Routing is balanced** (stated in the run's warnings): every expert receives ``T k / E`` token
-copies from every EP rank, so each rank's ``E_l`` experts process ``N = T k`` rows in all
-(``ep T k / E`` per expert) and each rank sends and receives ``2 T k h`` bytes per all-to-all
-(``b s h x k`` 16-bit values). With a capacity factor ``c`` (Megatron ``get_capacity``: ``ceil(c T k /
-E)`` copies per expert from ``T`` tokens, the rest dropped, no padding) ``N = min(T k, E ceil(c T k /
-E))``. Real routers are imbalanced, so these are lower bounds.
+**Routing**: balanced by default (stated in the run's warnings): every expert receives ``T k / E`` token
+copies from every EP rank, so each rank's ``E_l`` experts process ``N = T k`` rows in all (``ep T k / E`` per
+expert) and each rank sends and receives ``2 T k h`` bytes per all-to-all (``b s h x k`` 16-bit values). With a
+capacity factor ``c`` (Megatron ``get_capacity``: ``ceil(c T k / E)`` copies per expert from ``T`` tokens, the
+rest dropped, no padding) ``N = min(T k, E ceil(c T k / E))``. With ``moe_tokens_per_expert`` (shares ``f_i``,
+the same on every source rank) expert ``i`` gets ``T k f_i`` copies of each rank's tokens (at most the
+capacity), EP rank ``r`` receives ``ep`` x the copies of its experts ``r E_l .. (r + 1) E_l - 1``, and the rank
+built is the busiest one: its grouped GEMMs process its ``N = max_r`` rows and every all-to-all moves
+``max(N_l, N)`` rows (its receive in dispatch, its send in combine; ``N_l``: the copies leaving its own router,
+which permute/unpermute handle). The other EP ranks wait for it at the combine all-to-all, so the step follows
+it (``expert_tokens``, ``load_imbalance``).
+
+**Tensor and expert tensor parallelism** (Megatron ``--expert-tensor-parallel-size`` ``etp``, default ``t``):
+attention is split over the ``t`` TP ranks as the dense path and, as Megatron requires, with sequence
+parallelism (arguments.py: "When using MoE and tensor parallelism, sequence parallelism must be used"): the
+MoE layer takes the ``T_n = T / t`` tokens of the rank's sequence shard, not gathered. The router runs on them
+(its weight replicated; its gradient joins the sequence-parallel LayerNorm all-reduce). The dispatcher is
+Megatron core's ``MoEAlltoAllTokenDispatcher`` (``megatron/core/transformer/moe/token_dispatcher.py``:
+"permute->A2A(EP)->AG(TP)->sort_chunk ... sort_chunk->RS(TP)->A2A(EP)->unpermute", with its ``tp_group`` the
+expert-tensor-parallel group): after the dispatch all-to-all the ``N`` rows are all-gathered over ``etp``
+(``etp N`` rows, each expert's ``f_e / etp`` columns on this rank), the fc2 partial sums reduce-scattered back
+to ``N`` rows before the combine all-to-all (16-bit; backward: the reverse pair). The tokens-per-expert counts
+are gathered over Megatron's ``tp_ep`` group (``ep etp`` ranks), priced over ``ep`` (``etp`` when ``ep = 1``).
+The shared expert is a dense MLP over the ``t`` TP ranks (all-gather, column/row-parallel GEMMs,
+reduce-scatter). The rank groups follow Megatron's expert grid (``initialize_model_parallel``: ``RankGenerator(
+tp=etp, ep=ep, dp=edp)``, ``edp = t dp / (ep etp)`` per stage): ``etp`` consecutive ranks, ``ep`` ranks at
+stride ``etp``. Not modelled (refused): ``etp > t``, ``etp`` not dividing ``t``, context parallelism with
+experts, the all-gather token dispatcher, the probabilities' small all-to-all beside the tokens'.
 
 Expert gradients: with data parallelism they are reduced over the expert-data-parallel group
 ``edp`` (``dp / ep`` ranks: Megatron rank order tp-cp-ep-dp), one all-reduce per expert weight
 tensor when its gradient is ready (Megatron buckets expert parameters in their own buffer; the
-bucketing is not modelled); nothing with ``edp`` of one rank. Dense parameters (attention, norms,
+bucketing is not modelled); nothing with ``edp`` of one rank. ``edp = t dp / (ep etp)`` (``dp / ep`` without
+TP) and it is the dense ``dp`` group when ``ep = 1`` and ``etp = t`` (then the expert gradients share the
+dense buckets). Dense parameters (attention, norms,
 router, shared expert, embeddings) are reduced over the whole ``dp`` group as before.
 """
 
@@ -54,7 +78,7 @@ import math
 
 from simulator.graph.op_graph import ParamGroup
 from simulator.graph.ops import CostClass as C
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, TensorAlloc
 
 #: ``moe_router_load_balancing_type`` values modelled (Megatron also has seq_aux_loss and sinkhorn)
 LOAD_BALANCING = ("aux_loss", "none")
@@ -72,7 +96,8 @@ def check_moe_spec(s) -> None:
     """
     E, ep = s.num_experts, s.expert_parallel_size
     if E is None:
-        if s.moe_ffn_hidden_size or s.moe_shared_expert_intermediate_size or s.moe_expert_capacity_factor is not None:
+        if (s.moe_ffn_hidden_size or s.moe_shared_expert_intermediate_size or s.moe_expert_capacity_factor is not None
+                or s.moe_tokens_per_expert is not None or s.moe_layer_pattern is not None):
             raise ValueError("moe_* fields need num_experts")
         if ep != 1:
             raise ValueError(f"expert_parallel_size ({ep}) > 1 needs num_experts")
@@ -88,19 +113,68 @@ def check_moe_spec(s) -> None:
     if s.moe_router_load_balancing_type not in LOAD_BALANCING:
         raise ValueError(f"moe_router_load_balancing_type must be one of {LOAD_BALANCING}, got "
                          f"{s.moe_router_load_balancing_type!r}")
+    pat = s.moe_layer_pattern
+    if pat is not None and (len(pat) != s.num_layers or set(pat) - {0, 1} or 1 not in pat):
+        raise ValueError(f"moe_layer_pattern must be {s.num_layers} (num_layers) values 0 or 1 with at least one 1")
+    if pat is not None and 0 in pat and s.sharding is not None and s.sharding.gathers and s.data_parallel_size > 1:
+        raise ValueError(f"moe_layer_pattern (dense and MoE blocks) with {s.sharding.strategy} (per-block gathers of "
+                         "uniform blocks) is not modelled")
+    w = s.moe_tokens_per_expert
+    if w is not None and (len(w) != E or min(w) < 0 or not sum(w) > 0):
+        raise ValueError(f"moe_tokens_per_expert must be {E} (num_experts) non-negative numbers, not all 0; got "
+                         f"{len(w)} numbers")
     if ep <= 0 or E % ep:
         raise ValueError(f"expert_parallel_size ({ep}) must divide num_experts ({E})")
-    if ep > 1 and s.data_parallel_size % ep:
-        raise ValueError(f"expert_parallel_size ({ep}) must divide data_parallel_size ({s.data_parallel_size}): EP "
-                         "ranks lie inside the data-parallel dimension")
-    if s.tensor_parallel_size > 1:
-        raise ValueError("num_experts with tensor_parallel_size > 1 (expert tensor parallelism) is not modelled yet")
+    t, et = s.tensor_parallel_size, s.expert_tensor_parallel_size
+    if et <= 0 or expert_ffn(s) % et:
+        raise ValueError(f"expert_tensor_parallel_size ({et}) must divide the expert width ({expert_ffn(s)})")
+    if et > t:
+        raise ValueError(f"expert_tensor_parallel_size ({et}) above tensor_parallel_size ({t}) is not modelled")
+    if (ep > 1 or et > 1) and (t * s.data_parallel_size) % (ep * et):
+        raise ValueError(f"expert_parallel_size x expert_tensor_parallel_size ({ep} x {et}) must divide "
+                         f"tensor_parallel_size x data_parallel_size ({t} x {s.data_parallel_size}): Megatron's "
+                         "expert grid etp-ep-edp spans the tp x dp ranks of a stage")
+    if t > 1 and not s.sequence_parallel:
+        raise ValueError("num_experts with tensor_parallel_size > 1 needs sequence_parallel (Megatron-LM)")
+    fs = s.moe_shared_expert_intermediate_size
+    if fs and fs % t:
+        raise ValueError(f"tensor_parallel_size ({t}) must divide moe_shared_expert_intermediate_size ({fs})")
+    if s.moe_shared_expert_gate and not fs:
+        raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
     if s.precision == "amp_fp32_params":
         raise ValueError("num_experts is modelled for Megatron precisions bf16 and fp16, not amp_fp32_params")
     if s.bias:
         raise ValueError("num_experts with biases (add_bias_linear) is not modelled (Megatron GroupedMLP has none)")
-    if ep > 1 and s.zero_stage and s.data_parallel_size > 1:
-        raise ValueError("ZeRO with expert_parallel_size > 1 is not modelled yet")
+    if own_expert_grads(s) and s.data_parallel_size > 1 and s.sharding is not None and \
+            s.sharding.strategy != "distributed_optimizer":
+        raise ValueError(f"{s.sharding.strategy} with expert parallelism (expert gradients over edp) is not modelled "
+                         "yet (ZeRO-1/2 and the distributed optimizer are)")
+
+
+def expert_data_parallel_size(s) -> int:
+    """Ranks ``edp`` holding the same expert shard: ``t dp / (ep etp)`` (Megatron ``expert_data_parallel_size``
+    = world / (etp x ep x pp), one stage's ``t dp`` ranks without context parallelism)."""
+    return s.tensor_parallel_size * s.data_parallel_size // (s.expert_parallel_size * s.expert_tensor_parallel_size)
+
+
+def is_moe_layer(s, layer: int) -> bool:
+    """Block ``layer`` has the MoE MLP (every block of an MoE model unless ``moe_layer_pattern`` says 0)."""
+    if not s.num_experts:
+        return False
+    pat = s.moe_layer_pattern
+    return pat is None or bool(pat[layer])
+
+
+def moe_layer_count(s, layers) -> int:
+    """How many of the block indices ``layers`` are MoE blocks."""
+    return sum(1 for i in layers if is_moe_layer(s, i))
+
+
+def rank_layer_ids(s) -> list[int]:
+    """The block indices held by this pipeline rank (its model chunks' layers)."""
+    from simulator.graph.builders.pipeline import chunk_layers
+
+    return [i for k in s.model_chunks for i in chunk_layers(s.layer_split, k)]
 
 
 def expert_ffn(s) -> int:
@@ -120,19 +194,67 @@ def moe_mlp_params(s, experts: int) -> int:
     ``gate`` ``[E, h]``, experts ``w1, w2, w3``)."""
     shared = s.moe_shared_expert_intermediate_size
     return (s.hidden_size * s.num_experts + experts * _mlp_weights(s, expert_ffn(s))
-            + (_mlp_weights(s, shared) if shared else 0))
+            + (_mlp_weights(s, shared) + (s.hidden_size if s.moe_shared_expert_gate else 0) if shared else 0))
+
+
+def moe_rank_params(s, experts: int) -> int:
+    """One block's MoE parameters on one rank: the replicated router (and shared-expert gate), ``experts`` routed
+    experts split over ``etp`` ranks, the shared expert split over the ``t`` attention TP ranks."""
+    shared = s.moe_shared_expert_intermediate_size
+    h, t = s.hidden_size, s.tensor_parallel_size
+    return (h * s.num_experts + experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
+            + (_mlp_weights(s, shared) // t + (h if s.moe_shared_expert_gate else 0) if shared else 0))
+
+
+def expert_shares(s) -> tuple[float, ...]:
+    """Fraction of the routed token copies each expert receives, ``E`` numbers summing to 1: the normalised
+    ``moe_tokens_per_expert`` (counts or fractions, e.g. Megatron's per-expert token counts), else ``1 / E`` each
+    (balanced routing)."""
+    E = s.num_experts
+    w = s.moe_tokens_per_expert
+    if w is None:
+        return (1 / E,) * E
+    tot = sum(w)
+    return tuple(x / tot for x in w)
+
+
+def _kept(s, T: int) -> list[float]:
+    """Token copies of one rank's ``T`` tokens routed to each expert and kept: ``T k f_i``, at most the capacity
+    ``ceil(c T k / E)`` with capacity factor ``c`` (Megatron ``moe_utils.get_capacity(num_tokens * topk,
+    num_experts, capacity_factor)``, applied per expert to each rank's tokens). Every rank routes with the same
+    shares ``f_i`` (``expert_shares``)."""
+    n = T * s.moe_router_topk
+    c = s.moe_expert_capacity_factor
+    cap = math.inf if c is None else math.ceil(n / s.num_experts * c)
+    return [min(n * f, cap) for f in expert_shares(s)]
 
 
 def routed_tokens(s, T: int) -> int:
-    """Token copies ``N`` this rank's local experts process per micro-batch of ``T`` tokens under balanced
-    routing: ``T k`` (dropless), or ``min(T k, E ceil(c T k / E))`` with capacity factor ``c``
-    (Megatron ``moe_utils.get_capacity(num_tokens * topk, num_experts, capacity_factor)``)."""
-    k, E = s.moe_router_topk, s.num_experts
-    n = T * k
-    c = s.moe_expert_capacity_factor
-    if c is None:
-        return n
-    return min(n, E * math.ceil(n / E * c))
+    """Token copies ``N_l`` of this rank's ``T`` tokens that leave the router (permute, dispatch, unpermute):
+    ``T k`` dropless; with capacity factor ``c`` the sum over experts of ``min(T k f_i, ceil(c T k / E))``
+    (``min(T k, E ceil(c T k / E))`` balanced)."""
+    return round(sum(_kept(s, T)))
+
+
+def ep_rank_loads(s, T: int) -> list[float]:
+    """Token copies the local experts of each EP rank ``r`` receive from the whole EP group: ``ep`` x the kept
+    copies of its experts ``r E_l .. (r + 1) E_l - 1`` (Megatron ``local_expert_indices``; every source rank has
+    the same shares). Balanced and dropless: ``T k`` on every rank."""
+    kept, El, ep = _kept(s, T), s.local_experts, s.expert_parallel_size
+    return [ep * sum(kept[r * El:(r + 1) * El]) for r in range(ep)]
+
+
+def expert_tokens(s, T: int) -> int:
+    """Rows ``N`` the grouped expert GEMMs of the busiest EP rank process per micro-batch (before the expert
+    tensor-parallel all-gather): ``max_r ep_rank_loads``. The step follows that rank: the others wait for it at
+    the combine all-to-all, so the representative rank is built with its load."""
+    return round(max(ep_rank_loads(s, T)))
+
+
+def load_imbalance(s, T: int) -> float:
+    """The busiest EP rank's expert rows over the mean rank's (1.0 balanced): ``expert_tokens / mean``."""
+    loads = ep_rank_loads(s, T)
+    return max(loads) / (sum(loads) / len(loads))
 
 
 # -- kernels -----------------------------------------------------------------------------------
@@ -150,18 +272,28 @@ def _copy(bld, name: str, x: str, nbytes: int) -> str:
     return y
 
 
+def _etp(bld, name: str, op: str, nbytes: int, x: str, out: str, out_bytes: int) -> str:
+    """A blocking collective over the expert-tensor-parallel group ``etp`` (``nbytes``: the gathered array)."""
+    y = bld.e.fresh(out)
+    bld._tp_op(name, op, nbytes, uses=[x], out=[(y, out_bytes)], group="etp")
+    return y
+
+
 def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
-    """The MoE layer's forward on the normalised ``[T, h]`` 16-bit input ``x`` (see the module text).
+    """The MoE layer's forward on the normalised ``[T_n, h]`` 16-bit input ``x`` (``T_n = T / t`` with tensor
+    and sequence parallelism; see the module text).
 
     Returns:
-        The ``[T, h]`` 16-bit output (before the residual add) and the tensors saved for ``moe_bwd``.
+        The ``[T_n, h]`` 16-bit output (before the residual add) and the tensors saved for ``moe_bwd``.
     """
-    s, e, T = bld.s, bld.e, bld.T
-    h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
-    fe = expert_ffn(s)
-    N = routed_tokens(s, T)
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # copies leaving the router; rows at the busiest rank's experts
+    Na = max(Nl, N)  # all-to-all buffer rows: the busiest rank's receive (dispatch) / send (combine)
+    Ng = N * et  # rows of the grouped GEMMs after the etp all-gather
     sv: dict = {}
-    logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save)
+    logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save, tokens=T)
     probs, rmap = e.fresh("router.probs"), e.fresh("router.routing_map")
     e.kernel("router.topk_softmax", C.SOFTMAX, reads=2 * T * E, writes=5 * T * E,
              out=[(probs, 4 * T * E), (rmap, T * E)], uses=[logits])
@@ -171,41 +303,58 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
         e.kernel("router.aux_loss.softmax", C.SOFTMAX, reads=2 * T * E, writes=4 * T * E,
                  out=[(scores, 4 * T * E)], uses=[logits], dtype="fp32")
         e.kernel("router.aux_loss", C.REDUCTION, reads=5 * T * E, writes=12 * E, uses=[scores, rmap], dtype="fp32")
-    # dispatcher preprocess: tokens per expert, gathered over EP, to the host (a synchronisation)
+    # dispatcher preprocess: tokens per expert, gathered over EP x ETP, to the host (a synchronisation)
     counts = e.fresh("moe.tokens_per_expert")
     e.kernel("moe.tokens_per_expert", C.REDUCTION, reads=T * E, writes=8 * E, out=[(counts, 8 * E)], uses=[rmap],
              dtype="int64")
-    if ep > 1:
-        counts = _ep(bld, "moe.tokens_per_expert.all_gather", "all_gather", 8 * E * ep, counts,
-                     "moe.global_tokens_per_expert", dtype="int64")
-    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=8 * E * ep,
+    n_gather = ep * et  # Megatron gathers them over the tp_ep group (ep x etp ranks): priced over ep (else etp)
+    if n_gather > 1:
+        y = e.fresh("moe.global_tokens_per_expert")
+        bld._tp_op("moe.tokens_per_expert.all_gather", "all_gather", 8 * E * n_gather, uses=[counts],
+                   out=[(y, 8 * E * n_gather)], dtype="int64", group="ep" if ep > 1 else "etp")
+        counts = y
+    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=8 * E * n_gather,
                    uses=[counts], dtype="int64")
     bld.b.add(f"L{e.layer}.{e.phase.value}.moe.tokens_per_expert.sync", OpKind.SYNC, "host", deps=[d2h],
               phase=e.phase, layer=e.layer, launch=False)
     perm = e.fresh("moe.permuted")
-    e.kernel("moe.permute", C.COPY, reads=2 * N * h + T * E, writes=2 * N * h, out=[(perm, 2 * N * h)],
+    e.kernel("moe.permute", C.COPY, reads=2 * Nl * h + T * E, writes=2 * Nl * h, out=[(perm, 2 * Nl * h)],
              uses=[x, rmap])
     if ep > 1:
-        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * N * h, perm, "moe.dispatched")
-        if El > 1:
-            perm = _copy(bld, "moe.sort_chunks", perm, 2 * N * h)
+        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * Na * h, perm, "moe.dispatched")
+    if et > 1:
+        perm = _etp(bld, "moe.dispatch.all_gather", "all_gather", 2 * Ng * h, perm, "moe.gathered", 2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        perm = _copy(bld, "moe.sort_chunks", perm, 2 * Ng * h)
     fc1, sv["fc1"] = bld._linear_fwd("experts.fc1", perm, h, (2 if s.swiglu else 1) * fe, x_fp32=False, save=save,
-                                     tokens=N, groups=El)
-    act = bld._act_fwd("experts.", fc1, N, fe)
-    y, sv["fc2"] = bld._linear_fwd("experts.fc2", act, fe, h, x_fp32=False, save=save, tokens=N, groups=El)
+                                     tokens=Ng, groups=El)
+    act = bld._act_fwd("experts.", fc1, Ng, fe)
+    y, sv["fc2"] = bld._linear_fwd("experts.fc2", act, fe, h, x_fp32=False, save=save, tokens=Ng, groups=El)
+    if El > 1 and (ep > 1 or et > 1):
+        y = _copy(bld, "moe.unsort_chunks", y, 2 * Ng * h)
+    if et > 1:  # partial sums of the etp ranks' slices of f_e, summed and scattered back to this rank's rows
+        y = _etp(bld, "moe.combine.reduce_scatter", "reduce_scatter", 2 * Ng * h, y, "moe.scattered", 2 * N * h)
     if ep > 1:
-        if El > 1:
-            y = _copy(bld, "moe.unsort_chunks", y, 2 * N * h)
-        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * N * h, y, "moe.combined")
+        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
     out = e.fresh("moe.out")
-    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * N * h + 4 * T * E + T * E, writes=2 * T * h,
-             flops=2 * N * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
+    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
+             flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
     fs = s.moe_shared_expert_intermediate_size
-    if fs:
-        s1, sv["shared.fc1"] = bld._linear_fwd("shared_expert.fc1", x, h, (2 if s.swiglu else 1) * fs, x_fp32=True,
-                                               save=save)
-        sa = bld._act_fwd("shared_expert.", s1, T, fs)
+    if fs:  # a dense MLP split over the attention TP group (Megatron SharedExpertMLP), as the dense path
+        fs //= bld.tp
+        xs = bld._tp_gather("shared_expert", x)
+        s1, sv["shared.fc1"] = bld._linear_fwd("shared_expert.fc1", xs, h, (2 if s.swiglu else 1) * fs,
+                                               x_fp32=True, save=save)
+        sa = bld._act_fwd("shared_expert.", s1, bld.T, fs)
         s2, sv["shared.fc2"] = bld._linear_fwd("shared_expert.fc2", sa, fs, h, x_fp32=False, save=save)
+        s2 = bld._tp_reduce("shared_expert.fc2", s2)
+        if s.moe_shared_expert_gate:  # Qwen2-MoE: sigmoid(x w_g) [T, 1] scales the shared expert's output
+            sg, sv["shared.gate"] = bld._linear_fwd("shared_expert.gate", x, h, 1, x_fp32=True, save=save, tokens=T)
+            s2g = e.fresh("shared_expert.gated")
+            e.kernel("shared_expert.gate.sigmoid_mul", C.ELEMENTWISE, reads=2 * T * h + 2 * T, writes=2 * T * h,
+                     flops=5 * T * h, out=[(s2g, 2 * T * h)], uses=[s2, sg])
+            sv["shared.gate_in"], sv["shared.out"] = sg, s2
+            s2 = s2g
         out = bld._add("moe.shared_expert.add", out, s2, 2, 2, 2)
         sv["shared.act_in"] = s1
     sv.update(probs=probs, rmap=rmap, scores=scores, fc1_out=fc1, combined=y)
@@ -213,37 +362,56 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
 
 
 def moe_bwd(bld, g: str, sv: dict) -> str:
-    """The MoE layer's backward from the gradient ``g`` of its ``[T, h]`` output; returns the gradient of its
-    input (``[T, h]`` 16-bit)."""
-    s, e, T = bld.s, bld.e, bld.T
-    h, E, El, ep = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size
-    fe = expert_ffn(s)
-    N = routed_tokens(s, T)
+    """The MoE layer's backward from the gradient ``g`` of its ``[T_n, h]`` output; returns the gradient of its
+    input (``[T_n, h]`` 16-bit)."""
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in moe_fwd
+    Na, Ng = max(Nl, N), N * et
     fs = s.moe_shared_expert_intermediate_size
     g_shared = None
     if fs:
-        gs = bld._linear_bwd("shared_expert.fc2", g, sv["shared.fc2"], fs, h, g_fp32=True)
-        gs = bld._act_bwd("shared_expert.", gs, sv["shared.act_in"], T, fs)
-        g_shared = bld._linear_bwd("shared_expert.fc1", gs, sv["shared.fc1"], h, (2 if s.swiglu else 1) * fs,
-                                   g_fp32=False)
+        fs //= bld.tp
+        gs = g
+        if s.moe_shared_expert_gate:  # d(shared out) = g sigmoid, d(gate logit) = sum(g out) sigmoid'
+            gs, gg = e.fresh("shared_expert.gate.dx"), e.fresh("shared_expert.gate.dlogit")
+            e.kernel("shared_expert.gate.sigmoid_mul.dgrad", C.ELEMENTWISE, reads=2 * 2 * T * h + 2 * T,
+                     writes=2 * T * h + 2 * T, flops=7 * T * h, out=[(gs, 2 * T * h), (gg, 2 * T)],
+                     uses=[g, sv["shared.out"], sv["shared.gate_in"]])
+            g_gate = bld._linear_bwd("shared_expert.gate", gg, sv["shared.gate"], h, 1, g_fp32=False, tokens=T)
+        gs = bld._linear_bwd("shared_expert.fc2", bld._tp_gather("shared_expert.fc2.grad", gs), sv["shared.fc2"], fs,
+                             h, g_fp32=True)
+        gs = bld._act_bwd("shared_expert.", gs, sv["shared.act_in"], bld.T, fs)
+        g_shared = bld._tp_reduce("shared_expert.fc1.grad",
+                                  bld._linear_bwd("shared_expert.fc1", gs, sv["shared.fc1"], h,
+                                                  (2 if s.swiglu else 1) * fs, g_fp32=False))
+        if s.moe_shared_expert_gate:
+            g_shared = bld._add("shared_expert.gate.dx.add", g_shared, g_gate, 2, 2, 2)
     gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
-    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * N * h + 4 * T * E + T * E,
-             writes=2 * N * h + 4 * T * E, flops=2 * N * h, out=[(gy, 2 * N * h), (gp, 4 * T * E)],
+    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
+             writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
              uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
     if ep > 1:
-        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * N * h, gy, "moe.combine.dx")
-        if El > 1:
-            gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * N * h)
-    ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=N, groups=El)
-    ga = bld._act_bwd("experts.", ga, sv["fc1_out"], N, fe)
-    gx = bld._linear_bwd("experts.fc1", ga, sv["fc1"], h, (2 if s.swiglu else 1) * fe, g_fp32=False, tokens=N,
+        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
+    if et > 1:  # the reduce-scatter's backward
+        gy = _etp(bld, "moe.combine.dgrad.all_gather", "all_gather", 2 * Ng * h, gy, "moe.combine.dx_gathered",
+                  2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * Ng * h)
+    ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=Ng, groups=El)
+    ga = bld._act_bwd("experts.", ga, sv["fc1_out"], Ng, fe)
+    gx = bld._linear_bwd("experts.fc1", ga, sv["fc1"], h, (2 if s.swiglu else 1) * fe, g_fp32=False, tokens=Ng,
                          groups=El)
+    if El > 1 and (ep > 1 or et > 1):
+        gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * Ng * h)
+    if et > 1:  # the all-gather's backward: the etp ranks' input-gradient slices summed
+        gx = _etp(bld, "moe.dispatch.dgrad.reduce_scatter", "reduce_scatter", 2 * Ng * h, gx,
+                  "moe.dispatch.dx_scattered", 2 * N * h)
     if ep > 1:
-        if El > 1:
-            gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * N * h)
-        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * N * h, gx, "moe.dispatch.dx")
+        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * Na * h, gx, "moe.dispatch.dx")
     g_in = e.fresh("moe.permute.dx")
-    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * N * h + T * E, writes=2 * T * h, flops=N * h,
+    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * Nl * h + T * E, writes=2 * T * h, flops=Nl * h,
              out=[(g_in, 2 * T * h)], uses=[gx, sv["rmap"]])
     gl = e.fresh("router.logits.dx")
     e.kernel("router.topk_softmax.dgrad", C.SOFTMAX, reads=8 * T * E + T * E, writes=2 * T * E,
@@ -253,20 +421,65 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
         e.kernel("router.aux_loss.dgrad", C.SOFTMAX, reads=4 * T * E + 2 * T * E, writes=2 * T * E,
                  out=[(gl2, 2 * T * E)], uses=[gl, sv["scores"]], dtype="fp32")
         gl = gl2
-    g_router = bld._linear_bwd("router", gl, sv["router"], h, E, g_fp32=False)
+    g_router = bld._linear_bwd("router", gl, sv["router"], h, E, g_fp32=False, tokens=T)
     g_in = bld._add("moe.router.dx.add", g_in, g_router, 2, 2, 2)
     if g_shared is not None:
         g_in = bld._add("moe.shared_expert.dx.add", g_in, g_shared, 2, 2, 2)
     return g_in
 
 
+def own_expert_grads(s) -> bool:
+    """Expert gradients are reduced over their own group ``edp`` (not with the dense ones over ``dp``): with
+    ``ep > 1`` or ``etp != t``, where the ranks holding the same expert shard are not the data-parallel group."""
+    return bool(s.num_experts) and (s.expert_parallel_size > 1
+                                    or s.expert_tensor_parallel_size != s.tensor_parallel_size)
+
+
+def own_expert_params(s) -> int:
+    """Routed-expert parameters of this rank whose gradients and optimizer state go over ``edp`` (0 unless
+    ``own_expert_grads``): ``MoE blocks on the rank x E_l x 3 h f_e / etp`` (SwiGLU; ``2 h f_e`` without)."""
+    if not own_expert_grads(s):
+        return 0
+    n = moe_layer_count(s, rank_layer_ids(s))
+    return n * s.local_experts * _mlp_weights(s, expert_ffn(s)) // s.expert_tensor_parallel_size
+
+
+def sharded_state(s, P: int, shard) -> int:
+    """Elements of one rank's optimizer-state partition of its ``P`` parameters under ZeRO-1/2 or Megatron's
+    distributed optimizer: the dense ``P - P_e`` sharded over ``dp`` (``shard``), the experts' ``P_e``
+    (``own_expert_params``) over ``edp`` (ceil; DeepSpeed partitions expert parameter groups over the expert
+    data-parallel group, Megatron keeps expert parameters in their own buffer over ``expt_dp``)."""
+    pe = own_expert_params(s)
+    return shard(P - pe) + -(-pe // expert_data_parallel_size(s))
+
+
+def expert_param_gathers(bld, opt: int) -> None:
+    """ZeRO-1/2 and the distributed optimizer after the step: the updated 16-bit expert parameters
+    all-gathered over ``edp`` (one collective; nothing with ``edp`` of one rank)."""
+    pe = own_expert_params(bld.s)
+    if pe and expert_data_parallel_size(bld.s) > 1:
+        bld.comm_ops.append(bld._collective("edp.param_all_gather", "all_gather", 2 * pe, [opt], bld.e.phase,
+                                            group="edp"))
+
+
 def reduce_expert_grad(bld, pg: ParamGroup) -> None:
-    """With ``ep > 1`` and data parallelism: all-reduce the finished fp32 gradient of one expert weight tensor
-    over the expert-data-parallel group ``edp`` (``dp / ep`` ranks) on stream ``comm.edp``; nothing when that
-    group is one rank (``dp = ep``: every replica of these experts is on this rank)."""
+    """With ``own_expert_grads``: all-reduce (ZeRO-1/2, distributed optimizer: reduce-scatter) the finished fp32
+    gradient of one expert weight tensor
+    over the expert-data-parallel group ``edp`` (``expert_data_parallel_size``) on stream ``comm.edp``; nothing when that
+    group is one rank (``t dp = ep etp``: no other rank holds these experts)."""
     s = bld.s
-    if s.data_parallel_size // s.expert_parallel_size <= 1:
+    if expert_data_parallel_size(s) <= 1:
         return
     tensors = [pg.grad_tensor] if pg.grad_tensor else []
-    bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,
-                                            [pg.grad_op], bld.e.phase, uses=tensors, group="edp"))
+    if not (bld.zero in (1, 2) or (bld.sh is not None and bld.sh.strategy == "distributed_optimizer")):
+        bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,
+                                                [pg.grad_op], bld.e.phase, uses=tensors, group="edp"))
+        return
+    allocs = ()  # ZeRO-2: the reduced 1/edp shard stays, the full gradient is freed after the reduce-scatter
+    if bld.zero == 2:
+        shard = bld.e.fresh(f"grad.shard.{pg.name}")
+        bld.grad_shards.append(shard)
+        allocs = (TensorAlloc(shard, -(-pg.grad_bytes // expert_data_parallel_size(s))),)
+    bld.moe_grad_ops.append(bld._collective(f"edp.grad_reduce_scatter.{pg.name}", "reduce_scatter", pg.grad_bytes,
+                                            [pg.grad_op], bld.e.phase, uses=tensors if bld.zero == 2 else (),
+                                            allocs=allocs, group="edp"))

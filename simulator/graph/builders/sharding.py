@@ -139,9 +139,12 @@ def zero3_prefetch_depth(unit_numel: int, num_units: int, prefetch_bucket: int, 
     return d
 
 
-def layer_param_sizes(spec) -> dict[str, int]:
+def layer_param_sizes(spec, experts: bool = True, layer: int | None = None) -> dict[str, int]:
     """Parameters of one block on one TP rank, name -> elements, in the order backward finishes their
-    gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears).
+    gradients (``fc2``, ``fc1``, ``ln2``, ``proj``, ``qkv``, ``ln1``; bias before weight for Linears; a
+    mixture of experts: shared-expert gate, fc2, fc1, the experts' fc2, fc1, the router in place of ``fc2``,
+    ``fc1``). ``experts`` false: without the routed experts (reduced over their own group, ``moe.own_expert_grads``);
+    ``layer``: that block (a dense block of a mixed model, ``moe_layer_pattern``; ``None``: an MoE block).
     Sums to ``spec.layer_params`` with ``t = 1``."""
     h, t = spec.hidden_size, spec.tensor_parallel_size
     f = spec.ffn_hidden_size
@@ -159,13 +162,33 @@ def layer_param_sizes(spec) -> dict[str, int]:
         if spec.norm_has_bias:
             out[f"{name}.bias"] = h
 
-    lin("fc2", f, h, bias, h)
-    lin("fc1", h, fc1, bias, fc1 // t)
+    if spec.num_experts and (layer is None or spec.moe_layer_pattern is None or spec.moe_layer_pattern[layer]):
+        _moe_param_sizes(spec, out, experts)
+    else:
+        lin("fc2", f, h, bias, h)
+        lin("fc1", h, fc1, bias, fc1 // t)
     norm("ln2")
     lin("proj", h, h, bias, h)
     lin("qkv", h, qkv, bias or spec.qkv_bias, qkv // t)
     norm("ln1")
     return out
+
+
+def _moe_param_sizes(spec, out: dict[str, int], experts: bool) -> None:
+    """The MoE layer's parameters on one rank in backward order (``moe.moe_bwd``), added to ``out``."""
+    h, t = spec.hidden_size, spec.tensor_parallel_size
+    fs = spec.moe_shared_expert_intermediate_size
+    g = 3 if spec.swiglu else 2
+    if fs:
+        if spec.moe_shared_expert_gate:
+            out["shared_expert.gate.weight"] = h
+        out["shared_expert.fc2.weight"] = fs * h // t
+        out["shared_expert.fc1.weight"] = h * (g - 1) * fs // t
+    if experts:
+        fe = (spec.moe_ffn_hidden_size or spec.ffn_hidden_size) // spec.expert_tensor_parallel_size
+        out["experts.fc2.weight"] = spec.local_experts * fe * h
+        out["experts.fc1.weight"] = spec.local_experts * h * (g - 1) * fe
+    out["router.weight"] = h * spec.num_experts
 
 
 def root_param_sizes(spec) -> dict[str, int]:
@@ -184,12 +207,12 @@ def root_param_sizes(spec) -> dict[str, int]:
     return out
 
 
-def backward_param_order(spec, chunk: int = 0) -> list[tuple[str, int, int]]:
+def backward_param_order(spec, chunk: int = 0, experts: bool = True) -> list[tuple[str, int, int]]:
     """``(name, unit, elements)`` of every parameter of model chunk ``chunk`` in the order backward finishes
     its gradient (the builder's ``param_groups`` order): on the last model chunk the LM head (with tied
     embeddings and a pipeline, the last rank's copy of the token table) and the final norm, then the chunk's
     blocks in reverse, then on model chunk 0 the embeddings. With one pipeline rank chunk 0 is the whole
-    model: LM head and final norm, blocks ``L-1 .. 0``, embeddings."""
+    model: LM head and final norm, blocks ``L-1 .. 0``, embeddings (``experts``: as ``layer_param_sizes``)."""
     sizes = root_param_sizes(spec)
     root = list(sizes.items())
     head, emb = [], []
@@ -200,7 +223,7 @@ def backward_param_order(spec, chunk: int = 0) -> list[tuple[str, int, int]]:
     if chunk == 0:
         emb = [(n, ROOT, k) for n, k in root if n.startswith(("wte", "wpe"))]
     blocks = [(f"L{layer}.{n}", layer, k) for layer in reversed(chunk_layers(spec.layer_split, chunk))
-              for n, k in layer_param_sizes(spec).items()]
+              for n, k in layer_param_sizes(spec, experts, layer).items()]
     return head + blocks + emb
 
 
@@ -227,9 +250,10 @@ class MegatronBuffer:
     gather_ops: dict[int, int] = field(default_factory=dict)
 
 
-def megatron_buffer(spec, chunk: int, first_bucket: int = 0) -> MegatronBuffer:
-    """The gradient buffer of model chunk ``chunk`` (``backward_param_order`` split by ``megatron_buckets``)."""
-    order = backward_param_order(spec, chunk)
+def megatron_buffer(spec, chunk: int, first_bucket: int = 0, experts: bool = True) -> MegatronBuffer:
+    """The gradient buffer of model chunk ``chunk`` (``backward_param_order`` split by ``megatron_buckets``;
+    ``experts`` false: the expert parameters, reduced over their own group, are not in it)."""
+    order = backward_param_order(spec, chunk, experts)
     buckets = megatron_buckets([k for _, _, k in order], spec.sharding.bucket_elements)
     hooks: dict[int, set[int]] = {}
     L = spec.num_layers

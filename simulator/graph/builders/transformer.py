@@ -180,6 +180,13 @@ class TransformerSpec:
         moe_router_load_balancing_type: ``aux_loss`` (Switch-style auxiliary loss) or ``none``.
         expert_parallel_size: Expert-parallel ranks ``ep`` (Megatron ``--expert-model-parallel-size``): each
             rank holds ``E / ep`` experts; EP ranks lie inside the data-parallel dimension.
+        moe_tokens_per_expert: Routed tokens per expert, ``E`` non-negative counts or fractions (``None``:
+            balanced routing); the rank built is the busiest EP rank (``moe.expert_tokens``).
+        expert_tensor_parallel_size: Ranks ``etp`` each expert's width is split over (Megatron
+            ``--expert-tensor-parallel-size``; the grid etp-ep-edp spans the tp x dp ranks of a stage).
+        moe_shared_expert_gate: A sigmoid gate ``[h, 1]`` scales the shared expert's output (Qwen2-MoE).
+        moe_layer_pattern: 1 (MoE) or 0 (dense MLP of ``ffn_hidden_size``) per block (Megatron
+            ``--moe-layer-freq`` as a list; ``None``: every block is MoE).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -245,6 +252,10 @@ class TransformerSpec:
     moe_expert_capacity_factor: float | None = None
     moe_router_load_balancing_type: str = "aux_loss"
     expert_parallel_size: int = 1
+    moe_tokens_per_expert: tuple[float, ...] | None = None
+    expert_tensor_parallel_size: int = 1
+    moe_shared_expert_gate: bool = False
+    moe_layer_pattern: tuple[int, ...] | None = None
     kv_channels: int | None = None
     window_size: int | None = None
     lora: lora.LoraSpec | None = None
@@ -327,6 +338,11 @@ class TransformerSpec:
             raise ValueError(f"tp_comm_overlap must be one of {TP_COMM_OVERLAP}, got {self.tp_comm_overlap!r}")
         if self.tp_comm_overlap != "none" and not (self.sequence_parallel and t > 1):
             raise ValueError("tp_comm_overlap needs sequence_parallel with tensor_parallel_size > 1 (Megatron-LM)")
+        if self.num_micro_batches > 1 and self.zero_stage == 2 and self.data_parallel_size > 1 and \
+                moe.own_expert_grads(self):
+            raise ValueError("ZeRO stage 2 with gradient accumulation and experts reduced over their own group "
+                             "(expert_model_parallel_size > 1) is not modelled yet (allowed: stage 0 or 1, or no "
+                             "accumulation)")
         if self.pipeline_schedule == "zero_bubble_h1" and (self.tp_comm_overlap != "none" or self.lora is not None):
             raise ValueError("the zero_bubble_h1 schedule with tp_comm_overlap or LoRA is not modelled yet (its W passes "
                              "move the weight-gradient GEMMs those pair with)")
@@ -433,12 +449,13 @@ class TransformerSpec:
         (``moe.moe_mlp_params``: router, ``E / ep`` experts, shared expert)."""
         return self._layer_params(self.local_experts)
 
-    def _layer_params(self, experts: int) -> int:
-        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE)."""
+    def _layer_params(self, experts: int, moe_layer: bool = True) -> int:
+        """One block's parameters on a TP rank with ``experts`` routed experts (dense MLP without MoE or with
+        ``moe_layer`` false: a dense block of a mixed model, ``moe_layer_pattern``)."""
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tensor_parallel_size
         qkv, fc1 = self.qkv_out_size, self.fc1_out_size
-        if self.num_experts:
-            mlp = moe.moe_mlp_params(self, experts)
+        if self.num_experts and moe_layer:
+            mlp = moe.moe_rank_params(self, experts)
         else:
             mlp = (h * fc1 + f * h) // t
         w = (h * qkv + self.attention_width * h) // t + mlp
@@ -488,7 +505,7 @@ class TransformerSpec:
         if self.pipeline_parallel_size == 1:
             return self.num_parameters
         h = self.hidden_size
-        n = self.rank_layers * self.layer_params
+        n = sum(self._layer_params(self.local_experts, moe.is_moe_layer(self, i)) for i in moe.rank_layer_ids(self))
         if self.has_embedding:
             n += self.vocab_per_rank * h + self.position_table_rows * h
         if self.has_head:
@@ -506,7 +523,9 @@ class TransformerSpec:
             return vitb.vit_params(self, self.num_layers * self._layer_params(experts))
         emb = self.vocab_per_rank * h + self.position_table_rows * h
         head = 0 if self.tied_embeddings else self.vocab_per_rank * h
-        return emb + self.num_layers * self._layer_params(experts) + self.norm_params + head
+        n_moe = moe.moe_layer_count(self, range(self.num_layers))
+        blocks = n_moe * self._layer_params(experts) + (self.num_layers - n_moe) * self._layer_params(experts, False)
+        return emb + blocks + self.norm_params + head
 
     @property
     def num_parameters(self) -> int:
@@ -528,7 +547,10 @@ class TransformerSpec:
         parallelism (LayerNorms, row-parallel biases), all-reduced once per step."""
         h = self.hidden_size
         ln = self.norm_params
-        return self.rank_layers * (2 * ln + (2 * h if self.bias else 0)) + (ln if self.has_head else 0)
+        moe_rep = (self.num_experts + (1 if self.moe_shared_expert_gate else 0)) * h if self.num_experts else 0
+        n_moe = moe.moe_layer_count(self, moe.rank_layer_ids(self)) if self.num_experts else 0
+        return (self.rank_layers * (2 * ln + (2 * h if self.bias else 0)) + n_moe * moe_rep
+                + (ln if self.has_head else 0))
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs per sample and GPU without recompute: 3x the forward's GEMM + attention FLOPs,
@@ -549,16 +571,17 @@ class TransformerSpec:
         router's ``2 h E``, < 0.01% of Mixtral's); dropped tokens (capacity factor) still count.
         """
         h, f, s, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.vocab_size
-        if self.num_experts:  # active weights only: router + k experts (+ shared expert), see moe_mlp_params
-            mlp = moe.moe_mlp_params(self, self.moe_router_topk)
-        else:
-            mlp = (3 if self.swiglu else 2) * h * f
+        dense = (3 if self.swiglu else 2) * h * f
+        # active weights only: router + k experts (+ shared expert), see moe_mlp_params; dense blocks of a mixed model
+        mlp = moe.moe_mlp_params(self, self.moe_router_topk) if self.num_experts else dense
+        n_moe = moe.moe_layer_count(self, range(self.num_layers)) if self.num_experts else 0
         # causal attention per token: 2 (QK^T) + 2 (PV) FLOPs x d per (query, key) pair and head
         att = 4 * self.attention_width * self.attention_pairs / s
         per_token_layer = 2 * (h * self.qkv_out_size + self.attention_width * h + mlp) + att
         if self.vit is not None:  # patch embedding and head per image, fwd + bwd (vit.embed_head_flops)
             return (3.0 * s * self.num_layers * per_token_layer + vitb.embed_head_flops(self)) / self.tensor_parallel_size
-        fwd = s * (self.num_layers * per_token_layer + 2 * h * V)
+        per_token_dense = 2 * (h * self.qkv_out_size + self.attention_width * h + dense) + att
+        fwd = s * (n_moe * per_token_layer + (self.num_layers - n_moe) * per_token_dense + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
 
 
@@ -1038,11 +1061,12 @@ class _GptBuilder:
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
-        ln2 = self._tp_gather("ln2", self._norm_fwd("ln2", x2))
+        ln2 = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
-        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+        if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py), T / t tokens
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
+            ln2 = self._tp_gather("ln2", ln2)
             fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
             g = self._act_fwd("", fc1, T, f)
             fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
@@ -1065,7 +1089,7 @@ class _GptBuilder:
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # MLP
-        if s.num_experts:  # mixture of experts (simulator/graph/builders/moe.py)
+        if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py)
             g_ln2 = moe.moe_bwd(self, gx, sv["moe"])
         else:
             g_fc2 = core.hidden_dropout_bwd(self, "residual2.dropout", gx, sv["mask2"])
@@ -1114,7 +1138,7 @@ class _GptBuilder:
             return
         s, b = self.s, self.b
         P = s.rank_num_parameters
-        Ps = self._shard(P) if self.zero else P  # ZeRO-1/2: optimizer state and master weights per rank
+        Ps = moe.sharded_state(s, P, self._shard) if self.zero else P  # ZeRO-1/2: states per rank (experts: edp)
         if self.amp or self.full:  # fp32 parameters, no separate master copy
             b.persistent("params.fp32", 4 * P)
         else:
@@ -1361,7 +1385,8 @@ class _GptBuilder:
         if self.zero in (1, 2):
             opt = len(self.b) - 1
             pbytes = 4 if self.amp or self.full else 2
-            left, k = P, 0
+            moe.expert_param_gathers(self, opt)
+            left, k = P - moe.own_expert_params(s), 0
             while left > 0:
                 n = min(left, s.allgather_bucket_elements)
                 self.comm_ops.append(self._collective(f"zero.param_all_gather.{k}", "all_gather", n * pbytes, [opt],
@@ -1383,11 +1408,11 @@ class _GptBuilder:
         pg = ParamGroup(f"L{layer}.{name}" if layer >= 0 else name, numel, layer, self._grad_elem_bytes, op, tensor)
         if self.last_mb:
             self.groups.append(pg)
-        if not self.dp:
-            return
-        if self.s.expert_parallel_size > 1 and name.startswith("experts."):  # over the expert-data-parallel group
+        if name.startswith("experts.") and moe.own_expert_grads(self.s):  # over the expert-data-parallel group
             if self.last_mb:
                 moe.reduce_expert_grad(self, pg)
+            return
+        if not self.dp:
             return
         s = self.s
         if self.sh is not None and self._sharded_grad_ready(pg):
@@ -1493,7 +1518,8 @@ class _GptBuilder:
             self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
             self._mg: dict[int, shd.MegatronBuffer] = {}  # model chunk -> its gradient buffer
             for k in s.model_chunks:
-                self._mg[k] = shd.megatron_buffer(s, k, sum(len(b.bucket_len) for b in self._mg.values()))
+                self._mg[k] = shd.megatron_buffer(s, k, sum(len(b.bucket_len) for b in self._mg.values()),
+                                                  experts=not moe.own_expert_grads(s))
 
     def _new_micro_batch(self, mb: int) -> None:
         self._mb = mb
@@ -1524,7 +1550,7 @@ class _GptBuilder:
     def _persistent_sharded(self) -> None:
         s, b, sh = self.s, self.b, self.sh
         P = s.rank_num_parameters  # this pipeline stage's (the whole model without a pipeline)
-        Ps = sh.shard(P)
+        Ps = moe.sharded_state(s, P, sh.shard) if sh.strategy == "distributed_optimizer" else sh.shard(P)
         half = self.e.half
         st = sh.strategy
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
@@ -1556,9 +1582,11 @@ class _GptBuilder:
 
     def _optimizer_share(self) -> float:
         P = self.s.rank_num_parameters
+        if self.sh is not None and self.sh.strategy == "distributed_optimizer":
+            return moe.sharded_state(self.s, P, self.sh.shard) / P
         if self.sh is not None:
             return 1.0 if self.sh.strategy == "no_shard" else self.sh.shard(P) / P
-        return self._shard(P) / P if self.zero else 1.0
+        return moe.sharded_state(self.s, P, self._shard) / P if self.zero else 1.0
 
     def _after_step_gathers(self, opt: int) -> None:
         """ZeRO-3: the persistent parameters' all-gather; Megatron without overlap_param_gather: the bf16
@@ -1570,6 +1598,8 @@ class _GptBuilder:
             self.comm_ops.append(self._collective("zero3.persistent_param_all_gather", "all_gather",
                                                   2 * self.pg.persistent_numel, [opt], Phase.OPT,
                                                   group=self._shard_group))
+        if sh.strategy == "distributed_optimizer":
+            moe.expert_param_gathers(self, opt)  # (after the step even with overlap_param_gather)
         if sh.strategy == "distributed_optimizer" and not sh.overlap_param_gather:
             for buf in self._mg.values():
                 for bi, n in enumerate(buf.bucket_numel):

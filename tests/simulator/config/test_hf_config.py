@@ -76,7 +76,8 @@ def test_qwen2_qkv_bias(tmp_path):
 
 LLAMA = json.loads((MODELS / "llama-2-7b.json").read_text())
 BAD = [
-    ("moe", {**LLAMA, "model_type": "qwen2_moe", "num_experts": 60}, {}, ["num_experts", "mixture-of-experts", "mixtral only"]),
+    ("moe", {**LLAMA, "model_type": "qwen3_moe", "num_experts": 128}, {}, ["num_experts", "mixture-of-experts",
+                                                                     "mixtral, qwen2_moe, deepseek"]),
     ("architecture", {**LLAMA, "model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, {},
      ["model_type", "'t5'", "T5ForConditionalGeneration", "gpt2, llama, mistral, mixtral, qwen2"]),
     ("activation", {**LLAMA, "hidden_act": "gelu"}, {}, ["hidden_act", "silu"]),

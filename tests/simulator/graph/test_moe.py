@@ -183,16 +183,26 @@ BAD = [
     ("ep not dividing experts", _mixtral(num_layers=1), {"expert_model_parallel_size": 3}, True,
      ["expert_model_parallel_size: 3 must divide model.num_experts (8)"]),
     ("dp not divisible by ep", {**_mixtral(num_layers=1), "num_experts": 16}, {"expert_model_parallel_size": 16},
-     True, ["expert_model_parallel_size: 16 must divide data_parallel_size 8", "tp-cp-ep-dp"]),
+     True, ["expert_model_parallel_size: 16 x expert_tensor_parallel_size 1 must divide tensor_model_parallel_size x "
+            "data_parallel_size 1 x 8", "etp-ep-edp"]),
     ("ep without cluster", _mixtral(num_layers=1), {"expert_model_parallel_size": 2}, False,
-     ["must divide data_parallel_size 1", "hardware.cluster"]),
+     ["data_parallel_size 1 x 1", "hardware.cluster"]),
     ("topk above experts", _mixtral(num_layers=1, moe_router_topk=9), {}, False,
      ["moe_router_topk (9) exceeds num_experts (8)"]),
     ("moe key without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
                                  "seq_length": 512, "moe_router_topk": 4}, {}, False,
      ["moe_router_topk needs model.num_experts"]),
-    ("tensor parallel experts", _mixtral(num_layers=1), {"tensor_model_parallel_size": 2}, True,
-     ["tensor_model_parallel_size 2", "not modelled"]),
+    ("tensor parallel experts without sequence parallelism", _mixtral(num_layers=1),
+     {"tensor_model_parallel_size": 2}, True, ["parallelism.sequence_parallel", "must be used"]),
+    ("etp not dividing the expert width", _mixtral(num_layers=1, moe_ffn_hidden_size=14335),
+     {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2}, True,
+     ["parallelism.expert_tensor_parallel_size: 2 must divide the expert width 14335"]),
+    ("etp above tp", _mixtral(num_layers=1), {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                              "expert_tensor_parallel_size": 4}, True,
+     ["expert_tensor_parallel_size: 4 above tensor_model_parallel_size 2 is not modelled"]),
+    ("etp without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
+                             "seq_length": 512}, {"expert_tensor_parallel_size": 2}, True,
+     ["expert_tensor_parallel_size: 2 needs model.num_experts"]),
     ("biases", _mixtral(num_layers=1, add_bias_linear=True), {}, False, ["add_bias_linear", "not modelled"]),
     ("capacity factor zero", _mixtral(num_layers=1, moe_expert_capacity_factor=0), {}, False,
      ["moe_expert_capacity_factor"]),
@@ -221,10 +231,259 @@ def test_amp_precision_refused_with_experts(tmp_path, capsys):
 def test_spec_refuses_what_the_schema_refuses():
     with pytest.raises(ValueError, match="must divide num_experts"):
         _spec(expert_parallel_size=3, data_parallel_size=3)
-    with pytest.raises(ValueError, match="must divide data_parallel_size"):
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size x data_parallel_size"):
         _spec(expert_parallel_size=2)
+    with pytest.raises(ValueError, match="needs sequence_parallel"):
+        _spec(tensor_parallel_size=2, num_attention_heads=4)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size .3. must divide the expert width"):
+        _spec(tensor_parallel_size=4, sequence_parallel=True, expert_tensor_parallel_size=3)
     with pytest.raises(ValueError, match="between 1 and num_experts"):
         _spec(moe_router_topk=5)
     with pytest.raises(ValueError, match="need num_experts"):
         _spec(num_experts=None, moe_ffn_hidden_size=64)
     assert math.isfinite(_spec().model_flops_per_sample())
+
+
+# -- load imbalance (model.moe_tokens_per_expert) ---------------------------------------------------
+def _ops(g, layer=0):
+    return {o.name: o for o in g.ops if o.layer == layer}
+
+
+@pytest.mark.parametrize("shares", [(3, 1), (0.75, 0.25), (300, 100)])
+def test_imbalance_two_experts_three_to_one_by_hand(shares):
+    # E 2, ep 2, top-1, T 32: every rank routes 24 copies to expert 0 (EP rank 0) and 8 to expert 1 (rank 1);
+    # rank 0 receives 2 x 24 = 48 rows, rank 1 16 (mean 32): the representative is rank 0 (1.5x the mean)
+    from simulator.graph.builders import moe
+
+    s = _spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2, data_parallel_size=2,
+              moe_tokens_per_expert=shares)
+    assert moe.ep_rank_loads(s, T) == [48, 16] and moe.load_imbalance(s, T) == 1.5
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (48, 2 * FE, H)
+    assert ops["L0.fwd.experts.fc2.gemm"].shape == (48, H, FE)
+    assert ops["L0.bwd.experts.fc1.wgrad"].shape == (2 * FE, H, 48)
+    assert ops["L0.fwd.moe.permute"].bytes_written == 2 * 32 * H  # this rank's own 32 copies
+    assert ops["L0.fwd.moe.unpermute"].bytes_written == 2 * T * H
+    # every all-to-all moves the busiest rank's 48 rows (received in dispatch, sent in combine)
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 48 * H)] == 4
+    balanced = _ops(build_gpt_step(_spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2,
+                                         data_parallel_size=2)))
+    assert balanced["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+
+
+def test_imbalance_with_capacity_factor_by_hand():
+    # capacity ceil(1.0 x 32 / 2) = 16 per expert from each rank: expert 0 keeps 16 of 24, expert 1 all 8 ->
+    # 24 copies leave each rank; rank 0 receives 2 x 16 = 32 rows; the all-to-all buffer is max(24, 32) rows
+    s = _spec(num_experts=2, moe_router_topk=1, expert_parallel_size=2, data_parallel_size=2,
+              moe_tokens_per_expert=(3, 1), moe_expert_capacity_factor=1.0)
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape[0] == 32
+    assert ops["L0.fwd.moe.permute"].bytes_written == 2 * 24 * H
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 32 * H)] == 4
+
+
+def test_imbalance_without_expert_parallelism_changes_nothing():
+    # one rank holds both experts: the stacked rows are its T k copies whatever the split
+    g = build_gpt_step(_spec(num_experts=2, moe_router_topk=1, moe_tokens_per_expert=(3, 1)))
+    assert _ops(g)["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+
+
+def test_mixtral_ep8_imbalance_slows_the_step_and_drops_the_balanced_warning(tmp_path):
+    par, cl = {"expert_model_parallel_size": 8}, {"preset": "dgx-h100", "nodes": 1}
+    bal = run_scenario(load_scenario(_scenario(tmp_path, _mixtral(num_layers=2), par, cl))).summary
+    # expert 0 gets 2x the mean (2/8 of the copies): the busiest EP rank's GEMMs and all-to-alls double
+    skew = _mixtral(num_layers=2, moe_tokens_per_expert=[2, 1, 1, 1, 1, 1, 1, 0])
+    imb = run_scenario(load_scenario(_scenario(tmp_path, skew, par, cl))).summary
+    assert not any("balanced" in w for w in imb["warnings"])
+    assert any("busiest EP rank's expert load (2x the mean)" in w for w in imb["warnings"])
+    assert 1.9 < imb["comm_s_by_group"]["ep"] / bal["comm_s_by_group"]["ep"] < 2.1
+    assert imb["step_time_s"] > 1.2 * bal["step_time_s"]
+
+
+@pytest.mark.parametrize("tokens,expected", [([1, 2, 3], "moe_tokens_per_expert: 3 numbers for num_experts 8"),
+                                             ([1, 1, 1, 1, 1, 1, 1, -1], "moe_tokens_per_expert: -1.0 (allowed"),
+                                             ([0] * 8, "moe_tokens_per_expert: all 0")])
+def test_bad_tokens_per_expert_one_line(tmp_path, capsys, tokens, expected):
+    p = _scenario(tmp_path, _mixtral(num_layers=1, moe_tokens_per_expert=tokens))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err and str(p) in err
+
+
+# -- expert tensor parallelism (parallelism.expert_tensor_parallel_size) ----------------------------
+def _tp_spec(**kw) -> TransformerSpec:
+    return _spec(tensor_parallel_size=2, sequence_parallel=True, **kw)
+
+
+def test_etp_splits_the_experts_and_gathers_tokens_over_etp_by_hand():
+    # tp 2 (SP: each rank routes T / 2 = 16 tokens, 32 copies), etp 2, ep 1: after the (absent) all-to-all the
+    # 32 rows are all-gathered over etp into 64 rows of [h] (2 x 64 x H bytes), the GEMMs run on f_e / 2 columns,
+    # and the [64, h] partial sums are reduce-scattered back to 32 rows
+    s = _tp_spec(expert_tensor_parallel_size=2)
+    g = build_gpt_step(s)
+    ops = _ops(g)
+    assert ops["L0.fwd.router.gemm"].shape == (16, E, H)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (64, 2 * FE // 2, H)
+    assert ops["L0.fwd.experts.fc2.gemm"].shape == (64, H, FE // 2)
+    etp = _coll(g, 0, "etp")
+    assert etp == {("all_gather", 2 * 64 * H): 2, ("reduce_scatter", 2 * 64 * H): 2, ("all_gather", 8 * E * 2): 1}
+    assert not _coll(g, 0, "ep")
+    # parameters on a rank: dense attention / t, router replicated, experts / etp
+    dense = 1000 * H // 2 * 2 + H + 2 * ((H * 3 * H + H * H) // 2 + 2 * H + H * E)  # padded V 1024 / 2 per rank
+    assert s.vocab_per_rank == 512
+    assert s.num_parameters == 2 * 512 * H + H + 2 * ((H * 3 * H + H * H) // 2 + 2 * H + H * E + 4 * 3 * H * FE // 2)
+    assert sum(p.numel for p in g.param_groups) == s.num_parameters
+    assert dense  # (the unpadded count, for reference)
+    # SP: the router weight's gradient differs per TP rank and joins the LayerNorm all-reduce
+    assert s.sequence_parallel_params == 2 * (2 * H + E * H) + H
+
+
+def test_ep_over_the_tensor_parallel_ranks_by_hand():
+    # tp 2, etp 1, ep 2 on 2 GPUs (dp 1): the two TP ranks hold 2 experts each at full width; each routes its 16
+    # tokens (32 copies), balanced: every rank's experts receive 32 rows; the all-to-alls move 2 x 32 x H bytes
+    g = build_gpt_step(_tp_spec(expert_tensor_parallel_size=1, expert_parallel_size=2))
+    ops = _ops(g)
+    assert ops["L0.fwd.experts.fc1.gemm"].shape == (32, 2 * FE, H)
+    assert _coll(g, 0, "ep")[("all_to_all", 2 * 32 * H)] == 4
+    assert not [o for o in g.ops if o.meta and o.meta.get("group") in ("etp", "edp")]
+
+
+def test_etp_one_without_ep_reduces_expert_grads_over_the_tp_ranks():
+    # tp 2, etp 1, ep 1: both TP ranks hold every expert (edp = 2 x 1 / 1 = 2): expert gradients all-reduced over edp
+    from simulator.graph.builders import moe
+
+    s = _tp_spec(expert_tensor_parallel_size=1)
+    assert moe.expert_data_parallel_size(s) == 2
+    edp = Counter(o.meta["bytes"] for o in build_gpt_step(s).ops if o.meta and o.meta.get("group") == "edp")
+    assert edp == {4 * 4 * H * 2 * FE: 2, 4 * 4 * FE * H: 2}
+
+
+def test_shared_expert_split_over_tp_with_sp_collectives():
+    g = build_gpt_step(_tp_spec(moe_shared_expert_intermediate_size=96))
+    ops = _ops(g)
+    assert ops["L0.fwd.shared_expert.fc1.gemm"].shape == (T, 2 * 96 // 2, H)  # gathered T tokens, f_s / t
+    tp = _coll(g, 0, "tp")
+    assert tp[("all_gather", 2 * T * H)] >= 2 and tp[("reduce_scatter", 2 * T * H)] >= 2
+
+
+@pytest.mark.parametrize("tp,etp,ep,ep_group,edp_group,etp_group", [
+    (2, 1, 4, (0, 1, 2, 3), (0, 4), (0,)), (4, 2, 2, (0, 2), (0, 4), (0, 1)), (2, 2, 4, (0, 2, 4, 6), (0,), (0, 1))])
+def test_expert_grid_rank_groups_etp_ep_edp(tmp_path, tp, etp, ep, ep_group, edp_group, etp_group):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": ep, "tensor_model_parallel_size": tp,
+                                                     "sequence_parallel": True, "expert_tensor_parallel_size": etp},
+                  {"preset": "dgx-h100", "nodes": 1})
+    hw = resolve_hardware(load_scenario(p))
+    assert (hw.ep_group, hw.edp_group, hw.etp_group) == (ep_group, edp_group, etp_group)
+
+
+def test_mixtral_tp2_etp1_ep4_runs_on_dgx_h100(tmp_path):
+    p = _scenario(tmp_path, _mixtral(num_layers=2), {"expert_model_parallel_size": 4, "tensor_model_parallel_size": 2,
+                                                     "sequence_parallel": True, "expert_tensor_parallel_size": 1},
+                  {"preset": "dgx-h100", "nodes": 1})
+    s = run_scenario(load_scenario(p)).summary
+    assert s["num_parameters"] == 2 * 1_451_270_144 + 2 * 32000 * 4096 + 4096
+    assert {"ep", "tp", "edp"} <= set(s["comm_s_by_group"]) and 0 < s["step_time_s"] < 1.0
+
+
+# -- ZeRO-1/2 and the distributed optimizer with expert parallelism -------------------------------------
+# TINY on ep 2, dp 4 (edp 2): dense D = 2 V h + h + 2 (3 h^2 + h^2 + 2 h + h E) = 161,600 parameters over dp,
+# experts P_e = 2 layers x 2 local x 3 h f_e = 98,304 over edp
+D, PE = 2 * 1000 * H + H + 2 * (3 * H * H + H * H + 2 * H + H * E), 2 * 2 * 3 * H * FE
+
+
+def _persist(g) -> dict:
+    return {t.name: t.nbytes for t in g.persistent}
+
+
+def _bytes(g, group, op) -> list[int]:
+    return sorted(o.meta["bytes"] for o in g.ops if o.meta and o.meta.get("group") == group
+                  and o.meta.get("collective") == op)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_ep_shards_expert_states_over_edp_by_hand(stage):
+    assert (D, PE) == (161_600, 98_304)
+    s = _spec(expert_parallel_size=2, data_parallel_size=4, zero_stage=stage)
+    assert s.num_parameters == D + PE
+    g = build_gpt_step(s)
+    ps = 161_600 // 4 + 98_304 // 2  # 40,400 + 49,152 = 89,552
+    m = _persist(g)
+    assert m["optimizer.exp_avg"] == m["optimizer.exp_avg_sq"] == m["params.master_fp32"] == 4 * ps
+    assert m["params.bf16"] == 2 * (D + PE)
+    # expert gradients reduce-scattered over edp (fp32), dense ones over dp; 16-bit parameters all-gathered after
+    assert _bytes(g, "edp", "reduce_scatter") == [4 * 2 * FE * H] * 2 + [4 * 2 * H * 2 * FE] * 2
+    assert not _bytes(g, "edp", "all_reduce")
+    assert sum(_bytes(g, "dp", "reduce_scatter")) == 4 * D
+    assert _bytes(g, "edp", "all_gather") == [2 * PE] and sum(_bytes(g, "dp", "all_gather")) == 2 * D
+    adam = next(o for o in g.ops if o.name.endswith("adamw"))
+    assert adam.flops == pytest.approx(12 * ps)
+
+
+def test_zero2_keeps_the_expert_gradient_shards():
+    g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=4, zero_stage=2))
+    rs = [o for o in g.ops if o.meta and o.meta.get("group") == "edp" and o.meta.get("collective") == "reduce_scatter"]
+    assert sorted(a.nbytes for o in rs for a in o.allocs) == [4 * 2 * FE * H // 2] * 2 + [4 * 2 * H * 2 * FE // 2] * 2
+
+
+def test_distributed_optimizer_with_ep_by_hand():
+    from simulator.graph.builders.sharding import ShardingSpec, backward_param_order
+
+    sh = ShardingSpec("distributed_optimizer", shard_size=4, grad_bytes=4)
+    s = _spec(expert_parallel_size=2, data_parallel_size=4, sharding=sh)
+    g = build_gpt_step(s)
+    m = _persist(g)
+    ps = 161_600 // 4 + 98_304 // 2
+    assert m["params.master_fp32"] == m["optimizer.exp_avg"] == 4 * ps and m["grad.ddp_buckets"] == 4 * (D + PE)
+    assert sum(_bytes(g, "dp", "reduce_scatter")) == 4 * D  # one bucket of the dense gradients
+    assert _bytes(g, "edp", "reduce_scatter") == [4 * 2 * FE * H] * 2 + [4 * 2 * H * 2 * FE] * 2
+    assert _bytes(g, "edp", "all_gather") == [2 * PE] and _bytes(g, "dp", "all_gather") == [2 * D]
+    # the bucket plan follows the builder's gradient order (MoE names included; experts left out with edp)
+    order = [(n, k) for n, _, k in backward_param_order(_spec())]
+    assert order == [(p.name, p.numel) for p in build_gpt_step(_spec()).param_groups]
+    s2 = _spec(moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True)
+    assert [(n, k) for n, _, k in backward_param_order(s2)] == [(p.name, p.numel)
+                                                                for p in build_gpt_step(s2).param_groups]
+    assert sum(k for _, _, k in backward_param_order(s, experts=False)) == D
+
+
+def test_zero_with_ep_on_a_cluster_by_hand(tmp_path):
+    # Mixtral 1 layer, ep 4 on 8 H100 (edp 2), ZeRO-1: the optimizer state is 4 bytes x (dense / 8 + experts / 2)
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": 4},
+                  {"preset": "dgx-h100", "nodes": 1}, )
+    d = yaml.safe_load(p.read_text())
+    d["zero_optimization"] = {"stage": 1}
+    p.write_text(yaml.safe_dump(d))
+    spec = transformer_spec(load_scenario(p))
+    dense = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 2 * 4096 + 2 * 32000 * 4096 + 4096
+    experts = 2 * 3 * 4096 * 14336
+    assert spec.num_parameters == dense + experts
+    g = build_gpt_step(spec)
+    assert _persist(g)["optimizer.exp_avg"] == 4 * (-(-dense // 8) + experts // 2)
+    assert run_scenario(load_scenario(p)).summary["step_time_s"] > 0
+
+
+def test_zero3_with_ep_refused_one_line(tmp_path, capsys):
+    p = _scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": 4},
+                  {"preset": "dgx-h100", "nodes": 1})
+    d = yaml.safe_load(p.read_text())
+    d["zero_optimization"] = {"stage": 3}
+    p.write_text(yaml.safe_dump(d))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "zero_optimization.stage: 3 with parallelism.expert_model_parallel_size 4" in err
+
+
+def test_zero2_accumulation_with_expert_parallelism_is_refused(tmp_path, capsys):
+    """ZeRO-2 reduces every micro-batch (dense gradients over dp); the expert gradients over edp would be reduced
+    once per step here, so the combination is refused rather than half modelled."""
+    d = yaml.safe_load(_scenario(tmp_path, _mixtral(num_layers=1), {"expert_model_parallel_size": 4},
+                                 {"preset": "dgx-h100", "nodes": 1},
+                                 {"global_batch_size": 16}).read_text())
+    d["zero_optimization"] = {"stage": 2}
+    p = tmp_path / "z.yaml"
+    p.write_text(yaml.safe_dump(d))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "zero_optimization.stage: 2 with gradient accumulation and experts" in err
