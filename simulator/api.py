@@ -486,6 +486,30 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append(f"model.moe_tokens_per_expert: every EP rank is simulated with the busiest EP rank's "
                        f"expert load ({moe.load_imbalance(spec, spec.micro_batch_size * spec.seq_length):.3g}x the "
                        "mean): the step follows it, the other ranks' energy is overstated")
+    d = cfg.dvfs if cfg is not None else None
+    sup = hw.gpu.supported_sm_clocks_mhz
+    if d is not None and sup:
+        asked = ([("dvfs.locked_clocks_mhz", d.locked_clocks_mhz)] if d.locked_clocks_mhz is not None else []) + [
+            (f"dvfs.phase_clocks_mhz.{ph}", mhz) for ph, mhz in d.phase_clocks_mhz.items()]
+        for key, mhz in asked:
+            near = min(sup, key=lambda c: (abs(c - mhz), c))  # hardware_models.power.snap_clock's rule
+            if near != mhz:
+                out.append(f"{key} {mhz:g} MHz is not a supported SM clock of {hw.gpu.name}: the run uses the nearest, "
+                           f"{near:g} MHz (as nvidia-smi -lgc rounds)")
+    z = cfg.zero_optimization if cfg is not None else None
+    if z is not None and z.stage == 3 and (cfg.parallelism.data_parallel_size or 1) > 1:
+        sh = sharding_spec(cfg)
+        if sh.fwd_prefetch_depth == 0:
+            from simulator.graph.builders.sharding import layer_param_sizes
+
+            unit = sum(k for k in layer_param_sizes(transformer_spec(cfg)).values()
+                       if k > z.stage3_param_persistence_threshold)
+            out.append(f"zero_optimization.stage3_prefetch_bucket_size {z.stage3_prefetch_bucket_size:,} elements "
+                       f"(or stage3_max_live_parameters {z.stage3_max_live_parameters:,}) holds less than one block's "
+                       f"{unit:,} parameters: prefetch is modelled a whole block at a time, so no block is prefetched "
+                       "and every parameter all-gather is exposed, while DeepSpeed prefetches parameter by parameter "
+                       "up to the bucket: exposed_comm_s and step_time_s are upper bounds (a bucket of at least "
+                       f"{unit:,} gives the other bound)")
     if cfg is not None and cfg.training.lora is not None:
         out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
                    "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "

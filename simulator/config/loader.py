@@ -149,11 +149,19 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
 
 def with_hf_path(data: dict, source: str) -> dict:
     """``data`` with a relative ``model.from_hf`` that is not found from the current folder taken from the
-    folder of the scenario file ``source``."""
+    folder of the scenario file ``source``.
+
+    Raises:
+        ScenarioError: a relative path found in neither folder (naming both).
+    """
     m = data.get("model") if isinstance(data, dict) else None
     hf = m.get("from_hf") if isinstance(m, dict) else None
     if isinstance(hf, str) and hf.startswith(("./", "../")) and not Path(hf).exists() and Path(source).is_file():
-        data = {**data, "model": {**m, "from_hf": str(Path(source).resolve().parent / hf)}}  # relative: the scenario's folder
+        there = Path(source).resolve().parent / hf  # relative: the scenario's folder
+        if not there.exists():
+            raise ScenarioError(f"{source}: model.from_hf: {hf} not found (looked for {Path(hf).resolve()} from the "
+                                f"current folder and {there.resolve()} from the scenario's folder)")
+        data = {**data, "model": {**m, "from_hf": str(there)}}
     return data
 
 

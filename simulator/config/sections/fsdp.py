@@ -75,6 +75,16 @@ class FsdpConfig(_Model):
             raise ValueError("cpu_offload: true is not modelled (allowed: false)")
         return v
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _mixed_precision_value(cls, v):
+        if isinstance(v, str) and v.upper() in MIXED_PRECISION_PRESETS:
+            return v.upper()
+        if not isinstance(v, dict):  # one line instead of pydantic's union report
+            raise ValueError(f"{v!r} (allowed: {', '.join(MIXED_PRECISION_PRESETS)}, or {{param_dtype: bf16 | fp32, "
+                             "reduce_dtype: bf16 | fp32})")
+        return v
+
     @field_validator("sharding_strategy", "backward_prefetch", mode="before")
     @classmethod
     def _upper(cls, v):

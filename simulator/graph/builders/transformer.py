@@ -1461,8 +1461,10 @@ class _GptBuilder:
             self.e.kernel("grad.shard_accum", C.ELEMENTWISE, reads=2 * nbytes, writes=nbytes, flops=nbytes / 4,
                           uses=[t for t, _ in self._partials], deps=mine, dtype="fp32")
             self._partials = []
-        elif not self.last_mb:
-            self.e.wait_for.extend(mine)
+        elif not self.last_mb:  # the wait itself, on the compute stream, in backward (where the epilogue's
+            # wait_stream puts it: the backward-end event completes after the reductions)
+            self.b.add("bwd.grad_reduce.wait", OpKind.COMPUTE, "compute", deps=mine, phase=Phase.BWD,
+                       fixed_duration_s=0.0, launch=False)
 
     def _reduced_shard(self, k: int, nbytes: int) -> tuple[TensorAlloc, ...]:
         """Where bucket ``k``'s reduce-scatter writes its ``nbytes`` shard: the step's gradient shard on the first

@@ -58,6 +58,11 @@ CASES = [
      ["dvfs.locked_clocks_mhz 14100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
     ("phase clock below the GPU's range", {**BASE, "dvfs": {"kind": "phase_plan", "phase_clocks_mhz": {"opt": 100}}},
      ["dvfs.phase_clocks_mhz.opt 100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
+    ("fsdp mixed precision not a preset", {**BASE, "fsdp": {"mixed_precision": "bf16"}},
+     ["fsdp.mixed_precision: 'bf16' (allowed: DEFAULT, PURE, FULL, or {param_dtype: bf16 | fp32, reduce_dtype: bf16 | "
+      "fp32})"]),
+    ("from_hf in neither folder", {**BASE, "model": {"from_hf": "./nope.json"}},
+     ["model.from_hf: ./nope.json not found (looked for", "from the scenario's folder)"]),
     # was ignored without a word: the run used the power cap at the maximum clock
     ("locked clock with kind power_cap",
      {**BASE, "dvfs": {"kind": "power_cap", "power_limit_w": 400, "locked_clocks_mhz": 1410}},

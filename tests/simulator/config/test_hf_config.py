@@ -90,7 +90,7 @@ BAD = [
     ("groups without gqa", None, {"num_query_groups": 4, "group_query_attention": False},
      ["needs group_query_attention"]),
     ("not a path", None, {"from_hf": "llama.json"}, ["from_hf", "./"]),
-    ("missing file", None, {"from_hf": "./nope.json"}, ["from_hf", "file not found"]),
+    ("missing file", None, {"from_hf": "./nope.json"}, ["model.from_hf: ./nope.json not found (looked for"]),
 ]
 
 
