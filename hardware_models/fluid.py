@@ -137,6 +137,14 @@ class FluidScheduler:
         Raises:
             ValueError: ``size`` is not a positive finite number, or ``cap`` is not > 0.
         """
+        return self.add_flow(size, links, cap).done
+
+    def add_flow(self, size: float, links: tuple = (), cap: float = math.inf) -> FluidFlow:
+        """``add``, returning the flow itself (its ``done`` event, and a handle for ``set_caps``).
+
+        Raises:
+            ValueError: as ``add``.
+        """
         if not (size > 0 and math.isfinite(size)):
             raise ValueError(f"flow size must be a positive finite number, got {size!r}")
         if not cap > 0:
@@ -145,7 +153,7 @@ class FluidScheduler:
         flow = FluidFlow(size, self.env.event(), tuple(links), cap)
         self.flows.append(flow)
         self.reschedule()
-        return flow.done
+        return flow
 
     def advance(self) -> None:
         """Move every flow forward to ``env.now`` at its current rate."""
