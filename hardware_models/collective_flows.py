@@ -15,6 +15,9 @@ the last member arrives, after the model's latency for the chosen algorithm. Flo
 Alone on the fabric this reproduces ``CollectiveModel``'s latency + bus bytes / bandwidth (without
 the size efficiency and ring fill terms); concurrent collectives and other transfers crossing the
 same links share them max-min fairly (``hardware_models.fabrics``).
+
+The engine loads one simulated rank's own links (``rank_loads`` over ``PORT_LINKS``: its NVLink port, its
+PCIe link, its NIC rail) with the same flows (``simulator.engine.system.System.collective_flows``).
 """
 
 from __future__ import annotations

@@ -188,15 +188,15 @@ class FluidScheduler:
         # flows whose completion times agree with the earliest to a few ulps finish together
         tol = _TIME_ULPS * math.ulp(t_next)
         due = [f for f, t in zip(self.flows, ends) if t - t_next <= tol]
-        self.env.process(self._wake(max(t_next - now, 0.0), self._generation, due))
+        gen = self._generation  # a timeout with a callback: cheaper than a process per wake-up
+        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
 
     def _finished(self, f: FluidFlow, now: float) -> bool:
         if f.remaining <= REL_TOL * f.size:
             return True
         return f.rate > 0 and now + f.remaining / f.rate <= now  # completion rounds to now
 
-    def _wake(self, delay: float, gen: int, due: list[FluidFlow]):
-        yield self.env.timeout(delay)
+    def _wake(self, gen: int, due: list[FluidFlow]) -> None:
         if gen != self._generation:
             return  # superseded: a flow started or ended, or the rates changed
         self.advance()

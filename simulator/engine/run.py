@@ -129,7 +129,7 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     env = simpy.Environment()
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     meet = Rendezvous(env)
-    fabric = Fabric(env)  # every rank's links in one network (a send/recv crosses both ranks' links)
+    fabric = Fabric(env)  # the calls the ranks share (a pipeline send/recv runs over both ranks' links)
     ranks = []
     attaches = list(attach) if isinstance(attach, Sequence) else [attach] * len(graphs)
     for graph, hw, attach_one in zip(graphs, hws, attaches, strict=True):

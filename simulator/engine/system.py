@@ -12,7 +12,7 @@ and a collective runs ``1 + gamma`` times slower exactly while a compute kernel 
 
 Collectives are flows over the rank's own links (``collective_flows``, ``run_collective``): its GPU's
 NVLink / NVSwitch port, its NIC's rail and its GPU's PCIe link (which GPUDirect traffic to the NIC and
-the host copies share on HGX boards), in the run's one ``Fabric`` network, so concurrent TP, DP,
+the host copies share on HGX boards), in this rank's ``FluidNetwork``, so concurrent TP, DP,
 pipeline and offload traffic of the rank share those links max-min fairly. Under rank folding
 (symmetry) the representative rank's links stand for every folded peer's: a peer's port carries what
 the representative's does at the same time.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import simpy
 
 from hardware_models.collective_flows import port_capacities, rank_loads
+from hardware_models.fabrics import FluidNetwork
 from hardware_models.fluid import maxmin_rates
 from hardware_models.machine import Hardware
 from simulator.cost.base import DeviceState
@@ -46,8 +47,8 @@ class System:
         env: SimPy environment.
         hw: Hardware specs.
         recorder: The run's recorder (runtime components record counters through it).
-        fabric: The run's links shared with the other simulated ranks (``engine.links.Fabric``); None:
-            a network of this rank's own.
+        fabric: The run's calls shared with the other simulated ranks (``engine.links.Fabric``); None: a
+            fabric of this rank alone.
     """
 
     def memory_counters(self) -> list[tuple[float, str, str, int]]:
@@ -65,9 +66,6 @@ class System:
         self.exact_power = False
         self.cost = RooflineCostModel(hw.gpu, hw.profile, hw.slowdown)
         self.fabric = fabric if fabric is not None else Fabric(env)
-        #: this rank's links in the run's network: ``<prefix>pcie.h2d`` ... (``collective_flows.PORT_LINKS``)
-        self.link_prefix = p = self.fabric.new_prefix()
-        self.network = self.fabric.network
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
         links = {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s, "pcie.duplex": c.duplex_bytes_per_s}
         #: global rank of this simulated (representative) rank
@@ -76,9 +74,11 @@ class System:
         self._topo = getattr(hw.collectives, "topo", None)
         if self._topo is not None:
             links.update(port_capacities(self._topo, self.rank))
-        self.network.add_links({p + k: v for k, v in links.items()})
-        #: links crossed by each copy direction (``COPY_PATHS``, prefixed)
-        self.copy_links = {k: tuple(p + name for name in v) for k, v in COPY_PATHS.items()}
+        #: this rank's links (``collective_flows.PORT_LINKS``): only its own flows cross them, so the solver
+        #: works on one rank's flows at a time
+        self.network = FluidNetwork(env, links)
+        #: links crossed by each copy direction
+        self.copy_links = COPY_PATHS
         self._flows: dict[tuple, tuple[list, float]] = {}
         self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
@@ -256,7 +256,8 @@ class System:
 
         Returns ``(flows, alone_s)``: ``alone_s = time_s - latency_s`` of ``collective_result(op)`` (s) and one
         ``(links, bytes, cap_bytes_per_s)`` per set of this rank's links a part of the collective crosses
-        (``hardware_models.collective_flows.rank_loads``; links prefixed), with ``cap = bytes / alone_s``: the
+        (``hardware_models.collective_flows.rank_loads``; parts of equal bytes on disjoint links, such as a
+        ring's send and receive on the NVLink port, are one flow), with ``cap = bytes / alone_s``: the
         rate at which the part moves alone, so that alone (nothing else on its links) the collective takes
         exactly its NCCL-model time (the size efficiency, protocol and fill terms are in that rate). Where the
         collective's own parts would not fit its links at those rates (its tx and rx inside one PCIe duplex
@@ -277,8 +278,17 @@ class System:
         if alone > 0 and self._topo is not None:
             loads = rank_loads(self.hw.collectives, key[0], self._group_of(op), key[2], res.algorithm, self.rank,
                                mirror=key[1] != "pp")
-            p, caps = self.link_prefix, self.network.capacities
-            parts = [(tuple(p + k for k in links), b, b / alone) for links, b in loads.items() if b > 0]
+            caps = self.network.capacities
+            merged: list[tuple[tuple[str, ...], float]] = []
+            for links, b in loads.items():  # parts moving the same bytes at once are one flow (a ring step is coupled)
+                if b <= 0:
+                    continue
+                k = next((i for i, (ls, bb) in enumerate(merged) if bb == b and not set(ls) & set(links)), None)
+                if k is None:
+                    merged.append((links, b))
+                else:
+                    merged[k] = (merged[k][0] + links, b)
+            parts = [(links, b, b / alone) for links, b in merged]
             rates = maxmin_rates([(links, cap) for links, _, cap in parts], caps) if parts else []
             flows = [(links, b, cap) if r >= cap else (links, r * alone, r)
                      for (links, b, cap), r in zip(parts, rates)]
@@ -335,8 +345,8 @@ class System:
         # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
         lat = res.time_s - alone
         if m.get("group") == "pp" and "rendezvous" in m:
-            yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat, flows, alone,
-                                   self._run_shared)
+            yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
+                                   [(self.network, *f) for f in flows], alone, self._run_shared)
             return
         if f is None or m.get("fused_gemm"):
             if lat > 0:
@@ -355,10 +365,15 @@ class System:
             self._signal("_comm_changed")
 
     def _run_shared(self, call):
-        """SimPy process body of a ``SharedCall``: its latency, then every party's flows together."""
+        """SimPy process body of a ``SharedCall``: its latency, then every party's flows together, each on its
+        party's links; done when the last ends (without flows: ``alone_s``)."""
+        env = self.env
         if call.latency_s > 0:
-            yield self.env.timeout(call.latency_s)
-        yield from self._move(call.flows, call.alone_s)
+            yield env.timeout(call.latency_s)
+        if call.flows:
+            yield env.all_of([net.start(b, links, cap).done for net, links, b, cap in call.flows])
+        elif call.alone_s > 0:
+            yield env.timeout(call.alone_s)
         call.done.succeed()
 
     @property
