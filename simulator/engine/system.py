@@ -316,7 +316,8 @@ class System:
             live = [(f, cap) for f, cap in live if not f.done.triggered]
             if not live:
                 return
-            yield env.all_of([f.done for f, _ in live]) | self._watch("_compute_changed")
+            done = live[0][0].done if len(live) == 1 else env.all_of([f.done for f, _ in live])
+            yield done | self._watch("_compute_changed")
             now = slow if self._kernels else 1.0
             if now != factor:
                 factor = now
@@ -346,9 +347,9 @@ class System:
         lat = res.time_s - alone
         if m.get("group") == "pp" and "rendezvous" in m:
             yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
-                                   [(self.network, *f) for f in flows], alone, self._run_shared)
+                                   [(self.network, *fl) for fl in flows], alone, self._run_shared)
             return
-        if f is None or m.get("fused_gemm"):
+        if f is None or m.get("fused_gemm") or m.get("group") == "pp":
             if lat > 0:
                 yield self.env.timeout(lat)
             yield from self._move(flows, alone)
@@ -358,7 +359,8 @@ class System:
         self._signal("_comm_changed")
         slow = 1.0 + f.comm_slowdown
         try:
-            yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
+            if lat > 0:
+                yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
             yield from self._move(flows, alone, slow)
         finally:
             self._loads.remove(load)
