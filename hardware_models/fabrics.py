@@ -70,14 +70,23 @@ class FluidNetwork:
     """
 
     def __init__(self, env: simpy.Environment, capacities: dict[str, float]):
+        self.env = env
+        self.capacities: dict[str, float] = {}
+        self._fluid = FluidScheduler(env, self._rates)
+        #: bytes carried per link (for utilisation).
+        self.bytes_carried: dict[str, float] = {}
+        self.add_links(capacities)
+
+    def add_links(self, capacities: dict[str, float]) -> None:
+        """Add links (name -> capacity, bytes/s). Raises: ValueError: a capacity that is not a positive
+        finite number, or a name that exists already."""
         for name, c in capacities.items():
             if not (c > 0 and math.isfinite(c)):
                 raise ValueError(f"link {name!r} capacity must be a positive finite number, got {c}")
-        self.env = env
-        self.capacities = dict(capacities)
-        self._fluid = FluidScheduler(env, self._rates)
-        #: bytes carried per link (for utilisation).
-        self.bytes_carried: dict[str, float] = {k: 0.0 for k in capacities}
+            if name in self.capacities:
+                raise ValueError(f"link {name!r} exists already")
+        self.capacities.update(capacities)
+        self.bytes_carried.update({k: 0.0 for k in capacities})
 
     def transfer(self, nbytes: float, links: tuple[str, ...], latency_s: float = 0.0, cap_bytes_per_s: float = 0.0):
         """SimPy process body: move ``nbytes`` over ``links`` after ``latency_s``.
@@ -110,6 +119,54 @@ class FluidNetwork:
             self.bytes_carried[name] += nbytes
         yield done
 
+    def start(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = math.inf) -> FluidFlow:
+        """Start moving ``nbytes`` (> 0, finite) over ``links`` now, at most at ``cap_bytes_per_s``; returns
+        the flow (``flow.done`` fires at its end; ``set_caps`` changes its cap).
+
+        Raises:
+            KeyError: an unknown link name.
+            ValueError: as ``FluidScheduler.add``, or no link and no cap.
+        """
+        for name in links:
+            if name not in self.capacities:
+                raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
+        if not links and cap_bytes_per_s == math.inf:
+            raise ValueError("a flow that crosses no link needs a rate cap")
+        flow = self._fluid.add_flow(nbytes, tuple(links), cap_bytes_per_s)
+        for name in links:
+            self.bytes_carried[name] += nbytes
+        return flow
+
+    def set_caps(self, caps: list[tuple[FluidFlow, float]]) -> None:
+        """Change the rate caps of live flows (``(flow, cap)``, cap > 0) now; every rate is recomputed.
+
+        Raises:
+            ValueError: a cap that is not > 0.
+        """
+        for _, c in caps:
+            if not c > 0:
+                raise ValueError(f"flow rate cap must be > 0, got {c!r}")
+        self._fluid.advance()
+        for f, c in caps:
+            f.cap = c
+        self._fluid.reschedule()
+
     def _rates(self, flows: list[FluidFlow]) -> None:
-        for f, r in zip(flows, maxmin_rates([(f.links, f.cap) for f in flows], self.capacities)):
+        caps = self.capacities
+        if len(flows) > 1:  # fast path: no link carries two flows -> each flow gets its own bottleneck
+            seen: set = set()
+            shared = False
+            for f in flows:
+                for k in f.links:
+                    if k in seen:
+                        shared = True
+                        break
+                    seen.add(k)
+                if shared:
+                    break
+            if not shared:
+                for f in flows:
+                    f.rate = min(f.cap, min((caps[k] for k in f.links), default=math.inf))
+                return
+        for f, r in zip(flows, maxmin_rates([(f.links, f.cap) for f in flows], caps)):
             f.rate = r

@@ -137,6 +137,14 @@ class FluidScheduler:
         Raises:
             ValueError: ``size`` is not a positive finite number, or ``cap`` is not > 0.
         """
+        return self.add_flow(size, links, cap).done
+
+    def add_flow(self, size: float, links: tuple = (), cap: float = math.inf) -> FluidFlow:
+        """``add``, returning the flow itself (its ``done`` event, and a handle for ``set_caps``).
+
+        Raises:
+            ValueError: as ``add``.
+        """
         if not (size > 0 and math.isfinite(size)):
             raise ValueError(f"flow size must be a positive finite number, got {size!r}")
         if not cap > 0:
@@ -145,7 +153,7 @@ class FluidScheduler:
         flow = FluidFlow(size, self.env.event(), tuple(links), cap)
         self.flows.append(flow)
         self.reschedule()
-        return flow.done
+        return flow
 
     def advance(self) -> None:
         """Move every flow forward to ``env.now`` at its current rate."""
@@ -180,15 +188,15 @@ class FluidScheduler:
         # flows whose completion times agree with the earliest to a few ulps finish together
         tol = _TIME_ULPS * math.ulp(t_next)
         due = [f for f, t in zip(self.flows, ends) if t - t_next <= tol]
-        self.env.process(self._wake(max(t_next - now, 0.0), self._generation, due))
+        gen = self._generation  # a timeout with a callback: cheaper than a process per wake-up
+        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
 
     def _finished(self, f: FluidFlow, now: float) -> bool:
         if f.remaining <= REL_TOL * f.size:
             return True
         return f.rate > 0 and now + f.remaining / f.rate <= now  # completion rounds to now
 
-    def _wake(self, delay: float, gen: int, due: list[FluidFlow]):
-        yield self.env.timeout(delay)
+    def _wake(self, gen: int, due: list[FluidFlow]) -> None:
         if gen != self._generation:
             return  # superseded: a flow started or ended, or the rates changed
         self.advance()

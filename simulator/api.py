@@ -467,8 +467,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "
-                   "cross-stage all-reduces take their isolated NCCL time (no interference with the kernels beside "
-                   "them, no contention with the data-parallel traffic on shared links)")
+                   "cross-stage all-reduces are not slowed by the kernels beside them (no interference term) and end at "
+                   "the same time on both stages; they share each stage's NVLink port, NIC rail and PCIe link max-min "
+                   "fairly with its other collectives and copies")
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")

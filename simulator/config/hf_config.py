@@ -277,7 +277,7 @@ def merge_hf(model: dict) -> dict:
     except ValueError as exc:
         raise ValueError(f"from_hf: {exc}") from None
     window = keys.pop("sliding_window")
-    moe_layers = keys.pop("moe_layers")
+    moe_layers = keys.pop("moe_layers", None)  # mixture-of-experts readers only (not vit)
     merged = {**keys, **model}
     n = merged.get("num_layers")
     if moe_layers is not None and "moe_layer_freq" not in model and isinstance(n, int) and not isinstance(n, bool) \

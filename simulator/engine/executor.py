@@ -18,8 +18,10 @@
   over the PCIe links (max-min fair sharing with everything else on them); host ops take
   ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
 * Ops naming a ``rendezvous`` (pipeline send/recv, cross-stage all-reduces) meet the same op of the
-  other ranks' executors running in the same environment: each starts when the last party arrives,
-  and all take the same isolated NCCL time.
+  other ranks' executors running in the same environment: each starts when the last party arrives;
+  a pipeline call then moves over every party's links together and ends at the same time on all
+  (``System.run_collective``). Collectives and copies are flows over the rank's links (NVLink port,
+  NIC rail, PCIe), sharing them max-min fairly.
 * A layer-fidelity block (``meta["fused"]``, ``simulator.policies.fidelity``) costs the host one launch
   per part, takes the sum of its parts' kernel times, and starts once its first part is launched and
   late enough not to end before its last part could have run after its own launch
@@ -304,9 +306,9 @@ class Executor:
             yield from sys.run_kernel(op)
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
-            yield from sys.network.transfer(op.bytes_read, COPY_PATHS[op.kind], sys.copy_latency_s, cap)
+            yield from sys.network.transfer(op.bytes_read, sys.copy_links[op.kind], sys.copy_latency_s, cap)
         elif op.kind is _COLLECTIVE and sys.collective_model(op):
-            yield from sys.run_collective(op)
+            yield from sys.run_collective(op, step)
         elif op.kind is _COLLECTIVE or op.kind is _D2D:
             yield env.timeout(sys.cost.duration_s(op, sys.state) if op.kind is not _D2D
                               else op.bytes_moved / sys.cost.memory_bandwidth(op.cost_class))

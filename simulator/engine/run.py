@@ -22,6 +22,7 @@ from hardware_models.machine import Hardware
 from simulator.engine.errors import SimulationError
 from simulator.engine.executor import Executor
 from simulator.engine.memory import DeviceMemoryOverheads
+from simulator.engine.links import Fabric
 from simulator.engine.rendezvous import Rendezvous
 from simulator.engine.system import System
 from simulator.graph.op_graph import OpGraph
@@ -128,11 +129,12 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     env = simpy.Environment()
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     meet = Rendezvous(env)
+    fabric = Fabric(env)  # the calls the ranks share (a pipeline send/recv runs over both ranks' links)
     ranks = []
     attaches = list(attach) if isinstance(attach, Sequence) else [attach] * len(graphs)
     for graph, hw, attach_one in zip(graphs, hws, attaches, strict=True):
         rec = Recorder()
-        system = System(env, hw, rec)
+        system = System(env, hw, rec, fabric)
         system.exact_power = exact_power
         system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
         runtime = attach_one(env, system) if attach_one is not None else _NoRuntime()

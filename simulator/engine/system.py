@@ -9,17 +9,27 @@ flight (the SMs and HBM traffic they take) and whether compute kernels are runni
 collectives progress at rates that follow that state (``run_kernel``, ``run_collective``): when
 a collective starts or ends mid-kernel, the kernel's remaining work continues at the new rate,
 and a collective runs ``1 + gamma`` times slower exactly while a compute kernel runs beside it.
+
+Collectives are flows over the rank's own links (``collective_flows``, ``run_collective``): its GPU's
+NVLink / NVSwitch port, its NIC's rail and its GPU's PCIe link (which GPUDirect traffic to the NIC and
+the host copies share on HGX boards), in this rank's ``FluidNetwork``, so concurrent TP, DP,
+pipeline and offload traffic of the rank share those links max-min fairly. Under rank folding
+(symmetry) the representative rank's links stand for every folded peer's: a peer's port carries what
+the representative's does at the same time.
 """
 
 from __future__ import annotations
 
 import simpy
 
+from hardware_models.collective_flows import port_capacities, rank_loads
 from hardware_models.fabrics import FluidNetwork
+from hardware_models.fluid import maxmin_rates
 from hardware_models.machine import Hardware
 from simulator.cost.base import DeviceState
 from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load, kernel_share
 from simulator.cost.roofline import RooflineCostModel
+from simulator.engine.links import Fabric
 from simulator.engine.memory import MemoryPool
 from simulator.graph.ops import OpKind
 
@@ -37,6 +47,8 @@ class System:
         env: SimPy environment.
         hw: Hardware specs.
         recorder: The run's recorder (runtime components record counters through it).
+        fabric: The run's calls shared with the other simulated ranks (``engine.links.Fabric``); None: a
+            fabric of this rank alone.
     """
 
     def memory_counters(self) -> list[tuple[float, str, str, int]]:
@@ -46,16 +58,28 @@ class System:
                 + [(t, pool.name, f"memory_bytes.{c}", v) for pool in self.memory.values()
                    for t, c, v in pool.category_timeline])
 
-    def __init__(self, env: simpy.Environment, hw: Hardware, recorder):
+    def __init__(self, env: simpy.Environment, hw: Hardware, recorder, fabric: Fabric | None = None):
         self.env = env
         self.hw = hw
         self.recorder = recorder
         #: runtime components meter power per op during the run (else they may from the spans afterwards)
         self.exact_power = False
         self.cost = RooflineCostModel(hw.gpu, hw.profile, hw.slowdown)
+        self.fabric = fabric if fabric is not None else Fabric(env)
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
-        self.network = FluidNetwork(env, {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s,
-                                          "pcie.duplex": c.duplex_bytes_per_s})
+        links = {"pcie.h2d": c.h2d_bytes_per_s, "pcie.d2h": c.d2h_bytes_per_s, "pcie.duplex": c.duplex_bytes_per_s}
+        #: global rank of this simulated (representative) rank
+        self.rank = hw.pp_group[hw.pp_rank] if hw.pp_group else 0
+        #: the cluster's topology (None: no cluster, or a collective model without one: no port links)
+        self._topo = getattr(hw.collectives, "topo", None)
+        if self._topo is not None:
+            links.update(port_capacities(self._topo, self.rank))
+        #: this rank's links (``collective_flows.PORT_LINKS``): only its own flows cross them, so the solver
+        #: works on one rank's flows at a time
+        self.network = FluidNetwork(env, links)
+        #: links crossed by each copy direction
+        self.copy_links = COPY_PATHS
+        self._flows: dict[tuple, tuple[list, float]] = {}
         self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
         self.launch_overhead_s = launch.per_op_s
@@ -105,20 +129,30 @@ class System:
         key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
         r = self._collective.get(key)
         if r is None:
+            r = self._collective[key] = self.hw.collectives.price(key[0], self._group_of(op), key[2], self.hw.nccl)
+        return r
+
+    def _group_of(self, op) -> tuple[int, ...]:
+        """Global ranks of collective ``op``'s process group (see ``collective_result``).
+
+        Raises:
+            CollectiveError: an unknown group name.
+        """
+        m = op.meta
+        name = m.get("group", "dp")
+        groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
+                  "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
+                  "cp": self.hw.cp_group, "etp": self.hw.etp_group}
+        if m["collective"] == "send_recv" and name == "cp":  # the CP ring: this rank to its next neighbour
+            groups["cp"] = self.hw.cp_group[:2]
+        if name == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
+            groups["pp"] = tuple(self.hw.pp_group[i] for i in m.get("pp_ranks"))
+        if name not in groups:
             from hardware_models.collectives import CollectiveError
 
-            groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
-                      "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
-                      "cp": self.hw.cp_group, "etp": self.hw.etp_group}
-            if key[0] == "send_recv" and key[1] == "cp":  # the CP ring: this rank to its next neighbour
-                groups["cp"] = self.hw.cp_group[:2]
-            if key[1] == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
-                groups["pp"] = tuple(self.hw.pp_group[i] for i in key[3])
-            if key[1] not in groups:
-                raise CollectiveError(f"op {op.name}: process group {key[1]!r} is not modelled (allowed: "
-                                      f"{', '.join([*groups, 'pp'] if 'pp' not in groups else groups)})")
-            r = self._collective[key] = self.hw.collectives.price(key[0], groups[key[1]], key[2], self.hw.nccl)
-        return r
+            raise CollectiveError(f"op {op.name}: process group {name!r} is not modelled (allowed: "
+                                  f"{', '.join([*groups, 'pp'] if 'pp' not in groups else groups)})")
+        return tuple(groups[name])
 
     def collective_s(self, op) -> float:
         """Isolated device time of collective ``op`` (``collective_result(op).time_s``), s."""
@@ -217,30 +251,132 @@ class System:
             if self._kernels == 0:
                 self._signal("_compute_changed")
 
-    def run_collective(self, op):
-        """SimPy process body: collective ``op`` priced by the NCCL model (``collective_result``).
+    def collective_flows(self, op) -> tuple[list[tuple[tuple[str, ...], float, float]], float]:
+        """The flows collective ``op`` puts on this rank's links and its time after the latency.
+
+        Returns ``(flows, alone_s)``: ``alone_s = time_s - latency_s`` of ``collective_result(op)`` (s) and one
+        ``(links, bytes, cap_bytes_per_s)`` per set of this rank's links a part of the collective crosses
+        (``hardware_models.collective_flows.rank_loads``; parts of equal bytes on disjoint links, such as a
+        ring's send and receive on the NVLink port, are one flow), with ``cap = bytes / alone_s``: the
+        rate at which the part moves alone, so that alone (nothing else on its links) the collective takes
+        exactly its NCCL-model time (the size efficiency, protocol and fill terms are in that rate). Where the
+        collective's own parts would not fit its links at those rates (its tx and rx inside one PCIe duplex
+        limit, a model bandwidth above a link's datasheet rate), a part's bytes and cap are scaled down to
+        its max-min rate alone x ``alone_s``: its time alone is unchanged. A send/recv outside a pipeline
+        rendezvous (the context-parallel ring) also loads the receive side, as the folded predecessor sends
+        to this rank at the same time. Cached per (collective, group, bytes).
+        """
+        m = op.meta
+        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
+        hit = self._flows.get(key)
+        if hit is not None:
+            return hit
+        res = self.collective_result(op)
+        lat = getattr(res, "latency_s", 0.0)  # a priced result without a latency term: all of it alone
+        alone = res.time_s - lat
+        flows: list = []
+        if alone > 0 and self._topo is not None:
+            loads = rank_loads(self.hw.collectives, key[0], self._group_of(op), key[2], res.algorithm, self.rank,
+                               mirror=key[1] != "pp")
+            caps = self.network.capacities
+            merged: list[tuple[tuple[str, ...], float]] = []
+            for links, b in loads.items():  # parts moving the same bytes at once are one flow (a ring step is coupled)
+                if b <= 0:
+                    continue
+                k = next((i for i, (ls, bb) in enumerate(merged) if bb == b and not set(ls) & set(links)), None)
+                if k is None:
+                    merged.append((links, b))
+                else:
+                    merged[k] = (merged[k][0] + links, b)
+            parts = [(links, b, b / alone) for links, b in merged]
+            rates = maxmin_rates([(links, cap) for links, _, cap in parts], caps) if parts else []
+            flows = [(links, b, cap) if r >= cap else (links, r * alone, r)
+                     for (links, b, cap), r in zip(parts, rates)]
+        out = self._flows[key] = (flows, alone)
+        return out
+
+    def _move(self, flows, alone_s: float, slow: float | None = None):
+        """SimPy process body: move ``flows`` (``collective_flows``) over the network; with ``slow``, their
+        caps are divided by it while a compute kernel runs (interference). Without flows: ``alone_s``."""
+        env = self.env
+        if not flows:
+            if slow is None:
+                if alone_s > 0:
+                    yield env.timeout(alone_s)
+            else:
+                yield from self._progress(lambda: alone_s * (slow if self._kernels else 1.0), "_compute_changed")
+            return
+        net = self.network
+        factor = slow if slow is not None and self._kernels else 1.0
+        live = [(net.start(b, links, cap / factor), cap) for links, b, cap in flows]
+        if slow is None:
+            yield env.all_of([f.done for f, _ in live]) if len(live) > 1 else live[0][0].done
+            return
+        while True:
+            live = [(f, cap) for f, cap in live if not f.done.triggered]
+            if not live:
+                return
+            done = live[0][0].done if len(live) == 1 else env.all_of([f.done for f, _ in live])
+            yield done | self._watch("_compute_changed")
+            now = slow if self._kernels else 1.0
+            if now != factor:
+                factor = now
+                live = [(f, cap) for f, cap in live if not f.done.triggered]
+                if live:
+                    net.set_caps([(f, cap / factor) for f, cap in live])
+
+    def run_collective(self, op, step: int = 0):
+        """SimPy process body: collective ``op`` of step ``step`` priced by the NCCL model
+        (``collective_result``): its latency, then its flows over this rank's links (``collective_flows``),
+        sharing them max-min fairly with every other transfer on them (other collectives, copies).
 
         With interference it holds its SMs and HBM traffic (``comm_load``) while in flight, and
-        progresses at ``1 / (1 + gamma)`` of its isolated rate while any compute kernel runs.
+        progresses at ``1 / (1 + gamma)`` of its isolated rate while any compute kernel runs (the latency
+        stretched, the flows' caps divided). Alone on its links it takes exactly ``time_s`` (stretched so).
+        A pipeline call met at a rendezvous (send/recv, cross-stage all-reduce) is one ``SharedCall`` of
+        the stages: the flows of every stage's links start together and it ends at the same time on all.
         """
         res = self.collective_result(op)
+        m = op.meta
         f = self.interference
+        flows, alone = self.collective_flows(op)
         # a pipeline rendezvous (send/recv, cross-stage all-reduce) ends at the same time on both stages: its
-        # isolated time, not re-rated by one GPU's compute; a data-parallel collective met across rank classes
+        # flows, not re-rated by one GPU's compute; a data-parallel collective met across rank classes
         # keeps its interference (each class beside its own kernels); a fused GEMM + collective kernel
         # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
-        if f is None or op.meta.get("group") == "pp" or op.meta.get("fused_gemm"):
-            yield self.env.timeout(res.time_s)
+        lat = res.time_s - alone
+        if m.get("group") == "pp" and "rendezvous" in m:
+            yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
+                                   [(self.network, *fl) for fl in flows], alone, self._run_shared)
+            return
+        if f is None or m.get("fused_gemm") or m.get("group") == "pp":
+            if lat > 0:
+                yield self.env.timeout(lat)
+            yield from self._move(flows, alone)
             return
         load = comm_load(f, res.busbw_bytes_per_s)
         self._loads.append(load)
         self._signal("_comm_changed")
         slow = 1.0 + f.comm_slowdown
         try:
-            yield from self._progress(lambda: res.time_s * (slow if self._kernels else 1.0), "_compute_changed")
+            if lat > 0:
+                yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
+            yield from self._move(flows, alone, slow)
         finally:
             self._loads.remove(load)
             self._signal("_comm_changed")
+
+    def _run_shared(self, call):
+        """SimPy process body of a ``SharedCall``: its latency, then every party's flows together, each on its
+        party's links; done when the last ends (without flows: ``alone_s``)."""
+        env = self.env
+        if call.latency_s > 0:
+            yield env.timeout(call.latency_s)
+        if call.flows:
+            yield env.all_of([net.start(b, links, cap).done for net, links, b, cap in call.flows])
+        elif call.alone_s > 0:
+            yield env.timeout(call.alone_s)
+        call.done.succeed()
 
     @property
     def collective_dispatch_s(self) -> float:

@@ -58,6 +58,21 @@ class CostClass(str, Enum):
     OTHER = "other"
 
 
+class OpRole(str, Enum):
+    """What a builder op is for, typed, so that policies find the ops they rewrite without reading names.
+
+    ``NONE`` for every op the builder gives no role (and every imported op)."""
+
+    NONE = ""
+    INPUT_COPY = "input_copy"  # the batch's host-to-device copy (tokens and labels; the DataLoader feeds it)
+    BLOCK_INPUT_NORM = "block_input_norm"  # a block's first forward op (ln1): it reads the block's input
+    WEIGHT_GRAD = "weight_grad"  # a linear layer's weight-gradient GEMM (bf16 dW)
+    BIAS_GRAD = "bias_grad"  # a linear layer's bias-gradient reduction
+    NORM_GRAD = "norm_grad"  # a norm's gamma (and beta) gradient reduction
+    GRAD_ACCUM = "grad_accum"  # accumulation of a bf16 weight gradient into its fp32 ``.grad``
+    PARAM_UPLOAD = "param_upload"  # ZeRO-Offload: updated 16-bit parameters copied back to the GPU
+
+
 @dataclass(frozen=True, slots=True)
 class TensorAlloc:
     """A tensor an op allocates.
@@ -97,6 +112,7 @@ class Op:
         launch: Whether the host must launch the op (GPU kernels and copies in eager mode).
         pinned: For copies: whether the host buffer is pinned.
         dtype: Element type of the main operands (``"bf16"``, ``"fp32"``).
+        role: What the builder emitted the op for (``OpRole``), for the policies.
     """
 
     id: int
@@ -118,6 +134,7 @@ class Op:
     launch: bool = True
     pinned: bool = True
     dtype: str = "bf16"
+    role: OpRole = OpRole.NONE
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -34,7 +34,7 @@ from hardware_models.dataloader import (
     load_storage_preset,
 )
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import OpKind, Phase
+from simulator.graph.ops import OpKind, OpRole, Phase
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 INPUT_COPY_SUFFIX = "input.h2d"
@@ -97,20 +97,20 @@ def storage_spec(cfg) -> StorageSpec | None:
 
 
 def insert_dataloader_ops(graph: OpGraph, pinned: bool, batch_bytes: float | None) -> OpGraph:
-    """A copy of ``graph`` with a ``DATALOADER`` host op before every ``*input.h2d`` copy.
+    """A copy of ``graph`` with a ``DATALOADER`` host op before every input copy (``OpRole.INPUT_COPY``).
 
     Ids are renumbered; dependencies (and ``meta["prev_step_deps"]``) follow.
     """
     new_ops, remap = [], {}
     for op in graph.ops:
-        is_input = op.kind == OpKind.MEMCPY_H2D and op.name.endswith(INPUT_COPY_SUFFIX)
+        is_input = op.kind == OpKind.MEMCPY_H2D and op.role is OpRole.INPUT_COPY
         extra: tuple[int, ...] = ()
         if is_input:
             nid = len(new_ops)
             new_ops.append(dataclasses.replace(
                 op, id=nid, name=NEXT_OP_NAME, kind=OpKind.DATALOADER, stream="host", phase=Phase.DATA,
                 deps=(), allocs=(), uses=(), launch=False, flops=0.0, bytes_read=0.0, bytes_written=0.0,
-                meta={}))
+                role=OpRole.NONE, meta={}))
             extra = (nid,)
         nid = len(new_ops)
         remap[op.id] = nid
@@ -144,8 +144,9 @@ class DataLoaderGraphPolicy:
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         spec = loader_spec(cfg)  # validate now: errors surface in the build phase
         storage_spec(cfg)
-        if not any(op.kind == OpKind.MEMCPY_H2D and op.name.endswith(INPUT_COPY_SUFFIX) for op in graph.ops):
-            raise PolicyError("dataloader: the step graph has no input copy ('*input.h2d') to feed")
+        if not any(op.kind == OpKind.MEMCPY_H2D and op.role is OpRole.INPUT_COPY for op in graph.ops):
+            raise PolicyError(f"dataloader: the step graph has no input copy (role {OpRole.INPUT_COPY.value}, the "
+                              f"builder's '*{INPUT_COPY_SUFFIX}') to feed")
         return insert_dataloader_ops(graph, spec.pin_memory, spec.batch_bytes)
 
 

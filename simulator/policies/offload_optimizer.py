@@ -60,7 +60,7 @@ import numpy as np
 from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
                                           pass_time_s, shared_stream_bandwidth)
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -195,14 +195,15 @@ def gradients(graph: OpGraph, spec) -> list[dict]:
         tail = op.name.split(".bwd.", 1)[-1] if ".bwd." in op.name else op.name.removeprefix("bwd.")
         key = f"L{op.layer}.{tail}" if op.layer >= 0 else tail
         numel, tensor = 0, None
-        if tail.endswith(".wgrad"):
+        role = op.role
+        if role is OpRole.WEIGHT_GRAD:
             if tail == "wte.wgrad":  # tied LM head: the wte gradient completes at embed.dgrad
                 last["_wte_tensor"] = {"tensor": op.allocs[0].name}
                 continue
             numel, tensor = op.allocs[0].nbytes // 2, op.allocs[0].name
-        elif tail.endswith(".bias_grad") and op.layer >= 0:
+        elif role is OpRole.BIAS_GRAD and op.layer >= 0:
             numel = bias[tail.split(".")[0]]
-        elif tail.endswith(".dgamma_dbeta"):
+        elif role is OpRole.NORM_GRAD and spec.norm_has_bias:  # (a norm without a bias is not counted)
             numel = norm
         elif tail == "embed.dgrad":
             numel = spec.vocab_size * h
@@ -336,7 +337,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         if op.phase == Phase.OPT:
             rw.drop(op)
             continue
-        if op.phase == Phase.BWD and op.name.endswith("grad_accum"):
+        if op.phase == Phase.BWD and op.role is OpRole.GRAD_ACCUM:
             rw.drop(op)
             continue
         if op.name == "step.synchronize":
@@ -369,7 +370,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     for gname, layer, n in groups:
         deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
         h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
-                              layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory))
+                              layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory,
+                              role=OpRole.PARAM_UPLOAD))
     ag_ids = []
     if dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
         left = P

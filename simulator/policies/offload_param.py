@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -100,7 +100,7 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
                          allocs=(TensorAlloc(p["tensor"], nbytes),))
 
     for op in graph.ops:
-        if op.name.startswith("offload.h2d.params.L"):
+        if op.role is OpRole.PARAM_UPLOAD and op.layer >= 0:
             rw.drop(op)  # block weights are not resident: nothing to upload after the CPU step
             continue
         for p in fetch_before.get(op.id, []):

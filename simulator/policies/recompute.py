@@ -24,7 +24,7 @@ parameter offload, input batches).
 from __future__ import annotations
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy
 
@@ -74,7 +74,7 @@ def offload_activations(graph: OpGraph) -> OpGraph:
     producer = {t.name: op.id for op in graph.ops for t in op.allocs}
     plans = []  # per checkpoint: tensor, first forward user, backward users
     for op in graph.ops:
-        if op.phase == Phase.FWD and op.layer >= 0 and op.name.endswith(".fwd.ln1"):
+        if op.phase == Phase.FWD and op.layer >= 0 and op.role is OpRole.BLOCK_INPUT_NORM:
             x = op.uses[0]
             users = [o for o in graph.ops if x in o.uses]
             bwd_users = [o.id for o in users if o.phase == Phase.BWD]

@@ -196,8 +196,9 @@ def result_trace(result) -> dict:
 
     A result of several ranks (frames with a ``pp_rank`` or ``rank_class`` column) gets one ``host`` and
     one ``gpu`` process per rank (pids ``2 r`` and ``2 r + 1``, named ``pp<r>.host`` / ``pp<r>.gpu`` or
-    ``class<r>...``), each built as one GPU's trace; flow ids are made unique per rank, and pipeline
-    sends point to their receives."""
+    ``class<r>...``), each built as one GPU's trace; flow ids are made unique per rank, pipeline
+    sends point to their receives and a collective met by several simulated ranks points from its first
+    member to each other one (``_collective_flows``)."""
     parts = (result.spans, result.counters, getattr(result, "launches", None), getattr(result, "deps", None))
     col = rank_column(result.spans)
     if col is None:
@@ -220,6 +221,7 @@ def result_trace(result) -> dict:
             events.append(ev)
     if "pp_rank" in result.spans:
         events += _p2p_flows(result.spans, col)
+    events += _collective_flows(result.spans, col)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "distributedInfo": {"rank": 0, "world_size": int(result.summary.get("world_size", 1))}}
 
@@ -232,12 +234,9 @@ def _p2p_flows(spans: pd.DataFrame, col: str) -> list[dict]:
     p2p = spans.assign(way=m[0], key=m[1]).dropna(subset=["key"])
     if p2p.empty:
         return []
-    tid = {}
     cls = p2p.dp_class if "dp_class" in p2p else 0
     p2p = p2p.assign(cls=cls)
-    for r, d in spans.groupby(col):  # the thread ids to_chrome_trace gives each rank's streams
-        names = sorted({*d.stream.unique(), MAIN_THREAD}, key=lambda x: (x != MAIN_THREAD, x))
-        tid.update({(r, name): i + 1 for i, name in enumerate(names)})
+    tid = _thread_ids(spans, col)  # the thread ids to_chrome_trace gives each rank's streams
     recv = {(r.step, r.key, r.cls): r for r in p2p[p2p.way == "recv"].itertuples()}
     out = []
     for n, s in enumerate(p2p[p2p.way == "send"].itertuples()):
@@ -250,4 +249,57 @@ def _p2p_flows(spans: pd.DataFrame, col: str) -> list[dict]:
                     "tid": tid[a, s.stream], "ts": s.start_s * _US})
         out.append({"ph": "f", "bp": "e", "name": "p2p", "cat": "p2p", "id": fid, "pid": 2 * b + GPU_PID,
                     "tid": tid[b, d.stream], "ts": d.end_s * _US})
+    return out
+
+
+#: Streams of the data-parallel collectives that rank classes of one stage meet at (``api._meet_across_classes``)
+_DP_STREAMS = frozenset({"comm.dp", "comm.dp_shard", "comm.dp_replicate", "comm.ep", "comm.edp"})
+
+
+def _thread_ids(spans: pd.DataFrame, col: str) -> dict:
+    """``(rank, stream) -> tid`` as ``to_chrome_trace`` numbers each rank's streams."""
+    tid = {}
+    for r, d in spans.groupby(col):
+        names = sorted({*d.stream.unique(), MAIN_THREAD}, key=lambda x: (x != MAIN_THREAD, x))
+        tid.update({(r, name): i + 1 for i, name in enumerate(names)})
+    return tid
+
+
+def _collective_flows(spans: pd.DataFrame, col: str) -> list[dict]:
+    """Flow arrows (``cat: collective``) between the members of each collective that several simulated ranks
+    meet at (a rendezvous, ``engine.rendezvous``): from the lowest-numbered member's span to each other
+    member's, ``members - 1`` arrows per call. Who meets, as the engine has them: a cross-stage all-reduce
+    (stream ``comm.pp``, not a send/recv) joins the stages of one data-parallel class; a data-parallel
+    collective (``_DP_STREAMS``) joins the data-parallel classes of one stage. ``col`` numbers the simulated
+    ranks (their GPU pids are ``2 col + 1``)."""
+    coll = spans[(spans.kind == "collective") & ~spans.name.str.contains(r"pp\.(?:send|recv)_", regex=True)]
+    if coll.empty:
+        return []
+    has_pp, has_dp = "pp_rank" in coll, "dp_class" in coll
+    pp_rows = coll[coll.stream == "comm.pp"] if has_pp else coll.iloc[:0]
+    dp_rows = coll[coll.stream.isin(_DP_STREAMS)] if has_dp else coll.iloc[:0]
+    meets = []
+    if not pp_rows.empty:
+        keys = ["step", "name"] + (["dp_class"] if has_dp else [])
+        meets += [g for _, g in pp_rows.groupby(keys, sort=True)]
+    if not dp_rows.empty:
+        keys = ["step", "name"] + (["pp_rank"] if has_pp else [])
+        meets += [g for _, g in dp_rows.groupby(keys, sort=True)]
+    tid = _thread_ids(spans, col)
+    out = []
+    n = 0
+    for g in meets:
+        if len(g) < 2:
+            continue
+        g = g.sort_values(col)
+        first = next(g.itertuples())
+        a = int(getattr(first, col))
+        for m in g.iloc[1:].itertuples():
+            b = int(getattr(m, col))
+            fid = f"coll.{n}"
+            n += 1
+            out.append({"ph": "s", "name": "collective", "cat": "collective", "id": fid, "pid": 2 * a + GPU_PID,
+                        "tid": tid[a, first.stream], "ts": first.start_s * _US})
+            out.append({"ph": "f", "bp": "e", "name": "collective", "cat": "collective", "id": fid,
+                        "pid": 2 * b + GPU_PID, "tid": tid[b, m.stream], "ts": m.start_s * _US})
     return out

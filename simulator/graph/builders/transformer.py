@@ -104,7 +104,7 @@ from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
-from simulator.graph.ops import OpKind, Phase, TensorAlloc
+from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
 
 PRECISIONS = ("amp_fp32_params", "bf16", "fp16", "fp32", "tf32")
 #: precisions whose parameters, activations and GEMMs are all fp32 (tf32: GEMMs on TF32 tensor cores)
@@ -765,13 +765,13 @@ class _GptBuilder:
 
         def weight_grads() -> None:
             dw = e.fresh(f"{name}.dw16")
-            e.kernel(f"{name}.wgrad", C.GEMM, flops=2 * T * in_dim * out_dim,
+            e.kernel(f"{name}.wgrad", C.GEMM, role=OpRole.WEIGHT_GRAD, flops=2 * T * in_dim * out_dim,
                      shape=(groups * out_dim, in_dim, -(-T // groups)), reads=q * (T * out_dim + T * in_dim),
                      writes=self.w * W, out=[(dw, self.w * W)], uses=[gin, xin], dtype=gdt)
             head = self.e.layer < 0 and name in ("wte", "lm_head")  # no LM-head bias parameter (num_parameters)
             if self.s.bias or (name == "qkv" and self.s.qkv_bias):
-                bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, reads=self.w * T * out_dim, writes=4 * out_dim,
-                               uses=[gin])
+                bid = e.kernel(f"{name}.bias_grad", C.REDUCTION, role=OpRole.BIAS_GRAD, reads=self.w * T * out_dim,
+                               writes=4 * out_dim, uses=[gin])
                 if not head:
                     self._grad_ready(f"{name}.bias", out_dim, bid)
             wid, gname = self._accumulate_grad(name, dw, W)
@@ -812,15 +812,16 @@ class _GptBuilder:
         if first:
             self.grad_made.add(gname)
         reads = self.w * numel + (0 if first else gb * numel)
-        i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, reads=reads,
+        i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, role=OpRole.GRAD_ACCUM,
+                          reads=reads,
                           writes=gb * numel, out=out, uses=[dw16], dtype="fp32")
         return i, gname
 
-    def _norm_fwd(self, name: str, x: str):
+    def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE):
         e, T, h = self.e, self.Tn, self.s.hidden_size
         y = e.fresh(f"{name}.out")
         stats = 8 * T if self.s.normalization == "LayerNorm" else 4 * T  # fp32 mean + rstd, or rstd only (RMSNorm)
-        e.kernel(f"{name}", C.NORM, reads=self.act * T * h, writes=self.act * T * h,
+        e.kernel(f"{name}", C.NORM, role=role, reads=self.act * T * h, writes=self.act * T * h,
                  out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), stats)], uses=[x], dtype="fp32")
         return y
 
@@ -839,7 +840,7 @@ class _GptBuilder:
         nb = self.s.norm_has_bias
 
         def weight_grads() -> None:
-            i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION,
+            i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, role=OpRole.NORM_GRAD,
                          reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
             self._grad_ready(f"{name}.weight", h, i)
             if nb:
@@ -1037,7 +1038,7 @@ class _GptBuilder:
         h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         self._gather_layer_params(e.layer, e.phase)
-        ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x))
+        ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM))
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         qk = self._rope_fwd(qkv, h + kv)
         att = e.fresh("attn.out")
@@ -1165,7 +1166,7 @@ class _GptBuilder:
         st: dict = {}
         if (first or last) and s.vit is None:  # tokens (first stage) and labels (last stage): Megatron get_batch
             tokens = st["tokens"] = e.fresh("input.tokens")
-            e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T,
+            e.kernel("input.h2d", C.COPY, kind=OpKind.MEMCPY_H2D, stream="h2d", reads=8 * 2 * T, role=OpRole.INPUT_COPY,
                      out=[(tokens, 16 * T)], dtype="int64")
         if s.vit is not None:  # vision transformer: images, patch embedding, CLS token, positions (vit.py)
             x = vitb.embed_fwd(self, st)
@@ -1282,7 +1283,7 @@ class _GptBuilder:
         first_write = gname not in self.grad_made
         self.grad_made.add(gname)
         gb = self._grad_elem_bytes
-        i = e.kernel("embed.grad_accum", C.COPY if first_write else C.ELEMENTWISE,
+        i = e.kernel("embed.grad_accum", C.COPY if first_write else C.ELEMENTWISE, role=OpRole.GRAD_ACCUM,
                      reads=4 * V * h + (0 if first_write else gb * V * h), writes=gb * V * h,
                      out=[(gname, gb * V * h)] if first_write and not self._grads_in_buckets else [],
                      uses=[d_emb], dtype="fp32")
