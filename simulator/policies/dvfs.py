@@ -407,6 +407,7 @@ class DvfsRuntime:
         cap = self.power_limit_w
         thresh = cap * (1.0 - 1e-9)
         idle = self.ledger.p[0]
+        excess: dict[int, float] = {}
         spans = rec._spans
         recent: list = []
         seen = 0
@@ -424,7 +425,27 @@ class DvfsRuntime:
                 seen = len(spans)
             recent = [x for x in recent if x[3] > lo]
             running = [(st, op, start, t, stream) for stream, (st, op, start) in sys_.running.items()]
-            lv = self._levels(recent + running) if (recent or running) else None
+            # cheap bounds first: the power above idle is subadditive over the running ops (a max and sums clipped
+            # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level
+            inst = avg_hi = 0.0
+            for x in recent:
+                e = excess.get(x[1].id)
+                if e is None:
+                    e = excess[x[1].id] = self._excess_w(x[1])
+                if e:
+                    inst += e
+                    avg_hi += e * (min(x[3], t) - max(x[2], lo))
+            for x in running:
+                e = excess.get(x[1].id)
+                if e is None:
+                    e = excess[x[1].id] = self._excess_w(x[1])
+                if e:
+                    inst += e
+                    avg_hi += e * (t - max(x[2], lo))
+            quiet = idle + inst <= thresh
+            if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
+                continue  # this window's average cannot exceed the limit
+            lv = None if quiet else self._levels(recent + running)
             if lv is None or lv[1].max() <= thresh:
                 # every level in the window and the current one at or below the limit: power changes only when an op
                 # starts or ends, and an end only lowers it (``_levels`` is monotone), so no window can exceed the
@@ -440,6 +461,14 @@ class DvfsRuntime:
             if t > lo and energy / (t - lo) > thresh:
                 self._go_online(running, k)
                 return
+
+    def _excess_w(self, op) -> float:
+        """Power above idle of ``op`` running alone at the current clocks, W (0 for an op that draws none)."""
+        a = self._activity(op)
+        if a is None:
+            return 0.0
+        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        return max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
 
     def _go_online(self, running, k: int) -> None:
         """Switch an offline-metered run to online metering now (see ``_watch_offline``): ledger and counters
