@@ -8,7 +8,8 @@ Each point is one end-to-end ``run_scenario`` (graph build of every pipeline sta
 summary) in a fresh Python process, so that its peak memory (``resource.getrusage`` max RSS, imports
 included) is its own; a process runs on one core. Columns:
 
-* ``wall s``: the ``run_scenario`` call (scenario loading and imports excluded);
+* ``wall s``: the ``run_scenario`` call (scenario loading and imports excluded); ``CPU s``: its process CPU
+  time (the figure to compare on a shared machine);
 * ``ops``: op executions the engine simulated (rows of the spans, all stages); ``ops/s`` = ops / wall;
 * ``raw timeouts/s``: raw SimPy in the same process right after the run (one process yielding
   ``env.timeout``), and ``ops/s / raw``;
@@ -50,12 +51,12 @@ def point(path: str, fidelity: str, overrides: list[str]) -> dict:
     cfg = load_scenario(ROOT / path, [f"run.fidelity={fidelity}", *overrides])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         r = run_scenario(cfg)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     raw = raw_timeouts_per_s(n=100_000)
     s = r.summary
-    return {"wall_s": wall, "ops": len(r.spans), "raw_timeouts_per_s": raw, "step_time_s": s["step_time_s"],
+    return {"wall_s": wall, "cpu_s": cpu, "ops": len(r.spans), "raw_timeouts_per_s": raw, "step_time_s": s["step_time_s"],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_memory_bytes": s["peak_memory_bytes"]}
 
@@ -76,7 +77,7 @@ def weak_overrides(gpus: int) -> list[str]:
 
 def row(label: str, p: dict) -> str:
     rate = p["ops"] / p["wall_s"]
-    return (f"{label:34s} {p['wall_s']:8.2f} {p['ops']:9,d} {rate:9,.0f} {p['raw_timeouts_per_s']:14,.0f} "
+    return (f"{label:34s} {p['wall_s']:8.2f} {p['cpu_s']:7.2f} {p['ops']:9,d} {rate:9,.0f} {p['raw_timeouts_per_s']:14,.0f} "
             f"{rate / p['raw_timeouts_per_s']:7.3f} {p['peak_rss_bytes'] / 2**30:9.2f} {p['step_time_s']:9.3f} "
             f"{p['wall_s'] * p['raw_timeouts_per_s'] / 1e6:8.2f}")
 
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument("--skip-kernel", action="store_true", help="no kernel-fidelity point for the scenario itself")
     ap.add_argument("--plot", default="bench_scale.png", help="PNG of wall time vs GPUs ('' for none)")
     args = ap.parse_args()
-    print(f"{'point':34s} {'wall s':>8s} {'ops':>9s} {'ops/s':>9s} {'raw timeouts/s':>14s} {'/raw':>7s} "
+    print(f"{'point':34s} {'wall s':>8s} {'CPU s':>7s} {'ops':>9s} {'ops/s':>9s} {'raw timeouts/s':>14s} {'/raw':>7s} "
           f"{'peak RSS':>9s} {'step s':>9s} {'wall@1M':>8s}")
     for fid in ("layer",) if args.skip_kernel else ("layer", "kernel"):
         print(row(f"{Path(args.scenario).stem} {fid}", run_point(args.scenario, fid, [])), flush=True)

@@ -555,15 +555,16 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
     hw = hw if hw is not None else resolve_hardware(cfg)
     classes = rank_classes(cfg, hw)
     n_dp = len(classes) // cfg.parallelism.pipeline_model_parallel_size
-    try:
-        graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw), c.pp_rank,
-                                       c.dp_class, n_dp) for c in classes]
-    except PolicyError:
-        raise
-    except ValueError as exc:
-        raise SimulationError(f"build phase failed: {exc}") from exc
-    if len(classes) > 1:
-        return simulate_ranks(classes, graphs, cfg)
-    c = classes[0]
-    return simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                          cfg.model_dump(mode="json"), c.cfg)
+    with gc_paused():  # the build too: its hundreds of thousands of ops trigger full collections otherwise
+        try:
+            graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw),
+                                           c.pp_rank, c.dp_class, n_dp) for c in classes]
+        except PolicyError:
+            raise
+        except ValueError as exc:
+            raise SimulationError(f"build phase failed: {exc}") from exc
+        if len(classes) > 1:
+            return simulate_ranks(classes, graphs, cfg)
+        c = classes[0]
+        return simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
+                              cfg.model_dump(mode="json"), c.cfg)

@@ -119,6 +119,21 @@ class Executor:
         #: layer-fidelity blocks: op id -> parts (each launched by the host; the block may start after the first)
         self._blocks = {op.id: op.meta["launches"] for op in graph.ops if op.meta and "launches" in op.meta}
         self._early: dict[int, float] = {}  # block id -> host time from its first part's launch to its last's
+        #: the op running on each stream now: ``stream -> (step, op, start_s)`` (a power meter that switches to
+        #: per-op metering mid-run reads it, and sleeps on ``System.start_waiter`` until the next op starts:
+        #: ``policies.dvfs.DvfsRuntime._watch_offline``)
+        self.running: dict[str, tuple[int, Op, float]] = {}
+        system.running = self.running
+        system.executor = self
+
+    def add_hook(self, hook) -> None:
+        """Call ``hook.on_op_start`` / ``on_op_end`` (where defined) from now on, for every op starting or
+        ending after this call (an op running now gets only its ``on_op_end``)."""
+        self.hooks.append(hook)
+        if hasattr(hook, "on_op_start"):
+            self._on_start.append(hook.on_op_start)
+        if hasattr(hook, "on_op_end"):
+            self._on_end.append(hook.on_op_end)
 
     def _plan(self, op: Op) -> tuple[int, float]:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
@@ -182,6 +197,10 @@ class Executor:
         if ev is not None:
             yield ev
         start = env.now
+        self.running[stream] = (step, op, start)
+        if self.sys.start_waiter is not None:
+            self.sys.start_waiter, ev = None, self.sys.start_waiter
+            ev.succeed(start)
         self._begin(op, step)
         mode = self._mode[op.id]
         if mode == _KERNEL:
@@ -228,7 +247,7 @@ class Executor:
     def _stream(self, stream: str, ops: list[Op]):
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
-        early = self._early
+        early, running = self._early, self.running
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -263,6 +282,10 @@ class Executor:
                     if late > 0:
                         yield env.timeout(late)
                 start = env.now
+                running[stream] = (step, op, start)
+                if sys.start_waiter is not None:
+                    sys.start_waiter, ev = None, sys.start_waiter
+                    ev.succeed(start)
                 for pool, name, nbytes in allocs[oid]:  # _begin, inlined
                     pool.alloc(name, nbytes, start)
                 for fn in on_start:
@@ -322,6 +345,7 @@ class Executor:
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env.now
         self.rec.span(step, op, start, now, stream)
+        del self.running[stream]
         if self._on_end:
             for fn in self._on_end:
                 fn(op, step, self.sys)

@@ -64,6 +64,11 @@ class System:
         self.recorder = recorder
         #: runtime components meter power per op during the run (else they may from the spans afterwards)
         self.exact_power = False
+        #: the executor running on this machine and its op running per stream (set by ``Executor``)
+        self.executor = None
+        self.running: dict = {}
+        #: an event the executor fires (with the time) when the next op starts, then clears; None: nobody waits
+        self.start_waiter: simpy.Event | None = None
         self.cost = RooflineCostModel(hw.gpu, hw.profile, hw.slowdown)
         self.fabric = fabric if fabric is not None else Fabric(env)
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)

@@ -134,8 +134,20 @@ class OpGraph:
         )
 
     def with_changes(self, **changes) -> "OpGraph":
-        """A copy with some graph-level fields replaced."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some graph-level fields replaced (checked again only when ``ops`` or ``persistent``
+        change: the other fields take no part in ``__post_init__``'s checks).
+
+        Raises:
+            GraphError: see ``OpGraph``.
+        """
+        if "ops" in changes or "persistent" in changes:
+            return dataclasses.replace(self, **changes)
+        new = object.__new__(OpGraph)
+        for f in dataclasses.fields(self):
+            object.__setattr__(new, f.name, changes.pop(f.name) if f.name in changes else getattr(self, f.name))
+        if changes:
+            raise TypeError(f"OpGraph has no field(s) {', '.join(changes)}")
+        return new
 
 
 class GraphBuilder:

@@ -219,6 +219,8 @@ class DvfsRuntime:
         self.fmax_mhz = float(max(max(self.supported), gpu.max_sm_clock_mhz))
         #: firmware evaluations that ran (the loop sleeps while the limit cannot bind)
         self.firmware_ticks = 0
+        #: when an offline-metered run switched to online metering (``_watch_offline``); None: it did not
+        self.switched_at_s = None
         self._fw_t0 = env.now
         self._update()
         self._count(env.now, "sm_clock_mhz", self.state.sm_clock_mhz)
@@ -231,6 +233,8 @@ class DvfsRuntime:
         self._can_bind = bool(cap and cap < self.max_reachable_power_w())
         if self._can_bind and self.online:
             env.process(self._firmware(cap))
+        elif self._can_bind and self.rec is not None and hasattr(system, "executor"):
+            env.process(self._watch_offline())
 
     def max_reachable_power_w(self) -> float:
         """Highest board power the model can draw: every unit fully busy at the highest clock, W."""
@@ -268,8 +272,23 @@ class DvfsRuntime:
         last op end stays deferred (``summarize`` commits it). A stream runs one op at a time, so the
         op running on each stream at an instant is the last one started on it, if not yet ended.
         """
-        if not spans:
+        lv = self._levels(spans)
+        if lv is None:
             return
+        times, power, last_starts = lv
+        n = len(times)
+        if not last_starts:
+            n -= 1
+            self._dirty_t = float(times[-1])  # as online: the level after the last op end is committed by ``summarize``
+        self._append_levels(times[:n], power[:n])
+
+    def _levels(self, spans):
+        """``(times, power, last_starts)``: the power levels ``_meter_spans`` records from ``spans`` (each
+        level from its instant to the next; ``last_starts``: an op starts at the last instant), or None when
+        no span draws power. Monotone: the power at every instant from a subset of the spans is at most
+        that from all of them (every coefficient of the power model is >= 0 and the activities only add)."""
+        if not spans:
+            return None
         _steps, ops, s_all, e_all, streams = zip(*spans)
         uniq = {id(op): op for op in ops}
         table: dict[int, tuple] = {}
@@ -281,7 +300,7 @@ class DvfsRuntime:
         stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
                                   dtype=np.int64, count=len(ops))
         if not table:
-            return
+            return None
         top = max(max(table), max(op.id for op in uniq.values()))
         act_of = np.zeros((top + 1, 4))
         has_of = np.zeros(top + 1, dtype=bool)
@@ -293,7 +312,7 @@ class DvfsRuntime:
         s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
         use = has & (e_all > s_all)
         if not use.any():
-            return
+            return None
         times = np.unique(np.concatenate((s_all[use], e_all[use])))
         busy = np.zeros(len(times), dtype=bool)
         compute = np.zeros(len(times))
@@ -322,11 +341,7 @@ class DvfsRuntime:
         compute, memory, copy = (np.minimum(1.0, np.maximum(0.0, v)) for v in (compute, memory, copy))
         sm = phi * m.sm_w * (m.sm_floor * b + (1.0 - m.sm_floor) * compute)
         power = (m.static_w + m.clock_w * phi + sm + m.mem_w * memory * (fm / m.max_mem_clock_mhz) + m.copy_w * copy)
-        n = len(times)
-        if not starts[-1]:
-            n -= 1
-            self._dirty_t = float(times[-1])  # as online: the level after the last op end is committed by ``summarize``
-        self._append_levels(times[:n], power[:n])
+        return times, power, bool(starts[-1])
 
     def _append_levels(self, times, power) -> None:
         """``_set_level(t, p)`` for each level in time order (the firmware is not running), on arrays:
@@ -359,11 +374,17 @@ class DvfsRuntime:
 
     def _firmware_would_act(self, t_end: float) -> bool:
         """Whether the windowed average power exceeds the limit at a firmware evaluation time up to ``t_end``."""
+        T, P, E = (np.asarray(x, dtype=float) for x in (self.ledger.t, self.ledger.p, self.ledger.e))
+        return self._window_over(T, P, E, t_end, self.power_limit_w)
+
+    def _window_over(self, T, P, E, t_end: float, cap: float) -> bool:
+        """Whether the average of the piecewise-constant power ``P`` (levels from ``T``, energy ``E`` at
+        ``T``) over the window ``[max(0, t - window_s), t]`` exceeds ``cap`` at an evaluation time
+        ``t = t0 + k * period <= t_end`` (``k >= 1``; the firmware's grid, see ``_firmware``)."""
         t0, period = self._fw_t0, self.period_s
         kmax = int((t_end - t0) // period)
         if kmax < 1:
             return False
-        T, P, E = (np.asarray(x, dtype=float) for x in (self.ledger.t, self.ledger.p, self.ledger.e))
         tk = t0 + np.arange(1, kmax + 1) * period
         lo = np.maximum(0.0, tk - self.window_s)
 
@@ -372,7 +393,138 @@ class DvfsRuntime:
             return E[i] + P[i] * (x - T[i])
 
         avg = (energy_at(tk) - energy_at(lo)) / (tk - lo)
-        return bool(np.any(avg > self.power_limit_w))
+        return bool(np.any(avg > cap))
+
+    def _watch_offline(self):
+        """SimPy process of an offline-metered run whose power limit may bind: it keeps the run offline until
+        the firmware could act, then switches it to online metering at that instant, so that the run is never
+        repeated (``finish``'s fallback) and costs per-op metering only from then on.
+
+        At each firmware evaluation time ``t = t0 + k * period`` it computes the average power over the
+        evaluation window ``[max(0, t - window_s), t]`` exactly as the online meter would (``_levels`` of the
+        spans ending in the window plus the ops still running, ``System.running``). While it is at or below the
+        limit the firmware, had it run, would not have changed the clock (an evaluation only lowers the clock
+        when the window average exceeds the limit; the limit starts at the highest clock, so raising it does
+        nothing either; see ``_firmware``), so the offline record is exact up to ``t``. At the first ``t`` where
+        it is above the limit (less a 1e-9 relative margin, so that float rounding can only switch early, which
+        is exact too), the ledger and counters are metered from the spans so far, the running ops become the
+        meter's active set, the meter hooks into the executor (``System.executor.add_hook``) and the firmware
+        starts with its evaluation at ``t``: from there on the run is the online run.
+
+        Windows: the modelled firmware acts on the power averaged over ``window_s``, evaluated every
+        ``period_s`` (``dvfs.power_window_s`` / ``power_sample_period_s``, defaults 20 ms and 10 ms), not on
+        the instantaneous draw: NVIDIA's NVML reference, *nvmlDeviceGetPowerUsage*, states that on Ampere
+        (except GA100) and newer GPUs the board power it reports is averaged over a 1 s interval, with the
+        instantaneous value a separate field (``NVML_FI_DEV_POWER_INSTANT`` vs ``NVML_FI_DEV_POWER_AVERAGE``).
+        So one kernel drawing more than the limit does not by itself make an evaluated average exceed it, and
+        only the window average decides the switch.
+        """
+        env, rec, sys_ = self.env, self.rec, self.sys
+        t0, period, w = self._fw_t0, self.period_s, self.window_s
+        cap = self.power_limit_w
+        thresh = cap * (1.0 - 1e-9)
+        idle = self.ledger.p[0]
+        excess: dict[int, float] = {}
+        spans = rec._spans
+        recent: list = []
+        seen = 0
+        k = 0
+        while True:
+            k += 1
+            t = t0 + k * period
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            if sys_.executor is None:  # no executor to hook into (a bare harness): ``finish`` decides
+                return
+            if k == 1:
+                # a stream runs one op at a time and the power above idle is subadditive (see below): idle plus
+                # each stream's largest op excess bounds every level of the run; at or below the limit the firmware
+                # can never act and the offline record is exact without watching
+                ex = sys_.executor
+                top: dict[str, float] = {}
+                for stream, ops in ex.by_stream.items():
+                    for op in ops:
+                        e = excess.get(op.id)
+                        if e is None:
+                            e = excess[op.id] = self._excess_w(op)
+                        if e > top.get(stream, 0.0):
+                            top[stream] = e
+                if idle + sum(top.values()) <= thresh:
+                    return
+            lo = max(0.0, t - w)
+            if len(spans) > seen:
+                recent.extend(spans[seen:])
+                seen = len(spans)
+            recent = [x for x in recent if x[3] > lo]
+            running = [(st, op, start, t, stream) for stream, (st, op, start) in sys_.running.items()]
+            # cheap bounds first: the power above idle is subadditive over the running ops (a max and sums clipped
+            # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level
+            inst = avg_hi = 0.0
+            for x in recent:
+                e = excess.get(x[1].id)
+                if e is None:
+                    e = excess[x[1].id] = self._excess_w(x[1])
+                if e:
+                    inst += e
+                    avg_hi += e * (min(x[3], t) - max(x[2], lo))
+            for x in running:
+                e = excess.get(x[1].id)
+                if e is None:
+                    e = excess[x[1].id] = self._excess_w(x[1])
+                if e:
+                    inst += e
+                    avg_hi += e * (t - max(x[2], lo))
+            quiet = idle + inst <= thresh
+            if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
+                continue  # this window's average cannot exceed the limit
+            lv = None if quiet else self._levels(recent + running)
+            if lv is None or lv[1].max() <= thresh:
+                # every level in the window and the current one at or below the limit: power changes only when an op
+                # starts or ends, and an end only lowers it (``_levels`` is monotone), so no window can exceed the
+                # limit before the next op starts: sleep until then, and go on at the next evaluation time after it
+                ev = sys_.start_waiter = env.event()
+                t_start = yield ev
+                k = max(k, int((t_start - t0) // period))
+                continue
+            times, power, _ = lv
+            # integral of the levels over [lo, t]: idle before the first level
+            edges = np.clip(np.concatenate((times, [t])), lo, t)
+            energy = float(np.sum(power * np.diff(edges))) + idle * max(0.0, min(times[0], t) - lo)
+            if t > lo and energy / (t - lo) > thresh:
+                self._go_online(running, k)
+                return
+
+    def _excess_w(self, op) -> float:
+        """Power above idle of ``op`` running alone at the current clocks, W (0 for an op that draws none)."""
+        a = self._activity(op)
+        if a is None:
+            return 0.0
+        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        return max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
+
+    def _go_online(self, running, k: int) -> None:
+        """Switch an offline-metered run to online metering now (see ``_watch_offline``): ledger and counters
+        from the spans so far (levels before now), the running ops active, hooks on, firmware from tick ``k``."""
+        now = self.env.now
+        lv = self._levels(list(self.rec._spans) + running)
+        if lv is not None:
+            times, power, _ = lv
+            keep = times < now
+            self._append_levels(times[keep], power[keep])
+        p = np.asarray(self.ledger.p)
+        over = np.nonzero((p[:-1] > self.power_limit_w) & (p[1:] <= self.power_limit_w))[0]
+        if len(over):
+            self._over_end_t = float(self.ledger.t[over[-1] + 1])
+        for st, op, start, _, _ in sorted(running, key=lambda r: r[2]):
+            act = self._activity(op)
+            if act is not None:
+                self.active[(st, op.id)] = act
+                self._ids.append(op.id)
+        self.online = True
+        self.switched_at_s = now
+        self.sys.executor.add_hook(self)
+        self._update()
+        self.env.process(self._firmware(self.power_limit_w, k))
 
     def on_op_start(self, op, step, system) -> None:
         if self.policy is not None:
@@ -494,7 +646,7 @@ class DvfsRuntime:
         self._count(now, "sm_clock_mhz", mhz)
         self._update()
 
-    def _firmware(self, cap: float):
+    def _firmware(self, cap: float, k0: int = 1):
         """Power-limit loop: every period, compare the windowed average power with the cap.
 
         The limit is the firmware's, so it binds over any clock policy: a locked or planned clock is
@@ -511,7 +663,7 @@ class DvfsRuntime:
         """
         env, ctl = self.env, self.ctl
         fmax, t0, period = self.fmax_mhz, self._fw_t0, self.period_s
-        k = 0
+        k = k0 - 1  # the first evaluation: tick k0 (1 from the start; later when switched online mid-run)
         while True:
             k += 1
             t_next = t0 + k * period

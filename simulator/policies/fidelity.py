@@ -34,7 +34,10 @@ peak memory within a few % of kernel fidelity.
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 from collections import defaultdict
+from itertools import islice
+from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
@@ -97,17 +100,17 @@ def _signature(op: Op) -> tuple:
     return (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
 
 
-def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int]) -> Op:
+def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]) -> Op:
     """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
 
-    ``users``: op ids using each tensor; ``size``: bytes of each GPU tensor ops allocate. The block allocates
+    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate. The block allocates
     the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
     to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
     inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
     """
     ids = {p.id for p in parts}
     first_id = parts[0].id
-    internal = {t.name for p in parts for t in p.allocs if users.get(t.name, set()) <= ids}
+    internal = {t.name for p in parts for t in p.allocs if all(j in ids for j in users.get(t.name, ()))}
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
     last_use: dict[str, int] = {}
@@ -115,8 +118,9 @@ def _block_op(parts: list[Op], users: dict[str, set[int]], size: dict[str, int])
         for u in p.uses:
             last_use[u] = i
     # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
+    # (``users[u]`` sorted: only the users from the block's first part on need looking at)
     freed_in = {u for u in last_use if u not in internal and u in size
-                and all(j in ids or j < first_id for j in users[u])}
+                and all(j in ids for j in islice(users[u], bisect_left(users[u], first_id), None))}
     live = base = sum(size[u] for u in freed_in)
     high = live
     alive: dict[str, int] = {u: size[u] for u in freed_in}
@@ -155,7 +159,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(Op))
 def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
     """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
     several times slower, and large pipelines have hundreds of thousands of ops)."""
-    vals = [getattr(op, f) for f in _FIELDS]
+    vals = list(_GET_FIELDS(op))
     vals[0] = new_id
     vals[_DEPS] = deps
     vals[_META] = meta
@@ -163,6 +167,7 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
 
 
 _DEPS, _META = _FIELDS.index("deps"), _FIELDS.index("meta")
+_GET_FIELDS = attrgetter(*_FIELDS)  # all fields of an op as one tuple, in one C call
 
 
 def coarsen(graph: OpGraph) -> OpGraph:
@@ -177,11 +182,11 @@ def coarsen(graph: OpGraph) -> OpGraph:
     info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks)}
     if not blocks:
         return graph.with_changes(meta={**graph.meta, "fidelity": info})
-    users: dict[str, set[int]] = defaultdict(set)
+    users: dict[str, list[int]] = defaultdict(list)
     size: dict[str, int] = {}
     for op in graph.ops:
         for u in op.uses:
-            users[u].add(op.id)
+            users[u].append(op.id)  # in id order
         for t in op.allocs:
             if t.device == "gpu":
                 size[t.name] = t.nbytes

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pytest
 import yaml
 
@@ -119,8 +120,8 @@ def _busy_streams(n: int = 40):
 
 def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
     """Two streams of kernels keep the board above its 700 W default limit: the firmware lowers the
-    clock, which power metered from the spans afterwards cannot know; the run is repeated with per-op
-    metering and equals it."""
+    clock, which power metered from the spans afterwards cannot know; the run switches to per-op metering
+    at the first firmware evaluation over the limit (not repeated) and equals a run metered per op from the start."""
     base = scenario_from_dict(yaml.safe_load(B8.read_text()))
     hw = resolve_hardware(base)
     made, init = [], dvfs_mod.DvfsRuntime.__init__
@@ -133,9 +134,79 @@ def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
     graph = _busy_streams()
     attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 3, attach=attach)
-    assert [m.online for m in made] == [False, True]  # the offline run refused, then repeated per op
+    assert [m.online for m in made] == [True]  # one run, switched online (not repeated)
+    assert made[0].switched_at_s == pytest.approx(0.01, rel=1e-12)  # the first evaluation: [0, 10 ms] at ~900 W
     slow, _ = run_graph(graph, hw, 3, attach=attach, exact_power=True)
-    assert made[1].ctl.switches > 0 and made[1].ctl.switches == made[2].ctl.switches
+    assert made[0].ctl.switches > 0 and made[0].ctl.switches == made[1].ctl.switches
     assert fast.spans.equals(slow.spans)
-    assert made[1].ledger.energy_at(float(slow.steps.end_s.iloc[-1])) == made[2].ledger.energy_at(
-        float(slow.steps.end_s.iloc[-1]))
+    end = float(slow.steps.end_s.iloc[-1])
+    assert made[0].ledger.energy_at(end) == pytest.approx(made[1].ledger.energy_at(end), rel=1e-12)
+    assert fast.counters.equals(slow.counters)
+
+
+def _late_burst(n_idle: int = 30, n_busy: int = 40):
+    """One stream of ``n_idle`` light 1 ms kernels, then two streams of ``n_busy`` busy ones side by side: the
+    limit binds only after about ``n_idle`` ms."""
+    g = GraphBuilder()
+    prev = []
+    for i in range(n_idle):
+        prev = [g.add(f"idle.k{i}", OpKind.COMPUTE, "s1", deps=prev, phase=Phase.FWD, cost_class=CostClass.ELEMENTWISE,
+                      fixed_duration_s=1e-3, meta={})]
+    gate = prev
+    for s in ("s1", "s2"):
+        prev = gate
+        for i in range(n_busy):
+            prev = [g.add(f"{s}.k{i}", OpKind.COMPUTE, s, deps=prev, phase=Phase.FWD, cost_class=CostClass.ELEMENTWISE,
+                          fixed_duration_s=1e-3)]
+    return g.build(samples_per_step=1, tokens_per_step=1)
+
+
+@pytest.mark.parametrize("make", [_busy_streams, _late_burst])
+def test_offline_run_switches_online_when_the_limit_binds(monkeypatch, make):
+    """Offline metering until the first firmware evaluation whose window average exceeds the limit, online
+    from there: spans, counters (power, clock), clock switches and energy equal a run metered per op from the
+    start, over two steps; the switch lands on the 10 ms grid at the first window over 700 W."""
+    base = scenario_from_dict(yaml.safe_load(B8.read_text()))
+    hw = resolve_hardware(base)
+    made, init = [], dvfs_mod.DvfsRuntime.__init__
+
+    def capture(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    graph = make()
+    attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
+    fast, _ = run_graph(graph, hw, 2, attach=attach)
+    slow, _ = run_graph(graph, hw, 2, attach=attach, exact_power=True)
+    a, b = made
+    assert a.switched_at_s is not None and b.switched_at_s is None
+    assert a.ctl.switches == b.ctl.switches > 0
+    k = a.switched_at_s / a.period_s
+    assert k == pytest.approx(round(k), abs=1e-9)
+    T, P, E = (np.asarray(x, dtype=float) for x in (b.ledger.t, b.ledger.p, b.ledger.e))
+    assert a._window_over(T, P, E, a.switched_at_s, 700.0)  # over the limit at the switch...
+    assert not a._window_over(T, P, E, a.switched_at_s - a.period_s, 700.0)  # ...and not one evaluation before
+    assert fast.spans.equals(slow.spans)
+    assert fast.counters.equals(slow.counters)
+    end = float(slow.steps.end_s.iloc[-1])
+    assert a.ledger.energy_at(end) == pytest.approx(b.ledger.energy_at(end), rel=1e-12)
+
+
+def test_power_levels_of_finished_ops_are_a_lower_bound():
+    """``_levels`` is monotone: metered from the spans of the ops finished by any time (a prefix of the
+    recorded spans), the power at every instant is at most the power metered from all spans."""
+    cfg = load_scenario(B8, ["run.steps=1", "run.warmup_steps=0"])
+    hw = resolve_hardware(cfg)
+    graph = apply_graph_policies(build_graph(cfg), cfg, hw)
+    rec_spans = []
+    rec, rt = run_graph(graph, hw, 1, attach=lambda env, system: rec_spans.append(system.recorder) or
+                        build_runtime(cfg, hw, env, system))
+    meter = rt.components[0]
+    spans = list(rec_spans[0]._spans)
+    t_all, p_all, _ = meter._levels(spans)
+    for frac in (0.1, 0.5, 0.9):
+        t_sub, p_sub, _ = meter._levels(spans[: int(len(spans) * frac)])
+        at = lambda t, p, x: p[max(0, int(np.searchsorted(t, x, side="right")) - 1)]  # noqa: E731
+        probe = np.concatenate((t_sub, t_all[: len(t_all) // 2]))
+        assert all(at(t_sub, p_sub, x) <= at(t_all, p_all, x) + 1e-9 for x in probe if x >= t_all[0])
