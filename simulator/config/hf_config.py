@@ -22,6 +22,7 @@ Supported ``model_type`` values and the keys read (``transformers`` configuratio
   width; ``router_aux_loss_coef``, ``output_router_logits`` and ``router_jitter_noise`` change the
   loss, not the cost, and are ignored;
 * gpt2: LayerNorm, GELU, learned positions, biases everywhere;
+* mpt (MosaicML ``MPTConfig``, ``MPTForCausalLM``): see ``_read_mpt`` (ALiBi -> ``position_embedding_type: none``);
 * vit (``ViTConfig``, ``ViTForImageClassification``) -> ``architecture: vit``: ``hidden_size``,
   ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size`` -> ``ffn_hidden_size``,
   ``image_size``, ``patch_size``, ``num_channels`` (``ViTConfig`` defaults 224, 16, 3); ``num_labels``, else
@@ -54,7 +55,7 @@ from typing import Any
 from hardware_models import safe_yaml
 from hardware_models.presets import FILE_PREFIXES, is_file_reference
 
-SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek", "vit")
+SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek", "vit", "mpt")
 #: model types with mixture-of-experts keys read here
 MOE_TYPES = ("mixtral", "qwen2_moe", "deepseek")
 #: MLA attention (Multi-head Latent Attention, DeepSeek-V2 section 2.1): not modelled
@@ -122,6 +123,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{where}: model_type: {name} is not supported (supported: {', '.join(SUPPORTED)})")
     if mt == "vit":
         return _read_vit(cfg, where)
+    if mt == "mpt":
+        return _read_mpt(cfg, where)
     gpt2 = mt == "gpt2"
     h = _get(cfg, where, "n_embd" if gpt2 else "hidden_size")
     a = _get(cfg, where, "n_head" if gpt2 else "num_attention_heads")
@@ -257,6 +260,98 @@ def _deepseek_moe(cfg: dict, where: str, out: dict) -> None:
         raise ValueError(f"{where}: first_k_dense_replace: expected an integer >= 0, got {k!r}")
     freq = _get(cfg, where, "moe_layer_freq", required=False) or 1
     out["moe_layers"] = lambda n: [int(i >= k and i % freq == 0) for i in range(n)]
+
+
+#: MPT attention implementations (``attn_config.attn_impl``) read as the fused flash-attention kernel; see ``_read_mpt``
+MPT_ATTN_IMPLS = ("flash", "triton", "torch")
+#: MPT ``norm_type`` values (llm-foundry ``NORM_CLASS_REGISTRY``) and the normalization each is priced as
+MPT_NORMS = {"layernorm": "LayerNorm", "low_precision_layernorm": "LayerNorm", "rmsnorm": "RMSNorm",
+             "low_precision_rmsnorm": "RMSNorm"}
+
+
+def _mpt_attn(cfg: dict, where: str) -> dict:
+    """``attn_config`` with the ``MPTConfig`` defaults (``attn_config_defaults``) for absent keys."""
+    attn = cfg.get("attn_config") or {}
+    if not isinstance(attn, dict):
+        raise ValueError(f"{where}: attn_config: expected a mapping, got {attn!r}")  # noqa: TRY004
+    defaults = {"attn_type": "multihead_attention", "attn_impl": "triton", "qk_ln": False, "prefix_lm": False,
+                "alibi": False, "rope": False}
+    return {**defaults, **{k: v for k, v in attn.items() if v is not None}}
+
+
+def _read_mpt(cfg: dict, where: str) -> dict[str, Any]:
+    """Model keys of a MosaicML MPT ``config.json`` (``MPTConfig`` of the checkpoint's ``configuration_mpt.py`` /
+    llm-foundry ``llmfoundry/models/mpt/configuration_mpt.py``; ``MPTModel`` of ``modeling_mpt.py``).
+
+    ``d_model`` -> ``hidden_size``, ``n_heads``, ``n_layers``, ``expansion_ratio`` x ``d_model`` ->
+    ``ffn_hidden_size`` (GELU MLP, ``MPTMLP``), ``max_seq_len`` -> ``max_position_embeddings`` and
+    ``seq_length``, ``vocab_size``; ``no_bias`` (``MPTConfig`` default false) -> ``add_bias_linear`` (MPT strips
+    the norms' biases too); ``norm_type`` (default ``low_precision_layernorm``) -> ``normalization`` (the
+    low-precision variants run the norm in the autocast dtype; priced as the plain norm); ``tie_word_embeddings``
+    (default true: ``SharedEmbedding``).
+
+    Positions: ``attn_config.alibi`` true -> ``position_embedding_type: none``: ALiBi (Press et al., *Train
+    Short, Test Long*, ICLR 2022) adds a fixed per-head linear bias to the attention scores, computed inside the
+    Triton / flash kernel, and has no parameters; ``MPTConfig`` sets ``learned_pos_emb`` false when ALiBi is on
+    (so MPT-7B, which publishes ``learned_pos_emb: true`` beside ``alibi: true``, has no position table: its
+    6,649,286,656 parameters). Without ALiBi ``learned_pos_emb`` (default true) -> a learned table of
+    ``max_seq_len`` rows (``wpe``).
+
+    ``attn_impl`` (``flash``, ``triton``, ``torch``) picks MPT's runtime kernel, like the ``attn_implementation``
+    Hugging Face reads for Llama: every value is priced as the fused flash-attention kernel (what llm-foundry's
+    training runs set); ``torch`` is MPT's unfused reference path (scores materialised), not modelled separately.
+    ``clip_qkv`` (an elementwise clamp), ``softmax_scale``, ``alibi_bias_max``, ``attn_uses_sequence_id``,
+    ``embedding_fraction``, ``logit_scale``, dropouts and init keys do not change the step's cost and are ignored.
+
+    Raises:
+        ValueError: one line naming the key: no positions (``alibi`` and ``learned_pos_emb`` both false),
+            rotary MPT (``attn_config.rope``), ``qk_ln``, ``prefix_lm``, an ``attn_type`` other than
+            ``multihead_attention``, an unknown ``attn_impl`` or ``norm_type``, an ``ffn_config.ffn_type`` other
+            than ``mptmlp``, a non-integer FFN width.
+    """
+    attn = _mpt_attn(cfg, where)
+    for key in ("qk_ln", "prefix_lm", "rope"):
+        if not isinstance(attn[key], bool):
+            raise ValueError(f"{where}: attn_config.{key}: expected true or false, got {attn[key]!r}")  # noqa: TRY004
+        if attn[key]:
+            what = {"qk_ln": "LayerNorms on q and k", "prefix_lm": "prefix-LM (bidirectional prefix) attention",
+                    "rope": "rotary MPT"}[key]
+            raise ValueError(f"{where}: attn_config.{key}: true ({what}) is not modelled for mpt (allowed: false)")
+    if attn["attn_type"] != "multihead_attention":
+        raise ValueError(f"{where}: attn_config.attn_type: {attn['attn_type']!r} is not supported for mpt "
+                         "(allowed: multihead_attention)")
+    if attn["attn_impl"] not in MPT_ATTN_IMPLS:
+        raise ValueError(f"{where}: attn_config.attn_impl: {attn['attn_impl']!r} is not supported for mpt "
+                         f"(allowed: {', '.join(MPT_ATTN_IMPLS)})")
+    ffn = cfg.get("ffn_config") or {}
+    if not isinstance(ffn, dict) or ffn.get("ffn_type", "mptmlp") != "mptmlp":
+        raise ValueError(f"{where}: ffn_config: {ffn!r}: only the GELU MLP is modelled for mpt "
+                         "(allowed: ffn_type mptmlp)")
+    norm = cfg.get("norm_type", "low_precision_layernorm")
+    if not isinstance(norm, str) or norm.lower() not in MPT_NORMS:
+        raise ValueError(f"{where}: norm_type: {norm!r} is not supported for mpt (allowed: {', '.join(MPT_NORMS)})")
+    h = _get(cfg, where, "d_model")
+    a = _get(cfg, where, "n_heads")
+    if h % a:
+        raise ValueError(f"{where}: n_heads ({a}) must divide d_model ({h})")
+    ratio = cfg.get("expansion_ratio", 4)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0 or (ratio * h) % 1:
+        raise ValueError(f"{where}: expansion_ratio: expected a positive number with expansion_ratio x d_model an "
+                         f"integer, got {ratio!r}")
+    alibi = _flag({"attn_config.alibi": attn["alibi"]}, where, "attn_config.alibi", False)
+    learned = _flag(cfg, where, "learned_pos_emb", True)
+    if not alibi and not learned:
+        raise ValueError(f"{where}: learned_pos_emb: false with attn_config.alibi: false gives a model without "
+                         "positional information, not modelled for mpt (allowed: alibi true, or learned_pos_emb true)")
+    pos = _get(cfg, where, "max_seq_len")
+    bias = not _flag(cfg, where, "no_bias", False)
+    return {"num_layers": _get(cfg, where, "n_layers"), "hidden_size": h, "num_attention_heads": a,
+            "vocab_size": _get(cfg, where, "vocab_size"), "ffn_hidden_size": int(ratio * h),
+            "max_position_embeddings": pos, "seq_length": pos,
+            "position_embedding_type": "none" if alibi else "learned_absolute",
+            "normalization": MPT_NORMS[norm.lower()], "add_bias_linear": bias,
+            "untie_embeddings_and_output_weights": not _flag(cfg, where, "tie_word_embeddings", True),
+            "sliding_window": None}
 
 
 def merge_hf(model: dict) -> dict:

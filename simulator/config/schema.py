@@ -107,7 +107,7 @@ class ModelConfig(_Model):
         "no vocab_size).")
 
     from_hf: str | None = Field(
-        default=None, description="A Hugging Face config.json (llama, mistral, mixtral, qwen2, gpt2, vit), given as a path "
+        default=None, description="A Hugging Face config.json (llama, mistral, mixtral, qwen2, gpt2, vit, mpt), given as a path "
         f"starting with {', '.join(FILE_PREFIXES)} (relative: from the current folder, else the scenario's folder); "
         "its keys fill this section, keys set here override them (seq_length defaults to max_position_embeddings).")
     num_layers: PositiveInt = Field(le=MAX_NUM_LAYERS)
@@ -137,7 +137,12 @@ class ModelConfig(_Model):
         "multi-query, as Megatron); must divide num_attention_heads (and be divisible by the TP size).")
     swiglu: bool = Field(default=False, description="Megatron --swiglu: gated MLP silu(x W1) * (x W3) W2.")
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = Field(
+        default="learned_absolute", description="Megatron-LM --position-embedding-type (megatron/training/"
+        "arguments.py choices learned_absolute, rope, mrope, relative, none; mrope and relative not modelled): "
+        "learned_absolute: a learned table of max_position_embeddings rows; rope: rotary kernels on q and k, no "
+        "table; none: no position parameters and no position kernel (NoPE, or ALiBi, whose per-head bias the "
+        "flash kernel adds to the scores in-kernel: MPT; priced as plain flash attention).")
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = Field(default=False, description="Megatron --add-qkv-bias: a QKV bias even with "

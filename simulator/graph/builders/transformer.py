@@ -113,7 +113,9 @@ FULL_PRECISIONS = ("fp32", "tf32")
 VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE = ("none", "full", "selective")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+#: Megatron-LM --position-embedding-type values modelled; ``none``: no position parameters or kernels (ALiBi's
+#: bias is added inside the flash kernel; Press et al., ICLR 2022)
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -157,7 +159,7 @@ class TransformerSpec:
         swiglu: Gated MLP (Megatron ``--swiglu``): fc1 is ``h -> 2f`` and ``silu(a) * b`` feeds fc2.
         normalization: One of ``NORMALIZATIONS`` (RMSNorm: one weight, no bias, whatever ``bias`` says).
         position_embedding: One of ``POSITION_EMBEDDINGS`` (``rope``: no position table; rotary kernels
-            on q and k).
+            on q and k; ``none``: no table and no position kernel, ALiBi / NoPE).
         max_position_embeddings: Rows of the learned position table (``None``: ``seq_length``).
         qkv_bias: The QKV projection has a bias even without ``bias`` (Megatron ``--add-qkv-bias``; Qwen2).
         pipeline_parallel_size: Pipeline ranks ``p`` (Megatron ``--pipeline-model-parallel-size``); one
@@ -419,8 +421,8 @@ class TransformerSpec:
 
     @property
     def position_table_rows(self) -> int:
-        """Rows of the learned position table (0 with rotary embeddings)."""
-        if self.position_embedding == "rope":
+        """Rows of the learned position table (0 with rotary embeddings or ``none``)."""
+        if self.position_embedding != "learned_absolute":
             return 0
         return self.max_position_embeddings or self.seq_length
 

@@ -122,7 +122,8 @@ def check_vit_spec(s) -> None:
         raise ValueError(f"seq_length ({s.seq_length}) must be (image_size / patch_size)^2 + 1 = {v.seq_length} "
                          "with a ViT")
     bad = [("causal attention", s.causal), ("tied_embeddings", s.tied_embeddings),
-           ("rope", s.position_embedding == "rope"), ("window_size", s.window_size is not None),
+           (f"position_embedding {s.position_embedding}", s.position_embedding != "learned_absolute"),
+           ("window_size", s.window_size is not None),
            ("num_experts", s.num_experts is not None), ("no biases", not s.bias),
            ("pipeline parallelism", s.pipeline_parallel_size > 1), ("context parallelism",
                                                                     s.context_parallel_size > 1),
