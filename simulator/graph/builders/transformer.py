@@ -1215,6 +1215,26 @@ class _GptBuilder:
         e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], deps=ce, dtype="fp32")
         return st
 
+    def _loss_bwd(self, rows: int, classes: int, lsm: str) -> str:
+        """Backward of the fp32 softmax cross-entropy over ``rows`` x ``classes`` logits (``lsm``: the saved
+        log-softmax): the loss-scale multiply with fp16 (dynamic loss scaling starts backward from loss x scale;
+        Micikevicius et al. 2018), the NLL and log-softmax gradients in fp32, then their cast to the 16-bit
+        logits dtype (none with fp32 / tf32). Returns the logits' gradient tensor."""
+        e, n = self.e, rows * classes
+        if self.fp16:
+            e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
+        g_lsm = e.fresh("nll_loss.dx")
+        e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * n, out=[(g_lsm, 4 * n)], dtype="fp32")
+        g_l32 = e.fresh("log_softmax.dx")
+        e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * n, writes=4 * n, out=[(g_l32, 4 * n)],
+                 uses=[g_lsm, lsm], dtype="fp32")
+        if self.full:  # fp32 / tf32: the logits' gradient is the fp32 one
+            return g_l32
+        g_logits = e.fresh("logits.float.dx")
+        e.kernel("logits.float.dgrad", C.CAST, reads=4 * n, writes=2 * n, out=[(g_logits, 2 * n)], uses=[g_l32],
+                 dtype="fp32")
+        return g_logits
+
     def _backward(self, chunk: int, mb: int, st: dict, last_pass: bool) -> None:
         """Backward of micro-batch ``mb`` through local chunk ``chunk`` (``st``: its forward's state): from the
         loss on the last model chunk (else the gradient received from the next chunk), the blocks in reverse,
@@ -1231,18 +1251,7 @@ class _GptBuilder:
         if s.vit is not None:
             g = vitb.head_bwd(self, st)
         elif last:
-            if self.fp16:  # dynamic loss scaling: backward starts from loss * scale (Micikevicius et al. 2018)
-                e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
-            g_lsm = e.fresh("nll_loss.dx")
-            e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * T * V, out=[(g_lsm, 4 * T * V)], dtype="fp32")
-            g_l32 = e.fresh("log_softmax.dx")
-            e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * T * V, writes=4 * T * V, out=[(g_l32, 4 * T * V)],
-                     uses=[g_lsm, st["lsm"]], dtype="fp32")
-            g_logits = g_l32  # fp32 / tf32: the logits' gradient is the fp32 one
-            if not self.full:
-                g_logits = e.fresh("logits.float.dx")
-                e.kernel("logits.float.dgrad", C.CAST, reads=4 * T * V, writes=2 * T * V, out=[(g_logits, 2 * T * V)],
-                         uses=[g_l32], dtype="fp32")
+            g_logits = self._loss_bwd(T, V, st["lsm"])
             self._gather_layer_params(s.num_layers, Phase.BWD)
             g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
                                  g_fp32=False)

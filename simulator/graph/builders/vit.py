@@ -197,16 +197,7 @@ def head_bwd(bld, st: dict) -> str:
     """Backward of ``head_fwd``; returns the gradient of the last block's output ``[T, h]`` (residual dtype)."""
     s, e = bld.s, bld.e
     b, h, K, T, act = s.micro_batch_size, s.hidden_size, s.vit.num_classes, bld.T, bld.act
-    if bld.fp16:  # dynamic loss scaling, as the decoder's loss (transformer._GptBuilder._backward)
-        e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
-    g_lsm = e.fresh("nll_loss.dx")
-    e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * b * K, out=[(g_lsm, 4 * b * K)], dtype="fp32")
-    g_l32 = e.fresh("log_softmax.dx")
-    e.kernel("log_softmax.dgrad", C.SOFTMAX, reads=8 * b * K, writes=4 * b * K, out=[(g_l32, 4 * b * K)],
-             uses=[g_lsm, st["lsm"]], dtype="fp32")
-    g_logits = e.fresh("logits.float.dx")
-    e.kernel("logits.float.dgrad", C.CAST, reads=4 * b * K, writes=2 * b * K, out=[(g_logits, 2 * b * K)],
-             uses=[g_l32], dtype="fp32")
+    g_logits = bld._loss_bwd(b, K, st["lsm"])  # over the b CLS rows
     g_cls = bld._linear_bwd("head", g_logits, st["sv_head"], h, K, g_fp32=False, tokens=b)
     if bld.amp:  # autocast's cast of the CLS rows: its backward brings the gradient back to fp32
         g32 = e.fresh("head.cast_in.dx")
