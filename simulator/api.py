@@ -487,6 +487,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append(f"model.moe_tokens_per_expert: every EP rank is simulated with the busiest EP rank's "
                        f"expert load ({moe.load_imbalance(spec, spec.micro_batch_size * spec.seq_length):.3g}x the "
                        "mean): the step follows it, the other ranks' energy is overstated")
+        else:
+            out.append("model.moe_tokens_per_expert has no effect with expert_model_parallel_size 1: one rank runs "
+                       "every expert, so its grouped GEMMs and permutes see the same tokens however they are split")
+    m = cfg.model if cfg is not None else None
+    if m is not None and m.from_hf and m.max_position_embeddings and m.seq_length == m.max_position_embeddings:
+        out.append(f"model.seq_length {m.seq_length:,} is the max_position_embeddings of {m.from_hf} (the default "
+                   "when the scenario sets no seq_length); set model.seq_length for the sequences you train on")
     d = cfg.dvfs if cfg is not None else None
     sup = hw.gpu.supported_sm_clocks_mhz
     if d is not None and sup:

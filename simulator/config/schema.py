@@ -203,6 +203,15 @@ class ModelConfig(_Model):
         "and the step follows the busiest EP rank (the others wait at the combine all-to-all). The same split is "
         "used for every layer. Default: balanced routing.")
 
+    @field_validator("moe_layer_freq", mode="before")
+    @classmethod
+    def _moe_layer_freq_value(cls, v):
+        ok = (isinstance(v, int) and not isinstance(v, bool) and v >= 1) or (
+            isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x in (0, 1) for x in v))
+        if not ok:  # one line instead of pydantic's union report
+            raise ValueError(f"{v!r} (allowed: an integer >= 1, or a list of 0 / 1, one per layer)")
+        return v
+
     _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                                    "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
                                    mode="before")(no_bool)
@@ -261,6 +270,12 @@ class ModelConfig(_Model):
             if bad or not sum(w) > 0:
                 raise ValueError(f"moe_tokens_per_expert: {bad[0] if bad else 'all 0'} (allowed: finite numbers >= 0, "
                                  "not all 0)")
+            k = self.moe_router_topk
+            top = max(w) / sum(w)
+            if top > 1 / k + 1e-9:  # each token picks k different experts: one expert gets at most T of the k T
+                raise ValueError(f"moe_tokens_per_expert: one expert gets {top:.3g} of the routed tokens, more than "
+                                 f"1 / moe_router_topk = {1 / k:.3g} (each token goes to {k} different experts; "
+                                 f"allowed: every share at most 1/{k})")
         mp = self.max_position_embeddings
         if self.position_embedding_type == "learned_absolute" and mp is not None and mp < self.seq_length:
             raise ValueError(f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({mp}) of the learned "

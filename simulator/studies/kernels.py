@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 #: Bytes per element of the operand dtypes.
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 1}  # tf32: fp32 operands on TF32 cores
 
 
 def price_kernel(gpu_name: str, op_kind: str, dims: list[int], dtype: str = "bf16",

@@ -132,7 +132,7 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
             sched.backward(0, i)
             sched.send_backward()
     elif v == 1:
-        _one_f_one_b(sched, p, m, rank, zero_bubble=schedule == "zero_bubble_h1")
+        _one_f_one_b(sched, p, m, rank, zero_bubble=schedule == "zero_bubble_h1" and p > 1)  # p 1: no bubble to fill
     else:
         _interleaved(sched, p, m, rank, v)
     return _mark_last(sched.items)

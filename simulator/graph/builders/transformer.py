@@ -1670,7 +1670,7 @@ class _GptBuilder:
             elif a.kind == "F":
                 state[a.chunk, a.micro_batch] = self._forward(a.chunk, a.micro_batch)
             elif a.kind == "B":
-                if s.pipeline_schedule == "zero_bubble_h1":  # the weight gradients wait for the W action
+                if s.pipeline_schedule == "zero_bubble_h1" and s.pipeline_parallel_size > 1:  # W waits for its action
                     self._deferred = self._w_queue[a.chunk, a.micro_batch] = []
                 self._backward(a.chunk, a.micro_batch, state.pop((a.chunk, a.micro_batch)), a.last)
                 self._deferred = None

@@ -131,3 +131,15 @@ def test_set_from_hf_replaces_the_scenarios_model_section():
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.seq_length) == (2, 4096, 11008, 32000, 1024)
     full = load_scenario(path, [f"model.from_hf={hf}"]).model
     assert (full.num_layers, full.hidden_size, full.seq_length) == (32, 4096, 4096)
+
+
+def test_seq_length_taken_from_max_position_embeddings_is_flagged():
+    """``--set model.from_hf`` keeps no seq_length of the scenario: the config's max_position_embeddings is used
+    and the summary's warnings say so (Llama-2-7B: 4,096)."""
+    from simulator.api import run_scenario
+
+    cfg = load_scenario(ROOT / "scenarios/h200/gpt_184m_b8.yaml",
+                        [f"model.from_hf={MODELS}/llama-2-7b.json", "model.num_layers=1", "training.micro_batch_size=1",
+                         "run.steps=2", "run.warmup_steps=1"])
+    w = run_scenario(cfg).summary["warnings"]
+    assert any(x.startswith("model.seq_length 4,096 is the max_position_embeddings of") for x in w)

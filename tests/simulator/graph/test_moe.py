@@ -487,3 +487,29 @@ def test_zero2_accumulation_with_expert_parallelism_is_refused(tmp_path, capsys)
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "zero_optimization.stage: 2 with gradient accumulation and experts" in err
+
+
+def test_expert_load_beyond_one_over_topk_is_refused(tmp_path, capsys):
+    """Each token goes to k different experts, so one expert gets at most T of the k T routed tokens: a share
+    above 1/k is impossible and refused (was accepted as an 8x load)."""
+    p = _scenario(tmp_path, _mixtral(num_layers=1, moe_tokens_per_expert=[8, 0, 0, 0, 0, 0, 0, 0]),
+                  {"expert_model_parallel_size": 8}, {"preset": "dgx-h100", "nodes": 1})
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "more than 1 / moe_router_topk = 0.5" in err
+
+
+def test_moe_layer_freq_bad_values_one_line(tmp_path, capsys):
+    for bad in (0, [True, False]):
+        p = _scenario(tmp_path, _mixtral(num_layers=2, moe_layer_freq=bad))
+        assert main(["run", str(p)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "(allowed: an integer >= 1, or a list of 0 / 1, one per layer)" in err
+
+
+def test_expert_load_without_expert_parallelism_is_flagged(tmp_path):
+    """With ep 1 one rank runs every expert: the split changes nothing, and the run says so (it used to drop the
+    balanced-routing line and say nothing)."""
+    p = _scenario(tmp_path, _mixtral(num_layers=1, seq_length=512, moe_tokens_per_expert=[2, 1, 1, 1, 1, 1, 1, 0]))
+    s = run_scenario(load_scenario(p)).summary
+    assert any("moe_tokens_per_expert has no effect with expert_model_parallel_size 1" in w for w in s["warnings"])
