@@ -61,7 +61,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
-        context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8,
+        context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8, fp8_amax_history_len=t.fp8_amax_history_len,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
@@ -490,6 +490,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         else:
             out.append("model.moe_tokens_per_expert has no effect with expert_model_parallel_size 1: one rank runs "
                        "every expert, so its grouped GEMMs and permutes see the same tokens however they are split")
+    if cfg is not None and cfg.training.fp8 is not None and hw.world_size > 1:
+        out.append("training.fp8: the amax all-reduce over the tensor x data-parallel group that Transformer Engine "
+                   "runs after each micro-batch's forward and backward (a few latency-bound bytes) is not modelled; "
+                   "the amax-history update kernels and the scaling state are")
     m = cfg.model if cfg is not None else None
     if m is not None and m.from_hf and m.max_position_embeddings and m.seq_length == m.max_position_embeddings:
         out.append(f"model.seq_length {m.seq_length:,} is the max_position_embeddings of {m.from_hf} (the default "

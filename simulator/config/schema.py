@@ -311,6 +311,10 @@ class TrainingConfig(_Model):
         default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "
         "GEMMs in fp8 (e4m3 forward; hybrid: e5m2 gradients) with per-tensor scaling; needs precision bf16 and a GPU "
         "with an fp8 rate. Attention, embeddings and the LM head stay bf16.")
+    fp8_amax_history_len: PositiveInt = Field(
+        default=1, le=1_000_000, description="Megatron-LM --fp8-amax-history-len (Transformer Engine DelayedScaling "
+        "amax_history_len; Megatron's default 1): fp32 amax entries kept per fp8 tensor, read and rolled by the scale "
+        "update after each forward and backward.")
     optimizer: OptimizerConfig = OptimizerConfig()
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."

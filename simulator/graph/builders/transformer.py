@@ -247,6 +247,7 @@ class TransformerSpec:
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     fp8: str | None = None
+    fp8_amax_history_len: int = 1
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -720,6 +721,23 @@ class _GptBuilder:
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
         return y, (xin, w16, ad) if save else ()
 
+    def _fp8_meta_bytes(self, tensors: int) -> int:
+        """Bytes of the delayed-scaling state of ``tensors`` fp8 tensors: an fp32 amax history of
+        ``fp8_amax_history_len`` entries, a scale and its inverse each (Transformer Engine ``FP8TensorMeta``)."""
+        return 4 * tensors * (self.s.fp8_amax_history_len + 2)
+
+    def _fp8_scale_update(self, forward: bool) -> None:
+        """End of a micro-batch's forward (inputs and weights) or backward (output gradients) of the fp8 blocks:
+        Transformer Engine's fused amax-history roll and scale update over every fp8 tensor of the pass
+        (``DelayedScaling``: scales from the amax history; Megatron-LM ``--fp8-amax-history-len``, default 1). One
+        fp8 Linear per weight copy of this step (``_fp8_w``); the cross-rank amax all-reduce is not modelled
+        (flagged in ``warnings``)."""
+        if not self.fp8 or not self._fp8_w:
+            return
+        n = (2 if forward else 1) * len(self._fp8_w)
+        nbytes = self._fp8_meta_bytes(n)
+        self.e.kernel("fp8.amax_scale_update", C.ELEMENTWISE, reads=nbytes, writes=nbytes, flops=2 * n, dtype="fp32")
+
     def _fp8_operands(self, name: str, x: str, w: str, x_numel: int, w_numel: int) -> tuple[str, str]:
         """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight (once per
         step: the first micro-batch's forward quantizes it, later GEMMs reuse it)."""
@@ -1187,6 +1205,7 @@ class _GptBuilder:
             x, sv = self._layer_fwd(x, save=not full, selective=selective)
             saved_layers[layer] = sv if not full else {"x": x_in}
         e.layer = -1
+        self._fp8_scale_update(forward=True)
         if not last:
             self.outgoing["act", k, mb] = x
             return st
@@ -1266,6 +1285,7 @@ class _GptBuilder:
                 _, sv = self._layer_fwd(sv["x"], save=True, selective=False)
             g = self._layer_bwd(g, sv)
         e.layer = -1
+        self._fp8_scale_update(forward=False)
         if not first:
             self.outgoing["grad", k - 1, mb] = g
             self._end_of_backward()
@@ -1676,6 +1696,8 @@ class _GptBuilder:
                 self._deferred = None
             else:
                 self._weight(a.chunk, a.micro_batch, a.last)
+        if self.fp8:  # the scaling state of every fp8 Linear (input, weight, output gradient), resident
+            self.b.persistent("fp8.scaling_meta", self._fp8_meta_bytes(3 * len(self._fp8_w)))
         self._sequence_parallel_grads()
         self._pipeline_syncs()
         self._optimizer()

@@ -59,3 +59,17 @@ def test_fp8_needs_bf16_a_gpu_with_an_fp8_rate_and_no_zero3():
         p.write_text(yaml.safe_dump(bad))
         with pytest.raises(ScenarioError, match="has no fp8 tensor-core rate"):
             load_scenario(p)
+
+
+@pytest.mark.parametrize("history", [1, 1024])
+def test_delayed_scaling_state_and_updates_by_hand(history):
+    """Transformer Engine delayed scaling: 2 layers x 4 fp8 Linears (QKV, proj, fc1, fc2) = 8, each with 3 scaled
+    tensors (input, weight, output gradient) holding an fp32 amax history of ``history`` entries plus a scale and
+    its inverse: 8 x 3 x (history + 2) x 4 bytes resident; after each of the 2 micro-batches' forward one update
+    over the 16 forward tensors, after each backward one over the 8 gradients."""
+    g = _graph(fp8_amax_history_len=history)
+    meta = [t for t in g.persistent if t.name == "fp8.scaling_meta"]
+    assert [t.nbytes for t in meta] == [8 * 3 * (history + 2) * 4]
+    ups = [op for op in g.ops if op.name.endswith("fp8.amax_scale_update")]
+    assert [(op.phase.value, op.bytes_read) for op in ups] == [("fwd", 16 * (history + 2) * 4),
+                                                               ("bwd", 8 * (history + 2) * 4)] * 2
