@@ -17,7 +17,6 @@ from simulator.policies.offload_optimizer import (
     host_memory_oom,
     offload_optimizer,
     offload_parts,
-    param_tensor_count,
     param_tensor_sizes,
 )
 from simulator.policies.registry import PolicyError
@@ -44,11 +43,11 @@ def run(graph, hw, steps=3, warmup=1):
 def test_cpu_times_by_hand():
     """Toy model (fresh outputs under 32 MiB: no faults, no launch cost): foreach AdamW streams
     80 B/param, the casts 6 B/param, DeepSpeed's fused kernel 30 B/param, all at 10 GB/s."""
-    t = cpu_step_times(P, param_tensor_count(SPEC), "torch_foreach", toy_hw())
+    t = cpu_step_times(P, len(param_tensor_sizes(build_gpt_step(SPEC))), "torch_foreach", toy_hw())
     assert t["cpu.adam"] == pytest.approx(80 * P / BW)
     assert t["cpu.grad_cast"] == pytest.approx(6 * P / BW)
     assert t["cpu.param_cast"] == pytest.approx(6 * P / BW)
-    ds = cpu_step_times(P, param_tensor_count(SPEC), "deepspeed_cpu_adam", toy_hw())
+    ds = cpu_step_times(P, len(param_tensor_sizes(build_gpt_step(SPEC))), "deepspeed_cpu_adam", toy_hw())
     assert ds["cpu.adam"] == pytest.approx(30 * P / BW)
     assert ds["cpu.grad_cast"] == pytest.approx(6 * P / BW)  # in place into the fp32 buffer
     assert ds["cpu.param_cast"] == 0.0
@@ -56,8 +55,17 @@ def test_cpu_times_by_hand():
 
 
 def test_param_tensor_sizes_add_up():
-    sizes = param_tensor_sizes(SPEC)
-    assert sum(sizes) == P and len(sizes) == param_tensor_count(SPEC)
+    sizes = param_tensor_sizes(build_gpt_step(SPEC))
+    assert sum(sizes) == P and len(sizes) == 2 + 12 * SPEC.num_layers + 2  # wte, wpe, 12 per block, ln_f w + b
+
+
+def test_param_tensor_sizes_follow_a_llama_layout():
+    """Llama (GQA, SwiGLU, RMSNorm, untied head, no biases): per block ln1, QKV [h, (a + 2 g) d], proj, ln2,
+    fc1 [h, 2 f], fc2 = 6 tensors; plus the token table, the final norm and the LM head (no position table)."""
+    llama = dataclasses.replace(SPEC, bias=False, normalization="RMSNorm", position_embedding="rope", swiglu=True,
+                                tied_embeddings=False)
+    sizes = param_tensor_sizes(build_gpt_step(llama))
+    assert len(sizes) == 6 * llama.num_layers + 3 and sum(sizes) == llama.num_parameters
 
 
 def test_dpu_loses_the_training_threads_core():
@@ -93,7 +101,7 @@ def test_exact_timings_on_tiny_graph():
     g = offload_optimizer(build_gpt_step(SPEC), hw, mode="serial")
     r = run(g, hw)
     s = r.spans[r.spans.step == 1]
-    t = cpu_step_times(P, param_tensor_count(SPEC), "torch_foreach", hw)
+    t = cpu_step_times(P, len(param_tensor_sizes(build_gpt_step(SPEC))), "torch_foreach", hw)
     for name, sec in t.items():
         assert float(s[s.name == name].duration_s.iloc[0]) == pytest.approx(sec, rel=1e-9)
     parts = offload_parts(r.spans, r.steps)

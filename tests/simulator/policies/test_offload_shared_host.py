@@ -91,9 +91,10 @@ def test_cluster_offload_runs_shares_the_host_and_says_so(tmp_path):
     hw = resolve_hardware(cfg)
     P = transformer_spec(cfg).num_parameters
     shard = -(-P // 8)
+    from simulator.graph.builders.transformer import build_gpt_step
     from simulator.policies.offload_optimizer import param_tensor_sizes
 
-    sizes = [n * shard / P for n in param_tensor_sizes(transformer_spec(cfg))]
+    sizes = [n * shard / P for n in param_tensor_sizes(build_gpt_step(transformer_spec(cfg)))]
     want = cpu_step_times(shard, len(sizes), "deepspeed_cpu_adam", hw, tensor_elements=sizes, ranks=8)
     assert s["offload_cpu_optimizer_s"] == pytest.approx(sum(want.values()), rel=1e-9)
     alone = cpu_step_times(shard, len(sizes), "deepspeed_cpu_adam", hw, tensor_elements=sizes, ranks=1)
