@@ -59,6 +59,8 @@ def cmd_kernel(args) -> int:
             raise ScenarioError(f"--elementwise {args.elementwise!r}: expected 1 B .. 1 PB")
         kind, dims = "elementwise", [int(nbytes)]
     r = price_kernel(args.gpu, kind, dims, args.dtype, args.profile)
+    if "warning" in r:
+        print(f"warning: {r['warning']}", file=sys.stderr)
     if args.json:
         print(json.dumps(r))
     else:

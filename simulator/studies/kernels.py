@@ -51,5 +51,9 @@ def price_kernel(gpu_name: str, op_kind: str, dims: list[int], dtype: str = "bf1
         eff = flops / t / gpu.peak(dtype)
     else:
         eff = (reads + writes) / t / gpu.hbm_bandwidth_bytes_per_s
-    return {"gpu": gpu.name, "profile": prof.name, "kernel": op_kind, "dtype": dtype, "time_s": t,
+    out = {"gpu": gpu.name, "profile": prof.name, "kernel": op_kind, "dtype": dtype, "time_s": t,
             "flops": flops, "bytes": float(reads + writes), "efficiency": eff, "bound": bound}
+    if prof.gpu != gpu_name:  # a profile measured on another GPU: its efficiencies need not carry over
+        out["warning"] = (f"profile {prof.name!r} belongs to GPU preset {prof.gpu!r}, not {gpu_name!r}: its measured "
+                          "efficiencies are applied to this GPU's peaks")
+    return out

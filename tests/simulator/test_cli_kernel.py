@@ -62,3 +62,14 @@ def test_a_dtype_the_gpu_lacks_is_one_line(capsys):
     assert main(["kernel", "v100-sxm2-32gb", "--gemm", "8192,8192,8192", "--dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no fp8 rate (allowed: fp16, fp32)" in err[0]
+
+
+def test_another_gpus_profile_is_flagged(capsys):
+    """The H200's fitted profile on an H100 is allowed (a what-if) but said, in ``--json`` and on stderr."""
+    from simulator.cli import main
+
+    assert main(["kernel", "h100-sxm-80gb", "--gemm", "4096,4096,4096", "--profile", "h200-sxm-141gb", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "belongs to GPU preset 'h200-sxm-141gb', not 'h100-sxm-80gb'" in out.err
+    assert "warning" in __import__("json").loads(out.out)
+    assert "warning" not in price_kernel("h200-sxm-141gb", "gemm", [4096, 4096, 4096], "bf16", "h200-sxm-141gb-micro")
