@@ -131,6 +131,7 @@ def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
         made.append(self)
 
     monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    monkeypatch.setattr(dvfs_mod, "WATCH_MIN_OPS", 0)  # watch this small graph (large ones are watched by default)
     graph = _busy_streams()
     attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 3, attach=attach)
@@ -175,6 +176,7 @@ def test_offline_run_switches_online_when_the_limit_binds(monkeypatch, make):
         made.append(self)
 
     monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    monkeypatch.setattr(dvfs_mod, "WATCH_MIN_OPS", 0)  # watch this small graph (large ones are watched by default)
     graph = make()
     attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 2, attach=attach)
@@ -210,3 +212,23 @@ def test_power_levels_of_finished_ops_are_a_lower_bound():
         at = lambda t, p, x: p[max(0, int(np.searchsorted(t, x, side="right")) - 1)]  # noqa: E731
         probe = np.concatenate((t_sub, t_all[: len(t_all) // 2]))
         assert all(at(t_sub, p_sub, x) <= at(t_all, p_all, x) + 1e-9 for x in probe if x >= t_all[0])
+
+
+def test_small_graph_that_would_throttle_is_checked_after_the_run_and_repeated(monkeypatch):
+    """Below ``WATCH_MIN_OPS`` no watch runs: the offline run is checked afterwards and repeated with per-op metering
+    (two runtimes), with the same result as a run metered per op from the start."""
+    base = scenario_from_dict(yaml.safe_load(B8.read_text()))
+    hw = resolve_hardware(base)
+    made, init = [], dvfs_mod.DvfsRuntime.__init__
+
+    def capture(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    graph = _busy_streams()
+    attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
+    fast, _ = run_graph(graph, hw, 3, attach=attach)
+    assert [m.online for m in made] == [False, True] and made[0].switched_at_s is None
+    slow, _ = run_graph(graph, hw, 3, attach=attach, exact_power=True)
+    assert fast.spans.equals(slow.spans) and fast.counters.equals(slow.counters)
