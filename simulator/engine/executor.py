@@ -125,6 +125,8 @@ class Executor:
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self
+        #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
+        self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
     def add_hook(self, hook) -> None:
         """Call ``hook.on_op_start`` / ``on_op_end`` (where defined) from now on, for every op starting or
@@ -197,10 +199,11 @@ class Executor:
         if ev is not None:
             yield ev
         start = env.now
-        self.running[stream] = (step, op, start)
-        if self.sys.start_waiter is not None:
-            self.sys.start_waiter, ev = None, self.sys.start_waiter
-            ev.succeed(start)
+        if self.track_running:
+            self.running[stream] = (step, op, start)
+            if self.sys.start_waiter is not None:
+                self.sys.start_waiter, ev = None, self.sys.start_waiter
+                ev.succeed(start)
         self._begin(op, step)
         mode = self._mode[op.id]
         if mode == _KERNEL:
@@ -247,7 +250,7 @@ class Executor:
     def _stream(self, stream: str, ops: list[Op]):
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
-        early, running = self._early, self.running
+        early, running, track = self._early, self.running, self.track_running
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -282,10 +285,11 @@ class Executor:
                     if late > 0:
                         yield env.timeout(late)
                 start = env.now
-                running[stream] = (step, op, start)
-                if sys.start_waiter is not None:
-                    sys.start_waiter, ev = None, sys.start_waiter
-                    ev.succeed(start)
+                if track:
+                    running[stream] = (step, op, start)
+                    if sys.start_waiter is not None:
+                        sys.start_waiter, ev = None, sys.start_waiter
+                        ev.succeed(start)
                 for pool, name, nbytes in allocs[oid]:  # _begin, inlined
                     pool.alloc(name, nbytes, start)
                 for fn in on_start:
@@ -345,7 +349,8 @@ class Executor:
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env.now
         self.rec.span(step, op, start, now, stream)
-        del self.running[stream]
+        if self.track_running:
+            del self.running[stream]
         if self._on_end:
             for fn in self._on_end:
                 fn(op, step, self.sys)

@@ -20,6 +20,8 @@ the representative's does at the same time.
 
 from __future__ import annotations
 
+import math
+
 import simpy
 
 from hardware_models.collective_flows import port_capacities, rank_loads
@@ -69,6 +71,10 @@ class System:
         self.running: dict = {}
         #: an event the executor fires (with the time) when the next op starts, then clears; None: nobody waits
         self.start_waiter: simpy.Event | None = None
+        #: graphs of at least this many ops keep ``running`` up to date (a runtime that reads it sets it; inf: none)
+        self.watch_min_ops = math.inf
+        #: whether this run's executor keeps ``running`` (set by ``Executor``)
+        self.track_running = False
         self.cost = RooflineCostModel(hw.gpu, hw.profile, hw.slowdown)
         self.fabric = fabric if fabric is not None else Fabric(env)
         c = hw.copy  # profile's measured rates > link preset (hardware_models.machine.resolve_copy_rates)
