@@ -32,3 +32,18 @@ def make_hw(gpu_mem: float = 1e12, launch_s: float = 0.0, pcie_bw: float = 1e9, 
 @pytest.fixture
 def toy_hw() -> Hardware:
     return make_hw()
+
+
+def refused_in_one_line(tmp_path: Path, capsys, scenario: dict) -> str:
+    """Write ``scenario`` as YAML, ``simulate run`` it and check it is refused as bad input: exit 2 with one line
+    on stderr, no traceback, naming the file. Returns that line."""
+    import yaml
+
+    from simulator.cli import main
+
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(scenario))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and str(p) in err, err
+    return err

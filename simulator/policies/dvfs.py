@@ -469,20 +469,13 @@ class DvfsRuntime:
             # cheap bounds first: the power above idle is subadditive over the running ops (a max and sums clipped
             # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level
             inst = avg_hi = 0.0
-            for x in recent:
+            for x in (*recent, *running):  # a running op's end is t (above)
                 e = excess.get(x[1].id)
                 if e is None:
                     e = excess[x[1].id] = self._excess_w(x[1])
                 if e:
                     inst += e
                     avg_hi += e * (min(x[3], t) - max(x[2], lo))
-            for x in running:
-                e = excess.get(x[1].id)
-                if e is None:
-                    e = excess[x[1].id] = self._excess_w(x[1])
-                if e:
-                    inst += e
-                    avg_hi += e * (t - max(x[2], lo))
             quiet = idle + inst <= thresh
             if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
                 continue  # this window's average cannot exceed the limit

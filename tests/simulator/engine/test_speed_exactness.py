@@ -118,10 +118,9 @@ def _busy_streams(n: int = 40):
     return g.build(samples_per_step=1, tokens_per_step=1)
 
 
-def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
-    """Two streams of kernels keep the board above its 700 W default limit: the firmware lowers the
-    clock, which power metered from the spans afterwards cannot know; the run switches to per-op metering
-    at the first firmware evaluation over the limit (not repeated) and equals a run metered per op from the start."""
+def _capturing_runtimes(monkeypatch):
+    """``(attach, made)`` for graphs run on the H200 b8 scenario's machine: ``made`` collects every
+    ``DvfsRuntime`` created (one per run; two when a run is repeated with per-op metering)."""
     base = scenario_from_dict(yaml.safe_load(B8.read_text()))
     hw = resolve_hardware(base)
     made, init = [], dvfs_mod.DvfsRuntime.__init__
@@ -131,9 +130,16 @@ def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
         made.append(self)
 
     monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    return hw, (lambda env, system: build_runtime(base, hw, env, system)), made
+
+
+def test_default_limit_that_would_throttle_is_metered_per_op(monkeypatch):
+    """Two streams of kernels keep the board above its 700 W default limit: the firmware lowers the
+    clock, which power metered from the spans afterwards cannot know; the run switches to per-op metering
+    at the first firmware evaluation over the limit (not repeated) and equals a run metered per op from the start."""
+    hw, attach, made = _capturing_runtimes(monkeypatch)
     monkeypatch.setattr(dvfs_mod, "WATCH_MIN_OPS", 0)  # watch this small graph (large ones are watched by default)
     graph = _busy_streams()
-    attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 3, attach=attach)
     assert [m.online for m in made] == [True]  # one run, switched online (not repeated)
     assert made[0].switched_at_s == pytest.approx(0.01, rel=1e-12)  # the first evaluation: [0, 10 ms] at ~900 W
@@ -167,18 +173,9 @@ def test_offline_run_switches_online_when_the_limit_binds(monkeypatch, make):
     """Offline metering until the first firmware evaluation whose window average exceeds the limit, online
     from there: spans, counters (power, clock), clock switches and energy equal a run metered per op from the
     start, over two steps; the switch lands on the 10 ms grid at the first window over 700 W."""
-    base = scenario_from_dict(yaml.safe_load(B8.read_text()))
-    hw = resolve_hardware(base)
-    made, init = [], dvfs_mod.DvfsRuntime.__init__
-
-    def capture(self, *a, **k):
-        init(self, *a, **k)
-        made.append(self)
-
-    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    hw, attach, made = _capturing_runtimes(monkeypatch)
     monkeypatch.setattr(dvfs_mod, "WATCH_MIN_OPS", 0)  # watch this small graph (large ones are watched by default)
     graph = make()
-    attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 2, attach=attach)
     slow, _ = run_graph(graph, hw, 2, attach=attach, exact_power=True)
     a, b = made
@@ -217,17 +214,8 @@ def test_power_levels_of_finished_ops_are_a_lower_bound():
 def test_small_graph_that_would_throttle_is_checked_after_the_run_and_repeated(monkeypatch):
     """Below ``WATCH_MIN_OPS`` no watch runs: the offline run is checked afterwards and repeated with per-op metering
     (two runtimes), with the same result as a run metered per op from the start."""
-    base = scenario_from_dict(yaml.safe_load(B8.read_text()))
-    hw = resolve_hardware(base)
-    made, init = [], dvfs_mod.DvfsRuntime.__init__
-
-    def capture(self, *a, **k):
-        init(self, *a, **k)
-        made.append(self)
-
-    monkeypatch.setattr(dvfs_mod.DvfsRuntime, "__init__", capture)
+    hw, attach, made = _capturing_runtimes(monkeypatch)
     graph = _busy_streams()
-    attach = lambda env, system: build_runtime(base, hw, env, system)  # noqa: E731
     fast, _ = run_graph(graph, hw, 3, attach=attach)
     assert [m.online for m in made] == [False, True] and made[0].switched_at_s is None
     slow, _ = run_graph(graph, hw, 3, attach=attach, exact_power=True)

@@ -4,11 +4,10 @@ state, GEMMs at the GPU's fp32 or TF32 rate; worked out by hand on a tiny model,
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from simulator.cli import main
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import CostClass, Phase
+from tests.conftest import refused_in_one_line
 
 TINY = dict(num_layers=1, hidden_size=8, num_attention_heads=4, seq_length=4, vocab_size=16, ffn_hidden_size=32,
             micro_batch_size=2, attention_backend="unfused")
@@ -90,11 +89,7 @@ BASE = {
     ({"zero_optimization": {"stage": 3}}, "training.precision: tf32 with experts, ZeRO-3"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, change, needle):
-    p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump({**BASE, **change}))
-    assert main(["run", str(p)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err and str(p) in err
+    err = refused_in_one_line(tmp_path, capsys, {**BASE, **change})
     assert needle in err, err
 
 
