@@ -22,8 +22,6 @@ here and only here.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pandas as pd
 

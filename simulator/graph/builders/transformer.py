@@ -1216,23 +1216,31 @@ class _GptBuilder:
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
         xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
         logits, st["sv_head"] = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
+        st["lsm"] = self._loss_fwd(T, V, logits, tokens, vocab_parallel=True)
+        return st
+
+    def _loss_fwd(self, rows: int, classes: int, logits: str, labels: str, vocab_parallel: bool) -> str:
+        """Softmax cross-entropy in fp32 over ``rows`` x ``classes`` logits (per rank): the logits' ``.float()``
+        (none with fp32 / tf32), log-softmax, NLL against ``labels``; ``vocab_parallel`` with TP: Megatron-LM's
+        ``_VocabParallelCrossEntropy`` all-reduces (MAX) of the logit max, then (SUM) of the target logit and of
+        the sum of exponentials, fp32 per row. Returns the saved log-softmax tensor."""
+        e, n = self.e, rows * classes
         if self.full:  # fp32 logits already: .float() is a no-op
             l32, lf = logits, e.last_compute
         else:
             l32 = e.fresh("logits.fp32")
-            lf = e.kernel("logits.float", C.CAST, reads=2 * T * V, writes=4 * T * V, out=[(l32, 4 * T * V)],
-                          uses=[logits])
-        ce = []  # vocab-parallel cross-entropy: all-reduce (MAX) of the logit max, then (SUM) of the target
-        if self.tp > 1:  # logit and of the sum of exponentials, fp32 [b, s] each (_VocabParallelCrossEntropy)
-            ce.append(self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * T, deps=[lf], dtype="fp32"))
-        lsm = st["lsm"] = e.fresh("log_softmax.out")
-        ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * T * V, writes=4 * T * V, out=[(lsm, 4 * T * V)],
-                      uses=[l32], deps=ce, dtype="fp32")
-        if self.tp > 1:
-            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * T, deps=[ls], dtype="fp32")
+            lf = e.kernel("logits.float", C.CAST, reads=2 * n, writes=4 * n, out=[(l32, 4 * n)], uses=[logits])
+        tp = vocab_parallel and self.tp > 1
+        ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=[lf], dtype="fp32")] if tp else []
+        lsm = e.fresh("log_softmax.out")
+        ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * n, writes=4 * n, out=[(lsm, 4 * n)], uses=[l32], deps=ce,
+                      dtype="fp32")
+        if tp:
+            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * rows, deps=[ls], dtype="fp32")
                   for w in ("predicted_logits", "sum_exp_logits")]
-        e.kernel("nll_loss", C.REDUCTION, reads=4 * T + 8 * T, writes=4, uses=[lsm, tokens], deps=ce, dtype="fp32")
-        return st
+        e.kernel("nll_loss", C.REDUCTION, reads=4 * rows + 8 * rows, writes=4, uses=[lsm, labels], deps=ce,
+                 dtype="fp32")
+        return lsm
 
     def _loss_bwd(self, rows: int, classes: int, lsm: str) -> str:
         """Backward of the fp32 softmax cross-entropy over ``rows`` x ``classes`` logits (``lsm``: the saved

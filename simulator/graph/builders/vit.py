@@ -180,17 +180,12 @@ def embed_fwd(bld, st: dict) -> str:
 def head_fwd(bld, st: dict, x: str) -> None:
     """Final LayerNorm, classifier on the CLS tokens and cross-entropy over ``K`` classes (``st``: ``x``,
     ``sv_head``, ``lsm``)."""
-    s, e = bld.s, bld.e
+    s = bld.s
     b, h, K = s.micro_batch_size, s.hidden_size, s.vit.num_classes
     st["x"] = x
     xf = bld._norm_fwd("ln_f", x)
     logits, st["sv_head"] = bld._linear_fwd("head", xf, h, K, x_fp32=True, save=True, tokens=b)
-    l32 = e.fresh("logits.fp32")
-    e.kernel("logits.float", C.CAST, reads=2 * b * K, writes=4 * b * K, out=[(l32, 4 * b * K)], uses=[logits])
-    lsm = st["lsm"] = e.fresh("log_softmax.out")
-    e.kernel("log_softmax", C.SOFTMAX, reads=4 * b * K, writes=4 * b * K, out=[(lsm, 4 * b * K)], uses=[l32],
-             dtype="fp32")
-    e.kernel("nll_loss", C.REDUCTION, reads=4 * b + 8 * b, writes=4, uses=[lsm, st["labels"]], dtype="fp32")
+    st["lsm"] = bld._loss_fwd(b, K, logits, st["labels"], vocab_parallel=False)  # the head is replicated over TP
 
 
 def head_bwd(bld, st: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
-from simulator.graph.ops import CostClass, Phase
+from simulator.graph.ops import Phase
 from tests.conftest import refused_in_one_line
 
 TINY = dict(num_layers=1, hidden_size=8, num_attention_heads=4, seq_length=4, vocab_size=16, ffn_hidden_size=32,

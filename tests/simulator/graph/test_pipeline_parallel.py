@@ -3,7 +3,6 @@ hand, activations in flight per schedule, the cross-stage syncs, and bad input."
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
