@@ -227,6 +227,11 @@ def generic_power_model(gpu: GpuSpec) -> GpuPowerModel:
 
 
 # -- clocks ----------------------------------------------------------------------------------
+def nearest_clock(clock_mhz: float, supported_mhz) -> float:
+    """The supported clock nearest ``clock_mhz`` (ties to the lower), MHz; ``supported_mhz`` non-empty."""
+    return float(min(supported_mhz, key=lambda s: (abs(s - clock_mhz), s)))
+
+
 def snap_clock(clock_mhz: float, supported_mhz, what: str = "clock") -> float:
     """The supported clock nearest ``clock_mhz``; warns (``UserWarning``) when it had to snap.
 
@@ -235,7 +240,7 @@ def snap_clock(clock_mhz: float, supported_mhz, what: str = "clock") -> float:
     """
     if not supported_mhz:
         return float(clock_mhz)
-    best = min(supported_mhz, key=lambda s: (abs(s - clock_mhz), s))
+    best = nearest_clock(clock_mhz, supported_mhz)
     if best != clock_mhz:
         warnings.warn(f"{what} {clock_mhz:g} MHz is not a supported SM clock; using the nearest supported "
                       f"clock {best:g} MHz", UserWarning, stacklevel=2)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from hardware_models.machine import Hardware
+from hardware_models.power import nearest_clock
 from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
@@ -504,7 +505,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         asked = ([("dvfs.locked_clocks_mhz", d.locked_clocks_mhz)] if d.locked_clocks_mhz is not None else []) + [
             (f"dvfs.phase_clocks_mhz.{ph}", mhz) for ph, mhz in d.phase_clocks_mhz.items()]
         for key, mhz in asked:
-            near = min(sup, key=lambda c: (abs(c - mhz), c))  # hardware_models.power.snap_clock's rule
+            near = nearest_clock(mhz, sup)  # what snap_clock runs
             if near != mhz:
                 out.append(f"{key} {mhz:g} MHz is not a supported SM clock of {hw.gpu.name}: the run uses the nearest, "
                            f"{near:g} MHz (as nvidia-smi -lgc rounds)")

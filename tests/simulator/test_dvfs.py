@@ -192,3 +192,13 @@ def test_sleeping_firmware_equals_ticking_every_period(monkeypatch, path, over):
     for k in ("energy_j_per_step", "avg_power_w", "step_time_s", "avg_sm_clock_mhz"):
         assert lazy[k] == pytest.approx(tick[k], rel=1e-4), k
     assert lazy["clock_switches"] == tick["clock_switches"]
+
+
+def test_a_snapped_clock_is_in_the_summarys_warnings():
+    """1003 MHz is not an H200 clock: the run uses 1005 MHz and says so in ``warnings`` (it was on stderr only)."""
+    cfg = load_scenario(B8, ["dvfs.kind=locked_clock", "dvfs.locked_clocks_mhz=1003", "run.steps=2",
+                             "run.warmup_steps=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = run_scenario(cfg).summary["warnings"]
+    assert any("dvfs.locked_clocks_mhz 1003 MHz is not a supported SM clock" in x and "1005 MHz" in x for x in w)

@@ -101,7 +101,7 @@ from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import lora, moe
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.builders.pipeline import Comm, check_schedule, chunk_layers, stage_actions, uniform_split
+from simulator.graph.builders.pipeline import Action, Comm, check_schedule, chunk_layers, stage_actions, uniform_split
 from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
@@ -1691,14 +1691,16 @@ class _GptBuilder:
         s = self.s
         self._persistent()
         state: dict[tuple[int, int], dict] = {}
-        for a in stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches,
-                               s.pipeline_rank, s.virtual_pipeline_size):
+        actions = stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches, s.pipeline_rank,
+                                s.virtual_pipeline_size)
+        split_w = any(isinstance(a, Action) and a.kind == "W" for a in actions)  # zero_bubble_h1 with a pipeline
+        for a in actions:
             if isinstance(a, Comm):
                 self._comm(a)
             elif a.kind == "F":
                 state[a.chunk, a.micro_batch] = self._forward(a.chunk, a.micro_batch)
             elif a.kind == "B":
-                if s.pipeline_schedule == "zero_bubble_h1" and s.pipeline_parallel_size > 1:  # W waits for its action
+                if split_w:  # the weight gradients wait for the W action
                     self._deferred = self._w_queue[a.chunk, a.micro_batch] = []
                 self._backward(a.chunk, a.micro_batch, state.pop((a.chunk, a.micro_batch)), a.last)
                 self._deferred = None

@@ -155,3 +155,8 @@ def test_zero_bubble_h1_actions():
         assert peak <= p
         first_w = next(n for n, a in enumerate(acts) if a.kind == "W")
         assert sum(a.kind == "B" for a in acts[:first_w]) == min(r, m - (p - r - 1)) + 1
+
+
+def test_zero_bubble_h1_on_one_stage_is_1f1b():
+    """Without a pipeline there is no bubble to fill: the ZB-H1 order is 1F1B's (no W passes)."""
+    assert stage_actions("zero_bubble_h1", 1, 6, 0) == stage_actions("1f1b", 1, 6, 0)
