@@ -49,11 +49,13 @@ limits, duplicate keys refused).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 from hardware_models import safe_yaml
 from hardware_models.presets import FILE_PREFIXES, is_file_reference
+from simulator.config.errors import ScenarioWarning
 
 SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek", "vit", "mpt")
 #: model types with mixture-of-experts keys read here
@@ -323,6 +325,10 @@ def _read_mpt(cfg: dict, where: str) -> dict[str, Any]:
     if attn["attn_impl"] not in MPT_ATTN_IMPLS:
         raise ValueError(f"{where}: attn_config.attn_impl: {attn['attn_impl']!r} is not supported for mpt "
                          f"(allowed: {', '.join(MPT_ATTN_IMPLS)})")
+    if attn["attn_impl"] == "torch":  # the published MPT-7B file has it; llm-foundry's training runs set triton/flash
+        warnings.warn(f"{where}: attn_config.attn_impl torch (MPT's unfused reference path) is priced as the fused "
+                      "flash-attention kernel that llm-foundry trains with; set model.attention_backend: unfused to "
+                      "price materialised scores (ALiBi's bias add is not priced)", ScenarioWarning, stacklevel=2)
     ffn = cfg.get("ffn_config") or {}
     if not isinstance(ffn, dict) or ffn.get("ffn_type", "mptmlp") != "mptmlp":
         raise ValueError(f"{where}: ffn_config: {ffn!r}: only the GELU MLP is modelled for mpt "

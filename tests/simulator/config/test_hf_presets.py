@@ -154,3 +154,16 @@ def test_bad_mpt_config_one_line_exit_2(tmp_path, capsys, label, hf, expected):
     assert "\n" not in err and "Traceback" not in err and str(p) in err
     for fragment in expected:
         assert fragment in err, f"{label}: {fragment!r} not in {err!r}"
+
+
+def test_mpt_torch_attention_is_flagged():
+    """The published MPT-7B file sets attn_impl torch (unfused); it is priced as flash and the load says so."""
+    import warnings as w
+
+    from simulator.config.errors import ScenarioWarning
+    from simulator.config.hf_config import read_hf_config
+
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        read_hf_config(ROOT / "scenarios/models/mpt-7b.json")
+    assert any(issubclass(c.category, ScenarioWarning) and "attn_impl torch" in str(c.message) for c in caught)
