@@ -495,10 +495,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append("training.fp8: the amax all-reduce over the tensor x data-parallel group that Transformer Engine "
                    "runs after each micro-batch's forward and backward (a few latency-bound bytes) is not modelled; "
                    "the amax-history update kernels and the scaling state are")
-    m = cfg.model if cfg is not None else None
-    if m is not None and m.from_hf and m.max_position_embeddings and m.seq_length == m.max_position_embeddings:
-        out.append(f"model.seq_length {m.seq_length:,} is the max_position_embeddings of {m.from_hf} (the default "
-                   "when the scenario sets no seq_length); set model.seq_length for the sequences you train on")
     d = cfg.dvfs if cfg is not None else None
     sup = hw.gpu.supported_sm_clocks_mhz
     if d is not None and sup:

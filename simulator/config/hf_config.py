@@ -389,6 +389,9 @@ def merge_hf(model: dict) -> dict:
     if "max_position_embeddings" in model and "seq_length" not in model:
         merged["seq_length"] = model["max_position_embeddings"]
     seq = merged.get("seq_length")
+    if "seq_length" not in model and "seq_length" in keys:  # trained at the full context unless the scenario says
+        warnings.warn(f"model.seq_length: not set, so {seq:,} from the max_position_embeddings of {path} (set "
+                      "model.seq_length for the sequences you train on)", ScenarioWarning, stacklevel=2)
     if window is not None and isinstance(seq, int) and seq > window:
         raise ValueError(f"from_hf: {path}: sliding_window {window} is shorter than seq_length {seq}; Qwen2's "
                          f"sliding window (on the layers above max_window_layers) is not modelled yet (allowed: "

@@ -80,7 +80,7 @@ def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
     sup = gpu.supported_sm_clocks_mhz
     lo, hi = (min(sup), max(sup)) if sup else (0.0, gpu.max_sm_clock_mhz)
     if not lo <= clock_mhz <= hi:
-        raise PolicyError(f"{key} {clock_mhz:g} MHz is outside the SM clocks of {gpu.name} "
+        raise PolicyError(f"{key}: {clock_mhz:g} MHz is outside the SM clocks of {gpu.name} "
                           f"(allowed: {lo:g}-{hi:g} MHz)")
     return snap_clock(clock_mhz, sup, key)
 _COPY_KINDS = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H)

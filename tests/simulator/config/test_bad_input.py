@@ -55,9 +55,9 @@ CASES = [
      ["dvfs.kind: required key is missing (allowed: 'locked_clock', 'power_cap', 'phase_plan')"]),
     # was snapped to 1980 MHz with a warning: a typo ran at the maximum clock
     ("locked clock above the GPU's range", {**BASE, "dvfs": {"kind": "locked_clock", "locked_clocks_mhz": 14100}},
-     ["dvfs.locked_clocks_mhz 14100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
+     ["dvfs.locked_clocks_mhz: 14100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
     ("phase clock below the GPU's range", {**BASE, "dvfs": {"kind": "phase_plan", "phase_clocks_mhz": {"opt": 100}}},
-     ["dvfs.phase_clocks_mhz.opt 100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
+     ["dvfs.phase_clocks_mhz.opt: 100 MHz is outside the SM clocks of NVIDIA H200 SXM 141GB (allowed: 345-1980 MHz)"]),
     ("fsdp mixed precision not a preset", {**BASE, "fsdp": {"mixed_precision": "bf16"}},
      ["fsdp.mixed_precision: 'bf16' (allowed: DEFAULT, PURE, FULL, or {param_dtype: bf16 | fp32, reduce_dtype: bf16 | "
       "fp32})"]),

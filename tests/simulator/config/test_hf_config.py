@@ -134,12 +134,20 @@ def test_set_from_hf_replaces_the_scenarios_model_section():
 
 
 def test_seq_length_taken_from_max_position_embeddings_is_flagged():
-    """``--set model.from_hf`` keeps no seq_length of the scenario: the config's max_position_embeddings is used
-    and the summary's warnings say so (Llama-2-7B: 4,096)."""
-    from simulator.api import run_scenario
+    """``--set model.from_hf`` keeps no seq_length of the scenario: the config's max_position_embeddings is used and
+    the load says so (Llama-2-7B: 4,096); a scenario that sets seq_length, even to the same value, is not flagged."""
+    import warnings
 
-    cfg = load_scenario(ROOT / "scenarios/h200/gpt_184m_b8.yaml",
-                        [f"model.from_hf={MODELS}/llama-2-7b.json", "model.num_layers=1", "training.micro_batch_size=1",
-                         "run.steps=2", "run.warmup_steps=1"])
-    w = run_scenario(cfg).summary["warnings"]
-    assert any(x.startswith("model.seq_length 4,096 is the max_position_embeddings of") for x in w)
+    from simulator.config.errors import ScenarioWarning
+
+    def flagged(sets):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_scenario(ROOT / "scenarios/h200/gpt_184m_b8.yaml", sets)
+        return cfg.model.seq_length, [str(c.message) for c in caught if issubclass(c.category, ScenarioWarning)
+                                      and "model.seq_length: not set" in str(c.message)]
+
+    hf = f"model.from_hf={MODELS}/llama-2-7b.json"
+    seq, w = flagged([hf])
+    assert seq == 4096 and len(w) == 1 and "4,096 from the max_position_embeddings" in w[0]
+    assert flagged([hf, "model.seq_length=4096"]) == (4096, [])

@@ -163,4 +163,4 @@ def test_pareto_rows_name_the_clock_that_ran(capsys):
     assert pd.DataFrame(json.loads(out.out))["value"].tolist() == [1410]
     assert "1412 MHz is not a supported SM clock" in out.err
     assert main(["pareto", SCEN, "--clocks", "99999", *FAST, "--json"]) == 2
-    assert "--clocks 99999 MHz is outside the SM clocks" in capsys.readouterr().err
+    assert "--clocks: 99999 MHz is outside the SM clocks" in capsys.readouterr().err
