@@ -237,12 +237,18 @@ def read_text(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str:
 
 
 def load_file(path: str | Path) -> Any:
-    """``loads(read_text(path))``.
+    """``loads(read_text(path))``. A ``.json`` file is read the same way (JSON is YAML 1.2) and its
+    syntax errors say JSON.
 
     Raises:
         YamlInputError: see ``read_text`` and ``loads``.
     """
-    return loads(read_text(path))
+    try:
+        return loads(read_text(path))
+    except YamlInputError as exc:
+        if str(path).lower().endswith(".json") and str(exc).startswith("YAML "):
+            raise YamlInputError("JSON " + str(exc)[len("YAML "):]) from None
+        raise
 
 
 def load_mapping(path: str | Path, what: str = "a mapping of keys") -> dict:

@@ -65,6 +65,26 @@ MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 #: Mixture-of-experts keys of Qwen2-MoE, DeepSeek and others: refused outside MOE_TYPES
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "n_shared_experts", "shared_expert_intermediate_size")
+#: The config.json names each model-section key is read from, per reader (``read_hf_config``): an error
+#: about a key the scenario took from the file names the file's key too (``hf_origin``)
+HF_NAMES: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers", "n_layer", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads"),
+    "num_query_groups": ("num_key_value_heads",),
+    "kv_channels": ("head_dim",),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "expansion_ratio"),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len"),
+    "seq_length": ("max_position_embeddings", "n_positions", "max_seq_len"),
+    "window_size": ("sliding_window",),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size", "n_shared_experts"),
+    "image_size": ("image_size",), "patch_size": ("patch_size",), "num_channels": ("num_channels",),
+    "num_classes": ("num_labels",),
+}
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 
 
@@ -397,3 +417,20 @@ def merge_hf(model: dict) -> dict:
                          f"sliding window (on the layers above max_window_layers) is not modelled yet (allowed: "
                          f"seq_length <= {window})")
     return merged
+
+
+def hf_origin(model: dict, key: str) -> str | None:
+    """``"num_experts_per_tok in PATH"`` when the model-section ``key`` of a scenario's ``model`` mapping was
+    taken from its ``from_hf`` file (not set in the scenario) under another name there, else None.
+
+    Never raises: an unreadable file gives None (its own error is reported where it is read).
+    """
+    path = model.get("from_hf") if isinstance(model, dict) else None
+    if not isinstance(path, str) or key in model or key not in HF_NAMES:
+        return None
+    try:
+        cfg = safe_yaml.load_mapping(path, "a Hugging Face config.json mapping")
+    except (safe_yaml.YamlInputError, OSError, ValueError):
+        return None
+    name = next((n for n in HF_NAMES[key] if n in cfg), None)
+    return f"{name} in {path}" if name is not None and name != key else None

@@ -20,6 +20,7 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
+from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides
 from simulator.config.schema import PresetRef, ScenarioConfig
 
@@ -141,10 +142,22 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
     Raises:
         ScenarioError: the first validation error, in one line.
     """
+    data = with_hf_path(data, source)
     try:
-        return ScenarioConfig.model_validate(with_hf_path(data, source))
+        return ScenarioConfig.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, source, ScenarioConfig)) from None
+        raise ScenarioError(_name_hf_keys(format_validation_error(exc, source, ScenarioConfig), data)) from None
+
+
+def _name_hf_keys(message: str, data: dict) -> str:
+    """``message`` with the config.json name of each model key it mentions that came from ``model.from_hf``
+    (``moe_router_topk`` is ``num_experts_per_tok`` there), so the user knows what to edit."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or "from_hf" not in model:
+        return message
+    notes = [f"{k} is {o}" for k in dict.fromkeys(re.findall(r"[a-z][a-z0-9_]+", message))
+             if (o := hf_origin(model, k)) is not None]
+    return message + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def with_hf_path(data: dict, source: str) -> dict:

@@ -151,3 +151,28 @@ def test_seq_length_taken_from_max_position_embeddings_is_flagged():
     seq, w = flagged([hf])
     assert seq == 4096 and len(w) == 1 and "4,096 from the max_position_embeddings" in w[0]
     assert flagged([hf, "model.seq_length=4096"]) == (4096, [])
+
+
+def test_error_on_a_key_read_from_config_json_names_the_files_key(tmp_path, capsys):
+    """Mixtral's ``num_experts_per_tok`` becomes ``moe_router_topk``: the error names both (the user edits the
+    file), and a key the scenario sets itself is named only by its scenario name."""
+    mixtral = json.loads((MODELS / "mixtral-8x7b.json").read_text())
+    p = scenario(tmp_path, {"from_hf": str(tmp_path / "config.json"), "num_layers": 1, "seq_length": 512},
+                 hf={**mixtral, "num_experts_per_tok": 9})
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "moe_router_topk (9) exceeds num_experts (8)" in err
+    assert f"moe_router_topk is num_experts_per_tok in {tmp_path / 'config.json'}" in err
+    p = scenario(tmp_path, {"from_hf": str(tmp_path / "config.json"), "num_layers": 1, "seq_length": 512,
+                            "moe_router_topk": 9}, hf=mixtral)
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "moe_router_topk (9)" in err and "moe_router_topk is" not in err and "num_experts is num_local_experts" in err
+
+
+def test_json_syntax_error_says_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 4096')
+    p = scenario(tmp_path, {"from_hf": str(tmp_path / "config.json")})
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "config.json: JSON syntax error at line 1" in err and "YAML" not in err
