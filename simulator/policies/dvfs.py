@@ -49,7 +49,7 @@ from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
 from simulator.policies.power_firmware import PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
-from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, gpu_preset_name, power_model_for  # noqa: F401
+from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
 from simulator.policies.registry import PolicyError, register_runtime
 
 #: DVFS clock policies by ``dvfs.kind``.
