@@ -356,10 +356,10 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         slowdowns = [c.hw.slowdown for c in classes]
         if pp > 1:
             first = [k for k, c in enumerate(classes) if c.dp_class == 0]  # each stage's first class
-            specs = [graphs[k].meta["spec"] for k in first]
+            models = [graphs[k].model for k in first]
             summary = combine_stages(
-                [parts[k] for k in first], steps, layers=[sp.rank_layers for sp in specs], schedule=p.schedule,
-                virtual=p.virtual_pipeline_model_parallel_size, micro_batches=specs[0].num_micro_batches,
+                [parts[k] for k in first], steps, layers=[m.rank_layers for m in models], schedule=p.schedule,
+                virtual=p.virtual_pipeline_model_parallel_size, micro_batches=models[0].num_micro_batches,
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown

@@ -121,7 +121,7 @@ class Executor:
         self._early: dict[int, float] = {}  # block id -> host time from its first part's launch to its last's
         #: the op running on each stream now: ``stream -> (step, op, start_s)`` (a power meter that switches to
         #: per-op metering mid-run reads it, and sleeps on ``System.start_waiter`` until the next op starts:
-        #: ``policies.dvfs.DvfsRuntime._watch_offline``)
+        #: ``policies.power_firmware.PowerLimitFirmware.watch``)
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self

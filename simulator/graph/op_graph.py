@@ -51,6 +51,40 @@ class ParamGroup:
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What the model builder knew about the model and the step that policies and summaries read (typed, in
+    place of the builder's spec: a policy never needs the builder's types).
+
+    Attributes:
+        precision: ``training.precision`` the graph was built with (``"bf16"``, ``"amp_bf16"``...).
+        recompute: Activation recompute built in (``"none"``, ``"full"``, ``"selective"``).
+        num_parameters: Parameters held by one tensor-parallel rank (the whole model with ``t = 1``).
+        num_layers: Transformer blocks of the model.
+        layer_params: Parameters of one block on one tensor-parallel rank.
+        upload_groups: ``(name, layer, params)`` of the parameter uploads a ZeRO-Offload step makes after the
+            CPU step, in forward order: ``"embed"`` (token and position tables), ``"L0"``... (each block),
+            ``"head"`` (final norm and an untied LM head).
+        tied_embeddings: The LM head shares the token-embedding weight.
+        data_parallel_size: Data-parallel ranks.
+        allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
+        rank_layers: Transformer blocks held by this pipeline rank.
+        num_micro_batches: Micro-batches per step.
+    """
+
+    precision: str
+    recompute: str
+    num_parameters: int
+    num_layers: int
+    layer_params: int
+    upload_groups: tuple[tuple[str, int, int], ...]
+    tied_embeddings: bool
+    data_parallel_size: int
+    allgather_bucket_elements: int
+    rank_layers: int
+    num_micro_batches: int
+
+
+@dataclass(frozen=True)
 class OpGraph:
     """An immutable operator DAG for one training step.
 
@@ -64,6 +98,7 @@ class OpGraph:
         source: Where the graph came from (``"builder:gpt"``, ``"kineto:<file>"``).
         param_groups: Parameter tensors in the order backward finishes their gradients (builder
             graphs; empty for imported traces).
+        model: Facts of the built model (``ModelFacts``; None for imported traces).
     """
 
     ops: tuple[Op, ...]
@@ -74,6 +109,7 @@ class OpGraph:
     policies: tuple[str, ...] = ()
     source: str = ""
     param_groups: tuple[ParamGroup, ...] = ()
+    model: ModelFacts | None = None
     schema_version: str = SCHEMA_VERSION
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 

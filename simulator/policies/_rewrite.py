@@ -83,7 +83,7 @@ class GraphRewriter:
             persistent=tuple(self.g.persistent if persistent is None else persistent),
             samples_per_step=self.g.samples_per_step, tokens_per_step=self.g.tokens_per_step,
             model_flops_per_step=self.g.model_flops_per_step, policies=self.g.policies, source=self.g.source,
-            meta=dict(self.g.meta),
+            model=self.g.model, meta=dict(self.g.meta),
             param_groups=tuple(dataclasses.replace(pg, grad_op=max(self.map[pg.grad_op]))
                                for pg in self.g.param_groups if self.map.get(pg.grad_op)),
         )

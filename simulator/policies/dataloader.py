@@ -129,7 +129,7 @@ def insert_dataloader_ops(graph: OpGraph, pinned: bool, batch_bytes: float | Non
                                                                "prev_step_deps": tuple(remap[d] for d in prev)})
     return OpGraph(ops=tuple(new_ops), persistent=graph.persistent, samples_per_step=graph.samples_per_step,
                    tokens_per_step=graph.tokens_per_step, model_flops_per_step=graph.model_flops_per_step,
-                   policies=graph.policies, source=graph.source, meta=graph.meta,
+                   policies=graph.policies, source=graph.source, model=graph.model, meta=graph.meta,
                    param_groups=tuple(dataclasses.replace(pg, grad_op=remap[pg.grad_op]) for pg in graph.param_groups))
 
 

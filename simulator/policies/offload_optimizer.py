@@ -57,9 +57,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
-                                          pass_time_s, shared_stream_bandwidth)
-from simulator.graph.op_graph import OpGraph
+from hardware_models.host_kernels import (
+    IMPLEMENTATIONS,
+    StreamPass,
+    adamw_step_s,
+    faulting_elements,
+    pass_time_s,
+    shared_stream_bandwidth,
+)
+from simulator.graph.op_graph import ModelFacts, OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
@@ -155,67 +161,67 @@ def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memor
 def param_tensor_sizes(graph: OpGraph) -> list[int]:
     """Elements of each parameter tensor of the built graph (what a per-parameter loop iterates over): the
     builder's ``param_groups``, so the layout follows the model (GQA, SwiGLU, RMSNorm, untied head; was a GPT-2
-    formula that gave a Llama one tensor too many and 2% fewer elements); sums to ``spec.num_parameters``."""
+    formula that gave a Llama one tensor too many and 2% fewer elements); sums to ``graph.model.num_parameters``."""
     return [p.numel for p in graph.param_groups]
 
 
 # -- gradients of the built graph ------------------------------------------------------------------
-def _spec(graph: OpGraph, key: str):
-    spec = graph.meta.get("spec")
-    if spec is None:
+def _model(graph: OpGraph, key: str) -> ModelFacts:
+    if graph.model is None:
         raise PolicyError(f"{key}: needs a graph from the model builder (this one is {graph.source or 'unknown'})")
-    return spec
+    return graph.model
 
 
-def gradients(graph: OpGraph, spec) -> list[dict]:
-    """Gradients in the order backward completes them: producer op, bf16 bytes, GPU tensor, layer.
+def gradients(graph: OpGraph) -> list[dict]:
+    """Gradients in the order backward completes them, as ZeRO-Offload copies them with 16-bit gradients on the
+    GPU: producer op (new id), bf16 bytes, GPU tensor kept alive until the copy (or None), layer, name.
 
-    The bytes add up to ``2 * spec.num_parameters`` (checked).
+    Read from the builder's ``param_groups`` and op roles (``OpRole``), never from op names. A group finished by
+    a ``GRAD_ACCUM`` op (fp32 ``.grad`` accumulation, which the rewrite removes) is produced by the op that wrote
+    the tensor the accumulation reads: a ``WEIGHT_GRAD`` GEMM (its bf16 output is the gradient tensor) or, for the
+    token table, the embedding backward; with tied embeddings the table's gradient lives in the LM head's
+    ``WEIGHT_GRAD`` output (the latest weight gradient outside the blocks that no group claims). Groups finished by
+    the same op (a norm's weight and bias) are one gradient. The bytes add up to ``2 * num_parameters`` (checked).
+
+    Raises:
+        PolicyError: not a builder graph, or a layout whose gradients do not add up to the model's parameters.
     """
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    norm = 2 * h if spec.bias else h
-    bias = {"qkv": 3 * h, "proj": h, "fc1": f, "fc2": h}
-    last: dict[str, dict] = {}
-    for op in graph.ops:
-        if op.phase != Phase.BWD:
-            continue
-        tail = op.name.split(".bwd.", 1)[-1] if ".bwd." in op.name else op.name.removeprefix("bwd.")
-        key = f"L{op.layer}.{tail}" if op.layer >= 0 else tail
-        numel, tensor = 0, None
-        role = op.role
-        if role is OpRole.WEIGHT_GRAD:
-            if tail == "wte.wgrad":  # tied LM head: the wte gradient completes at embed.dgrad
-                last["_wte_tensor"] = {"tensor": op.allocs[0].name}
-                continue
-            numel, tensor = op.allocs[0].nbytes // 2, op.allocs[0].name
-        elif role is OpRole.BIAS_GRAD and op.layer >= 0:
-            numel = bias[tail.split(".")[0]]
-        elif role is OpRole.NORM_GRAD and spec.norm_has_bias:  # (a norm without a bias is not counted)
-            numel = norm
-        elif tail == "embed.dgrad":
-            numel = spec.vocab_size * h
-            tensor = last.get("_wte_tensor", {}).get("tensor") if spec.tied_embeddings else None
-        elif tail == "pos_embed.dgrad":
-            numel = spec.seq_length * h
-        if numel:
-            last[key] = {"op": op.id, "bytes": 2 * numel, "tensor": tensor, "layer": op.layer, "name": key}
-    grads = sorted((v for k, v in last.items() if not k.startswith("_")), key=lambda g: g["op"])
+    key = "zero_optimization.offload_optimizer"
+    model = _model(graph, key)
+    ops = graph.ops
+    writer = {t.name: op.id for op in ops for t in op.allocs}
+    found: dict[int, dict] = {}  # by producer op
+    tied: list[dict] = []
+    claimed: set[int] = set()
+    for pg in graph.param_groups:
+        done = ops[pg.grad_op]
+        producer, tensor = done.id, None
+        if done.role is OpRole.GRAD_ACCUM and done.uses and done.uses[0] in writer:
+            producer = writer[done.uses[0]]
+            if ops[producer].role is OpRole.WEIGHT_GRAD:
+                tensor = done.uses[0]
+                claimed.add(producer)
+        g = found.get(producer)
+        if g is None:
+            g = found[producer] = {"op": producer, "bytes": 0, "tensor": tensor, "layer": ops[producer].layer,
+                                   "name": pg.name}
+            if done.role is OpRole.GRAD_ACCUM and tensor is None and model.tied_embeddings:
+                tied.append(g)
+        else:
+            g["name"] += f"+{pg.name}"
+        g["bytes"] += 2 * pg.numel
+    for g in tied:  # the tied LM head's weight gradient: no group of its own
+        heads = [op.id for op in ops[:g["op"]] if op.role is OpRole.WEIGHT_GRAD and op.layer < 0
+                 and op.id not in claimed and op.allocs]
+        g["tensor"] = ops[heads[-1]].allocs[0].name if heads else None
+    grads = sorted(found.values(), key=lambda g: g["op"])
     total = sum(g["bytes"] for g in grads)
-    if total != 2 * spec.num_parameters:
+    if total != 2 * model.num_parameters:
         raise PolicyError(
-            f"zero_optimization.offload_optimizer: found {total // 2} gradient elements in the graph, "
-            f"expected {spec.num_parameters} (unknown graph layout)"
+            f"{key}: found {total // 2} gradient elements in the graph, "
+            f"expected {model.num_parameters} (unknown graph layout)"
         )
     return grads
-
-
-def layer_param_groups(spec) -> list[tuple[str, int, int]]:
-    """``(name, layer, params)`` in forward order: embeddings, each block, final norm (+ LM head)."""
-    h = spec.hidden_size
-    groups = [("embed", -1, spec.vocab_size * h + spec.seq_length * h)]
-    groups += [(f"L{i}", i, spec.layer_params) for i in range(spec.num_layers)]
-    groups.append(("head", -1, (2 * h if spec.bias else h) + (0 if spec.tied_embeddings else spec.vocab_size * h)))
-    return groups
 
 
 # -- the policy -------------------------------------------------------------------------------------
@@ -250,13 +256,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         PolicyError: not a bf16 builder graph, or an unknown mode.
     """
     key = "zero_optimization.offload_optimizer"
-    spec = _spec(graph, key)
-    if spec.precision != "bf16":
-        raise PolicyError(f"{key}: needs training.precision: bf16 (bf16 weights on the GPU), got {spec.precision}")
+    model = _model(graph, key)
+    if model.precision != "bf16":
+        raise PolicyError(f"{key}: needs training.precision: bf16 (bf16 weights on the GPU), got {model.precision}")
     if mode not in ("serial", "overlap", "delayed_param_update"):
         raise PolicyError(f"{key}.mode: unknown mode {mode!r}; allowed: serial, overlap, delayed_param_update")
-    P = spec.num_parameters
-    dp = spec.data_parallel_size
+    P = model.num_parameters
+    dp = model.data_parallel_size
     shard = -(-P // dp)  # this rank's ZeRO partition (DeepSpeed pads the flat buffer to dp)
     share = shard / P
     ranks = ranks_per_node(hw) if dp > 1 else 1
@@ -273,7 +279,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
     ]
 
-    grads = gradients(graph, spec)
+    grads = gradients(graph)
     buckets = _buckets(grads, bucket_elems) if dp == 1 else []
     by_producer: dict[int, list[list[dict]]] = {}
     for b in buckets:
@@ -353,7 +359,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     if not dpu:
         chain = cpu_chain([bwd_done])
     h2d_ids = []
-    groups = layer_param_groups(spec) if dp == 1 else [("shard", -1, shard)]  # one flat partition per rank
+    groups = model.upload_groups if dp == 1 else [("shard", -1, shard)]  # one flat partition per rank
     for gname, layer, n in groups:
         deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
         h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
@@ -363,7 +369,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     if dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
         left = P
         while left > 0:
-            n = min(left, spec.allgather_bucket_elements)
+            n = min(left, model.allgather_bucket_elements)
             ag_ids.append(rw.add(f"zero.param_all_gather.{len(ag_ids)}", OpKind.COLLECTIVE, "comm.dp", deps=h2d_ids,
                                  phase=Phase.OPT, bytes_read=float(2 * n), dtype="bf16",
                                  meta={"collective": "all_gather", "bytes": int(2 * n), "group": "dp"}))

@@ -66,10 +66,10 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     key = "zero_optimization.offload_param"
     if prefetch_depth < 0:
         raise PolicyError(f"{key}.prefetch_depth: must be >= 0 (layers fetched ahead of use), got {prefetch_depth}")
-    spec = graph.meta.get("spec")
-    if spec is None or "offload_optimizer" not in graph.meta:
+    model = graph.model
+    if model is None or "offload_optimizer" not in graph.meta:
         raise PolicyError(f"{key}: needs a builder graph with offload_optimizer.device: cpu applied first")
-    nbytes = 2 * spec.layer_params
+    nbytes = 2 * model.layer_params
     fetch_before: dict[int, list[dict]] = {}  # insert before old op id
     fetch_after: dict[int, list[dict]] = {}  # insert after old op id
     plans = []
@@ -114,7 +114,8 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
         for p in fetch_after.get(op.id, []):
             fetch(p, list(rw.new(op.id)))
     persistent = [t for t in graph.persistent if t.name != "params.bf16"]
-    persistent.append(TensorAlloc("params.resident.bf16", 2 * (spec.num_parameters - spec.num_layers * spec.layer_params)))
+    resident = model.num_parameters - model.num_layers * model.layer_params  # embeddings, final norm, head
+    persistent.append(TensorAlloc("params.resident.bf16", 2 * resident))
     meta = dict(graph.meta)
     meta["offload_param"] = {"prefetch_depth": prefetch_depth, "fetches": len(plans), "bytes_per_fetch": nbytes}
     return rw.finish(persistent=persistent, meta=meta)

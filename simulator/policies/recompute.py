@@ -51,10 +51,10 @@ def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool =
     """
     if not any(op.layer >= 0 for op in graph.ops):
         raise PolicyError("training.recompute_granularity: the model has no transformer blocks to recompute")
-    spec = graph.meta.get("spec")
-    if spec is not None and granularity and spec.recompute != granularity:
+    model = graph.model
+    if model is not None and granularity and model.recompute != granularity:
         raise PolicyError(
-            f"training.recompute_granularity: the graph was built with recompute {spec.recompute!r}, not {granularity!r}"
+            f"training.recompute_granularity: the graph was built with recompute {model.recompute!r}, not {granularity!r}"
         )
     if not cpu_checkpointing:
         return graph

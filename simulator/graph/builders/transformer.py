@@ -102,7 +102,7 @@ from simulator.graph.builders import lora, moe
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import Action, Comm, check_schedule, chunk_layers, stage_actions, uniform_split
-from simulator.graph.op_graph import GraphBuilder, OpGraph, ParamGroup
+from simulator.graph.op_graph import GraphBuilder, ModelFacts, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
 
@@ -586,6 +586,24 @@ class TransformerSpec:
         per_token_dense = 2 * (h * self.qkv_out_size + self.attention_width * h + dense) + att
         fwd = s * (n_moe * per_token_layer + (self.num_layers - n_moe) * per_token_dense + 2 * h * V)
         return 3.0 * fwd / self.tensor_parallel_size  # per GPU: a TP rank does 1/t of the sample
+
+
+def model_facts(s: TransformerSpec) -> ModelFacts:
+    """The ``ModelFacts`` of a spec: what the policies and the pipeline summary read of the built model.
+
+    ``upload_groups``: embeddings (token table ``V_p / t`` rows + the learned position table, none with rope),
+    each block ``layer_params``, head (final norm ``norm_params`` + an untied LM head ``V_p / t`` rows): the
+    ZeRO-Offload upload copies (was ``offload_optimizer.layer_param_groups``, which priced a position table for
+    rope models too)."""
+    h = s.hidden_size
+    groups = [("embed", -1, s.vocab_per_rank * h + s.position_table_rows * h)]
+    groups += [(f"L{i}", i, s.layer_params) for i in range(s.num_layers)]
+    groups.append(("head", -1, s.norm_params + (0 if s.tied_embeddings else s.vocab_per_rank * h)))
+    return ModelFacts(precision=s.precision, recompute=s.recompute, num_parameters=s.num_parameters,
+                      num_layers=s.num_layers, layer_params=s.layer_params, upload_groups=tuple(groups),
+                      tied_embeddings=s.tied_embeddings, data_parallel_size=s.data_parallel_size,
+                      allgather_bucket_elements=s.allgather_bucket_elements, rank_layers=s.rank_layers,
+                      num_micro_batches=s.num_micro_batches)
 
 
 def build_gpt_step(spec: TransformerSpec) -> OpGraph:
@@ -1724,7 +1742,8 @@ class _GptBuilder:
                                   / s.pipeline_parallel_size / s.context_parallel_size),
             source="builder:gpt",
             param_groups=tuple(self.groups),
-            meta={"num_parameters": s.num_parameters, "spec": s,
+            model=model_facts(s),
+            meta={"num_parameters": s.num_parameters,
                   "num_trainable_parameters": lora.trainable_parameters(s) if s.lora is not None else s.num_parameters, "tensor_parallel_size": s.tensor_parallel_size,
                   "sharding": self.sh.strategy if self.sh is not None else None},
         )

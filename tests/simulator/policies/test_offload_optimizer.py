@@ -88,7 +88,7 @@ def test_gradient_bytes_conserved():
     host = sum(t.nbytes for t in g.persistent if t.device.startswith("host"))
     gpu = sum(t.nbytes for t in g.persistent if t.device == "gpu")
     assert host == 16 * P and gpu == 2 * P
-    assert sum(x["bytes"] for x in gradients(build_gpt_step(SPEC), SPEC)) == 2 * P
+    assert sum(x["bytes"] for x in gradients(build_gpt_step(SPEC))) == 2 * P
     assert not any(op.name.endswith("grad_accum") or op.name.endswith("adamw") for op in g.ops)
     bucketed = offload_optimizer(build_gpt_step(SPEC), toy_hw(), mode="overlap", bucket_elems=600)
     assert sum(op.bytes_read for op in bucketed.ops if op.name.startswith("offload.d2h")) == 2 * P
@@ -202,7 +202,7 @@ def test_needs_bf16_and_a_zero_stage():
 
 
 def test_policy_rejects_graph_without_builder_spec():
-    g = build_gpt_step(SPEC).with_changes(meta={})
+    g = build_gpt_step(SPEC).with_changes(model=None)
     with pytest.raises(PolicyError, match="needs a graph from the model builder"):
         offload_optimizer(g, toy_hw())
     assert any(op.kind == OpKind.MEMCPY_D2H for op in offload_optimizer(build_gpt_step(SPEC), toy_hw()).ops)

@@ -99,4 +99,4 @@ def test_cluster_offload_runs_shares_the_host_and_says_so(tmp_path):
     assert s["offload_cpu_optimizer_s"] == pytest.approx(sum(want.values()), rel=1e-9)
     alone = cpu_step_times(shard, len(sizes), "deepspeed_cpu_adam", hw, tensor_elements=sizes, ranks=1)
     assert sum(want.values()) > sum(alone.values())  # the shared host is slower than a host of its own
-    assert build_graph(cfg).meta["spec"].data_parallel_size == 8
+    assert build_graph(cfg).model.data_parallel_size == 8

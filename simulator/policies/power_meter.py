@@ -1,0 +1,194 @@
+"""The GPU power meter: board power from the ops running at each instant, at the current clocks.
+
+One job: given the running ops (kept as ops start and end: ``add`` / ``remove``, or read from recorded spans), the board power of
+``hardware_models.power.GpuPowerModel``. It integrates nothing (``power_ledger``) and decides nothing about
+clocks (``power_firmware``, ``dvfs``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hardware_models.power import Activity, activity_of_kernel, generic_power_model, has_power_preset, load_power_model
+from simulator.graph.ops import OpKind
+from simulator.policies.registry import PolicyError
+
+KERNEL_KINDS = (OpKind.COMPUTE, OpKind.COLLECTIVE)
+COPY_KINDS = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H)
+_MISSING = object()
+
+
+def gpu_preset_name(cfg) -> str | None:
+    """The scenario's GPU preset name (None for an inline GPU)."""
+    ref = cfg.hardware.gpu
+    return ref if isinstance(ref, str) else getattr(ref, "preset", None)
+
+
+def power_model_for(cfg, gpu):
+    """The power model of a scenario: ``dvfs.power_model``, else the GPU preset's, else generic.
+
+    Raises:
+        PolicyError: ``dvfs.power_model`` names no readable power model.
+    """
+    name = cfg.dvfs.power_model if cfg is not None and cfg.dvfs is not None else None
+    if name:
+        try:
+            return load_power_model(name)
+        except (FileNotFoundError, ValueError) as exc:
+            raise PolicyError(f"dvfs.power_model: {exc}") from exc
+    preset = gpu_preset_name(cfg) if cfg is not None else None
+    if preset and has_power_preset(preset):
+        return load_power_model(preset)
+    return generic_power_model(gpu)
+
+
+class PowerMeter:
+    """Board power of the running ops (``GpuPowerModel.power_of``) at the device's current clocks.
+
+    Args:
+        model: The GPU power model.
+        gpu: The GPU spec (maximum clocks, to scale an op's compute and memory time to the current clocks).
+        state: The device state (``sm_clock_mhz``, ``mem_clock_mhz``: the clocks now).
+        cost: The run's cost model (``split_s``: an op's compute / memory / fixed seconds at the maximum clocks;
+            ``fused_s``: the same for a layer-fidelity block).
+
+    Attributes:
+        active: Activity of each running op that draws power, by ``(step, op id)``, in start order.
+    """
+
+    def __init__(self, model, gpu, state, cost):
+        self.model, self.gpu, self.state, self.cost = model, gpu, state, cost
+        self.active: dict[tuple, Activity] = {}
+        self._ids: list[int] = []  # op ids of ``active``, in insertion order (the power-cache key)
+        self._activity_cache: dict[tuple, Activity | None] = {}
+        self._power_cache: dict[tuple, float] = {}
+
+    # -- the running set --------------------------------------------------------------------------------
+    def add(self, op, step, act: Activity) -> None:
+        """Op ``op`` of ``step``, drawing power (``act``: its ``activity``), starts: add it to the running set."""
+        self.active[(step, op.id)] = act
+        self._ids.append(op.id)
+
+    def is_running(self, op, step) -> bool:
+        """Whether op ``op`` of ``step`` is in the running set."""
+        return (step, op.id) in self.active
+
+    def remove(self, op, step) -> None:
+        """Op ``op`` of ``step`` (running, ``is_running``) ends: leave the running set."""
+        del self.active[(step, op.id)]
+        self._ids.remove(op.id)
+
+    def power(self) -> float:
+        """Board power of the running ops at the current clocks, W (cached by running op set)."""
+        key = (tuple(self._ids), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        p = self._power_cache.get(key)
+        if p is None:
+            p = self._power_cache[key] = self.model.power_of(self.active.values(), self.state.sm_clock_mhz,
+                                                              self.state.mem_clock_mhz)
+        return p
+
+    def max_reachable_power_w(self, fmax_mhz: float) -> float:
+        """Highest board power the model can draw: every unit fully busy at ``fmax_mhz``, W."""
+        return self.model.power_w(fmax_mhz, busy=1.0, compute=1.0, memory=1.0, copy=1.0)
+
+    def excess_w(self, op) -> float:
+        """Power above idle of ``op`` running alone at the current clocks, W (0 for an op that draws none)."""
+        a = self.activity(op)
+        if a is None:
+            return 0.0
+        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        return max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
+
+    # -- activities -------------------------------------------------------------------------------------
+    def activity(self, op) -> Activity | None:
+        """The op's activity at the current clocks (cached: ops repeat every step); None: it draws no power."""
+        key = (op.id, self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        hit = self._activity_cache.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = self._activity_cache[key] = self._activity_uncached(op)
+        return hit
+
+    def _activity_uncached(self, op) -> Activity | None:
+        if op.meta and "fused" in op.meta:  # a layer-fidelity block: its parts' time-weighted mean activity
+            c, m, d = self.cost.fused_s(op, self.state)
+            return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
+        if op.kind in KERNEL_KINDS and op.fixed_duration_s is None:
+            c, m, f = self.cost.split_s(op)
+            c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz
+            if self.gpu.mem_clock_mhz:
+                m *= self.gpu.mem_clock_mhz / self.state.mem_clock_mhz
+            return activity_of_kernel(c, m, f)
+        if op.kind in KERNEL_KINDS:
+            return Activity(compute=0.5, memory=0.5)
+        if op.kind == OpKind.MEMCPY_D2D:
+            return Activity(memory=1.0)
+        if op.kind in COPY_KINDS:
+            return Activity(copy=1.0, kernel=False)
+        return None
+
+    # -- power from recorded spans ----------------------------------------------------------------------
+    def levels(self, spans):
+        """``(times, power, last_starts)``: the power levels of ``spans`` ``(step, op, start_s, end_s, stream)`` at
+        the current clocks (each level from its instant to the next; ``last_starts``: an op starts at the last
+        instant), or None when no span draws power.
+
+        The level at each instant is the power of the ops running just after it, as ``add`` / ``remove`` keep it
+        (``GpuPowerModel.power_of``, evaluated on arrays). A stream runs one op at a time, so the op running on
+        each stream at an instant is the last one started on it, if not yet ended. Monotone: the power at every
+        instant from a subset of the spans is at most that from all of them (every coefficient of the power
+        model is >= 0 and the activities only add)."""
+        if not spans:
+            return None
+        _steps, ops, s_all, e_all, streams = zip(*spans)
+        uniq = {id(op): op for op in ops}
+        table: dict[int, tuple] = {}
+        for op in uniq.values():
+            a = self.activity(op)
+            if a is not None:
+                table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+        codes: dict[str, int] = {}
+        stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
+                                  dtype=np.int64, count=len(ops))
+        if not table:
+            return None
+        top = max(max(table), max(op.id for op in uniq.values()))
+        act_of = np.zeros((top + 1, 4))
+        has_of = np.zeros(top + 1, dtype=bool)
+        keys = np.fromiter(table, dtype=np.int64, count=len(table))
+        act_of[keys] = np.array(list(table.values()), dtype=float)
+        has_of[keys] = True
+        op_ids = np.fromiter((op.id for op in ops), dtype=np.int64, count=len(ops))
+        has, act = has_of[op_ids], act_of[op_ids]
+        s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
+        use = has & (e_all > s_all)
+        if not use.any():
+            return None
+        times = np.unique(np.concatenate((s_all[use], e_all[use])))
+        busy = np.zeros(len(times), dtype=bool)
+        compute = np.zeros(len(times))
+        memory = np.zeros(len(times))
+        copy = np.zeros(len(times))
+        starts = np.zeros(len(times), dtype=bool)
+        for k in range(len(codes)):
+            sel = np.nonzero(use & (stream_code == k))[0]
+            if not len(sel):
+                continue
+            sel = sel[np.argsort(s_all[sel], kind="stable")]
+            s_k, e_k, a = s_all[sel], e_all[sel], act[sel]
+            i = np.searchsorted(s_k, times, side="right") - 1
+            ok = i >= 0
+            i = np.maximum(i, 0)
+            run = ok & (e_k[i] > times)
+            compute = compute + np.where(run, a[i, 0], 0.0)
+            memory = memory + np.where(run, a[i, 1], 0.0)
+            copy = copy + np.where(run, a[i, 2], 0.0)
+            busy |= run & (a[i, 3] > 0)
+            starts |= ok & (s_k[i] == times)
+        m, sm_mhz, mem_mhz = self.model, self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        phi = m.clock_factor(sm_mhz)
+        fm = m.max_mem_clock_mhz if mem_mhz is None else mem_mhz
+        b = np.where(busy, 1.0, 0.0)
+        compute, memory, copy = (np.minimum(1.0, np.maximum(0.0, v)) for v in (compute, memory, copy))
+        sm = phi * m.sm_w * (m.sm_floor * b + (1.0 - m.sm_floor) * compute)
+        power = (m.static_w + m.clock_w * phi + sm + m.mem_w * memory * (fm / m.max_mem_clock_mhz) + m.copy_w * copy)
+        return times, power, bool(starts[-1])
