@@ -71,14 +71,17 @@ def price(args) -> list:
     model = CollectiveModel(topo, load_collective_profile(args.profile or spec.collective_profile))
     group = standard_group(topo, ranks, rpn)
     if args.op == "send_recv":
-        group = [group[0], group[-1]]
+        if ranks != 2:
+            raise CollectiveError(f"--ranks {ranks}: send_recv is point to point between 2 ranks (allowed: --ranks 2; "
+                                  "--ranks-per-node 1 puts the pair on two nodes)")
     nccl = NcclConfig(algo=args.algo, proto=args.proto, nvls_enable=bool(args.nvls_enable), nchannels=args.nchannels)
     sizes = []
     for tok in str(args.bytes).split(","):
         try:
-            sizes.append(int(parse_quantity(tok.strip(), "bytes")))
+            t = tok.strip()
+            sizes.append(int(t) if t.isdigit() else int(parse_quantity(t, "bytes")))  # a plain count is bytes
         except Exception:
-            raise CollectiveError(f"--bytes: {tok.strip()!r} is not a size (e.g. 1MiB, 64MiB, 1GiB)") from None
+            raise CollectiveError(f"--bytes: {tok.strip()!r} is not a size (e.g. 8, 1MiB, 64MiB, 1GiB)") from None
     return [model.price(args.op, group, s, nccl) for s in sizes]
 
 

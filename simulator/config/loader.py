@@ -86,6 +86,15 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
+def _override_key(exc: Exception, overrides: dict, key: str) -> str:
+    """``overrides`` (or ``network_overrides``) when the preset error ``exc`` is about one of the scenario's override
+    fields (a bad value or an unknown field), else ``key``: the error names what the user wrote."""
+    text = str(exc)
+    if overrides and ("unknown key" in text or any(f".{k}:" in text or f" {k} " in text for k in overrides)):
+        return "overrides" if key == "preset" else "network_overrides"
+    return key
+
+
 def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
     """One line for the most useful error of a pydantic ``ValidationError``.
 
@@ -344,14 +353,15 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     try:
         spec = load_cluster(c.preset, c.overrides or None)
     except PresetError as exc:
-        raise ScenarioError(f"{source}: hardware.cluster.preset: {exc}") from None
+        raise ScenarioError(f"{source}: hardware.cluster.{_override_key(exc, c.overrides, 'preset')}: {exc}") from None
     if spec.gpu != gpu_name:
         raise ScenarioError(f"{source}: hardware.gpu: {gpu_name!r} is not the GPU of cluster {c.preset!r} "
                             f"(allowed: {spec.gpu!r}, or another hardware.cluster.preset)")
     try:
-        topo = build_topology(spec, nodes=c.nodes, network=c.network)
+        topo = build_topology(spec, nodes=c.nodes, network=c.network, network_overrides=c.network_overrides or None)
     except PresetError as exc:
         key = "network" if "network" in str(exc) else "nodes"
+        key = _override_key(exc, c.network_overrides, key) if key == "network" else key
         raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
     try:
         model = CollectiveModel(topo, load_collective_profile(c.collective_profile or spec.collective_profile))

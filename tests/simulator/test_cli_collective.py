@@ -49,3 +49,13 @@ def test_a_one_rank_collective_is_refused(capsys):
     assert main(["collective", "dgx-h100", "--op", "all_reduce", "--ranks", "1", "--bytes", "1MiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ranks must be >= 2" in err[0]
+
+
+def test_send_recv_is_a_pair_and_plain_byte_counts(capsys):
+    assert main(["collective", "dgx-h100", "--op", "send_recv", "--ranks", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "send_recv is point to point between 2 ranks" in err
+    assert main(["collective", "dgx-h100", "--op", "send_recv", "--ranks", "2", "--ranks-per-node", "1",
+                 "--bytes", "8,1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(o["bytes"], o["ranks"], o["ranks_per_node"]) for o in out] == [(8, 2, 1), (1024, 2, 1)]

@@ -10,6 +10,7 @@ YAML::
         network: ib-ndr-rail       # default: the cluster preset's network
         collective_profile: null   # default: the cluster preset's collective profile
         overrides: {}              # cluster preset fields (nvlink_bytes_per_s: "300 GB/s")
+        network_overrides: {}      # network preset fields (nic_bytes_per_s: "10 GB/s")
     parallelism:
       data_parallel_size: 8        # default: world size / (tp x pp)
     ddp:
@@ -33,11 +34,13 @@ Variables": ``NCCL_ALGO``, ``NCCL_PROTO``, ``NCCL_NVLS_ENABLE``, ``NCCL_MIN/MAX_
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from hardware_models.topology import MAX_NODES
+from simulator.config.errors import ScenarioWarning
 
 
 class _Model(BaseModel):
@@ -56,6 +59,15 @@ class ClusterConfig(_Model):
     collective_profile: str | None = Field(default=None, description="Collective profile preset "
                                            "(presets/collectives); default: the cluster preset's.")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Cluster preset field -> value.")
+    network_overrides: dict[str, Any] = Field(default_factory=dict, description="Network preset field -> value "
+                                              "(nic_bytes_per_s: \"10 GB/s\" throttles every NIC rail).")
+
+    @model_validator(mode="after")
+    def _network_needs_nodes(self):
+        if self.nodes == 1 and (self.network is not None or self.network_overrides):
+            warnings.warn("hardware.cluster.network: one node has no scale-out network, so the network and its "
+                          "overrides have no effect (set hardware.cluster.nodes > 1)", ScenarioWarning, stacklevel=2)
+        return self
 
 
 class DdpConfig(_Model):
