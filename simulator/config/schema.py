@@ -534,8 +534,10 @@ class ScenarioConfig(_Model):
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
-            if tp > 1:
-                raise ValueError("fsdp: tensor_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+            if tp > 1 and (self.parallelism.sequence_parallel or f.sharding_strategy == "NO_SHARD"):
+                what = "sequence_parallel" if self.parallelism.sequence_parallel else "sharding_strategy NO_SHARD"
+                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with {what} is not modelled yet "
+                                 "(allowed: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with sequence_parallel false)")
         p = self.parallelism
         own_experts = bool(self.model.num_experts) and (
             p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)  # moe.own_expert_grads
@@ -581,9 +583,10 @@ class ScenarioConfig(_Model):
                         ("num_query_groups", m.query_groups)):
             if v % tp:
                 raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
-        if self.training.precision == "amp_fp32_params":
+        fsdp_2d = self.fsdp is not None and (p.data_parallel_size or 1) > 1  # PyTorch 2-D FSDP + TP (DeviceMesh)
+        if self.training.precision == "amp_fp32_params" and not fsdp_2d:
             raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with tp 1 only)")
+                             "is torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
         z = self.zero_optimization
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
             raise ValueError(f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet "

@@ -312,8 +312,10 @@ class TransformerSpec:
             if sh.shard_size * sh.replicate_size != self.data_parallel_size:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
                                  f"data_parallel_size ({self.data_parallel_size})")
-            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1:
-                raise ValueError(f"{sh.strategy} with tensor parallelism is not modelled yet")
+            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1 and (
+                    sh.strategy == "no_shard" or self.sequence_parallel):
+                raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
+                                 "modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
@@ -327,9 +329,9 @@ class TransformerSpec:
                             ("ffn_hidden_size", self.ffn_hidden_size), ("num_query_groups", g)):
                 if v % t:
                     raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({v})")
-            if self.precision == "amp_fp32_params":
+            if self.precision == "amp_fp32_params" and not self._fsdp:
                 raise ValueError("tensor parallelism is modelled for Megatron precisions bf16 and fp16, not "
-                                 "amp_fp32_params (torch.autocast)")
+                                 "amp_fp32_params (torch.autocast; allowed with FSDP: PyTorch's 2-D FSDP + TP)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
         c = self.context_parallel_size
@@ -373,6 +375,11 @@ class TransformerSpec:
                                  "optimizer is not modelled")
 
     # -- counts ----------------------------------------------------------------------------
+    @property
+    def _fsdp(self) -> bool:
+        """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
+        return self.sharding is not None and self.sharding.unit_buckets and self.data_parallel_size > 1
+
     @property
     def query_groups(self) -> int:
         """K/V head groups ``g`` (``a`` without grouped-query attention)."""
