@@ -512,9 +512,15 @@ class ScenarioConfig(_Model):
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
         pp = self.parallelism.pipeline_model_parallel_size
-        if pp > 1 and f is not None:  # first: the other FSDP refusals would not help with a pipeline
-            raise ValueError(f"fsdp: with parallelism.pipeline_model_parallel_size {pp} > 1 is not modelled yet "
-                             "(allowed: DDP, ZeRO stage 0/1 or ddp.use_distributed_optimizer data parallelism, or pp 1)")
+        par = self.parallelism
+        if pp > 1 and f is not None and (par.virtual_pipeline_model_parallel_size > 1
+                                         or par.schedule not in ("gpipe", "1f1b")):
+            raise ValueError(f"fsdp: with parallelism.pipeline_schedule {par.schedule} is not modelled yet (allowed "
+                             "with fsdp and pipeline_model_parallel_size > 1: gpipe, 1f1b)")
+        if pp > 1 and f is not None and not self.model.untie_embeddings_and_output_weights:
+            raise ValueError("fsdp: with parallelism.pipeline_model_parallel_size > 1 needs "
+                             "model.untie_embeddings_and_output_weights: true (torch.distributed.pipelining ties no "
+                             "weights across stages)")
         prec, tp = self.training.precision, self.parallelism.tensor_model_parallel_size
         if f is not None and z.stage > 0:
             raise ValueError(f"fsdp: exclusive with zero_optimization.stage {z.stage} (FSDP and DeepSpeed ZeRO both "
@@ -631,9 +637,9 @@ class ScenarioConfig(_Model):
         if world is not None and world % (tp * pp):
             raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
                              f"hardware.cluster (allowed: pp dividing {world // tp})")
-        if self.training.precision == "amp_fp32_params":
+        if self.training.precision == "amp_fp32_params" and not (self.fsdp is not None and (p.data_parallel_size or 1) > 1):
             raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with pp 1 only)")
+                             "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
         dp = p.data_parallel_size or 1
         gbs = self.training.global_batch_size or self.training.micro_batch_size * dp
         mbs = gbs // (self.training.micro_batch_size * dp)

@@ -320,6 +320,11 @@ class TransformerSpec:
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
                 raise ValueError("the distributed optimizer is modelled with precision bf16 or fp16 (Megatron-LM)")
+            if sh.unit_buckets and self.pipeline_parallel_size > 1 and (
+                    self.virtual_pipeline_size > 1 or self.pipeline_schedule == "zero_bubble_h1"
+                    or self.tied_embeddings):
+                raise ValueError("FSDP with a pipeline is modelled with one model chunk per rank, gpipe or 1f1b, "
+                                 "untied embeddings (torch.distributed.pipelining ties no weights across stages)")
             if sh.unit_buckets and self.precision != "amp_fp32_params":
                 raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
                                  "FSDP mixed_precision for the compute dtype)")
@@ -673,10 +678,13 @@ class _GptBuilder:
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
         self._init_sharding()
-        # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
-        # FSDP outside no_sync()); the others once per step, after the last micro-batch
         st = self.sh.strategy if self.sh is not None else None
-        self._every_mb = spec.num_micro_batches > 1 and (self.zero == 2 or st not in (None, "distributed_optimizer"))
+        # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
+        # FSDP outside no_sync()); the others once per step, after the last micro-batch. FSDP under a pipeline
+        # (torch.distributed.pipelining: set_requires_gradient_sync(False) until the step's last backward) too
+        pp_fsdp = spec.pipeline_parallel_size > 1 and self.sh is not None and self.sh.unit_buckets
+        self._every_mb = spec.num_micro_batches > 1 and not pp_fsdp and (
+            self.zero == 2 or st not in (None, "distributed_optimizer"))
         #: the full gradients are freed by their reduce-scatter, so each micro-batch allocates them again
         self._fresh_grads = self._every_mb and st != "no_shard"
         self._partials: list[tuple[str, int]] = []  # reduced shards of this micro-batch to add into the step's
@@ -1281,6 +1289,8 @@ class _GptBuilder:
         full = s.recompute == "full"
         self.last_mb = last_pass
         self._mb, self._bwd_comm_start = mb, len(self.comm_ops)
+        if self.pg is not None:
+            self.pg.start_pass(Phase.BWD)
         e.phase, e.layer = Phase.BWD, -1
         if s.vit is not None:
             g = vitb.head_bwd(self, st)
