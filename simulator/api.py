@@ -38,6 +38,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
     dp = p.data_parallel_size or 1
     z, ddp = cfg.zero_optimization, cfg.ddp
     per_step = t.micro_batch_size * dp
+    shards = dp * p.context_parallel_size  # the gradient reduce group (dp x cp), which ZeRO / FSDP shard over
     gbs = t.global_batch_size or per_step
     vit = vit_shape(cfg)
     return TransformerSpec(
@@ -48,7 +49,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
-        zero_stage=z.stage if dp > 1 else 0,
+        zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
@@ -57,7 +58,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
-        sharding=sharding_spec(cfg) if dp > 1 else None,
+        sharding=sharding_spec(cfg) if shards > 1 else None,
         pipeline_parallel_size=p.pipeline_model_parallel_size, pipeline_rank=pipeline_rank,
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
@@ -107,7 +108,8 @@ def sharding_spec(cfg: ScenarioConfig):
     from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
                                                    zero3_prefetch_depth)
 
-    dp = cfg.parallelism.data_parallel_size or 1
+    # sharded over the gradient reduce group: data x context parallel ranks (Megatron-LM with --context-parallel-size)
+    dp = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
     z, f, ddp = cfg.zero_optimization, cfg.fsdp, cfg.ddp
     if z.stage == 3:
         spec = transformer_spec(cfg.model_copy(update={"zero_optimization": z.model_copy(update={"stage": 0})}))
@@ -121,7 +123,7 @@ def sharding_spec(cfg: ScenarioConfig):
         st = f.sharding_strategy.lower()
         shard, rep = dp, 1
         if st == "hybrid_shard":
-            per_node = len(cfg_node_ranks(cfg))
+            per_node = min(len(cfg_node_ranks(cfg)), dp)  # a stage smaller than a node: its dp ranks share one
             shard, rep = per_node, dp // per_node
         if st == "no_shard":
             return ShardingSpec("no_shard", dp, grad_bytes=4, sharded_param_bytes=4, param_bytes=4)

@@ -502,7 +502,7 @@ class ScenarioConfig(_Model):
     def _data_parallel_scope(self):
         dp = self.parallelism.data_parallel_size or 1
         z = self.zero_optimization
-        self._sharding_scope(dp)
+        self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
         if dp > 1 and z.offload_param.device != "none":
             raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none; offload_optimizer is)")
@@ -589,7 +589,8 @@ class ScenarioConfig(_Model):
                         ("num_query_groups", m.query_groups)):
             if v % tp:
                 raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
-        fsdp_2d = self.fsdp is not None and (p.data_parallel_size or 1) > 1  # PyTorch 2-D FSDP + TP (DeviceMesh)
+        # PyTorch 2-D FSDP + TP (DeviceMesh), FSDP sharded over dp x cp
+        fsdp_2d = self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1
         if self.training.precision == "amp_fp32_params" and not fsdp_2d:
             raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
@@ -637,7 +638,8 @@ class ScenarioConfig(_Model):
         if world is not None and world % (tp * pp):
             raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
                              f"hardware.cluster (allowed: pp dividing {world // tp})")
-        if self.training.precision == "amp_fp32_params" and not (self.fsdp is not None and (p.data_parallel_size or 1) > 1):
+        if self.training.precision == "amp_fp32_params" and not (
+                self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1):
             raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
         dp = p.data_parallel_size or 1
@@ -810,15 +812,16 @@ class ScenarioConfig(_Model):
         if p.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
             raise ValueError(f"parallelism.cp_comm_type: a2a needs cp {cp} to divide the attention heads per TP rank "
                              f"({m.num_attention_heads // tp})")
-        if self.training.precision == "amp_fp32_params":
-            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM)")
+        if self.training.precision == "amp_fp32_params" and self.fsdp is None:
+            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
+                             "with fsdp only, PyTorch context parallelism)")
         if m.attention_backend == "unfused":
             raise ValueError(f"{key}: {cp} > 1 with model.attention_backend unfused is not modelled (allowed: "
                              "attention_backend flash with context parallelism)")
         z = self.zero_optimization
-        if z.stage or self.fsdp is not None or self.ddp.use_distributed_optimizer or m.num_experts:
-            raise ValueError(f"{key}: {cp} > 1 with ZeRO, FSDP, the distributed optimizer or experts is not modelled "
-                             "yet (allowed: DDP data parallelism, dense models)")
+        if m.num_experts:
+            raise ValueError(f"{key}: {cp} > 1 with experts is not modelled yet (allowed: dense models; DDP, ZeRO, "
+                             "FSDP or the distributed optimizer over dp x cp)")
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none" or self.dataloader is not None:
             raise ValueError(f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet")
         if self.run.rank_folding == "none" or any(o.dp_rank is not None for o in self.rank_overrides):

@@ -302,16 +302,17 @@ class TransformerSpec:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
         sh = self.sharding
-        if self.zero_stage == 3 and self.data_parallel_size > 1 and (sh is None or sh.strategy != "zero3"):
+        n_sh = self.grad_reduce_size
+        if self.zero_stage == 3 and n_sh > 1 and (sh is None or sh.strategy != "zero3"):
             raise ValueError("zero_stage 3 with data parallelism needs sharding=ShardingSpec('zero3', ...)")
-        if sh is not None and self.data_parallel_size > 1:
+        if sh is not None and n_sh > 1:
             if sh.strategy == "zero3" and self.zero_stage != 3:
                 raise ValueError("sharding strategy zero3 needs zero_stage 3")
             if sh.strategy != "zero3" and self.zero_stage:
                 raise ValueError(f"sharding strategy {sh.strategy} excludes ZeRO stage {self.zero_stage}")
-            if sh.shard_size * sh.replicate_size != self.data_parallel_size:
+            if sh.shard_size * sh.replicate_size != n_sh:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
-                                 f"data_parallel_size ({self.data_parallel_size})")
+                                 f"data_parallel_size x context_parallel_size ({n_sh})")
             if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1 and (
                     sh.strategy == "no_shard" or self.sequence_parallel):
                 raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
@@ -375,7 +376,7 @@ class TransformerSpec:
             if self.attention_backend == "flash":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
-            if self.fp8 or self.num_experts or (self.sharding is not None and self.data_parallel_size > 1):
+            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
                 raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP or the distributed "
                                  "optimizer is not modelled")
 
@@ -383,7 +384,14 @@ class TransformerSpec:
     @property
     def _fsdp(self) -> bool:
         """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
-        return self.sharding is not None and self.sharding.unit_buckets and self.data_parallel_size > 1
+        return self.sharding is not None and self.sharding.unit_buckets and self.grad_reduce_size > 1
+
+    @property
+    def grad_reduce_size(self) -> int:
+        """Ranks the gradients are reduced over and ZeRO / FSDP / the distributed optimizer shard the model states
+        over: ``dp x cp`` (Megatron's data-parallel group with context parallelism: the CP ranks hold other tokens
+        of the same samples and the same parameters)."""
+        return self.data_parallel_size * self.context_parallel_size
 
     @property
     def query_groups(self) -> int:
@@ -658,7 +666,7 @@ class _GptBuilder:
         self.last_mb = False
         self.groups: list[ParamGroup] = []
         # gradients are reduced over the data x context parallel ranks (CP ranks hold other tokens of a sequence)
-        self.dp = spec.data_parallel_size * spec.context_parallel_size > 1
+        self.dp = spec.grad_reduce_size > 1
         self.zero = spec.zero_stage if self.dp else 0
         # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
         self._grads_in_buckets = self.dp and self.zero == 0 and spec.gradient_as_bucket_view
@@ -1452,8 +1460,8 @@ class _GptBuilder:
 
     # -- data parallel -----------------------------------------------------------------------
     def _shard(self, n: int) -> int:
-        """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp)."""
-        dp = self.s.data_parallel_size
+        """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp; x cp)."""
+        dp = self.s.grad_reduce_size
         return -(-n // dp)
 
     def _grad_ready(self, name: str, numel: int, op: int, tensor: str | None = None) -> None:
@@ -1547,7 +1555,7 @@ class _GptBuilder:
             return
         out: tuple[TensorAlloc, ...] = ()
         if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
-            out = self._reduced_shard(k, -(-nbytes // self.s.data_parallel_size))
+            out = self._reduced_shard(k, -(-nbytes // self.s.grad_reduce_size))
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                               Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out))
 
