@@ -266,10 +266,23 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
             for o in overrides:
                 slow *= o.slowdown
             dvfs = next((o.dvfs for o in overrides if o.dvfs is not None), None)
+            gpu = next((o.gpu for o in overrides if o.gpu is not None), None)
             label = " / ".join(x for x in (f"pp_rank {r}" if pp > 1 else "", dp_label) if x) or "all ranks"
-            out.append(RankClass(label, r, c, dataclasses.replace(stage_hw, slowdown=slow) if slow != 1.0 else stage_hw,
+            class_hw = stage_hw if gpu is None else other_gpu(stage_hw, gpu)
+            out.append(RankClass(label, r, c, dataclasses.replace(class_hw, slowdown=slow) if slow != 1.0 else class_hw,
                                  cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas))
     return out
+
+
+def other_gpu(hw: Hardware, name: str) -> Hardware:
+    """``hw`` with the GPU preset ``name`` in place of its GPU (a ``rank_overrides`` ``gpu``): that GPU's spec and
+    its shipped efficiency profile (else the generic one, ``loader.default_profile_for``); the host, links and
+    collective model stay ``hw``'s. The preset was checked by the schema (``ScenarioConfig._override_gpu_scope``)."""
+    from hardware_models import presets
+    from simulator.config.loader import default_profile_for
+
+    gpu = presets.get("gpus", name)
+    return dataclasses.replace(hw, gpu=gpu, profile=default_profile_for(gpu, name, hw.pcie))
 
 
 def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int) -> OpGraph:
@@ -365,6 +378,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown
+                row["gpu"] = classes[k].hw.gpu.name
                 row["dvfs"] = classes[k].cfg.dvfs.kind if classes[k].cfg.dvfs is not None else None
             if cfg.rank_overrides and n_dp == 1:  # an overridden stage: the one the others wait for
                 stages = summary["pipeline"]["stages"]
@@ -466,6 +480,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if o.pp_rank is not None:
             out.append(f"rank_overrides: pipeline stage {o.pp_rank} (all its ranks) runs with slowdown {o.slowdown:g}"
                        + (f" and dvfs {o.dvfs.kind}" if o.dvfs is not None else ""))
+        if o.gpu is not None:
+            who = f"pipeline stage {o.pp_rank}" if o.pp_rank is not None else f"replica {o.dp_rank}"
+            out.append(f"rank_overrides: {who} runs on {o.gpu} (its peaks, HBM, memory and power; priced with its shipped or the generic "
+                       "efficiency profile); the cluster's links and collective model are the cluster preset's")
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     if pp > 1:
         spec = transformer_spec(cfg)

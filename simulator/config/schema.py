@@ -690,6 +690,12 @@ class ScenarioConfig(_Model):
             raise ValueError("rank_overrides: every data-parallel replica is overridden; override the scenario "
                              "instead (allowed: fewer dp_rank overrides than replicas)")
         for i, o in enumerate(self.rank_overrides):
+            if o.gpu is not None:
+                self._override_gpu_scope(f"rank_overrides[{i}].gpu", o.gpu)
+            if o.gpu is not None and o.dp_rank is not None and any(
+                    q.pp_rank is not None and q.gpu is not None for q in self.rank_overrides):
+                raise ValueError(f"rank_overrides[{i}].gpu: a replica's and a stage's gpu would both apply to one "
+                                 "rank (allowed: gpu on stage overrides or on replica overrides, not both)")
             if o.dvfs is not None and o.dp_rank is not None and any(
                     q.pp_rank is not None and q.dvfs is not None for q in self.rank_overrides):
                 raise ValueError(f"rank_overrides[{i}].dvfs: a replica's and a stage's dvfs would both apply to one "
@@ -699,6 +705,21 @@ class ScenarioConfig(_Model):
             raise ValueError(f"run.rank_folding: {pp} stages x {classes} data-parallel classes = {pp * classes:,} "
                              f"simulated ranks; at most {MAX_SIMULATED_RANKS:,} (allowed: rank_folding classes)")
         return self
+
+    def _override_gpu_scope(self, key: str, name: str) -> None:
+        """A rank override's GPU preset exists and has the rates the scenario's precision needs."""
+        from hardware_models import presets
+        from hardware_models.presets import PresetError
+
+        try:
+            gpu = presets.get("gpus", name)
+        except PresetError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        t = self.training
+        need = "fp8" if t.fp8 is not None else t.precision if t.precision in ("tf32", "fp32") else None
+        if need is not None and need not in gpu.peak_flops_per_s:
+            raise ValueError(f"{key}: {name} has no {need} rate, which training.{'fp8' if need == 'fp8' else 'precision'}"
+                             f" needs (allowed: a GPU preset with one)")
 
     @model_validator(mode="after")
     def _expert_parallel_scope(self):

@@ -150,3 +150,41 @@ def test_override_errors_name_the_override(tmp_path, override, msg):
                          capture_output=True, text=True, timeout=120)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and msg in lines[0] and "(top level)" not in lines[0], out.stderr
+
+
+def test_a_replica_on_another_gpu_is_its_own_class_priced_on_that_gpu():
+    """``{dp_rank: 3, gpu: a100-sxm4-80gb}`` in a DGX H100 (no overlap, no launch cost, no interference): replica 3
+    computes exactly as one A100 alone runs the same step's kernels (its compute-stream time equals the single-GPU
+    A100 run's), the others as one H100, and the step grows by exactly the A100's extra compute (the others wait
+    for it at the gradient all-reduce). The per-rank results name it, with its GPU."""
+    def compute(s):
+        return s["utilisation"]["compute"] * s["step_time_s"]
+
+    base = _run()
+    mixed = _run(rank_overrides=[{"dp_rank": 3, "gpu": "a100-sxm4-80gb"}])
+    one = {g: run_scenario(scenario_from_dict({**BASE, "hardware": {"gpu": g, "launch_overhead_s": 0}})).summary
+           for g in ("h100-sxm-80gb", "a100-sxm4-80gb")}
+    others, a100 = mixed["rank_classes"]
+    assert mixed["straggler"] == "dp_rank 3"
+    assert (others["gpu"], a100["gpu"]) == ("NVIDIA H100 SXM5 80GB", "NVIDIA A100 SXM4 80GB")
+    assert a100["compute_s"] == pytest.approx(compute(one["a100-sxm4-80gb"]), rel=1e-6)
+    assert others["compute_s"] == pytest.approx(compute(one["h100-sxm-80gb"]), rel=1e-6)
+    assert mixed["step_time_s"] - base["step_time_s"] == pytest.approx(a100["compute_s"] - others["compute_s"],
+                                                                       rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    ([{"dp_rank": 1, "gpu": "h900-imaginary"}], "rank_overrides[0].gpu"),
+    ([{"pp_rank": 0, "gpu": "a100-sxm4-80gb"}, {"dp_rank": 1, "gpu": "a100-sxm4-80gb"}],
+     "a replica's and a stage's gpu would both apply"),
+])
+def test_bad_gpu_override_is_one_line(overrides, msg):
+    from simulator.config.errors import ScenarioError
+
+    d = {**BASE, "rank_overrides": overrides}
+    if any(o.get("pp_rank") is not None for o in overrides):
+        d = {**d, "parallelism": {"pipeline_model_parallel_size": 2}, "training": {**BASE["training"],
+                                                                                 "global_batch_size": 16}}
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(d)
+    assert msg in str(e.value) and "\n" not in str(e.value)
