@@ -234,6 +234,9 @@ class RankClass:
         hw: Its machine (``Hardware.for_pipeline_rank``, with the overrides' ``slowdown``).
         cfg: Its scenario (an override's ``dvfs`` in place of the scenario's).
         replicas: Data-parallel replicas it stands for.
+        shard_group: With FSDP HYBRID_SHARD across nodes: the shard group (node) of its replicas, where they meet
+            the other classes of that group at the ``dp_shard`` collectives; None: replicas of groups without an
+            overridden replica (they meet nobody there) or no shard groups.
     """
 
     label: str
@@ -242,6 +245,7 @@ class RankClass:
     hw: Hardware
     cfg: ScenarioConfig
     replicas: int
+    shard_group: int | None = None
 
 
 def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
@@ -252,15 +256,26 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     by_dp = {o.dp_rank: o for o in cfg.rank_overrides if o.dp_rank is not None}
     pp, dp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.data_parallel_size or 1
+    shard = _hybrid_shard_size(cfg)  # HYBRID_SHARD across nodes: dp ranks per shard group (node), else None
     if cfg.run.rank_folding == "none":
-        dp_classes = [(f"dp_rank {j}", 1, by_dp.get(j)) for j in range(dp)]
+        dp_classes = [(f"dp_rank {j}", 1, by_dp.get(j), j // shard if shard else None) for j in range(dp)]
+    elif shard and by_dp:  # the overridden replicas' shard-group peers are their own classes (they wait at the
+        # dp_shard collectives); the replicas of the other groups are one class
+        hit = sorted({j // shard for j in by_dp})
+        rest = dp - shard * len(hit)
+        dp_classes = [("dp ranks (others)", rest, None, None)] if rest else []
+        for g in hit:
+            peers = shard - sum(1 for j in by_dp if j // shard == g)
+            if peers:
+                dp_classes.append((f"dp ranks (others, shard group {g})", peers, None, g))
+        dp_classes += [(f"dp_rank {j}", 1, o, j // shard) for j, o in sorted(by_dp.items())]
     else:
-        dp_classes = [("dp ranks (others)" if by_dp else "", dp - len(by_dp), None)]
-        dp_classes += [(f"dp_rank {j}", 1, o) for j, o in sorted(by_dp.items())]
+        dp_classes = [("dp ranks (others)" if by_dp else "", dp - len(by_dp), None, None)]
+        dp_classes += [(f"dp_rank {j}", 1, o, None) for j, o in sorted(by_dp.items())]
     out = []
     for r in range(pp):
         stage_hw = hw.for_pipeline_rank(r) if pp > 1 else hw
-        for c, (dp_label, replicas, o_dp) in enumerate(dp_classes):
+        for c, (dp_label, replicas, o_dp, group) in enumerate(dp_classes):
             overrides = [o for o in (by_pp.get(r), o_dp) if o is not None]
             slow = 1.0
             for o in overrides:
@@ -270,8 +285,17 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
             label = " / ".join(x for x in (f"pp_rank {r}" if pp > 1 else "", dp_label) if x) or "all ranks"
             class_hw = stage_hw if gpu is None else other_gpu(stage_hw, gpu)
             out.append(RankClass(label, r, c, dataclasses.replace(class_hw, slowdown=slow) if slow != 1.0 else class_hw,
-                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas))
+                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas, group))
     return out
+
+
+def _hybrid_shard_size(cfg: ScenarioConfig) -> int | None:
+    """Data-parallel ranks of one FSDP HYBRID_SHARD shard group (a node's) when the shards are replicated across
+    nodes, else None (no shard groups to tell apart)."""
+    if cfg.fsdp is None or cfg.fsdp.sharding_strategy != "HYBRID_SHARD" or (cfg.parallelism.data_parallel_size or 1) < 2:
+        return None
+    sh = sharding_spec(cfg)
+    return sh.shard_size if sh.replicate_size > 1 else None
 
 
 def other_gpu(hw: Hardware, name: str) -> Hardware:
@@ -285,11 +309,14 @@ def other_gpu(hw: Hardware, name: str) -> Hardware:
     return dataclasses.replace(hw, gpu=gpu, profile=default_profile_for(gpu, name, hw.pcie))
 
 
-def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int) -> OpGraph:
+def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int, shard_group: int | None = None,
+                         shard_parties: int = 0) -> OpGraph:
     """The graph of one rank class among ``dp_classes`` per stage: its data-parallel collectives become
     rendezvous of the stage's classes (a collective starts when the last class's replica arrives, as the NCCL
     collective does), and its pipeline rendezvous (send/recv, cross-stage all-reduces) meet only the same
-    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``)."""
+    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``). FSDP HYBRID_SHARD:
+    a ``dp_shard`` collective (inside one node) meets only the ``shard_parties`` classes of its ``shard_group``
+    (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class."""
     if dp_classes == 1:
         return graph
     ops = []
@@ -297,6 +324,10 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
         m = op.meta
         if m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
+        elif m and m.get("group") == "dp_shard" and shard_parties:
+            if shard_group is not None and shard_parties > 1:
+                op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
+                                                   "parties": shard_parties})
         elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
@@ -585,8 +616,12 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
     n_dp = len(classes) // cfg.parallelism.pipeline_model_parallel_size
     with gc_paused():  # the build too: its hundreds of thousands of ops trigger full collections otherwise
         try:
+            hybrid = any(c.shard_group is not None for c in classes)
+            parties = {(c.pp_rank, c.shard_group): sum(1 for q in classes if (q.pp_rank, q.shard_group) ==
+                                                      (c.pp_rank, c.shard_group)) for c in classes}
             graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw),
-                                           c.pp_rank, c.dp_class, n_dp) for c in classes]
+                                           c.pp_rank, c.dp_class, n_dp, c.shard_group,
+                                           parties[c.pp_rank, c.shard_group] if hybrid else 0) for c in classes]
         except PolicyError:
             raise
         except ValueError as exc:

@@ -680,9 +680,6 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)
             if sel[0] == "dp_rank":
-                if self.fsdp is not None and self.fsdp.sharding_strategy == "HYBRID_SHARD":
-                    raise ValueError(f"{key}.dp_rank: with fsdp HYBRID_SHARD is not modelled yet (allowed: another "
-                                     "sharding strategy)")
                 if dp == 1:
                     raise ValueError(f"{key}.dp_rank: needs data_parallel_size > 1")
         n_dp = sum(1 for o in self.rank_overrides if o.dp_rank is not None)
