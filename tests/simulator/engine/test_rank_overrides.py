@@ -224,3 +224,15 @@ def test_a_straggler_with_hybrid_shard_splits_only_its_shard_group():
     assert mixed["straggler"] == "dp_rank 3"
     assert mixed["rank_classes"][2]["compute_s"] == pytest.approx(1.2 * mixed["rank_classes"][0]["compute_s"],
                                                                   rel=1e-6)
+
+
+def test_unfolded_hybrid_shard_gives_the_folded_answer():
+    """run.rank_folding none with HYBRID_SHARD on 2 nodes: 16 replicas in 2 shard groups of 8 meeting at their own
+    dp_shard collectives and all together at dp_replicate give the folded run's step and memory exactly."""
+    small = {**HYBRID, "model": {**HYBRID["model"], "num_layers": 2, "hidden_size": 1024, "seq_length": 512},
+             "run": {"steps": 2, "warmup_steps": 1}}
+    folded = run_scenario(scenario_from_dict(small)).summary
+    unfolded = run_scenario(scenario_from_dict({**small, "run": {**small["run"], "rank_folding": "none"}})).summary
+    assert unfolded["step_time_s"] == pytest.approx(folded["step_time_s"], rel=1e-12)
+    assert unfolded["peak_device_memory_bytes"] == folded["peak_device_memory_bytes"]
+    assert len(unfolded["rank_classes"]) == 16
