@@ -36,6 +36,17 @@ stream (ProcessGroupNCCL has one NCCL stream per group and device).
   reduce-scatter. The root is not resharded after forward (FSDP keeps the root gathered). One
   reduce-scatter per unit after its backward.
 
+**Gathered state** (one rule for every strategy): a unit stays gathered until it is resharded; a pass
+gathers only the units that are not. After a forward pass the blocks are resharded with
+``reshard_after_forward`` (the root with ``reshard_root``); after a backward pass everything (FSDP's
+post-backward reshard, ZeRO-3's release), so without a pipeline every micro-batch gathers again. With a
+pipeline (FSDP per stage under ``torch.distributed.pipelining``: ``set_reshard_after_backward(False)`` and
+``set_requires_gradient_sync(False)`` until the stage's last backward, ``stage.py``
+``backward_maybe_with_nosync``) a backward keeps its units gathered, so under 1F1B FULL_SHARD gathers the
+blocks in each warm-up forward and each backward, SHARD_GRAD_OP once per step; each stage's units are its own
+blocks and the root parameters it holds (``backward_param_order``), and the gradients are reduce-scattered
+once per step (the builder's ``_every_mb`` is false).
+
 **Byte counts** (``meta["bytes"]`` of the collectives; bytes on the wire per GPU are ``(n-1)/n`` of
 it): ZeRO-3 and FULL_SHARD move ``3 Psi`` 16-bit elements per step (forward gather, backward
 gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, section 7).
