@@ -38,6 +38,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
     dp = p.data_parallel_size or 1
     z, ddp = cfg.zero_optimization, cfg.ddp
     per_step = t.micro_batch_size * dp
+    shards = dp * p.context_parallel_size  # the gradient reduce group (dp x cp), which ZeRO / FSDP shard over
     gbs = t.global_batch_size or per_step
     vit = vit_shape(cfg)
     return TransformerSpec(
@@ -48,7 +49,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
-        zero_stage=z.stage if dp > 1 else 0,
+        zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
@@ -57,7 +58,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
-        sharding=sharding_spec(cfg) if dp > 1 else None,
+        sharding=sharding_spec(cfg) if shards > 1 else None,
         pipeline_parallel_size=p.pipeline_model_parallel_size, pipeline_rank=pipeline_rank,
         virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
@@ -107,7 +108,8 @@ def sharding_spec(cfg: ScenarioConfig):
     from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
                                                    zero3_prefetch_depth)
 
-    dp = cfg.parallelism.data_parallel_size or 1
+    # sharded over the gradient reduce group: data x context parallel ranks (Megatron-LM with --context-parallel-size)
+    dp = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
     z, f, ddp = cfg.zero_optimization, cfg.fsdp, cfg.ddp
     if z.stage == 3:
         spec = transformer_spec(cfg.model_copy(update={"zero_optimization": z.model_copy(update={"stage": 0})}))
@@ -121,7 +123,7 @@ def sharding_spec(cfg: ScenarioConfig):
         st = f.sharding_strategy.lower()
         shard, rep = dp, 1
         if st == "hybrid_shard":
-            per_node = len(cfg_node_ranks(cfg))
+            per_node = min(len(cfg_node_ranks(cfg)), dp)  # a stage smaller than a node: its dp ranks share one
             shard, rep = per_node, dp // per_node
         if st == "no_shard":
             return ShardingSpec("no_shard", dp, grad_bytes=4, sharded_param_bytes=4, param_bytes=4)
@@ -232,6 +234,9 @@ class RankClass:
         hw: Its machine (``Hardware.for_pipeline_rank``, with the overrides' ``slowdown``).
         cfg: Its scenario (an override's ``dvfs`` in place of the scenario's).
         replicas: Data-parallel replicas it stands for.
+        shard_group: With FSDP HYBRID_SHARD across nodes: the shard group (node) of its replicas, where they meet
+            the other classes of that group at the ``dp_shard`` collectives; None: replicas of groups without an
+            overridden replica (they meet nobody there) or no shard groups.
     """
 
     label: str
@@ -240,6 +245,7 @@ class RankClass:
     hw: Hardware
     cfg: ScenarioConfig
     replicas: int
+    shard_group: int | None = None
 
 
 def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
@@ -250,31 +256,67 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     by_dp = {o.dp_rank: o for o in cfg.rank_overrides if o.dp_rank is not None}
     pp, dp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.data_parallel_size or 1
+    shard = _hybrid_shard_size(cfg)  # HYBRID_SHARD across nodes: dp ranks per shard group (node), else None
     if cfg.run.rank_folding == "none":
-        dp_classes = [(f"dp_rank {j}", 1, by_dp.get(j)) for j in range(dp)]
+        dp_classes = [(f"dp_rank {j}", 1, by_dp.get(j), j // shard if shard else None) for j in range(dp)]
+    elif shard and by_dp:  # the overridden replicas' shard-group peers are their own classes (they wait at the
+        # dp_shard collectives); the replicas of the other groups are one class
+        hit = sorted({j // shard for j in by_dp})
+        rest = dp - shard * len(hit)
+        dp_classes = [("dp ranks (others)", rest, None, None)] if rest else []
+        for g in hit:
+            peers = shard - sum(1 for j in by_dp if j // shard == g)
+            if peers:
+                dp_classes.append((f"dp ranks (others, shard group {g})", peers, None, g))
+        dp_classes += [(f"dp_rank {j}", 1, o, j // shard) for j, o in sorted(by_dp.items())]
     else:
-        dp_classes = [("dp ranks (others)" if by_dp else "", dp - len(by_dp), None)]
-        dp_classes += [(f"dp_rank {j}", 1, o) for j, o in sorted(by_dp.items())]
+        dp_classes = [("dp ranks (others)" if by_dp else "", dp - len(by_dp), None, None)]
+        dp_classes += [(f"dp_rank {j}", 1, o, None) for j, o in sorted(by_dp.items())]
     out = []
     for r in range(pp):
         stage_hw = hw.for_pipeline_rank(r) if pp > 1 else hw
-        for c, (dp_label, replicas, o_dp) in enumerate(dp_classes):
+        for c, (dp_label, replicas, o_dp, group) in enumerate(dp_classes):
             overrides = [o for o in (by_pp.get(r), o_dp) if o is not None]
             slow = 1.0
             for o in overrides:
                 slow *= o.slowdown
             dvfs = next((o.dvfs for o in overrides if o.dvfs is not None), None)
+            gpu = next((o.gpu for o in overrides if o.gpu is not None), None)
             label = " / ".join(x for x in (f"pp_rank {r}" if pp > 1 else "", dp_label) if x) or "all ranks"
-            out.append(RankClass(label, r, c, dataclasses.replace(stage_hw, slowdown=slow) if slow != 1.0 else stage_hw,
-                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas))
+            class_hw = stage_hw if gpu is None else other_gpu(stage_hw, gpu)
+            out.append(RankClass(label, r, c, dataclasses.replace(class_hw, slowdown=slow) if slow != 1.0 else class_hw,
+                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas, group))
     return out
 
 
-def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int) -> OpGraph:
+def _hybrid_shard_size(cfg: ScenarioConfig) -> int | None:
+    """Data-parallel ranks of one FSDP HYBRID_SHARD shard group (a node's) when the shards are replicated across
+    nodes, else None (no shard groups to tell apart)."""
+    if cfg.fsdp is None or cfg.fsdp.sharding_strategy != "HYBRID_SHARD" or (cfg.parallelism.data_parallel_size or 1) < 2:
+        return None
+    sh = sharding_spec(cfg)
+    return sh.shard_size if sh.replicate_size > 1 else None
+
+
+def other_gpu(hw: Hardware, name: str) -> Hardware:
+    """``hw`` with the GPU preset ``name`` in place of its GPU (a ``rank_overrides`` ``gpu``): that GPU's spec and
+    its shipped efficiency profile (else the generic one, ``loader.default_profile_for``); the host, links and
+    collective model stay ``hw``'s. The preset was checked by the schema (``ScenarioConfig._override_gpu_scope``)."""
+    from hardware_models import presets
+    from simulator.config.loader import default_profile_for
+
+    gpu = presets.get("gpus", name)
+    return dataclasses.replace(hw, gpu=gpu, profile=default_profile_for(gpu, name, hw.pcie))
+
+
+def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: int, shard_group: int | None = None,
+                         shard_parties: int = 0) -> OpGraph:
     """The graph of one rank class among ``dp_classes`` per stage: its data-parallel collectives become
     rendezvous of the stage's classes (a collective starts when the last class's replica arrives, as the NCCL
     collective does), and its pipeline rendezvous (send/recv, cross-stage all-reduces) meet only the same
-    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``)."""
+    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``). FSDP HYBRID_SHARD:
+    a ``dp_shard`` collective (inside one node) meets only the ``shard_parties`` classes of its ``shard_group``
+    (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class."""
     if dp_classes == 1:
         return graph
     ops = []
@@ -282,6 +324,10 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
         m = op.meta
         if m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
+        elif m and m.get("group") == "dp_shard" and shard_parties:
+            if shard_group is not None and shard_parties > 1:
+                op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
+                                                   "parties": shard_parties})
         elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
@@ -363,6 +409,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown
+                row["gpu"] = classes[k].hw.gpu.name
                 row["dvfs"] = classes[k].cfg.dvfs.kind if classes[k].cfg.dvfs is not None else None
             if cfg.rank_overrides and n_dp == 1:  # an overridden stage: the one the others wait for
                 stages = summary["pipeline"]["stages"]
@@ -464,6 +511,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if o.pp_rank is not None:
             out.append(f"rank_overrides: pipeline stage {o.pp_rank} (all its ranks) runs with slowdown {o.slowdown:g}"
                        + (f" and dvfs {o.dvfs.kind}" if o.dvfs is not None else ""))
+        if o.gpu is not None:
+            who = f"pipeline stage {o.pp_rank}" if o.pp_rank is not None else f"replica {o.dp_rank}"
+            out.append(f"rank_overrides: {who} runs on {o.gpu} (its peaks, HBM, memory and power; priced with its shipped or the generic "
+                       "efficiency profile); the cluster's links and collective model are the cluster preset's")
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     if pp > 1:
         spec = transformer_spec(cfg)
@@ -565,8 +616,12 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
     n_dp = len(classes) // cfg.parallelism.pipeline_model_parallel_size
     with gc_paused():  # the build too: its hundreds of thousands of ops trigger full collections otherwise
         try:
+            hybrid = any(c.shard_group is not None for c in classes)
+            parties = {(c.pp_rank, c.shard_group): sum(1 for q in classes if (q.pp_rank, q.shard_group) ==
+                                                      (c.pp_rank, c.shard_group)) for c in classes}
             graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw),
-                                           c.pp_rank, c.dp_class, n_dp) for c in classes]
+                                           c.pp_rank, c.dp_class, n_dp, c.shard_group,
+                                           parties[c.pp_rank, c.shard_group] if hybrid else 0) for c in classes]
         except PolicyError:
             raise
         except ValueError as exc:

@@ -186,13 +186,13 @@ def add_classes(summary: dict, classes: list[dict], *, labels: list[str], replic
 
 def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: list[int],
                slowdowns: list[float]) -> list[dict]:
-    """One row per rank class: ``label, replicas, slowdown``, its own ``step_time_s``, ``compute_s``
+    """One row per rank class: ``label, replicas, slowdown, gpu`` (its GPU's name), its own ``step_time_s``, ``compute_s``
     (compute-stream busy time per step), ``wait_s`` (the rest of the job's step ``step_s``), exposed
     communication, peak device memory and, when metered, energy and power."""
     rows = []
     for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
         compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
-        rows.append({"label": lab, "replicas": n, "slowdown": slow, "step_time_s": c["step_time_s"],
+        rows.append({"label": lab, "replicas": n, "slowdown": slow, "gpu": c.get("gpu"), "step_time_s": c["step_time_s"],
                      "compute_s": compute, "wait_s": max(step_s - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
                      "peak_device_memory_bytes": c["peak_device_memory_bytes"],
                      **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})

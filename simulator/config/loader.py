@@ -391,7 +391,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     # context parallelism): every stride-tp rank of the stage; the CP group is its first cp ranks
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
             "cp_group": tuple(range(0, tp * cp, tp)),
-            "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, per_node, tp)),
+            "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, min(per_node, stage), tp)),
             "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
             "ep_group": tuple(range(0, ep * et, et)), "edp_group": tuple(range(0, stage, et * ep)),
             "etp_group": tuple(range(et)), "nccl": nccl}

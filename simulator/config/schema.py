@@ -502,7 +502,7 @@ class ScenarioConfig(_Model):
     def _data_parallel_scope(self):
         dp = self.parallelism.data_parallel_size or 1
         z = self.zero_optimization
-        self._sharding_scope(dp)
+        self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
         if dp > 1 and z.offload_param.device != "none":
             raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
                              "modelled yet (allowed: device none; offload_optimizer is)")
@@ -512,9 +512,15 @@ class ScenarioConfig(_Model):
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
         pp = self.parallelism.pipeline_model_parallel_size
-        if pp > 1 and f is not None:  # first: the other FSDP refusals would not help with a pipeline
-            raise ValueError(f"fsdp: with parallelism.pipeline_model_parallel_size {pp} > 1 is not modelled yet "
-                             "(allowed: DDP, ZeRO stage 0/1 or ddp.use_distributed_optimizer data parallelism, or pp 1)")
+        par = self.parallelism
+        if pp > 1 and f is not None and (par.virtual_pipeline_model_parallel_size > 1
+                                         or par.schedule not in ("gpipe", "1f1b")):
+            raise ValueError(f"fsdp: with parallelism.pipeline_schedule {par.schedule} is not modelled yet (allowed "
+                             "with fsdp and pipeline_model_parallel_size > 1: gpipe, 1f1b)")
+        if pp > 1 and f is not None and not self.model.untie_embeddings_and_output_weights:
+            raise ValueError("fsdp: with parallelism.pipeline_model_parallel_size > 1 needs "
+                             "model.untie_embeddings_and_output_weights: true (torch.distributed.pipelining ties no "
+                             "weights across stages)")
         prec, tp = self.training.precision, self.parallelism.tensor_model_parallel_size
         if f is not None and z.stage > 0:
             raise ValueError(f"fsdp: exclusive with zero_optimization.stage {z.stage} (FSDP and DeepSpeed ZeRO both "
@@ -534,8 +540,10 @@ class ScenarioConfig(_Model):
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
-            if tp > 1:
-                raise ValueError("fsdp: tensor_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+            if tp > 1 and (self.parallelism.sequence_parallel or f.sharding_strategy == "NO_SHARD"):
+                what = "sequence_parallel" if self.parallelism.sequence_parallel else "sharding_strategy NO_SHARD"
+                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with {what} is not modelled yet "
+                                 "(allowed: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with sequence_parallel false)")
         p = self.parallelism
         own_experts = bool(self.model.num_experts) and (
             p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)  # moe.own_expert_grads
@@ -581,9 +589,11 @@ class ScenarioConfig(_Model):
                         ("num_query_groups", m.query_groups)):
             if v % tp:
                 raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
-        if self.training.precision == "amp_fp32_params":
+        # PyTorch 2-D FSDP + TP (DeviceMesh), FSDP sharded over dp x cp
+        fsdp_2d = self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1
+        if self.training.precision == "amp_fp32_params" and not fsdp_2d:
             raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with tp 1 only)")
+                             "is torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
         z = self.zero_optimization
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
             raise ValueError(f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet "
@@ -628,9 +638,10 @@ class ScenarioConfig(_Model):
         if world is not None and world % (tp * pp):
             raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
                              f"hardware.cluster (allowed: pp dividing {world // tp})")
-        if self.training.precision == "amp_fp32_params":
+        if self.training.precision == "amp_fp32_params" and not (
+                self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1):
             raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with pp 1 only)")
+                             "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
         dp = p.data_parallel_size or 1
         gbs = self.training.global_batch_size or self.training.micro_batch_size * dp
         mbs = gbs // (self.training.micro_batch_size * dp)
@@ -669,9 +680,6 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)
             if sel[0] == "dp_rank":
-                if self.fsdp is not None and self.fsdp.sharding_strategy == "HYBRID_SHARD":
-                    raise ValueError(f"{key}.dp_rank: with fsdp HYBRID_SHARD is not modelled yet (allowed: another "
-                                     "sharding strategy)")
                 if dp == 1:
                     raise ValueError(f"{key}.dp_rank: needs data_parallel_size > 1")
         n_dp = sum(1 for o in self.rank_overrides if o.dp_rank is not None)
@@ -679,6 +687,12 @@ class ScenarioConfig(_Model):
             raise ValueError("rank_overrides: every data-parallel replica is overridden; override the scenario "
                              "instead (allowed: fewer dp_rank overrides than replicas)")
         for i, o in enumerate(self.rank_overrides):
+            if o.gpu is not None:
+                self._override_gpu_scope(f"rank_overrides[{i}].gpu", o.gpu)
+            if o.gpu is not None and o.dp_rank is not None and any(
+                    q.pp_rank is not None and q.gpu is not None for q in self.rank_overrides):
+                raise ValueError(f"rank_overrides[{i}].gpu: a replica's and a stage's gpu would both apply to one "
+                                 "rank (allowed: gpu on stage overrides or on replica overrides, not both)")
             if o.dvfs is not None and o.dp_rank is not None and any(
                     q.pp_rank is not None and q.dvfs is not None for q in self.rank_overrides):
                 raise ValueError(f"rank_overrides[{i}].dvfs: a replica's and a stage's dvfs would both apply to one "
@@ -688,6 +702,21 @@ class ScenarioConfig(_Model):
             raise ValueError(f"run.rank_folding: {pp} stages x {classes} data-parallel classes = {pp * classes:,} "
                              f"simulated ranks; at most {MAX_SIMULATED_RANKS:,} (allowed: rank_folding classes)")
         return self
+
+    def _override_gpu_scope(self, key: str, name: str) -> None:
+        """A rank override's GPU preset exists and has the rates the scenario's precision needs."""
+        from hardware_models import presets
+        from hardware_models.presets import PresetError
+
+        try:
+            gpu = presets.get("gpus", name)
+        except PresetError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        t = self.training
+        need = "fp8" if t.fp8 is not None else t.precision if t.precision in ("tf32", "fp32") else None
+        if need is not None and need not in gpu.peak_flops_per_s:
+            raise ValueError(f"{key}: {name} has no {need} rate, which training.{'fp8' if need == 'fp8' else 'precision'}"
+                             f" needs (allowed: a GPU preset with one)")
 
     @model_validator(mode="after")
     def _expert_parallel_scope(self):
@@ -801,15 +830,16 @@ class ScenarioConfig(_Model):
         if p.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
             raise ValueError(f"parallelism.cp_comm_type: a2a needs cp {cp} to divide the attention heads per TP rank "
                              f"({m.num_attention_heads // tp})")
-        if self.training.precision == "amp_fp32_params":
-            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM)")
+        if self.training.precision == "amp_fp32_params" and self.fsdp is None:
+            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
+                             "with fsdp only, PyTorch context parallelism)")
         if m.attention_backend == "unfused":
             raise ValueError(f"{key}: {cp} > 1 with model.attention_backend unfused is not modelled (allowed: "
                              "attention_backend flash with context parallelism)")
         z = self.zero_optimization
-        if z.stage or self.fsdp is not None or self.ddp.use_distributed_optimizer or m.num_experts:
-            raise ValueError(f"{key}: {cp} > 1 with ZeRO, FSDP, the distributed optimizer or experts is not modelled "
-                             "yet (allowed: DDP data parallelism, dense models)")
+        if m.num_experts:
+            raise ValueError(f"{key}: {cp} > 1 with experts is not modelled yet (allowed: dense models; DDP, ZeRO, "
+                             "FSDP or the distributed optimizer over dp x cp)")
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none" or self.dataloader is not None:
             raise ValueError(f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet")
         if self.run.rank_folding == "none" or any(o.dp_rank is not None for o in self.rank_overrides):

@@ -171,7 +171,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
     from simulator.api import sharding_spec
 
-    dp = spec.data_parallel_size
+    dp = spec.grad_reduce_size  # the model states are sharded over dp x cp
     amp = spec.precision in ("amp_fp32_params", *FULL_PRECISIONS)  # fp32 parameters, no master copy
     P = spec.rank_num_parameters
     z, ddp = cfg.zero_optimization, cfg.ddp
@@ -190,7 +190,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         else:
             dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
-    P = spec.rank_num_parameters  # this stage's (ZeRO-3 and FSDP: the whole model, they refuse pipelines)
+    P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
     if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer
         return {"params": 2 * P + 4 * Ps, "grad": 4 * P, "optimizer": 8 * Ps}, 0
@@ -233,6 +233,12 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("training.lora (frozen weights) is not covered by the memory estimate")
     if cfg.model.num_experts:
         raise NotEstimated("model.num_experts (mixture-of-experts activations) is not covered by the memory estimate")
+    if cfg.parallelism.context_parallel_size > 1:
+        raise NotEstimated("context parallelism (s / cp tokens per rank, K/V exchange buffers) is not covered by the "
+                           "memory estimate")
+    if cfg.fsdp is not None and cfg.parallelism.pipeline_model_parallel_size > 1:
+        raise NotEstimated("fsdp with pipeline parallelism (units kept gathered across micro-batches, gradients "
+                           "reduced once per step) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
     states, grads = _model_state_bytes(cfg, spec)
     recompute = spec.recompute

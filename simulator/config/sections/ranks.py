@@ -5,11 +5,15 @@
     rank_overrides:
       - {dp_rank: 3, slowdown: 1.2}                       # one data-parallel replica 20% slower
       - {pp_rank: 2, dvfs: {kind: power_cap, power_limit_w: 250}}   # pipeline stage 2 power-capped
+      - {dp_rank: 1, gpu: a100-sxm-80gb}                  # replica 1 on another GPU (a mixed cluster)
 
 An override selects the ranks of one pipeline stage (``pp_rank``, all its data- and tensor-parallel
 ranks) or of one data-parallel replica (``dp_rank``, all its tensor-parallel ranks in every stage: one
 pipeline), and changes their GPU: ``slowdown`` multiplies every kernel's time (a thermally throttled or
-degraded GPU, a noisy neighbour), ``dvfs`` replaces the scenario's clock/power policy for them.
+degraded GPU, a noisy neighbour), ``dvfs`` replaces the scenario's clock/power policy for them, ``gpu``
+puts another GPU preset in their place (its peaks, HBM, memory capacity and power model, priced with that GPU's
+shipped efficiency profile or the generic one; the cluster's links and collective model stay the cluster
+preset's).
 Folding splits only what the override touches: a stage override changes that stage's representative; a
 replica override adds one rank class (the replica) beside the others, and the data-parallel collectives
 start when the slowest class arrives (``simulator.engine.rendezvous``).
@@ -17,7 +21,7 @@ start when the slowest class arrives (``simulator.engine.rendezvous``).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, model_validator
 
 from simulator.config.sections.dvfs import DvfsConfig
 
@@ -38,11 +42,13 @@ class RankOverride(BaseModel):
     slowdown: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=100, description="Multiplier on every kernel's "
                                               "time (1.2: 20% slower).")
     dvfs: DvfsConfig | None = Field(default=None, description="Clock/power policy of these ranks (replaces dvfs:).")
+    gpu: StrictStr | None = Field(default=None, description="Another GPU preset for these ranks (hardware_models "
+                                  "gpus; the cluster's links stay).")
 
     @model_validator(mode="after")
     def _selects_and_changes(self):
         if (self.pp_rank is None) == (self.dp_rank is None):
             raise ValueError("give exactly one of pp_rank or dp_rank (allowed: {pp_rank: N, ...} or {dp_rank: N, ...})")
-        if self.slowdown == 1.0 and self.dvfs is None:
-            raise ValueError("changes nothing (allowed: slowdown != 1 and/or dvfs)")
+        if self.slowdown == 1.0 and self.dvfs is None and self.gpu is None:
+            raise ValueError("changes nothing (allowed: slowdown != 1, dvfs and/or gpu)")
         return self

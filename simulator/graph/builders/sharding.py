@@ -36,6 +36,17 @@ stream (ProcessGroupNCCL has one NCCL stream per group and device).
   reduce-scatter. The root is not resharded after forward (FSDP keeps the root gathered). One
   reduce-scatter per unit after its backward.
 
+**Gathered state** (one rule for every strategy): a unit stays gathered until it is resharded; a pass
+gathers only the units that are not. After a forward pass the blocks are resharded with
+``reshard_after_forward`` (the root with ``reshard_root``); after a backward pass everything (FSDP's
+post-backward reshard, ZeRO-3's release), so without a pipeline every micro-batch gathers again. With a
+pipeline (FSDP per stage under ``torch.distributed.pipelining``: ``set_reshard_after_backward(False)`` and
+``set_requires_gradient_sync(False)`` until the stage's last backward, ``stage.py``
+``backward_maybe_with_nosync``) a backward keeps its units gathered, so under 1F1B FULL_SHARD gathers the
+blocks in each warm-up forward and each backward, SHARD_GRAD_OP once per step; each stage's units are its own
+blocks and the root parameters it holds (``backward_param_order``), and the gradients are reduce-scattered
+once per step (the builder's ``_every_mb`` is false).
+
 **Byte counts** (``meta["bytes"]`` of the collectives; bytes on the wire per GPU are ``(n-1)/n`` of
 it): ZeRO-3 and FULL_SHARD move ``3 Psi`` 16-bit elements per step (forward gather, backward
 gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, section 7).
@@ -300,30 +311,29 @@ class ParamGather:
     def __init__(self, spec, emitter, collective):
         sh = spec.sharding
         self.sh, self.e, self._coll = sh, emitter, collective
-        L = spec.num_layers
-        self.num_layers = L
         thr = sh.persistence_threshold
+        chunks = spec.model_chunks  # this pipeline rank's model chunks (the whole model without a pipeline)
+        layers = [u for k in chunks for u in chunk_layers(spec.layer_split, k)]
+        self.num_layers = spec.num_layers
         lay = layer_param_sizes(spec)
-        #: elements gathered per unit (parameters above the persistence threshold)
-        self.numel = {u: sum(k for k in lay.values() if k > thr) for u in range(L)}
-        self.numel[ROOT] = sum(k for k in root_param_sizes(spec).values() if k > thr)
+        root = [n for k in chunks for _, u, n in backward_param_order(spec, k) if u == ROOT]
+        #: elements gathered per unit (parameters above the persistence threshold) of this rank's units
+        self.numel = {u: sum(k for k in lay.values() if k > thr) for u in layers}
+        self.numel[ROOT] = sum(k for k in root if k > thr)
         #: elements kept whole on every rank (at most the threshold each)
-        self.persistent_numel = (L * sum(k for k in lay.values() if k <= thr)
-                                 + sum(k for k in root_param_sizes(spec).values() if k <= thr))
-        self.order = {Phase.FWD: [ROOT, *range(L)], Phase.BWD: [ROOT, *reversed(range(L))]}
+        self.persistent_numel = (len(layers) * sum(k for k in lay.values() if k <= thr)
+                                 + sum(k for k in root if k <= thr))
+        self.order = {Phase.FWD: [ROOT, *layers], Phase.BWD: [ROOT, *reversed(layers)]}
         self._pos = {p: {u: i for i, u in enumerate(o)} for p, o in self.order.items()}
-        self._ops: dict[tuple[Phase, int], tuple[int, str]] = {}
+        #: pipelines (``torch.distributed.pipelining`` with FSDP: ``set_reshard_after_backward(False)`` until the
+        #: step's last backward): a unit gathered by a backward stays gathered for the next passes
+        self.keep_after_backward = spec.pipeline_parallel_size > 1
+        self._live: dict[int, tuple[int, str]] = {}  # unit -> (its gather op, the gathered tensor), while gathered
         self._unit_of: dict[str, int] = {}
-        self._entered: set[tuple[Phase, int]] = set()
+        self._entered: set[int] = set()
+        self._pass: Phase | None = None
 
     # -- schedule --------------------------------------------------------------------------
-    def _needs(self, phase: Phase, unit: int) -> bool:
-        if self.numel[unit] == 0:
-            return False
-        if phase == Phase.FWD:
-            return True
-        return self.sh.reshard_root if unit == ROOT else self.sh.reshard_after_forward
-
     def _depth(self, phase: Phase) -> int:
         if phase == Phase.FWD:
             d = self.sh.fwd_prefetch_depth
@@ -331,7 +341,7 @@ class ParamGather:
         return self.sh.bwd_prefetch_depth if self.sh.bwd_prefetch == "pre" else 0
 
     def _emit(self, phase: Phase, unit: int) -> None:
-        if (phase, unit) in self._ops or not self._needs(phase, unit):
+        if unit in self._live or not self.numel.get(unit):
             return
         nbytes = self.sh.param_bytes * self.numel[unit]
         tensor = self.e.fresh(f"params.L{unit}.gathered.{phase.value}" if unit >= 0 else
@@ -339,30 +349,45 @@ class ParamGather:
         deps = [self.e.last_compute] if self.e.last_compute >= 0 else []
         name = f"{'root' if unit == ROOT else f'L{unit}'}.{phase.value}.param_all_gather"
         op = self._coll(name, "all_gather", nbytes, deps, phase, allocs=(TensorAlloc(tensor, nbytes),))
-        self._ops[(phase, unit)] = (op, tensor)
+        self._live[unit] = (op, tensor)
         self._unit_of[tensor] = unit
 
     def unit_of_hook(self, hook: int) -> int:
         """The unit a builder hook belongs to (``num_layers``: the LM head, part of the root)."""
         return ROOT if hook < 0 or hook >= self.num_layers else hook
 
-    def new_micro_batch(self) -> None:
-        """Forget the gathers of the previous micro-batch (each micro-batch gathers again)."""
-        self._ops.clear()
+    def start_pass(self, phase: Phase) -> None:
+        """Start of a forward or backward pass (of one micro-batch through one model chunk): reshard what the
+        previous pass released. After a forward: the blocks with ``reshard_after_forward`` (and the root with
+        ``reshard_root``); after a backward: everything (FSDP's post-backward reshard, ZeRO-3's release), except
+        with a pipeline (``keep_after_backward``), where the gathered units stay until the step ends."""
+        prev, self._pass = self._pass, phase
         self._entered.clear()
-        self._unit_of.clear()
+        if prev == Phase.FWD:
+            drop = [u for u in self._live if (self.sh.reshard_root if u == ROOT else self.sh.reshard_after_forward)]
+        elif prev == Phase.BWD and not self.keep_after_backward:
+            drop = list(self._live)
+        else:
+            drop = []
+        for u in drop:
+            del self._live[u]
+
+    def new_micro_batch(self) -> None:
+        """Start of a micro-batch's forward (``start_pass(Phase.FWD)``)."""
+        self.start_pass(Phase.FWD)
 
     def enter(self, hook: int, phase: Phase) -> None:
         """Start of a unit's compute in ``phase``: issue the gathers the prefetch window allows (and this
-        unit's, on demand) and make the next compute kernel wait for this unit's gather."""
+        unit's, on demand, unless it is still gathered) and make the next compute kernel wait for this unit's
+        gather."""
         unit = self.unit_of_hook(hook)
-        if (phase, unit) in self._entered:
+        if unit in self._entered:
             return
-        self._entered.add((phase, unit))
+        self._entered.add(unit)
         order, j = self.order[phase], self._pos[phase][unit]
         for u in order[j:j + self._depth(phase) + 1]:
             self._emit(phase, u)
-        got = self._ops.get((phase, unit))
+        got = self._live.get(unit)
         if got is not None:
             self.e.wait_for.append(got[0])
 
@@ -376,16 +401,15 @@ class ParamGather:
             self._emit(phase, order[j + 1])
 
     def weight(self, hook: int, phase: Phase) -> str | None:
-        """The gathered tensor a GEMM of this unit reads in ``phase`` (the forward one when not regathered)."""
-        unit = self.unit_of_hook(hook)
-        got = self._ops.get((phase, unit)) or self._ops.get((Phase.FWD, unit))
+        """The gathered tensor a GEMM of this unit reads now (``None``: the unit is not gathered)."""
+        got = self._live.get(self.unit_of_hook(hook))
         return got[1] if got else None
 
     def backward_weight(self, tensor: str) -> str:
-        """The backward counterpart of a forward-gathered tensor saved for backward (itself if the unit
-        is not gathered again)."""
+        """The gathered copy a backward reads in place of a forward-gathered tensor saved for backward (the
+        unit's gather of this pass, or the same tensor when it was kept)."""
         unit = self._unit_of.get(tensor)
         if unit is None:
             return tensor
-        got = self._ops.get((Phase.BWD, unit))
+        got = self._live.get(unit)
         return got[1] if got else tensor

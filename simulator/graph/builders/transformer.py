@@ -302,22 +302,30 @@ class TransformerSpec:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
         sh = self.sharding
-        if self.zero_stage == 3 and self.data_parallel_size > 1 and (sh is None or sh.strategy != "zero3"):
+        n_sh = self.grad_reduce_size
+        if self.zero_stage == 3 and n_sh > 1 and (sh is None or sh.strategy != "zero3"):
             raise ValueError("zero_stage 3 with data parallelism needs sharding=ShardingSpec('zero3', ...)")
-        if sh is not None and self.data_parallel_size > 1:
+        if sh is not None and n_sh > 1:
             if sh.strategy == "zero3" and self.zero_stage != 3:
                 raise ValueError("sharding strategy zero3 needs zero_stage 3")
             if sh.strategy != "zero3" and self.zero_stage:
                 raise ValueError(f"sharding strategy {sh.strategy} excludes ZeRO stage {self.zero_stage}")
-            if sh.shard_size * sh.replicate_size != self.data_parallel_size:
+            if sh.shard_size * sh.replicate_size != n_sh:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
-                                 f"data_parallel_size ({self.data_parallel_size})")
-            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1:
-                raise ValueError(f"{sh.strategy} with tensor parallelism is not modelled yet")
+                                 f"data_parallel_size x context_parallel_size ({n_sh})")
+            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1 and (
+                    sh.strategy == "no_shard" or self.sequence_parallel):
+                raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
+                                 "modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
                 raise ValueError("the distributed optimizer is modelled with precision bf16 or fp16 (Megatron-LM)")
+            if sh.unit_buckets and self.pipeline_parallel_size > 1 and (
+                    self.virtual_pipeline_size > 1 or self.pipeline_schedule == "zero_bubble_h1"
+                    or self.tied_embeddings):
+                raise ValueError("FSDP with a pipeline is modelled with one model chunk per rank, gpipe or 1f1b, "
+                                 "untied embeddings (torch.distributed.pipelining ties no weights across stages)")
             if sh.unit_buckets and self.precision != "amp_fp32_params":
                 raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
                                  "FSDP mixed_precision for the compute dtype)")
@@ -327,9 +335,9 @@ class TransformerSpec:
                             ("ffn_hidden_size", self.ffn_hidden_size), ("num_query_groups", g)):
                 if v % t:
                     raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({v})")
-            if self.precision == "amp_fp32_params":
+            if self.precision == "amp_fp32_params" and not self._fsdp:
                 raise ValueError("tensor parallelism is modelled for Megatron precisions bf16 and fp16, not "
-                                 "amp_fp32_params (torch.autocast)")
+                                 "amp_fp32_params (torch.autocast; allowed with FSDP: PyTorch's 2-D FSDP + TP)")
         if self.sequence_parallel and t > 1 and self.seq_length % t:
             raise ValueError(f"sequence_parallel: tensor_parallel_size ({t}) must divide seq_length ({self.seq_length})")
         c = self.context_parallel_size
@@ -368,11 +376,23 @@ class TransformerSpec:
             if self.attention_backend == "flash":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
-            if self.fp8 or self.num_experts or (self.sharding is not None and self.data_parallel_size > 1):
+            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
                 raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP or the distributed "
                                  "optimizer is not modelled")
 
     # -- counts ----------------------------------------------------------------------------
+    @property
+    def _fsdp(self) -> bool:
+        """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
+        return self.sharding is not None and self.sharding.unit_buckets and self.grad_reduce_size > 1
+
+    @property
+    def grad_reduce_size(self) -> int:
+        """Ranks the gradients are reduced over and ZeRO / FSDP / the distributed optimizer shard the model states
+        over: ``dp x cp`` (Megatron's data-parallel group with context parallelism: the CP ranks hold other tokens
+        of the same samples and the same parameters)."""
+        return self.data_parallel_size * self.context_parallel_size
+
     @property
     def query_groups(self) -> int:
         """K/V head groups ``g`` (``a`` without grouped-query attention)."""
@@ -664,7 +684,7 @@ class _GptBuilder:
         self.last_mb = False
         self.groups: list[ParamGroup] = []
         # gradients are reduced over the data x context parallel ranks (CP ranks hold other tokens of a sequence)
-        self.dp = spec.data_parallel_size * spec.context_parallel_size > 1
+        self.dp = spec.grad_reduce_size > 1
         self.zero = spec.zero_stage if self.dp else 0
         # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
         self._grads_in_buckets = self.dp and self.zero == 0 and spec.gradient_as_bucket_view
@@ -684,10 +704,13 @@ class _GptBuilder:
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
         self._init_sharding()
-        # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
-        # FSDP outside no_sync()); the others once per step, after the last micro-batch
         st = self.sh.strategy if self.sh is not None else None
-        self._every_mb = spec.num_micro_batches > 1 and (self.zero == 2 or st not in (None, "distributed_optimizer"))
+        # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
+        # FSDP outside no_sync()); the others once per step, after the last micro-batch. FSDP under a pipeline
+        # (torch.distributed.pipelining: set_requires_gradient_sync(False) until the step's last backward) too
+        pp_fsdp = spec.pipeline_parallel_size > 1 and self.sh is not None and self.sh.unit_buckets
+        self._every_mb = spec.num_micro_batches > 1 and not pp_fsdp and (
+            self.zero == 2 or st not in (None, "distributed_optimizer"))
         #: the full gradients are freed by their reduce-scatter, so each micro-batch allocates them again
         self._fresh_grads = self._every_mb and st != "no_shard"
         self._partials: list[tuple[str, int]] = []  # reduced shards of this micro-batch to add into the step's
@@ -1292,6 +1315,8 @@ class _GptBuilder:
         full = s.recompute == "full"
         self.last_mb = last_pass
         self._mb, self._bwd_comm_start = mb, len(self.comm_ops)
+        if self.pg is not None:
+            self.pg.start_pass(Phase.BWD)
         e.phase, e.layer = Phase.BWD, -1
         if s.vit is not None:
             g = vitb.head_bwd(self, st)
@@ -1453,8 +1478,8 @@ class _GptBuilder:
 
     # -- data parallel -----------------------------------------------------------------------
     def _shard(self, n: int) -> int:
-        """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp)."""
-        dp = self.s.data_parallel_size
+        """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp; x cp)."""
+        dp = self.s.grad_reduce_size
         return -(-n // dp)
 
     def _grad_ready(self, name: str, numel: int, op: int, tensor: str | None = None) -> None:
@@ -1548,7 +1573,7 @@ class _GptBuilder:
             return
         out: tuple[TensorAlloc, ...] = ()
         if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
-            out = self._reduced_shard(k, -(-nbytes // self.s.data_parallel_size))
+            out = self._reduced_shard(k, -(-nbytes // self.s.grad_reduce_size))
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                               Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out))
 

@@ -150,3 +150,89 @@ def test_override_errors_name_the_override(tmp_path, override, msg):
                          capture_output=True, text=True, timeout=120)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and msg in lines[0] and "(top level)" not in lines[0], out.stderr
+
+
+def test_a_replica_on_another_gpu_is_its_own_class_priced_on_that_gpu():
+    """``{dp_rank: 3, gpu: a100-sxm4-80gb}`` in a DGX H100 (no overlap, no launch cost, no interference): replica 3
+    computes exactly as one A100 alone runs the same step's kernels (its compute-stream time equals the single-GPU
+    A100 run's), the others as one H100, and the step grows by exactly the A100's extra compute (the others wait
+    for it at the gradient all-reduce). The per-rank results name it, with its GPU."""
+    def compute(s):
+        return s["utilisation"]["compute"] * s["step_time_s"]
+
+    base = _run()
+    mixed = _run(rank_overrides=[{"dp_rank": 3, "gpu": "a100-sxm4-80gb"}])
+    one = {g: run_scenario(scenario_from_dict({**BASE, "hardware": {"gpu": g, "launch_overhead_s": 0}})).summary
+           for g in ("h100-sxm-80gb", "a100-sxm4-80gb")}
+    others, a100 = mixed["rank_classes"]
+    assert mixed["straggler"] == "dp_rank 3"
+    assert (others["gpu"], a100["gpu"]) == ("NVIDIA H100 SXM5 80GB", "NVIDIA A100 SXM4 80GB")
+    assert a100["compute_s"] == pytest.approx(compute(one["a100-sxm4-80gb"]), rel=1e-6)
+    assert others["compute_s"] == pytest.approx(compute(one["h100-sxm-80gb"]), rel=1e-6)
+    assert mixed["step_time_s"] - base["step_time_s"] == pytest.approx(a100["compute_s"] - others["compute_s"],
+                                                                       rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    ([{"dp_rank": 1, "gpu": "h900-imaginary"}], "rank_overrides[0].gpu"),
+    ([{"pp_rank": 0, "gpu": "a100-sxm4-80gb"}, {"dp_rank": 1, "gpu": "a100-sxm4-80gb"}],
+     "a replica's and a stage's gpu would both apply"),
+])
+def test_bad_gpu_override_is_one_line(overrides, msg):
+    from simulator.config.errors import ScenarioError
+
+    d = {**BASE, "rank_overrides": overrides}
+    if any(o.get("pp_rank") is not None for o in overrides):
+        d = {**d, "parallelism": {"pipeline_model_parallel_size": 2}, "training": {**BASE["training"],
+                                                                                 "global_batch_size": 16}}
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(d)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+HYBRID = {**BASE, "hardware": {**BASE["hardware"], "cluster": {"preset": "dgx-h100", "nodes": 2}},
+          "training": {"micro_batch_size": 4, "precision": "amp_fp32_params"}, "ddp": {},
+          "fsdp": {"sharding_strategy": "HYBRID_SHARD"}}
+
+
+def test_a_straggler_with_hybrid_shard_splits_only_its_shard_group():
+    """FSDP HYBRID_SHARD on 2 DGX H100 (shard groups of 8 ranks per node, replicated twice) with replica 3 1.2x
+    slower (was refused: "with fsdp HYBRID_SHARD is not modelled yet"). Folding splits only what it touches: the
+    8 replicas of node 1, the 7 peers of node 0 (which wait for it at every dp_shard collective) and replica 3;
+    the dp_shard collectives meet only inside node 0 (2 classes), the dp_replicate all-reduces meet all 3. No launch
+    cost or interference: the straggler arrives last at every collective, so the step is exactly that of every rank
+    1.2x slower, and the per-rank results name it."""
+    import dataclasses
+
+    from simulator.api import _meet_across_classes, build_graph
+
+    cfg = scenario_from_dict({**HYBRID, "rank_overrides": [{"dp_rank": 3, "slowdown": 1.2}]})
+    classes = rank_classes(cfg, resolve_hardware(cfg))
+    assert [(c.label, c.replicas, c.shard_group) for c in classes] == [
+        ("dp ranks (others)", 8, None), ("dp ranks (others, shard group 0)", 7, 0), ("dp_rank 3", 1, 0)]
+    g = build_graph(cfg)
+    for c, parties in zip(classes, (1, 2, 2)):
+        met = _meet_across_classes(g, 0, c.dp_class, 3, c.shard_group, parties)
+        shard = [o.meta for o in met.ops if o.meta and o.meta.get("group") == "dp_shard"]
+        rep = [o.meta for o in met.ops if o.meta and o.meta.get("group") == "dp_replicate"]
+        assert shard and rep and {m["parties"] for m in rep} == {3}
+        assert {m.get("parties") for m in shard} == ({None} if c.shard_group is None else {2})
+    mixed = run_scenario(cfg).summary
+    base = scenario_from_dict(HYBRID)
+    uniform = run_scenario(base, hw=dataclasses.replace(resolve_hardware(base), slowdown=1.2)).summary
+    assert mixed["step_time_s"] == pytest.approx(uniform["step_time_s"], rel=1e-9)
+    assert mixed["straggler"] == "dp_rank 3"
+    assert mixed["rank_classes"][2]["compute_s"] == pytest.approx(1.2 * mixed["rank_classes"][0]["compute_s"],
+                                                                  rel=1e-6)
+
+
+def test_unfolded_hybrid_shard_gives_the_folded_answer():
+    """run.rank_folding none with HYBRID_SHARD on 2 nodes: 16 replicas in 2 shard groups of 8 meeting at their own
+    dp_shard collectives and all together at dp_replicate give the folded run's step and memory exactly."""
+    small = {**HYBRID, "model": {**HYBRID["model"], "num_layers": 2, "hidden_size": 1024, "seq_length": 512},
+             "run": {"steps": 2, "warmup_steps": 1}}
+    folded = run_scenario(scenario_from_dict(small)).summary
+    unfolded = run_scenario(scenario_from_dict({**small, "run": {**small["run"], "rank_folding": "none"}})).summary
+    assert unfolded["step_time_s"] == pytest.approx(folded["step_time_s"], rel=1e-12)
+    assert unfolded["peak_device_memory_bytes"] == folded["peak_device_memory_bytes"]
+    assert len(unfolded["rank_classes"]) == 16

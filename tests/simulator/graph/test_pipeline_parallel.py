@@ -134,7 +134,9 @@ def test_custom_layer_split():
      "needs pipeline_schedule interleaved_1f1b"),
     (["zero_optimization.stage=2", "training.global_batch_size=4"], "zero_optimization.stage: 2 with pipeline "
      "parallelism is not modelled (DeepSpeed's pipeline engine supports ZeRO stage 0 or 1"),
-    (["fsdp.sharding_strategy=FULL_SHARD"], "fsdp: with parallelism.pipeline_model_parallel_size 4 > 1"),
+    (["fsdp.sharding_strategy=FULL_SHARD"], "fsdp: with parallelism.pipeline_model_parallel_size > 1 needs model.untie"),
+    (["fsdp.sharding_strategy=FULL_SHARD", "model.untie_embeddings_and_output_weights=true",
+      "parallelism.pipeline_schedule=zero_bubble_h1"], "fsdp: with parallelism.pipeline_schedule zero_bubble_h1"),
     (["parallelism.pipeline_model_parallel_size=1", "parallelism.pipeline_layers_per_stage=[4,4]"],
      "pipeline_layers_per_stage needs pipeline_model_parallel_size > 1"),
     (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
