@@ -19,7 +19,8 @@ def main() -> None:
     args = ap.parse_args()
     t = summary_table(vidur_gemm_errors(gpu=args.gpu))
     print(f"Llama-2-7B layer GEMMs, measured on an H100 ({DATA}, microsoft/vidur) vs predicted on {args.gpu} "
-          "(its default profile, nothing fitted); error = predicted / measured - 1")
+          "(its default profile; h100-sxm-80gb's GEMMs are fitted on TP 1 and 2, TP 4 and 8 are held out); "
+          "error = predicted / measured - 1")
     with pd.option_context("display.width", 120):
         print(t.assign(median_error=(100 * t.median_error).round(1),
                        median_abs_error=(100 * t.median_abs_error).round(1)).rename(

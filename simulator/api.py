@@ -468,6 +468,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"generic GPU profile {hw.profile.name!r}: no fitted efficiency profile for this GPU, so GEMM and "
                    "memory-kernel efficiencies are assumed (70% / 80% of peak); comparisons with a fitted GPU "
                    "(h200-sxm-141gb) mix measured and assumed numbers")
+    if hw.profile.provenance.get("borrowed_from"):  # a profile partly taken from another GPU's measurements
+        b = hw.profile.provenance["borrowed_from"]
+        out.append(f"GPU profile {hw.profile.name!r}: {', '.join(b['fields'])} not measured on this GPU, taken from "
+                   f"{b['profile']!r} ({b['why']})")
     if hw.launch.source == "generic":
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")

@@ -9,8 +9,10 @@ splits, Llama-2-7B: ``h`` 4096, ``f`` 11008, 32 heads and 32 K/V heads of 128):
 * ``mlp_down_proj`` (row parallel): ``[T, f / t] x [f / t, h]``;
 
 priced by ``simulate kernel``'s cost model (``simulator.studies.kernels.price_kernel``) on the
-``h100-sxm-80gb`` preset with its generic profile, against the measured medians in
-``tests/data/vidur/llama2_7b_h100_gemm_median_ms.csv`` (microsoft/vidur, MLSys 2024; nothing fitted).
+``h100-sxm-80gb`` preset with its shipped profile, against the measured medians in
+``tests/data/vidur/llama2_7b_h100_gemm_median_ms.csv`` (microsoft/vidur, MLSys 2024). That profile's GEMM
+parameters are fitted on the TP 1 and TP 2 rows of the same file (``scripts/build_h100_profile.py``); the TP 4
+and TP 8 rows are held out (``tests/validation/test_vidur_gemms.py``).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "f
 
 def test_elementwise_on_a_generic_profile_by_hand():
     """Generic profile: 2 us fixed + bytes / (80% of the HBM peak) (simulator.config.loader.generic_profile)."""
-    gpu = presets.get("gpus", "h100-sxm-80gb")
-    r = price_kernel("h100-sxm-80gb", "elementwise", [10**9])
+    gpu = presets.get("gpus", "a100-sxm4-80gb")
+    r = price_kernel("a100-sxm4-80gb", "elementwise", [10**9])
     assert r["time_s"] == pytest.approx(2e-6 + 1e9 / (0.8 * gpu.hbm_bandwidth_bytes_per_s), rel=1e-12)
     assert r["bound"] == "memory" and r["flops"] == 0 and r["bytes"] == 1e9
-    assert r["profile"] == "generic:h100-sxm-80gb"
+    assert r["profile"] == "generic:a100-sxm4-80gb"
 
 
 def test_gemm_reports_flops_bytes_and_compute_bound():

@@ -39,10 +39,18 @@ def _close(a, b) -> bool:
     return a == b
 
 
+#: Recorded when the H100 had no shipped profile: priced on the generic one, as main did
+GENERIC_PROFILE_AT_MAIN = {"scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"}
+
+
 @pytest.mark.parametrize("case", sorted(GOLDEN["main"]))
-def test_summary_equals_main(case):
+def test_summary_equals_main(case, monkeypatch):
     """step_time_s, phase_s, peak memory, energy and power within 1e-9 of main's (energy and power of
     the cases main got wrong: the corrected values, ``changed_by_fix``)."""
+    if case in GENERIC_PROFILE_AT_MAIN:
+        import simulator.config.loader as loader
+
+        monkeypatch.setattr(loader, "default_profile_for", lambda gpu, name, pcie: loader.generic_profile(gpu, pcie, name))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = run_scenario(_case(case)).summary

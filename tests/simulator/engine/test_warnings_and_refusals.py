@@ -32,9 +32,9 @@ def test_fitted_h200_run_has_no_warnings():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the profile-for-another-GPU notice (once per process)
 def test_generic_profile_is_flagged_in_summary_and_text():
-    s = run_scenario(load_scenario(B4, ["hardware.gpu=h100-sxm-80gb"])).summary
-    assert s["profile"] == "generic:h100-sxm-80gb"
-    assert any("generic GPU profile 'generic:h100-sxm-80gb'" in w for w in s["warnings"])
+    s = run_scenario(load_scenario(B4, ["hardware.gpu=a100-sxm4-80gb"])).summary
+    assert s["profile"] == "generic:a100-sxm4-80gb"
+    assert any("generic GPU profile 'generic:a100-sxm4-80gb'" in w for w in s["warnings"])
     text = format_summary(s, "b4")
     assert "warning             generic GPU profile" in text
 

@@ -45,7 +45,9 @@ def test_weights_are_quantized_once_per_step_and_inputs_every_pass():
 def test_fp8_is_faster_than_bf16_on_large_gemms():
     bf16 = run_scenario(scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})).summary
     fp8 = run_scenario(scenario_from_dict(BASE)).summary
-    assert fp8["step_time_s"] < 0.85 * bf16["step_time_s"]
+    # 0.851 on the fitted h100-sxm-80gb profile: its per-wave GEMM overhead (4.6 us, fitted at 16 bit) is not halved
+    # at fp8 (it was 0 in the generic 70% profile); the block GEMMs alone are 1.8x faster
+    assert fp8["step_time_s"] < 0.9 * bf16["step_time_s"]
 
 
 def test_fp8_needs_bf16_a_gpu_with_an_fp8_rate_and_no_zero3():
