@@ -153,6 +153,16 @@ class FluidNetwork:
 
     def _rates(self, flows: list[FluidFlow]) -> None:
         caps = self.capacities
+        if len(flows) == 1:  # a lone flow gets its bottleneck (``maxmin_rates`` of one flow, without the lists)
+            f = flows[0]
+            level = f.cap
+            for k in f.links:
+                if caps[k] < level:
+                    level = caps[k]
+            if level == math.inf:
+                maxmin_rates([(f.links, f.cap)], caps)  # raises: unbounded
+            f.rate = level
+            return
         if len(flows) > 1:  # fast path: no link carries two flows -> each flow gets its own bottleneck
             seen: set = set()
             shared = False

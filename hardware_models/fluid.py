@@ -173,10 +173,22 @@ class FluidScheduler:
                 work at a tiny rate): refused rather than never finishing.
         """
         self._generation += 1
-        if not self.flows:
+        flows = self.flows
+        if not flows:
             return
-        self._set_rates(self.flows)
+        self._set_rates(flows)
         now = self.env.now
+        if len(flows) == 1:  # the common case (a copy alone on its links): the same arithmetic, no lists
+            f = flows[0]
+            if not f.rate > 0:
+                return  # nothing moves; a later change reschedules
+            t_next = now + f.remaining / f.rate
+            if t_next == math.inf:
+                raise OverflowError(f"a flow of {f.remaining:g} units at {f.rate:g} units/s would finish "
+                                    f"beyond the float time range (now {now:g} s)")
+            gen, due = self._generation, [f]
+            self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
+            return
         ends = [now + f.remaining / f.rate if f.rate > 0 else math.inf for f in self.flows]
         t_next = min(ends)
         if t_next == math.inf:
@@ -201,6 +213,14 @@ class FluidScheduler:
             return  # superseded: a flow started or ended, or the rates changed
         self.advance()
         self.wakeups += 1
+        flows = self.flows
+        if len(flows) == 1 and len(due) == 1 and due[0] is flows[0]:  # the lone flow ends (as below, no sets)
+            f = flows[0]
+            self.flows = []
+            f.remaining = 0.0
+            f.done.succeed()
+            self._generation += 1  # ``reschedule`` of no flow
+            return
         now = self.env.now
         due_ids = {id(f) for f in due}
         done, left = [], []

@@ -20,6 +20,8 @@ out-of-memory is reported when it exceeds the capacity.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -158,6 +160,8 @@ class MemoryPool:
         self._peak_by_category: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._oom: OomEvent | None = None
+        #: the largest ``live`` tested for out-of-memory under the current overheads (``_settle``)
+        self._oom_tested = -math.inf
         self._clock = clock
         #: pending changes ``(clock_t_s or None, tensor, nbytes (None: a free), alloc t_s)``
         self._log: list[tuple] = []
@@ -177,14 +181,20 @@ class MemoryPool:
 
     def _settle(self) -> None:
         """Apply the pending changes in order: live and per-category bytes, the peak and its
-        categories, the first out-of-memory, and the timelines (one sample per instant)."""
+        categories, the first out-of-memory, and the timelines (one sample per instant).
+
+        The out-of-memory test runs only when ``live`` exceeds the largest value tested so far under
+        the current overheads: ``device_bytes`` is non-decreasing in ``live``, so a smaller value
+        cannot be the first over capacity."""
         log = self._log
         if not log:
             return
         self._log = []
         sizes, by_cat, live = self._sizes, self._by_category, self._live
         tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
+        peak, tested, oom = self._peak, self._oom_tested, self._oom
         cats = {tensor: category(tensor) for tensor in {e[1] for e in log}}
+        last_t = tl[-1][0] if tl else None
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
                 nbytes = sizes.pop(tensor, None)
@@ -198,26 +208,34 @@ class MemoryPool:
                 live += nbytes
                 cat = cats[tensor]
                 v = by_cat[cat] = by_cat[cat] + nbytes
-                if live > self._peak:
-                    self._peak = live
+                if live > peak:
+                    peak = live
                     self._peak_by_category = dict(by_cat)
-                if self._oom is None:
+                if oom is None and live > tested:
+                    tested = live
                     demand = self._overheads.device_bytes(live)
                     if demand > self.capacity_bytes:
                         top = tuple(sorted(self._with_overheads(by_cat, live).items(), key=lambda kv: -kv[1]))
-                        self._oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
+                        oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
             if t is not None:  # the sample at this instant (``_sample``)
-                if tl and tl[-1][0] == t:
+                if last_t == t:
                     tl[-1] = (t, live)
                 else:
                     tl.append((t, live))
+                    last_t = t
                 i = cat_last.get(cat)
                 if i is not None and ct[i][0] == t:
                     ct[i] = (t, cat, v)
                 else:
                     cat_last[cat] = len(ct)
                     ct.append((t, cat, v))
-        self._live = live
+        self._live, self._peak, self._oom_tested, self._oom = live, peak, tested, oom
+
+    def release_timelines(self) -> None:
+        """Drop the timelines (``timeline``, ``category_timeline``; the other figures stay) once they have
+        been read (``engine.run.run_ranks``: in the run's counters): later changes record afresh."""
+        self._settle()
+        self._timeline, self._category_timeline, self._cat_last = [], [], {}
 
     # -- figures (each applies the pending changes first) --------------------------------------
     @property
@@ -229,6 +247,7 @@ class MemoryPool:
     def overheads(self, value: DeviceMemoryOverheads) -> None:
         self._settle()
         self._overheads = value
+        self._oom_tested = -math.inf  # the values tested so far are tested again under these
 
     @property
     def live(self) -> int:

@@ -162,4 +162,9 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         step_df["step_time_s"] = step_df.end_s - step_df.start_s
         launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
         out.append((RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime))
+        # the rows are in the frames now: freed at once rather than by the cyclic collector with the
+        # run's other objects (the environment and the runtime components are in reference cycles)
+        rec.release()
+        for pool in system.memory.values():
+            pool.release_timelines()
     return out

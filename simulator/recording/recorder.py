@@ -45,6 +45,16 @@ class Recorder:
         self._last[key] = len(self.counters)
         self.counters.append((t_s, scope, metric, value))
 
+    def release(self) -> None:
+        """Drop the recorded rows (the frames built from them stay valid); later calls record afresh.
+
+        ``engine.run.run_ranks`` calls it once the run's frames are built: the rows (one tuple per span
+        and sample) would otherwise wait for the cyclic garbage collector with the run's other objects
+        (the runtime components hold the recorder) and make its next pass slower."""
+        self._spans = []
+        self.counters = []
+        self._last = {}
+
     def spans_frame(self) -> pd.DataFrame:
         """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
 
