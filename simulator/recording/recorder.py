@@ -32,6 +32,12 @@ class Recorder:
             for step, op, s, e, stream in self._spans
         ]
 
+    def drop_rows(self) -> None:
+        """Forget the recorded spans and counter samples (once ``spans_frame`` and ``counters_frame`` are built)."""
+        self._spans = []
+        self.counters = []
+        self._last = {}
+
     def counter(self, t_s: float, scope: str, metric: str, value: float) -> None:
         """Record a level sample (the value holds from ``t_s`` until the next sample).
 
