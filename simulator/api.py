@@ -631,7 +631,10 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         except ValueError as exc:
             raise SimulationError(f"build phase failed: {exc}") from exc
         if len(classes) > 1:
-            return simulate_ranks(classes, graphs, cfg)
-        c = classes[0]
-        return simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                              cfg.model_dump(mode="json"), c.cfg)
+            result = simulate_ranks(classes, graphs, cfg)
+        else:
+            c = classes[0]
+            result = simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
+                                    cfg.model_dump(mode="json"), c.cfg)
+        del graphs  # freed now, by reference counting: not traversed by the collection that resumes below
+    return result

@@ -100,10 +100,12 @@ def _signature(op: Op) -> tuple:
     return (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
 
 
-def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]) -> Op:
+def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
+              deps: tuple[int, ...] | None = None) -> Op:
     """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
 
-    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate. The block allocates
+    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate; ``new_id`` and
+    ``deps``: the block's id and dependencies (default: the first part's). The block allocates
     the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
     to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
     inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
@@ -147,10 +149,16 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
         allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", high - base))
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
     meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
-    return dataclasses.replace(
-        first, name=name, cost_class=longest.cost_class, flops=sum(p.flops for p in parts),
-        bytes_read=sum(p.bytes_read for p in parts), bytes_written=sum(p.bytes_written for p in parts),
-        shape=(), allocs=tuple(allocs), uses=tuple(uses), meta=meta)
+    vals = list(_GET_FIELDS(first))  # the constructor directly (see ``_renumbered``)
+    vals[0] = first.id if new_id is None else new_id
+    vals[_NAME], vals[_COST_CLASS], vals[_SHAPE] = name, longest.cost_class, ()
+    vals[_FLOPS] = sum(p.flops for p in parts)
+    vals[_READ] = sum(p.bytes_read for p in parts)
+    vals[_WRITTEN] = sum(p.bytes_written for p in parts)
+    vals[_ALLOCS], vals[_USES], vals[_META] = tuple(allocs), tuple(uses), meta
+    if deps is not None:
+        vals[_DEPS] = deps
+    return Op(*vals)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Op))
@@ -167,6 +175,8 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
 
 
 _DEPS, _META = _FIELDS.index("deps"), _FIELDS.index("meta")
+_NAME, _COST_CLASS, _SHAPE, _FLOPS, _READ, _WRITTEN, _ALLOCS, _USES = (
+    _FIELDS.index(f) for f in ("name", "cost_class", "shape", "flops", "bytes_read", "bytes_written", "allocs", "uses"))
 _GET_FIELDS = attrgetter(*_FIELDS)  # all fields of an op as one tuple, in one C call
 
 
@@ -213,10 +223,9 @@ def coarsen(graph: OpGraph) -> OpGraph:
             out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
             continue
         parts = [graph.ops[j] for j in b]
-        block = _block_op(parts, users, size)
         ids = set(b)
         deps = tuple(sorted({new_id[d] for p in parts for d in p.deps if d not in ids}))
-        out.append(_renumbered(block, i, deps, block.meta))
+        out.append(_block_op(parts, users, size, i, deps))
     info["ops_after"] = len(out)
     pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
     return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info})

@@ -209,10 +209,10 @@ def test_power_levels_of_finished_ops_are_a_lower_bound(monkeypatch):
     hw = resolve_hardware(cfg)
     graph = apply_graph_policies(build_graph(cfg), cfg, hw)
     rec_spans = []
-    rec, rt = run_graph(graph, hw, 1, attach=lambda env, system: rec_spans.append(system.recorder) or
-                        build_runtime(cfg, hw, env, system))
+    rec, rt = run_graph(graph, hw, 1, attach=lambda env, system: rec_spans.append(system.recorder._spans) or
+                        build_runtime(cfg, hw, env, system))  # the span list (the recorder drops it after the run)
     meter = rt.components[0]
-    spans = list(rec_spans[0]._spans)
+    spans = list(rec_spans[0])
     t_all, p_all, _ = meter._levels(spans)
     for frac in (0.1, 0.5, 0.9):
         t_sub, p_sub, _ = meter._levels(spans[: int(len(spans) * frac)])
