@@ -543,8 +543,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, z.offload_mode, r)} threads "
                    "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
                    "share of its NUMA node's memory bandwidth (ranks bound to nodes in blocks); host memory is "
-                   "checked for all of the node's ranks; not modelled: the PCIe switches / root ports the node's "
-                   "GPUs share (each rank's copies get the whole link) and the other ranks' training threads")
+                   "checked for all of the node's ranks; the ranks behind one PCIe switch share its uplink "
+                   "(hardware_models.host_links); not modelled: the host DRAM bandwidth the copies' DMA takes, "
+                   "the other ranks' training threads")
     return out
 
 

@@ -33,7 +33,8 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   (DeepSpeed stage_1_and_2.py with ``offload_optimizer``); the updated partition goes up in one
   H2D copy and is all-gathered (``allgather_bucket_size`` chunks). The node's ranks share its host:
   ``cpu_threads`` / ``hardware_models.host_kernels.shared_stream_bandwidth`` and ``host_memory_oom``
-  with ``ranks_per_node``; the PCIe switches they share are not modelled (a run warning says so).
+  with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
+  engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
 CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
 two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
