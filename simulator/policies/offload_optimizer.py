@@ -31,7 +31,11 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   dp)`` parameters (host buffers, CPU step and upload are for that partition); the builder's
   gradient reduce-scatters run in bf16 and each is followed by the D2H copy of this rank's shard
   (DeepSpeed stage_1_and_2.py with ``offload_optimizer``); the updated partition goes up in one
-  H2D copy and is all-gathered (``allgather_bucket_size`` chunks). The node's ranks share its host:
+  H2D copy and is all-gathered (``allgather_bucket_size`` chunks). ZeRO-3 (the builder's
+  ``sharding`` ``zero3``): the reduce-scatters already carry 16-bit gradients (kept as built), the
+  GPU keeps the 16-bit parameter partition the shard is uploaded into (no whole-model copy, no
+  gradient partition), and no all-gather follows the step but that of the persistent parameters
+  (DeepSpeed stage3.py ``_post_step``): the next forward gathers block by block. The node's ranks share its host:
   ``cpu_threads`` / ``hardware_models.host_kernels.shared_stream_bandwidth`` and ``host_memory_oom``
   with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
   engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
@@ -264,7 +268,10 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     host_dev = "host_pinned" if pin_memory else "host_pageable"
     persistent = [t for t in graph.persistent if t.name not in
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
-    if not any(t.name == "params.bf16" for t in persistent):
+    zero3 = dp > 1 and graph.meta.get("sharding") == "zero3"
+    if zero3:  # the reduced gradient partition lives in the host's fp32 buffer, not on the GPU
+        persistent = [t for t in persistent if t.name != "grad.bf16.partition"]
+    if not zero3 and not any(t.name == "params.bf16" for t in persistent):
         persistent.append(TensorAlloc("params.bf16", 2 * P, "gpu"))
     persistent += [
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
@@ -334,9 +341,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             # ZeRO-2 offload: the bucket is reduce-scattered in the model dtype (bf16: half the fp32
             # bytes of the builder), then this rank's reduced shard goes to the host's fp32 buffer
             # (DeepSpeed stage_1_and_2.py: copy_grads_in_partition -> async copy to the CPU buffer)
-            nb = int(op.meta["bytes"]) // 2
-            new = rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
-                          allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs))
+            # (ZeRO-3: the builder's reduce-scatters already carry the 16-bit gradients)
+            nb = int(op.meta["bytes"]) if zero3 else int(op.meta["bytes"]) // 2
+            new = (rw.copy(op) if zero3 else
+                   rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
+                           allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs)))
             i = rw.add(f"offload.d2h.grad.shard.{op.name.rsplit('.', 1)[-1]}", OpKind.MEMCPY_D2H, "d2h",
                        deps=[new] + ([chain[0]] if dpu else []), phase=Phase.BWD, layer=op.layer,
                        cost_class=CostClass.COPY, bytes_read=float(-(-nb // dp)), pinned=pin_memory)
@@ -361,7 +370,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                               layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory,
                               role=OpRole.PARAM_UPLOAD))
     ag_ids = []
-    if dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
+    if zero3:  # ZeRO-3 gathers blocks on demand in the next step; only the persistent (unpartitioned)
+        # parameters are all-gathered after the step (DeepSpeed stage3.py _post_step)
+        for op in graph.ops:
+            if op.phase == Phase.OPT and (op.meta or {}).get("collective") == "all_gather":
+                ag_ids.append(rw.add(op.name, OpKind.COLLECTIVE, op.stream, deps=h2d_ids, phase=Phase.OPT,
+                                     bytes_read=op.bytes_read, dtype=op.dtype, meta=dict(op.meta)))
+    elif dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
         left = P
         while left > 0:
             n = min(left, spec.allgather_bucket_elements)

@@ -69,6 +69,8 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     spec = graph.meta.get("spec")
     if spec is None or "offload_optimizer" not in graph.meta:
         raise PolicyError(f"{key}: needs a builder graph with offload_optimizer.device: cpu applied first")
+    if spec.data_parallel_size > 1:
+        return _offload_sharded(graph, spec, pin_memory)
     nbytes = 2 * spec.layer_params
     fetch_before: dict[int, list[dict]] = {}  # insert before old op id
     fetch_after: dict[int, list[dict]] = {}  # insert after old op id
@@ -117,6 +119,46 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     persistent.append(TensorAlloc("params.resident.bf16", 2 * (spec.num_parameters - spec.num_layers * spec.layer_params)))
     meta = dict(graph.meta)
     meta["offload_param"] = {"prefetch_depth": prefetch_depth, "fetches": len(plans), "bytes_per_fetch": nbytes}
+    return rw.finish(persistent=persistent, meta=meta)
+
+
+def _offload_sharded(graph: OpGraph, spec, pin_memory: bool) -> OpGraph:
+    """ZeRO-3 parameter offload over ``dp`` > 1 ranks (see the module docstring): every parameter
+    all-gather of forward and backward is preceded by the H2D copy of this rank's partition of that
+    unit, ``ceil(bytes / dp)``, which the gather reads; the post-step upload of the partition is gone.
+
+    Raises:
+        PolicyError: the graph is not the ZeRO-3 builder's (no per-unit parameter all-gathers).
+    """
+    key = "zero_optimization.offload_param"
+    dp = spec.data_parallel_size
+    if graph.meta.get("sharding") != "zero3":
+        raise PolicyError(f"{key}: with data_parallel_size {dp} > 1 needs the ZeRO-3 builder graph "
+                          f"(zero_optimization.stage 3), got sharding {graph.meta.get('sharding')!r}")
+    rw = GraphRewriter(graph)
+    fetches, nbytes_total = 0, 0
+    for op in graph.ops:
+        if op.role is OpRole.PARAM_UPLOAD:
+            rw.drop(op)  # the updated 16-bit partition stays in host memory (CPU Adam wrote it there)
+            continue
+        m = op.meta or {}
+        if (op.kind == OpKind.COLLECTIVE and m.get("collective") == "all_gather" and op.phase in (Phase.FWD, Phase.BWD)
+                and m.get("group", "dp") == "dp"):
+            nb = -(-int(m["bytes"]) // dp)
+            tensor = f"{op.name}.host_partition#{fetches}"
+            f = rw.add(f"{op.name.removesuffix('.param_all_gather')}.offload_param.fetch", OpKind.MEMCPY_H2D, "h2d",
+                       deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer, cost_class=CostClass.COPY,
+                       bytes_read=float(nb), pinned=pin_memory, allocs=(TensorAlloc(tensor, nb),))
+            rw.copy(op, extra_deps=[f], uses=op.uses + (tensor,))
+            fetches += 1
+            nbytes_total += nb
+            continue
+        rw.copy(op)
+    if not fetches:
+        raise PolicyError(f"{key}: found no parameter all-gathers to feed from host memory")
+    persistent = [t for t in graph.persistent if t.name != "params.bf16.partition"]
+    meta = dict(graph.meta)
+    meta["offload_param"] = {"prefetch_depth": None, "fetches": fetches, "bytes_per_step": nbytes_total}
     return rw.finish(persistent=persistent, meta=meta)
 
 
