@@ -449,10 +449,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
-    if cfg is not None and cfg.training.precision in ("bf16", "amp_fp32_params") and "bf16" not in hw.gpu.peak_flops_per_s:
-        out.append(f"training.precision {cfg.training.precision} uses bf16, which {hw.gpu.name} has no tensor-core rate "
-                   "for (Volta/Turing): its GEMMs are priced at the fp16 rate, while a real bf16 job runs emulated, "
-                   "far slower, or fails; use training.precision: fp16 for this GPU")
     if cfg is not None and cfg.dataloader is not None and hw.collectives is not None and hw.world_size > 1:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "

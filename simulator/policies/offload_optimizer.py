@@ -3,6 +3,10 @@
 Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names; see
 ``simulator.config.sections.offload``). The policy rewrites the built step graph:
 
+* **Precision**: bf16 or fp16 (DeepSpeed's 2020 ZeRO-Offload ran fp16 with dynamic loss scaling); the
+  sizes are the same (2 B), "bf16" in the names below stands for the 16-bit dtype. fp16's overflow
+  check of the gradients (DeepSpeed ``update_overflow_tracker_for_param_grad``: ``grad.float().sum()``
+  per parameter on the GPU) is not charged.
 * **GPU memory** keeps bf16 parameters and bf16 gradients only: the GPU fp32 master weights and
   Adam moments are dropped; the host gets the fp32 master weights and both moments (12 B/param),
   a bf16 gradient staging buffer and a bf16 parameter staging buffer (2 B/param each), all in
@@ -62,15 +66,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from hardware_models.host_kernels import (IMPLEMENTATIONS, StreamPass, adamw_step_s, faulting_elements,
-                                          pass_time_s, shared_stream_bandwidth)
+from hardware_models.host_kernels import (DS2020_TILE_ELEMENTS, IMPLEMENTATIONS, StreamPass, adamw_step_s,
+                                          faulting_elements, pass_time_s, shared_stream_bandwidth)
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 #: Eager per-tensor op dispatches of one step (hardware_models.host_kernels: passes + step counter).
-ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1}
+ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1,
+               "deepspeed_cpu_adam_2020": 1}
 #: Training-thread cores the DPU worker loses: the training thread keeps launching GPU work on one
 #: core while the CPU step runs on the intra-op pool (delayed_param_update only).
 DPU_TRAINING_THREAD_CORES = 1
@@ -134,7 +139,7 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     t = cpu_threads(hw, mode, ranks)
     nodes = 1 if pin_memory else None
     bw = shared_stream_bandwidth(cpu, ranks, t, nodes)
-    ds = impl == "deepspeed_cpu_adam"
+    ds = impl.startswith("deepspeed")
     # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
@@ -252,12 +257,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     result (the engine's host pools, ``host_memory_oom``), as on the GPU.
 
     Raises:
-        PolicyError: not a bf16 builder graph, or an unknown mode.
+        PolicyError: not a bf16 / fp16 builder graph, or an unknown mode.
     """
     key = "zero_optimization.offload_optimizer"
     spec = _spec(graph, key)
-    if spec.precision != "bf16":
-        raise PolicyError(f"{key}: needs training.precision: bf16 (bf16 weights on the GPU), got {spec.precision}")
+    if spec.precision not in ("bf16", "fp16"):
+        raise PolicyError(f"{key}: needs training.precision bf16 or fp16 (16-bit weights on the GPU), got "
+                          f"{spec.precision}")
     if mode not in ("serial", "overlap", "delayed_param_update"):
         raise PolicyError(f"{key}.mode: unknown mode {mode!r}; allowed: serial, overlap, delayed_param_update")
     P = spec.num_parameters
@@ -271,8 +277,9 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     zero3 = dp > 1 and graph.meta.get("sharding") == "zero3"
     if zero3:  # the reduced gradient partition lives in the host's fp32 buffer, not on the GPU
         persistent = [t for t in persistent if t.name != "grad.bf16.partition"]
-    if not zero3 and not any(t.name == "params.bf16" for t in persistent):
-        persistent.append(TensorAlloc("params.bf16", 2 * P, "gpu"))
+    half = f"params.{spec.precision}"  # the builder's 16-bit weights (params.bf16 / params.fp16)
+    if not zero3 and not any(t.name == half for t in persistent):
+        persistent.append(TensorAlloc(half, 2 * P, "gpu"))
     persistent += [
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
@@ -292,8 +299,15 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     times = cpu_step_times(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
                            ranks=ranks)
     dpu = mode == "delayed_param_update"
+    ds2020 = impl == "deepspeed_cpu_adam_2020"
+    if ds2020 and dpu:
+        raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 (DeepSpeed 0.3) predates "
+                          "delayed_param_update; allowed modes: serial, overlap")
+    if ds2020:  # the kernel's two pinned tile buffers (cudaMallocHost(TILE * sizeof(float)) each, cpu_adam.h)
+        persistent.append(TensorAlloc("cpu_adam.doubled_buffer", 2 * 4 * DS2020_TILE_ELEMENTS, "host_pinned"))
     cpu_stream = "cpu.adam" if dpu else "host"
     rw = GraphRewriter(graph)
+    tile_copies: list[int] = []
 
     def cpu_chain(deps: list[int]) -> list[int]:
         ids = []
@@ -306,6 +320,18 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 uses = ("grad.fp32.host",)
                 if impl in ("torch_foreach", "torch_single"):
                     allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * shard, "host_pageable"),)
+            if ds2020 and name == "cpu.adam":  # tile by tile, each tile's fp16 copy sent while the next one runs
+                for k, t0 in enumerate(range(0, shard, DS2020_TILE_ELEMENTS)):
+                    n = min(DS2020_TILE_ELEMENTS, shard - t0)
+                    i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name] * n / shard,
+                               launch=False, cost_class=CostClass.OPTIMIZER, allocs=allocs if k == 0 else (),
+                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k})
+                    tile_copies.append(rw.add(f"offload.h2d.params.tile{k}", OpKind.MEMCPY_H2D, "h2d", deps=[i],
+                                              phase=Phase.OPT, cost_class=CostClass.COPY, bytes_read=float(2 * n),
+                                              pinned=True, role=OpRole.PARAM_UPLOAD))
+                    ids.append(i)
+                    d = [i]
+                continue
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
                        meta={"params": shard, "impl": impl})
@@ -362,8 +388,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                       phase=Phase.BWD, launch=False)
     if not dpu:
         chain = cpu_chain([bwd_done])
-    h2d_ids = []
-    groups = layer_param_groups(spec) if dp == 1 else [("shard", -1, shard)]  # one flat partition per rank
+    h2d_ids = list(tile_copies)  # deepspeed_cpu_adam_2020: the fp16 parameters went up inside the step
+    groups = [] if ds2020 else layer_param_groups(spec) if dp == 1 else [("shard", -1, shard)]  # flat partition
     for gname, layer, n in groups:
         deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
         h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
@@ -381,7 +407,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         while left > 0:
             n = min(left, spec.allgather_bucket_elements)
             ag_ids.append(rw.add(f"zero.param_all_gather.{len(ag_ids)}", OpKind.COLLECTIVE, "comm.dp", deps=h2d_ids,
-                                 phase=Phase.OPT, bytes_read=float(2 * n), dtype="bf16",
+                                 phase=Phase.OPT, bytes_read=float(2 * n), dtype=spec.precision,
                                  meta={"collective": "all_gather", "bytes": int(2 * n), "group": "dp"}))
             left -= n
     sync_deps = [bwd_done] if dpu else h2d_ids + ag_ids
@@ -455,7 +481,9 @@ def offload_parts(spans, steps) -> dict:
     """Per-step parts of an offloaded step, averaged over measured steps (seconds).
 
     ``offload_gpu_fwd_bwd_s``: step start to the end of backward and its gradient copies (the
-    measured run's "forward+backward incl. synchronize"); ``offload_cpu_optimizer_s``: the CPU ops;
+    measured run's "forward+backward incl. synchronize"); ``offload_cpu_optimizer_s``: the CPU ops (with
+    ``deepspeed_cpu_adam_2020``, plus the in-step fp16 copies still running after the last CPU op: DeepSpeed's
+    timers synchronize the device before they stop);
     ``offload_h2d_s``: first to last parameter-upload byte; ``offload_d2h_wait_s``: end of the last
     backward kernel to the end of the last gradient copy.
     """
@@ -470,7 +498,9 @@ def offload_parts(spans, steps) -> dict:
         if len(done):
             parts["offload_gpu_fwd_bwd_s"].append(float(done.end_s.max()) - row.start_s)
             parts["offload_d2h_wait_s"].append(max(0.0, float(done.end_s.max()) - float(bwd.end_s.max())))
-        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) if len(cpu) else 0.0)
+        tiles = d[d.name.str.startswith("offload.h2d.params.tile")]
+        tail = max(0.0, float(tiles.end_s.max()) - float(cpu.end_s.max())) if len(tiles) and len(cpu) else 0.0
+        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) + tail if len(cpu) else 0.0)
         if len(h2d):
             parts["offload_h2d_s"].append(float(h2d.end_s.max() - h2d.start_s.min()))
     out = {k: float(np.mean(v)) if v else 0.0 for k, v in parts.items()}

@@ -69,6 +69,10 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     spec = graph.meta.get("spec")
     if spec is None or "offload_optimizer" not in graph.meta:
         raise PolicyError(f"{key}: needs a builder graph with offload_optimizer.device: cpu applied first")
+    if graph.meta["offload_optimizer"].get("impl") == "deepspeed_cpu_adam_2020":
+        raise PolicyError(f"{key}: parameter offload (ZeRO-Infinity, 2021) postdates cpu_adam_impl "
+                          "deepspeed_cpu_adam_2020, which copies every parameter to the GPU in the step; allowed: "
+                          "deepspeed_cpu_adam, torch_foreach, torch_single, torch_fused")
     if spec.data_parallel_size > 1:
         return _offload_sharded(graph, spec, pin_memory)
     nbytes = 2 * spec.layer_params
@@ -115,7 +119,7 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
         rw.copy(op, extra_deps=extra, uses=uses)
         for p in fetch_after.get(op.id, []):
             fetch(p, list(rw.new(op.id)))
-    persistent = [t for t in graph.persistent if t.name != "params.bf16"]
+    persistent = [t for t in graph.persistent if t.name not in ("params.bf16", "params.fp16")]
     persistent.append(TensorAlloc("params.resident.bf16", 2 * (spec.num_parameters - spec.num_layers * spec.layer_params)))
     meta = dict(graph.meta)
     meta["offload_param"] = {"prefetch_depth": prefetch_depth, "fetches": len(plans), "bytes_per_fetch": nbytes}
