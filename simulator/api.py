@@ -542,6 +542,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "checked for all of the node's ranks; the ranks behind one PCIe switch share its uplink "
                    "(hardware_models.host_links); not modelled: the host DRAM bandwidth the copies' DMA takes, "
                    "the other ranks' training threads")
+    if z is not None and dp_many and z.offload_param.device == "cpu":
+        out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
+                   "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
+                   "stage3_max_live_parameters); offload_param.prefetch_depth does not apply")
     return out
 
 

@@ -67,6 +67,7 @@ def test_zero3_param_offload_fetches_each_partition_before_its_gather(tmp_path):
     assert not any(t.name == "params.bf16.partition" for t in g.persistent)
     res = run_scenario(cfg)
     assert res.summary["oom"] is None and res.summary["exposed_param_fetch_s"] > 0
+    assert any("offload_param.prefetch_depth does not apply" in w for w in res.summary["warnings"])
     hw = resolve_hardware(cfg)
     sp = res.spans[(res.spans.step == res.spans.step.max()) & (res.spans.name == "L0.fwd.offload_param.fetch")]
     nbytes = -(-[ga for ga in gathers if ga.name == "L0.fwd.param_all_gather"][0].meta["bytes"] // 8)
