@@ -449,6 +449,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+    if cfg is not None and cfg.training.precision == "amp_fp32_params" and "bf16" not in hw.gpu.peak_flops_per_s:
+        out.append(f"training.precision amp_fp32_params on {hw.gpu.name}, which has no bf16 tensor cores (Volta/Turing), "
+                   "stands for torch.autocast(fp16) with a GradScaler: GEMMs at the fp16 rate, same tensor sizes; the "
+                   "GradScaler's scale, unscale and inf checks are not charged")
     if cfg is not None and cfg.dataloader is not None and hw.collectives is not None and hw.world_size > 1:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
