@@ -54,7 +54,10 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20
 SQRT_SLOTS, DIV_SLOTS = 6.0, 5.0
 
 #: Optimizer implementations the model prices.
-IMPLEMENTATIONS = ("torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam")
+IMPLEMENTATIONS = ("torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam", "deepspeed_cpu_adam_2020")
+#: Elements per tile of DeepSpeed's 2020 CPUAdam (csrc/includes/cpu_adam.h ``#define TILE (1024 * 1024 * 1024)``,
+#: as released with ZeRO-Offload, DeepSpeed 0.3, September 2020): the fp16 copy-back is converted and sent per tile.
+DS2020_TILE_ELEMENTS = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,8 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
     (the same with ``exp_avg_sq.sqrt() / bc`` making two new tensors), ``_fused_adamw`` (one
     kernel, aten/src/ATen/native/cpu/FusedAdamKernel.cpp) and DeepSpeed csrc/adam/cpu_adam.cpp
     (``Step_AVX``: one pass over param, grad, exp_avg, exp_avg_sq, writing param and moments, plus
-    the half-precision copy; Ren et al., ZeRO-Offload, ATC'21, section 4.1).
+    the half-precision copy; Ren et al., ZeRO-Offload, ATC'21, section 4.1); ``deepspeed_cpu_adam_2020``:
+    the kernel released with ZeRO-Offload (DeepSpeed 0.3, 2020), whose half copy is a second pass per tile.
 
     Raises:
         ValueError: an unknown implementation.
@@ -114,6 +118,14 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
         return (StreamPass("_fused_adamw", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
     if impl == "deepspeed_cpu_adam":
         return (StreamPass("Step_AVX", 3 * s + g, 3 * s + copy_bytes, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
+    if impl == "deepspeed_cpu_adam_2020":
+        # the ZeRO-Offload release kernel: the AVX-512 loop over a tile stores fp32 param and moments only; a second
+        # OpenMP loop then reads the tile's fp32 params back (a 1 Gi-element tile is far beyond the caches) and
+        # writes (__half) copies into a pinned double buffer, sent by cudaMemcpyAsync (csrc/adam/cpu_adam.cpp
+        # Adam_Optimizer::Step / Step_4 / Step_8, ``if (dev_params)`` block). The scalar (__half) conversion's
+        # instruction cost is not charged (no sourced per-element figure): 1 slot.
+        return (StreamPass("Step_AVX", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),
+                StreamPass("(__half) copy into the pinned tile buffer", s, float(copy_bytes)))
     raise ValueError(f"unknown optimizer implementation {impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -205,5 +217,6 @@ def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: fl
     for p in passes:
         fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
         total += pass_time_s(p, P, cpu, threads, memory_nodes, fe, bandwidth_bytes_per_s)
-    dispatches = len(passes) + (1 if impl.startswith("torch") and impl != "torch_fused" else 0)
+    # one call per tensor for DeepSpeed's kernels (both loops run inside it)
+    dispatches = 1 if impl.startswith("deepspeed") else len(passes) + (0 if impl == "torch_fused" else 1)
     return total + len(sizes) * dispatches * dispatch_s

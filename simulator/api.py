@@ -500,10 +500,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
-    if cfg is not None and cfg.training.precision in ("bf16", "amp_fp32_params") and "bf16" not in hw.gpu.peak_flops_per_s:
-        out.append(f"training.precision {cfg.training.precision} uses bf16, which {hw.gpu.name} has no tensor-core rate "
-                   "for (Volta/Turing): its GEMMs are priced at the fp16 rate, while a real bf16 job runs emulated, "
-                   "far slower, or fails; use training.precision: fp16 for this GPU")
+    if cfg is not None and cfg.training.precision == "amp_fp32_params" and "bf16" not in hw.gpu.peak_flops_per_s:
+        out.append(f"training.precision amp_fp32_params on {hw.gpu.name}, which has no bf16 tensor cores (Volta/Turing), "
+                   "stands for torch.autocast(fp16) with a GradScaler: GEMMs at the fp16 rate, same tensor sizes; the "
+                   "GradScaler's scale, unscale and inf checks are not charged")
     if cfg is not None and cfg.dataloader is not None and hw.collectives is not None and hw.world_size > 1:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
@@ -598,8 +598,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, z.offload_mode, r)} threads "
                    "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
                    "share of its NUMA node's memory bandwidth (ranks bound to nodes in blocks); host memory is "
-                   "checked for all of the node's ranks; not modelled: the PCIe switches / root ports the node's "
-                   "GPUs share (each rank's copies get the whole link) and the other ranks' training threads")
+                   "checked for all of the node's ranks; the ranks behind one PCIe switch share its uplink "
+                   "(hardware_models.host_links); not modelled: the host DRAM bandwidth the copies' DMA takes, "
+                   "the other ranks' training threads")
+    if z is not None and dp_many and z.offload_param.device == "cpu":
+        out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
+                   "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
+                   "stage3_max_live_parameters); offload_param.prefetch_depth does not apply")
     return out
 
 

@@ -295,6 +295,12 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     if cfg.training.precision == "tf32" and "tf32" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.precision: tf32 needs TF32 tensor cores, which {gpu.name} has not "
                             "(Ampere and later have them; allowed: fp32, fp16 on this GPU)")
+    if cfg.training.precision == "bf16" and "bf16" not in gpu.peak_flops_per_s:
+        # as tf32 above: no bf16 tensor cores before Ampere (NVIDIA V100 / Turing datasheets list fp16 only);
+        # a bf16 job there runs emulated or fails, so pricing it at the fp16 rate would be silently wrong.
+        # (amp_fp32_params stands for autocast(fp16) on such a GPU: a run warning says so, simulator.api.run_warnings)
+        raise ScenarioError(f"{source}: training.precision: bf16 needs bf16 tensor cores, which {gpu.name} has not "
+                            "(Ampere and later have them; allowed: fp16, amp_fp32_params, fp32 on this GPU)")
     if cfg.training.precision == "fp32" and "fp32" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.precision: fp32: {gpu.name} lists no fp32 rate "
                             "(hardware.gpu peak_flops_per_s.fp32)")

@@ -503,9 +503,6 @@ class ScenarioConfig(_Model):
         dp = self.parallelism.data_parallel_size or 1
         z = self.zero_optimization
         self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
-        if dp > 1 and z.offload_param.device != "none":
-            raise ValueError("zero_optimization.offload_param: parameter offload with data_parallel_size > 1 is not "
-                             "modelled yet (allowed: device none; offload_optimizer is)")
         return self
 
     def _sharding_scope(self, dp: int) -> None:

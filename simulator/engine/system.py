@@ -27,6 +27,7 @@ import simpy
 from hardware_models.collective_flows import port_capacities, rank_loads
 from hardware_models.fabrics import FluidNetwork
 from hardware_models.fluid import maxmin_rates
+from hardware_models.host_links import uplink_share
 from hardware_models.machine import Hardware
 from simulator.cost.base import DeviceState
 from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load, kernel_share
@@ -85,11 +86,25 @@ class System:
         self._topo = getattr(hw.collectives, "topo", None)
         if self._topo is not None:
             links.update(port_capacities(self._topo, self.rank))
+        #: this rank's PCIe switch uplink shared with its folded peers behind the same switch (None: not shared)
+        self.uplink = None
+        copy_links = COPY_PATHS
+        if self._topo is not None and hw.world_size > 1:
+            stage = hw.world_size // max(1, len(hw.pp_group))  # Megatron tp-cp-ep-dp-pp order: pp outermost
+            first = (self.rank // stage) * stage
+            up = uplink_share(self._topo, self.rank, range(first, min(first + stage, hw.world_size)))
+            if up is not None and up.sharers > 1:
+                self.uplink = up
+                links.update({"pcie.uplink.h2d": up.share_of(c.h2d_bytes_per_s),
+                              "pcie.uplink.d2h": up.share_of(c.d2h_bytes_per_s),
+                              "pcie.uplink.duplex": up.share_of(c.duplex_bytes_per_s)})
+                copy_links = {k: v + (f"pcie.uplink.{'h2d' if k is OpKind.MEMCPY_H2D else 'd2h'}",
+                                           "pcie.uplink.duplex") for k, v in COPY_PATHS.items()}
         #: this rank's links (``collective_flows.PORT_LINKS``): only its own flows cross them, so the solver
         #: works on one rank's flows at a time
         self.network = FluidNetwork(env, links)
         #: links crossed by each copy direction
-        self.copy_links = COPY_PATHS
+        self.copy_links = copy_links
         self._flows: dict[tuple, tuple[list, float]] = {}
         self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)

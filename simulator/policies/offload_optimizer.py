@@ -3,6 +3,10 @@
 Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names; see
 ``simulator.config.sections.offload``). The policy rewrites the built step graph:
 
+* **Precision**: bf16 or fp16 (DeepSpeed's 2020 ZeRO-Offload ran fp16 with dynamic loss scaling); the
+  sizes are the same (2 B), "bf16" in the names below stands for the 16-bit dtype. fp16's overflow
+  check of the gradients (DeepSpeed ``update_overflow_tracker_for_param_grad``: ``grad.float().sum()``
+  per parameter on the GPU) is not charged.
 * **GPU memory** keeps bf16 parameters and bf16 gradients only: the GPU fp32 master weights and
   Adam moments are dropped; the host gets the fp32 master weights and both moments (12 B/param),
   a bf16 gradient staging buffer and a bf16 parameter staging buffer (2 B/param each), all in
@@ -31,9 +35,14 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   dp)`` parameters (host buffers, CPU step and upload are for that partition); the builder's
   gradient reduce-scatters run in bf16 and each is followed by the D2H copy of this rank's shard
   (DeepSpeed stage_1_and_2.py with ``offload_optimizer``); the updated partition goes up in one
-  H2D copy and is all-gathered (``allgather_bucket_size`` chunks). The node's ranks share its host:
+  H2D copy and is all-gathered (``allgather_bucket_size`` chunks). ZeRO-3 (the builder's
+  ``sharding`` ``zero3``): the reduce-scatters already carry 16-bit gradients (kept as built), the
+  GPU keeps the 16-bit parameter partition the shard is uploaded into (no whole-model copy, no
+  gradient partition), and no all-gather follows the step but that of the persistent parameters
+  (DeepSpeed stage3.py ``_post_step``): the next forward gathers block by block. The node's ranks share its host:
   ``cpu_threads`` / ``hardware_models.host_kernels.shared_stream_bandwidth`` and ``host_memory_oom``
-  with ``ranks_per_node``; the PCIe switches they share are not modelled (a run warning says so).
+  with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
+  engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
 CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
 two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
@@ -58,6 +67,7 @@ from __future__ import annotations
 import numpy as np
 
 from hardware_models.host_kernels import (
+    DS2020_TILE_ELEMENTS,
     IMPLEMENTATIONS,
     StreamPass,
     adamw_step_s,
@@ -71,7 +81,8 @@ from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 #: Eager per-tensor op dispatches of one step (hardware_models.host_kernels: passes + step counter).
-ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1}
+ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspeed_cpu_adam": 1,
+               "deepspeed_cpu_adam_2020": 1}
 #: Training-thread cores the DPU worker loses: the training thread keeps launching GPU work on one
 #: core while the CPU step runs on the intra-op pool (delayed_param_update only).
 DPU_TRAINING_THREAD_CORES = 1
@@ -135,7 +146,7 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     t = cpu_threads(hw, mode, ranks)
     nodes = 1 if pin_memory else None
     bw = shared_stream_bandwidth(cpu, ranks, t, nodes)
-    ds = impl == "deepspeed_cpu_adam"
+    ds = impl.startswith("deepspeed")
     # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
@@ -253,12 +264,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     result (the engine's host pools, ``host_memory_oom``), as on the GPU.
 
     Raises:
-        PolicyError: not a bf16 builder graph, or an unknown mode.
+        PolicyError: not a bf16 / fp16 builder graph, or an unknown mode.
     """
     key = "zero_optimization.offload_optimizer"
     model = _model(graph, key)
-    if model.precision != "bf16":
-        raise PolicyError(f"{key}: needs training.precision: bf16 (bf16 weights on the GPU), got {model.precision}")
+    if model.precision not in ("bf16", "fp16"):
+        raise PolicyError(f"{key}: needs training.precision bf16 or fp16 (16-bit weights on the GPU), got "
+                          f"{model.precision}")
     if mode not in ("serial", "overlap", "delayed_param_update"):
         raise PolicyError(f"{key}.mode: unknown mode {mode!r}; allowed: serial, overlap, delayed_param_update")
     P = model.num_parameters
@@ -269,8 +281,12 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     host_dev = "host_pinned" if pin_memory else "host_pageable"
     persistent = [t for t in graph.persistent if t.name not in
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
-    if not any(t.name == "params.bf16" for t in persistent):
-        persistent.append(TensorAlloc("params.bf16", 2 * P, "gpu"))
+    zero3 = dp > 1 and graph.meta.get("sharding") == "zero3"
+    if zero3:  # the reduced gradient partition lives in the host's fp32 buffer, not on the GPU
+        persistent = [t for t in persistent if t.name != "grad.bf16.partition"]
+    half = f"params.{model.precision}"  # the builder's 16-bit weights (params.bf16 / params.fp16)
+    if not zero3 and not any(t.name == half for t in persistent):
+        persistent.append(TensorAlloc(half, 2 * P, "gpu"))
     persistent += [
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
@@ -290,8 +306,15 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     times = cpu_step_times(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
                            ranks=ranks)
     dpu = mode == "delayed_param_update"
+    ds2020 = impl == "deepspeed_cpu_adam_2020"
+    if ds2020 and dpu:
+        raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 (DeepSpeed 0.3) predates "
+                          "delayed_param_update; allowed modes: serial, overlap")
+    if ds2020:  # the kernel's two pinned tile buffers (cudaMallocHost(TILE * sizeof(float)) each, cpu_adam.h)
+        persistent.append(TensorAlloc("cpu_adam.doubled_buffer", 2 * 4 * DS2020_TILE_ELEMENTS, "host_pinned"))
     cpu_stream = "cpu.adam" if dpu else "host"
     rw = GraphRewriter(graph)
+    tile_copies: list[int] = []
 
     def cpu_chain(deps: list[int]) -> list[int]:
         ids = []
@@ -304,6 +327,18 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 uses = ("grad.fp32.host",)
                 if impl in ("torch_foreach", "torch_single"):
                     allocs = (TensorAlloc("optimizer.sqrt_tmp.host", 4 * shard, "host_pageable"),)
+            if ds2020 and name == "cpu.adam":  # tile by tile, each tile's fp16 copy sent while the next one runs
+                for k, t0 in enumerate(range(0, shard, DS2020_TILE_ELEMENTS)):
+                    n = min(DS2020_TILE_ELEMENTS, shard - t0)
+                    i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name] * n / shard,
+                               launch=False, cost_class=CostClass.OPTIMIZER, allocs=allocs if k == 0 else (),
+                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k})
+                    tile_copies.append(rw.add(f"offload.h2d.params.tile{k}", OpKind.MEMCPY_H2D, "h2d", deps=[i],
+                                              phase=Phase.OPT, cost_class=CostClass.COPY, bytes_read=float(2 * n),
+                                              pinned=True, role=OpRole.PARAM_UPLOAD))
+                    ids.append(i)
+                    d = [i]
+                continue
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
                        meta={"params": shard, "impl": impl})
@@ -339,9 +374,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             # ZeRO-2 offload: the bucket is reduce-scattered in the model dtype (bf16: half the fp32
             # bytes of the builder), then this rank's reduced shard goes to the host's fp32 buffer
             # (DeepSpeed stage_1_and_2.py: copy_grads_in_partition -> async copy to the CPU buffer)
-            nb = int(op.meta["bytes"]) // 2
-            new = rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
-                          allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs))
+            # (ZeRO-3: the builder's reduce-scatters already carry the 16-bit gradients)
+            nb = int(op.meta["bytes"]) if zero3 else int(op.meta["bytes"]) // 2
+            new = (rw.copy(op) if zero3 else
+                   rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
+                           allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs)))
             i = rw.add(f"offload.d2h.grad.shard.{op.name.rsplit('.', 1)[-1]}", OpKind.MEMCPY_D2H, "d2h",
                        deps=[new] + ([chain[0]] if dpu else []), phase=Phase.BWD, layer=op.layer,
                        cost_class=CostClass.COPY, bytes_read=float(-(-nb // dp)), pinned=pin_memory)
@@ -358,20 +395,26 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                       phase=Phase.BWD, launch=False)
     if not dpu:
         chain = cpu_chain([bwd_done])
-    h2d_ids = []
-    groups = model.upload_groups if dp == 1 else [("shard", -1, shard)]  # one flat partition per rank
+    h2d_ids = list(tile_copies)  # deepspeed_cpu_adam_2020: the fp16 parameters went up inside the step
+    groups = [] if ds2020 else model.upload_groups if dp == 1 else [("shard", -1, shard)]  # flat partition
     for gname, layer, n in groups:
         deps = [chain[-1]] + (list(rw.new(last_bwd)) if dpu else [])
         h2d_ids.append(rw.add(f"offload.h2d.params.{gname}", OpKind.MEMCPY_H2D, "h2d", deps=deps, phase=Phase.OPT,
                               layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory,
                               role=OpRole.PARAM_UPLOAD))
     ag_ids = []
-    if dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
+    if zero3:  # ZeRO-3 gathers blocks on demand in the next step; only the persistent (unpartitioned)
+        # parameters are all-gathered after the step (DeepSpeed stage3.py _post_step)
+        for op in graph.ops:
+            if op.phase == Phase.OPT and (op.meta or {}).get("collective") == "all_gather":
+                ag_ids.append(rw.add(op.name, OpKind.COLLECTIVE, op.stream, deps=h2d_ids, phase=Phase.OPT,
+                                     bytes_read=op.bytes_read, dtype=op.dtype, meta=dict(op.meta)))
+    elif dp > 1:  # every rank's updated bf16 partition is all-gathered (allgather_bucket_size chunks)
         left = P
         while left > 0:
             n = min(left, model.allgather_bucket_elements)
             ag_ids.append(rw.add(f"zero.param_all_gather.{len(ag_ids)}", OpKind.COLLECTIVE, "comm.dp", deps=h2d_ids,
-                                 phase=Phase.OPT, bytes_read=float(2 * n), dtype="bf16",
+                                 phase=Phase.OPT, bytes_read=float(2 * n), dtype=model.precision,
                                  meta={"collective": "all_gather", "bytes": int(2 * n), "group": "dp"}))
             left -= n
     sync_deps = [bwd_done] if dpu else h2d_ids + ag_ids
@@ -445,7 +488,9 @@ def offload_parts(spans, steps) -> dict:
     """Per-step parts of an offloaded step, averaged over measured steps (seconds).
 
     ``offload_gpu_fwd_bwd_s``: step start to the end of backward and its gradient copies (the
-    measured run's "forward+backward incl. synchronize"); ``offload_cpu_optimizer_s``: the CPU ops;
+    measured run's "forward+backward incl. synchronize"); ``offload_cpu_optimizer_s``: the CPU ops (with
+    ``deepspeed_cpu_adam_2020``, plus the in-step fp16 copies still running after the last CPU op: DeepSpeed's
+    timers synchronize the device before they stop);
     ``offload_h2d_s``: first to last parameter-upload byte; ``offload_d2h_wait_s``: end of the last
     backward kernel to the end of the last gradient copy.
     """
@@ -460,7 +505,9 @@ def offload_parts(spans, steps) -> dict:
         if len(done):
             parts["offload_gpu_fwd_bwd_s"].append(float(done.end_s.max()) - row.start_s)
             parts["offload_d2h_wait_s"].append(max(0.0, float(done.end_s.max()) - float(bwd.end_s.max())))
-        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) if len(cpu) else 0.0)
+        tiles = d[d.name.str.startswith("offload.h2d.params.tile")]
+        tail = max(0.0, float(tiles.end_s.max()) - float(cpu.end_s.max())) if len(tiles) and len(cpu) else 0.0
+        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) + tail if len(cpu) else 0.0)
         if len(h2d):
             parts["offload_h2d_s"].append(float(h2d.end_s.max() - h2d.start_s.min()))
     out = {k: float(np.mean(v)) if v else 0.0 for k, v in parts.items()}

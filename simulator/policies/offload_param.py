@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.graph.op_graph import OpGraph
+from simulator.graph.op_graph import ModelFacts, OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
@@ -69,6 +69,12 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     model = graph.model
     if model is None or "offload_optimizer" not in graph.meta:
         raise PolicyError(f"{key}: needs a builder graph with offload_optimizer.device: cpu applied first")
+    if graph.meta["offload_optimizer"].get("impl") == "deepspeed_cpu_adam_2020":
+        raise PolicyError(f"{key}: parameter offload (ZeRO-Infinity, 2021) postdates cpu_adam_impl "
+                          "deepspeed_cpu_adam_2020, which copies every parameter to the GPU in the step; allowed: "
+                          "deepspeed_cpu_adam, torch_foreach, torch_single, torch_fused")
+    if model.data_parallel_size > 1:
+        return _offload_sharded(graph, model, pin_memory)
     nbytes = 2 * model.layer_params
     fetch_before: dict[int, list[dict]] = {}  # insert before old op id
     fetch_after: dict[int, list[dict]] = {}  # insert after old op id
@@ -113,11 +119,51 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
         rw.copy(op, extra_deps=extra, uses=uses)
         for p in fetch_after.get(op.id, []):
             fetch(p, list(rw.new(op.id)))
-    persistent = [t for t in graph.persistent if t.name != "params.bf16"]
+    persistent = [t for t in graph.persistent if t.name not in ("params.bf16", "params.fp16")]
     resident = model.num_parameters - model.num_layers * model.layer_params  # embeddings, final norm, head
     persistent.append(TensorAlloc("params.resident.bf16", 2 * resident))
     meta = dict(graph.meta)
     meta["offload_param"] = {"prefetch_depth": prefetch_depth, "fetches": len(plans), "bytes_per_fetch": nbytes}
+    return rw.finish(persistent=persistent, meta=meta)
+
+
+def _offload_sharded(graph: OpGraph, model: ModelFacts, pin_memory: bool) -> OpGraph:
+    """ZeRO-3 parameter offload over ``dp`` > 1 ranks (see the module docstring): every parameter
+    all-gather of forward and backward is preceded by the H2D copy of this rank's partition of that
+    unit, ``ceil(bytes / dp)``, which the gather reads; the post-step upload of the partition is gone.
+
+    Raises:
+        PolicyError: the graph is not the ZeRO-3 builder's (no per-unit parameter all-gathers).
+    """
+    key = "zero_optimization.offload_param"
+    dp = model.data_parallel_size
+    if graph.meta.get("sharding") != "zero3":
+        raise PolicyError(f"{key}: with data_parallel_size {dp} > 1 needs the ZeRO-3 builder graph "
+                          f"(zero_optimization.stage 3), got sharding {graph.meta.get('sharding')!r}")
+    rw = GraphRewriter(graph)
+    fetches, nbytes_total = 0, 0
+    for op in graph.ops:
+        if op.role is OpRole.PARAM_UPLOAD:
+            rw.drop(op)  # the updated 16-bit partition stays in host memory (CPU Adam wrote it there)
+            continue
+        m = op.meta or {}
+        if (op.kind == OpKind.COLLECTIVE and m.get("collective") == "all_gather" and op.phase in (Phase.FWD, Phase.BWD)
+                and m.get("group", "dp") == "dp"):
+            nb = -(-int(m["bytes"]) // dp)
+            tensor = f"{op.name}.host_partition#{fetches}"
+            f = rw.add(f"{op.name.removesuffix('.param_all_gather')}.offload_param.fetch", OpKind.MEMCPY_H2D, "h2d",
+                       deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer, cost_class=CostClass.COPY,
+                       bytes_read=float(nb), pinned=pin_memory, allocs=(TensorAlloc(tensor, nb),))
+            rw.copy(op, extra_deps=[f], uses=op.uses + (tensor,))
+            fetches += 1
+            nbytes_total += nb
+            continue
+        rw.copy(op)
+    if not fetches:
+        raise PolicyError(f"{key}: found no parameter all-gathers to feed from host memory")
+    persistent = [t for t in graph.persistent if t.name != "params.bf16.partition"]
+    meta = dict(graph.meta)
+    meta["offload_param"] = {"prefetch_depth": None, "fetches": fetches, "bytes_per_step": nbytes_total}
     return rw.finish(persistent=persistent, meta=meta)
 
 

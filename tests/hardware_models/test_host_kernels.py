@@ -60,6 +60,8 @@ def test_foreach_step_by_hand():
     assert adamw_step_s(ROUND, "torch_single", [1e9]) == pytest.approx(2.5 + 1.0)
     # DeepSpeed: one pass, 16 B read + 12 B written + 2 B half copy; nothing fresh
     assert adamw_step_s(ROUND, "deepspeed_cpu_adam", [1e9]) == pytest.approx(30e9 / 32e9)
+    # DeepSpeed 0.3 (2020): the AVX loop 28 B, then the fp16 copy loop reads 4 B and writes 2 B; one call
+    assert adamw_step_s(ROUND, "deepspeed_cpu_adam_2020", [1e9], dispatch_s=1e-3) == pytest.approx(34e9 / 32e9 + 1e-3)
 
 
 def test_small_fresh_outputs_do_not_fault():
@@ -71,6 +73,7 @@ def test_small_fresh_outputs_do_not_fault():
 def test_pass_bytes_match_the_documented_traffic():
     assert sum(p.bytes for p in adamw_passes("torch_foreach")) == 80
     assert sum(p.bytes for p in adamw_passes("deepspeed_cpu_adam")) == 30
+    assert [p.bytes for p in adamw_passes("deepspeed_cpu_adam_2020")] == [28, 6]
     assert sum(p.bytes for p in adamw_passes("torch_fused")) == 28
     assert sum(p.bytes for p in adamw_passes("torch_foreach", state_bytes=2, grad_bytes=2)) == 40
     with pytest.raises(ValueError, match="unknown optimizer implementation"):

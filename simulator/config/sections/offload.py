@@ -10,7 +10,7 @@ YAML::
         device: cpu                  # none | cpu  (DeepSpeed also has nvme: not modelled)
         pin_memory: true             # host buffers page-locked (pinned PCIe rates) or pageable
         mode: overlap                # serial | overlap | delayed_param_update (see below)
-        cpu_adam_impl: torch_foreach # torch_foreach | torch_single | torch_fused | deepspeed_cpu_adam
+        cpu_adam_impl: torch_foreach # torch_foreach | torch_single | torch_fused | deepspeed_cpu_adam | deepspeed_cpu_adam_2020
       offload_param:
         device: none                 # none | cpu: ZeRO-Infinity parameter offload (stage 3)
         pin_memory: true
@@ -65,9 +65,12 @@ class OffloadOptimizerConfig(_Model):
     mode: Literal["serial", "overlap", "delayed_param_update"] | None = Field(
         default=None, description="serial | overlap | delayed_param_update (default: from overlap_comm)."
     )
-    cpu_adam_impl: Literal["torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam"] = Field(
+    cpu_adam_impl: Literal["torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam",
+                           "deepspeed_cpu_adam_2020"] = Field(
         default="torch_foreach",
-        description="torch.optim.AdamW(foreach=True) | foreach=False | fused=True | DeepSpeedCPUAdam (fused, vectorised).",
+        description="torch.optim.AdamW(foreach=True) | foreach=False | fused=True | DeepSpeedCPUAdam (fused, vectorised) | "
+        "DeepSpeedCPUAdam as released with ZeRO-Offload (DeepSpeed 0.3, 2020: the fp16 parameters are converted in a "
+        "second pass and copied to the GPU tile by tile inside the step; modes serial and overlap).",
     )
 
     @field_validator("device", mode="before")

@@ -60,15 +60,30 @@ def test_scenario_key_data_parallel_refused_by_loader():
         load_scenario(B4, ["parallelism.data_parallel_size=2"])
 
 
-def test_bf16_on_a_gpu_without_bf16_and_sequence_parallel_without_tp_are_flagged():
+def test_bf16_on_a_gpu_without_bf16_is_refused_in_one_line():
+    """As tf32: V100 has no bf16 tensor cores (was priced at the fp16 rate with a warning)."""
+    v100 = ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"
+    r = subprocess.run([sys.executable, "-m", "simulator", "run", str(v100), "--set", "training.precision=bf16"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert ("training.precision: bf16 needs bf16 tensor cores, which NVIDIA Tesla V100 SXM2 32GB has not "
+            "(Ampere and later have them; allowed: fp16, amp_fp32_params, fp32 on this GPU)") in r.stderr
+
+
+def test_autocast_on_a_gpu_without_bf16_is_fp16_autocast_and_says_so():
+    v100 = ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"
+    w = run_scenario(load_scenario(v100, ["training.precision=amp_fp32_params", "run.steps=2",
+                                          "model.num_layers=2"])).summary["warnings"]
+    assert any("stands for torch.autocast(fp16) with a GradScaler" in x for x in w)
+
+
+def test_fp16_on_a_v100_and_sequence_parallel_without_tp():
     from simulator.api import run_scenario
     from simulator.config.loader import load_scenario
 
     v100 = ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xV100.yaml"
-    w = run_scenario(load_scenario(v100, ["training.precision=bf16", "run.steps=2", "model.num_layers=2"])).summary
-    assert any("has no tensor-core rate" in x for x in w["warnings"])
-    w16 = run_scenario(load_scenario(v100, ["run.steps=2", "model.num_layers=2"])).summary  # fp16: no warning
-    assert not any("has no tensor-core rate" in x for x in w16["warnings"])
+    w16 = run_scenario(load_scenario(v100, ["run.steps=2", "model.num_layers=2"])).summary  # fp16: runs
+    assert w16["step_time_s"] > 0 and not any("bf16" in x for x in w16["warnings"])
     dgx = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
     sp = run_scenario(load_scenario(dgx, ["parallelism.sequence_parallel=true", "run.steps=2", "model.num_layers=2"]))
     assert any("sequence_parallel has no effect" in x for x in sp.summary["warnings"])

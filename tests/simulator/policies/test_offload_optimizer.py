@@ -193,7 +193,7 @@ def test_host_buffers_together_over_capacity_is_an_oom_result():
 def test_needs_bf16_and_a_zero_stage():
     d = _cfg()
     d["training"]["precision"] = "amp_fp32_params"
-    with pytest.raises(PolicyError, match="needs training.precision: bf16"):
+    with pytest.raises(PolicyError, match="needs training.precision bf16 or fp16"):
         run_scenario(scenario_from_dict(d))
     with pytest.raises(ScenarioError, match="stage >= 1"):
         scenario_from_dict(_cfg(stage=0))
@@ -206,3 +206,50 @@ def test_policy_rejects_graph_without_builder_spec():
     with pytest.raises(PolicyError, match="needs a graph from the model builder"):
         offload_optimizer(g, toy_hw())
     assert any(op.kind == OpKind.MEMCPY_D2H for op in offload_optimizer(build_gpt_step(SPEC), toy_hw()).ops)
+
+
+def test_deepspeed_2020_copies_each_tile_while_the_next_runs(monkeypatch):
+    """DeepSpeed 0.3's CPUAdam, with the tile shrunk to ceil(P / 3) elements (toy model): three tile ops of
+    34 B/param x n_k / 10 GB/s each, and after each an H2D copy of 2 n_k bytes that waits only for its
+    tile; no per-layer upload. The step's CPU-Adam figure is the CPU ops plus the last copy (the earlier
+    copies hide under the next tile when the link is faster than the host's 2 B per 34 B)."""
+    import simulator.policies.offload_optimizer as oo
+
+    tile = -(-P // 3)
+    monkeypatch.setattr(oo, "DS2020_TILE_ELEMENTS", tile)
+    hw = toy_hw()
+    g = offload_optimizer(build_gpt_step(SPEC), hw, impl="deepspeed_cpu_adam_2020")
+    adam = [op for op in g.ops if op.name == "cpu.adam"]
+    copies = [op for op in g.ops if op.name.startswith("offload.h2d.params")]
+    ns = [tile, tile, P - 2 * tile]
+    assert [op.meta["params"] for op in adam] == ns
+    assert [op.host_s for op in adam] == pytest.approx([34 * n / BW for n in ns])
+    assert [c.name for c in copies] == ["offload.h2d.params.tile0", "offload.h2d.params.tile1", "offload.h2d.params.tile2"]
+    assert [c.bytes_read for c in copies] == [2.0 * n for n in ns]
+    assert [c.deps for c in copies] == [(a.id,) for a in adam]
+    assert adam[1].deps == (adam[0].id,)
+    res = run(g, hw)
+    parts = offload_parts(res.spans, res.steps)
+    sp = res.spans[res.spans.step == res.spans.step.max()]
+    last = sp[sp.name == "offload.h2d.params.tile2"]
+    cpu = sp[sp.name.isin(("cpu.grad_cast", "cpu.adam", "cpu.param_cast"))]
+    assert parts["offload_cpu_optimizer_s"] == pytest.approx(
+        (6 + 34) * P / BW + float(last.end_s.iloc[0]) - float(cpu.end_s.max()), rel=1e-9)
+    assert float(last.duration_s.iloc[0]) == pytest.approx(hw.copy.latency_s + 2 * ns[2] / hw.copy.h2d_bytes_per_s)
+
+
+def test_deepspeed_2020_refuses_delayed_param_update():
+    with pytest.raises(PolicyError, match="deepspeed_cpu_adam_2020 .* predates delayed_param_update"):
+        offload_optimizer(build_gpt_step(SPEC), toy_hw(), mode="delayed_param_update", impl="deepspeed_cpu_adam_2020")
+
+
+def test_fp16_offloads_like_bf16():
+    """fp16 (the 2020 ZeRO-Offload runs): the same 2 B weights on the GPU (the builder's params.fp16, not a
+    second params.bf16 copy) and the same host buffers as bf16."""
+    g16 = offload_optimizer(build_gpt_step(dataclasses.replace(SPEC, precision="fp16")), toy_hw())
+    g = offload_optimizer(build_gpt_step(SPEC), toy_hw())
+    gpu16 = {t.name: t.nbytes for t in g16.persistent if t.device == "gpu"}
+    assert gpu16 == {"params.fp16": 2 * P}
+    assert {t.name: t.nbytes for t in g.persistent if t.device == "gpu"} == {"params.bf16": 2 * P}
+    assert ({t.name: t.nbytes for t in g16.persistent if t.device != "gpu"}
+            == {t.name: t.nbytes for t in g.persistent if t.device != "gpu"})

@@ -80,7 +80,7 @@ def test_cluster_offload_runs_shares_the_host_and_says_so(tmp_path):
     res = run_scenario(load_scenario(p))
     s = res.summary
     assert s["oom"] is None
-    assert any("shared by 8 ranks per node" in w and "PCIe switches" in w for w in s["warnings"])
+    assert any("shared by 8 ranks per node" in w and "behind one PCIe switch share its uplink" in w for w in s["warnings"])
     spans = res.spans[res.spans.step == res.spans.step.max()]
     names = set(spans.name)
     assert "offload.h2d.params.shard" in names and any(n.startswith("zero.param_all_gather") for n in names)
@@ -100,3 +100,52 @@ def test_cluster_offload_runs_shares_the_host_and_says_so(tmp_path):
     alone = cpu_step_times(shard, len(sizes), "deepspeed_cpu_adam", hw, tensor_elements=sizes, ranks=1)
     assert sum(want.values()) > sum(alone.values())  # the shared host is slower than a host of its own
     assert build_graph(cfg).model.data_parallel_size == 8
+
+
+def test_uplink_sharers_on_a_dgx_h100_by_hand():
+    """DGX H100: 4 PCIe switches, GPUs 2j and 2j+1 behind switch j (presets/clusters/dgx-h100.yaml)."""
+    from hardware_models.host_links import uplink_share
+
+    topo = _dp8_hw(load_scenario).collectives.topo
+    up = uplink_share(topo, 0, range(8))
+    assert (up.uplink, up.sharers) == ("n0.pcie0->n0.cpu0", 2)
+    assert up.share_of(50e9) == 25e9  # uplink = GPU link (Gen5 x16 both): half each
+    assert uplink_share(topo, 0, [0]).sharers == 1
+    assert uplink_share(topo, 5, range(8)).uplink == "n0.pcie2->n0.cpu1"
+    assert uplink_share(topo, 2, [0, 1, 4]).sharers == 1  # switch 1's partner is not in the job
+
+
+def _dp8_hw(load, tmp=None):
+    import tempfile
+    from pathlib import Path
+
+    from simulator.config.loader import resolve_hardware
+
+    p = Path(tempfile.mkdtemp()) / "dp8.yaml"
+    p.write_text(DP8)
+    return resolve_hardware(load(p))
+
+
+def test_two_ranks_on_one_switch_copy_at_half_the_rate(tmp_path):
+    """The shard upload (one H2D copy of 2 x shard bytes, alone on the link) takes latency + bytes /
+    (63 GB/s / 2) with 2 GPUs behind each switch, latency + bytes / 63 GB/s with a switch per GPU:
+    the copy time past the latency doubles."""
+    p = tmp_path / "dp8.yaml"
+    p.write_text(DP8)
+
+    def upload(overrides):
+        r = run_scenario(load_scenario(p, overrides))
+        sp = r.spans[(r.spans.step == r.spans.step.max()) & (r.spans.name == "offload.h2d.params.shard")]
+        return float(sp.duration_s.iloc[0]), r
+
+    shared, _ = upload([])
+    alone, _ = upload(["hardware.cluster.overrides.pcie_switches=8"])
+    from simulator.config.loader import resolve_hardware
+
+    hw = resolve_hardware(load_scenario(p))
+    lat, rate = hw.copy.latency_s, hw.copy.h2d_bytes_per_s
+    from simulator.api import transformer_spec
+
+    nbytes = 2 * -(-transformer_spec(load_scenario(p)).num_parameters // 8)
+    assert alone == pytest.approx(lat + nbytes / rate, rel=1e-6)
+    assert (shared - lat) == pytest.approx(2 * (alone - lat), rel=1e-9)
