@@ -1512,9 +1512,12 @@ class _GptBuilder:
 
     def _close_bucket(self) -> None:
         bucket, self._bucket = tuple(self._bucket), []
-        if self.overlap or self.zero == 3 or (self.sh is not None and self.sh.unit_buckets):
+        # ZeRO-2/3 reduce each full bucket from the backward hook whatever overlap_comm (DeepSpeed
+        # stage_1_and_2.py: the hooks are installed when partition_gradients or overlap_comm; reduce_ipg_grads
+        # runs on the current stream without overlap_comm and then clears the grads outside the partition)
+        if self.overlap or self.zero in (2, 3) or (self.sh is not None and self.sh.unit_buckets):
             self._emit_bucket(bucket, ())
-            if self.zero == 3 and not self.overlap:  # overlap_comm false: the reduction blocks the compute stream
+            if self.zero in (2, 3) and not self.overlap:  # overlap_comm false: the reduction blocks the compute stream
                 self.e.wait_for.append(self.comm_ops[-1])
         else:
             self._buckets.append(bucket)

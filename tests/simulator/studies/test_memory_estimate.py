@@ -25,6 +25,8 @@ CASES = {
     "DDP dp8": (DP8, []),
     "ZeRO-1": (DP8, ["zero_optimization.stage=1"]),
     "ZeRO-2": (DP8, ["zero_optimization.stage=2", "zero_optimization.reduce_bucket_size=50000000"]),
+    "ZeRO-2 one micro-batch bf16 full recompute": (DP8, ["zero_optimization.stage=2", "training.precision=bf16",
+                                                         "training.recompute_granularity=full"]),
     "ZeRO-3": (DP8, ["zero_optimization.stage=3", "training.precision=bf16"]),
     "FSDP FULL_SHARD": (DP8, ["fsdp.sharding_strategy=FULL_SHARD"]),
     "distributed optimizer": (DP8, ["ddp.use_distributed_optimizer=true", "training.precision=bf16"]),
