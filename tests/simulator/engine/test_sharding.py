@@ -136,6 +136,21 @@ def test_fsdp_pure_full_shard_is_3_psi_and_shard_grad_op_skips_the_backward_gath
     assert fwd_w in next(o for o in sgo.ops if o.name == "L0.bwd.fc1.dgrad").uses  # kept from forward
 
 
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "full_shard"])
+def test_fsdp_fp32_gathered_params_live_until_the_units_backward(strategy):
+    """fp32 param_dtype under autocast: the GEMMs read bf16 casts (saved for backward), yet FSDP keeps the unit's
+    unsharded fp32 flat parameter (4 x 872 = 3488 bytes per block) until its post-backward reshard: kept from
+    forward by SHARD_GRAD_OP, gathered again by FULL_SHARD; a backward GEMM of the block reads it (was: its last
+    reader the forward cast, so SHARD_GRAD_OP showed FULL_SHARD's peak)."""
+    g = _fsdp(strategy, param_bytes=4)
+    fwd_gather = next(o for o in g.ops if o.name == "L0.fwd.param_all_gather")
+    assert [a.nbytes for a in fwd_gather.allocs] == [4 * 872]
+    kept = fwd_gather.allocs[0].name if strategy == "shard_grad_op" else next(
+        o for o in g.ops if o.name == "L0.bwd.param_all_gather").allocs[0].name
+    readers = [o for o in g.ops if kept in o.uses]
+    assert any(o.phase is Phase.BWD and o.layer == 0 and o.name.endswith(".dgrad") for o in readers)
+
+
 def test_hybrid_shard_reduces_shards_across_nodes():
     cs = _colls(_fsdp("hybrid_shard", replicate=2, layers=1))  # shards of 4 ranks, 2 replicas: ceil(872 / 4) = 218
     ar = [c for c in cs if c.meta["group"] == "dp_replicate"]
