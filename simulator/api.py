@@ -428,9 +428,11 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
 
 
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
-    """How the data-parallel ranks hold the model states: ``DDP``, ``DeepSpeed ZeRO-<stage>``, ``FSDP
-    <strategy>``, ``Megatron distributed optimizer`` (``none`` without data parallelism)."""
-    if (cfg.parallelism.data_parallel_size or 1) == 1:
+    """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
+    of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
+    ZeRO-<stage>``, ``FSDP <strategy>``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
+    no gradient reduction)."""
+    if (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size == 1:
         return "none"
     if cfg.fsdp is not None:
         return f"FSDP {cfg.fsdp.sharding_strategy}"
