@@ -612,8 +612,8 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
         out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
                    "exchange); the run is the same as without it")
     if z.stage == 0 and z.overlap_comm is not None:
-        out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 (DeepSpeed "
-                   "ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)")
+        out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
+                   "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)")
     stage3 = sorted(k for k in z.model_fields_set if k.startswith("stage3_"))
     if z.stage < 3 and stage3:
         out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "

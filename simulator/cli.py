@@ -98,8 +98,9 @@ def format_summary(s: dict, name: str) -> str:
                         else "")
                      + (f", expert parallel {s['expert_parallel_size']} (inside data parallel)"
                         if s.get("expert_parallel_size", 1) > 1 else "")
-                     + (f"; {strategy}: {sharded} over the {ranks}" if sharded else
-                        f"; {strategy}: gradients all-reduced over the {ranks}" if cp > 1 and strategy != "none" else ""))
+                     + (f"; {strategy}: {sharded} over the {ranks}" if sharded
+                        else f"; {strategy}: gradients all-reduced over the {ranks}" if cp > 1 and strategy != "none"
+                        else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
         if pipe:

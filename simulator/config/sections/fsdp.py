@@ -96,7 +96,8 @@ class FsdpConfig(_Model):
         """NO_SHARD is modelled as DDP over fp32 parameters (fp32 all-reduce): the low-precision parameter copy
         (``param_dtype`` bf16) and the bf16 all-reduce (``reduce_dtype``) of ``MixedPrecision`` are not built."""
         if self.sharding_strategy == "NO_SHARD" and self.dtypes != ("fp32", "fp32"):
-            raise ValueError(f"mixed_precision {self.mixed_precision if isinstance(self.mixed_precision, str) else dict(self.mixed_precision)} with "
+            mp = self.mixed_precision if isinstance(self.mixed_precision, str) else dict(self.mixed_precision)
+            raise ValueError(f"mixed_precision {mp} with "
                              "sharding_strategy NO_SHARD is not modelled (its bf16 parameter copy and bf16 all-reduce "
                              "are not built; allowed: mixed_precision: FULL, i.e. fp32 parameters and all-reduce)")
         return self

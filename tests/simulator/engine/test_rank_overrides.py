@@ -263,5 +263,5 @@ def test_stage_and_replica_slowdowns_compound_and_are_flagged():
     s = run_scenario(cfg).summary
     assert s["straggler"] == "pp_rank 0 / dp_rank 0"
     assert [w for w in s["warnings"] if "compound" in w] == [
-        "rank_overrides: pp_rank 0 slowdown 1.5 and dp_rank 0 slowdown 1.1 compound on pp_rank 0 / dp_rank 0: its "
-        "kernels run 1.5 x 1.1 = 1.65x slower"]
+        ("rank_overrides: pp_rank 0 slowdown 1.5 and dp_rank 0 slowdown 1.1 compound on pp_rank 0 / dp_rank 0: its "
+         "kernels run 1.5 x 1.1 = 1.65x slower")]

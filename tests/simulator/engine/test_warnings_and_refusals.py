@@ -99,14 +99,16 @@ DGX8 = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"  # its ddp section 
 @pytest.mark.parametrize("sets,line", [
     (["parallelism.cp_comm_type=a2a"], "parallelism.cp_comm_type a2a has no effect with context_parallel_size 1"),
     (["zero_optimization.overlap_comm=true"], "zero_optimization.overlap_comm true has no effect with stage 0"),
-    (["zero_optimization.stage=2", "zero_optimization.overlap_comm=true", "zero_optimization.stage3_prefetch_bucket_size=1000"],
+    (["zero_optimization.stage=2", "zero_optimization.overlap_comm=true",
+      "zero_optimization.stage3_prefetch_bucket_size=1000"],
      "zero_optimization.stage3_prefetch_bucket_size has no effect with stage 2"),
-    (["zero_optimization.stage=1", "ddp.overlap_grad_reduce=false", "zero_optimization.stage3_max_live_parameters=10",
+    (["zero_optimization.stage=1", "ddp.overlap_grad_reduce=false",
+      "zero_optimization.stage3_max_live_parameters=10",
       "zero_optimization.stage3_param_persistence_threshold=5"],
      "zero_optimization.stage3_max_live_parameters, stage3_param_persistence_threshold have no effect with stage 1"),
     (["zero_optimization.stage=2", "ddp.overlap_grad_reduce=false", "zero_optimization.overlap_comm=true"],
-     "ddp.overlap_grad_reduce false has no effect with zero_optimization.stage 2: DeepSpeed's "
-     "zero_optimization.overlap_comm governs (in force: true)"),
+     ("ddp.overlap_grad_reduce false has no effect with zero_optimization.stage 2: DeepSpeed's "
+      "zero_optimization.overlap_comm governs (in force: true)")),
     (["zero_optimization.stage=1"], "ddp.overlap_grad_reduce true has no effect with zero_optimization.stage 1"),
     (["fsdp.forward_prefetch=true"], "fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers"),
 ])
