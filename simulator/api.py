@@ -428,9 +428,11 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
 
 
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
-    """How the data-parallel ranks hold the model states: ``DDP``, ``DeepSpeed ZeRO-<stage>``, ``FSDP
-    <strategy>``, ``Megatron distributed optimizer`` (``none`` without data parallelism)."""
-    if (cfg.parallelism.data_parallel_size or 1) == 1:
+    """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
+    of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
+    ZeRO-<stage>``, ``FSDP <strategy>``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
+    no gradient reduction)."""
+    if (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size == 1:
         return "none"
     if cfg.fsdp is not None:
         return f"FSDP {cfg.fsdp.sharding_strategy}"
@@ -605,6 +607,43 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
                    "stage3_max_live_parameters); offload_param.prefetch_depth does not apply")
+    if cfg is not None:
+        out += ineffective_setting_warnings(cfg)
+    return out
+
+
+def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
+    """One line per setting given in the scenario that has no effect on this run (as sequence_parallel at tp 1),
+    and one per rank where a stage's and a replica's ``rank_overrides`` slowdowns compound."""
+    out = []
+    p, z, ddp, f = cfg.parallelism, cfg.zero_optimization, cfg.ddp, cfg.fsdp
+    if "cp_comm_type" in p.model_fields_set and p.context_parallel_size == 1:
+        out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
+                   "exchange); the run is the same as without it")
+    if z.stage == 0 and z.overlap_comm is not None:
+        out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
+                   "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)")
+    stage3 = sorted(k for k in z.model_fields_set if k.startswith("stage3_"))
+    if z.stage < 3 and stage3:
+        out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "
+                   f"{z.stage} (stage-3 parameter partitioning only)")
+    if z.stage in (1, 2) and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce != z.overlap:
+        out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
+                   f"zero_optimization.stage {z.stage}: DeepSpeed's zero_optimization.overlap_comm governs (in force: "
+                   f"{str(z.overlap).lower()})")
+    if f is not None and f.forward_prefetch and f.limit_all_gathers:
+        out.append("fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers alone: both are "
+                   "modelled as a forward prefetch of one unit (the next unit's all-gather issued while the current "
+                   "one computes, at most two in flight), as the host runs ahead of the GPU; in PyTorch "
+                   "forward_prefetch issues it explicitly, which differs only when the host does not run ahead")
+    by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
+    for o in cfg.rank_overrides:
+        if o.dp_rank is not None and o.pp_rank is None and o.slowdown != 1.0:
+            for r, q in sorted(by_pp.items()):
+                if q.slowdown != 1.0:
+                    out.append(f"rank_overrides: pp_rank {r} slowdown {q.slowdown:g} and dp_rank {o.dp_rank} slowdown "
+                               f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
+                               f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
 
 

@@ -87,6 +87,9 @@ def format_summary(s: dict, name: str) -> str:
                    "Megatron distributed optimizer": "optimizer state sharded, gradients reduce-scattered"}.get(
             strategy, "model states sharded" if strategy.startswith("FSDP") and "NO_SHARD" not in strategy else None)
         pipe = s.get("pipeline")
+        cp = s.get("context_parallel_size", 1)
+        ranks = (f"data x context parallel ranks ({s.get('data_parallel_size', 1)} x {cp})" if cp > 1
+                 else "data-parallel ranks")
         lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
                      + (f", pipeline parallel {pipe['pipeline_model_parallel_size']} ({pipe['schedule']}, "
@@ -95,7 +98,9 @@ def format_summary(s: dict, name: str) -> str:
                         else "")
                      + (f", expert parallel {s['expert_parallel_size']} (inside data parallel)"
                         if s.get("expert_parallel_size", 1) > 1 else "")
-                     + (f"; {strategy}: {sharded} over the data-parallel ranks" if sharded else ""))
+                     + (f"; {strategy}: {sharded} over the {ranks}" if sharded
+                        else f"; {strategy}: gradients all-reduced over the {ranks}" if cp > 1 and strategy != "none"
+                        else ""))
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
         if pipe:

@@ -200,16 +200,17 @@ def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: 
 
 
 def straggler(rows: list[dict], groups: list[int] | None = None) -> str | None:
-    """The label of the class that computes the most beyond the others of its group (its pipeline stage;
-    ``groups``: each row's group, default one), or None when every class of each group computes the same
-    (within 1e-9 relative: symmetric ranks have no straggler)."""
+    """The label of the class that gates the step: the most compute (``compute_s``) of all classes, once some
+    class computes beyond the others of its group (its pipeline stage; ``groups``: each row's group, default
+    one); None when every class of each group computes the same (within 1e-9 relative: symmetric ranks have
+    no straggler, and stages that differ only in their layers are no straggler either). A stage's and a
+    replica's slowdowns compound on their common rank, so the gating class is compared over all stages, not
+    within each (a stage-wide 1.5x with one replica 1.1x: that replica on that stage, 1.65x)."""
     groups = groups if groups is not None else [0] * len(rows)
-    best, margin = None, 1e-9
     for g in set(groups):
         mine = [r for r, k in zip(rows, groups) if k == g]
         low = min(r["compute_s"] for r in mine)
-        top = max(mine, key=lambda r: r["compute_s"])
-        m = top["compute_s"] / low - 1 if low > 0 else 0.0
-        if m > margin:
-            best, margin = top["label"], m
-    return best
+        top = max(r["compute_s"] for r in mine)
+        if low > 0 and top / low - 1 > 1e-9:
+            return max(rows, key=lambda r: r["compute_s"])["label"]
+    return None

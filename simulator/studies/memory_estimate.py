@@ -12,7 +12,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
   ``4P`` (DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
   ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus the full gradients of
-  the buckets not yet reduce-scattered, at most ``2 x reduce_bucket_size`` elements); ZeRO-3 all of
+  the buckets not yet reduce-scattered, at most ``2 x reduce_bucket_size`` elements with ``overlap_comm``, else
+  one bucket, with one micro-batch as with accumulation); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
   parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
   master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
@@ -185,8 +186,9 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         Ps = part(P) if zero else P
         params = 4 * P if amp else 2 * P + 4 * Ps
         buckets = 4 * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers
-        if zero == 2:  # shards, plus the full gradients of the buckets not yet reduce-scattered
-            dynamic = 4 * part(P) + 4 * min(P, 2 * (z.reduce_bucket_size or 500_000_000))
+        if zero == 2:  # shards, plus the full gradients of the buckets not yet reduce-scattered: two with
+            # overlap_comm (one filling while one reduces), else one (the reduction blocks the backward hook)
+            dynamic = 4 * part(P) + 4 * min(P, (2 if z.overlap else 1) * (z.reduce_bucket_size or 500_000_000))
         else:
             dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic

@@ -147,7 +147,8 @@ class TransformerSpec:
             ``None``: DDP or ZeRO-1/2 as ``zero_stage`` says).
         ddp_first_bucket_bytes: First DDP gradient bucket cap, bytes (PyTorch 1 MiB).
         ddp_bucket_cap_bytes: Other DDP bucket caps, bytes (PyTorch ``bucket_cap_mb`` 25 MiB).
-        overlap_grad_reduce: Reduce buckets during backward (else all after backward).
+        overlap_grad_reduce: Reduce buckets during backward (else all after backward; ZeRO-2/3: each still from
+            the backward hook, the compute stream waiting for it, as DeepSpeed without ``overlap_comm``).
         gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
         reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
         allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
@@ -802,8 +803,14 @@ class _GptBuilder:
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
         xin, w16 = saved[:2]
+        keep = []
         if self.pg is not None:  # ZeRO-3/FULL_SHARD: read the parameters gathered again for backward
             w16 = self.pg.backward_weight(w16)
+            # fp32 gathered parameters under autocast: the GEMM reads the bf16 copy saved in forward, but FSDP
+            # keeps the unit's unsharded flat parameter (kept from forward by SHARD_GRAD_OP, else gathered
+            # again) until its post-backward reshard (torch/distributed/fsdp/_runtime_utils.py _post_backward_hook)
+            live = self.pg.weight(e.layer, e.phase)
+            keep = [live] if live is not None and live != w16 else []
         gin = g
         if g_fp32 and self.amp:
             gin = e.fresh(f"{name}.g16")
@@ -819,7 +826,7 @@ class _GptBuilder:
             gin, q, gdt = gq, 1, "fp8"
         e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
                  reads=q * (T * out_dim + W), writes=self.w * T * in_dim,
-                 out=[(dx, self.w * T * in_dim)], uses=[gin, w16], dtype=gdt)
+                 out=[(dx, self.w * T * in_dim)], uses=[gin, w16, *keep], dtype=gdt)
         self._after_overlapped_gemm()
         if self.s.lora is not None:  # frozen base weight: no weight or bias gradient (lora.py)
             return lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
@@ -1512,9 +1519,12 @@ class _GptBuilder:
 
     def _close_bucket(self) -> None:
         bucket, self._bucket = tuple(self._bucket), []
-        if self.overlap or self.zero == 3 or (self.sh is not None and self.sh.unit_buckets):
+        # ZeRO-2/3 reduce each full bucket from the backward hook whatever overlap_comm (DeepSpeed
+        # stage_1_and_2.py: the hooks are installed when partition_gradients or overlap_comm; reduce_ipg_grads
+        # runs on the current stream without overlap_comm and then clears the grads outside the partition)
+        if self.overlap or self.zero in (2, 3) or (self.sh is not None and self.sh.unit_buckets):
             self._emit_bucket(bucket, ())
-            if self.zero == 3 and not self.overlap:  # overlap_comm false: the reduction blocks the compute stream
+            if self.zero in (2, 3) and not self.overlap:  # overlap_comm false: the reduction blocks the compute stream
                 self.e.wait_for.append(self.comm_ops[-1])
         else:
             self._buckets.append(bucket)

@@ -236,3 +236,32 @@ def test_unfolded_hybrid_shard_gives_the_folded_answer():
     assert unfolded["step_time_s"] == pytest.approx(folded["step_time_s"], rel=1e-12)
     assert unfolded["peak_device_memory_bytes"] == folded["peak_device_memory_bytes"]
     assert len(unfolded["rank_classes"]) == 16
+
+
+def test_straggler_is_the_class_that_gates_the_step_over_all_stages():
+    """The trial's case by hand: stage 0 slowed 1.5x, replica 0 1.1x; per stage the replica-0 class computes the
+    most, but pp_rank 0 / dp_rank 0 (1.65x, 0.617 s) gates the step, not pp_rank 1 / dp_rank 0 (0.436 s), whose
+    margin within its stage (1.1x beside 0.387 s) is the larger one. Symmetric classes: no straggler."""
+    from simulator.analysis.pipeline import straggler
+
+    rows = [{"label": lab, "compute_s": c} for lab, c in [
+        ("pp_rank 0 / dp ranks (others)", 0.5517), ("pp_rank 0 / dp_rank 0", 0.6172),
+        ("pp_rank 1 / dp ranks (others)", 0.3868), ("pp_rank 1 / dp_rank 0", 0.4358)]]
+    assert straggler(rows, [0, 0, 1, 1]) == "pp_rank 0 / dp_rank 0"
+    same = [{"label": "a", "compute_s": 0.5}, {"label": "b", "compute_s": 0.5}, {"label": "c", "compute_s": 0.3},
+            {"label": "d", "compute_s": 0.3}]
+    assert straggler(same, [0, 0, 1, 1]) is None  # stages differ in work only: no straggler
+
+
+def test_stage_and_replica_slowdowns_compound_and_are_flagged():
+    cfg = scenario_from_dict({**PIPE, "rank_overrides": [{"pp_rank": 0, "slowdown": 1.5},
+                                                          {"dp_rank": 0, "slowdown": 1.1}]})
+    classes = rank_classes(cfg, resolve_hardware(cfg))
+    assert [(c.label, c.hw.slowdown) for c in classes] == [
+        ("pp_rank 0 / dp ranks (others)", 1.5), ("pp_rank 0 / dp_rank 0", pytest.approx(1.65)),
+        ("pp_rank 1 / dp ranks (others)", 1.0), ("pp_rank 1 / dp_rank 0", 1.1)]
+    s = run_scenario(cfg).summary
+    assert s["straggler"] == "pp_rank 0 / dp_rank 0"
+    assert [w for w in s["warnings"] if "compound" in w] == [
+        ("rank_overrides: pp_rank 0 slowdown 1.5 and dp_rank 0 slowdown 1.1 compound on pp_rank 0 / dp_rank 0: its "
+         "kernels run 1.5 x 1.1 = 1.65x slower")]

@@ -136,6 +136,21 @@ def test_fsdp_pure_full_shard_is_3_psi_and_shard_grad_op_skips_the_backward_gath
     assert fwd_w in next(o for o in sgo.ops if o.name == "L0.bwd.fc1.dgrad").uses  # kept from forward
 
 
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "full_shard"])
+def test_fsdp_fp32_gathered_params_live_until_the_units_backward(strategy):
+    """fp32 param_dtype under autocast: the GEMMs read bf16 casts (saved for backward), yet FSDP keeps the unit's
+    unsharded fp32 flat parameter (4 x 872 = 3488 bytes per block) until its post-backward reshard: kept from
+    forward by SHARD_GRAD_OP, gathered again by FULL_SHARD; a backward GEMM of the block reads it (was: its last
+    reader the forward cast, so SHARD_GRAD_OP showed FULL_SHARD's peak)."""
+    g = _fsdp(strategy, param_bytes=4)
+    fwd_gather = next(o for o in g.ops if o.name == "L0.fwd.param_all_gather")
+    assert [a.nbytes for a in fwd_gather.allocs] == [4 * 872]
+    kept = fwd_gather.allocs[0].name if strategy == "shard_grad_op" else next(
+        o for o in g.ops if o.name == "L0.bwd.param_all_gather").allocs[0].name
+    readers = [o for o in g.ops if kept in o.uses]
+    assert any(o.phase is Phase.BWD and o.layer == 0 and o.name.endswith(".dgrad") for o in readers)
+
+
 def test_hybrid_shard_reduces_shards_across_nodes():
     cs = _colls(_fsdp("hybrid_shard", replicate=2, layers=1))  # shards of 4 ranks, 2 replicas: ceil(872 / 4) = 218
     ar = [c for c in cs if c.meta["group"] == "dp_replicate"]
@@ -238,6 +253,11 @@ def test_hybrid_shard_two_nodes_runs_with_both_groups():
     (["fsdp={sharding_strategy: FULL_SHARD}", "ddp.use_distributed_optimizer=true"],
      "fsdp: exclusive with ddp.use_distributed_optimizer"),
     (["fsdp={cpu_offload: true}"], "cpu_offload: true is not modelled"),
+    (["fsdp={sharding_strategy: NO_SHARD, mixed_precision: PURE}"],
+     "fsdp: mixed_precision PURE with sharding_strategy NO_SHARD is not modelled"),
+    (["fsdp={sharding_strategy: NO_SHARD}"], "fsdp: mixed_precision DEFAULT with sharding_strategy NO_SHARD"),
+    (["fsdp={sharding_strategy: NO_SHARD, mixed_precision: {param_dtype: fp32, reduce_dtype: bf16}}"],
+     "allowed: mixed_precision: FULL"),
     (["fsdp={sharding_strategy: FULL_SHARD}", "training.precision=bf16"], "fsdp: training.precision bf16 is not"),
     (["fsdp={sharding_strategy: ZERO}"], "sharding_strategy"),
     (["ddp.overlap_param_gather=true"], "ddp.overlap_param_gather needs ddp.use_distributed_optimizer"),
@@ -291,6 +311,40 @@ def test_zero2_accumulation_frees_full_gradients_each_micro_batch():
     assert {t.rsplit(".mb", 1)[1] for t in grads} == {"0", "1"}
     opt = [o for o in g.ops if o.phase is Phase.OPT]
     assert not any(t in grads for o in opt for t in o.uses)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_one_micro_batch_reduces_each_bucket_in_backward(overlap):
+    """ZeRO-2, one micro-batch, 300-element buckets (test_data_parallel: 280 | 296 | 296 | 176 elements): each
+    reduce-scatter depends only on its own bucket's gradients (DeepSpeed reduces from the backward hook whatever
+    overlap_comm), reads (frees) them and keeps a ceil(bytes / 8) shard; without overlap_comm the compute stream
+    waits for each one before going on."""
+    g = _accum(1, precision="bf16", zero_stage=2, reduce_bucket_elements=300, overlap_grad_reduce=overlap)
+    rs = [c for c in _colls(g) if c.meta["collective"] == "reduce_scatter"]
+    assert [c.meta["bytes"] for c in rs] == [4 * 280, 4 * 296, 4 * 296, 4 * 176]
+    assert [a.nbytes for c in rs for a in c.allocs] == [140, 148, 148, 88]
+    last_bwd = max(o.id for o in g.ops if o.phase is Phase.BWD and o.kind is OpKind.COMPUTE)
+    assert all(c.uses for c in rs) and all(last_bwd not in c.deps for c in rs[:3])
+    assert all(c.id < last_bwd for c in rs[:3])  # reduced while backward still runs
+    waited = {d for o in g.ops if o.kind is OpKind.COMPUTE and o.phase is Phase.BWD for d in o.deps}
+    assert all((c.id in waited) != overlap for c in rs[:3])
+
+
+def test_zero2_one_micro_batch_holds_less_gradient_memory_than_zero1():
+    """GPT 1.3B cut to 4 layers (P = 270.6M) on a DGX H100, bf16, full recompute, one micro-batch of 2: ZeRO-1's
+    peak is the end of backward with the whole fp32 gradients (1.07 GB); ZeRO-2 frees each 5M-element bucket's
+    gradients after its reduce-scatter, so no gradient category is large at its peak (was: the same peak)."""
+    def run(*sets):
+        cfg = load_scenario(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml", [
+            "model.num_layers=4", "training.micro_batch_size=2", "run.steps=2", "run.warmup_steps=1",
+            "training.precision=bf16", "training.recompute_granularity=full", *sets])
+        return run_scenario(cfg).summary
+    z1 = run("zero_optimization.stage=1")
+    z2 = run("zero_optimization.stage=2", "zero_optimization.reduce_bucket_size=5000000")
+    P = z1["num_parameters"]
+    assert z1["peak_memory_by_category_bytes"]["grad"] > 0.95 * 4 * P
+    assert z2["peak_memory_by_category_bytes"].get("grad", 0) <= 4 * -(-P // 8) + 2 * 4 * 5_000_000
+    assert z2["peak_memory_bytes"] < z1["peak_memory_bytes"] - 0.4 * 4 * P
 
 
 def test_zero1_accumulation_still_reduces_once():

@@ -106,3 +106,52 @@ def test_a_dataloader_on_a_cluster_flags_the_shared_host(tmp_path):
                  "run: {steps: 3}\n")
     w = run_scenario(load_scenario(p)).summary["warnings"]
     assert any("shared by 8 ranks per node" in x for x in w)
+
+
+DGX8 = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"  # its ddp section sets overlap_grad_reduce: true
+
+
+@pytest.mark.parametrize("sets,line", [
+    (["parallelism.cp_comm_type=a2a"], "parallelism.cp_comm_type a2a has no effect with context_parallel_size 1"),
+    (["zero_optimization.overlap_comm=true"], "zero_optimization.overlap_comm true has no effect with stage 0"),
+    (["zero_optimization.stage=2", "zero_optimization.overlap_comm=true",
+      "zero_optimization.stage3_prefetch_bucket_size=1000"],
+     "zero_optimization.stage3_prefetch_bucket_size has no effect with stage 2"),
+    (["zero_optimization.stage=1", "ddp.overlap_grad_reduce=false",
+      "zero_optimization.stage3_max_live_parameters=10",
+      "zero_optimization.stage3_param_persistence_threshold=5"],
+     "zero_optimization.stage3_max_live_parameters, stage3_param_persistence_threshold have no effect with stage 1"),
+    (["zero_optimization.stage=2", "ddp.overlap_grad_reduce=false", "zero_optimization.overlap_comm=true"],
+     ("ddp.overlap_grad_reduce false has no effect with zero_optimization.stage 2: DeepSpeed's "
+      "zero_optimization.overlap_comm governs (in force: true)")),
+    (["zero_optimization.stage=1"], "ddp.overlap_grad_reduce true has no effect with zero_optimization.stage 1"),
+    (["fsdp.forward_prefetch=true"], "fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers"),
+])
+def test_settings_without_effect_are_flagged_once(sets, line):
+    from simulator.api import ineffective_setting_warnings
+
+    w = ineffective_setting_warnings(load_scenario(DGX8, sets))
+    assert len(w) == 1 and w[0].startswith(line), w
+
+
+@pytest.mark.parametrize("sets", [
+    [], ["zero_optimization.stage=3", "training.precision=bf16", "zero_optimization.stage3_prefetch_bucket_size=1000"],
+    ["zero_optimization.stage=2", "zero_optimization.overlap_comm=true"],
+    ["fsdp.forward_prefetch=true", "fsdp.limit_all_gathers=false"],
+    ["parallelism.context_parallel_size=2", "training.precision=bf16", "parallelism.cp_comm_type=a2a"],
+])
+def test_settings_with_effect_are_not_flagged(sets):
+    from simulator.api import ineffective_setting_warnings
+
+    assert ineffective_setting_warnings(load_scenario(DGX8, sets)) == []
+
+
+def test_forward_prefetch_with_limit_all_gathers_is_really_the_same_run():
+    """The warning's claim: FSDP with limit_all_gathers (default) gives the same step with and without
+    forward_prefetch (both a one-unit forward prefetch), and the line reaches the summary."""
+    fast = ["run.steps=2", "run.warmup_steps=1", "model.num_layers=2"]
+    on = run_scenario(load_scenario(DGX8, [*fast, "fsdp.forward_prefetch=true"])).summary
+    off = run_scenario(load_scenario(DGX8, [*fast, "fsdp.forward_prefetch=false"])).summary
+    assert on["step_time_s"] == off["step_time_s"]
+    assert sum("fsdp.forward_prefetch true gives the same schedule" in x for x in on["warnings"]) == 1
+    assert not any("forward_prefetch" in x for x in off["warnings"])

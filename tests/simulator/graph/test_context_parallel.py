@@ -70,6 +70,21 @@ def test_gradients_are_reduced_over_data_x_context_ranks():
     r = run_scenario(scenario_from_dict(BASE)).summary
     assert r["data_parallel_size"] == 1 and r["context_parallel_size"] == C
     assert r["comm_s_by_group"]["dp"] > 0 and r["comm_s_by_group"]["cp"] > 0
+    # the label says what runs: DDP's gradient all-reduce over dp 1 x cp 4 (was "none")
+    from simulator.cli import format_summary
+
+    assert r["data_parallel_strategy"] == "DDP"
+    assert ("tensor parallel 2, context parallel 4; DDP: gradients all-reduced over the data x context parallel ranks "
+            "(1 x 4)") in format_summary(r, "cp")
+
+
+def test_one_rank_gradient_group_has_no_data_parallel_strategy():
+    from simulator.api import data_parallel_strategy
+
+    one = scenario_from_dict({**BASE, "parallelism": {"tensor_model_parallel_size": 8, "context_parallel_size": 1}})
+    assert data_parallel_strategy(one) == "none"
+    z1 = scenario_from_dict({**BASE, "zero_optimization": {"stage": 1}})
+    assert data_parallel_strategy(z1) == "DeepSpeed ZeRO-1"
 
 
 @pytest.mark.parametrize("par,msg", [
