@@ -463,6 +463,19 @@ def memory_overheads(cfg: ScenarioConfig) -> DeviceMemoryOverheads:
     return default_overheads(m.cuda_context_bytes, m.allocator_reserve_fraction)
 
 
+def _pageable_copies(cfg: ScenarioConfig) -> str:
+    """The scenario keys whose host copies are pageable (``pin_memory: false``, DeepSpeed ``cpu_checkpointing``),
+    comma-separated, or ``""``."""
+    z, keys = cfg.zero_optimization, []
+    if z is not None and z.offload_optimizer.device == "cpu" and not z.offload_optimizer.pin_memory:
+        keys.append("zero_optimization.offload_optimizer.pin_memory false")
+    if z is not None and z.offload_param.device == "cpu" and not z.offload_param.pin_memory:
+        keys.append("zero_optimization.offload_param.pin_memory false")
+    if cfg.activation_checkpointing.cpu_checkpointing:
+        keys.append("activation_checkpointing.cpu_checkpointing")
+    return ", ".join(keys)
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -474,6 +487,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         b = hw.profile.provenance["borrowed_from"]
         out.append(f"GPU profile {hw.profile.name!r}: {', '.join(b['fields'])} not measured on this GPU, taken from "
                    f"{b['profile']!r} ({b['why']})")
+    if cfg is not None and _pageable_copies(cfg) and not (hw.copy.pageable_h2d_bytes_per_s
+                                                          and hw.copy.pageable_d2h_bytes_per_s):
+        out.append(f"{_pageable_copies(cfg)} copies through pageable host memory, but the PCIe link / profile has no "
+                   "pageable rate for this host, so they are priced at the pinned rate (set hardware.pcie overrides "
+                   "pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s, or pin_memory: true)")
     if hw.launch.source == "generic":
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")
@@ -593,9 +611,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
     if z is not None and dp_many and z.offload_optimizer.device == "cpu":
-        from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
+        from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
 
         r = ranks_per_node(hw)
+        if (note := oversubscribed_threads(hw, r)) is not None:
+            out.append(note)
         out.append(f"ZeRO-Offload on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, z.offload_mode, r)} threads "
                    "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "

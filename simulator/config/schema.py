@@ -710,7 +710,7 @@ class ScenarioConfig(_Model):
         except PresetError as exc:
             raise ValueError(f"{key}: {exc}") from None
         t = self.training
-        need = "fp8" if t.fp8 is not None else t.precision if t.precision in ("tf32", "fp32") else None
+        need = "fp8" if t.fp8 is not None else t.precision if t.precision in ("tf32", "fp32", "bf16") else None
         if need is not None and need not in gpu.peak_flops_per_s:
             raise ValueError(f"{key}: {name} has no {need} rate, which training.{'fp8' if need == 'fp8' else 'precision'}"
                              f" needs (allowed: a GPU preset with one)")

@@ -112,10 +112,23 @@ def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
     when the pool already covers every core it has (oversubscription: the two share it)."""
     cpu = hw.host_cpu
     avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores // ranks)
-    t = cpu.threads if ranks == 1 else (cpu.threads_used or avail)
+    # ranks x threads_used above the cores oversubscribes them: the threads time-share, so a rank's step
+    # runs on its cores / ranks share (``oversubscribed_threads`` flags it in the run's warnings)
+    t = cpu.threads if ranks == 1 else min(cpu.threads_used or avail, avail)
     if mode == "delayed_param_update" and t >= avail:
         t = max(1, t - DPU_TRAINING_THREAD_CORES)
     return t
+
+
+def oversubscribed_threads(hw, ranks: int) -> str | None:
+    """A warning when ``ranks`` CPU steps of ``threads_used`` threads each need more than the host's cores, else
+    None (``cpu_threads`` then gives each rank ``cores // ranks``)."""
+    cpu = hw.host_cpu
+    if ranks <= 1 or not cpu.threads_used or cpu.threads_used * ranks <= cpu.cores:
+        return None
+    return (f"hardware.host.threads {cpu.threads_used} x {ranks} ranks = {cpu.threads_used * ranks} CPU-step threads on "
+            f"{cpu.cores} cores: oversubscribed, so each rank's CPU step is priced on {max(1, cpu.cores // ranks)} "
+            f"cores (allowed without this note: threads <= {max(1, cpu.cores // ranks)})")
 
 
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",

@@ -30,6 +30,17 @@ def test_gemm_reports_flops_bytes_and_compute_bound():
     assert 0 < r["efficiency"] <= 1
 
 
+def test_a_skinny_gemm_is_at_least_its_operand_traffic_over_hbm():
+    """m = 1 x 8192 x 8192 bf16 on an H100 reads a 134 MB weight: at least 134 MB / 3.35 TB/s = 40 us (the tile model
+    alone gave 24.3 us, 5.5 TB/s); m = 8192 stays compute-bound on the tile model."""
+    gpu = presets.get("gpus", "h100-sxm-80gb")
+    r = price_kernel("h100-sxm-80gb", "gemm", [1, 8192, 8192])
+    assert r["bytes"] == 2 * (8192 + 8192**2 + 8192)
+    assert r["bound"] == "memory" and r["time_s"] >= r["bytes"] / gpu.hbm_bandwidth_bytes_per_s
+    big = price_kernel("h100-sxm-80gb", "gemm", [8192, 8192, 8192])
+    assert big["bound"] == "compute" and big["time_s"] > 1e-3
+
+
 @pytest.mark.validation
 def test_large_h200_gemms_within_20_percent_of_the_microbenchmarks():
     """In sample: the H200 profile's GEMM tile model was fitted on these (scripts/build_h200_profile.py).

@@ -175,6 +175,7 @@ def test_a_replica_on_another_gpu_is_its_own_class_priced_on_that_gpu():
 
 @pytest.mark.parametrize("overrides,msg", [
     ([{"dp_rank": 1, "gpu": "h900-imaginary"}], "rank_overrides[0].gpu"),
+    ([{"dp_rank": 1, "gpu": "v100-sxm2-32gb"}], "rank_overrides[0].gpu: v100-sxm2-32gb has no bf16 rate"),
     ([{"pp_rank": 0, "gpu": "a100-sxm4-80gb"}, {"dp_rank": 1, "gpu": "a100-sxm4-80gb"}],
      "a replica's and a stage's gpu would both apply"),
 ])

@@ -155,3 +155,21 @@ def test_forward_prefetch_with_limit_all_gathers_is_really_the_same_run():
     assert on["step_time_s"] == off["step_time_s"]
     assert sum("fsdp.forward_prefetch true gives the same schedule" in x for x in on["warnings"]) == 1
     assert not any("forward_prefetch" in x for x in off["warnings"])
+
+
+def test_pageable_copies_without_a_pageable_rate_are_flagged():
+    """ZeRO-Offload with DeepSpeed's default pin_memory false on a DGX H100 (PCIe Gen5 preset: no pageable rate
+    for that host): priced at the pinned rate, and the run says so; the measured H200 host has the rates."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import resolve_hardware
+
+    sets = ["training.precision=bf16", "zero_optimization.stage=2", "zero_optimization.offload_optimizer.device=cpu"]
+    cfg = load_scenario(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml", sets)
+    w = [x for x in run_warnings(resolve_hardware(cfg), cfg) if "pageable" in x]
+    assert len(w) == 1 and w[0].startswith("zero_optimization.offload_optimizer.pin_memory false copies")
+    pinned = load_scenario(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml",
+                           sets + ["zero_optimization.offload_optimizer.pin_memory=true"])
+    assert not [x for x in run_warnings(resolve_hardware(pinned), pinned) if "pageable" in x]
+    h200 = load_scenario(ROOT / "scenarios/h200/gpt_184m_b16_offload_serial.yaml",
+                         ["zero_optimization.offload_optimizer.pin_memory=false"])
+    assert not [x for x in run_warnings(resolve_hardware(h200), h200) if "pageable" in x]

@@ -50,6 +50,22 @@ def test_eight_ranks_take_4x_the_lone_rank_by_hand():
     assert sum(eight.values()) / sum(one.values()) == pytest.approx(4.0, rel=1e-12)
 
 
+def test_threads_above_the_cores_per_rank_time_share_them():
+    """16 cores, 8 ranks asking 8 threads each (64 threads): each rank's step runs on its 2 cores, as without the
+    setting, and the run says the host is oversubscribed; 2 threads each fit and are not flagged."""
+    from simulator.policies.offload_optimizer import oversubscribed_threads
+
+    hw = _hw()
+    over = dataclasses.replace(hw, host_cpu=dataclasses.replace(hw.host_cpu, threads_used=8))
+    fit = dataclasses.replace(hw, host_cpu=dataclasses.replace(hw.host_cpu, threads_used=2))
+    assert cpu_threads(over, "overlap", 8) == cpu_threads(hw, "overlap", 8) == 2
+    n = 1_000_000_000
+    assert cpu_step_times(n, 1, "deepspeed_cpu_adam", over, ranks=8) == cpu_step_times(n, 1, "deepspeed_cpu_adam", hw,
+                                                                                         ranks=8)
+    assert "8 x 8 ranks = 64 CPU-step threads on 16 cores: oversubscribed" in oversubscribed_threads(over, 8)
+    assert oversubscribed_threads(fit, 8) is None and oversubscribed_threads(over, 1) is None
+
+
 def test_host_memory_counts_every_rank_of_the_node():
     """10 GB pinned + 2 GB pageable per rank fit a 90 GB host alone; 8 ranks need 96 GB: short by 6."""
     hw = dataclasses.replace(_hw(), host_memory=HostMemorySpec(90e9))
