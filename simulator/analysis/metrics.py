@@ -86,6 +86,12 @@ def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.nd
     return [(str(p), e) for p, e, _ in segs]
 
 
+def _as_str(col: pd.Series) -> np.ndarray:
+    """A string column as a NumPy unicode array (``to_numpy().astype(str)``), converting each distinct value once."""
+    codes, uniques = pd.factorize(col.to_numpy(object))
+    return np.asarray(uniques, dtype=str)[codes]
+
+
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     """Mean data-wait / forward / backward / optimizer time per measured step, seconds.
 
@@ -125,8 +131,8 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     out = {p: [] for p in (DATA_PHASE, *PHASES)}
     order = np.argsort(spans.step.to_numpy(), kind="stable")
     step_col = spans.step.to_numpy()[order]
-    kind = spans.kind.to_numpy().astype(str)[order]
-    phase = spans.phase.to_numpy().astype(str)[order]
+    kind = _as_str(spans.kind)[order]
+    phase = _as_str(spans.phase)[order]
     start = spans.start_s.to_numpy(float)[order]
     end = spans.end_s.to_numpy(float)[order]
 

@@ -159,6 +159,17 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
 def dependencies_frame(graph) -> pd.DataFrame:
     """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
     starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
-    rows = [(op.id, d, 0) for op in graph.ops for d in op.deps]
-    rows += [(op.id, d, 1) for op in graph.ops for d in ((op.meta or {}).get("prev_step_deps") or ())]
-    return pd.DataFrame(rows, columns=DEPENDENCY_COLUMNS)
+    op_id = [op.id for op in graph.ops for _ in op.deps]
+    dep_id = [d for op in graph.ops for d in op.deps]
+    n_same = len(op_id)
+    for op in graph.ops:
+        prev = (op.meta or {}).get("prev_step_deps") if op.meta else None
+        if prev:
+            op_id += [op.id] * len(prev)
+            dep_id += list(prev)
+    if not op_id:
+        return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
+    lag = np.zeros(len(op_id), dtype=np.int64)
+    lag[n_same:] = 1
+    return pd.DataFrame({"op_id": _column(op_id), "dep_id": _column(dep_id), "step_lag": lag},
+                        columns=DEPENDENCY_COLUMNS)
