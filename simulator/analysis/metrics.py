@@ -144,15 +144,16 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         m = np.isin(phase[r], PHASES)
         return float(end[r][m].max()) if m.any() else -np.inf
 
-    for row in steps[~steps.warmup].itertuples():
-        r = rows(row.step)
+    measured = ~steps.warmup.to_numpy(bool)
+    for step, step_start_s in zip(steps.step.to_numpy()[measured].tolist(), steps.start_s.to_numpy()[measured].tolist()):
+        r = rows(step)
         acc = dict.fromkeys(out, 0.0)
         k, p_, s_, e_ = kind[r], phase[r], start[r], end[r]
         if len(k):
             iv = np.stack([s_, e_], axis=1)
             gpu_busy = _merge(iv[np.isin(k, GPU_KINDS)])
             idle_data = _subtract(_merge(iv[p_ == DATA_PHASE]), gpu_busy)
-            t = max(float(row.start_s), last_phase_end(row.step - 1))
+            t = max(float(step_start_s), last_phase_end(step - 1))
             for p, e in _segments(k, p_, s_, e_):
                 if e > t:
                     w = _overlap(idle_data, t, e)

@@ -306,11 +306,12 @@ class DvfsRuntime:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
         summary = summary or {}
         self.ledger.update()  # commit any deferred level change
-        measured = steps[~steps.warmup]
-        n = max(len(measured), 1)
-        w = int(steps.warmup.sum())
-        t0 = float(steps.end_s.iloc[w - 1]) if w > 0 else float(steps.start_s.iloc[0])
-        t1 = float(steps.end_s.iloc[-1])
+        warmup = steps.warmup.to_numpy(bool)
+        n = max(int((~warmup).sum()), 1)
+        w = int(warmup.sum())
+        ends = steps.end_s.to_numpy()
+        t0 = float(ends[w - 1]) if w > 0 else float(steps.start_s.to_numpy()[0])
+        t1 = float(ends[-1])
         window = max(t1 - t0, 1e-12)
         energy = self.ledger.energy_between(t0, t1)
         e_step = energy / n

@@ -61,7 +61,7 @@ class Recorder:
 
         Built column by column: an op's attributes are read once however many steps it ran in (a column
         of the distinct ops, then taken by each span's op index); the dtypes are those pandas infers
-        from the values (``_column``), as for a frame built from the rows.
+        from the values (``column_array``), as for a frame built from the rows.
         """
         if not self._spans:
             df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
@@ -77,15 +77,15 @@ class Recorder:
         pos = np.fromiter((index[id(op)] for op in ops), dtype=np.intp, count=len(ops))
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
                              op.cost_class.value, op.flops, op.bytes_moved) for op in uniq)))
-        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (_column(v).take(pos) for v in per_op)
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
         if any(streams):
-            stream = _column([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
+            stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
         else:
             stream = op_stream
-        cols = {"step": _column(steps), "op_id": op_id, "name": name, "stream": stream, "kind": kind,
-                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": _column(starts),
-                "end_s": _column(ends), "flops": flops, "bytes": nbytes}
-        df = pd.DataFrame(cols, columns=SPAN_COLUMNS)
+        cols = {"step": column_array(steps), "op_id": op_id, "name": name, "stream": stream, "kind": kind,
+                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": column_array(starts),
+                "end_s": column_array(ends), "flops": flops, "bytes": nbytes}
+        df = pd.DataFrame(cols)  # in SPAN_COLUMNS order
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
@@ -95,14 +95,14 @@ class Recorder:
         if not self.counters:
             return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
         t_s, scope, metric, value = zip(*self.counters)
-        t = _column(t_s)
+        t = column_array(t_s)
         order = np.argsort(np.asarray(t), kind="stable")
-        cols = {"t_s": t.take(order), "scope": _column(scope).take(order), "metric": _column(metric).take(order),
-                "value": _column(value).take(order)}
-        return pd.DataFrame(cols, columns=COUNTER_COLUMNS)
+        cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),
+                "value": column_array(value).take(order)}
+        return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
 
 
-def _column(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
+def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
     """``values`` (a sequence) as the array pandas makes of it in a frame built from rows, with the dtype
     pandas infers: Python ints and floats alone convert directly (``int64``, or ``float64`` when any is a
     float, as pandas does); anything else (strings, None, bools) goes through pandas' own inference."""
@@ -152,8 +152,7 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     op_id = launched[k]
     t = end[step, k]
     return pd.DataFrame({"step": step.astype(np.int64), "op_id": op_id.astype(np.int64),
-                         "start_s": t - np.asarray(launch_cost_s, dtype=float)[op_id], "end_s": t},
-                        columns=LAUNCH_COLUMNS)
+                         "start_s": t - np.asarray(launch_cost_s, dtype=float)[op_id], "end_s": t})
 
 
 def dependencies_frame(graph) -> pd.DataFrame:
@@ -171,5 +170,4 @@ def dependencies_frame(graph) -> pd.DataFrame:
         return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
     lag = np.zeros(len(op_id), dtype=np.int64)
     lag[n_same:] = 1
-    return pd.DataFrame({"op_id": _column(op_id), "dep_id": _column(dep_id), "step_lag": lag},
-                        columns=DEPENDENCY_COLUMNS)
+    return pd.DataFrame({"op_id": column_array(op_id), "dep_id": column_array(dep_id), "step_lag": lag})
