@@ -338,6 +338,12 @@ def get(family: str, name: str) -> Any:
     if family not in _BUILT_HERE:
         raise PresetError(f"preset family {family!r} is not built by hardware_models.presets.get "
                           f"(allowed: {', '.join(_BUILT_HERE)}; see FAMILIES for the others' loaders)")
+    return _built(family, name)
+
+
+@lru_cache(maxsize=None)
+def _built(family: str, name: str) -> Any:
+    """``get``'s spec, built once per process (the specs are frozen; ``_load`` caches the file the same way)."""
     data = read(family, name)  # checks the name first
     where = f"preset {family}/{name}"
     if family == "gpus":

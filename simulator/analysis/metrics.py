@@ -86,6 +86,12 @@ def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.nd
     return [(str(p), e) for p, e, _ in segs]
 
 
+def _as_str(col: pd.Series) -> np.ndarray:
+    """A string column as a NumPy unicode array (``to_numpy().astype(str)``), converting each distinct value once."""
+    codes, uniques = pd.factorize(col.to_numpy(object))
+    return np.asarray(uniques, dtype=str)[codes]
+
+
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     """Mean data-wait / forward / backward / optimizer time per measured step, seconds.
 
@@ -125,8 +131,8 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     out = {p: [] for p in (DATA_PHASE, *PHASES)}
     order = np.argsort(spans.step.to_numpy(), kind="stable")
     step_col = spans.step.to_numpy()[order]
-    kind = spans.kind.to_numpy().astype(str)[order]
-    phase = spans.phase.to_numpy().astype(str)[order]
+    kind = _as_str(spans.kind)[order]
+    phase = _as_str(spans.phase)[order]
     start = spans.start_s.to_numpy(float)[order]
     end = spans.end_s.to_numpy(float)[order]
 
@@ -138,15 +144,16 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         m = np.isin(phase[r], PHASES)
         return float(end[r][m].max()) if m.any() else -np.inf
 
-    for row in steps[~steps.warmup].itertuples():
-        r = rows(row.step)
+    measured = ~steps.warmup.to_numpy(bool)
+    for step, step_start_s in zip(steps.step.to_numpy()[measured].tolist(), steps.start_s.to_numpy()[measured].tolist()):
+        r = rows(step)
         acc = dict.fromkeys(out, 0.0)
         k, p_, s_, e_ = kind[r], phase[r], start[r], end[r]
         if len(k):
             iv = np.stack([s_, e_], axis=1)
             gpu_busy = _merge(iv[np.isin(k, GPU_KINDS)])
             idle_data = _subtract(_merge(iv[p_ == DATA_PHASE]), gpu_busy)
-            t = max(float(row.start_s), last_phase_end(row.step - 1))
+            t = max(float(step_start_s), last_phase_end(step - 1))
             for p, e in _segments(k, p_, s_, e_):
                 if e > t:
                     w = _overlap(idle_data, t, e)
@@ -179,15 +186,15 @@ def busy_time(spans: pd.DataFrame, stream: str) -> float:
 
 def utilisation(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     """Busy fraction of each stream over the measured steps (0-1)."""
-    m = steps[~steps.warmup]
-    if m.empty:
+    measured = ~steps.warmup.to_numpy(bool)
+    if not measured.any():
         return {}
-    t0, t1 = float(m.start_s.min()), float(m.end_s.max())
+    t0, t1 = float(steps.start_s.to_numpy()[measured].min()), float(steps.end_s.to_numpy()[measured].max())
     if not t1 > t0:
         return {}
-    d = spans[(spans.step.isin(m.step))]
-    codes, names = pd.factorize(d.stream)
-    start, end = d.start_s.to_numpy(), d.end_s.to_numpy()
+    d = np.isin(spans.step.to_numpy(), steps.step.to_numpy()[measured])
+    codes, names = pd.factorize(spans.stream.to_numpy(object)[d])
+    start, end = spans.start_s.to_numpy()[d], spans.end_s.to_numpy()[d]
     out = {}
     for k, name in sorted(enumerate(names), key=lambda kv: kv[1]):
         sel = codes == k
@@ -263,24 +270,27 @@ def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict
     Returns:
         ``(exposed_comm_s, {group: busy_s})``: means over the measured (non-warmup) steps, s.
     """
-    measured = steps[~steps.warmup] if "warmup" in steps else steps
-    coll = spans[spans.kind == COLLECTIVE_KIND]
-    if coll.empty or measured.empty:
+    measured = ~steps.warmup.to_numpy(bool) if "warmup" in steps else np.ones(len(steps), dtype=bool)
+    kind = spans.kind.to_numpy(object)
+    coll = kind == COLLECTIVE_KIND
+    if not coll.any() or not measured.any():
         return 0.0, {}
-    comp = spans[spans.kind == COMPUTE_KIND]
-    group = comm_group(coll.stream)
+    iv_all = spans[["start_s", "end_s"]].to_numpy(dtype=float)
+    coll_iv, comp_iv = iv_all[coll], iv_all[kind == COMPUTE_KIND]
+    codes, streams = pd.factorize(spans.stream.to_numpy(object)[coll])
+    group = comm_group(pd.Series(streams, dtype=object)).to_numpy(object)[codes]  # per collective span
+    names = {g: g for g in group}
+    by_group = [(g, coll_iv[group == g]) for g in sorted(set(names.values()))]
     exposed, busy = 0.0, {}
-    for _, st in measured.iterrows():
-        t0, t1 = float(st.start_s), float(st.end_s)
+    for t0, t1 in zip(steps.start_s.to_numpy(float)[measured].tolist(), steps.end_s.to_numpy(float)[measured].tolist()):
 
-        def window(df):
-            iv = df[["start_s", "end_s"]].to_numpy(dtype=float)
+        def window(iv):
             iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
             return _merge(np.clip(iv, t0, t1))
 
-        k = window(coll)
-        exposed += float(np.sum(np.diff(_subtract(k, window(comp)), axis=1)))
-        for g in sorted(set(group)):
-            busy[g] = busy.get(g, 0.0) + float(np.sum(np.diff(window(coll[group == g]), axis=1)))
-    n = len(measured)
+        k = window(coll_iv)
+        exposed += float(np.sum(np.diff(_subtract(k, window(comp_iv)), axis=1)))
+        for g, iv in by_group:
+            busy[g] = busy.get(g, 0.0) + float(np.sum(np.diff(window(iv), axis=1)))
+    n = int(measured.sum())
     return exposed / n, {g: v / n for g, v in busy.items()}

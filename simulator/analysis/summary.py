@@ -24,14 +24,14 @@ def step_period_s(steps: pd.DataFrame) -> tuple[float, float]:
     Args:
         steps: One row per step with ``step, start_s, end_s, warmup`` (in step order).
     """
-    ends = steps.end_s.to_numpy()
+    ends, starts = steps.end_s.to_numpy(), steps.start_s.to_numpy()
     prev_end = np.concatenate(([np.nan], ends[:-1]))
     first = steps.step.to_numpy() == 0
-    period = np.where(first, steps.end_s - steps.start_s, ends - prev_end)
+    period = np.where(first, ends - starts, ends - prev_end)
     mask = ~steps.warmup.to_numpy()
     if not mask.any():
         return 0.0, 0.0
-    latency = (steps.end_s - steps.start_s).to_numpy()[mask]
+    latency = (ends - starts)[mask]
     return float(np.mean(period[mask])), float(np.mean(latency))
 
 

@@ -26,7 +26,7 @@ from simulator.engine.links import Fabric
 from simulator.engine.rendezvous import Rendezvous
 from simulator.engine.system import System
 from simulator.graph.op_graph import OpGraph
-from simulator.recording.recorder import Recorder, launches_frame
+from simulator.recording.recorder import Recorder, column_array, launches_frame
 
 
 @contextmanager
@@ -158,8 +158,9 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     out = []
     for graph, rec, system, runtime, ex in ranks:
         rec.counters.extend(system.memory_counters())
-        step_df = pd.DataFrame({"step": range(steps), "start_s": ex.step_start, "end_s": ex.step_end})
-        step_df["step_time_s"] = step_df.end_s - step_df.start_s
+        start, end = column_array(ex.step_start), column_array(ex.step_end)
+        step_df = pd.DataFrame({"step": np.arange(steps, dtype=np.int64), "start_s": start, "end_s": end,
+                                "step_time_s": end - start})
         launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
         out.append((RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime))
     for _, rec, system, _, ex in ranks:

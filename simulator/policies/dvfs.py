@@ -306,11 +306,12 @@ class DvfsRuntime:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
         summary = summary or {}
         self.ledger.update()  # commit any deferred level change
-        measured = steps[~steps.warmup]
-        n = max(len(measured), 1)
-        w = int(steps.warmup.sum())
-        t0 = float(steps.end_s.iloc[w - 1]) if w > 0 else float(steps.start_s.iloc[0])
-        t1 = float(steps.end_s.iloc[-1])
+        warmup = steps.warmup.to_numpy(bool)
+        n = max(int((~warmup).sum()), 1)
+        w = int(warmup.sum())
+        ends = steps.end_s.to_numpy()
+        t0 = float(ends[w - 1]) if w > 0 else float(steps.start_s.to_numpy()[0])
+        t1 = float(ends[-1])
         window = max(t1 - t0, 1e-12)
         energy = self.ledger.energy_between(t0, t1)
         e_step = energy / n
@@ -337,22 +338,24 @@ class DvfsRuntime:
         window = max(t1 - t0, 1e-12)
         busy = 1.0
         if spans is not None and len(spans):
-            s = spans[(spans.end_s > t0) & (spans.start_s < t1)]
-            dur = (s.end_s.clip(upper=t1) - s.start_s.clip(lower=t0))
-            host_ops = dur[(s.stream == "host") & (s.kind == "host")].sum()
-            codes, names = pd.factorize(s.stream)
+            start, end = spans.start_s.to_numpy(float), spans.end_s.to_numpy(float)
+            sel = (end > t0) & (start < t1)
+            dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
+            stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
+            host_ops = dur[(stream == "host") & (kind == "host")].sum()
+            codes, names = pd.factorize(stream)
             is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
-            workers = dur[is_worker[codes] if len(names) else np.zeros(len(s), dtype=bool)].sum()
+            workers = dur[is_worker[codes] if len(names) else np.zeros(len(dur), dtype=bool)].sum()
             busy += (self.host_cores - 1) * host_ops / window + workers / window
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:
         if counters is None or not len(counters):
             return float(self.state.sm_clock_mhz)
-        c = counters[(counters.scope == "gpu0") & (counters.metric == "sm_clock_mhz")]
-        if not len(c):
+        sel = (counters.metric.to_numpy(object) == "sm_clock_mhz") & (counters.scope.to_numpy(object) == "gpu0")
+        if not sel.any():
             return float(self.state.sm_clock_mhz)
-        ts, vs = list(c.t_s) + [t1], list(c.value)
+        ts, vs = counters.t_s.to_numpy()[sel].tolist() + [t1], counters.value.to_numpy()[sel].tolist()
         total = 0.0
         for i, v in enumerate(vs):
             a, b = max(ts[i], t0), min(ts[i + 1], t1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 SPAN_COLUMNS = [
@@ -58,34 +59,62 @@ class Recorder:
     def spans_frame(self) -> pd.DataFrame:
         """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
 
-        Built column by column: an op's attributes are read once however many steps it ran in.
+        Built column by column: an op's attributes are read once however many steps it ran in (a column
+        of the distinct ops, then taken by each span's op index); the dtypes are those pandas infers
+        from the values (``column_array``), as for a frame built from the rows.
         """
         if not self._spans:
             df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
         steps, ops, starts, ends, streams = zip(*self._spans)
-        attrs: dict[int, tuple] = {}
+        index: dict[int, int] = {}
+        uniq = []
         for op in ops:
-            if id(op) not in attrs:
-                attrs[id(op)] = (op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
-                                 op.cost_class.value, op.flops, op.bytes_moved)
-        rows = [attrs[id(op)] for op in ops]
-        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = zip(*rows)
-        cols = {"step": steps, "op_id": op_id, "name": name,
-                "stream": [s or d for s, d in zip(streams, op_stream)], "kind": kind, "phase": phase,
-                "layer": layer, "cost_class": cost_class, "start_s": starts, "end_s": ends, "flops": flops,
-                "bytes": nbytes}
-        df = pd.DataFrame({k: list(v) for k, v in cols.items()}, columns=SPAN_COLUMNS)
+            if id(op) not in index:
+                index[id(op)] = len(uniq)
+                uniq.append(op)
+        pos = np.fromiter((index[id(op)] for op in ops), dtype=np.intp, count=len(ops))
+        per_op = list(zip(*((op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
+                             op.cost_class.value, op.flops, op.bytes_moved) for op in uniq)))
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
+        if any(streams):
+            stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
+        else:
+            stream = op_stream
+        cols = {"step": column_array(steps), "op_id": op_id, "name": name, "stream": stream, "kind": kind,
+                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": column_array(starts),
+                "end_s": column_array(ends), "flops": flops, "bytes": nbytes}
+        df = pd.DataFrame(cols)  # in SPAN_COLUMNS order
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
     def counters_frame(self) -> pd.DataFrame:
-        """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order."""
+        """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order (stable: samples at one
+        instant keep their recording order)."""
         if not self.counters:
             return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
-        df = pd.DataFrame(dict(zip(COUNTER_COLUMNS, map(list, zip(*self.counters)))), columns=COUNTER_COLUMNS)
-        return df.sort_values("t_s", kind="stable", ignore_index=True)
+        t_s, scope, metric, value = zip(*self.counters)
+        t = column_array(t_s)
+        order = np.argsort(np.asarray(t), kind="stable")
+        cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),
+                "value": column_array(value).take(order)}
+        return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
+
+
+def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """``values`` (a sequence) as the array pandas makes of it in a frame built from rows, with the dtype
+    pandas infers: Python ints and floats alone convert directly (``int64``, or ``float64`` when any is a
+    float, as pandas does); anything else (strings, None, bools) goes through pandas' own inference."""
+    values = list(values)
+    if set(map(type, values)) <= _NUMBERS:
+        a = np.array(values)
+        if a.dtype.kind in "if":
+            return a
+    return pd.Series(values).array
+
+
+_NUMBERS = {int, float}
 
 
 LAUNCH_COLUMNS = ["step", "op_id", "start_s", "end_s"]
@@ -111,17 +140,34 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     """
     if launch_cost_s is None:
         return pd.DataFrame(columns=LAUNCH_COLUMNS)
-    launched = [op.id for op in graph.ops if op.launch]
-    rows = [(step, i, t - launch_cost_s[i], t) for step, lt in enumerate(launch_time) for i in launched
-            if (t := lt[i]) is not None]
-    if not rows:
-        return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
-    return pd.DataFrame(dict(zip(LAUNCH_COLUMNS, map(list, zip(*rows)))), columns=LAUNCH_COLUMNS)
+    launched = np.array([op.id for op in graph.ops if op.launch], dtype=np.intp)
+    steps = len(launch_time)
+    if not len(launched) or not steps:
+        return pd.DataFrame([], columns=LAUNCH_COLUMNS)
+    end = np.array(launch_time, dtype=float)[:, launched]  # [step, launched op]; NaN: never launched
+    ok = ~np.isnan(end)
+    if not ok.any():
+        return pd.DataFrame([], columns=LAUNCH_COLUMNS)
+    step, k = np.nonzero(ok)  # row-major: step by step, ops in graph order
+    op_id = launched[k]
+    t = end[step, k]
+    return pd.DataFrame({"step": step.astype(np.int64), "op_id": op_id.astype(np.int64),
+                         "start_s": t - np.asarray(launch_cost_s, dtype=float)[op_id], "end_s": t})
 
 
 def dependencies_frame(graph) -> pd.DataFrame:
     """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
     starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
-    rows = [(op.id, d, 0) for op in graph.ops for d in op.deps]
-    rows += [(op.id, d, 1) for op in graph.ops for d in ((op.meta or {}).get("prev_step_deps") or ())]
-    return pd.DataFrame(rows, columns=DEPENDENCY_COLUMNS)
+    op_id = [op.id for op in graph.ops for _ in op.deps]
+    dep_id = [d for op in graph.ops for d in op.deps]
+    n_same = len(op_id)
+    for op in graph.ops:
+        prev = (op.meta or {}).get("prev_step_deps") if op.meta else None
+        if prev:
+            op_id += [op.id] * len(prev)
+            dep_id += list(prev)
+    if not op_id:
+        return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
+    lag = np.zeros(len(op_id), dtype=np.int64)
+    lag[n_same:] = 1
+    return pd.DataFrame({"op_id": column_array(op_id), "dep_id": column_array(dep_id), "step_lag": lag})

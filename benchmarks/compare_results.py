@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Check that two checkouts give bit-identical results on the bundled scenarios.
+
+    python benchmarks/compare_results.py OTHER_CHECKOUT [SCENARIO ...]
+
+Each scenario (default: ``scenarios/h200/*.yaml`` and ``scenarios/cluster/*.yaml``) is run by
+``run_scenario`` under this checkout and under ``OTHER_CHECKOUT`` (each in a subprocess with its own
+``PYTHONPATH``); the summaries are compared by ``repr`` (floats to the last bit), and the spans,
+counters, steps, launches and deps frames by dtype and value (``DataFrame.equals`` plus column
+order). Exit status 1 and one line per difference when anything differs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMES = ("spans", "counters", "steps", "launches", "deps")
+_DUMP = r"""
+import pickle, sys, warnings
+warnings.simplefilter("ignore")
+import simulator
+assert simulator.__file__.startswith(sys.argv[3]), simulator.__file__
+from simulator import load_scenario, run_scenario
+r = run_scenario(load_scenario(sys.argv[1]))
+with open(sys.argv[2], "wb") as f:
+    pickle.dump({"summary": r.summary, "config": r.config, **{k: getattr(r, k) for k in %r}}, f)
+""" % (FRAMES,)
+
+
+def dump(code_dir: Path, scenario: Path, out: Path) -> dict:
+    """The results of ``scenario`` under the code of ``code_dir``."""
+    subprocess.run([sys.executable, "-c", _DUMP, str(scenario), str(out), str(code_dir.resolve())], check=True,
+                   cwd=code_dir, env={**os.environ, "PYTHONPATH": str(code_dir)})
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """What differs between two dumps (empty: bit-identical)."""
+    out = []
+    if repr(a["summary"]) != repr(b["summary"]):
+        keys = sorted(set(a["summary"]) | set(b["summary"]))
+        out += [f"summary[{k!r}]: {a['summary'].get(k)!r} != {b['summary'].get(k)!r}" for k in keys
+                if repr(a["summary"].get(k)) != repr(b["summary"].get(k))] or ["summary key order"]
+    if repr(a["config"]) != repr(b["config"]):
+        out.append("config differs")
+    for k in FRAMES:
+        x, y = a[k], b[k]
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                out.append(f"{k}: None in one run only")
+            continue
+        if list(x.columns) != list(y.columns) or list(x.dtypes.astype(str)) != list(y.dtypes.astype(str)):
+            out.append(f"{k}: columns/dtypes {dict(x.dtypes.astype(str))} != {dict(y.dtypes.astype(str))}")
+        elif not x.equals(y) or not x.index.equals(y.index):
+            out.append(f"{k}: values differ")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    other = Path(argv[0])
+    scenarios = [Path(p) for p in argv[1:]] or sorted(p for d in ("scenarios/h200", "scenarios/cluster")
+                                                      for p in (ROOT / d).glob("*.yaml"))
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for sc in scenarios:
+            sc = sc.resolve()
+            a = dump(ROOT, sc, Path(tmp) / "a.pkl")
+            b = dump(other, sc, Path(tmp) / "b.pkl")
+            diff = differences(a, b)
+            bad += bool(diff)
+            print(f"{'DIFF' if diff else 'same'} {sc.relative_to(ROOT) if sc.is_relative_to(ROOT) else sc}")
+            for d in diff:
+                print(f"    {d}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,98 @@
+"""The run frames built by columns equal the frames pandas builds from the rows (issue 12: per-run fixed
+cost), on hand-made records; ``column_array`` infers the dtypes pandas does; presets are built once."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hardware_models import presets
+from hardware_models.presets import PresetError
+from simulator.graph.ops import CostClass, OpKind, Phase
+from simulator.recording.recorder import (
+    COUNTER_COLUMNS, DEPENDENCY_COLUMNS, LAUNCH_COLUMNS, SPAN_COLUMNS, Recorder, column_array, dependencies_frame,
+    launches_frame)
+
+_value = st.one_of(st.integers(-2**62, 2**62), st.floats(allow_nan=True), st.booleans(), st.none(),
+                   st.sampled_from(["a", "comm.dp", ""]), st.integers(2**64, 2**70))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_value, min_size=1, max_size=8))
+def test_column_array_infers_what_pandas_infers(values):
+    got, want = pd.Series(column_array(values)), pd.Series(values)
+    assert got.dtype == want.dtype
+    assert got.equals(want)
+
+
+def _op(i, name, stream, kind, phase, layer, flops, nbytes):
+    return SimpleNamespace(id=i, name=name, stream=stream, kind=kind, phase=phase, layer=layer,
+                           cost_class=CostClass.GEMM if kind == OpKind.COMPUTE else CostClass.OTHER,
+                           flops=flops, bytes_moved=nbytes)
+
+
+def _recorder() -> Recorder:
+    a = _op(0, "qkv", "compute", OpKind.COMPUTE, Phase.FWD, 0, 2.0e9, 1024)
+    b = _op(1, "allreduce", "comm.dp", OpKind.COLLECTIVE, Phase.BWD, -1, 0, 4096.0)
+    rec = Recorder()
+    rec.span(0, a, 0, 1.5e-3)  # an int start (env.now starts at 0): the column is still float64
+    rec.span(0, b, 1.0e-3, 2.0e-3, "comm.dp.1")  # a span on its own channel stream
+    rec.span(1, a, 2.0e-3, 3.5e-3)
+    rec.span(1, b, 3.0e-3, 4.0e-3)
+    rec.counter(0.002, "gpu0", "power_w", 300.0)
+    rec.counter(0.0, "gpu0", "sm_clock_mhz", 1980)  # an int value among floats
+    rec.counter(0.002, "gpu0.hbm", "memory_bytes", 4096)  # same instant: kept after the power sample
+    rec.counter(0.001, "gpu0", "power_w", 450.5)
+    return rec
+
+
+def test_spans_frame_equals_the_frame_of_its_rows():
+    rec = _recorder()
+    want = pd.DataFrame(rec.spans, columns=SPAN_COLUMNS)
+    want["duration_s"] = want.end_s - want.start_s
+    got = rec.spans_frame()
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert got.stream.tolist() == ["compute", "comm.dp.1", "compute", "comm.dp"]
+    assert str(got.start_s.dtype) == "float64" and str(got.layer.dtype) == "int64"
+    assert str(got.flops.dtype) == "float64"  # 2e9 and the int 0
+
+
+def test_counters_frame_is_the_rows_in_stable_time_order():
+    rec = _recorder()
+    got = rec.counters_frame()
+    want = pd.DataFrame(rec.counters, columns=COUNTER_COLUMNS).sort_values("t_s", kind="stable", ignore_index=True)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert list(zip(got.t_s, got.metric)) == [(0.0, "sm_clock_mhz"), (0.001, "power_w"), (0.002, "power_w"),
+                                              (0.002, "memory_bytes")]
+    assert got.value.tolist() == [1980.0, 450.5, 300.0, 4096.0]
+
+
+def test_launches_frame_by_hand():
+    graph = SimpleNamespace(ops=[SimpleNamespace(id=0, launch=True), SimpleNamespace(id=1, launch=False),
+                                 SimpleNamespace(id=2, launch=True)])
+    got = launches_frame(graph, [[0.5, 9.0, None], [1.25, None, 2.0]], [0.25, 1.0, 0.5])
+    want = pd.DataFrame([(0, 0, 0.25, 0.5), (1, 0, 1.0, 1.25), (1, 2, 1.5, 2.0)], columns=LAUNCH_COLUMNS)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert launches_frame(graph, [[None, None, None]], [0.25, 1.0, 0.5]).empty
+    assert list(launches_frame(graph, [[0.5, None, None]], None).columns) == LAUNCH_COLUMNS
+
+
+def test_dependencies_frame_by_hand():
+    graph = SimpleNamespace(ops=[SimpleNamespace(id=0, deps=(), meta=None),
+                                 SimpleNamespace(id=1, deps=(0,), meta={"prev_step_deps": (2,)}),
+                                 SimpleNamespace(id=2, deps=(0, 1), meta={})])
+    want = pd.DataFrame([(1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 2, 1)], columns=DEPENDENCY_COLUMNS)
+    pd.testing.assert_frame_equal(dependencies_frame(graph), want, check_exact=True)
+    empty = dependencies_frame(SimpleNamespace(ops=[SimpleNamespace(id=0, deps=(), meta=None)]))
+    assert empty.empty and list(empty.columns) == DEPENDENCY_COLUMNS
+
+
+def test_presets_are_built_once_and_bad_names_still_raise():
+    assert presets.get("gpus", "h200-sxm-141gb") is presets.get("gpus", "h200-sxm-141gb")
+    for _ in range(2):
+        with pytest.raises(PresetError):
+            presets.get("gpus", "no-such-gpu")
