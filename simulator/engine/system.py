@@ -231,7 +231,10 @@ class System:
         (layer fidelity, ``simulator.policies.fidelity``: a launch-bound stream keeps its kernel-level time).
         """
         st = self.state
-        key = (op.id, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
+        m = op.meta  # identical blocks (same parts, same folded collectives) share one entry
+        fold = tuple((c.meta["collective"], c.meta.get("group"), c.meta["bytes"]) for c in op.folded_comm) \
+            if op.folded_comm else None
+        key = (m["fused_key"], m.get("folded_at"), fold, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
         t = self._tail.get(key)
         if t is None:
             parts = op.meta["fused"]

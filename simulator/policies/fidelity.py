@@ -121,8 +121,10 @@ def foldable_tp(graph: OpGraph) -> dict[int, tuple[int, int]]:
     compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
     pos = {j: i for i, j in enumerate(compute)}
     by_stream: dict[str, list[int]] = defaultdict(list)
+    at: dict[int, int] = {}  # collective id -> its index on its stream
     for op in ops:
         if op.stream.startswith("comm.tp"):
+            at[op.id] = len(by_stream[op.stream])
             by_stream[op.stream].append(op.id)
     out: dict[int, tuple[int, int]] = {}
     for c in cands:
@@ -134,7 +136,7 @@ def foldable_tp(graph: OpGraph) -> dict[int, tuple[int, int]]:
         if pos[b] != pos[a] + 1:
             continue
         seq = by_stream[c.stream]
-        k = seq.index(c.id)
+        k = at[c.id]
         if k > 0:  # the op before it on its stream: a kernel up to ``a`` waits for it
             p = seq[k - 1]
             if not any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ())) and p not in out:
