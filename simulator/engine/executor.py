@@ -227,9 +227,12 @@ class Executor:
         for op in self.g.ops:  # an NCCL call's host side is the collective profile's dispatch time
             if op.kind is _COLLECTIVE and self.sys.collective_model(op):
                 cost[op.id] = self.sys.collective_dispatch_s
-        for oid, n in self._blocks.items():  # a block's host side: one launch per part
-            self._early[oid] = cost[oid] * (n - 1)
-            cost[oid] *= n
+        self._per_launch = {}
+        for oid, n in self._blocks.items():  # a block's host side: one launch per part (and folded TP call)
+            self._per_launch[oid] = cost[oid]
+            calls = len(self.g.ops[oid].folded_comm) * self.sys.collective_dispatch_s
+            self._early[oid] = cost[oid] * (n - 1) + calls
+            cost[oid] = cost[oid] * n + calls
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
@@ -308,9 +311,8 @@ class Executor:
         from its first part's launch), s. The block waits, before it starts, until it can run its parts back to
         back and end then: the same end as its kernels would have, with the launch gaps idle before it."""
         oid = op.id
-        n = self._blocks[oid]
         first = self.launch_time[step][oid] - self._early[oid]
-        return first + self.sys.block_tail_s(op, self.launch_cost_s[oid] / n)
+        return first + self.sys.block_tail_s(op, self._per_launch[oid])
 
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""
@@ -348,7 +350,15 @@ class Executor:
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env.now
-        self.rec.span(step, op, start, now, stream)
+        if op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
+            t = now - self.sys.folded_comm_s(op)
+            self.rec.span(step, op, start, t, stream)
+            for c in op.folded_comm:
+                d = self.sys.collective_s(c)
+                self.rec.span(step, c, t, t + d, c.stream)
+                t += d
+        else:
+            self.rec.span(step, op, start, now, stream)
         if self.track_running:
             del self.running[stream]
         if self._on_end:

@@ -227,8 +227,17 @@ class System:
             self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
         d = self._dur.get(op.id)
         if d is None:
-            d = self._dur[op.id] = self.cost.duration_s(op, st)
+            d = self.cost.duration_s(op, st)
+            if op.folded_comm:  # a block with TP collectives folded in: each one's time alone on its links
+                d += self.folded_comm_s(op)
+            self._dur[op.id] = d
         return d
+
+    def folded_comm_s(self, op) -> float:
+        """Time of the TP collectives folded into layer-fidelity block ``op`` (``Op.folded_comm``): the sum of
+        their NCCL-model times alone (``collective_s``; alone on its links a collective's flows take exactly
+        that, ``collective_flows``), s. 0 for any other op."""
+        return sum(self.collective_s(c) for c in op.folded_comm)
 
     def block_tail_s(self, op, per_launch_s: float) -> float:
         """Shortest time from a block's first host launch to its end when its parts (``meta["fused"]``) are
@@ -237,13 +246,17 @@ class System:
         (layer fidelity, ``simulator.policies.fidelity``: a launch-bound stream keeps its kernel-level time).
         """
         st = self.state
-        key = (op.id, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
+        m = op.meta  # identical blocks (same parts, same folded collectives) share one entry
+        fold = tuple((c.meta["collective"], c.meta.get("group"), c.meta["bytes"]) for c in op.folded_comm) \
+            if op.folded_comm else None
+        key = (m["fused_key"], m.get("folded_at"), fold, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
         t = self._tail.get(key)
         if t is None:
             parts = op.meta["fused"]
+            comm = dict(zip(op.meta.get("folded_at", ()), (self.collective_s(c) for c in op.folded_comm)))
             t = rest = 0.0
             for i in range(len(parts) - 1, -1, -1):
-                rest += self.cost.duration_s(parts[i], st)
+                rest += self.cost.duration_s(parts[i], st) + comm.get(i, 0.0)  # a folded TP collective before part i
                 t = max(t, i * per_launch_s + rest)
             self._tail[key] = t
         return t
@@ -256,10 +269,16 @@ class System:
         (``cost.duration_s(op, state, sm_held, hbm_share)``); a measured kernel is not re-priced
         (its measurement includes whatever ran beside it) but counts as compute for the
         collectives' slowdown. The clocks are read when the rate changes.
+
+        A layer-fidelity block with TP collectives folded in (``Op.folded_comm``) then takes their time alone
+        (``folded_comm_s``) with the GPU counted idle (as the compute stream is while the blocking collective
+        runs at kernel fidelity); approximated: that time does not stretch beside compute on another stream,
+        holds no SMs or HBM from it, and shares no link with other traffic (``simulator.policies.fidelity``).
         """
         env = self.env
         if self.interference is None:
-            yield env.timeout(duration_s if duration_s is not None else self.cost.duration_s(op, self.state))
+            d = duration_s if duration_s is not None else self.cost.duration_s(op, self.state)
+            yield env.timeout(d + self.folded_comm_s(op) if op.folded_comm else d)
             return
         self._kernels += 1
         if self._kernels == 1:
@@ -276,6 +295,8 @@ class System:
             self._kernels -= 1
             if self._kernels == 0:
                 self._signal("_compute_changed")
+        if op.folded_comm:
+            yield env.timeout(self.folded_comm_s(op))
 
     def collective_flows(self, op) -> tuple[list[tuple[tuple[str, ...], float, float]], float]:
         """The flows collective ``op`` puts on this rank's links and its time after the latency.

@@ -113,6 +113,9 @@ class Op:
         pinned: For copies: whether the host buffer is pinned.
         dtype: Element type of the main operands (``"bf16"``, ``"fp32"``).
         role: What the builder emitted the op for (``OpRole``), for the policies.
+        folded_comm: Layer fidelity: the blocking TP collectives folded into this block op
+            (``simulator.policies.fidelity``), each renumbered to this op's id; the block's time includes
+            each one's NCCL-model time alone, and the recorder reports each as a collective span.
     """
 
     id: int
@@ -135,6 +138,7 @@ class Op:
     pinned: bool = True
     dtype: str = "bf16"
     role: OpRole = OpRole.NONE
+    folded_comm: tuple["Op", ...] = ()
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -26,6 +26,23 @@ engine's work) by the number of kernels per block:
   the block's demand up to the high-water mark its parts reach one after another at kernel fidelity; tensors
   it reads are freed when it (or their last later user) ends. The in-block peak is kept; what is live
   between its kernels is not (the block holds its high-water mark from start to end).
+* **TP collectives** (with a collective model, ``hw.collectives``). A blocking TP all-reduce / reduce-scatter /
+  all-gather between two kernels of one block (Megatron without ``tp_comm_overlap``: the compute stream waits
+  for it; conditions in ``foldable_tp``) is folded into the block (``Op.folded_comm``, its place in
+  ``meta["folded_at"]``) instead of splitting it, which cuts a 175B layer from ~14 ops to 2-3. The block takes
+  its kernels' time plus each folded collective's NCCL-model time alone (``System.folded_comm_s``: alone on
+  its links a collective's flows take exactly that); the host pays the collective's dispatch as well as the
+  kernels' launches. The recorder reports the block's kernels as one span and each folded collective as a
+  span of its stream at the block's end, so ``comm_s_by_group["tp"]``, ``exposed_comm_s`` and the compute
+  utilisation count the folded time as at kernel fidelity. Approximated: the folded collectives run at the end
+  of the block (the trace shows them there, not between their kernels); during them the GPU counts as idle,
+  their SM and HBM load does not slow a kernel on another stream, compute on another stream does not stretch
+  them, and they share no link (NVLink, NIC) with other transfers of the rank (a DP collective overlapping
+  one keeps its full rate, where at kernel fidelity the two would share a link they both cross); a power
+  meter metering per op counts their time at the block's power. Collectives that another stream, the next
+  step or other ranks wait for (rendezvous: TP collectives have none, ``api._meet_across_classes`` meets only
+  data-parallel and expert groups), or that overlap compute (Megatron's asynchronous input-gradient
+  all-reduce, ``tp_comm_overlap``), stay separate ops, as do those at a layer boundary.
 
 Measured on the bundled scenarios (``tests/simulator/policies/test_fidelity.py``): step time within 2 % and
 peak memory within a few % of kernel fidelity.
@@ -58,7 +75,8 @@ class LayerFidelity:
         return getattr(cfg.run, "fidelity", "kernel") == "layer"
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
-        return coarsen(graph)
+        # TP collectives are folded only where the engine prices them with its NCCL model
+        return coarsen(graph, fold_tp=getattr(hw, "collectives", None) is not None)
 
 
 def _mergeable(op: Op) -> bool:
@@ -66,11 +84,84 @@ def _mergeable(op: Op) -> bool:
             and op.fixed_duration_s is None and op.launch and not (op.meta and _UNMERGEABLE_META & op.meta.keys()))
 
 
-def blocks_of(graph: OpGraph) -> list[list[int]]:
-    """The runs of op ids ``coarsen`` merges (each of two or more ops), in graph order."""
+#: collective metadata that keeps a TP collective out of a block (it meets other ranks, or runs beside a GEMM)
+_UNFOLDABLE_META = frozenset({"rendezvous", "parties", "prev_step_deps", "fused_gemm", "fused"})
+
+
+def foldable_tp(graph: OpGraph) -> dict[int, tuple[int, int]]:
+    """Blocking TP collectives that may be folded into the block around them: collective id -> ``(a, b)``, the
+    compute-stream kernels it sits between (``a`` the last kernel before it, ``b`` the next one, which waits
+    for it).
+
+    A collective qualifies when it is a ``COLLECTIVE`` with ``meta["group"] == "tp"`` on a ``comm.tp`` stream
+    without a measured duration, rendezvous, ``parties``, previous-step dependencies or ``fused_gemm``
+    (``tp_comm_overlap``: it runs beside a GEMM, not between kernels); every op it waits for is a
+    compute-stream kernel and the last of them is ``a``; every op waiting for it is a compute-stream kernel,
+    the first being ``b``, the kernel right after ``a`` on the compute stream; nothing of the next step waits
+    for it; the op before it on its stream is done before ``a`` ends (a compute kernel up to ``a`` waits for
+    it) and the op after it waits for a compute kernel from ``b`` on (so leaving the stream changes no
+    stream order). TP collectives are never rendezvous of several simulated ranks (``api._meet_across_classes``
+    meets only data-parallel and expert groups; the TP peers are folded symmetric ranks), so folding one
+    drops no meeting; a collective that names one is kept.
+    """
+    ops = graph.ops
+    cands = [op for op in ops if op.kind is OpKind.COLLECTIVE and op.meta and op.meta.get("group") == "tp"
+             and "collective" in op.meta and op.stream.startswith("comm.tp") and op.fixed_duration_s is None
+             and not _UNFOLDABLE_META & op.meta.keys() and op.deps]
+    if not cands:
+        return {}
+    ids = {op.id for op in cands}
+    dependents: dict[int, list[int]] = defaultdict(list)
+    prev_waited: set[int] = set()
+    for op in ops:
+        for d in op.deps:
+            if d in ids:
+                dependents[d].append(op.id)
+        prev_waited.update((op.meta or {}).get("prev_step_deps") or ())
+    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    pos = {j: i for i, j in enumerate(compute)}
+    by_stream: dict[str, list[int]] = defaultdict(list)
+    at: dict[int, int] = {}  # collective id -> its index on its stream
+    for op in ops:
+        if op.stream.startswith("comm.tp"):
+            at[op.id] = len(by_stream[op.stream])
+            by_stream[op.stream].append(op.id)
+    out: dict[int, tuple[int, int]] = {}
+    for c in cands:
+        users = dependents.get(c.id)
+        if not users or c.id in prev_waited or any(ops[d].stream != COMPUTE_STREAM for d in c.deps) \
+                or any(ops[u].stream != COMPUTE_STREAM for u in users):
+            continue
+        a, b = max(c.deps), min(users)
+        if pos[b] != pos[a] + 1:
+            continue
+        seq = by_stream[c.stream]
+        k = at[c.id]
+        if k > 0:  # the op before it on its stream: a kernel up to ``a`` waits for it
+            p = seq[k - 1]
+            if not any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ())) and p not in out:
+                continue
+        if k + 1 < len(seq):  # the op after it waits for a kernel from ``b`` on
+            n = ops[seq[k + 1]]
+            if not any(ops[d].stream == COMPUTE_STREAM and d >= b for d in n.deps):
+                continue
+        out[c.id] = (a, b)
+    return out
+
+
+def blocks_of(graph: OpGraph, fold: dict[int, tuple[int, int]] | None = None) -> list[list[int]]:
+    """The runs of op ids ``coarsen`` merges (each of two or more ops), in graph order.
+
+    ``fold``: TP collectives that may be folded (``foldable_tp``): the dependency of such a collective on the
+    kernel before it and of the kernel after it on the collective do not end a block (the collective is folded
+    where both kernels land in one block, ``coarsen``).
+    """
+    fold = fold or {}
     ops = graph.ops
     waited: set[int] = set()  # ops something outside their stream (or the next step) waits for
     for op in ops:
+        if op.id in fold:
+            continue
         for d in op.deps:
             if ops[d].stream != op.stream:
                 waited.add(d)
@@ -85,7 +176,7 @@ def blocks_of(graph: OpGraph) -> list[list[int]]:
             cur = None
             continue
         k = (op.layer, op.phase)
-        cross = any(ops[d].stream != COMPUTE_STREAM for d in op.deps)
+        cross = any(ops[d].stream != COMPUTE_STREAM and d not in fold for d in op.deps)
         if cur is not None and k == key and not cross:
             cur.append(op.id)
         else:
@@ -101,7 +192,7 @@ def _signature(op: Op) -> tuple:
 
 
 def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
-              deps: tuple[int, ...] | None = None) -> Op:
+              deps: tuple[int, ...] | None = None, comm: dict[int, Op] | None = None) -> Op:
     """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
 
     ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate; ``new_id`` and
@@ -109,14 +200,19 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
     to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
     inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
+    ``comm``: TP collectives folded in, by the id of the part they run before (``foldable_tp``): their tensors
+    count like a part's, they go to ``folded_comm`` renumbered to the block's id, and ``meta["folded_at"]``
+    holds the index of the part each runs before.
     """
-    ids = {p.id for p in parts}
+    comm = comm or {}
+    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))]
+    ids = {p.id for p in seq}
     first_id = parts[0].id
-    internal = {t.name for p in parts for t in p.allocs if all(j in ids for j in users.get(t.name, ()))}
+    internal = {t.name for p in seq for t in p.allocs if all(j in ids for j in users.get(t.name, ()))}
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
     last_use: dict[str, int] = {}
-    for i, p in enumerate(parts):
+    for i, p in enumerate(seq):
         for u in p.uses:
             last_use[u] = i
     # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
@@ -126,7 +222,7 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     live = base = sum(size[u] for u in freed_in)
     high = live
     alive: dict[str, int] = {u: size[u] for u in freed_in}
-    for i, p in enumerate(parts):
+    for i, p in enumerate(seq):
         for t in p.allocs:
             if t.name in internal and t.device == "gpu":
                 alive[t.name] = t.nbytes
@@ -150,7 +246,10 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
     meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
     vals = list(_GET_FIELDS(first))  # the constructor directly (see ``_renumbered``)
-    vals[0] = first.id if new_id is None else new_id
+    vals[0] = bid = first.id if new_id is None else new_id
+    if comm:
+        meta["folded_at"] = tuple(i for i, p in enumerate(parts) if p.id in comm)
+        vals[_FOLDED] = tuple(_renumbered(comm[p.id], bid, (), comm[p.id].meta) for p in parts if p.id in comm)
     vals[_NAME], vals[_COST_CLASS], vals[_SHAPE] = name, longest.cost_class, ()
     vals[_FLOPS] = sum(p.flops for p in parts)
     vals[_READ] = sum(p.bytes_read for p in parts)
@@ -174,24 +273,37 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
     return Op(*vals)
 
 
-_DEPS, _META = _FIELDS.index("deps"), _FIELDS.index("meta")
+_DEPS, _META, _FOLDED = _FIELDS.index("deps"), _FIELDS.index("meta"), _FIELDS.index("folded_comm")
 _NAME, _COST_CLASS, _SHAPE, _FLOPS, _READ, _WRITTEN, _ALLOCS, _USES = (
     _FIELDS.index(f) for f in ("name", "cost_class", "shape", "flops", "bytes_read", "bytes_written", "allocs", "uses"))
 _GET_FIELDS = attrgetter(*_FIELDS)  # all fields of an op as one tuple, in one C call
 
 
-def coarsen(graph: OpGraph) -> OpGraph:
+def coarsen(graph: OpGraph, fold_tp: bool = False) -> OpGraph:
     """The graph at layer fidelity: each run of ``blocks_of`` replaced by one block op at its first part's
     place (dependencies on any part become dependencies on the block; ``meta["prev_step_deps"]`` and the
     parameter groups' ``grad_op`` are renumbered). A graph without such runs comes back with the same ops.
 
+    ``fold_tp``: also fold each blocking TP collective (``foldable_tp``) whose kernels before and after land in
+    one block into that block (``Op.folded_comm``; module docstring, *TP collectives*).
+
     Returns:
-        The new graph; ``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks"}``.
+        The new graph; ``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks", "folded_tp"}``.
     """
-    blocks = blocks_of(graph)
-    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks)}
+    fold = foldable_tp(graph) if fold_tp else {}
+    blocks = blocks_of(graph, fold)
+    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks), "folded_tp": 0}
     if not blocks:
         return graph.with_changes(meta={**graph.meta, "fidelity": info})
+    pair = {ab: c for c, ab in fold.items()}
+    comm_of: dict[int, dict[int, Op]] = {}  # block start -> {part id: collective folded before it}
+    for b in blocks:
+        for a, n in zip(b, b[1:]):
+            c = pair.get((a, n))
+            if c is not None:
+                comm_of.setdefault(b[0], {})[n] = graph.ops[c]
+    folded = {c.id: b0 for b0, m in comm_of.items() for c in m.values()}
+    info["folded_tp"] = len(folded)
     users: dict[str, list[int]] = defaultdict(list)
     size: dict[str, int] = {}
     for op in graph.ops:
@@ -206,13 +318,16 @@ def coarsen(graph: OpGraph) -> OpGraph:
     for op in graph.ops:
         if op.id in new_id:  # a later part of a block already placed
             continue
+        if op.id in folded:
+            new_id[op.id] = new_id[folded[op.id]]
+            continue
         for j in start_of.get(op.id, (op.id,)):
             new_id[j] = n
         n += 1
     out: list[Op] = []
     for op in graph.ops:
         i = new_id[op.id]
-        if i < len(out):
+        if i < len(out) or op.id in folded:
             continue
         b = start_of.get(op.id)
         if b is None:
@@ -223,9 +338,10 @@ def coarsen(graph: OpGraph) -> OpGraph:
             out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
             continue
         parts = [graph.ops[j] for j in b]
-        ids = set(b)
-        deps = tuple(sorted({new_id[d] for p in parts for d in p.deps if d not in ids}))
-        out.append(_block_op(parts, users, size, i, deps))
+        comm = comm_of.get(op.id)
+        ids = set(b) | ({c.id for c in comm.values()} if comm else set())
+        deps = tuple(sorted({new_id[d] for p in (*parts, *(comm or {}).values()) for d in p.deps if d not in ids}))
+        out.append(_block_op(parts, users, size, i, deps, comm))
     info["ops_after"] = len(out)
     pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
     return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info})

@@ -64,7 +64,8 @@ def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, s
     # -- launches: correlation ids tie a host launch to its GPU op ------------------------------
     corr: dict[tuple[int, int], int] = {}
     launch_at: dict[tuple[int, int], float] = {}
-    kind_of = dict(zip(spans.op_id, spans.kind)) if len(spans) else {}
+    # an op's first span (a layer-fidelity block's folded TP collectives follow it under the block's id)
+    kind_of = dict(zip(spans.op_id[::-1], spans.kind[::-1])) if len(spans) else {}
     if launches is not None and len(launches):
         for r in launches.itertuples(index=False):
             key = (int(r.step), int(r.op_id))
@@ -96,7 +97,7 @@ def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, s
               "pid": pid, "tid": tid, "ts": r.start_s * _US, "args": args}
         if dur > 0:
             events.append({"ph": "X", **ev, "dur": dur * _US})
-            slice_of[key] = (pid, tid, r.start_s)
+            slice_of.setdefault(key, (pid, tid, r.start_s))
         else:
             events.append({"ph": "i", "s": "t", **ev})
             zero.add(key)
@@ -127,7 +128,7 @@ def to_chrome_trace(spans: pd.DataFrame, counters: pd.DataFrame | None = None, s
             flow("ac2g", (HOST_PID, tids[MAIN_THREAD], t), slice_of[key], corr[key])
     flow_id = len(corr)
     if deps is not None and len(deps) and len(spans):
-        stream_of = dict(zip(spans.op_id, spans.stream))
+        stream_of = dict(zip(spans.op_id[::-1], spans.stream[::-1]))
         by_op: dict[int, list[tuple[int, int]]] = {}
         for op, dep, lag in deps.itertuples(index=False):
             by_op.setdefault(int(op), []).append((int(dep), int(lag)))

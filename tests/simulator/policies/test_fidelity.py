@@ -39,7 +39,8 @@ def test_one_block_sums_its_kernels():
     """Three 1/2/3 ms kernels of layer 0 fwd become one op of 6 ms; the step is 6 ms at both fidelities."""
     g = _three_kernels()
     lg = coarsen(g)
-    assert len(lg.ops) == 1 and lg.meta["fidelity"] == {"ops_before": 3, "ops_after": 1, "blocks": 1}
+    assert len(lg.ops) == 1 and lg.meta["fidelity"] == {"ops_before": 3, "ops_after": 1, "blocks": 1,
+                                                                "folded_tp": 0}
     assert lg.ops[0].bytes_read == 6e9 and lg.ops[0].meta["launches"] == 3
     for graph in (g, lg):
         assert simulate_graph(graph, make_hw(), steps=2).summary["step_time_s"] == pytest.approx(6 * MS, rel=1e-12)
@@ -145,3 +146,101 @@ def test_bundled_scenario_layer_within_2_percent(path):
     assert ls["step_time_s"] == pytest.approx(ks["step_time_s"], rel=0.02)
     assert ls["peak_memory_bytes"] == pytest.approx(ks["peak_memory_bytes"], rel=0.03)
     assert len(k.spans) >= 1.5 * len(lr.spans)
+
+
+# -- TP collectives folded into blocks (``foldable_tp``) ------------------------------------------------------
+def _tp_hw():
+    """The toy machine with a toy NCCL model: t = 10 us + bytes / 1 GB/s over the tp group (no interference)."""
+    from tests.simulator.graph.test_tensor_parallel import _toy_hw
+
+    return _toy_hw(2)
+
+
+def _two_blocks_and_all_reduce(ar_meta=None, **ar_kw):
+    """k0 (1 ms), k1 (1 ms), the TP all-reduce of 1 MB (1.01 ms on the toy model) that k2 waits for, k2 and k3
+    (2 ms, 1 ms), all of layer 0 fwd; the all-reduce uses k1's output and allocates nothing."""
+    b = GraphBuilder()
+    _elementwise(b, "k0", 1e9)
+    k1 = _elementwise(b, "k1", 1e9, allocs=(TensorAlloc("x", 100),))
+    ar = b.add("tp.proj.all_reduce", OpKind.COLLECTIVE, "comm.tp", layer=0, phase=Phase.FWD, bytes_read=1e6,
+               deps=[k1], uses=("x",), meta={"collective": "all_reduce", "bytes": 1_000_000, "group": "tp",
+                                             **(ar_meta or {})}, **ar_kw)
+    _elementwise(b, "k2", 2e9, deps=[ar], uses=("x",))
+    _elementwise(b, "k3", 1e9)
+    return b.build()
+
+
+def test_tp_all_reduce_folded_into_one_block_exactly():
+    """Two blocks and one all-reduce between them become one op of t1 + t_ar + t2 = 2 + 1.01 + 3 = 6.01 ms; the
+    step time, the TP busy time and the exposed communication (1.01 ms) are those of the unfolded graph, and the
+    block reports the all-reduce as a comm.tp span at its end."""
+    g = _two_blocks_and_all_reduce()
+    fg = coarsen(g, fold_tp=True)
+    assert len(fg.ops) == 1 and fg.meta["fidelity"]["folded_tp"] == 1
+    block = fg.ops[0]
+    assert [c.name for c in block.folded_comm] == ["tp.proj.all_reduce"] and block.folded_comm[0].id == block.id
+    assert block.meta["folded_at"] == (2,) and block.meta["launches"] == 4
+    runs = {name: simulate_graph(graph, _tp_hw(), steps=1).summary
+            for name, graph in (("kernel", g), ("layer", coarsen(g)), ("folded", fg))}
+    t_ar = 10e-6 + 1e6 / 1e9
+    for s in runs.values():
+        assert s["step_time_s"] == pytest.approx(2 * MS + t_ar + 3 * MS, rel=1e-12)
+        assert s["comm_s_by_group"] == {"tp": pytest.approx(t_ar, rel=1e-9)}
+        assert s["exposed_comm_s"] == pytest.approx(t_ar, rel=1e-9)
+        assert s["peak_memory_bytes"] == 100
+    r = simulate_graph(fg, _tp_hw(), steps=1)
+    sp = r.spans.set_index("stream")
+    assert (sp.start_s["compute"], sp.end_s["compute"]) == pytest.approx((0.0, 5 * MS))
+    assert (sp.start_s["comm.tp"], sp.end_s["comm.tp"]) == pytest.approx((5 * MS, 5 * MS + t_ar))
+    assert r.summary["utilisation"] == pytest.approx(simulate_graph(g, _tp_hw(), steps=1).summary["utilisation"])
+
+
+def test_tp_collective_kept_separate_where_folding_is_unsafe():
+    """Not folded: a data-parallel collective, a rendezvous, a fused GEMM + collective (tp_comm_overlap), a
+    measured collective, one another stream waits for, one not waited for by the next kernel, one started
+    before the last kernel ahead of it (running beside it), and any TP collective without ``fold_tp``."""
+    assert coarsen(_two_blocks_and_all_reduce()).meta["fidelity"]["folded_tp"] == 0
+    for meta, kw in (({"group": "dp"}, {}), ({"rendezvous": ("tp", 0), "parties": 2}, {}), ({"fused_gemm": True}, {}),
+                     ({}, {"fixed_duration_s": 1 * MS})):
+        assert coarsen(_two_blocks_and_all_reduce(meta, **kw), fold_tp=True).meta["fidelity"]["folded_tp"] == 0
+    g = _two_blocks_and_all_reduce()
+    b = GraphBuilder()
+    for op in g.ops:
+        b.add(op.name, op.kind, op.stream, layer=op.layer, phase=op.phase, cost_class=op.cost_class,
+              bytes_read=op.bytes_read, deps=list(op.deps), allocs=op.allocs, uses=op.uses, meta=dict(op.meta))
+    b.add("d2h", OpKind.MEMCPY_D2H, "d2h", bytes_read=1e6, deps=[2])
+    assert coarsen(b.build(), fold_tp=True).meta["fidelity"]["folded_tp"] == 0
+    b = GraphBuilder()  # the kernel after it does not wait for it (k3 does): not blocking
+    _elementwise(b, "k0", 1e9)
+    ar = b.add("tp.ar", OpKind.COLLECTIVE, "comm.tp", bytes_read=1e6, deps=[0],
+               meta={"collective": "all_reduce", "bytes": 1_000_000, "group": "tp"})
+    _elementwise(b, "k2", 2e9)
+    _elementwise(b, "k3", 1e9, deps=[ar])
+    assert coarsen(b.build(), fold_tp=True).meta["fidelity"]["folded_tp"] == 0
+    b = GraphBuilder()  # it waits for k0 only and runs beside k1 (Megatron's async input-gradient all-reduce)
+    _elementwise(b, "k0", 1e9)
+    _elementwise(b, "k1", 1e9)
+    ar = b.add("tp.ar", OpKind.COLLECTIVE, "comm.tp", bytes_read=1e6, deps=[0],
+               meta={"collective": "all_reduce", "bytes": 1_000_000, "group": "tp"})
+    _elementwise(b, "k2", 2e9, deps=[ar])
+    assert coarsen(b.build(), fold_tp=True).meta["fidelity"]["folded_tp"] == 0
+
+
+TP_SCENARIOS = [*sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scenarios/cluster").glob("*tp*.yaml")),
+                "scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml"]
+#: the 175B case cut down for test speed: 8 layers (one per stage), 8 micro-batches, one data-parallel replica
+_SMALL_175B = ["model.num_layers=8", "training.global_batch_size=8", "hardware.cluster.nodes=8"]
+
+
+@pytest.mark.parametrize("path", TP_SCENARIOS)
+def test_tp_scenarios_fold_collectives_within_2_percent(path):
+    """Every bundled scenario with TP: layer fidelity folds TP collectives, keeps the step time within 2 % of
+    kernel fidelity and the TP busy time and exposed communication within 0.1 % (folded parts reported)."""
+    over = _SMALL_175B if "175b" in path else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = run_scenario(load_scenario(ROOT / path, ["run.fidelity=kernel", *over])).summary
+        lr = run_scenario(load_scenario(ROOT / path, ["run.fidelity=layer", *over])).summary
+    assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
+    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=1e-3)
+    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=1e-3)
