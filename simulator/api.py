@@ -476,13 +476,21 @@ def _pageable_copies(cfg: ScenarioConfig) -> str:
     return ", ".join(keys)
 
 
+def _generic_profile_note(name: str) -> str:
+    """The warning for a GPU priced with the generic efficiency profile ``name`` (``generic:<gpu>``)."""
+    from hardware_models.presets import list_presets
+
+    fitted = ", ".join(n for n in list_presets("profiles")["profiles"] if not n.endswith("-micro"))
+    return (f"generic GPU profile {name!r}: no fitted efficiency profile for this GPU, so GEMM and memory-kernel "
+            f"efficiencies are assumed (70% / 80% of peak); comparisons with a GPU that has one ({fitted}) mix "
+            "measured and assumed numbers")
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
     if hw.profile.name.startswith("generic:"):
-        out.append(f"generic GPU profile {hw.profile.name!r}: no fitted efficiency profile for this GPU, so GEMM and "
-                   "memory-kernel efficiencies are assumed (70% / 80% of peak); comparisons with a fitted GPU "
-                   "(h200-sxm-141gb) mix measured and assumed numbers")
+        out.append(_generic_profile_note(hw.profile.name))
     if hw.profile.provenance.get("borrowed_from"):  # a profile partly taken from another GPU's measurements
         b = hw.profile.provenance["borrowed_from"]
         out.append(f"GPU profile {hw.profile.name!r}: {', '.join(b['fields'])} not measured on this GPU, taken from "
@@ -539,6 +547,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             who = f"pipeline stage {o.pp_rank}" if o.pp_rank is not None else f"replica {o.dp_rank}"
             out.append(f"rank_overrides: {who} runs on {o.gpu} (its peaks, HBM, memory and power; priced with its shipped or the generic "
                        "efficiency profile); the cluster's links and collective model are the cluster preset's")
+            prof = other_gpu(hw, o.gpu).profile.name
+            if prof.startswith("generic:") and not any(prof in w for w in out):
+                out.append(f"rank_overrides: {who}: " + _generic_profile_note(prof))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     if pp > 1:
         spec = transformer_spec(cfg)

@@ -27,8 +27,8 @@ def _busy_line(s: dict) -> list[str]:
     data wait (``phase_s.data_s``: no kernel runs while the training thread is in
     ``next(iterator)``) is at least half of it, on the pipeline bubble (``pipeline_bubble_s``) when that is,
     on communication (*communication-bound*) when the
-    exposed communication (``exposed_comm_s``) is, otherwise on the host (*host-bound*: kernel
-    launches or other host work such as a CPU optimizer).
+    exposed communication (``exposed_comm_s``) is, on both when together they are, otherwise on the host
+    (*host-bound*: kernel launches or other host work such as a CPU optimizer).
     """
     busy = (s.get("utilisation") or {}).get("compute")
     if busy is None:
@@ -49,6 +49,9 @@ def _busy_line(s: dict) -> list[str]:
                     " see `simulate dataloader-workers`)")
         elif comm_s > 0 and comm_s >= 0.5 * idle_s:
             note = f"  (communication-bound: the GPU waits {comm_s * 1e3:.2f} ms/step for collectives)"
+        elif bubble_s + comm_s >= 0.5 * idle_s:  # neither alone, both together: not the host
+            note = (f"  (pipeline bubble {bubble_s * 1e3:.2f} ms and exposed communication {comm_s * 1e3:.2f} ms "
+                    "per step)")
         else:
             note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]

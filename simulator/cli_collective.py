@@ -52,7 +52,7 @@ def price(args) -> list:
     """Results of ``args`` (list of ``CollectiveResult``). Raises: PresetError, UnitError."""
     from hardware_models.collectives import (CollectiveError, CollectiveModel, NcclConfig,
                                              load_collective_profile, standard_group)
-    from hardware_models.topology import build_topology, load_cluster
+    from hardware_models.topology import build_topology, load_cluster, load_network
     from hardware_models.units import parse_quantity
 
     cl_over, net_over = _overrides(args.set)
@@ -67,6 +67,11 @@ def price(args) -> list:
     if ranks < 1 or ranks % rpn:
         raise CollectiveError(f"--ranks {ranks} must be a positive multiple of --ranks-per-node {rpn}")
     nodes = ranks // rpn
+    if nodes == 1 and (net_over or args.network):  # no scale-out network on one node: still check what was typed
+        if args.network or spec.network:
+            load_network(args.network or spec.network, net_over or None)
+        print(f"note: one node ({ranks} ranks) crosses no network: the network settings have no effect",
+              file=sys.stderr)
     topo = build_topology(spec, nodes=nodes, network=args.network, network_overrides=net_over or None)
     model = CollectiveModel(topo, load_collective_profile(args.profile or spec.collective_profile))
     group = standard_group(topo, ranks, rpn)

@@ -171,12 +171,15 @@ MEMORY_KEYS = ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_
 def add_classes(summary: dict, classes: list[dict], *, labels: list[str], replicas: list[int],
                 slowdowns: list[float], groups: list[int] | None, gpus_per_replica: int) -> None:
     """Put the rank classes into ``summary`` (in place): the memory peak of the class with the largest device
-    memory (and its ``oom`` when ``summary`` has none), ``rank_classes`` (``class_rows``), ``straggler``
+    memory (and, when ``summary`` has no ``oom``, that class's, else the first class's, prefixed by its label), ``rank_classes`` (``class_rows``), ``straggler``
     (``straggler``, compared within ``groups``: each class's pipeline stage) and, when every class metered
     energy, ``energy_j_per_step_all_gpus`` (each class x its replicas x ``gpus_per_replica``)."""
     worst = max(classes, key=lambda c: c["peak_device_memory_bytes"])
     summary.update({k: worst[k] for k in MEMORY_KEYS})
-    summary["oom"] = summary.get("oom") or worst.get("oom") or next((c["oom"] for c in classes if c.get("oom")), None)
+    if not summary.get("oom"):  # named by its class: the classes may run on GPUs of different capacity
+        i = next((i for i in sorted(range(len(classes)), key=lambda i: classes[i] is not worst)
+                  if classes[i].get("oom")), None)
+        summary["oom"] = f"{labels[i]}: {classes[i]['oom']}" if i is not None else None
     summary["rank_classes"] = class_rows(classes, summary["step_time_s"], labels, replicas, slowdowns)
     summary["straggler"] = straggler(summary["rank_classes"], groups)
     if all("energy_j_per_step" in c for c in classes):

@@ -59,3 +59,14 @@ def test_send_recv_is_a_pair_and_plain_byte_counts(capsys):
                  "--bytes", "8,1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(o["bytes"], o["ranks"], o["ranks_per_node"]) for o in out] == [(8, 2, 1), (1024, 2, 1)]
+
+
+def test_network_settings_on_one_node_are_checked_and_flagged(capsys):
+    assert main(["collective", "dgx-h100", "--bytes", "1GiB", "--set", "network.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key(s) ['bogus']" in err
+    assert main(["collective", "dgx-h100", "--bytes", "1GiB", "--set", "network.nic_bytes_per_s=-1"]) == 2
+    assert "nic_bytes_per_s" in capsys.readouterr().err
+    assert main(["collective", "dgx-h100", "--bytes", "1GiB", "--set", 'network.nic_bytes_per_s="10 GB/s"']) == 0
+    assert "the network settings have no effect" in capsys.readouterr().err
+    assert main(["collective", "4x-a100-pcie", "--ranks", "4", "--bytes", "1MiB", "--network", "ib-hdr"]) == 0

@@ -266,3 +266,24 @@ def test_stage_and_replica_slowdowns_compound_and_are_flagged():
     assert [w for w in s["warnings"] if "compound" in w] == [
         ("rank_overrides: pp_rank 0 slowdown 1.5 and dp_rank 0 slowdown 1.1 compound on pp_rank 0 / dp_rank 0: its "
          "kernels run 1.5 x 1.1 = 1.65x slower")]
+
+
+def test_a_replica_on_a_gpu_without_a_fitted_profile_says_so():
+    """An A100 replica (no shipped A100 profile) is priced with the generic one: flagged like a generic hardware.gpu,
+    naming the GPUs that have a fitted profile."""
+    from simulator.api import run_warnings
+
+    cfg = scenario_from_dict({**BASE, "rank_overrides": [{"dp_rank": 2, "gpu": "a100-sxm4-80gb"}]})
+    w = [x for x in run_warnings(resolve_hardware(cfg), cfg) if "generic GPU profile" in x]
+    assert len(w) == 1 and w[0].startswith("rank_overrides: replica 2: generic GPU profile 'generic:a100-sxm4-80gb'")
+    assert "(h100-sxm-80gb, h200-sxm-141gb)" in w[0]
+
+
+def test_an_out_of_memory_replica_is_named():
+    """Micro-batch 48 needs 19.0 GB: it fits the H100s (85.5 GB) but not replica 1's V100 16 GB (16.94 GB): the
+    out-of-memory line names the replica whose GPU overflows."""
+    d = {**BASE, "training": {**BASE["training"], "precision": "fp16", "micro_batch_size": 48},
+         "rank_overrides": [{"dp_rank": 1, "gpu": "v100-sxm2-16gb"}]}
+    s = run_scenario(scenario_from_dict(d)).summary
+    assert s["oom"].startswith("dp_rank 1: out of memory on gpu0.hbm: peak demand 19.02 GB exceeds the capacity "
+                               "16.94 GB")
