@@ -540,9 +540,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"parallelism.pipeline_schedule {cfg.parallelism.pipeline_schedule} has no effect with "
                    "pipeline_model_parallel_size 1")
     for o in (cfg.rank_overrides if cfg is not None else ()):
-        if o.pp_rank is not None:
-            out.append(f"rank_overrides: pipeline stage {o.pp_rank} (all its ranks) runs with slowdown {o.slowdown:g}"
-                       + (f" and dvfs {o.dvfs.kind}" if o.dvfs is not None else ""))
+        if o.pp_rank is not None and (o.slowdown != 1.0 or o.dvfs is not None):
+            what = [f"slowdown {o.slowdown:g}"] if o.slowdown != 1.0 else []
+            what += [f"dvfs {o.dvfs.kind}"] if o.dvfs is not None else []
+            out.append(f"rank_overrides: pipeline stage {o.pp_rank} (all its ranks) runs with {' and '.join(what)}")
         if o.gpu is not None:
             who = f"pipeline stage {o.pp_rank}" if o.pp_rank is not None else f"replica {o.dp_rank}"
             out.append(f"rank_overrides: {who} runs on {o.gpu} (its peaks, HBM, memory and power; priced with its shipped or the generic "
@@ -555,7 +556,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "
                    "cross-stage all-reduces are not slowed by the kernels beside them (no interference term) and end at "
-                   "the same time on both stages; they share each stage's NVLink port, NIC rail and PCIe link max-min "
+                   "the same time on the two stages they join; they share each stage's NVLink port, NIC rail and PCIe link max-min "
                    "fairly with its other collectives and copies")
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "

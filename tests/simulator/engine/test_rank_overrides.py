@@ -287,3 +287,16 @@ def test_an_out_of_memory_replica_is_named():
     s = run_scenario(scenario_from_dict(d)).summary
     assert s["oom"].startswith("dp_rank 1: out of memory on gpu0.hbm: peak demand 19.02 GB exceeds the capacity "
                                "16.94 GB")
+
+
+def test_a_stage_override_warns_only_what_it_changes():
+    """A stage moved to another GPU with no slowdown: no "runs with slowdown 1" line; a slowdown is named."""
+    from simulator.api import run_warnings
+
+    d = {**BASE, "parallelism": {"pipeline_model_parallel_size": 2},
+         "training": {**BASE["training"], "global_batch_size": 16}}
+    cfg = scenario_from_dict({**d, "rank_overrides": [{"pp_rank": 1, "gpu": "a100-sxm4-80gb"}]})
+    assert not [w for w in run_warnings(resolve_hardware(cfg), cfg) if "runs with" in w]
+    cfg = scenario_from_dict({**d, "rank_overrides": [{"pp_rank": 1, "slowdown": 1.5}]})
+    assert [w for w in run_warnings(resolve_hardware(cfg), cfg) if "runs with" in w] == [
+        "rank_overrides: pipeline stage 1 (all its ranks) runs with slowdown 1.5"]
