@@ -495,9 +495,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         b = hw.profile.provenance["borrowed_from"]
         out.append(f"GPU profile {hw.profile.name!r}: {', '.join(b['fields'])} not measured on this GPU, taken from "
                    f"{b['profile']!r} ({b['why']})")
-    if cfg is not None and _pageable_copies(cfg) and not (hw.copy.pageable_h2d_bytes_per_s
-                                                          and hw.copy.pageable_d2h_bytes_per_s):
-        out.append(f"{_pageable_copies(cfg)} copies through pageable host memory, but the PCIe link / profile has no "
+    pageable = _pageable_copies(cfg) if cfg is not None else ""
+    if pageable and not (hw.copy.pageable_h2d_bytes_per_s and hw.copy.pageable_d2h_bytes_per_s):
+        out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
                    "pageable rate for this host, so they are priced at the pinned rate (set hardware.pcie overrides "
                    "pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s, or pin_memory: true)")
     if hw.launch.source == "generic":
@@ -536,9 +536,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         per_node = hw.collectives.topo.gpus_per_node
         out.append(f"the host is shared by {per_node} ranks per node, which is not modelled: this rank's DataLoader "
                    "workers get every core and all host memory bandwidth, so data_stall_s is a lower bound")
-    if cfg is not None and cfg.parallelism.pipeline_model_parallel_size == 1 and cfg.parallelism.pipeline_schedule:
-        out.append(f"parallelism.pipeline_schedule {cfg.parallelism.pipeline_schedule} has no effect with "
-                   "pipeline_model_parallel_size 1")
     for o in (cfg.rank_overrides if cfg is not None else ()):
         if o.pp_rank is not None and (o.slowdown != 1.0 or o.dvfs is not None):
             what = [f"slowdown {o.slowdown:g}"] if o.slowdown != 1.0 else []
@@ -610,9 +607,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
                    "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "
                    f"1/{cfg.model.num_layers} of the input-gradient work; embeddings, norms and the LM head are frozen")
-    if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size == 1:
-        out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
-                   "it off); the run is the same as without it")
     z = getattr(cfg, "zero_optimization", None)
     dp_many = len(hw.dp_group) > 1
     if cfg is not None and cfg.fsdp is not None and not dp_many:
@@ -649,6 +643,12 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     and one per rank where a stage's and a replica's ``rank_overrides`` slowdowns compound."""
     out = []
     p, z, ddp, f = cfg.parallelism, cfg.zero_optimization, cfg.ddp, cfg.fsdp
+    if p.pipeline_model_parallel_size == 1 and p.pipeline_schedule:
+        out.append(f"parallelism.pipeline_schedule {p.pipeline_schedule} has no effect with "
+                   "pipeline_model_parallel_size 1")
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        out.append("parallelism.sequence_parallel has no effect with tensor_model_parallel_size 1 (Megatron-LM turns "
+                   "it off); the run is the same as without it")
     if "cp_comm_type" in p.model_fields_set and p.context_parallel_size == 1:
         out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
                    "exchange); the run is the same as without it")

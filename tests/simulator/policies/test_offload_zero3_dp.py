@@ -20,17 +20,9 @@ from simulator.api import build_graph, transformer_spec
 from simulator.config.loader import resolve_hardware
 from simulator.graph.ops import OpKind
 from simulator.policies import apply_graph_policies
+from tests.simulator.policies.test_offload_shared_host import DP8
 
-Z3 = """name: off_z3_dp8
-hardware: {gpu: h100-sxm-80gb, host: dgx-h100-host, cluster: {preset: dgx-h100, nodes: 1}}
-model: {num_layers: 2, hidden_size: 1024, num_attention_heads: 16, seq_length: 512, vocab_size: 32768}
-training: {micro_batch_size: 2, precision: bf16}
-zero_optimization:
-  stage: 3
-  overlap_comm: true
-  offload_optimizer: {device: cpu, pin_memory: true, cpu_adam_impl: deepspeed_cpu_adam}
-run: {steps: 3, warmup_steps: 1}
-"""
+Z3 = DP8.replace("name: off_dp8", "name: off_z3_dp8").replace("stage: 2", "stage: 3")  # the shared-host case at ZeRO-3
 
 
 def _graph(tmp_path, overrides=()):
