@@ -86,15 +86,6 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
-def _override_key(exc: Exception, overrides: dict, key: str) -> str:
-    """``overrides`` (or ``network_overrides``) when the preset error ``exc`` is about one of the scenario's override
-    fields (a bad value or an unknown field), else ``key``: the error names what the user wrote."""
-    text = str(exc)
-    if overrides and ("unknown key" in text or any(f".{k}:" in text or f" {k} " in text for k in overrides)):
-        return "overrides" if key == "preset" else "network_overrides"
-    return key
-
-
 def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
     """One line for the most useful error of a pydantic ``ValidationError``.
 
@@ -351,15 +342,27 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
             invalid ``nccl`` setting; one line naming the key.
     """
     from hardware_models.collectives import CollectiveModel, NcclConfig, load_collective_profile
-    from hardware_models.topology import build_topology, load_cluster
+    from hardware_models.topology import build_topology, load_cluster, load_network
 
     c = cfg.hardware.cluster
     if c is None:
         return {}
     try:
-        spec = load_cluster(c.preset, c.overrides or None)
+        spec = load_cluster(c.preset)
     except PresetError as exc:
-        raise ScenarioError(f"{source}: hardware.cluster.{_override_key(exc, c.overrides, 'preset')}: {exc}") from None
+        raise ScenarioError(f"{source}: hardware.cluster.preset: {exc}") from None
+    if c.overrides:  # the preset loads alone: an error now is in what the scenario overrides
+        try:
+            spec = load_cluster(c.preset, c.overrides)
+        except PresetError as exc:
+            raise ScenarioError(f"{source}: hardware.cluster.overrides: {exc}") from None
+    net = c.network or (spec.network if c.nodes > 1 else None)
+    if net and c.network_overrides:  # as the cluster: the preset alone, then with the scenario's fields
+        for key, over in (("network", None), ("network_overrides", c.network_overrides)):
+            try:
+                load_network(net, over)
+            except PresetError as exc:
+                raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
     if spec.gpu != gpu_name:
         raise ScenarioError(f"{source}: hardware.gpu: {gpu_name!r} is not the GPU of cluster {c.preset!r} "
                             f"(allowed: {spec.gpu!r}, or another hardware.cluster.preset)")
@@ -367,7 +370,6 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
         topo = build_topology(spec, nodes=c.nodes, network=c.network, network_overrides=c.network_overrides or None)
     except PresetError as exc:
         key = "network" if "network" in str(exc) else "nodes"
-        key = _override_key(exc, c.network_overrides, key) if key == "network" else key
         raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
     try:
         model = CollectiveModel(topo, load_collective_profile(c.collective_profile or spec.collective_profile))
