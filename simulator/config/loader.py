@@ -90,10 +90,11 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     """One line for the most useful error of a pydantic ``ValidationError``.
 
     An unknown key is reported before anything else: a misspelt required key also makes that key
-    "missing", and the typo is what the user must fix.
+    "missing", and the typo is what the user must fix; a bad value is reported before a missing key.
     """
     errors = exc.errors()
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    err = next((e for e in errors if e["type"] == "extra_forbidden"),
+               next((e for e in errors if e["type"] != "missing"), errors[0]))  # a bad value before a missing key
     names = _model_names(model)
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p[:1].isupper() and "[" in p or p in names)))
     path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p
@@ -131,7 +132,15 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
         ScenarioError: anything wrong, in one line naming the file and key.
     """
     data = apply_overrides(read_yaml(path), list(overrides or []))
-    cfg = scenario_from_dict(data, str(path))
+    try:
+        cfg = scenario_from_dict(data, str(path))
+    except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
+        msg = str(exc)
+        keys = [o.split("=", 1)[0].strip() for o in overrides or []]
+        hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg), None)
+        if hit is None:
+            raise
+        raise ScenarioError(f"{msg} (set by --set {hit}=...)") from None
     resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     return cfg
 

@@ -172,3 +172,16 @@ def test_an_override_far_from_the_preset_is_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ScenarioWarning)  # a 20% what-if stays silent
         load_scenario(scen, ["hardware.gpu={preset: h200-sxm-141gb, overrides: {hbm_bandwidth_bytes_per_s: 4 TB/s}}"])
+
+
+def test_a_bad_value_is_reported_before_missing_keys(tmp_path, capsys):
+    p = write(tmp_path, "training: {micro_batch_size: -3}\n")
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "training.micro_batch_size: Input should be greater than 0 (got -3)" in err
+
+
+def test_a_bad_value_from_set_is_named_as_such(capsys):
+    assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("(got -3) (set by --set training.micro_batch_size=...)")
