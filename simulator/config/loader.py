@@ -140,7 +140,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
         hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg), None)
         if hit is None:
             raise
-        raise ScenarioError(f"{msg} (set by --set {hit}=...)") from None
+        raise ScenarioError(f"{msg} (from the command line: {hit}=...)") from None
     resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     return cfg
 

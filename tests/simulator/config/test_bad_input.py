@@ -184,4 +184,4 @@ def test_a_bad_value_is_reported_before_missing_keys(tmp_path, capsys):
 def test_a_bad_value_from_set_is_named_as_such(capsys):
     assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=-3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.endswith("(got -3) (set by --set training.micro_batch_size=...)")
+    assert "\n" not in err and err.endswith("(got -3) (from the command line: training.micro_batch_size=...)")
