@@ -20,6 +20,8 @@ from tests.conftest import ROOT
 
 SCEN = ROOT / "scenarios/h200/gpt_184m_b4.yaml"
 FAST = ["--set", "run.steps=1", "--set", "run.warmup_steps=0"]
+#: points slow enough (tens of ms each at one step) that a signal sent after the third lands mid-sweep
+SLOW = ["--set", "run.steps=10", "--set", "run.warmup_steps=0"]
 GRID16 = ["--factor", "training.micro_batch_size=1,2", "--factor", "run.seed=0,1,2,3", "--factor", "name=a,b"]
 
 
@@ -79,7 +81,7 @@ def test_interrupted_sweep_resumes_with_exactly_the_unfinished_points(tmp_path, 
 def test_sigint_to_a_running_sweep_loses_nothing_written(tmp_path, capsys):
     scen, out = _scenario(tmp_path), tmp_path / "sw"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "simulator", "sweep", str(scen), *GRID16, *FAST, "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "simulator", "sweep", str(scen), *GRID16, *SLOW, "--out", str(out),
                              "--json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     index = out / "index.jsonl"
     deadline = time.time() + 120
@@ -92,7 +94,7 @@ def test_sigint_to_a_running_sweep_loses_nothing_written(tmp_path, capsys):
     assert 3 <= len(done) < 16, "the sweep finished before the signal; nothing was interrupted"
     assert f"interrupted: {len(done)} of 16 points finished" in err
     df = sweep.run_sweep(scen, {"training.micro_batch_size": [1, 2], "run.seed": [0, 1, 2, 3], "name": ["a", "b"]},
-                         base_overrides=FAST[1::2], out_dir=out, progress=False, log=lambda m: None)
+                         base_overrides=SLOW[1::2], out_dir=out, progress=False, log=lambda m: None)
     assert df.attrs == {"skipped": len(done), "computed": 16 - len(done)}
     assert len(df) == 16 and df["error"].isna().all()
 
