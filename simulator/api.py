@@ -495,6 +495,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         b = hw.profile.provenance["borrowed_from"]
         out.append(f"GPU profile {hw.profile.name!r}: {', '.join(b['fields'])} not measured on this GPU, taken from "
                    f"{b['profile']!r} ({b['why']})")
+    if cfg is not None and cfg.training.fp8 is not None and "fp8" not in hw.profile.gemm and hw.profile.gemm:
+        out.append(f"training.fp8: GPU profile {hw.profile.name!r} has no fp8 GEMM fit, so fp8 GEMMs are priced with its "
+                   f"bf16 fit (tile efficiency and wave overhead) at the GPU's fp8 peak "
+                   f"({hw.gpu.peak('fp8') / 1e12:.0f} TFLOP/s); no fp8 GEMM was measured on it")
     pageable = _pageable_copies(cfg) if cfg is not None else ""
     if pageable and not (hw.copy.pageable_h2d_bytes_per_s and hw.copy.pageable_d2h_bytes_per_s):
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "

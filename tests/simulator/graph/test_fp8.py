@@ -75,3 +75,16 @@ def test_delayed_scaling_state_and_updates_by_hand(history):
     ups = [op for op in g.ops if op.name.endswith("fp8.amax_scale_update")]
     assert [(op.phase.value, op.bytes_read) for op in ups] == [("fwd", 16 * (history + 2) * 4),
                                                                ("bwd", 8 * (history + 2) * 4)] * 2
+
+
+def test_fp8_on_a_profile_without_an_fp8_fit_is_flagged():
+    """The fitted H100 profile has bf16/fp16 GEMM fits only: fp8 GEMMs borrow the bf16 fit at the fp8 peak, said so."""
+    from simulator.api import resolve_hardware, run_warnings
+
+    cfg = scenario_from_dict(BASE)
+    hw = resolve_hardware(cfg)
+    assert "fp8" not in hw.profile.gemm and "bf16" in hw.profile.gemm
+    w = [x for x in run_warnings(hw, cfg) if x.startswith("training.fp8:")]
+    assert len(w) == 1 and "'h100-sxm-80gb' has no fp8 GEMM fit" in w[0] and "(1979 TFLOP/s)" in w[0]
+    plain = scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})
+    assert not [x for x in run_warnings(resolve_hardware(plain), plain) if x.startswith("training.fp8:")]
