@@ -2,8 +2,8 @@
 
 A fixed ``tile_m x tile_n`` = 128 x 256 tile used only one way round padded a 1024 x 128 output (the unfused
 attention's ``probs @ V``, n = head dim 128) to 1024 x 256: half the tile FLOPs were padding, so the batched
-GEMM was priced at twice its work. cuBLAS / CUTLASS ship both tile orientations (e.g. CUTLASS
-``cutlass_tensorop_s16816gemm_f16_256x128_32x3_nn``, NVIDIA/cutlass#956) and a GEMM may be run transposed.
+GEMM was priced at twice its work. cuBLAS / CUTLASS ship both tile orientations (e.g. a CUTLASS 256 x 128
+threadblock tile, NVIDIA/cutlass#956) and a GEMM may be run transposed.
 """
 
 from __future__ import annotations
