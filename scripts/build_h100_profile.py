@@ -69,7 +69,8 @@ def points(csv: Path) -> pd.DataFrame:
 def gemm_model(p, d: pd.DataFrame, kernel_fixed_s: float) -> np.ndarray:
     """Modelled time, s: ``kernel_fixed_s + tiles / SMs * (wave_overhead_s + tile FLOPs / per-SM rate)``."""
     eff, wave_s = p
-    tiles = np.ceil(d.m / TILE[0]) * np.ceil(d.n / TILE[1])
+    # either tile orientation, whichever takes fewer tiles (RooflineCostModel.gemm_compute_s)
+    tiles = np.minimum(np.ceil(d.m / TILE[0]) * np.ceil(d.n / TILE[1]), np.ceil(d.m / TILE[1]) * np.ceil(d.n / TILE[0]))
     return kernel_fixed_s + tiles / SM_COUNT * (wave_s + 2.0 * TILE[0] * TILE[1] * d.k / (BF16_PEAK / SM_COUNT * eff))
 
 

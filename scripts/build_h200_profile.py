@@ -48,7 +48,8 @@ TILE = (128, 256)
 
 def gemm_model(p, m, n, k, peak):
     eff, wave_s = p
-    tiles = np.ceil(m / TILE[0]) * np.ceil(n / TILE[1])
+    # either tile orientation, whichever takes fewer tiles (RooflineCostModel.gemm_compute_s)
+    tiles = np.minimum(np.ceil(m / TILE[0]) * np.ceil(n / TILE[1]), np.ceil(m / TILE[1]) * np.ceil(n / TILE[0]))
     return tiles / SM_COUNT * (wave_s + 2.0 * TILE[0] * TILE[1] * k / (peak / SM_COUNT * eff))
 
 

