@@ -70,9 +70,11 @@ from hardware_models.host_kernels import (
     DS2020_TILE_ELEMENTS,
     IMPLEMENTATIONS,
     StreamPass,
+    adamw_step_parts,
     adamw_step_s,
     faulting_elements,
-    pass_time_s,
+    host_dram_share,
+    pass_parts,
     shared_stream_bandwidth,
 )
 from simulator.graph.op_graph import ModelFacts, OpGraph
@@ -88,6 +90,8 @@ ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspe
 DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+#: The rank's host DRAM link: its CPU ops' streams and its host<->device copies (``OffloadSummary``).
+HOST_DRAM_LINK = "host.dram"
 GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
 GRAD_CAST_INPLACE = StreamPass("fp32_grad.copy_(half)", 2.0, 4.0)
 PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
@@ -150,6 +154,19 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     Raises:
         PolicyError: an unknown implementation.
     """
+    return {k: v[0] for k, v in cpu_step_work(params, n_tensors, impl, hw, tensor_elements=tensor_elements, mode=mode,
+                                              pin_memory=pin_memory, ranks=ranks).items()}
+
+
+def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
+                  pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float]]:
+    """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes)``, its seconds
+    alone and the DRAM bytes its passes stream (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
+    the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``).
+
+    Raises:
+        PolicyError: an unknown implementation.
+    """
     if impl not in IMPLEMENTATIONS:
         raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: unknown {impl!r}; "
                           f"allowed: {', '.join(IMPLEMENTATIONS)}")
@@ -163,10 +180,14 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
-    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
-                 + n_tensors * launch)
-    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes, None, bw) + n_tensors * launch
-    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes, bandwidth_bytes_per_s=bw)
+    b, st, f = pass_parts(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
+    grad_cast = (st + f + n_tensors * launch, b)
+    param_cast = (0.0, 0.0)
+    if not ds:
+        b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
+        param_cast = (st + f + n_tensors * launch, b)
+    adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
+                            bandwidth_bytes_per_s=bw)
     return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
 
 
@@ -316,8 +337,9 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
     last_bwd = bwd_ops[-1].id
     sizes = [n * share for n in param_tensor_sizes(graph)]
-    times = cpu_step_times(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
-                           ranks=ranks)
+    work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
+                         ranks=ranks)
+    times = {k: v[0] for k, v in work.items()}
     dpu = mode == "delayed_param_update"
     ds2020 = impl == "deepspeed_cpu_adam_2020"
     if ds2020 and dpu:
@@ -345,7 +367,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                     n = min(DS2020_TILE_ELEMENTS, shard - t0)
                     i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name] * n / shard,
                                launch=False, cost_class=CostClass.OPTIMIZER, allocs=allocs if k == 0 else (),
-                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k})
+                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k,
+                                                              **_dram_meta(work[name], n / shard)})
                     tile_copies.append(rw.add(f"offload.h2d.params.tile{k}", OpKind.MEMCPY_H2D, "h2d", deps=[i],
                                               phase=Phase.OPT, cost_class=CostClass.COPY, bytes_read=float(2 * n),
                                               pinned=True, role=OpRole.PARAM_UPLOAD))
@@ -354,7 +377,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 continue
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
-                       meta={"params": shard, "impl": impl})
+                       meta={"params": shard, "impl": impl, **_dram_meta(work[name])})
             ids.append(i)
             d = [i]
         return ids
@@ -444,6 +467,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     return rw.finish(persistent=persistent, meta=meta)
 
 
+def _dram_meta(work: tuple[float, float], fraction: float = 1.0) -> dict:
+    """Op meta of a CPU op's host DRAM stream (``cpu_step_work``), for ``fraction`` of its elements:
+    ``dram_bytes`` (none for an op without DRAM traffic or time)."""
+    seconds, nbytes = work
+    return {"dram_bytes": nbytes * fraction} if nbytes > 0 and seconds > 0 else {}
+
+
 def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     if not bucket_elems:
         return [[g] for g in grads]
@@ -481,11 +511,32 @@ class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
 
     def __init__(self, cfg, hw, env, system):
-        self.cfg, self.hw = cfg, hw
+        self.cfg, self.hw, self.env, self.system = cfg, hw, env, system
+        dp = cfg.parallelism.data_parallel_size or 1
+        pinned = cfg.zero_optimization.offload_optimizer.pin_memory
+        #: this rank's share of the host DRAM its CPU step streams through and its copies' DMA reads or writes
+        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, ranks_per_node(hw) if dp > 1 else 1,
+                                                1 if pinned else None)
+        system.add_copy_link(HOST_DRAM_LINK, self.dram_bytes_per_s)
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
+
+    def host_handlers(self) -> dict:
+        """Host ops run here: a CPU op with a DRAM stream (``meta["dram_bytes"]``, ``cpu_step_work``) is one flow
+        of its bytes over the host DRAM link, at most at its average rate alone (``dram_bytes / host_s``: its page
+        faults and per-tensor dispatch spread evenly over it, as they interleave with the streaming tensor by
+        tensor), max-min fairly with the copies in flight; it takes ``host_s`` exactly when nothing shares the
+        link. Other host ops take ``host_s``."""
+        return {OpKind.HOST: self._host_op}
+
+    def _host_op(self, op, step):
+        nbytes = (op.meta or {}).get("dram_bytes", 0.0)
+        if nbytes:
+            yield from self.system.network.transfer(nbytes, (HOST_DRAM_LINK,), 0.0, nbytes / op.host_s)
+        elif op.host_s > 0:
+            yield self.env.timeout(op.host_s)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = offload_parts(spans, steps)
