@@ -44,6 +44,20 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
   engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
+* **DeepSpeed 0.3** (``cpu_adam_impl: deepspeed_cpu_adam_2020``, the ZeRO-Offload release, one rank):
+  its stage2.py gradient path per ``reduce_bucket_size`` bucket (deepspeed/runtime/zero/stage2.py of
+  2020, ``reduce_ipg_grads`` -> ``copy_grads_in_partition``): GPU passes on the reduction stream
+  (``DS03_PREP_READ`` / ``DS03_PREP_WRITE`` bytes per element: the ipg-buffer copy, ``div_``, the fp64
+  gradient norm, the overflow check's fp32 sum, the fp32 cast), then a **fp32** D2H copy (4 B/param)
+  into the pinned fp32 gradient partition; the training thread blocks on it (``_has_inf_or_nan``'s
+  ``float(x.float().sum())`` per gradient and ``average_tensor``'s ``torch.cuda.synchronize()`` per
+  bucket with ``overlap_comm``), so later backward kernels wait (``offload.grad_sync.*``). The CPU step
+  has no gradient cast and begins with ``cpu.unscale_grads`` (``unscale_and_clip_grads``: ``mul_`` over
+  the fp32 partition, 8 B/param; DeepSpeed's optimizer_gradients timer, not in the CPU Adam part).
+* **Host DRAM**: the CPU ops stream their bytes over the rank's ``host.dram`` link (capacity
+  ``hardware_models.host_kernels.host_dram_share``), which its host<->device copies also cross (DMA
+  reads/writes host DRAM): a copy beside a CPU op takes its max-min share (``OffloadSummary``).
+
 CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
 two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
 scripts/fit_host_cpu_model.py):
@@ -90,6 +104,15 @@ ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspe
 DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+#: DeepSpeed 0.3 (stage2.py, ZeRO-Offload's release) on each gradient of a reduce bucket, GPU bytes per element
+#: (fp16 gradient, 2 B): the copy into the contiguous ipg buffer (2 r + 2 w), ``average_tensor``'s ``div_`` (2 + 2),
+#: ``set_norm_for_param_grad_in_gpu``'s ``grad.double().norm(2)`` (2 r + 8 w, then 8 r), the overflow check
+#: ``_has_inf_or_nan``: ``float(x.float().sum())`` (2 r + 4 w, then 4 r), and
+#: ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s ``.float()`` (2 r + 4 w) before its fp32 D2H copy.
+DS03_PREP_READ, DS03_PREP_WRITE = 22, 20
+#: optimizer_gradients of DeepSpeed 0.3 with cpu_offload: ``unscale_and_clip_grads``, ``grad.data.mul_(1 / scale)``
+#: over the fp32 gradient partition on the CPU (in place: 4 B read + 4 B written per element).
+UNSCALE = StreamPass("fp32_grad.mul_(1/loss_scale)", 4.0, 4.0)
 #: The rank's host DRAM link: its CPU ops' streams and its host<->device copies (``OffloadSummary``).
 HOST_DRAM_LINK = "host.dram"
 GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
@@ -325,7 +348,9 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg_sq.host", 4 * shard, host_dev),
-        TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev),
+        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (``ds03_grads``)
+        (TensorAlloc("offload.grad_partition.fp32", 4 * shard, "host_pinned") if impl == "deepspeed_cpu_adam_2020"
+         else TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev)),
         TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
     ]
 
@@ -339,6 +364,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     sizes = [n * share for n in param_tensor_sizes(graph)]
     work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
                          ranks=ranks)
+    ds03 = impl == "deepspeed_cpu_adam_2020" and dp == 1  # DeepSpeed 0.3's stage2.py gradient path (``ds03_grads``)
+    if ds03:  # the gradients arrive in fp32 (cast on the GPU): no CPU cast
+        work["cpu.grad_cast"] = (0.0, 0.0)
+        unscale = pass_parts(UNSCALE, shard, hw.host_cpu, cpu_threads(hw, mode), 1 if pin_memory else None)
+        work["cpu.unscale_grads"] = (unscale[1] + unscale[2], unscale[0])
     times = {k: v[0] for k, v in work.items()}
     dpu = mode == "delayed_param_update"
     ds2020 = impl == "deepspeed_cpu_adam_2020"
@@ -354,9 +384,15 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     def cpu_chain(deps: list[int]) -> list[int]:
         ids = []
         d = list(deps)
+        if ds03:  # optimizer_gradients: unscale_and_clip_grads on the fp32 partition, before the CPU Adam
+            d = [rw.add("cpu.unscale_grads", OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT,
+                        host_s=times["cpu.unscale_grads"], launch=False, cost_class=CostClass.OPTIMIZER, dtype="fp32",
+                        meta={"params": shard, **_dram_meta(work["cpu.unscale_grads"])})]
         for name in CPU_OPS:
             allocs, uses = (), ()
-            if name == "cpu.grad_cast":
+            if ds03 and name != "cpu.param_cast":
+                pass  # the fp32 gradients are in the persistent pinned partition: nothing allocated per step
+            elif name == "cpu.grad_cast":
                 allocs = (TensorAlloc("grad.fp32.host", 4 * shard, "host_pageable"),)
             elif name == "cpu.adam":
                 uses = ("grad.fp32.host",)
@@ -392,10 +428,17 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         for b in bucket_list:
             name = b[0]["name"] if len(b) == 1 else f"{b[0]['name']}..{b[-1]['name']}"
             uses = tuple(g["tensor"] for g in b if g["tensor"])
+            n = sum(g["bytes"] for g in b) // 2
+            if ds03:  # the bucket's GPU passes on the reduction stream, then its fp32 copy, the host blocked on it
+                deps = [rw.add(f"offload.grad_prep.{name}", OpKind.COMPUTE, "d2h", deps=deps, phase=Phase.BWD,
+                               layer=b[-1]["layer"], cost_class=CostClass.ELEMENTWISE, dtype="fp32",
+                               bytes_read=float(DS03_PREP_READ * n), bytes_written=float(DS03_PREP_WRITE * n))]
             i = rw.add(f"offload.d2h.grad.{name}", OpKind.MEMCPY_D2H, "d2h", deps=deps + ([chain[0]] if dpu else []),
                        phase=Phase.BWD, layer=b[-1]["layer"], cost_class=CostClass.COPY,
-                       bytes_read=float(sum(g["bytes"] for g in b)), pinned=pin_memory, uses=uses)
+                       bytes_read=float((4 if ds03 else 2) * n), pinned=pin_memory, uses=uses)
             d2h_ids.append(i)
+            if ds03:
+                rw.add(f"offload.grad_sync.{name}", OpKind.SYNC, "host", deps=[i], phase=Phase.BWD, launch=False)
 
     for op in graph.ops:
         if op.phase == Phase.OPT:
