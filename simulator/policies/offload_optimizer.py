@@ -185,7 +185,8 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
                   pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float]]:
     """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes)``, its seconds
     alone and the DRAM bytes its passes stream (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
-    the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``).
+    the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``). ``deepspeed_cpu_adam_2020``: no
+    gradient cast, plus ``cpu.unscale_grads`` (DeepSpeed 0.3's optimizer_gradients, ``UNSCALE``).
 
     Raises:
         PolicyError: an unknown implementation.
@@ -211,7 +212,13 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
         param_cast = (st + f + n_tensors * launch, b)
     adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
                             bandwidth_bytes_per_s=bw)
-    return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+    out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+    if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: the gradients arrive in fp32 (cast on the GPU), no CPU
+        # cast; its optimizer_gradients unscale the fp32 partition first (``UNSCALE``, not part of the CPU Adam)
+        b, st, f = pass_parts(UNSCALE, params, cpu, t, nodes, None, bw)
+        out["cpu.grad_cast"] = (0.0, 0.0)
+        out["cpu.unscale_grads"] = (st + f, b)
+    return out
 
 
 def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True,
@@ -348,7 +355,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg_sq.host", 4 * shard, host_dev),
-        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (``ds03_grads``)
+        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (module docstring)
         (TensorAlloc("offload.grad_partition.fp32", 4 * shard, "host_pinned") if impl == "deepspeed_cpu_adam_2020"
          else TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev)),
         TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
@@ -364,11 +371,10 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     sizes = [n * share for n in param_tensor_sizes(graph)]
     work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
                          ranks=ranks)
-    ds03 = impl == "deepspeed_cpu_adam_2020" and dp == 1  # DeepSpeed 0.3's stage2.py gradient path (``ds03_grads``)
-    if ds03:  # the gradients arrive in fp32 (cast on the GPU): no CPU cast
-        work["cpu.grad_cast"] = (0.0, 0.0)
-        unscale = pass_parts(UNSCALE, shard, hw.host_cpu, cpu_threads(hw, mode), 1 if pin_memory else None)
-        work["cpu.unscale_grads"] = (unscale[1] + unscale[2], unscale[0])
+    ds03 = impl == "deepspeed_cpu_adam_2020"  # DeepSpeed 0.3's stage2.py gradient path (module docstring)
+    if ds03 and dp > 1:
+        raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 models DeepSpeed 0.3's ZeRO-Offload on one "
+                          f"GPU; data_parallel_size {dp} is not modelled with it (allowed: 1, or another cpu_adam_impl)")
     times = {k: v[0] for k, v in work.items()}
     dpu = mode == "delayed_param_update"
     ds2020 = impl == "deepspeed_cpu_adam_2020"
