@@ -19,10 +19,13 @@ host of the 10B case is priced from its datasheet alone. Errors (predicted / mea
     step -39.8%, fwd -57.5%, bwd -34.2%)
     (before: step -47.0%, optimizer -60%, CPU Adam 1.79 s against 6.35 s, -72%)
 
-Held-back modes (no measurement): serial 0.397 s per step, DPU 0.339 s per step with a CPU step
-of 0.339 s against 0.330 s in overlap/serial (DPU: the training thread takes one of the 16 cores
-from the intra-op pool). Serial and overlap get the same CPU time: nothing runs beside the CPU
-step in either mode in this model (the measured difference is not explained).
+Held-back modes (no measurement): serial 0.397 s per step, DPU 0.341 s per step with a CPU step
+of 0.341 s against 0.330 s in overlap/serial (DPU: the training thread takes one of the 16 cores
+from the intra-op pool, and its gradient copies share the host DRAM with the CPU Adam: 0.339 s before
+that was modelled). Serial and overlap get the same CPU time: nothing runs beside the CPU step in
+either mode, in the model and in the overlap run's trace (the gradient copies end at 51 ms, the CPU step
+runs 51-419 ms, the parameter upload 427-434 ms of ProfilerStep#2), so the host DRAM the DMA takes does
+not reach it (the measured difference is not explained).
 
 Known misses (strict xfail, so that a fix shows up):
 
@@ -53,8 +56,16 @@ Known misses (strict xfail, so that a fix shows up):
   0.3's CPUAdam, ``deepspeed_cpu_adam_2020``: per 1 Gi-element tile its AVX-512 loop, 28 B/param, then
   a second loop writing fp16 copies, 6 B/param, that cudaMemcpyAsync sends to the GPU while the next
   tile runs, csrc/adam/cpu_adam.cpp ``Adam_Optimizer::Step``; on the inferred DGX-2 host, pinned state
-  on one NUMA node: 102 GB/s) predicts 4.11 s against 6.35 s logged (3.63 s before the copy pass and
-  the in-step copy-back were charged): the host is inferred (the tutorial does not state it).
+  on one NUMA node: 102 GB/s, each tile's copy-back taking its max-min share of it) predicts 3.68 s
+  against 6.35 s logged: the host is inferred (the tutorial does not state it), and DeepSpeed 0.3's
+  stage2.py casts the gradients to fp32 on the GPU, so no CPU cast is charged (4.11 s with one). Next
+  candidate: the second loop's scalar ``(__half)`` conversions (cuda_fp16 host code, a software
+  conversion per element), not priced (no sourced per-element cost). Backward: stage2.py with
+  cpu_offload (the tutorial's overlap_comm, DeepSpeed 0.3's default reduce_bucket_size 5e8) runs per
+  bucket ``torch.cuda.synchronize()``, then per gradient GPU passes (fp64 norm, fp32 overflow sum, fp32
+  cast: 42 B/elem with the ipg copy and ``div_``) and an fp32 D2H copy (4 B/param, 41 GB at 15.75 GB/s)
+  the training thread blocks on (``float(x.float().sum())``): backward 11.99 s against 12.07 s. Forward:
+  see KNOWN_GAPS (the fresh pageable checkpoint buffers' page faults, not priced).
 """
 
 from __future__ import annotations
