@@ -45,8 +45,9 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
 * **DeepSpeed 0.3** (``cpu_adam_impl: deepspeed_cpu_adam_2020``, the ZeRO-Offload release, one rank):
-  its stage2.py gradient path per ``reduce_bucket_size`` bucket (deepspeed/runtime/zero/stage2.py of
-  2020, ``reduce_ipg_grads`` -> ``copy_grads_in_partition``): GPU passes on the reduction stream
+  its stage2.py gradient path per ``reduce_bucket_size`` bucket (microsoft/DeepSpeed
+  deepspeed/runtime/zero/stage2.py of 2020, ``FP16_DeepSpeedZeroOptimizer`` with ``cpu_offload``, e.g. commit
+  00c3a254: ``reduce_ipg_grads`` -> ``copy_grads_in_partition``): GPU passes on the reduction stream
   (``DS03_PREP_READ`` / ``DS03_PREP_WRITE`` bytes per element: the ipg-buffer copy, ``div_``, the fp64
   gradient norm, the overflow check's fp32 sum, the fp32 cast), then a **fp32** D2H copy (4 B/param)
   into the pinned fp32 gradient partition; the training thread blocks on it (``_has_inf_or_nan``'s
