@@ -178,17 +178,32 @@ def vector_slots_per_s(cpu: HostCpuSpec, threads: int | None = None) -> float:
     return (threads or cpu.threads) * clock * cpu.fma_units_per_core * cpu.simd_width_bits / 32.0
 
 
+def pass_parts(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
+               memory_nodes: int | None = None, fresh_elements: float | None = None,
+               bandwidth_bytes_per_s: float | None = None) -> tuple[float, float, float]:
+    """One pass over ``elements`` split for sharing the host's DRAM (:func:`pass_time_s` = the last two summed).
+
+    Returns:
+        ``(dram_bytes, stream_s, fault_s)``: the DRAM bytes the pass moves, its streaming time
+        ``max(bytes / bandwidth, vector slots / SIMD throughput)`` (the part whose rate another DRAM user
+        can slow down) and the first-touch page-fault time (kernel work, not DRAM bandwidth), seconds.
+    """
+    t = threads or cpu.threads
+    nbytes = p.bytes * elements
+    mem = nbytes / (bandwidth_bytes_per_s or stream_bandwidth(cpu, t, memory_nodes))
+    flop = p.slots * elements / vector_slots_per_s(cpu, t)
+    fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
+    fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
+    return nbytes, max(mem, flop), fault
+
+
 def pass_time_s(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
                 memory_nodes: int | None = None, fresh_elements: float | None = None,
                 bandwidth_bytes_per_s: float | None = None) -> float:
     """Seconds of one pass over ``elements`` (``fresh_elements``: those whose fresh output faults;
     ``bandwidth_bytes_per_s``: the DRAM bandwidth this pass gets, default :func:`stream_bandwidth`)."""
-    t = threads or cpu.threads
-    mem = p.bytes * elements / (bandwidth_bytes_per_s or stream_bandwidth(cpu, t, memory_nodes))
-    flop = p.slots * elements / vector_slots_per_s(cpu, t)
-    fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
-    fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
-    return max(mem, flop) + fault
+    _, stream, fault = pass_parts(p, elements, cpu, threads, memory_nodes, fresh_elements, bandwidth_bytes_per_s)
+    return stream + fault
 
 
 def faulting_elements(tensor_elements, elem_bytes: float) -> float:
@@ -210,13 +225,48 @@ def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: fl
     PyTorch implementations dispatches once per tensor (foreach ops on CPU loop over tensors),
     plus the step-counter update; the fused implementations dispatch once per tensor.
     """
+    return adamw_step_parts(cpu, impl, tensor_elements, dispatch_s=dispatch_s, threads=threads,
+                            memory_nodes=memory_nodes, state_bytes=state_bytes, grad_bytes=grad_bytes,
+                            copy_bytes=copy_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s)[0]
+
+
+def adamw_step_parts(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0,
+                     threads: int | None = None, memory_nodes: int | None = None, state_bytes: int = 4,
+                     grad_bytes: int = 4, copy_bytes: int = 2,
+                     bandwidth_bytes_per_s: float | None = None) -> tuple[float, float]:
+    """:func:`adamw_step_s` with the step's host DRAM traffic: ``(seconds, dram_bytes)``, the step's seconds and
+    the DRAM bytes its passes move (:func:`pass_parts`)."""
     sizes = [float(n) for n in tensor_elements]
     P = sum(sizes)
     passes = adamw_passes(impl, state_bytes, grad_bytes, copy_bytes)
-    total = 0.0
+    total = nbytes = 0.0
     for p in passes:
         fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
-        total += pass_time_s(p, P, cpu, threads, memory_nodes, fe, bandwidth_bytes_per_s)
+        b, s, f = pass_parts(p, P, cpu, threads, memory_nodes, fe, bandwidth_bytes_per_s)
+        total += s + f
+        nbytes += b
     # one call per tensor for DeepSpeed's kernels (both loops run inside it)
     dispatches = 1 if impl.startswith("deepspeed") else len(passes) + (0 if impl == "torch_fused" else 1)
-    return total + len(sizes) * dispatches * dispatch_s
+    return total + len(sizes) * dispatches * dispatch_s, nbytes
+
+
+def host_dram_share(cpu: HostCpuSpec, ranks: int = 1, memory_nodes: int | None = None) -> float:
+    """Host DRAM bandwidth one rank's host traffic shares, bytes/s: its CPU streaming kernels and its GPU's
+    DMA copies, which read (H2D) and write (D2H) host DRAM at the PCIe rate (a DMA engine's reads and writes go
+    through the memory controllers like a core's: the root complex is a memory-controller client).
+
+    One rank (``ranks`` == 1): the sustained bandwidth of the ``memory_nodes`` nodes its buffers live on
+    (default as :func:`stream_bandwidth`). ``ranks`` > 1 placed as in :func:`shared_stream_bandwidth` (consecutive
+    blocks per node): the node with the most ranks split evenly among them (symmetric ranks' equal flows: their
+    max-min shares). The same sustained figure as the CPU step's roofline (``HostCpuSpec.sustained_bandwidth_bytes_per_s``:
+    the fitted STREAM-like rate, or channels x MT/s x 8 B x the sustained fraction).
+
+    Raises:
+        ValueError: ``ranks`` < 1.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
+    if ranks == 1:
+        return (memory_nodes or (1 if cpu.numa_node >= 0 else cpu.nodes)) * node_bw
+    return node_bw / max(1, -(-ranks // cpu.nodes))

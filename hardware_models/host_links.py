@@ -3,8 +3,10 @@
 On HGX boards several GPUs sit behind one PCIe switch whose single uplink goes to the CPU's root
 complex (DGX H100 / A100: 2 GPUs and 2 NICs per switch, ``presets/clusters``), so host<->device
 copies that the GPUs of one switch issue at the same time share the uplink. GPUs on their own CPU
-root ports (``pcie_switches: 0``) share nothing before the root complex (not modelled beyond it:
-the socket's DRAM bandwidth taken by the DMA traffic is left out).
+root ports (``pcie_switches: 0``) share nothing before the root complex. Beyond it, the DMA traffic
+lands in host DRAM: in offload runs the copies also cross the rank's ``host.dram`` link, shared with the
+CPU step's streams (``simulator.policies.offload_optimizer.OffloadSummary``,
+``hardware_models.host_kernels.host_dram_share``).
 
 Under rank folding (one representative rank stands for its symmetric peers, ``simulator.engine``)
 the peers behind the same switch copy exactly when the representative does, so the representative's

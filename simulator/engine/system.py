@@ -135,6 +135,16 @@ class System:
             "host_pageable": MemoryPool(f"{host}.pageable", hw.host_memory.capacity_bytes, clock),
         }
 
+    def add_copy_link(self, name: str, capacity_bytes_per_s: float) -> None:
+        """Route this rank's host<->device copies over one more link ``name`` of ``capacity_bytes_per_s`` (the host
+        DRAM their DMA reads or writes, shared with host work a runtime component puts on it).
+
+        Raises:
+            ValueError: as ``FluidNetwork.add_links`` (a bad capacity, or a link of that name exists).
+        """
+        self.network.add_links({name: capacity_bytes_per_s})
+        self.copy_links = {k: (*v, name) for k, v in self.copy_links.items()}
+
     def collective_model(self, op) -> bool:
         """Whether ``op`` is a collective this machine prices with its NCCL model (``meta["collective"]``)."""
         return self.hw.collectives is not None and bool(op.meta) and "collective" in op.meta

@@ -44,6 +44,21 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
   engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
+* **DeepSpeed 0.3** (``cpu_adam_impl: deepspeed_cpu_adam_2020``, the ZeRO-Offload release, one rank):
+  its stage2.py gradient path per ``reduce_bucket_size`` bucket (microsoft/DeepSpeed
+  deepspeed/runtime/zero/stage2.py of 2020, ``FP16_DeepSpeedZeroOptimizer`` with ``cpu_offload``, e.g. commit
+  00c3a254: ``reduce_ipg_grads`` -> ``copy_grads_in_partition``): GPU passes on the reduction stream
+  (``DS03_PREP_READ`` / ``DS03_PREP_WRITE`` bytes per element: the ipg-buffer copy, ``div_``, the fp64
+  gradient norm, the overflow check's fp32 sum, the fp32 cast), then a **fp32** D2H copy (4 B/param)
+  into the pinned fp32 gradient partition; the training thread blocks on it (``_has_inf_or_nan``'s
+  ``float(x.float().sum())`` per gradient and ``average_tensor``'s ``torch.cuda.synchronize()`` per
+  bucket with ``overlap_comm``), so later backward kernels wait (``offload.grad_sync.*``). The CPU step
+  has no gradient cast and begins with ``cpu.unscale_grads`` (``unscale_and_clip_grads``: ``mul_`` over
+  the fp32 partition, 8 B/param; DeepSpeed's optimizer_gradients timer, not in the CPU Adam part).
+* **Host DRAM**: the CPU ops stream their bytes over the rank's ``host.dram`` link (capacity
+  ``hardware_models.host_kernels.host_dram_share``), which its host<->device copies also cross (DMA
+  reads/writes host DRAM): a copy beside a CPU op takes its max-min share (``OffloadSummary``).
+
 CPU time model: the host roofline of ``hardware_models.host_kernels`` (specs of the host preset,
 two parameters fitted on the measured H200 host's single-tensor AdamW microbenchmark by
 scripts/fit_host_cpu_model.py):
@@ -70,9 +85,11 @@ from hardware_models.host_kernels import (
     DS2020_TILE_ELEMENTS,
     IMPLEMENTATIONS,
     StreamPass,
+    adamw_step_parts,
     adamw_step_s,
     faulting_elements,
-    pass_time_s,
+    host_dram_share,
+    pass_parts,
     shared_stream_bandwidth,
 )
 from simulator.graph.op_graph import ModelFacts, OpGraph
@@ -88,6 +105,17 @@ ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspe
 DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+#: DeepSpeed 0.3 (stage2.py, ZeRO-Offload's release) on each gradient of a reduce bucket, GPU bytes per element
+#: (fp16 gradient, 2 B): the copy into the contiguous ipg buffer (2 r + 2 w), ``average_tensor``'s ``div_`` (2 + 2),
+#: ``set_norm_for_param_grad_in_gpu``'s ``grad.double().norm(2)`` (2 r + 8 w, then 8 r), the overflow check
+#: ``_has_inf_or_nan``: ``float(x.float().sum())`` (2 r + 4 w, then 4 r), and
+#: ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s ``.float()`` (2 r + 4 w) before its fp32 D2H copy.
+DS03_PREP_READ, DS03_PREP_WRITE = 22, 20
+#: optimizer_gradients of DeepSpeed 0.3 with cpu_offload: ``unscale_and_clip_grads``, ``grad.data.mul_(1 / scale)``
+#: over the fp32 gradient partition on the CPU (in place: 4 B read + 4 B written per element).
+UNSCALE = StreamPass("fp32_grad.mul_(1/loss_scale)", 4.0, 4.0)
+#: The rank's host DRAM link: its CPU ops' streams and its host<->device copies (``OffloadSummary``).
+HOST_DRAM_LINK = "host.dram"
 GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
 GRAD_CAST_INPLACE = StreamPass("fp32_grad.copy_(half)", 2.0, 4.0)
 PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
@@ -150,6 +178,20 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     Raises:
         PolicyError: an unknown implementation.
     """
+    return {k: v[0] for k, v in cpu_step_work(params, n_tensors, impl, hw, tensor_elements=tensor_elements, mode=mode,
+                                              pin_memory=pin_memory, ranks=ranks).items()}
+
+
+def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
+                  pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float]]:
+    """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes)``, its seconds
+    alone and the DRAM bytes its passes stream (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
+    the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``). ``deepspeed_cpu_adam_2020``: no
+    gradient cast, plus ``cpu.unscale_grads`` (DeepSpeed 0.3's optimizer_gradients, ``UNSCALE``).
+
+    Raises:
+        PolicyError: an unknown implementation.
+    """
     if impl not in IMPLEMENTATIONS:
         raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: unknown {impl!r}; "
                           f"allowed: {', '.join(IMPLEMENTATIONS)}")
@@ -163,11 +205,21 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
     # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
-    grad_cast = (pass_time_s(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
-                 + n_tensors * launch)
-    param_cast = 0.0 if ds else pass_time_s(PARAM_CAST, params, cpu, t, nodes, None, bw) + n_tensors * launch
-    adam = adamw_step_s(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes, bandwidth_bytes_per_s=bw)
-    return {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+    b, st, f = pass_parts(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
+    grad_cast = (st + f + n_tensors * launch, b)
+    param_cast = (0.0, 0.0)
+    if not ds:
+        b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
+        param_cast = (st + f + n_tensors * launch, b)
+    adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
+                            bandwidth_bytes_per_s=bw)
+    out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
+    if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: the gradients arrive in fp32 (cast on the GPU), no CPU
+        # cast; its optimizer_gradients unscale the fp32 partition first (``UNSCALE``, not part of the CPU Adam)
+        b, st, f = pass_parts(UNSCALE, params, cpu, t, nodes, None, bw)
+        out["cpu.grad_cast"] = (0.0, 0.0)
+        out["cpu.unscale_grads"] = (st + f, b)
+    return out
 
 
 def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True,
@@ -304,7 +356,9 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
         TensorAlloc("optimizer.exp_avg_sq.host", 4 * shard, host_dev),
-        TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev),
+        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (module docstring)
+        (TensorAlloc("offload.grad_partition.fp32", 4 * shard, "host_pinned") if impl == "deepspeed_cpu_adam_2020"
+         else TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev)),
         TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
     ]
 
@@ -316,8 +370,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     bwd_ops = [op for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE]
     last_bwd = bwd_ops[-1].id
     sizes = [n * share for n in param_tensor_sizes(graph)]
-    times = cpu_step_times(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
-                           ranks=ranks)
+    work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
+                         ranks=ranks)
+    ds03 = impl == "deepspeed_cpu_adam_2020"  # DeepSpeed 0.3's stage2.py gradient path (module docstring)
+    if ds03 and dp > 1:
+        raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 models DeepSpeed 0.3's ZeRO-Offload on one "
+                          f"GPU; data_parallel_size {dp} is not modelled with it (allowed: 1, or another cpu_adam_impl)")
+    times = {k: v[0] for k, v in work.items()}
     dpu = mode == "delayed_param_update"
     ds2020 = impl == "deepspeed_cpu_adam_2020"
     if ds2020 and dpu:
@@ -332,9 +391,15 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     def cpu_chain(deps: list[int]) -> list[int]:
         ids = []
         d = list(deps)
+        if ds03:  # optimizer_gradients: unscale_and_clip_grads on the fp32 partition, before the CPU Adam
+            d = [rw.add("cpu.unscale_grads", OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT,
+                        host_s=times["cpu.unscale_grads"], launch=False, cost_class=CostClass.OPTIMIZER, dtype="fp32",
+                        meta={"params": shard, **_dram_meta(work["cpu.unscale_grads"])})]
         for name in CPU_OPS:
             allocs, uses = (), ()
-            if name == "cpu.grad_cast":
+            if ds03 and name != "cpu.param_cast":
+                pass  # the fp32 gradients are in the persistent pinned partition: nothing allocated per step
+            elif name == "cpu.grad_cast":
                 allocs = (TensorAlloc("grad.fp32.host", 4 * shard, "host_pageable"),)
             elif name == "cpu.adam":
                 uses = ("grad.fp32.host",)
@@ -345,7 +410,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                     n = min(DS2020_TILE_ELEMENTS, shard - t0)
                     i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name] * n / shard,
                                launch=False, cost_class=CostClass.OPTIMIZER, allocs=allocs if k == 0 else (),
-                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k})
+                               uses=uses, dtype="fp32", meta={"params": n, "impl": impl, "tile": k,
+                                                              **_dram_meta(work[name], n / shard)})
                     tile_copies.append(rw.add(f"offload.h2d.params.tile{k}", OpKind.MEMCPY_H2D, "h2d", deps=[i],
                                               phase=Phase.OPT, cost_class=CostClass.COPY, bytes_read=float(2 * n),
                                               pinned=True, role=OpRole.PARAM_UPLOAD))
@@ -354,7 +420,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 continue
             i = rw.add(name, OpKind.HOST, cpu_stream, deps=d, phase=Phase.OPT, host_s=times[name], launch=False,
                        cost_class=CostClass.OPTIMIZER, allocs=allocs, uses=uses, dtype="fp32",
-                       meta={"params": shard, "impl": impl})
+                       meta={"params": shard, "impl": impl, **_dram_meta(work[name])})
             ids.append(i)
             d = [i]
         return ids
@@ -369,10 +435,17 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         for b in bucket_list:
             name = b[0]["name"] if len(b) == 1 else f"{b[0]['name']}..{b[-1]['name']}"
             uses = tuple(g["tensor"] for g in b if g["tensor"])
+            n = sum(g["bytes"] for g in b) // 2
+            if ds03:  # the bucket's GPU passes on the reduction stream, then its fp32 copy, the host blocked on it
+                deps = [rw.add(f"offload.grad_prep.{name}", OpKind.COMPUTE, "d2h", deps=deps, phase=Phase.BWD,
+                               layer=b[-1]["layer"], cost_class=CostClass.ELEMENTWISE, dtype="fp32",
+                               bytes_read=float(DS03_PREP_READ * n), bytes_written=float(DS03_PREP_WRITE * n))]
             i = rw.add(f"offload.d2h.grad.{name}", OpKind.MEMCPY_D2H, "d2h", deps=deps + ([chain[0]] if dpu else []),
                        phase=Phase.BWD, layer=b[-1]["layer"], cost_class=CostClass.COPY,
-                       bytes_read=float(sum(g["bytes"] for g in b)), pinned=pin_memory, uses=uses)
+                       bytes_read=float((4 if ds03 else 2) * n), pinned=pin_memory, uses=uses)
             d2h_ids.append(i)
+            if ds03:
+                rw.add(f"offload.grad_sync.{name}", OpKind.SYNC, "host", deps=[i], phase=Phase.BWD, launch=False)
 
     for op in graph.ops:
         if op.phase == Phase.OPT:
@@ -444,6 +517,13 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     return rw.finish(persistent=persistent, meta=meta)
 
 
+def _dram_meta(work: tuple[float, float], fraction: float = 1.0) -> dict:
+    """Op meta of a CPU op's host DRAM stream (``cpu_step_work``), for ``fraction`` of its elements:
+    ``dram_bytes`` (none for an op without DRAM traffic or time)."""
+    seconds, nbytes = work
+    return {"dram_bytes": nbytes * fraction} if nbytes > 0 and seconds > 0 else {}
+
+
 def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     if not bucket_elems:
         return [[g] for g in grads]
@@ -481,11 +561,32 @@ class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
 
     def __init__(self, cfg, hw, env, system):
-        self.cfg, self.hw = cfg, hw
+        self.cfg, self.hw, self.env, self.system = cfg, hw, env, system
+        dp = cfg.parallelism.data_parallel_size or 1
+        pinned = cfg.zero_optimization.offload_optimizer.pin_memory
+        #: this rank's share of the host DRAM its CPU step streams through and its copies' DMA reads or writes
+        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, ranks_per_node(hw) if dp > 1 else 1,
+                                                1 if pinned else None)
+        system.add_copy_link(HOST_DRAM_LINK, self.dram_bytes_per_s)
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
+
+    def host_handlers(self) -> dict:
+        """Host ops run here: a CPU op with a DRAM stream (``meta["dram_bytes"]``, ``cpu_step_work``) is one flow
+        of its bytes over the host DRAM link, at most at its average rate alone (``dram_bytes / host_s``: its page
+        faults and per-tensor dispatch spread evenly over it, as they interleave with the streaming tensor by
+        tensor), max-min fairly with the copies in flight; it takes ``host_s`` exactly when nothing shares the
+        link. Other host ops take ``host_s``."""
+        return {OpKind.HOST: self._host_op}
+
+    def _host_op(self, op, step):
+        nbytes = (op.meta or {}).get("dram_bytes", 0.0)
+        if nbytes:
+            yield from self.system.network.transfer(nbytes, (HOST_DRAM_LINK,), 0.0, nbytes / op.host_s)
+        elif op.host_s > 0:
+            yield self.env.timeout(op.host_s)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = offload_parts(spans, steps)

@@ -70,7 +70,8 @@ class OffloadOptimizerConfig(_Model):
         default="torch_foreach",
         description="torch.optim.AdamW(foreach=True) | foreach=False | fused=True | DeepSpeedCPUAdam (fused, vectorised) | "
         "DeepSpeedCPUAdam as released with ZeRO-Offload (DeepSpeed 0.3, 2020: the fp16 parameters are converted in a "
-        "second pass and copied to the GPU tile by tile inside the step; modes serial and overlap).",
+        "second pass and copied to the GPU tile by tile inside the step; with its stage2.py gradient path: fp32 gradient copies "
+        "the training thread waits for, the unscale on the CPU; modes serial and overlap, one GPU).",
     )
 
     @field_validator("device", mode="before")

@@ -212,7 +212,8 @@ def test_deepspeed_2020_copies_each_tile_while_the_next_runs(monkeypatch):
     """DeepSpeed 0.3's CPUAdam, with the tile shrunk to ceil(P / 3) elements (toy model): three tile ops of
     34 B/param x n_k / 10 GB/s each, and after each an H2D copy of 2 n_k bytes that waits only for its
     tile; no per-layer upload. The step's CPU-Adam figure is the CPU ops plus the last copy (the earlier
-    copies hide under the next tile when the link is faster than the host's 2 B per 34 B)."""
+    copies hide under the next tile when the link is faster than the host's 2 B per 34 B); DeepSpeed 0.3 casts the
+    gradients to fp32 on the GPU, so no CPU gradient cast is charged."""
     import simulator.policies.offload_optimizer as oo
 
     tile = -(-P // 3)
@@ -234,7 +235,7 @@ def test_deepspeed_2020_copies_each_tile_while_the_next_runs(monkeypatch):
     last = sp[sp.name == "offload.h2d.params.tile2"]
     cpu = sp[sp.name.isin(("cpu.grad_cast", "cpu.adam", "cpu.param_cast"))]
     assert parts["offload_cpu_optimizer_s"] == pytest.approx(
-        (6 + 34) * P / BW + float(last.end_s.iloc[0]) - float(cpu.end_s.max()), rel=1e-9)
+        34 * P / BW + float(last.end_s.iloc[0]) - float(cpu.end_s.max()), rel=1e-9)  # no CPU grad cast in DS 0.3
     assert float(last.duration_s.iloc[0]) == pytest.approx(hw.copy.latency_s + 2 * ns[2] / hw.copy.h2d_bytes_per_s)
 
 
@@ -253,3 +254,62 @@ def test_fp16_offloads_like_bf16():
     assert {t.name: t.nbytes for t in g.persistent if t.device == "gpu"} == {"params.bf16": 2 * P}
     assert ({t.name: t.nbytes for t in g16.persistent if t.device != "gpu"}
             == {t.name: t.nbytes for t in g.persistent if t.device != "gpu"})
+
+
+def test_deepspeed_2020_gradient_path_by_hand():
+    """DeepSpeed 0.3's stage2.py with cpu_offload, one bucket per gradient (no reduce_bucket_size): each gradient
+    of n elements gets a GPU pass of 22 n B read + 20 n B written (ipg copy, div_, fp64 norm, overflow sum, fp32
+    cast: DS03_PREP_*) on the reduction stream, then an fp32 D2H copy of 4 n bytes after it, and the training
+    thread waits for that copy (a host SYNC) before it launches anything else. The CPU step has no gradient cast
+    (0 s) and begins with the fp32 unscale: 8 B/param at 10 GB/s."""
+    from simulator.policies.offload_optimizer import DS03_PREP_READ, DS03_PREP_WRITE
+
+    hw = toy_hw()
+    g = offload_optimizer(build_gpt_step(SPEC), hw, impl="deepspeed_cpu_adam_2020")
+    ops = g.ops
+    prep = [op for op in ops if op.name.startswith("offload.grad_prep.")]
+    d2h = [op for op in ops if op.name.startswith("offload.d2h.grad.")]
+    sync = [op for op in ops if op.name.startswith("offload.grad_sync.")]
+    assert len(prep) == len(d2h) == len(sync) == len(gradients(build_gpt_step(SPEC)))
+    assert sum(op.bytes_read for op in d2h) == 4 * P
+    assert sum(op.bytes_read for op in prep) == DS03_PREP_READ * P
+    assert sum(op.bytes_written for op in prep) == DS03_PREP_WRITE * P
+    for p_, c, s in zip(prep, d2h, sync):
+        assert p_.stream == c.stream == "d2h" and c.deps == (p_.id,)
+        assert s.stream == "host" and s.kind == OpKind.SYNC and s.deps == (c.id,)
+    unscale = next(op for op in ops if op.name == "cpu.unscale_grads")
+    assert unscale.host_s == pytest.approx(8 * P / BW)
+    assert next(op for op in ops if op.name == "cpu.grad_cast").host_s == 0.0
+    cast = next(op for op in ops if op.name == "cpu.grad_cast")
+    adam = next(op for op in ops if op.name == "cpu.adam")
+    assert cast.deps == (unscale.id,) and adam.deps == (cast.id,)  # the unscale runs first
+    host = {t.name: t for t in g.persistent if t.device.startswith("host")}
+    assert host["offload.grad_partition.fp32"].nbytes == 4 * P and "offload.grad_staging.bf16" not in host
+
+
+def test_deepspeed_2020_with_data_parallel_is_refused():
+    spec = dataclasses.replace(SPEC, data_parallel_size=2)
+    with pytest.raises(PolicyError, match="deepspeed_cpu_adam_2020 models DeepSpeed 0.3's ZeRO-Offload on one GPU"):
+        offload_optimizer(build_gpt_step(spec), toy_hw(), impl="deepspeed_cpu_adam_2020")
+
+
+def test_deepspeed_2020_backward_waits_for_each_gradient_copy():
+    """The training thread blocks on each fp32 gradient copy (DeepSpeed 0.3's per-gradient ``float(x.sum())`` and
+    per-bucket ``torch.cuda.synchronize()``): no GPU op the host launches after a copy's sync starts before that
+    copy ends, so the copies do not overlap the rest of backward."""
+    hw = toy_hw()
+    g = offload_optimizer(build_gpt_step(SPEC), hw, impl="deepspeed_cpu_adam_2020")
+    res = run(g, hw)
+    sp = res.spans[res.spans.step == res.spans.step.max()]
+    start = dict(zip(sp.op_id, sp.start_s))
+    end = dict(zip(sp.op_id, sp.end_s))
+    syncs = [op for op in g.ops if op.name.startswith("offload.grad_sync.")]
+    later = [op for op in g.ops if op.kind == OpKind.COMPUTE and op.stream == "compute"]
+    checked = 0
+    for s in syncs:
+        copy_end = end[s.deps[0]]
+        for op in later:
+            if op.id > s.id:
+                assert start[op.id] >= copy_end - 1e-15
+                checked += 1
+    assert checked > 0

@@ -144,8 +144,8 @@ def _dp8_hw(load, tmp=None):
 
 def test_two_ranks_on_one_switch_copy_at_half_the_rate(tmp_path):
     """The shard upload (one H2D copy of 2 x shard bytes, alone on the link) takes latency + bytes /
-    (63 GB/s / 2) with 2 GPUs behind each switch, latency + bytes / 63 GB/s with a switch per GPU:
-    the copy time past the latency doubles."""
+    (63 GB/s / 2) with 2 GPUs behind each switch; with a switch per GPU, latency + bytes / min(63 GB/s, the rank's
+    share of host DRAM)."""
     p = tmp_path / "dp8.yaml"
     p.write_text(DP8)
 
@@ -163,5 +163,9 @@ def test_two_ranks_on_one_switch_copy_at_half_the_rate(tmp_path):
     from simulator.api import transformer_spec
 
     nbytes = 2 * -(-transformer_spec(load_scenario(p)).num_parameters // 8)
-    assert alone == pytest.approx(lat + nbytes / rate, rel=1e-6)
-    assert (shared - lat) == pytest.approx(2 * (alone - lat), rel=1e-9)
+    # alone on its switch the copy meets the host DRAM: the 8 ranks' uploads read it at once, 4 per socket, and each
+    # gets a quarter of the socket's sustained bandwidth (host_dram_share; 61.4 GB/s on the 8480C, below 63 GB/s)
+    from hardware_models.host_kernels import host_dram_share
+
+    assert alone == pytest.approx(lat + nbytes / min(rate, host_dram_share(hw.host_cpu, 8)), rel=1e-6)
+    assert shared == pytest.approx(lat + nbytes / (rate / 2), rel=1e-6)  # the shared uplink binds before the DRAM
