@@ -537,6 +537,12 @@ class ScenarioConfig(_Model):
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
+            if (f.sharding_strategy == "NO_SHARD" and f.dtypes[1] == "bf16" and pp == 1 and (
+                    self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1)):
+                raise ValueError("fsdp: sharding_strategy NO_SHARD with reduce_dtype bf16 with gradient accumulation "
+                                 "is not modelled yet (the fp32 .grad each bf16 all-reduce adds into; allowed: "
+                                 "reduce_dtype fp32, e.g. mixed_precision DEFAULT, or global_batch_size = "
+                                 "micro_batch_size x data_parallel_size)")
             if tp > 1 and (self.parallelism.sequence_parallel or f.sharding_strategy == "NO_SHARD"):
                 what = "sequence_parallel" if self.parallelism.sequence_parallel else "sharding_strategy NO_SHARD"
                 raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with {what} is not modelled yet "

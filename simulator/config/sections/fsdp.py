@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from simulator.config.limits import MODEL_CONFIG
 
@@ -55,8 +55,8 @@ class FsdpConfig(_Model):
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
         default="FULL_SHARD", description="FULL_SHARD (params, grads, optimizer state sharded; params gathered in "
         "forward and again in backward), SHARD_GRAD_OP (params stay gathered from forward to backward), "
-        "HYBRID_SHARD (FULL_SHARD inside a node, gradients all-reduced across nodes), NO_SHARD (DDP; with "
-        "mixed_precision FULL only).")
+        "HYBRID_SHARD (FULL_SHARD inside a node, gradients all-reduced across nodes), NO_SHARD (DDP: whole fp32 "
+        "parameters, a param_dtype copy cast per unit, gradients all-reduced in reduce_dtype).")
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | None = Field(
         default="BACKWARD_PRE", description="When the next unit's all-gather is issued in backward (null: on demand).")
     forward_prefetch: bool = Field(default=False, description="Issue the next unit's all-gather at the start of "
@@ -90,17 +90,6 @@ class FsdpConfig(_Model):
     @classmethod
     def _upper(cls, v):
         return v.upper() if isinstance(v, str) else v
-
-    @model_validator(mode="after")
-    def _no_shard_is_fp32(self):
-        """NO_SHARD is modelled as DDP over fp32 parameters (fp32 all-reduce): the low-precision parameter copy
-        (``param_dtype`` bf16) and the bf16 all-reduce (``reduce_dtype``) of ``MixedPrecision`` are not built."""
-        if self.sharding_strategy == "NO_SHARD" and self.dtypes != ("fp32", "fp32"):
-            mp = self.mixed_precision if isinstance(self.mixed_precision, str) else dict(self.mixed_precision)
-            raise ValueError(f"mixed_precision {mp} with "
-                             "sharding_strategy NO_SHARD is not modelled (its bf16 parameter copy and bf16 all-reduce "
-                             "are not built; allowed: mixed_precision: FULL, i.e. fp32 parameters and all-reduce)")
-        return self
 
     @property
     def dtypes(self) -> tuple[str, str]:

@@ -318,6 +318,9 @@ class TransformerSpec:
                     sh.strategy == "no_shard" or self.sequence_parallel):
                 raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
                                  "modelled yet")
+            if sh.strategy == "no_shard" and sh.grad_bytes == 2 and self.num_micro_batches > 1 and \
+                    self.pipeline_parallel_size == 1:
+                raise ValueError("NO_SHARD with a 16-bit reduce_dtype and gradient accumulation is not modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
@@ -1609,6 +1612,8 @@ class _GptBuilder:
         if sh is not None and sh.gathers:
             self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(): self._collective(
                 name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
+        elif sh is not None and sh.casts_units:  # NO_SHARD, param_dtype bf16: a cast per unit in place of a gather
+            self.pg = shd.ParamGather(s, self.e, lambda *a, **k: shd.unit_param_cast(self.b, *a, **k), "param_cast")
         if sh is not None and sh.strategy == "distributed_optimizer":
             self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
             self._mg: dict[int, shd.MegatronBuffer] = {}  # model chunk -> its gradient buffer
@@ -1671,7 +1676,7 @@ class _GptBuilder:
             return sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
         if self.sh.strategy == "zero3":
             return []  # the persistent gradient partition
-        if self.sh.unit_buckets and self.sh.shards_grads:
+        if self.sh.unit_buckets and (self.sh.shards_grads or self.sh.grad_bytes == 2):
             return list(self.grad_shards)
         return sorted(self.grad_made)
 
@@ -1719,8 +1724,12 @@ class _GptBuilder:
 
     def _emit_sharded_bucket(self, k: int, nbytes: int, tensors: list[str], deps: list[int]) -> None:
         sh, st = self.sh, self.sh.strategy
-        if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP)
+        if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP); bf16: then cast to fp32
             self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD))
+            if sh.grad_bytes == 2:
+                i, grad = shd.grad_cast_back(self.b, k, nbytes, self.comm_ops[-1], tensors)
+                self.comm_ops.append(i)
+                self.grad_shards.append(grad)
         elif st == "distributed_optimizer":  # in place in the grad buffer
             self.comm_ops.append(self._collective(f"megatron.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                                   Phase.BWD))
