@@ -543,10 +543,9 @@ class ScenarioConfig(_Model):
                                  "is not modelled yet (the fp32 .grad each bf16 all-reduce adds into; allowed: "
                                  "reduce_dtype fp32, e.g. mixed_precision DEFAULT, or global_batch_size = "
                                  "micro_batch_size x data_parallel_size)")
-            if tp > 1 and (self.parallelism.sequence_parallel or f.sharding_strategy == "NO_SHARD"):
-                what = "sequence_parallel" if self.parallelism.sequence_parallel else "sharding_strategy NO_SHARD"
-                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with {what} is not modelled yet "
-                                 "(allowed: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with sequence_parallel false)")
+            if tp > 1 and f.sharding_strategy == "NO_SHARD":
+                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with sharding_strategy NO_SHARD is not "
+                                 "modelled yet (allowed with TP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD)")
         p = self.parallelism
         own_experts = bool(self.model.num_experts) and (
             p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)  # moe.own_expert_grads

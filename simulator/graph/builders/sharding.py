@@ -63,7 +63,7 @@ gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, sectio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from simulator.graph.builders.pipeline import chunk_layers
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
@@ -334,6 +334,35 @@ def grad_cast_back(b, k: int, nbytes: int, reduce_op: int, tensors, group: str =
               cost_class=CostClass.CAST, bytes_read=2.0 * n, bytes_written=4.0 * n, uses=tuple(tensors),
               allocs=(TensorAlloc(out, 4 * n),), dtype="fp32")
     return i, out
+
+
+#: Parameters replicated over the TP ranks whose gradients are partial per rank under sequence parallelism (the
+#: ``sequence_parallel_params`` of the builder's spec): norms, row-parallel biases, the MoE router and shared gate
+TP_REPLICATED = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias", "router.weight",
+                 "shared_expert.gate.weight", "ln_f.weight", "ln_f.bias")
+
+
+def sp_unit_grads(builder, bucket) -> int | None:
+    """FSDP (over dp) with Megatron-style TP + sequence parallelism inside: before a unit's gradient reduce-scatter,
+    one all-reduce over the TP group of the unit's TP-replicated gradients (``TP_REPLICATED``: a LayerNorm sees
+    ``T / t`` tokens per TP rank, so its weight gradient is a partial sum), in ``param_dtype`` (the gradient's dtype
+    before FSDP casts it to ``reduce_dtype``). PyTorch FSDP2 + DTensor SP: ``FSDPParam._get_grad_inner_tensor``
+    redistributes a ``Partial`` gradient to the parameter's ``Replicate`` TP placement before ``foreach_reduce``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py); Megatron-LM's own DDP instead all-reduces them once per
+    step (``_allreduce_layernorm_grads``). The unit's reduce-scatter waits for it (``builder._bucket`` gets its op as
+    the finishing op of those gradients). Returns the op id, or None without such parameters."""
+    rep = [i for i, g in enumerate(bucket) if g.name.split(".", 1)[-1] in TP_REPLICATED or g.name in TP_REPLICATED]
+    if not rep:
+        return None
+    n = sum(bucket[i].numel for i in rep)
+    e = builder.e
+    e.phase, layer, e.layer = Phase.BWD, e.layer, bucket[rep[0]].layer  # named L<unit>.bwd.tp.sp_grads.all_reduce
+    i = builder._tp_op("sp_grads.all_reduce", "all_reduce", builder.sh.param_bytes * n,
+                       deps=[bucket[j].grad_op for j in rep], dtype="fp32" if builder.sh.param_bytes == 4 else None)
+    e.layer = layer
+    for j in rep:
+        bucket[j] = replace(bucket[j], grad_op=i)
+    return i
 
 
 class ParamGather:

@@ -314,10 +314,8 @@ class TransformerSpec:
             if sh.shard_size * sh.replicate_size != n_sh:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
                                  f"data_parallel_size x context_parallel_size ({n_sh})")
-            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1 and (
-                    sh.strategy == "no_shard" or self.sequence_parallel):
-                raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
-                                 "modelled yet")
+            if sh.strategy == "no_shard" and self.tensor_parallel_size > 1:
+                raise ValueError("no_shard with tensor parallelism is not modelled yet")
             if sh.strategy == "no_shard" and sh.grad_bytes == 2 and self.num_micro_batches > 1 and \
                     self.pipeline_parallel_size == 1:
                 raise ValueError("NO_SHARD with a 16-bit reduce_dtype and gradient accumulation is not modelled yet")
@@ -1447,10 +1445,17 @@ class _GptBuilder:
                                             "pp_ranks": tuple(range(p)), "rendezvous": ("pp", "grad_norm"),
                                             "parties": p}))
 
+    def _unit_sp_grads(self) -> None:
+        """FSDP with sequence parallelism: the TP all-reduce of the unit's TP-replicated gradients before its
+        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``)."""
+        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket:
+            shd.sp_unit_grads(self, self._bucket)
+
     def _sequence_parallel_grads(self) -> None:
         """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
-        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``)."""
-        if self.sp:
+        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
+        FSDP: per unit, ``_unit_sp_grads``)."""
+        if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            4 * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
@@ -1537,6 +1542,7 @@ class _GptBuilder:
             return
         self._bucket = self._root_bucket + self._bucket  # FSDP: the root unit's reduce-scatter comes last
         self._root_bucket = []
+        self._unit_sp_grads()
         if self._bucket:
             self._close_bucket()
         last = len(self.b) - 1
@@ -1645,6 +1651,7 @@ class _GptBuilder:
         if self.pg is not None:
             self.pg.leave(layer, phase)
         if self.sh is not None and self.sh.unit_buckets and (self.last_mb or self._every_mb) and self._bucket:
+            self._unit_sp_grads()
             self._close_bucket()
 
     def _persistent_sharded(self) -> None:

@@ -115,3 +115,55 @@ def test_no_shard_bf16_refusals_and_runs():
         r.stderr
     r, lines = _cli(["fsdp={sharding_strategy: NO_SHARD}", "run.steps=2", "run.warmup_steps=1"])
     assert r.returncode == 0, r.stderr
+
+
+# -- 2. FSDP over dp x Megatron-style TP with sequence parallelism inside ----------------------------------------
+def _fsdp_tp(sp: bool):
+    sh = ShardingSpec("full_shard", 4, param_bytes=2, sharded_param_bytes=4, grad_bytes=4)
+    return build_gpt_step(TransformerSpec(**{**TINY, "num_layers": 1, "data_parallel_size": 4}, tensor_parallel_size=2,
+                                          sequence_parallel=sp, sharding=sh))
+
+
+def test_fsdp_tp_sequence_parallel_bytes_by_hand():
+    """FULL_SHARD (DEFAULT) over dp 4 x TP 2 with sequence parallelism, 1 layer. dp: exactly the collectives of
+    FSDP + TP without SP (each TP rank's flat parameters, root 1072 and block 460 elements, sharded over dp 4).
+    tp: every all-reduce of b s h (2 x 4 x 8 = 64 bytes bf16) becomes a reduce-scatter or an all-gather of the same
+    64 bytes (Korthikanti et al. 2023, section 4.2.2): forward embedding RS, per layer AG (ln1) RS (proj) AG (ln2)
+    RS (fc2), AG (ln_f); backward the mirror (RS lm_head, AG fc2, RS fc1, AG proj, RS qkv, AG embedding); the
+    vocab-parallel cross-entropy's three fp32 all-reduces (4 x 4 bytes) stay. The TP-replicated parameters
+    (LayerNorm weight and bias, row-parallel proj / fc2 biases: 16 + 16 + 8 + 8 = 48 elements per block; ln_f 16)
+    have per-rank partial gradients: each unit's are all-reduced over TP in param_dtype bf16 before its
+    reduce-scatter (FSDP2 ``FSDPParam._get_grad_inner_tensor``: Partial -> Replicate): 96 bytes for the block, 32
+    for the root, in place of Megatron's end-of-step fp32 all-reduce (4 x 64 = 256 bytes). LayerNorms run on
+    T / t = 2 tokens: ln1 reads 4 x 2 x 8 = 64 bytes (fp32 residual under autocast), half of the 128 without SP."""
+    sp, base = _fsdp_tp(True), _fsdp_tp(False)
+    dp = lambda g: [(c.name, c.meta["bytes"]) for c in _colls(g) if c.meta["group"] == "dp"]  # noqa: E731
+    assert dp(sp) == dp(base) == [("root.fwd.param_all_gather", 2144), ("L0.fwd.param_all_gather", 920),
+                                  ("L0.bwd.param_all_gather", 920), ("fsdp.grad_reduce_scatter.0", 1840),
+                                  ("fsdp.grad_reduce_scatter.1", 4288)]
+    tp = [(c.meta["collective"], c.meta["bytes"]) for c in _colls(sp) if c.meta["group"] == "tp"]
+    RS, AG, AR = "reduce_scatter", "all_gather", "all_reduce"
+    assert tp == [(RS, 64), (AG, 64), (RS, 64), (AG, 64), (RS, 64), (AG, 64), (AR, 16), (AR, 16), (AR, 16),
+                  (RS, 64), (AG, 64), (RS, 64), (AG, 64), (RS, 64), (AR, 96), (AG, 64), (AR, 32)]
+    assert not [o for o in sp.ops if "layernorm_grads" in o.name]
+    spec = TransformerSpec(**{**TINY, "num_layers": 1, "data_parallel_size": 4}, tensor_parallel_size=2,
+                           sequence_parallel=True, precision="bf16")
+    assert (96 + 32) // 2 == spec.sequence_parallel_params  # the same parameters as Megatron's all-reduce
+    ops = {o.name: o for o in sp.ops}
+    for ar, rs in (("L0.bwd.tp.sp_grads.all_reduce", "fsdp.grad_reduce_scatter.0"),
+                   ("bwd.tp.sp_grads.all_reduce", "fsdp.grad_reduce_scatter.1")):
+        assert ops[ar].id in ops[rs].deps
+    assert ops["L0.fwd.ln1"].bytes_read == 64 and {o.name: o for o in base.ops}["L0.fwd.ln1"].bytes_read == 128
+
+
+def test_fsdp_tp_sequence_parallel_runs_on_the_bundled_2d_scenario():
+    """The bundled 1.3B FSDP x TP2 scenario with ``sequence_parallel: true`` runs (was refused in one line): dp and
+    tp collectives, less peak memory than without SP (activations of the LayerNorm / residual region / t), and the
+    same dp traffic."""
+    s2d = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml"
+    small = ["model.num_layers=4", "run.steps=2", "run.warmup_steps=1"]
+    a = run_scenario(load_scenario(s2d, small)).summary
+    b = run_scenario(load_scenario(s2d, small + ["parallelism.sequence_parallel=true"])).summary
+    assert set(b["comm_s_by_group"]) == {"dp", "tp"}
+    assert b["peak_memory_bytes"] < a["peak_memory_bytes"]
+    assert not b.get("oom")
