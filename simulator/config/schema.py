@@ -505,6 +505,22 @@ class ScenarioConfig(_Model):
         self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
         return self
 
+    def _fsdp_offload_scope(self, dp: int) -> None:
+        """``fsdp.cpu_offload``: what is modelled (``simulator/policies/offload_fsdp.py``)."""
+        f, par, key = self.fsdp, self.parallelism, "fsdp.cpu_offload"
+        if f.sharding_strategy == "NO_SHARD":
+            raise ValueError(f"{key} with sharding_strategy NO_SHARD is not modelled yet (allowed: FULL_SHARD, "
+                             "SHARD_GRAD_OP, HYBRID_SHARD)")
+        if dp < 2:
+            raise ValueError(f"{key} needs data_parallel_size x context_parallel_size > 1 (FSDP over one rank is "
+                             "built without sharding; allowed: a cluster with dp > 1)")
+        if par.pipeline_model_parallel_size > 1:
+            raise ValueError(f"{key} with pipeline_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+        if (self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1):
+            raise ValueError(f"{key} with gradient accumulation: FSDP does not accumulate gradients outside no_sync() "
+                             "with CPU offload (torch FullyShardedDataParallel docs: it uses the newly reduced "
+                             "gradient); allowed: global_batch_size = micro_batch_size x data_parallel_size")
+
     def _sharding_scope(self, dp: int) -> None:
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
@@ -533,6 +549,8 @@ class ScenarioConfig(_Model):
             if prec == "amp_fp32_params":
                 raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
                                  "or fp16 (16-bit parameter partitions; allowed: bf16, fp16)")
+        if f is not None and f.offload_params:
+            self._fsdp_offload_scope(dp)
         if f is not None and dp > 1:
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "

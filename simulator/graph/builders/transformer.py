@@ -1796,5 +1796,7 @@ class _GptBuilder:
             model=model_facts(s),
             meta={"num_parameters": s.num_parameters,
                   "num_trainable_parameters": lora.trainable_parameters(s) if s.lora is not None else s.num_parameters, "tensor_parallel_size": s.tensor_parallel_size,
-                  "sharding": self.sh.strategy if self.sh is not None else None},
+                  "sharding": self.sh.strategy if self.sh is not None else None,
+                  "shard_size": self.sh.shard_size if self.sh is not None else 1,
+                  "param_bytes": self.sh.param_bytes if self.sh is not None else None},
         )

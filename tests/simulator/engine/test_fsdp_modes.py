@@ -167,3 +167,105 @@ def test_fsdp_tp_sequence_parallel_runs_on_the_bundled_2d_scenario():
     assert set(b["comm_s_by_group"]) == {"dp", "tp"}
     assert b["peak_memory_bytes"] < a["peak_memory_bytes"]
     assert not b.get("oom")
+
+
+# -- 1. CPUOffload(offload_params=True) ------------------------------------------------------------------------
+def _offloaded(strategy: str, dp: int, impl: str = "torch_single"):
+    from simulator.config.loader import resolve_hardware
+    from simulator.policies.offload_fsdp import fsdp_cpu_offload
+    sh = ShardingSpec(strategy, dp, param_bytes=2, sharded_param_bytes=4, grad_bytes=4,
+                      reshard_after_forward=strategy == "full_shard")
+    g = build_gpt_step(TransformerSpec(**{**TINY, "num_layers": 1, "data_parallel_size": dp}, sharding=sh))
+    hw = resolve_hardware(load_scenario(B16, DGX))
+    return g, fsdp_cpu_offload(g, hw, impl=impl)
+
+
+@pytest.mark.parametrize("strategy,dp,h2d,d2h", [
+    # FULL_SHARD: the root (176) is gathered once (forward: FSDP keeps the root gathered), the block (872) in
+    # forward and again in backward; each gather reads this rank's fp32 shard, ceil(n / dp) x 4 bytes, copied H2D
+    ("full_shard", 2, [4 * 88, 4 * 436, 4 * 436], [4 * 436, 4 * 88]),
+    ("full_shard", 4, [4 * 44, 4 * 218, 4 * 218], [4 * 218, 4 * 44]),
+    ("shard_grad_op", 2, [4 * 88, 4 * 436], [4 * 436, 4 * 88]),  # kept gathered from forward to backward
+])
+def test_fsdp_cpu_offload_bytes_per_rank_per_step_by_hand(strategy, dp, h2d, d2h):
+    """H2D per step = 4 x (shard(root) + k x shard(block)), k = 2 for FULL_SHARD, 1 for SHARD_GRAD_OP; D2H = the
+    reduce-scattered gradient shards cast to fp32 (``_cast_grad_to_param_dtype`` before ``_offload_grad``),
+    4 x (shard(block) + shard(root)). dp 2: H2D 352 + 1744 + 1744 = 3840, D2H 2096; dp 4: 1920 and 1048. The GPU
+    keeps no parameter, gradient or optimizer shard; the host holds the fp32 parameter and gradient shards (pinned,
+    4 x ceil(1048 / dp) each) and the two Adam moments (pageable, the same each); AdamW runs on the CPU."""
+    base, g = _offloaded(strategy, dp)
+    fetch = [o for o in g.ops if o.kind is OpKind.MEMCPY_H2D and o.name.endswith("fsdp_offload.fetch")]
+    down = [o for o in g.ops if o.kind is OpKind.MEMCPY_D2H]
+    assert len([o for o in g.ops if o.kind is OpKind.MEMCPY_H2D]) == len(fetch) + 1  # + the input batch
+    assert [o.bytes_read for o in fetch] == h2d and [o.bytes_read for o in down] == d2h
+    gathers = [o for o in _colls(g) if o.meta["collective"] == "all_gather"]
+    assert len(gathers) == len(fetch)
+    for ga, f in zip(gathers, fetch):
+        assert f.id in ga.deps and f.allocs[0].name in ga.uses and f.allocs[0].device == "gpu"
+    rs = [o for o in _colls(g) if o.meta["collective"] == "reduce_scatter"]
+    for r, d in zip(rs, down):
+        assert r.id in d.deps and r.allocs[0].name in d.uses
+    shard = 4 * -(-1048 // dp)
+    assert sorted((t.name, t.device, t.nbytes) for t in g.persistent) == sorted([
+        ("params.fp32.shard.host", "host_pinned", shard), ("grad.fp32.shard.host", "host_pinned", shard),
+        ("optimizer.exp_avg.host", "host_pageable", shard), ("optimizer.exp_avg_sq.host", "host_pageable", shard)])
+    assert not [o for o in g.ops if o.name.endswith("adamw")]
+    cpu = [o for o in g.ops if o.name == "cpu.adam"]
+    assert len(cpu) == 1 and cpu[0].stream == "host" and cpu[0].meta["params"] == shard // 4
+    assert all(d.id in g.ops[next(o.id for o in g.ops if o.name == "offload.bwd_done")].deps for d in down)
+    assert sum(o.bytes_read for o in fetch) == {2: 3840, 4: 1920}[dp] or strategy == "shard_grad_op"
+    assert g.meta["fsdp_cpu_offload"]["h2d_bytes_per_step"] == sum(h2d)
+    assert g.meta["fsdp_cpu_offload"]["d2h_bytes_per_step"] == sum(d2h) == 4 * (-(-872 // dp) + -(-176 // dp))
+
+
+def test_fsdp_cpu_offload_cpu_step_is_the_host_model():
+    """The CPU AdamW is the host roofline of ``offload_optimizer.cpu_step_times`` over this rank's flat-parameter
+    shards (one flat parameter per unit: the root and the block), for the implementation asked."""
+    from simulator.config.loader import resolve_hardware
+    from simulator.policies.offload_optimizer import cpu_step_times
+    hw = resolve_hardware(load_scenario(B16, DGX))
+    for impl in ("torch_single", "torch_foreach", "torch_fused"):
+        _, g = _offloaded("full_shard", 2, impl)
+        op = next(o for o in g.ops if o.name == "cpu.adam")
+        want = cpu_step_times(524, 2, impl, hw, tensor_elements=[436, 88], pin_memory=True)["cpu.adam"]
+        assert op.host_s == pytest.approx(want, rel=1e-12) and op.meta["impl"] == impl
+
+
+OFF = ["fsdp={sharding_strategy: FULL_SHARD, cpu_offload: true}"]
+
+
+def test_fsdp_cpu_offload_engine_run_moves_the_states_to_the_host():
+    """dp 8 on a DGX H100 (4-layer GPT of B16): no model-state bytes stay on the GPU after the step (FSDP alone
+    keeps 12 bytes per parameter / 8); this rank's pinned host buffers are its fp32 parameter and gradient shards,
+    8 x ceil(P / 8) bytes (the engine's pool is per rank; ``host_memory_oom`` counts the node's 8 ranks); the CPU
+    step is in the summary and the step is slower than with the states on the GPU."""
+    cfg = load_scenario(B16, SMALL + DGX + OFF)
+    r = run_scenario(cfg)
+    plain = run_scenario(load_scenario(B16, SMALL + DGX + ["fsdp={sharding_strategy: FULL_SHARD}"]))
+    P = transformer_spec(cfg).num_parameters
+    c = r.counters[(r.counters.metric == "memory_bytes") & (r.counters.scope == "gpu0.hbm")]
+    assert int(c.sort_values("t_s").value.iloc[-1]) == 0
+    s = r.summary
+    assert s["peak_host_pinned_bytes"] == 8 * -(-P // 8)
+    assert s["offload_cpu_optimizer_s"] > 0 and s["step_time_s"] > plain.summary["step_time_s"]
+    assert s["peak_memory_bytes"] < plain.summary["peak_memory_bytes"] and not s["oom"]
+    assert s["fsdp_cpu_offload"]["impl"] == "torch_fused"  # training.optimizer.impl fused of B16
+
+
+def test_fsdp_cpu_offload_host_memory_is_a_capacity():
+    """A 1 GB host: the 8 ranks' host states (16 bytes per parameter / 8 each, 8 ranks) do not fit: an
+    out-of-memory result naming the host and the FSDP states, not a crash."""
+    r = run_scenario(load_scenario(B16, SMALL + DGX + OFF + ["hardware.host.overrides.memory.capacity_bytes=1 GB"]))
+    oom = r.summary["oom"]
+    assert oom is not None and "host" in oom and "8 ranks" in oom and "fsdp" in oom.lower(), oom
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["fsdp={sharding_strategy: FULL_SHARD, cpu_offload: true}", "training.global_batch_size=256"],
+     "fsdp.cpu_offload with gradient accumulation"),
+    (["fsdp={sharding_strategy: NO_SHARD, cpu_offload: true}"], "fsdp.cpu_offload with sharding_strategy NO_SHARD"),
+    (["fsdp={cpu_offload: {offload_params: true, cpu_adam_impl: deepspeed_cpu_adam}}"], "cpu_adam_impl"),
+])
+def test_fsdp_cpu_offload_refusals_one_line(sets, needle):
+    r, lines = _cli(sets)
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
