@@ -23,7 +23,8 @@ step, no pipeline) with the mechanisms of ZeRO offload:
 * **Memory**: the GPU keeps no parameter, gradient or optimizer shard. The host holds, per rank, the fp32 parameter
   and gradient shards (pinned, 4 B/param each) and the Adam moments (pageable, ``torch.zeros_like`` of the CPU
   parameters, 4 B/param each). Host memory is a capacity: the node's ranks' buffers together that exceed it make an
-  out-of-memory result (``offload_optimizer.host_memory_oom``), as the engine's pools do for each pool alone.
+  out-of-memory result (``offload_optimizer.host_memory_oom`` through ``OffloadSummary``), as the engine's pools do
+  for each pool alone.
 * **Shared host**: the node's ranks split its cores and share its memory bandwidth (``offload_optimizer.cpu_threads``,
   ``ranks_per_node``), and their copies share the PCIe switch uplinks (the engine's links).
 
@@ -36,13 +37,7 @@ from __future__ import annotations
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
-from simulator.policies.offload_optimizer import (
-    cpu_adam_rate,
-    cpu_step_times,
-    host_memory_oom,
-    offload_parts,
-    ranks_per_node,
-)
+from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, ranks_per_node
 from simulator.policies.offload_param import fetch_shard_before, is_param_gather
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -169,22 +164,18 @@ def _grad_copy(rw: GraphRewriter, rs, deps, k: str) -> int:
 
 
 @register_runtime("fsdp_cpu_offload")
-class FsdpOffloadSummary:
-    """Adds the offload parts of the step (``offload_optimizer.offload_parts``) and the node's host-memory check."""
+class FsdpOffloadSummary(OffloadSummary):
+    """ZeRO-Offload's summary parts (``offload_optimizer.offload_parts``) and the node's host-memory check, naming
+    FSDP's host states, plus the CPU AdamW implementation used."""
 
-    def __init__(self, cfg, hw, env, system):
-        self.cfg, self.hw = cfg, hw
+    what = HOST_OOM_WHAT
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        out = offload_parts(spans, steps)
+        out = super().summarize(spans, steps, counters, summary)
         out["fsdp_cpu_offload"] = {"impl": self.cfg.fsdp.cpu_adam_impl(self.cfg.training.optimizer.impl),
                                    "ranks_per_host": ranks_per_node(self.hw)}
-        oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                              self.hw, ranks_per_node(self.hw), what=HOST_OOM_WHAT)
-        if oom and not summary.get("oom"):
-            out["oom"] = oom
         return out

@@ -483,6 +483,9 @@ def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw, ra
 class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
 
+    #: the buffers the host out-of-memory line names (``host_memory_oom``'s ``what``)
+    what = ("offload buffers", "fp32 master weights, Adam moments, staging", "fp32 gradients, temporaries")
+
     def __init__(self, cfg, hw, env, system):
         self.cfg, self.hw = cfg, hw
 
@@ -494,7 +497,7 @@ class OffloadSummary:
         out = offload_parts(spans, steps)
         dp = self.cfg.parallelism.data_parallel_size or 1
         host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1)
+                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1, what=self.what)
         if host_oom and not summary.get("oom"):
             out["oom"] = host_oom
         return out

@@ -16,22 +16,16 @@ from simulator.api import run_scenario, transformer_spec
 from simulator.config.loader import load_scenario
 from simulator.graph.builders.sharding import ShardingSpec, layer_param_sizes, root_param_sizes
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
-from simulator.graph.ops import OpKind, Phase
+from simulator.graph.ops import OpKind
 from tests.conftest import ROOT
+from tests.simulator.engine.test_sharding import B16, DGX, SMALL, _colls
 
-B16 = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
-DGX = ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}"]
-SMALL = ["model.num_layers=4", "training.micro_batch_size=8", "run.steps=2", "run.warmup_steps=1"]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16, ffn_hidden_size=32,
             micro_batch_size=1, data_parallel_size=8)
 ROOT_N, BLOCK_N = 176, 872
 P2 = ROOT_N + 2 * BLOCK_N  # 1920: two blocks
-
-
-def _colls(g):
-    return [o for o in g.ops if o.kind is OpKind.COLLECTIVE]
 
 
 def _cli(sets):
