@@ -516,6 +516,9 @@ class ScenarioConfig(_Model):
                              "built without sharding; allowed: a cluster with dp > 1)")
         if par.pipeline_model_parallel_size > 1:
             raise ValueError(f"{key} with pipeline_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+        if self.model.num_experts or self.training.lora is not None:
+            what = "model.num_experts" if self.model.num_experts else "training.lora"
+            raise ValueError(f"{key} with {what} is not modelled yet (allowed: a dense model, every parameter trained)")
         if (self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1):
             raise ValueError(f"{key} with gradient accumulation: FSDP does not accumulate gradients outside no_sync() "
                              "with CPU offload (torch FullyShardedDataParallel docs: it uses the newly reduced "
@@ -555,6 +558,10 @@ class ScenarioConfig(_Model):
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
+            if f.sharding_strategy == "NO_SHARD" and f.dtypes[0] == "bf16" and pp > 1:
+                raise ValueError("fsdp: sharding_strategy NO_SHARD with param_dtype bf16 and "
+                                 "pipeline_model_parallel_size > 1 is not modelled yet (allowed: mixed_precision FULL, "
+                                 "or no pipeline)")
             if (f.sharding_strategy == "NO_SHARD" and f.dtypes[1] == "bf16" and pp == 1 and (
                     self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1)):
                 raise ValueError("fsdp: sharding_strategy NO_SHARD with reduce_dtype bf16 with gradient accumulation "

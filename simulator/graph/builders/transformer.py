@@ -319,6 +319,8 @@ class TransformerSpec:
             if sh.strategy == "no_shard" and sh.grad_bytes == 2 and self.num_micro_batches > 1 and \
                     self.pipeline_parallel_size == 1:
                 raise ValueError("NO_SHARD with a 16-bit reduce_dtype and gradient accumulation is not modelled yet")
+            if sh.casts_units and self.pipeline_parallel_size > 1:
+                raise ValueError("NO_SHARD with a 16-bit param_dtype and a pipeline is not modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":

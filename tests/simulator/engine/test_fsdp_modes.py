@@ -107,6 +107,10 @@ def test_no_shard_bf16_refusals_and_runs():
     r, lines = _cli(["fsdp={sharding_strategy: NO_SHARD, mixed_precision: PURE}", "training.global_batch_size=256"])
     assert r.returncode == 2 and len(lines) == 1 and "reduce_dtype bf16 with gradient accumulation" in lines[0], \
         r.stderr
+    r, lines = _cli(["fsdp={sharding_strategy: NO_SHARD}", "parallelism.pipeline_model_parallel_size=2",
+                     "model.untie_embeddings_and_output_weights=true"])
+    assert r.returncode == 2 and len(lines) == 1 and "NO_SHARD with param_dtype bf16 and pipeline" in lines[0], \
+        r.stderr
     r, lines = _cli(["fsdp={sharding_strategy: NO_SHARD}", "run.steps=2", "run.warmup_steps=1"])
     assert r.returncode == 0, r.stderr
 
@@ -263,3 +267,16 @@ def test_fsdp_cpu_offload_host_memory_is_a_capacity():
 def test_fsdp_cpu_offload_refusals_one_line(sets, needle):
     r, lines = _cli(sets)
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_fsdp_cpu_offload_refuses_experts_and_accumulation_in_the_policy():
+    """The rewrite itself refuses a graph with several micro-batches (the config refuses it first, in one line)."""
+    from simulator.config.loader import resolve_hardware
+    from simulator.policies.offload_fsdp import fsdp_cpu_offload
+    from simulator.policies.registry import PolicyError
+    sh = ShardingSpec("full_shard", 2, param_bytes=2, sharded_param_bytes=4, grad_bytes=4)
+    g = build_gpt_step(TransformerSpec(**{**TINY, "data_parallel_size": 2}, num_micro_batches=2, sharding=sh))
+    with pytest.raises(PolicyError, match="gradient accumulation"):
+        fsdp_cpu_offload(g, resolve_hardware(load_scenario(B16, DGX)))
+    r, lines = _cli(["fsdp={cpu_offload: true}", "model.num_experts=8"])
+    assert r.returncode == 2 and len(lines) == 1 and "fsdp.cpu_offload with model.num_experts" in lines[0], r.stderr
