@@ -262,7 +262,9 @@ def test_fsdp_cpu_offload_host_memory_is_a_capacity():
     (["fsdp={sharding_strategy: FULL_SHARD, cpu_offload: true}", "training.global_batch_size=256"],
      "fsdp.cpu_offload with gradient accumulation"),
     (["fsdp={sharding_strategy: NO_SHARD, cpu_offload: true}"], "fsdp.cpu_offload with sharding_strategy NO_SHARD"),
-    (["fsdp={cpu_offload: {offload_params: true, cpu_adam_impl: deepspeed_cpu_adam}}"], "cpu_adam_impl"),
+    (["fsdp={cpu_offload: {offload_params: true, cpu_adam_impl: deepspeed_cpu_adam}}"],
+     "fsdp.cpu_offload: cpu_adam_impl 'deepspeed_cpu_adam' (allowed: torch_single, torch_foreach, torch_fused"),
+    (["fsdp={cpu_offload: cpu}"], "fsdp.cpu_offload: 'cpu' (allowed: true, false or"),
 ])
 def test_fsdp_cpu_offload_refusals_one_line(sets, needle):
     r, lines = _cli(sets)
