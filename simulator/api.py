@@ -125,10 +125,13 @@ def sharding_spec(cfg: ScenarioConfig):
         if st == "hybrid_shard":
             per_node = min(len(cfg_node_ranks(cfg)), dp)  # a stage smaller than a node: its dp ranks share one
             shard, rep = per_node, dp // per_node
-        if st == "no_shard":
-            return ShardingSpec("no_shard", dp, grad_bytes=4, sharded_param_bytes=4, param_bytes=4)
         bp = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", None: None}[f.backward_prefetch]
-        return ShardingSpec(st, shard, rep, fwd_prefetch_depth=1 if (f.limit_all_gathers or f.forward_prefetch) else None,
+        fwd_depth = 1 if (f.limit_all_gathers or f.forward_prefetch) else None
+        if st == "no_shard":  # the bf16 copy of every unit (root too) is freed by post_reshard after each pass
+            return ShardingSpec("no_shard", dp, fwd_prefetch_depth=fwd_depth, bwd_prefetch=bp, bwd_prefetch_depth=1,
+                                reshard_after_forward=True, reshard_root=True, param_bytes=DTYPE_BYTES[param],
+                                sharded_param_bytes=4, grad_bytes=DTYPE_BYTES[reduce])
+        return ShardingSpec(st, shard, rep, fwd_prefetch_depth=fwd_depth,
                             bwd_prefetch=bp, bwd_prefetch_depth=1, reshard_after_forward=f.reshards, reshard_root=False,
                             param_bytes=DTYPE_BYTES[param], sharded_param_bytes=4, grad_bytes=DTYPE_BYTES[reduce])
     if ddp.use_distributed_optimizer:

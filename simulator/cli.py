@@ -123,7 +123,10 @@ def format_summary(s: dict, name: str) -> str:
                      + ("  <- straggler" if rc["label"] == s.get("straggler") else ""))
     if "offload_cpu_optimizer_s" in s:
         lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
-                     f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms")
+                     f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, " + (
+                         f"parameter fetches H2D {s['offload_param_fetch_s'] * 1e3:.1f} ms busy, "
+                         f"{s['exposed_param_fetch_s'] * 1e3:.1f} ms exposed" if "offload_param_fetch_s" in s else
+                         f"parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms"))
     if s.get("step_latency_s") and abs(s["step_latency_s"] - s["step_time_s"]) > 0.01 * s["step_time_s"]:
         lines.append(f"step latency        {s['step_latency_s'] * 1e3:.1f} ms (steps overlap: step time is the period between step ends)")
     if s.get("data_stall_s"):

@@ -505,6 +505,25 @@ class ScenarioConfig(_Model):
         self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
         return self
 
+    def _fsdp_offload_scope(self, dp: int) -> None:
+        """``fsdp.cpu_offload``: what is modelled (``simulator/policies/offload_fsdp.py``)."""
+        f, par, key = self.fsdp, self.parallelism, "fsdp.cpu_offload"
+        if f.sharding_strategy == "NO_SHARD":
+            raise ValueError(f"{key} with sharding_strategy NO_SHARD is not modelled yet (allowed: FULL_SHARD, "
+                             "SHARD_GRAD_OP, HYBRID_SHARD)")
+        if dp < 2:
+            raise ValueError(f"{key} needs data_parallel_size x context_parallel_size > 1 (FSDP over one rank is "
+                             "built without sharding; allowed: a cluster with dp > 1)")
+        if par.pipeline_model_parallel_size > 1:
+            raise ValueError(f"{key} with pipeline_model_parallel_size > 1 is not modelled yet (allowed: 1)")
+        if self.model.num_experts or self.training.lora is not None:
+            what = "model.num_experts" if self.model.num_experts else "training.lora"
+            raise ValueError(f"{key} with {what} is not modelled yet (allowed: a dense model, every parameter trained)")
+        if (self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1):
+            raise ValueError(f"{key} with gradient accumulation: FSDP does not accumulate gradients outside no_sync() "
+                             "with CPU offload (torch FullyShardedDataParallel docs: it uses the newly reduced "
+                             "gradient); allowed: global_batch_size = micro_batch_size x data_parallel_size")
+
     def _sharding_scope(self, dp: int) -> None:
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""
         z, f, ddp = self.zero_optimization, self.fsdp, self.ddp
@@ -533,14 +552,25 @@ class ScenarioConfig(_Model):
             if prec == "amp_fp32_params":
                 raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
                                  "or fp16 (16-bit parameter partitions; allowed: bf16, fp16)")
+        if f is not None and f.offload_params:
+            self._fsdp_offload_scope(dp)
         if f is not None and dp > 1:
             if prec != "amp_fp32_params":
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
                                  "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
-            if tp > 1 and (self.parallelism.sequence_parallel or f.sharding_strategy == "NO_SHARD"):
-                what = "sequence_parallel" if self.parallelism.sequence_parallel else "sharding_strategy NO_SHARD"
-                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with {what} is not modelled yet "
-                                 "(allowed: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with sequence_parallel false)")
+            if f.sharding_strategy == "NO_SHARD" and f.dtypes[0] == "bf16" and pp > 1:
+                raise ValueError("fsdp: sharding_strategy NO_SHARD with param_dtype bf16 and "
+                                 "pipeline_model_parallel_size > 1 is not modelled yet (allowed: mixed_precision FULL, "
+                                 "or no pipeline)")
+            if (f.sharding_strategy == "NO_SHARD" and f.dtypes[1] == "bf16" and pp == 1 and (
+                    self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1)):
+                raise ValueError("fsdp: sharding_strategy NO_SHARD with reduce_dtype bf16 with gradient accumulation "
+                                 "is not modelled yet (the fp32 .grad each bf16 all-reduce adds into; allowed: "
+                                 "reduce_dtype fp32, e.g. mixed_precision DEFAULT, or global_batch_size = "
+                                 "micro_batch_size x data_parallel_size)")
+            if tp > 1 and f.sharding_strategy == "NO_SHARD":
+                raise ValueError(f"fsdp: tensor_model_parallel_size {tp} > 1 with sharding_strategy NO_SHARD is not "
+                                 "modelled yet (allowed with TP: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD)")
         p = self.parallelism
         own_experts = bool(self.model.num_experts) and (
             p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)  # moe.own_expert_grads

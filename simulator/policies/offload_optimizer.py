@@ -539,19 +539,22 @@ def _buckets(grads: list[dict], bucket_elems: int | None) -> list[list[dict]]:
     return out
 
 
-def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw, ranks: int = 1) -> str | None:
+def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw, ranks: int = 1,
+                    what: tuple[str, str, str] = ("offload buffers", "fp32 master weights, Adam moments, staging",
+                                                  "fp32 gradients, temporaries")) -> str | None:
     """One line naming what did not fit in host memory, or None: the pinned and pageable host
     buffers together against ``hardware.host`` memory (each pool alone is checked by the engine,
-    like the GPU's). ``ranks``: ranks of the node whose buffers (this rank's, each) share the host."""
+    like the GPU's). ``ranks``: ranks of the node whose buffers (this rank's, each) share the host.
+    ``what``: the buffers, what the pinned pool holds, what the pageable pool holds (for the message)."""
     pinned_peak_bytes, pageable_peak_bytes = ranks * pinned_peak_bytes, ranks * pageable_peak_bytes
     total = pinned_peak_bytes + pageable_peak_bytes
     cap = hw.host_memory.capacity_bytes
     if total <= cap:
         return None
     who = f" for the node's {ranks} ranks" if ranks > 1 else ""
-    return (f"out of memory on host: offload buffers{who} need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
-            f"fp32 master weights, Adam moments, staging; pageable {pageable_peak_bytes / 1e9:.2f} GB: fp32 gradients, "
-            f"temporaries) but hardware.host ({hw.host_cpu.name}) has {cap / 1e9:.2f} GB, short by "
+    return (f"out of memory on host: {what[0]}{who} need {total / 1e9:.2f} GB (pinned {pinned_peak_bytes / 1e9:.2f} GB: "
+            f"{what[1]}; pageable {pageable_peak_bytes / 1e9:.2f} GB: {what[2]}) but hardware.host "
+            f"({hw.host_cpu.name}) has {cap / 1e9:.2f} GB, short by "
             f"{(total - cap) / 1e9:.2f} GB")
 
 
@@ -559,6 +562,9 @@ def host_memory_oom(pinned_peak_bytes: float, pageable_peak_bytes: float, hw, ra
 @register_runtime("offload_optimizer")
 class OffloadSummary:
     """Adds the offload parts of the step to the summary (and the DPU step period)."""
+
+    #: the buffers the host out-of-memory line names (``host_memory_oom``'s ``what``)
+    what = ("offload buffers", "fp32 master weights, Adam moments, staging", "fp32 gradients, temporaries")
 
     def __init__(self, cfg, hw, env, system):
         self.cfg, self.hw, self.env, self.system = cfg, hw, env, system
@@ -592,7 +598,7 @@ class OffloadSummary:
         out = offload_parts(spans, steps)
         dp = self.cfg.parallelism.data_parallel_size or 1
         host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1)
+                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1, what=self.what)
         if host_oom and not summary.get("oom"):
             out["oom"] = host_oom
         return out

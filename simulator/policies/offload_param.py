@@ -127,6 +127,25 @@ def offload_param(graph: OpGraph, prefetch_depth: int = 1, pin_memory: bool = Tr
     return rw.finish(persistent=persistent, meta=meta)
 
 
+def is_param_gather(op, groups=("dp", "dp_shard")) -> bool:
+    """A forward / backward parameter all-gather of the sharding builder (ZeRO-3, FSDP) over one of ``groups``."""
+    m = op.meta or {}
+    return (op.kind == OpKind.COLLECTIVE and m.get("collective") == "all_gather" and op.phase in (Phase.FWD, Phase.BWD)
+            and m.get("group", "dp") in groups)
+
+
+def fetch_shard_before(rw: GraphRewriter, op, nbytes: int, pin_memory: bool, k: int, suffix: str) -> int:
+    """Copy parameter all-gather ``op`` after an H2D copy (stream ``h2d``) of this rank's ``nbytes`` shard of it from
+    host memory into a GPU buffer that the gather reads (freed after it); the copy waits for what the gather waited
+    for. Used by ZeRO-3 parameter offload and FSDP ``cpu_offload`` (``offload_fsdp``). Returns the copy's new id."""
+    tensor = f"{op.name}.host_partition#{k}"
+    f = rw.add(f"{op.name.removesuffix('.param_all_gather')}.{suffix}", OpKind.MEMCPY_H2D, "h2d",
+               deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer, cost_class=CostClass.COPY,
+               bytes_read=float(nbytes), pinned=pin_memory, allocs=(TensorAlloc(tensor, nbytes),))
+    rw.copy(op, extra_deps=[f], uses=op.uses + (tensor,))
+    return f
+
+
 def _offload_sharded(graph: OpGraph, model: ModelFacts, pin_memory: bool) -> OpGraph:
     """ZeRO-3 parameter offload over ``dp`` > 1 ranks (see the module docstring): every parameter
     all-gather of forward and backward is preceded by the H2D copy of this rank's partition of that
@@ -147,14 +166,9 @@ def _offload_sharded(graph: OpGraph, model: ModelFacts, pin_memory: bool) -> OpG
             rw.drop(op)  # the updated 16-bit partition stays in host memory (CPU Adam wrote it there)
             continue
         m = op.meta or {}
-        if (op.kind == OpKind.COLLECTIVE and m.get("collective") == "all_gather" and op.phase in (Phase.FWD, Phase.BWD)
-                and m.get("group", "dp") == "dp"):
+        if is_param_gather(op, ("dp",)):
             nb = -(-int(m["bytes"]) // dp)
-            tensor = f"{op.name}.host_partition#{fetches}"
-            f = rw.add(f"{op.name.removesuffix('.param_all_gather')}.offload_param.fetch", OpKind.MEMCPY_H2D, "h2d",
-                       deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer, cost_class=CostClass.COPY,
-                       bytes_read=float(nb), pinned=pin_memory, allocs=(TensorAlloc(tensor, nb),))
-            rw.copy(op, extra_deps=[f], uses=op.uses + (tensor,))
+            fetch_shard_before(rw, op, nb, pin_memory, fetches, "offload_param.fetch")
             fetches += 1
             nbytes_total += nb
             continue

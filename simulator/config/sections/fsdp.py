@@ -9,7 +9,8 @@ YAML::
       forward_prefetch: false
       limit_all_gathers: true
       reshard_after_forward: null      # default: true for FULL_SHARD / HYBRID_SHARD, false otherwise
-      cpu_offload: false               # true is not modelled
+      cpu_offload: false               # true: CPUOffload(offload_params=True); or {offload_params: true,
+                                       #   cpu_adam_impl: torch_single | torch_foreach | torch_fused}
       mixed_precision: DEFAULT         # DEFAULT | PURE | FULL, or {param_dtype: bf16, reduce_dtype: fp32}
 
 One FSDP unit per transformer block (``transformer_auto_wrap_policy``) plus the root (embeddings,
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from simulator.config.limits import MODEL_CONFIG
 
@@ -49,14 +50,32 @@ class FsdpMixedPrecision(_Model):
     reduce_dtype: Literal["bf16", "fp32"] = Field(default="fp32", description="Dtype of the gradient reduce-scatter.")
 
 
+#: torch AdamW implementations on CPU tensors (``hardware_models.host_kernels.IMPLEMENTATIONS``)
+FSDP_CPU_ADAM_IMPLS = ("torch_single", "torch_foreach", "torch_fused")
+#: ``training.optimizer.impl`` -> the implementation ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)`` runs on CPU
+#: parameters (fused CPU AdamW: torch >= 2.4)
+OPTIMIZER_IMPL_ON_CPU = {"foreach": "torch_foreach", "fused": "torch_fused"}
+
+
+class FsdpCpuOffload(_Model):
+    """``torch.distributed.fsdp.CPUOffload`` and the torch AdamW that then steps the CPU parameters."""
+
+    offload_params: bool = Field(default=True, description="Parameters (fp32 flat shards) and gradients in host "
+                                 "memory, AdamW on the CPU (false: no offload, as CPUOffload(offload_params=False)).")
+    cpu_adam_impl: Literal["torch_single", "torch_foreach", "torch_fused"] | None = Field(
+        default=None, description="torch AdamW on the CPU shards: torch_single (the for-loop torch picks for CPU "
+        "tensors when neither foreach nor fused is given), torch_foreach, torch_fused; default: from "
+        "training.optimizer.impl (foreach -> torch_foreach, fused -> torch_fused).")
+
+
 class FsdpConfig(_Model):
     """PyTorch FSDP (exclusive with ``zero_optimization.stage`` > 0 and ``ddp.use_distributed_optimizer``)."""
 
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = Field(
         default="FULL_SHARD", description="FULL_SHARD (params, grads, optimizer state sharded; params gathered in "
         "forward and again in backward), SHARD_GRAD_OP (params stay gathered from forward to backward), "
-        "HYBRID_SHARD (FULL_SHARD inside a node, gradients all-reduced across nodes), NO_SHARD (DDP; with "
-        "mixed_precision FULL only).")
+        "HYBRID_SHARD (FULL_SHARD inside a node, gradients all-reduced across nodes), NO_SHARD (DDP: whole fp32 "
+        "parameters, a param_dtype copy cast per unit, gradients all-reduced in reduce_dtype).")
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | None = Field(
         default="BACKWARD_PRE", description="When the next unit's all-gather is issued in backward (null: on demand).")
     forward_prefetch: bool = Field(default=False, description="Issue the next unit's all-gather at the start of "
@@ -65,16 +84,37 @@ class FsdpConfig(_Model):
                                     "(false: the host issues them as fast as it runs ahead).")
     reshard_after_forward: bool | None = Field(default=None, description="Free the gathered parameters after "
                                                "forward (default: true for FULL_SHARD and HYBRID_SHARD).")
-    cpu_offload: bool = Field(default=False, description="CPUOffload(offload_params=True): not modelled.")
+    cpu_offload: bool | FsdpCpuOffload = Field(default=False, description="CPUOffload(offload_params=True): fp32 "
+                                               "parameter and gradient shards in host memory, each unit's shard "
+                                               "copied H2D before its all-gather, the reduced gradient shard D2H, "
+                                               "AdamW on the CPU; true or {offload_params, cpu_adam_impl}.")
     mixed_precision: Literal["DEFAULT", "PURE", "FULL"] | FsdpMixedPrecision = Field(
         default="DEFAULT", description="DEFAULT | PURE | FULL (composer/llm-foundry) or {param_dtype, reduce_dtype}.")
 
-    @field_validator("cpu_offload")
+    @field_validator("cpu_offload", mode="before")
     @classmethod
-    def _no_offload(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("cpu_offload: true is not modelled (allowed: false)")
+    def _offload_value(cls, v):
+        if isinstance(v, dict):
+            impl = v.get("cpu_adam_impl")
+            if impl is not None and impl not in FSDP_CPU_ADAM_IMPLS:  # one line instead of pydantic's union report
+                raise ValueError(f"cpu_adam_impl {impl!r} (allowed: {', '.join(FSDP_CPU_ADAM_IMPLS)}: torch AdamW on "
+                                 "the CPU shards)")
+        elif not isinstance(v, bool):
+            raise ValueError(f"{v!r} (allowed: true, false or {{offload_params: bool, cpu_adam_impl: ...}})")
         return v
+
+    @property
+    def offload_params(self) -> bool:
+        """``CPUOffload(offload_params=True)``."""
+        c = self.cpu_offload
+        return c if isinstance(c, bool) else c.offload_params
+
+    def cpu_adam_impl(self, optimizer_impl: str) -> str:
+        """The host implementation of the CPU AdamW (``cpu_adam_impl``, else from ``training.optimizer.impl``)."""
+        c = self.cpu_offload
+        if not isinstance(c, bool) and c.cpu_adam_impl is not None:
+            return c.cpu_adam_impl
+        return OPTIMIZER_IMPL_ON_CPU[optimizer_impl]
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -90,17 +130,6 @@ class FsdpConfig(_Model):
     @classmethod
     def _upper(cls, v):
         return v.upper() if isinstance(v, str) else v
-
-    @model_validator(mode="after")
-    def _no_shard_is_fp32(self):
-        """NO_SHARD is modelled as DDP over fp32 parameters (fp32 all-reduce): the low-precision parameter copy
-        (``param_dtype`` bf16) and the bf16 all-reduce (``reduce_dtype``) of ``MixedPrecision`` are not built."""
-        if self.sharding_strategy == "NO_SHARD" and self.dtypes != ("fp32", "fp32"):
-            mp = self.mixed_precision if isinstance(self.mixed_precision, str) else dict(self.mixed_precision)
-            raise ValueError(f"mixed_precision {mp} with "
-                             "sharding_strategy NO_SHARD is not modelled (its bf16 parameter copy and bf16 all-reduce "
-                             "are not built; allowed: mixed_precision: FULL, i.e. fp32 parameters and all-reduce)")
-        return self
 
     @property
     def dtypes(self) -> tuple[str, str]:

@@ -47,6 +47,15 @@ blocks in each warm-up forward and each backward, SHARD_GRAD_OP once per step; e
 blocks and the root parameters it holds (``backward_param_order``), and the gradients are reduce-scattered
 once per step (the builder's ``_every_mb`` is false).
 
+**NO_SHARD** keeps the fp32 parameters whole (DDP). With a 16-bit ``param_dtype`` the same schedule runs with a
+cast kernel in place of each all-gather: before a unit's forward and again before its backward FSDP casts its fp32
+flat parameter into a 16-bit copy (``FlatParamHandle.pre_unshard`` -> ``_use_low_precision_shard``, on FSDP's
+pre-unshard stream; here on the compute stream, a memory-bound kernel that would share HBM with the compute it
+overlaps), freed after the pass (``post_reshard`` -> ``_free_low_precision_sharded_param``, root included:
+``reshard_root``). Gradients are made in ``param_dtype``, cast to ``reduce_dtype`` and all-reduced per unit; a
+16-bit reduction is cast back to the fp32 ``.grad`` after its all-reduce (``_reduce_grad_no_shard`` ->
+``_cast_grad_to_param_dtype``, on the post-backward stream: here the data-parallel stream).
+
 **Byte counts** (``meta["bytes"]`` of the collectives; bytes on the wire per GPU are ``(n-1)/n`` of
 it): ZeRO-3 and FULL_SHARD move ``3 Psi`` 16-bit elements per step (forward gather, backward
 gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, section 7).
@@ -54,10 +63,10 @@ gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, sectio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from simulator.graph.builders.pipeline import chunk_layers
-from simulator.graph.ops import Phase, TensorAlloc
+from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 
 STRATEGIES = ("zero3", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "distributed_optimizer")
 BACKWARD_PREFETCH = ("pre", "post", None)
@@ -121,6 +130,13 @@ class ShardingSpec:
     def gathers(self) -> bool:
         """Parameters are sharded and gathered before use (ZeRO-3 and FSDP sharding strategies)."""
         return self.strategy in ("zero3", "full_shard", "shard_grad_op", "hybrid_shard")
+
+    @property
+    def casts_units(self) -> bool:
+        """FSDP NO_SHARD with a 16-bit ``param_dtype``: each unit's whole fp32 parameters are cast into a 16-bit copy
+        before its forward and its backward (``FlatParamHandle._use_low_precision_shard``), on the schedule of the
+        gathers (``ParamGather`` with ``op_suffix="param_cast"``)."""
+        return self.strategy == "no_shard" and self.param_bytes == 2
 
     @property
     def unit_buckets(self) -> bool:
@@ -299,18 +315,71 @@ def megatron_default_bucket_elements(dp: int, overlap_grad_reduce: bool) -> int 
     return max(40_000_000, 1_000_000 * dp) if overlap_grad_reduce else None
 
 
+def unit_param_cast(b, name: str, op: str, nbytes: int, deps, phase: Phase, allocs=()) -> int:
+    """NO_SHARD with a 16-bit ``param_dtype``: the kernel that casts a unit's ``nbytes / 2`` fp32 parameters into its
+    16-bit copy (reads 4 n, writes 2 n bytes; ``allocs``: the copy), on the compute stream; ``ParamGather``'s op in
+    place of an all-gather (``op`` is unused). Returns the op id."""
+    n = nbytes // 2
+    return b.add(name, OpKind.COMPUTE, "compute", deps=deps, phase=phase, cost_class=CostClass.CAST,
+                 bytes_read=4.0 * n, bytes_written=2.0 * n, allocs=tuple(allocs), dtype="fp32")
+
+
+def grad_cast_back(b, k: int, nbytes: int, reduce_op: int, tensors, group: str = "dp") -> tuple[int, str]:
+    """NO_SHARD with ``reduce_dtype`` bf16: after unit bucket ``k``'s all-reduce of ``nbytes`` 16-bit gradient bytes,
+    their cast to the fp32 ``.grad`` (``_cast_grad_to_param_dtype``: reads 2 n, writes 4 n bytes) on the stream of the
+    reduction (FSDP's post-backward stream). Returns ``(op id, the fp32 gradient tensor)``."""
+    n = nbytes // 2
+    out = f"grad.fp32.b{k}"
+    i = b.add(f"fsdp.grad_cast_fp32.{k}", OpKind.COMPUTE, f"comm.{group}", deps=[reduce_op], phase=Phase.BWD,
+              cost_class=CostClass.CAST, bytes_read=2.0 * n, bytes_written=4.0 * n, uses=tuple(tensors),
+              allocs=(TensorAlloc(out, 4 * n),), dtype="fp32")
+    return i, out
+
+
+#: Parameters replicated over the TP ranks whose gradients are partial per rank under sequence parallelism (the
+#: ``sequence_parallel_params`` of the builder's spec): norms, row-parallel biases, the MoE router and shared gate
+TP_REPLICATED = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias", "router.weight",
+                 "shared_expert.gate.weight", "ln_f.weight", "ln_f.bias")
+
+
+def sp_unit_grads(builder, bucket) -> int | None:
+    """FSDP (over dp) with Megatron-style TP + sequence parallelism inside: before a unit's gradient reduce-scatter,
+    one all-reduce over the TP group of the unit's TP-replicated gradients (``TP_REPLICATED``: a LayerNorm sees
+    ``T / t`` tokens per TP rank, so its weight gradient is a partial sum), in ``param_dtype`` (the gradient's dtype
+    before FSDP casts it to ``reduce_dtype``). PyTorch FSDP2 + DTensor SP: ``FSDPParam._get_grad_inner_tensor``
+    redistributes a ``Partial`` gradient to the parameter's ``Replicate`` TP placement before ``foreach_reduce``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py); Megatron-LM's own DDP instead all-reduces them once per
+    step (``_allreduce_layernorm_grads``). The unit's reduce-scatter waits for it (``builder._bucket`` gets its op as
+    the finishing op of those gradients). Returns the op id, or None without such parameters."""
+    rep = [i for i, g in enumerate(bucket) if g.name.split(".", 1)[-1] in TP_REPLICATED or g.name in TP_REPLICATED]
+    if not rep:
+        return None
+    n = sum(bucket[i].numel for i in rep)
+    e = builder.e
+    e.phase, layer, e.layer = Phase.BWD, e.layer, bucket[rep[0]].layer  # named L<unit>.bwd.tp.sp_grads.all_reduce
+    i = builder._tp_op("sp_grads.all_reduce", "all_reduce", builder.sh.param_bytes * n,
+                       deps=[bucket[j].grad_op for j in rep], dtype="fp32" if builder.sh.param_bytes == 4 else None)
+    e.layer = layer
+    for j in rep:
+        bucket[j] = replace(bucket[j], grad_op=i)
+    return i
+
+
 class ParamGather:
     """Per-unit all-gathers of sharded parameters with prefetch, for one builder.
 
     Args:
         spec: The builder's ``TransformerSpec`` (its ``sharding`` set, ``gathers`` true).
         emitter: The builder's ``KernelEmitter``.
-        collective: ``collective(name, op, nbytes, deps, phase, allocs=...) -> op id`` on the shard group.
+        collective: ``collective(name, op, nbytes, deps, phase, allocs=...) -> op id`` on the shard group (NO_SHARD
+            with a 16-bit ``param_dtype``: the cast kernel that makes the unit's 16-bit copy).
+        op_suffix: Op name after ``<unit>.<phase>.`` (``param_all_gather``; ``param_cast`` for NO_SHARD).
     """
 
-    def __init__(self, spec, emitter, collective):
+    def __init__(self, spec, emitter, collective, op_suffix: str = "param_all_gather"):
         sh = spec.sharding
         self.sh, self.e, self._coll = sh, emitter, collective
+        self._suffix = op_suffix
         thr = sh.persistence_threshold
         chunks = spec.model_chunks  # this pipeline rank's model chunks (the whole model without a pipeline)
         layers = [u for k in chunks for u in chunk_layers(spec.layer_split, k)]
@@ -347,7 +416,7 @@ class ParamGather:
         tensor = self.e.fresh(f"params.L{unit}.gathered.{phase.value}" if unit >= 0 else
                               f"params.root.gathered.{phase.value}")
         deps = [self.e.last_compute] if self.e.last_compute >= 0 else []
-        name = f"{'root' if unit == ROOT else f'L{unit}'}.{phase.value}.param_all_gather"
+        name = f"{'root' if unit == ROOT else f'L{unit}'}.{phase.value}.{self._suffix}"
         op = self._coll(name, "all_gather", nbytes, deps, phase, allocs=(TensorAlloc(tensor, nbytes),))
         self._live[unit] = (op, tensor)
         self._unit_of[tensor] = unit

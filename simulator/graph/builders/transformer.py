@@ -314,10 +314,13 @@ class TransformerSpec:
             if sh.shard_size * sh.replicate_size != n_sh:
                 raise ValueError(f"shard_size x replicate_size ({sh.shard_size} x {sh.replicate_size}) must equal "
                                  f"data_parallel_size x context_parallel_size ({n_sh})")
-            if sh.strategy not in ("distributed_optimizer", "zero3") and self.tensor_parallel_size > 1 and (
-                    sh.strategy == "no_shard" or self.sequence_parallel):
-                raise ValueError(f"{sh.strategy} with tensor parallelism (NO_SHARD, or sequence parallelism) is not "
-                                 "modelled yet")
+            if sh.strategy == "no_shard" and self.tensor_parallel_size > 1:
+                raise ValueError("no_shard with tensor parallelism is not modelled yet")
+            if sh.strategy == "no_shard" and sh.grad_bytes == 2 and self.num_micro_batches > 1 and \
+                    self.pipeline_parallel_size == 1:
+                raise ValueError("NO_SHARD with a 16-bit reduce_dtype and gradient accumulation is not modelled yet")
+            if sh.casts_units and self.pipeline_parallel_size > 1:
+                raise ValueError("NO_SHARD with a 16-bit param_dtype and a pipeline is not modelled yet")
             if sh.strategy == "zero3" and self.precision == "amp_fp32_params":
                 raise ValueError("ZeRO-3 is modelled with precision bf16 or fp16 (16-bit parameter partitions)")
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
@@ -1444,10 +1447,17 @@ class _GptBuilder:
                                             "pp_ranks": tuple(range(p)), "rendezvous": ("pp", "grad_norm"),
                                             "parties": p}))
 
+    def _unit_sp_grads(self) -> None:
+        """FSDP with sequence parallelism: the TP all-reduce of the unit's TP-replicated gradients before its
+        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``)."""
+        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket:
+            shd.sp_unit_grads(self, self._bucket)
+
     def _sequence_parallel_grads(self) -> None:
         """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
-        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``)."""
-        if self.sp:
+        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
+        FSDP: per unit, ``_unit_sp_grads``)."""
+        if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            4 * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
@@ -1534,6 +1544,7 @@ class _GptBuilder:
             return
         self._bucket = self._root_bucket + self._bucket  # FSDP: the root unit's reduce-scatter comes last
         self._root_bucket = []
+        self._unit_sp_grads()
         if self._bucket:
             self._close_bucket()
         last = len(self.b) - 1
@@ -1609,6 +1620,8 @@ class _GptBuilder:
         if sh is not None and sh.gathers:
             self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(): self._collective(
                 name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
+        elif sh is not None and sh.casts_units:  # NO_SHARD, param_dtype bf16: a cast per unit in place of a gather
+            self.pg = shd.ParamGather(s, self.e, lambda *a, **k: shd.unit_param_cast(self.b, *a, **k), "param_cast")
         if sh is not None and sh.strategy == "distributed_optimizer":
             self._grads_in_buckets = True  # Megatron: .main_grad are views of the contiguous fp32 grad buffer
             self._mg: dict[int, shd.MegatronBuffer] = {}  # model chunk -> its gradient buffer
@@ -1640,6 +1653,7 @@ class _GptBuilder:
         if self.pg is not None:
             self.pg.leave(layer, phase)
         if self.sh is not None and self.sh.unit_buckets and (self.last_mb or self._every_mb) and self._bucket:
+            self._unit_sp_grads()
             self._close_bucket()
 
     def _persistent_sharded(self) -> None:
@@ -1671,7 +1685,7 @@ class _GptBuilder:
             return sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
         if self.sh.strategy == "zero3":
             return []  # the persistent gradient partition
-        if self.sh.unit_buckets and self.sh.shards_grads:
+        if self.sh.unit_buckets and (self.sh.shards_grads or self.sh.grad_bytes == 2):
             return list(self.grad_shards)
         return sorted(self.grad_made)
 
@@ -1719,8 +1733,12 @@ class _GptBuilder:
 
     def _emit_sharded_bucket(self, k: int, nbytes: int, tensors: list[str], deps: list[int]) -> None:
         sh, st = self.sh, self.sh.strategy
-        if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP)
+        if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP); bf16: then cast to fp32
             self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD))
+            if sh.grad_bytes == 2:
+                i, grad = shd.grad_cast_back(self.b, k, nbytes, self.comm_ops[-1], tensors)
+                self.comm_ops.append(i)
+                self.grad_shards.append(grad)
         elif st == "distributed_optimizer":  # in place in the grad buffer
             self.comm_ops.append(self._collective(f"megatron.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
                                                   Phase.BWD))
@@ -1780,5 +1798,7 @@ class _GptBuilder:
             model=model_facts(s),
             meta={"num_parameters": s.num_parameters,
                   "num_trainable_parameters": lora.trainable_parameters(s) if s.lora is not None else s.num_parameters, "tensor_parallel_size": s.tensor_parallel_size,
-                  "sharding": self.sh.strategy if self.sh is not None else None},
+                  "sharding": self.sh.strategy if self.sh is not None else None,
+                  "shard_size": self.sh.shard_size if self.sh is not None else 1,
+                  "param_bytes": self.sh.param_bytes if self.sh is not None else None},
         )

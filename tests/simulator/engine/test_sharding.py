@@ -252,12 +252,9 @@ def test_hybrid_shard_two_nodes_runs_with_both_groups():
     (["fsdp={sharding_strategy: FULL_SHARD}", "zero_optimization.stage=2"], "fsdp: exclusive with zero_optimization"),
     (["fsdp={sharding_strategy: FULL_SHARD}", "ddp.use_distributed_optimizer=true"],
      "fsdp: exclusive with ddp.use_distributed_optimizer"),
-    (["fsdp={cpu_offload: true}"], "cpu_offload: true is not modelled"),
-    (["fsdp={sharding_strategy: NO_SHARD, mixed_precision: PURE}"],
-     "fsdp: mixed_precision PURE with sharding_strategy NO_SHARD is not modelled"),
-    (["fsdp={sharding_strategy: NO_SHARD}"], "fsdp: mixed_precision DEFAULT with sharding_strategy NO_SHARD"),
-    (["fsdp={sharding_strategy: NO_SHARD, mixed_precision: {param_dtype: fp32, reduce_dtype: bf16}}"],
-     "allowed: mixed_precision: FULL"),
+    (["fsdp={cpu_offload: true}", "parallelism.pipeline_model_parallel_size=2",
+      "model.untie_embeddings_and_output_weights=true"],
+     "fsdp.cpu_offload with pipeline_model_parallel_size > 1 is not modelled yet"),
     (["fsdp={sharding_strategy: FULL_SHARD}", "training.precision=bf16"], "fsdp: training.precision bf16 is not"),
     (["fsdp={sharding_strategy: ZERO}"], "sharding_strategy"),
     (["ddp.overlap_param_gather=true"], "ddp.overlap_param_gather needs ddp.use_distributed_optimizer"),
@@ -460,16 +457,16 @@ def test_fsdp_with_tensor_parallelism_shards_each_tp_ranks_parameters():
     assert tp.count(2 * 4 * 8) == 6  # embedding, proj, fc2 forward; LM-head, fc1, qkv input gradients
     assert [(t.name, t.nbytes) for t in g.persistent] == [("params.fp32.shard", 1532), ("optimizer.exp_avg", 1532),
                                                           ("optimizer.exp_avg_sq", 1532)]
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        TransformerSpec(**{**TINY, "data_parallel_size": 4}, tensor_parallel_size=2, sequence_parallel=True,
-                        sharding=sh)
+    with pytest.raises(ValueError, match="no_shard with tensor parallelism"):
+        TransformerSpec(**{**TINY, "data_parallel_size": 4}, tensor_parallel_size=2,
+                        sharding=ShardingSpec("no_shard", 4, param_bytes=4, sharded_param_bytes=4, grad_bytes=4))
 
 
 def test_fsdp_with_tensor_parallelism_runs_and_is_no_longer_refused():
     """The scenario refusal "fsdp: tensor_model_parallel_size > 1 is not modelled yet" is gone: FSDP over dp 4 x
     TP 2 on one DGX H100 under amp_fp32_params runs, with dp and tp collectives, its model states 12 bytes per
-    parameter of a TP rank divided by dp 4 (the fp32 shard and Adam moments); sequence parallelism with it is
-    refused in one line."""
+    parameter of a TP rank divided by dp 4 (the fp32 shard and Adam moments); NO_SHARD with it is refused in one
+    line (sequence parallelism with it is modelled: test_fsdp_modes.py)."""
     tp2 = ["parallelism.tensor_model_parallel_size=2", "fsdp={sharding_strategy: FULL_SHARD}"]
     r = _run(tp2)
     assert set(r.summary["comm_s_by_group"]) == {"dp", "tp"} and r.summary["data_parallel_size"] == 4
@@ -477,11 +474,11 @@ def test_fsdp_with_tensor_parallelism_runs_and_is_no_longer_refused():
     from simulator.api import transformer_spec
     P = transformer_spec(cfg).rank_num_parameters
     assert _end_of_step_bytes(r) == pytest.approx(12 * P / 4, rel=0.01)
-    args = [a for s in DGX + tp2 + ["parallelism.sequence_parallel=true"] for a in ("--set", s)]
+    args = [a for s in DGX + tp2 + ["fsdp={sharding_strategy: NO_SHARD, mixed_precision: FULL}"] for a in ("--set", s)]
     p = subprocess.run([sys.executable, "-m", "simulator", "run", str(B16), *args], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("warning")]
-    assert p.returncode == 2 and len(lines) == 1 and "with sequence_parallel is not modelled yet" in lines[0], p.stderr
+    assert p.returncode == 2 and len(lines) == 1 and "with sharding_strategy NO_SHARD is not modelled yet" in lines[0], p.stderr
 
 
 def _fsdp_stage(strategy, r, m=3):
