@@ -10,17 +10,19 @@ from hypothesis import strategies as st
 from simulator.engine.run import SimulationError, run_ranks
 from simulator.graph.builders.pipeline import Action, Comm, chunk_rank, rank_chunks, stage_actions, transfer_stream
 from simulator.graph.op_graph import GraphBuilder
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, TensorAlloc
 from tests.conftest import make_hw
 
 
 def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: float, stall: float = 0.0,
-                 tw: float = 0.0):
+                 tw: float = 0.0, act: int = 0, keep: int = 0):
     """Rank ``r``'s passes as fixed-time kernels (``tf`` forward, ``tb`` backward, ``tw`` weight-gradient pass per
     chunk) and its calls as free send/recv rendezvous, with the builder's rule: a call's ops are posted after
     the previous kernel and the previous call; the next kernel waits for them (blocking, as Megatron-LM's p2p
     calls) unless the call is an asynchronous send (``Comm.blocking`` false); a ``detached`` send is waited
-    for by the end of the step only."""
+    for by the end of the step only. ``act`` bytes: the activation a forward saves, freed when its gradients
+    are done (its W, else its B); ``keep`` bytes: what a backward keeps for its W (the output gradients of the
+    weight-gradient GEMMs), allocated by the B and freed by the W (by the B itself without W passes)."""
     b = GraphBuilder()
     last, prev, wait, detached = -1, [], [], []
     for a in stage_actions(schedule, p, m, r, v):
@@ -39,11 +41,25 @@ def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: f
             wait = ops if a.blocking else []
             continue
         t = {"F": tf, "B": tb, "W": tw}[a.kind] * (1 + stall)
-        last = b.add(f"{a.kind}{a.chunk}.{a.micro_batch}", OpKind.COMPUTE, "compute", deps=wait,
-                     fixed_duration_s=t, launch=False)
+        tag = f"{a.chunk}.{a.micro_batch}"
+        mem = {}
+        if act and a.kind == "F":
+            mem = {"allocs": (TensorAlloc(f"act.{tag}", act),)}
+        elif act and a.kind == "B":
+            mem = {"allocs": (TensorAlloc(f"keep.{tag}", keep),), "uses": (f"act.{tag}", f"keep.{tag}")}
+        elif act:
+            mem = {"uses": (f"act.{tag}", f"keep.{tag}")}
+        last = b.add(f"{a.kind}{tag}", OpKind.COMPUTE, "compute", deps=wait, fixed_duration_s=t, launch=False, **mem)
         wait = []
     b.add("end", OpKind.SYNC, "host", deps=[last, *prev, *detached], launch=False)
     return b.build()
+
+
+def _peaks(schedule: str, p: int, m: int, v: int, act: int, keep: int, tw: float) -> list[int]:
+    """Peak device bytes per rank of ``_stage_graph`` runs with tensors (unit pass times)."""
+    hw = make_hw()
+    graphs = [_stage_graph(schedule, p, m, r, v, 1e-3, 1e-3, 0.0, tw, act, keep) for r in range(p)]
+    return [rec.memory["gpu"].peak for rec, _ in run_ranks(graphs, [hw] * p, steps=1)]
 
 
 def _step(schedule: str, p: int, m: int, v: int, tf: float, tb: float, stalls=None, tw: float = 0.0) -> float:
@@ -267,3 +283,16 @@ def test_zero_bubble_v_covers_every_pass_and_never_deadlocks(p, m):
         assert step == pytest.approx(6 * m + p - 1, rel=1e-12)
     else:
         assert 6 * m <= step <= 6 * (2 * p - 1) + p - 1
+
+
+def test_zero_bubble_v_memory_holds_what_w_needs_until_w_runs():
+    """The engine's memory with ZB-V, p = 2, m = 4, A = 1000 B saved per chunk forward, G = 1000 B kept by a B for
+    its W. By hand from the orders of test_zero_bubble_v_step_by_hand, live bytes in units of 1000 (F +A, B +G,
+    W -A -G):
+      rank 0: F0 F0 F0 3, F1 4, B1 5, W1 3, F1 4, B1 5, W1 3, F0 4, B0 5, W0 3, ... then only lower: peak 5 (4 A + G)
+      rank 1: F0 1, F1 2, F0 3, F1 4, B1 5, W1 3, ... steady 4-5-3; cool-down after W1_2 at 3: B0_2 4, B1_3 5,
+              B0_3 6, W0_2 4, W1_3 2, W0_3 0: peak 6 (3 A + 3 G: three B passes ahead of their W)
+    1F1B on the same work (a stage forward saves 2 A, its fused backward holds 2 G while it runs): rank 0 F 2, F 4,
+    B 6, then 2 A freed with the 2 G at the end of each B: peak 6; rank 1 F 2, B 4: peak 4."""
+    assert _peaks("zero_bubble_v", 2, 4, 2, 1000, 1000, 1e-3) == [5000, 6000]
+    assert _peaks("1f1b", 2, 4, 1, 2000, 2000, 0.0) == [6000, 4000]
