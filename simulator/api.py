@@ -558,6 +558,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")
+        if cfg.parallelism.schedule == "zero_bubble_v":
+            out.append("pipeline_schedule zero_bubble_v: the handcrafted ZB-V order (Qi et al.; zero bubble when every "
+                       "chunk's F, B and W take the same time) is simulated as given; the reference runtime "
+                       "(--zero-bubble-v-schedule) reorders the passes by their profiled times, which is not modelled, "
+                       "so with unequal chunks (rank 0 holds the embedding and the LM head) its step can be shorter")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
         if m.moe_tokens_per_expert is None:

@@ -346,7 +346,8 @@ class ParallelismConfig(_Model):
         "hardware.cluster; the layers are split evenly unless pipeline_layers_per_stage is given.")
     virtual_pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Model chunks per pipeline rank (Megatron "
-        "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b.")
+        "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b; "
+        "zero_bubble_v derives 2 (1 or 2 allowed with it).")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v"] | None = Field(
         default=None, description="Default 1f1b (Megatron forward_backward_pipelining_without_interleaving), "
         "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1; zero_bubble_h1: ZB-H1 of Qi et al., "
