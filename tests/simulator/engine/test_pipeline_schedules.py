@@ -296,3 +296,15 @@ def test_zero_bubble_v_memory_holds_what_w_needs_until_w_runs():
     B 6, then 2 A freed with the 2 G at the end of each B: peak 6; rank 1 F 2, B 4: peak 4."""
     assert _peaks("zero_bubble_v", 2, 4, 2, 1000, 1000, 1e-3) == [5000, 6000]
     assert _peaks("1f1b", 2, 4, 1, 2000, 2000, 0.0) == [6000, 4000]
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 5), m=st.integers(1, 10), tb=st.sampled_from([0.5, 1.0, 2.0]),
+       tw=st.sampled_from([0.25, 1.0, 1.5]), slow=st.integers(0, 4))
+def test_zero_bubble_v_with_unequal_passes_finishes_no_sooner_than_its_busiest_rank(p, m, tb, tw, slow):
+    """Unequal F, B, W times and one rank 50% slower: no deadlock, and the step is at least that rank's own work
+    2 m (t_f + t_b + t_w) x 1.5 and at most the whole pipeline's work run one pass at a time."""
+    stalls = {slow % p: 0.5}
+    step = _step("zero_bubble_v", p, m, 2, 1.0, tb, stalls=stalls, tw=tw)
+    work = 2 * m * (1.0 + tb + tw)
+    assert work * 1.5 - 1e-9 <= step <= work * (p + 0.5) + 1e-9
