@@ -257,6 +257,11 @@ def test_zero_bubble_v_keeps_2p_half_stage_activations_on_every_rank():
     assert [_peak_in_flight("zero_bubble_v", 2, 4, r, 2) for r in range(2)] == [4, 4]
     assert [_peak_in_flight("zero_bubble_v", 4, 8, r, 2) for r in range(4)] == [8] * 4
     assert [_peak_in_flight("1f1b", 4, 8, r, 1) for r in range(4)] == [4, 3, 2, 1]  # whole-stage micro-batches
+    for p in range(2, 9):  # exactly 2 p once m >= 2 p - 1, never more
+        for m in range(1, 21):
+            assert {_peak_in_flight("zero_bubble_v", p, m, r, 2) <= 2 * p for r in range(p)} == {True}
+            if m >= 2 * p - 1:
+                assert {_peak_in_flight("zero_bubble_v", p, m, r, 2) for r in range(p)} == {2 * p}
 
 
 @settings(max_examples=50, deadline=None)
