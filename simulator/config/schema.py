@@ -576,8 +576,8 @@ class ScenarioConfig(_Model):
             raise ValueError("parallelism.tp_comm_overlap needs sequence_parallel: true and tensor_model_parallel_size "
                              "> 1 (Megatron-LM --tp-comm-overlap)")
         if p.tp_comm_overlap is not False and p.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
-            raise ValueError(f"parallelism.tp_comm_overlap with pipeline_schedule {p.pipeline_schedule} is not modelled "
-                             "yet (allowed: tp_comm_overlap false, or another schedule)")
+            raise ValueError(f"parallelism.tp_comm_overlap with pipeline_schedule {p.pipeline_schedule} is not "
+                             "modelled yet (allowed: tp_comm_overlap false, or another schedule)")
         if tp == 1:
             return self
         cl = self.hardware.cluster

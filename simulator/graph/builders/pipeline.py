@@ -28,7 +28,7 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   rank, 1F1B's peak on rank 0. With ``m >= p`` and uniform stages the step is
   ``m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)`` against 1F1B's ``(m + p - 1)(t_f + t_b + t_w)``
   (tested); ``m < p`` leaves more.
-* ``zero_bubble_v`` (ZB-V: Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024, section 6 of the arXiv
+* ``zero_bubble_v`` (ZB-V: Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024; ZB-V in the arXiv
   version 2401.10241, and *Pipeline Parallelism with Controllable Memory*, 2024, arXiv 2405.15362; the
   handcrafted schedule of sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/
   handcrafted_zb_v``): exactly 2 chunks per rank placed in a V, rank ``r`` holding model chunks ``r`` and

@@ -215,8 +215,8 @@ def test_zero_bubble_v_grid_is_feasible(p, m):
 
 
 def test_zero_bubble_v_step_by_hand():
-    """ZB-V (Qi et al., ICLR 2024, arXiv 2401.10241 section 6; the handcrafted order of sail-sg/zero-bubble-
-    pipeline-parallelism), t_F = t_B = t_W = 1 ms per chunk pass, free transfers.
+    """ZB-V (Qi et al., *Zero Bubble Pipeline Parallelism*, arXiv 2401.10241; the handcrafted order of
+    sail-sg/zero-bubble-pipeline-parallelism), t_F = t_B = t_W = 1 ms per chunk pass, free transfers.
 
     p = 2, m = 4 (V: rank 0 holds model chunks 0 and 3 with the loss, rank 1 chunks 1 and 2), by hand:
       rank 0: F0_0 F0_1 F0_2 F1_0 B1_0 W1_0 F1_1 B1_1 W1_1 F0_3 B0_0 W0_0 F1_2 B1_2 W1_2 B0_1 W0_1 F1_3 B1_3 W1_3
