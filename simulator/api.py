@@ -60,7 +60,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         max_position_embeddings=m.max_position_embeddings, qkv_bias=m.add_qkv_bias,
         sharding=sharding_spec(cfg) if shards > 1 else None,
         pipeline_parallel_size=p.pipeline_model_parallel_size, pipeline_rank=pipeline_rank,
-        virtual_pipeline_size=p.virtual_pipeline_model_parallel_size, pipeline_schedule=p.schedule,
+        virtual_pipeline_size=p.chunks_per_rank, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
         context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8, fp8_amax_history_len=t.fp8_amax_history_len,
@@ -408,7 +408,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             models = [graphs[k].model for k in first]
             summary = combine_stages(
                 [parts[k] for k in first], steps, layers=[m.rank_layers for m in models], schedule=p.schedule,
-                virtual=p.virtual_pipeline_model_parallel_size, micro_batches=models[0].num_micro_batches,
+                virtual=p.chunks_per_rank, micro_batches=models[0].num_micro_batches,
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown
@@ -565,6 +565,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")
+        if cfg.parallelism.schedule == "zero_bubble_v":
+            out.append("pipeline_schedule zero_bubble_v: the handcrafted ZB-V order (Qi et al.; zero bubble when every "
+                       "chunk's F, B and W take the same time) is simulated as given; the reference runtime "
+                       "(--zero-bubble-v-schedule) reorders the passes by their profiled times, which is not modelled, "
+                       "so with unequal chunks (rank 0 holds the embedding and the LM head) its step can be shorter")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
         if m.moe_tokens_per_expert is None:

@@ -346,12 +346,15 @@ class ParallelismConfig(_Model):
         "hardware.cluster; the layers are split evenly unless pipeline_layers_per_stage is given.")
     virtual_pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Model chunks per pipeline rank (Megatron "
-        "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b.")
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"] | None = Field(
+        "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b; "
+        "zero_bubble_v derives 2 (1 or 2 allowed with it).")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v"] | None = Field(
         default=None, description="Default 1f1b (Megatron forward_backward_pipelining_without_interleaving), "
         "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1; zero_bubble_h1: ZB-H1 of Qi et al., "
         "ICLR 2024 (weight gradients split from the backward and deferred into 1F1B's bubbles; not with "
-        "tp_comm_overlap).")
+        "tp_comm_overlap); zero_bubble_v: their ZB-V (--zero-bubble-v-schedule: 2 model chunks per rank in a V, "
+        "virtual_pipeline_model_parallel_size derived 2; needs pp > 1, an even number of layers per stage and "
+        "untied embeddings; not with tp_comm_overlap).")
     pipeline_layers_per_stage: list[PositiveInt] | None = Field(
         default=None, max_length=MAX_DATA_PARALLEL_SIZE, description="Custom split: transformer blocks of each "
         "pipeline stage (pp x virtual numbers, model-chunk order) summing to model.num_layers.")
@@ -392,6 +395,13 @@ class ParallelismConfig(_Model):
         if self.pipeline_schedule is not None:
             return self.pipeline_schedule
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks per pipeline rank: ``virtual_pipeline_model_parallel_size``, 2 with ``zero_bubble_v``
+        (derived when the virtual size is left at 1, as the reference sets it: sail-sg/zero-bubble-pipeline-
+        parallelism ``megatron/core/zbpp_utils.py`` ``validate_arguments``)."""
+        return 2 if self.schedule == "zero_bubble_v" else self.virtual_pipeline_model_parallel_size
 
 
 
@@ -595,9 +605,9 @@ class ScenarioConfig(_Model):
         if p.tp_comm_overlap is not False and not (tp > 1 and p.sequence_parallel):
             raise ValueError("parallelism.tp_comm_overlap needs sequence_parallel: true and tensor_model_parallel_size "
                              "> 1 (Megatron-LM --tp-comm-overlap)")
-        if p.tp_comm_overlap is not False and p.pipeline_schedule == "zero_bubble_h1":
-            raise ValueError("parallelism.tp_comm_overlap with pipeline_schedule zero_bubble_h1 is not modelled yet "
-                             "(allowed: tp_comm_overlap false, or another schedule)")
+        if p.tp_comm_overlap is not False and p.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
+            raise ValueError(f"parallelism.tp_comm_overlap with pipeline_schedule {p.pipeline_schedule} is not "
+                             "modelled yet (allowed: tp_comm_overlap false, or another schedule)")
         if tp == 1:
             return self
         cl = self.hardware.cluster
@@ -627,13 +637,34 @@ class ScenarioConfig(_Model):
                              "(allowed: offload device none, or tp 1)")
         return self
 
+    def _zero_bubble_v_rules(self) -> None:
+        """ZB-V's inputs, the reference's rules (sail-sg/zero-bubble-pipeline-parallelism
+        ``megatron/core/zbpp_utils.py`` ``validate_arguments``: pipeline size > 1, the virtual size set to 2 and
+        not given otherwise, untied embeddings; the even layers per stage are checked with the split)."""
+        p = self.parallelism
+        v = p.virtual_pipeline_model_parallel_size
+        if v not in (1, 2):
+            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} with pipeline_schedule "
+                             "zero_bubble_v, which places exactly 2 model chunks per rank in a V (allowed: omit it, "
+                             "derived 2, or 2)")
+        if p.pipeline_model_parallel_size == 1:
+            raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs pipeline_model_parallel_size > 1 "
+                             "(allowed with one stage: 1f1b, gpipe, zero_bubble_h1)")
+        if not self.model.untie_embeddings_and_output_weights:
+            raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs "
+                             "model.untie_embeddings_and_output_weights: true (the reference implementation asserts "
+                             "untied embeddings; allowed: another schedule with tied embeddings)")
+
     @model_validator(mode="after")
     def _pipeline_parallel_scope(self):
         """Megatron's rules for pipeline parallelism, and what is not modelled with it."""
         p, m = self.parallelism, self.model
         pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
         key = "parallelism.pipeline_model_parallel_size"
-        if v > 1 and p.schedule != "interleaved_1f1b":
+        if p.schedule == "zero_bubble_v":
+            self._zero_bubble_v_rules()
+            v = 2
+        elif v > 1 and p.schedule != "interleaved_1f1b":
             raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs pipeline_schedule "
                              f"interleaved_1f1b (got {p.schedule}; allowed: 1 with gpipe/1f1b)")
         if p.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1:
@@ -652,6 +683,11 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"parallelism.pipeline_layers_per_stage: {split} must be {chunks} numbers (pp {pp} x "
                                  f"virtual {v}) summing to model.num_layers {m.num_layers} (got {len(split)} summing "
                                  f"to {sum(split)})")
+        elif m.num_layers % chunks and p.schedule == "zero_bubble_v":
+            raise ValueError(f"parallelism.pipeline_schedule: zero_bubble_v needs an even number of layers per "
+                             f"pipeline stage: 2 x pp {pp} = {chunks} must divide model.num_layers {m.num_layers} "
+                             "(each stage is split into its 2 chunks evenly; or give "
+                             f"parallelism.pipeline_layers_per_stage with {chunks} numbers)")
         elif m.num_layers % chunks:
             raise ValueError(f"{key}: pp {pp} x virtual {v} = {chunks} must divide model.num_layers {m.num_layers} "
                              "(or give parallelism.pipeline_layers_per_stage)")

@@ -226,9 +226,9 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
     if cfg.model.architecture != "decoder":
         raise NotEstimated("a vision transformer is not covered by the memory estimate")
-    if cfg.parallelism.pipeline_schedule == "zero_bubble_h1":
-        raise NotEstimated("pipeline_schedule zero_bubble_h1 (activations kept until the deferred W passes) is not "
-                           "covered by the memory estimate")
+    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
+        raise NotEstimated(f"pipeline_schedule {cfg.parallelism.pipeline_schedule} (activations kept until the "
+                           "deferred W passes) is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:
         raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
     if cfg.training.lora is not None:

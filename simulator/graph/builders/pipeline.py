@@ -28,6 +28,25 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   rank, 1F1B's peak on rank 0. With ``m >= p`` and uniform stages the step is
   ``m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)`` against 1F1B's ``(m + p - 1)(t_f + t_b + t_w)``
   (tested); ``m < p`` leaves more.
+* ``zero_bubble_v`` (ZB-V: Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024; ZB-V in the arXiv
+  version 2401.10241, and *Pipeline Parallelism with Controllable Memory*, 2024, arXiv 2405.15362; the
+  handcrafted schedule of sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/
+  handcrafted_zb_v``): exactly 2 chunks per rank placed in a V, rank ``r`` holding model chunks ``r`` and
+  ``2 p - 1 - r`` (so the last rank passes its chunk 0's output to its own chunk 1 without a transfer and
+  rank 0 holds both the embedding and the loss); the backward split into ``B`` and ``W`` as ZB-H1. Rank ``r``
+  runs, on ``n = max(m, 2 p - 1)`` micro-batch slots (the passes of slots ``>= m`` left out, as the reference
+  does for small ``m``): ``2 (p - r) - 1`` forwards of chunk 0; ``r`` pairs (chunk 1 forward, chunk 0
+  forward); ``p - r`` triples (chunk 1 F, B, W); then, while chunk 0 has forwards left or chunk 1 is behind,
+  (chunk 0 F if any left, chunk 0 B, W, chunk 1 F, B, W); cool-down ``r`` pairs (chunk 0 B, chunk 1 B),
+  ``p - r`` pairs (chunk 0 B, the oldest pending chunk 0 W); then the pending chunk 1 W, then chunk 0 W. At
+  most ``2 p`` chunk activations (``p`` micro-batches of a whole stage, 1F1B's rank-0 peak) are held on every
+  rank. With uniform chunk times ``t_F = t_B = t_W = t``, free transfers and ``m >= 2 p - 1`` the step is
+  ``(6 m + p - 1) t`` (each rank's ``6 m`` passes back to back after its ``r t`` start; tested), against
+  1F1B's ``(m + p - 1) 6 t`` for the same work. Transfers are posted as the ZB runtime's asynchronous p2p
+  (``Comm.detached`` sends; each receive just before the pass that reads it); twice 1F1B's volume (the
+  reference README's table). The reference runtime's cost-aware variant (``zerobubble/scheduler/zbv.py``,
+  a greedy search on profiled ``t_F, t_B, t_W``) is not modelled: with unequal pass times the order stays
+  the handcrafted one.
 
 With uniform stages and no communication, the step is ``(m + p - 1)(t_f + t_b)`` for GPipe and
 1F1B and ``(m + (p - 1) / v)(t_f + t_b)`` for the interleaved schedule (Narayanan et al., SC21,
@@ -38,7 +57,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
+#: schedules that split the backward into ``B`` and ``W`` passes
+SPLIT_BACKWARD = ("zero_bubble_h1", "zero_bubble_v")
 
 
 @dataclass(frozen=True)
@@ -46,9 +67,10 @@ class Action:
     """One pass of one micro-batch through one local chunk.
 
     Attributes:
-        kind: ``"F"`` (forward), ``"B"`` (backward; with ``zero_bubble_h1`` the input gradients only) or
-            ``"W"`` (``zero_bubble_h1``: the weight gradients of an earlier ``"B"``).
-        chunk: Local chunk index ``0..v-1`` (model chunk ``chunk * p + rank``).
+        kind: ``"F"`` (forward), ``"B"`` (backward; with ``SPLIT_BACKWARD`` schedules the input gradients only) or
+            ``"W"`` (``SPLIT_BACKWARD``: the weight gradients of an earlier ``"B"``).
+        chunk: Local chunk index ``0..v-1`` (model chunk ``rank_chunks(...)[chunk]``: ``chunk * p + rank``, or
+            the V of ``zero_bubble_v``).
         micro_batch: Micro-batch index ``0..m-1``.
         last: For the pass that completes the weight gradients (``"B"``, or ``"W"`` with
             ``zero_bubble_h1``): the chunk's final one of the step (its gradients are then complete).
@@ -73,12 +95,43 @@ class Comm:
         recvs: Transfers this rank receives.
         blocking: The next pass waits for the call (false: an asynchronous send that only the next call
             waits for; ``zero_bubble_h1``'s send of a gradient before a ``W``).
+        detached: An asynchronous send that no later call waits for either, only the end of the step
+            (``zero_bubble_v``: the ZB runtime's isend; implies not ``blocking``).
     """
 
     sends: tuple[tuple[str, int, int], ...] = ()
     recvs: tuple[tuple[str, int, int], ...] = ()
     blocking: bool = True
+    detached: bool = False
 
+
+def chunk_rank(schedule: str, p: int, k: int) -> int:
+    """The pipeline rank holding model chunk ``k``: ``k mod p``, or with ``zero_bubble_v`` the V (``k`` for
+    ``k < p``, else ``2 p - 1 - k``)."""
+    if schedule == "zero_bubble_v":
+        return k if k < p else 2 * p - 1 - k
+    return k % p
+
+
+def rank_chunks(schedule: str, p: int, rank: int, v: int) -> tuple[int, ...]:
+    """Model chunks of pipeline rank ``rank`` by local chunk: ``c p + rank``; ``zero_bubble_v``: ``(rank,
+    2 p - 1 - rank)``."""
+    if schedule == "zero_bubble_v":
+        return (rank, 2 * p - 1 - rank)
+    return tuple(c * p + rank for c in range(v))
+
+
+def transfer_stream(schedule: str, p: int, key: tuple[str, int, int], sending: bool) -> str:
+    """The stream of one side of transfer ``key`` (``Comm``): per direction of the tensor (``act`` goes down
+    the model chunks, ``grad`` up) and, with ``zero_bubble_v``, per side of the V (chunk 1's activations go
+    to the previous rank and its gradients to the next: their own streams, so that no transfer queues behind
+    one going the other way)."""
+    direction, k, _ = key
+    name = {("act", True): "send_next", ("act", False): "recv_prev",
+            ("grad", True): "send_prev", ("grad", False): "recv_next"}[direction, sending]
+    if schedule == "zero_bubble_v" and k >= p:  # the V's second arm
+        name += ".v"
+    return "comm.pp." + name
 
 def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
     """Raises ValueError: an unknown schedule, non-positive sizes, ``v > 1`` without the interleaved
@@ -87,6 +140,12 @@ def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline sizes must be >= 1 (p {p}, m {m}, v {v})")
+    if schedule == "zero_bubble_v":
+        if v != 2:
+            raise ValueError(f"the zero_bubble_v schedule places exactly 2 model chunks per rank, not {v}")
+        if p < 2:
+            raise ValueError("the zero_bubble_v schedule needs a pipeline (more than one pipeline rank)")
+        return
     if v > 1 and schedule != "interleaved_1f1b":
         raise ValueError(f"virtual pipeline size {v} > 1 needs the interleaved_1f1b schedule, not {schedule!r}")
     if v > 1 and p == 1:
@@ -104,11 +163,11 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
         p: Pipeline ranks.
         m: Micro-batches per step.
         rank: This rank, ``0..p-1``.
-        v: Chunks per rank (``interleaved_1f1b`` only; 1 otherwise).
+        v: Chunks per rank (``interleaved_1f1b``; 2 with ``zero_bubble_v``; 1 otherwise).
 
     Returns:
         ``2 m v`` ``Action``s (every (chunk, micro-batch) forward and backward exactly once, each backward
-        after its forward; ``zero_bubble_h1``: ``3 m``, each ``W`` after its ``B``) and the ``Comm`` calls
+        after its forward; ``SPLIT_BACKWARD``: ``3 m v``, each ``W`` after its ``B``) and the ``Comm`` calls
         between them, in Megatron-LM's order. A pass that needs a received tensor comes after the call that
         receives it.
 
@@ -118,6 +177,8 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
     check_schedule(schedule, p, m, v)
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} outside 0..{p - 1}")
+    if schedule == "zero_bubble_v":
+        return _mark_last(_zero_bubble_v(p, m, rank))
     if schedule != "interleaved_1f1b" or v == 1:
         v = 1
     sched = _Schedule(p, m, rank, v)
@@ -277,6 +338,75 @@ def _interleaved(sched: _Schedule, p: int, m: int, rank: int, v: int) -> None:
         sched.backward(*bwd(k))
         recv_next = not (last and k + 1 < total and bwd(k + 1)[0] == v - 1) and k < total - 1
         sched.call(send=True, recv_next=recv_next)
+
+
+def _zero_bubble_v_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The handcrafted ZB-V order of rank ``rank``'s passes ``(kind, local chunk, micro-batch)`` (module
+    docstring), on ``max(m, 2 p - 1)`` micro-batch slots with the passes of slots ``>= m`` left out."""
+    n = max(m, 2 * p - 1)
+    order: list[tuple[str, int, int]] = []
+    done = {(k, c): 0 for k in "FBW" for c in (0, 1)}  # passes issued per (kind, chunk)
+
+    def run(kind: str, c: int, i: int | None = None) -> None:
+        i = done[kind, c] if i is None else i
+        done[kind, c] += 1
+        order.append((kind, c, i))
+
+    for _ in range(2 * (p - rank) - 1):  # warm-up: chunk 0 forwards
+        run("F", 0)
+    for _ in range(rank):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(p - rank):  # chunk 1's first backwards, each with its W at once
+        run("F", 1)
+        run("B", 1)
+        run("W", 1)
+    while done["F", 1] < done["F", 0] or done["F", 0] < n:  # steady state
+        if done["F", 0] < n:
+            run("F", 0)
+        for c in (0, 1):
+            run("B", c)
+            run("W", c)
+            if c == 0:
+                run("F", 1)
+    w0 = done["W", 0]
+    for _ in range(rank):  # cool-down: backwards first, the W passes fill the tail
+        run("B", 0)
+        run("B", 1)
+    for _ in range(p - rank):
+        run("B", 0)
+        order.append(("W", 0, w0))
+        w0 += 1
+    for i in range(done["W", 1], done["B", 1]):
+        order.append(("W", 1, i))
+    for i in range(w0, done["B", 0]):
+        order.append(("W", 0, i))
+    return [a for a in order if a[2] < m]
+
+
+def _zero_bubble_v(p: int, m: int, rank: int) -> list[Action | Comm]:
+    """ZB-V's passes with its transfers: a blocking receive before each pass that reads a tensor from another
+    rank, a detached send after each pass that produces one (the last rank's hand-off from its chunk 0 to its
+    chunk 1, on the same rank, needs none)."""
+    n_chunks = 2 * p
+    items: list[Action | Comm] = []
+    for kind, c, i in _zero_bubble_v_order(p, m, rank):
+        k = rank_chunks("zero_bubble_v", p, rank, 2)[c]
+        if kind == "F":
+            need = ("act", k - 1, i) if k > 0 else None
+            give = ("act", k, i) if k < n_chunks - 1 else None
+        elif kind == "B":
+            need = ("grad", k, i) if k < n_chunks - 1 else None
+            give = ("grad", k - 1, i) if k > 0 else None
+        else:
+            need = give = None
+        # a tensor from (to) chunk k - 1 or k + 1 on this rank is handed over without a transfer
+        if need is not None and chunk_rank("zero_bubble_v", p, need[1] + (need[0] == "grad")) != rank:
+            items.append(Comm(recvs=(need,)))
+        items.append(Action(kind, c, i))
+        if give is not None and chunk_rank("zero_bubble_v", p, give[1] + (give[0] == "act")) != rank:
+            items.append(Comm(sends=(give,), blocking=False, detached=True))
+    return items
 
 
 def _mark_last(items: list[Action | Comm]) -> list[Action | Comm]:

@@ -101,7 +101,8 @@ from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import lora, moe
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.builders.pipeline import Action, Comm, check_schedule, chunk_layers, stage_actions, uniform_split
+from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
+                                               rank_chunks, stage_actions, transfer_stream, uniform_split)
 from simulator.graph.op_graph import GraphBuilder, ModelFacts, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
@@ -326,7 +327,7 @@ class TransformerSpec:
             if sh.strategy == "distributed_optimizer" and self.precision == "amp_fp32_params":
                 raise ValueError("the distributed optimizer is modelled with precision bf16 or fp16 (Megatron-LM)")
             if sh.unit_buckets and self.pipeline_parallel_size > 1 and (
-                    self.virtual_pipeline_size > 1 or self.pipeline_schedule == "zero_bubble_h1"
+                    self.virtual_pipeline_size > 1 or self.pipeline_schedule in SPLIT_BACKWARD
                     or self.tied_embeddings):
                 raise ValueError("FSDP with a pipeline is modelled with one model chunk per rank, gpipe or 1f1b, "
                                  "untied embeddings (torch.distributed.pipelining ties no weights across stages)")
@@ -358,9 +359,11 @@ class TransformerSpec:
             raise ValueError("ZeRO stage 2 with gradient accumulation and experts reduced over their own group "
                              "(expert_model_parallel_size > 1) is not modelled yet (allowed: stage 0 or 1, or no "
                              "accumulation)")
-        if self.pipeline_schedule == "zero_bubble_h1" and (self.tp_comm_overlap != "none" or self.lora is not None):
-            raise ValueError("the zero_bubble_h1 schedule with tp_comm_overlap or LoRA is not modelled yet (its W passes "
-                             "move the weight-gradient GEMMs those pair with)")
+        if self.pipeline_schedule in SPLIT_BACKWARD and (self.tp_comm_overlap != "none" or self.lora is not None):
+            raise ValueError(f"the {self.pipeline_schedule} schedule with tp_comm_overlap or LoRA is not modelled yet "
+                             "(its W passes move the weight-gradient GEMMs those pair with)")
+        if self.pipeline_schedule == "zero_bubble_v" and self.tied_embeddings:
+            raise ValueError("the zero_bubble_v schedule needs untied embeddings (as its reference implementation)")
         p, v = self.pipeline_parallel_size, self.virtual_pipeline_size
         check_schedule(self.pipeline_schedule, p, self.num_micro_batches, v)
         if not 0 <= self.pipeline_rank < p:
@@ -498,9 +501,10 @@ class TransformerSpec:
 
     @property
     def model_chunks(self) -> tuple[int, ...]:
-        """Model chunks held by ``pipeline_rank``: ``c p + r`` for local chunk ``c`` (``pipeline`` module)."""
-        p, r = self.pipeline_parallel_size, self.pipeline_rank
-        return tuple(c * p + r for c in range(self.virtual_pipeline_size))
+        """Model chunks held by ``pipeline_rank``: ``c p + r`` for local chunk ``c``, or ZB-V's V
+        (``pipeline.rank_chunks``)."""
+        return rank_chunks(self.pipeline_schedule, self.pipeline_parallel_size, self.pipeline_rank,
+                           self.virtual_pipeline_size)
 
     @property
     def rank_layers(self) -> int:
@@ -515,8 +519,9 @@ class TransformerSpec:
 
     @property
     def has_head(self) -> bool:
-        """This pipeline rank holds the final norm, the LM head and the loss (the last model chunk)."""
-        return self.pipeline_rank == self.pipeline_parallel_size - 1
+        """This pipeline rank holds the final norm, the LM head and the loss (the last model chunk: on the last
+        rank, on rank 0 with ZB-V)."""
+        return self.pipeline_parallel_size * self.virtual_pipeline_size - 1 in self.model_chunks
 
     @property
     def embedding_copy(self) -> bool:
@@ -723,10 +728,11 @@ class _GptBuilder:
         self.received: dict[tuple, str] = {}  # pipeline transfers received, not yet read by their pass
         self.outgoing: dict[tuple, str] = {}  # pipeline transfers produced, not yet sent
         self._last_call: list[int] = []  # ops of the previous point-to-point call
+        self._detached: list[int] = []  # sends only the step's end waits for (ZB-V)
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
         self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
-        #: zero_bubble_h1: the weight-gradient work of the current B pass, and of each B pass until its W
+        #: zero_bubble_h1/_v: the weight-gradient work of the current B pass, and of each B pass until its W
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
 
@@ -1248,7 +1254,7 @@ class _GptBuilder:
                      out=[(x, self.act * T * h)], uses=[tokens], dtype="fp32")
             x = self._tp_reduce("embed", x, beside_gemm=False)  # VocabParallelEmbedding: other ranks' rows are 0
         else:
-            x = self.received.pop(("act", k - 1, mb))
+            x = self._take(("act", k - 1, mb))
         saved_layers = st["layers"] = {}
         for layer in chunk_layers(s.layer_split, k):
             e.layer = layer
@@ -1337,7 +1343,7 @@ class _GptBuilder:
                                  g_fp32=False)
             g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), st["x"], g_is_bf16=True)
         else:
-            g = self.received.pop(("grad", k, mb))
+            g = self._take(("grad", k, mb))
         saved_layers = st["layers"]
         for layer in reversed(chunk_layers(s.layer_split, k)):
             e.layer = layer
@@ -1387,6 +1393,11 @@ class _GptBuilder:
             self._grad_ready("wpe.weight", P * h, i)
 
     # -- pipeline parallel -------------------------------------------------------------------
+    def _take(self, key: tuple) -> str:
+        """The tensor of transfer ``key`` for the pass that reads it: received, or (ZB-V's last rank, whose chunk
+        0 feeds its own chunk 1) produced on this rank and handed over in place."""
+        return self.received.pop(key) if key in self.received else self.outgoing.pop(key)
+
     def _comm(self, call: Comm) -> None:
         """One blocking point-to-point call of the schedule: an NCCL send/recv per transfer of the ``[b, s, h]``
         16-bit residual stream (``[b, s / t, h]`` with sequence parallelism) between two pipeline ranks, a
@@ -1396,9 +1407,10 @@ class _GptBuilder:
         call's sends and receives are posted together after the kernel issued before it and after the
         previous call has returned; the next kernel waits for all of them. Each direction has its own stream
         (both ranks post one direction's transfers in the same order). Received tensors are kept for the
-        pass that reads them (``self.received``)."""
+        pass that reads them (``self.received``). A ``detached`` send (ZB-V) is waited for by nobody but the
+        step's end (``_pipeline_syncs``)."""
         s, e = self.s, self.e
-        p = s.pipeline_parallel_size
+        p, sched = s.pipeline_parallel_size, s.pipeline_schedule
         nbytes = self.act * self.Tn * s.hidden_size
         ops = []
         for sending, moves in ((True, call.sends), (False, call.recvs)):
@@ -1406,9 +1418,9 @@ class _GptBuilder:
                 direction, boundary, mb = key
                 src, dst = (boundary, boundary + 1) if direction == "act" else (boundary + 1, boundary)
                 meta = {"collective": "send_recv", "bytes": int(nbytes), "group": "pp",
-                        "pp_ranks": (src % p, dst % p), "rendezvous": ("pp", *key), "parties": 2}
-                stream = "comm.pp." + {("act", True): "send_next", ("act", False): "recv_prev",
-                                       ("grad", True): "send_prev", ("grad", False): "recv_next"}[direction, sending]
+                        "pp_ranks": (chunk_rank(sched, p, src), chunk_rank(sched, p, dst)), "rendezvous": ("pp", *key),
+                        "parties": 2}
+                stream = transfer_stream(sched, p, key, sending)
                 what = "activation" if direction == "act" else "grad"
                 deps = [e.last_compute, *self._last_call]
                 if sending:
@@ -1418,6 +1430,9 @@ class _GptBuilder:
                     y = self.received[key] = e.fresh(f"pp.{direction}.recv")
                     ops.append(e.kernel(f"pp.recv_{what}.k{boundary}.mb{mb}", C.OTHER, kind=OpKind.COLLECTIVE, stream=stream,
                                         reads=float(nbytes), out=[(y, nbytes)], deps=deps, meta=meta))
+        if call.detached:
+            self._detached.extend(ops)
+            return
         self._last_call = ops
         if call.blocking:  # else an asynchronous send: only the next call waits for it
             e.wait_for.extend(ops)
@@ -1433,7 +1448,7 @@ class _GptBuilder:
         if p == 1:
             return
         e.phase, e.layer = Phase.OPT, -1
-        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *self._last_call]
+        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *self._last_call, *self._detached]
         if s.embedding_copy and (s.has_embedding or s.has_head):
             nbytes = 4 * s.vocab_per_rank * s.hidden_size
             deps.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
@@ -1764,7 +1779,7 @@ class _GptBuilder:
         state: dict[tuple[int, int], dict] = {}
         actions = stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches, s.pipeline_rank,
                                 s.virtual_pipeline_size)
-        split_w = any(isinstance(a, Action) and a.kind == "W" for a in actions)  # zero_bubble_h1 with a pipeline
+        split_w = any(isinstance(a, Action) and a.kind == "W" for a in actions)  # SPLIT_BACKWARD with a pipeline
         for a in actions:
             if isinstance(a, Comm):
                 self._comm(a)

@@ -8,39 +8,58 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator.engine.run import SimulationError, run_ranks
-from simulator.graph.builders.pipeline import Action, Comm, stage_actions
+from simulator.graph.builders.pipeline import Action, Comm, chunk_rank, rank_chunks, stage_actions, transfer_stream
 from simulator.graph.op_graph import GraphBuilder
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, TensorAlloc
 from tests.conftest import make_hw
 
 
 def _stage_graph(schedule: str, p: int, m: int, r: int, v: int, tf: float, tb: float, stall: float = 0.0,
-                 tw: float = 0.0):
+                 tw: float = 0.0, act: int = 0, keep: int = 0):
     """Rank ``r``'s passes as fixed-time kernels (``tf`` forward, ``tb`` backward, ``tw`` weight-gradient pass per
     chunk) and its calls as free send/recv rendezvous, with the builder's rule: a call's ops are posted after
     the previous kernel and the previous call; the next kernel waits for them (blocking, as Megatron-LM's p2p
-    calls) unless the call is an asynchronous send (``Comm.blocking`` false)."""
+    calls) unless the call is an asynchronous send (``Comm.blocking`` false); a ``detached`` send is waited
+    for by the end of the step only. ``act`` bytes: the activation a forward saves, freed when its gradients
+    are done (its W, else its B); ``keep`` bytes: what a backward keeps for its W (the output gradients of the
+    weight-gradient GEMMs), allocated by the B and freed by the W (by the B itself without W passes)."""
     b = GraphBuilder()
-    last, prev, wait = -1, [], []
+    last, prev, wait, detached = -1, [], [], []
     for a in stage_actions(schedule, p, m, r, v):
         if isinstance(a, Comm):
             ops = []
             for sending, moves in ((True, a.sends), (False, a.recvs)):
                 for d, k, i in moves:
-                    stream = "comm.pp." + {("act", True): "send_next", ("act", False): "recv_prev",
-                                           ("grad", True): "send_prev", ("grad", False): "recv_next"}[d, sending]
+                    stream = transfer_stream(schedule, p, (d, k, i), sending)
                     ops.append(b.add(f"{d}.{k}.{i}", OpKind.COLLECTIVE, stream, deps=[last, *prev],
                                      fixed_duration_s=0.0, launch=False,
                                      meta={"rendezvous": ("pp", d, k, i), "parties": 2}))
+            if a.detached:
+                detached += ops
+                continue
             prev = ops
             wait = ops if a.blocking else []
             continue
         t = {"F": tf, "B": tb, "W": tw}[a.kind] * (1 + stall)
-        last = b.add(f"{a.kind}{a.chunk}.{a.micro_batch}", OpKind.COMPUTE, "compute", deps=wait,
-                     fixed_duration_s=t, launch=False)
+        tag = f"{a.chunk}.{a.micro_batch}"
+        mem = {}
+        if act and a.kind == "F":
+            mem = {"allocs": (TensorAlloc(f"act.{tag}", act),)}
+        elif act and a.kind == "B":
+            mem = {"allocs": (TensorAlloc(f"keep.{tag}", keep),), "uses": (f"act.{tag}", f"keep.{tag}")}
+        elif act:
+            mem = {"uses": (f"act.{tag}", f"keep.{tag}")}
+        last = b.add(f"{a.kind}{tag}", OpKind.COMPUTE, "compute", deps=wait, fixed_duration_s=t, launch=False, **mem)
         wait = []
-    b.add("end", OpKind.SYNC, "host", deps=[last, *prev], launch=False)
+    b.add("end", OpKind.SYNC, "host", deps=[last, *prev, *detached], launch=False)
     return b.build()
+
+
+def _peaks(schedule: str, p: int, m: int, v: int, act: int, keep: int, tw: float) -> list[int]:
+    """Peak device bytes per rank of ``_stage_graph`` runs with tensors (unit pass times)."""
+    hw = make_hw()
+    graphs = [_stage_graph(schedule, p, m, r, v, 1e-3, 1e-3, 0.0, tw, act, keep) for r in range(p)]
+    return [rec.memory["gpu"].peak for rec, _ in run_ranks(graphs, [hw] * p, steps=1)]
 
 
 def _step(schedule: str, p: int, m: int, v: int, tf: float, tb: float, stalls=None, tw: float = 0.0) -> float:
@@ -160,3 +179,137 @@ def test_zero_bubble_h1_actions():
 def test_zero_bubble_h1_on_one_stage_is_1f1b():
     """Without a pipeline there is no bubble to fill: the ZB-H1 order is 1F1B's (no W passes)."""
     assert stage_actions("zero_bubble_h1", 1, 6, 0) == stage_actions("1f1b", 1, 6, 0)
+
+
+def _zbv_grid(p: int, m: int) -> dict[tuple[int, str, int, int], int]:
+    """The ZB-V figure's time grid: rank r's passes in unit slots from slot r on, back to back."""
+    return {(r, *a): r + n for r in range(p) for n, a in enumerate(
+        (a.kind, a.chunk, a.micro_batch) for a in stage_actions("zero_bubble_v", p, m, r, 2) if isinstance(a, Action))}
+
+
+def _zbv_deps(p: int, r: int, kind: str, c: int, i: int) -> list[tuple[int, str, int, int]]:
+    """The passes (rank, kind, chunk, micro-batch) that pass (r, kind, c, i) of ZB-V reads: a forward the previous
+    model chunk's forward, a backward the next chunk's backward (the loss chunk: its own forward), W its B."""
+    if kind == "W":
+        return [(r, "B", c, i)]
+    k = rank_chunks("zero_bubble_v", p, r, 2)[c]
+    j = k - 1 if kind == "F" else k + 1
+    if not 0 <= j < 2 * p:
+        return [(r, "F", c, i)] if kind == "B" else []
+    rj = chunk_rank("zero_bubble_v", p, j)
+    return [(rj, kind, rank_chunks("zero_bubble_v", p, rj, 2).index(j), i)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 5), (4, 7)])
+def test_zero_bubble_v_grid_is_feasible(p, m):
+    """The hand schedule on a grid of unit slots (t_F = t_B = t_W = 1, free transfers): rank r runs its 6 m passes
+    back to back from slot r. For m >= 2 p - 1 every pass's inputs finish in an earlier slot (checked here pass by
+    pass), so the grid is a valid timeline and the step is 6 m + p - 1 slots: rank p - 1 cannot start before slot
+    p - 1 and has 6 m slots of work, and every rank finishes by slot r + 6 m <= 6 m + p - 1."""
+    grid = _zbv_grid(p, m)
+    assert len(grid) == 6 * m * p
+    for (r, kind, c, i), slot in grid.items():
+        for d in _zbv_deps(p, r, kind, c, i):
+            assert grid[d] < slot, (r, kind, c, i, d)
+    assert max(grid.values()) + 1 == 6 * m + p - 1
+
+
+def test_zero_bubble_v_step_by_hand():
+    """ZB-V (Qi et al., *Zero Bubble Pipeline Parallelism*, arXiv 2401.10241; the handcrafted order of
+    sail-sg/zero-bubble-pipeline-parallelism), t_F = t_B = t_W = 1 ms per chunk pass, free transfers.
+
+    p = 2, m = 4 (V: rank 0 holds model chunks 0 and 3 with the loss, rank 1 chunks 1 and 2), by hand:
+      rank 0: F0_0 F0_1 F0_2 F1_0 B1_0 W1_0 F1_1 B1_1 W1_1 F0_3 B0_0 W0_0 F1_2 B1_2 W1_2 B0_1 W0_1 F1_3 B1_3 W1_3
+              B0_2 W0_2 B0_3 W0_3                                     (slots 0-23)
+      rank 1: F0_0 F1_0 F0_1 F1_1 B1_0 W1_0 F0_2 B0_0 W0_0 F1_2 B1_1 W1_1 F0_3 B0_1 W0_1 F1_3 B1_2 W1_2 B0_2 B1_3
+              B0_3 W0_2 W1_3 W0_3                                     (slots 1-24)
+      every input is ready in time (rank 1's F0_i at slots 1, 3, 7, 13 after rank 0's at 0, 1, 2, 9; rank 0's F1_i
+      at 3, 6, 12, 17 after rank 1's at 2, 4, 10, 16; rank 1's B1_i at 5, 11, 17, 20 after rank 0's at 4, 7, 13,
+      18; rank 0's B0_i at 10, 15, 20, 22 after rank 1's at 8, 14, 19, 21), so the step is 1 + 24 = 25 ms.
+    p = 4, m = 8: rank 3 starts at 3 ms and runs 48 passes back to back (grid test above): 51 ms.
+    The same work as 1F1B with stage passes F = 2 ms, B + W = 4 ms: (m + p - 1) x 6 ms = 30 ms and 66 ms; ZB-H1:
+    m (2 + 2 + 2) + (p - 1)(2 + 2 - 2) = 26 ms and 54 ms."""
+    assert _step("zero_bubble_v", 2, 4, 2, 1e-3, 1e-3, tw=1e-3) == pytest.approx(25e-3, rel=1e-12)
+    assert _step("zero_bubble_v", 4, 8, 2, 1e-3, 1e-3, tw=1e-3) == pytest.approx(51e-3, rel=1e-12)
+    assert _step("1f1b", 2, 4, 1, 2e-3, 4e-3) == pytest.approx(30e-3, rel=1e-12)
+    assert _step("zero_bubble_h1", 2, 4, 1, 2e-3, 2e-3, tw=2e-3) == pytest.approx(26e-3, rel=1e-12)
+    assert _step("zero_bubble_h1", 4, 8, 1, 2e-3, 2e-3, tw=2e-3) == pytest.approx(54e-3, rel=1e-12)
+
+
+def _peak_in_flight(schedule: str, p: int, m: int, r: int, v: int) -> int:
+    """Chunk activations held at the peak: +1 at a forward, -1 when its gradients are done (its W, or its B
+    without W passes)."""
+    acts = [a for a in stage_actions(schedule, p, m, r, v) if isinstance(a, Action)]
+    done = "W" if any(a.kind == "W" for a in acts) else "B"
+    live = peak = 0
+    for a in acts:
+        live += 1 if a.kind == "F" else (-1 if a.kind == done else 0)
+        peak = max(peak, live)
+    return peak
+
+
+def test_zero_bubble_v_keeps_2p_half_stage_activations_on_every_rank():
+    """By hand from the orders above: p = 2, m = 4: rank 0 holds F0_0-2 (3), F1_0 (4), W1_0 frees one (3), F1_1 (4)
+    ...: peak 4; rank 1 F0_0, F1_0, F0_1, F1_1 (4) before its first W: peak 4. In general rank r's warm-up runs
+    2 (p - r) - 1 + 2 r = 2 p - 1 forwards before its first W, plus the F1 just before it: 2 p chunk activations,
+    each half a stage's layers: p whole-stage micro-batches, 1F1B's peak on rank 0 (and every rank, not only rank 0
+    as with 1F1B and ZB-H1)."""
+    assert [_peak_in_flight("zero_bubble_v", 2, 4, r, 2) for r in range(2)] == [4, 4]
+    assert [_peak_in_flight("zero_bubble_v", 4, 8, r, 2) for r in range(4)] == [8] * 4
+    assert [_peak_in_flight("1f1b", 4, 8, r, 1) for r in range(4)] == [4, 3, 2, 1]  # whole-stage micro-batches
+    for p in range(2, 9):  # exactly 2 p once m >= 2 p - 1, never more
+        for m in range(1, 21):
+            assert {_peak_in_flight("zero_bubble_v", p, m, r, 2) <= 2 * p for r in range(p)} == {True}
+            if m >= 2 * p - 1:
+                assert {_peak_in_flight("zero_bubble_v", p, m, r, 2) for r in range(p)} == {2 * p}
+
+
+@settings(max_examples=50, deadline=None)
+@given(p=st.integers(2, 6), m=st.integers(1, 14))
+def test_zero_bubble_v_covers_every_pass_and_never_deadlocks(p, m):
+    """Any p >= 2 and m >= 1: every (chunk, micro-batch) F, B and W once, F before B before W; sends and receives
+    pair up; the run finishes; with m >= 2 p - 1 in (6 m + p - 1) t exactly, otherwise no sooner than 6 m t and no
+    later than the padded grid's 6 max(m, 2 p - 1) + p - 1 slots."""
+    sent, got = [], []
+    for r in range(p):
+        items = stage_actions("zero_bubble_v", p, m, r, 2)
+        acts = [a for a in items if isinstance(a, Action)]
+        pos = {(a.kind, a.chunk, a.micro_batch): n for n, a in enumerate(acts)}
+        assert len(acts) == 6 * m == len(pos)
+        assert all(pos["F", c, i] < pos["B", c, i] < pos["W", c, i] for c in (0, 1) for i in range(m))
+        assert sum(a.last for a in acts) == 2
+        for a in items:
+            if isinstance(a, Comm):
+                sent += a.sends
+                got += a.recvs
+    assert sorted(sent) == sorted(got) and len(sent) == 2 * m * (2 * p - 2)  # the last rank's hand-off is local
+    step = _step("zero_bubble_v", p, m, 2, 1.0, 1.0, tw=1.0)
+    if m >= 2 * p - 1:
+        assert step == pytest.approx(6 * m + p - 1, rel=1e-12)
+    else:
+        assert 6 * m <= step <= 6 * (2 * p - 1) + p - 1
+
+
+def test_zero_bubble_v_memory_holds_what_w_needs_until_w_runs():
+    """The engine's memory with ZB-V, p = 2, m = 4, A = 1000 B saved per chunk forward, G = 1000 B kept by a B for
+    its W. By hand from the orders of test_zero_bubble_v_step_by_hand, live bytes in units of 1000 (F +A, B +G,
+    W -A -G):
+      rank 0: F0 F0 F0 3, F1 4, B1 5, W1 3, F1 4, B1 5, W1 3, F0 4, B0 5, W0 3, ... then only lower: peak 5 (4 A + G)
+      rank 1: F0 1, F1 2, F0 3, F1 4, B1 5, W1 3, ... steady 4-5-3; cool-down after W1_2 at 3: B0_2 4, B1_3 5,
+              B0_3 6, W0_2 4, W1_3 2, W0_3 0: peak 6 (3 A + 3 G: three B passes ahead of their W)
+    1F1B on the same work (a stage forward saves 2 A, its fused backward holds 2 G while it runs): rank 0 F 2, F 4,
+    B 6, then 2 A freed with the 2 G at the end of each B: peak 6; rank 1 F 2, B 4: peak 4."""
+    assert _peaks("zero_bubble_v", 2, 4, 2, 1000, 1000, 1e-3) == [5000, 6000]
+    assert _peaks("1f1b", 2, 4, 1, 2000, 2000, 0.0) == [6000, 4000]
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 5), m=st.integers(1, 10), tb=st.sampled_from([0.5, 1.0, 2.0]),
+       tw=st.sampled_from([0.25, 1.0, 1.5]), slow=st.integers(0, 4))
+def test_zero_bubble_v_with_unequal_passes_finishes_no_sooner_than_its_busiest_rank(p, m, tb, tw, slow):
+    """Unequal F, B, W times and one rank 50% slower: no deadlock, and the step is at least that rank's own work
+    2 m (t_f + t_b + t_w) x 1.5 and at most the whole pipeline's work run one pass at a time."""
+    stalls = {slow % p: 0.5}
+    step = _step("zero_bubble_v", p, m, 2, 1.0, tb, stalls=stalls, tw=tw)
+    work = 2 * m * (1.0 + tb + tw)
+    assert work * 1.5 - 1e-9 <= step <= work * (p + 0.5) + 1e-9

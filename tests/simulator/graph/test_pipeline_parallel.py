@@ -140,6 +140,22 @@ def test_custom_layer_split():
     (["parallelism.pipeline_model_parallel_size=1", "parallelism.pipeline_layers_per_stage=[4,4]"],
      "pipeline_layers_per_stage needs pipeline_model_parallel_size > 1"),
     (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
+    # ZB-V (the rules of sail-sg/zero-bubble-pipeline-parallelism megatron/core/zbpp_utils.py validate_arguments)
+    (["parallelism.pipeline_schedule=zero_bubble_v", "parallelism.virtual_pipeline_model_parallel_size=4",
+      "model.untie_embeddings_and_output_weights=true"],
+     "parallelism.virtual_pipeline_model_parallel_size: 4 with pipeline_schedule zero_bubble_v, which places exactly "
+     "2 model chunks per rank in a V (allowed: omit it, derived 2, or 2)"),
+    (["parallelism.pipeline_schedule=zero_bubble_v", "model.untie_embeddings_and_output_weights=true",
+      "model.num_layers=12"],
+     "parallelism.pipeline_schedule: zero_bubble_v needs an even number of layers per pipeline stage: 2 x pp 4 = 8 "
+     "must divide model.num_layers 12"),
+    (["parallelism.pipeline_schedule=zero_bubble_v", "model.untie_embeddings_and_output_weights=true",
+      "parallelism.pipeline_layers_per_stage=[2,2,2,2]"], "must be 8 numbers (pp 4 x virtual 2)"),
+    (["parallelism.pipeline_schedule=zero_bubble_v"],
+     "parallelism.pipeline_schedule: zero_bubble_v needs model.untie_embeddings_and_output_weights: true"),
+    (["parallelism.pipeline_schedule=zero_bubble_v", "model.untie_embeddings_and_output_weights=true",
+      "parallelism.pipeline_model_parallel_size=1"],
+     "parallelism.pipeline_schedule: zero_bubble_v needs pipeline_model_parallel_size > 1"),
 ])
 def test_bad_pipeline_input_is_one_line(tmp_path, sets, msg):
     import yaml
@@ -221,14 +237,78 @@ def test_zero_bubble_h1_moves_the_weight_gradients_not_the_work():
     assert b["step_time_s"] < a["step_time_s"] and b["pipeline_bubble_s"] < a["pipeline_bubble_s"]
 
 
-def test_zero_bubble_h1_refuses_tp_comm_overlap(tmp_path):
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_v"])
+def test_zero_bubble_refuses_tp_comm_overlap(tmp_path, schedule):
     import yaml
 
-    d = {**BASE, "parallelism": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2,
-                                 "sequence_parallel": True, "tp_comm_overlap": True,
-                                 "pipeline_schedule": "zero_bubble_h1"}}
+    d = {**BASE, "model": {**BASE["model"], "untie_embeddings_and_output_weights": True},
+         "parallelism": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                         "sequence_parallel": True, "tp_comm_overlap": True, "pipeline_schedule": schedule}}
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(d))
     r = subprocess.run([sys.executable, "-m", "simulator", "run", str(p)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "tp_comm_overlap with pipeline_schedule zero_bubble_h1 is not modelled yet" in r.stderr
+    assert f"tp_comm_overlap with pipeline_schedule {schedule} is not modelled yet" in r.stderr
+
+
+def _zbv(**par):
+    d = {**BASE, "model": {**BASE["model"], "untie_embeddings_and_output_weights": True},
+         "parallelism": {**BASE["parallelism"], "pipeline_schedule": "zero_bubble_v", **par}}
+    return scenario_from_dict(d)
+
+
+def test_zero_bubble_v_places_the_chunks_in_a_v():
+    """p = 4, 8 layers, 2 chunks per rank (virtual size derived 2, or given 2): rank r holds model chunks r and
+    7 - r, one layer each; rank 0 holds the embedding and the LM head (untied: every parameter once), rank 3
+    neither; the stages' parameters add up to the model's."""
+    for cfg in (_zbv(), _zbv(virtual_pipeline_model_parallel_size=2)):
+        specs = [transformer_spec(cfg, r) for r in range(4)]
+        assert [s.model_chunks for s in specs] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+        assert [s.rank_layers for s in specs] == [2, 2, 2, 2]
+        assert [(s.has_embedding, s.has_head) for s in specs] == [(True, True), (False, False), (False, False),
+                                                                   (False, False)]
+        assert sum(s.rank_num_parameters for s in specs) == specs[0].num_parameters
+        layers = {op.layer for op in build_graph(cfg, 1).ops if op.layer >= 0}
+        assert layers == {1, 6}
+
+
+def test_zero_bubble_v_transfers_by_hand():
+    """m = 32 / (2 x 2) = 8, each transfer b s h bf16 = 2 x 256 x 512 x 2 B. Rank 0 sends chunk 0's activations to
+    rank 1 and its chunk-7 gradients back to chunk 6 (rank 1), and receives both the other way; ranks 1-2 do the
+    same on both sides; rank 3 hands chunk 3's output to its own chunk 4 in place: 4 streams of 8 on the end ranks,
+    8 on the middle ones; the V's second arm (chunks 4-7) on its own streams; 2 (2p - 2) m = 96 transfers, twice
+    1F1B's 2 (p - 1) m = 48 (the reference README's table)."""
+    nbytes, total = 2 * 256 * 512 * 2, 0
+    want = {0: {"send_next", "recv_next", "recv_prev.v", "send_prev.v"},
+            3: {"recv_prev", "send_prev", "send_next.v", "recv_next.v"}}
+    every = want[0] | want[3]
+    for r in range(4):
+        ops = [op for op in build_graph(_zbv(), r).ops if op.stream.startswith("comm.pp.") and op.stream != "comm.pp"]
+        by: dict[str, int] = {}
+        for op in ops:
+            by[op.stream[len("comm.pp."):]] = by.get(op.stream[len("comm.pp."):], 0) + 1
+            assert op.meta["bytes"] == nbytes
+            src, dst = op.meta["pp_ranks"]
+            assert r in (src, dst) and abs(src - dst) == 1
+        assert by == {k: 8 for k in want.get(r, every)}
+        total += len(ops)
+    assert total // 2 == 96
+
+
+def test_zero_bubble_v_moves_the_weight_gradients_not_the_work():
+    """ZB-V builds the same kernels as 1F1B summed over the stages (the layers, embedding and head only move
+    between ranks, the weight-gradient work into the W passes); the summary reports the derived 2 chunks per rank
+    and flags that the reference runtime's reordering by profiled pass times is not modelled."""
+    from collections import Counter
+
+    def kernels(cfg):
+        c = Counter()
+        for r in range(4):
+            c.update(o.name.split(".", 1)[-1] for o in build_graph(cfg, r).ops if o.kind is OpKind.COMPUTE)
+        return c
+
+    one = scenario_from_dict({**BASE, "model": {**BASE["model"], "untie_embeddings_and_output_weights": True}})
+    assert kernels(one) == kernels(_zbv())
+    s = run_scenario(_zbv()).summary
+    assert s["pipeline"]["virtual_pipeline_model_parallel_size"] == 2 and s["pipeline"]["schedule"] == "zero_bubble_v"
+    assert any("the handcrafted ZB-V order" in w and "not modelled" in w for w in s["warnings"])

@@ -102,3 +102,12 @@ def test_offload_is_not_estimated():
     cfg = load_scenario(H200 / "gpt_184m_b16_offload_serial.yaml")
     with pytest.raises(NotEstimated, match="offload"):
         estimate_memory(cfg)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_v"])
+def test_split_backward_schedules_are_not_estimated(schedule):
+    """ZB-H1 and ZB-V keep a B's weight-gradient inputs until its W: not in the estimate, refused by name."""
+    cfg = load_scenario(ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml",
+                        [f"parallelism.pipeline_schedule={schedule}"])
+    with pytest.raises(NotEstimated, match=f"pipeline_schedule {schedule}"):
+        estimate_memory(cfg)
