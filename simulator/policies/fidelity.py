@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left
 from collections import defaultdict
-from itertools import islice
 from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
@@ -205,20 +204,22 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     holds the index of the part each runs before.
     """
     comm = comm or {}
-    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))]
-    ids = {p.id for p in seq}
+    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))] if comm else parts
     first_id = parts[0].id
-    internal = {t.name for p in seq for t in p.allocs if all(j in ids for j in users.get(t.name, ()))}
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
     last_use: dict[str, int] = {}
+    n_in: dict[str, int] = {}  # uses of each tensor inside the block (``users`` lists each use too)
     for i, p in enumerate(seq):
         for u in p.uses:
             last_use[u] = i
-    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
-    # (``users[u]`` sorted: only the users from the block's first part on need looking at)
-    freed_in = {u for u in last_use if u not in internal and u in size
-                and all(j in ids for j in islice(users[u], bisect_left(users[u], first_id), None))}
+            n_in[u] = n_in.get(u, 0) + 1
+    # made inside and used only inside (every use of it is one of the block's)
+    internal = {t.name for p in seq for t in p.allocs if n_in.get(t.name, 0) == len(users.get(t.name, ()))}
+    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity (``users[u]``
+    # sorted, and every part comes from the block's first on: its uses from there on are all the block's)
+    freed_in = {u for u, k in n_in.items() if u not in internal and u in size
+                and k == len(users[u]) - bisect_left(users[u], first_id)}
     live = base = sum(size[u] for u in freed_in)
     high = live
     alive: dict[str, int] = {u: size[u] for u in freed_in}

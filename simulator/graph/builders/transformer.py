@@ -745,11 +745,13 @@ class _GptBuilder:
                 len(self._overlapped), len(self.lora_adapters), self._deferred is None)
 
     def _pass_key(self, kind: tuple) -> tuple:
-        """What shapes a block pass besides its inputs: its kind, the phase, and the micro-batch's flags that
-        gradient bookkeeping reads (last micro-batch, first, per-micro-batch reduction, gradients made)."""
+        """What shapes a block pass besides its inputs: its kind and phase; for a backward, the micro-batch's
+        flags that the gradient bookkeeping reads (last micro-batch, first, per-micro-batch reduction, the layer's
+        gradients made)."""
         e = self.e
-        return (kind, e.phase, self.last_mb, self._every_mb, self._mb == 0, e.layer in self._grad_layers,
-                bool(self._overlapped), self._deferred is None)
+        if kind[0] != "bwd":
+            return kind, e.phase
+        return kind, e.phase, self.last_mb, self._every_mb, self._mb == 0, e.layer in self._grad_layers
 
     def _block_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
         """``_layer_fwd`` through the stamper."""
