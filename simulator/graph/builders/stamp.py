@@ -4,7 +4,7 @@ distinct shape and context, and copied for every other layer and micro-batch tha
 A model builder emits one pass through ``Stamper.run(key, fn, inputs)``: the first call with a ``key`` runs
 ``fn(*inputs)`` on the ``KernelEmitter`` and records the ops it appended; a later call with the same key
 appends a copy of those ops instead of running ``fn`` (new op ids, the layer's name prefix and ``layer``,
-fresh tensor names, dependencies mapped onto this call's context; the same costs, shapes, tensors sizes and
+fresh tensor names, dependencies mapped onto this call's context; the same costs, shapes, tensor sizes and
 metadata), and returns ``fn``'s result with its tensor names mapped the same way. The copy is exactly what
 ``fn`` would have emitted (``tests/simulator/graph/test_stamp.py`` builds graphs both ways and compares every
 op), provided the pass depends on nothing but:
