@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Check that two checkouts give bit-identical results on the bundled scenarios.
 
-    python benchmarks/compare_results.py OTHER_CHECKOUT [SCENARIO ...]
+    python benchmarks/compare_results.py OTHER_CHECKOUT [--set KEY=VALUE ...] [SCENARIO ...]
 
 Each scenario (default: ``scenarios/h200/*.yaml`` and ``scenarios/cluster/*.yaml``) is run by
 ``run_scenario`` under this checkout and under ``OTHER_CHECKOUT`` (each in a subprocess with its own
 ``PYTHONPATH``); the summaries are compared by ``repr`` (floats to the last bit), and the spans,
 counters, steps, launches and deps frames by dtype and value (``DataFrame.equals`` plus column
-order). Exit status 1 and one line per difference when anything differs.
+order). ``--set`` overrides a scenario key in both runs (``--set run.fidelity=layer``). Exit status 1 and one
+line per difference when anything differs.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ warnings.simplefilter("ignore")
 import simulator
 assert simulator.__file__.startswith(sys.argv[3]), simulator.__file__
 from simulator import load_scenario, run_scenario
-r = run_scenario(load_scenario(sys.argv[1]))
+r = run_scenario(load_scenario(sys.argv[1], sys.argv[4:]))
 with open(sys.argv[2], "wb") as f:
     pickle.dump({"summary": r.summary, "config": r.config, **{k: getattr(r, k) for k in %r}}, f)
 """ % (FRAMES,)
 
 
-def dump(code_dir: Path, scenario: Path, out: Path) -> dict:
-    """The results of ``scenario`` under the code of ``code_dir``."""
-    subprocess.run([sys.executable, "-c", _DUMP, str(scenario), str(out), str(code_dir.resolve())], check=True,
+def dump(code_dir: Path, scenario: Path, out: Path, overrides: list[str] = ()) -> dict:
+    """The results of ``scenario`` (with ``overrides``, ``KEY=VALUE``) under the code of ``code_dir``."""
+    subprocess.run([sys.executable, "-c", _DUMP, str(scenario), str(out), str(code_dir.resolve()), *overrides], check=True,
                    cwd=code_dir, env={**os.environ, "PYTHONPATH": str(code_dir)})
     with open(out, "rb") as f:
         return pickle.load(f)
@@ -65,14 +66,19 @@ def differences(a: dict, b: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     other = Path(argv[0])
-    scenarios = [Path(p) for p in argv[1:]] or sorted(p for d in ("scenarios/h200", "scenarios/cluster")
+    rest, overrides = list(argv[1:]), []
+    while "--set" in rest:
+        i = rest.index("--set")
+        overrides.append(rest[i + 1])
+        del rest[i:i + 2]
+    scenarios = [Path(p) for p in rest] or sorted(p for d in ("scenarios/h200", "scenarios/cluster")
                                                       for p in (ROOT / d).glob("*.yaml"))
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         for sc in scenarios:
             sc = sc.resolve()
-            a = dump(ROOT, sc, Path(tmp) / "a.pkl")
-            b = dump(other, sc, Path(tmp) / "b.pkl")
+            a = dump(ROOT, sc, Path(tmp) / "a.pkl", overrides)
+            b = dump(other, sc, Path(tmp) / "b.pkl", overrides)
             diff = differences(a, b)
             bad += bool(diff)
             print(f"{'DIFF' if diff else 'same'} {sc.relative_to(ROOT) if sc.is_relative_to(ROOT) else sc}")

@@ -231,6 +231,11 @@ class GraphBuilder:
         self._ops.append(dataclasses.replace(op, id=i, deps=dd))
         return i
 
+    def extend(self, ops: Iterable[Op]) -> None:
+        """Append ops that already carry their ids (``len(self)``, ``len(self) + 1``... : a stamped copy,
+        ``builders.stamp``; checked by ``build``)."""
+        self._ops.extend(ops)
+
     def persistent(self, name: str, nbytes: int, device: str = "gpu") -> None:
         """Declare a tensor resident for the whole run."""
         self._persistent.append(TensorAlloc(name, int(nbytes), device))

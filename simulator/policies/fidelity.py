@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left
 from collections import defaultdict
-from itertools import islice
 from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
@@ -113,17 +112,18 @@ def foldable_tp(graph: OpGraph) -> dict[int, tuple[int, int]]:
     ids = {op.id for op in cands}
     dependents: dict[int, list[int]] = defaultdict(list)
     prev_waited: set[int] = set()
+    pos: dict[int, int] = {}  # compute-stream op id -> its index on the stream
+    by_stream: dict[str, list[int]] = defaultdict(list)
+    at: dict[int, int] = {}  # collective id -> its index on its stream
     for op in ops:
         for d in op.deps:
             if d in ids:
                 dependents[d].append(op.id)
-        prev_waited.update((op.meta or {}).get("prev_step_deps") or ())
-    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
-    pos = {j: i for i, j in enumerate(compute)}
-    by_stream: dict[str, list[int]] = defaultdict(list)
-    at: dict[int, int] = {}  # collective id -> its index on its stream
-    for op in ops:
-        if op.stream.startswith("comm.tp"):
+        if op.meta and "prev_step_deps" in op.meta:
+            prev_waited.update(op.meta["prev_step_deps"] or ())
+        if op.stream == COMPUTE_STREAM:
+            pos[op.id] = len(pos)
+        elif op.stream.startswith("comm.tp"):
             at[op.id] = len(by_stream[op.stream])
             by_stream[op.stream].append(op.id)
     out: dict[int, tuple[int, int]] = {}
@@ -158,14 +158,17 @@ def blocks_of(graph: OpGraph, fold: dict[int, tuple[int, int]] | None = None) ->
     """
     fold = fold or {}
     ops = graph.ops
+    streams = [op.stream for op in ops]
     waited: set[int] = set()  # ops something outside their stream (or the next step) waits for
     for op in ops:
         if op.id in fold:
             continue
+        st = op.stream
         for d in op.deps:
-            if ops[d].stream != op.stream:
+            if streams[d] != st:
                 waited.add(d)
-        waited.update((op.meta or {}).get("prev_step_deps") or ())
+        if op.meta and "prev_step_deps" in op.meta:
+            waited.update(op.meta["prev_step_deps"] or ())
     out: list[list[int]] = []
     cur: list[int] | None = None
     key = None
@@ -176,7 +179,7 @@ def blocks_of(graph: OpGraph, fold: dict[int, tuple[int, int]] | None = None) ->
             cur = None
             continue
         k = (op.layer, op.phase)
-        cross = any(ops[d].stream != COMPUTE_STREAM and d not in fold for d in op.deps)
+        cross = any(streams[d] != COMPUTE_STREAM and d not in fold for d in op.deps)
         if cur is not None and k == key and not cross:
             cur.append(op.id)
         else:
@@ -187,8 +190,8 @@ def blocks_of(graph: OpGraph, fold: dict[int, tuple[int, int]] | None = None) ->
     return [b for b in out if len(b) > 1]
 
 
-def _signature(op: Op) -> tuple:
-    return (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype)
+#: what prices a kernel (a block's ``meta["fused_key"]``, one per part)
+_signature = attrgetter("cost_class", "shape", "flops", "bytes_read", "bytes_written", "dtype")
 
 
 def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
@@ -205,20 +208,22 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     holds the index of the part each runs before.
     """
     comm = comm or {}
-    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))]
-    ids = {p.id for p in seq}
+    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))] if comm else parts
     first_id = parts[0].id
-    internal = {t.name for p in seq for t in p.allocs if all(j in ids for j in users.get(t.name, ()))}
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
     last_use: dict[str, int] = {}
+    n_in: dict[str, int] = {}  # uses of each tensor inside the block (``users`` lists each use too)
     for i, p in enumerate(seq):
         for u in p.uses:
             last_use[u] = i
-    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity
-    # (``users[u]`` sorted: only the users from the block's first part on need looking at)
-    freed_in = {u for u in last_use if u not in internal and u in size
-                and all(j in ids for j in islice(users[u], bisect_left(users[u], first_id), None))}
+            n_in[u] = n_in.get(u, 0) + 1
+    # made inside and used only inside (every use of it is one of the block's)
+    internal = {t.name for p in seq for t in p.allocs if n_in.get(t.name, 0) == len(users.get(t.name, ()))}
+    # tensors made before the block whose other users all come earlier: freed inside at kernel fidelity (``users[u]``
+    # sorted, and every part comes from the block's first on: its uses from there on are all the block's)
+    freed_in = {u for u, k in n_in.items() if u not in internal and u in size
+                and k == len(users[u]) - bisect_left(users[u], first_id)}
     live = base = sum(size[u] for u in freed_in)
     high = live
     alive: dict[str, int] = {u: size[u] for u in freed_in}
@@ -232,19 +237,24 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
                 if t.device == "gpu":
                     live += t.nbytes
                     base += t.nbytes
-        high = max(high, live)
+        if live > high:
+            high = live
         for u in p.uses:
             if u not in internal:
                 uses[u] = None
-        for name in [t.name for t in p.allocs] + list(p.uses):  # freed at their last user's end (unused: at once)
-            if name in alive and last_use.get(name, i) <= i:
-                live -= alive.pop(name)
+        if alive:  # freed at their last user's end (unused: at once)
+            for t in p.allocs:
+                if t.name in alive and last_use.get(t.name, i) <= i:
+                    live -= alive.pop(t.name)
+            for u in p.uses:
+                if u in alive and last_use[u] <= i:
+                    live -= alive.pop(u)
     first = parts[0]
     name = f"L{first.layer}.{first.phase.value}.block[{first.name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}]"
     if high > base:
         allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", high - base))
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
-    meta = {"fused": tuple(parts), "fused_key": tuple(_signature(p) for p in parts), "launches": len(parts)}
+    meta = {"fused": tuple(parts), "fused_key": tuple(map(_signature, parts)), "launches": len(parts)}
     vals = list(_GET_FIELDS(first))  # the constructor directly (see ``_renumbered``)
     vals[0] = bid = first.id if new_id is None else new_id
     if comm:
@@ -313,10 +323,10 @@ def coarsen(graph: OpGraph, fold_tp: bool = False) -> OpGraph:
             if t.device == "gpu":
                 size[t.name] = t.nbytes
     start_of = {b[0]: b for b in blocks}
-    new_id: dict[int, int] = {}  # first pass: ids (``prev_step_deps`` may name later ops)
+    new_id = [-1] * len(graph.ops)  # first pass: ids (``prev_step_deps`` may name later ops)
     n = 0
     for op in graph.ops:
-        if op.id in new_id:  # a later part of a block already placed
+        if new_id[op.id] >= 0:  # a later part of a block already placed
             continue
         if op.id in folded:
             new_id[op.id] = new_id[folded[op.id]]

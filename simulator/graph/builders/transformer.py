@@ -103,6 +103,7 @@ from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
                                                rank_chunks, stage_actions, transfer_stream, uniform_split)
+from simulator.graph.builders.stamp import Stamper
 from simulator.graph.op_graph import GraphBuilder, ModelFacts, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
@@ -635,11 +636,14 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
                       num_micro_batches=s.num_micro_batches)
 
 
-def build_gpt_step(spec: TransformerSpec) -> OpGraph:
+def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
     """Build one training step (all micro-batches and the optimizer) for one GPU.
 
     Args:
         spec: Model and per-GPU batch description.
+        stamp: Emit each distinct block pass (forward, recompute, backward) once and stamp copies of it for
+            the other layers and micro-batches (``simulator.graph.builders.stamp``; the same graph, built
+            faster). False: every pass kernel by kernel (the reference the stamping tests compare with).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -670,11 +674,11 @@ def build_gpt_step(spec: TransformerSpec) -> OpGraph:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
-    return _GptBuilder(spec).build()
+    return _GptBuilder(spec, stamp).build()
 
 
 class _GptBuilder:
-    def __init__(self, spec: TransformerSpec):
+    def __init__(self, spec: TransformerSpec, stamp: bool = True):
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
@@ -735,6 +739,44 @@ class _GptBuilder:
         #: zero_bubble_h1/_v: the weight-gradient work of the current B pass, and of each B pass until its W
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
+        # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
+        # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
+        self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
+                               and not self.fp8 and spec.num_experts is None)
+        self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
+
+    def _stamp_state(self) -> tuple:
+        """The bookkeeping a stamped pass must leave as it is (``Stamper``): sizes of every collection a pass
+        may add to."""
+        return (len(self.grad_made), len(self.groups), len(self.comm_ops), len(self.tp_ops), len(self._bucket),
+                len(self._buckets), len(self._fp8_w), len(self.moe_grad_ops), len(self._partials),
+                len(self.grad_shards), len(self.b._persistent), len(self.received), len(self.outgoing),
+                len(self._overlapped), len(self.lora_adapters), self._deferred is None)
+
+    def _pass_key(self, kind: tuple) -> tuple:
+        """What shapes a block pass besides its inputs: its kind and phase; for a backward, the micro-batch's
+        flags that the gradient bookkeeping reads (last micro-batch, first, per-micro-batch reduction, the layer's
+        gradients made)."""
+        e = self.e
+        if kind[0] != "bwd":
+            return kind, e.phase
+        return kind, e.phase, self.last_mb, self._every_mb, self._mb == 0, e.layer in self._grad_layers
+
+    def _block_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
+        """``_layer_fwd`` through the stamper."""
+        if self._overlapped or self._deferred is not None:
+            return self._layer_fwd(x, save, selective)
+        return self.stamper.run(self._pass_key(("fwd", save, selective)), self.e.layer,
+                                lambda x_: self._layer_fwd(x_, save, selective), (x,))
+
+    def _block_bwd(self, gx: str, sv: dict) -> str:
+        """``_layer_bwd`` through the stamper."""
+        if self._overlapped or self._deferred is not None:
+            out = self._layer_bwd(gx, sv)
+        else:
+            out = self.stamper.run(self._pass_key(("bwd",)), self.e.layer, self._layer_bwd, (gx, sv))
+        self._grad_layers.add(self.e.layer)
+        return out
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
@@ -1259,7 +1301,7 @@ class _GptBuilder:
         for layer in chunk_layers(s.layer_split, k):
             e.layer = layer
             x_in = x
-            x, sv = self._layer_fwd(x, save=not full, selective=selective)
+            x, sv = self._block_fwd(x, save=not full, selective=selective)
             saved_layers[layer] = sv if not full else {"x": x_in}
         e.layer = -1
         self._fp8_scale_update(forward=True)
@@ -1349,8 +1391,8 @@ class _GptBuilder:
             e.layer = layer
             sv = saved_layers[layer]
             if full:
-                _, sv = self._layer_fwd(sv["x"], save=True, selective=False)
-            g = self._layer_bwd(g, sv)
+                _, sv = self._block_fwd(sv["x"], save=True, selective=False)
+            g = self._block_bwd(g, sv)
         e.layer = -1
         self._fp8_scale_update(forward=False)
         if not first:
