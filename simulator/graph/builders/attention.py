@@ -39,6 +39,7 @@ repeats K/V per group), sliding windows and context parallelism.
 
 from __future__ import annotations
 
+from simulator.graph.builders import hf_eager as hf
 from simulator.graph.ops import CostClass as C
 
 ATTENTION_BACKENDS = ("flash", "unfused")
@@ -95,6 +96,8 @@ def unfused_fwd(bld, qkv: str, qk: str | None, prefix: str = "attn") -> tuple[st
     """Emit the unfused core forward (module docstring) on builder ``bld`` (``_GptBuilder``: emitter ``e``,
     spec ``s``, TP size ``tp``, element bytes ``w``). ``qkv``: the fused QKV output; ``qk``: the rotated q, k
     (rope) or None. Returns the ``[B, s, d]`` context tensor and the tensors the backward reads."""
+    if hf.is_hf_eager(bld.s):  # GPT2Attention._attn's eager kernels (simulator/graph/builders/hf_eager.py)
+        return hf.core_fwd(bld, qkv, prefix)
     e, w = bld.e, bld.w
     B, s, d, n, tri = core_sizes(bld.s, bld.tp)
     qkd = B * s * d  # elements of one of Q, K, V, or of the context
@@ -121,6 +124,8 @@ def unfused_bwd(bld, g_ctx: str, saved: dict, qkv_numel: int) -> str:
     """Emit the unfused core backward (module docstring) from the context gradient ``g_ctx``; ``saved``: what
     ``unfused_fwd`` returned; ``qkv_numel``: elements of the fused QKV gradient (``T (a d + 2 g d) / t``).
     Returns the QKV gradient."""
+    if hf.is_hf_eager(bld.s):
+        return hf.core_bwd(bld, g_ctx, saved, qkv_numel)
     e, w = bld.e, bld.w
     B, s, d, n, tri = core_sizes(bld.s, bld.tp)
     qkd = B * s * d
@@ -157,6 +162,8 @@ def residual_dropout_add(bld, name: str, x: str, branch: str, branch_bytes: int)
     Returns the output and the mask (None without dropout)."""
     if bld.s.hidden_dropout <= 0:
         return bld._add(name, x, branch, bld.act, branch_bytes, bld.act), None
+    if hf.is_hf_eager(bld.s):  # GPT2Block: resid_dropout, then the add (two kernels)
+        return hf.residual_dropout_add(bld, name, x, branch)
     e, T, h = bld.e, bld.Tn, bld.s.hidden_size
     y, mask = e.fresh(f"{name}.out"), e.fresh(f"{name}.dropout_mask")
     e.kernel(name, C.ELEMENTWISE, reads=(bld.act + branch_bytes) * T * h, writes=bld.act * T * h + T * h,
