@@ -48,6 +48,14 @@ Source: ``transformers`` 4.15.0 (the version Merak 0.1 pins, ``merak/setup.py`` 
   h``), where Megatron fuses them (``bias_dropout_add``). The add's backward passes the gradient through; the
   dropout's backward is the one of ``attention.hidden_dropout_bwd``.
 
+* ``Conv1D.forward`` (``transformers.modeling_utils``, every projection of a GPT-2 block) is ``torch.addmm(self.bias,
+  x.view(-1, x.size(-1)), self.weight)``; PyTorch 1.10's CUDA ``addmm_out_cuda_impl`` (``aten/src/ATen/native/
+  cuda/Blas.cpp``) first copies the bias expanded to ``[T, out]`` into the result (``at::native::copy_(result,
+  *self_)``, beta != 0), then runs the GEMM with ``beta = 1``, which reads that result back: a copy kernel
+  writing ``w T out`` bytes and ``w T out`` more GEMM reads (``addmm_bias_copy``). The copy's buffer is counted
+  as its own tensor beside the GEMM output (one ``[T, out]`` tensor more while the GEMM runs; PyTorch writes
+  the GEMM into it).
+
 The softmax and the elementwise kernels carry no FLOPs (priced by their traffic, as the Megatron ones).
 """
 
@@ -219,6 +227,20 @@ def gelu_bwd(bld, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
     gx_c = k("pow.dgrad.mul", [g1, x2b])       # x's third gradient
     acc = k("accum_x.add0", [gx_a, g3])
     return k("accum_x.add1", [acc, gx_c])
+
+
+def addmm_bias_copy(bld, name: str, T: int, out_dim: int) -> str | None:
+    """With ``hf_eager``, the expanded-bias copy of a block projection's ``torch.addmm`` (module docstring): a
+    COPY kernel reading the ``out_dim`` bias and writing ``[T, out_dim]``; returns its tensor (the GEMM reads it),
+    or None (no copy: fused kernels, a layer without bias, or outside the blocks)."""
+    s = bld.s
+    if not is_hf_eager(s) or bld.e.layer < 0 or not (s.bias or (name == "qkv" and s.qkv_bias)):
+        return None
+    e, w = bld.e, bld.w
+    t = e.fresh(f"{name}.bias_expand")
+    e.kernel(f"{name}.bias_expand", C.COPY, reads=w * out_dim, writes=w * T * out_dim, out=[(t, w * T * out_dim)],
+             uses=[])
+    return t
 
 
 def residual_dropout_add(bld, name: str, x: str, branch: str) -> tuple[str, str]:

@@ -759,9 +759,10 @@ class _GptBuilder:
                      reads=T * in_dim + W, writes=2 * T * out_dim, out=[(y, 2 * T * out_dim)], uses=[xin, w16],
                      dtype="fp8")
         else:
+            beta = hf.addmm_bias_copy(self, name, T, out_dim)  # Conv1D's addmm on PyTorch 1.10 (hf_eager only)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                     reads=self.w * (T * in_dim + W), writes=self.w * T * out_dim,
-                     out=[(y, self.w * T * out_dim)], uses=[xin, w16])
+                     reads=self.w * (T * in_dim + W + (T * out_dim if beta else 0)), writes=self.w * T * out_dim,
+                     out=[(y, self.w * T * out_dim)], uses=[xin, w16, *([beta] if beta else [])])
         self._after_overlapped_gemm()
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
         return y, (xin, w16, ad) if save else ()
