@@ -183,7 +183,8 @@ class ModelConfig(_Model):
         "masked softmax, bias-GELU, bias_dropout_add) or hf_eager (Hugging Face transformers 4.15 GPT-2 in PyTorch "
         "eager mode, one kernel per tensor op: the head copies, score division, torch.where causal mask and "
         "softmax of GPT2Attention._attn, gelu_new as 8 elementwise kernels (11 in backward), dropout and residual "
-        "add apart: simulator/graph/builders/hf_eager.py). hf_eager needs attention_backend unfused; not with "
+        "add apart, Conv1D's addmm copying the expanded bias before its GEMM (PyTorch 1.10): "
+        "simulator/graph/builders/hf_eager.py). hf_eager needs attention_backend unfused; not with "
         "swiglu, num_experts or rope.")
     attention_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Megatron --attention-dropout (its default is 0.1; 0 here, no "

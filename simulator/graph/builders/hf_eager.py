@@ -100,7 +100,7 @@ def check_spec(spec) -> None:
 def core_fwd(bld, qkv: str, prefix: str) -> tuple[str, dict]:
     """Emit ``GPT2Attention._attn``'s forward (module docstring) on builder ``bld``; ``qkv``: the ``c_attn``
     output. Returns the context tensor and what ``core_bwd`` reads (the keys of ``attention.unfused_fwd``)."""
-    from simulator.graph.builders.attention import core_sizes
+    from simulator.graph.builders.attention import core_sizes, dropout_context_fwd
 
     e, w = bld.e, bld.w
     B, s, d, n, _ = core_sizes(bld.s, bld.tp)
@@ -124,37 +124,18 @@ def core_fwd(bld, qkv: str, prefix: str) -> tuple[str, dict]:
     probs = e.fresh(f"{prefix}.probs")
     e.kernel(f"{prefix}.softmax", C.SOFTMAX, reads=w * n, writes=w * n, out=[(probs, w * n)], uses=[masked])
     saved = {"probs": probs, "dropped": probs, "mask": None, "qkv": [q, k], "v": v, "causal_mask": cmask}
-    if bld.s.attention_dropout > 0:
-        dropped, mask = e.fresh(f"{prefix}.dropout.out"), e.fresh(f"{prefix}.dropout.mask")
-        e.kernel(f"{prefix}.dropout", C.ELEMENTWISE, reads=w * n, writes=w * n + n,
-                 out=[(dropped, w * n), (mask, n)], uses=[probs])
-        saved.update(dropped=dropped, mask=mask)
-    ctx = e.fresh(f"{prefix}.context")
-    e.kernel(f"{prefix}.pv_bmm", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B), reads=w * (n + qkd),
-             writes=w * qkd, out=[(ctx, w * qkd)], uses=[saved["dropped"], v])
-    return ctx, saved
+    return dropout_context_fwd(bld, prefix, saved, v), saved
 
 
 def core_bwd(bld, g_ctx: str, saved: dict, qkv_numel: int) -> str:
     """Emit the autograd backward of ``core_fwd`` (module docstring) from the context gradient ``g_ctx``;
     ``qkv_numel``: elements of the ``c_attn`` output gradient. Returns that gradient."""
-    from simulator.graph.builders.attention import core_sizes
+    from simulator.graph.builders.attention import context_dropout_bwd, core_sizes, scores_bwd
 
     e, w = bld.e, bld.w
-    B, s, d, n, _ = core_sizes(bld.s, bld.tp)
-    qkd = B * s * d
+    _, s, _, n, _ = core_sizes(bld.s, bld.tp)
     q, k = saved["qkv"]
-    dp = e.fresh("attn.dprobs")
-    e.kernel("attn.pv_bmm.dgrad_probs", C.GEMM, flops=2 * B * s * s * d, shape=(s, s, d, B), reads=w * 2 * qkd,
-             writes=w * n, out=[(dp, w * n)], uses=[g_ctx, saved["v"]])
-    dv = e.fresh("attn.dv")
-    e.kernel("attn.pv_bmm.dgrad_v", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B), reads=w * (n + qkd),
-             writes=w * qkd, out=[(dv, w * qkd)], uses=[saved["dropped"], g_ctx])
-    if saved["mask"] is not None:
-        dp2 = e.fresh("attn.dropout.dx")
-        e.kernel("attn.dropout.dgrad", C.ELEMENTWISE, reads=w * n + n, writes=w * n, out=[(dp2, w * n)],
-                 uses=[dp, saved["mask"]])
-        dp = dp2
+    dp, dv = context_dropout_bwd(bld, g_ctx, saved, [saved["v"]])
     dm = e.fresh("attn.dmasked")
     e.kernel("attn.softmax.dgrad", C.SOFTMAX, reads=2 * w * n, writes=w * n, out=[(dm, w * n)],
              uses=[dp, saved["probs"]])
@@ -163,30 +144,23 @@ def core_bwd(bld, g_ctx: str, saved: dict, qkv_numel: int) -> str:
              uses=[dm, saved["causal_mask"]])
     ds = e.fresh("attn.dscores")
     e.kernel("attn.scale_div.dgrad", C.ELEMENTWISE, reads=w * n, writes=w * n, out=[(ds, w * n)], uses=[dsc])
-    grads = []
-    for which, other in (("q", k), ("k", q)):
-        g = e.fresh(f"attn.d{which}")
-        e.kernel(f"attn.qk_bmm.dgrad_{which}", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B),
-                 reads=w * (n + qkd), writes=w * qkd, out=[(g, w * qkd)], uses=[ds, other])
-        grads.append(g)
-    g_qkv = e.fresh("attn.dqkv")
-    e.kernel("attn.dqkv.cat", C.COPY, reads=w * 3 * qkd, writes=w * qkv_numel, out=[(g_qkv, w * qkv_numel)],
-             uses=[*grads, dv])
-    return g_qkv
+    return scores_bwd(bld, ds, ([k], [q]), dv, qkv_numel)
+
+
+def _gelu_kernel(bld, prefix: str, name: str, n_in: int, numel: int, uses: list[str]) -> str:
+    """One eager elementwise kernel of ``gelu_new`` (or of its backward): reads ``n_in`` tensors of ``numel``
+    elements, writes one. Returns the written tensor."""
+    nb = bld.w * numel
+    t = bld.e.fresh(f"{prefix}gelu.{name}")
+    bld.e.kernel(f"{prefix}gelu.{name}", C.ELEMENTWISE, reads=n_in * nb, writes=nb, out=[(t, nb)], uses=uses)
+    return t
 
 
 def gelu_fwd(bld, prefix: str, fc1: str, T: int, f: int) -> str:
     """Emit ``gelu_new``'s 8 eager kernels over ``[T, f]`` (module docstring). The tensors its backward reads
     are recorded in ``bld.hf_gelu_saved[fc1]``. Returns the output tensor."""
-    e, w = bld.e, bld.w
-    nb = w * T * f
-    reads_of = dict(GELU_FWD)
-
     def k(name: str, uses: list[str]) -> str:
-        t = e.fresh(f"{prefix}gelu.{name}")
-        e.kernel(f"{prefix}gelu.{name}", C.ELEMENTWISE, reads=reads_of[name] * nb, writes=nb, out=[(t, nb)],
-                 uses=uses)
-        return t
+        return _gelu_kernel(bld, prefix, name, dict(GELU_FWD)[name], T * f, uses)
 
     t1 = k("pow", [fc1])                 # torch.pow(x, 3.0)
     t2 = k("mul_coeff", [t1])            # 0.044715 * x^3
@@ -205,16 +179,10 @@ def gelu_fwd(bld, prefix: str, fc1: str, T: int, f: int) -> str:
 def gelu_bwd(bld, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
     """Emit ``gelu_new``'s 11 autograd backward kernels (module docstring) from the output gradient ``g``;
     ``fc1``: the input ``gelu_fwd`` ran on (the key of what it saved). Returns the input gradient."""
-    e, w = bld.e, bld.w
-    nb = w * T * f
     t5, t6, t7 = bld.hf_gelu_saved.pop(fc1)
-    reads_of = dict(GELU_BWD)
 
     def k(name: str, uses: list[str]) -> str:
-        t = e.fresh(f"{prefix}gelu.{name}")
-        e.kernel(f"{prefix}gelu.{name}", C.ELEMENTWISE, reads=reads_of[name] * nb, writes=nb, out=[(t, nb)],
-                 uses=uses)
-        return t
+        return _gelu_kernel(bld, prefix, name, dict(GELU_BWD)[name], T * f, uses)
 
     g7 = k("mul.dgrad_half_x", [g, t6])        # d(0.5 x) = g * (1 + tanh)
     g6 = k("mul.dgrad_tanh1", [g, t7])         # d(1 + tanh) = g * 0.5 x
