@@ -7,7 +7,9 @@ Source: ``transformers`` 4.15.0 (the version Merak 0.1 pins, ``merak/setup.py`` 
 
 * ``GPT2Attention.__init__`` registers ``bias = torch.tril(torch.ones((n_positions, n_positions),
   dtype=torch.uint8)).view(1, 1, n, n)`` and ``masked_bias = torch.tensor(-1e4)``.
-* ``GPT2Attention._attn`` (no ``attention_mask`` reaches it in a run that feeds only ``input_ids``)::
+* ``GPT2Attention._attn``, the path taken with the config defaults ``reorder_and_upcast_attn = False`` and
+  ``scale_attn_by_inverse_layer_idx = False`` (no ``attention_mask`` reaches it in a run that feeds only
+  ``input_ids``, as Merak's trace of ``model.dummy_inputs`` does)::
 
       attn_weights = torch.matmul(query, key.transpose(-1, -2))
       attn_weights = attn_weights / (float(value.size(-1)) ** 0.5)          # scale_attn_weights (default True)
