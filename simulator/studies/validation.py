@@ -90,9 +90,9 @@ _ZO_CPU = ("CPU Adam 4.11 s predicted (DGX-2 datasheet roofline: DeepSpeed 0.3 C
 _PERSEUS_POWER = ("51,046 J predicted vs 66,955 J measured at 300 W (-23.8%; 39,310 J, -41%, before the Hugging Face "
                   "eager kernels were modelled) while the step is within tolerance (54.3 vs 60.1 s, -9.7%): the "
                   "simulated GPUs draw 235 W on average against 278 W measured (stages 0-2 drew 277, 268 and 294 "
-                  "W in the artifact's raw zeus_global 0.prof.json); the datasheet A100 PCIe power model prices this fp32 "
-                  "run (TF32 GEMMs, memory-bound eager kernels) lower than the testbed drew; no A100 PCIe power "
-                  "measurement here to fit it on")
+                  "W in the artifact's raw zeus_global 0.prof.json); the datasheet A100 PCIe power model prices "
+                  "this fp32 run (TF32 GEMMs, memory-bound eager kernels) lower than the testbed drew; no A100 PCIe "
+                  "power measurement here to fit it on")
 _PERSEUS_CAP = ("at 175 W the step grows 1.15x predicted vs 1.77x measured (energy 0.78x vs 1.06x; 1.20x and 0.77x before "
                 "the Hugging Face eager kernels): the capped clock follows the datasheet A100 PCIe power model at the "
                 "simulated run's lower power draw (235 W average per GPU at 300 W against 278 W measured), so the 175 W "
