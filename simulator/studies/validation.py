@@ -93,10 +93,10 @@ _PERSEUS_POWER = ("51,046 J predicted vs 66,955 J measured at 300 W (-23.8%; 39,
                   "W in the artifact's raw zeus_global 0.prof.json); the datasheet A100 PCIe power model prices "
                   "this fp32 run (TF32 GEMMs, memory-bound eager kernels) lower than the testbed drew; no A100 PCIe "
                   "power measurement here to fit it on")
-_PERSEUS_CAP = ("at 175 W the step grows 1.15x predicted vs 1.77x measured (energy 0.78x vs 1.06x; 1.20x and 0.77x before "
-                "the Hugging Face eager kernels): the capped clock follows the datasheet A100 PCIe power model at the "
-                "simulated run's lower power draw (235 W average per GPU at 300 W against 278 W measured), so the 175 W "
-                "cap cuts the clock less than on the testbed (see the energy gap)")
+_PERSEUS_CAP = ("at 175 W the step grows 1.15x predicted vs 1.77x measured (energy 0.78x vs 1.06x; 1.20x and 0.77x "
+                "before the Hugging Face eager kernels): the capped clock follows the datasheet A100 PCIe power model "
+                "at the simulated run's lower power draw (235 W average per GPU at 300 W against 278 W measured), so "
+                "the 175 W cap cuts the clock less than on the testbed (see the energy gap)")
 #: Known misses, ``(case_id, metric) -> reason``: the one place the reasons live. ``simulate validate``
 #: shows them and tests/validation marks these cases strict xfails with the same text.
 KNOWN_GAPS: dict[tuple[str, str], str] = {
