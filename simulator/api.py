@@ -76,6 +76,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
         attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+        kernels=m.kernels,
     )
 
 

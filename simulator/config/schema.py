@@ -178,6 +178,14 @@ class ModelConfig(_Model):
         "over the whole s x s square, the fused causal softmax, attention dropout; the [b, a, s, s] scores in HBM "
         "and 5 a s^2 b bytes per layer saved for backward: simulator/graph/builders/attention.py). unfused: not "
         "with group_query_attention, window_size or context parallelism; needed by precision fp32 / tf32.")
+    kernels: Literal["fused", "hf_eager"] = Field(
+        default="fused", description="How the memory-bound ops run: fused (Megatron-LM's fused kernels: scaled "
+        "masked softmax, bias-GELU, bias_dropout_add) or hf_eager (Hugging Face transformers 4.15 GPT-2 in PyTorch "
+        "eager mode, one kernel per tensor op: the head copies, score division, torch.where causal mask and "
+        "softmax of GPT2Attention._attn, gelu_new as 8 elementwise kernels (11 in backward), dropout and residual "
+        "add apart, Conv1D's addmm copying the expanded bias before its GEMM (PyTorch 1.10): "
+        "simulator/graph/builders/hf_eager.py). hf_eager needs attention_backend unfused; not with "
+        "swiglu, num_experts or rope.")
     attention_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Megatron --attention-dropout (its default is 0.1; 0 here, no "
         "dropout): with unfused a dropout kernel and a 1-byte mask over the attention probabilities; with flash "
@@ -255,6 +263,13 @@ class ModelConfig(_Model):
                                  "flash, or group_query_attention false)")
             if self.window_size is not None and self.window_size < self.seq_length:
                 raise ValueError("attention_backend: unfused with window_size is not modelled (allowed: flash)")
+        if self.kernels == "hf_eager":
+            bad = [k for k, on in (("attention_backend flash", self.attention_backend != "unfused"),
+                                   ("swiglu", self.swiglu), ("num_experts", self.num_experts is not None),
+                                   ("rope", self.position_embedding_type == "rope")) if on]
+            if bad:
+                raise ValueError(f"kernels: hf_eager with {bad[0]} is not modelled (allowed: Hugging Face GPT-2: "
+                                 "attention_backend unfused, a GELU MLP, no experts, learned positions)")
         f = self.moe_layer_freq
         if isinstance(f, list) and len(f) != self.num_layers:
             raise ValueError(f"moe_layer_freq: {len(f)} values for num_layers {self.num_layers} (allowed: an integer, "

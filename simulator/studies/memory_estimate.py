@@ -161,10 +161,14 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     else:
         attn = (1 if recompute == "selective" else 2) * w * T * h // t
     masks = 2 * Tn * h if spec.hidden_dropout > 0 else 0  # bias_dropout_add's 1-byte masks
+    # Hugging Face eager kernels (simulator/graph/builders/hf_eager.py): gelu_new's tanh output, 1 + tanh and
+    # 0.5 x, and the s x s bool causal mask unless the core is recomputed (the Q, K, V copies replace the QKV output)
+    eager = (3 * w * T * (f // t) + (0 if recompute == "selective" else spec.seq_length ** 2)
+             if spec.kernels == "hf_eager" else 0)
     # autocast's bf16 copies of the block's weights, saved for backward (not with FSDP's bf16 gathered weights)
     weights16 = 2 * (h * spec.qkv_out_size + h * h + h * spec.fc1_out_size + f * h) if amp and not bf16_gathered else 0
     return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
-            + weights16)
+            + weights16 + eager)
 
 
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:

@@ -39,6 +39,7 @@ repeats K/V per group), sliding windows and context parallelism.
 
 from __future__ import annotations
 
+from simulator.graph.builders import hf_eager as hf
 from simulator.graph.ops import CostClass as C
 
 ATTENTION_BACKENDS = ("flash", "unfused")
@@ -95,6 +96,8 @@ def unfused_fwd(bld, qkv: str, qk: str | None, prefix: str = "attn") -> tuple[st
     """Emit the unfused core forward (module docstring) on builder ``bld`` (``_GptBuilder``: emitter ``e``,
     spec ``s``, TP size ``tp``, element bytes ``w``). ``qkv``: the fused QKV output; ``qk``: the rotated q, k
     (rope) or None. Returns the ``[B, s, d]`` context tensor and the tensors the backward reads."""
+    if hf.is_hf_eager(bld.s):  # GPT2Attention._attn's eager kernels (simulator/graph/builders/hf_eager.py)
+        return hf.core_fwd(bld, qkv, prefix)
     e, w = bld.e, bld.w
     B, s, d, n, tri = core_sizes(bld.s, bld.tp)
     qkd = B * s * d  # elements of one of Q, K, V, or of the context
@@ -106,28 +109,51 @@ def unfused_fwd(bld, qkv: str, qk: str | None, prefix: str = "attn") -> tuple[st
     e.kernel(f"{prefix}.scale_mask_softmax", C.SOFTMAX, reads=w * tri, writes=w * n, out=[(probs, w * n)],
              uses=[scores])
     saved = {"probs": probs, "dropped": probs, "mask": None, "qkv": src}
+    return dropout_context_fwd(bld, prefix, saved, qkv), saved
+
+
+def dropout_context_fwd(bld, prefix: str, saved: dict, v: str) -> str:
+    """The core's forward tail: attention dropout over ``saved["probs"]`` (when ``attention_dropout > 0``; its
+    output and mask go into ``saved``), then the ``probs x V`` batched GEMM reading ``v``. Returns the context."""
+    e, w = bld.e, bld.w
+    B, s, d, n, _ = core_sizes(bld.s, bld.tp)
+    qkd = B * s * d
     if bld.s.attention_dropout > 0:
         dropped, mask = e.fresh(f"{prefix}.dropout.out"), e.fresh(f"{prefix}.dropout.mask")
         e.kernel(f"{prefix}.dropout", C.ELEMENTWISE, reads=w * n, writes=w * n + n,
-                 out=[(dropped, w * n), (mask, n)], uses=[probs])
+                 out=[(dropped, w * n), (mask, n)], uses=[saved["probs"]])
         saved.update(dropped=dropped, mask=mask)
     ctx = e.fresh(f"{prefix}.context")
     e.kernel(f"{prefix}.pv_bmm", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B), reads=w * (n + qkd),
-             writes=w * qkd, out=[(ctx, w * qkd)], uses=[saved["dropped"], qkv])
-    return ctx, saved
+             writes=w * qkd, out=[(ctx, w * qkd)], uses=[saved["dropped"], v])
+    return ctx
 
 
 def unfused_bwd(bld, g_ctx: str, saved: dict, qkv_numel: int) -> str:
     """Emit the unfused core backward (module docstring) from the context gradient ``g_ctx``; ``saved``: what
     ``unfused_fwd`` returned; ``qkv_numel``: elements of the fused QKV gradient (``T (a d + 2 g d) / t``).
     Returns the QKV gradient."""
+    if hf.is_hf_eager(bld.s):
+        return hf.core_bwd(bld, g_ctx, saved, qkv_numel)
     e, w = bld.e, bld.w
-    B, s, d, n, tri = core_sizes(bld.s, bld.tp)
-    qkd = B * s * d
+    _, _, _, n, tri = core_sizes(bld.s, bld.tp)
     src = saved["qkv"]
+    dp, dv = context_dropout_bwd(bld, g_ctx, saved, src)
+    ds = e.fresh("attn.dscores")
+    e.kernel("attn.scale_mask_softmax.dgrad", C.SOFTMAX, reads=2 * w * tri, writes=w * n, out=[(ds, w * n)],
+             uses=[dp, saved["probs"]])
+    return scores_bwd(bld, ds, (src, src), dv, qkv_numel)
+
+
+def context_dropout_bwd(bld, g_ctx: str, saved: dict, v_uses: list[str]) -> tuple[str, str]:
+    """The core's backward head: ``dP = dO V^T`` (reading ``v_uses``) and ``dV = P^T dO``, then the attention
+    dropout's backward when ``saved`` has a mask. Returns ``(dP, dV)``."""
+    e, w = bld.e, bld.w
+    B, s, d, n, _ = core_sizes(bld.s, bld.tp)
+    qkd = B * s * d
     dp = e.fresh("attn.dprobs")
     e.kernel("attn.pv_bmm.dgrad_probs", C.GEMM, flops=2 * B * s * s * d, shape=(s, s, d, B), reads=w * 2 * qkd,
-             writes=w * n, out=[(dp, w * n)], uses=[g_ctx, *src])
+             writes=w * n, out=[(dp, w * n)], uses=[g_ctx, *v_uses])
     dv = e.fresh("attn.dv")
     e.kernel("attn.pv_bmm.dgrad_v", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B), reads=w * (n + qkd),
              writes=w * qkd, out=[(dv, w * qkd)], uses=[saved["dropped"], g_ctx])
@@ -136,14 +162,21 @@ def unfused_bwd(bld, g_ctx: str, saved: dict, qkv_numel: int) -> str:
         e.kernel("attn.dropout.dgrad", C.ELEMENTWISE, reads=w * n + n, writes=w * n, out=[(dp2, w * n)],
                  uses=[dp, saved["mask"]])
         dp = dp2
-    ds = e.fresh("attn.dscores")
-    e.kernel("attn.scale_mask_softmax.dgrad", C.SOFTMAX, reads=2 * w * tri, writes=w * n, out=[(ds, w * n)],
-             uses=[dp, saved["probs"]])
+    return dp, dv
+
+
+def scores_bwd(bld, ds: str, qk_uses: tuple[list[str], list[str]], dv: str, qkv_numel: int) -> str:
+    """The core's backward tail from the scores gradient ``ds``: ``dQ = dS K`` and ``dK = dS^T Q`` (reading
+    ``qk_uses[0]`` and ``qk_uses[1]``), then the copy of ``dQ, dK, dV`` into the ``qkv_numel``-element QKV
+    gradient. Returns it."""
+    e, w = bld.e, bld.w
+    B, s, d, n, _ = core_sizes(bld.s, bld.tp)
+    qkd = B * s * d
     grads = []
-    for which in ("q", "k"):
+    for which, uses in zip(("q", "k"), qk_uses):
         g = e.fresh(f"attn.d{which}")
         e.kernel(f"attn.qk_bmm.dgrad_{which}", C.GEMM, flops=2 * B * s * s * d, shape=(s, d, s, B),
-                 reads=w * (n + qkd), writes=w * qkd, out=[(g, w * qkd)], uses=[ds, *src])
+                 reads=w * (n + qkd), writes=w * qkd, out=[(g, w * qkd)], uses=[ds, *uses])
         grads.append(g)
     g_qkv = e.fresh("attn.dqkv")
     e.kernel("attn.dqkv.cat", C.COPY, reads=w * 3 * qkd, writes=w * qkv_numel, out=[(g_qkv, w * qkv_numel)],
@@ -157,6 +190,8 @@ def residual_dropout_add(bld, name: str, x: str, branch: str, branch_bytes: int)
     Returns the output and the mask (None without dropout)."""
     if bld.s.hidden_dropout <= 0:
         return bld._add(name, x, branch, bld.act, branch_bytes, bld.act), None
+    if hf.is_hf_eager(bld.s):  # GPT2Block: resid_dropout, then the add (two kernels)
+        return hf.residual_dropout_add(bld, name, x, branch)
     e, T, h = bld.e, bld.Tn, bld.s.hidden_size
     y, mask = e.fresh(f"{name}.out"), e.fresh(f"{name}.dropout_mask")
     e.kernel(name, C.ELEMENTWISE, reads=(bld.act + branch_bytes) * T * h, writes=bld.act * T * h + T * h,

@@ -98,6 +98,7 @@ from dataclasses import dataclass
 
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
+from simulator.graph.builders import hf_eager as hf
 from simulator.graph.builders import lora, moe
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
@@ -270,6 +271,7 @@ class TransformerSpec:
     attention_backend: str = "flash"
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -380,6 +382,7 @@ class TransformerSpec:
         if self.vit is not None:
             vitb.check_vit_spec(self)
         core.check_attention_spec(self)
+        hf.check_spec(self)
         if self.precision in FULL_PRECISIONS:
             if self.attention_backend == "flash":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
@@ -807,9 +810,10 @@ class _GptBuilder:
                      reads=T * in_dim + W, writes=2 * T * out_dim, out=[(y, 2 * T * out_dim)], uses=[xin, w16],
                      dtype="fp8")
         else:
+            beta = hf.addmm_bias_copy(self, name, T, out_dim)  # Conv1D's addmm on PyTorch 1.10 (hf_eager only)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
-                     reads=self.w * (T * in_dim + W), writes=self.w * T * out_dim,
-                     out=[(y, self.w * T * out_dim)], uses=[xin, w16])
+                     reads=self.w * (T * in_dim + W + (T * out_dim if beta else 0)), writes=self.w * T * out_dim,
+                     out=[(y, self.w * T * out_dim)], uses=[xin, w16, *([beta] if beta else [])])
         self._after_overlapped_gemm()
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
         return y, (xin, w16, ad) if save else ()
@@ -1067,6 +1071,8 @@ class _GptBuilder:
         """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
         SwiGLU ``silu(a) * b`` over the two halves of fc1 (Megatron fused bias_swiglu, ~6 FLOPs/element), or
         GELU (~8 FLOPs/element)."""
+        if hf.is_hf_eager(self.s):  # Hugging Face gelu_new, 8 eager kernels (simulator/graph/builders/hf_eager.py)
+            return hf.gelu_fwd(self, prefix, fc1, T, f)
         e = self.e
         name = "swiglu" if self.s.swiglu else "gelu"
         g = e.fresh(f"{prefix}{name}.out")
@@ -1079,6 +1085,8 @@ class _GptBuilder:
     def _act_bwd(self, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
         """Backward of ``_act_fwd``: SwiGLU reads dy and both halves, writes both gradients (~12 FLOPs/element);
         GELU reads dy and its input, writes dx (~16 FLOPs/element)."""
+        if hf.is_hf_eager(self.s):
+            return hf.gelu_bwd(self, prefix, g, fc1, T, f)
         e, w = self.e, self.w
         if self.s.swiglu:
             dx = e.fresh(f"{prefix}swiglu.dx")

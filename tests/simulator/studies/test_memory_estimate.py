@@ -56,6 +56,10 @@ CASES = {
                                  "training.micro_batch_size=4"]),
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
+    "tf32 PP4 hf_eager no recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap"
+                                       ".yaml", ["training.global_batch_size=64", "training.recompute_granularity=null"]),
+    "tf32 PP4 hf_eager selective": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
+                                    ["training.global_batch_size=64", "training.recompute_granularity=selective"]),
 }
 
 
