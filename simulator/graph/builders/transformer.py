@@ -754,7 +754,8 @@ class _GptBuilder:
         return (len(self.grad_made), len(self.groups), len(self.comm_ops), len(self.tp_ops), len(self._bucket),
                 len(self._buckets), len(self._fp8_w), len(self.moe_grad_ops), len(self._partials),
                 len(self.grad_shards), len(self.b._persistent), len(self.received), len(self.outgoing),
-                len(self._overlapped), len(self.lora_adapters), self._deferred is None)
+                len(self._overlapped), len(self.lora_adapters), self._deferred is None,
+                len(getattr(self, "hf_gelu_saved", ())))  # hf_eager's gelu_new saves (hf_eager.gelu_fwd)
 
     def _pass_key(self, kind: tuple) -> tuple:
         """What shapes a block pass besides its inputs: its kind and phase; for a backward, the micro-batch's

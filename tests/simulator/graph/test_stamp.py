@@ -2,7 +2,7 @@
 built kernel by kernel (``build_gpt_step(spec, stamp=False)``): ids, names, layers, costs, shapes, dependencies,
 tensors and metadata, on small multi-layer pipeline cases and the variants that change what a pass emits; and
 the builder stamps nothing where a pass reads state its key does not hold (ZeRO-3 / FSDP gathers, LoRA, MoE,
-fp8)."""
+fp8, Hugging Face eager GELU)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ def test_stamp_counts_on_a_pipeline_stage_worked_out():
 def test_stamp_disabled_where_passes_read_per_layer_state():
     cases = [dict(sharding=shd.ShardingSpec("full_shard", 2), data_parallel_size=2, precision="amp_fp32_params"),
              dict(lora=LoraSpec(4, 8, ("q_proj",))),
-             dict(num_experts=2, moe_router_topk=1, bias=False)]
+             dict(num_experts=2, moe_router_topk=1, bias=False),
+             # Hugging Face eager gelu_new keeps its saved tensors in the builder (hf_eager.gelu_fwd), not the pass
+             dict(kernels="hf_eager", attention_backend="unfused", precision="fp32")]
     for kw in cases:
         stamped, st = _built(TransformerSpec(**{**TINY, **kw}), True)
         assert st.stamped == 0 and st.built == 2 * 4 * 4
