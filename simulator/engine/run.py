@@ -187,6 +187,7 @@ def _release(ex: Executor, rec: Recorder, system: System) -> None:
     objects took ~5 s to traverse; emptied here, reference counting frees them at once (< 1 s).
     """
     vars(ex).clear()
+    system.release_ops()
     rec.release()
     for pool in system.memory.values():
         pool.release_timelines()

@@ -144,6 +144,13 @@ class System:
             "host_pageable": MemoryPool(f"{host}.pageable", hw.host_memory.capacity_bytes, clock),
         }
 
+    def release_ops(self) -> None:
+        """Drop what refers to the run's ops (the per-op caches, the running-op table) once the run is over
+        (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
+        (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
+        self._by_op, self._folded, self._dur, self._tail = {}, {}, {}, {}
+        self.running.clear()
+
     def collective_model(self, op) -> bool:
         """Whether ``op`` is a collective this machine prices with its NCCL model (``meta["collective"]``)."""
         return self.hw.collectives is not None and bool(op.meta) and "collective" in op.meta
