@@ -164,6 +164,8 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         for comp in getattr(runtime, "components", ()):
             finish = getattr(comp, "finish", None)
             if finish is not None and finish(rec) is False and not exact_power:
+                for _, rec_, system_, _, ex_ in ranks:  # this run's records are not used: freed now
+                    _release(ex_, rec_, system_)
                 return run_ranks(graphs, hws, steps, seed, attach, overheads, exact_power=True)
     out = []
     for graph, rec, system, runtime, ex in ranks:
