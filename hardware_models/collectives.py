@@ -385,13 +385,15 @@ class CollectiveModel:
             return 0.0
         return self.topo.route_latency_s(self.topo.rank_route(per_node[0][0], per_node[1][0]))
 
-    def candidates(self, op: str, group: tuple[int, ...], nvls_enable: bool = True) -> list[tuple[str, str]]:
-        """(algorithm, protocol) pairs NCCL enables for ``op`` on ``group`` (internal names)."""
+    def candidates(self, op: str, group: tuple[int, ...], nvls_enable: bool = True, *,
+                   ll128: bool = True) -> list[tuple[str, str]]:
+        """(algorithm, protocol) pairs NCCL enables for ``op`` on ``group`` (internal names); ``ll128`` False
+        leaves LL128 out without testing the group's intra-node links (for a check no protocol choice depends on)."""
         if op in ("all_to_all", "send_recv"):
             return [("p2p", "simple")]
         per_node = self._by_node(group)
         n_nodes = len(per_node)
-        protos = ["ll", "simple"] + (["ll128"] if self._intra_tier(group) == "nvlink" else [])
+        protos = ["ll", "simple"] + (["ll128"] if ll128 and self._intra_tier(group) == "nvlink" else [])
         out = [("ring", p) for p in protos]
         if op == "all_reduce":
             out += [("tree", p) for p in protos]
@@ -513,13 +515,16 @@ class CollectiveModel:
         Raises:
             CollectiveError: as ``price``.
         """
-        group, cfg, cands = self._candidates_for(op, ranks, nbytes, nccl)
+        group, cfg, cands = self._candidates_for(op, ranks, nbytes, nccl, check_only=True)
         if (cfg.nchannels is not None and len(group) > 1 and nbytes > 0
                 and any(algo != "p2p" for algo, _ in cands)):
             self._check_nchannels()  # the one error ``_time`` raises
 
-    def _candidates_for(self, op: str, ranks: Sequence[int], nbytes: int, nccl: NcclConfig | None):
+    def _candidates_for(self, op: str, ranks: Sequence[int], nbytes: int, nccl: NcclConfig | None,
+                        check_only: bool = False):
         """``(group, nccl config, [(algorithm, protocol)])`` ``price`` chooses among, after its checks.
+        ``check_only``: for ``check``; without ``nccl.proto`` LL128 is left out untested (every algorithm that
+        offers it offers LL and Simple too, so no check depends on it).
 
         Raises:
             CollectiveError: as ``price``.
@@ -532,7 +537,7 @@ class CollectiveModel:
         if op == "send_recv" and len(group) != 2:
             raise CollectiveError(f"send_recv needs exactly 2 ranks [src, dst], got {len(group)}")
         cfg = nccl or NcclConfig()
-        cands = self.candidates(op, group, cfg.nvls_enable)
+        cands = self.candidates(op, group, cfg.nvls_enable, ll128=not check_only or cfg.proto is not None)
         if cfg.algo is not None:
             want = cfg.algo.lower()
             if want in ("nvls", "nvlstree") and not self._nvls_ok(group):
