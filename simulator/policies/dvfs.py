@@ -15,7 +15,9 @@ plus the clock policy of a ``dvfs`` section (below), created only when there is 
 section, or ``locked_clock`` / ``power_cap`` without an explicit ``power_limit_w``) nothing runs per
 op: the power is computed from the recorded spans after the run (``DvfsRuntime.finish``), and if
 the firmware would have lowered the clock at one of its evaluations the run is repeated with the
-power metered per op, so the result is exact either way. The scenario's ``dvfs.kind`` picks a clock policy from
+power metered per op, so the result is exact either way. A multi-rank run of at least ``WATCH_MIN_OPS`` ops
+whose stages are each below it (the layer-fidelity pipeline stages) starts with the power metered per op where
+a bound cannot rule the limit out (``DvfsRuntime.may_repeat``): the run the check would repeat, simulated once. The scenario's ``dvfs.kind`` picks a clock policy from
 ``DVFS_POLICIES``:
 
 * ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
