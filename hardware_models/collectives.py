@@ -288,10 +288,15 @@ class CollectiveModel:
         return group
 
     def _by_node(self, group: tuple[int, ...]) -> list[list[int]]:
-        nodes: dict[int, list[int]] = {}
-        for r in sorted(group):
-            nodes.setdefault(self.topo.node_of(r), []).append(r)
-        return [nodes[k] for k in sorted(nodes)]
+        """The group's ranks by node (nodes and ranks ascending), cached per group (callers do not modify it)."""
+        key = ("by_node", group)
+        hit = self._cache.get(key)
+        if hit is None:
+            nodes: dict[int, list[int]] = {}
+            for r in sorted(group):
+                nodes.setdefault(self.topo.node_of(r), []).append(r)
+            hit = self._cache[key] = [nodes[k] for k in sorted(nodes)]
+        return hit
 
     def _cap(self, link: str, eff: dict[str, float]) -> tuple[float, str]:
         d = self.topo.link(link)
@@ -340,6 +345,14 @@ class CollectiveModel:
         return out
 
     def _intra_tier(self, group: tuple[int, ...]) -> str:
+        """Slowest tier of the group's intra-node ring hops (``host`` counts as ``pcie``), cached per group."""
+        key = ("intra", group)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._intra_tier_uncached(group)
+        return hit
+
+    def _intra_tier_uncached(self, group: tuple[int, ...]) -> str:
         per_node = self._by_node(group)
         tiers = set()
         for members in per_node:
@@ -372,13 +385,15 @@ class CollectiveModel:
             return 0.0
         return self.topo.route_latency_s(self.topo.rank_route(per_node[0][0], per_node[1][0]))
 
-    def candidates(self, op: str, group: tuple[int, ...], nvls_enable: bool = True) -> list[tuple[str, str]]:
-        """(algorithm, protocol) pairs NCCL enables for ``op`` on ``group`` (internal names)."""
+    def candidates(self, op: str, group: tuple[int, ...], nvls_enable: bool = True, *,
+                   ll128: bool = True) -> list[tuple[str, str]]:
+        """(algorithm, protocol) pairs NCCL enables for ``op`` on ``group`` (internal names); ``ll128`` False
+        leaves LL128 out without testing the group's intra-node links (for a check no protocol choice depends on)."""
         if op in ("all_to_all", "send_recv"):
             return [("p2p", "simple")]
         per_node = self._by_node(group)
         n_nodes = len(per_node)
-        protos = ["ll", "simple"] + (["ll128"] if self._intra_tier(group) == "nvlink" else [])
+        protos = ["ll", "simple"] + (["ll128"] if ll128 and self._intra_tier(group) == "nvlink" else [])
         out = [("ring", p) for p in protos]
         if op == "all_reduce":
             out += [("tree", p) for p in protos]
@@ -406,9 +421,7 @@ class CollectiveModel:
         bus = nbytes * bus_factor(op, n) if op != "broadcast" and op != "reduce" else float(nbytes)
         b_ring, tier, b_inter = self.ring_bandwidth(group)
         if nchannels is not None:
-            if self.profile.channel_bytes_per_s <= 0:
-                raise CollectiveError(f"nccl.nchannels: collective profile {self.profile.name} has no "
-                                      f"channel_bytes_per_s to scale")
+            self._check_nchannels()
             b_ring = min(b_ring, nchannels * self.profile.channel_bytes_per_s)
         wire = self._net_wire_s(group)
         if algo == "ring":
@@ -436,6 +449,12 @@ class CollectiveModel:
         if nchannels is not None:
             alg = min(alg, nchannels * self.profile.channel_bytes_per_s / bus_factor(op, n))
         return lat + nbytes / alg, lat, "nvlink" if algo == "nvls" else "net"
+
+    def _check_nchannels(self) -> None:
+        """Raises: CollectiveError: ``nccl.nchannels`` set on a profile without ``channel_bytes_per_s``."""
+        if self.profile.channel_bytes_per_s <= 0:
+            raise CollectiveError(f"nccl.nchannels: collective profile {self.profile.name} has no "
+                                  f"channel_bytes_per_s to scale")
 
     def _p2p_time(self, op: str, group: tuple[int, ...], nbytes: float) -> tuple[float, float, str]:
         n = len(group)
@@ -472,6 +491,44 @@ class CollectiveModel:
             CollectiveError: unknown op, bad group or size, or an algorithm the fabric or op
                 cannot run (NVLS without an NVSwitch that reduces in the switch).
         """
+        group, cfg, cands = self._candidates_for(op, ranks, nbytes, nccl)
+        best = None
+        for algo, proto in cands:
+            t, lat, tier = self._time(op, group, nbytes, algo, proto, cfg.nchannels)
+            if best is None or t < best[0]:
+                best = (t, lat, tier, algo, proto)
+        assert best is not None
+        t, lat, tier, algo, proto = best
+        n = len(group)
+        alg = nbytes / t if t > 0 else 0.0
+        disp = self.profile.host_dispatch_s
+        return CollectiveResult(op=op, ranks=n, ranks_per_node=max(len(m) for m in self._by_node(group)),
+                                nbytes=int(nbytes), time_s=t, latency_s=lat, host_dispatch_s=disp,
+                                eager_time_s=max(disp, t), algbw_bytes_per_s=alg,
+                                busbw_bytes_per_s=alg * bus_factor(op, n), algorithm=_ALGO_NAMES[algo],
+                                protocol=_PROTO_NAMES[proto], bottleneck_tier=tier)
+
+    def check(self, op: str, ranks: Sequence[int], nbytes: int, nccl: NcclConfig | None = None) -> None:
+        """Raise what ``price`` would raise for these arguments, without pricing (no ring or route search: a
+        world-sized group is checked in the time of its candidate list).
+
+        Raises:
+            CollectiveError: as ``price``.
+        """
+        group, cfg, cands = self._candidates_for(op, ranks, nbytes, nccl, check_only=True)
+        if (cfg.nchannels is not None and len(group) > 1 and nbytes > 0
+                and any(algo != "p2p" for algo, _ in cands)):
+            self._check_nchannels()  # the one error ``_time`` raises
+
+    def _candidates_for(self, op: str, ranks: Sequence[int], nbytes: int, nccl: NcclConfig | None,
+                        check_only: bool = False):
+        """``(group, nccl config, [(algorithm, protocol)])`` ``price`` chooses among, after its checks.
+        ``check_only``: for ``check``; without ``nccl.proto`` LL128 is left out untested (every algorithm that
+        offers it offers LL and Simple too, so no check depends on it).
+
+        Raises:
+            CollectiveError: as ``price``.
+        """
         if op not in OPS:
             raise CollectiveError(f"op {op!r} is not modelled; allowed: {', '.join(OPS)}")
         if not isinstance(nbytes, (int, float)) or isinstance(nbytes, bool) or nbytes < 0:
@@ -480,7 +537,7 @@ class CollectiveModel:
         if op == "send_recv" and len(group) != 2:
             raise CollectiveError(f"send_recv needs exactly 2 ranks [src, dst], got {len(group)}")
         cfg = nccl or NcclConfig()
-        cands = self.candidates(op, group, cfg.nvls_enable)
+        cands = self.candidates(op, group, cfg.nvls_enable, ll128=not check_only or cfg.proto is not None)
         if cfg.algo is not None:
             want = cfg.algo.lower()
             if want in ("nvls", "nvlstree") and not self._nvls_ok(group):
@@ -499,21 +556,7 @@ class CollectiveModel:
             if not cands:
                 raise CollectiveError(f"nccl.proto: {_PROTO_NAMES[want_p]} is not available for {op} with "
                                       f"algo {cfg.algo or 'any'} on this fabric (LL128 needs NVLink; NVLS is Simple only)")
-        best = None
-        for algo, proto in cands:
-            t, lat, tier = self._time(op, group, nbytes, algo, proto, cfg.nchannels)
-            if best is None or t < best[0]:
-                best = (t, lat, tier, algo, proto)
-        assert best is not None
-        t, lat, tier, algo, proto = best
-        n = len(group)
-        alg = nbytes / t if t > 0 else 0.0
-        disp = self.profile.host_dispatch_s
-        return CollectiveResult(op=op, ranks=n, ranks_per_node=max(len(m) for m in self._by_node(group)),
-                                nbytes=int(nbytes), time_s=t, latency_s=lat, host_dispatch_s=disp,
-                                eager_time_s=max(disp, t), algbw_bytes_per_s=alg,
-                                busbw_bytes_per_s=alg * bus_factor(op, n), algorithm=_ALGO_NAMES[algo],
-                                protocol=_PROTO_NAMES[proto], bottleneck_tier=tier)
+        return group, cfg, cands
 
 
 def standard_group(topology: Topology, ranks: int, ranks_per_node: int | None = None) -> list[int]:

@@ -712,9 +712,17 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             hybrid = any(c.shard_group is not None for c in classes)
             parties = {(c.pp_rank, c.shard_group): sum(1 for q in classes if (q.pp_rank, q.shard_group) ==
                                                       (c.pp_rank, c.shard_group)) for c in classes}
-            graphs = [_meet_across_classes(apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw),
-                                           c.pp_rank, c.dp_class, n_dp, c.shard_group,
-                                           parties[c.pp_rank, c.shard_group] if hybrid else 0) for c in classes]
+            # the classes of a stage that share its scenario and machine (the same objects: every replica not
+            # overridden, rank_folding none) share one built graph; each class's rendezvous ops are its own
+            built: dict[tuple[int, int, int], OpGraph] = {}
+            graphs = []
+            for c in classes:
+                key = (c.pp_rank, id(c.cfg), id(c.hw))
+                if key not in built:
+                    built[key] = apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw)
+                graphs.append(_meet_across_classes(built[key], c.pp_rank, c.dp_class, n_dp, c.shard_group,
+                                                   parties[c.pp_rank, c.shard_group] if hybrid else 0))
+            del built
         except PolicyError:
             raise
         except ValueError as exc:

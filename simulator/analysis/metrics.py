@@ -74,13 +74,21 @@ def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.nd
             segs.append([str(ph[a]), e, e])
     orphans: dict[str, float] = {}
     oi = np.flatnonzero(inph & ~comp)
-    for p, e in zip(phase[oi], end[oi]):
+    o_phase, o_end = phase[oi], end[oi]
+    for p in dict.fromkeys(o_phase.tolist()):  # each phase's other ops, at once
+        e = o_end[o_phase == p]
         same = [g for g in segs if g[0] == p]
         if not same:
-            orphans[p] = max(orphans.get(p, -np.inf), float(e))
+            orphans[p] = float(e.max())
             continue
-        g = next((g for g in same if g[2] >= e), same[-1])  # the first of its phase ending after it
-        g[1] = max(g[1], float(e))
+        # the first of its phase ending after it (the segments' keys are fixed): the first whose running max of
+        # the keys reaches it; none: the last
+        first = np.searchsorted(np.maximum.accumulate([g[2] for g in same]), e, side="left")
+        top = np.full(len(same), -np.inf)
+        np.maximum.at(top, np.minimum(first, len(same) - 1), e)
+        for g, t in zip(same, top.tolist()):
+            if t > g[1]:
+                g[1] = t
     segs.extend([p, e, e] for p, e in orphans.items())
     segs.sort(key=lambda g: g[2])
     return [(str(p), e) for p, e, _ in segs]

@@ -397,7 +397,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
         nccl = NcclConfig(algo=n.algo, proto=n.proto, nvls_enable=n.nvls_enable, nchannels=n.nchannels,
                           interference=n.interference)
         if world > 1:
-            model.price("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
+            model.check("all_reduce", tuple(range(world)), 1 << 20, nccl)  # an algorithm the fabric cannot run
     except PresetError as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     per_node = world // c.nodes

@@ -130,14 +130,24 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
     env.rng = np.random.default_rng(seed)  # the run's only random source (no global state)
     meet = Rendezvous(env)
     fabric = Fabric(env)  # the calls the ranks share (a pipeline send/recv runs over both ranks' links)
-    ranks = []
     attaches = list(attach) if isinstance(attach, Sequence) else [attach] * len(graphs)
+    parts = []
     for graph, hw, attach_one in zip(graphs, hws, attaches, strict=True):
         rec = Recorder()
         system = System(env, hw, rec, fabric)
         system.exact_power = exact_power
         system.memory["gpu"].overheads = overheads if overheads is not None else DeviceMemoryOverheads()
         runtime = attach_one(env, system) if attach_one is not None else _NoRuntime()
+        parts.append((graph, rec, system, runtime))
+    run_ops = sum(len(g.ops) for g in graphs)
+    if not exact_power and len(graphs) > 1 and any(
+            getattr(comp, "may_repeat", None) is not None and comp.may_repeat(graph, run_ops)
+            for graph, _, _, runtime in parts for comp in getattr(runtime, "components", ())):
+        # a component that may ask to repeat the run with exact power after it (``finish`` below), in a run large
+        # enough to make that the costly case: run exact at once (the run it would repeat), nothing simulated yet
+        return run_ranks(graphs, hws, steps, seed, attach, overheads, exact_power=True)
+    ranks = []
+    for graph, rec, system, runtime in parts:
         ex = Executor(env, system, graph, rec, steps, hooks=runtime.hooks(), host_handlers=runtime.host_handlers(),
                       rendezvous=meet)
         ranks.append((graph, rec, system, runtime, ex))
@@ -154,6 +164,8 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         for comp in getattr(runtime, "components", ()):
             finish = getattr(comp, "finish", None)
             if finish is not None and finish(rec) is False and not exact_power:
+                for _, rec_, system_, _, ex_ in ranks:  # this run's records are not used: freed now
+                    _release(ex_, rec_, system_)
                 return run_ranks(graphs, hws, steps, seed, attach, overheads, exact_power=True)
     out = []
     for graph, rec, system, runtime, ex in ranks:
@@ -177,6 +189,7 @@ def _release(ex: Executor, rec: Recorder, system: System) -> None:
     objects took ~5 s to traverse; emptied here, reference counting frees them at once (< 1 s).
     """
     vars(ex).clear()
+    system.release_ops()
     rec.release()
     for pool in system.memory.values():
         pool.release_timelines()

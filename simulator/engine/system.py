@@ -21,6 +21,7 @@ the representative's does at the same time.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import simpy
 
@@ -41,6 +42,12 @@ COPY_PATHS = {
     OpKind.MEMCPY_H2D: ("pcie.h2d", "pcie.duplex"),
     OpKind.MEMCPY_D2H: ("pcie.d2h", "pcie.duplex"),
 }
+
+
+def _fire(wake: simpy.Event, _event) -> None:
+    """Callback: trigger ``wake`` unless it has been already."""
+    if not wake.triggered:
+        wake.succeed()
 
 
 class System:
@@ -113,6 +120,8 @@ class System:
         self.launch_overhead_by_phase_s = launch.by_phase_s
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
         self._collective: dict[tuple[str, str, int], object] = {}
+        self._by_op: dict[int, tuple] = {}  # id(op) -> (op, collective_result(op))
+        self._folded: dict[int, tuple] = {}  # id(op) -> (op, folded_comm_s(op))
         nccl = hw.nccl
         #: interference factors of this run (None: off, no collective model or nccl.interference false)
         self.interference: InterferenceFactors | None = None
@@ -145,6 +154,13 @@ class System:
         self.network.add_links({name: capacity_bytes_per_s})
         self.copy_links = {k: (*v, name) for k, v in self.copy_links.items()}
 
+    def release_ops(self) -> None:
+        """Drop what refers to the run's ops (the per-op caches, the running-op table) once the run is over
+        (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
+        (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
+        self._by_op, self._folded, self._dur, self._tail = {}, {}, {}, {}
+        self.running.clear()
+
     def collective_model(self, op) -> bool:
         """Whether ``op`` is a collective this machine prices with its NCCL model (``meta["collective"]``)."""
         return self.hw.collectives is not None and bool(op.meta) and "collective" in op.meta
@@ -161,11 +177,15 @@ class System:
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
         """
+        r = self._by_op.get(id(op))  # the run's graph holds its ops: an object's id is its own for the run
+        if r is not None:
+            return r[1]
         m = op.meta
         key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
         r = self._collective.get(key)
         if r is None:
             r = self._collective[key] = self.hw.collectives.price(key[0], self._group_of(op), key[2], self.hw.nccl)
+        self._by_op[id(op)] = (op, r)  # the op kept alive with its entry, so that its id is not reused
         return r
 
     def _group_of(self, op) -> tuple[int, ...]:
@@ -219,8 +239,13 @@ class System:
             if left <= 0:
                 return
             t0 = env.now
-            to = env.timeout(left)
-            yield to | self._watch(watch)
+            # ``yield to | watch`` without the condition object: ``wake`` fires (scheduled at the same point) when the
+            # first of them is processed; a later one finds it triggered and does nothing
+            to, wake = env.timeout(left), simpy.Event(env)
+            fire = partial(_fire, wake)
+            to.callbacks.append(fire)
+            self._watch(watch).callbacks.append(fire)
+            yield wake
             if to.processed:
                 return
             done = min(1.0, done + (env.now - t0) / d)
@@ -247,7 +272,10 @@ class System:
         """Time of the TP collectives folded into layer-fidelity block ``op`` (``Op.folded_comm``): the sum of
         their NCCL-model times alone (``collective_s``; alone on its links a collective's flows take exactly
         that, ``collective_flows``), s. 0 for any other op."""
-        return sum(self.collective_s(c) for c in op.folded_comm)
+        hit = self._folded.get(id(op))
+        if hit is None:
+            hit = self._folded[id(op)] = (op, sum(self.collective_s(c) for c in op.folded_comm))
+        return hit[1]
 
     def block_tail_s(self, op, per_launch_s: float) -> float:
         """Shortest time from a block's first host launch to its end when its parts (``meta["fused"]``) are

@@ -15,7 +15,9 @@ plus the clock policy of a ``dvfs`` section (below), created only when there is 
 section, or ``locked_clock`` / ``power_cap`` without an explicit ``power_limit_w``) nothing runs per
 op: the power is computed from the recorded spans after the run (``DvfsRuntime.finish``), and if
 the firmware would have lowered the clock at one of its evaluations the run is repeated with the
-power metered per op, so the result is exact either way. The scenario's ``dvfs.kind`` picks a clock policy from
+power metered per op, so the result is exact either way. A multi-rank run of at least ``WATCH_MIN_OPS`` ops
+whose stages are each below it (the layer-fidelity pipeline stages) starts with the power metered per op where
+a bound cannot rule the limit out (``DvfsRuntime.may_repeat``): the run the check would repeat, simulated once. The scenario's ``dvfs.kind`` picks a clock policy from
 ``DVFS_POLICIES``:
 
 * ``locked_clock`` — ``nvidia-smi -lgc F``: the SM clock is set to ``F`` before the job (a clock
@@ -214,6 +216,32 @@ class DvfsRuntime:
         elif self._can_bind and self.rec is not None and hasattr(system, "executor"):
             system.watch_min_ops = WATCH_MIN_OPS  # the executor keeps its running-op table for graphs this large
             env.process(self.firmware.watch(system, self.rec, self._go_online))
+
+    def may_repeat(self, graph, run_ops: int) -> bool:
+        """Whether this offline-metered rank of a run of ``run_ops`` ops per step (every rank in the environment)
+        could make ``finish`` ask for a repeat, in a run large enough that starting exact costs less.
+
+        True when the rank is metered from the spans afterwards, is not watched (``PowerLimitFirmware.watch``: a
+        graph of fewer than ``WATCH_MIN_OPS`` ops), the whole run has at least ``WATCH_MIN_OPS`` ops, and the
+        limit is not ruled out by the bound the watch uses first: idle power plus each stream's largest op excess
+        (the power above idle is subadditive over the running ops, one op per stream) above the limit. The
+        caller then runs every rank with per-op metering from the start (``System.exact_power``), which is the
+        run ``finish`` would otherwise ask to repeat: the same result, one simulation instead of two. False: the
+        after-run check stays (exact too).
+        """
+        if self.online or not self._can_bind or run_ops < WATCH_MIN_OPS or len(graph.ops) >= WATCH_MIN_OPS:
+            return False
+        top: dict[str, float] = {}
+        excess: dict[int, float] = {}
+        for op in graph.ops:
+            if op.stream == "host":  # as the watch's bound: the device streams (``Executor.by_stream``)
+                continue
+            e = excess.get(op.id)
+            if e is None:
+                e = excess[op.id] = self.meter.excess_w(op)
+            if e > top.get(op.stream, 0.0):
+                top[op.stream] = e
+        return self.ledger.p[0] + sum(top.values()) > self.power_limit_w * (1.0 - 1e-9)
 
     def max_reachable_power_w(self) -> float:
         """Highest board power the model can draw: every unit fully busy at the highest clock, W."""
