@@ -677,7 +677,10 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
-    return _GptBuilder(spec, stamp).build()
+    b = _GptBuilder(spec, stamp)
+    graph = b.build()
+    b.stamper.state = None  # the stamper's bound method closes a cycle through the builder and every op it made
+    return graph
 
 
 class _GptBuilder:
