@@ -261,12 +261,13 @@ def _run_point(args) -> dict:
     scenario, overrides, point, folder = args[:4]
     breakdown = len(args) > 4 and args[4]
     from simulator.config.loader import load_scenario
-    from simulator.api import run_scenario
+    from simulator.api import reusing_graphs, run_scenario
     from simulator.recording.writers import write_outputs
 
     row = dict(point)
     try:
-        res = run_scenario(load_scenario(scenario, overrides))
+        with reusing_graphs():  # points that differ only in what the graph builder does not read share its graph
+            res = run_scenario(load_scenario(scenario, overrides))
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
