@@ -27,6 +27,7 @@ import os
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -52,6 +53,16 @@ class SweepInterrupted(KeyboardInterrupt):
 
     def __init__(self, table: pd.DataFrame, total: int):
         super().__init__(f"sweep interrupted after {len(table)} of {total} points")
+        self.table, self.total = table, total
+
+
+class SweepFailed(ScenarioError):
+    """The cluster or process pool running a sweep failed (a lost Dask scheduler, a killed worker process) after
+    ``len(table)`` of ``total`` points finished; what finished stays recorded (``out_dir``: index and table).
+    The message is one line naming what failed, how many points finished and where they are."""
+
+    def __init__(self, message: str, table: pd.DataFrame, total: int):
+        super().__init__(message)
         self.table, self.total = table, total
 
 
@@ -427,9 +438,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             from dask.distributed import as_completed as dask_completed
 
             batches = dask_batches(todo, _cluster_threads(client))
-            futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
-            where = {f.key: b for f, b in zip(futures, batches)}
             try:
+                futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
+                where = {f.key: b for f, b in zip(futures, batches)}
                 with tqdm(total=len(todo), disable=not progress, desc="sweep") as bar:
                     for fut in dask_completed(futures):
                         batch = where[fut.key]
@@ -439,6 +450,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             except KeyboardInterrupt:
                 client.cancel(futures)
                 raise
+            except Exception as exc:  # a point's own failure is a row: this is the cluster (scheduler lost, worker killed)
+                failed = _failed(done, jobs, folders, out, log, "--dask-scheduler", "the Dask cluster failed", exc)
+                raise failed from None
         elif workers > 1 and len(todo) > 1:
             from concurrent.futures import as_completed
 
@@ -450,6 +464,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
                 except KeyboardInterrupt:
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
+                except BrokenProcessPool as exc:  # a worker process killed (out of host memory, a signal)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise _failed(done, jobs, folders, out, log, "--workers", "a worker process died", exc) from None
         else:
             for i in tqdm(todo, disable=not progress, desc="sweep"):
                 finish(i, _run_point(jobs[i]))
@@ -462,6 +479,19 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
     df = _table([done[i] for i in range(len(jobs))], folders, out, log)
     df.attrs.update(skipped=skipped, computed=len(todo))
     return df
+
+
+def _failed(done: dict[int, dict], jobs: list, folders: list, out: Path | None, log, option: str, what: str,
+            exc: BaseException) -> SweepFailed:
+    """``SweepFailed`` for a pool or cluster that failed with ``exc`` after the points ``done``: their table is
+    written (``out``) and carried; the message says how many finished, where they are and how to resume."""
+    order = sorted(done)
+    table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
+    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    kept = (f"kept in {out} ({INDEX_FILE}, {RESULTS_FILE}); the same command resumes from them" if out
+            else "not kept (give --out DIR to keep finished points)")
+    return SweepFailed(f"{option}: {what} ({type(exc).__name__}: {reason}); {len(done)} of {len(jobs)} points "
+                       f"finished, {kept}", table, len(jobs))
 
 
 def parquet_engine() -> str | None:

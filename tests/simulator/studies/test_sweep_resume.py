@@ -248,6 +248,47 @@ def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith("error: --dask-scheduler tcp://127.0.0.1:1: cannot connect")
 
 
+_CLUSTER = """
+import time
+from dask.distributed import LocalCluster
+c = LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp", dashboard_address=None)
+print(c.scheduler_address, flush=True)
+time.sleep(300)
+"""
+
+
+def test_scheduler_lost_mid_sweep_is_one_line_and_keeps_the_finished_points(tmp_path):
+    """The scheduler process dies after some points finished: one error line, exit 2, the finished points
+    stay in index.jsonl and results.csv, and the same command resumes from them."""
+    pytest.importorskip("dask.distributed")
+    scen, out = _scenario(tmp_path), tmp_path / "sw"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    cluster = subprocess.Popen([sys.executable, "-c", _CLUSTER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        addr = cluster.stdout.readline().strip()
+        assert addr.startswith("tcp://")
+        sw = subprocess.Popen([sys.executable, "-m", "simulator", "sweep", str(scen), *GRID16, *SLOW, "--out", str(out),
+                               "--dask-scheduler", addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while ((not (out / "index.jsonl").exists() or len(_index_folders(out)) < 2)
+               and time.monotonic() < deadline and sw.poll() is None):
+            time.sleep(0.05)
+        cluster.kill()
+        _, err = sw.communicate(timeout=120)
+    finally:
+        cluster.kill()
+    done = _index_folders(out)
+    assert 2 <= len(done) < 16, "the scheduler must die mid-sweep for this test"
+    lines = [ln for ln in err.replace("\r", "\n").splitlines()  # less the progress bar and the note on parquet
+             if ln.strip() and not ln.startswith(("sweep: ", "note: "))]
+    assert sw.returncode == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: --dask-scheduler"), lines
+    assert f"{len(done)} of 16 points finished" in lines[0] and str(out) in lines[0]
+    table = pd.read_csv(out / "results.csv")
+    assert sorted(table["folder"]) == sorted(done) and table["error"].isna().all()
+
+
 @pytest.mark.parametrize("case", ["plot_unknown", "plot_without_out", "out_in_file", "other_scenario",
                                   "empty_factor", "unknown_key", "repeated_factor", "plot_empty", "plot_text",
                                   "foreign_files"])
