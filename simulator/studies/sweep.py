@@ -474,6 +474,10 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         order = sorted(done)
         table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
         raise SweepInterrupted(table, len(jobs)) from None
+    finally:
+        from simulator.api import forget_graphs
+
+        forget_graphs()  # kept by the points run in this process (workers=1)
     if out:
         log(f"sweep: {skipped} of {len(jobs)} points already done and unchanged (skipped), {len(todo)} computed")
     df = _table([done[i] for i in range(len(jobs))], folders, out, log)
