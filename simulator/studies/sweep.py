@@ -14,7 +14,14 @@ folder belongs to: a folder holding another scenario's sweep is refused. The tab
 goes to ``out_dir/results.csv`` (and ``results.parquet`` when pyarrow or fastparquet is
 installed). A failed point becomes a row with its error instead of stopping the sweep. An
 interrupted sweep (Ctrl-C) raises ``SweepInterrupted`` carrying the points that finished; what it
-had recorded stays recorded.
+had recorded stays recorded. A cluster or pool that fails mid-sweep (the Dask scheduler lost, a worker process
+killed) raises ``SweepFailed`` (a ``ScenarioError``: one line, exit 2) the same way.
+
+What a point costs beside its simulation is paid once per worker process where the result cannot differ: the
+scenario file and the ``--set`` values are parsed once (``safe_yaml.loads`` remembers texts), and points with the
+same ``TransformerSpec`` (differing only in hardware, clocks, dataloader, policies...) share one built step graph
+(``api.reusing_graphs``); every row equals a fresh ``simulate run`` of its point
+(``tests/simulator/studies/test_sweep_reuse.py``).
 """
 
 from __future__ import annotations
