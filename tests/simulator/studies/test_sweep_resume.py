@@ -351,3 +351,33 @@ def test_sweep_plot_writes_one_png_per_metric(tmp_path, capsys):
     for m in ("step_time_s", "tokens_per_s"):
         img = matplotlib.image.imread(out / f"sweep_{m}.png")
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+_REAL_RUN_POINT = sweep._run_point
+
+
+def _dying_run_point(job):
+    """``sweep._run_point``, except that the worker process running the point with seed 3 dies (module level: the
+    pool pickles it by name)."""
+    if job[2]["run.seed"] == 3:
+        time.sleep(1.0)  # the points before it finish and are recorded first
+        os._exit(1)
+    return _REAL_RUN_POINT(job)
+
+
+def test_a_killed_pool_worker_is_one_line_and_keeps_the_finished_points(tmp_path, monkeypatch, capsys):
+    """A worker process that dies (as one the kernel kills for memory) ends the sweep with one error line, exit 2,
+    the points finished before it recorded (the pool's workers are forked: they run the patched ``_run_point``)."""
+    import multiprocessing
+
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("needs forked pool workers")
+    scen, out = _scenario(tmp_path), tmp_path / "sw"
+    monkeypatch.setattr(sweep, "_run_point", _dying_run_point)
+    assert main(["sweep", str(scen), "--factor", "run.seed=0,1,2,3", *FAST, "--workers", "2", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: --workers: a worker process died (BrokenProcessPool"), err
+    done = _index_folders(out)
+    assert "seed=3" not in done and len(done) >= 1
+    assert f"{len(done)} of 4 points finished" in err[0]
+    assert sorted(pd.read_csv(out / "results.csv")["folder"]) == sorted(done)

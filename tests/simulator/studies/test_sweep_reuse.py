@@ -75,3 +75,11 @@ def test_loads_hands_out_copies_of_a_cached_parse():
         safe_yaml.loads("a: 1\na: 2\n")
     with pytest.raises(safe_yaml.YamlInputError):
         safe_yaml.loads("a: 1\na: 2\n")
+
+
+def test_loads_keeps_no_long_text():
+    text = "a: " + "x" * (safe_yaml.LOADS_CACHE_MAX_TEXT + 1) + "\n"
+    assert safe_yaml.loads(text) == {"a": "x" * (safe_yaml.LOADS_CACHE_MAX_TEXT + 1)}
+    assert text not in safe_yaml._LOADS_CACHE
+    safe_yaml.loads("c: 3\n")
+    assert "c: 3\n" in safe_yaml._LOADS_CACHE  # a short one is kept
