@@ -12,13 +12,18 @@ tens of ms). ``--points N`` runs N points spread evenly over the grid (every 10,
 the wall time of all 10,000 from the measured points per second: the table labels those rows
 ``extrapolated``. Each mode runs through ``simulator.studies.sweep.run_sweep`` (the code ``simulate sweep``
 runs), so the times include process start-up, scenario loading and result collection. Raw SimPy timeouts/s is
-measured in this process before the sweeps (``bench_simulate.raw_timeouts_per_s``).
+measured in this process before the sweeps (``bench_simulate.raw_timeouts_per_s``). ``CPU ms/point`` is the CPU
+time of this process and of its finished child processes (the pool's workers; the LocalCluster's worker
+processes, joined when it closes) per point: what a point costs whatever else loads the machine (the header
+gives the load average, since other jobs on the 2 cores lower points/s but not CPU ms/point).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -44,6 +49,12 @@ def grid_points(n: int) -> list[dict]:
         return every
     step = len(every) / n
     return [every[int(i * step)] for i in range(n)]
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of the finished, waited-for child processes of this process."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def time_mode(scenario: str, points: list[dict], workers: int, client=None) -> tuple[float, float, int]:
@@ -74,14 +85,16 @@ def main() -> None:
     label = "measured" if len(points) >= GRID else "extrapolated"
     dims = " x ".join(f"{k.rsplit('.', 1)[-1]} {len(v)}" for k, v in FACTORS.items())
     print(f"sweep grid {GRID:,} points ({dims}) on "
-          f"{args.scenario} with {' '.join(BASE)}; raw SimPy {raw:,.0f} timeouts/s")
+          f"{args.scenario} with {' '.join(BASE)}; raw SimPy {raw:,.0f} timeouts/s; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'mode':28s} {'points':>7s} {'failed':>6s} {'wall s':>8s} {'points/s':>9s} {'ms/point':>9s} "
-          f"{'10k wall s':>11s} {'':12s}")
+          f"{'CPU ms/point':>12s} {'10k wall s':>11s} {'':12s}")
     modes = [(f"local pool, {args.workers} workers", None)]
     if not args.skip_dask:
         modes.append((f"dask LocalCluster, {args.workers} w", "dask"))
     for name, kind in modes:
         client = cluster = None
+        cpu0, ch0 = time.process_time(), children_cpu_s()
         if kind == "dask":
             from dask.distributed import Client, LocalCluster
 
@@ -94,9 +107,10 @@ def main() -> None:
             if client is not None:
                 client.close()
                 cluster.close()
+        cpu_ms = 1e3 * (time.process_time() - cpu0 + children_cpu_s() - ch0) / len(points)
         rate = len(points) / wall
-        print(f"{name:28s} {len(points):7d} {failed:6d} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} "
-              f"{GRID / rate:11.0f} {label:12s}", flush=True)
+        print(f"{name:28s} {len(points):7d} {failed:6d} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} {cpu_ms:12.1f} "
+              f"{GRID / rate:11.0f} {label:12s}  (load average now {os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":

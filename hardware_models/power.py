@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,6 +202,17 @@ def load_power_model(name_or_path: str) -> GpuPowerModel:
     except safe_yaml.YamlInputError as exc:
         raise ValueError(f"{p}: {exc}") from None
     return power_model_from_dict(data, str(p))
+
+
+@lru_cache(maxsize=None)
+def preset_power_model(name: str) -> GpuPowerModel | None:
+    """The shipped power preset ``name`` (``load_power_model``), built once per process (the model is frozen and the
+    presets ship with the package, read once by ``presets``), or None when there is none of that name.
+
+    Raises:
+        ValueError: the preset file is not a valid power model.
+    """
+    return load_power_model(name) if has_power_preset(name) else None
 
 
 def has_power_preset(name: str) -> bool:

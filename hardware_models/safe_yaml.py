@@ -174,13 +174,56 @@ class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml
         return node
 
 
+#: Most distinct texts whose parse ``loads`` keeps (a sweep re-reads one scenario and the same ``--set``
+#: values for every point: PyYAML's pure-Python parser takes ~0.1-3 ms each), and the longest text kept,
+#: characters (shipped scenario and preset files are under 20 kB; a longer text is parsed every time), so the
+#: cache holds at most 16 MiB of text; a cached parse is handed out as a fresh copy
+LOADS_CACHE_SIZE = 256
+LOADS_CACHE_MAX_TEXT = 64 * 1024
+_LOADS_CACHE: dict[str, Any] = {}
+
+
 def loads(text: str) -> Any:
     """Parse one YAML document with the rules above.
+
+    The parse is a pure function of ``text``: the last ``LOADS_CACHE_SIZE`` distinct texts (of at most
+    ``LOADS_CACHE_MAX_TEXT`` characters) that parsed are remembered, and a repeat gets a deep copy of the earlier
+    result (the caller may change it). Texts that fail are parsed (and refused) every time.
 
     Raises:
         YamlInputError: syntax error (with line and column), duplicate key, unsupported tag,
             too deep, too many values, or an integer out of the 64-bit range.
     """
+    if len(text) > LOADS_CACHE_MAX_TEXT:
+        return _parse(text)
+    hit = _LOADS_CACHE.get(text, _MISSING)
+    if hit is _MISSING:
+        hit = _parse(text)
+        if len(_LOADS_CACHE) >= LOADS_CACHE_SIZE:
+            del _LOADS_CACHE[next(iter(_LOADS_CACHE))]  # the oldest
+        _LOADS_CACHE[text] = hit
+    return _copy(hit)
+
+
+_MISSING = object()
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a parse result sharing nothing mutable with it (scalars are immutable; aliases become
+    separate copies, which no reader here tells apart)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, tuple):  # !!omap / !!pairs items
+        return tuple(_copy(v) for v in value)
+    if isinstance(value, set):  # !!set (of hashable, hence immutable, keys)
+        return set(value)
+    return value
+
+
+def _parse(text: str) -> Any:
+    """``loads`` without the cache."""
     loader = None
     try:
         loader = _Loader(text)

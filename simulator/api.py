@@ -7,6 +7,7 @@ policies, runs it on the engine and summarises the records. Touches no files.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pandas as pd
@@ -187,8 +188,55 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
 
 
 def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0) -> OpGraph:
-    """The step graph of a scenario's pipeline stage ``pipeline_rank`` (before its policies)."""
-    return build_gpt_step(transformer_spec(cfg, pipeline_rank))
+    """The step graph of a scenario's pipeline stage ``pipeline_rank`` (before its policies); inside
+    ``reusing_graphs`` a graph built for the same ``TransformerSpec`` earlier is returned again."""
+    spec = transformer_spec(cfg, pipeline_rank)
+    if not _GRAPHS.on:
+        return build_gpt_step(spec)
+    graph = _GRAPHS.graphs.pop(spec, None)
+    if graph is None:
+        graph = build_gpt_step(spec)
+    _GRAPHS.keep(spec, graph)
+    return graph
+
+
+class _GraphCache:
+    """Built step graphs by ``TransformerSpec`` (the builder's whole input: ``build_gpt_step`` is a pure function
+    of it, and an ``OpGraph`` is immutable, policies rewrite copies), least recently used last out, at most
+    ``MAX_OPS`` ops in all (a few hundred bytes each). Used only inside ``reusing_graphs``."""
+
+    MAX_OPS = 200_000
+
+    def __init__(self) -> None:
+        self.graphs: dict[TransformerSpec, OpGraph] = {}
+        self.on = 0
+
+    def keep(self, spec: TransformerSpec, graph: OpGraph) -> None:
+        self.graphs[spec] = graph  # most recent last
+        total = sum(len(g) for g in self.graphs.values())
+        while total > self.MAX_OPS and self.graphs:
+            total -= len(self.graphs.pop(next(iter(self.graphs))))
+
+
+_GRAPHS = _GraphCache()
+
+
+@contextmanager
+def reusing_graphs():
+    """Inside the block ``build_graph`` reuses step graphs across runs (a sweep's points that differ only in
+    hardware, clocks, dataloader or other settings the builder does not read build one graph, not one each).
+    The results are those of fresh builds. The graphs stay cached for the next block in this process;
+    ``forget_graphs`` drops them."""
+    _GRAPHS.on += 1
+    try:
+        yield
+    finally:
+        _GRAPHS.on -= 1
+
+
+def forget_graphs() -> None:
+    """Drop the graphs ``reusing_graphs`` kept."""
+    _GRAPHS.graphs.clear()
 
 
 def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int = 0, seed: int = 0,

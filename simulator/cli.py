@@ -310,6 +310,13 @@ def dask_client(address: str):
         from dask.distributed import Client
     except ImportError:
         raise ScenarioError("--dask-scheduler needs dask.distributed: pip install -e '.[dask]'") from None
+    import logging
+
+    # the client's own log (reconnect attempts with tracebacks when the scheduler goes away) would bury the one
+    # error line the sweep prints for it (studies.sweep.SweepFailed); distributed gives some loggers levels of
+    # their own, so each is quieted
+    for name in ["distributed", *(n for n in logging.root.manager.loggerDict if n.startswith("distributed."))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return Client(address, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
     except (OSError, ValueError, TypeError) as exc:

@@ -59,10 +59,10 @@ def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
     return float(np.clip(np.minimum(iv[:, 1], t1) - np.maximum(iv[:, 0], t0), 0.0, None).sum())
 
 
-def _segments(kind: np.ndarray, phase: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[tuple[str, float]]:
-    """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``)."""
-    inph = np.isin(phase, PHASES)
-    comp = inph & (kind == COMPUTE_KIND)
+def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.ndarray,
+              comp: np.ndarray) -> list[tuple[str, float]]:
+    """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``); ``inph``: the
+    spans of a phase in ``PHASES``, ``comp``: those that are also compute kernels (boolean arrays)."""
     ci = np.flatnonzero(comp)
     ci = ci[np.lexsort((end[ci], start[ci]))]
     ph, ends = phase[ci], end[ci]
@@ -137,32 +137,38 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         ``{"data_s", "fwd_s", "bwd_s", "opt_s"}``, means over the measured steps (0 without any).
     """
     out = {p: [] for p in (DATA_PHASE, *PHASES)}
-    order = np.argsort(spans.step.to_numpy(), kind="stable")
-    step_col = spans.step.to_numpy()[order]
+    step_all = spans.step.to_numpy()
+    order = np.argsort(step_all, kind="stable")
+    step_col = step_all[order]
     kind = _as_str(spans.kind)[order]
     phase = _as_str(spans.phase)[order]
     start = spans.start_s.to_numpy(float)[order]
     end = spans.end_s.to_numpy(float)[order]
+    # per span, once for all steps (each step below takes its slice)
+    inph = np.isin(phase, PHASES)
+    comp = inph & (kind == COMPUTE_KIND)
+    gpu = np.isin(kind, GPU_KINDS)
+    data = phase == DATA_PHASE
+    iv_all = np.stack([start, end], axis=1)
 
     def rows(step: int) -> slice:
         return slice(int(np.searchsorted(step_col, step, "left")), int(np.searchsorted(step_col, step, "right")))
 
     def last_phase_end(step: int) -> float:
         r = rows(step)
-        m = np.isin(phase[r], PHASES)
+        m = inph[r]
         return float(end[r][m].max()) if m.any() else -np.inf
 
     measured = ~steps.warmup.to_numpy(bool)
     for step, step_start_s in zip(steps.step.to_numpy()[measured].tolist(), steps.start_s.to_numpy()[measured].tolist()):
         r = rows(step)
         acc = dict.fromkeys(out, 0.0)
-        k, p_, s_, e_ = kind[r], phase[r], start[r], end[r]
-        if len(k):
-            iv = np.stack([s_, e_], axis=1)
-            gpu_busy = _merge(iv[np.isin(k, GPU_KINDS)])
-            idle_data = _subtract(_merge(iv[p_ == DATA_PHASE]), gpu_busy)
+        if r.stop > r.start:
+            iv = iv_all[r]
+            gpu_busy = _merge(iv[gpu[r]])
+            idle_data = _subtract(_merge(iv[data[r]]), gpu_busy)
             t = max(float(step_start_s), last_phase_end(step - 1))
-            for p, e in _segments(k, p_, s_, e_):
+            for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r]):
                 if e > t:
                     w = _overlap(idle_data, t, e)
                     acc[DATA_PHASE] += w

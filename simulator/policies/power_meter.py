@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hardware_models.power import Activity, activity_of_kernel, generic_power_model, has_power_preset, load_power_model
+from hardware_models.power import Activity, activity_of_kernel, generic_power_model, load_power_model, preset_power_model
 from simulator.graph.ops import OpKind
 from simulator.policies.registry import PolicyError
 
@@ -37,9 +37,8 @@ def power_model_for(cfg, gpu):
         except (FileNotFoundError, ValueError) as exc:
             raise PolicyError(f"dvfs.power_model: {exc}") from exc
     preset = gpu_preset_name(cfg) if cfg is not None else None
-    if preset and has_power_preset(preset):
-        return load_power_model(preset)
-    return generic_power_model(gpu)
+    model = preset_power_model(preset) if preset else None
+    return model if model is not None else generic_power_model(gpu)
 
 
 class PowerMeter:
@@ -140,15 +139,25 @@ class PowerMeter:
         if not spans:
             return None
         _steps, ops, s_all, e_all, streams = zip(*spans)
-        uniq = {id(op): op for op in ops}
+        uniq = {id(op): op for op in ops}  # in first-span order
         table: dict[int, tuple] = {}
         for op in uniq.values():
             a = self.activity(op)
             if a is not None:
                 table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
-        codes: dict[str, int] = {}
-        stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
-                                  dtype=np.int64, count=len(ops))
+        codes: dict[str, int] = {}  # stream -> code, in first-span order (the order the streams are summed in)
+        # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
+        index = {k: i for i, k in enumerate(uniq)}
+        pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+        if all(streams):  # every span names its stream (the executor's)
+            codes = {st: k for k, st in enumerate(dict.fromkeys(streams))}
+            stream_code = np.fromiter(map(codes.__getitem__, streams), dtype=np.int64, count=len(ops))
+        elif any(streams):
+            stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
+                                      dtype=np.int64, count=len(ops))
+        else:  # every span on its op's stream: a stream's first span is its first op's first span
+            stream_code = np.array([codes.setdefault(op.stream, len(codes)) for op in uniq.values()],
+                                   dtype=np.int64)[pos]
         if not table:
             return None
         top = max(max(table), max(op.id for op in uniq.values()))
@@ -157,7 +166,7 @@ class PowerMeter:
         keys = np.fromiter(table, dtype=np.int64, count=len(table))
         act_of[keys] = np.array(list(table.values()), dtype=float)
         has_of[keys] = True
-        op_ids = np.fromiter((op.id for op in ops), dtype=np.int64, count=len(ops))
+        op_ids = np.array([op.id for op in uniq.values()], dtype=np.int64)[pos]
         has, act = has_of[op_ids], act_of[op_ids]
         s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
         use = has & (e_all > s_all)

@@ -68,13 +68,9 @@ class Recorder:
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
         steps, ops, starts, ends, streams = zip(*self._spans)
-        index: dict[int, int] = {}
-        uniq = []
-        for op in ops:
-            if id(op) not in index:
-                index[id(op)] = len(uniq)
-                uniq.append(op)
-        pos = np.fromiter((index[id(op)] for op in ops), dtype=np.intp, count=len(ops))
+        uniq = list({id(op): op for op in ops}.values())  # in first-span order
+        index = {id(op): i for i, op in enumerate(uniq)}
+        pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
                              op.cost_class.value, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)

@@ -14,7 +14,14 @@ folder belongs to: a folder holding another scenario's sweep is refused. The tab
 goes to ``out_dir/results.csv`` (and ``results.parquet`` when pyarrow or fastparquet is
 installed). A failed point becomes a row with its error instead of stopping the sweep. An
 interrupted sweep (Ctrl-C) raises ``SweepInterrupted`` carrying the points that finished; what it
-had recorded stays recorded.
+had recorded stays recorded. A cluster or pool that fails mid-sweep (the Dask scheduler lost, a worker process
+killed) raises ``SweepFailed`` (a ``ScenarioError``: one line, exit 2) the same way.
+
+What a point costs beside its simulation is paid once per worker process where the result cannot differ: the
+scenario file and the ``--set`` values are parsed once (``safe_yaml.loads`` remembers texts), and points with the
+same ``TransformerSpec`` (differing only in hardware, clocks, dataloader, policies...) share one built step graph
+(``api.reusing_graphs``); every row equals a fresh ``simulate run`` of its point
+(``tests/simulator/studies/test_sweep_reuse.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pandas as pd
@@ -52,6 +60,16 @@ class SweepInterrupted(KeyboardInterrupt):
 
     def __init__(self, table: pd.DataFrame, total: int):
         super().__init__(f"sweep interrupted after {len(table)} of {total} points")
+        self.table, self.total = table, total
+
+
+class SweepFailed(ScenarioError):
+    """The cluster or process pool running a sweep failed (a lost Dask scheduler, a killed worker process) after
+    ``len(table)`` of ``total`` points finished; what finished stays recorded (``out_dir``: index and table).
+    The message is one line naming what failed, how many points finished and where they are."""
+
+    def __init__(self, message: str, table: pd.DataFrame, total: int):
+        super().__init__(message)
         self.table, self.total = table, total
 
 
@@ -261,12 +279,13 @@ def _run_point(args) -> dict:
     scenario, overrides, point, folder = args[:4]
     breakdown = len(args) > 4 and args[4]
     from simulator.config.loader import load_scenario
-    from simulator.api import run_scenario
+    from simulator.api import reusing_graphs, run_scenario
     from simulator.recording.writers import write_outputs
 
     row = dict(point)
     try:
-        res = run_scenario(load_scenario(scenario, overrides))
+        with reusing_graphs():  # points that differ only in what the graph builder does not read share its graph
+            res = run_scenario(load_scenario(scenario, overrides))
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
@@ -426,9 +445,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             from dask.distributed import as_completed as dask_completed
 
             batches = dask_batches(todo, _cluster_threads(client))
-            futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
-            where = {f.key: b for f, b in zip(futures, batches)}
             try:
+                futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
+                where = {f.key: b for f, b in zip(futures, batches)}
                 with tqdm(total=len(todo), disable=not progress, desc="sweep") as bar:
                     for fut in dask_completed(futures):
                         batch = where[fut.key]
@@ -438,6 +457,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             except KeyboardInterrupt:
                 client.cancel(futures)
                 raise
+            except Exception as exc:  # a point's own failure is a row: this is the cluster (scheduler lost, worker killed)
+                failed = _failed(done, jobs, folders, out, log, "--dask-scheduler", "the Dask cluster failed", exc)
+                raise failed from None
         elif workers > 1 and len(todo) > 1:
             from concurrent.futures import as_completed
 
@@ -449,6 +471,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
                 except KeyboardInterrupt:
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
+                except BrokenProcessPool as exc:  # a worker process killed (out of host memory, a signal)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise _failed(done, jobs, folders, out, log, "--workers", "a worker process died", exc) from None
         else:
             for i in tqdm(todo, disable=not progress, desc="sweep"):
                 finish(i, _run_point(jobs[i]))
@@ -456,11 +481,28 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         order = sorted(done)
         table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
         raise SweepInterrupted(table, len(jobs)) from None
+    finally:
+        from simulator.api import forget_graphs
+
+        forget_graphs()  # kept by the points run in this process (workers=1)
     if out:
         log(f"sweep: {skipped} of {len(jobs)} points already done and unchanged (skipped), {len(todo)} computed")
     df = _table([done[i] for i in range(len(jobs))], folders, out, log)
     df.attrs.update(skipped=skipped, computed=len(todo))
     return df
+
+
+def _failed(done: dict[int, dict], jobs: list, folders: list, out: Path | None, log, option: str, what: str,
+            exc: BaseException) -> SweepFailed:
+    """``SweepFailed`` for a pool or cluster that failed with ``exc`` after the points ``done``: their table is
+    written (``out``) and carried; the message says how many finished, where they are and how to resume."""
+    order = sorted(done)
+    table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
+    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    kept = (f"kept in {out} ({INDEX_FILE}, {RESULTS_FILE}); the same command resumes from them" if out
+            else "not kept (give --out DIR to keep finished points)")
+    return SweepFailed(f"{option}: {what} ({type(exc).__name__}: {reason}); {len(done)} of {len(jobs)} points "
+                       f"finished, {kept}", table, len(jobs))
 
 
 def parquet_engine() -> str | None:

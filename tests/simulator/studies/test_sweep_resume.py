@@ -248,6 +248,47 @@ def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith("error: --dask-scheduler tcp://127.0.0.1:1: cannot connect")
 
 
+_CLUSTER = """
+import time
+from dask.distributed import LocalCluster
+c = LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp", dashboard_address=None)
+print(c.scheduler_address, flush=True)
+time.sleep(300)
+"""
+
+
+def test_scheduler_lost_mid_sweep_is_one_line_and_keeps_the_finished_points(tmp_path):
+    """The scheduler process dies after some points finished: one error line, exit 2, the finished points
+    stay in index.jsonl and results.csv, and the same command resumes from them."""
+    pytest.importorskip("dask.distributed")
+    scen, out = _scenario(tmp_path), tmp_path / "sw"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    cluster = subprocess.Popen([sys.executable, "-c", _CLUSTER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        addr = cluster.stdout.readline().strip()
+        assert addr.startswith("tcp://")
+        sw = subprocess.Popen([sys.executable, "-m", "simulator", "sweep", str(scen), *GRID16, *SLOW, "--out", str(out),
+                               "--dask-scheduler", addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while ((not (out / "index.jsonl").exists() or len(_index_folders(out)) < 2)
+               and time.monotonic() < deadline and sw.poll() is None):
+            time.sleep(0.05)
+        cluster.kill()
+        _, err = sw.communicate(timeout=120)
+    finally:
+        cluster.kill()
+    done = _index_folders(out)
+    assert 2 <= len(done) < 16, "the scheduler must die mid-sweep for this test"
+    lines = [ln for ln in err.replace("\r", "\n").splitlines()  # less the progress bar and the note on parquet
+             if ln.strip() and not ln.startswith(("sweep: ", "note: "))]
+    assert sw.returncode == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: --dask-scheduler"), lines
+    assert f"{len(done)} of 16 points finished" in lines[0] and str(out) in lines[0]
+    table = pd.read_csv(out / "results.csv")
+    assert sorted(table["folder"]) == sorted(done) and table["error"].isna().all()
+
+
 @pytest.mark.parametrize("case", ["plot_unknown", "plot_without_out", "out_in_file", "other_scenario",
                                   "empty_factor", "unknown_key", "repeated_factor", "plot_empty", "plot_text",
                                   "foreign_files"])
@@ -310,3 +351,33 @@ def test_sweep_plot_writes_one_png_per_metric(tmp_path, capsys):
     for m in ("step_time_s", "tokens_per_s"):
         img = matplotlib.image.imread(out / f"sweep_{m}.png")
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+_REAL_RUN_POINT = sweep._run_point
+
+
+def _dying_run_point(job):
+    """``sweep._run_point``, except that the worker process running the point with seed 3 dies (module level: the
+    pool pickles it by name)."""
+    if job[2]["run.seed"] == 3:
+        time.sleep(1.0)  # the points before it finish and are recorded first
+        os._exit(1)
+    return _REAL_RUN_POINT(job)
+
+
+def test_a_killed_pool_worker_is_one_line_and_keeps_the_finished_points(tmp_path, monkeypatch, capsys):
+    """A worker process that dies (as one the kernel kills for memory) ends the sweep with one error line, exit 2,
+    the points finished before it recorded (the pool's workers are forked: they run the patched ``_run_point``)."""
+    import multiprocessing
+
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("needs forked pool workers")
+    scen, out = _scenario(tmp_path), tmp_path / "sw"
+    monkeypatch.setattr(sweep, "_run_point", _dying_run_point)
+    assert main(["sweep", str(scen), "--factor", "run.seed=0,1,2,3", *FAST, "--workers", "2", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: --workers: a worker process died (BrokenProcessPool"), err
+    done = _index_folders(out)
+    assert "seed=3" not in done and len(done) >= 1
+    assert f"{len(done)} of 4 points finished" in err[0]
+    assert sorted(pd.read_csv(out / "results.csv")["folder"]) == sorted(done)
