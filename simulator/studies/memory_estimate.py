@@ -11,9 +11,10 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
   ``4P`` (DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
-  ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus the full gradients of
-  the buckets not yet reduce-scattered, at most ``2 x reduce_bucket_size`` elements with ``overlap_comm``, else
-  one bucket, with one micro-batch as with accumulation); ZeRO-3 all of
+  ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
+  the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
+  without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
+  ``[low_device_bytes, peak_device_bytes]``: ``_zero2_stage``); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
   parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
   master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
@@ -72,11 +73,15 @@ class StageMemory:
         pp_rank: The stage.
         in_flight: Micro-batch passes whose activations are held at the peak (model chunks x micro-batches).
         by_category_bytes: ``params``, ``grad``, ``optimizer``, ``activations``, ``transient``, ``overheads``.
+        slack_bytes: How far below ``total_bytes`` the simulated peak may lie for timing reasons (ZeRO-2 with
+            ``overlap_comm``: one bucket's reduce-scatter finished, or not, before the next bucket closes); 0
+            where the estimate is a point estimate.
     """
 
     pp_rank: int
     in_flight: int
     by_category_bytes: dict[str, float] = field(default_factory=dict)
+    slack_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -108,9 +113,18 @@ class MemoryEstimate:
         """Capacity minus the estimated peak (negative: does not fit), bytes."""
         return self.capacity_bytes - self.peak_device_bytes
 
+    @property
+    def low_device_bytes(self) -> float:
+        """The lowest peak the simulation can reach, bytes: ``peak_device_bytes`` less each stage's
+        ``slack_bytes`` (timing-dependent buckets: DeepSpeed ZeRO-2 with ``overlap_comm``); equal to
+        ``peak_device_bytes`` elsewhere. The simulated peak lies in ``[low_device_bytes, peak_device_bytes]``
+        within ``TOLERANCE``."""
+        return max(s.total_bytes - s.slack_bytes for s in self.stages)
+
     def surely_over(self, tolerance: float = TOLERANCE) -> bool:
-        """True when even the lower end of the estimate's error band exceeds the capacity."""
-        return self.peak_device_bytes / (1.0 + tolerance) > self.capacity_bytes
+        """True when even the lower end of the estimate's band (``low_device_bytes``, less its error) exceeds
+        the capacity."""
+        return self.low_device_bytes / (1.0 + tolerance) > self.capacity_bytes
 
 
 def in_flight_passes(schedule: str, p: int, m: int, rank: int, v: int,
@@ -190,9 +204,8 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         Ps = part(P) if zero else P
         params = 4 * P if amp else 2 * P + 4 * Ps
         buckets = 4 * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers
-        if zero == 2:  # shards, plus the full gradients of the buckets not yet reduce-scattered: two with
-            # overlap_comm (one filling while one reduces), else one (the reduction blocks the backward hook)
-            dynamic = 4 * part(P) + 4 * min(P, (2 if z.overlap else 1) * (z.reduce_bucket_size or 500_000_000))
+        if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
+            dynamic = 0
         else:
             dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
@@ -270,6 +283,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         score = core.backward_working_bytes(spec, t, w) + (core.saved_core_bytes(spec, t, w)
                                                            if recompute == "selective" else 0)
         transient += max(mlp, score) - mlp
+    block_transient = transient
     if spec.has_head:  # saved per pass in flight: fp32 log-softmax, the final norm's input and output
         activations += min(passes, m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
         transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
@@ -277,19 +291,75 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         activations += 16 * T * passes  # int64 tokens and labels
         transient = max(transient, 4 * V * h)  # the fp32 embedding gradient
     dynamic = activations + transient
-    if after_backward and m > 1 and sh is None and spec.zero_stage == 2 and spec.data_parallel_size > 1:
-        grads = 4 * -(-spec.rank_num_parameters // spec.data_parallel_size)  # held between micro-batches: the
-        # shards (each micro-batch's full gradients are freed by its reduce-scatter)
-    if not after_backward and grads > dynamic:  # the peak is the end of backward: all gradients, no activations
-        activations, transient = 0.0, 0.0
+    o = memory_overheads(cfg)
+    if sh is None and spec.zero_stage == 2 and spec.grad_reduce_size > 1:
+        per_pass = sum(spec.layer_split[c * p + pp_rank] for c in range(v)) * _layer_activation_bytes(
+            spec, recompute, bf16_gathered) / max(1, v)  # the blocks of the pass whose backward runs
+        return _zero2_stage(cfg, spec, pp_rank, passes, states, float(activations), float(transient), per_pass,
+                            after_backward and m > 1, o)
+    # the first block's backward, without pipelining: every gradient but its own (and an untied embedding's),
+    # beside its saved activations, its working set and the tokens
+    near_end = (grads - 4 * spec.layer_params - (0 if spec.tied_embeddings else 4 * V * h)
+                + _layer_activation_bytes(spec, recompute, bf16_gathered) + block_transient + 16 * T
+                if sh is None and p == 1 and grads else 0.0)
+    if not after_backward and max(grads, near_end) > dynamic:  # the peak is (near) the end of backward
+        if near_end > grads:
+            grads, activations, transient = near_end - block_transient, 0.0, block_transient
+        else:
+            activations, transient = 0.0, 0.0
     else:
         grads = grads if after_backward else 0.0
     tensors = sum(states.values()) + grads + activations + transient
-    o = memory_overheads(cfg)
     cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
             "activations": float(activations), "transient": float(transient),
             "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
     return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
+
+
+def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: dict[str, float],
+                 activations: float, transient: float, per_pass: float, held: bool, o) -> StageMemory:
+    """DeepSpeed ZeRO-2 as the builder simulates it: each micro-batch's backward creates fp32 gradients, bucket
+    by bucket (``reduce_bucket_size`` elements ``B``), each freed when its bucket's reduce-scatter ends, which
+    leaves a ``1/N_d`` shard, allocated while the bucket is alive (``S`` in all, ``4 P / N_d``; after the first micro-batch the step's shards ``S``
+    are held and the new ones are partials added at the end). The peak is the larger of the start of a
+    backward (``held S`` + activations + transient) and the moment the ``j``-th bucket closes: the unreduced
+    full gradients (``j`` buckets at most, plus a tied embedding's gradient, made first by the head's backward
+    and reduced last), the shards reduced so far and the activations of the backward's
+    blocks not yet reached (a share ``1 - j B / P`` of the pass's blocks). Without ``overlap_comm`` the
+    reduction blocks the backward hook, so exactly one bucket is unreduced (``j = 1``); with it the
+    reduce-scatters run beside the backward and how many buckets are still unreduced depends on their timing:
+    between one (communication faster than a bucket's backward) and two (DeepSpeed's double-buffered IPG
+    bucket), so the estimate takes two and reports the gap to one as ``slack_bytes``."""
+    P = spec.rank_num_parameters
+    dp = spec.grad_reduce_size
+    z = cfg.zero_optimization
+    S = 4.0 * -(-P // dp)
+    B = 4.0 * min(P, z.reduce_bucket_size or 500_000_000)  # the largest bucket's fp32 gradients
+    kept = S if held else 0.0
+
+    # a tied embedding's gradient is made by the head's backward, first, but reduced in the last bucket
+    early = 4.0 * spec.vocab_per_rank * spec.hidden_size if (
+        spec.tied_embeddings and spec.has_head and spec.has_embedding) else 0.0
+
+    def bucket_peak(j: int) -> float:  # the j-th bucket's reduce-scatter allocates its shard, j buckets unreduced
+        done = min(1.0, j * B / (4.0 * P))
+        return kept + min(S, j * B / dp) + min(4.0 * P, j * B + early) + activations - done * per_pass
+
+    start = kept + activations + transient
+    lo = bucket_peak(1)
+    hi = max(lo, bucket_peak(2)) if z.overlap and B < 4.0 * P else lo
+    base = sum(states.values())
+    if hi > start:  # the peak is a bucket's close: its gradients, the activations not yet freed, no transient
+        acts = activations - per_pass * min(1.0, (2 if hi > lo else 1) * B / (4.0 * P))
+        grads, trans = hi - acts, 0.0
+    else:
+        grads, acts, trans = kept, activations, transient
+    tensors = base + grads + acts + trans
+    low_tensors = base + max(start, lo)
+    cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
+            "activations": acts, "transient": trans, "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+    slack = (tensors + o.reserve_bytes(tensors)) - (low_tensors + o.reserve_bytes(low_tensors))
+    return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()}, float(slack))
 
 
 def estimate_memory(cfg: ScenarioConfig, capacity_bytes: float | None = None) -> MemoryEstimate:
