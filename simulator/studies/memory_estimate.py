@@ -95,13 +95,19 @@ class MemoryEstimate:
 
     Attributes:
         peak_device_bytes: Largest stage total, bytes (compare with the summary's ``peak_device_memory_bytes``).
-        capacity_bytes: The GPU's memory (``hbm_capacity_bytes``).
+        capacity_bytes: The GPU's memory (``hbm_capacity_bytes``): the smallest over the ranks.
         stages: Every stage's estimate.
+        stage_capacity_bytes: Per stage, the smallest memory of the GPUs its ranks run on (``rank_overrides``
+            ``gpu``: a stage's or a replica's); empty: every stage has ``capacity_bytes``.
     """
 
     peak_device_bytes: float
     capacity_bytes: float
     stages: tuple[StageMemory, ...]
+    stage_capacity_bytes: tuple[float, ...] = ()
+
+    def _caps(self) -> tuple[float, ...]:
+        return self.stage_capacity_bytes or (self.capacity_bytes,) * len(self.stages)
 
     @property
     def pp_rank(self) -> int:
@@ -109,9 +115,17 @@ class MemoryEstimate:
         return max(self.stages, key=lambda s: s.total_bytes).pp_rank
 
     @property
+    def binding_pp_rank(self) -> int:
+        """The stage with the least headroom against its smallest GPU (``rank_overrides`` may put a stage or a
+        replica on another GPU); ``pp_rank`` when every rank has the same GPU."""
+        caps = self._caps()
+        return min(range(len(self.stages)), key=lambda i: (caps[i] - self.stages[i].total_bytes, i))
+
+    @property
     def headroom_bytes(self) -> float:
-        """Capacity minus the estimated peak (negative: does not fit), bytes."""
-        return self.capacity_bytes - self.peak_device_bytes
+        """Capacity minus the estimated peak on the tightest stage (negative: does not fit), bytes."""
+        caps = self._caps()
+        return min(c - s.total_bytes for c, s in zip(caps, self.stages))
 
     @property
     def low_device_bytes(self) -> float:
@@ -124,7 +138,7 @@ class MemoryEstimate:
     def surely_over(self, tolerance: float = TOLERANCE) -> bool:
         """True when even the lower end of the estimate's band (``low_device_bytes``, less its error) exceeds
         the capacity."""
-        return self.low_device_bytes / (1.0 + tolerance) > self.capacity_bytes
+        return any((s.total_bytes - s.slack_bytes) / (1.0 + tolerance) > c for c, s in zip(self._caps(), self.stages))
 
 
 def in_flight_passes(schedule: str, p: int, m: int, rank: int, v: int,
@@ -373,9 +387,34 @@ def estimate_memory(cfg: ScenarioConfig, capacity_bytes: float | None = None) ->
         NotEstimated: offload of the optimizer, parameters or activations.
         ScenarioError: the hardware presets do not resolve (only without ``capacity_bytes``).
     """
-    if capacity_bytes is None:
-        from simulator.config.loader import resolve_hardware
-
-        capacity_bytes = resolve_hardware(cfg).gpu.hbm_capacity_bytes
     stages = tuple(stage_memory(cfg, r) for r in range(cfg.parallelism.pipeline_model_parallel_size))
-    return MemoryEstimate(max(s.total_bytes for s in stages), float(capacity_bytes), stages)
+    caps = (float(capacity_bytes),) * len(stages) if capacity_bytes is not None else stage_capacities(cfg)
+    return MemoryEstimate(max(s.total_bytes for s in stages), min(caps), stages, caps)
+
+
+def stage_capacities(cfg: ScenarioConfig) -> tuple[float, ...]:
+    """Per pipeline stage, the smallest GPU memory among its ranks, bytes: the scenario's GPU
+    (``resolve_hardware``, with its overrides), a stage's ``rank_overrides`` ``gpu`` in its place, and each
+    overridden replica's ``gpu`` (the schema refuses a stage's and a replica's gpu on one rank).
+
+    Raises:
+        ScenarioError: the hardware presets do not resolve.
+    """
+    from hardware_models import presets
+    from simulator.config.loader import resolve_hardware
+
+    main = float(resolve_hardware(cfg).gpu.hbm_capacity_bytes)
+    p = cfg.parallelism.pipeline_model_parallel_size
+    dp = cfg.parallelism.data_parallel_size or 1
+
+    def cap(name: str | None) -> float:
+        return main if name is None else float(presets.get("gpus", name).hbm_capacity_bytes)
+
+    by_pp = {o.pp_rank: o.gpu for o in cfg.rank_overrides if o.pp_rank is not None}
+    by_dp = {o.dp_rank: o.gpu for o in cfg.rank_overrides if o.dp_rank is not None}
+    out = []
+    for r in range(p):
+        stage = cap(by_pp.get(r))
+        replicas = [cap(g) for j, g in by_dp.items() if g is not None and j < dp]
+        out.append(min([stage, *replicas]))
+    return tuple(out)

@@ -159,3 +159,28 @@ def test_split_backward_schedules_are_not_estimated(schedule):
                         [f"parallelism.pipeline_schedule={schedule}"])
     with pytest.raises(NotEstimated, match=f"pipeline_schedule {schedule}"):
         estimate_memory(cfg)
+
+
+def test_each_stage_is_compared_with_its_own_smallest_gpu():
+    """``rank_overrides`` ``gpu``: a replica on an A100 40GB lowers every stage's capacity to 40 GiB; a stage on an
+    H200 (141 GB) raises that stage's. Pruning compares each stage's estimate with its own capacity, so a stage
+    of 100 GB on the H200 is not pruned and one of 50 GB on the A100 40GB is."""
+    from simulator.studies.memory_estimate import MemoryEstimate, StageMemory, stage_capacities
+
+    h100, a100_40, h200 = 85_520_809_984.0, 42_949_672_960.0, 150_754_820_096.0
+    pp2 = [*PP4[:1], "parallelism.pipeline_model_parallel_size=2", *PP4[2:]]
+    assert stage_capacities(load_scenario(TP2, pp2)) == (h100, h100)
+    assert stage_capacities(load_scenario(TP2, pp2 + ["rank_overrides=[{dp_rank: 1, gpu: a100-sxm4-40gb}]"])) == (
+        a100_40, a100_40)
+    assert stage_capacities(load_scenario(TP2, pp2 + ["rank_overrides=[{pp_rank: 0, gpu: h200-sxm-141gb}]"])) == (
+        h200, h100)
+
+    def est(totals, caps):
+        stages = tuple(StageMemory(r, 1, {"activations": t}) for r, t in enumerate(totals))
+        return MemoryEstimate(max(totals), min(caps), stages, caps)
+
+    assert not est((100e9, 50e9), (h200, h100)).surely_over(0.0)
+    assert est((100e9, 50e9), (h100, h100)).surely_over(0.0)
+    assert est((60e9, 50e9), (a100_40, a100_40)).surely_over(0.0)
+    tight = est((100e9, 79e9), (h200, h100))
+    assert tight.binding_pp_rank == 1 and tight.headroom_bytes == pytest.approx(h100 - 79e9)
