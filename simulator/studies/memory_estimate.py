@@ -10,7 +10,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Model states** (Rajbhandari et al., *ZeRO*, SC20, section 3.1: ``(2 + 2 + K) Psi`` with ``K = 12``
   for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
-  ``4P`` (DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
+  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
   ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
   the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
   without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
-from simulator.graph.builders.transformer import FULL_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -199,6 +199,13 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
             + weights16 + eager)
 
 
+def _grad_bytes(spec) -> int:
+    """Bytes per element of a ``.grad`` without a sharding spec: 2 for DeepSpeed ZeRO-1/2 in bf16 / fp16
+    (``transformer.ZERO_HALF_GRAD_PRECISIONS``: the model dtype), else 4 (fp32)."""
+    return 2 if (spec.sharding is None and spec.zero_stage in (1, 2) and spec.grad_reduce_size > 1
+                 and spec.precision in ZERO_HALF_GRAD_PRECISIONS) else 4
+
+
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
     """``({params, grad, optimizer}, grads_in_backward)``: the persistent model states of one rank and the
     gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
@@ -221,7 +228,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
             dynamic = 0
         else:
-            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
+            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else _grad_bytes(spec) * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
@@ -313,7 +320,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                             after_backward and m > 1, o)
     # the first block's backward, without pipelining: every gradient but its own (and an untied embedding's),
     # beside its saved activations, its working set and the tokens
-    near_end = (grads - 4 * spec.layer_params - (0 if spec.tied_embeddings else 4 * V * h)
+    g = _grad_bytes(spec)
+    near_end = (grads - g * spec.layer_params - (0 if spec.tied_embeddings else g * V * h)
                 + _layer_activation_bytes(spec, recompute, bf16_gathered) + block_transient + 16 * T
                 if sh is None and p == 1 and grads else 0.0)
     if not after_backward and max(grads, near_end) > dynamic:  # the peak is (near) the end of backward
@@ -332,9 +340,10 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
 
 def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: dict[str, float],
                  activations: float, transient: float, per_pass: float, held: bool, o) -> StageMemory:
-    """DeepSpeed ZeRO-2 as the builder simulates it: each micro-batch's backward creates fp32 gradients, bucket
+    """DeepSpeed ZeRO-2 as the builder simulates it: each micro-batch's backward creates gradients (fp32; the model
+    dtype in bf16 / fp16, ``_grad_bytes``), bucket
     by bucket (``reduce_bucket_size`` elements ``B``), each freed when its bucket's reduce-scatter ends, which
-    leaves a ``1/N_d`` shard, allocated while the bucket is alive (``S`` in all, ``4 P / N_d``; after the first micro-batch the step's shards ``S``
+    leaves a ``1/N_d`` shard, allocated while the bucket is alive (``S`` in all, ``4 P / N_d`` in fp32; after the first micro-batch the step's shards ``S``
     are held and the new ones are partials added at the end). The peak is the larger of the start of a
     backward (``held S`` + activations + transient) and the moment the ``j``-th bucket closes: the unreduced
     full gradients (``j`` buckets at most, plus a tied embedding's gradient, made first by the head's backward
@@ -347,24 +356,25 @@ def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: d
     P = spec.rank_num_parameters
     dp = spec.grad_reduce_size
     z = cfg.zero_optimization
-    S = 4.0 * -(-P // dp)
-    B = 4.0 * min(P, z.reduce_bucket_size or 500_000_000)  # the largest bucket's fp32 gradients
+    g = float(_grad_bytes(spec))  # 4 (fp32), 2 in bf16 / fp16 (DeepSpeed's model dtype)
+    S = g * -(-P // dp)
+    B = g * min(P, z.reduce_bucket_size or 500_000_000)  # the largest bucket's gradients
     kept = S if held else 0.0
 
     # a tied embedding's gradient is made by the head's backward, first, but reduced in the last bucket
-    early = 4.0 * spec.vocab_per_rank * spec.hidden_size if (
+    early = g * spec.vocab_per_rank * spec.hidden_size if (
         spec.tied_embeddings and spec.has_head and spec.has_embedding) else 0.0
 
     def bucket_peak(j: int) -> float:  # the j-th bucket's reduce-scatter allocates its shard, j buckets unreduced
-        done = min(1.0, j * B / (4.0 * P))
-        return kept + min(S, j * B / dp) + min(4.0 * P, j * B + early) + activations - done * per_pass
+        done = min(1.0, j * B / (g * P))
+        return kept + min(S, j * B / dp) + min(g * P, j * B + early) + activations - done * per_pass
 
     start = kept + activations + transient
     lo = bucket_peak(1)
-    hi = max(lo, bucket_peak(2)) if z.overlap and B < 4.0 * P else lo
+    hi = max(lo, bucket_peak(2)) if z.overlap and B < g * P else lo
     base = sum(states.values())
     if hi > start:  # the peak is a bucket's close: its gradients, the activations not yet freed, no transient
-        acts = activations - per_pass * min(1.0, (2 if hi > lo else 1) * B / (4.0 * P))
+        acts = activations - per_pass * min(1.0, (2 if hi > lo else 1) * B / (g * P))
         grads, trans = hi - acts, 0.0
     else:
         grads, acts, trans = kept, activations, transient

@@ -103,13 +103,14 @@ def test_estimate_is_within_its_tolerance_of_the_simulated_peak(case):
 
 def test_zero2_overlap_band_by_hand():
     """ZeRO-2, overlap_comm, the peak at a bucket's close: the band's width is the second bucket's fp32 gradients
-    and its shard, less the activations its backward freed, exactly: ``4 B (1 + 1/N_d) - (B / P) A_pass``, with
-    ``B`` = reduce_bucket_size elements (50M here, well under P), ``A_pass`` the blocks' saved activations."""
+    (fp32 parameters under autocast) and its shard, less the activations its backward freed, exactly:
+    ``4 B (1 + 1/N_d) - (B / P) A_pass``, with ``B`` = reduce_bucket_size elements (50M here, well under P),
+    ``A_pass`` the blocks' saved activations."""
     from simulator.api import transformer_spec
     from simulator.studies.memory_estimate import _layer_activation_bytes
 
     cfg = load_scenario(DP8, FAST + [f"{Z}.stage=2", f"{Z}.overlap_comm=true", f"{Z}.reduce_bucket_size=50000000",
-                                     "training.micro_batch_size=1", "training.precision=bf16"])
+                                     "training.micro_batch_size=1"])
     spec = transformer_spec(cfg)
     P, B = spec.rank_num_parameters, 50_000_000
     A = spec.num_layers * _layer_activation_bytes(spec, spec.recompute)
