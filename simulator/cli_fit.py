@@ -39,13 +39,15 @@ def cmd_fit(args) -> int:
         rows = [{k: (None if v != v else v) for k, v in r.items()} for r in df.to_dict("records")]
         print(json.dumps({"key": key, which: answer, "points": rows}, default=str))
     else:
-        print(f"{key:<32} fits  peak GPU memory / capacity      step time")
+        print(f"{key:<32} fits  peak GPU memory / capacity      step time")  # of the tightest rank class
         for r in df.itertuples():
             dev = r.peak_device_memory_bytes
             mem = (f"{dev / 1e9:8.2f} / {r.gpu_memory_capacity_bytes / 1e9:.2f} GB" if dev == dev and dev is not None
                    else f"{'-':>8}")
             step = f"{r.step_time_s * 1e3:.1f} ms" if r.step_time_s == r.step_time_s and r.step_time_s else "-"
             why = f"  ({r.error})" if isinstance(r.error, str) else ""
+            if isinstance(r.memory_binding_class, str):  # rank_overrides: GPUs of different memory
+                mem = f"{mem} [{r.memory_binding_class}]"
             print(f"{str(r.value):<32} {'yes' if r.fits else 'no ':<4}  {mem:<30} {step}{why}")
         print(f"{which} that fits: {answer if answer is not None else 'none of the values'}")
     return 0 if answer is not None else 1

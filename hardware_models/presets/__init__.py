@@ -185,10 +185,28 @@ def _type_hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _check_type(value: Any, tp: Any, path: str, quantity: bool = False) -> None:
+#: ``_check_type``'s ``quantity`` for a bandwidth (``*_bytes_per_s``) that must be > 0, and for one whose field
+#: defaults to 0, which then means "not given" (the field's documented fallback: pageable = pinned rate,
+#: no PCIe switch, no NVLink with ``intra: pcie``, unknown host bandwidth)
+RATE, RATE_OR_UNSET = "rate", "rate_or_unset"
+
+
+def _quantity(cls: type, name: str) -> bool | str:
+    """``_check_type``'s ``quantity`` for field ``name`` of spec dataclass ``cls``: ``RATE`` /
+    ``RATE_OR_UNSET`` for a bandwidth, True for another quantity with a unit suffix, else False."""
+    dim = dimension_of(name)
+    if dim != "bytes_per_s":
+        return dim is not None
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None) if dataclasses.is_dataclass(cls) else None
+    return RATE_OR_UNSET if f is not None and f.default == 0 else RATE
+
+
+def _check_type(value: Any, tp: Any, path: str, quantity: bool | str = False) -> None:
     """Check a converted preset value against its dataclass field type.
 
-    Numbers must be finite (and >= 0 for quantities with a unit suffix); integers fit in 64 bits.
+    Numbers must be finite, >= 0 for quantities with a unit suffix, and > 0 for bandwidths (``quantity``
+    ``RATE``: a zero bandwidth would make a transfer infinitely long; ``RATE_OR_UNSET``: or exactly 0, the
+    field's default, "not given"); integers fit in 64 bits.
 
     Raises:
         PresetError: naming ``path`` and the type expected.
@@ -206,6 +224,12 @@ def _check_type(value: Any, tp: Any, path: str, quantity: bool = False) -> None:
             raise PresetError(f"{path}: expected a finite number, got {value!r}")
         if tp is int and (isinstance(value, float) and not value.is_integer() or abs(value) >= 2**63):
             raise PresetError(f"{path}: expected an integer below 2**63")
+        if quantity == RATE and value <= 0:
+            raise PresetError(f"{path}: must be > 0 (a bandwidth; 0 would make a transfer infinitely long), "
+                              f"got {value!r}")
+        if quantity == RATE_OR_UNSET and value < 0:
+            raise PresetError(f"{path}: must be > 0 (a bandwidth), or 0 for not given (the field's default), "
+                              f"got {value!r}")
         if quantity and value < 0:
             raise PresetError(f"{path}: must be >= 0, got {value!r}")
         return
@@ -242,7 +266,7 @@ def _check_type(value: Any, tp: Any, path: str, quantity: bool = False) -> None:
         if unknown:
             raise PresetError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(hints)}")
         for k, v in value.items():
-            _check_type(v, hints[k], f"{path}.{k}", dimension_of(k) is not None)
+            _check_type(v, hints[k], f"{path}.{k}", _quantity(tp, k))
 
 
 def build_spec(cls: type, data: dict, where: str) -> Any:
@@ -266,7 +290,7 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
             raise PresetError(f"{where}.{k}: expected a mapping, got {_kind(v)}")
     clean = convert_units(clean, where)
     for k, v in clean.items():
-        _check_type(v, hints[k], f"{where}.{k}", dimension_of(k) is not None)
+        _check_type(v, hints[k], f"{where}.{k}", _quantity(cls, k))
     if "sources" in names:
         clean["sources"] = {**sources, **(clean.get("sources") or {})}
     for f in dataclasses.fields(cls):

@@ -3,6 +3,8 @@ summaries (``combine_stages``) or from data-parallel rank classes' (``combine_cl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -170,12 +172,21 @@ MEMORY_KEYS = ("peak_memory_bytes", "peak_memory_allocated_bytes", "peak_memory_
 
 def add_classes(summary: dict, classes: list[dict], *, labels: list[str], replicas: list[int],
                 slowdowns: list[float], groups: list[int] | None, gpus_per_replica: int) -> None:
-    """Put the rank classes into ``summary`` (in place): the memory peak of the class with the largest device
-    memory (and, when ``summary`` has no ``oom``, that class's, else the first class's, prefixed by its label), ``rank_classes`` (``class_rows``), ``straggler``
+    """Put the rank classes into ``summary`` (in place): the memory peak and GPU capacity of the class that binds,
+    the least headroom (capacity minus peak device memory; with one GPU type, the largest peak), named by
+    ``memory_binding_class`` (its label) when the classes' GPUs differ in memory (``rank_overrides`` ``gpu``), the
+    ``oom`` (when ``summary`` has none, the binding class's, else the first class's, prefixed by its label), ``rank_classes`` (``class_rows``), ``straggler``
     (``straggler``, compared within ``groups``: each class's pipeline stage) and, when every class metered
     energy, ``energy_j_per_step_all_gpus`` (each class x its replicas x ``gpus_per_replica``)."""
-    worst = max(classes, key=lambda c: c["peak_device_memory_bytes"])
+    def headroom(c: dict) -> float:
+        return c.get("gpu_memory_capacity_bytes", math.inf) - c["peak_device_memory_bytes"]
+
+    worst = min(classes, key=headroom)
     summary.update({k: worst[k] for k in MEMORY_KEYS})
+    caps = {c.get("gpu_memory_capacity_bytes") for c in classes}
+    if len(caps) > 1:
+        summary["gpu_memory_capacity_bytes"] = worst["gpu_memory_capacity_bytes"]
+        summary["memory_binding_class"] = labels[classes.index(worst)]
     if not summary.get("oom"):  # named by its class: the classes may run on GPUs of different capacity
         i = next((i for i in sorted(range(len(classes)), key=lambda i: classes[i] is not worst)
                   if classes[i].get("oom")), None)
@@ -191,13 +202,14 @@ def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: 
                slowdowns: list[float]) -> list[dict]:
     """One row per rank class: ``label, replicas, slowdown, gpu`` (its GPU's name), its own ``step_time_s``, ``compute_s``
     (compute-stream busy time per step), ``wait_s`` (the rest of the job's step ``step_s``), exposed
-    communication, peak device memory and, when metered, energy and power."""
+    communication, peak device memory, its GPU's memory and, when metered, energy and power."""
     rows = []
     for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
         compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
         rows.append({"label": lab, "replicas": n, "slowdown": slow, "gpu": c.get("gpu"), "step_time_s": c["step_time_s"],
                      "compute_s": compute, "wait_s": max(step_s - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
                      "peak_device_memory_bytes": c["peak_device_memory_bytes"],
+                     "gpu_memory_capacity_bytes": c.get("gpu_memory_capacity_bytes"),
                      **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
     return rows
 

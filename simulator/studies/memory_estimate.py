@@ -10,10 +10,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Model states** (Rajbhandari et al., *ZeRO*, SC20, section 3.1: ``(2 + 2 + K) Psi`` with ``K = 12``
   for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
-  ``4P`` (DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
-  ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus the full gradients of
-  the buckets not yet reduce-scattered, at most ``2 x reduce_bucket_size`` elements with ``overlap_comm``, else
-  one bucket, with one micro-batch as with accumulation); ZeRO-3 all of
+  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
+  ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
+  the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
+  without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
+  ``[low_device_bytes, peak_device_bytes]``: ``_zero2_stage``); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
   parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
   master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
-from simulator.graph.builders.transformer import FULL_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -72,11 +73,15 @@ class StageMemory:
         pp_rank: The stage.
         in_flight: Micro-batch passes whose activations are held at the peak (model chunks x micro-batches).
         by_category_bytes: ``params``, ``grad``, ``optimizer``, ``activations``, ``transient``, ``overheads``.
+        slack_bytes: How far below ``total_bytes`` the simulated peak may lie for timing reasons (ZeRO-2 with
+            ``overlap_comm``: one bucket's reduce-scatter finished, or not, before the next bucket closes); 0
+            where the estimate is a point estimate.
     """
 
     pp_rank: int
     in_flight: int
     by_category_bytes: dict[str, float] = field(default_factory=dict)
+    slack_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -90,13 +95,19 @@ class MemoryEstimate:
 
     Attributes:
         peak_device_bytes: Largest stage total, bytes (compare with the summary's ``peak_device_memory_bytes``).
-        capacity_bytes: The GPU's memory (``hbm_capacity_bytes``).
+        capacity_bytes: The GPU's memory (``hbm_capacity_bytes``): the smallest over the ranks.
         stages: Every stage's estimate.
+        stage_capacity_bytes: Per stage, the smallest memory of the GPUs its ranks run on (``rank_overrides``
+            ``gpu``: a stage's or a replica's); empty: every stage has ``capacity_bytes``.
     """
 
     peak_device_bytes: float
     capacity_bytes: float
     stages: tuple[StageMemory, ...]
+    stage_capacity_bytes: tuple[float, ...] = ()
+
+    def _caps(self) -> tuple[float, ...]:
+        return self.stage_capacity_bytes or (self.capacity_bytes,) * len(self.stages)
 
     @property
     def pp_rank(self) -> int:
@@ -104,13 +115,30 @@ class MemoryEstimate:
         return max(self.stages, key=lambda s: s.total_bytes).pp_rank
 
     @property
+    def binding_pp_rank(self) -> int:
+        """The stage with the least headroom against its smallest GPU (``rank_overrides`` may put a stage or a
+        replica on another GPU); ``pp_rank`` when every rank has the same GPU."""
+        caps = self._caps()
+        return min(range(len(self.stages)), key=lambda i: (caps[i] - self.stages[i].total_bytes, i))
+
+    @property
     def headroom_bytes(self) -> float:
-        """Capacity minus the estimated peak (negative: does not fit), bytes."""
-        return self.capacity_bytes - self.peak_device_bytes
+        """Capacity minus the estimated peak on the tightest stage (negative: does not fit), bytes."""
+        caps = self._caps()
+        return min(c - s.total_bytes for c, s in zip(caps, self.stages))
+
+    @property
+    def low_device_bytes(self) -> float:
+        """The lowest peak the simulation can reach, bytes: ``peak_device_bytes`` less each stage's
+        ``slack_bytes`` (timing-dependent buckets: DeepSpeed ZeRO-2 with ``overlap_comm``); equal to
+        ``peak_device_bytes`` elsewhere. The simulated peak lies in ``[low_device_bytes, peak_device_bytes]``
+        within ``TOLERANCE``."""
+        return max(s.total_bytes - s.slack_bytes for s in self.stages)
 
     def surely_over(self, tolerance: float = TOLERANCE) -> bool:
-        """True when even the lower end of the estimate's error band exceeds the capacity."""
-        return self.peak_device_bytes / (1.0 + tolerance) > self.capacity_bytes
+        """True when even the lower end of the estimate's band (``low_device_bytes``, less its error) exceeds
+        the capacity."""
+        return any((s.total_bytes - s.slack_bytes) / (1.0 + tolerance) > c for c, s in zip(self._caps(), self.stages))
 
 
 def in_flight_passes(schedule: str, p: int, m: int, rank: int, v: int,
@@ -171,6 +199,13 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
             + weights16 + eager)
 
 
+def _grad_bytes(spec) -> int:
+    """Bytes per element of a ``.grad`` without a sharding spec: 2 for DeepSpeed ZeRO-1/2 in bf16 / fp16
+    (``transformer.ZERO_HALF_GRAD_PRECISIONS``: the model dtype), else 4 (fp32)."""
+    return 2 if (spec.sharding is None and spec.zero_stage in (1, 2) and spec.grad_reduce_size > 1
+                 and spec.precision in ZERO_HALF_GRAD_PRECISIONS) else 4
+
+
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
     """``({params, grad, optimizer}, grads_in_backward)``: the persistent model states of one rank and the
     gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
@@ -190,11 +225,10 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         Ps = part(P) if zero else P
         params = 4 * P if amp else 2 * P + 4 * Ps
         buckets = 4 * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers
-        if zero == 2:  # shards, plus the full gradients of the buckets not yet reduce-scattered: two with
-            # overlap_comm (one filling while one reduces), else one (the reduction blocks the backward hook)
-            dynamic = 4 * part(P) + 4 * min(P, (2 if z.overlap else 1) * (z.reduce_bucket_size or 500_000_000))
+        if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
+            dynamic = 0
         else:
-            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else 4 * P
+            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else _grad_bytes(spec) * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
@@ -270,6 +304,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         score = core.backward_working_bytes(spec, t, w) + (core.saved_core_bytes(spec, t, w)
                                                            if recompute == "selective" else 0)
         transient += max(mlp, score) - mlp
+    block_transient = transient
     if spec.has_head:  # saved per pass in flight: fp32 log-softmax, the final norm's input and output
         activations += min(passes, m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
         transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
@@ -277,19 +312,78 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         activations += 16 * T * passes  # int64 tokens and labels
         transient = max(transient, 4 * V * h)  # the fp32 embedding gradient
     dynamic = activations + transient
-    if after_backward and m > 1 and sh is None and spec.zero_stage == 2 and spec.data_parallel_size > 1:
-        grads = 4 * -(-spec.rank_num_parameters // spec.data_parallel_size)  # held between micro-batches: the
-        # shards (each micro-batch's full gradients are freed by its reduce-scatter)
-    if not after_backward and grads > dynamic:  # the peak is the end of backward: all gradients, no activations
-        activations, transient = 0.0, 0.0
+    o = memory_overheads(cfg)
+    if sh is None and spec.zero_stage == 2 and spec.grad_reduce_size > 1:
+        per_pass = sum(spec.layer_split[c * p + pp_rank] for c in range(v)) * _layer_activation_bytes(
+            spec, recompute, bf16_gathered) / max(1, v)  # the blocks of the pass whose backward runs
+        return _zero2_stage(cfg, spec, pp_rank, passes, states, float(activations), float(transient), per_pass,
+                            after_backward and m > 1, o)
+    # the first block's backward, without pipelining: every gradient but its own (and an untied embedding's),
+    # beside its saved activations, its working set and the tokens
+    g = _grad_bytes(spec)
+    near_end = (grads - g * spec.layer_params - (0 if spec.tied_embeddings else g * V * h)
+                + _layer_activation_bytes(spec, recompute, bf16_gathered) + block_transient + 16 * T
+                if sh is None and p == 1 and grads else 0.0)
+    if not after_backward and max(grads, near_end) > dynamic:  # the peak is (near) the end of backward
+        if near_end > grads:
+            grads, activations, transient = near_end - block_transient, 0.0, block_transient
+        else:
+            activations, transient = 0.0, 0.0
     else:
         grads = grads if after_backward else 0.0
     tensors = sum(states.values()) + grads + activations + transient
-    o = memory_overheads(cfg)
     cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
             "activations": float(activations), "transient": float(transient),
             "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
     return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
+
+
+def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: dict[str, float],
+                 activations: float, transient: float, per_pass: float, held: bool, o) -> StageMemory:
+    """DeepSpeed ZeRO-2 as the builder simulates it: each micro-batch's backward creates gradients (fp32; the model
+    dtype in bf16 / fp16, ``_grad_bytes``), bucket
+    by bucket (``reduce_bucket_size`` elements ``B``), each freed when its bucket's reduce-scatter ends, which
+    leaves a ``1/N_d`` shard, allocated while the bucket is alive (``S`` in all, ``4 P / N_d`` in fp32; after the first micro-batch the step's shards ``S``
+    are held and the new ones are partials added at the end). The peak is the larger of the start of a
+    backward (``held S`` + activations + transient) and the moment the ``j``-th bucket closes: the unreduced
+    full gradients (``j`` buckets at most, plus a tied embedding's gradient, made first by the head's backward
+    and reduced last), the shards reduced so far and the activations of the backward's
+    blocks not yet reached (a share ``1 - j B / P`` of the pass's blocks). Without ``overlap_comm`` the
+    reduction blocks the backward hook, so exactly one bucket is unreduced (``j = 1``); with it the
+    reduce-scatters run beside the backward and how many buckets are still unreduced depends on their timing:
+    between one (communication faster than a bucket's backward) and two (DeepSpeed's double-buffered IPG
+    bucket), so the estimate takes two and reports the gap to one as ``slack_bytes``."""
+    P = spec.rank_num_parameters
+    dp = spec.grad_reduce_size
+    z = cfg.zero_optimization
+    g = float(_grad_bytes(spec))  # 4 (fp32), 2 in bf16 / fp16 (DeepSpeed's model dtype)
+    S = g * -(-P // dp)
+    B = g * min(P, z.reduce_bucket_size or 500_000_000)  # the largest bucket's gradients
+    kept = S if held else 0.0
+
+    # a tied embedding's gradient is made by the head's backward, first, but reduced in the last bucket
+    early = g * spec.vocab_per_rank * spec.hidden_size if (
+        spec.tied_embeddings and spec.has_head and spec.has_embedding) else 0.0
+
+    def bucket_peak(j: int) -> float:  # the j-th bucket's reduce-scatter allocates its shard, j buckets unreduced
+        done = min(1.0, j * B / (g * P))
+        return kept + min(S, j * B / dp) + min(g * P, j * B + early) + activations - done * per_pass
+
+    start = kept + activations + transient
+    lo = bucket_peak(1)
+    hi = max(lo, bucket_peak(2)) if z.overlap and B < g * P else lo
+    base = sum(states.values())
+    if hi > start:  # the peak is a bucket's close: its gradients, the activations not yet freed, no transient
+        acts = activations - per_pass * min(1.0, (2 if hi > lo else 1) * B / (g * P))
+        grads, trans = hi - acts, 0.0
+    else:
+        grads, acts, trans = kept, activations, transient
+    tensors = base + grads + acts + trans
+    low_tensors = base + max(start, lo)
+    cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
+            "activations": acts, "transient": trans, "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+    slack = (tensors + o.reserve_bytes(tensors)) - (low_tensors + o.reserve_bytes(low_tensors))
+    return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()}, float(slack))
 
 
 def estimate_memory(cfg: ScenarioConfig, capacity_bytes: float | None = None) -> MemoryEstimate:
@@ -303,9 +397,34 @@ def estimate_memory(cfg: ScenarioConfig, capacity_bytes: float | None = None) ->
         NotEstimated: offload of the optimizer, parameters or activations.
         ScenarioError: the hardware presets do not resolve (only without ``capacity_bytes``).
     """
-    if capacity_bytes is None:
-        from simulator.config.loader import resolve_hardware
-
-        capacity_bytes = resolve_hardware(cfg).gpu.hbm_capacity_bytes
     stages = tuple(stage_memory(cfg, r) for r in range(cfg.parallelism.pipeline_model_parallel_size))
-    return MemoryEstimate(max(s.total_bytes for s in stages), float(capacity_bytes), stages)
+    caps = (float(capacity_bytes),) * len(stages) if capacity_bytes is not None else stage_capacities(cfg)
+    return MemoryEstimate(max(s.total_bytes for s in stages), min(caps), stages, caps)
+
+
+def stage_capacities(cfg: ScenarioConfig) -> tuple[float, ...]:
+    """Per pipeline stage, the smallest GPU memory among its ranks, bytes: the scenario's GPU
+    (``resolve_hardware``, with its overrides), a stage's ``rank_overrides`` ``gpu`` in its place, and each
+    overridden replica's ``gpu`` (the schema refuses a stage's and a replica's gpu on one rank).
+
+    Raises:
+        ScenarioError: the hardware presets do not resolve.
+    """
+    from hardware_models import presets
+    from simulator.config.loader import resolve_hardware
+
+    main = float(resolve_hardware(cfg).gpu.hbm_capacity_bytes)
+    p = cfg.parallelism.pipeline_model_parallel_size
+    dp = cfg.parallelism.data_parallel_size or 1
+
+    def cap(name: str | None) -> float:
+        return main if name is None else float(presets.get("gpus", name).hbm_capacity_bytes)
+
+    by_pp = {o.pp_rank: o.gpu for o in cfg.rank_overrides if o.pp_rank is not None}
+    by_dp = {o.dp_rank: o.gpu for o in cfg.rank_overrides if o.dp_rank is not None}
+    out = []
+    for r in range(p):
+        stage = cap(by_pp.get(r))
+        replicas = [cap(g) for j, g in by_dp.items() if g is not None and j < dp]
+        out.append(min([stage, *replicas]))
+    return tuple(out)

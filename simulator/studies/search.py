@@ -261,8 +261,8 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
             smallest shortfall).
         SweepInterrupted: Ctrl-C during the simulations.
     """
-    from simulator.config.loader import load_scenario, resolve_hardware
-    from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory
+    from simulator.config.loader import load_scenario
+    from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory, stage_capacities
     from simulator.studies.sweep import SEARCH_FILE, run_sweep
 
     if objective not in OBJECTIVES:
@@ -298,18 +298,19 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
         row["data_parallel_size"] = dp
         row["micro_batches"] = (cfg.training.global_batch_size or cfg.training.micro_batch_size * dp) // (
             cfg.training.micro_batch_size * dp)
-        cap = resolve_hardware(cfg).gpu.hbm_capacity_bytes
-        row["gpu_memory_capacity_bytes"] = cap
+        caps = stage_capacities(cfg)  # per stage, its smallest GPU (rank_overrides gpu)
+        row["gpu_memory_capacity_bytes"] = cap = min(caps)
         try:
-            est = estimate_memory(cfg, cap)
+            est = estimate_memory(cfg)
         except NotEstimated as exc:
             not_estimated.add(str(exc))
             est = None
         if est is not None:
             row["est_peak_device_bytes"] = est.peak_device_bytes
             if est.surely_over(tol):
-                row.update(status="pruned", reason=f"estimated {est.peak_device_bytes / 1e9:.2f} GB on pipeline "
-                           f"stage {est.pp_rank} > {cap / 1e9:.2f} GB (+{tol * 100:.0f}% margin)")
+                b = est.binding_pp_rank
+                row.update(status="pruned", reason=f"estimated {est.stages[b].total_bytes / 1e9:.2f} GB on pipeline "
+                           f"stage {b} > {caps[b] / 1e9:.2f} GB (+{tol * 100:.0f}% margin)")
         if row["status"] is None:
             survivors.append(len(rows))
         rows.append(row)

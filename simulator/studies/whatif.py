@@ -20,7 +20,7 @@ from simulator.config.schema import ScenarioConfig
 
 COLUMNS = ("value", "fits", "peak_memory_bytes", "peak_device_memory_bytes", "gpu_memory_capacity_bytes",
            "peak_host_pinned_bytes",
-           "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error")
+           "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error", "memory_binding_class")
 
 
 def with_overrides(cfg: ScenarioConfig, **dotted: Any) -> ScenarioConfig:
@@ -49,7 +49,9 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
         steps: Steps per run (1 warmup + the rest measured).
 
     Returns:
-        DataFrame with ``COLUMNS``; ``df.attrs["largest"]`` / ``df.attrs["smallest"]`` are the largest /
+        DataFrame with ``COLUMNS`` (the peak and capacity of the rank class with the least headroom, named by
+        ``memory_binding_class`` when ``rank_overrides`` put ranks on GPUs of different memory; ``fits``: no
+        class ran out of memory); ``df.attrs["largest"]`` / ``df.attrs["smallest"]`` are the largest /
         smallest value that fits (``None`` if none does), ``df.attrs["key"]`` the key.
     """
     return _fit_table(key, values, lambda v: with_overrides(

@@ -683,6 +683,16 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
     return graph
 
 
+#: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
+#: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
+#: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
+#: bf16 / fp16 with ``bf16`` / ``fp16`` enabled, and ``stage_1_and_2.DeepSpeedZeroOptimizer`` (``self.dtype``, the
+#: parameters' dtype) holds the IPG buffer and the gradient partition in it; BF16_Optimizer (fp32 accumulation) is
+#: chosen only for ZeRO-1 with ``grad_accum_dtype: fp32``, not modelled (deepspeedai/DeepSpeed master, 2025:
+#: ``deepspeed/runtime/engine.py``, ``deepspeed/runtime/zero/stage_1_and_2.py``). The optimizer still reads fp32.
+ZERO_HALF_GRAD_PRECISIONS = ("bf16", "fp16")
+
+
 class _GptBuilder:
     def __init__(self, spec: TransformerSpec, stamp: bool = True):
         self.s = spec
@@ -1684,6 +1694,8 @@ class _GptBuilder:
         self._root_bucket: list[ParamGroup] = []
         #: bytes per element of a parameter's gradient tensor (and of its reduction)
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
+        if sh is None and self.zero in (1, 2) and s.precision in ZERO_HALF_GRAD_PRECISIONS:
+            self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
         if sh is not None and sh.gathers:

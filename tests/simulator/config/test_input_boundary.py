@@ -189,6 +189,45 @@ def test_numbers_out_of_range(capsys, setting, fragment):
     assert rc == 2 and fragment in line, line
 
 
+CLUSTER_SCEN = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml")
+POSITIVE = "must be > 0 (a bandwidth; 0 would make a transfer infinitely long), got "
+POSITIVE_OR_UNSET = "must be > 0 (a bandwidth), or 0 for not given (the field's default), got -1.0"
+
+
+@pytest.mark.parametrize("setting,fragment", [
+    # a bandwidth that prices a transfer: a negative and a zero give the same rule, "> 0"
+    ("hardware.pcie={preset: pcie-gen5-x16, overrides: {bandwidth_bytes_per_s: -1}}",
+     "hardware.pcie: overrides.bandwidth_bytes_per_s: " + POSITIVE + "-1.0"),
+    ("hardware.pcie={preset: pcie-gen5-x16, overrides: {bandwidth_bytes_per_s: 0}}",
+     "hardware.pcie: overrides.bandwidth_bytes_per_s: " + POSITIVE + "0.0"),
+    ("hardware.cluster.overrides={pcie_bytes_per_s: -5 GB/s}", "dgx-h100.pcie_bytes_per_s: " + POSITIVE + "-5000000000.0"),
+    ("hardware.cluster.overrides={pcie_bytes_per_s: 0}", "dgx-h100.pcie_bytes_per_s: " + POSITIVE + "0.0"),
+    ("hardware.host={preset: dgx-h100-host, overrides: {memory_bandwidth_bytes_per_s: -2}}",
+     "overrides.memory_bandwidth_bytes_per_s: " + POSITIVE + "-2.0"),
+    ("hardware.host={preset: dgx-h100-host, overrides: {memory_bandwidth_bytes_per_s: 0}}",
+     "overrides.memory_bandwidth_bytes_per_s: " + POSITIVE + "0.0"),
+    # a bandwidth whose default 0 means "not given" (pageable = pinned rate, unknown, no NVLink with intra pcie)
+    ("hardware.pcie={preset: pcie-gen5-x16, overrides: {pageable_h2d_bytes_per_s: -1}}",
+     "overrides.pageable_h2d_bytes_per_s: " + POSITIVE_OR_UNSET),
+    ("hardware.host={preset: dgx-h100-host, overrides: {stream_bandwidth_bytes_per_s: -1}}",
+     "overrides.stream_bandwidth_bytes_per_s: " + POSITIVE_OR_UNSET),
+    ("hardware.cluster.overrides={nvlink_bytes_per_s: -1}", "dgx-h100.nvlink_bytes_per_s: " + POSITIVE_OR_UNSET),
+    ("hardware.cluster.overrides={nvlink_bytes_per_s: 0}", "nvlink_bytes_per_s must be > 0, got 0.0"),  # nvswitch
+])
+def test_bandwidths_must_be_positive_one_rule(capsys, setting, fragment):
+    """Hardware overrides of the PCIe link, the cluster and the host: a negative or zero bandwidth is refused
+    with the same "> 0" rule (one line, exit 2); only fields whose default 0 means "not given" take 0."""
+    rc, line = run_set(capsys, setting, scenario=CLUSTER_SCEN)
+    assert rc == 2 and fragment in line, line
+
+
+@pytest.mark.parametrize("nic", ["0", "-1"])
+def test_network_bandwidth_must_be_positive(capsys, nic):
+    rc, line = run_set(capsys, "hardware.cluster.nodes=2", f"hardware.cluster.network_overrides={{nic_bytes_per_s: {nic}}}",
+                       scenario=CLUSTER_SCEN)
+    assert rc == 2 and "ib-ndr-rail.nic_bytes_per_s: " + POSITIVE + f"{float(nic)}" in line, line
+
+
 def test_num_workers_past_64_bits_is_refused_not_a_memory_error(capsys):
     rc, line = run_set(capsys, "dataloader.num_workers=9007199254740993", scenario=DL_SCEN)
     assert rc == 2 and "dataloader.num_workers: Input should be less than or equal to 4096" in line

@@ -300,3 +300,16 @@ def test_a_stage_override_warns_only_what_it_changes():
     cfg = scenario_from_dict({**d, "rank_overrides": [{"pp_rank": 1, "slowdown": 1.5}]})
     assert [w for w in run_warnings(resolve_hardware(cfg), cfg) if "runs with" in w] == [
         "rank_overrides: pipeline stage 1 (all its ranks) runs with slowdown 1.5"]
+
+
+def test_the_summary_memory_is_the_tightest_class_when_gpus_differ_in_memory():
+    """A replica on an A100 40GB in a DGX H100 job: the same model states and activations on every replica, so the
+    peak is the same, and the class that binds is the one with 40 GiB; the summary's capacity is that class's (not
+    the main GPU's 81559 MiB) and names it; every class reports its own GPU's memory."""
+    s = _run(rank_overrides=[{"dp_rank": 3, "gpu": "a100-sxm4-40gb"}])
+    others, small = s["rank_classes"]
+    assert (others["gpu_memory_capacity_bytes"], small["gpu_memory_capacity_bytes"]) == (85_520_809_984.0,
+                                                                                         42_949_672_960.0)
+    assert s["gpu_memory_capacity_bytes"] == 42_949_672_960.0 and s["memory_binding_class"] == "dp_rank 3"
+    assert s["peak_device_memory_bytes"] == small["peak_device_memory_bytes"]
+    assert "memory_binding_class" not in _run(rank_overrides=[{"dp_rank": 3, "slowdown": 1.2}])

@@ -314,12 +314,12 @@ def test_zero2_accumulation_frees_full_gradients_each_micro_batch():
 def test_zero2_one_micro_batch_reduces_each_bucket_in_backward(overlap):
     """ZeRO-2, one micro-batch, 300-element buckets (test_data_parallel: 280 | 296 | 296 | 176 elements): each
     reduce-scatter depends only on its own bucket's gradients (DeepSpeed reduces from the backward hook whatever
-    overlap_comm), reads (frees) them and keeps a ceil(bytes / 8) shard; without overlap_comm the compute stream
+    overlap_comm), reads (frees) them and keeps a ceil(bytes / 8) shard, all 16-bit in bf16; without overlap_comm the compute stream
     waits for each one before going on."""
     g = _accum(1, precision="bf16", zero_stage=2, reduce_bucket_elements=300, overlap_grad_reduce=overlap)
     rs = [c for c in _colls(g) if c.meta["collective"] == "reduce_scatter"]
-    assert [c.meta["bytes"] for c in rs] == [4 * 280, 4 * 296, 4 * 296, 4 * 176]
-    assert [a.nbytes for c in rs for a in c.allocs] == [140, 148, 148, 88]
+    assert [c.meta["bytes"] for c in rs] == [2 * 280, 2 * 296, 2 * 296, 2 * 176]  # bf16 (the model dtype)
+    assert [a.nbytes for c in rs for a in c.allocs] == [70, 74, 74, 44]
     last_bwd = max(o.id for o in g.ops if o.phase is Phase.BWD and o.kind is OpKind.COMPUTE)
     assert all(c.uses for c in rs) and all(last_bwd not in c.deps for c in rs[:3])
     assert all(c.id < last_bwd for c in rs[:3])  # reduced while backward still runs
@@ -328,20 +328,22 @@ def test_zero2_one_micro_batch_reduces_each_bucket_in_backward(overlap):
 
 
 def test_zero2_one_micro_batch_holds_less_gradient_memory_than_zero1():
-    """GPT 1.3B cut to 4 layers (P = 270.6M) on a DGX H100, bf16, full recompute, one micro-batch of 2: ZeRO-1's
-    peak is the end of backward with the whole fp32 gradients (1.07 GB); ZeRO-2 frees each 5M-element bucket's
-    gradients after its reduce-scatter, so no gradient category is large at its peak (was: the same peak)."""
+    """GPT 1.3B cut to 4 layers (P = 270.6M) on a DGX H100, bf16, full recompute, one micro-batch of 1: ZeRO-1's
+    peak is the end of backward with the whole gradients (bf16, DeepSpeed's model dtype: 0.54 GB); ZeRO-2 frees
+    each 5M-element bucket's gradients after its reduce-scatter, so no gradient category is large at its peak
+    (was: the same peak)."""
     def run(*sets):
         cfg = load_scenario(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml", [
-            "model.num_layers=4", "training.micro_batch_size=2", "run.steps=2", "run.warmup_steps=1",
+            "model.num_layers=4", "training.micro_batch_size=1", "run.steps=2", "run.warmup_steps=1",
             "training.precision=bf16", "training.recompute_granularity=full", *sets])
         return run_scenario(cfg).summary
     z1 = run("zero_optimization.stage=1")
     z2 = run("zero_optimization.stage=2", "zero_optimization.reduce_bucket_size=5000000")
     P = z1["num_parameters"]
-    assert z1["peak_memory_by_category_bytes"]["grad"] > 0.95 * 4 * P
-    assert z2["peak_memory_by_category_bytes"].get("grad", 0) <= 4 * -(-P // 8) + 2 * 4 * 5_000_000
-    assert z2["peak_memory_bytes"] < z1["peak_memory_bytes"] - 0.4 * 4 * P
+    assert z1["peak_memory_by_category_bytes"]["grad"] > 0.95 * 2 * P
+    # at most: the shards, two buckets and the tied embedding's gradient (made first by the head, reduced last)
+    assert z2["peak_memory_by_category_bytes"].get("grad", 0) <= 2 * -(-P // 8) + 2 * 2 * 5_000_000 + 2 * 32768 * 2048
+    assert z2["peak_memory_bytes"] < z1["peak_memory_bytes"] - 0.4 * 2 * P
 
 
 def test_zero1_accumulation_still_reduces_once():
@@ -529,3 +531,24 @@ def test_fsdp_with_pipeline_runs_and_is_no_longer_refused():
                        cwd=ROOT, timeout=120)
     lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("warning")]
     assert p.returncode == 2 and len(lines) == 1 and "untie_embeddings_and_output_weights: true" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("precision,grad_bytes", [("bf16", 2), ("fp16", 2), ("amp_fp32_params", 4)])
+def test_zero12_gradients_are_in_the_model_dtype(zero, precision, grad_bytes):
+    """DeepSpeed ZeRO-1/2 (``stage_1_and_2.DeepSpeedZeroOptimizer``; ``engine.get_data_types``: the gradient
+    accumulation dtype is the model dtype under ZeRO, ``communication_data_type`` bf16 / fp16): with bf16 / fp16
+    the gradients, their reduce-scatter and the reduced partition are 16-bit, so a step moves 2 P bytes of
+    gradients per rank (4 P with fp32 parameters under autocast); the tiny model, one bucket: exactly. Before the
+    fix every ZeRO-1/2 gradient was fp32 (4 P bytes reduce-scattered in bf16 too)."""
+    g = build_gpt_step(TransformerSpec(**TINY, precision=precision, zero_stage=zero))
+    rs = [c for c in _colls(g) if c.meta["collective"] == "reduce_scatter"]
+    assert sum(c.meta["bytes"] for c in rs) == grad_bytes * P
+    grads = {t.name: t.nbytes for o in g.ops for t in o.allocs if t.name.startswith("grad.")
+             and not t.name.startswith("grad.shard")}
+    # the weight matrices' .grad tensors (wte 16 x 8, qkv 8 x 24, proj 8 x 8, fc1 8 x 32, fc2 32 x 8 = 896 elements)
+    assert grads == {k: grad_bytes * n for k, n in {"grad.wte": 128, "grad.L0.qkv": 192, "grad.L0.proj": 64,
+                                                     "grad.L0.fc1": 256, "grad.L0.fc2": 256}.items()}
+    if zero == 2:
+        shards = [t.nbytes for o in rs for t in o.allocs]
+        assert shards == [-(-grad_bytes * P // 8)]

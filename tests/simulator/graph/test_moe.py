@@ -412,10 +412,11 @@ def test_zero_with_ep_shards_expert_states_over_edp_by_hand(stage):
     m = _persist(g)
     assert m["optimizer.exp_avg"] == m["optimizer.exp_avg_sq"] == m["params.master_fp32"] == 4 * ps
     assert m["params.bf16"] == 2 * (D + PE)
-    # expert gradients reduce-scattered over edp (fp32), dense ones over dp; 16-bit parameters all-gathered after
-    assert _bytes(g, "edp", "reduce_scatter") == [4 * 2 * FE * H] * 2 + [4 * 2 * H * 2 * FE] * 2
+    # expert gradients reduce-scattered over edp, dense ones over dp, both bf16 (DeepSpeed ZeRO-1/2 keeps the
+    # gradients in the model dtype); 16-bit parameters all-gathered after
+    assert _bytes(g, "edp", "reduce_scatter") == [2 * 2 * FE * H] * 2 + [2 * 2 * H * 2 * FE] * 2
     assert not _bytes(g, "edp", "all_reduce")
-    assert sum(_bytes(g, "dp", "reduce_scatter")) == 4 * D
+    assert sum(_bytes(g, "dp", "reduce_scatter")) == 2 * D
     assert _bytes(g, "edp", "all_gather") == [2 * PE] and sum(_bytes(g, "dp", "all_gather")) == 2 * D
     adam = next(o for o in g.ops if o.name.endswith("adamw"))
     assert adam.flops == pytest.approx(12 * ps)
@@ -424,7 +425,7 @@ def test_zero_with_ep_shards_expert_states_over_edp_by_hand(stage):
 def test_zero2_keeps_the_expert_gradient_shards():
     g = build_gpt_step(_spec(expert_parallel_size=2, data_parallel_size=4, zero_stage=2))
     rs = [o for o in g.ops if o.meta and o.meta.get("group") == "edp" and o.meta.get("collective") == "reduce_scatter"]
-    assert sorted(a.nbytes for o in rs for a in o.allocs) == [4 * 2 * FE * H // 2] * 2 + [4 * 2 * H * 2 * FE // 2] * 2
+    assert sorted(a.nbytes for o in rs for a in o.allocs) == [2 * 2 * FE * H // 2] * 2 + [2 * 2 * H * 2 * FE // 2] * 2
 
 
 def test_distributed_optimizer_with_ep_by_hand():

@@ -48,3 +48,23 @@ def test_a_refused_value_is_a_row_with_its_reason_and_the_others_carry_none():
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
     assert "greater than 0" in rows["-1"] and "(" not in rows["8"] and "nan" not in out.stdout
     assert out.stdout.strip().endswith("largest that fits: 8")
+
+
+A100_40 = "rank_overrides=[{dp_rank: 3, gpu: a100-sxm4-40gb}]"
+
+
+def test_fit_reports_the_tightest_rank_class_when_a_replica_runs_on_a_smaller_gpu():
+    """One replica of the DGX H100 (80 GB) job on an A100 40GB (42.95 GB of HBM): the capacity shown is that
+    class's, named in the table, and a micro-batch whose peak fits 80 GB but not 40 GB does not fit (micro-batch 12:
+    51.7 GB)."""
+    out = _fit(DP8, "--largest", "training.micro_batch_size=8,12", "--set", A100_40, "--json")
+    assert out.returncode == 0, out.stderr
+    pts = {p["value"]: p for p in json.loads(out.stdout)["points"]}
+    for p in pts.values():
+        assert p["gpu_memory_capacity_bytes"] == 42_949_672_960  # the A100 40GB preset (40 GiB)
+        assert p["memory_binding_class"] == "dp_rank 3"
+    assert pts[8]["fits"] and not pts[12]["fits"]
+    assert 42.95e9 < pts[12]["peak_device_memory_bytes"] < 80e9
+    table = _fit(DP8, "--largest", "training.micro_batch_size=8,12", "--set", A100_40).stdout
+    row12 = next(line for line in table.splitlines() if line.startswith("12 "))
+    assert " no " in row12 and "/ 42.95 GB [dp_rank 3]" in row12, table

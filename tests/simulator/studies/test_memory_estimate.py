@@ -63,17 +63,62 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# DeepSpeed ZeRO-1/2 on the 1.3B DP8 case where the gradients, not the activations, make the peak (one micro-batch
+# of 1 or 8 with full recompute; with and without overlap_comm and accumulation): before the bucket-close model
+# the estimate was 0.64-0.75x the simulated peak with accumulation, 0.94x for ZeRO-1 with full recompute and
+# 1.06-1.08x (9.58 vs 9.03 GB) with overlap_comm
+Z = "zero_optimization"
+ZERO_GRAD_PEAK = {
+    f"ZeRO-{st} {'overlap' if ov else 'serial'} mb{mb} {prec}{' accum4' if acc else ''}": (DP8, [
+        f"{Z}.stage={st}", f"{Z}.overlap_comm={str(ov).lower()}", f"training.micro_batch_size={mb}",
+        "training.recompute_granularity=full", f"training.precision={prec}",
+        *([f"training.global_batch_size={4 * 8 * mb}"] if acc else [])])
+    for st, ov, mb, prec, acc in [(2, True, 8, "bf16", False), (2, True, 1, "bf16", True), (2, False, 1, "bf16", True),
+                                  (2, False, 1, "amp_fp32_params", False), (2, True, 1, "amp_fp32_params", False),
+                                  (1, False, 8, "bf16", False), (1, True, 8, "amp_fp32_params", False),
+                                  (2, False, 8, "bf16", True)]}
+ZERO_GRAD_PEAK["ZeRO-2 overlap no recompute mb1"] = (DP8, [f"{Z}.stage=2", f"{Z}.overlap_comm=true",
+                                                          "training.micro_batch_size=1", "training.precision=bf16"])
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(ZERO_GRAD_PEAK))
 def test_estimate_is_within_its_tolerance_of_the_simulated_peak(case):
-    """Bundled scenarios across the sharding, TP/SP, recompute and schedule options: the estimate of the worst
-    stage is within ``TOLERANCE`` (5%) of the simulated ``peak_device_memory_bytes`` and names the same stage."""
-    path, overrides = CASES[case]
+    """Bundled scenarios across the sharding, TP/SP, recompute and schedule options: the simulated
+    ``peak_device_memory_bytes`` lies in the estimate's band ``[low_device_bytes, peak_device_bytes]`` widened by
+    ``TOLERANCE`` (5%), and the estimate names the same stage. The band is a point (no slack) everywhere but ZeRO-2
+    with ``overlap_comm``, whose unreduced buckets depend on timing (one or two)."""
+    path, overrides = (CASES | ZERO_GRAD_PEAK)[case]
     cfg = load_scenario(path, FAST + overrides)
     est = estimate_memory(cfg)
     s = run_scenario(cfg).summary
-    assert est.peak_device_bytes == pytest.approx(s["peak_device_memory_bytes"], rel=TOLERANCE)
+    sim = s["peak_device_memory_bytes"]
+    assert est.low_device_bytes / (1 + TOLERANCE) <= sim <= est.peak_device_bytes * (1 + TOLERANCE)
+    overlap_z2 = cfg.zero_optimization.stage == 2 and cfg.zero_optimization.overlap
+    assert (est.low_device_bytes < est.peak_device_bytes) == (overlap_z2 and est.stages[0].slack_bytes > 0)
+    if not overlap_z2:
+        assert est.peak_device_bytes == pytest.approx(sim, rel=TOLERANCE)
     assert est.pp_rank == s.get("peak_memory_pp_rank", 0)
     assert est.capacity_bytes == s["gpu_memory_capacity_bytes"]
+
+
+def test_zero2_overlap_band_by_hand():
+    """ZeRO-2, overlap_comm, the peak at a bucket's close: the band's width is the second bucket's fp32 gradients
+    (fp32 parameters under autocast) and its shard, less the activations its backward freed, exactly:
+    ``4 B (1 + 1/N_d) - (B / P) A_pass``, with ``B`` = reduce_bucket_size elements (50M here, well under P),
+    ``A_pass`` the blocks' saved activations."""
+    from simulator.api import transformer_spec
+    from simulator.studies.memory_estimate import _layer_activation_bytes
+
+    cfg = load_scenario(DP8, FAST + [f"{Z}.stage=2", f"{Z}.overlap_comm=true", f"{Z}.reduce_bucket_size=50000000",
+                                     "training.micro_batch_size=1"])
+    spec = transformer_spec(cfg)
+    P, B = spec.rank_num_parameters, 50_000_000
+    A = spec.num_layers * _layer_activation_bytes(spec, spec.recompute)
+    est = estimate_memory(cfg)
+    tensors_gap = 4 * B * (1 + 1 / 8) - B / P * A
+    assert tensors_gap > 0
+    o = cfg.memory.allocator_reserve_fraction if cfg.memory.allocator_reserve_fraction is not None else 0.0078
+    assert est.stages[0].slack_bytes == pytest.approx(tensors_gap * (1 + o), rel=1e-3)
 
 
 def test_model_states_by_hand():
@@ -115,3 +160,28 @@ def test_split_backward_schedules_are_not_estimated(schedule):
                         [f"parallelism.pipeline_schedule={schedule}"])
     with pytest.raises(NotEstimated, match=f"pipeline_schedule {schedule}"):
         estimate_memory(cfg)
+
+
+def test_each_stage_is_compared_with_its_own_smallest_gpu():
+    """``rank_overrides`` ``gpu``: a replica on an A100 40GB lowers every stage's capacity to 40 GiB; a stage on an
+    H200 (141 GB) raises that stage's. Pruning compares each stage's estimate with its own capacity, so a stage
+    of 100 GB on the H200 is not pruned and one of 50 GB on the A100 40GB is."""
+    from simulator.studies.memory_estimate import MemoryEstimate, StageMemory, stage_capacities
+
+    h100, a100_40, h200 = 85_520_809_984.0, 42_949_672_960.0, 150_754_820_096.0
+    pp2 = [*PP4[:1], "parallelism.pipeline_model_parallel_size=2", *PP4[2:]]
+    assert stage_capacities(load_scenario(TP2, pp2)) == (h100, h100)
+    assert stage_capacities(load_scenario(TP2, pp2 + ["rank_overrides=[{dp_rank: 1, gpu: a100-sxm4-40gb}]"])) == (
+        a100_40, a100_40)
+    assert stage_capacities(load_scenario(TP2, pp2 + ["rank_overrides=[{pp_rank: 0, gpu: h200-sxm-141gb}]"])) == (
+        h200, h100)
+
+    def est(totals, caps):
+        stages = tuple(StageMemory(r, 1, {"activations": t}) for r, t in enumerate(totals))
+        return MemoryEstimate(max(totals), min(caps), stages, caps)
+
+    assert not est((100e9, 50e9), (h200, h100)).surely_over(0.0)
+    assert est((100e9, 50e9), (h100, h100)).surely_over(0.0)
+    assert est((60e9, 50e9), (a100_40, a100_40)).surely_over(0.0)
+    tight = est((100e9, 79e9), (h200, h100))
+    assert tight.binding_pp_rank == 1 and tight.headroom_bytes == pytest.approx(h100 - 79e9)
