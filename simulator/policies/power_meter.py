@@ -58,15 +58,20 @@ class PowerMeter:
     def __init__(self, model, gpu, state, cost):
         self.model, self.gpu, self.state, self.cost = model, gpu, state, cost
         self.active: dict[tuple, Activity] = {}
-        self._ids: list[int] = []  # op ids of ``active``, in insertion order (the power-cache key)
+        #: ``(op id, SM clock, memory clock)`` of each entry of ``active`` when it was added, in insertion order
+        #: (the power-cache key: an op's activity depends on the clocks it started at, ``activity``)
+        self._ids: list[tuple] = []
+        self._entry: dict[tuple, tuple] = {}
         self._activity_cache: dict[tuple, Activity | None] = {}
         self._power_cache: dict[tuple, float] = {}
 
     # -- the running set --------------------------------------------------------------------------------
     def add(self, op, step, act: Activity) -> None:
-        """Op ``op`` of ``step``, drawing power (``act``: its ``activity``), starts: add it to the running set."""
+        """Op ``op`` of ``step``, drawing power (``act``: its ``activity`` at the current clocks), starts: add it to the
+        running set."""
         self.active[(step, op.id)] = act
-        self._ids.append(op.id)
+        entry = self._entry[(step, op.id)] = (op.id, self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        self._ids.append(entry)
 
     def is_running(self, op, step) -> bool:
         """Whether op ``op`` of ``step`` is in the running set."""
@@ -75,10 +80,11 @@ class PowerMeter:
     def remove(self, op, step) -> None:
         """Op ``op`` of ``step`` (running, ``is_running``) ends: leave the running set."""
         del self.active[(step, op.id)]
-        self._ids.remove(op.id)
+        self._ids.remove(self._entry.pop((step, op.id)))
 
     def power(self) -> float:
-        """Board power of the running ops at the current clocks, W (cached by running op set)."""
+        """Board power of the running ops at the current clocks, W (cached by the running op set, each op with
+        the clocks it was added at, and the current clocks)."""
         key = (tuple(self._ids), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
         p = self._power_cache.get(key)
         if p is None:
