@@ -1669,20 +1669,23 @@ class _GptBuilder:
             return
         if self.zero == 0:
             self.comm_ops.append(self._collective(f"ddp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD,
-                                                  uses=tensors))
+                                                  uses=tensors, elem_bytes=self._grad_elem_bytes))
             return
         out: tuple[TensorAlloc, ...] = ()
         if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
             out = self._reduced_shard(k, -(-nbytes // self.s.grad_reduce_size))
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out))
+                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out,
+                                              elem_bytes=self._grad_elem_bytes))
 
     def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=(),
-                    group: str = "dp") -> int:
+                    group: str = "dp", elem_bytes: int = 4) -> int:
         """A collective over ``group`` (``dp``; HYBRID_SHARD: ``dp_shard`` / ``dp_replicate``) on stream
-        ``comm.<group>`` (priced by the engine's NCCL model)."""
+        ``comm.<group>`` (priced by the engine's NCCL model) of ``elem_bytes``-byte elements (its dtype label:
+        4 fp32, 2 the model's 16-bit type)."""
+        dtype = "fp32" if elem_bytes == 4 else "fp16" if self.s.precision == "fp16" else "bf16"
         return self.b.add(name, OpKind.COLLECTIVE, f"comm.{group}", deps=deps, phase=phase, bytes_read=float(nbytes),
-                          uses=tuple(uses), allocs=tuple(allocs), dtype="fp32",
+                          uses=tuple(uses), allocs=tuple(allocs), dtype=dtype,
                           meta={"collective": op, "bytes": int(nbytes), "group": group})
 
     # -- sharded data parallel (ZeRO-3, FSDP, Megatron distributed optimizer: sharding.py) ----------
@@ -1815,29 +1818,31 @@ class _GptBuilder:
     def _emit_sharded_bucket(self, k: int, nbytes: int, tensors: list[str], deps: list[int]) -> None:
         sh, st = self.sh, self.sh.strategy
         if st == "no_shard":  # FSDP NO_SHARD: all-reduce of the unit's gradients (DDP); bf16: then cast to fp32
-            self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD))
+            self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce.{k}", "all_reduce", nbytes, deps, Phase.BWD,
+                                                  elem_bytes=sh.grad_bytes))
             if sh.grad_bytes == 2:
                 i, grad = shd.grad_cast_back(self.b, k, nbytes, self.comm_ops[-1], tensors)
                 self.comm_ops.append(i)
                 self.grad_shards.append(grad)
         elif st == "distributed_optimizer":  # in place in the grad buffer
             self.comm_ops.append(self._collective(f"megatron.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                                  Phase.BWD))
+                                                  Phase.BWD, elem_bytes=self._grad_elem_bytes))
         elif st == "zero3":  # into the persistent partition (after the first micro-batch: a partial added into
             # it); the full gradients are freed
             out = self._reduced_shard(k, sh.grad_bytes * sh.shard(nbytes // sh.grad_bytes)) if self._mb else ()
             self.comm_ops.append(self._collective(f"zero3.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                                  Phase.BWD, uses=tensors, allocs=out, group=self._shard_group))
+                                                  Phase.BWD, uses=tensors, allocs=out, group=self._shard_group,
+                                                  elem_bytes=sh.grad_bytes))
         else:  # FSDP: the reduced shard becomes the fp32 sharded .grad; HYBRID: then all-reduced across nodes
             numel = nbytes // sh.grad_bytes
             rs = self._collective(f"fsdp.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps, Phase.BWD,
                                   uses=tensors, allocs=self._reduced_shard(k, 4 * sh.shard(numel)),
-                                  group=self._shard_group)
+                                  group=self._shard_group, elem_bytes=sh.grad_bytes)
             self.comm_ops.append(rs)
             if sh.replicate_size > 1:
                 self.comm_ops.append(self._collective(f"fsdp.grad_all_reduce_replicas.{k}", "all_reduce",
                                                       sh.grad_bytes * sh.shard(numel), [rs], Phase.BWD,
-                                                      group="dp_replicate"))
+                                                      group="dp_replicate", elem_bytes=sh.grad_bytes))
 
     def build(self) -> OpGraph:
         s = self.s

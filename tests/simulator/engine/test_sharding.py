@@ -544,6 +544,7 @@ def test_zero12_gradients_are_in_the_model_dtype(zero, precision, grad_bytes):
     g = build_gpt_step(TransformerSpec(**TINY, precision=precision, zero_stage=zero))
     rs = [c for c in _colls(g) if c.meta["collective"] == "reduce_scatter"]
     assert sum(c.meta["bytes"] for c in rs) == grad_bytes * P
+    assert {c.dtype for c in rs} == {"fp32" if grad_bytes == 4 else precision}  # the label says what moves
     grads = {t.name: t.nbytes for o in g.ops for t in o.allocs if t.name.startswith("grad.")
              and not t.name.startswith("grad.shard")}
     # the weight matrices' .grad tensors (wte 16 x 8, qkv 8 x 24, proj 8 x 8, fc1 8 x 32, fc2 32 x 8 = 896 elements)
