@@ -90,7 +90,7 @@ class HostCpuSpec:
                              f"got {self.numa_nodes}")
         if not -1 <= self.numa_node < nodes:
             raise ValueError(f"numa_node {self.numa_node} does not exist: this host has {nodes} NUMA node(s), "
-                             f"allowed 0..{nodes - 1} (or -1: not bound)")
+                             f"allowed 0..{nodes - 1} (leave it out: not bound)")
         avail = self.cores_available
         if self.threads_used < 0 or self.threads_used > avail:
             where = f"NUMA node {self.numa_node}" if self.numa_node >= 0 else "the host"

@@ -153,7 +153,8 @@ def shared_stream_bandwidth(cpu: HostCpuSpec, ranks: int, threads: int | None = 
     rank is one flow capped by its own ``threads x per-core bandwidth``; the flows share each node's
     sustained bandwidth max-min fairly (``hardware_models.fluid.maxmin_rates``, the solver of the link
     network and the CPU pool). Returns the smallest rank's share: the data-parallel step waits for
-    the slowest rank. ``memory_nodes`` is ignored for ``ranks`` > 1 (one node per rank).
+    the slowest rank. ``memory_nodes`` is ignored for ``ranks`` > 1 (one node per rank). With ``numa_node`` set
+    (``numactl --cpunodebind=N --membind=N`` around the launcher) every rank runs and allocates on that node.
 
     Raises:
         ValueError: ``ranks`` < 1.
@@ -165,7 +166,8 @@ def shared_stream_bandwidth(cpu: HostCpuSpec, ranks: int, threads: int | None = 
         return stream_bandwidth(cpu, t, memory_nodes)
     per_core = cpu.per_core_bandwidth_bytes_per_s or DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S
     node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
-    flows = [((f"mem{r * cpu.nodes // ranks}",), t * per_core) for r in range(ranks)]
+    flows = [((f"mem{cpu.numa_node if cpu.numa_node >= 0 else r * cpu.nodes // ranks}",), t * per_core)
+             for r in range(ranks)]
     caps = {f"mem{n}": node_bw for n in range(cpu.nodes)}
     return min(maxmin_rates(flows, caps))
 
@@ -269,4 +271,6 @@ def host_dram_share(cpu: HostCpuSpec, ranks: int = 1, memory_nodes: int | None =
     node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
     if ranks == 1:
         return (memory_nodes or (1 if cpu.numa_node >= 0 else cpu.nodes)) * node_bw
+    if cpu.numa_node >= 0:  # every rank bound to that node (shared_stream_bandwidth)
+        return node_bw / ranks
     return node_bw / max(1, -(-ranks // cpu.nodes))

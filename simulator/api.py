@@ -677,19 +677,25 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
-    if z is not None and dp_many and z.offload_optimizer.device == "cpu":
+    fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
+    if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
         from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
 
         r = ranks_per_node(hw)
+        n = hw.host_cpu.numa_node
+        binding = f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
         if (note := oversubscribed_threads(hw, r)) is not None:
             out.append(note)
-        out.append(f"ZeRO-Offload on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
-                   f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, z.offload_mode, r)} threads "
+        what, mode = ("FSDP cpu_offload", "overlap") if fsdp_offload else ("ZeRO-Offload", z.offload_mode)
+        out.append(f"{what} on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
+                   f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, mode, r)} threads "
                    "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
-                   "share of its NUMA node's memory bandwidth (ranks bound to nodes in blocks); host memory is "
+                   f"share of its NUMA node's memory bandwidth ({binding}); host memory is "
                    "checked for all of the node's ranks; the ranks behind one PCIe switch share its uplink "
-                   "(hardware_models.host_links); not modelled: the host DRAM bandwidth the copies' DMA takes, "
-                   "the other ranks' training threads")
+                   "(hardware_models.host_links)" + ("" if fsdp_offload else "; the copies' DMA shares each "
+                   "rank's host DRAM share with its CPU step (host.dram)") + "; not modelled: "
+                   + ("the host DRAM bandwidth the copies' DMA takes, " if fsdp_offload else "")
+                   + "the other ranks' training threads")
     if z is not None and dp_many and z.offload_param.device == "cpu":
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
@@ -729,6 +735,9 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                    "modelled as a forward prefetch of one unit (the next unit's all-gather issued while the current "
                    "one computes, at most two in flight), as the host runs ahead of the GPU; in PyTorch "
                    "forward_prefetch issues it explicitly, which differs only when the host does not run ahead")
+    if f is not None and not f.offload_params and not isinstance(f.cpu_offload, bool) and f.cpu_offload.cpu_adam_impl:
+        out.append(f"fsdp.cpu_offload.cpu_adam_impl {f.cpu_offload.cpu_adam_impl} has no effect with offload_params "
+                   "false (no CPU optimizer step: AdamW runs on the GPU)")
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     for o in cfg.rank_overrides:
         if o.dp_rank is not None and o.pp_rank is None and o.slowdown != 1.0:

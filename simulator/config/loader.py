@@ -295,6 +295,11 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     if cfg.training.precision == "tf32" and "tf32" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.precision: tf32 needs TF32 tensor cores, which {gpu.name} has not "
                             "(Ampere and later have them; allowed: fp32, fp16 on this GPU)")
+    fsdp_bf16 = cfg.fsdp is not None and "bf16" in cfg.fsdp.dtypes  # FSDP MixedPrecision gathers / reduces in bf16
+    if fsdp_bf16 and "bf16" not in gpu.peak_flops_per_s:
+        raise ScenarioError(f"{source}: fsdp.mixed_precision: {cfg.fsdp.mixed_precision} computes in bf16, which needs "
+                            f"bf16 tensor cores, which {gpu.name} has not (Ampere and later have them; allowed: "
+                            "FULL or {param_dtype: fp32, reduce_dtype: fp32} on this GPU)")
     if cfg.training.precision == "bf16" and "bf16" not in gpu.peak_flops_per_s:
         # as tf32 above: no bf16 tensor cores before Ampere (NVIDIA V100 / Turing datasheets list fp16 only);
         # a bf16 job there runs emulated or fails, so pricing it at the fp16 rate would be silently wrong.

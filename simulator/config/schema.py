@@ -795,6 +795,9 @@ class ScenarioConfig(_Model):
         if need is not None and need not in gpu.peak_flops_per_s:
             raise ValueError(f"{key}: {name} has no {need} rate, which training.{'fp8' if need == 'fp8' else 'precision'}"
                              f" needs (allowed: a GPU preset with one)")
+        if self.fsdp is not None and "bf16" in self.fsdp.dtypes and "bf16" not in gpu.peak_flops_per_s:
+            raise ValueError(f"{key}: {name} has no bf16 rate, which fsdp.mixed_precision "
+                             f"{self.fsdp.mixed_precision} needs (allowed: a GPU preset with one, or FULL)")
 
     @model_validator(mode="after")
     def _expert_parallel_scope(self):
@@ -869,6 +872,11 @@ class ScenarioConfig(_Model):
                              f"fp8 over bf16; got {self.training.precision})")
         if self.training.fp8 is not None and self.zero_optimization.stage == 3:
             raise ValueError("training.fp8 with zero_optimization.stage 3 is not modelled yet (allowed: stage 0-2)")
+        p = self.parallelism
+        if self.model.kernels == "hf_eager" and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
+            raise ValueError("model.kernels: hf_eager with tensor or context parallelism is not modelled: Hugging Face "
+                             "GPT-2's eager modules have no Megatron TP/CP split (allowed: tensor_model_parallel_size "
+                             "1 and context_parallel_size 1, or kernels fused)")
         return self
 
     @model_validator(mode="after")

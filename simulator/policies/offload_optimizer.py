@@ -136,10 +136,10 @@ def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
     One rank: the host's ``threads``. ``ranks`` > 1 sharing the host: ``threads_used`` if set (per
     rank), else the node's cores split evenly, ``cores // ranks`` (DeepSpeed runs one CPUAdam per
     rank; its launcher's ``--bind_cores_to_rank`` gives each rank ``cores / ranks`` cores,
-    deepspeed/launcher/launch.py). Under DPU the training thread takes one core from the rank's pool
+    deepspeed/launcher/launch.py); with ``numa_node`` set every rank is bound to that node, whose cores they split. Under DPU the training thread takes one core from the rank's pool
     when the pool already covers every core it has (oversubscription: the two share it)."""
     cpu = hw.host_cpu
-    avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores // ranks)
+    avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores_available // ranks)
     # ranks x threads_used above the cores oversubscribes them: the threads time-share, so a rank's step
     # runs on its cores / ranks share (``oversubscribed_threads`` flags it in the run's warnings)
     t = cpu.threads if ranks == 1 else min(cpu.threads_used or avail, avail)
@@ -152,11 +152,13 @@ def oversubscribed_threads(hw, ranks: int) -> str | None:
     """A warning when ``ranks`` CPU steps of ``threads_used`` threads each need more than the host's cores, else
     None (``cpu_threads`` then gives each rank ``cores // ranks``)."""
     cpu = hw.host_cpu
-    if ranks <= 1 or not cpu.threads_used or cpu.threads_used * ranks <= cpu.cores:
+    cores = cpu.cores_available  # the bound NUMA node's, else the host's
+    if ranks <= 1 or not cpu.threads_used or cpu.threads_used * ranks <= cores:
         return None
+    where = f"the {cores} cores of NUMA node {cpu.numa_node}" if cpu.numa_node >= 0 else f"{cores} cores"
     return (f"hardware.host.threads {cpu.threads_used} x {ranks} ranks = {cpu.threads_used * ranks} CPU-step threads on "
-            f"{cpu.cores} cores: oversubscribed, so each rank's CPU step is priced on {max(1, cpu.cores // ranks)} "
-            f"cores (allowed without this note: threads <= {max(1, cpu.cores // ranks)})")
+            f"{where}: oversubscribed, so each rank's CPU step is priced on {max(1, cores // ranks)} "
+            f"cores (allowed without this note: threads <= {max(1, cores // ranks)})")
 
 
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",

@@ -292,3 +292,22 @@ def test_fsdp_cpu_offload_refuses_experts_and_accumulation_in_the_policy():
         fsdp_cpu_offload(g, resolve_hardware(load_scenario(B16, DGX)))
     r, lines = _cli(["fsdp={cpu_offload: true}", "model.num_experts=8"])
     assert r.returncode == 2 and len(lines) == 1 and "fsdp.cpu_offload with model.num_experts" in lines[0], r.stderr
+
+
+def test_bf16_fsdp_mixed_precision_needs_bf16_tensor_cores_on_every_gpu():
+    """FSDP's DEFAULT mixed precision gathers and computes in bf16: a V100 (fp16 tensor cores only) replica was
+    priced silently; refused as for training.precision bf16. FULL (fp32) runs there."""
+    v100 = "rank_overrides=[{dp_rank: 1, gpu: v100-sxm2-32gb}]"
+    r, lines = _cli(["fsdp={sharding_strategy: FULL_SHARD}", "training.precision=amp_fp32_params", v100, *SMALL])
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "v100-sxm2-32gb has no bf16 rate, which fsdp.mixed_precision DEFAULT needs" in lines[0]
+    r, _ = _cli(["fsdp={sharding_strategy: FULL_SHARD, mixed_precision: FULL}", "training.precision=amp_fp32_params",
+                 v100, *SMALL])
+    assert r.returncode == 0, r.stderr
+
+
+def test_cpu_adam_impl_without_offload_params_is_flagged():
+    r, _ = _cli(["fsdp={sharding_strategy: FULL_SHARD, cpu_offload: {offload_params: false, cpu_adam_impl: "
+                 "torch_fused}}", "training.precision=amp_fp32_params", *SMALL])
+    assert r.returncode == 0, r.stderr
+    assert "fsdp.cpu_offload.cpu_adam_impl torch_fused has no effect with offload_params false" in r.stdout

@@ -132,6 +132,9 @@ BASE = {
     ({"model": {**BASE["model"], "attention_backend": "flash"}}, "kernels: hf_eager with attention_backend flash"),
     ({"model": {**BASE["model"], "swiglu": True}}, "kernels: hf_eager with swiglu is not modelled"),
     ({"model": {**BASE["model"], "kernels": "eager"}}, "model.kernels"),
+    ({"parallelism": {"tensor_model_parallel_size": 2}, "hardware": {"gpu": "a100-pcie-80gb",
+                                                                     "cluster": {"preset": "4x-a100-pcie"}}},
+     "model.kernels: hf_eager with tensor or context parallelism is not modelled"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, change, needle):
     err = refused_in_one_line(tmp_path, capsys, {**BASE, **change})

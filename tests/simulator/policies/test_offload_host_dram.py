@@ -64,3 +64,21 @@ def test_dram_share_by_hand():
     assert host_dram_share(two, 8) == 5e9  # 4 ranks per node
     assert host_dram_share(two, 2) == 20e9  # one rank per node
     assert HOST_DRAM_LINK == "host.dram"
+
+
+def test_ranks_bound_to_one_numa_node_share_it_by_hand():
+    """``numa_node`` on a shared host (``numactl --cpunodebind=0 --membind=0`` around the launcher): every rank runs
+    and allocates on that node, so 8 ranks split one socket's 20 GB/s and its 8 cores, where unbound they spread
+    4 per node (5 GB/s each) over both sockets' 16 cores. Before, the binding was ignored with several ranks."""
+    from hardware_models.host_kernels import shared_stream_bandwidth
+    from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads
+
+    two = HostCpuSpec("2s", 16, 1e10, sockets=2, stream_bandwidth_bytes_per_s=40e9, per_core_bandwidth_bytes_per_s=10e9)
+    bound = dataclasses.replace(two, numa_node=0)
+    assert host_dram_share(bound, 8) == 2.5e9 and host_dram_share(two, 8) == 5e9
+    assert shared_stream_bandwidth(bound, 8, threads=1) == 2.5e9 and shared_stream_bandwidth(two, 8, threads=1) == 5e9
+    assert cpu_threads(SimpleNamespace(host_cpu=bound), ranks=8) == 1
+    assert cpu_threads(SimpleNamespace(host_cpu=two), ranks=8) == 2
+    assert "on the 8 cores of NUMA node 0" in oversubscribed_threads(
+        SimpleNamespace(host_cpu=dataclasses.replace(bound, threads_used=2)), 8)
+    assert oversubscribed_threads(SimpleNamespace(host_cpu=dataclasses.replace(two, threads_used=2)), 8) is None
