@@ -191,7 +191,7 @@ def bounds(row: dict | pd.Series) -> dict:
     Returns:
         ``compute_share`` (compute kernels / step), ``exposed_<group>_share`` per process group,
         ``idle_share`` (the compute stream idle with nothing in flight: the pipeline bubble with pp > 1,
-        host-bound gaps otherwise), ``optimizer_share``, ``headroom_bytes`` (GPU memory minus the simulated
+        host-bound gaps otherwise; with rank classes the straggler is named beside it), ``optimizer_share``, ``headroom_bytes`` (GPU memory minus the simulated
         peak) and ``bound``: the largest share that is not compute, as ``"tp comm 18%"`` /
         ``"pipeline bubble 12%"``, with ``"; memory (x GB free)"`` when the headroom is under
         ``MEMORY_BOUND_SHARE`` of the GPU.
@@ -210,6 +210,9 @@ def bounds(row: dict | pd.Series) -> dict:
             labels[f"exposed_{g}_share"] = f"{g} comm"
     out["idle_share"] = parts.get("idle", 0.0) / window
     labels["idle_share"] = "pipeline bubble" if pp > 1 else "host-bound / idle"
+    straggler = row.get("straggler")
+    if isinstance(straggler, str) and straggler:  # rank classes differ: the others' idle time waits for it
+        labels["idle_share"] += f" (straggler {straggler})"
     out["optimizer_share"] = parts.get("optimizer", 0.0) / window
     labels["optimizer_share"] = "optimizer"
     for k, name, label in (("data_wait", "data_wait_share", "data wait"), ("exposed_copies", "copies_share", "copies")):

@@ -136,7 +136,7 @@ def test_bad_fidelity_is_refused():
 
 @pytest.mark.parametrize("path", SCENARIOS)
 def test_bundled_scenario_layer_within_2_percent(path):
-    """Every bundled scenario: layer-fidelity step time within 2 % and peak memory within 3 % of kernel
+    """Every bundled scenario: layer-fidelity step time (and energy without TP) within 2 % and peak memory within 3 % of kernel
     fidelity, with at least 1.5x fewer op executions (measured: 1.7x with TP2 to 16x with recompute)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -145,6 +145,8 @@ def test_bundled_scenario_layer_within_2_percent(path):
     ks, ls = k.summary, lr.summary
     assert ls["step_time_s"] == pytest.approx(ks["step_time_s"], rel=0.02)
     assert ls["peak_memory_bytes"] == pytest.approx(ks["peak_memory_bytes"], rel=0.03)
+    if path not in TP_SCENARIOS:  # with TP: at most 5 % above (test_tp_scenarios_fold_collectives_within_2_percent)
+        assert ls["energy_j_per_step"] == pytest.approx(ks["energy_j_per_step"], rel=0.02)
     assert len(k.spans) >= 1.5 * len(lr.spans)
 
 
@@ -235,7 +237,8 @@ _SMALL_175B = ["model.num_layers=8", "training.global_batch_size=8", "hardware.c
 @pytest.mark.parametrize("path", TP_SCENARIOS)
 def test_tp_scenarios_fold_collectives_within_2_percent(path):
     """Every bundled scenario with TP: layer fidelity folds TP collectives, keeps the step time within 2 % of
-    kernel fidelity and the TP busy time and exposed communication within 0.1 % (folded parts reported)."""
+    kernel fidelity and the TP busy time and exposed communication within 0.1 % (folded parts reported), energy
+    at most 5 % above."""
     over = _SMALL_175B if "175b" in path else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -244,3 +247,6 @@ def test_tp_scenarios_fold_collectives_within_2_percent(path):
     assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
     assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=1e-3)
     assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=1e-3)
+    # a block draws busy power over its whole span, launch gaps between its kernels included (measured: +2.4% to
+    # +4.4% energy on the DGX H100 TP scenarios, host-bound ones most); higher, never lower
+    assert k["energy_j_per_step"] <= lr["energy_j_per_step"] <= 1.05 * k["energy_j_per_step"]

@@ -86,6 +86,11 @@ def test_bounds_of_a_row_by_hand():
     assert b["headroom_bytes"] == 2e9 and b["bound"] == "tp comm 30%; memory (2.0 GB free)"
     b = search.bounds({**row, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.45})
     assert b["bound"] == "pipeline bubble 45%; memory (2.0 GB free)"
+    # one pipeline stage, a slower replica: the others' idle time is named with the straggler
+    one = {**row, "pipeline_parallel_size": 1, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.45,
+           "peak_device_memory_bytes": 40e9}
+    assert search.bounds(one)["bound"] == "host-bound / idle 45%"
+    assert search.bounds({**one, "straggler": "dp_rank 1"})["bound"] == "host-bound / idle (straggler dp_rank 1) 45%"
 
 
 def test_cli_prints_the_ranking_and_json(capsys, tmp_path):
