@@ -69,6 +69,11 @@ def _choices(model: type[BaseModel], loc: tuple) -> list[str]:
     return [repr(v) for v in typing.get_args(ann)] if typing.get_origin(ann) is typing.Literal else []
 
 
+#: pydantic error types of a union's scalar branch refusing a value of another type
+_SCALAR_BRANCH = frozenset({"bool_type", "bool_parsing", "string_type", "int_type", "int_parsing", "float_type",
+                            "float_parsing", "literal_error"})
+#: location tags pydantic gives a union's scalar branches (``hardware.host.str``)
+_UNION_TAGS = frozenset({"bool", "str", "int", "float", "none"})
 _KEYED = re.compile(r"^([a-z_]+)(\.[a-z0-9_]+|\[\d+\])*:? ")
 
 
@@ -93,10 +98,14 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     "missing", and the typo is what the user must fix; a bad value is reported before a missing key.
     """
     errors = exc.errors()
+    # a mapping given for a union of a scalar and a model (``fsdp.cpu_offload: bool | {...}``): the scalar branch's
+    # complaint that a mapping is not a bool / string / literal says nothing; the model branch's errors do
+    errors = [e for e in errors if not (isinstance(e.get("input"), dict) and e["type"] in _SCALAR_BRANCH)] or errors
     err = next((e for e in errors if e["type"] == "extra_forbidden"),
                next((e for e in errors if e["type"] != "missing"), errors[0]))  # a bad value before a missing key
     names = _model_names(model)
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p[:1].isupper() and "[" in p or p in names)))
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p[:1].isupper() and "[" in p or p in names
+                                                                       or p in _UNION_TAGS or p.startswith("literal["))))
     path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p
                     for p in loc if not str(p).startswith("function-")) or "(top level)"
     kind, msg = err["type"], err["msg"]
@@ -117,7 +126,7 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     shown = short_repr(err.get("input"))
     extra = (f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list))
              and shown not in msg else "")
-    more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+    more = f" [+{len(errors) - 1} more]" if len(errors) > 1 else ""
     return f"{source}: {path}: {msg}{extra}{more}"
 
 
@@ -137,7 +146,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
         msg = str(exc)
         keys = [o.split("=", 1)[0].strip() for o in overrides or []]
-        hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg), None)
+        hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg or f": {k}." in msg), None)
         if hit is None:
             raise
         raise ScenarioError(f"{msg} (from the command line: {hit}=...)") from None

@@ -61,6 +61,13 @@ CASES = [
     ("fsdp mixed precision not a preset", {**BASE, "fsdp": {"mixed_precision": "bf16"}},
      ["fsdp.mixed_precision: 'bf16' (allowed: DEFAULT, PURE, FULL, or {param_dtype: bf16 | fp32, reduce_dtype: bf16 | "
       "fp32})"]),
+    # a mapping for a union of a scalar and a model: the model branch's error, no union tags in the path
+    ("fsdp mixed precision bad dtype", {**BASE, "fsdp": {"mixed_precision": {"param_dtype": "fp16"}}},
+     ["fsdp.mixed_precision.param_dtype: Input should be 'bf16' or 'fp32' (got 'fp16')"]),
+    ("fsdp cpu_offload bad bool", {**BASE, "fsdp": {"cpu_offload": {"offload_params": "maybe"}}},
+     ["fsdp.cpu_offload.offload_params: Input should be a valid boolean (got 'maybe')"]),
+    ("host mapping without preset", mutate(["hardware", "host"], {"threads": 4}),
+     ["hardware.host.preset: required key is missing"]),
     ("from_hf in neither folder", {**BASE, "model": {"from_hf": "./nope.json"}},
      ["model.from_hf: ./nope.json not found (looked for", "from the scenario's folder)"]),
     # was ignored without a word: the run used the power cap at the maximum clock
