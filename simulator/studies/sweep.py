@@ -428,7 +428,11 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             log(note)
         index = _Index(out)
         for i, (job, folder) in enumerate(zip(jobs, folders)):
-            digests[i] = point_hash(scenario, job[1]) + ("+breakdown" if breakdown else "")
+            try:
+                digests[i] = point_hash(scenario, job[1]) + ("+breakdown" if breakdown else "")
+            except ScenarioError:  # this point's values are refused: it runs, and its row holds the error
+                digests[i] = "refused"
+                continue
             row = index.lookup(folder, digests[i], version)
             if row is not None:
                 done[i] = row

@@ -381,3 +381,13 @@ def test_a_killed_pool_worker_is_one_line_and_keeps_the_finished_points(tmp_path
     assert "seed=3" not in done and len(done) >= 1
     assert f"{len(done)} of 4 points finished" in err[0]
     assert sorted(pd.read_csv(out / "results.csv")["folder"]) == sorted(done)
+
+
+def test_a_refused_combination_is_a_row_not_the_end_of_the_sweep(tmp_path):
+    """With ``--out`` every point is hashed before the run; a point whose combination of values is refused (each
+    value valid alone: micro-batch 3 with global batch 8) stopped the whole sweep. It is a row with its error."""
+    df = sweep.run_sweep(_scenario(tmp_path), {"training.micro_batch_size": [4, 3], "training.global_batch_size": [8]},
+                         base_overrides=["run.steps=1", "run.warmup_steps=0"], out_dir=tmp_path / "out",
+                         progress=False)
+    assert len(df) == 2 and pd.isna(df.error.iloc[0]) and df.step_time_s.iloc[0] > 0
+    assert "global_batch_size" in df.error.iloc[1] and pd.isna(df.step_time_s.iloc[1])
