@@ -687,15 +687,15 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if (note := oversubscribed_threads(hw, r)) is not None:
             out.append(note)
         what, mode = ("FSDP cpu_offload", "overlap") if fsdp_offload else ("ZeRO-Offload", z.offload_mode)
+        dma = ("not modelled: the host DRAM bandwidth the copies' DMA takes, the other ranks' training threads"
+               if fsdp_offload else "the copies' DMA shares each rank's host DRAM share with its CPU step "
+               "(host.dram); not modelled: the other ranks' training threads")
         out.append(f"{what} on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, mode, r)} threads "
                    "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
-                   f"share of its NUMA node's memory bandwidth ({binding}); host memory is "
-                   "checked for all of the node's ranks; the ranks behind one PCIe switch share its uplink "
-                   "(hardware_models.host_links)" + ("" if fsdp_offload else "; the copies' DMA shares each "
-                   "rank's host DRAM share with its CPU step (host.dram)") + "; not modelled: "
-                   + ("the host DRAM bandwidth the copies' DMA takes, " if fsdp_offload else "")
-                   + "the other ranks' training threads")
+                   f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
+                   f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
+                   f"{dma}")
     if z is not None and dp_many and z.offload_param.device == "cpu":
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
