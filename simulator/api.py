@@ -617,6 +617,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "cross-stage all-reduces are not slowed by the kernels beside them (no interference term) and end at "
                    "the same time on the two stages they join; they share each stage's NVLink port, NIC rail and PCIe link max-min "
                    "fairly with its other collectives and copies")
+        if cfg.zero_optimization.stage == 1 and spec.data_parallel_size > 1:
+            out.append("zero_optimization.stage 1 with pipeline parallelism: the pipeline is Megatron-LM's (its schedule, "
+                       "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
+                       "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
+                       "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")

@@ -64,3 +64,11 @@ def test_without_the_sync_the_last_stage_starts_early_and_is_reported():
     assert first.pp_rank == 3 and first["name"] == "fwd.input.h2d"
     # the period is still stage 0's cycle: the sync only cost its own 4-byte all-reduce (about 10 us of 36 ms)
     assert 0 < a["step_time_s"] - b["step_time_s"] < 1e-3 * a["step_time_s"]
+
+
+def test_deepspeed_pipeline_step_end_is_flagged():
+    d = copy.deepcopy(BASE)
+    d["zero_optimization"] = {"stage": 1}
+    ws = run_scenario(scenario_from_dict(d)).summary["warnings"]
+    assert any("loss broadcast from the last stage" in w and "_aggregate_total_loss" in w for w in ws)
+    assert not any("loss broadcast" in w for w in run_scenario(_cfg()).summary["warnings"])
