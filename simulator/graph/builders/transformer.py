@@ -1516,8 +1516,8 @@ class _GptBuilder:
         The rendezvous makes the *optimizer start* together on every stage, not the step end: each stage then
         runs its own optimizer (stage 0 and the last stage hold the embedding and the LM head, so theirs is
         longer) and the next step's first ops follow on their own. The stages' step ends spread by those
-        differences (``combine_stages`` reports ``pipeline.step_end_spread_s``); the step time is the period of
-        the step ends (``analysis.pipeline.combined_steps``)."""
+        differences (the run summary's ``pipeline.step_end_spread_s``); the step time is the period of the
+        step ends (``analysis.pipeline.combined_steps``)."""
         s, e = self.s, self.e
         p = s.pipeline_parallel_size
         if p == 1:
@@ -1528,10 +1528,10 @@ class _GptBuilder:
         if s.embedding_copy and (s.has_embedding or s.has_head):
             nbytes = 4 * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
-                                   phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
-                                   meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
-                                         "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
-                                         "parties": 2}))
+                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
+                                    meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
+                                          "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
+                                          "parties": 2}))
             deps.append(calls[-1])
         if s.clip_grad > 0:
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))
