@@ -48,7 +48,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
-        precision=t.precision, optimizer_impl=t.optimizer.impl,
+        precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=t.clip_grad,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -410,13 +410,16 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     data-parallel collectives, each class's pipeline at its own send/recv; the summary is
     ``combine_classes`` (one stage) or ``combine_stages`` of each stage's first class plus
     ``rank_classes`` and ``straggler``; the frames carry ``rank_class`` (the simulated rank's index) and
-    ``dp_class`` columns.
+    ``dp_class`` columns. The job's steps are ``combined_steps`` (``step_time_s`` the period of the last rank's
+    step ends; ``step_latency_s`` exceeds it by the steps' overlap only); a pipeline's summary adds
+    ``pipeline.step_end_spread_s`` (how far the stages' step ends lie apart) and ``pipeline.step_overlap_s``
+    (``step_latency_s - step_time_s``).
 
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps,
-                                             phase_compute_s, pipeline_bubble_s)
+    from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps, first_op_s,
+                                             phase_compute_s, pipeline_bubble_s, step_end_spread_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -427,7 +430,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
         parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
-        part_steps = []
+        part_steps, first_ops = [], []
         for i, ((rec, runtime), g, h, c) in enumerate(zip(runs, graphs, hws, classes)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
@@ -438,6 +441,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             parts.append(summ)
             part_steps.append(step_df)
+            first_ops.append(first_op_s(rec.spans, run.steps))
             cols = {"rank_class": i, "pp_rank": c.pp_rank, "dp_class": c.dp_class}
             if pp == 1:
                 del cols["pp_rank"]
@@ -447,7 +451,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
                             ("deps", dependencies_frame(g))):
                 frames[key].append(df.assign(**cols))
-        steps = combined_steps(part_steps)
+        steps = combined_steps(part_steps, first_ops)
         common = dict(samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
                       model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"))
         labels, replicas = [c.label for c in classes], [c.replicas for c in classes]
@@ -459,6 +463,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 [parts[k] for k in first], steps, layers=[m.rank_layers for m in models], schedule=p.schedule,
                 virtual=p.chunks_per_rank, micro_batches=models[0].num_micro_batches,
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
+            summary["pipeline"].update(step_end_spread_s=step_end_spread_s(part_steps),
+                                       step_overlap_s=summary["step_latency_s"] - summary["step_time_s"])
             for row, k in zip(summary["pipeline"]["stages"], first):
                 row["slowdown"] = classes[k].hw.slowdown
                 row["gpu"] = classes[k].hw.gpu.name
@@ -611,6 +617,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "cross-stage all-reduces are not slowed by the kernels beside them (no interference term) and end at "
                    "the same time on the two stages they join; they share each stage's NVLink port, NIC rail and PCIe link max-min "
                    "fairly with its other collectives and copies")
+        if cfg.zero_optimization.stage == 1 and spec.data_parallel_size > 1:
+            out.append("zero_optimization.stage 1 with pipeline parallelism: the pipeline is Megatron-LM's (its schedule, "
+                       "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
+                       "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
+                       "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
         if spec.num_micro_batches < pp:
             out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
                        "pipeline bubble (raise training.global_batch_size)")

@@ -128,7 +128,10 @@ def format_summary(s: dict, name: str) -> str:
                          f"{s['exposed_param_fetch_s'] * 1e3:.1f} ms exposed" if "offload_param_fetch_s" in s else
                          f"parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms"))
     if s.get("step_latency_s") and abs(s["step_latency_s"] - s["step_time_s"]) > 0.01 * s["step_time_s"]:
-        lines.append(f"step latency        {s['step_latency_s'] * 1e3:.1f} ms (steps overlap: step time is the period between step ends)")
+        over = (s.get("pipeline") or {}).get("step_overlap_s")
+        why = f" by {over * 1e3:.1f} ms: a stage runs step i+1 before another ends step i" if over else ""
+        lines.append(f"step latency        {s['step_latency_s'] * 1e3:.1f} ms (steps overlap{why}; step time is the "
+                     "period between step ends)")
     if s.get("data_stall_s"):
         lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step in next(iterator)"
                      f"{' (hidden behind GPU work)' if not ph.get('data_s') else ''}")

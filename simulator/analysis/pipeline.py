@@ -56,16 +56,54 @@ def phase_compute_s(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float
     return out
 
 
-def combined_steps(stage_steps: list[pd.DataFrame]) -> pd.DataFrame:
-    """One row per step over all stages: the first stage start and the last stage end."""
+def first_op_s(spans: pd.DataFrame, steps: int) -> np.ndarray:
+    """Start of each step's first op on one rank (any stream, host ops included), s; ``inf`` for a step with
+    no span. ``spans``: the rank's spans (``step, start_s``); ``steps``: how many steps ran."""
+    out = np.full(steps, np.inf)
+    if len(spans):
+        first = spans.groupby("step").start_s.min()
+        out[first.index.to_numpy(dtype=np.int64)] = first.to_numpy(dtype=float)
+    return out
+
+
+def combined_steps(stage_steps: list[pd.DataFrame], first_ops: list[np.ndarray] | None = None) -> pd.DataFrame:
+    """One row per step over all ranks (stages or rank classes): ``end_s`` the last rank's end (the step's last
+    op on any rank), ``start_s`` where the step begins on the job.
+
+    Step 0 begins when the first rank's training loop does. A later step ``i`` begins at its first op on any
+    rank (``first_ops``: ``first_op_s`` of each rank) if that runs before step ``i - 1``'s end (the steps
+    overlap: a stage that finished step ``i - 1`` early, e.g. after a shorter optimizer, already runs step
+    ``i``), and at step ``i - 1``'s end otherwise: a rank whose loop started step ``i`` early but only waits
+    (its first op is a receive from a stage still in step ``i - 1``) does not start the step, and the launch
+    gap after the previous step is the step's, as on one GPU. So ``step_latency_s - step_time_s`` (``summary
+    .step_period_s``) is exactly the overlap of consecutive steps, 0 when every rank's next step starts after
+    the last rank's step ends. Without ``first_ops`` each rank's loop start counts (the earliest).
+
+    Args:
+        stage_steps: Each rank's ``steps`` frame (``step, start_s, end_s``, optional ``warmup``), same steps.
+        first_ops: Each rank's first-op start per step, s (``first_op_s``), same order.
+    """
     starts = np.min([s.start_s.to_numpy() for s in stage_steps], axis=0)
     ends = np.max([s.end_s.to_numpy() for s in stage_steps], axis=0)
+    if first_ops is not None and len(starts) > 1:
+        first = np.min(first_ops, axis=0)
+        starts[1:] = np.maximum(starts[1:], np.minimum(first[1:], ends[:-1]))
     out = stage_steps[0][["step"]].copy()
     out["start_s"], out["end_s"] = starts, ends
     out["step_time_s"] = out.end_s - out.start_s
     if "warmup" in stage_steps[0]:
         out["warmup"] = stage_steps[0].warmup.to_numpy()
     return out
+
+
+def step_end_spread_s(stage_steps: list[pd.DataFrame]) -> float:
+    """Mean over the measured steps of the spread of the ranks' step ends (last rank's end minus the first
+    rank's), s: how far the ranks are from ending a step together. ``stage_steps``: as ``combined_steps``."""
+    ends = np.array([s.end_s.to_numpy() for s in stage_steps])
+    mask = ~stage_steps[0].warmup.to_numpy() if "warmup" in stage_steps[0] else np.ones(ends.shape[1], dtype=bool)
+    if not mask.any():
+        return 0.0
+    return float(np.mean((ends.max(axis=0) - ends.min(axis=0))[mask]))
 
 
 def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int], schedule: str,

@@ -331,6 +331,13 @@ class TrainingConfig(_Model):
         "amax_history_len; Megatron's default 1): fp32 amax entries kept per fp8 tensor, read and rolled by the scale "
         "update after each forward and backward.")
     optimizer: OptimizerConfig = OptimizerConfig()
+    clip_grad: float = Field(
+        default=1.0, ge=0.0, description="Megatron-LM --clip-grad (default 1.0; 0: no clipping): the gradient "
+        "norm of clip_grad_norm, all-reduced over the model-parallel group before the optimizer. With pipeline "
+        "parallelism it is the cross-stage sync that makes the optimizer start together on every stage; with 0 and "
+        "bf16 there is none (fp16 keeps the found-inf all-reduce), and a stage that ends its step early (the last "
+        "stage, after its cool-down) starts the next one: step_latency_s exceeds step_time_s by that overlap. The "
+        "norm kernel's own read of the gradients is not priced.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )

@@ -140,6 +140,9 @@ class TransformerSpec:
         bias: Linear and LayerNorm layers have biases.
         precision: One of ``PRECISIONS``.
         optimizer_impl: ``fused`` (one multi-tensor kernel) or ``foreach``.
+        clip_grad: Megatron-LM ``--clip-grad`` (0: no clipping). With ``p > 1`` and a value above 0 every pipeline
+            rank joins the gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's
+            found-inf all-reduce joins them. The norm kernel's own read of the gradients is not priced.
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -224,6 +227,7 @@ class TransformerSpec:
     bias: bool = True
     precision: str = "amp_fp32_params"
     optimizer_impl: str = "fused"
+    clip_grad: float = 1.0
     recompute: str = "none"
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -1503,28 +1507,45 @@ class _GptBuilder:
 
     def _pipeline_syncs(self) -> None:
         """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
-        pipeline ranks are all-reduced (fp32; Megatron-LM ``_allreduce_word_embedding_grads``), then every
-        pipeline rank joins the gradient-norm all-reduce of ``clip_grad_norm`` (one fp32 value over the
-        model-parallel group; with fp16 the found-inf check joins the same way), which makes the step end
-        together on all ranks."""
+        pipeline ranks are all-reduced (fp32; Megatron-LM ``_allreduce_word_embedding_grads``), then, with
+        ``clip_grad > 0`` (Megatron-LM's default 1.0), every pipeline rank joins the gradient-norm all-reduce of
+        ``clip_grad_norm`` (one fp32 value over the model-parallel group, megatron/core/optimizer/clip_grads.py
+        ``get_grad_norm_fp32``; with fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins
+        them instead).
+
+        The rendezvous makes the *optimizer start* together on every stage, not the step end: each stage then
+        runs its own optimizer (stage 0 and the last stage hold the embedding and the LM head, so theirs is
+        longer) and the next step's first ops follow on their own. The stages' step ends spread by those
+        differences (the run summary's ``pipeline.step_end_spread_s``); the step time is the period of the
+        step ends (``analysis.pipeline.combined_steps``)."""
         s, e = self.s, self.e
         p = s.pipeline_parallel_size
         if p == 1:
             return
         e.phase, e.layer = Phase.OPT, -1
-        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *self._last_call, *self._detached]
+        calls = [*self._last_call, *self._detached]
+        deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
             nbytes = 4 * s.vocab_per_rank * s.hidden_size
-            deps.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
-                                   phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
-                                   meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
-                                         "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
-                                         "parties": 2}))
-        self.tp_ops.append(self.b.add("pp.grad_norm.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
-                                      phase=Phase.OPT, bytes_read=4.0, dtype="fp32",
-                                      meta={"collective": "all_reduce", "bytes": 4, "group": "pp",
-                                            "pp_ranks": tuple(range(p)), "rendezvous": ("pp", "grad_norm"),
-                                            "parties": p}))
+            calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
+                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
+                                    meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
+                                          "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
+                                          "parties": 2}))
+            deps.append(calls[-1])
+        if s.clip_grad > 0:
+            self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))
+        else:  # no norm: the optimizer waits for the last point-to-point calls and the embedding all-reduce itself
+            self.tp_ops.extend(calls)
+
+    def _pp_all_reduce(self, what: str, deps: list[int]) -> int:
+        """One fp32 value all-reduced over every pipeline rank (``pp.<what>.all_reduce``, a rendezvous of all
+        ``p`` stages), after ``deps``; returns its op id."""
+        p = self.s.pipeline_parallel_size
+        return self.b.add(f"pp.{what}.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps, phase=Phase.OPT,
+                          bytes_read=4.0, dtype="fp32",
+                          meta={"collective": "all_reduce", "bytes": 4, "group": "pp", "pp_ranks": tuple(range(p)),
+                                "rendezvous": ("pp", what), "parties": p})
 
     def _unit_sp_grads(self) -> None:
         """FSDP with sequence parallelism: the TP all-reduce of the unit's TP-replicated gradients before its
@@ -1556,6 +1577,8 @@ class _GptBuilder:
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
             if self.tp > 1:
                 chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
+            if s.pipeline_parallel_size > 1 and s.clip_grad == 0:  # over the model-parallel group (tp x pp)
+                chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
         e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
