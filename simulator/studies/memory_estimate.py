@@ -264,7 +264,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
     if cfg.model.architecture != "decoder":
         raise NotEstimated("a vision transformer is not covered by the memory estimate")
-    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
+    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v"):
         raise NotEstimated(f"pipeline_schedule {cfg.parallelism.pipeline_schedule} (activations kept until the "
                            "deferred W passes) is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:

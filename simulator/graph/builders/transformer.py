@@ -752,7 +752,7 @@ class _GptBuilder:
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
         self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
-        #: zero_bubble_h1/_v: the weight-gradient work of the current B pass, and of each B pass until its W
+        #: zero_bubble_h1/_h2/_v: the weight-gradient work of the current B pass, and of each B pass until its W
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
@@ -919,16 +919,16 @@ class _GptBuilder:
         return dx
 
     def _weight_grads(self, fn) -> None:
-        """Emit the weight-gradient work ``fn()`` now, or, in a ``zero_bubble_h1`` ``B`` pass, keep it (with its
-        layer) for the pass's ``W`` action (``_weight``)."""
+        """Emit the weight-gradient work ``fn()`` now, or, in a ``B`` pass of a ``SPLIT_BACKWARD`` schedule, keep it
+        (with its layer) for the pass's ``W`` action (``_weight``)."""
         if self._deferred is None:
             fn()
         else:
             self._deferred.append((self.e.layer, fn))
 
     def _weight(self, chunk: int, mb: int, last_pass: bool) -> None:
-        """The ``W`` action of ``zero_bubble_h1``: the weight gradients the ``B`` pass of (``chunk``, ``mb``) kept,
-        in the order backward produced them; ``last_pass``: the chunk's gradients are then complete."""
+        """The ``W`` action of a ``SPLIT_BACKWARD`` schedule: the weight gradients the ``B`` pass of (``chunk``,
+        ``mb``) kept, in the order backward produced them; ``last_pass``: the chunk's gradients are then complete."""
         e = self.e
         self.last_mb, self._chunk, self._mb = last_pass, self.s.model_chunks[chunk], mb
         e.phase = Phase.BWD

@@ -153,9 +153,9 @@ def test_offload_is_not_estimated():
         estimate_memory(cfg)
 
 
-@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_v"])
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v"])
 def test_split_backward_schedules_are_not_estimated(schedule):
-    """ZB-H1 and ZB-V keep a B's weight-gradient inputs until its W: not in the estimate, refused by name."""
+    """ZB-H1, ZB-H2 and ZB-V keep a B's weight-gradient inputs until its W: not in the estimate, refused by name."""
     cfg = load_scenario(ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml",
                         [f"parallelism.pipeline_schedule={schedule}"])
     with pytest.raises(NotEstimated, match=f"pipeline_schedule {schedule}"):
