@@ -55,6 +55,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
+        zero_ipg_buffers=z.ipg_buffers,
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
@@ -682,6 +683,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
+    if (z is not None and z.stage in (1, 2) and z.contiguous_gradients and z.offload_optimizer.device == "cpu"):
+        out.append(f"zero_optimization.stage {z.stage} with offload_optimizer: DeepSpeed's IPG gradient buffers "
+                   "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are "
+                   "not counted in the GPU memory (not modelled with offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
         from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
