@@ -683,10 +683,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
-    if (z is not None and z.stage in (1, 2) and z.contiguous_gradients and z.offload_optimizer.device == "cpu"):
-        out.append(f"zero_optimization.stage {z.stage} with offload_optimizer: DeepSpeed's IPG gradient buffers "
-                   "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are "
-                   "not counted in the GPU memory (not modelled with offload)")
+    if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
+            and (z.offload_optimizer.device == "cpu" or not dp_many)):
+        where = "with offload_optimizer" if z.offload_optimizer.device == "cpu" else "on one GPU"
+        out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers (contiguous_gradients: "
+                   "reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
+                   "memory (modelled for data-parallel ZeRO-1/2 without offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
         from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
