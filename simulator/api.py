@@ -623,8 +623,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         if cfg.parallelism.schedule == "zero_bubble_h2":
             out.append("pipeline_schedule zero_bubble_h2: ZB-H2's parallelogram (Qi et al.) has no bubble only once "
                        "the step's end is not synchronised across the stages (their optimizer post-validation); the "
-                       "simulated step ends with the gradient-norm all-reduce on every stage, so every step still fills "
-                       "and drains the pipeline (at equal F, B and W times its step equals zero_bubble_h1's)")
+                       "simulated step ends with the gradient-norm all-reduce on every stage, so every step still "
+                       "fills and drains the pipeline (at equal F, B and W times its step equals zero_bubble_h1's)")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
         if m.moe_tokens_per_expert is None:
@@ -686,8 +686,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
             and (z.offload_optimizer.device == "cpu" or not dp_many)):
         where = "with offload_optimizer" if z.offload_optimizer.device == "cpu" else "on one GPU"
-        out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers (contiguous_gradients: "
-                   "reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
+        out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
+                   "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):

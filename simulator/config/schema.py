@@ -370,7 +370,8 @@ class ParallelismConfig(_Model):
         "ICLR 2024 (weight gradients split from the backward and deferred into 1F1B's bubbles; not with "
         "tp_comm_overlap); zero_bubble_h2: their ZB-H2 (extra warm-up forwards, W passes moved to the tail: a "
         "parallelogram with 2p - 1 micro-batches in flight on every stage; the reference's automatic counterpart is "
-        "--zero-bubble-max-pending-backward 2p; not with tp_comm_overlap); zero_bubble_v: their ZB-V (--zero-bubble-v-schedule: 2 model chunks per rank in a V, "
+        "--zero-bubble-max-pending-backward 2p; not with tp_comm_overlap); zero_bubble_v: their ZB-V "
+        "(--zero-bubble-v-schedule: 2 model chunks per rank in a V, "
         "virtual_pipeline_model_parallel_size derived 2; needs pp > 1, an even number of layers per stage and "
         "untied embeddings; not with tp_comm_overlap).")
     pipeline_layers_per_stage: list[PositiveInt] | None = Field(

@@ -37,7 +37,7 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   ``0..m-1``): ``2 (p - 1 - r)`` forwards, ``2 r`` (F, B) pairs, steady (F, B, W) triples, ``2 (p - 1 - r)``
   (B, W) pairs, ``2 r`` W passes. ``2 p - 1`` micro-batches in flight (F run, W not yet) on every rank once
   ``m >= 2 p - 1`` (the paper's ``(2 p - 1) M_B`` against 1F1B's ``p M_B``). With ``t_F = t_B = t_W = t``,
-  free transfers and ``m >= 2 (p - 1)`` every rank runs its ``3 m`` passes back to back from ``r t``
+  free transfers and ``m >= 2 p - 1`` every rank runs its ``3 m`` passes back to back from ``r t``
   (tested): the bubble inside the parallelogram is zero (the paper's ``(p - 1)(t_F + t_B - 2 t_W)``), and the
   step is ``(3 m + p - 1) t`` when the step ends together on every rank (the gradient-norm all-reduce before
   the optimizer), ``3 m t`` per step from one step to the next once it does not (the paper's optimizer
@@ -412,8 +412,8 @@ def _zero_bubble_h2_order(p: int, m: int, rank: int) -> list[tuple[str, int, int
 
 
 def _async_p2p(schedule: str, p: int, rank: int, order: list[tuple[str, int, int]]) -> list[Action | Comm]:
-    """Passes ``order`` with the ZB runtime's transfers (``zero_bubble_h2``, ``zero_bubble_v``): a blocking receive before each pass that
-    reads a tensor from another rank, a detached send after each pass that produces one (ZB-V's last rank hands
+    """Passes ``order`` with the ZB runtime's transfers (``zero_bubble_h2``, ``zero_bubble_v``): a blocking receive
+    before each pass that reads a tensor from another rank, a detached send after each pass that produces one (ZB-V's last rank hands
     its chunk 0's output to its chunk 1, on the same rank, without either)."""
     v = 2 if schedule == "zero_bubble_v" else 1
     n_chunks = p * v

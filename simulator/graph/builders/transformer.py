@@ -1616,7 +1616,8 @@ class _GptBuilder:
 
     def _in_ipg(self, numel: int) -> bool:
         """ZeRO-2 with IPG buffers: a gradient of ``numel`` elements is copied into the buffer (one larger than
-        ``reduce_bucket_size`` is not: DeepSpeed reduces it alone from its own tensor, ``extra_large_param_to_reduce``)."""
+        ``reduce_bucket_size`` is not: DeepSpeed reduces it alone from its own tensor,
+        ``extra_large_param_to_reduce``)."""
         return self._grads_in_ipg and numel <= self.s.reduce_bucket_elements
 
     def _ipg_alloc(self) -> None:
