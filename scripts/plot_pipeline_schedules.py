@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Pipeline schedules side by side on one bundled scenario: 1F1B, ZB-H1 and ZB-V.
+"""Pipeline schedules side by side on one bundled scenario: 1F1B, ZB-H1, ZB-H2 and ZB-V.
 
 Runs ``scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml`` (GPT 16 x 2048, PP4 x DP2 on one DGX H100, 16
 micro-batches) with ``parallelism.pipeline_schedule`` set to each schedule, prints a table (step time, the
@@ -17,8 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml"
-SCHEDULES = (("1f1b", "1F1B"), ("zero_bubble_h1", "ZB-H1"), ("zero_bubble_v", "ZB-V"))
-#: the weight-gradient kernels (what ZB-H1 and ZB-V move into their W passes)
+SCHEDULES = (("1f1b", "1F1B"), ("zero_bubble_h1", "ZB-H1"), ("zero_bubble_h2", "ZB-H2"), ("zero_bubble_v", "ZB-V"))
+#: the weight-gradient kernels (what the zero-bubble schedules move into their W passes)
 W_KERNELS = (".wgrad", ".grad_accum", ".bias_grad", ".dgamma", ".dgamma_dbeta")
 
 

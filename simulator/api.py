@@ -55,6 +55,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
+        zero_ipg_buffers=z.ipg_buffers,
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
@@ -630,6 +631,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "chunk's F, B and W take the same time) is simulated as given; the reference runtime "
                        "(--zero-bubble-v-schedule) reorders the passes by their profiled times, which is not modelled, "
                        "so with unequal chunks (rank 0 holds the embedding and the LM head) its step can be shorter")
+        if cfg.parallelism.schedule == "zero_bubble_h2":
+            out.append("pipeline_schedule zero_bubble_h2: ZB-H2's parallelogram (Qi et al.) has no bubble only once "
+                       "the step's end is not synchronised across the stages (their optimizer post-validation); the "
+                       "simulated step ends with the gradient-norm all-reduce on every stage, so every step still "
+                       "fills and drains the pipeline (at equal F, B and W times its step equals zero_bubble_h1's)")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
         if m.moe_tokens_per_expert is None:
@@ -688,6 +694,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
+    if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
+            and (z.offload_optimizer.device == "cpu" or not dp_many)):
+        where = "with offload_optimizer" if z.offload_optimizer.device == "cpu" else "on one GPU"
+        out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
+                   "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
+                   "memory (modelled for data-parallel ZeRO-1/2 without offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
         from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node

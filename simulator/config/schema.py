@@ -370,11 +370,15 @@ class ParallelismConfig(_Model):
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Model chunks per pipeline rank (Megatron "
         "--num-layers-per-virtual-pipeline-stage = num_layers / (pp x this)); > 1 uses interleaved_1f1b; "
         "zero_bubble_v derives 2 (1 or 2 allowed with it).")
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v"] | None = Field(
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_h2",
+                               "zero_bubble_v"] | None = Field(
         default=None, description="Default 1f1b (Megatron forward_backward_pipelining_without_interleaving), "
         "interleaved_1f1b with virtual_pipeline_model_parallel_size > 1; zero_bubble_h1: ZB-H1 of Qi et al., "
         "ICLR 2024 (weight gradients split from the backward and deferred into 1F1B's bubbles; not with "
-        "tp_comm_overlap); zero_bubble_v: their ZB-V (--zero-bubble-v-schedule: 2 model chunks per rank in a V, "
+        "tp_comm_overlap); zero_bubble_h2: their ZB-H2 (extra warm-up forwards, W passes moved to the tail: a "
+        "parallelogram with 2p - 1 micro-batches in flight on every stage; the reference's automatic counterpart is "
+        "--zero-bubble-max-pending-backward 2p; not with tp_comm_overlap); zero_bubble_v: their ZB-V "
+        "(--zero-bubble-v-schedule: 2 model chunks per rank in a V, "
         "virtual_pipeline_model_parallel_size derived 2; needs pp > 1, an even number of layers per stage and "
         "untied embeddings; not with tp_comm_overlap).")
     pipeline_layers_per_stage: list[PositiveInt] | None = Field(
@@ -627,7 +631,8 @@ class ScenarioConfig(_Model):
         if p.tp_comm_overlap is not False and not (tp > 1 and p.sequence_parallel):
             raise ValueError("parallelism.tp_comm_overlap needs sequence_parallel: true and tensor_model_parallel_size "
                              "> 1 (Megatron-LM --tp-comm-overlap)")
-        if p.tp_comm_overlap is not False and p.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
+        if p.tp_comm_overlap is not False and p.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_h2",
+                                                                      "zero_bubble_v"):
             raise ValueError(f"parallelism.tp_comm_overlap with pipeline_schedule {p.pipeline_schedule} is not "
                              "modelled yet (allowed: tp_comm_overlap false, or another schedule)")
         if tp == 1:
@@ -671,7 +676,7 @@ class ScenarioConfig(_Model):
                              "derived 2, or 2)")
         if p.pipeline_model_parallel_size == 1:
             raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs pipeline_model_parallel_size > 1 "
-                             "(allowed with one stage: 1f1b, gpipe, zero_bubble_h1)")
+                             "(allowed with one stage: 1f1b, gpipe, zero_bubble_h1, zero_bubble_h2)")
         if not self.model.untie_embeddings_and_output_weights:
             raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs "
                              "model.untie_embeddings_and_output_weights: true (the reference implementation asserts "

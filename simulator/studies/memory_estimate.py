@@ -14,7 +14,9 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
   the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
   without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
-  ``[low_device_bytes, peak_device_bytes]``: ``_zero2_stage``); ZeRO-3 all of
+  ``[low_device_bytes, peak_device_bytes]``: ``_zero2_stage``); DeepSpeed ZeRO-1/2's IPG buffers
+  (``contiguous_gradients``, default true: ``reduce_bucket_size`` elements in the model dtype, two with
+  ``overlap_comm``; ``_ipg_buffer``), into which ZeRO-2 copies its gradients (no band then); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
   parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
   master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
@@ -206,6 +208,20 @@ def _grad_bytes(spec) -> int:
                  and spec.precision in ZERO_HALF_GRAD_PRECISIONS) else 4
 
 
+def _ipg_buffer(spec) -> tuple[float, bool]:
+    """DeepSpeed ZeRO-1/2's IPG gradient buffers, as the builder allocates them (``_GptBuilder._init_ipg``; source
+    microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``, ``DeepSpeedZeroOptimizer.backward``):
+    ``(bytes, at_reduction)``, ``spec.zero_ipg_buffers`` (2 with ``overlap_comm``, else 1) x ``reduce_bucket_size``
+    elements x the model dtype's bytes (``_grad_bytes``), from the first backward on; ``at_reduction``: a pipeline
+    stage without the LM head holds one buffer, only while the step's gradients are reduced. ``(0, False)``
+    without data-parallel ZeRO-1/2 or with ``contiguous_gradients: false``."""
+    if spec.sharding is not None or spec.zero_stage not in (1, 2) or spec.grad_reduce_size <= 1 \
+            or not spec.zero_ipg_buffers:
+        return 0.0, False
+    lazy = spec.pipeline_parallel_size > 1 and not spec.has_head
+    return float((1 if lazy else spec.zero_ipg_buffers) * spec.reduce_bucket_elements * _grad_bytes(spec)), lazy
+
+
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
     """``({params, grad, optimizer}, grads_in_backward)``: the persistent model states of one rank and the
     gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
@@ -264,7 +280,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
     if cfg.model.architecture != "decoder":
         raise NotEstimated("a vision transformer is not covered by the memory estimate")
-    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_v"):
+    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v"):
         raise NotEstimated(f"pipeline_schedule {cfg.parallelism.pipeline_schedule} (activations kept until the "
                            "deferred W passes) is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:
@@ -317,7 +333,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         per_pass = sum(spec.layer_split[c * p + pp_rank] for c in range(v)) * _layer_activation_bytes(
             spec, recompute, bf16_gathered) / max(1, v)  # the blocks of the pass whose backward runs
         return _zero2_stage(cfg, spec, pp_rank, passes, states, float(activations), float(transient), per_pass,
-                            after_backward and m > 1, o)
+                            after_backward and m > 1, o, largest_weight)
     # the first block's backward, without pipelining: every gradient but its own (and an untied embedding's),
     # beside its saved activations, its working set and the tokens
     g = _grad_bytes(spec)
@@ -331,6 +347,13 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
             activations, transient = 0.0, 0.0
     else:
         grads = grads if after_backward else 0.0
+    buf, at_reduction = _ipg_buffer(spec)
+    if buf and not at_reduction:  # alive from the first backward on: at the peak whichever it is
+        grads += buf
+    elif buf:  # one buffer while the step's gradients are reduced, after the last backward: beside all of them
+        end = _grad_bytes(spec) * spec.rank_num_parameters + buf
+        if end > grads + activations + transient:
+            grads, activations, transient = end, 0.0, 0.0
     tensors = sum(states.values()) + grads + activations + transient
     cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
             "activations": float(activations), "transient": float(transient),
@@ -339,7 +362,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
 
 
 def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: dict[str, float],
-                 activations: float, transient: float, per_pass: float, held: bool, o) -> StageMemory:
+                 activations: float, transient: float, per_pass: float, held: bool, o,
+                 largest_weight: int = 0) -> StageMemory:
     """DeepSpeed ZeRO-2 as the builder simulates it: each micro-batch's backward creates gradients (fp32; the model
     dtype in bf16 / fp16, ``_grad_bytes``), bucket
     by bucket (``reduce_bucket_size`` elements ``B``), each freed when its bucket's reduce-scatter ends, which
@@ -352,7 +376,15 @@ def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: d
     reduction blocks the backward hook, so exactly one bucket is unreduced (``j = 1``); with it the
     reduce-scatters run beside the backward and how many buckets are still unreduced depends on their timing:
     between one (communication faster than a bucket's backward) and two (DeepSpeed's double-buffered IPG
-    bucket), so the estimate takes two and reports the gap to one as ``slack_bytes``."""
+    bucket), so the estimate takes two and reports the gap to one as ``slack_bytes``.
+
+    With DeepSpeed's IPG buffers (``contiguous_gradients``, the default: ``_ipg_buffer``) the gradients are copied
+    into the buffers as they are made and take no memory of their own: the buffers (alive from the backward's
+    start), the shards reduced so far and the activations not yet freed, whatever the timing (no slack).
+
+    A parameter larger than ``reduce_bucket_size`` is not copied: DeepSpeed reduces it alone from its own
+    gradient tensor (``extra_large_param_to_reduce``), one such gradient counted beside the buffers.
+    """
     P = spec.rank_num_parameters
     dp = spec.grad_reduce_size
     z = cfg.zero_optimization
@@ -369,6 +401,30 @@ def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: d
         done = min(1.0, j * B / (g * P))
         return kept + min(S, j * B / dp) + min(g * P, j * B + early) + activations - done * per_pass
 
+    buf, _ = _ipg_buffer(spec)
+    if buf:
+        biggest = max(largest_weight, spec.vocab_per_rank * spec.hidden_size if spec.has_embedding or spec.has_head
+                      else 0)
+        # a gradient larger than the buffer keeps its own tensor until its reduce-scatter (one at a time)
+        extra = g * biggest if biggest > spec.reduce_bucket_elements else 0.0
+        buckets = -(-int(g * P) // int(B))
+
+        def ipg_peak(j: int) -> float:  # the j-th reduce-scatter allocates its shard beside the buffers
+            return kept + min(S, j * B / dp) + buf + extra + activations - min(1.0, j * B / (g * P)) * per_pass
+
+        start = kept + buf + activations + transient
+        j = max(range(1, buckets + 1), key=ipg_peak)
+        hi = ipg_peak(j)
+        base = sum(states.values())
+        if hi > start:
+            acts = activations - per_pass * min(1.0, j * B / (g * P))
+            grads, trans = hi - acts, 0.0
+        else:
+            grads, acts, trans = kept + buf, activations, transient
+        tensors = base + grads + acts + trans
+        cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
+                "activations": acts, "transient": trans, "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+        return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
     start = kept + activations + transient
     lo = bucket_peak(1)
     hi = max(lo, bucket_peak(2)) if z.overlap and B < g * P else lo

@@ -113,6 +113,10 @@ class ZeroOptimizationConfig(_Model):
         description="Elements per gradient bucket: offload copies (null = one copy per parameter); "
         "data-parallel reduce-scatter with stage 1/2 (null = DeepSpeed's default 5e8)."
     )
+    contiguous_gradients: bool = Field(
+        default=True, description="Stage 1/2: gradients copied into DeepSpeed's IPG buffers of reduce_bucket_size "
+        "elements (model dtype; two with overlap_comm) as they are produced (DeepSpeed's default true); false: no "
+        "buffers, each gradient its own tensor.")
     allgather_bucket_size: int = Field(
         default=500_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Elements per parameter all-gather after the step with data-parallel "
         "stage 1/2 (DeepSpeed default 5e8).")
@@ -127,6 +131,17 @@ class ZeroOptimizationConfig(_Model):
         "gathered at once (DeepSpeed default 1e9).")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+
+    @property
+    def ipg_buffers(self) -> int:
+        """DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_size`` elements allocated by each backward
+        (microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer.backward``:
+        one with ``contiguous_gradients``, a second with ``overlap_comm``); 0 for other stages, without
+        ``contiguous_gradients``, or with optimizer offload (whose gradient path is modelled by
+        ``simulator/policies/offload_optimizer.py`` without them)."""
+        if self.stage not in (1, 2) or not self.contiguous_gradients or self.offload_optimizer.device != "none":
+            return 0
+        return 2 if self.overlap else 1
 
     @property
     def overlap(self) -> bool:

@@ -28,6 +28,20 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   rank, 1F1B's peak on rank 0. With ``m >= p`` and uniform stages the step is
   ``m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)`` against 1F1B's ``(m + p - 1)(t_f + t_b + t_w)``
   (tested); ``m < p`` leaves more.
+* ``zero_bubble_h2`` (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024, section 3.1 and Table 1, ZB-H2;
+  the handcrafted counterpart of the reference's automatic ZB-2p, sail-sg/zero-bubble-pipeline-parallelism
+  ``--enable-zero-bubble --zero-bubble-max-pending-backward 2p``): the backward split into ``B`` and ``W`` as
+  ZB-H1, with extra warm-up forwards filling the wait before the first ``B`` and the ``W`` passes moved to the
+  tail, so that the schedule is a parallelogram. Rank ``r`` runs groups ``x = 0 .. m + 2 (p - 1) - 1``, each
+  ``F_x``, then ``B_{x - 2 (p - 1 - r)}``, then ``W_{x - 2 (p - 1)}`` (the passes whose micro-batch lies in
+  ``0..m-1``): ``2 (p - 1 - r)`` forwards, ``2 r`` (F, B) pairs, steady (F, B, W) triples, ``2 (p - 1 - r)``
+  (B, W) pairs, ``2 r`` W passes. ``2 p - 1`` micro-batches in flight (F run, W not yet) on every rank once
+  ``m >= 2 p - 1`` (the paper's ``(2 p - 1) M_B`` against 1F1B's ``p M_B``). With ``t_F = t_B = t_W = t``,
+  free transfers and ``m >= 2 p - 1`` every rank runs its ``3 m`` passes back to back from ``r t``
+  (tested): the bubble inside the parallelogram is zero (the paper's ``(p - 1)(t_F + t_B - 2 t_W)``), and the
+  step is ``(3 m + p - 1) t`` when the step ends together on every rank (the gradient-norm all-reduce before
+  the optimizer), ``3 m t`` per step from one step to the next once it does not (the paper's optimizer
+  post-validation). Transfers as ZB-V (``Comm.detached`` sends, each receive just before its pass).
 * ``zero_bubble_v`` (ZB-V: Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024; ZB-V in the arXiv
   version 2401.10241, and *Pipeline Parallelism with Controllable Memory*, 2024, arXiv 2405.15362; the
   handcrafted schedule of sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/
@@ -57,9 +71,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v")
 #: schedules that split the backward into ``B`` and ``W`` passes
-SPLIT_BACKWARD = ("zero_bubble_h1", "zero_bubble_v")
+SPLIT_BACKWARD = ("zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v")
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,8 @@ class Action:
         chunk: Local chunk index ``0..v-1`` (model chunk ``rank_chunks(...)[chunk]``: ``chunk * p + rank``, or
             the V of ``zero_bubble_v``).
         micro_batch: Micro-batch index ``0..m-1``.
-        last: For the pass that completes the weight gradients (``"B"``, or ``"W"`` with
-            ``zero_bubble_h1``): the chunk's final one of the step (its gradients are then complete).
+        last: For the pass that completes the weight gradients (``"B"``, or ``"W"`` with ``SPLIT_BACKWARD``
+            schedules): the chunk's final one of the step (its gradients are then complete).
     """
 
     kind: str
@@ -178,7 +192,9 @@ def stage_actions(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} outside 0..{p - 1}")
     if schedule == "zero_bubble_v":
-        return _mark_last(_zero_bubble_v(p, m, rank))
+        return _mark_last(_async_p2p(schedule, p, rank, _zero_bubble_v_order(p, m, rank)))
+    if schedule == "zero_bubble_h2" and p > 1:  # p 1: no bubble to fill, 1F1B's order (as zero_bubble_h1)
+        return _mark_last(_async_p2p(schedule, p, rank, _zero_bubble_h2_order(p, m, rank)))
     if schedule != "interleaved_1f1b" or v == 1:
         v = 1
     sched = _Schedule(p, m, rank, v)
@@ -384,14 +400,26 @@ def _zero_bubble_v_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]
     return [a for a in order if a[2] < m]
 
 
-def _zero_bubble_v(p: int, m: int, rank: int) -> list[Action | Comm]:
-    """ZB-V's passes with its transfers: a blocking receive before each pass that reads a tensor from another
-    rank, a detached send after each pass that produces one (the last rank's hand-off from its chunk 0 to its
-    chunk 1, on the same rank, needs none)."""
-    n_chunks = 2 * p
+def _zero_bubble_h2_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The ZB-H2 order of rank ``rank``'s passes ``(kind, 0, micro-batch)`` (module docstring): group ``x`` is
+    ``F_x``, ``B_{x - 2 (p - 1 - rank)}``, ``W_{x - 2 (p - 1)}``, each where its micro-batch is in ``0..m-1``."""
+    order: list[tuple[str, int, int]] = []
+    for x in range(m + 2 * (p - 1)):
+        for kind, i in (("F", x), ("B", x - 2 * (p - 1 - rank)), ("W", x - 2 * (p - 1))):
+            if 0 <= i < m:
+                order.append((kind, 0, i))
+    return order
+
+
+def _async_p2p(schedule: str, p: int, rank: int, order: list[tuple[str, int, int]]) -> list[Action | Comm]:
+    """Passes ``order`` with the ZB runtime's transfers (``zero_bubble_h2``, ``zero_bubble_v``): a blocking receive
+    before each pass that reads a tensor from another rank, a detached send after each pass that produces one (ZB-V's last rank hands
+    its chunk 0's output to its chunk 1, on the same rank, without either)."""
+    v = 2 if schedule == "zero_bubble_v" else 1
+    n_chunks = p * v
     items: list[Action | Comm] = []
-    for kind, c, i in _zero_bubble_v_order(p, m, rank):
-        k = rank_chunks("zero_bubble_v", p, rank, 2)[c]
+    for kind, c, i in order:
+        k = rank_chunks(schedule, p, rank, v)[c]
         if kind == "F":
             need = ("act", k - 1, i) if k > 0 else None
             give = ("act", k, i) if k < n_chunks - 1 else None
@@ -401,10 +429,10 @@ def _zero_bubble_v(p: int, m: int, rank: int) -> list[Action | Comm]:
         else:
             need = give = None
         # a tensor from (to) chunk k - 1 or k + 1 on this rank is handed over without a transfer
-        if need is not None and chunk_rank("zero_bubble_v", p, need[1] + (need[0] == "grad")) != rank:
+        if need is not None and chunk_rank(schedule, p, need[1] + (need[0] == "grad")) != rank:
             items.append(Comm(recvs=(need,)))
         items.append(Action(kind, c, i))
-        if give is not None and chunk_rank("zero_bubble_v", p, give[1] + (give[0] == "act")) != rank:
+        if give is not None and chunk_rank(schedule, p, give[1] + (give[0] == "act")) != rank:
             items.append(Comm(sends=(give,), blocking=False, detached=True))
     return items
 

@@ -158,6 +158,9 @@ class TransformerSpec:
         gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
         reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
         allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
+        zero_ipg_buffers: DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_elements`` each
+            (``contiguous_gradients``; ``_GptBuilder._ipg_alloc``): 2 with ``overlap_comm``, else 1; 0: none
+            (``contiguous_gradients: false``, or optimizer offload, whose buffers are not modelled).
         tensor_parallel_size: Megatron tensor-parallel ranks ``t`` (one rank is built; its TP
             collectives run over the ``tp`` group).
         sequence_parallel: Megatron ``--sequence-parallel`` (with ``t > 1``).
@@ -237,6 +240,7 @@ class TransformerSpec:
     gradient_as_bucket_view: bool = False
     reduce_bucket_elements: int = 500_000_000
     allgather_bucket_elements: int = 500_000_000
+    zero_ipg_buffers: int = 0
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     num_query_groups: int | None = None
@@ -670,7 +674,8 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
       elements, flushed before a gradient that would overflow them) are reduce-scattered; Adam
       state (8 bytes/param) and fp32 master weights (bf16 mode) are divided by dp (ceil), as are
       the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
-      bucket (the full gradients live until their bucket's reduce-scatter ends); after the step
+      bucket (the full gradients live until their bucket's reduce-scatter ends, in DeepSpeed's IPG
+      buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); after the step
       the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
@@ -737,6 +742,7 @@ class _GptBuilder:
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
         self._init_sharding()
+        self._init_ipg()
         st = self.sh.strategy if self.sh is not None else None
         # ZeRO-2/3 and FSDP reduce every micro-batch's gradients (DeepSpeed: the ipg buckets of each backward;
         # FSDP outside no_sync()); the others once per step, after the last micro-batch. FSDP under a pipeline
@@ -756,7 +762,7 @@ class _GptBuilder:
         self._overlapped: list[int] = []  # TP all-gathers running beside the next GEMM (tp_comm_overlap)
         self.moe_grad_ops: list[int] = []  # expert-gradient all-reduces over the edp group (moe.reduce_expert_grad)
         self.lora_adapters = lora.rank_adapters(spec) if spec.lora is not None else []
-        #: zero_bubble_h1/_v: the weight-gradient work of the current B pass, and of each B pass until its W
+        #: zero_bubble_h1/_h2/_v: the weight-gradient work of the current B pass, and of each B pass until its W
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
@@ -923,16 +929,16 @@ class _GptBuilder:
         return dx
 
     def _weight_grads(self, fn) -> None:
-        """Emit the weight-gradient work ``fn()`` now, or, in a ``zero_bubble_h1`` ``B`` pass, keep it (with its
-        layer) for the pass's ``W`` action (``_weight``)."""
+        """Emit the weight-gradient work ``fn()`` now, or, in a ``B`` pass of a ``SPLIT_BACKWARD`` schedule, keep it
+        (with its layer) for the pass's ``W`` action (``_weight``)."""
         if self._deferred is None:
             fn()
         else:
             self._deferred.append((self.e.layer, fn))
 
     def _weight(self, chunk: int, mb: int, last_pass: bool) -> None:
-        """The ``W`` action of ``zero_bubble_h1``: the weight gradients the ``B`` pass of (``chunk``, ``mb``) kept,
-        in the order backward produced them; ``last_pass``: the chunk's gradients are then complete."""
+        """The ``W`` action of a ``SPLIT_BACKWARD`` schedule: the weight gradients the ``B`` pass of (``chunk``,
+        ``mb``) kept, in the order backward produced them; ``last_pass``: the chunk's gradients are then complete."""
         e = self.e
         self.last_mb, self._chunk, self._mb = last_pass, self.s.model_chunks[chunk], mb
         e.phase = Phase.BWD
@@ -949,13 +955,14 @@ class _GptBuilder:
             gname += f".mb{self._mb}"
         first = gname not in self.grad_made
         gb = self._grad_elem_bytes  # 4: fp32 .grad / main_grad; ZeRO-3 16-bit, FSDP reduce_dtype
-        out = [(gname, gb * numel)] if first and not self._grads_in_buckets else []
+        in_ipg = self._in_ipg(numel) and not (pname.startswith("experts.") and moe.own_expert_grads(self.s))
+        out = [(gname, gb * numel)] if first and not (self._grads_in_buckets or in_ipg) else []
         if first:
             self.grad_made.add(gname)
         reads = self.w * numel + (0 if first else gb * numel)
         i = self.e.kernel(f"{pname}.grad_accum", C.CAST if first else C.ELEMENTWISE, role=OpRole.GRAD_ACCUM,
                           reads=reads,
-                          writes=gb * numel, out=out, uses=[dw16], dtype="fp32")
+                          writes=gb * numel, out=out, uses=[dw16, self._ipg] if in_ipg else [dw16], dtype="fp32")
         return i, gname
 
     def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE):
@@ -1402,6 +1409,8 @@ class _GptBuilder:
         if self.pg is not None:
             self.pg.start_pass(Phase.BWD)
         e.phase, e.layer = Phase.BWD, -1
+        if not self._ipg_lazy:
+            self._ipg_alloc()
         if s.vit is not None:
             g = vitb.head_bwd(self, st)
         elif last:
@@ -1451,8 +1460,8 @@ class _GptBuilder:
         gb = self._grad_elem_bytes
         i = e.kernel("embed.grad_accum", C.COPY if first_write else C.ELEMENTWISE, role=OpRole.GRAD_ACCUM,
                      reads=4 * V * h + (0 if first_write else gb * V * h), writes=gb * V * h,
-                     out=[(gname, gb * V * h)] if first_write and not self._grads_in_buckets else [],
-                     uses=[d_emb], dtype="fp32")
+                     out=[(gname, gb * V * h)] if first_write and not (self._grads_in_buckets or self._in_ipg(V * h))
+                     else [], uses=[d_emb, self._ipg] if self._in_ipg(V * h) else [d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
         if s.position_table_rows:
             P = s.position_table_rows
@@ -1596,6 +1605,54 @@ class _GptBuilder:
                 left, k = left - n, k + 1
 
     # -- data parallel -----------------------------------------------------------------------
+    def _init_ipg(self) -> None:
+        """DeepSpeed ZeRO-1/2's IPG (independent partition gradient) buffers, ``spec.zero_ipg_buffers`` of
+        ``reduce_bucket_size`` elements in the model dtype (``_grad_elem_bytes``: 2 in bf16 / fp16, 4 with fp32
+        parameters), whatever the model's size. Source: microsoft/DeepSpeed@cde57d2
+        ``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.backward`` allocates
+        ``torch.empty(reduce_bucket_size, dtype=self.dtype)`` before each micro-batch's ``loss.backward()`` when
+        ``contiguous_gradients`` (default true, ``deepspeed/runtime/zero/config.py``) and a second one with
+        ``overlap_comm`` (the double buffer its hooks alternate); ``independent_gradient_partition_epilogue``
+        releases them (``_release_ipg_buffers``) after the reductions. Modelled (``_ipg_alloc``):
+
+        * ZeRO-2 (its epilogue runs after every micro-batch's backward): allocated at the start of each backward
+          and alive until that backward's last reduce-scatter. Each gradient is copied into it by its hook
+          (``reduce_independent_p_g_buckets_and_remove_grads``: ``copy_`` into the buffer, ``param.grad`` made a
+          view of it), so a bucket's gradients take no memory beside it: the gradient copy ``grad_accum``
+          writes into the buffer (``_in_ipg``; not a gradient larger than the buffer, reduced from its own tensor).
+        * ZeRO-1 (the epilogue only at the gradient-accumulation boundary; each backward's buffers replace the
+          previous ones, freed first): from the first micro-batch's backward to the step's last reduce-scatter,
+          beside the ``.grad`` tensors, which accumulate until then.
+        * ZeRO-1 with a pipeline: the last stage as ZeRO-1 (DeepSpeed's PipelineEngine runs its backward through
+          ``DeepSpeedEngine.backward``); the other stages run ``torch.autograd.backward`` themselves and get one
+          buffer from ``reduce_gradients(pipeline_parallel=True)``: from the step's first reduce-scatter to its
+          last.
+        """
+        s = self.s
+        on = s.zero_ipg_buffers > 0 and self.zero in (1, 2) and self.sh is None
+        lazy = on and s.pipeline_parallel_size > 1 and not s.has_head
+        self._ipg_bytes = (1 if lazy else s.zero_ipg_buffers) * s.reduce_bucket_elements * self._grad_elem_bytes \
+            if on else 0
+        self._ipg_lazy = lazy  # allocated by the first reduce-scatter, not by the backward
+        self._ipg: str | None = None  # the live buffer
+        self._grads_in_ipg = on and self.zero == 2
+
+    def _in_ipg(self, numel: int) -> bool:
+        """ZeRO-2 with IPG buffers: a gradient of ``numel`` elements is copied into the buffer (one larger than
+        ``reduce_bucket_size`` is not: DeepSpeed reduces it alone from its own tensor,
+        ``extra_large_param_to_reduce``)."""
+        return self._grads_in_ipg and numel <= self.s.reduce_bucket_elements
+
+    def _ipg_alloc(self) -> None:
+        """Allocate the IPG buffer (``_init_ipg``) where DeepSpeed does, unless it is live: a zero-time op on the
+        compute stream (DeepSpeed's ``torch.empty``; no kernel)."""
+        if not self._ipg_bytes or self._ipg is not None:
+            return
+        self._ipg = self.e.fresh("zero.ipg_buffer")
+        op = self.b.add("zero.ipg_buffer.alloc", OpKind.COMPUTE, "compute", phase=Phase.BWD, fixed_duration_s=0.0,
+                        launch=False, allocs=(TensorAlloc(self._ipg, self._ipg_bytes),))
+        self.e.producer[self._ipg] = op
+
     def _shard(self, n: int) -> int:
         """Elements of one rank's ZeRO partition of ``n`` (DeepSpeed pads the flat buffer to dp; x cp)."""
         dp = self.s.grad_reduce_size
@@ -1655,6 +1712,8 @@ class _GptBuilder:
         self._buckets = []
         if self._every_mb:
             self._accumulate_shards()
+        if self.zero == 2:  # DeepSpeed's epilogue released the IPG buffer: the next backward allocates its own
+            self._ipg = None
 
     def _accumulate_shards(self) -> None:
         """End of a micro-batch's backward with per-micro-batch reductions: the compute stream waits for this
@@ -1697,9 +1756,13 @@ class _GptBuilder:
         out: tuple[TensorAlloc, ...] = ()
         if self.zero == 2:  # the reduced shard stays; the full gradients are freed after the reduce-scatter
             out = self._reduced_shard(k, -(-nbytes // self.s.grad_reduce_size))
+        if self._ipg_lazy:
+            self._ipg_alloc()
+        uses = list(tensors) if self.zero == 2 else []  # (a gradient held in the IPG buffer has no tensor of its own)
+        if self._ipg is not None:  # the bucket is reduced from the IPG buffer, alive until its last reduction
+            uses.append(self._ipg)
         self.comm_ops.append(self._collective(f"zero.grad_reduce_scatter.{k}", "reduce_scatter", nbytes, deps,
-                                              Phase.BWD, uses=tensors if self.zero == 2 else (), allocs=out,
-                                              elem_bytes=self._grad_elem_bytes))
+                                              Phase.BWD, uses=uses, allocs=out, elem_bytes=self._grad_elem_bytes))
 
     def _collective(self, name: str, op: str, nbytes: int, deps, phase: Phase, uses=(), allocs=(),
                     group: str = "dp", elem_bytes: int = 4) -> int:

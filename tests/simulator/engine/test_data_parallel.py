@@ -211,9 +211,12 @@ def test_zero_sharding_memory_formula(stage, precision):
     assert cat["optimizer"] == pytest.approx(8 * shard, rel=0.01)
     params = 4 * P if precision == "amp_fp32_params" else 2 * P + 4 * shard
     assert cat["params"] == pytest.approx(params, rel=0.01)
-    if stage == 1:  # same activations and gradients as DDP, minus the bucket buffer and 7/8 of the states
+    if stage == 1:  # same activations and gradients as DDP, minus the bucket buffer and 7/8 of the states, plus
+        # DeepSpeed's IPG buffer (contiguous_gradients; no overlap_comm: one) of reduce_bucket_size 5e8 elements in
+        # the model dtype (fp32 parameters: 4 bytes, bf16: 2)
         saved = 4 * P + 8 * (P - shard) + (4 * (P - shard) if precision == "bf16" else 0)
-        assert d["peak_memory_bytes"] - z["peak_memory_bytes"] == pytest.approx(saved, rel=0.01)
+        ipg = 500_000_000 * (4 if precision == "amp_fp32_params" else 2)
+        assert d["peak_memory_bytes"] - z["peak_memory_bytes"] == pytest.approx(saved - ipg, rel=0.01)
     assert "shards nothing" not in " ".join(z["warnings"])
 
 
@@ -269,3 +272,46 @@ def test_gradient_as_bucket_view_does_not_lower_a_forward_peak():
     runs = {v: run_scenario(load_scenario(B16, DGX + ["run.steps=2", f"ddp.gradient_as_bucket_view={v}"])).summary
             for v in ("false", "true")}
     assert runs["true"]["peak_memory_bytes"] == runs["false"]["peak_memory_bytes"]
+
+
+@pytest.mark.parametrize("overlap,buffers", [(False, 1), (True, 2)])
+def test_deepspeed_zero1_ipg_buffers_add_exactly_their_bytes(overlap, buffers):
+    """DeepSpeed ZeRO-1's IPG buffers (microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``,
+    ``DeepSpeedZeroOptimizer.backward``: ``torch.empty(reduce_bucket_size, dtype=self.dtype)``, a second with
+    ``overlap_comm``; ``contiguous_gradients`` default true). A 2-layer GPT, bf16, 8-way ZeRO-1, reduce_bucket_size
+    R = 3,000,000 elements: the buffers live from the backward's start to the last reduce-scatter, so they are
+    part of the peak (start of backward or end of backward) and the peak grows by exactly buffers x R x 2 bytes:
+    6,000,000 B (one, overlap_comm false) or 12,000,000 B (two). With contiguous_gradients false: no buffer."""
+    R = 3_000_000
+    common = ["zero_optimization.stage=1", "training.precision=bf16", f"zero_optimization.reduce_bucket_size={R}",
+              f"zero_optimization.overlap_comm={str(overlap).lower()}"]
+    on = run_scenario(_small(common)).summary["peak_memory_bytes"]
+    off = run_scenario(_small(common + ["zero_optimization.contiguous_gradients=false"])).summary["peak_memory_bytes"]
+    assert on - off == buffers * R * 2
+
+
+def test_deepspeed_zero2_gradients_live_in_the_ipg_buffer():
+    """ZeRO-2 with IPG buffers, by hand on the graph: each micro-batch's backward allocates its own buffer of
+    buffers x R x 2 bytes (bf16; DeepSpeed releases it in ``independent_gradient_partition_epilogue``), every
+    gradient no larger than R is copied into it (``reduce_independent_p_g_buckets_and_remove_grads``) and has no
+    tensor of its own, one larger than R (the tied 32,768 x 512 = 16.8M-element embedding with R = 4M) keeps its own
+    (DeepSpeed's ``extra_large_param_to_reduce``), and every reduce-scatter reads the buffer. Without
+    contiguous_gradients every weight gradient is its own tensor and no buffer exists."""
+    from simulator.api import transformer_spec
+
+    R = 4_000_000
+    base = ["zero_optimization.stage=2", "training.precision=bf16", f"zero_optimization.reduce_bucket_size={R}",
+            "training.global_batch_size=32"]  # micro-batch 2 x dp 8 x 2 micro-batches
+    g = build_gpt_step(transformer_spec(_small(base)))
+    allocs = [(op.name, t.name, t.nbytes) for op in g.ops for t in op.allocs]
+    bufs = [a for a in allocs if a[0] == "zero.ipg_buffer.alloc"]
+    assert [n for *_, n in bufs] == [R * 2, R * 2]  # overlap_comm false: one per micro-batch's backward
+    grads = [(t, n) for _, t, n in allocs if t.startswith("grad.") and ".shard" not in t]
+    assert grads and {t.split(".mb")[0] for t, _ in grads} == {"grad.wte"}  # only the oversized embedding
+    assert [n for _, n in grads] == [2 * 32768 * 512] * 2
+    rs = [op for op in g.ops if op.name.startswith("zero.grad_reduce_scatter")]
+    assert rs and all(any(u.startswith("zero.ipg_buffer") for u in op.uses) for op in rs)
+    g_off = build_gpt_step(transformer_spec(_small(base + ["zero_optimization.contiguous_gradients=false"])))
+    names = [t.name for op in g_off.ops for t in op.allocs]
+    assert not any(n.startswith("zero.ipg_buffer") for n in names)
+    assert sum(n.startswith("grad.L0.") for n in names) == 2 * 4  # qkv, proj, fc1, fc2 weights per micro-batch

@@ -313,3 +313,105 @@ def test_zero_bubble_v_with_unequal_passes_finishes_no_sooner_than_its_busiest_r
     step = _step("zero_bubble_v", p, m, 2, 1.0, tb, stalls=stalls, tw=tw)
     work = 2 * m * (1.0 + tb + tw)
     assert work * 1.5 - 1e-9 <= step <= work * (p + 0.5) + 1e-9
+
+
+def _steps_without_sync(schedule: str, p: int, m: int, k: int, tw: float) -> list[tuple[list[float], list[float]]]:
+    """``k`` steps of ``_stage_graph`` (unit F and B, ``tw`` W): per rank its steps' starts and ends. The graph
+    ends each step on its own rank (no cross-rank all-reduce before the optimizer), so a rank starts its next step
+    as soon as its own passes are done: the paper's optimizer post-validation, which ZB-H2 assumes."""
+    hw = make_hw()
+    graphs = [_stage_graph(schedule, p, m, r, 1, 1.0, 1.0, 0.0, tw) for r in range(p)]
+    return [(list(rec.steps.start_s), list(rec.steps.end_s)) for rec, _ in run_ranks(graphs, [hw] * p, steps=k)]
+
+
+def test_zero_bubble_h2_step_by_hand():
+    """ZB-H2 (Qi et al., ICLR 2024, section 3.1), p = 2, m = 4, t_F = t_B = t_W = 1 ms, free transfers. By hand
+    from the group rule (group x: F_x, B_{x - 2 (p - 1 - r)}, W_{x - 2 (p - 1)}):
+      rank 0: F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3     (slots 0-11: 2p - 1 = 3 forwards before the first B)
+      rank 1: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3     (slots 1-12: the W passes moved to the tail)
+    every input is ready in time (rank 1's F_i at 1, 3, 5, 8 after rank 0's at 0, 1, 2, 5; rank 0's B_i at 3, 6,
+    8, 10 after rank 1's at 2, 4, 6, 9), so each rank runs its 12 passes back to back and the step, ending on both
+    ranks together, is 1 + 12 = 13 ms; p = 4, m = 8: 3 + 24 = 27 ms. With the step ending together this equals
+    ZB-H1 at equal pass times (m (3 t) + (p - 1) t); 1F1B (B and W fused): (m + p - 1) 3 ms = 15 and 33 ms."""
+    assert _step("zero_bubble_h2", 2, 4, 1, 1e-3, 1e-3, tw=1e-3) == pytest.approx(13e-3, rel=1e-12)
+    assert _step("zero_bubble_h2", 4, 8, 1, 1e-3, 1e-3, tw=1e-3) == pytest.approx(27e-3, rel=1e-12)
+    assert _step("zero_bubble_h1", 4, 8, 1, 1e-3, 1e-3, tw=1e-3) == pytest.approx(27e-3, rel=1e-12)
+    assert _step("1f1b", 2, 4, 1, 1e-3, 2e-3) == pytest.approx(15e-3, rel=1e-12)
+    acts = [[(a.kind, a.micro_batch) for a in stage_actions("zero_bubble_h2", 2, 4, r) if isinstance(a, Action)]
+            for r in range(2)]
+    assert acts[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("W", 0), ("F", 3), ("B", 1), ("W", 1), ("B", 2),
+                       ("W", 2), ("B", 3), ("W", 3)]
+    assert acts[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("W", 0), ("F", 3), ("B", 3),
+                       ("W", 1), ("W", 2), ("W", 3)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 7)])
+def test_zero_bubble_h2_has_no_bubble_without_the_step_end_sync(p, m):
+    """The paper's claim (Table 1: bubble (p - 1)(t_F + t_B - 2 t_W) = 0 at equal pass times, the optimizer-step
+    synchronisation removed): with free transfers, t_F = t_B = t_W = 1 and no all-reduce tying the ranks' step
+    ends, rank r runs step j from r + 3 m j to r + 3 m (j + 1): no idle time on any rank after its first pass,
+    3 steps in 9 m + p - 1. ZB-H1 under the same conditions keeps its trapezoid: every rank's step is
+    3 m + p - 1 (its bubble (p - 1)(t_F + t_B - t_W) = p - 1 per step)."""
+    k = 3
+    for r, (starts, ends) in enumerate(_steps_without_sync("zero_bubble_h2", p, m, k, 1.0)):
+        assert starts == pytest.approx([0.0] + [r + 3 * m * j for j in range(1, k)], abs=1e-12)
+        assert ends == pytest.approx([r + 3 * m * (j + 1) for j in range(k)], abs=1e-12)
+    for starts, ends in _steps_without_sync("zero_bubble_h1", p, m, k, 1.0):
+        assert ends == pytest.approx([(3 * m + p - 1) * (j + 1) for j in range(k)], abs=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 6), m=st.integers(1, 14))
+def test_zero_bubble_h2_grid_and_coverage(p, m):
+    """Any p >= 2, m >= 1: every F, B and W once, F before B before W, one ``last`` W, sends and receives pair up,
+    the run finishes. For m >= 2 p - 1 the unit-slot grid (rank r's 3 m passes back to back from slot r) is
+    feasible pass by pass, so the step with unit passes is exactly 3 m + p - 1; for fewer micro-batches the
+    ranks wait (the warm-up cannot hold 2 p - 1 forwards) and the step is no shorter than that."""
+    sent, got, grid = [], [], {}
+    for r in range(p):
+        items = stage_actions("zero_bubble_h2", p, m, r)
+        acts = [a for a in items if isinstance(a, Action)]
+        pos = {(a.kind, a.micro_batch): n for n, a in enumerate(acts)}
+        assert len(acts) == 3 * m == len(pos) and sum(a.last for a in acts) == 1 and acts[-1].last
+        assert all(pos["F", i] < pos["B", i] < pos["W", i] for i in range(m))
+        grid.update({(r, kind, i): r + n for (kind, i), n in pos.items()})
+        for a in items:
+            if isinstance(a, Comm):
+                sent += a.sends
+                got += a.recvs
+    assert sorted(sent) == sorted(got) and len(sent) == 2 * m * (p - 1)
+    step = _step("zero_bubble_h2", p, m, 1, 1.0, 1.0, tw=1.0)
+    if m >= 2 * p - 1:
+        for (r, kind, i), slot in grid.items():
+            dep = {"F": (r - 1, "F", i), "B": (r + 1, "B", i) if r < p - 1 else (r, "F", i), "W": (r, "B", i)}[kind]
+            if dep[0] >= 0:
+                assert grid[dep] < slot, (r, kind, i, dep)
+        assert step == pytest.approx(3 * m + p - 1, rel=1e-12)
+    else:
+        assert step >= 3 * m + p - 1 - 1e-9
+
+
+def test_zero_bubble_h2_keeps_2p_minus_1_micro_batches_in_flight():
+    """Paper Table 1: ZB-H2's peak is (2 p - 1) M_B against 1F1B's and ZB-H1's p M_B. By hand from the orders of
+    test_zero_bubble_h2_step_by_hand (+1 at F, -1 at W): rank 0 F0 F1 F2 = 3, rank 1 F0 B0 F1 B1 F2 = 3 before its
+    first W: 2 p - 1 = 3 on both ranks (1F1B: 2 and 1). Every rank reaches 2 p - 1 once m >= 2 p - 1 (group x
+    holds F_x and W_{x - 2 (p - 1)}: x + 1 - (x - 2 p + 2) passes after its F), never more; fewer micro-batches
+    hold at most m."""
+    assert [_peak_in_flight("zero_bubble_h2", 2, 4, r, 1) for r in range(2)] == [3, 3]
+    assert [_peak_in_flight("1f1b", 2, 4, r, 1) for r in range(2)] == [2, 1]
+    assert [_peak_in_flight("zero_bubble_h2", 4, 8, r, 1) for r in range(4)] == [7] * 4
+    for p in range(2, 8):
+        for m in range(1, 20):
+            peaks = {_peak_in_flight("zero_bubble_h2", p, m, r, 1) for r in range(p)}
+            assert max(peaks) <= min(m, 2 * p - 1)
+            if m >= 2 * p - 1:
+                assert peaks == {2 * p - 1}
+
+
+def test_zero_bubble_h2_memory_holds_what_w_needs_until_w_runs():
+    """The engine's memory, p = 2, m = 4, A = 1000 B saved per forward, G = 1000 B kept by a B for its W (freed
+    with A by the W). By hand from the orders above, live bytes / 1000:
+      rank 0: F F F 3, B 4, W 2, F 3, B 4, W 2, B 3, W 1, B 2, W 0: peak 4 (3 A + G)
+      rank 1: F 1, B 2, F 3, B 4, F 5, B 6, W 4, F 5, B 6, W 4, W 2, W 0: peak 6 (3 A + 3 G: three B passes
+              ahead of their W at the tail of the parallelogram)"""
+    assert _peaks("zero_bubble_h2", 2, 4, 1, 1000, 1000, 1e-3) == [4000, 6000]

@@ -102,7 +102,8 @@ def test_estimate_is_within_its_tolerance_of_the_simulated_peak(case):
 
 
 def test_zero2_overlap_band_by_hand():
-    """ZeRO-2, overlap_comm, the peak at a bucket's close: the band's width is the second bucket's fp32 gradients
+    """ZeRO-2, overlap_comm, no IPG buffers (contiguous_gradients false: each gradient its own tensor), the peak at a
+    bucket's close: the band's width is the second bucket's fp32 gradients
     (fp32 parameters under autocast) and its shard, less the activations its backward freed, exactly:
     ``4 B (1 + 1/N_d) - (B / P) A_pass``, with ``B`` = reduce_bucket_size elements (50M here, well under P),
     ``A_pass`` the blocks' saved activations."""
@@ -110,7 +111,7 @@ def test_zero2_overlap_band_by_hand():
     from simulator.studies.memory_estimate import _layer_activation_bytes
 
     cfg = load_scenario(DP8, FAST + [f"{Z}.stage=2", f"{Z}.overlap_comm=true", f"{Z}.reduce_bucket_size=50000000",
-                                     "training.micro_batch_size=1"])
+                                     "training.micro_batch_size=1", f"{Z}.contiguous_gradients=false"])
     spec = transformer_spec(cfg)
     P, B = spec.rank_num_parameters, 50_000_000
     A = spec.num_layers * _layer_activation_bytes(spec, spec.recompute)
@@ -119,6 +120,21 @@ def test_zero2_overlap_band_by_hand():
     assert tensors_gap > 0
     o = cfg.memory.allocator_reserve_fraction if cfg.memory.allocator_reserve_fraction is not None else 0.0078
     assert est.stages[0].slack_bytes == pytest.approx(tensors_gap * (1 + o), rel=1e-3)
+
+
+@pytest.mark.parametrize("overlap,buffers", [(False, 1), (True, 2)])
+def test_zero1_ipg_buffers_in_the_estimate_by_hand(overlap, buffers):
+    """DeepSpeed ZeRO-1's IPG buffers (``_ipg_buffer``; microsoft/DeepSpeed@cde57d2 stage_1_and_2.py): the 1.3B DP8
+    case in bf16 with reduce_bucket_size R = 2e8: contiguous_gradients adds exactly buffers x R x 2 bytes to the
+    estimate's gradient category (4e8 B, 8e8 B with overlap_comm's second buffer), alive at the peak whichever it
+    is; its total grows by that times the allocator reserve (1.0078)."""
+    R = 200_000_000
+    sets = FAST + [f"{Z}.stage=1", "training.precision=bf16", f"{Z}.reduce_bucket_size={R}",
+                   f"{Z}.overlap_comm={str(overlap).lower()}"]
+    on = estimate_memory(load_scenario(DP8, sets)).stages[0]
+    off = estimate_memory(load_scenario(DP8, sets + [f"{Z}.contiguous_gradients=false"])).stages[0]
+    assert on.by_category_bytes["grad"] - off.by_category_bytes["grad"] == buffers * R * 2
+    assert on.total_bytes - off.total_bytes == pytest.approx(buffers * R * 2 * 1.0078, rel=1e-12)
 
 
 def test_model_states_by_hand():
@@ -153,9 +169,9 @@ def test_offload_is_not_estimated():
         estimate_memory(cfg)
 
 
-@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_v"])
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v"])
 def test_split_backward_schedules_are_not_estimated(schedule):
-    """ZB-H1 and ZB-V keep a B's weight-gradient inputs until its W: not in the estimate, refused by name."""
+    """ZB-H1, ZB-H2 and ZB-V keep a B's weight-gradient inputs until its W: not in the estimate, refused by name."""
     cfg = load_scenario(ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml",
                         [f"parallelism.pipeline_schedule={schedule}"])
     with pytest.raises(NotEstimated, match=f"pipeline_schedule {schedule}"):
