@@ -631,11 +631,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "chunk's F, B and W take the same time) is simulated as given; the reference runtime "
                        "(--zero-bubble-v-schedule) reorders the passes by their profiled times, which is not modelled, "
                        "so with unequal chunks (rank 0 holds the embedding and the LM head) its step can be shorter")
-        if cfg.parallelism.schedule == "zero_bubble_h2":
+        if cfg.parallelism.schedule == "zero_bubble_h2" and (cfg.training.clip_grad > 0 or cfg.training.precision == "fp16"):
             out.append("pipeline_schedule zero_bubble_h2: ZB-H2's parallelogram (Qi et al.) has no bubble only once "
-                       "the step's end is not synchronised across the stages (their optimizer post-validation); the "
-                       "simulated step ends with the gradient-norm all-reduce on every stage, so every step still "
-                       "fills and drains the pipeline (at equal F, B and W times its step equals zero_bubble_h1's)")
+                       "the step's end is not synchronised across the stages (their optimizer post-validation); here "
+                       "every stage joins the gradient-norm (training.clip_grad > 0) or fp16 found-inf all-reduce "
+                       "before its optimizer, so every step still fills and drains the pipeline (at equal F, B and W "
+                       "times its step equals zero_bubble_h1's); training.clip_grad: 0 with bf16 simulates it without")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
         if m.moe_tokens_per_expert is None:
