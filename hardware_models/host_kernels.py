@@ -195,8 +195,23 @@ def pass_parts(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | 
     mem = nbytes / (bandwidth_bytes_per_s or stream_bandwidth(cpu, t, memory_nodes))
     flop = p.slots * elements / vector_slots_per_s(cpu, t)
     fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
-    fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
-    return nbytes, max(mem, flop), fault
+    return nbytes, max(mem, flop), first_touch_s(cpu, fresh, t)
+
+
+def first_touch_s(cpu: HostCpuSpec | None, nbytes: float, threads: int = 1) -> float:
+    """Seconds ``threads`` threads spend faulting in ``nbytes`` of freshly mapped anonymous memory on
+    their first write: one fault (kernel entry, page allocation, zeroing) per 4 KiB page, the pages
+    split evenly between the threads. The host's ``page_fault_s`` (0, or no ``cpu``: ``DEFAULT_PAGE_FAULT_S``,
+    see the module docstring). Used for a CPU kernel's fresh outputs and for a pageable device-to-host copy
+    into a fresh buffer, whose staging memcpy in the calling thread takes the faults
+    (``simulator.policies.recompute``).
+
+    Raises:
+        ValueError: ``nbytes`` < 0 or ``threads`` < 1.
+    """
+    if nbytes < 0 or threads < 1:
+        raise ValueError(f"first_touch_s: nbytes must be >= 0 and threads >= 1, got {nbytes}, {threads}")
+    return nbytes / PAGE_BYTES * ((cpu.page_fault_s if cpu else 0.0) or DEFAULT_PAGE_FAULT_S) / threads
 
 
 def pass_time_s(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
