@@ -36,6 +36,20 @@ Constants (all overridable per host preset):
   than in that KVM guest).
 * Vector slots per element: an FMA/add/mul = 1 slot; ``sqrt`` 6 and ``div`` 5 slots (reciprocal
   throughput of VSQRTPS / VDIVPS zmm on Skylake-X, Agner Fog, *Instruction tables*, 2022).
+* Scalar passes (``StreamPass.scalar_cycles``): core cycles per element of scalar code, on
+  ``threads`` cores at the host's clock, added to the vector time. DeepSpeed 0.3's ``(__half)``
+  copy-back: CUDA's host ``__float2half`` (cuda_fp16.hpp, the non-``__CUDA_ARCH__`` path, compiled by
+  the host compiler in a .cpp): a software conversion whose normal-number path is ~22 integer
+  instructions (bit copy, mask, sign shift, three range compares, shift/subtract/or of the exponent,
+  the round-to-nearest-even compare and increment, the 16-bit store), and whose rounding branch
+  depends on the dropped mantissa bits, so it is mispredicted about every second element.
+  ``HALF_CONVERT_INSTRUCTIONS`` 22.6 and ``HALF_CONVERT_MISPREDICTS`` 0.50 per element: counted
+  for DeepSpeed's 4-way unrolled loop built with g++ 12 -O3 on N(0, 0.02) weights (valgrind
+  callgrind instructions and cachegrind ``--branch-sim`` mispredicts: 22.64 and 0.503), at
+  ``ISSUE_WIDTH`` 4 instructions per cycle (Skylake's rename width, Agner Fog, *The
+  microarchitecture of Intel, AMD and VIA CPUs*, Skylake chapter) and ``MISPREDICT_CYCLES`` 15 (the
+  low end of the 15-20 cycle Skylake misprediction penalty, same source): 13.2 cycles per element,
+  a lower bound (no other stall counted).
 """
 
 from __future__ import annotations
@@ -52,6 +66,10 @@ DEFAULT_PAGE_FAULT_S = 6.18e-6
 PAGE_BYTES = 4096
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 SQRT_SLOTS, DIV_SLOTS = 6.0, 5.0
+HALF_CONVERT_INSTRUCTIONS, HALF_CONVERT_MISPREDICTS = 22.6, 0.50
+ISSUE_WIDTH, MISPREDICT_CYCLES = 4.0, 15.0
+#: Core cycles per element of DeepSpeed 0.3's scalar ``(__half)`` conversion (module docstring): 13.15.
+HALF_CONVERT_CYCLES = HALF_CONVERT_INSTRUCTIONS / ISSUE_WIDTH + HALF_CONVERT_MISPREDICTS * MISPREDICT_CYCLES
 
 #: Optimizer implementations the model prices.
 IMPLEMENTATIONS = ("torch_foreach", "torch_single", "torch_fused", "deepspeed_cpu_adam", "deepspeed_cpu_adam_2020")
@@ -70,6 +88,7 @@ class StreamPass:
         write_bytes: Bytes written in place per element.
         fresh_bytes: Bytes written into a freshly allocated output per element.
         slots: Vector instruction slots per element (FMA-pipe issue slots, see module docstring).
+        scalar_cycles: Core cycles per element of scalar code (0: none; see module docstring).
     """
 
     name: str
@@ -77,6 +96,7 @@ class StreamPass:
     write_bytes: float
     fresh_bytes: float = 0.0
     slots: float = 1.0
+    scalar_cycles: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -122,10 +142,11 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
         # the ZeRO-Offload release kernel: the AVX-512 loop over a tile stores fp32 param and moments only; a second
         # OpenMP loop then reads the tile's fp32 params back (a 1 Gi-element tile is far beyond the caches) and
         # writes (__half) copies into a pinned double buffer, sent by cudaMemcpyAsync (csrc/adam/cpu_adam.cpp
-        # Adam_Optimizer::Step / Step_4 / Step_8, ``if (dev_params)`` block). The scalar (__half) conversion's
-        # instruction cost is not charged (no sourced per-element figure): 1 slot.
+        # Adam_Optimizer::Step / Step_4 / Step_8, ``if (dev_params)`` block), one scalar host __float2half each
+        # (HALF_CONVERT_CYCLES, module docstring).
         return (StreamPass("Step_AVX", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),
-                StreamPass("(__half) copy into the pinned tile buffer", s, float(copy_bytes)))
+                StreamPass("(__half) copy into the pinned tile buffer", s, float(copy_bytes), slots=0.0,
+                           scalar_cycles=HALF_CONVERT_CYCLES))
     raise ValueError(f"unknown optimizer implementation {impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -180,6 +201,13 @@ def vector_slots_per_s(cpu: HostCpuSpec, threads: int | None = None) -> float:
     return (threads or cpu.threads) * clock * cpu.fma_units_per_core * cpu.simd_width_bits / 32.0
 
 
+def scalar_s(cycles: float, cpu: HostCpuSpec, threads: int | None = None) -> float:
+    """Seconds of ``cycles`` core cycles of scalar code split over ``threads`` cores at the host's clock
+    (``vector_clock_hz``); 0 when the clock is unknown (as :func:`vector_slots_per_s`: not priced)."""
+    clock = cpu.vector_clock_hz
+    return cycles / ((threads or cpu.threads) * clock) if clock and cycles else 0.0
+
+
 def pass_parts(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,
                memory_nodes: int | None = None, fresh_elements: float | None = None,
                bandwidth_bytes_per_s: float | None = None) -> tuple[float, float, float]:
@@ -193,10 +221,25 @@ def pass_parts(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | 
     t = threads or cpu.threads
     nbytes = p.bytes * elements
     mem = nbytes / (bandwidth_bytes_per_s or stream_bandwidth(cpu, t, memory_nodes))
-    flop = p.slots * elements / vector_slots_per_s(cpu, t)
+    flop = p.slots * elements / vector_slots_per_s(cpu, t) + scalar_s(p.scalar_cycles * elements, cpu, t)
     fresh = p.fresh_bytes * (elements if fresh_elements is None else fresh_elements)
-    fault = fresh / PAGE_BYTES * (cpu.page_fault_s or DEFAULT_PAGE_FAULT_S) / t
-    return nbytes, max(mem, flop), fault
+    return nbytes, max(mem, flop), first_touch_s(cpu, fresh, t)
+
+
+def first_touch_s(cpu: HostCpuSpec | None, nbytes: float, threads: int = 1) -> float:
+    """Seconds ``threads`` threads spend faulting in ``nbytes`` of freshly mapped anonymous memory on
+    their first write: one fault (kernel entry, page allocation, zeroing) per 4 KiB page, the pages
+    split evenly between the threads. The host's ``page_fault_s`` (0, or no ``cpu``: ``DEFAULT_PAGE_FAULT_S``,
+    see the module docstring). Used for a CPU kernel's fresh outputs and for a pageable device-to-host copy
+    into a fresh buffer, whose staging memcpy in the calling thread takes the faults
+    (``simulator.policies.recompute``).
+
+    Raises:
+        ValueError: ``nbytes`` < 0 or ``threads`` < 1.
+    """
+    if nbytes < 0 or threads < 1:
+        raise ValueError(f"first_touch_s: nbytes must be >= 0 and threads >= 1, got {nbytes}, {threads}")
+    return nbytes / PAGE_BYTES * ((cpu.page_fault_s if cpu else 0.0) or DEFAULT_PAGE_FAULT_S) / threads
 
 
 def pass_time_s(p: StreamPass, elements: float, cpu: HostCpuSpec, threads: int | None = None,

@@ -563,6 +563,14 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
                    "pageable rate for this host, so they are priced at the pinned rate (set hardware.pcie overrides "
                    "pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s, or pin_memory: true)")
+    ac = cfg.activation_checkpointing if cfg is not None else None
+    if ac is not None and ac.cpu_checkpointing and ac.host_buffers != "reused" and not hw.host_cpu.page_fault_s:
+        from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S
+
+        out.append(f"activation_checkpointing.host_buffers {ac.host_buffers}: host {hw.host_cpu.name!r} has no "
+                   f"page_fault_s, so any first-touch faults of its fresh checkpoint buffers are priced at "
+                   f"{DEFAULT_PAGE_FAULT_S * 1e6:.2f} us per 4 KiB page, the figure fitted in the measured H200 host's KVM "
+                   "guest (set hardware.host overrides page_fault_s, or host_buffers: reused)")
     if hw.launch.source == "generic":
         out.append(f"host {hw.host_cpu.name!r} has no measured dispatch time per op: the generic "
                    f"{hw.launch.per_op_s * 1e6:.0f} us is assumed (set hardware.launch_overhead_s or calibrate the host)")

@@ -15,7 +15,8 @@
   HBM bandwidth from the kernels beside them, and run slower while compute overlaps them; rates
   change whenever a kernel or collective starts or ends.
 * Kernels take the cost model's time at the current clocks; host<->device copies are fluid flows
-  over the PCIe links (max-min fair sharing with everything else on them); host ops take
+  over the PCIe links (max-min fair sharing with everything else on them), plus their ``host_s``
+  (host work serial with the transfer: the page faults of a fresh pageable destination); host ops take
   ``host_s``; ``SYNC`` ops take no time (they wait for their dependencies).
 * Ops naming a ``rendezvous`` (pipeline send/recv, cross-stage all-reduces) meet the same op of the
   other ranks' executors running in the same environment: each starts when the last party arrives;
@@ -336,6 +337,8 @@ class Executor:
         elif op.kind in COPY_PATHS:
             bw, cap = sys.hw.link_rate(op.kind.value, op.pinned)
             yield from sys.network.transfer(op.bytes_read, sys.copy_links[op.kind], sys.copy_latency_s, cap)
+            if op.host_s > 0:  # the copy's host work beyond the transfer (first touch of a fresh pageable buffer)
+                yield env.timeout(op.host_s)
         elif op.kind is _COLLECTIVE and sys.collective_model(op):
             yield from sys.run_collective(op, step)
         elif op.kind is _COLLECTIVE or op.kind is _D2D:

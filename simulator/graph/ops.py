@@ -104,7 +104,8 @@ class Op:
         bytes_read: Bytes read from device memory (HBM) or, for copies, bytes moved.
         bytes_written: Bytes written to device memory.
         shape: GEMM ``(m, n, k)``, batched GEMM ``(m, n, k, batch)`` or attention ``(batch*heads, seq_q, seq_k, head_dim)``.
-        host_s: CPU seconds for HOST ops (single-thread equivalent unless ``threads`` > 1).
+        host_s: CPU seconds for HOST ops (single-thread equivalent unless ``threads`` > 1); for copies, host
+            seconds serial with the transfer (first-touch faults of a fresh pageable buffer).
         fixed_duration_s: If set, the op takes exactly this long (measured durations on replay).
         deps: Ids of ops that must finish before this op starts.
         allocs: Tensors allocated when the op starts.

@@ -19,10 +19,24 @@ So each block pays two copies at the pageable rate (``pageable_h2d/d2h_bytes_per
 profile; unknown: the pinned rate) plus the lost launch-ahead at each host wait, and GPU memory falls
 by one block input per layer. Both copies share the PCIe links with everything else (gradient and
 parameter offload, input batches).
+
+**First touch of the host buffers** (``activation_checkpointing.host_buffers``). DeepSpeed 0.3 allocates
+them each iteration with ``torch.tensor(()).new_empty(...)`` (with ``contiguous_memory_optimization``: the
+``num_layers`` buffers at the first checkpoint, dropped in backward) and never writes them before the
+copy. PyTorch's CPU allocator takes them from glibc ``malloc``, which ``mmap``-s a buffer of 32 MiB or more
+and ``munmap``-s it on free (``hardware_models.host_kernels``: the same rule as a CPU kernel's fresh
+outputs), so every iteration the pageable D2H copy's staging memcpy, in the calling thread, faults in each
+4 KiB page of its destination: ``host_kernels.first_touch_s`` on one thread, added to the copy as host
+time (``Op.host_s`` of the copy). ``fresh`` (default, DeepSpeed 0.3): so. ``prefaulted``: a later DeepSpeed
+writes one zero per page before the copy ("the pages need to be populated during the cudaMemcpy time
+which increases the data copy time", deepspeed/runtime/activation_checkpointing/checkpointing.py), a host
+op of the same faults ahead of the copy, while the GPU runs the queued kernels. ``reused``: resident
+buffers, no faults. Buffers totalling under 32 MiB are recycled from the heap: no faults in any mode.
 """
 
 from __future__ import annotations
 
+from hardware_models.host_kernels import faulting_elements, first_touch_s
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
@@ -40,11 +54,14 @@ class Recompute:
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         ac = getattr(cfg, "activation_checkpointing", None)
-        return recompute(graph, cfg.training.recompute_granularity, bool(ac and ac.cpu_checkpointing))
+        return recompute(graph, cfg.training.recompute_granularity, bool(ac and ac.cpu_checkpointing),
+                         host_buffers=ac.host_buffers if ac else "fresh", host_cpu=getattr(hw, "host_cpu", None))
 
 
-def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool = False) -> OpGraph:
-    """Check the recompute setting against the graph and add activation offload if asked.
+def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool = False, *,
+              host_buffers: str = "fresh", host_cpu=None) -> OpGraph:
+    """Check the recompute setting against the graph and add activation offload if asked
+    (``host_buffers``, ``host_cpu``: see :func:`offload_activations`).
 
     Raises:
         PolicyError: no transformer blocks, or cpu_checkpointing without full recompute.
@@ -60,16 +77,25 @@ def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool =
         return graph
     if granularity != "full":
         raise PolicyError("activation_checkpointing.cpu_checkpointing: needs training.recompute_granularity: full")
-    return offload_activations(graph)
+    return offload_activations(graph, host_buffers, host_cpu)
 
 
-def offload_activations(graph: OpGraph) -> OpGraph:
+HOST_BUFFERS = ("fresh", "prefaulted", "reused")
+
+
+def offload_activations(graph: OpGraph, host_buffers: str = "fresh", host_cpu=None) -> OpGraph:
     """Move each checkpointed block input to pageable host memory between forward and backward, with DeepSpeed's
-    blocking copies (module docstring).
+    blocking copies and the first touch of their host buffers (module docstring).
+
+    ``host_buffers``: ``fresh`` | ``prefaulted`` | ``reused``; ``host_cpu``: the ``HostCpuSpec`` whose
+    ``page_fault_s`` prices the faults (None: ``host_kernels.DEFAULT_PAGE_FAULT_S``).
 
     Raises:
-        PolicyError: the graph has no checkpointed block inputs (no full recompute).
+        PolicyError: the graph has no checkpointed block inputs (no full recompute), or an unknown ``host_buffers``.
     """
+    if host_buffers not in HOST_BUFFERS:
+        raise PolicyError(f"activation_checkpointing.host_buffers: unknown {host_buffers!r}; "
+                          f"allowed: {', '.join(HOST_BUFFERS)}")
     size = {t.name: t.nbytes for op in graph.ops for t in op.allocs}
     producer = {t.name: op.id for op in graph.ops for t in op.allocs}
     plans = []  # per checkpoint: tensor, first forward user, backward users
@@ -84,6 +110,9 @@ def offload_activations(graph: OpGraph) -> OpGraph:
                               nbytes=size[x]))
     if not plans:
         raise PolicyError("activation_checkpointing.cpu_checkpointing: no checkpointed block inputs found")
+    faults = host_buffers != "reused" and faulting_elements([p["nbytes"] for p in plans], 1.0) > 0
+    for p in plans:  # seconds one thread takes to fault in the checkpoint's fresh host buffer
+        p["touch_s"] = first_touch_s(host_cpu, float(p["nbytes"])) if faults else 0.0
     before_fwd = {p["first_fwd"]: p for p in plans}
     before_bwd = {p["at"]: p for p in plans}
     for k, p in enumerate(plans):
@@ -107,7 +136,12 @@ def offload_activations(graph: OpGraph) -> OpGraph:
     for op in graph.ops:
         p = before_fwd.get(op.id)
         if p is not None:
-            p["d2h"] = blocking_copy(p, OpKind.MEMCPY_D2H, Phase.FWD, list(rw.new(producer[p["x"]])), uses=(p["x"],),
+            deps = list(rw.new(producer[p["x"]]))
+            in_copy = p["touch_s"] if host_buffers == "fresh" else 0.0
+            if host_buffers == "prefaulted" and p["touch_s"] > 0:  # one zero per page, on the host, before the copy
+                deps.append(rw.add(f"L{p['layer']}.fwd.act_offload.prefault", OpKind.HOST, "host", deps=[],
+                                   phase=Phase.FWD, layer=p["layer"], host_s=p["touch_s"], launch=False))
+            p["d2h"] = blocking_copy(p, OpKind.MEMCPY_D2H, Phase.FWD, deps, uses=(p["x"],), host_s=in_copy,
                                      allocs=(TensorAlloc(p["host"], p["nbytes"], "host_pageable"),))
         p = before_bwd.get(op.id)
         if p is not None:
@@ -121,5 +155,6 @@ def offload_activations(graph: OpGraph) -> OpGraph:
             extra += [m[u]["h2d"] for u in op.uses if u in m]
         rw.copy(op, extra_deps=extra, **changes)
     meta = dict(graph.meta)
-    meta["activation_offload"] = {"checkpoints": len(plans), "bytes": sum(p["nbytes"] for p in plans)}
+    meta["activation_offload"] = {"checkpoints": len(plans), "bytes": sum(p["nbytes"] for p in plans),
+                                  "host_buffers": host_buffers, "first_touch_s": sum(p["touch_s"] for p in plans)}
     return rw.finish(meta=meta)

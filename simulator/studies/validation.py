@@ -73,21 +73,24 @@ _OPT_BW = "fused AdamW bandwidth taken from the elementwise microbenchmark"
 _B4_GAPS = "b4 launch gaps priced at idle power (tests/validation/test_energy.py)"
 _OFFLOAD_CPU = ("CPU step short (tests/validation/test_offload.py): cpu_adam measured 0.421 s, predicted 0.330 s, "
                 "-21.7%; step measured 0.4545 s, predicted 0.389 s, -14.4%")
-_ZO_FWD = ("3.15 s predicted vs 6.20 s logged (-49%): not explained; candidate (documented, not priced): DeepSpeed 0.3's "
-           "cpu_checkpointing with contiguous_memory_optimization allocates the 50 layers' 84 MB CPU buffers afresh each "
-           "iteration (released in backward) and its blocking D2H copy faults their 1.02M 4-KiB pages (a later DeepSpeed "
-           "pre-touches them: 'the pages need to be populated during the cudaMemcpy time which increases the data copy "
-           "time'); the gap is 3.0 us per page, and no fault cost or pageable D2H rate is measured for the DGX-2 host "
-           "(the copies are priced at the pinned rate, flagged)")
-_ZO_STEP = ("19.62 s predicted vs 25.77 s logged (-23.8%): the forward (-3.05 s, see phase_s.fwd_s) and CPU Adam (-2.67 s, "
-            "see offload_cpu_optimizer_s) gaps; backward -0.7%")
-_ZO_OPT = ("4.49 s predicted vs 7.80 s logged (-42.5%): the CPU Adam gap (see offload_cpu_optimizer_s); optimizer_gradients "
+_ZO_FWD = ("4.98 s predicted vs 6.20 s logged (-19.6%; 3.11 s, -49.8%, before the fresh checkpoint buffers' page faults "
+           "and the Volta hosts' pageable rates): the 50 blocking D2H copies of 84 MB into DeepSpeed 0.3's fresh "
+           "pageable buffers take 2.14 s (0.39 s at the published 10.77 GB/s pageable rate + 1.75 s faulting 1.02M "
+           "4-KiB pages at the published 1.71 us, dgx2-v100-host page_fault_s), the kernels and launch waits 2.84 s "
+           "(2.19e14 FLOP: 77 TFLOP/s at the generic 70% V100 GEMM efficiency). Not explained: 1.21 s; it would "
+           "take the forward kernels at 54 TFLOP/s (what the log's backward runs at), or 2.9 us per page (a DGX-2 "
+           "fault cost 1.7x the published Volta-host figure, e.g. remote-node pages on its two sockets); neither "
+           "is measured for this host")
+_ZO_OPT = ("4.80 s predicted vs 7.80 s logged (-38.5%): the CPU Adam gap (see offload_cpu_optimizer_s); optimizer_gradients "
            "(unscale_and_clip_grads over the fp32 partition on the CPU, 8 B/param) 0.80 s vs 1.11-1.16 s logged")
-_ZO_CPU = ("CPU Adam 3.68 s predicted (DGX-2 datasheet roofline: DeepSpeed 0.3 CPUAdam 28 B/param + its fp16 tile copy "
-           "6 B/param at 102 GB/s, the gradients arriving in fp32 from the GPU (stage2.py: no CPU cast), each tile's "
-           "copy-back taking its share of host DRAM beside the next tile, the last one exposed) against 6.35 s logged, "
-           "-42%: inferred host; the scalar (__half) conversion's instruction cost is not charged "
-           "(tests/validation/test_offload.py)")
+_ZO_CPU = ("CPU Adam 3.99 s predicted vs 6.35 s logged (-37.1%; 3.68 s, -42.0%, before the scalar conversion was priced): "
+           "DGX-2 datasheet roofline, DeepSpeed 0.3 CPUAdam's AVX-512 loop 28 B/param at 102 GB/s (2.81 s), its "
+           "second loop's scalar host __float2half at 13.15 cycles/param on 48 cores at 2.7 GHz (1.04 s: 22.6 "
+           "instructions at 4 per cycle + 0.5 mispredicted rounding branch x 15 cycles, a lower bound; above its "
+           "6 B/param at 102 GB/s), each tile's copy-back sharing host DRAM with the next tile, the last one "
+           "exposed, the gradients arriving in fp32 (stage2.py: no CPU cast). Not explained: 2.36 s; it would take "
+           "the AVX-512 loop at 56 GB/s (54% of one node's datasheet bandwidth) or the conversion at 43 cycles/param; "
+           "the host is inferred (tests/validation/test_offload.py)")
 #: The Megatron-LM cases of 2020-2022 (and the ZeRO-Offload tutorial's 2020 Megatron fork) run with
 #: ``model.attention_backend: unfused`` and Megatron's default dropouts (0.1), as that code did
 #: (simulator/graph/builders/attention.py); that closed the MLM20 TP8, Narayanan and Korthikanti selective gaps
@@ -118,7 +121,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("gpt_184m_b16_offload_overlap.cpu_adam", "offload_cpu_optimizer_s"): _OFFLOAD_CPU,
     ("dataloader_w8.step_time", "step_time_s"): "GPU step: the session's GPU-only step (36.1 ms) is 13% above "
                                                 "train.gpt_184m_b8",
-    ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "step_time_s"): _ZO_STEP,
     ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "phase_s.fwd_s"): _ZO_FWD,
     ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "phase_s.opt_s"): _ZO_OPT,
     ("ZEROOFFLOAD-GPT2-10B-1xV100-log", "offload_cpu_optimizer_s"): _ZO_CPU,

@@ -60,8 +60,10 @@ def test_foreach_step_by_hand():
     assert adamw_step_s(ROUND, "torch_single", [1e9]) == pytest.approx(2.5 + 1.0)
     # DeepSpeed: one pass, 16 B read + 12 B written + 2 B half copy; nothing fresh
     assert adamw_step_s(ROUND, "deepspeed_cpu_adam", [1e9]) == pytest.approx(30e9 / 32e9)
-    # DeepSpeed 0.3 (2020): the AVX loop 28 B, then the fp16 copy loop reads 4 B and writes 2 B; one call
-    assert adamw_step_s(ROUND, "deepspeed_cpu_adam_2020", [1e9], dispatch_s=1e-3) == pytest.approx(34e9 / 32e9 + 1e-3)
+    # DeepSpeed 0.3 (2020): the AVX loop 28 B, then the fp16 copy loop (reads 4 B, writes 2 B) bound by its
+    # scalar conversion, 13.15 cycles x 1e9 / (8 cores x 1 GHz); one call
+    assert adamw_step_s(ROUND, "deepspeed_cpu_adam_2020", [1e9], dispatch_s=1e-3) == \
+        pytest.approx(28e9 / 32e9 + 13.15 / 8 + 1e-3)
 
 
 def test_small_fresh_outputs_do_not_fault():
@@ -117,3 +119,35 @@ def test_default_page_fault_is_the_fitted_one():
     from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S
 
     assert presets.get("hosts", "h200-measured-host")[0].page_fault_s == pytest.approx(DEFAULT_PAGE_FAULT_S, rel=1e-3)
+
+
+def test_first_touch_by_hand():
+    """ROUND faults a page in 4.096 us: 1 MiB = 256 pages = 1.048576 ms on one thread, a quarter on 4."""
+    from hardware_models.host_kernels import first_touch_s
+
+    assert first_touch_s(ROUND, 2**20) == pytest.approx(256 * 4096e-9, rel=1e-12)
+    assert first_touch_s(ROUND, 2**20, threads=4) == pytest.approx(64 * 4096e-9, rel=1e-12)
+    assert first_touch_s(ROUND, 0.0) == 0.0
+    with pytest.raises(ValueError, match="nbytes must be >= 0 and threads >= 1"):
+        first_touch_s(ROUND, -1.0)
+
+
+def test_first_touch_without_a_host_figure_borrows_the_default():
+    from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S, first_touch_s
+
+    assert first_touch_s(None, 4096) == first_touch_s(dataclasses.replace(ROUND, page_fault_s=0.0), 4096) \
+        == DEFAULT_PAGE_FAULT_S
+
+
+def test_half_conversion_is_a_scalar_pass_by_hand():
+    """DeepSpeed 0.3's (__half) loop: 22.6 instructions / 4 per cycle + 0.5 mispredicts x 15 cycles = 13.15 cycles
+    per element; on ROUND (8 cores at 1 GHz) 1e9 elements take 13.15 / 8 = 1.64375 s against 6 B x 1e9 / 32 GB/s
+    = 0.1875 s of DRAM: the scalar code binds."""
+    from hardware_models.host_kernels import HALF_CONVERT_CYCLES
+
+    assert HALF_CONVERT_CYCLES == pytest.approx(13.15, rel=1e-12)
+    half = adamw_passes("deepspeed_cpu_adam_2020")[1]
+    assert (half.bytes, half.slots, half.scalar_cycles) == (6.0, 0.0, HALF_CONVERT_CYCLES)
+    assert pass_time_s(half, 1e9, ROUND) == pytest.approx(13.15 / 8, rel=1e-12)
+    # no clock: the scalar part is not priced (as the vector part), memory alone
+    assert pass_time_s(half, 1e9, dataclasses.replace(ROUND, base_clock_mhz=0)) == pytest.approx(0.1875)

@@ -17,6 +17,7 @@ YAML::
         prefetch_depth: 1            # layers fetched ahead of use (0 = fetch on demand)
     activation_checkpointing:
       cpu_checkpointing: false       # checkpointed block inputs go to host memory (needs recompute full)
+      host_buffers: fresh            # fresh | prefaulted | reused: first-touch page faults of those host buffers
 
 ``offload_optimizer.mode`` (simulator name; DeepSpeed has no single key for it):
 
@@ -174,4 +175,11 @@ class ActivationCheckpointingConfig(_Model):
         default=False, description="Move checkpointed block inputs to host memory (needs recompute_granularity: full) "
         "as DeepSpeed does: a blocking Tensor.to() into pageable memory before each block's forward and back before "
         "its recompute, in line with the compute (simulator/policies/recompute.py)."
+    )
+    host_buffers: Literal["fresh", "prefaulted", "reused"] = Field(
+        default="fresh", description="How the host buffers that receive the checkpoints are allocated each "
+        "iteration: fresh (DeepSpeed 0.3: torch new_empty, the blocking D2H copy faults in every 4 KiB page "
+        "of buffers totalling 32 MiB or more, which glibc maps afresh), prefaulted (later DeepSpeed: one zero "
+        "written per page on the host before the copy, overlapping the GPU's queued work), reused (already "
+        "resident: no faults) (simulator/policies/recompute.py)."
     )
