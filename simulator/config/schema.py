@@ -302,7 +302,12 @@ class OptimizerConfig(_Model):
     """Optimizer (PyTorch names)."""
 
     type: Literal["adamw"] = "adamw"
-    impl: Literal["fused", "foreach"] = Field(default="fused", description="torch.optim.AdamW(fused=True) or foreach.")
+    impl: Literal["fused", "foreach", "single"] = Field(
+        default="fused", description="torch.optim.AdamW(fused=True) or foreach (both priced as one fused kernel on "
+        "the GPU), or single: a Python loop over the parameter tensors, eight unfused elementwise kernels per "
+        "tensor, 80 bytes per fp32 parameter (torch.optim.AdamW(foreach=False) _single_tensor_adamw; Composer's "
+        "DecoupledAdamW, llm-foundry's decoupled_adamw). single needs fp32 parameters (training.precision "
+        "amp_fp32_params, fp32 or tf32).")
 
 
 class TrainingConfig(_Model):
@@ -337,6 +342,17 @@ class TrainingConfig(_Model):
     lora: LoraConfig | None = Field(default=None, description="LoRA fine-tune (Hugging Face PEFT names; "
                                     "simulator/config/sections/lora.py): base weights frozen, low-rank adapters "
                                     "trained. Default: every parameter is trained.")
+
+    @model_validator(mode="after")
+    def _single_tensor_optimizer_scope(self):
+        if self.optimizer.impl == "single" and self.precision not in SINGLE_TENSOR_PRECISIONS:
+            raise ValueError(f"training.optimizer.impl: single needs fp32 parameters (allowed training.precision: "
+                             f"{', '.join(SINGLE_TENSOR_PRECISIONS)}; got {self.precision})")
+        return self
+
+
+#: Precisions whose parameters, gradients and moments are fp32: what ``optimizer.impl: single`` is priced for.
+SINGLE_TENSOR_PRECISIONS = ("amp_fp32_params", "fp32", "tf32")
 
 
 class ParallelismConfig(_Model):

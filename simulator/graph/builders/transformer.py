@@ -96,6 +96,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hardware_models.host_kernels import adamw_passes
+
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
@@ -139,7 +141,11 @@ class TransformerSpec:
         tied_embeddings: LM head shares the token-embedding weight.
         bias: Linear and LayerNorm layers have biases.
         precision: One of ``PRECISIONS``.
-        optimizer_impl: ``fused`` (one multi-tensor kernel) or ``foreach``.
+        optimizer_impl: ``fused`` or ``foreach`` (both one multi-tensor kernel, 28 bytes per fp32 parameter) or
+            ``single`` (the per-tensor loop of ``torch.optim.AdamW(foreach=False)`` / Composer's
+            ``DecoupledAdamW``: the eight unfused passes of ``hardware_models.host_kernels.adamw_passes
+            ("torch_single")``, 80 bytes per fp32 parameter, one kernel per pass over the rank's partition: the
+            per-tensor launches are not counted).
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -1558,8 +1564,14 @@ class _GptBuilder:
                 chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
-        e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
-                 dtype="fp32", deps=deps, meta={"params": P})
+        if s.optimizer_impl == "single":  # one unfused kernel per pass (fp32 parameters: the schema's rule)
+            for k, ps in enumerate(adamw_passes("torch_single")):
+                deps = [e.kernel(f"adamw.{k}.{ps.name.split('(')[0]}", C.OPTIMIZER, reads=ps.read_bytes * P * share,
+                                 writes=(ps.write_bytes + ps.fresh_bytes) * P * share, flops=P * share, uses=grads,
+                                 dtype="fp32", deps=deps, **({"meta": {"params": P}} if k == 0 else {}))]
+        else:
+            e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share,
+                     uses=grads, dtype="fp32", deps=deps, meta={"params": P})
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1
