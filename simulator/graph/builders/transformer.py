@@ -101,7 +101,7 @@ from hardware_models.host_kernels import adamw_passes
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
-from simulator.graph.builders import lora, moe
+from simulator.graph.builders import lora, moe, varlen
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
@@ -210,7 +210,9 @@ class TransformerSpec:
         causal: Causal (decoder) attention; false: bidirectional, every query scores all ``s`` keys (ViT).
         vit: A vision transformer (``vit.VitShape``): patch embedding and classification head in place of the
             token embedding and LM head (``vocab_size`` unused); ``None``: a decoder.
-        attention_backend: ``flash`` (one flash-attention kernel) or ``unfused`` (Megatron-LM 2020-2022: batched
+        attention_backend: ``flash`` (one flash-attention kernel), ``flash_varlen`` (the same kernel between
+            flash-attn's unpad / pad helpers, llm-foundry's MPT: ``simulator/graph/builders/varlen.py``) or
+            ``unfused`` (Megatron-LM 2020-2022: batched
             GEMMs, fused causal softmax, dropout; ``simulator.graph.builders.attention``).
         attention_dropout: Attention-probability dropout rate (Megatron ``--attention-dropout``; kernels and
             masks with ``unfused``; inside the flash kernel, not priced separately, with ``flash``).
@@ -388,9 +390,10 @@ class TransformerSpec:
         if self.vit is not None:
             vitb.check_vit_spec(self)
         core.check_attention_spec(self)
+        varlen.check_varlen_spec(self)
         hf.check_spec(self)
         if self.precision in FULL_PRECISIONS:
-            if self.attention_backend == "flash":
+            if self.attention_backend != "unfused":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
             if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
@@ -1194,6 +1197,9 @@ class _GptBuilder:
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
         sv_core = None
+        varlen_mode = s.attention_backend == "flash_varlen"  # MPT's padding helpers (builders/varlen.py)
+        if varlen_mode:
+            qkv = varlen.unpad_fwd(self, qkv, T, (h, kv, kv))
         if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
             att, sv_core = core.unfused_fwd(self, qkv, qk)
         else:
@@ -1203,9 +1209,12 @@ class _GptBuilder:
                             uses=[qkv] + ([qk] if qk else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
-        attc = e.fresh("attn.out_contig")
-        e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h, out=[(attc, self.w * T * h)],
-                 uses=[att])
+        if varlen_mode:
+            attc = varlen.pad_fwd(self, att, T, h)
+        else:
+            attc = e.fresh("attn.out_contig")
+            e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
+                     out=[(attc, self.w * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
@@ -1250,9 +1259,12 @@ class _GptBuilder:
         # attention
         g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
         g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_proj), sv["sv_proj"], h, hf, g_fp32=True)
-        g_att = e.fresh("attn.transpose.dx")
-        e.kernel("attn.transpose.dgrad", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
-                 out=[(g_att, self.w * T * h)], uses=[g_proj_in])
+        if s.attention_backend == "flash_varlen":  # MPT's padding helpers (simulator/graph/builders/varlen.py)
+            g_att = varlen.pad_bwd(self, g_proj_in, T, h)
+        else:
+            g_att = e.fresh("attn.transpose.dx")
+            e.kernel("attn.transpose.dgrad", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
+                     out=[(g_att, self.w * T * h)], uses=[g_proj_in])
         att = sv["att"]
         if s.attention_backend == "unfused":  # re-run the core first with selective recompute
             sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
@@ -1269,6 +1281,8 @@ class _GptBuilder:
                             uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
                             q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            if s.attention_backend == "flash_varlen":
+                g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
