@@ -321,7 +321,9 @@ def _read_mpt(cfg: dict, where: str) -> dict[str, Any]:
 
     ``attn_impl`` (``flash``, ``triton``, ``torch``) picks MPT's runtime kernel, like the ``attn_implementation``
     Hugging Face reads for Llama: every value is priced as the fused flash-attention kernel (what llm-foundry's
-    training runs set); ``torch`` is MPT's unfused reference path (scores materialised), not modelled separately.
+    training runs set); ``flash`` -> ``attention_backend: flash_varlen``, as MPT's ``flash_attn_fn`` calls it
+    between flash-attn's ``bert_padding`` unpad / pad helpers (``simulator/graph/builders/varlen.py``);
+    ``torch`` is MPT's unfused reference path (scores materialised), not modelled separately.
     ``clip_qkv`` (an elementwise clamp), ``softmax_scale``, ``alibi_bias_max``, ``attn_uses_sequence_id``,
     ``embedding_fraction``, ``logit_scale``, dropouts and init keys do not change the step's cost and are ignored.
 
@@ -377,6 +379,7 @@ def _read_mpt(cfg: dict, where: str) -> dict[str, Any]:
             "position_embedding_type": "none" if alibi else "learned_absolute",
             "normalization": MPT_NORMS[norm.lower()], "add_bias_linear": bias,
             "untie_embeddings_and_output_weights": not _flag(cfg, where, "tie_word_embeddings", True),
+            **({"attention_backend": "flash_varlen"} if attn["attn_impl"] == "flash" else {}),
             "sliding_window": None}
 
 

@@ -172,9 +172,12 @@ class ModelConfig(_Model):
         default=None, gt=0, le=MAX_CAPACITY_FACTOR, description="Megatron --moe-expert-capacity-factor: each expert "
         "takes at most ceil(factor x T x topk / num_experts) tokens of a rank's T, the rest are dropped (no "
         "padding); null: dropless.")
-    attention_backend: Literal["flash", "unfused"] = Field(
+    attention_backend: Literal["flash", "flash_varlen", "unfused"] = Field(
         default="flash", description="Megatron-Core --attention-backend: flash (one flash-attention kernel, the "
-        "default) or unfused (Megatron-LM before flash attention, 2020-2022: Q K^T and attention x V batched GEMMs "
+        "default), flash_varlen (the same kernel called through flash-attn's bert_padding unpad_input / pad_input, "
+        "as llm-foundry's MPT flash_attn_fn does even without padding: three gathers of q, k, v and a zero-filled "
+        "padded output, their scatters and the QKV concatenation in backward, in place of the output transpose; "
+        "not with rope or context parallelism: simulator/graph/builders/varlen.py) or unfused (Megatron-LM before flash attention, 2020-2022: Q K^T and attention x V batched GEMMs "
         "over the whole s x s square, the fused causal softmax, attention dropout; the [b, a, s, s] scores in HBM "
         "and 5 a s^2 b bytes per layer saved for backward: simulator/graph/builders/attention.py). unfused: not "
         "with group_query_attention, window_size or context parallelism; needed by precision fp32 / tf32.")
@@ -263,6 +266,9 @@ class ModelConfig(_Model):
                                  "flash, or group_query_attention false)")
             if self.window_size is not None and self.window_size < self.seq_length:
                 raise ValueError("attention_backend: unfused with window_size is not modelled (allowed: flash)")
+        if self.attention_backend == "flash_varlen" and self.position_embedding_type == "rope":
+            raise ValueError("attention_backend: flash_varlen with position_embedding_type rope is not modelled "
+                             "(allowed: learned_absolute or none; or attention_backend flash)")
         if self.kernels == "hf_eager":
             bad = [k for k, on in (("attention_backend flash", self.attention_backend != "unfused"),
                                    ("swiglu", self.swiglu), ("num_experts", self.num_experts is not None),
@@ -302,7 +308,14 @@ class OptimizerConfig(_Model):
     """Optimizer (PyTorch names)."""
 
     type: Literal["adamw"] = "adamw"
-    impl: Literal["fused", "foreach"] = Field(default="fused", description="torch.optim.AdamW(fused=True) or foreach.")
+    impl: Literal["fused", "foreach", "single"] = Field(
+        default="fused", description="fused: torch.optim.AdamW(fused=True), one kernel, 28 bytes per fp32 "
+        "parameter; foreach: torch.optim.AdamW(foreach=True) (_multi_tensor_adamw, PyTorch's default on CUDA), "
+        "eight multi-tensor elementwise passes, 80 bytes per fp32 parameter; single: a Python loop over the "
+        "parameter tensors, the same eight passes per tensor (sqrt and div into new tensors), 80 bytes per fp32 "
+        "parameter (torch.optim.AdamW(foreach=False) _single_tensor_adamw; Composer's DecoupledAdamW, llm-foundry's "
+        "decoupled_adamw). foreach and single need fp32 parameters (training.precision amp_fp32_params, fp32 or "
+        "tf32); Megatron's bf16/fp16 optimizer is fused.")
 
 
 class TrainingConfig(_Model):
@@ -344,6 +357,18 @@ class TrainingConfig(_Model):
     lora: LoraConfig | None = Field(default=None, description="LoRA fine-tune (Hugging Face PEFT names; "
                                     "simulator/config/sections/lora.py): base weights frozen, low-rank adapters "
                                     "trained. Default: every parameter is trained.")
+
+    @model_validator(mode="after")
+    def _single_tensor_optimizer_scope(self):
+        if self.optimizer.impl != "fused" and self.precision not in SINGLE_TENSOR_PRECISIONS:
+            raise ValueError(f"training.optimizer.impl: {self.optimizer.impl} needs fp32 parameters (allowed "
+                             f"training.precision: "
+                             f"{', '.join(SINGLE_TENSOR_PRECISIONS)}; got {self.precision})")
+        return self
+
+
+#: Precisions whose parameters, gradients and moments are fp32: what ``optimizer.impl: single`` and ``foreach`` are priced for.
+SINGLE_TENSOR_PRECISIONS = ("amp_fp32_params", "fp32", "tf32")
 
 
 class ParallelismConfig(_Model):
@@ -931,9 +956,9 @@ class ScenarioConfig(_Model):
         if self.training.precision == "amp_fp32_params" and self.fsdp is None:
             raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
                              "with fsdp only, PyTorch context parallelism)")
-        if m.attention_backend == "unfused":
-            raise ValueError(f"{key}: {cp} > 1 with model.attention_backend unfused is not modelled (allowed: "
-                             "attention_backend flash with context parallelism)")
+        if m.attention_backend != "flash":
+            raise ValueError(f"{key}: {cp} > 1 with model.attention_backend {m.attention_backend} is not modelled "
+                             "(allowed: attention_backend flash with context parallelism)")
         z = self.zero_optimization
         if m.num_experts:
             raise ValueError(f"{key}: {cp} > 1 with experts is not modelled yet (allowed: dense models; DDP, ZeRO, "

@@ -54,7 +54,7 @@ class FsdpMixedPrecision(_Model):
 FSDP_CPU_ADAM_IMPLS = ("torch_single", "torch_foreach", "torch_fused")
 #: ``training.optimizer.impl`` -> the implementation ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)`` runs on CPU
 #: parameters (fused CPU AdamW: torch >= 2.4)
-OPTIMIZER_IMPL_ON_CPU = {"foreach": "torch_foreach", "fused": "torch_fused"}
+OPTIMIZER_IMPL_ON_CPU = {"foreach": "torch_foreach", "fused": "torch_fused", "single": "torch_single"}
 
 
 class FsdpCpuOffload(_Model):
@@ -65,7 +65,7 @@ class FsdpCpuOffload(_Model):
     cpu_adam_impl: Literal["torch_single", "torch_foreach", "torch_fused"] | None = Field(
         default=None, description="torch AdamW on the CPU shards: torch_single (the for-loop torch picks for CPU "
         "tensors when neither foreach nor fused is given), torch_foreach, torch_fused; default: from "
-        "training.optimizer.impl (foreach -> torch_foreach, fused -> torch_fused).")
+        "training.optimizer.impl (foreach -> torch_foreach, fused -> torch_fused, single -> torch_single).")
 
 
 class FsdpConfig(_Model):

@@ -42,7 +42,7 @@ from __future__ import annotations
 from simulator.graph.builders import hf_eager as hf
 from simulator.graph.ops import CostClass as C
 
-ATTENTION_BACKENDS = ("flash", "unfused")
+ATTENTION_BACKENDS = ("flash", "flash_varlen", "unfused")  # flash_varlen: builders/varlen.py
 
 
 def check_attention_spec(spec) -> None:

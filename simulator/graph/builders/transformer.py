@@ -96,10 +96,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hardware_models.host_kernels import adamw_passes
+
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
-from simulator.graph.builders import lora, moe
+from simulator.graph.builders import lora, moe, varlen
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
@@ -139,7 +141,13 @@ class TransformerSpec:
         tied_embeddings: LM head shares the token-embedding weight.
         bias: Linear and LayerNorm layers have biases.
         precision: One of ``PRECISIONS``.
-        optimizer_impl: ``fused`` (one multi-tensor kernel) or ``foreach``.
+        optimizer_impl: ``fused`` (one kernel, 28 bytes per fp32 parameter), ``foreach``
+            (``torch.optim.AdamW(foreach=True)``, ``_multi_tensor_adamw``: its eight multi-tensor passes of
+            ``hardware_models.host_kernels.adamw_passes("torch_foreach")``, 80 bytes per fp32 parameter) or
+            ``single`` (the per-tensor loop of ``torch.optim.AdamW(foreach=False)`` / Composer's
+            ``DecoupledAdamW``: the same passes, sqrt and div into new tensors, ``"torch_single"``, 80 bytes per
+            fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
+            multi-tensor-apply chunk (foreach) launches are not counted.
         clip_grad: Megatron-LM ``--clip-grad`` (0: no clipping). With ``p > 1`` and a value above 0 every pipeline
             rank joins the gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's
             found-inf all-reduce joins them. The norm kernel's own read of the gradients is not priced.
@@ -210,7 +218,9 @@ class TransformerSpec:
         causal: Causal (decoder) attention; false: bidirectional, every query scores all ``s`` keys (ViT).
         vit: A vision transformer (``vit.VitShape``): patch embedding and classification head in place of the
             token embedding and LM head (``vocab_size`` unused); ``None``: a decoder.
-        attention_backend: ``flash`` (one flash-attention kernel) or ``unfused`` (Megatron-LM 2020-2022: batched
+        attention_backend: ``flash`` (one flash-attention kernel), ``flash_varlen`` (the same kernel between
+            flash-attn's unpad / pad helpers, llm-foundry's MPT: ``simulator/graph/builders/varlen.py``) or
+            ``unfused`` (Megatron-LM 2020-2022: batched
             GEMMs, fused causal softmax, dropout; ``simulator.graph.builders.attention``).
         attention_dropout: Attention-probability dropout rate (Megatron ``--attention-dropout``; kernels and
             masks with ``unfused``; inside the flash kernel, not priced separately, with ``flash``).
@@ -390,9 +400,10 @@ class TransformerSpec:
         if self.vit is not None:
             vitb.check_vit_spec(self)
         core.check_attention_spec(self)
+        varlen.check_varlen_spec(self)
         hf.check_spec(self)
         if self.precision in FULL_PRECISIONS:
-            if self.attention_backend == "flash":
+            if self.attention_backend != "unfused":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
             if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
@@ -1199,6 +1210,9 @@ class _GptBuilder:
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
         sv_core = None
+        varlen_mode = s.attention_backend == "flash_varlen"  # MPT's padding helpers (builders/varlen.py)
+        if varlen_mode:
+            qkv = varlen.unpad_fwd(self, qkv, T, (h, kv, kv))
         if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
             att, sv_core = core.unfused_fwd(self, qkv, qk)
         else:
@@ -1208,9 +1222,12 @@ class _GptBuilder:
                             uses=[qkv] + ([qk] if qk else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
-        attc = e.fresh("attn.out_contig")
-        e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h, out=[(attc, self.w * T * h)],
-                 uses=[att])
+        if varlen_mode:
+            attc = varlen.pad_fwd(self, att, T, h)
+        else:
+            attc = e.fresh("attn.out_contig")
+            e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
+                     out=[(attc, self.w * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
@@ -1255,9 +1272,12 @@ class _GptBuilder:
         # attention
         g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
         g_proj_in = self._linear_bwd("proj", self._tp_gather("proj.grad", g_proj), sv["sv_proj"], h, hf, g_fp32=True)
-        g_att = e.fresh("attn.transpose.dx")
-        e.kernel("attn.transpose.dgrad", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
-                 out=[(g_att, self.w * T * h)], uses=[g_proj_in])
+        if s.attention_backend == "flash_varlen":  # MPT's padding helpers (simulator/graph/builders/varlen.py)
+            g_att = varlen.pad_bwd(self, g_proj_in, T, h)
+        else:
+            g_att = e.fresh("attn.transpose.dx")
+            e.kernel("attn.transpose.dgrad", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
+                     out=[(g_att, self.w * T * h)], uses=[g_proj_in])
         att = sv["att"]
         if s.attention_backend == "unfused":  # re-run the core first with selective recompute
             sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
@@ -1274,6 +1294,8 @@ class _GptBuilder:
                             uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
                             q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            if s.attention_backend == "flash_varlen":
+                g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
@@ -1590,8 +1612,14 @@ class _GptBuilder:
                 chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
-        e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share, uses=grads,
-                 dtype="fp32", deps=deps, meta={"params": P})
+        if s.optimizer_impl in ("single", "foreach"):  # one kernel per pass (fp32 parameters: the schema's rule)
+            for k, ps in enumerate(adamw_passes(f"torch_{s.optimizer_impl}")):
+                deps = [e.kernel(f"adamw.{k}.{ps.name.split('(')[0]}", C.OPTIMIZER, reads=ps.read_bytes * P * share,
+                                 writes=(ps.write_bytes + ps.fresh_bytes) * P * share, flops=P * share, uses=grads,
+                                 dtype="fp32", deps=deps, **({"meta": {"params": P}} if k == 0 else {}))]
+        else:
+            e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share,
+                     uses=grads, dtype="fp32", deps=deps, meta={"params": P})
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1

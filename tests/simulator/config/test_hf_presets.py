@@ -116,6 +116,14 @@ def test_mpt_learned_positions_and_biases_by_hand(tmp_path):
     assert alibi.num_parameters == s.num_parameters - 32 * 64 and alibi.position_embedding == "none"
 
 
+def test_mpt_flash_attn_impl_is_flash_between_the_padding_helpers(tmp_path):
+    """attn_impl flash: MPT's flash_attn_fn (unpad / pad around the kernel); triton and torch: the plain kernel."""
+    for impl, backend in (("flash", "flash_varlen"), ("triton", "flash")):
+        cfg = load_scenario(scenario(tmp_path, {"from_hf": "./config.json"},
+                                     {**TINY_MPT, "attn_config": {"alibi": False, "attn_impl": impl}}))
+        assert cfg.model.attention_backend == backend
+
+
 def test_none_position_embedding_drops_the_table_and_keeps_the_kernels():
     """position_embedding none: the learned-position spec minus the table's parameters and its gather row."""
     kw = {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 16, "vocab_size": 1000,
