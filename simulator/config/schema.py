@@ -361,7 +361,8 @@ class ParallelismConfig(_Model):
         "--no-async-tensor-model-parallel-allreduce: false): the qkv / fc1 / LM-head input-gradient all-reduce "
         "runs beside the weight-gradient GEMM; with sequence_parallel (and tp_comm_overlap false) the layer input "
         "is saved as its 1/t shard, all-gathered again beside the input-gradient GEMM and the input gradient "
-        "reduce-scattered beside the weight-gradient GEMM. false: the 2020 code (blocking, after the layer's "
+        "reduce-scattered beside the weight-gradient GEMM (not with amp_fp32_params or fp8 under sequence_parallel, "
+        "nor for MoE shared experts or LoRA: blocking there). false: the 2020 code (blocking, after the layer's "
         "backward).")
     pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --pipeline-model-parallel-size. > 1 needs "

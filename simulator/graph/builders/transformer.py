@@ -61,9 +61,13 @@ same memory traffic the GPU moves:
   all-gather before qkv, fc1 and the LM head, reduce-scatter after proj, fc2 and the embedding;
   backward the reverse), LayerNorm and residual kernels (and their activations) run on ``s / t``
   tokens, and the gradients of the sequence-parallel parameters (LayerNorms, row-parallel biases)
-  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). Megatron's
-  re-gather of the LayerNorm output for the weight gradient in backward (overlapped with the input
-  gradient GEMM) is not modelled.
+  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). With
+  ``tp_async_grad_reduce`` the column-parallel layers save their input's ``s / t`` shard and gather it again
+  for the weight gradient beside the input-gradient GEMM (Megatron's re-gather), and reduce-scatter the input
+  gradient beside the weight-gradient GEMM; without it the gathered input is saved and nothing is re-gathered.
+* **Asynchronous column-parallel backward** (``tp_async_grad_reduce``, Megatron-LM 2021 on): the qkv, fc1
+  and LM-head input-gradient all-reduce starts after the input-gradient GEMM and runs beside the weight
+  gradient; the compute stream waits for it after the bias gradient (see ``TransformerSpec``).
 
 * **Llama features** (Touvron et al., *Llama 2*, 2023, section 2.2; Megatron-LM names):
   grouped-query attention (Ainslie et al., *GQA*, EMNLP 2023) with ``g`` K/V groups makes the
@@ -187,8 +191,9 @@ class TransformerSpec:
             NVIDIA/Megatron-LM @02bb1f5 ``megatron/mpu/layers.py``). The compute stream waits for the
             collective after the bias gradient (``handle.wait()``), before the fp32 gradient accumulation.
             False: the 2020 behaviour (the reduction blocks the compute stream after the layer's backward; the
-            gathered input is saved). Not applied to MoE shared experts, LoRA or a deferred (zero-bubble)
-            weight gradient, which keep the blocking reduction.
+            gathered input is saved). Not applied to MoE shared experts, LoRA, sequence parallelism under
+            ``amp_fp32_params`` or fp8 (the blocking backward is built), nor to a deferred (zero-bubble) weight
+            gradient (the reduction blocks: nothing to run beside).
         num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
             MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
         moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
