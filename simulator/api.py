@@ -65,6 +65,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         virtual_pipeline_size=p.chunks_per_rank, pipeline_schedule=p.schedule,
         pipeline_layers=tuple(p.pipeline_layers_per_stage) if p.pipeline_layers_per_stage else None,
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
+        tp_async_grad_reduce=p.async_tensor_model_parallel_allreduce,
         context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8, fp8_amax_history_len=t.fp8_amax_history_len,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,

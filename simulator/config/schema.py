@@ -388,6 +388,14 @@ class ParallelismConfig(_Model):
         "sequence-parallel all-gathers / reduce-scatters run beside their GEMMs and interfere with them); fused: a "
         "fused GEMM + collective kernel (Triton-distributed, async-TP) that overlaps without taking SMs. Needs "
         "sequence_parallel and tp > 1.")
+    async_tensor_model_parallel_allreduce: bool = Field(
+        default=True, description="Megatron-LM's asynchronous column-parallel backward (on since Megatron-LM 2021; "
+        "--no-async-tensor-model-parallel-allreduce: false): the qkv / fc1 / LM-head input-gradient all-reduce "
+        "runs beside the weight-gradient GEMM; with sequence_parallel (and tp_comm_overlap false) the layer input "
+        "is saved as its 1/t shard, all-gathered again beside the input-gradient GEMM and the input gradient "
+        "reduce-scattered beside the weight-gradient GEMM (not with amp_fp32_params or fp8 under sequence_parallel, "
+        "nor for MoE shared experts or LoRA: blocking there). false: the 2020 code (blocking, after the layer's "
+        "backward).")
     pipeline_model_parallel_size: PositiveInt = Field(
         default=1, le=MAX_DATA_PARALLEL_SIZE, description="Megatron --pipeline-model-parallel-size. > 1 needs "
         "hardware.cluster; the layers are split evenly unless pipeline_layers_per_stage is given.")

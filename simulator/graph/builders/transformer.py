@@ -61,9 +61,13 @@ same memory traffic the GPU moves:
   all-gather before qkv, fc1 and the LM head, reduce-scatter after proj, fc2 and the embedding;
   backward the reverse), LayerNorm and residual kernels (and their activations) run on ``s / t``
   tokens, and the gradients of the sequence-parallel parameters (LayerNorms, row-parallel biases)
-  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). Megatron's
-  re-gather of the LayerNorm output for the weight gradient in backward (overlapped with the input
-  gradient GEMM) is not modelled.
+  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). With
+  ``tp_async_grad_reduce`` the column-parallel layers save their input's ``s / t`` shard and gather it again
+  for the weight gradient beside the input-gradient GEMM (Megatron's re-gather), and reduce-scatter the input
+  gradient beside the weight-gradient GEMM; without it the gathered input is saved and nothing is re-gathered.
+* **Asynchronous column-parallel backward** (``tp_async_grad_reduce``, Megatron-LM 2021 on): the qkv, fc1
+  and LM-head input-gradient all-reduce starts after the input-gradient GEMM and runs beside the weight
+  gradient; the compute stream waits for it after the bias gradient (see ``TransformerSpec``).
 
 * **Llama features** (Touvron et al., *Llama 2*, 2023, section 2.2; Megatron-LM names):
   grouped-query attention (Ainslie et al., *GQA*, EMNLP 2023) with ``g`` K/V groups makes the
@@ -191,6 +195,19 @@ class TransformerSpec:
             after a row-parallel GEMM run beside that GEMM, chunk by chunk, and interfere with it as any
             collective does); ``fused`` (one fused GEMM + collective kernel, Triton-distributed / async-TP:
             the same overlap without taking SMs or HBM bandwidth from the GEMM). Needs sequence parallelism.
+        tp_async_grad_reduce: Megatron-LM's asynchronous backward of the column-parallel layers (qkv, fc1, the
+            LM head; ``--no-async-tensor-model-parallel-allreduce`` turns it off, Megatron-LM 2021 on; the 2020
+            code has it not): without sequence parallelism the input gradient's all-reduce runs beside the
+            weight-gradient GEMM and the bias gradient (``ColumnParallelLinearWithAsyncAllreduce``); with it
+            (and ``tp_comm_overlap`` none) the layer input is saved as its ``1 / t`` sequence shard, all-gathered
+            again beside the input-gradient GEMM for the weight gradient, and the input gradient
+            reduce-scattered beside the weight-gradient GEMM (``ColumnParallelLinearWithSequenceParallelism``;
+            NVIDIA/Megatron-LM @02bb1f5 ``megatron/mpu/layers.py``). The compute stream waits for the
+            collective after the bias gradient (``handle.wait()``), before the fp32 gradient accumulation.
+            False: the 2020 behaviour (the reduction blocks the compute stream after the layer's backward; the
+            gathered input is saved). Not applied to MoE shared experts, LoRA, sequence parallelism under
+            ``amp_fp32_params`` or fp8 (the blocking backward is built), nor to a deferred (zero-bubble) weight
+            gradient (the reduction blocks: nothing to run beside).
         num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
             MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
         moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
@@ -266,6 +283,7 @@ class TransformerSpec:
     pipeline_schedule: str = "1f1b"
     pipeline_layers: tuple[int, ...] | None = None
     tp_comm_overlap: str = "none"
+    tp_async_grad_reduce: bool = False
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     fp8: str | None = None
@@ -749,6 +767,11 @@ class _GptBuilder:
         self.e.half = "fp16" if self.fp16 else (spec.precision if self.full else "bf16")
         self.tp = spec.tensor_parallel_size
         self.sp = spec.sequence_parallel and self.tp > 1
+        #: Megatron's asynchronous column-parallel backward (``tp_async_grad_reduce``); with sequence parallelism
+        #: the layer input is saved as its shard and gathered again (16-bit inputs only: TP needs bf16 / fp16)
+        self._async_grad = spec.tp_async_grad_reduce and self.tp > 1 and spec.lora is None and (
+            not self.sp or (spec.tp_comm_overlap == "none" and not amp and not self.fp8))
+        self._regather = self._async_grad and self.sp
         #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)
@@ -885,14 +908,22 @@ class _GptBuilder:
         return xq, wq
 
     def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool,
-                    tokens: int | None = None, groups: int = 1):
+                    tokens: int | None = None, groups: int = 1, tp_reduce: str | None = None):
         """Input-gradient and weight-gradient GEMMs, bias gradient, fp32 grad accumulation (``tokens``,
         ``groups``: as ``_linear_fwd``; the grouped weight gradient is ``groups`` GEMMs ``(out, in,
-        tokens / groups)``, priced as one of ``groups * out`` rows)."""
+        tokens / groups)``, priced as one of ``groups * out`` rows).
+
+        ``tp_reduce``: a column-parallel layer, whose input gradient is reduced over the TP group under that
+        name (``_tp_reduce``; returned reduced): asynchronously beside the weight gradient with
+        ``tp_async_grad_reduce`` (and, with sequence parallelism, the saved input shard gathered again beside the
+        input-gradient GEMM), else blocking after the layer's backward."""
         e = self.e
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
         xin, w16 = saved[:2]
+        async_ = tp_reduce is not None and self._async_grad
+        if async_ and self._regather:  # the 1/t shard saved in forward (_save_shard): gathered beside the dgrad GEMM
+            xin = self._tp_gather_beside(f"{name}.input", xin, self.w * T * in_dim)
         keep = []
         if self.pg is not None:  # ZeRO-3/FULL_SHARD: read the parameters gathered again for backward
             w16 = self.pg.backward_weight(w16)
@@ -914,12 +945,20 @@ class _GptBuilder:
             e.kernel(f"{name}.fp8_quantize_grad", C.CAST, reads=2 * T * out_dim, writes=T * out_dim,
                      out=[(gq, T * out_dim)], uses=[gin])
             gin, q, gdt = gq, 1, "fp8"
-        e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
-                 reads=q * (T * out_dim + W), writes=self.w * T * in_dim,
-                 out=[(dx, self.w * T * in_dim)], uses=[gin, w16, *keep], dtype=gdt)
+        dg = e.kernel(f"{name}.dgrad", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, in_dim, out_dim),
+                      reads=q * (T * out_dim + W), writes=self.w * T * in_dim,
+                      out=[(dx, self.w * T * in_dim)], uses=[gin, w16, *keep], dtype=gdt)
         self._after_overlapped_gemm()
         if self.s.lora is not None:  # frozen base weight: no weight or bias gradient (lora.py)
-            return lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
+            dx = lora.adapter_bwd(self, gin, saved[2] if len(saved) > 2 else None, dx)
+            return self._tp_reduce(tp_reduce, dx) if tp_reduce is not None else dx
+        pending: list[int] = []  # the asynchronous reduction the compute stream waits for after the bias gradient
+        if async_:
+            dx, rid = self._tp_reduce_beside(tp_reduce, dx, dg)
+            pending.append(rid)
+            if self._deferred is not None:  # zero-bubble: the weight gradient runs later, nothing to hide behind
+                e.wait_for.extend(pending)
+                pending.clear()
 
         def weight_grads() -> None:
             dw = e.fresh(f"{name}.dw16")
@@ -932,11 +971,14 @@ class _GptBuilder:
                                writes=4 * out_dim, uses=[gin])
                 if not head:
                     self._grad_ready(f"{name}.bias", out_dim, bid)
+            e.wait_for.extend(pending)  # Megatron handle.wait(): before the main_grad accumulation hook
             wid, gname = self._accumulate_grad(name, dw, W)
             if name != "wte" or not self.s.has_embedding:  # the tied wte gradient is finished by embed.grad_accum
                 self._grad_ready(f"{name}.weight", W, wid, gname)
 
         self._weight_grads(weight_grads)
+        if tp_reduce is not None and not async_:
+            dx = self._tp_reduce(tp_reduce, dx)
         return dx
 
     def _weight_grads(self, fn) -> None:
@@ -1060,6 +1102,39 @@ class _GptBuilder:
             return y
         self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=[(y, nbytes // self.tp)])
         return y
+
+    def _tp_reduce_beside(self, name: str, x: str, gemm: int) -> tuple[str, int]:
+        """``_tp_reduce`` of the input gradient ``x`` of a column-parallel layer, issued right after its
+        input-gradient GEMM ``gemm`` and not waited for by the next compute kernel (Megatron's asynchronous
+        all-reduce / reduce-scatter beside the weight-gradient GEMM, ``tp_async_grad_reduce``). Returns the
+        reduced tensor and the collective's id (the caller makes the compute stream wait for it)."""
+        nbytes = self.w * self.T * self.s.hidden_size
+        if self.sp:
+            y = self.e.fresh(f"{name}.rs")
+            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x],
+                            out=[(y, nbytes // self.tp)], after=[gemm])
+        else:
+            y = x
+            i = self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x], after=[gemm])
+        self.e.wait_for.remove(i)
+        return y, i
+
+    def _tp_gather_beside(self, name: str, x: str, nbytes: int) -> str:
+        """Sequence parallelism with ``tp_async_grad_reduce``: all-gather the saved ``1 / t`` shard ``x`` of a
+        column-parallel layer's input (``nbytes`` the gathered array) beside the input-gradient GEMM issued
+        next; only the weight-gradient GEMM reading the result waits for it (Megatron ``_all_gather_base(...,
+        async_op=True)`` in the column-parallel backward). Returns the gathered tensor."""
+        y = self.e.fresh(f"{name}.ag")
+        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
+        self.e.wait_for.remove(i)
+        return y
+
+    def _save_shard(self, saved: tuple, shard: str) -> tuple:
+        """What a column-parallel layer saves for backward under sequence parallelism with
+        ``tp_async_grad_reduce``: its input's ``1 / t`` shard ``shard`` in place of the gathered input (Megatron
+        saves the shard and gathers it again in backward; Korthikanti et al. 2023, section 4.2.2, the ``2 s b h /
+        t`` LayerNorm outputs of eq. 2). Else ``saved`` unchanged."""
+        return (shard, *saved[1:]) if saved and self._regather else saved
 
     def _tp_gather(self, name: str, x: str, before_gemm: bool = True) -> str:
         """Sequence parallelism: all-gather the ``[T / t, h]`` 16-bit shard ``x`` into ``[T, h]`` before a
@@ -1201,8 +1276,10 @@ class _GptBuilder:
         h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         self._gather_layer_params(e.layer, e.phase)
-        ln1 = self._tp_gather("ln1", self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM))
+        ln1s = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
+        ln1 = self._tp_gather("ln1", ln1s)
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
+        sv_qkv = self._save_shard(sv_qkv, ln1s)
         qk = self._rope_fwd(qkv, h + kv)
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
@@ -1236,8 +1313,9 @@ class _GptBuilder:
         if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py), T / t tokens
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
-            ln2 = self._tp_gather("ln2", ln2)
+            ln2s, ln2 = ln2, self._tp_gather("ln2", ln2)
             fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
+            sv_fc1 = self._save_shard(sv_fc1, ln2s)
             g = self._act_fwd("", fc1, T, f)
             fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
             fc2 = self._tp_reduce("fc2", fc2)
@@ -1265,8 +1343,8 @@ class _GptBuilder:
             g_fc2 = core.hidden_dropout_bwd(self, "residual2.dropout", gx, sv["mask2"])
             g_fc2_in = self._linear_bwd("fc2", self._tp_gather("fc2.grad", g_fc2), sv["sv_fc2"], f, hf, g_fp32=True)
             g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
-            g_ln2 = self._tp_reduce("fc1.grad", self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t,
-                                                                 g_fp32=False))
+            g_ln2 = self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t, g_fp32=False,
+                                     tp_reduce="fc1.grad")
         g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
@@ -1297,7 +1375,7 @@ class _GptBuilder:
             if s.attention_backend == "flash_varlen":
                 g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
-        g_ln1 = self._tp_reduce("qkv.grad", self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False))
+        g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False, tp_reduce="qkv.grad")
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
         out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
         self._release_layer_params(e.layer, Phase.BWD)
@@ -1368,8 +1446,10 @@ class _GptBuilder:
             return st
         st["x"] = x
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
-        xf = self._tp_gather("ln_f", self._norm_fwd("ln_f", x))
-        logits, st["sv_head"] = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
+        xfs = self._norm_fwd("ln_f", x)
+        xf = self._tp_gather("ln_f", xfs)
+        logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
+        st["sv_head"] = self._save_shard(sv_head, xfs)
         st["lsm"] = self._loss_fwd(T, V, logits, tokens, vocab_parallel=True)
         return st
 
@@ -1439,8 +1519,8 @@ class _GptBuilder:
             g_logits = self._loss_bwd(T, V, st["lsm"])
             self._gather_layer_params(s.num_layers, Phase.BWD)
             g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
-                                 g_fp32=False)
-            g = self._norm_bwd("ln_f", self._tp_reduce("lm_head.grad", g), st["x"], g_is_bf16=True)
+                                 g_fp32=False, tp_reduce="lm_head.grad")
+            g = self._norm_bwd("ln_f", g, st["x"], g_is_bf16=True)
         else:
             g = self._take(("grad", k, mb))
         saved_layers = st["layers"]

@@ -20,7 +20,9 @@ BASE = {
 
 
 def _cfg(mode):
-    return scenario_from_dict({**BASE, "parallelism": {**BASE["parallelism"], "tp_comm_overlap": mode}})
+    # against the blocking backward (async_tensor_model_parallel_allreduce false): the same collectives in each mode
+    return scenario_from_dict({**BASE, "parallelism": {**BASE["parallelism"], "tp_comm_overlap": mode,
+                                                       "async_tensor_model_parallel_allreduce": False}})
 
 
 def _op(g, name):
