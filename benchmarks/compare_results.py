@@ -65,14 +65,21 @@ def differences(a: dict, b: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    other = Path(argv[0])
-    rest, overrides = list(argv[1:]), []
-    while "--set" in rest:
-        i = rest.index("--set")
-        overrides.append(rest[i + 1])
-        del rest[i:i + 2]
-    scenarios = [Path(p) for p in rest] or sorted(p for d in ("scenarios/h200", "scenarios/cluster")
-                                                      for p in (ROOT / d).glob("*.yaml"))
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Check that two checkouts give bit-identical results on the bundled "
+                                 "scenarios (exit 1 and one line per difference when anything differs).")
+    ap.add_argument("other", type=Path, help="the other checkout's root")
+    ap.add_argument("scenarios", nargs="*", type=Path,
+                    help="scenario files (default: scenarios/h200/*.yaml and scenarios/cluster/*.yaml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a scenario override applied in both runs (repeatable)")
+    args = ap.parse_args(argv)
+    if not (args.other / "simulator").is_dir():
+        ap.error(f"{args.other}: not a checkout of this project (no simulator/ folder)")
+    other, overrides = args.other, args.overrides
+    scenarios = args.scenarios or sorted(p for d in ("scenarios/h200", "scenarios/cluster")
+                                         for p in (ROOT / d).glob("*.yaml"))
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         for sc in scenarios:
