@@ -270,10 +270,10 @@ class Stamper:
                 return -1
             return start + r if r >= 0 else vals[-1 - r]
 
+        producer = e.producer
         for k, p in t.producer:
-            e.producer[table[k]] = ident(p)
-        for k, nb in t.size:
-            e.size[table[k]] = nb
+            producer[table[k]] = -1 if p is None else (start + p if p >= 0 else vals[-1 - p])
+        e.size.update([(table[k], nb) for k, nb in t.size])
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
         return _mapped(t.result, lambda n: table[n.r])

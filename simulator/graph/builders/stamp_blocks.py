@@ -211,32 +211,26 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
     for i in inst:
         for k in i.bt.mid:
             mid[i.table[k]] = i.start
-    last_use: dict[str, int] = {}
-    streams: dict[str, list[int]] = defaultdict(list)
-    first_dependent: dict[int, int] = {}  # op -> first compute op waiting for it
+    last_use = {u: op.id for op in ops for u in op.uses}  # later ops overwrite: the last user
     for op in ops:
-        st = op.stream
-        if op.uses:
+        if op.stream != COMPUTE_STREAM and op.uses:
             for u in op.uses:
-                last_use[u] = op.id
-            if st != COMPUTE_STREAM and mid:
-                for u in op.uses:
-                    m = mid.get(u)
-                    if m is not None and (owner(op.id) is None or owner(op.id).start != m):  # own pass: in its template
-                        return f"op {op.name} on stream {st} uses a tensor made inside a stamped block"
+                m = mid.get(u)
+                if m is not None and (owner(op.id) is None or owner(op.id).start != m):  # own pass: in its template
+                    return f"op {op.name} on stream {op.stream} uses a tensor made inside a stamped block"
         if op.meta and op.meta.get("prev_step_deps") and any(owner(d) for d in op.meta["prev_step_deps"]):
             return f"op {op.name} of the next step waits for a stamped block"
-        if st.startswith("comm.tp"):
-            streams[st].append(op.id)
-        elif st == COMPUTE_STREAM:
-            for d in op.deps:
-                first_dependent.setdefault(d, op.id)
+    streams: dict[str, list[int]] = defaultdict(list)
+    for op in ops:
+        if op.stream.startswith("comm.tp"):
+            streams[op.stream].append(op.id)
     compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
     on: dict[str, list[Instance]] = defaultdict(list)  # stream -> passes with ops on it, in order
     for i in inst:
         for e in i.bt.edges:
             on[e[0]].append(i)
     edge_of = {(id(i), e[0]): e for i in inst for e in i.bt.edges}
+    starts_on = {st: [q.start for q in qs] for st, qs in on.items()}
     for i in inst:
         t, table = i.bt, i.table
         for k in t.folded_uses:
@@ -254,18 +248,17 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
             if last_use.get(table[k], -1) < i.end:
                 return f"a result of a stamped pass of layer {i.layer} is used by nothing after it"
         for st, first, last, *_ in t.edges:
-            why = _stream_edges(ops, streams.get(st, []), on[st], edge_of, first_dependent, i, st, first, last)
+            why = _stream_edges(ops, streams.get(st, []), on[st], starts_on[st], edge_of, i, st, first, last)
             if why:
                 return why
     return None
 
 
-def _stream_edges(ops, seq: list[int], passes: list[Instance], edge_of: dict, first_dependent: dict[int, int],
-                  i: Instance, st: str, first, last) -> str | None:
+def _stream_edges(ops, seq: list[int], passes: list[Instance], starts: list[int], edge_of: dict, i: Instance,
+                  st: str, first, last) -> str | None:
     """Check 4 for pass ``i`` on TP stream ``st`` (``seq``: the graph's ops on it; ``passes``: the stamped passes
-    with ops on it): ``foldable_tp``'s conditions on the neighbours, on the stream, of the pass's first op (``first``:
-    its ``a``, where foldable in the template) and last op (``last``: its ``b``)."""
-    starts = [q.start for q in passes]
+    with ops on it, ``starts`` theirs): ``foldable_tp``'s conditions on the neighbours, on the stream, of the pass's
+    first op (``first``: its ``a``, where foldable in the template) and last op (``last``: its ``b``)."""
     k = bisect_left(starts, i.start)
     if first is not None:
         a = i.start + first[1] if first[0] == "in" else i.vals[first[1]]
@@ -276,7 +269,7 @@ def _stream_edges(ops, seq: list[int], passes: list[Instance], edge_of: dict, fi
         if pq is not None and (prev_op is None or prev_op < pq.end):  # the kernel-level op before is pq's last
             _, _, pl, sep, _, _ = edge_of[id(pq), st]
             p = None if pl is not None else pq.start + sep  # foldable itself: the condition holds
-        if p is not None and first_dependent.get(p, len(ops)) > a:
+        if p is not None and not any(ops[u].stream == COMPUTE_STREAM and p in ops[u].deps for u in range(p + 1, a + 1)):
             return f"the TP collective before the first of a stamped pass of layer {i.layer} is waited for later"
     if last is not None:
         j = bisect_left(seq, i.end)
