@@ -26,7 +26,8 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
    the block would end at that kernel, or the collective stay separate; an op waits for such a kernel only
    through its tensors: ``last_compute`` is a block's last kernel, ``wait_for`` a collective left separate),
    and no op of the next step waits for a stamped op;
-2. no mergeable kernel of the same layer and phase is right before or after the pass on the compute stream;
+2. no mergeable kernel of the same layer and phase is right before or after the pass on the compute stream (but
+   where the pass's first kernel, or that next kernel, waits for another stream, and so starts a block);
 3. the pass's input tensors that are not in its result are used by nothing after it, and each tensor of its
    result is used by something after it (what the third stub stands for);
 4. the TP collective before a pass's first folded one on its stream is waited for by a compute kernel no later
@@ -61,7 +62,7 @@ class BlockTemplate:
     stream ``(stream, first_block or None, last_block or None)`` as op indices of the template."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
-                 "mid", "folded_uses", "inputs", "results", "edges")
+                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross")
 
 
 def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
@@ -149,6 +150,8 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
         waits_inside = any(d >= n_ctx and mini[d].stream == COMPUTE_STREAM for d in d0)
         edges.append((st, first, last, separate, waits_inside, tuple(order[d] for d in d0 if d < n_ctx)))
     bt.edges = tuple(edges)
+    first = next((op for op in mini[n_ctx:] if op.stream == COMPUTE_STREAM), None)
+    bt.first_cross = first is not None and any(mini[d].stream != COMPUTE_STREAM for d in first.deps)
     return bt
 
 
@@ -237,9 +240,11 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
             m = mid.get(table[k])
             if m is not None and m < i.start:
                 return f"a TP collective folded into a block of layer {i.layer} uses a tensor made inside a block"
-        for op in (i.before, _next_compute(ops, compute, i.end)):
-            if op is not None and _mergeable(op) and (op.layer, op.phase) == (i.layer, i.phase) \
-                    and op.id not in range(i.start, i.end):
+        nxt = _next_compute(ops, compute, i.end)
+        for op, cut in ((i.before, t.first_cross),  # a kernel waiting for another stream starts a block
+                        (nxt, nxt is not None and any(ops[d].stream != COMPUTE_STREAM and not may_fold(ops[d])
+                                                      for d in nxt.deps))):
+            if op is not None and not cut and _mergeable(op) and (op.layer, op.phase) == (i.layer, i.phase):
                 return f"kernel {op.name} next to a stamped pass of the same layer and phase"
         for k in t.inputs:
             if last_use.get(table[k], -1) >= i.end:
