@@ -88,6 +88,10 @@ class _Template:
                  "index", "scratch")
 
 
+#: stem of a stamped block's scratch tensor (``stamp_blocks``), named after the block op's id
+SCRATCH = "activations.block_scratch.stamp#"
+
+
 def uses_form(keys: tuple[int, ...]):
     """An op's uses as a recipe holds them: table indices, read by ``Stamper._stamp`` (one C call for several)."""
     return itemgetter(*keys) if len(keys) > 1 else keys
@@ -241,7 +245,7 @@ class Stamper:
         prefix = f"L{layer}."
         table = names + [f"{stem}{uid0 + r}" for stem, r in t.fresh] + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
-            table += [f"activations.block_scratch.stamp#{start + r}" for r in t.scratch]
+            table += [f"{SCRATCH}{start + r}" for r in t.scratch]
         out = []
         i = start
         for base, suffix, ext, inner, allocs, uses, folded in t.ops:

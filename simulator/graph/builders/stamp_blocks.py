@@ -47,19 +47,23 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from simulator.graph.blocks import COMPUTE_STREAM, _mergeable, coarsen_ids, foldable_tp
-from simulator.graph.builders.stamp import uses_form
+from simulator.graph.builders.stamp import SCRATCH, uses_form
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
 
 _CTX = "ctx"  # stub stream
-SCRATCH = "activations.block_scratch.stamp#"
+__all__ = ["SCRATCH", "BlockTemplate", "Instance", "block_template", "check", "may_fold"]
 
 
 class BlockTemplate:
     """The block form of one stamp template (``Stamper._stamp`` stamps it like a kernel template); ``mid``: table
     indices of tensors made inside a block or by a folded collective (check 1); ``folded_uses``: table indices
-    the folded collectives use; ``inputs``/``results``: table indices for check 3; ``edges``: check 4, per
-    stream ``(stream, first_block or None, last_block or None)`` as op indices of the template."""
+    the folded collectives use; ``inputs``/``results``: table indices for check 3; ``first_cross``: the pass's
+    first kernel waits for another stream (check 2); ``edges``: check 4, one per TP stream the pass uses,
+    ``(stream, a, b, separate, waits_inside, slots)``: ``a`` of its first op there where ``foldable_tp`` finds it
+    foldable in the template (``("in", op index)`` or ``("ctx", context slot)``), else None; ``b`` (op index)
+    of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
+    its first op there waits for a compute kernel of the pass, and the context slots it waits for."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross")
