@@ -26,7 +26,7 @@ from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
-from simulator.policies.registry import PolicyError
+from simulator.policies.registry import PolicyError, kernels_needed
 from simulator.recording.recorder import dependencies_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
@@ -189,16 +189,23 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
     return flops / (summary["step_time_s"] * summary["world_size"])
 
 
-def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0) -> OpGraph:
+def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0, hw: Hardware | None = None) -> OpGraph:
     """The step graph of a scenario's pipeline stage ``pipeline_rank`` (before its policies); inside
-    ``reusing_graphs`` a graph built for the same ``TransformerSpec`` earlier is returned again."""
+    ``reusing_graphs`` a graph built for the same ``TransformerSpec`` earlier is returned again.
+
+    ``hw``: the stage's machine; given, at ``run.fidelity: layer`` with no other graph policy reading kernels
+    (``policies.registry.kernels_needed``), the builder stamps repeated layer passes as their blocks
+    (``build_gpt_step(blocks=True)``: the graph the layer-fidelity policy makes is the same)."""
     spec = transformer_spec(cfg, pipeline_rank)
+    blocks = hw is not None and getattr(cfg.run, "fidelity", "kernel") == "layer" and not kernels_needed(cfg)
+    how = {"blocks": blocks, "fold_tp": blocks and getattr(hw, "collectives", None) is not None}
     if not _GRAPHS.on:
-        return build_gpt_step(spec)
-    graph = _GRAPHS.graphs.pop(spec, None)
+        return build_gpt_step(spec, **how)
+    key = (spec, *how.values())
+    graph = _GRAPHS.graphs.pop(key, None)
     if graph is None:
-        graph = build_gpt_step(spec)
-    _GRAPHS.keep(spec, graph)
+        graph = build_gpt_step(spec, **how)
+    _GRAPHS.keep(key, graph)
     return graph
 
 
@@ -210,11 +217,11 @@ class _GraphCache:
     MAX_OPS = 200_000
 
     def __init__(self) -> None:
-        self.graphs: dict[TransformerSpec, OpGraph] = {}
+        self.graphs: dict[tuple, OpGraph] = {}  # (spec, blocks, fold_tp)
         self.on = 0
 
-    def keep(self, spec: TransformerSpec, graph: OpGraph) -> None:
-        self.graphs[spec] = graph  # most recent last
+    def keep(self, key: tuple, graph: OpGraph) -> None:
+        self.graphs[key] = graph  # most recent last
         total = sum(len(g) for g in self.graphs.values())
         while total > self.MAX_OPS and self.graphs:
             total -= len(self.graphs.pop(next(iter(self.graphs))))
@@ -809,7 +816,7 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             for c in classes:
                 key = (c.pp_rank, id(c.cfg), id(c.hw))
                 if key not in built:
-                    built[key] = apply_graph_policies(build_graph(c.cfg, c.pp_rank), c.cfg, c.hw)
+                    built[key] = apply_graph_policies(build_graph(c.cfg, c.pp_rank, c.hw), c.cfg, c.hw)
                 graphs.append(_meet_across_classes(built[key], c.pp_rank, c.dp_class, n_dp, c.shard_group,
                                                    parties[c.pp_rank, c.shard_group] if hybrid else 0))
             del built

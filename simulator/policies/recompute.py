@@ -52,6 +52,12 @@ class Recompute:
         ac = getattr(cfg, "activation_checkpointing", None)
         return bool(cfg.training.recompute_granularity) or bool(ac and ac.cpu_checkpointing)
 
+    @staticmethod
+    def needs_kernels(cfg) -> bool:
+        """Only activation offload rewrites ops (the checks read layers and the graph's model facts)."""
+        ac = getattr(cfg, "activation_checkpointing", None)
+        return bool(ac and ac.cpu_checkpointing)
+
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         ac = getattr(cfg, "activation_checkpointing", None)
         return recompute(graph, cfg.training.recompute_granularity, bool(ac and ac.cpu_checkpointing),

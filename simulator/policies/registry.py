@@ -54,6 +54,13 @@ def apply_graph_policies(graph, cfg, hw):
     return graph
 
 
+def kernels_needed(cfg) -> bool:
+    """Whether a graph policy that applies to ``cfg`` reads the builder's kernel-level ops (a policy says it
+    does not with a ``needs_kernels(cfg)`` that returns False; without one it does)."""
+    return any(cls.applies(cfg) and getattr(cls, "needs_kernels", lambda c: True)(cfg)
+               for _, cls in GRAPH_POLICIES.values())
+
+
 @dataclass
 class Runtime:
     """The runtime components attached to one run."""

@@ -34,8 +34,15 @@ from simulator.graph.ops import Op, TensorAlloc
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
 _GET = attrgetter(*_NAMES)
-_ID, _NAME, _LAYER, _DEPS, _ALLOCS, _USES, _META = (
-    _NAMES.index(f) for f in ("id", "name", "layer", "deps", "allocs", "uses", "meta"))
+_ID, _NAME, _LAYER, _DEPS, _ALLOCS, _USES, _META, _FOLDED = (
+    _NAMES.index(f) for f in ("id", "name", "layer", "deps", "allocs", "uses", "meta", "folded_comm"))
+
+
+def _renamed(fields: tuple, op_id: int, name: str, layer: int) -> list:
+    """An op's fields with a new id, name and layer."""
+    v = list(fields)
+    v[_ID], v[_NAME], v[_LAYER] = op_id, name, layer
+    return v
 
 
 def _strings(tree, out: list) -> list:
@@ -74,9 +81,20 @@ def _mapped(tree, f: Callable):
 
 
 class _Template:
-    """One recorded pass: its ops as recipes relative to the pass's start (see ``Stamper``)."""
+    """One recorded pass: its ops as recipes relative to the pass's start (see ``Stamper``); with block stamps also
+    the recorded pass's ops (``kops``) and tensor table (``index``)."""
 
-    __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait")
+    __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "kops",
+                 "index", "scratch")
+
+
+#: stem of a stamped block's scratch tensor (``stamp_blocks``), named after the block op's id
+SCRATCH = "activations.block_scratch.stamp#"
+
+
+def uses_form(keys: tuple[int, ...]):
+    """An op's uses as a recipe holds them: table indices, read by ``Stamper._stamp`` (one C call for several)."""
+    return itemgetter(*keys) if len(keys) > 1 else keys
 
 
 class Stamper:
@@ -86,10 +104,16 @@ class Stamper:
         e: The builder's emitter (its ``b``, ``producer``, ``size``, ``last_compute``, ``wait_for``, ``_uid``).
         state: The builder's bookkeeping as a hashable value; a pass that changes it is never stamped.
         enabled: False: every ``run`` calls ``fn`` (the reference the tests compare stamped graphs with).
+        blocks: Stamp a pass's layer blocks instead of its kernels (``stamp_blocks``; ``run.fidelity: layer``),
+            folding blocking TP collectives where ``fold_tp``; ``instances`` lists the passes so stamped.
     """
 
-    def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True):
+    def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True, blocks: bool = False,
+                 fold_tp: bool = False):
         self.e = e
+        self.blocks, self.fold_tp = blocks, fold_tp
+        self.block_templates: dict[Hashable, object] = {}  # None: stamp the kernels
+        self.instances: list = []
         self.state = state
         self.enabled = enabled
         self.templates: dict[Hashable, _Template | None] = {}  # None: a pass with this key cannot be stamped
@@ -123,6 +147,8 @@ class Stamper:
         t = self.templates.get(full_key, False)
         if t:
             self.stamped += 1
+            if self.blocks:
+                return self._stamp_blocks(t, full_key, layer, names, vals)
             return self._stamp(t, layer, names, vals)
         self.built += 1
         if t is None:
@@ -188,10 +214,11 @@ class Stamper:
                 inner = tuple(d - start for d in op.deps if d >= start)
                 uses = tuple(index[u] for u in op.uses)
                 recipes.append((tuple(_GET(op)), op.name[len(prefix):], ext, inner,
-                                tuple((index[a.name], a.nbytes, a.device) for a in op.allocs),
-                                itemgetter(*uses) if len(uses) > 1 else uses))
+                                tuple((index[a.name], a.nbytes, a.device) for a in op.allocs), uses_form(uses), ()))
             t = _Template()
             t.n_ops, t.n_uid, t.ops, t.fresh, t.consts = len(ops), n_uid, recipes, fresh, consts
+            t.kops, t.index = (list(ops), index) if self.blocks else (None, None)
+            t.scratch = ()
             t.result = _mapped(result, lambda n: _Name(index[n]))
             t.producer, t.size = [], []
             for n, i in index.items():
@@ -217,9 +244,11 @@ class Stamper:
         start, uid0 = len(e.b), e._uid
         prefix = f"L{layer}."
         table = names + [f"{stem}{uid0 + r}" for stem, r in t.fresh] + t.consts
+        if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
+            table += [f"{SCRATCH}{start + r}" for r in t.scratch]
         out = []
         i = start
-        for base, suffix, ext, inner, allocs, uses in t.ops:
+        for base, suffix, ext, inner, allocs, uses, folded in t.ops:
             v = list(base)
             v[_ID] = i
             v[_NAME] = prefix + suffix
@@ -232,20 +261,56 @@ class Stamper:
                 v[_ALLOCS] = tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs])
             v[_USES] = (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ())
             v[_META] = dict(base[_META])  # each op its own, as built
+            if folded:  # a block's TP collectives (``stamp_blocks``), renumbered to it
+                v[_FOLDED] = tuple([Op(*_renamed(c, i, prefix + s, layer)) for c, s in folded])
             out.append(Op(*v))
             i += 1
         e.b.extend(out)
         e._uid += t.n_uid
+        self._table = table
 
         def ident(r: int | None) -> int:
             if r is None:
                 return -1
             return start + r if r >= 0 else vals[-1 - r]
 
+        producer = e.producer
         for k, p in t.producer:
-            e.producer[table[k]] = ident(p)
-        for k, nb in t.size:
-            e.size[table[k]] = nb
+            producer[table[k]] = -1 if p is None else (start + p if p >= 0 else vals[-1 - p])
+        e.size.update([(table[k], nb) for k, nb in t.size])
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
         return _mapped(t.result, lambda n: table[n.r])
+
+    def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int]):
+        """Append template ``t``'s pass as its layer blocks (``stamp_blocks``; its kernels where that form is not
+        known) and list it in ``instances``."""
+        from simulator.graph.builders import stamp_blocks as sb
+
+        e = self.e
+        ops = e.b.ops
+        compute = tuple(v >= 0 and ops[v].stream == sb.COMPUTE_STREAM for v in vals)
+        if any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
+            return self._stamp(t, layer, names, vals)  # whether it is folded depends on what follows: kernels
+        front = len(vals) - len(names)
+        sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
+        # stubs in the real ops' order, of equal values the first slot (the one recipes name) last
+        order = tuple(sorted(range(len(vals)), key=lambda x: (vals[x], -x)))
+        bkey = (key, compute, order, sizes)
+        bt = self.block_templates.get(bkey, False)
+        if bt is False:
+            devices = tuple(next((a.device for a in ops[vals[front + i]].allocs if a.name == n), "gpu")
+                            if sizes[i] is not None else "gpu" for i, n in enumerate(names))
+            sizes = tuple(s if d == "gpu" else None for s, d in zip(sizes, devices))
+            try:
+                bt = sb.block_template(t, t.kops, t.index, names, compute, order, sizes, devices, self.fold_tp)
+            except (KeyError, ValueError):  # a pass the block form cannot stand for: its kernels, merged later
+                bt = None
+            self.block_templates[bkey] = bt
+        if bt is None:
+            return self._stamp(t, layer, names, vals)
+        before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)
+        start = len(ops)
+        result = self._stamp(bt, layer, names, vals)
+        self.instances.append(sb.Instance(start, len(ops), self._table, bt, layer, e.phase, before, vals))
+        return result

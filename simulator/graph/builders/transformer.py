@@ -110,6 +110,7 @@ from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
                                                rank_chunks, stage_actions, transfer_stream, uniform_split)
+from simulator.graph.builders import stamp_blocks
 from simulator.graph.builders.stamp import Stamper
 from simulator.graph.op_graph import GraphBuilder, ModelFacts, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
@@ -676,7 +677,7 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
                       num_micro_batches=s.num_micro_batches)
 
 
-def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
+def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False) -> OpGraph:
     """Build one training step (all micro-batches and the optimizer) for one GPU.
 
     Args:
@@ -684,6 +685,11 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
         stamp: Emit each distinct block pass (forward, recompute, backward) once and stamp copies of it for
             the other layers and micro-batches (``simulator.graph.builders.stamp``; the same graph, built
             faster). False: every pass kernel by kernel (the reference the stamping tests compare with).
+        blocks: For ``run.fidelity: layer``: stamp those copies as their layer blocks (``stamp_blocks``, folding
+            blocking TP collectives where ``fold_tp``), so that ``simulator.graph.blocks.coarsen`` of the graph is
+            the one it makes of the kernel-level graph; where ``stamp_blocks.check`` finds a pass for which it
+            would not be, the kernel-level graph is built instead. ``meta["layer_blocks"]`` records
+            ``{"stamped": passes stamped as blocks, "kernel_build": None or why the kernel-level graph was built}``.
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -715,10 +721,17 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True) -> OpGraph:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
-    b = _GptBuilder(spec, stamp)
+    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp)
     graph = b.build()
     b.stamper.state = None  # the stamper's bound method closes a cycle through the builder and every op it made
-    return graph
+    if not blocks:
+        return graph
+    inst = b.stamper.instances
+    why = stamp_blocks.check(graph.ops, inst) if stamp else "stamping off"
+    if why is not None:
+        graph = build_gpt_step(spec, stamp)
+    return graph.with_changes(meta={**graph.meta, "layer_blocks": {"stamped": 0 if why else len(inst),
+                                                                   "kernel_build": why}})
 
 
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
@@ -732,7 +745,7 @@ ZERO_HALF_GRAD_PRECISIONS = ("bf16", "fp16")
 
 
 class _GptBuilder:
-    def __init__(self, spec: TransformerSpec, stamp: bool = True):
+    def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False):
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
@@ -802,7 +815,7 @@ class _GptBuilder:
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
         # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
         self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
-                               and not self.fp8 and spec.num_experts is None)
+                               and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp)
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
 
     def _stamp_state(self) -> tuple:

@@ -1,0 +1,299 @@
+"""Stamped layer passes emitted as layer blocks directly (``run.fidelity: layer``), and the check that doing so
+gave the graph ``coarsen`` would have made of the kernel-level one.
+
+At layer fidelity ``coarsen`` (``simulator.graph.blocks``) merges each layer pass's kernels into 2-3 block ops;
+building ~20 kernel ops per pass only to merge them is most of a large pipeline's build. With
+``Stamper(blocks=True)`` a pass that would be stamped (``simulator.graph.builders.stamp``) is emitted as its
+blocks instead: the first pass of a key is emitted kernel by kernel (``coarsen`` merges it later, with the whole
+graph around it), and for every copy the *block template* of its key (``block_template``) is stamped, which is
+``coarsen`` applied once to that pass alone in a small graph standing for its context:
+
+* one stub op per context value (``last_compute``, ``wait_for``, the inputs' producers), on the compute stream
+  where the real one is (a kernel after a stub on another stream starts a new block, as in the whole graph;
+  a pass waiting for a TP collective, which may be folded or not, is stamped as kernels, ``may_fold``),
+  allocating the pass's input tensors (their sizes are part of the key);
+* the pass's kernels;
+* one stub after them using every tensor of the pass's result (what later ops may use).
+
+So the pass's blocks, folded TP collectives, block memory (the scratch tensor of each block, renamed per copy
+``activations.block_scratch.stamp#<op id>``) and the kernels each block's time is priced from (``meta["fused"]``,
+the same objects for every copy: identical layers and micro-batches are priced once) are those ``coarsen`` makes
+of the kernel-level pass in the whole graph, provided that graph reaches the pass only through its result
+tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
+
+1. no op on another stream than ``compute`` outside the pass (nor a TP collective folded into a later block)
+   uses a tensor made by a kernel that is not the last of its block or by a folded collective (at kernel level
+   the block would end at that kernel, or the collective stay separate; an op waits for such a kernel only
+   through its tensors: ``last_compute`` is a block's last kernel, ``wait_for`` a collective left separate),
+   and no op of the next step waits for a stamped op;
+2. no mergeable kernel of the same layer and phase is right before or after the pass on the compute stream (but
+   where the pass's first kernel, or that next kernel, waits for another stream, and so starts a block);
+3. the pass's input tensors that are not in its result are used by nothing after it, and each tensor of its
+   result is used by something after it (what the third stub stands for);
+4. the TP collective before a pass's first folded one on its stream is waited for by a compute kernel no later
+   than that block, or is folded itself; the op after a pass's last folded one on its stream waits for a
+   compute op from that block on (``foldable_tp``'s conditions on the stream neighbours).
+
+``check`` tests all four on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
+fails, so the result is the same graph either way (``tests/simulator/graph/test_stamp_blocks.py`` compares them
+on every bundled scenario).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+
+from simulator.graph.blocks import COMPUTE_STREAM, _mergeable, coarsen_ids, foldable_tp
+from simulator.graph.builders.stamp import SCRATCH, uses_form
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import Op, OpKind, TensorAlloc
+
+_CTX = "ctx"  # stub stream
+__all__ = ["SCRATCH", "BlockTemplate", "Instance", "block_template", "check", "may_fold"]
+
+
+class BlockTemplate:
+    """The block form of one stamp template (``Stamper._stamp`` stamps it like a kernel template); ``mid``: table
+    indices of tensors made inside a block or by a folded collective (check 1); ``folded_uses``: table indices
+    the folded collectives use; ``inputs``/``results``: table indices for check 3; ``first_cross``: the pass's
+    first kernel waits for another stream (check 2); ``edges``: check 4, one per TP stream the pass uses,
+    ``(stream, a, b, separate, waits_inside, slots)``: ``a`` of its first op there where ``foldable_tp`` finds it
+    foldable in the template (``("in", op index)`` or ``("ctx", context slot)``), else None; ``b`` (op index)
+    of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
+    its first op there waits for a compute kernel of the pass, and the context slots it waits for."""
+
+    __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
+                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross")
+
+
+def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
+                   order: tuple[int, ...], sizes: tuple, devices: tuple, fold_tp: bool) -> BlockTemplate:
+    """The block form of kernel template ``t`` (``stamp._Template``) recorded from ``kops`` (its first pass's ops,
+    table ``index``, inputs ``names``), for a context whose values lie on the compute stream where ``compute``
+    is true and come in the order of slots ``order``, with input sizes ``sizes`` (None: not a GPU tensor made by
+    an op) on ``devices`` (module docstring)."""
+    n_ctx, n_in = len(compute), len(names)
+    front = n_ctx - n_in
+    stub = {s: k for k, s in enumerate(order)}  # context slot -> stub op id (stubs in the real ops' order)
+    name_of = {i: n for n, i in index.items()}  # the recorded pass's tensor names (``kops`` use them)
+    owner: dict[int, list[TensorAlloc]] = defaultdict(list)
+    for i in range(n_in):
+        n = name_of.get(i)  # None: a name given twice (its first place is in ``index``)
+        if sizes[i] is not None and n is not None:
+            owner[front + i].append(TensorAlloc(n, sizes[i], devices[i]))
+    mini = [Op(id=k, name=f"ctx{s}", kind=OpKind.COMPUTE if compute[s] else OpKind.HOST,
+               stream=COMPUTE_STREAM if compute[s] else _CTX, launch=False, allocs=tuple(owner.get(s, ())))
+            for k, s in enumerate(order)]
+    for r, (rec, op) in enumerate(zip(t.ops, kops)):
+        ext, inner = rec[2], rec[3]
+        mini.append(replace(op, id=n_ctx + r, deps=tuple(sorted({*(stub[x] for x in ext), *(n_ctx + d for d in inner)}))))
+    res = _result_names(t.result)
+    table = names + [f"{stem}{r}" for stem, r in t.fresh] + list(t.consts)  # only its length matters below
+    mini.append(Op(id=len(mini), name="future", kind=OpKind.HOST, stream=_CTX, launch=False,
+                   uses=tuple(name_of[k] for k in res)))
+    graph = OpGraph(ops=tuple(mini))
+    cand = foldable_tp(graph) if fold_tp else {}
+    coarse, new_id = coarsen_ids(graph, fold_tp)
+    cops = coarse.ops[n_ctx:-1]
+    rel = [new_id[n_ctx + r] - n_ctx for r in range(len(kops))]  # kernel index -> block-template op index
+    bt = BlockTemplate()
+    bt.n_ops, bt.fresh, bt.consts, bt.result = len(cops), t.fresh, t.consts, t.result
+    scratch: list[int] = []  # op index of each block scratch tensor, named after its op in a stamp
+    recipes = []
+    prefix = kops[0].name[:kops[0].name.index(".") + 1]
+    for j, op in enumerate(cops):
+        allocs = []
+        for a in op.allocs:
+            if a.name.startswith("activations.block_scratch#"):
+                k = len(table) + len(scratch)
+                scratch.append(j)
+            else:
+                k = index[a.name]
+            allocs.append((k, a.nbytes, a.device))
+        uses = tuple(index[u] for u in op.uses)
+        folded = tuple((tuple(_fields(c)), c.name[len(prefix):]) for c in op.folded_comm)
+        ext = tuple(order[d] for d in op.deps if d < n_ctx)
+        inner = tuple(d - n_ctx for d in op.deps if d >= n_ctx)
+        base = list(_fields(op))
+        base[_FOLDED] = ()
+        recipes.append((tuple(base), op.name[len(prefix):], ext, inner, tuple(allocs), uses, folded))
+    bt.ops = [(b, s, e, i, al, uses_form(u), f) for b, s, e, i, al, u, f in recipes]
+    bt.n_uid, bt.size, bt.scratch = t.n_uid, t.size, tuple(scratch)
+
+    def move(r):
+        return r if r is None or r < 0 else rel[r]
+
+    bt.producer = [(k, move(r)) for k, r in t.producer]
+    bt.last, bt.wait = move(t.last), tuple(move(d) for d in t.wait)
+    last_part = {op.meta["fused"][-1].id - n_ctx for op in cops if op.meta and "fused" in op.meta}
+    merged = {r for r in range(len(kops)) if cops[rel[r]].meta and "fused" in cops[rel[r]].meta}
+    bt.mid = tuple(k for k, r in t.producer if r is not None and r >= 0 and r in merged and r not in last_part)
+    bt.folded_uses = tuple(index[u] for op in cops for c in op.folded_comm for u in c.uses if u in index)
+    # only GPU tensors ops allocate count in a block's memory (``blocks._block_op``)
+    sized = {k for k in range(n_in) if sizes[k] is not None} | {index[a.name] for op in kops for a in op.allocs
+                                                                if a.device == "gpu"}
+    bt.results = tuple(k for k in res if k in sized)
+    bt.inputs = tuple(k for k in sized if k < n_in and k not in set(res))
+    by_stream: dict[str, list[int]] = defaultdict(list)
+    for r, op in enumerate(kops):
+        if op.stream.startswith("comm.tp"):
+            by_stream[op.stream].append(r)
+    edges = []  # (stream, a of its first op if foldable, b of its last if foldable, its last if separate, ...)
+    for st, seq in by_stream.items():
+        first = last = None
+        if n_ctx + seq[0] in cand:
+            a = cand[n_ctx + seq[0]][0]
+            first = ("ctx", order[a]) if a < n_ctx else ("in", rel[a - n_ctx])
+        if n_ctx + seq[-1] in cand:
+            last = rel[cand[n_ctx + seq[-1]][1] - n_ctx]
+        separate = None if seq[-1] in merged else rel[seq[-1]]
+        d0 = mini[n_ctx + seq[0]].deps
+        waits_inside = any(d >= n_ctx and mini[d].stream == COMPUTE_STREAM for d in d0)
+        edges.append((st, first, last, separate, waits_inside, tuple(order[d] for d in d0 if d < n_ctx)))
+    bt.edges = tuple(edges)
+    first = next((op for op in mini[n_ctx:] if op.stream == COMPUTE_STREAM), None)
+    bt.first_cross = first is not None and any(mini[d].stream != COMPUTE_STREAM for d in first.deps)
+    return bt
+
+
+def may_fold(op: Op) -> bool:
+    """Whether ``op`` is a TP collective ``foldable_tp`` may find foldable: a pass that waits for one is stamped as
+    kernels (``blocks_of`` starts no block at a kernel waiting for a foldable collective, folded or not, and
+    whether it is foldable depends on ops not yet built)."""
+    return op.kind is OpKind.COLLECTIVE and op.stream.startswith("comm.tp") and bool(op.meta) \
+        and op.meta.get("group") == "tp"
+
+
+def _result_names(tree) -> list[int]:
+    """Table indices of a template result's tensors (``stamp._Name`` leaves), each once, in order."""
+    out: dict[int, None] = {}
+
+    def walk(x):
+        if hasattr(x, "r") and not isinstance(x, (str, dict, tuple, list)):
+            out[x.r] = None
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return list(out)
+
+
+_FIELDS = tuple(Op.__dataclass_fields__)
+_FOLDED = _FIELDS.index("folded_comm")
+
+
+def _fields(op: Op) -> tuple:
+    return tuple(getattr(op, f) for f in _FIELDS)
+
+
+class Instance:
+    """One pass stamped as blocks: ops ``[start, end)``, its table, template, and the compute op before it."""
+
+    __slots__ = ("start", "end", "table", "bt", "layer", "phase", "before", "vals")
+
+    def __init__(self, start, end, table, bt, layer, phase, before, vals):
+        self.start, self.end, self.table, self.bt, self.vals = start, end, table, bt, vals
+        self.layer, self.phase, self.before = layer, phase, before
+
+
+def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
+    """None where the graph made with block stamps ``inst`` is the one ``coarsen`` makes of the kernel-level
+    graph (conditions 1-4 of the module docstring), else the first condition that fails, in words."""
+    if not inst:
+        return None
+    starts = [i.start for i in inst]
+
+    def owner(op_id: int) -> Instance | None:
+        k = bisect_right(starts, op_id) - 1
+        return inst[k] if k >= 0 and op_id < inst[k].end else None
+
+    mid: dict[str, int] = {}
+    for i in inst:
+        for k in i.bt.mid:
+            mid[i.table[k]] = i.start
+    last_use = {u: op.id for op in ops for u in op.uses}  # later ops overwrite: the last user
+    for op in ops:
+        if op.stream != COMPUTE_STREAM and op.uses:
+            for u in op.uses:
+                m = mid.get(u)
+                if m is not None and (owner(op.id) is None or owner(op.id).start != m):  # own pass: in its template
+                    return f"op {op.name} on stream {op.stream} uses a tensor made inside a stamped block"
+        if op.meta and op.meta.get("prev_step_deps") and any(owner(d) for d in op.meta["prev_step_deps"]):
+            return f"op {op.name} of the next step waits for a stamped block"
+    streams: dict[str, list[int]] = defaultdict(list)
+    for op in ops:
+        if op.stream.startswith("comm.tp"):
+            streams[op.stream].append(op.id)
+    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    on: dict[str, list[Instance]] = defaultdict(list)  # stream -> passes with ops on it, in order
+    for i in inst:
+        for e in i.bt.edges:
+            on[e[0]].append(i)
+    edge_of = {(id(i), e[0]): e for i in inst for e in i.bt.edges}
+    starts_on = {st: [q.start for q in qs] for st, qs in on.items()}
+    for i in inst:
+        t, table = i.bt, i.table
+        for k in t.folded_uses:
+            m = mid.get(table[k])
+            if m is not None and m < i.start:
+                return f"a TP collective folded into a block of layer {i.layer} uses a tensor made inside a block"
+        nxt = _next_compute(ops, compute, i.end)
+        for op, cut in ((i.before, t.first_cross),  # a kernel waiting for another stream starts a block
+                        (nxt, nxt is not None and any(ops[d].stream != COMPUTE_STREAM and not may_fold(ops[d])
+                                                      for d in nxt.deps))):
+            if op is not None and not cut and _mergeable(op) and (op.layer, op.phase) == (i.layer, i.phase):
+                return f"kernel {op.name} next to a stamped pass of the same layer and phase"
+        for k in t.inputs:
+            if last_use.get(table[k], -1) >= i.end:
+                return f"an input of a stamped pass of layer {i.layer} is used after it"
+        for k in t.results:
+            if last_use.get(table[k], -1) < i.end:
+                return f"a result of a stamped pass of layer {i.layer} is used by nothing after it"
+        for st, first, last, *_ in t.edges:
+            why = _stream_edges(ops, streams.get(st, []), on[st], starts_on[st], edge_of, i, st, first, last)
+            if why:
+                return why
+    return None
+
+
+def _stream_edges(ops, seq: list[int], passes: list[Instance], starts: list[int], edge_of: dict, i: Instance,
+                  st: str, first, last) -> str | None:
+    """Check 4 for pass ``i`` on TP stream ``st`` (``seq``: the graph's ops on it; ``passes``: the stamped passes
+    with ops on it, ``starts`` theirs): ``foldable_tp``'s conditions on the neighbours, on the stream, of the pass's
+    first op (``first``: its ``a``, where foldable in the template) and last op (``last``: its ``b``)."""
+    k = bisect_left(starts, i.start)
+    if first is not None:
+        a = i.start + first[1] if first[0] == "in" else i.vals[first[1]]
+        j = bisect_left(seq, i.start) - 1
+        prev_op = seq[j] if j >= 0 else None
+        pq = passes[k - 1] if k > 0 else None
+        p = prev_op
+        if pq is not None and (prev_op is None or prev_op < pq.end):  # the kernel-level op before is pq's last
+            _, _, pl, sep, _, _ = edge_of[id(pq), st]
+            p = None if pl is not None else pq.start + sep  # foldable itself: the condition holds
+        if p is not None and not any(ops[u].stream == COMPUTE_STREAM and p in ops[u].deps for u in range(p + 1, a + 1)):
+            return f"the TP collective before the first of a stamped pass of layer {i.layer} is waited for later"
+    if last is not None:
+        j = bisect_left(seq, i.end)
+        next_op = seq[j] if j < len(seq) else None
+        nq = passes[k + 1] if k + 1 < len(passes) else None
+        b = i.start + last
+        if nq is not None and (next_op is None or next_op >= nq.start):  # the kernel-level op after is nq's first
+            *_, inside, slots = edge_of[id(nq), st]
+            if not inside and not any(nq.vals[x] >= b and ops[nq.vals[x]].stream == COMPUTE_STREAM for x in slots):
+                return f"the TP collective after the last of a stamped pass of layer {i.layer} may not wait for it"
+        elif next_op is not None and not any(ops[d].stream == COMPUTE_STREAM and d >= b for d in ops[next_op].deps):
+            return f"the op after a foldable TP collective of layer {i.layer} does not wait for its block"
+    return None
+
+
+def _next_compute(ops: Sequence[Op], compute: list[int], end: int) -> Op | None:
+    k = bisect_left(compute, end)
+    return ops[compute[k]] if k < len(compute) else None

@@ -1,0 +1,108 @@
+"""Block stamps (``simulator.graph.builders.stamp_blocks``): the layer-fidelity graph made from a graph whose
+repeated layer passes were stamped as their blocks equals, op for op, the one ``coarsen`` makes of the kernel-level
+graph (ids, names, layers, costs, dependencies, tensors and their sizes, each block's kernels and folded TP
+collectives), on the tiny pipeline cases of the stamping tests and on every stage of the bundled GPT-3 175B scale
+scenario; where a condition of ``stamp_blocks.check`` fails the builder makes the kernel-level graph instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.graph.blocks import coarsen
+from simulator.graph.builders import stamp_blocks as sb
+from simulator.graph.builders.stamp_blocks import SCRATCH
+from simulator.graph.builders.transformer import TransformerSpec, _GptBuilder, build_gpt_step
+from simulator.graph.ops import Op, OpKind
+from tests.conftest import ROOT
+from tests.simulator.graph.test_stamp import CASES, TINY
+
+_PART = ("kind", "stream", "phase", "layer", "cost_class", "flops", "bytes_read", "bytes_written", "shape", "dtype",
+         "role", "launch", "pinned", "host_s", "fixed_duration_s")
+
+
+#: what prices a block's kernels (``RooflineCostModel.fused_s``, ``System.block_tail_s``): not their layer or
+#: name (a stamped block holds the kernels of the first pass of its shape)
+_PRICED = tuple(f for f in _PART if f != "layer")
+
+
+def _scratch(name: str) -> bool:
+    return name.startswith(SCRATCH) or name.startswith("activations.block_scratch#")
+
+
+def _op_view(op) -> tuple:
+    """What the engine reads of an op, less the per-graph names of block scratch tensors and of a block's parts."""
+    meta = dict(op.meta)
+    parts = meta.pop("fused", ())
+    return (op.id, op.name, op.deps, *(getattr(op, f) for f in _PART),
+            tuple((None if _scratch(a.name) else a.name, a.nbytes, a.device) for a in op.allocs), op.uses,
+            tuple((c.id, c.name, c.stream, c.meta) for c in op.folded_comm),
+            tuple(tuple(getattr(p, f) for f in _PRICED) for p in parts), meta)
+
+
+def assert_same_layer_graph(spec: TransformerSpec, fold_tp: bool) -> dict:
+    """Layer-fidelity graphs of ``spec`` made both ways are equal; returns the block build's ``meta["layer_blocks"]``."""
+    ref = coarsen(build_gpt_step(spec), fold_tp)
+    built = build_gpt_step(spec, blocks=True, fold_tp=fold_tp)
+    new = coarsen(built, fold_tp)
+    assert len(new.ops) == len(ref.ops)
+    for x, y in zip(new.ops, ref.ops):
+        assert _op_view(x) == _op_view(y), (x.name, y.name)
+    assert new.persistent == ref.persistent and new.param_groups == ref.param_groups
+    return built.meta["layer_blocks"]
+
+
+@pytest.mark.parametrize("fold_tp", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_block_stamps_give_the_coarsened_graph(case, fold_tp):
+    kw = {**TINY, **CASES[case]}
+    for rank in range(kw.get("pipeline_parallel_size", 1)):
+        assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+
+
+@pytest.mark.parametrize("stage", [0, 7])
+def test_gpt3_175b_stages_stamped_as_blocks(stage):
+    """The scale scenario's first and last stages (embedding, head): the fast path is taken for ~2,000 passes and
+    gives the same layer-fidelity graph."""
+    from simulator import load_scenario
+    from simulator.api import transformer_spec
+
+    cfg = load_scenario(ROOT / "scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml", ["run.fidelity=layer"])
+    info = assert_same_layer_graph(transformer_spec(cfg, stage), True)
+    assert info["kernel_build"] is None and info["stamped"] > 2000
+
+
+def test_check_refuses_a_wait_inside_a_block_and_the_builder_falls_back(monkeypatch):
+    """An op on another stream using a tensor made by a kernel inside a stamped block (not its last) would end that
+    block at kernel level: ``check`` names it; and the fallback cases give the kernel-level graph (full recompute:
+    the recompute pass's input is read after it), where the block stamps alone would not."""
+    spec = TransformerSpec(**{**TINY, **CASES["pp2_tp2_sp_selective_dp2"]}, pipeline_rank=0)
+    b = _GptBuilder(spec, True, True, True)
+    g = b.build()
+    inst = b.stamper.instances
+    assert inst and sb.check(g.ops, inst) is None
+    i = next(i for i in inst if i.bt.mid)
+    tensor = i.table[i.bt.mid[0]]
+    extra = Op(id=len(g.ops), name="probe", kind=OpKind.MEMCPY_D2H, stream="d2h", uses=(tensor,))
+    assert sb.check((*g.ops, extra), inst) == "op probe on stream d2h uses a tensor made inside a stamped block"
+    full = TransformerSpec(**{**TINY, **CASES["pp2_full_recompute"]}, pipeline_rank=0)
+    assert assert_same_layer_graph(full, True) == {"stamped": 0, "kernel_build":
+                                                   "an input of a stamped pass of layer 1 is used after it"}
+    monkeypatch.setattr(sb, "check", lambda ops, inst: None)
+    with pytest.raises(AssertionError):
+        assert_same_layer_graph(full, True)
+
+
+def test_layer_fidelity_run_builds_blocks_only_where_no_policy_reads_kernels():
+    """``build_graph`` with the machine at layer fidelity stamps blocks; with a dataloader (a policy rewriting the
+    kernel-level graph) or at kernel fidelity it does not."""
+    from simulator import load_scenario
+    from simulator.api import build_graph
+    from simulator.config.loader import resolve_hardware
+
+    path = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_tp2_dp4.yaml"
+    for sets, blocks in ((["run.fidelity=layer"], True), ([], False)):
+        cfg = load_scenario(path, sets)
+        g = build_graph(cfg, 0, resolve_hardware(cfg))
+        assert ("layer_blocks" in g.meta) is blocks
+    cfg = load_scenario(ROOT / "scenarios/h200/dataloader_w2.yaml", ["run.fidelity=layer"])
+    assert "layer_blocks" not in build_graph(cfg, 0, resolve_hardware(cfg)).meta
