@@ -46,7 +46,7 @@ HOST_STREAM = "host"
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 # how an op runs (``Executor._plan``)
-_NOTHING, _FIXED, _KERNEL, _GENERIC = 0, 1, 2, 3
+_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -140,15 +140,16 @@ class Executor:
     def _plan(self, op: Op) -> tuple[int, float]:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
         ``(_KERNEL, 0)`` one timeout of its cost-model time at the current clocks
-        (``System.kernel_s``), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are
-        exactly what ``_run`` would do for the op."""
+        (``System.kernel_s``), ``(_IKERNEL, 0)`` a compute kernel beside the collectives (``System.run_kernel``
+        under interference), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what
+        ``_run`` would do for the op."""
         inter = self.sys.interference is not None
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s <= 0:
                 return _NOTHING, 0.0
             return (_GENERIC, 0.0) if op.kind is _COMPUTE and inter else (_FIXED, op.fixed_duration_s)
         if op.kind is _COMPUTE:
-            return (_GENERIC, 0.0) if inter else (_KERNEL, 0.0)
+            return (_IKERNEL, 0.0) if inter else (_KERNEL, 0.0)
         if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
             return _GENERIC, 0.0
         if op.kind is _HOST:
@@ -210,7 +211,7 @@ class Executor:
             yield env.timeout(self.sys.kernel_s(op))
         elif mode == _FIXED:
             yield env.timeout(self._fixed[op.id])
-        elif mode == _GENERIC:
+        elif mode == _GENERIC or mode == _IKERNEL:
             yield from self._run(op, step)
         self._finish(op, step, start, stream)
 
@@ -254,6 +255,7 @@ class Executor:
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         early, running, track = self._early, self.running, self.track_running
+        run_kernel = sys.run_kernel
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -302,6 +304,8 @@ class Executor:
                     yield env.timeout(kernel_s(op))
                 elif m == _FIXED:
                     yield env.timeout(fixed[oid])
+                elif m == _IKERNEL:
+                    yield from run_kernel(op)
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                 finish(op, step, start, stream)

@@ -129,6 +129,9 @@ class System:
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
         self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
+        #: interfered_kernel_s cache at the clocks below: ``(sm_held, hbm_share) -> {op id: s}``
+        self._idur: dict[tuple, dict[int, float]] = {}
+        self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
@@ -158,7 +161,7 @@ class System:
         """Drop what refers to the run's ops (the per-op caches, the running-op table) once the run is over
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
-        self._by_op, self._folded, self._dur, self._tail = {}, {}, {}, {}
+        self._by_op, self._folded, self._dur, self._tail, self._idur = {}, {}, {}, {}, {}
         self.running.clear()
 
     def collective_model(self, op) -> bool:
@@ -258,14 +261,38 @@ class System:
         """
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
-            self._dur.clear()
-            self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+            self._clocks_changed()
         d = self._dur.get(op.id)
         if d is None:
             d = self.cost.duration_s(op, st)
             if op.folded_comm:  # a block with TP collectives folded in: each one's time alone on its links
                 d += self.folded_comm_s(op)
             self._dur[op.id] = d
+        return d
+
+    def _clocks_changed(self) -> None:
+        """The clocks moved since the duration caches were filled: empty them."""
+        st = self.state
+        self._dur.clear()
+        self._idur.clear()
+        self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+
+    def interfered_kernel_s(self, op) -> float:
+        """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
+        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per op id, share and clocks, s."""
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._clocks_changed()
+        share = self._share
+        if share is None:
+            gpu = self.hw.gpu
+            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        tab = self._idur.get(share)
+        if tab is None:
+            tab = self._idur[share] = {}
+        d = tab.get(op.id)
+        if d is None:
+            d = tab[op.id] = self.cost.duration_s(op, st, *share)
         return d
 
     def folded_comm_s(self, op) -> float:
@@ -325,10 +352,7 @@ class System:
             if duration_s is not None:
                 yield env.timeout(duration_s)
             else:
-                gpu = self.hw.gpu
-                yield from self._progress(lambda: self.cost.duration_s(
-                    op, self.state, *kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)),
-                    "_comm_changed")
+                yield from self._progress(partial(self.interfered_kernel_s, op), "_comm_changed")
         finally:
             self._kernels -= 1
             if self._kernels == 0:
@@ -441,6 +465,7 @@ class System:
             return
         load = comm_load(f, res.busbw_bytes_per_s)
         self._loads.append(load)
+        self._share = None
         self._signal("_comm_changed")
         slow = 1.0 + f.comm_slowdown
         try:
@@ -449,6 +474,7 @@ class System:
             yield from self._move(flows, alone, slow)
         finally:
             self._loads.remove(load)
+            self._share = None
             self._signal("_comm_changed")
 
     def _run_shared(self, call):
