@@ -33,8 +33,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from itertools import chain
 
 import simpy
 
@@ -94,11 +95,7 @@ class Executor:
         self.step_end = [0.0] * steps
         self._remaining_ops = [len(graph.ops)] * steps
         # tensor bookkeeping (per graph; refcounts are re-armed per step)
-        users: dict[str, int] = defaultdict(int)
-        for op in graph.ops:
-            for t in op.uses:
-                users[t] += 1
-        self._users = dict(users)
+        self._users: dict[str, int] = dict(Counter(chain.from_iterable(op.uses for op in graph.ops)))
         self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
         self.by_stream: dict[str, list[Op]] = defaultdict(list)
         for op in graph.ops:
@@ -107,14 +104,11 @@ class Executor:
         self.host_ops = [op for op in graph.ops if op.stream == HOST_STREAM or op.launch]
         # per-op plans, fixed for the run (see ``_plan``): what running the op takes, its pools
         mem = system.memory
-        self._pool_of = {t.name: mem.get(t.device, mem["gpu"]) for op in graph.ops for t in op.allocs}
-        self._allocs = [tuple((self._pool_of[t.name], t.name, t.nbytes) for t in op.allocs) for op in graph.ops]
-        #: tensors an op allocates that no op uses: freed when it ends
-        self._unused = [tuple(t.name for t in op.allocs if self._users.get(t.name, 0) == 0) for op in graph.ops]
-        # the same, resolved for ``_finish``: ``(name, users, pool or None)`` per use, ``(pool, name)`` per unused
-        pool_of = self._pool_of
-        self._use_plan = [tuple((n, self._users.get(n, 0), pool_of.get(n)) for n in op.uses) for op in graph.ops]
-        self._unused_plan = [tuple((pool_of[n], n) for n in names if n in pool_of) for names in self._unused]
+        gpu_pool = mem["gpu"]
+        self._pool_of = pool_of = {t.name: mem.get(t.device, gpu_pool) for op in graph.ops for t in op.allocs}
+        #: per op: ``(pool, name, bytes)`` per tensor it allocates; ``(name, users, pool or None)`` per tensor it
+        #: uses (``_finish``); ``(pool, name)`` per tensor it allocates that no op uses (freed when it ends)
+        self._allocs, self._use_plan, self._unused_plan = self._tensor_plans(graph.ops, pool_of, self._users)
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
         #: layer-fidelity blocks: op id -> parts (each launched by the host; the block may start after the first)
         self._blocks = {op.id: op.meta["launches"] for op in graph.ops if op.meta and "launches" in op.meta}
@@ -127,6 +121,22 @@ class Executor:
         system.executor = self
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
+
+    @staticmethod
+    def _tensor_plans(ops, pool_of: dict, users: dict) -> tuple[list, list, list]:
+        """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``), one tuple per op (``()`` for none)."""
+        allocs, use_plan, unused_plan = [], [], []
+        users_get, empty = users.get, ()
+        for op in ops:
+            a, u = op.allocs, op.uses
+            if a:
+                allocs.append(tuple([(pool_of[t.name], t.name, t.nbytes) for t in a]))
+                unused_plan.append(tuple([(pool_of[t.name], t.name) for t in a if users_get(t.name, 0) == 0]))
+            else:
+                allocs.append(empty)
+                unused_plan.append(empty)
+            use_plan.append(tuple([(n, users_get(n, 0), pool_of.get(n)) for n in u]) if u else empty)
+        return allocs, use_plan, unused_plan
 
     def add_hook(self, hook) -> None:
         """Call ``hook.on_op_start`` / ``on_op_end`` (where defined) from now on, for every op starting or

@@ -159,6 +159,7 @@ class MemoryPool:
         self._by_category: dict[str, int] = defaultdict(int)
         self._peak_by_category: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._cat_of: dict[str, str] = {}  # ``category`` of each live tensor (the keys of ``_sizes``)
         self._oom: OomEvent | None = None
         #: the largest ``live`` tested for out-of-memory under the current overheads (``_settle``)
         self._oom_tested = -math.inf
@@ -193,7 +194,7 @@ class MemoryPool:
         sizes, by_cat, live = self._sizes, self._by_category, self._live
         tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
         peak, tested, oom = self._peak, self._oom_tested, self._oom
-        cats = {tensor: category(tensor) for tensor in {e[1] for e in log}}
+        cat_of = self._cat_of
         last_t = tl[-1][0] if tl else None
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
@@ -201,12 +202,12 @@ class MemoryPool:
                 if nbytes is None:
                     continue
                 live -= nbytes
-                cat = cats[tensor]
+                cat = cat_of.pop(tensor)
                 v = by_cat[cat] = by_cat[cat] - nbytes
             else:
                 sizes[tensor] = nbytes
                 live += nbytes
-                cat = cats[tensor]
+                cat = cat_of[tensor] = category(tensor)
                 v = by_cat[cat] = by_cat[cat] + nbytes
                 if live > peak:
                     peak = live
