@@ -234,7 +234,7 @@ class Executor:
         env = self.env
         default = self.sys.launch_overhead_s
         by_phase = self.sys.launch_overhead_by_phase_s
-        cost = self.launch_cost_s = [by_phase.get(op.phase.value, default) for op in self.g.ops]
+        cost = self.launch_cost_s = [by_phase.get(op.phase._value_, default) for op in self.g.ops]  # .value, no descriptor
         for op in self.g.ops:  # an NCCL call's host side is the collective profile's dispatch time
             if op.kind is _COLLECTIVE and self.sys.collective_model(op):
                 cost[op.id] = self.sys.collective_dispatch_s

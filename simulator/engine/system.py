@@ -24,6 +24,7 @@ import math
 from functools import partial
 
 import simpy
+from simpy.events import PENDING
 
 from hardware_models.collective_flows import port_capacities, rank_loads
 from hardware_models.fabrics import FluidNetwork
@@ -44,10 +45,13 @@ COPY_PATHS = {
 }
 
 
-def _fire(wake: simpy.Event, _event) -> None:
-    """Callback: trigger ``wake`` unless it has been already."""
-    if not wake.triggered:
-        wake.succeed()
+class _Wake(simpy.Event):
+    """An event triggered by the first of the events it is a callback of (``fire``) to be processed."""
+
+    def fire(self, _event) -> None:
+        """Callback: trigger this event unless it has been already."""
+        if self._value is PENDING:
+            self.succeed()
 
 
 class System:
@@ -244,8 +248,8 @@ class System:
             t0 = env.now
             # ``yield to | watch`` without the condition object: ``wake`` fires (scheduled at the same point) when the
             # first of them is processed; a later one finds it triggered and does nothing
-            to, wake = env.timeout(left), simpy.Event(env)
-            fire = partial(_fire, wake)
+            to, wake = env.timeout(left), _Wake(env)
+            fire = wake.fire
             to.callbacks.append(fire)
             self._watch(watch).callbacks.append(fire)
             yield wake
