@@ -430,7 +430,11 @@ class System:
             if not live:
                 return
             done = live[0][0].done if len(live) == 1 else env.all_of([f.done for f, _ in live])
-            yield done | self._watch("_compute_changed")
+            # ``yield done | watch`` without the condition object (as ``_progress``): scheduled at the same point
+            wake = _Wake(env)
+            done.callbacks.append(wake.fire)
+            self._watch("_compute_changed").callbacks.append(wake.fire)
+            yield wake
             now = slow if self._kernels else 1.0
             if now != factor:
                 factor = now
