@@ -281,6 +281,18 @@ class System:
         self._idur.clear()
         self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
 
+    def _add_load(self, load: CommLoad) -> None:
+        """A collective holding ``load`` starts on this GPU: the kernels beside it are re-rated."""
+        self._loads.append(load)
+        self._share = None
+        self._signal("_comm_changed")
+
+    def _remove_load(self, load: CommLoad) -> None:
+        """The collective holding ``load`` (``_add_load``) ends: the kernels beside it are re-rated."""
+        self._loads.remove(load)
+        self._share = None
+        self._signal("_comm_changed")
+
     def interfered_kernel_s(self, op) -> float:
         """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
         current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per op id, share and clocks, s."""
@@ -472,18 +484,14 @@ class System:
             yield from self._move(flows, alone)
             return
         load = comm_load(f, res.busbw_bytes_per_s)
-        self._loads.append(load)
-        self._share = None
-        self._signal("_comm_changed")
+        self._add_load(load)
         slow = 1.0 + f.comm_slowdown
         try:
             if lat > 0:
                 yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
             yield from self._move(flows, alone, slow)
         finally:
-            self._loads.remove(load)
-            self._share = None
-            self._signal("_comm_changed")
+            self._remove_load(load)
 
     def _run_shared(self, call):
         """SimPy process body of a ``SharedCall``: its latency, then every party's flows together, each on its
