@@ -121,10 +121,16 @@ class OomEvent:
                 f"allocating {self.tensor}; largest: {top}")
 
 
-@lru_cache(maxsize=65536)
 def category(tensor: str) -> str:
-    """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...)."""
-    head = tensor.split(".", 1)[0].split("#", 1)[0]
+    """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...): from
+    its head (the name up to the first ``.``, then up to the first ``#``), cached per head (a run's tensors are
+    millions of names with a few heads)."""
+    head = tensor.partition(".")[0].partition("#")[0]
+    return _head_category(head)
+
+
+@lru_cache(maxsize=4096)
+def _head_category(head: str) -> str:
     if head in ("params", "grad", "optimizer", "workspace", "input"):
         return {"input": "activations"}.get(head, head)
     if head.startswith(("offload", "host")):
