@@ -63,7 +63,7 @@ class PowerMeter:
         self._ids: list[tuple] = []
         self._entry: dict[tuple, tuple] = {}
         self._activity_cache: dict[tuple, Activity | None] = {}
-        #: a kernel's activity by what prices it (``_kernel_key``): ops of identical shape share one entry
+        #: a kernel's activity by what prices it (its cost split's key and the clocks): ops of one shape share it
         self._kernel_activity: dict[tuple, Activity] = {}
         self._power_cache: dict[tuple, float] = {}
         #: ``excess_w`` by ``(activity, SM clock, memory clock)``
