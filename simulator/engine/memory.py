@@ -121,12 +121,12 @@ class OomEvent:
                 f"allocating {self.tensor}; largest: {top}")
 
 
+@lru_cache(maxsize=65536)
 def category(tensor: str) -> str:
     """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...): from
-    its head (the name up to the first ``.``, then up to the first ``#``), cached per head (a run's tensors are
-    millions of names with a few heads)."""
-    head = tensor.partition(".")[0].partition("#")[0]
-    return _head_category(head)
+    its head (the name up to the first ``.``, then up to the first ``#``); cached per name, and per head for the
+    runs whose millions of names overflow the first cache."""
+    return _head_category(tensor.partition(".")[0].partition("#")[0])
 
 
 @lru_cache(maxsize=4096)
