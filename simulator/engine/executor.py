@@ -34,8 +34,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from itertools import chain
 
 import simpy
 
@@ -47,7 +48,7 @@ HOST_STREAM = "host"
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 # how an op runs (``Executor._plan``)
-_NOTHING, _FIXED, _KERNEL, _GENERIC = 0, 1, 2, 3
+_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -95,11 +96,7 @@ class Executor:
         self.step_end = [0.0] * steps
         self._remaining_ops = [len(graph.ops)] * steps
         # tensor bookkeeping (per graph; refcounts are re-armed per step)
-        users: dict[str, int] = defaultdict(int)
-        for op in graph.ops:
-            for t in op.uses:
-                users[t] += 1
-        self._users = dict(users)
+        self._users: dict[str, int] = dict(Counter(chain.from_iterable(op.uses for op in graph.ops)))
         self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
         self.by_stream: dict[str, list[Op]] = defaultdict(list)
         for op in graph.ops:
@@ -108,14 +105,11 @@ class Executor:
         self.host_ops = [op for op in graph.ops if op.stream == HOST_STREAM or op.launch]
         # per-op plans, fixed for the run (see ``_plan``): what running the op takes, its pools
         mem = system.memory
-        self._pool_of = {t.name: mem.get(t.device, mem["gpu"]) for op in graph.ops for t in op.allocs}
-        self._allocs = [tuple((self._pool_of[t.name], t.name, t.nbytes) for t in op.allocs) for op in graph.ops]
-        #: tensors an op allocates that no op uses: freed when it ends
-        self._unused = [tuple(t.name for t in op.allocs if self._users.get(t.name, 0) == 0) for op in graph.ops]
-        # the same, resolved for ``_finish``: ``(name, users, pool or None)`` per use, ``(pool, name)`` per unused
-        pool_of = self._pool_of
-        self._use_plan = [tuple((n, self._users.get(n, 0), pool_of.get(n)) for n in op.uses) for op in graph.ops]
-        self._unused_plan = [tuple((pool_of[n], n) for n in names if n in pool_of) for names in self._unused]
+        gpu_pool = mem["gpu"]
+        self._pool_of = pool_of = {t.name: mem.get(t.device, gpu_pool) for op in graph.ops for t in op.allocs}
+        #: per op: ``(pool, name, bytes)`` per tensor it allocates; ``(name, users, pool or None)`` per tensor it
+        #: uses (``_finish``); ``(pool, name)`` per tensor it allocates that no op uses (freed when it ends)
+        self._allocs, self._use_plan, self._unused_plan = self._tensor_plans(graph.ops, pool_of, self._users)
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
         #: layer-fidelity blocks: op id -> parts (each launched by the host; the block may start after the first)
         self._blocks = {op.id: op.meta["launches"] for op in graph.ops if op.meta and "launches" in op.meta}
@@ -129,6 +123,22 @@ class Executor:
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
+    @staticmethod
+    def _tensor_plans(ops, pool_of: dict, users: dict) -> tuple[list, list, list]:
+        """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``), one tuple per op (``()`` for none)."""
+        allocs, use_plan, unused_plan = [], [], []
+        users_get, empty = users.get, ()
+        for op in ops:
+            a, u = op.allocs, op.uses
+            if a:
+                allocs.append(tuple([(pool_of[t.name], t.name, t.nbytes) for t in a]))
+                unused_plan.append(tuple([(pool_of[t.name], t.name) for t in a if users_get(t.name, 0) == 0]))
+            else:
+                allocs.append(empty)
+                unused_plan.append(empty)
+            use_plan.append(tuple([(n, users_get(n, 0), pool_of.get(n)) for n in u]) if u else empty)
+        return allocs, use_plan, unused_plan
+
     def add_hook(self, hook) -> None:
         """Call ``hook.on_op_start`` / ``on_op_end`` (where defined) from now on, for every op starting or
         ending after this call (an op running now gets only its ``on_op_end``)."""
@@ -141,15 +151,16 @@ class Executor:
     def _plan(self, op: Op) -> tuple[int, float]:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
         ``(_KERNEL, 0)`` one timeout of its cost-model time at the current clocks
-        (``System.kernel_s``), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are
-        exactly what ``_run`` would do for the op."""
+        (``System.kernel_s``), ``(_IKERNEL, 0)`` a compute kernel beside the collectives (``System.run_kernel``
+        under interference), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what
+        ``_run`` would do for the op."""
         inter = self.sys.interference is not None
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s <= 0:
                 return _NOTHING, 0.0
             return (_GENERIC, 0.0) if op.kind is _COMPUTE and inter else (_FIXED, op.fixed_duration_s)
         if op.kind is _COMPUTE:
-            return (_GENERIC, 0.0) if inter else (_KERNEL, 0.0)
+            return (_IKERNEL, 0.0) if inter else (_KERNEL, 0.0)
         if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
             return _GENERIC, 0.0
         if op.kind is _HOST:
@@ -211,7 +222,7 @@ class Executor:
             yield env.timeout(self.sys.kernel_s(op))
         elif mode == _FIXED:
             yield env.timeout(self._fixed[op.id])
-        elif mode == _GENERIC:
+        elif mode == _GENERIC or mode == _IKERNEL:
             yield from self._run(op, step)
         self._finish(op, step, start, stream)
 
@@ -224,7 +235,7 @@ class Executor:
         env = self.env
         default = self.sys.launch_overhead_s
         by_phase = self.sys.launch_overhead_by_phase_s
-        cost = self.launch_cost_s = [by_phase.get(op.phase.value, default) for op in self.g.ops]
+        cost = self.launch_cost_s = [by_phase.get(op.phase._value_, default) for op in self.g.ops]  # .value, no descriptor
         for op in self.g.ops:  # an NCCL call's host side is the collective profile's dispatch time
             if op.kind is _COLLECTIVE and self.sys.collective_model(op):
                 cost[op.id] = self.sys.collective_dispatch_s
@@ -255,6 +266,7 @@ class Executor:
         env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         early, running, track = self._early, self.running, self.track_running
+        run_kernel = sys.run_kernel
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -303,6 +315,8 @@ class Executor:
                     yield env.timeout(kernel_s(op))
                 elif m == _FIXED:
                     yield env.timeout(fixed[oid])
+                elif m == _IKERNEL:
+                    yield from run_kernel(op)
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                 finish(op, step, start, stream)

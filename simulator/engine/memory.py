@@ -123,8 +123,14 @@ class OomEvent:
 
 @lru_cache(maxsize=65536)
 def category(tensor: str) -> str:
-    """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...)."""
-    head = tensor.split(".", 1)[0].split("#", 1)[0]
+    """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...): from
+    its head (the name up to the first ``.``, then up to the first ``#``); cached per name, and per head for the
+    runs whose millions of names overflow the first cache."""
+    return _head_category(tensor.partition(".")[0].partition("#")[0])
+
+
+@lru_cache(maxsize=4096)
+def _head_category(head: str) -> str:
     if head in ("params", "grad", "optimizer", "workspace", "input"):
         return {"input": "activations"}.get(head, head)
     if head.startswith(("offload", "host")):
@@ -159,6 +165,7 @@ class MemoryPool:
         self._by_category: dict[str, int] = defaultdict(int)
         self._peak_by_category: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._cat_of: dict[str, str] = {}  # ``category`` of each live tensor (the keys of ``_sizes``)
         self._oom: OomEvent | None = None
         #: the largest ``live`` tested for out-of-memory under the current overheads (``_settle``)
         self._oom_tested = -math.inf
@@ -193,7 +200,7 @@ class MemoryPool:
         sizes, by_cat, live = self._sizes, self._by_category, self._live
         tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
         peak, tested, oom = self._peak, self._oom_tested, self._oom
-        cats = {tensor: category(tensor) for tensor in {e[1] for e in log}}
+        cat_of = self._cat_of
         last_t = tl[-1][0] if tl else None
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
@@ -201,12 +208,12 @@ class MemoryPool:
                 if nbytes is None:
                     continue
                 live -= nbytes
-                cat = cats[tensor]
+                cat = cat_of.pop(tensor)
                 v = by_cat[cat] = by_cat[cat] - nbytes
             else:
                 sizes[tensor] = nbytes
                 live += nbytes
-                cat = cats[tensor]
+                cat = cat_of[tensor] = category(tensor)
                 v = by_cat[cat] = by_cat[cat] + nbytes
                 if live > peak:
                     peak = live

@@ -24,6 +24,7 @@ import math
 from functools import partial
 
 import simpy
+from simpy.events import PENDING
 
 from hardware_models.collective_flows import port_capacities, rank_loads
 from hardware_models.fabrics import FluidNetwork
@@ -44,10 +45,13 @@ COPY_PATHS = {
 }
 
 
-def _fire(wake: simpy.Event, _event) -> None:
-    """Callback: trigger ``wake`` unless it has been already."""
-    if not wake.triggered:
-        wake.succeed()
+class _Wake(simpy.Event):
+    """An event triggered by the first of the events it is a callback of (``fire``) to be processed."""
+
+    def fire(self, _event) -> None:
+        """Callback: trigger this event unless it has been already."""
+        if self._value is PENDING:
+            self.succeed()
 
 
 class System:
@@ -129,6 +133,9 @@ class System:
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
         self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
+        #: interfered_kernel_s cache at the clocks below: ``(sm_held, hbm_share) -> {op id: s}``
+        self._idur: dict[tuple, dict[int, float]] = {}
+        self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
@@ -158,7 +165,7 @@ class System:
         """Drop what refers to the run's ops (the per-op caches, the running-op table) once the run is over
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
-        self._by_op, self._folded, self._dur, self._tail = {}, {}, {}, {}
+        self._by_op, self._folded, self._dur, self._tail, self._idur = {}, {}, {}, {}, {}
         self.running.clear()
 
     def collective_model(self, op) -> bool:
@@ -241,8 +248,8 @@ class System:
             t0 = env.now
             # ``yield to | watch`` without the condition object: ``wake`` fires (scheduled at the same point) when the
             # first of them is processed; a later one finds it triggered and does nothing
-            to, wake = env.timeout(left), simpy.Event(env)
-            fire = partial(_fire, wake)
+            to, wake = env.timeout(left), _Wake(env)
+            fire = wake.fire
             to.callbacks.append(fire)
             self._watch(watch).callbacks.append(fire)
             yield wake
@@ -258,14 +265,50 @@ class System:
         """
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
-            self._dur.clear()
-            self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+            self._clocks_changed()
         d = self._dur.get(op.id)
         if d is None:
             d = self.cost.duration_s(op, st)
             if op.folded_comm:  # a block with TP collectives folded in: each one's time alone on its links
                 d += self.folded_comm_s(op)
             self._dur[op.id] = d
+        return d
+
+    def _clocks_changed(self) -> None:
+        """The clocks moved since the duration caches were filled: empty them."""
+        st = self.state
+        self._dur.clear()
+        self._idur.clear()
+        self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
+
+    def _add_load(self, load: CommLoad) -> None:
+        """A collective holding ``load`` starts on this GPU: the kernels beside it are re-rated."""
+        self._loads.append(load)
+        self._share = None
+        self._signal("_comm_changed")
+
+    def _remove_load(self, load: CommLoad) -> None:
+        """The collective holding ``load`` (``_add_load``) ends: the kernels beside it are re-rated."""
+        self._loads.remove(load)
+        self._share = None
+        self._signal("_comm_changed")
+
+    def interfered_kernel_s(self, op) -> float:
+        """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
+        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per op id, share and clocks, s."""
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._clocks_changed()
+        share = self._share
+        if share is None:
+            gpu = self.hw.gpu
+            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        tab = self._idur.get(share)
+        if tab is None:
+            tab = self._idur[share] = {}
+        d = tab.get(op.id)
+        if d is None:
+            d = tab[op.id] = self.cost.duration_s(op, st, *share)
         return d
 
     def folded_comm_s(self, op) -> float:
@@ -325,10 +368,7 @@ class System:
             if duration_s is not None:
                 yield env.timeout(duration_s)
             else:
-                gpu = self.hw.gpu
-                yield from self._progress(lambda: self.cost.duration_s(
-                    op, self.state, *kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)),
-                    "_comm_changed")
+                yield from self._progress(partial(self.interfered_kernel_s, op), "_comm_changed")
         finally:
             self._kernels -= 1
             if self._kernels == 0:
@@ -402,7 +442,11 @@ class System:
             if not live:
                 return
             done = live[0][0].done if len(live) == 1 else env.all_of([f.done for f, _ in live])
-            yield done | self._watch("_compute_changed")
+            # ``yield done | watch`` without the condition object (as ``_progress``): scheduled at the same point
+            wake = _Wake(env)
+            done.callbacks.append(wake.fire)
+            self._watch("_compute_changed").callbacks.append(wake.fire)
+            yield wake
             now = slow if self._kernels else 1.0
             if now != factor:
                 factor = now
@@ -440,16 +484,14 @@ class System:
             yield from self._move(flows, alone)
             return
         load = comm_load(f, res.busbw_bytes_per_s)
-        self._loads.append(load)
-        self._signal("_comm_changed")
+        self._add_load(load)
         slow = 1.0 + f.comm_slowdown
         try:
             if lat > 0:
                 yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
             yield from self._move(flows, alone, slow)
         finally:
-            self._loads.remove(load)
-            self._signal("_comm_changed")
+            self._remove_load(load)
 
     def _run_shared(self, call):
         """SimPy process body of a ``SharedCall``: its latency, then every party's flows together, each on its

@@ -63,7 +63,11 @@ class PowerMeter:
         self._ids: list[tuple] = []
         self._entry: dict[tuple, tuple] = {}
         self._activity_cache: dict[tuple, Activity | None] = {}
+        #: a kernel's activity by what prices it (its cost split's key and the clocks): ops of one shape share it
+        self._kernel_activity: dict[tuple, Activity] = {}
         self._power_cache: dict[tuple, float] = {}
+        #: ``excess_w`` by ``(activity, SM clock, memory clock)``
+        self._excess: dict[tuple, float] = {}
 
     # -- the running set --------------------------------------------------------------------------------
     def add(self, op, step, act: Activity) -> None:
@@ -102,7 +106,11 @@ class PowerMeter:
         if a is None:
             return 0.0
         sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
-        return max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
+        key = (a, sm, mem)  # the excess depends only on the activity and the clocks
+        e = self._excess.get(key)
+        if e is None:
+            e = self._excess[key] = max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
+        return e
 
     # -- activities -------------------------------------------------------------------------------------
     def activity(self, op) -> Activity | None:
@@ -118,11 +126,13 @@ class PowerMeter:
             c, m, d = self.cost.fused_s(op, self.state)
             return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
         if op.kind in KERNEL_KINDS and op.fixed_duration_s is None:
-            c, m, f = self.cost.split_s(op)
-            c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz
-            if self.gpu.mem_clock_mhz:
-                m *= self.gpu.mem_clock_mhz / self.state.mem_clock_mhz
-            return activity_of_kernel(c, m, f)
+            # what the activity depends on: the op's cost split (``RooflineCostModel.split_s``'s key) and the clocks
+            key = (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype,
+                   self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+            hit = self._kernel_activity.get(key)
+            if hit is None:
+                hit = self._kernel_activity[key] = self._kernel_activity_uncached(op)
+            return hit
         if op.kind in KERNEL_KINDS:
             return Activity(compute=0.5, memory=0.5)
         if op.kind == OpKind.MEMCPY_D2D:
@@ -130,6 +140,14 @@ class PowerMeter:
         if op.kind in COPY_KINDS:
             return Activity(copy=1.0, kernel=False)
         return None
+
+    def _kernel_activity_uncached(self, op) -> Activity:
+        """Activity of GPU kernel ``op`` (not a block, no fixed duration) at the current clocks."""
+        c, m, f = self.cost.split_s(op)
+        c *= self.gpu.max_sm_clock_mhz / self.state.sm_clock_mhz
+        if self.gpu.mem_clock_mhz:
+            m *= self.gpu.mem_clock_mhz / self.state.mem_clock_mhz
+        return activity_of_kernel(c, m, f)
 
     # -- power from recorded spans ----------------------------------------------------------------------
     def levels(self, spans):

@@ -71,8 +71,9 @@ class Recorder:
         uniq = list({id(op): op for op in ops}.values())  # in first-span order
         index = {id(op): i for i, op in enumerate(uniq)}
         pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
-        per_op = list(zip(*((op.id, op.name, op.stream, op.kind.value, op.phase.value, op.layer,
-                             op.cost_class.value, op.flops, op.bytes_moved) for op in uniq)))
+        # ``_value_``: an enum member's value without the ``value`` descriptor call (the same object)
+        per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
+                             op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
         if any(streams):
             stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])

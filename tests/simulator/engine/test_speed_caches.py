@@ -1,0 +1,116 @@
+"""The engine's per-run caches return what computing afresh returns: a kernel's duration beside the collectives in
+flight (``System.interfered_kernel_s``) as the loads and the clocks change, the power meter's activities shared by
+ops of one shape and its excess power per activity, and a tensor's memory category kept from its allocation to
+its free across settles."""
+
+from __future__ import annotations
+
+import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hardware_models.power import generic_power_model
+from simulator.cost.interference import CommLoad, kernel_share
+from simulator.engine.memory import MemoryPool
+from simulator.engine.system import System
+from simulator.graph.op_graph import GraphBuilder
+from simulator.graph.ops import CostClass, OpKind
+from simulator.policies.power_meter import PowerMeter
+from simulator.recording.recorder import Recorder
+from tests.conftest import make_hw
+
+
+def _ops():
+    """A 2-wave GEMM (100 tiles on 100 SMs of 1x1 tiles, 1 ms a wave) and a 1 GB memory-bound kernel (1 ms)."""
+    b = GraphBuilder()
+    b.add("G", OpKind.COMPUTE, "compute", cost_class=CostClass.GEMM, dtype="bf16", shape=(200, 1, 5_000_000_000))
+    b.add("M", OpKind.COMPUTE, "compute", cost_class=CostClass.ELEMENTWISE, bytes_read=1e9)
+    b.add("G2", OpKind.COMPUTE, "compute", cost_class=CostClass.GEMM, dtype="bf16", shape=(200, 1, 5_000_000_000))
+    return b.build(samples_per_step=1.0).ops
+
+
+_step = st.one_of(st.tuples(st.just("add"), st.integers(0, 60), st.floats(0, 2e12)), st.tuples(st.just("remove")),
+                  st.tuples(st.just("clock"), st.sampled_from([1000.0, 800.0, 500.0]), st.sampled_from([1000.0, 600.0])),
+                  st.tuples(st.just("price"), st.integers(0, 2)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(_step, max_size=30))
+def test_interfered_duration_equals_pricing_afresh(steps):
+    """After any sequence of collectives starting and ending and clock changes, the cached duration of each kernel
+    equals ``cost.duration_s(op, state, *kernel_share(loads))`` computed now."""
+    hw = make_hw()
+    sys_ = System(simpy.Environment(), hw, Recorder())
+    ops = _ops()
+    for s in steps:
+        if s[0] == "add":
+            sys_._add_load(CommLoad(s[1], s[2]))
+        elif s[0] == "remove" and sys_._loads:
+            sys_._remove_load(sys_._loads[0])
+        elif s[0] == "clock":
+            sys_.state.sm_clock_mhz, sys_.state.mem_clock_mhz = s[1], s[2]
+        elif s[0] == "price":
+            op = ops[s[1]]
+            share = kernel_share(sys_._loads, hw.gpu.sm_count, hw.gpu.hbm_bandwidth_bytes_per_s)
+            assert sys_.interfered_kernel_s(op) == sys_.cost.duration_s(op, sys_.state, *share)
+
+
+def test_interfered_gemm_hand_worked():
+    """The 2-wave GEMM takes 2 ms alone, 3 ms beside a collective holding 10 SMs (200 tiles on 90 SMs: 3 waves),
+    2 ms again once it ends, and 2.5 ms at 800 MHz (compute scales by 1000 / 800); the memory kernel keeps 1 ms
+    beside SMs held and takes 2 ms with half the HBM bandwidth taken (0.5 TB/s of 1 TB/s)."""
+    sys_ = System(simpy.Environment(), make_hw(), Recorder())
+    g, m, _ = _ops()
+    assert sys_.interfered_kernel_s(g) == pytest.approx(2e-3, rel=1e-12)
+    load = CommLoad(10, 0.0)
+    sys_._add_load(load)
+    assert sys_.interfered_kernel_s(g) == pytest.approx(3e-3, rel=1e-12)
+    assert sys_.interfered_kernel_s(m) == pytest.approx(1e-3, rel=1e-12)
+    sys_._remove_load(load)
+    assert sys_.interfered_kernel_s(g) == pytest.approx(2e-3, rel=1e-12)
+    sys_._add_load(CommLoad(0, 0.5e12))
+    assert sys_.interfered_kernel_s(m) == pytest.approx(2e-3, rel=1e-12)
+    sys_._remove_load(sys_._loads[0])
+    sys_.state.sm_clock_mhz = 800.0
+    assert sys_.interfered_kernel_s(g) == pytest.approx(2.5e-3, rel=1e-12)
+
+
+def test_power_meter_activity_shared_by_shape_and_excess_per_activity_equal_afresh():
+    """Two GEMMs of one shape share their activity; each op's activity and excess power equal those computed
+    afresh by a new meter, at the maximum clock and after a clock change (the caches are keyed by the clocks)."""
+    hw = make_hw()
+    sys_ = System(simpy.Environment(), hw, Recorder())
+    model = generic_power_model(hw.gpu)
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    g, m, g2 = _ops()
+    for sm in (1000.0, 500.0, 1000.0):
+        sys_.state.sm_clock_mhz = sm
+        fresh = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+        assert meter.activity(g) is meter.activity(g2)
+        for op in (g, m, g2):
+            a = fresh.activity(op)
+            assert meter.activity(op) == a
+            want = max(0.0, model.power_of((a,), sm, 1000.0) - model.power_of((), sm, 1000.0))
+            assert meter.excess_w(op) == want
+    # the GEMM is compute-bound (no memory part), the elementwise kernel memory-bound
+    assert (meter.activity(g).compute, meter.activity(g).memory) == (1.0, 0.0)
+    assert (meter.activity(m).compute, meter.activity(m).memory) == (0.0, 1.0)
+
+
+def test_tensor_category_kept_from_alloc_to_free_across_settles():
+    """A tensor allocated before one settle and freed after it leaves its own category (params 1 MB, activations
+    3 MB, then activations 0 after the free), whatever was allocated in between."""
+    t = [0.0]
+    pool = MemoryPool("hbm", 1e12, lambda: t[0])
+    pool.alloc("params.L0.w", 1_000_000, 0.0)
+    pool.alloc("act.L0.x", 3_000_000, 0.0)
+    assert dict(pool.by_category) == {"params": 1_000_000, "activations": 3_000_000}  # settles
+    t[0] = 1.0
+    pool.alloc("grad.L0.w", 2_000_000, 1.0)
+    pool.free("act.L0.x")
+    pool.free("never.allocated")
+    assert dict(pool.by_category) == {"params": 1_000_000, "activations": 0, "grad": 2_000_000}
+    assert pool.peak == 6_000_000 and pool.live == 3_000_000
+    assert pool.category_timeline == [(0.0, "params", 1_000_000), (0.0, "activations", 3_000_000),
+                                      (1.0, "grad", 2_000_000), (1.0, "activations", 0)]
