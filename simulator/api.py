@@ -269,6 +269,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
+        summary["warnings"] += component_warnings(runtime)
     return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
                             dependencies_frame(graph))
 
@@ -427,13 +428,14 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
         parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
-        part_steps = []
+        part_steps, notes = [], []
         for i, ((rec, runtime), g, h, c) in enumerate(zip(runs, graphs, hws, classes)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
             for comp in runtime.components:
                 if hasattr(comp, "summarize"):
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
+            notes += [f"{c.label}: {w}" for w in component_warnings(runtime)]
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             parts.append(summ)
@@ -472,11 +474,17 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
-        summary["warnings"] = run_warnings(hws[0], cfg)
+        summary["warnings"] = run_warnings(hws[0], cfg) + notes
         summary.update(scenario_keys(cfg, summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])
+
+
+def component_warnings(runtime) -> list[str]:
+    """What a run's runtime components flag about their own figures (``warnings()`` of each component that has
+    one, called after its ``summarize``; e.g. ``DvfsRuntime.warnings``: a power limit not held)."""
+    return [w for comp in runtime.components if hasattr(comp, "warnings") for w in comp.warnings()]
 
 
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
