@@ -1,0 +1,55 @@
+"""Physical invariants of cluster runs, checked on small bundled scenarios with ``--set`` overrides: a slower
+link never speeds the step (host copies included), and each rate the engine uses is the cluster's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator import load_scenario, run_scenario
+from simulator.config.loader import resolve_hardware
+from simulator.engine.system import System
+from tests.conftest import ROOT
+
+import simpy
+
+DP8 = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
+OFFLOAD = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2_sp_offload.yaml"
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _pcie(gb_per_s: float) -> str:
+    return f"hardware.cluster.overrides={{pcie_bytes_per_s: '{gb_per_s} GB/s'}}"
+
+
+def _step(path, sets) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_scenario(load_scenario(path, sets)).summary["step_time_s"]
+
+
+def test_the_cluster_pcie_link_bounds_the_host_copies():
+    # DGX H100: 2 GPUs per PCIe switch, Gen5 x16 uplink 63 GB/s. With the GPU's own link overridden to 16 GB/s
+    # the copies run at 16 GB/s on it (the preset's 63 GB/s before the fix) and get 63 / 2 = 31.5 GB/s of the
+    # uplink (63 x 63 / 16 / 2 = 124 GB/s before: the uplink share grew as the link slowed)
+    hw = resolve_hardware(load_scenario(DP8, [_pcie(16)]))
+    assert hw.copy.h2d_bytes_per_s == hw.copy.d2h_bytes_per_s == pytest.approx(16e9)
+    assert hw.copy.duplex_bytes_per_s == pytest.approx(32e9)
+    caps = System(simpy.Environment(), hw, None).network.capacities
+    assert caps["pcie.h2d"] == pytest.approx(16e9) and caps["pcie.uplink.h2d"] == pytest.approx(31.5e9)
+    plain = resolve_hardware(load_scenario(DP8, []))  # preset and cluster agree (63 GB/s): rates untouched
+    assert plain.copy.h2d_bytes_per_s == 63e9 and "scaled" not in plain.copy.sources["h2d_bytes_per_s"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.floats(4.0, 63.0), st.floats(1.2, 4.0))
+def test_a_slower_gpu_pcie_link_never_speeds_an_offloaded_step(fast_gb, ratio):
+    # FSDP CPU offload (TP2 x DP4, 2 layers): every unit's shard crosses PCIe. Before the fix 16 GB/s gave
+    # 26.44 ms against 28.34 ms at 63 GB/s; now 32.35 ms
+    base = ["model.num_layers=2"]
+    fast = _step(OFFLOAD, base + [_pcie(fast_gb)])
+    slow = _step(OFFLOAD, base + [_pcie(fast_gb / ratio)])
+    assert slow >= fast * (1 - 1e-12)
