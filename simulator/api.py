@@ -270,6 +270,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
+        summary.update(metrics.job_energy_per_work(summary))
     return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
                             dependencies_frame(graph))
 
@@ -476,6 +477,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                                       gpus_per_replica=len(hws[0].tp_group), **common)
         summary["warnings"] = run_warnings(hws[0], cfg) + notes
         summary.update(scenario_keys(cfg, summary))
+        summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])

@@ -53,3 +53,32 @@ def test_a_slower_gpu_pcie_link_never_speeds_an_offloaded_step(fast_gb, ratio):
     fast = _step(OFFLOAD, base + [_pcie(fast_gb)])
     slow = _step(OFFLOAD, base + [_pcie(fast_gb / ratio)])
     assert slow >= fast * (1 - 1e-12)
+
+
+PP4 = ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml"
+PP_SMALL = ["model.num_layers=8", "model.hidden_size=512", "model.num_attention_heads=8", "run.steps=2",
+            "run.warmup_steps=1"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([["parallelism.pipeline_model_parallel_size=1"], ["parallelism.pipeline_model_parallel_size=2"],
+                        ["parallelism.pipeline_model_parallel_size=2", "parallelism.tensor_model_parallel_size=2"],
+                        []]),
+       st.sampled_from([[], ["rank_overrides=[{dp_rank: 1, slowdown: 1.5}]"], ["rank_overrides=[{pp_rank: 0, slowdown: 1.3}]"]]))
+def test_job_energy_per_token_and_per_gpu_mean(layout, override):
+    # energy per token / sample is the job's: every GPU's energy per step over the tokens of all replicas (it was
+    # one GPU's energy over the job's tokens: world_size times too small, 0.255 against 2.04 mJ/token on GPT 1.3B
+    # DP8); the per-GPU mean times the GPUs is the job's energy (with a pipeline and a dp_rank override the mean
+    # left the overridden replica out: 33.86 against 38.73 J on PP4 x DP2)
+    if override and "pp_rank" in override[0] and layout == ["parallelism.pipeline_model_parallel_size=1"]:
+        override = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = run_scenario(load_scenario(PP4, PP_SMALL + layout + override)).summary
+    world = s["world_size"]
+    total = s.get("energy_j_per_step_all_gpus", s["energy_j_per_step"] * world)
+    assert s["energy_j_per_step"] * world == pytest.approx(total, rel=1e-12)
+    step = s["step_time_s"]
+    assert s["energy_per_token_j"] == pytest.approx(total / (s["tokens_per_s"] * step), rel=1e-12)
+    assert s["energy_per_sample_j"] == pytest.approx(total / (s["samples_per_s"] * step), rel=1e-12)
+    assert s["tokens_per_s"] * step == pytest.approx(128 * 1024)  # the global batch, whatever the layout
