@@ -548,6 +548,24 @@ def _generic_profile_note(name: str) -> str:
             "measured and assumed numbers")
 
 
+def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
+    """The run warning of ``sequence_parallel`` (tp > 1): what the graph builder does in place of Megatron's backward
+    re-gather. Megatron-LM (``LinearWithGradAccumulationAndAsyncCommunication``: ``save_for_backward`` of the
+    un-gathered input, all-gathered again in backward beside the input-gradient GEMM) and Korthikanti et al.
+    (MLSys 2023, section 4.2.2) keep only the ``s / t`` shard of the qkv and fc1 inputs; the builder keeps the
+    gathered ``[s, b, h]`` tensors from forward (``transformer.py`` module docstring), so the activation memory is
+    high by ``2 w (1 - 1/t) s b h`` bytes per dense layer and micro-batch held (``w``: bytes per element) and the
+    2 all-gathers per layer of backward communication are missing."""
+    t, cp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.context_parallel_size
+    m, tr = cfg.model, cfg.training
+    w = 4 if tr.precision in ("fp32", "tf32") else 2
+    extra = 2 * w * (1 - 1 / t) * tr.micro_batch_size * (m.seq_length // cp) * m.hidden_size
+    return (f"parallelism.sequence_parallel: Megatron's backward re-gather of the qkv and fc1 inputs is not modelled: "
+            f"the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
+            f"high by {extra / 1e6:.1f} MB per layer and micro-batch held; 2 all-gathers per layer of backward "
+            f"communication missing)")
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -594,6 +612,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+    if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1:
+        out.append(sequence_parallel_regather_note(cfg))
     if cfg is not None and cfg.training.precision == "amp_fp32_params" and "bf16" not in hw.gpu.peak_flops_per_s:
         out.append(f"training.precision amp_fp32_params on {hw.gpu.name}, which has no bf16 tensor cores (Volta/Turing), "
                    "stands for torch.autocast(fp16) with a GradScaler: GEMMs at the fp16 rate, same tensor sizes; the "
