@@ -106,3 +106,58 @@ def test_sequence_parallel_activation_excess_is_flagged_with_its_size(tp):
     assert excess == pytest.approx(2 * 2 * (1 - 1 / tp) * sbh)
     assert f"{excess / 1e6:.1f} MB per layer" in note
     assert note in run_scenario(cfg).summary["warnings"]
+
+
+STRATEGIES = [["zero_optimization.stage=0"], ["ddp.overlap_grad_reduce=false"],
+              ["zero_optimization.stage=2", "training.precision=bf16"],
+              ["zero_optimization.stage=3", "training.precision=bf16"], ["fsdp.sharding_strategy=FULL_SHARD"],
+              ["fsdp.sharding_strategy=HYBRID_SHARD"], ["ddp.use_distributed_optimizer=true", "training.precision=bf16"]]
+DP_SMALL = ["model.num_layers=2", "run.steps=2", "run.warmup_steps=1", "training.micro_batch_size=1"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(STRATEGIES), st.sampled_from([1, 2]), st.sampled_from([1, 2]))
+def test_doubling_data_parallel_never_speeds_a_gpus_step_and_scales_at_most_linearly(strategy, nodes, accumulation):
+    # fixed micro-batch and accumulation: each GPU does the same work, its collectives span more ranks
+    def run(n):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run_scenario(load_scenario(DP8, DP_SMALL + strategy + [
+                f"hardware.cluster.nodes={n}", f"training.global_batch_size={8 * n * accumulation}"])).summary
+    one, two = run(nodes), run(2 * nodes)
+    assert two["data_parallel_size"] == 2 * one["data_parallel_size"]
+    assert two["step_time_s"] >= one["step_time_s"] * (1 - 1e-12)
+    assert two["tokens_per_s"] <= 2 * one["tokens_per_s"] * (1 + 1e-12)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(STRATEGIES[:5]), st.integers(0, 7), st.floats(1.01, 3.0))
+def test_a_slower_replica_never_speeds_the_step_and_is_the_straggler(strategy, rank, slowdown):
+    base = DP_SMALL + strategy
+    plain = _step(DP8, base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = run_scenario(load_scenario(DP8, base + [f"rank_overrides=[{{dp_rank: {rank}, slowdown: {slowdown}}}]"])).summary
+    assert s["step_time_s"] >= plain * (1 - 1e-12)
+    assert s["straggler"] == f"dp_rank {rank}"
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from([1, 4]), st.sampled_from(["amp_fp32_params", "bf16"]))
+def test_model_state_memory_never_grows_with_the_zero_stage(accumulation, precision):
+    # the per-rank peak (tensors) never grows from stage 0 to 1, 2, 3 (ZeRO paper, Rajbhandari et al. SC20,
+    # figure 1: each stage shards one more of optimizer state, gradients, parameters); stage 3 needs 16-bit
+    # parameters, and 50M-element buckets make stage 2 free gradients before the end of backward
+    prev = None
+    for stage in (0, 1, 2, 3):
+        if stage == 3 and precision != "bf16":
+            break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s = run_scenario(load_scenario(DP8, DP_SMALL + [
+                f"training.precision={precision}", f"zero_optimization.stage={stage}",
+                "zero_optimization.reduce_bucket_size=50000000", f"training.global_batch_size={8 * accumulation}"])).summary
+        peak = s["peak_memory_bytes"]
+        if prev is not None:
+            assert peak <= prev * (1 + 1e-9)
+        prev = peak
