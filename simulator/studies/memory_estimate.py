@@ -10,7 +10,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Model states** (Rajbhandari et al., *ZeRO*, SC20, section 3.1: ``(2 + 2 + K) Psi`` with ``K = 12``
   for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
-  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
+  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view`` or Megatron's DDP in bf16 / fp16, whose gradients are views of its grad buffer).
   ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
   the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
   without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
-from simulator.graph.builders.transformer import FULL_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -245,7 +245,10 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
             dynamic = 0
         else:
-            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else _grad_bytes(spec) * P
+            # the gradients live in the buckets with gradient_as_bucket_view and in Megatron's DDP (bf16 / fp16:
+            # .main_grad views of its contiguous grad buffer; transformer.py _GptBuilder)
+            in_buckets = ddp.gradient_as_bucket_view or spec.precision in MEGATRON_DDP_PRECISIONS
+            dynamic = 0 if (buckets and in_buckets) else _grad_bytes(spec) * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)

@@ -123,17 +123,22 @@ def test_zero2_overlap_band_by_hand():
 
 
 def test_model_states_by_hand():
-    """DDP on 8 GPUs, bf16, one micro-batch: the peak is the end of backward when the fp32 gradients outweigh the
-    activations: 2 + 4 + 8 (params, master, Adam) + 4 (DDP buckets) + 4 (.grad) = 22 bytes per parameter, plus
-    the 400 MB CUDA context and the 0.78% allocator reserve. The tiny model: 4 blocks of 12 h^2 + 13 h (h 1024),
-    token table 4096 x h, positions 64 x h, final norm 2h (tied head)."""
-    cfg = load_scenario(ROOT / "tests" / "data" / "search" / "tiny_gpt_dgx_h100.yaml")
+    """DDP on 8 GPUs, one micro-batch. PyTorch DDP (amp_fp32_params): the peak is the end of backward when the fp32
+    gradients outweigh the activations: 4 + 8 (params, Adam) + 4 (DDP buckets) + 4 (.grad) = 20 bytes per parameter,
+    plus the 400 MB CUDA context and the 0.78% allocator reserve. Megatron's DDP (bf16): 2 + 4 + 8 (params, master,
+    Adam) + 4 (its fp32 grad buffer, whose main_grad views the gradients are: no .grad beside it; 22 while one was
+    counted) = 18, the peak at the start of backward. The tiny model: 4 blocks of 12 h^2 + 13 h (h 1024), token table
+    4096 x h, positions 64 x h, final norm 2h (tied head)."""
+    tiny = ROOT / "tests" / "data" / "search" / "tiny_gpt_dgx_h100.yaml"
     h = 1024
     P = 4 * (12 * h * h + 13 * h) + 4096 * h + 64 * h + 2 * h
     assert P == 54_646_784
-    est = estimate_memory(cfg)
+    est = estimate_memory(load_scenario(tiny, ["training.precision=amp_fp32_params"]))
     assert est.stages[0].by_category_bytes["activations"] == 0.0  # the gradients are the larger peak
-    assert est.peak_device_bytes == pytest.approx(22 * P * 1.0078 + 400e6, rel=1e-9)
+    assert est.peak_device_bytes == pytest.approx(20 * P * 1.0078 + 400e6, rel=1e-9)
+    c = estimate_memory(load_scenario(tiny)).stages[0].by_category_bytes
+    assert (c["params"], c["grad"], c["optimizer"]) == (6 * P, 4 * P, 8 * P)
+    assert c["activations"] > 0  # the start of backward: every activation, no gradient yet
 
 
 def test_in_flight_passes_by_hand():
