@@ -728,8 +728,8 @@ class _GptBuilder:
         # buckets (Megatron-LM DistributedDataParallel: param.main_grad views its contiguous fp32 grad buffer, the
         # weight-gradient GEMMs accumulate into it; no separate .grad). A separate fp32 .grad beside the buffer
         # counted 4 bytes per parameter twice (GPT 6.7B PP2 x DP8: 86.05 GB, out of memory, against 72.22 GB)
-        self._grads_in_buckets = self.dp and self.zero == 0 and (spec.gradient_as_bucket_view
-                                                                  or spec.precision in MEGATRON_DDP_PRECISIONS)
+        self._grads_in_buckets = self.dp and self.zero == 0 and (
+            spec.gradient_as_bucket_view or (spec.precision in MEGATRON_DDP_PRECISIONS and spec.lora is None))  # PEFT: torch DDP
         self.overlap = spec.overlap_grad_reduce
         self._bucket: list[ParamGroup] = []
         self._buckets: list[tuple[ParamGroup, ...]] = []  # closed, not yet emitted (overlap off)
