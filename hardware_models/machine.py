@@ -153,8 +153,28 @@ class Hardware:
 
     @property
     def copy(self) -> CopyRates:
-        """Host<->device copy rates in force (``resolve_copy_rates``)."""
-        return resolve_copy_rates(self.profile, self.pcie)
+        """Host<->device copy rates in force (``resolve_copy_rates``); on a cluster, on the cluster's GPU PCIe link.
+
+        The profile's (or link preset's) pinned rates belong to the ``pcie`` link preset; a cluster preset
+        states the GPU's PCIe link itself (``pcie_bytes_per_s``, which ``hardware.cluster.overrides`` may
+        change), so there the pinned rates are scaled by ``pcie_bytes_per_s / pcie.bandwidth_bytes_per_s``
+        (the copy's efficiency over its link kept, as ``host_links.UplinkShare.share_of`` assumes). Without
+        this a slower cluster link left the copies at the preset's rate and, through ``share_of``, gave them
+        a larger share of the switch uplink: copies got faster as the link got slower. Pageable staging caps
+        (host-side) and the latency are not scaled.
+        """
+        rates = resolve_copy_rates(self.profile, self.pcie)
+        topo = getattr(self.collectives, "topo", None)
+        link = float(getattr(getattr(topo, "cluster", None), "pcie_bytes_per_s", 0.0) or 0.0)
+        base = self.pcie.bandwidth_bytes_per_s
+        if not link or not base or link == base:
+            return rates
+        k = link / base
+        note = f", scaled x {k:.4g} to the cluster's PCIe link"
+        return rates._replace(h2d_bytes_per_s=rates.h2d_bytes_per_s * k, d2h_bytes_per_s=rates.d2h_bytes_per_s * k,
+                              duplex_bytes_per_s=rates.duplex_bytes_per_s * k,
+                              sources={**rates.sources, **{f: rates.sources[f] + note for f in
+                                                           ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s")}})
 
     def for_pipeline_rank(self, rank: int) -> "Hardware":
         """The machine of pipeline stage ``rank``'s representative: its global rank ``pp_group[rank]`` and the

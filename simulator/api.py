@@ -278,6 +278,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
+        summary["warnings"] += component_warnings(runtime)
+        summary.update(metrics.job_energy_per_work(summary))
     return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
                             dependencies_frame(graph))
 
@@ -439,13 +441,14 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     with gc_paused():
         runs = run_ranks(graphs, hws, run.steps, run.seed, attach, memory_overheads(cfg))
         parts, frames = [], {"spans": [], "counters": [], "launches": [], "deps": []}
-        part_steps, first_ops = [], []
+        part_steps, first_ops, notes = [], [], []
         for i, ((rec, runtime), g, h, c) in enumerate(zip(runs, graphs, hws, classes)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
             for comp in runtime.components:
                 if hasattr(comp, "summarize"):
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
+            notes += [f"{c.label}: {w}" for w in component_warnings(runtime)]
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             parts.append(summ)
@@ -487,11 +490,18 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
-        summary["warnings"] = run_warnings(hws[0], cfg)
+        summary["warnings"] = run_warnings(hws[0], cfg) + notes
         summary.update(scenario_keys(cfg, summary))
+        summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])
+
+
+def component_warnings(runtime) -> list[str]:
+    """What a run's runtime components flag about their own figures (``warnings()`` of each component that has
+    one, called after its ``summarize``; e.g. ``DvfsRuntime.warnings``: a power limit not held)."""
+    return [w for comp in runtime.components if hasattr(comp, "warnings") for w in comp.warnings()]
 
 
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
@@ -553,6 +563,26 @@ def _generic_profile_note(name: str) -> str:
             "measured and assumed numbers")
 
 
+def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
+    """The run warning of ``sequence_parallel`` (tp > 1): what the graph builder does in place of Megatron's backward
+    re-gather. Megatron-LM (``LinearWithGradAccumulationAndAsyncCommunication``: ``save_for_backward`` of the
+    un-gathered input, all-gathered again in backward beside the input-gradient GEMM) and Korthikanti et al.
+    (MLSys 2023, section 4.2.2) keep only the ``s / t`` shard of the qkv and fc1 inputs; where the builder builds the
+    blocking column-parallel backward (``TransformerSpec.sp_regathers_inputs`` false: asynchronous backward off,
+    amp_fp32_params, fp8, tp_comm_overlap or LoRA) it keeps the gathered ``[s, b, h]`` tensors from forward
+    (``transformer.py`` module docstring), so the activation memory is
+    high by ``2 w (1 - 1/t) s b h`` bytes per dense layer and micro-batch held (``w``: bytes per element) and the
+    2 all-gathers per layer of backward communication are missing."""
+    t, cp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.context_parallel_size
+    m, tr = cfg.model, cfg.training
+    w = 4 if tr.precision in ("fp32", "tf32") else 2
+    extra = 2 * w * (1 - 1 / t) * tr.micro_batch_size * (m.seq_length // cp) * m.hidden_size
+    return (f"parallelism.sequence_parallel: Megatron's backward re-gather of the qkv and fc1 inputs is not modelled "
+            f"with this run's blocking column-parallel backward: the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
+            f"high by {extra / 1e6:.1f} MB per layer and micro-batch held; 2 all-gathers per layer of backward "
+            f"communication missing)")
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -607,6 +637,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+    if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
+            not transformer_spec(cfg).sp_regathers_inputs):
+        out.append(sequence_parallel_regather_note(cfg))
     if cfg is not None and cfg.training.precision == "amp_fp32_params" and "bf16" not in hw.gpu.peak_flops_per_s:
         out.append(f"training.precision amp_fp32_params on {hw.gpu.name}, which has no bf16 tensor cores (Volta/Turing), "
                    "stands for torch.autocast(fp16) with a GradScaler: GEMMs at the fp16 rate, same tensor sizes; the "

@@ -49,7 +49,7 @@ import pandas as pd
 from hardware_models.power import ClockController, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
-from simulator.policies.power_firmware import PowerLimitFirmware, window_over
+from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
 from simulator.policies.registry import PolicyError, register_runtime
@@ -157,6 +157,10 @@ class PhaseClockPlan:
         want = self.plan.get(op.phase.value, self.default)
         if want != ctl.target_mhz:
             ctl.set_target(want)
+
+
+#: how ``DvfsRuntime.warnings`` starts its line (a study that keeps only its rows' figures picks these out)
+LIMIT_NOT_HELD = "dvfs: power limit"
 
 
 @register_runtime("dvfs")
@@ -347,6 +351,7 @@ class DvfsRuntime:
         samples = summary.get("samples_per_s", 0.0) * summary.get("step_time_s", 0.0)
         busy = self._host_busy_cores(spans, t0, t1)
         host_w = self.model.host_power_w(self.host_cores, busy)
+        self.measured_avg_power_w = energy / window
         return {
             "energy_j_per_step": e_step,
             "avg_power_w": energy / window,
@@ -360,6 +365,28 @@ class DvfsRuntime:
             "dvfs_policy": self.kind,
             "power_model": self.model.name,
         }
+
+    def warnings(self) -> list[str]:
+        """What the summary's power figures do not hold (call after ``summarize``): a power limit the measured
+        steps' average power exceeds by more than the firmware's dead band (``power_firmware.HYSTERESIS``).
+
+        A settled firmware keeps the windowed average at or below the limit (it lowers the clock whenever an
+        evaluation finds it above), so a measured average above it means either that the firmware was still
+        stepping the clock down during the measured steps (a run too short for the loop to settle: step time,
+        energy and power are of that transient, not of the capped steady state), or that the lowest supported
+        clock still draws more than the limit. Empty when the limit holds or cannot bind."""
+        cap, avg = self.power_limit_w, getattr(self, "measured_avg_power_w", None)
+        if self.firmware is None or avg is None or avg <= cap * (1.0 + HYSTERESIS):
+            return []
+        floor = min(self.supported)
+        if self.ctl.limit_mhz <= floor:
+            return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
+                    f"supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
+        return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W while the firmware "
+                f"was still lowering the clock (now {self.ctl.limit_mhz:g} MHz; at most one step per "
+                f"{self.period_s * 1e3:g} ms evaluation of the {self.window_s * 1e3:g} ms average power), so step "
+                f"time, energy and power are of that transient, not of the capped steady state: measure later steps "
+                f"(raise run.warmup_steps and run.steps)"]
 
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
         """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""

@@ -10,7 +10,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Model states** (Rajbhandari et al., *ZeRO*, SC20, section 3.1: ``(2 + 2 + K) Psi`` with ``K = 12``
   for mixed-precision Adam, partitioned by ``N_d`` per stage): 16-bit parameters ``2P`` and fp32 master
   ``4P`` (``amp_fp32_params``: fp32 parameters ``4P``, no master), Adam moments ``8P``, fp32 gradients
-  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view``).
+  ``4P`` (``2P`` for DeepSpeed ZeRO-1/2 in bf16 / fp16: the model dtype, ``_grad_bytes``; DDP with ``N_d > 1`` also keeps its bucket buffers, ``4P``, unless ``gradient_as_bucket_view`` or Megatron's DDP in bf16 / fp16, whose gradients are views of its grad buffer).
   ZeRO-1 divides master and moments by ``N_d``; ZeRO-2 also the gradients (plus, at each bucket's close,
   the full gradients of the buckets not yet reduce-scattered beside the activations not yet freed: one bucket
   without ``overlap_comm``, between one and two with it, timing-dependent, so that case is a band
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
-from simulator.graph.builders.transformer import FULL_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -149,24 +149,41 @@ def in_flight_passes(schedule: str, p: int, m: int, rank: int, v: int,
     (chunk, micro-batch) forwards not yet run backward and the blocks they hold, at the moment the blocks
     held are the most (``pipeline.stage_actions``'s order), and whether that peak is reached again after a
     backward (then an earlier micro-batch's gradients exist at the peak: 1F1B with ``m > p - r``, not GPipe)."""
+    return _peak_passes(schedule, p, m, rank, v, split)[:3]
+
+
+def chunk_passes_at_peak(schedule: str, p: int, m: int, rank: int, v: int, split: tuple[int, ...]) -> dict[int, int]:
+    """At the peak ``in_flight_passes`` finds: the passes in flight per local model chunk (``{chunk: passes}``).
+    With an interleaved schedule a rank's passes in flight belong to different chunks, and only the last
+    model chunk holds the LM head's saved tensors (the first: the embedding's tokens)."""
+    return _peak_passes(schedule, p, m, rank, v, split)[3]
+
+
+def _peak_passes(schedule: str, p: int, m: int, rank: int, v: int,
+                 split: tuple[int, ...]) -> tuple[int, int, bool, dict[int, int]]:
+    """``in_flight_passes`` plus the passes per local chunk at that peak."""
     from simulator.graph.builders.pipeline import Action, stage_actions
 
     if p == 1:
-        return 1, sum(split), m > 1
+        return 1, sum(split), m > 1, {0: 1}
     held, passes, best, after, backwards = 0, 0, (0, 0), False, 0
+    per: dict[int, int] = {}
+    at_best: dict[int, int] = {}
     for a in stage_actions(schedule, p, m, rank, v):
         if not isinstance(a, Action):
             continue
         layers = split[a.chunk * p + rank]
         if a.kind == "F":
             held, passes = held + layers, passes + 1
+            per[a.chunk] = per.get(a.chunk, 0) + 1
             if held > best[1]:
-                best, after = (passes, held), False
+                best, after, at_best = (passes, held), False, dict(per)
             if held == best[1] and backwards:
                 after = True
         else:
             held, passes, backwards = held - layers, passes - 1, backwards + 1
-    return best[0], best[1], after
+            per[a.chunk] -= 1
+    return best[0], best[1], after, at_best
 
 
 def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -> float:
@@ -244,7 +261,10 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
             dynamic = 0
         else:
-            dynamic = 0 if (buckets and ddp.gradient_as_bucket_view) else _grad_bytes(spec) * P
+            # the gradients live in the buckets with gradient_as_bucket_view and in Megatron's DDP (bf16 / fp16:
+            # .main_grad views of its contiguous grad buffer; transformer.py _GptBuilder)
+            in_buckets = ddp.gradient_as_bucket_view or spec.precision in MEGATRON_DDP_PRECISIONS
+            dynamic = 0 if (buckets and in_buckets) else _grad_bytes(spec) * P
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
@@ -321,12 +341,16 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                                                            if recompute == "selective" else 0)
         transient += max(mlp, score) - mlp
     block_transient = transient
-    if spec.has_head:  # saved per pass in flight: fp32 log-softmax, the final norm's input and output
-        activations += min(passes, m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
+    by_chunk = chunk_passes_at_peak(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
+    if spec.has_head:  # saved per pass in flight of the last model chunk (the only one with the head; with an
+        # interleaved schedule the other chunks' passes hold none): fp32 log-softmax, the final norm's input and output
+        activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
         transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
     if spec.has_embedding:
-        activations += 16 * T * passes  # int64 tokens and labels
-        transient = max(transient, 4 * V * h)  # the fp32 embedding gradient
+        activations += 16 * T * by_chunk.get(0, 0)  # int64 tokens and labels, held by the first chunk's passes
+        if p == 1 or spec.has_head:  # the fp32 embedding gradient; on the first of several stages it is made at the
+            # end of the stage's backward, with its activations freed (and counted in the gradients after it)
+            transient = max(transient, 4 * V * h)
     dynamic = activations + transient
     o = memory_overheads(cfg)
     if sh is None and spec.zero_stage == 2 and spec.grad_reduce_size > 1:

@@ -8,6 +8,7 @@ frontier (no other point is at least as fast *and* at least as frugal, and stric
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import pandas as pd
@@ -15,7 +16,7 @@ import pandas as pd
 from hardware_models.gpu import GpuSpec
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
-from simulator.policies.dvfs import requested_clock_mhz
+from simulator.policies.dvfs import LIMIT_NOT_HELD, requested_clock_mhz
 
 COLUMNS = ["setting", "value", "step_time_s", "energy_j_per_step", "avg_power_w", "energy_per_token_j",
            "avg_sm_clock_mhz", "pareto"]
@@ -75,6 +76,9 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
     rows = []
     for setting, value, dvfs in points:
         s = run_scenario(cfg.model_copy(update={"dvfs": dvfs}), hw).summary
+        for w in s["warnings"]:
+            if LIMIT_NOT_HELD in w:  # the row's figures are not those of the setting's steady state
+                warnings.warn(f"{setting} {value:g}: {w}", stacklevel=2)
         rows.append({"setting": setting, "value": value, "step_time_s": s["step_time_s"],
                      "energy_j_per_step": s["energy_j_per_step"], "avg_power_w": s["avg_power_w"],
                      "energy_per_token_j": s["energy_per_token_j"], "avg_sm_clock_mhz": s["avg_sm_clock_mhz"]})

@@ -436,6 +436,20 @@ class TransformerSpec:
         return self.sharding is not None and self.sharding.unit_buckets and self.grad_reduce_size > 1
 
     @property
+    def tp_async_backward(self) -> bool:
+        """Megatron's asynchronous column-parallel backward is built (``tp_async_grad_reduce`` with TP, no LoRA;
+        with sequence parallelism only for 16-bit inputs without ``tp_comm_overlap``: else the blocking one)."""
+        sp = self.sequence_parallel and self.tensor_parallel_size > 1
+        return self.tp_async_grad_reduce and self.tensor_parallel_size > 1 and self.lora is None and (
+            not sp or (self.tp_comm_overlap == "none" and self.precision != "amp_fp32_params" and self.fp8 is None))
+
+    @property
+    def sp_regathers_inputs(self) -> bool:
+        """Sequence parallelism saves the column-parallel layers' ``1 / t`` input shards and gathers them again in
+        backward (Megatron's re-gather, with ``tp_async_backward``); False: the gathered inputs are kept."""
+        return self.tp_async_backward and self.sequence_parallel and self.tensor_parallel_size > 1
+
+    @property
     def grad_reduce_size(self) -> int:
         """Ranks the gradients are reduced over and ZeRO / FSDP / the distributed optimizer shard the model states
         over: ``dp x cp`` (Megatron's data-parallel group with context parallelism: the CP ranks hold other tokens
@@ -703,7 +717,8 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       (4 bytes/param) are allocated when DDP is constructed and persist. Without
       ``gradient_as_bucket_view`` the ``.grad`` tensors are one more fp32 copy allocated in
       backward; with it they are views of the buckets and take no memory of their own (PyTorch
-      DDP docs: the view "saves memory equal to the total gradients size").
+      DDP docs: the view "saves memory equal to the total gradients size"). In bf16 / fp16 (Megatron's
+      DDP, ``MEGATRON_DDP_PRECISIONS``) the gradients are views of the buckets too.
     * ZeRO 1/2 (Rajbhandari et al., *ZeRO*, SC20, section 7: 2Psi communication per step for
       P_os and P_os+g, as DP's all-reduce): DeepSpeed's buckets (``reduce_bucket_size``
       elements, flushed before a gradient that would overflow them) are reduce-scattered; Adam
@@ -743,6 +758,13 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
 #: ``deepspeed/runtime/engine.py``, ``deepspeed/runtime/zero/stage_1_and_2.py``). The optimizer still reads fp32.
 ZERO_HALF_GRAD_PRECISIONS = ("bf16", "fp16")
 
+#: Precisions whose data parallelism without ZeRO is Megatron-LM's ``DistributedDataParallel`` (16-bit parameters, fp32
+#: master weights): its gradients are ``main_grad`` views of one contiguous fp32 grad buffer (the DDP buckets), with
+#: gradient accumulation fusion writing the weight gradients into it (NVIDIA/Megatron-LM
+#: ``megatron/core/distributed/distributed_data_parallel.py``, ``param_and_grad_buffer.py``). ``amp_fp32_params`` is
+#: PyTorch DDP: fp32 ``.grad`` tensors beside the buckets unless ``gradient_as_bucket_view``.
+MEGATRON_DDP_PRECISIONS = ("bf16", "fp16")
+
 
 class _GptBuilder:
     def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False):
@@ -767,7 +789,12 @@ class _GptBuilder:
         self.dp = spec.grad_reduce_size > 1
         self.zero = spec.zero_stage if self.dp else 0
         # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
-        self._grads_in_buckets = self.dp and self.zero == 0 and spec.gradient_as_bucket_view
+        # DDP with gradient_as_bucket_view, or Megatron's DDP (bf16 / fp16): the gradients are views of the persistent
+        # buckets (Megatron-LM DistributedDataParallel: param.main_grad views its contiguous fp32 grad buffer, the
+        # weight-gradient GEMMs accumulate into it; no separate .grad). A separate fp32 .grad beside the buffer
+        # counted 4 bytes per parameter twice (GPT 6.7B PP2 x DP8: 86.05 GB, out of memory, against 72.22 GB)
+        self._grads_in_buckets = self.dp and self.zero == 0 and (
+            spec.gradient_as_bucket_view or (spec.precision in MEGATRON_DDP_PRECISIONS and spec.lora is None))  # PEFT: torch DDP
         self.overlap = spec.overlap_grad_reduce
         self._bucket: list[ParamGroup] = []
         self._buckets: list[tuple[ParamGroup, ...]] = []  # closed, not yet emitted (overlap off)
@@ -782,9 +809,8 @@ class _GptBuilder:
         self.sp = spec.sequence_parallel and self.tp > 1
         #: Megatron's asynchronous column-parallel backward (``tp_async_grad_reduce``); with sequence parallelism
         #: the layer input is saved as its shard and gathered again (16-bit inputs only: TP needs bf16 / fp16)
-        self._async_grad = spec.tp_async_grad_reduce and self.tp > 1 and spec.lora is None and (
-            not self.sp or (spec.tp_comm_overlap == "none" and not amp and not self.fp8))
-        self._regather = self._async_grad and self.sp
+        self._async_grad = spec.tp_async_backward
+        self._regather = spec.sp_regathers_inputs
         #: tokens of the LayerNorm / residual region on this rank (``T / t`` with sequence parallelism)
         self.Tn = self.T // self.tp if self.sp else self.T
         self.tp_ops: list[int] = []  # TP collectives the optimizer waits for (SP LayerNorm grads, found-inf)

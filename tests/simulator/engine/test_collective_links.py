@@ -46,6 +46,8 @@ def _net(nic=100e9) -> NetworkSpec:
 
 def _hw(model, *, pcie=1e12, duplex=0.0, **groups):
     hw = make_hw(pcie_bw=pcie, duplex=duplex)
+    # the profile's copy rates (``pcie``) measured on the cluster's own GPU link: not scaled (Hardware.copy)
+    hw = dataclasses.replace(hw, pcie=dataclasses.replace(hw.pcie, bandwidth_bytes_per_s=model.topo.cluster.pcie_bytes_per_s))
     return dataclasses.replace(hw, collectives=model, world_size=model.topo.world_size,
                                nccl=NcclConfig(interference=False), **groups)
 

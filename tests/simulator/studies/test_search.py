@@ -10,6 +10,7 @@ import pytest
 
 from simulator.cli import main
 from simulator.cli_search import OBJECTIVE_CHOICES
+from simulator.config.loader import load_scenario
 from simulator.studies import search
 from tests.conftest import ROOT
 
@@ -45,13 +46,19 @@ def test_refused_points_and_why(hand_space):
 
 
 def test_pruned_by_memory_without_simulating(hand_space):
-    """tp 1 x pp 1 holds every parameter: 22 B x 54,646,784 + 0.4 GB context + 0.78% reserve = 1.61 GB, over
+    """tp 1 x pp 1 holds every parameter: 18 B x 54,646,784 of model states (bf16 parameters, fp32 master, Adam,
+    Megatron's fp32 grad buffer, whose views the gradients are: 22 B while a separate fp32 .grad was counted) plus
+    the activations and working set at the start of backward, 0.4 GB context and 0.78% reserve = 1.42 GB, over
     1.3 GB even at -5%: pruned, never simulated. Each pipeline stage of tp 1 x pp 2 holds about half (29.45M on
     stage 0) and tp 2 x pp 1 27.37M: simulated, and they fit."""
     r = _status(hand_space, 1, 1)
     assert r.status == "pruned" and math.isnan(r.get("step_time_s", math.nan))
-    assert r.est_peak_device_bytes == pytest.approx(22 * 54_646_784 * 1.0078 + 400e6, rel=1e-9)
-    assert "estimated 1.61 GB on pipeline stage 0 > 1.30 GB" in r.reason
+    from simulator.studies.memory_estimate import estimate_memory
+    cats = estimate_memory(load_scenario(TINY, [SMALL_GPU, f"{TP}=1", f"{PP}=1"])).stages[0].by_category_bytes
+    assert cats["params"] + cats["grad"] + cats["optimizer"] == 18 * 54_646_784
+    dynamic = cats["activations"] + cats["transient"]
+    assert r.est_peak_device_bytes == pytest.approx((18 * 54_646_784 + dynamic) * 1.0078 + 400e6, rel=1e-9)
+    assert "estimated 1.42 GB on pipeline stage 0 > 1.30 GB" in r.reason
     for tp, pp in ((1, 2), (2, 1), (2, 2)):
         r = _status(hand_space, tp, pp)
         assert r.status == "ok" and r.peak_device_memory_bytes < 1.3e9
