@@ -14,7 +14,12 @@ from simulator.graph.builders.stamp_blocks import SCRATCH
 from simulator.graph.builders.transformer import TransformerSpec, _GptBuilder, build_gpt_step
 from simulator.graph.ops import Op, OpKind
 from tests.conftest import ROOT
-from tests.simulator.graph.test_stamp import CASES, TINY
+from tests.simulator.graph.test_stamp import CASES, PIPELINE, TINY
+
+#: the stamping cases, and Megatron's asynchronous column-parallel backward under sequence parallelism (the saved
+#: LayerNorm output shards, gathered again on comm.tp in backward, end the forward's blocks)
+CASES = {**CASES, "pp2_tp2_sp_async": {**PIPELINE, "tp_async_grad_reduce": True},
+         "tp2_sp_async_no_recompute": dict(tensor_parallel_size=2, sequence_parallel=True, tp_async_grad_reduce=True)}
 
 _PART = ("kind", "stream", "phase", "layer", "cost_class", "flops", "bytes_read", "bytes_written", "shape", "dtype",
          "role", "launch", "pinned", "host_s", "fixed_duration_s")
@@ -56,7 +61,9 @@ def assert_same_layer_graph(spec: TransformerSpec, fold_tp: bool) -> dict:
 def test_block_stamps_give_the_coarsened_graph(case, fold_tp):
     kw = {**TINY, **CASES[case]}
     for rank in range(kw.get("pipeline_parallel_size", 1)):
-        assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+        info = assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+        if "async" in case:  # the fast path is taken
+            assert info["kernel_build"] is None and info["stamped"] > 0, info
 
 
 @pytest.mark.parametrize("stage", [0, 7])
