@@ -113,3 +113,20 @@ def test_layer_fidelity_run_builds_blocks_only_where_no_policy_reads_kernels():
         assert ("layer_blocks" in g.meta) is blocks
     cfg = load_scenario(ROOT / "scenarios/h200/dataloader_w2.yaml", ["run.fidelity=layer"])
     assert "layer_blocks" not in build_graph(cfg, 0, resolve_hardware(cfg)).meta
+
+
+def test_check_refuses_a_block_end_nothing_on_another_stream_waits_for():
+    """Check 5: a block a template ends at a tensor the builder said another stream waits for (the saved LayerNorm
+    shard the asynchronous backward gathers again) must be waited for so in the graph, by an op no TP fold can
+    take: with that all-gather's dependency on it dropped, ``check`` names the pass."""
+    from dataclasses import replace
+
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    b = _GptBuilder(spec, True, True, True)
+    g = b.build()
+    inst = b.stamper.instances
+    assert sb.check(g.ops, inst) is None
+    i = next(i for i in inst if i.bt.waited)
+    p = i.start + i.bt.waited[0][1]
+    ops = [replace(op, deps=tuple(d for d in op.deps if d != p)) if op.stream != "compute" else op for op in g.ops]
+    assert sb.check(ops, inst) == f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
