@@ -69,7 +69,9 @@ class BlockTemplate:
     ``(stream, a, b, separate, waits_inside, slots)``: ``a`` of its first op there where ``foldable_tp`` finds it
     foldable in the template (``("in", op index)`` or ``("ctx", context slot)``), else None; ``b`` (op index)
     of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
-    its first op there waits for a compute kernel of the pass, and the context slots it waits for."""
+    its first op there waits for a compute kernel of the pass, and the context slots it waits for; ``waited``:
+    ``(table index, op index)`` of each tensor the builder said another stream waits for after the pass
+    (``Stamper.waited_later``) and the block ending at its producer (check 5)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited")
