@@ -85,7 +85,7 @@ class _Template:
     the recorded pass's ops (``kops``) and tensor table (``index``)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "kops",
-                 "index", "scratch")
+                 "index", "scratch", "waited")
 
 
 #: stem of a stamped block's scratch tensor (``stamp_blocks``), named after the block op's id
@@ -117,6 +117,7 @@ class Stamper:
         self.state = state
         self.enabled = enabled
         self.templates: dict[Hashable, _Template | None] = {}  # None: a pass with this key cannot be stamped
+        self._marks: list[str] | None = None  # ``waited_later`` names of the pass being recorded
         #: passes emitted by ``fn`` / stamped (for the benchmark and the tests)
         self.built = self.stamped = 0
 
@@ -134,6 +135,15 @@ class Stamper:
         pv = tuple(-1 if v < 0 else first.setdefault(v, i) for i, v in enumerate(vals))
         fn: dict[str, int] = {}
         return n_wait, pv, tuple(fn.setdefault(n, i) for i, n in enumerate(names))
+
+    def waited_later(self, name: str) -> None:
+        """The builder's word that an op on another stream than ``compute`` (no TP collective ``foldable_tp`` may
+        fold) will wait for tensor ``name`` of the pass being recorded, after the pass (sequence parallelism's
+        saved ``1 / t`` shard, gathered again in backward): a block template ends a block at its producer, as
+        ``coarsen`` does in the whole graph (``stamp_blocks``, whose ``check`` verifies the word). Outside a
+        recording, nothing."""
+        if self._marks is not None:
+            self._marks.append(name)
 
     def run(self, key: Hashable, layer: int, fn: Callable, inputs: tuple):
         """``fn(*inputs)``, or a stamp of the template recorded under ``key`` (module docstring); returns what
@@ -154,9 +164,15 @@ class Stamper:
         if t is None:
             return fn(*inputs)
         start, uid0, before = len(e.b), e._uid, self.state()
-        result = fn(*inputs)
-        self.templates[full_key] = self._record(start, uid0, layer, names, vals, result) \
-            if self.state() == before else None
+        self._marks = [] if self.blocks else None
+        try:
+            result = fn(*inputs)
+        finally:
+            marks, self._marks = self._marks, None
+        t = self._record(start, uid0, layer, names, vals, result) if self.state() == before else None
+        if t is not None:
+            t.waited = tuple(dict.fromkeys(t.index[n] for n in marks or () if n in t.index))
+        self.templates[full_key] = t
         return result
 
     def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result):

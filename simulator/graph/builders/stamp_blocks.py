@@ -13,7 +13,8 @@ graph around it), and for every copy the *block template* of its key (``block_te
   a pass waiting for a TP collective, which may be folded or not, is stamped as kernels, ``may_fold``),
   allocating the pass's input tensors (their sizes are part of the key);
 * the pass's kernels;
-* one stub after them using every tensor of the pass's result (what later ops may use).
+* one stub after them using every tensor of the pass's result (what later ops may use), and one waiting for the
+  producers of those the builder said another stream will wait for (``Stamper.waited_later``, check 5).
 
 So the pass's blocks, folded TP collectives, block memory (the scratch tensor of each block, renamed per copy
 ``activations.block_scratch.stamp#<op id>``) and the kernels each block's time is priced from (``meta["fused"]``,
@@ -34,7 +35,12 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
    than that block, or is folded itself; the op after a pass's last folded one on its stream waits for a
    compute op from that block on (``foldable_tp``'s conditions on the stream neighbours).
 
-``check`` tests all four on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
+5. a block a template ends at a result tensor the builder said another stream will wait for
+   (``Stamper.waited_later``: sequence parallelism's saved ``1 / t`` shard, which the asynchronous column-parallel
+   backward gathers again; the template's second stub after the pass, on another stream, waits for its producer)
+   is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold.
+
+``check`` tests all five on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
 fails, so the result is the same graph either way (``tests/simulator/graph/test_stamp_blocks.py`` compares them
 on every bundled scenario).
 """
@@ -63,10 +69,12 @@ class BlockTemplate:
     ``(stream, a, b, separate, waits_inside, slots)``: ``a`` of its first op there where ``foldable_tp`` finds it
     foldable in the template (``("in", op index)`` or ``("ctx", context slot)``), else None; ``b`` (op index)
     of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
-    its first op there waits for a compute kernel of the pass, and the context slots it waits for."""
+    its first op there waits for a compute kernel of the pass, and the context slots it waits for; ``waited``:
+    ``(table index, op index)`` of each tensor the builder said another stream waits for after the pass
+    (``Stamper.waited_later``) and the block ending at its producer (check 5)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
-                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross")
+                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited")
 
 
 def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
@@ -94,10 +102,15 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     table = names + [f"{stem}{r}" for stem, r in t.fresh] + list(t.consts)  # only its length matters below
     mini.append(Op(id=len(mini), name="future", kind=OpKind.HOST, stream=_CTX, launch=False,
                    uses=tuple(name_of[k] for k in res)))
+    made = dict(t.producer)
+    waited = {k: made[k] for k in t.waited if made.get(k) is not None and made[k] >= 0}  # made by the pass
+    if waited:  # what another stream waits for after the pass (``Stamper.waited_later``) ends a block
+        mini.append(Op(id=len(mini), name="future.waits", kind=OpKind.HOST, stream=_CTX, launch=False,
+                       deps=tuple(sorted({n_ctx + r for r in waited.values()}))))
     graph = OpGraph(ops=tuple(mini))
     cand = foldable_tp(graph) if fold_tp else {}
     coarse, new_id = coarsen_ids(graph, fold_tp)
-    cops = coarse.ops[n_ctx:-1]
+    cops = coarse.ops[n_ctx:len(coarse.ops) - (len(mini) - n_ctx - len(kops))]  # less the stubs after the pass
     rel = [new_id[n_ctx + r] - n_ctx for r in range(len(kops))]  # kernel index -> block-template op index
     bt = BlockTemplate()
     bt.n_ops, bt.fresh, bt.consts, bt.result = len(cops), t.fresh, t.consts, t.result
@@ -128,6 +141,7 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
 
     bt.producer = [(k, move(r)) for k, r in t.producer]
     bt.last, bt.wait = move(t.last), tuple(move(d) for d in t.wait)
+    bt.waited = tuple((k, rel[r]) for k, r in waited.items())
     last_part = {op.meta["fused"][-1].id - n_ctx for op in cops if op.meta and "fused" in op.meta}
     merged = {r for r in range(len(kops)) if cops[rel[r]].meta and "fused" in cops[rel[r]].meta}
     bt.mid = tuple(k for k, r in t.producer if r is not None and r >= 0 and r in merged and r not in last_part)
@@ -238,6 +252,9 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
             on[e[0]].append(i)
     edge_of = {(id(i), e[0]): e for i in inst for e in i.bt.edges}
     starts_on = {st: [q.start for q in qs] for st, qs in on.items()}
+    why = _waited_later(ops, inst, compute)
+    if why:
+        return why
     for i in inst:
         t, table = i.bt, i.table
         for k in t.folded_uses:
@@ -260,6 +277,48 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
             why = _stream_edges(ops, streams.get(st, []), on[st], starts_on[st], edge_of, i, st, first, last)
             if why:
                 return why
+    return None
+
+
+def _waited_later(ops: Sequence[Op], inst: list[Instance], compute: list[int]) -> str | None:
+    """Check 5: each block a template ends at a tensor the builder said another stream waits for after the pass
+    (``BlockTemplate.waited``, ``Stamper.waited_later``) is waited for, after the pass, by an op on another stream
+    than ``compute`` that ``foldable_tp`` cannot find foldable at kernel level (so the kernel-level block ends
+    there too): not a TP collective (``may_fold``), or one that no op waits for, or that an op on another stream
+    waits for, or that the first compute op waiting for it does not follow right after its last dependency (a
+    compute op of the graph lies between them; each is a kernel or a run of consecutive kernels, so one lies
+    between their kernels too)."""
+    need = {i.start + j: i for i in inst for _, j in i.bt.waited}
+    if not need:
+        return None
+    waiters: dict[int, list[int]] = defaultdict(list)  # block op -> ops on other streams waiting for it
+    for op in ops:
+        if op.stream != COMPUTE_STREAM:
+            for d in op.deps:
+                if d in need and op.id >= need[d].end:
+                    waiters[d].append(op.id)
+    probe = {u for us in waiters.values() for u in us if may_fold(ops[u])}
+    users: dict[int, list[int]] = defaultdict(list)
+    if probe:
+        for op in ops:
+            for d in op.deps:
+                if d in probe:
+                    users[d].append(op.id)
+
+    def unfoldable(u: int) -> bool:
+        if u not in probe:
+            return True
+        us = users.get(u)
+        if not us or any(ops[x].stream != COMPUTE_STREAM for x in us):
+            return True
+        if any(ops[d].stream != COMPUTE_STREAM for d in ops[u].deps):
+            return True
+        a, b = max(ops[u].deps), min(us)
+        return bisect_right(compute, a) < bisect_left(compute, b)
+
+    for p, i in need.items():
+        if not any(unfoldable(u) for u in waiters.get(p, ())):
+            return f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
     return None
 
 

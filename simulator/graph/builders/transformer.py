@@ -1173,7 +1173,10 @@ class _GptBuilder:
         ``tp_async_grad_reduce``: its input's ``1 / t`` shard ``shard`` in place of the gathered input (Megatron
         saves the shard and gathers it again in backward; Korthikanti et al. 2023, section 4.2.2, the ``2 s b h /
         t`` LayerNorm outputs of eq. 2). Else ``saved`` unchanged."""
-        return (shard, *saved[1:]) if saved and self._regather else saved
+        if not (saved and self._regather):
+            return saved
+        self.stamper.waited_later(shard)  # the backward's all-gather on comm.tp waits for it (stamp_blocks)
+        return (shard, *saved[1:])
 
     def _tp_gather(self, name: str, x: str, before_gemm: bool = True) -> str:
         """Sequence parallelism: all-gather the ``[T / t, h]`` 16-bit shard ``x`` into ``[T, h]`` before a

@@ -14,7 +14,12 @@ from simulator.graph.builders.stamp_blocks import SCRATCH
 from simulator.graph.builders.transformer import TransformerSpec, _GptBuilder, build_gpt_step
 from simulator.graph.ops import Op, OpKind
 from tests.conftest import ROOT
-from tests.simulator.graph.test_stamp import CASES, TINY
+from tests.simulator.graph.test_stamp import CASES, PIPELINE, TINY
+
+#: the stamping cases, and Megatron's asynchronous column-parallel backward under sequence parallelism (the saved
+#: LayerNorm output shards, gathered again on comm.tp in backward, end the forward's blocks)
+CASES = {**CASES, "pp2_tp2_sp_async": {**PIPELINE, "tp_async_grad_reduce": True},
+         "tp2_sp_async_no_recompute": dict(tensor_parallel_size=2, sequence_parallel=True, tp_async_grad_reduce=True)}
 
 _PART = ("kind", "stream", "phase", "layer", "cost_class", "flops", "bytes_read", "bytes_written", "shape", "dtype",
          "role", "launch", "pinned", "host_s", "fixed_duration_s")
@@ -56,7 +61,9 @@ def assert_same_layer_graph(spec: TransformerSpec, fold_tp: bool) -> dict:
 def test_block_stamps_give_the_coarsened_graph(case, fold_tp):
     kw = {**TINY, **CASES[case]}
     for rank in range(kw.get("pipeline_parallel_size", 1)):
-        assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+        info = assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+        if "async" in case:  # the fast path is taken
+            assert info["kernel_build"] is None and info["stamped"] > 0, info
 
 
 @pytest.mark.parametrize("stage", [0, 7])
@@ -106,3 +113,27 @@ def test_layer_fidelity_run_builds_blocks_only_where_no_policy_reads_kernels():
         assert ("layer_blocks" in g.meta) is blocks
     cfg = load_scenario(ROOT / "scenarios/h200/dataloader_w2.yaml", ["run.fidelity=layer"])
     assert "layer_blocks" not in build_graph(cfg, 0, resolve_hardware(cfg)).meta
+
+
+def test_check_refuses_a_block_end_nothing_on_another_stream_waits_for():
+    """Check 5: a block a template ends at a tensor the builder said another stream waits for (the saved LayerNorm
+    shard the asynchronous backward gathers again) must be waited for so in the graph, by an op no TP fold can
+    take: with that all-gather's dependency on it dropped, ``check`` names the pass."""
+    from dataclasses import replace
+
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    b = _GptBuilder(spec, True, True, True)
+    g = b.build()
+    inst = b.stamper.instances
+    assert sb.check(g.ops, inst) is None
+    i = next(i for i in inst if i.bt.waited)
+    p = i.start + i.bt.waited[0][1]
+    ops = [replace(op, deps=tuple(d for d in op.deps if d != p)) if op.stream != "compute" else op for op in g.ops]
+    assert sb.check(ops, inst) == f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
+    # the all-gather made to wait for the compute op right before the first one waiting for it: foldable for all
+    # the check knows, so it may not end the block either
+    u = next(op for op in g.ops if op.id >= i.end and op.stream != "compute" and p in op.deps)
+    b0 = min(op.id for op in g.ops if u.id in op.deps)
+    a = max(op.id for op in g.ops[:b0] if op.stream == "compute")
+    ops = [replace(op, deps=(p, a)) if op is u else op for op in g.ops]
+    assert sb.check(ops, inst) == f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
