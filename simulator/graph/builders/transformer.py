@@ -1798,7 +1798,7 @@ class _GptBuilder:
         compute stream (DeepSpeed's ``torch.empty``; no kernel)."""
         if not self._ipg_bytes or self._ipg is not None:
             return
-        self._ipg = self.e.fresh("zero.ipg_buffer")
+        self._ipg = self.e.fresh("grad.ipg_buffer")  # counted as gradients (memory.category)
         op = self.b.add("zero.ipg_buffer.alloc", OpKind.COMPUTE, "compute", phase=Phase.BWD, fixed_duration_s=0.0,
                         launch=False, allocs=(TensorAlloc(self._ipg, self._ipg_bytes),))
         self.e.producer[self._ipg] = op

@@ -298,6 +298,7 @@ def test_deepspeed_zero2_gradients_live_in_the_ipg_buffer():
     (DeepSpeed's ``extra_large_param_to_reduce``), and every reduce-scatter reads the buffer. Without
     contiguous_gradients every weight gradient is its own tensor and no buffer exists."""
     from simulator.api import transformer_spec
+    from simulator.engine.memory import category
 
     R = 4_000_000
     base = ["zero_optimization.stage=2", "training.precision=bf16", f"zero_optimization.reduce_bucket_size={R}",
@@ -306,12 +307,13 @@ def test_deepspeed_zero2_gradients_live_in_the_ipg_buffer():
     allocs = [(op.name, t.name, t.nbytes) for op in g.ops for t in op.allocs]
     bufs = [a for a in allocs if a[0] == "zero.ipg_buffer.alloc"]
     assert [n for *_, n in bufs] == [R * 2, R * 2]  # overlap_comm false: one per micro-batch's backward
-    grads = [(t, n) for _, t, n in allocs if t.startswith("grad.") and ".shard" not in t]
+    assert {category(t) for op, t, _ in allocs if op == "zero.ipg_buffer.alloc"} == {"grad"}  # not activations
+    grads = [(t, n) for _, t, n in allocs if t.startswith("grad.") and ".shard" not in t and "ipg_buffer" not in t]
     assert grads and {t.split(".mb")[0] for t, _ in grads} == {"grad.wte"}  # only the oversized embedding
     assert [n for _, n in grads] == [2 * 32768 * 512] * 2
     rs = [op for op in g.ops if op.name.startswith("zero.grad_reduce_scatter")]
-    assert rs and all(any(u.startswith("zero.ipg_buffer") for u in op.uses) for op in rs)
+    assert rs and all(any(u.startswith("grad.ipg_buffer") for u in op.uses) for op in rs)
     g_off = build_gpt_step(transformer_spec(_small(base + ["zero_optimization.contiguous_gradients=false"])))
     names = [t.name for op in g_off.ops for t in op.allocs]
-    assert not any(n.startswith("zero.ipg_buffer") for n in names)
+    assert not any(n.startswith("grad.ipg_buffer") for n in names)
     assert sum(n.startswith("grad.L0.") for n in names) == 2 * 4  # qkv, proj, fc1, fc2 weights per micro-batch
