@@ -577,8 +577,9 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
     m, tr = cfg.model, cfg.training
     w = 4 if tr.precision in ("fp32", "tf32") else 2
     extra = 2 * w * (1 - 1 / t) * tr.micro_batch_size * (m.seq_length // cp) * m.hidden_size
-    return (f"parallelism.sequence_parallel: Megatron's backward re-gather of the qkv and fc1 inputs is not modelled "
-            f"with this run's blocking column-parallel backward: the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
+    return (f"parallelism.sequence_parallel: Megatron's backward re-gather of the qkv and fc1 inputs is modelled only "
+            f"with the asynchronous column-parallel backward (not with it off, amp_fp32_params, fp8, tp_comm_overlap or "
+            f"LoRA, as in this run): the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
             f"high by {extra / 1e6:.1f} MB per layer and micro-batch held; 2 all-gathers per layer of backward "
             f"communication missing)")
 
@@ -773,6 +774,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
                    "stage3_max_live_parameters); offload_param.prefetch_depth does not apply")
+    if cfg is not None and cfg.training.optimizer.impl != "fused" and not (cfg.fsdp is not None and cfg.fsdp.offload_params):
+        per = "8 per parameter tensor" if cfg.training.optimizer.impl == "single" else "8 per multi-tensor-apply chunk"
+        out.append(f"training.optimizer.impl {cfg.training.optimizer.impl}: its eight AdamW passes are priced as one "
+                   f"kernel each over the rank's parameters; their kernel launches ({per}) are not counted, so the "
+                   "optimizer's host time is a lower bound")
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
     return out
@@ -811,6 +817,20 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if f is not None and not f.offload_params and not isinstance(f.cpu_offload, bool) and f.cpu_offload.cpu_adam_impl:
         out.append(f"fsdp.cpu_offload.cpu_adam_impl {f.cpu_offload.cpu_adam_impl} has no effect with offload_params "
                    "false (no CPU optimizer step: AdamW runs on the GPU)")
+    if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
+        out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
+                   "(no tensor-parallel gradient reduction)")
+    if "contiguous_gradients" in z.model_fields_set and not z.ipg_buffers and z.stage not in (1, 2):
+        out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
+                   "buffers are ZeRO-1/2's)")
+    ac = cfg.activation_checkpointing
+    if ac is not None and "host_buffers" in ac.model_fields_set and not ac.cpu_checkpointing:
+        out.append(f"activation_checkpointing.host_buffers {ac.host_buffers} has no effect without cpu_checkpointing "
+                   "(no checkpoint buffers in host memory)")
+    if (f is not None and f.offload_params and not isinstance(f.cpu_offload, bool) and f.cpu_offload.cpu_adam_impl
+            and "impl" in cfg.training.optimizer.model_fields_set):
+        out.append(f"training.optimizer.impl {cfg.training.optimizer.impl} has no effect: AdamW runs on the CPU as "
+                   f"fsdp.cpu_offload.cpu_adam_impl {f.cpu_offload.cpu_adam_impl}")
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     for o in cfg.rank_overrides:
         if o.dp_rank is not None and o.pp_rank is None and o.slowdown != 1.0:

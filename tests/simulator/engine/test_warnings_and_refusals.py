@@ -126,6 +126,14 @@ DGX8 = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"  # its ddp section 
       "zero_optimization.overlap_comm governs (in force: true)")),
     (["zero_optimization.stage=1"], "ddp.overlap_grad_reduce true has no effect with zero_optimization.stage 1"),
     (["fsdp.forward_prefetch=true"], "fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers"),
+    (["parallelism.async_tensor_model_parallel_allreduce=false"],
+     "parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1"),
+    (["zero_optimization.contiguous_gradients=false"], "zero_optimization.contiguous_gradients has no effect with stage 0"),
+    (["activation_checkpointing.host_buffers=reused"],
+     "activation_checkpointing.host_buffers reused has no effect without cpu_checkpointing"),
+    (["fsdp.sharding_strategy=FULL_SHARD", "training.precision=amp_fp32_params", "training.optimizer.impl=foreach",
+      "fsdp.cpu_offload.offload_params=true", "fsdp.cpu_offload.cpu_adam_impl=torch_fused"],
+     "training.optimizer.impl foreach has no effect: AdamW runs on the CPU as fsdp.cpu_offload.cpu_adam_impl torch_fused"),
 ])
 def test_settings_without_effect_are_flagged_once(sets, line):
     from simulator.api import ineffective_setting_warnings
@@ -139,6 +147,11 @@ def test_settings_without_effect_are_flagged_once(sets, line):
     ["zero_optimization.stage=2", "zero_optimization.overlap_comm=true"],
     ["fsdp.forward_prefetch=true", "fsdp.limit_all_gathers=false"],
     ["parallelism.context_parallel_size=2", "training.precision=bf16", "parallelism.cp_comm_type=a2a"],
+    ["parallelism.tensor_model_parallel_size=2", "parallelism.async_tensor_model_parallel_allreduce=false",
+     "training.precision=bf16"],
+    ["zero_optimization.stage=2", "zero_optimization.overlap_comm=true", "zero_optimization.contiguous_gradients=false"],
+    ["fsdp.sharding_strategy=FULL_SHARD", "training.precision=amp_fp32_params", "training.optimizer.impl=foreach",
+     "fsdp.cpu_offload.offload_params=true"],
 ])
 def test_settings_with_effect_are_not_flagged(sets):
     from simulator.api import ineffective_setting_warnings

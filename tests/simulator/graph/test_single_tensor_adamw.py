@@ -97,3 +97,16 @@ def test_unfused_with_half_parameters_is_refused_in_one_line(tmp_path, capsys, p
     err = refused_in_one_line(tmp_path, capsys, {**BASE, "training": training})
     assert (f"training.optimizer.impl: {impl} needs fp32 parameters (allowed training.precision: amp_fp32_params, "
             f"fp32, tf32; got {precision})") in err, err
+
+
+@pytest.mark.parametrize("impl,per", [("single", "8 per parameter tensor"), ("foreach", "8 per multi-tensor-apply chunk")])
+def test_unfused_optimizer_launches_not_counted_is_flagged(impl, per):
+    from simulator.api import run_warnings, resolve_hardware
+    from simulator.config.loader import scenario_from_dict
+
+    cfg = scenario_from_dict({**BASE, "training": {**BASE["training"], "precision": "amp_fp32_params",
+                                                   "optimizer": {"impl": impl}}})
+    w = [x for x in run_warnings(resolve_hardware(cfg), cfg) if x.startswith("training.optimizer.impl")]
+    assert len(w) == 1 and f"their kernel launches ({per}) are not counted" in w[0], w
+    fused = scenario_from_dict({**BASE, "training": {**BASE["training"], "optimizer": {"impl": "fused"}}})
+    assert not any(x.startswith("training.optimizer.impl") for x in run_warnings(resolve_hardware(fused), fused))
