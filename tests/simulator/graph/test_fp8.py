@@ -151,3 +151,12 @@ def test_llama3_8b_b1_fp8_peak_equals_bf16_by_the_trade():
     bf16 = run_scenario(load_scenario(path)).summary["peak_memory_allocated_bytes"]
     fp8 = run_scenario(load_scenario(path, ["training.fp8=hybrid"])).summary["peak_memory_allocated_bytes"]
     assert fp8 - bf16 == 2 * 4 * 3 * (1 + 2) * 4 == 288
+
+
+def test_the_uncounted_cached_fp8_weight_workspace_is_flagged():
+    """Transformer Engine's cached fp8 weight (and Hopper transpose) workspace, resident across steps under Megatron,
+    is not in the peak: fp8 runs say so; bf16 runs do not."""
+    fp8 = run_scenario(scenario_from_dict(BASE)).summary["warnings"]
+    assert sum(x.startswith("training.fp8 memory: each block Linear weight counts one fp8 copy") for x in fp8) == 1
+    bf16 = run_scenario(scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})).summary
+    assert not [x for x in bf16["warnings"] if x.startswith("training.fp8")]
