@@ -708,6 +708,15 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append("training.fp8: the amax all-reduce over the tensor x data-parallel group that Transformer Engine "
                    "runs after each micro-batch's forward and backward (a few latency-bound bytes) is not modelled; "
                    "the amax-history update kernels and the scaling state are")
+    if cfg is not None and cfg.training.fp8 is not None:
+        # Transformer Engine (NVIDIA/TransformerEngine module/linear.py, _Linear.forward: the weight quantized with
+        # rowwise and columnwise usage into the module workspace cached under "weight" when is_first_microbatch is
+        # not None; older releases: persistent weight1_fp8 / weight1_t_fp8 attributes, base.py set_fp8_weights), which
+        # Megatron-Core's TELinear passes (disable_parameter_transpose_cache false by default)
+        out.append("training.fp8 memory: each block Linear weight counts one fp8 copy (1 B per element) from its cast "
+                   "to its last dgrad; Transformer Engine under Megatron caches the fp8 weight and, where fp8 GEMMs "
+                   "are TN-only (Hopper, Ada), its transpose across steps: up to 1 B per element more at a "
+                   "forward/backward peak and 2 B outside them are not counted")
     d = cfg.dvfs if cfg is not None else None
     sup = hw.gpu.supported_sm_clocks_mhz
     if d is not None and sup:

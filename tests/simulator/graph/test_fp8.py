@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from simulator.api import build_graph, run_scenario
@@ -88,3 +90,73 @@ def test_fp8_on_a_profile_without_an_fp8_fit_is_flagged():
     assert len(w) == 1 and "'h100-sxm-80gb' has no fp8 GEMM fit" in w[0] and "(1979 TFLOP/s)" in w[0]
     plain = scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})
     assert not [x for x in run_warnings(resolve_hardware(plain), plain) if x.startswith("training.fp8:")]
+
+
+# -- memory: what fp8 saves for backward, and what it adds ------------------------------------------------------------
+# Transformer Engine's fp8 Linear (NVIDIA/TransformerEngine@0004dbd transformer_engine/pytorch/module/linear.py,
+# _Linear.forward): the input is cast (and transposed) to fp8 and only the fp8 copy is saved for backward (the
+# bf16 ``inputmat_no_fp8`` is saved only when wgrad is overridden to high precision), and the fp8 weight copy is
+# kept for the dgrad GEMM. So per Linear of ``in x out`` over ``T`` tokens, the bf16 input saved by the plain
+# Linear (2 T in bytes) becomes an fp8 one (T in), and the fp8 weight (in out bytes) is new: a net change of
+# ``in out - T in`` bytes per Linear, either sign.
+
+def _peak_bytes(fp8: bool, h: int, T: int) -> int:
+    spec = {**BASE, "model": {"num_layers": 2, "hidden_size": h, "num_attention_heads": 7, "seq_length": T,
+                              "vocab_size": 32000},
+            "training": {**BASE["training"], "fp8": "hybrid" if fp8 else None}}
+    return run_scenario(scenario_from_dict(spec)).summary["peak_memory_allocated_bytes"]
+
+
+@pytest.mark.parametrize("T", [256, 768])
+def test_fp8_peak_memory_trade_by_hand(T):
+    """GPT block, hidden ``h`` = 448, 2 layers, peak at the LM-head backward (every block's saved tensors live).
+    Per layer, fp8 adds its weight copies: QKV 3h^2 + proj h^2 + fc1 4h^2 + fc2 4h^2 = 12 h^2 bytes; it saves the
+    four Linear inputs (ln1 out, attention out, ln2 out: T h each; gelu out: 4 T h) in fp8 (7 T h bytes) instead of
+    bf16 (14 T h): net 12 h^2 - 7 T h. Plus the resident scaling state: 8 Linears x 3 tensors x (1 + 2) x 4 B.
+    T = 256: 2 x (2,408,448 - 802,816) + 288 = 3,211,552 B more. T = 768 = 12 h / 7: the two terms cancel exactly
+    and only the 288 bytes of scaling state differ (a coincidence, not lost weight copies)."""
+    h = 448
+    delta = _peak_bytes(True, h, T) - _peak_bytes(False, h, T)
+    assert delta == 2 * (12 * h * h - 7 * T * h) + 8 * 3 * 3 * 4
+    assert delta == {256: 3_211_552, 768: 288}[T]
+
+
+def test_fp8_weight_copies_live_from_their_cast_to_the_last_dgrad():
+    """Each fp8 weight copy is allocated by its quantize kernel in the first micro-batch's forward and last read by
+    the same Linear's dgrad GEMM in the last micro-batch's backward (2 micro-batches here), so it is live across
+    every backward that needs it."""
+    g = _graph()
+    made = {t.name: op for op in g.ops for t in op.allocs if ".w_fp8" in t.name}
+    assert len(made) == 8
+    last = {}
+    for op in g.ops:
+        for u in op.uses:
+            if u in made:
+                last[u] = op
+    for t, op in made.items():
+        lin = t.split(".")[0]
+        assert op.name == f"L{op.layer}.fwd.{lin}.fp8_quantize_w"
+        end = last[t]
+        assert end.name == f"L{op.layer}.bwd.{lin}.dgrad" and end.layer == op.layer
+        assert end.id == max(o.id for o in g.ops if o.name == end.name)  # the last micro-batch's
+
+
+def test_llama3_8b_b1_fp8_peak_equals_bf16_by_the_trade():
+    """The bundled llama3_8b_b1 (Llama-3.1-8B layers, seq 8192) at fp8 peaks 288 bytes (the scaling state) above bf16:
+    per layer its fp8 weight copies, 4096 x (6144 + 4096 + 28672) + 14336 x 4096 = 218,103,808 B, equal the bytes
+    its fp8-saved inputs spare, 8192 x (3 x 4096 + 14336) = 218,103,808 B (2 B -> 1 B per element)."""
+    h, f, kv, T = 4096, 14336, 1024, 8192
+    assert h * (h + 2 * kv + h + 2 * f) + f * h == T * (3 * h + f) == 218_103_808
+    path = pathlib.Path(__file__).resolve().parents[3] / "scenarios/h200/llama3_8b_b1.yaml"
+    bf16 = run_scenario(load_scenario(path)).summary["peak_memory_allocated_bytes"]
+    fp8 = run_scenario(load_scenario(path, ["training.fp8=hybrid"])).summary["peak_memory_allocated_bytes"]
+    assert fp8 - bf16 == 2 * 4 * 3 * (1 + 2) * 4 == 288
+
+
+def test_the_uncounted_cached_fp8_weight_workspace_is_flagged():
+    """Transformer Engine's cached fp8 weight (and Hopper transpose) workspace, resident across steps under Megatron,
+    is not in the peak: fp8 runs say so; bf16 runs do not."""
+    fp8 = run_scenario(scenario_from_dict(BASE)).summary["warnings"]
+    assert sum(x.startswith("training.fp8 memory: each block Linear weight counts one fp8 copy") for x in fp8) == 1
+    bf16 = run_scenario(scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})).summary
+    assert not [x for x in bf16["warnings"] if x.startswith("training.fp8")]
