@@ -349,8 +349,11 @@ class TrainingConfig(_Model):
         "norm of clip_grad_norm, all-reduced over the model-parallel group before the optimizer. With pipeline "
         "parallelism it is the cross-stage sync that makes the optimizer start together on every stage; with 0 and "
         "bf16 there is none (fp16 keeps the found-inf all-reduce), and a stage that ends its step early (the last "
-        "stage, after its cool-down) starts the next one: step_latency_s exceeds step_time_s by that overlap. The "
-        "norm kernel's own read of the gradients is not priced.")
+        "stage, after its cool-down) starts the next one: step_latency_s exceeds step_time_s by that overlap. With "
+        "Megatron's optimizer (precision bf16 / fp16 without DeepSpeed ZeRO or FSDP) the norm kernel is priced "
+        "(multi_tensor_l2norm, 4 B per fp32 main grad of the rank, then total_norm.item()); the clip's rescale "
+        "(only when the norm exceeds clip_grad) is not. PyTorch / FSDP / DeepSpeed clip_grad_norm_ is not priced "
+        "whatever this value (the default 1.0 is Megatron's).")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )

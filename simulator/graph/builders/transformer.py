@@ -155,7 +155,8 @@ class TransformerSpec:
             multi-tensor-apply chunk (foreach) launches are not counted.
         clip_grad: Megatron-LM ``--clip-grad`` (0: no clipping). With ``p > 1`` and a value above 0 every pipeline
             rank joins the gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's
-            found-inf all-reduce joins them. The norm kernel's own read of the gradients is not priced.
+            found-inf all-reduce joins them. Megatron's optimizer (bf16 / fp16 outside ZeRO / FSDP) then prices the
+            norm kernel (``_GptBuilder._clip_grad_norm``); other frameworks' ``clip_grad_norm_`` is not priced.
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -1721,7 +1722,8 @@ class _GptBuilder:
         P = lora.trainable_parameters(s) if s.lora is not None else s.rank_num_parameters
         e.phase, e.layer = Phase.OPT, -1
         grads = self._optimizer_grads()
-        # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params
+        # fp32 params/grads + two moments read, params + moments written; bf16 mode also writes bf16 params (DeepSpeed
+        # ZeRO's copy folded in; Megatron's is its own kernel, _copy_main_params_to_model)
         reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
@@ -1740,8 +1742,15 @@ class _GptBuilder:
                                  writes=(ps.write_bytes + ps.fresh_bytes) * P * share, flops=P * share, uses=grads,
                                  dtype="fp32", deps=deps, **({"meta": {"params": P}} if k == 0 else {}))]
         else:
-            e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share,
-                     uses=grads, dtype="fp32", deps=deps, meta={"params": P})
+            meg = self._megatron_optimizer
+            if meg and s.clip_grad > 0:
+                deps = self._clip_grad_norm(P * share, grads, deps)
+            if meg:  # the fused kernel writes the fp32 params and moments only (the bf16 / fp16 copy: below)
+                writes = 12 * P
+            adam = e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share,
+                            uses=grads, dtype="fp32", deps=deps, meta={"params": P})
+            if meg:
+                self._copy_main_params_to_model(P * share, adam)
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1
@@ -2000,6 +2009,61 @@ class _GptBuilder:
         b.persistent("optimizer.exp_avg", 4 * n)
         b.persistent("optimizer.exp_avg_sq", 4 * n)
 
+    @property
+    def _megatron_optimizer(self) -> bool:
+        """Megatron-LM's mixed-precision optimizer runs the step: ``bf16`` / ``fp16`` outside DeepSpeed ZeRO and
+        FSDP (DDP's contiguous grad buffer, or the distributed optimizer), no LoRA (PEFT: torch DDP). Megatron-LM
+        ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer`` (megatron/core/optimizer/optimizer.py,
+        distrib_optimizer.py): the fused AdamW updates the fp32 main params, then ``_copy_main_params_to_model_params``
+        casts them into the 16-bit model params; ``clip_grad_norm`` before it (``_clip_grad_norm``) and the grad
+        buffer's ``zero_grad_buffer`` before the step's first forward (``_zero_grad_buffer``)."""
+        s = self.s
+        return (s.precision in MEGATRON_DDP_PRECISIONS and s.zero_stage == 0 and s.lora is None
+                and (self.sh is None or self.sh.strategy == "distributed_optimizer"))
+
+    def _zero_grad_buffer(self) -> None:
+        """Megatron: ``model_chunk.zero_grad_buffer()`` at the start of every step, a memset of the rank's whole
+        contiguous grad buffer (``_grad_elem_bytes`` per parameter: the fp32 ``main_grad``; not sharded by the
+        distributed optimizer, every rank holds the full buffer). Source: NVIDIA/Megatron-LM
+        megatron/core/distributed/param_and_grad_buffer.py (``reset``: ``self.grad_data.zero_()``), called by
+        megatron/training/training.py ``train_step``. PyTorch ``zero_grad(set_to_none=True)`` (its default since
+        2.0) and DeepSpeed launch no kernel: nothing is emitted for them."""
+        if not self._megatron_optimizer:
+            return
+        self.e.phase, self.e.layer = Phase.OPT, -1
+        n = self._grad_elem_bytes * (lora.trainable_parameters(self.s) if self.s.lora is not None
+                                     else self.s.rank_num_parameters)
+        self.e.kernel("megatron.zero_grad_buffer", C.MEMSET, writes=n, dtype="fp32")
+
+    def _clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
+        """Megatron ``clip_grad_norm`` over the ``n`` fp32 main grads this rank updates (``training.clip_grad >
+        0``): one ``multi_tensor_l2norm`` reading 4 bytes per element (2 FLOPs: square, add), then
+        ``total_norm.item()`` on the host. Source: NVIDIA/Megatron-LM megatron/core/optimizer/clip_grads.py
+        ``get_grad_norm_fp32`` (apex ``amp_C.multi_tensor_l2norm``; the releases of the validated runs, up to
+        core_r0.8.0, take ``.item()`` there). The clip itself (``clip_grad_by_total_norm_fp32``:
+        ``multi_tensor_scale``, read + write 4 bytes per element) runs only when ``max_norm / total_norm < 1``: not
+        priced, a converged run's norm stays under ``clip_grad`` (assumed; the logs of the validated runs do not
+        give it). Newer releases with Transformer Engine's ``multi_tensor_scale_tensor`` scale every step without
+        the ``.item()``: not modelled. The norm's all-reduce: ``_pipeline_syncs`` (pipeline stages; the TP / DP
+        all-reduce of one value is not priced). The shared (tied) and TP-duplicated params excluded from the norm
+        are counted (a few norm weights). Returns the deps of the optimizer kernel."""
+        e = self.e
+        norm = e.kernel("clip_grad.l2norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads, deps=deps,
+                        dtype="fp32")
+        return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host", deps=[norm], phase=Phase.OPT,
+                           launch=False)]
+
+    def _copy_main_params_to_model(self, n: float, adam: int) -> None:
+        """Megatron ``_copy_main_params_to_model_params`` after the fused AdamW: the ``n`` updated fp32 main params
+        of this rank (its shard with the distributed optimizer, into the param buffer the all-gather reads) cast into
+        the 16-bit model params, read 4 + write 2 bytes each. Source: NVIDIA/Megatron-LM
+        megatron/core/optimizer/optimizer.py ``Float16OptimizerWithFloat16Params._copy_main_params_to_model_params``
+        (``_multi_tensor_copy_this_to_that``: ``multi_tensor_scale`` by 1.0, or ``copy_``) and distrib_optimizer.py
+        (``shard_model_param.data.copy_(shard_main_param)``); apex's FusedAdam, the kernel of ``adamw``, writes only
+        the fp32 params and moments."""
+        self.e.kernel("megatron.copy_main_to_model_params", C.CAST, reads=4 * n, writes=2 * n, flops=n,
+                      deps=[adam], dtype="fp32")
+
     def _optimizer_grads(self) -> list[str]:
         if self.sh is None:
             return sorted(self.grad_made) if self.zero < 2 else list(self.grad_shards)
@@ -2083,6 +2147,7 @@ class _GptBuilder:
     def build(self) -> OpGraph:
         s = self.s
         self._persistent()
+        self._zero_grad_buffer()
         state: dict[tuple[int, int], dict] = {}
         actions = stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches, s.pipeline_rank,
                                 s.virtual_pipeline_size)
