@@ -334,14 +334,19 @@ def test_zero_bubble_v_moves_the_weight_gradients_not_the_work():
 
 
 def test_zero_bubble_h2_without_the_step_end_sync_beats_h1():
-    """bf16 with ``training.clip_grad: 0``: no stage joins a gradient-norm or found-inf all-reduce, so ZB-H2's
-    parallelogram carries over from one step to the next: its step is shorter than ZB-H1's (which still fills
-    and drains each step), and the run no longer warns that the step's end is synchronised."""
+    """bf16 with ``training.clip_grad: 0`` and untied embeddings (no embedding-gradient all-reduce between the first
+    and last stage): no stage joins a step-end all-reduce, so ZB-H2's parallelogram carries over from one step to
+    the next: with m = 8 micro-batches on p = 4 stages its step period tends to 3m t against ZB-H1's (3m + p - 1) t
+    (11% shorter at equal pass times; 7.2% here, the stages' passes are unequal), and the run no longer warns
+    that the step's end is synchronised."""
+    model = {**BASE["model"], "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 1024,
+             "untie_embeddings_and_output_weights": True}  # GPU-bound passes (BASE's are launch-bound)
+
     def cfg(schedule):
-        d = {**BASE, "training": {**BASE["training"], "clip_grad": 0.0},
+        d = {**BASE, "model": model, "training": {**BASE["training"], "clip_grad": 0.0},
              "parallelism": {**BASE["parallelism"], "pipeline_schedule": schedule}}
         return scenario_from_dict(d)
 
     h1, h2 = run_scenario(cfg("zero_bubble_h1")).summary, run_scenario(cfg("zero_bubble_h2")).summary
-    assert h2["step_time_s"] < h1["step_time_s"]
+    assert h2["step_time_s"] < 0.95 * h1["step_time_s"]
     assert not any("ZB-H2's parallelogram" in w for w in h2["warnings"])
