@@ -33,6 +33,8 @@ def _busy_line(s: dict) -> list[str]:
     busy = (s.get("utilisation") or {}).get("compute")
     if busy is None:
         return []
+    if _stage_busy(s):
+        return _pipeline_busy_line(s)
     note = ""
     if busy < 0.85:
         idle_s = (1.0 - busy) * s.get("step_time_s", 0.0)
@@ -55,6 +57,42 @@ def _busy_line(s: dict) -> list[str]:
         else:
             note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]
+
+
+def _stage_busy(s: dict) -> list[float]:
+    """Each pipeline stage's GPU busy share (``pipeline.stages[].gpu_busy``); empty when not a pipeline run."""
+    stages = (s.get("pipeline") or {}).get("stages") or ()
+    busy = [st.get("gpu_busy") for st in stages]
+    return busy if busy and all(b is not None for b in busy) else []
+
+
+def _pipeline_busy_line(s: dict) -> list[str]:
+    """The GPU busy line of a pipeline run: the peak-memory stage's share (the top-level ``utilisation``), named,
+    with the range and mean over the stages; when a stage is below 85 % busy, the least busy one's idle time
+    split into its wait for the other stages (``pipeline_bubble_s`` = the schedule's bubble + its
+    ``pipeline_imbalance_s``) and its exposed communication; the rest is blamed on the host only when the
+    waits are under half of the idle time."""
+    stages = s["pipeline"]["stages"]
+    busy = _stage_busy(s)
+    top = s.get("peak_memory_pp_rank", 0)
+    line = (f"GPU busy            {busy[top] * 100:.0f} % of the step on stage {top} (the peak-memory stage); "
+            f"stages {min(busy) * 100:.0f}-{max(busy) * 100:.0f} %, mean {sum(busy) / len(busy) * 100:.0f} %")
+    low = min(range(len(busy)), key=lambda r: busy[r])
+    if busy[low] >= 0.85:
+        return [line]
+    st = stages[low]
+    idle_s = (1.0 - busy[low]) * st.get("step_time_s", s.get("step_time_s", 0.0))
+    wait_s, comm_s = st.get("pipeline_bubble_s", 0.0), st.get("exposed_comm_s", 0.0)
+    if wait_s + comm_s >= 0.5 * idle_s:
+        line += (f"  (pipeline: stage {low} idles {idle_s * 1e3:.2f} ms/step, waiting for the other stages "
+                 f"{wait_s * 1e3:.2f} ms (bubble {s.get('pipeline_bubble_s', 0.0) * 1e3:.2f} + imbalance "
+                 f"{st.get('pipeline_imbalance_s', 0.0) * 1e3:.2f}) and for collectives {comm_s * 1e3:.2f} ms; "
+                 + (f"stage {min(range(len(stages)), key=lambda r: stages[r].get('pipeline_bubble_s', 0.0))} "
+                    "gates the step: balance the stages' work" if st.get("pipeline_imbalance_s", 0.0) > s.get("pipeline_bubble_s", 0.0)
+                    else "more micro-batches or interleaving shrink the bubble") + ")")
+    else:
+        line += f"  (host-bound: stage {low} waits for kernel launches or host work)"
+    return [line]
 
 
 def format_summary(s: dict, name: str) -> str:

@@ -119,7 +119,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     the least idle stage's bubble (the schedule's own bubble) and each stage's ``pipeline_imbalance_s``
     its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
     ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
-    ``pipeline.stages`` lists every stage.
+    ``pipeline.stages`` lists every stage, with its ``gpu_busy`` (its compute stream's busy share of its own
+    step window; the top-level ``utilisation`` is that of the peak-memory stage).
 
     Args:
         stages: Per-stage summaries, stage order.
@@ -157,7 +158,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     out["pipeline"] = {
         "pipeline_model_parallel_size": len(stages), "virtual_pipeline_model_parallel_size": virtual,
         "schedule": schedule, "micro_batches": micro_batches,
-        "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s}}
+        "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s},
+                    **({"gpu_busy": s["utilisation"]["compute"]} if "compute" in s.get("utilisation", {}) else {})}
                    for r, s in enumerate(stages)],
     }
     return out
