@@ -93,11 +93,11 @@ class SimulationResult:
         """
         col = rank_column(self.spans)
         if col:  # pipeline stages or rank classes: the mean over them of each one's partition
-            parts = [_partition(d, _rank_rows(self.launches, col, key), self.steps, pipeline="pp_rank" in d)
+            parts = [rank_partition(d, _rank_rows(self.launches, col, key), self.steps, pipeline="pp_rank" in d)
                      for key, d in self.spans.groupby(col)]
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
                 seconds=lambda d: d.seconds / len(parts))
-        return _partition(self.spans, None, self.steps, pipeline=False)
+        return rank_partition(self.spans, None, self.steps, pipeline=False)
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: a summary table and the step breakdown as an inline PNG."""
@@ -147,10 +147,11 @@ def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.
     return _merge(np.stack([lo, hi], axis=1)[hi > lo])
 
 
-def _partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame, *,
+def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame, *,
                pipeline: bool) -> pd.DataFrame:
-    """``SimulationResult.breakdown`` of one rank: ``spans`` its spans, ``launches`` its host launches (used on a
-    pipeline stage only), ``steps`` the job's steps; ``pipeline`` adds the waits for other stages."""
+    """``SimulationResult.breakdown`` of one rank (``component, seconds`` per measured step): ``spans`` its spans,
+    ``launches`` its host launches (used on a pipeline stage only), ``steps`` the steps whose windows are
+    partitioned (``start_s, end_s``, optional ``warmup``); ``pipeline`` adds the waits for other stages."""
     steps = steps[~steps.warmup] if "warmup" in steps else steps
     sp = spans[spans.kind != "sync"]
     kind, phase = sp.kind.astype(str), sp.phase.astype(str)

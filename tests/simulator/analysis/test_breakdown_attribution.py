@@ -86,10 +86,37 @@ def test_busy_line_of_a_pipeline_names_the_stage_and_blames_the_wait():
     line = _busy_line(_pipe_summary([0.40, 0.90], [0.059, 0.009]))[0]
     assert line.startswith("GPU busy            40 % of the step on stage 0 (the peak-memory stage); "
                            "stages 40-90 %, mean 65 %")
-    assert "waiting for the other stages 59.00 ms (bubble 9.00 + imbalance 50.00)" in line
+    assert ("waiting for the other stages 59.00 ms (bubble + imbalance; its bubble 59.00 ms = the schedule's 9.00 "
+            "+ imbalance 50.00), collectives 1.00 ms;") in line
     assert "stage 1 gates the step" in line and "host" not in line
+    # with the stage's idle split (stage_idle_split): 20 ms waiting for stage 1, 39 ms host gaps -> the host
+    s = _pipe_summary([0.40, 0.90], [0.059, 0.009])
+    s["pipeline"]["stages"][0].update(pipeline_wait_s=0.020, host_idle_s=0.039)
+    line = _busy_line(s)[0]
+    assert line.endswith("(host-bound: stage 0 idles 60.00 ms/step, waiting for kernel launches or host work, "
+                         "host-bound gaps 39.00 ms; for the other stages 20.00 ms)")
     # the peak-memory stage busy, another idle: the figure is named and the idle stage still explained
     s = _pipe_summary([0.97, 0.50], [0.002, 0.049])
     s["utilisation"]["compute"] = 0.97
     line = _busy_line(s)[0]
     assert "97 % of the step on stage 0" in line and "stage 1 idles 50.00 ms/step" in line
+
+
+def test_pipeline_summary_splits_each_stage_idle_by_the_breakdown_rule():
+    from simulator.api import run_scenario
+    from simulator.config.loader import scenario_from_dict
+    cfg = scenario_from_dict({
+        "name": "pp2", "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}},
+        "model": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256, "vocab_size": 1024},
+        "training": {"micro_batch_size": 2, "global_batch_size": 16, "precision": "bf16"},
+        "parallelism": {"pipeline_model_parallel_size": 2, "pipeline_layers_per_stage": [1, 3]},
+        "run": {"steps": 2, "warmup_steps": 1}})
+    r = run_scenario(cfg)
+    stages = r.summary["pipeline"]["stages"]
+    assert "pipeline_wait_s" not in r.summary and "host_idle_s" not in r.summary
+    for st in stages:
+        # the split never exceeds the stage's idle time (its bubble: compute and collectives idle)
+        assert 0.0 <= st["pipeline_wait_s"] and 0.0 <= st["host_idle_s"]
+        assert st["pipeline_wait_s"] + st["host_idle_s"] <= st["pipeline_bubble_s"] + 1e-12
+    # the 1-layer stage 0 waits for the 3-layer stage 1 at least its imbalance (the time stage 1 is busier)
+    assert stages[0]["pipeline_wait_s"] >= stages[0]["pipeline_imbalance_s"] > 0.0
