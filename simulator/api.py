@@ -430,7 +430,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
     from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps, first_op_s,
-                                             phase_compute_s, pipeline_bubble_s, step_end_spread_s)
+                                             phase_compute_s, pipeline_bubble_s, stage_idle_split,
+                                             step_end_spread_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -451,6 +452,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             notes += [f"{c.label}: {w}" for w in component_warnings(runtime)]
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
+            if pp > 1:  # the stage's idle split into waits for other stages and host gaps (labels only)
+                summ.update(stage_idle_split(rec.spans, rec.launches, step_df))
             parts.append(summ)
             part_steps.append(step_df)
             first_ops.append(first_op_s(rec.spans, run.steps))

@@ -28,11 +28,15 @@ def _busy_line(s: dict) -> list[str]:
     ``next(iterator)``) is at least half of it, on the pipeline bubble (``pipeline_bubble_s``) when that is,
     on communication (*communication-bound*) when the
     exposed communication (``exposed_comm_s``) is, on both when together they are, otherwise on the host
-    (*host-bound*: kernel launches or other host work such as a CPU optimizer).
+    (*host-bound*: kernel launches or other host work such as a CPU optimizer). A pipeline run whose stages
+    carry ``gpu_busy`` gets ``_pipeline_busy_line`` instead (the figure named by stage, the waits for other
+    stages apart from the host's gaps).
     """
     busy = (s.get("utilisation") or {}).get("compute")
     if busy is None:
         return []
+    if _stage_busy(s):
+        return _pipeline_busy_line(s)
     note = ""
     if busy < 0.85:
         idle_s = (1.0 - busy) * s.get("step_time_s", 0.0)
@@ -55,6 +59,50 @@ def _busy_line(s: dict) -> list[str]:
         else:
             note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]
+
+
+def _stage_busy(s: dict) -> list[float]:
+    """Each pipeline stage's GPU busy share (``pipeline.stages[].gpu_busy``); empty when not a pipeline run."""
+    stages = (s.get("pipeline") or {}).get("stages") or ()
+    busy = [st.get("gpu_busy") for st in stages]
+    return busy if busy and all(b is not None for b in busy) else []
+
+
+def _pipeline_busy_line(s: dict) -> list[str]:
+    """The GPU busy line of a pipeline run: the peak-memory stage's share (the top-level ``utilisation``), named,
+    with the range and mean over the stages; when a stage is below 85 % busy, the least busy one's idle time
+    split into its waits for the other stages (``pipeline_wait_s``: a launched kernel waits for another stage;
+    without it, its ``pipeline_bubble_s`` = the schedule's bubble + its ``pipeline_imbalance_s``), its exposed
+    communication and its host-bound gaps (``host_idle_s``); blamed on the host only when the waits and the
+    communication are under half of the idle time, on the straggler when the run names one."""
+    stages = s["pipeline"]["stages"]
+    busy = _stage_busy(s)
+    top = s.get("peak_memory_pp_rank", 0)
+    line = (f"GPU busy            {busy[top] * 100:.0f} % of the step on stage {top} (the peak-memory stage); "
+            f"stages {min(busy) * 100:.0f}-{max(busy) * 100:.0f} %, mean {sum(busy) / len(busy) * 100:.0f} %")
+    low = min(range(len(busy)), key=lambda r: busy[r])
+    if busy[low] >= 0.85:
+        return [line]
+    st = stages[low]
+    idle_s = (1.0 - busy[low]) * st.get("step_time_s", s.get("step_time_s", 0.0))
+    # the stage's idle split by the breakdown's rule (``pipeline.stage_idle_split``); without it, its bubble
+    wait_s = st.get("pipeline_wait_s", st.get("pipeline_bubble_s", 0.0))
+    host_s, comm_s = st.get("host_idle_s"), st.get("exposed_comm_s", 0.0)
+    host = f", host-bound gaps {host_s * 1e3:.2f} ms" if host_s is not None else ""
+    if s.get("straggler"):
+        line += f"  (ranks wait for the slowest: {s['straggler']}, see rank classes / stages)"
+    elif wait_s + comm_s >= 0.5 * idle_s:
+        line += (f"  (pipeline: stage {low} idles {idle_s * 1e3:.2f} ms/step: waiting for the other stages "
+                 f"{wait_s * 1e3:.2f} ms (bubble + imbalance; its bubble {st.get('pipeline_bubble_s', 0.0) * 1e3:.2f} ms "
+                 f"= the schedule's {s.get('pipeline_bubble_s', 0.0) * 1e3:.2f} + imbalance "
+                 f"{st.get('pipeline_imbalance_s', 0.0) * 1e3:.2f}), collectives {comm_s * 1e3:.2f} ms{host}; "
+                 + (f"stage {min(range(len(stages)), key=lambda r: stages[r].get('pipeline_bubble_s', 0.0))} "
+                    "gates the step: balance the stages' work" if st.get("pipeline_imbalance_s", 0.0) > s.get("pipeline_bubble_s", 0.0)
+                    else "more micro-batches or interleaving shrink the bubble") + ")")
+    else:
+        line += (f"  (host-bound: stage {low} idles {idle_s * 1e3:.2f} ms/step, waiting for kernel launches or host "
+                 f"work{host}; for the other stages {wait_s * 1e3:.2f} ms)")
+    return [line]
 
 
 def format_summary(s: dict, name: str) -> str:

@@ -9,10 +9,12 @@ import numpy as np
 import pandas as pd
 
 from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, _merge, mfu
+from simulator.analysis.results import BREAKDOWN_IDLE, BREAKDOWN_PIPELINE_WAIT, rank_partition
 from simulator.analysis.summary import step_period_s
 
 #: per-stage keys copied into ``summary["pipeline"]["stages"]``
 _STAGE_KEYS = ("step_time_s", "exposed_comm_s", "comm_s_by_group", "pipeline_bubble_s", "pipeline_imbalance_s",
+               "pipeline_wait_s", "host_idle_s",
                "peak_device_memory_bytes", "peak_memory_bytes", "oom", "phase_compute_s", "energy_j_per_step",
                "avg_power_w", "num_ops")
 #: DVFS / energy keys averaged over the stages (per GPU)
@@ -40,6 +42,19 @@ def pipeline_bubble_s(spans: pd.DataFrame, steps: pd.DataFrame) -> float:
         iv = iv_all[(iv_all[:, 1] > t0) & (iv_all[:, 0] < t1)]
         total += (t1 - t0) - float(np.sum(np.diff(_merge(np.clip(iv, t0, t1)), axis=1)))
     return total / len(measured)
+
+
+def stage_idle_split(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame) -> dict[str, float]:
+    """One stage's idle time per measured step, s, split as ``SimulationResult.breakdown`` splits it:
+    ``pipeline_wait_s`` (its compute stream holds a launched kernel that waits for another stage: bubble and
+    imbalance) and ``host_idle_s`` (nothing runs and nothing is launched: host-bound gaps). Together with its
+    exposed communication, copies and data wait they make up ``pipeline_bubble_s``'s idle time.
+
+    Args:
+        spans: The stage's spans; launches: its host launches (``step, op_id, start_s, end_s``); steps: its steps.
+    """
+    part = dict(rank_partition(spans, launches, steps, pipeline=True).itertuples(index=False))
+    return {"pipeline_wait_s": part.get(BREAKDOWN_PIPELINE_WAIT, 0.0), "host_idle_s": part.get(BREAKDOWN_IDLE, 0.0)}
 
 
 def phase_compute_s(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
@@ -119,7 +134,9 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     the least idle stage's bubble (the schedule's own bubble) and each stage's ``pipeline_imbalance_s``
     its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
     ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
-    ``pipeline.stages`` lists every stage.
+    ``pipeline.stages`` lists every stage, with its ``pipeline_wait_s`` and ``host_idle_s`` when given
+    (``stage_idle_split``) and its ``gpu_busy`` (its compute stream's busy share of its own
+    step window; the top-level ``utilisation`` is that of the peak-memory stage).
 
     Args:
         stages: Per-stage summaries, stage order.
@@ -144,7 +161,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
                peak_memory_pp_rank=mem, num_ops=sum(s["num_ops"] for s in stages),
                exposed_comm_s=max(s["exposed_comm_s"] for s in stages), pipeline_bubble_s=bubble,
                phase_s={k: float(np.mean([s["phase_compute_s"][k] for s in stages])) for k in stages[0]["phase_compute_s"]})
-    out.pop("phase_compute_s", None)
+    for k in ("phase_compute_s", "pipeline_wait_s", "host_idle_s"):  # per stage only (``pipeline.stages``)
+        out.pop(k, None)
     ooms = sorted((r for r, s in enumerate(stages) if s.get("oom")), key=lambda r: -stages[r]["peak_device_memory_bytes"])
     out["oom"] = f"pipeline stage {ooms[0]}: {stages[ooms[0]]['oom']}" if ooms else None
     groups = sorted({g for s in stages for g in s["comm_s_by_group"]})
@@ -157,7 +175,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     out["pipeline"] = {
         "pipeline_model_parallel_size": len(stages), "virtual_pipeline_model_parallel_size": virtual,
         "schedule": schedule, "micro_batches": micro_batches,
-        "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s}}
+        "stages": [{"pp_rank": r, "layers": layers[r], **{k: s[k] for k in _STAGE_KEYS if k in s},
+                    **({"gpu_busy": s["utilisation"]["compute"]} if "compute" in s.get("utilisation", {}) else {})}
                    for r, s in enumerate(stages)],
     }
     return out

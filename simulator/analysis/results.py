@@ -20,6 +20,8 @@ BREAKDOWN_OPTIMIZER = "optimizer"
 BREAKDOWN_COPIES = "exposed copies"
 BREAKDOWN_DATA = "data wait"
 BREAKDOWN_IDLE = "host-bound gaps / idle"
+#: a pipeline stage's idle time while its compute stream holds a launched kernel that waits for another stage
+BREAKDOWN_PIPELINE_WAIT = "waiting for other stages (bubble + imbalance)"
 #: summary rows of the HTML representation: (label, summary key, scale, unit)
 _HTML_ROWS = (("step time", "step_time_s", 1e3, "ms"), ("throughput", "samples_per_s", 1, "samples/s"),
               ("tokens", "tokens_per_s", 1, "tokens/s"), ("MFU", "mfu", 100, "%"),
@@ -71,13 +73,16 @@ class SimulationResult:
 
         Each instant of a measured step's ``[start_s, end_s]`` counts once, for the first of:
         ``compute`` (a compute kernel of phase fwd/bwd runs), ``optimizer`` (any op of phase
-        ``opt``: GPU kernels, or a CPU optimizer while the GPU computes nothing else),
+        ``opt`` but its collectives: GPU kernels, or a CPU optimizer while the GPU computes nothing else),
         ``exposed comm (<group>)`` (a collective of that process group is in flight and no kernel
-        runs: the summary's ``exposed_comm_s`` split by group; where groups overlap the time goes
+        runs, in any phase: the summary's ``exposed_comm_s`` split by group, so a ZeRO parameter
+        all-gather after the optimizer step counts here, not as optimizer; where groups overlap the time goes
         to the first in name order), ``exposed copies`` (a memory copy runs and nothing above),
         ``data wait`` (the training thread is in ``next(iterator)`` and the GPU runs nothing: the
-        summary's ``phase_s.data_s``), and ``host-bound gaps / idle`` (the rest: the GPU waits
-        for kernel launches or other host work).
+        summary's ``phase_s.data_s``), on a pipeline stage ``waiting for other stages (bubble +
+        imbalance)`` (nothing above runs but the compute stream's next kernel is already launched
+        (``launches``): it waits for data of another stage, a receive or send its peer has not posted yet),
+        and ``host-bound gaps / idle`` (the rest: the GPU waits for kernel launches or other host work).
 
         Returns:
             ``component, seconds`` (mean per measured step, s); the seconds sum to the mean step
@@ -88,40 +93,11 @@ class SimulationResult:
         """
         col = rank_column(self.spans)
         if col:  # pipeline stages or rank classes: the mean over them of each one's partition
-            drop = [c for c in RANK_COLUMNS if c in self.spans]
-            parts = [SimulationResult(self.summary, d.drop(columns=drop), self.counters, self.steps).breakdown()
-                     for _, d in self.spans.groupby(col)]
+            parts = [rank_partition(d, _rank_rows(self.launches, col, key), self.steps, pipeline="pp_rank" in d)
+                     for key, d in self.spans.groupby(col)]
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
                 seconds=lambda d: d.seconds / len(parts))
-        steps = self.steps[~self.steps.warmup] if "warmup" in self.steps else self.steps
-        sp = self.spans[self.spans.kind != "sync"]
-        kind, phase = sp.kind.astype(str), sp.phase.astype(str)
-        coll = sp[kind == COLLECTIVE_KIND]
-        group = comm_group(coll.stream)
-        groups = sorted(set(group))
-        cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
-                (BREAKDOWN_OPTIMIZER, sp[phase == "opt"])]
-        cats += [(f"exposed comm ({g})", coll[group == g]) for g in groups]
-        cats += [(BREAKDOWN_COPIES, sp[kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])]),
-                 (BREAKDOWN_DATA, sp[phase == DATA_PHASE])]
-        ivs = [(name, d[["start_s", "end_s"]].to_numpy(dtype=float)) for name, d in cats]
-        totals = dict.fromkeys([n for n, _ in cats] + [BREAKDOWN_IDLE], 0.0)
-        for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
-            clipped = []
-            for name, iv in ivs:
-                iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
-                clipped.append((name, _merge(np.clip(iv, t0, t1))))
-            edges = np.unique(np.concatenate([[t0, t1]] + [iv.ravel() for _, iv in clipped]))
-            mid, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
-            free = np.ones(len(mid), dtype=bool)
-            for name, iv in clipped:
-                hit = free & _covered(iv, mid)
-                totals[name] += float(width[hit].sum())
-                free &= ~hit
-            totals[BREAKDOWN_IDLE] += float(width[free].sum())
-        n = max(len(steps), 1)
-        rows = [(k, v / n) for k, v in totals.items() if v > 0 or k == BREAKDOWN_COMPUTE]
-        return pd.DataFrame(rows, columns=["component", "seconds"])
+        return rank_partition(self.spans, None, self.steps, pipeline=False)
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: a summary table and the step breakdown as an inline PNG."""
@@ -149,3 +125,61 @@ class SimulationResult:
             img = (f"<img alt='step time breakdown' src='data:image/png;base64,"
                    f"{base64.b64encode(png).decode()}'/>")
         return (f"<div><h4>{name}</h4><table>{''.join(rows)}</table>{img}</div>")
+
+
+def _rank_rows(frame: pd.DataFrame | None, col: str, key) -> pd.DataFrame | None:
+    """The rows of ``frame`` (a result's ``launches``) of one simulated rank (``col == key``); None without."""
+    return None if frame is None or col not in frame else frame[frame[col] == key]
+
+
+def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.ndarray:
+    """Intervals ``(n, 2)``, s, in which one rank's compute stream holds a launched kernel that has not started:
+    from the kernel's launch end (or the previous compute kernel's end, if later) to its start. Empty without
+    ``launches``."""
+    if launches is None or launches.empty:
+        return np.zeros((0, 2))
+    comp = spans[spans.kind.astype(str) == COMPUTE_KIND][["step", "op_id", "start_s", "end_s"]].merge(
+        launches[["step", "op_id", "end_s"]].rename(columns={"end_s": "launched_s"}), on=["step", "op_id"])
+    comp = comp.sort_values("start_s", kind="stable")
+    prev_end = np.concatenate([[-np.inf], np.maximum.accumulate(comp.end_s.to_numpy(dtype=float))[:-1]])
+    lo = np.maximum(comp.launched_s.to_numpy(dtype=float), prev_end)
+    hi = comp.start_s.to_numpy(dtype=float)
+    return _merge(np.stack([lo, hi], axis=1)[hi > lo])
+
+
+def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame, *,
+               pipeline: bool) -> pd.DataFrame:
+    """``SimulationResult.breakdown`` of one rank (``component, seconds`` per measured step): ``spans`` its spans,
+    ``launches`` its host launches (used on a pipeline stage only), ``steps`` the steps whose windows are
+    partitioned (``start_s, end_s``, optional ``warmup``); ``pipeline`` adds the waits for other stages."""
+    steps = steps[~steps.warmup] if "warmup" in steps else steps
+    sp = spans[spans.kind != "sync"]
+    kind, phase = sp.kind.astype(str), sp.phase.astype(str)
+    coll = sp[kind == COLLECTIVE_KIND]
+    group = comm_group(coll.stream)
+    groups = sorted(set(group))
+    cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
+            (BREAKDOWN_OPTIMIZER, sp[(phase == "opt") & (kind != COLLECTIVE_KIND)])]
+    cats += [(f"exposed comm ({g})", coll[group == g]) for g in groups]
+    cats += [(BREAKDOWN_COPIES, sp[kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])]),
+             (BREAKDOWN_DATA, sp[phase == DATA_PHASE])]
+    ivs = [(name, d[["start_s", "end_s"]].to_numpy(dtype=float)) for name, d in cats]
+    if pipeline:
+        ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches)))
+    totals = dict.fromkeys([n for n, _ in ivs] + [BREAKDOWN_IDLE], 0.0)
+    for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
+        clipped = []
+        for name, iv in ivs:
+            iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
+            clipped.append((name, _merge(np.clip(iv, t0, t1))))
+        edges = np.unique(np.concatenate([[t0, t1]] + [iv.ravel() for _, iv in clipped]))
+        mid, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
+        free = np.ones(len(mid), dtype=bool)
+        for name, iv in clipped:
+            hit = free & _covered(iv, mid)
+            totals[name] += float(width[hit].sum())
+            free &= ~hit
+        totals[BREAKDOWN_IDLE] += float(width[free].sum())
+    n = max(len(steps), 1)
+    rows = [(k, v / n) for k, v in totals.items() if v > 0 or k == BREAKDOWN_COMPUTE]
+    return pd.DataFrame(rows, columns=["component", "seconds"])

@@ -110,7 +110,7 @@ def breakdown_bars(breakdown: pd.DataFrame, ax, title: str | None = None):
 
 def _component_colour(name: str) -> str:
     for key, colour in (("compute", "tab:blue"), ("optimizer", "tab:purple"), ("comm", "tab:red"),
-                        ("cop", "tab:green"), ("data", "tab:orange")):
+                        ("cop", "tab:green"), ("data", "tab:orange"), ("other stages", "tab:brown")):
         if key in name:
             return colour
     return "lightgrey"

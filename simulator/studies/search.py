@@ -190,8 +190,11 @@ def bounds(row: dict | pd.Series) -> dict:
 
     Returns:
         ``compute_share`` (compute kernels / step), ``exposed_<group>_share`` per process group,
-        ``idle_share`` (the compute stream idle with nothing in flight: the pipeline bubble with pp > 1,
-        host-bound gaps otherwise; with rank classes the straggler is named beside it), ``optimizer_share``, ``headroom_bytes`` (GPU memory minus the simulated
+        ``idle_share`` (the compute stream idle with nothing in flight and nothing launched: host-bound gaps;
+        with rank classes the straggler is named beside it), with pp > 1 ``pipeline_wait_share`` (the stages'
+        waits for each other, bubble and imbalance: ``pipeline bubble``), ``optimizer_share`` (the optimizer's
+        kernels; its exposed collectives, e.g. the ZeRO parameter all-gather, count in their group's
+        ``exposed_<group>_share``), ``headroom_bytes`` (GPU memory minus the simulated
         peak) and ``bound``: the largest share that is not compute, as ``"tp comm 18%"`` /
         ``"pipeline bubble 12%"``, with ``"; memory (x GB free)"`` when the headroom is under
         ``MEMORY_BOUND_SHARE`` of the GPU.
@@ -209,10 +212,15 @@ def bounds(row: dict | pd.Series) -> dict:
             out[f"exposed_{g}_share"] = v / window
             labels[f"exposed_{g}_share"] = f"{g} comm"
     out["idle_share"] = parts.get("idle", 0.0) / window
-    labels["idle_share"] = "pipeline bubble" if pp > 1 else "host-bound / idle"
+    labels["idle_share"] = "host-bound / idle"
+    if pp > 1 or "pipeline_wait" in parts:
+        out["pipeline_wait_share"] = parts.get("pipeline_wait", 0.0) / window
+        labels["pipeline_wait_share"] = "pipeline bubble"
     straggler = row.get("straggler")
     if isinstance(straggler, str) and straggler:  # rank classes differ: the others' idle time waits for it
-        labels["idle_share"] += f" (straggler {straggler})"
+        for k in ("idle_share", "pipeline_wait_share"):
+            if k in labels:
+                labels[k] += f" (straggler {straggler})"
     out["optimizer_share"] = parts.get("optimizer", 0.0) / window
     labels["optimizer_share"] = "optimizer"
     for k, name, label in (("data_wait", "data_wait_share", "data wait"), ("exposed_copies", "copies_share", "copies")):
@@ -420,11 +428,14 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     shown["compute %"] = (best["compute_share"] * 100).map(lambda v: f"{v:.0f}")
     for g in groups:
         shown[f"{g} %"] = (best[f"exposed_{g}_share"].fillna(0.0) * 100).map(lambda v: f"{v:.0f}")
-    shown["idle/bubble %"] = (best["idle_share"] * 100).map(lambda v: f"{v:.0f}")
+    if "pipeline_wait_share" in best and best["pipeline_wait_share"].notna().any():
+        shown["bubble %"] = (best["pipeline_wait_share"].fillna(0.0) * 100).map(lambda v: f"{v:.0f}")
+    shown["host/idle %"] = (best["idle_share"] * 100).map(lambda v: f"{v:.0f}")
     shown["opt %"] = (best["optimizer_share"] * 100).map(lambda v: f"{v:.0f}")
     shown["limited by"] = best["bound"]
     lines.append(f"best {len(best)} by {result.objective} ({'higher' if OBJECTIVES[result.objective] == 'max' else 'lower'}"
-                 " is better; shares of the step: compute, exposed communication per group, idle/bubble, optimizer):")
+                 " is better; shares of the step: compute, exposed communication per group, pipeline bubble (the stages' "
+                 "waits for each other), host-bound gaps / idle, optimizer kernels):")
     lines.append(shown.to_string(index=False))
     return "\n".join(lines)
 

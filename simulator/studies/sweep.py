@@ -99,7 +99,8 @@ NESTED_METRICS = ("phase_s", "utilisation", "comm_s_by_group", "peak_memory_by_c
                   "breakdown_s")
 #: ``SimulationResult.breakdown`` components -> ``breakdown_s.<key>`` columns (``run_sweep(breakdown=True)``)
 BREAKDOWN_KEYS = {"compute (fwd/bwd kernels)": "compute", "optimizer": "optimizer", "exposed copies": "exposed_copies",
-                  "data wait": "data_wait", "host-bound gaps / idle": "idle"}
+                  "data wait": "data_wait", "waiting for other stages (bubble + imbalance)": "pipeline_wait",
+                  "host-bound gaps / idle": "idle"}
 #: top-level scalar summary keys (``simulator.analysis.summary.summarize``); what ``--plot`` accepts
 SCALAR_METRICS = tuple(c for c in SUMMARY_COLUMNS if c != "oom") + (  # "oom" is a message, not a number
     "step_latency_s", "model_flops_per_step", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
@@ -227,8 +228,9 @@ def stable_repr(obj, depth: int = 0) -> str:
 
 def breakdown_columns(result) -> dict:
     """``breakdown_s.<component>`` (s per step) of ``result.breakdown()``: ``compute``, ``optimizer``,
-    ``exposed_comm_<group>``, ``exposed_copies``, ``data_wait``, ``idle`` (a pipeline run: the mean over its
-    stages, where ``idle`` holds the bubble)."""
+    ``exposed_comm_<group>``, ``exposed_copies``, ``data_wait``, ``pipeline_wait`` (a pipeline run: the stages'
+    waits for each other, bubble and imbalance; the components are the mean over its stages), ``idle``
+    (host-bound gaps)."""
     out = {}
     for comp, sec in result.breakdown().itertuples(index=False):
         key = BREAKDOWN_KEYS.get(comp) or "exposed_comm_" + _UNSAFE.sub("_", comp.split("(", 1)[-1].rstrip(")"))

@@ -91,7 +91,8 @@ def test_bounds_of_a_row_by_hand():
     b = search.bounds(row)
     assert (b["compute_share"], b["exposed_tp_share"], b["idle_share"], b["optimizer_share"]) == (0.5, 0.3, 0.15, 0.05)
     assert b["headroom_bytes"] == 2e9 and b["bound"] == "tp comm 30%; memory (2.0 GB free)"
-    b = search.bounds({**row, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.45})
+    b = search.bounds({**row, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.0,
+                       "breakdown_s.pipeline_wait": 0.45})
     assert b["bound"] == "pipeline bubble 45%; memory (2.0 GB free)"
     # one pipeline stage, a slower replica: the others' idle time is named with the straggler
     one = {**row, "pipeline_parallel_size": 1, "breakdown_s.exposed_comm_tp": 0.0, "breakdown_s.idle": 0.45,
