@@ -65,12 +65,30 @@ class System:
             fabric of this rank alone.
     """
 
-    def memory_counters(self) -> list[tuple[float, str, str, int]]:
-        """Memory timelines of all pools as counter rows ``(t_s, scope, "memory_bytes", bytes)``, and
-        per tensor category ``(t_s, scope, "memory_bytes.<category>", bytes)`` (``memory.category``)."""
-        return ([(t, pool.name, "memory_bytes", v) for pool in self.memory.values() for t, v in pool.timeline]
-                + [(t, pool.name, f"memory_bytes.{c}", v) for pool in self.memory.values()
-                   for t, c, v in pool.category_timeline])
+    def memory_counters(self) -> tuple[list[float], list[str], list[str], list[int]]:
+        """Memory timelines of all pools as counter columns ``(t_s, scope, metric, value)``: rows ``(t_s, scope,
+        "memory_bytes", bytes)`` of every pool, then per tensor category ``(t_s, scope, "memory_bytes.<category>",
+        bytes)`` (``memory.category``) of every pool."""
+        t_s: list = []
+        scope: list = []
+        metric: list = []
+        value: list = []
+        for pool in self.memory.values():
+            t, v = pool.timeline_columns()
+            t_s += t
+            value += v
+            scope += [pool.name] * len(t)
+            metric += ["memory_bytes"] * len(t)
+        names: dict[str, str] = {}
+        for pool in self.memory.values():
+            t, cats, v = pool.category_timeline_columns()
+            for c in set(cats).difference(names):
+                names[c] = f"memory_bytes.{c}"
+            t_s += t
+            value += v
+            scope += [pool.name] * len(t)
+            metric += map(names.__getitem__, cats)
+        return t_s, scope, metric, value
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder, fabric: Fabric | None = None):
         self.env = env
