@@ -174,7 +174,9 @@ class PriceKeys:
     """Interns ``price_key``: each op's key as a small int, computed once per op (held by id with the op, so that
     its id stays its own while the table lives); ops that price alike share the int.
 
-    ``of(op)`` is the int; ``by_op`` (``id(op) -> (op, int)``) is the table hot loops read first.
+    ``of(op)`` is the int; ``by_op`` (``id(op) -> (op, int)``) is the table hot loops read first. A block's folded TP
+    collectives (``Op.folded_comm``, renumbered to the block's id) take the block's int once the block has one: their
+    spans are metered at the block's activity, as the per-op-id caches before these keys gave them.
     """
 
     def __init__(self) -> None:
@@ -188,6 +190,8 @@ class PriceKeys:
             return hit[1]
         k = self._ids.setdefault(price_key(op), len(self._ids))
         self.by_op[id(op)] = (op, k)
+        for c in op.folded_comm:  # a TP collective folded into a block carries the block's id (and, metered, its
+            self.by_op.setdefault(id(c), (c, k))  # activity: ``PowerMeter``); nothing prices it as a kernel
         return k
 
     def release(self) -> None:

@@ -171,13 +171,7 @@ class PowerMeter:
         _steps, ops, s_all, e_all, streams = zip(*spans)
         uniq = {id(op): op for op in ops}  # in first-span order
         table: dict[int, tuple] = {}
-        seen: set[int] = set()
-        for op in uniq.values():
-            if op.id in seen:
-                # a TP collective folded into a layer-fidelity block (``Op.folded_comm``) carries the block's id; its
-                # spans take the block's activity (the first op of an id; the per-op-id table holds one per id)
-                continue
-            seen.add(op.id)
+        for op in uniq.values():  # a block's folded TP collectives share its id and activity (``PriceKeys``)
             a = self.activity(op)
             if a is not None:
                 table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)

@@ -155,8 +155,8 @@ def test_pricing_key_of_a_block_follows_its_parts_and_folded_collectives():
 
 def test_power_levels_give_a_folded_collective_span_its_block_activity():
     """A TP collective folded into a block carries the block's op id; its span is metered at the block's
-    activity (as the per-op-id activity cache gave it before the pricing key: results unchanged), the same
-    levels as the block's own span over that interval."""
+    activity (``PriceKeys`` gives it the block's key, as the per-op-id activity cache gave it the block's activity
+    before: results unchanged), the same levels as the block's own span over that interval."""
     from dataclasses import replace
 
     hw = make_hw()
@@ -167,7 +167,9 @@ def test_power_levels_give_a_folded_collective_span_its_block_activity():
                                                                   p.bytes_written, p.dtype) for p in (g, m))})
     ar = replace(m, id=block.id, kind=OpKind.COLLECTIVE, stream="compute",
                  meta={"collective": "all_reduce", "group": "tp", "bytes": 1024})
-    assert meter.activity(ar) != meter.activity(block)
+    assert PowerMeter(meter.model, hw.gpu, sys_.state, sys_.cost).activity(ar) != meter.activity(block)
+    block = replace(block, folded_comm=(ar,))
+    assert meter.activity(block) == meter.activity(ar)  # once the block is keyed
     got = meter.levels([(0, block, 0.0, 3e-3, "compute"), (0, ar, 3e-3, 4e-3, "compute")])
     want = meter.levels([(0, block, 0.0, 3e-3, "compute"), (0, block, 3e-3, 4e-3, "compute")])
     (t_got, p_got, _), (t_want, p_want, _) = got, want
