@@ -172,8 +172,10 @@ class MemoryPool:
         self._clock = clock
         #: pending changes ``(clock_t_s or None, tensor, nbytes (None: a free), alloc t_s)``
         self._log: list[tuple] = []
-        self._timeline: list[tuple[float, int]] = []
-        self._category_timeline: list[tuple[float, str, int]] = []
+        #: the timelines as columns (``timeline``: ``(t_s, live bytes)``; ``category_timeline``: ``(t_s, category,
+        #: bytes)``), each a list per column
+        self._tl: tuple[list, list] = ([], [])
+        self._ct: tuple[list, list, list] = ([], [], [])
         self._cat_last: dict[str, int] = {}
 
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
@@ -198,10 +200,11 @@ class MemoryPool:
             return
         self._log = []
         sizes, by_cat, live = self._sizes, self._by_category, self._live
-        tl, ct, cat_last = self._timeline, self._category_timeline, self._cat_last
+        (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
+        tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
         peak, tested, oom = self._peak, self._oom_tested, self._oom
         cat_of = self._cat_of
-        last_t = tl[-1][0] if tl else None
+        last_t = tl_t[-1] if tl_t else None
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
                 nbytes = sizes.pop(tensor, None)
@@ -226,23 +229,26 @@ class MemoryPool:
                         oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
             if t is not None:  # the sample at this instant (``_sample``)
                 if last_t == t:
-                    tl[-1] = (t, live)
+                    tl_v[-1] = live
                 else:
-                    tl.append((t, live))
+                    tl_t.append(t)
+                    tl_append(live)
                     last_t = t
                 i = cat_last.get(cat)
-                if i is not None and ct[i][0] == t:
-                    ct[i] = (t, cat, v)
+                if i is not None and ct_t[i] == t:
+                    ct_v[i] = v
                 else:
-                    cat_last[cat] = len(ct)
-                    ct.append((t, cat, v))
+                    cat_last[cat] = len(ct_t)
+                    ct_t_append(t)
+                    ct_c_append(cat)
+                    ct_v_append(v)
         self._live, self._peak, self._oom_tested, self._oom = live, peak, tested, oom
 
     def release_timelines(self) -> None:
         """Drop the timelines (``timeline``, ``category_timeline``; the other figures stay) once they have
         been read (``engine.run.run_ranks``: in the run's counters): later changes record afresh."""
         self._settle()
-        self._timeline, self._category_timeline, self._cat_last = [], [], {}
+        self._tl, self._ct, self._cat_last = ([], []), ([], [], []), {}
 
     # -- figures (each applies the pending changes first) --------------------------------------
     @property
@@ -295,14 +301,22 @@ class MemoryPool:
     @property
     def timeline(self) -> list[tuple[float, int]]:
         """``(t_s, live_bytes)`` after every change; changes at one instant keep the last value."""
+        return list(zip(*self.timeline_columns()))
+
+    def timeline_columns(self) -> tuple[list[float], list[int]]:
+        """``timeline`` as its two columns ``(t_s, live_bytes)`` (the pool's own lists: read, don't modify)."""
         self._settle()
-        return self._timeline
+        return self._tl
 
     @property
     def category_timeline(self) -> list[tuple[float, str, int]]:
         """``(t_s, category, live_bytes)`` after every change of a category (same rule)."""
+        return list(zip(*self.category_timeline_columns()))
+
+    def category_timeline_columns(self) -> tuple[list[float], list[str], list[int]]:
+        """``category_timeline`` as its three columns ``(t_s, category, live_bytes)`` (the pool's own lists)."""
         self._settle()
-        return self._category_timeline
+        return self._ct
 
     def _with_overheads(self, cats: dict, live: int) -> dict[str, int]:
         out = dict(cats)

@@ -169,12 +169,12 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
                 return run_ranks(graphs, hws, steps, seed, attach, overheads, exact_power=True)
     out = []
     for graph, rec, system, runtime, ex in ranks:
-        rec.counters.extend(system.memory_counters())
         start, end = column_array(ex.step_start), column_array(ex.step_end)
         step_df = pd.DataFrame({"step": np.arange(steps, dtype=np.int64), "start_s": start, "end_s": end,
                                 "step_time_s": end - start})
         launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
-        out.append((RunRecords(rec.spans_frame(), rec.counters_frame(), step_df, system.memory, launches), runtime))
+        counters = rec.counters_frame(system.memory_counters())  # the recorded samples, then the memory timelines
+        out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches), runtime))
     for _, rec, system, _, ex in ranks:
         _release(ex, rec, system)
     return out

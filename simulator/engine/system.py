@@ -36,7 +36,7 @@ from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load
 from simulator.cost.roofline import RooflineCostModel
 from simulator.engine.links import Fabric
 from simulator.engine.memory import MemoryPool
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, PriceKeys
 
 #: Links crossed by each copy direction.
 COPY_PATHS = {
@@ -65,12 +65,30 @@ class System:
             fabric of this rank alone.
     """
 
-    def memory_counters(self) -> list[tuple[float, str, str, int]]:
-        """Memory timelines of all pools as counter rows ``(t_s, scope, "memory_bytes", bytes)``, and
-        per tensor category ``(t_s, scope, "memory_bytes.<category>", bytes)`` (``memory.category``)."""
-        return ([(t, pool.name, "memory_bytes", v) for pool in self.memory.values() for t, v in pool.timeline]
-                + [(t, pool.name, f"memory_bytes.{c}", v) for pool in self.memory.values()
-                   for t, c, v in pool.category_timeline])
+    def memory_counters(self) -> tuple[list[float], list[str], list[str], list[int]]:
+        """Memory timelines of all pools as counter columns ``(t_s, scope, metric, value)``: rows ``(t_s, scope,
+        "memory_bytes", bytes)`` of every pool, then per tensor category ``(t_s, scope, "memory_bytes.<category>",
+        bytes)`` (``memory.category``) of every pool."""
+        t_s: list = []
+        scope: list = []
+        metric: list = []
+        value: list = []
+        for pool in self.memory.values():
+            t, v = pool.timeline_columns()
+            t_s += t
+            value += v
+            scope += [pool.name] * len(t)
+            metric += ["memory_bytes"] * len(t)
+        names: dict[str, str] = {}
+        for pool in self.memory.values():
+            t, cats, v = pool.category_timeline_columns()
+            for c in set(cats).difference(names):
+                names[c] = f"memory_bytes.{c}"
+            t_s += t
+            value += v
+            scope += [pool.name] * len(t)
+            metric += map(names.__getitem__, cats)
+        return t_s, scope, metric, value
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder, fabric: Fabric | None = None):
         self.env = env
@@ -132,8 +150,11 @@ class System:
         if hw.collectives is not None and (nccl is None or nccl.interference):
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
-        self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below
-        #: interfered_kernel_s cache at the clocks below: ``(sm_held, hbm_share) -> {op id: s}``
+        #: each op's interned pricing key (``cost.roofline.price_key``): the duration caches' key, shared by the
+        #: ops that price alike (a step's repeated layers and micro-batches)
+        self.price_keys = PriceKeys()
+        self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below, by pricing key
+        #: interfered_kernel_s cache at the clocks below: ``(sm_held, hbm_share) -> {pricing key: s}``
         self._idur: dict[tuple, dict[int, float]] = {}
         self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
@@ -166,6 +187,7 @@ class System:
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
         self._by_op, self._folded, self._dur, self._tail, self._idur = {}, {}, {}, {}, {}
+        self.price_keys.release()
         self.running.clear()
 
     def collective_model(self, op) -> bool:
@@ -258,20 +280,23 @@ class System:
             done = min(1.0, done + (env.now - t0) / d)
 
     def kernel_s(self, op) -> float:
-        """``cost.duration_s(op, state)``, cached per op id while the clocks stay the same, s.
+        """``cost.duration_s(op, state)`` (plus ``folded_comm_s``), cached per pricing key while the clocks stay the
+        same, s.
 
-        The cost model's time depends only on the op and the device clocks (without interference,
-        which ``run_kernel`` prices itself); op ids are unique in the run's graph.
+        The cost model's time depends only on what the op's pricing key holds (``cost.roofline.price_key``) and
+        the device clocks (without interference, which ``run_kernel`` prices itself).
         """
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
             self._clocks_changed()
-        d = self._dur.get(op.id)
+        hit = self.price_keys.by_op.get(id(op))
+        k = hit[1] if hit is not None else self.price_keys.of(op)
+        d = self._dur.get(k)
         if d is None:
             d = self.cost.duration_s(op, st)
             if op.folded_comm:  # a block with TP collectives folded in: each one's time alone on its links
                 d += self.folded_comm_s(op)
-            self._dur[op.id] = d
+            self._dur[k] = d
         return d
 
     def _clocks_changed(self) -> None:
@@ -295,7 +320,8 @@ class System:
 
     def interfered_kernel_s(self, op) -> float:
         """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
-        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per op id, share and clocks, s."""
+        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per pricing key, share and clocks,
+        s."""
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
             self._clocks_changed()
@@ -306,9 +332,11 @@ class System:
         tab = self._idur.get(share)
         if tab is None:
             tab = self._idur[share] = {}
-        d = tab.get(op.id)
+        hit = self.price_keys.by_op.get(id(op))
+        k = hit[1] if hit is not None else self.price_keys.of(op)
+        d = tab.get(k)
         if d is None:
-            d = tab[op.id] = self.cost.duration_s(op, st, *share)
+            d = tab[k] = self.cost.duration_s(op, st, *share)
         return d
 
     def folded_comm_s(self, op) -> float:

@@ -146,3 +146,54 @@ class Op:
     def bytes_moved(self) -> float:
         """Bytes read plus bytes written (the memory traffic of a kernel, or a copy's size x2)."""
         return self.bytes_read + self.bytes_written
+
+
+def price_key(op: Op) -> tuple:
+    """What a kernel's time and power activity depend on besides the clocks and interference: ops with equal
+    keys are priced alike (``simulator.cost.roofline.RooflineCostModel``'s ``duration_s``, ``split_s``, ``fused_s``;
+    the power meter's activity).
+
+    A block (``meta["fused"]``): its parts' signature ``meta["fused_key"]`` (``fused_s``'s cache key); any other
+    op: its kind, fixed duration and ``split_s``'s cache key fields. A block with TP collectives folded in
+    (``Op.folded_comm``) adds each one's pricing key (``System.collective_result``'s: collective, group, bytes,
+    pipeline ranks), whose time ``System.kernel_s`` adds to the block's.
+    """
+    m = op.meta
+    if m and "fused" in m:
+        key = ("fused", m["fused_key"])
+    else:
+        key = (op.kind, op.fixed_duration_s, op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written,
+               op.dtype)
+    if op.folded_comm:
+        key += tuple((c.meta["collective"], c.meta.get("group", "dp"), int(c.meta["bytes"]), c.meta.get("pp_ranks"))
+                     for c in op.folded_comm)
+    return key
+
+
+class PriceKeys:
+    """Interns ``price_key``: each op's key as a small int, computed once per op (held by id with the op, so that
+    its id stays its own while the table lives); ops that price alike share the int.
+
+    ``of(op)`` is the int; ``by_op`` (``id(op) -> (op, int)``) is the table hot loops read first. A block's folded TP
+    collectives (``Op.folded_comm``, renumbered to the block's id) take the block's int once the block has one: their
+    spans are metered at the block's activity, as the per-op-id caches before these keys gave them.
+    """
+
+    def __init__(self) -> None:
+        self.by_op: dict[int, tuple[Op, int]] = {}
+        self._ids: dict[tuple, int] = {}
+
+    def of(self, op: Op) -> int:
+        """The interned ``price_key(op)``."""
+        hit = self.by_op.get(id(op))
+        if hit is not None:
+            return hit[1]
+        k = self._ids.setdefault(price_key(op), len(self._ids))
+        self.by_op[id(op)] = (op, k)
+        for c in op.folded_comm:  # a TP collective folded into a block carries the block's id (and, metered, its
+            self.by_op.setdefault(id(c), (c, k))  # activity: ``PowerMeter``); nothing prices it as a kernel
+        return k
+
+    def release(self) -> None:
+        """Drop the ops held (the interned keys stay)."""
+        self.by_op = {}

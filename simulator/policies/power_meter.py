@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hardware_models.power import Activity, activity_of_kernel, generic_power_model, load_power_model, preset_power_model
-from simulator.graph.ops import OpKind
+from simulator.graph.ops import OpKind, PriceKeys
 from simulator.policies.registry import PolicyError
 
 KERNEL_KINDS = (OpKind.COMPUTE, OpKind.COLLECTIVE)
@@ -50,18 +50,23 @@ class PowerMeter:
         state: The device state (``sm_clock_mhz``, ``mem_clock_mhz``: the clocks now).
         cost: The run's cost model (``split_s``: an op's compute / memory / fixed seconds at the maximum clocks;
             ``fused_s``: the same for a layer-fidelity block).
+        price_keys: The ops' interned pricing keys (``graph.ops.PriceKeys``; the machine's, ``System.price_keys``, so
+            that both are released with the run's ops); None: the meter's own.
 
     Attributes:
         active: Activity of each running op that draws power, by ``(step, op id)``, in start order.
     """
 
-    def __init__(self, model, gpu, state, cost):
+    def __init__(self, model, gpu, state, cost, price_keys: PriceKeys | None = None):
         self.model, self.gpu, self.state, self.cost = model, gpu, state, cost
         self.active: dict[tuple, Activity] = {}
         #: ``(op id, SM clock, memory clock)`` of each entry of ``active`` when it was added, in insertion order
         #: (the power-cache key: an op's activity depends on the clocks it started at, ``activity``)
         self._ids: list[tuple] = []
         self._entry: dict[tuple, tuple] = {}
+        #: each op's interned pricing key (``cost.roofline.price_key``: kind, fixed duration, cost split or block parts)
+        self.price_keys = price_keys if price_keys is not None else PriceKeys()
+        #: ``activity`` by ``(pricing key, SM clock, memory clock)``
         self._activity_cache: dict[tuple, Activity | None] = {}
         #: a kernel's activity by what prices it (its cost split's key and the clocks): ops of one shape share it
         self._kernel_activity: dict[tuple, Activity] = {}
@@ -115,7 +120,8 @@ class PowerMeter:
     # -- activities -------------------------------------------------------------------------------------
     def activity(self, op) -> Activity | None:
         """The op's activity at the current clocks (cached: ops repeat every step); None: it draws no power."""
-        key = (op.id, self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        hit = self.price_keys.by_op.get(id(op))  # what the activity depends on besides the clocks (ops alike share it)
+        key = (hit[1] if hit is not None else self.price_keys.of(op), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
         hit = self._activity_cache.get(key, _MISSING)
         if hit is _MISSING:
             hit = self._activity_cache[key] = self._activity_uncached(op)
@@ -165,7 +171,7 @@ class PowerMeter:
         _steps, ops, s_all, e_all, streams = zip(*spans)
         uniq = {id(op): op for op in ops}  # in first-span order
         table: dict[int, tuple] = {}
-        for op in uniq.values():
+        for op in uniq.values():  # a block's folded TP collectives share its id and activity (``PriceKeys``)
             a = self.activity(op)
             if a is not None:
                 table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)

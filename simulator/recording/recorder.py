@@ -86,12 +86,21 @@ class Recorder:
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
-    def counters_frame(self) -> pd.DataFrame:
+    def counters_frame(self, extra: tuple[list, list, list, list] | None = None) -> pd.DataFrame:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order (stable: samples at one
-        instant keep their recording order)."""
-        if not self.counters:
-            return pd.DataFrame(self.counters, columns=COUNTER_COLUMNS)
-        t_s, scope, metric, value = zip(*self.counters)
+        instant keep their recording order).
+
+        Args:
+            extra: More samples after the recorded ones, as columns ``(t_s, scope, metric, value)`` (lists of one
+                length; ``System.memory_counters``): the frame is the one the recorded rows followed by these
+                would give.
+        """
+        rows = list(zip(*self.counters)) if self.counters else [[], [], [], []]
+        if extra is not None:
+            rows = [list(r) + list(x) for r, x in zip(rows, extra, strict=True)]
+        if not rows[0]:
+            return pd.DataFrame([], columns=COUNTER_COLUMNS)
+        t_s, scope, metric, value = rows
         t = column_array(t_s)
         order = np.argsort(np.asarray(t), kind="stable")
         cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),

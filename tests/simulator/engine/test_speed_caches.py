@@ -15,7 +15,7 @@ from simulator.cost.interference import CommLoad, kernel_share
 from simulator.engine.memory import MemoryPool
 from simulator.engine.system import System
 from simulator.graph.op_graph import GraphBuilder
-from simulator.graph.ops import CostClass, OpKind
+from simulator.graph.ops import CostClass, OpKind, PriceKeys, price_key
 from simulator.policies.power_meter import PowerMeter
 from simulator.recording.recorder import Recorder
 from tests.conftest import make_hw
@@ -114,3 +114,63 @@ def test_tensor_category_kept_from_alloc_to_free_across_settles():
     assert pool.peak == 6_000_000 and pool.live == 3_000_000
     assert pool.category_timeline == [(0.0, "params", 1_000_000), (0.0, "activations", 3_000_000),
                                       (1.0, "grad", 2_000_000), (1.0, "activations", 0)]
+
+
+def test_pricing_key_shared_by_ops_that_price_alike_and_kernel_s_equal_afresh():
+    """Ops of one cost split share a pricing key whatever their names and ids; any field that prices a kernel
+    (kind, fixed duration, cost class, shape, flops, bytes, dtype) separates them; ``kernel_s`` by the key equals
+    ``cost.duration_s`` computed afresh (GEMM 2 ms, memory kernel 1 ms, 2.5 ms for the GEMM at 800 MHz)."""
+    from dataclasses import replace
+
+    g, m, g2 = _ops()
+    keys = PriceKeys()
+    assert g.id != g2.id and keys.of(g) == keys.of(g2) != keys.of(m)
+    for change in ({"kind": OpKind.COLLECTIVE}, {"fixed_duration_s": 1e-3}, {"cost_class": CostClass.ELEMENTWISE},
+                   {"shape": (100, 1, 5_000_000_000)}, {"flops": 1.0}, {"bytes_read": 1.0}, {"bytes_written": 1.0},
+                   {"dtype": "fp32"}):
+        assert price_key(replace(g, **change)) != price_key(g), change
+    assert price_key(replace(g, name="other", id=7, layer=3)) == price_key(g)
+    sys_ = System(simpy.Environment(), make_hw(), Recorder())
+    assert sys_.kernel_s(g) == pytest.approx(2e-3, rel=1e-12) and sys_.kernel_s(m) == pytest.approx(1e-3, rel=1e-12)
+    assert sys_.kernel_s(g2) == sys_.kernel_s(g) == sys_.cost.duration_s(g2, sys_.state)
+    sys_.state.sm_clock_mhz = 800.0
+    assert sys_.kernel_s(g2) == pytest.approx(2.5e-3, rel=1e-12) == sys_.cost.duration_s(g2, sys_.state)
+    assert sys_.kernel_s(m) == sys_.cost.duration_s(m, sys_.state)
+
+
+def test_pricing_key_of_a_block_follows_its_parts_and_folded_collectives():
+    """A block's key is its parts' signature (``meta["fused_key"]``) plus each folded TP collective's
+    (collective, group, bytes, pipeline ranks): blocks alike share it, a folded all-reduce of other bytes does
+    not."""
+    from dataclasses import replace
+
+    g, m, _ = _ops()
+    ar = replace(m, kind=OpKind.COLLECTIVE, meta={"collective": "all_reduce", "group": "tp", "bytes": 1024})
+    block = replace(g, meta={"fused": (g, m), "fused_key": ("sig",)})
+    assert price_key(block) == price_key(replace(block, id=9, flops=3.0)) == ("fused", ("sig",))
+    folded = replace(block, folded_comm=(ar,))
+    assert price_key(folded) == ("fused", ("sig",), ("all_reduce", "tp", 1024, None))
+    assert price_key(replace(block, folded_comm=(replace(ar, meta={**ar.meta, "bytes": 2048}),))) != price_key(folded)
+
+
+def test_power_levels_give_a_folded_collective_span_its_block_activity():
+    """A TP collective folded into a block carries the block's op id; its span is metered at the block's
+    activity (``PriceKeys`` gives it the block's key, as the per-op-id activity cache gave it the block's activity
+    before: results unchanged), the same levels as the block's own span over that interval."""
+    from dataclasses import replace
+
+    hw = make_hw()
+    sys_ = System(simpy.Environment(), hw, Recorder())
+    meter = PowerMeter(generic_power_model(hw.gpu), hw.gpu, sys_.state, sys_.cost)
+    g, m, _ = _ops()
+    block = replace(g, meta={"fused": (g, m), "fused_key": tuple((p.cost_class, p.shape, p.flops, p.bytes_read,
+                                                                  p.bytes_written, p.dtype) for p in (g, m))})
+    ar = replace(m, id=block.id, kind=OpKind.COLLECTIVE, stream="compute",
+                 meta={"collective": "all_reduce", "group": "tp", "bytes": 1024})
+    assert PowerMeter(meter.model, hw.gpu, sys_.state, sys_.cost).activity(ar) != meter.activity(block)
+    block = replace(block, folded_comm=(ar,))
+    assert meter.activity(block) == meter.activity(ar)  # once the block is keyed
+    got = meter.levels([(0, block, 0.0, 3e-3, "compute"), (0, ar, 3e-3, 4e-3, "compute")])
+    want = meter.levels([(0, block, 0.0, 3e-3, "compute"), (0, block, 3e-3, 4e-3, "compute")])
+    (t_got, p_got, _), (t_want, p_want, _) = got, want
+    assert list(t_got) == list(t_want) == [0.0, 3e-3, 4e-3] and list(p_got) == list(p_want)

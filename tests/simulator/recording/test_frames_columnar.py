@@ -71,6 +71,45 @@ def test_counters_frame_is_the_rows_in_stable_time_order():
     assert got.value.tolist() == [1980.0, 450.5, 300.0, 4096.0]
 
 
+def test_counters_frame_with_memory_columns_equals_the_frame_of_all_rows():
+    """The memory timelines passed as columns (``System.memory_counters``) give the frame of the recorded rows
+    followed by theirs: stable time order, the values' dtype inferred over all of them (ints among floats)."""
+    import simpy
+
+    from simulator.engine.system import System
+    from tests.conftest import make_hw
+
+    t = [0]  # env.now starts as the int 0
+    sys_ = System(simpy.Environment(), make_hw(), Recorder())
+    pool = sys_.memory["gpu"]
+    pool._clock = lambda: t[0]
+    pool.alloc("params.L0.w", 1_000, 0)
+    t[0] = 0.001
+    pool.alloc("act.L0.x", 3_000, 0.001)
+    pool.alloc("act.L0.y", 5_000, 0.001)  # same instant: one sample each, the last value
+    t[0] = 0.002
+    pool.free("act.L0.x")
+    rec = _recorder()
+    cols = sys_.memory_counters()
+    rows = list(zip(*cols))
+    assert rows[:3] == [(0, pool.name, "memory_bytes", 1_000), (0.001, pool.name, "memory_bytes", 9_000),
+                        (0.002, pool.name, "memory_bytes", 6_000)]
+    assert (0.001, pool.name, "memory_bytes.activations", 8_000) in rows
+    assert rows == ([(t_, pool.name, "memory_bytes", v) for t_, v in pool.timeline]
+                    + [(t_, pool.name, f"memory_bytes.{c}", v) for t_, c, v in pool.category_timeline])
+    got = rec.counters_frame(cols)
+    want = pd.DataFrame(rec.counters + rows, columns=COUNTER_COLUMNS).sort_values("t_s", kind="stable",
+                                                                                 ignore_index=True)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert str(got.value.dtype) == "float64" and str(got.t_s.dtype) == "float64"
+    only = Recorder().counters_frame(cols)  # memory rows alone: int values stay int64
+    pd.testing.assert_frame_equal(only, pd.DataFrame(rows, columns=COUNTER_COLUMNS).sort_values(
+        "t_s", kind="stable", ignore_index=True), check_exact=True)
+    assert str(only.value.dtype) == "int64"
+    empty = Recorder().counters_frame(([], [], [], []))
+    assert list(empty.columns) == COUNTER_COLUMNS and empty.empty
+
+
 def test_launches_frame_by_hand():
     graph = SimpleNamespace(ops=[SimpleNamespace(id=0, launch=True), SimpleNamespace(id=1, launch=False),
                                  SimpleNamespace(id=2, launch=True)])
