@@ -677,8 +677,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
                        "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
         if spec.num_micro_batches < pp:
-            out.append(f"{spec.num_micro_batches} micro-batch(es) per step for {pp} pipeline stages: most of the step is "
-                       "pipeline bubble (raise training.global_batch_size)")
+            mbs = f"{spec.num_micro_batches} micro-batch{'es' if spec.num_micro_batches != 1 else ''}"
+            out.append(f"{mbs} per step for {pp} pipeline stages: most of the step is pipeline bubble (raise "
+                       "training.global_batch_size)")
         if cfg.parallelism.schedule == "zero_bubble_v":
             out.append("pipeline_schedule zero_bubble_v: the handcrafted ZB-V order (Qi et al.; zero bubble when every "
                        "chunk's F, B and W take the same time) is simulated as given; the reference runtime "

@@ -144,7 +144,8 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"parallel            {s['world_size']} GPUs, data parallel {s.get('data_parallel_size', 1)}, "
                      f"tensor parallel {s.get('tensor_parallel_size', 1)}"
                      + (f", pipeline parallel {pipe['pipeline_model_parallel_size']} ({pipe['schedule']}, "
-                        f"{pipe['micro_batches']} micro-batches)" if pipe else "")
+                        f"{pipe['micro_batches']} micro-batch{'es' if pipe['micro_batches'] != 1 else ''})"
+                        if pipe else "")
                      + (f", context parallel {s['context_parallel_size']}" if s.get("context_parallel_size", 1) > 1
                         else "")
                      + (f", expert parallel {s['expert_parallel_size']} (inside data parallel)"
