@@ -685,7 +685,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "chunk's F, B and W take the same time) is simulated as given; the reference runtime "
                        "(--zero-bubble-v-schedule) reorders the passes by their profiled times, which is not modelled, "
                        "so with unequal chunks (rank 0 holds the embedding and the LM head) its step can be shorter")
-        if cfg.parallelism.schedule == "zero_bubble_h2" and (cfg.training.clip_grad > 0 or cfg.training.precision == "fp16"):
+        if cfg.parallelism.schedule == "zero_bubble_h2" and spec.pipeline_step_end_sync:
             out.append("pipeline_schedule zero_bubble_h2: ZB-H2's parallelogram (Qi et al.) has no bubble only once "
                        "the step's end is not synchronised across the stages (their optimizer post-validation); here "
                        "every stage joins the gradient-norm (training.clip_grad > 0) or fp16 found-inf all-reduce "
@@ -833,7 +833,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
-    if "contiguous_gradients" in z.model_fields_set and not z.ipg_buffers and z.stage not in (1, 2):
+    if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
     ac = cfg.activation_checkpointing

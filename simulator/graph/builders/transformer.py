@@ -445,6 +445,13 @@ class TransformerSpec:
             not sp or (self.tp_comm_overlap == "none" and self.precision != "amp_fp32_params" and self.fp8 is None))
 
     @property
+    def pipeline_step_end_sync(self) -> bool:
+        """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
+        gradient norm with ``clip_grad > 0``, else fp16's found-inf check; False with one stage, or bf16 without
+        clipping (a stage that ends a step early starts the next one)."""
+        return self.pipeline_parallel_size > 1 and (self.clip_grad > 0 or self.precision == "fp16")
+
+    @property
     def sp_regathers_inputs(self) -> bool:
         """Sequence parallelism saves the column-parallel layers' ``1 / t`` input shards and gathers them again in
         backward (Megatron's re-gather, with ``tp_async_backward``); False: the gathered inputs are kept."""
@@ -1732,7 +1739,7 @@ class _GptBuilder:
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
             if self.tp > 1:
                 chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
-            if s.pipeline_parallel_size > 1 and s.clip_grad == 0:  # over the model-parallel group (tp x pp)
+            if s.pipeline_step_end_sync and s.clip_grad == 0:  # over the model-parallel group (tp x pp)
                 chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
