@@ -150,7 +150,7 @@ class System:
         if hw.collectives is not None and (nccl is None or nccl.interference):
             self.interference = InterferenceFactors.from_profile(hw.collectives.profile,
                                                                  nccl.nchannels if nccl is not None else None)
-        #: each op's interned pricing key (``cost.roofline.price_key``): the duration caches' key, shared by the
+        #: each op's interned pricing key (``graph.ops.price_key``): the duration caches' key, shared by the
         #: ops that price alike (a step's repeated layers and micro-batches)
         self.price_keys = PriceKeys()
         self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below, by pricing key
@@ -283,7 +283,7 @@ class System:
         """``cost.duration_s(op, state)`` (plus ``folded_comm_s``), cached per pricing key while the clocks stay the
         same, s.
 
-        The cost model's time depends only on what the op's pricing key holds (``cost.roofline.price_key``) and
+        The cost model's time depends only on what the op's pricing key holds (``graph.ops.price_key``) and
         the device clocks (without interference, which ``run_kernel`` prices itself).
         """
         st = self.state

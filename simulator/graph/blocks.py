@@ -246,7 +246,7 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[in
     parameter groups' ``grad_op`` are renumbered). A graph without such runs comes back with the same ops.
 
     ``fold_tp``: also fold each blocking TP collective (``foldable_tp``) whose kernels before and after land in
-    one block into that block (``Op.folded_comm``; module docstring, *TP collectives*).
+    one block into that block (``Op.folded_comm``; ``simulator.policies.fidelity``'s module docstring, *TP collectives*).
 
     Returns:
         ``(graph, new_id)``: the new graph (``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks",

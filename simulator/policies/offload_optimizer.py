@@ -134,9 +134,10 @@ def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
     """Intra-op threads one rank's CPU step gets.
 
     One rank: the host's ``threads``. ``ranks`` > 1 sharing the host: ``threads_used`` if set (per
-    rank), else the node's cores split evenly, ``cores // ranks`` (DeepSpeed runs one CPUAdam per
-    rank; its launcher's ``--bind_cores_to_rank`` gives each rank ``cores / ranks`` cores,
-    deepspeed/launcher/launch.py); with ``numa_node`` set every rank is bound to that node, whose cores they split. Under DPU the training thread takes one core from the rank's pool
+    rank), else the available cores split evenly, ``cores_available // ranks`` (DeepSpeed runs one
+    CPUAdam per rank; its launcher's ``--bind_cores_to_rank`` gives each rank ``cores / ranks`` cores,
+    deepspeed/launcher/launch.py); with ``numa_node`` set every rank is bound to that node, whose cores
+    they split. Under DPU the training thread takes one core from the rank's pool
     when the pool already covers every core it has (oversubscription: the two share it)."""
     cpu = hw.host_cpu
     avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores_available // ranks)
@@ -150,7 +151,7 @@ def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
 
 def oversubscribed_threads(hw, ranks: int) -> str | None:
     """A warning when ``ranks`` CPU steps of ``threads_used`` threads each need more than the host's cores, else
-    None (``cpu_threads`` then gives each rank ``cores // ranks``)."""
+    None (``cpu_threads`` then gives each rank ``cores_available // ranks``)."""
     cpu = hw.host_cpu
     cores = cpu.cores_available  # the bound NUMA node's, else the host's
     if ranks <= 1 or not cpu.threads_used or cpu.threads_used * ranks <= cores:

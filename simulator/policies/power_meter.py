@@ -64,12 +64,10 @@ class PowerMeter:
         #: (the power-cache key: an op's activity depends on the clocks it started at, ``activity``)
         self._ids: list[tuple] = []
         self._entry: dict[tuple, tuple] = {}
-        #: each op's interned pricing key (``cost.roofline.price_key``: kind, fixed duration, cost split or block parts)
+        #: each op's interned pricing key (``graph.ops.price_key``: kind, fixed duration, cost split or block parts)
         self.price_keys = price_keys if price_keys is not None else PriceKeys()
         #: ``activity`` by ``(pricing key, SM clock, memory clock)``
         self._activity_cache: dict[tuple, Activity | None] = {}
-        #: a kernel's activity by what prices it (its cost split's key and the clocks): ops of one shape share it
-        self._kernel_activity: dict[tuple, Activity] = {}
         self._power_cache: dict[tuple, float] = {}
         #: ``excess_w`` by ``(activity, SM clock, memory clock)``
         self._excess: dict[tuple, float] = {}
@@ -132,13 +130,7 @@ class PowerMeter:
             c, m, d = self.cost.fused_s(op, self.state)
             return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
         if op.kind in KERNEL_KINDS and op.fixed_duration_s is None:
-            # what the activity depends on: the op's cost split (``RooflineCostModel.split_s``'s key) and the clocks
-            key = (op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written, op.dtype,
-                   self.state.sm_clock_mhz, self.state.mem_clock_mhz)
-            hit = self._kernel_activity.get(key)
-            if hit is None:
-                hit = self._kernel_activity[key] = self._kernel_activity_uncached(op)
-            return hit
+            return self._kernel_activity_uncached(op)  # cached by ``activity`` (its pricing key holds the cost split)
         if op.kind in KERNEL_KINDS:
             return Activity(compute=0.5, memory=0.5)
         if op.kind == OpKind.MEMCPY_D2D:
