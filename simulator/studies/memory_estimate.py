@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
+from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
@@ -300,7 +301,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("zero_optimization offload is not covered by the memory estimate")
     if cfg.model.architecture != "decoder":
         raise NotEstimated("a vision transformer is not covered by the memory estimate")
-    if cfg.parallelism.pipeline_schedule in ("zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v"):
+    if cfg.parallelism.pipeline_schedule in SPLIT_BACKWARD:
         raise NotEstimated(f"pipeline_schedule {cfg.parallelism.pipeline_schedule} (activations kept until the "
                            "deferred W passes) is not covered by the memory estimate")
     if cfg.activation_checkpointing.cpu_checkpointing:

@@ -39,9 +39,9 @@ Schedules (``stage_actions``), for ``m`` micro-batches:
   ``m >= 2 p - 1`` (the paper's ``(2 p - 1) M_B`` against 1F1B's ``p M_B``). With ``t_F = t_B = t_W = t``,
   free transfers and ``m >= 2 p - 1`` every rank runs its ``3 m`` passes back to back from ``r t``
   (tested): the bubble inside the parallelogram is zero (the paper's ``(p - 1)(t_F + t_B - 2 t_W)``), and the
-  step is ``(3 m + p - 1) t`` when the step ends together on every rank (the gradient-norm all-reduce before
-  the optimizer), ``3 m t`` per step from one step to the next once it does not (the paper's optimizer
-  post-validation). Transfers as ZB-V (``Comm.detached`` sends, each receive just before its pass).
+  step is ``(3 m + p - 1) t`` when every rank's optimizer starts together (the gradient-norm or found-inf
+  all-reduce before it, ``TransformerSpec.pipeline_step_end_sync``), ``3 m t`` per step from one step to the
+  next without it (the paper's optimizer post-validation; ``training.clip_grad: 0`` with bf16). Transfers as ZB-V (``Comm.detached`` sends, each receive just before its pass).
 * ``zero_bubble_v`` (ZB-V: Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024; ZB-V in the arXiv
   version 2401.10241, and *Pipeline Parallelism with Controllable Memory*, 2024, arXiv 2405.15362; the
   handcrafted schedule of sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/

@@ -455,7 +455,7 @@ class TransformerSpec:
     def sp_regathers_inputs(self) -> bool:
         """Sequence parallelism saves the column-parallel layers' ``1 / t`` input shards and gathers them again in
         backward (Megatron's re-gather, with ``tp_async_backward``); False: the gathered inputs are kept."""
-        return self.tp_async_backward and self.sequence_parallel and self.tensor_parallel_size > 1
+        return self.tp_async_backward and self.sequence_parallel  # tp_async_backward needs tp > 1
 
     @property
     def grad_reduce_size(self) -> int:
@@ -796,7 +796,6 @@ class _GptBuilder:
         # gradients are reduced over the data x context parallel ranks (CP ranks hold other tokens of a sequence)
         self.dp = spec.grad_reduce_size > 1
         self.zero = spec.zero_stage if self.dp else 0
-        # DDP with gradient_as_bucket_view: .grad tensors are views of the persistent buckets
         # DDP with gradient_as_bucket_view, or Megatron's DDP (bf16 / fp16): the gradients are views of the persistent
         # buckets (Megatron-LM DistributedDataParallel: param.main_grad views its contiguous fp32 grad buffer, the
         # weight-gradient GEMMs accumulate into it; no separate .grad). A separate fp32 .grad beside the buffer
@@ -1610,10 +1609,11 @@ class _GptBuilder:
         first_write = gname not in self.grad_made
         self.grad_made.add(gname)
         gb = self._grad_elem_bytes
+        in_ipg = self._in_ipg(V * h)
         i = e.kernel("embed.grad_accum", C.COPY if first_write else C.ELEMENTWISE, role=OpRole.GRAD_ACCUM,
                      reads=4 * V * h + (0 if first_write else gb * V * h), writes=gb * V * h,
-                     out=[(gname, gb * V * h)] if first_write and not (self._grads_in_buckets or self._in_ipg(V * h))
-                     else [], uses=[d_emb, self._ipg] if self._in_ipg(V * h) else [d_emb], dtype="fp32")
+                     out=[(gname, gb * V * h)] if first_write and not (self._grads_in_buckets or in_ipg)
+                     else [], uses=[d_emb, self._ipg] if in_ipg else [d_emb], dtype="fp32")
         self._grad_ready("wte.weight", V * h, i, gname)
         if s.position_table_rows:
             P = s.position_table_rows
@@ -2038,8 +2038,7 @@ class _GptBuilder:
         if not self._megatron_optimizer:
             return
         self.e.phase, self.e.layer = Phase.OPT, -1
-        n = self._grad_elem_bytes * (lora.trainable_parameters(self.s) if self.s.lora is not None
-                                     else self.s.rank_num_parameters)
+        n = self._grad_elem_bytes * self.s.rank_num_parameters  # Megatron's optimizer: no LoRA (_megatron_optimizer)
         self.e.kernel("megatron.zero_grad_buffer", C.MEMSET, writes=n, dtype="fp32")
 
     def _clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
