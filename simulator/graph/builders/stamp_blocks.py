@@ -53,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from simulator.graph.blocks import COMPUTE_STREAM, _mergeable, coarsen_ids, foldable_tp
-from simulator.graph.builders.stamp import SCRATCH, uses_form
+from simulator.graph.builders.stamp import _FOLDED, SCRATCH, uses_form
+from simulator.graph.builders.stamp import _GET as _fields  # an op's dataclass fields, in order
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
 
@@ -197,14 +198,6 @@ def _result_names(tree) -> list[int]:
 
     walk(tree)
     return list(out)
-
-
-_FIELDS = tuple(Op.__dataclass_fields__)
-_FOLDED = _FIELDS.index("folded_comm")
-
-
-def _fields(op: Op) -> tuple:
-    return tuple(getattr(op, f) for f in _FIELDS)
 
 
 class Instance:
