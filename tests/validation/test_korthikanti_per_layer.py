@@ -30,10 +30,10 @@ pytestmark = pytest.mark.validation
 #: Table 4 rows: (recompute, sequence parallel) -> (forward ms, backward ms); overheads over the no-recompute
 #: baseline -3% / 39% / 7% / 4%, the abstract's "reducing execution time overhead from activation recomputation by
 #: over 90%" (39% -> 4%). Not in tests/data/paper/paper_cases.yaml (which has Table 5). Every forward, backward,
-#: combined and overhead figure checked against the paper's text (section 6.2, Table 4 and its discussion: "1.3ms, or
-#: 11% of the 11.9ms baseline, vs 7.6ms or 64%"; Table 3: 22B, 64 heads, hidden 6144, 48 layers, TP8, batch 4, micro-
-#: batch 4; s = 2048, v = 51200), a markdown conversion of arXiv 2205.05198 found in the code corpus, and two
-#: independent transcriptions of the table in other notes: all five rows agree
+#: combined and overhead figure checked against the paper's text (section 6.2: Table 4 and its discussion, which
+#: gives the backward overheads as 1.3 ms, 11% of 11.9, for selective and 7.6 ms, 64%, for full recompute; Table 3:
+#: 22B, 64 heads, hidden 6144, 48 layers, TP8, global and micro-batch 4; section 6: s 2048, v 51200) in a markdown
+#: conversion of arXiv 2205.05198, and against two other transcriptions of the table: all five rows agree
 TABLE4 = {("none", False): (7.7, 11.9), ("none", True): (7.2, 11.8), ("full", False): (7.7, 19.5),
           ("selective", False): (7.7, 13.2), ("selective", True): (7.2, 13.1)}
 LAYER = 10
