@@ -21,6 +21,7 @@ from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.schema import ScenarioConfig
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
+from simulator.graph.builders.attention import flash_dropout_note
 from simulator.graph.builders.lora import LoraSpec, trainable_parameters
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.builders.vit import VitShape
@@ -792,6 +793,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.optimizer.impl {cfg.training.optimizer.impl}: its eight AdamW passes are priced as one "
                    f"kernel each over the rank's parameters; their kernel launches ({per}) are not counted, so the "
                    "optimizer's host time is a lower bound")
+    if cfg is not None and (note := flash_dropout_note(cfg.model.attention_backend, cfg.model.attention_dropout)):
+        out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
     return out

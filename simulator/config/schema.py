@@ -192,7 +192,8 @@ class ModelConfig(_Model):
     attention_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Megatron --attention-dropout (its default is 0.1; 0 here, no "
         "dropout): with unfused a dropout kernel and a 1-byte mask over the attention probabilities; with flash "
-        "inside the kernel (no mask, not priced separately).")
+        "inside the kernel (no mask), not priced: the run's warnings say so, with the slowdown FlashAttention-1 "
+        "measured (simulator/graph/builders/attention.py flash_dropout_note).")
     hidden_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Megatron --hidden-dropout (its default is 0.1; 0 here): dropout after "
         "the attention projection and fc2, fused with the residual add (bias_dropout_add): a 1-byte mask per "

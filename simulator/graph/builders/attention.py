@@ -45,6 +45,40 @@ from simulator.graph.ops import CostClass as C
 ATTENTION_BACKENDS = ("flash", "flash_varlen", "unfused")  # flash_varlen: builders/varlen.py
 
 
+#: FlashAttention-1 runtimes (ms) with attention dropout 0.1 and without, ``(with, without)`` per sequence length
+#: (2k, 4k, 8k, 16k tokens): A100 40GB, fp16, batch 16, 8 heads of dimension 64, no mask; Dao et al.,
+#: *FlashAttention* (NeurIPS 2022, arXiv 2205.14135), Appendix E.6, Tables 15 / 18 (forward) and 16 / 19 (backward).
+#: The only published with / without-dropout timing of a flash kernel found; none for FlashAttention-2, cuDNN fused
+#: attention or head dim 128 on an A100 or H100, so it bounds rather than prices the effect (``flash_dropout_note``).
+FA1_DROPOUT_MS = {"fwd": ((2.81, 2.40), (10.38, 8.42), (41.63, 33.54), (167.01, 134.03)),
+                  "bwd": ((6.50, 5.45), (26.21, 21.57), (104.27, 84.75), (416.10, 336.00))}
+
+
+def fa1_dropout_slowdown(which: str) -> tuple[float, float]:
+    """Smallest and largest ``with / without - 1`` of ``FA1_DROPOUT_MS[which]`` (``"fwd"`` or ``"bwd"``) over its
+    sequence lengths: forward 0.171-0.246, backward 0.193-0.238.
+
+    Raises:
+        KeyError: ``which`` is not ``"fwd"`` or ``"bwd"``.
+    """
+    r = [a / b - 1 for a, b in FA1_DROPOUT_MS[which]]
+    return min(r), max(r)
+
+
+def flash_dropout_note(backend: str, attention_dropout: float) -> str | None:
+    """The run's warning when attention dropout runs inside a flash kernel, which is priced as without dropout
+    (the kernel's Philox mask generation in forward and its regeneration in backward are not charged); None with
+    ``unfused`` (its dropout kernels are priced) or no attention dropout."""
+    if backend == "unfused" or attention_dropout <= 0:
+        return None
+    f, b = (fa1_dropout_slowdown(w) for w in ("fwd", "bwd"))
+    return (f"model.attention_dropout {attention_dropout:g} with attention_backend {backend}: the dropout inside the "
+            "flash-attention kernels is not priced (they are priced as without dropout), so attention time is a "
+            f"lower bound; FlashAttention-1 ran {f[0]:.0%}-{f[1]:.0%} slower forward and {b[0]:.0%}-{b[1]:.0%} "
+            "backward with dropout 0.1 (A100, head dim 64, 2k-16k tokens; Dao et al. 2022, Appendix E.6); not "
+            "measured for this kernel, head dim and GPU")
+
+
 def check_attention_spec(spec) -> None:
     """Check ``attention_backend`` and the dropout rates of a ``TransformerSpec``.
 

@@ -242,7 +242,8 @@ class TransformerSpec:
             ``unfused`` (Megatron-LM 2020-2022: batched
             GEMMs, fused causal softmax, dropout; ``simulator.graph.builders.attention``).
         attention_dropout: Attention-probability dropout rate (Megatron ``--attention-dropout``; kernels and
-            masks with ``unfused``; inside the flash kernel, not priced separately, with ``flash``).
+            masks with ``unfused``; inside the flash kernel, not priced, with ``flash``: the run's warnings say so,
+            ``attention.flash_dropout_note``).
         hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
             residual add: 1-byte masks saved for backward); 0: none.
     """
