@@ -47,7 +47,8 @@ Constants (all overridable per host preset):
   scripts/count_half_convert.py (re-runnable; ``--check`` compares its counts with these constants): DeepSpeed's
   4-way unrolled loop around a re-implementation of the host conversion, gcc 12.2 -O3, valgrind 3.19 callgrind
   ``--branch-sim=yes`` inside the loop only, on 2^20 N(0, 0.02^2) weights (22.522 instructions and 0.5026
-  mispredicts per element; g++ -O3 of the same loop as C++ counts the same). At ``ISSUE_WIDTH`` 4 instructions per
+  mispredicts per element; g++ -O3 of the same loop as C++ and gcc -O3 -march=haswell count the same, 22.52 and
+  0.503; gcc vectorises it for no -march tried, skylake-avx512 included). At ``ISSUE_WIDTH`` 4 instructions per
   cycle (Skylake's rename width, Agner Fog, *The microarchitecture of Intel, AMD and VIA CPUs*, Skylake chapter)
   and ``MISPREDICT_CYCLES`` 15 (the low end of the 15-20 cycle Skylake misprediction penalty, same source): 13.175
   cycles per element, a lower bound (no other stall counted). The mispredict rate is the data's, not the

@@ -14,7 +14,8 @@ conversion (``_Float16`` / F16C) on the inputs it is run on.
 
 The loop is compiled with ``gcc -O3`` (DeepSpeed's CPUAdamBuilder builds with -O3; ``-march`` is left at the
 compiler default because valgrind does not run AVX-512 code, and the conversion is scalar, not vectorised, either
-way: the compiler does not if-convert the five-way branch) and run under valgrind callgrind with
+way: gcc 12 does not vectorise it for -march x86-64, haswell or skylake-avx512, and -march=haswell counts the same
+22.52 instructions) and run under valgrind callgrind with
 ``--branch-sim=yes`` (its simulated predictor: 16k two-bit counters indexed by address and global history, valgrind
 manual, section "Branch simulation"), collecting only inside the loop (``--toggle-collect``). Inputs: ``N`` fp32
 weights drawn from N(0, 0.02^2) (GPT-2 / Megatron initialisation std 0.02), the values CPUAdam's parameters hold.

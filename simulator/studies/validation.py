@@ -91,7 +91,11 @@ _ZO_CPU = ("CPU Adam 3.99 s predicted vs 6.35 s logged (-37.1%; 3.68 s, -42.0%, 
            "6 B/param at 102 GB/s), each tile's copy-back sharing host DRAM with the next tile, the last one "
            "exposed, the gradients arriving in fp32 (stage2.py: no CPU cast). Not explained: 2.36 s; it would take "
            "the AVX-512 loop at 56 GB/s (54% of one node's datasheet bandwidth) or the conversion at 43 cycles/param; "
-           "the host is inferred (tests/validation/test_offload.py)")
+           "the host is inferred (tests/validation/test_offload.py). One node's bandwidth is the pessimistic end: "
+           "DeepSpeed 0.3 pins only the fp32 gradient partition (stage2.py initialize_optimizer_states); the fp32 "
+           "master partition (.to(cpu).clone().float()) and the moments (cpu_adam.py torch.zeros_like) are pageable, "
+           "first touched by PyTorch's parallel copy and fill on both sockets, so spreading them would lower the "
+           "prediction further, not close the gap")
 #: The Megatron-LM cases of 2020-2022 (and the ZeRO-Offload tutorial's 2020 Megatron fork) run with
 #: ``model.attention_backend: unfused`` and Megatron's default dropouts (0.1), as that code did
 #: (simulator/graph/builders/attention.py); that closed the MLM20 TP8, Narayanan and Korthikanti selective gaps
