@@ -43,13 +43,21 @@ Constants (all overridable per host preset):
   instructions (bit copy, mask, sign shift, three range compares, shift/subtract/or of the exponent,
   the round-to-nearest-even compare and increment, the 16-bit store), and whose rounding branch
   depends on the dropped mantissa bits, so it is mispredicted about every second element.
-  ``HALF_CONVERT_INSTRUCTIONS`` 22.6 and ``HALF_CONVERT_MISPREDICTS`` 0.50 per element: counted
-  for DeepSpeed's 4-way unrolled loop built with g++ 12 -O3 on N(0, 0.02) weights (valgrind
-  callgrind instructions and cachegrind ``--branch-sim`` mispredicts: 22.64 and 0.503), at
-  ``ISSUE_WIDTH`` 4 instructions per cycle (Skylake's rename width, Agner Fog, *The
-  microarchitecture of Intel, AMD and VIA CPUs*, Skylake chapter) and ``MISPREDICT_CYCLES`` 15 (the
-  low end of the 15-20 cycle Skylake misprediction penalty, same source): 13.2 cycles per element,
-  a lower bound (no other stall counted).
+  ``HALF_CONVERT_INSTRUCTIONS`` 22.52 and ``HALF_CONVERT_MISPREDICTS`` 0.503 per element: counted by
+  scripts/count_half_convert.py (re-runnable; ``--check`` compares its counts with these constants): DeepSpeed's
+  4-way unrolled loop around a re-implementation of the host conversion, gcc 12.2 -O3, valgrind 3.19 callgrind
+  ``--branch-sim=yes`` inside the loop only, on 2^20 N(0, 0.02^2) weights (22.522 instructions and 0.5026
+  mispredicts per element; g++ -O3 of the same loop as C++ and gcc -O3 -march=haswell count the same, 22.52 and
+  0.503; gcc vectorises it for no -march tried, skylake-avx512 included). At ``ISSUE_WIDTH`` 4 instructions per
+  cycle (Skylake's rename width, Agner Fog, *The microarchitecture of Intel, AMD and VIA CPUs*, Skylake chapter)
+  and ``MISPREDICT_CYCLES`` 15 (the low end of the 15-20 cycle Skylake misprediction penalty, same source): 13.175
+  cycles per element, a lower bound (no other stall counted). The mispredict rate is the data's, not the
+  simulated predictor's: the rounding branch follows the dropped mantissa bits, random for such weights, so any
+  predictor misses it about every second element.
+* DeepSpeed 0.3's AVX-512 loop divides twice per element (``_mm512_sqrt_ps(v) / bias2_sqrt``, then the
+  momentum by ``+ eps``; csrc/adam/cpu_adam.cpp of the ZeRO-Offload release, ``Adam_Optimizer::Step``), where the
+  later kernels multiply by a precomputed ``1 / sqrt(1 - beta2^t)`` (one division): ``DIV_SLOTS`` more vector
+  slots per element for ``deepspeed_cpu_adam_2020``.
 """
 
 from __future__ import annotations
@@ -66,9 +74,10 @@ DEFAULT_PAGE_FAULT_S = 6.18e-6
 PAGE_BYTES = 4096
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 SQRT_SLOTS, DIV_SLOTS = 6.0, 5.0
-HALF_CONVERT_INSTRUCTIONS, HALF_CONVERT_MISPREDICTS = 22.6, 0.50
+#: Counted by scripts/count_half_convert.py (module docstring).
+HALF_CONVERT_INSTRUCTIONS, HALF_CONVERT_MISPREDICTS = 22.52, 0.503
 ISSUE_WIDTH, MISPREDICT_CYCLES = 4.0, 15.0
-#: Core cycles per element of DeepSpeed 0.3's scalar ``(__half)`` conversion (module docstring): 13.15.
+#: Core cycles per element of DeepSpeed 0.3's scalar ``(__half)`` conversion (module docstring): 13.175.
 HALF_CONVERT_CYCLES = HALF_CONVERT_INSTRUCTIONS / ISSUE_WIDTH + HALF_CONVERT_MISPREDICTS * MISPREDICT_CYCLES
 
 #: Optimizer implementations the model prices.
@@ -144,7 +153,8 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
         # writes (__half) copies into a pinned double buffer, sent by cudaMemcpyAsync (csrc/adam/cpu_adam.cpp
         # Adam_Optimizer::Step / Step_4 / Step_8, ``if (dev_params)`` block), one scalar host __float2half each
         # (HALF_CONVERT_CYCLES, module docstring).
-        return (StreamPass("Step_AVX", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),
+        # its AVX-512 loop divides twice (``sqrt(v) / bias2_sqrt``, then by ``+ eps``; module docstring)
+        return (StreamPass("Step_AVX", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + 2 * DIV_SLOTS),
                 StreamPass("(__half) copy into the pinned tile buffer", s, float(copy_bytes), slots=0.0,
                            scalar_cycles=HALF_CONVERT_CYCLES))
     raise ValueError(f"unknown optimizer implementation {impl!r}; allowed: {', '.join(IMPLEMENTATIONS)}")

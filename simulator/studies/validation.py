@@ -85,12 +85,17 @@ _ZO_OPT = ("4.80 s predicted vs 7.80 s logged (-38.5%): the CPU Adam gap (see of
            "(unscale_and_clip_grads over the fp32 partition on the CPU, 8 B/param) 0.80 s vs 1.11-1.16 s logged")
 _ZO_CPU = ("CPU Adam 3.99 s predicted vs 6.35 s logged (-37.1%; 3.68 s, -42.0%, before the scalar conversion was priced): "
            "DGX-2 datasheet roofline, DeepSpeed 0.3 CPUAdam's AVX-512 loop 28 B/param at 102 GB/s (2.81 s), its "
-           "second loop's scalar host __float2half at 13.15 cycles/param on 48 cores at 2.7 GHz (1.04 s: 22.6 "
-           "instructions at 4 per cycle + 0.5 mispredicted rounding branch x 15 cycles, a lower bound; above its "
+           "second loop's scalar host __float2half at 13.18 cycles/param on 48 cores at 2.7 GHz (1.04 s: 22.52 "
+           "instructions at 4 per cycle + 0.503 mispredicted rounding branches x 15 cycles, counted by "
+           "scripts/count_half_convert.py, a lower bound; above its "
            "6 B/param at 102 GB/s), each tile's copy-back sharing host DRAM with the next tile, the last one "
            "exposed, the gradients arriving in fp32 (stage2.py: no CPU cast). Not explained: 2.36 s; it would take "
            "the AVX-512 loop at 56 GB/s (54% of one node's datasheet bandwidth) or the conversion at 43 cycles/param; "
-           "the host is inferred (tests/validation/test_offload.py)")
+           "the host is inferred (tests/validation/test_offload.py). One node's bandwidth is the pessimistic end: "
+           "DeepSpeed 0.3 pins only the fp32 gradient partition (stage2.py initialize_optimizer_states); the fp32 "
+           "master partition (.to(cpu).clone().float()) and the moments (cpu_adam.py torch.zeros_like) are pageable, "
+           "first touched by PyTorch's parallel copy and fill on both sockets, so spreading them would lower the "
+           "prediction further, not close the gap")
 #: The Megatron-LM cases of 2020-2022 (and the ZeRO-Offload tutorial's 2020 Megatron fork) run with
 #: ``model.attention_backend: unfused`` and Megatron's default dropouts (0.1), as that code did
 #: (simulator/graph/builders/attention.py); that closed the MLM20 TP8, Narayanan and Korthikanti selective gaps

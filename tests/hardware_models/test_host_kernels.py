@@ -61,9 +61,9 @@ def test_foreach_step_by_hand():
     # DeepSpeed: one pass, 16 B read + 12 B written + 2 B half copy; nothing fresh
     assert adamw_step_s(ROUND, "deepspeed_cpu_adam", [1e9]) == pytest.approx(30e9 / 32e9)
     # DeepSpeed 0.3 (2020): the AVX loop 28 B, then the fp16 copy loop (reads 4 B, writes 2 B) bound by its
-    # scalar conversion, 13.15 cycles x 1e9 / (8 cores x 1 GHz); one call
+    # scalar conversion, 13.175 cycles x 1e9 / (8 cores x 1 GHz); one call
     assert adamw_step_s(ROUND, "deepspeed_cpu_adam_2020", [1e9], dispatch_s=1e-3) == \
-        pytest.approx(28e9 / 32e9 + 13.15 / 8 + 1e-3)
+        pytest.approx(28e9 / 32e9 + 13.175 / 8 + 1e-3)
 
 
 def test_small_fresh_outputs_do_not_fault():
@@ -140,14 +140,25 @@ def test_first_touch_without_a_host_figure_borrows_the_default():
 
 
 def test_half_conversion_is_a_scalar_pass_by_hand():
-    """DeepSpeed 0.3's (__half) loop: 22.6 instructions / 4 per cycle + 0.5 mispredicts x 15 cycles = 13.15 cycles
-    per element; on ROUND (8 cores at 1 GHz) 1e9 elements take 13.15 / 8 = 1.64375 s against 6 B x 1e9 / 32 GB/s
-    = 0.1875 s of DRAM: the scalar code binds."""
+    """DeepSpeed 0.3's (__half) loop: 22.52 instructions / 4 per cycle + 0.503 mispredicts x 15 cycles = 5.63 + 7.545
+    = 13.175 cycles per element; on ROUND (8 cores at 1 GHz) 1e9 elements take 13.175 / 8 = 1.646875 s against
+    6 B x 1e9 / 32 GB/s = 0.1875 s of DRAM: the scalar code binds."""
     from hardware_models.host_kernels import HALF_CONVERT_CYCLES
 
-    assert HALF_CONVERT_CYCLES == pytest.approx(13.15, rel=1e-12)
+    assert HALF_CONVERT_CYCLES == pytest.approx(13.175, rel=1e-12)
     half = adamw_passes("deepspeed_cpu_adam_2020")[1]
     assert (half.bytes, half.slots, half.scalar_cycles) == (6.0, 0.0, HALF_CONVERT_CYCLES)
-    assert pass_time_s(half, 1e9, ROUND) == pytest.approx(13.15 / 8, rel=1e-12)
-    # no clock: the scalar part is not priced (as the vector part), memory alone
+    assert pass_time_s(half, 1e9, ROUND) == pytest.approx(13.175 / 8, rel=1e-12)
     assert pass_time_s(half, 1e9, dataclasses.replace(ROUND, base_clock_mhz=0)) == pytest.approx(0.1875)
+
+
+def test_release_avx_loop_divides_twice_by_hand():
+    """DeepSpeed 0.3's AVX-512 loop: 8 FMA-pipe ops (weight decay, 2 momentum, 3 variance, + eps, the update), one
+    sqrt (6 slots) and two divisions (``sqrt(v) / bias2_sqrt`` and ``m / (.. + eps)``, 5 slots each) = 24 slots per
+    element; the later kernel divides once: 19. On ROUND at 100 MHz (8 cores x 0.1 GHz x 1 pipe x 8 lanes =
+    6.4e9 slots/s) 1e9 elements take 24e9 / 6.4e9 = 3.75 s (19: 2.96875 s), above 28 B x 1e9 / 32 GB/s = 0.875 s."""
+    slow = dataclasses.replace(ROUND, base_clock_mhz=100)
+    release, later = adamw_passes("deepspeed_cpu_adam_2020")[0], adamw_passes("deepspeed_cpu_adam", copy_bytes=0)[0]
+    assert (release.slots, later.slots) == (24.0, 19.0)
+    assert pass_time_s(release, 1e9, slow) == pytest.approx(3.75, rel=1e-12)
+    assert pass_time_s(later, 1e9, slow) == pytest.approx(2.96875, rel=1e-12)
