@@ -196,3 +196,28 @@ def test_an_unknown_fp8_gemm_layout_counts_two_copies_and_is_flagged():
         assert not warn(run_scenario(scenario_from_dict({**BASE, "hardware": {"gpu": gpu}})).summary)
     bf16 = run_scenario(scenario_from_dict({**BASE, "training": {**BASE["training"], "fp8": None}})).summary
     assert not [x for x in bf16["warnings"] if x.startswith("training.fp8")]
+
+
+def test_a_b200_replica_or_stage_caches_one_fp8_copy_beside_h100s():
+    """rank_overrides put a replica (dp_rank 3) or a pipeline stage (pp_rank 1) of a DGX H100 run on a B200: its
+    graph caches one fp8 copy per weight element, the H100 ranks two (4 blocks of 12 x 2048^2 = 50,331,648
+    Linear weight elements each: 402,653,184 B on an H100, 201,326,592 B on the B200), and the memory estimate
+    of a B200 stage counts the same (PP2: 2 blocks per stage, 201,326,592 B on the H100 stage, 100,663,296 B on
+    the B200 one)."""
+    from simulator.api import rank_classes, resolve_hardware
+    from simulator.studies.memory_estimate import estimate_memory
+
+    dgx = {**BASE, "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}},
+           "model": {"num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 1024,
+                     "vocab_size": 1024},
+           "training": {"micro_batch_size": 4, "precision": "bf16", "fp8": "hybrid"}}
+    E = 12 * 2048 * 2048
+    cfg = scenario_from_dict({**dgx, "rank_overrides": [{"dp_rank": 3, "gpu": "b200-180gb"}]})
+    got = {c.hw.gpu.name: sum(t.nbytes for t in build_graph(c.cfg, c.pp_rank, c.hw).persistent
+                              if t.name.startswith("workspace.fp8_weight."))
+           for c in rank_classes(cfg, resolve_hardware(cfg))}
+    assert got == {"NVIDIA H100 SXM5 80GB": 2 * 4 * E, "NVIDIA B200 180GB": 4 * E}
+    pp = scenario_from_dict({**dgx, "parallelism": {"pipeline_model_parallel_size": 2},
+                             "training": {**dgx["training"], "global_batch_size": 64},
+                             "rank_overrides": [{"pp_rank": 1, "gpu": "b200-180gb"}]})
+    assert [st.by_category_bytes["workspace"] for st in estimate_memory(pp).stages] == [2 * 2 * E, 2 * E]
