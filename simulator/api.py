@@ -749,6 +749,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "(GPU field fp8_gemm_tn_only): Transformer Engine's cached fp8 weight workspace is counted "
                        "at 2 B per block Linear weight element (the weight and its transpose, as on Hopper); 1 B "
                        "if they take any layout (Blackwell)")
+        shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+        if cfg.zero_optimization.stage in (1, 2) and shards > 1:  # DeepSpeed drives the model, not Megatron
+            out.append(f"training.fp8 memory with DeepSpeed ZeRO-{cfg.zero_optimization.stage}: Transformer "
+                       "Engine's fp8 weight workspace is counted cached for the run, as under Megatron's TELinear, "
+                       "which passes is_first_microbatch; a model calling TE modules without it (TE's default None) "
+                       "re-casts the weights every micro-batch and keeps each one's copy until its backward instead, "
+                       "which is not modelled")
     d = cfg.dvfs if cfg is not None else None
     sup = hw.gpu.supported_sm_clocks_mhz
     if d is not None and sup:

@@ -221,3 +221,19 @@ def test_a_b200_replica_or_stage_caches_one_fp8_copy_beside_h100s():
                              "training": {**dgx["training"], "global_batch_size": 64},
                              "rank_overrides": [{"pp_rank": 1, "gpu": "b200-180gb"}]})
     assert [st.by_category_bytes["workspace"] for st in estimate_memory(pp).stages] == [2 * 2 * E, 2 * E]
+
+
+def test_fp8_under_deepspeed_zero_flags_the_megatron_workspace_caching():
+    """DeepSpeed ZeRO-1/2 over data parallelism drives the model instead of Megatron, whose TELinear passes
+    is_first_microbatch (what keeps TE's fp8 weight workspace cached): such a run says the caching is assumed;
+    plain data parallelism (Megatron's DDP) does not."""
+    dp8 = pathlib.Path(__file__).resolve().parents[3] / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
+    from simulator.api import resolve_hardware, run_warnings
+
+    def warn(*sets):
+        cfg = load_scenario(dp8, ["training.precision=bf16", "training.fp8=hybrid", *sets])
+        return [x for x in run_warnings(resolve_hardware(cfg), cfg) if x.startswith("training.fp8 memory")]
+
+    w = warn("zero_optimization.stage=2")
+    assert len(w) == 1 and w[0].startswith("training.fp8 memory with DeepSpeed ZeRO-2:")
+    assert not warn()
