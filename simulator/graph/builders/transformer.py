@@ -955,10 +955,11 @@ class _GptBuilder:
         """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight.
 
         The weight goes into Transformer Engine's cached workspace of the module, ``fp8_weight_copies`` bytes per
-        element, resident for the whole run (declared persistent by ``build``, category ``workspace``):
-        Megatron-Core's TELinear passes ``is_first_microbatch`` (True on the step's first micro-batch:
-        ``set_is_first_microbatch`` in ``forward_step``, NVIDIA/Megatron-LM megatron/core/pipeline_parallel/
-        schedules.py; None only with ``disable_parameter_transpose_cache``, NVIDIA/Megatron-LM@d086a2e3
+        element, resident for the whole run (declared persistent by ``build``, category ``workspace``; made by
+        the first step's first forward in a real run, which no peak precedes): Megatron-Core's TELinear passes
+        ``is_first_microbatch`` (True on the step's first micro-batch: ``set_is_first_microbatch`` in
+        ``forward_step``, NVIDIA/Megatron-LM@00611e6e megatron/core/pipeline_parallel/schedules.py; None only
+        with ``disable_parameter_transpose_cache``, NVIDIA/Megatron-LM@d086a2e3
         megatron/core/extensions/transformer_engine.py), so Transformer Engine keeps the workspace in the
         module's cache (``_fp8_workspaces["weight"]``, module/base.py ``get_weight_workspace``; TE 1.x: the
         persistent ``weight1_fp8`` / ``weight1_t_fp8`` buffers, NVIDIA/TransformerEngine@3ec87875
