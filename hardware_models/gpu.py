@@ -28,6 +28,13 @@ class GpuSpec:
         max_power_limit_w: Highest settable power limit, W.
         idle_power_w: Draw when idle at the maximum clocks, W.
         l2_bytes: L2 cache size, bytes.
+        fp8_gemm_tn_only: Whether the GPU's fp8 GEMMs (cuBLASLt; hipBLASLt on ROCm) take only the TN layout,
+            both operands K-major, so that a GEMM reading a weight the other way round (the input-gradient GEMM)
+            needs a transposed fp8 copy of it: Transformer Engine's rule, ``is_non_tn_fp8_gemm_supported`` false
+            (NVIDIA/TransformerEngine@0139fa57 transformer_engine/pytorch/utils.py: non-TN from compute capability
+            10.0 below 12.0 and from 13.0; ROCm/TransformerEngine@07f3c6a5 the same file: never on ROCm). True on
+            Ada (8.9) and Hopper (9.0), false on datacenter Blackwell (10.x). ``None``: not known (no fp8, or not
+            given).
         sources: Source of each number (field name -> citation).
     """
 
@@ -44,6 +51,7 @@ class GpuSpec:
     max_power_limit_w: float = 0.0
     idle_power_w: float = 0.0
     l2_bytes: float = 0.0
+    fp8_gemm_tn_only: bool | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

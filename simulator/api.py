@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from hardware_models.gpu import GpuSpec
 from hardware_models.machine import Hardware
 from hardware_models.power import nearest_clock
 from simulator.analysis import metrics
@@ -68,6 +69,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
         tp_async_grad_reduce=p.async_tensor_model_parallel_allreduce,
         context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8, fp8_amax_history_len=t.fp8_amax_history_len,
+        fp8_weight_copies=fp8_weight_copies(stage_gpu(cfg, pipeline_rank)) if t.fp8 is not None else 2,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
@@ -82,6 +84,28 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels,
     )
+
+
+def stage_gpu(cfg: ScenarioConfig, pipeline_rank: int = 0) -> GpuSpec:
+    """The GPU of pipeline stage ``pipeline_rank``: its ``rank_overrides`` ``gpu`` preset, else the scenario's
+    (``hardware.gpu`` with its overrides). A replica's ``gpu`` override is applied by ``build_graph`` from its
+    rank class's hardware.
+
+    Raises:
+        ScenarioError: the hardware presets do not resolve.
+    """
+    from hardware_models import presets
+
+    name = next((o.gpu for o in cfg.rank_overrides if o.pp_rank == pipeline_rank and o.gpu is not None), None)
+    return presets.get("gpus", name) if name is not None else resolve_hardware(cfg).gpu
+
+
+def fp8_weight_copies(gpu: GpuSpec) -> int:
+    """Bytes per element of Transformer Engine's cached fp8 weight workspace on ``gpu`` (``TransformerSpec.
+    fp8_weight_copies``): 2 (the fp8 weight and its transpose) where its fp8 GEMMs are TN-only or that is not
+    known (``GpuSpec.fp8_gemm_tn_only`` true or None: the larger, flagged by ``run_warnings``), 1 where they are
+    not (Blackwell)."""
+    return 1 if gpu.fp8_gemm_tn_only is False else 2
 
 
 def _moe_layer_pattern(m) -> tuple[int, ...] | None:
@@ -198,6 +222,8 @@ def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0, hw: Hardware | None
     (``policies.registry.kernels_needed``), the builder stamps repeated layer passes as their blocks
     (``build_gpt_step(blocks=True)``: the graph the layer-fidelity policy makes is the same)."""
     spec = transformer_spec(cfg, pipeline_rank)
+    if hw is not None and spec.fp8 is not None:  # the rank class's GPU (a replica's rank_overrides gpu)
+        spec = dataclasses.replace(spec, fp8_weight_copies=fp8_weight_copies(hw.gpu))
     blocks = hw is not None and getattr(cfg.run, "fidelity", "kernel") == "layer" and not kernels_needed(cfg)
     how = {"blocks": blocks, "fold_tp": blocks and getattr(hw, "collectives", None) is not None}
     if not _GRAPHS.on:
@@ -714,14 +740,23 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "runs after each micro-batch's forward and backward (a few latency-bound bytes) is not modelled; "
                    "the amax-history update kernels and the scaling state are")
     if cfg is not None and cfg.training.fp8 is not None:
-        # Transformer Engine (NVIDIA/TransformerEngine module/linear.py, _Linear.forward: the weight quantized with
-        # rowwise and columnwise usage into the module workspace cached under "weight" when is_first_microbatch is
-        # not None; older releases: persistent weight1_fp8 / weight1_t_fp8 attributes, base.py set_fp8_weights), which
-        # Megatron-Core's TELinear passes (disable_parameter_transpose_cache false by default)
-        out.append("training.fp8 memory: each block Linear weight counts one fp8 copy (1 B per element) from its cast "
-                   "to its last dgrad; Transformer Engine under Megatron caches the fp8 weight and, where fp8 GEMMs "
-                   "are TN-only (Hopper, Ada), its transpose across steps: up to 1 B per element more at a "
-                   "forward/backward peak and 2 B outside them are not counted")
+        # Transformer Engine's cached fp8 weight workspace is counted exactly (fp8_weight_copies, persistent:
+        # transformer.py _fp8_operands) where the GPU says whether its fp8 GEMMs are TN-only
+        from hardware_models import presets
+
+        gpus = [hw.gpu, *(presets.get("gpus", o.gpu) for o in cfg.rank_overrides if o.gpu is not None)]
+        for name in dict.fromkeys(g.name for g in gpus if g.fp8_gemm_tn_only is None):
+            out.append(f"training.fp8 memory: {name} does not say whether its fp8 GEMMs take only the TN layout "
+                       "(GPU field fp8_gemm_tn_only): Transformer Engine's cached fp8 weight workspace is counted "
+                       "at 2 B per block Linear weight element (the weight and its transpose, as on Hopper); 1 B "
+                       "if they take any layout (Blackwell)")
+        shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+        if cfg.zero_optimization.stage in (1, 2) and shards > 1:  # DeepSpeed drives the model, not Megatron
+            out.append(f"training.fp8 memory with DeepSpeed ZeRO-{cfg.zero_optimization.stage}: Transformer "
+                       "Engine's fp8 weight workspace is counted cached for the run, as under Megatron's TELinear, "
+                       "which passes is_first_microbatch; a model calling TE modules without it (TE's default None) "
+                       "re-casts the weights every micro-batch and keeps each one's copy until its backward instead, "
+                       "which is not modelled")
     d = cfg.dvfs if cfg is not None else None
     sup = hw.gpu.supported_sm_clocks_mhz
     if d is not None and sup:

@@ -39,6 +39,10 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   loss gradient live together in backward; ``4 T V / t`` saved per micro-batch in flight), the first
   stage's fp32 embedding gradient ``4 V h / t``, one block's backward working set ``2 T (f_1 + f) / t +
   2 a_b T h`` and its largest 16-bit weight gradient.
+* **fp8** (``training.fp8``, Transformer Engine): the cached fp8 weight workspace, resident, ``c`` bytes per
+  element of the stage's block Linear weights (``c = 2`` where fp8 GEMMs are TN-only: the weight and its transpose;
+  1 on Blackwell; ``fp8_workspace_bytes``), and each block's four Linear inputs saved in fp8, 1 B per element less:
+  ``T (2 h + h / t + f / t)`` per block and micro-batch.
 * **Overheads**: ``memory.cuda_context_bytes`` + ``memory.allocator_reserve_fraction`` x tensors (the
   scenario's ``memory`` section, the engine's defaults).
 
@@ -75,7 +79,8 @@ class StageMemory:
     Attributes:
         pp_rank: The stage.
         in_flight: Micro-batch passes whose activations are held at the peak (model chunks x micro-batches).
-        by_category_bytes: ``params``, ``grad``, ``optimizer``, ``activations``, ``transient``, ``overheads``.
+        by_category_bytes: ``params``, ``grad``, ``optimizer``, ``activations``, ``transient``, ``overheads``;
+            with fp8 also ``workspace`` (Transformer Engine's cached fp8 weights, ``fp8_workspace_bytes``).
         slack_bytes: How far below ``total_bytes`` the simulated peak may lie for timing reasons (ZeRO-2 with
             ``overlap_comm``: one bucket's reduce-scatter finished, or not, before the next bucket closes); 0
             where the estimate is a point estimate.
@@ -215,8 +220,33 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
              if spec.kernels == "hf_eager" else 0)
     # autocast's bf16 copies of the block's weights, saved for backward (not with FSDP's bf16 gathered weights)
     weights16 = 2 * (h * spec.qkv_out_size + h * h + h * spec.fc1_out_size + f * h) if amp and not bf16_gathered else 0
+    # fp8 (Transformer Engine): the four Linears' inputs (the two norm outputs, the attention output, the MLP
+    # activation) are saved as their fp8 copies, 1 B per element in place of the 16-bit ones (transformer.py
+    # _fp8_operands; TE linear.py saves only the fp8 input for backward)
+    fp8 = (w - 1) * T * (2 * h + h // t + f // t) if spec.fp8 is not None else 0
     return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
-            + weights16 + eager)
+            + weights16 + eager - fp8)
+
+
+def fp8_workspace_bytes(spec) -> int:
+    """Transformer Engine's cached fp8 weight workspace of one rank, bytes: ``spec.fp8_weight_copies`` (2 where
+    fp8 GEMMs are TN-only, 1 on Blackwell) x the elements of its blocks' Linear weights (QKV, proj, fc1, fc2 per
+    TP rank, ``layer_param_sizes``), resident for the whole run (transformer.py ``_fp8_operands``); 0 without fp8."""
+    from simulator.graph.builders.sharding import layer_param_sizes
+
+    if spec.fp8 is None:
+        return 0
+    per_layer = sum(n for k, n in layer_param_sizes(spec).items() if k.endswith(".weight") and not k.startswith("ln"))
+    return spec.fp8_weight_copies * spec.rank_layers * per_layer
+
+
+def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
+    """The model-state categories of a stage's estimate: ``params``, ``grad`` (the persistent buffers plus
+    ``grads``, those made by backward), ``optimizer``, and fp8's ``workspace`` where there is one."""
+    out = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"]}
+    if states.get("workspace"):
+        out["workspace"] = states["workspace"]
+    return out
 
 
 def _grad_bytes(spec) -> int:
@@ -318,6 +348,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                            "reduced once per step) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
     states, grads = _model_state_bytes(cfg, spec)
+    if spec.fp8 is not None:  # resident like the model states
+        states = {**states, "workspace": float(fp8_workspace_bytes(spec))}
     recompute = spec.recompute
     t = spec.tensor_parallel_size
     amp = spec.precision == "amp_fp32_params"
@@ -380,8 +412,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
     tensors = sum(states.values()) + grads + activations + transient
-    cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
-            "activations": float(activations), "transient": float(transient),
+    cats = {**_state_cats(states, grads), "activations": float(activations), "transient": float(transient),
             "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
     return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
 
@@ -447,8 +478,8 @@ def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: d
         else:
             grads, acts, trans = kept + buf, activations, transient
         tensors = base + grads + acts + trans
-        cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
-                "activations": acts, "transient": trans, "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+        cats = {**_state_cats(states, grads), "activations": acts, "transient": trans,
+                "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
         return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()})
     start = kept + activations + transient
     lo = bucket_peak(1)
@@ -461,8 +492,8 @@ def _zero2_stage(cfg: ScenarioConfig, spec, pp_rank: int, passes: int, states: d
         grads, acts, trans = kept, activations, transient
     tensors = base + grads + acts + trans
     low_tensors = base + max(start, lo)
-    cats = {"params": states["params"], "grad": states["grad"] + grads, "optimizer": states["optimizer"],
-            "activations": acts, "transient": trans, "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
+    cats = {**_state_cats(states, grads), "activations": acts, "transient": trans,
+            "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}
     slack = (tensors + o.reserve_bytes(tensors)) - (low_tensors + o.reserve_bytes(low_tensors))
     return StageMemory(pp_rank, passes, {k: float(val) for k, val in cats.items()}, float(slack))
 

@@ -210,6 +210,13 @@ class TransformerSpec:
             gathered input is saved). Not applied to MoE shared experts, LoRA, sequence parallelism under
             ``amp_fp32_params`` or fp8 (the blocking backward is built), nor to a deferred (zero-bubble) weight
             gradient (the reduction blocks: nothing to run beside).
+        fp8: Megatron-LM ``--fp8-format`` (``hybrid``, ``e4m3``; ``None``: no fp8): the blocks' Linear GEMMs in
+            fp8 under Transformer Engine with per-tensor delayed scaling; ``fp8_amax_history_len`` its amax history.
+        fp8_weight_copies: Bytes per element of Transformer Engine's cached fp8 weight workspace of each block
+            Linear, one per cached copy: 2 where fp8 GEMMs are TN-only (the fp8 weight for the forward GEMM and its
+            transpose for the input-gradient GEMM: Hopper, Ada, ROCm; ``GpuSpec.fp8_gemm_tn_only``), 1 where the
+            GEMM reads the one copy either way (Blackwell, delayed scaling). Resident for the whole run (Megatron's
+            TELinear passes ``is_first_microbatch``: ``_fp8_operands``).
         num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
             MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
         moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
@@ -291,6 +298,7 @@ class TransformerSpec:
     cp_comm_type: str = "p2p"
     fp8: str | None = None
     fp8_amax_history_len: int = 1
+    fp8_weight_copies: int = 2
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -423,6 +431,9 @@ class TransformerSpec:
         core.check_attention_spec(self)
         varlen.check_varlen_spec(self)
         hf.check_spec(self)
+        if self.fp8_weight_copies not in (1, 2):
+            raise ValueError(f"fp8_weight_copies must be 1 or 2 (the fp8 weight, and its transpose where fp8 GEMMs "
+                             f"are TN-only), got {self.fp8_weight_copies}")
         if self.precision in FULL_PRECISIONS:
             if self.attention_backend != "unfused":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
@@ -811,7 +822,8 @@ class _GptBuilder:
         self.grad_shards: list[str] = []
         self.fp16 = spec.precision == "fp16"
         self.fp8 = spec.fp8 is not None
-        self._fp8_w: dict[tuple[int, str], str] = {}  # fp8 weight copies of this step
+        self._fp8_w: dict[tuple[int, str], str] = {}  # (layer, Linear) -> its cached fp8 weight workspace
+        self._fp8_ws: dict[str, int] = {}  # workspace -> bytes (persistent: _fp8_operands)
         self.e.half = "fp16" if self.fp16 else (spec.precision if self.full else "bf16")
         self.tp = spec.tensor_parallel_size
         self.sp = spec.sequence_parallel and self.tp > 1
@@ -941,17 +953,35 @@ class _GptBuilder:
         self.e.kernel("fp8.amax_scale_update", C.ELEMENTWISE, reads=nbytes, writes=nbytes, flops=2 * n, dtype="fp32")
 
     def _fp8_operands(self, name: str, x: str, w: str, x_numel: int, w_numel: int) -> tuple[str, str]:
-        """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight (once per
-        step: the first micro-batch's forward quantizes it, later GEMMs reuse it)."""
+        """fp8 copies of a GEMM's input (quantized here: 2 bytes read, 1 written per element) and weight.
+
+        The weight goes into Transformer Engine's cached workspace of the module, ``fp8_weight_copies`` bytes per
+        element, resident for the whole run (declared persistent by ``build``, category ``workspace``; made by
+        the first step's first forward in a real run, which no peak precedes): Megatron-Core's TELinear passes
+        ``is_first_microbatch`` (True on the step's first micro-batch: ``set_is_first_microbatch`` in
+        ``forward_step``, NVIDIA/Megatron-LM@00611e6e megatron/core/pipeline_parallel/schedules.py; None only
+        with ``disable_parameter_transpose_cache``, NVIDIA/Megatron-LM@d086a2e3
+        megatron/core/extensions/transformer_engine.py), so Transformer Engine keeps the workspace in the
+        module's cache (``_fp8_workspaces["weight"]``, module/base.py ``get_weight_workspace``; TE 1.x: the
+        persistent ``weight1_fp8`` / ``weight1_t_fp8`` buffers, NVIDIA/TransformerEngine@3ec87875
+        transformer_engine/pytorch/module/linear.py ``get_fp8_weights_scratchpad``) and refreshes it in place
+        on the first micro-batch only. The transpose, where kept, is written eagerly in the forward by the same
+        cast (linear.py ``fp8_cast_transpose_fused(..., cast_out=weight_fp8, transpose_out=weight_t_fp8)`` when
+        grad is enabled; TE 2.x: the weight quantizer's columnwise usage), not lazily in backward, so the
+        quantize kernel writes every copy; Blackwell reads the one copy in both layouts (NVIDIA/TransformerEngine
+        @073d3fd7 transformer_engine/pytorch/tensor/storage/float8_tensor_storage.py ``update_usage`` drops the
+        transpose when non-TN GEMMs are supported)."""
         e = self.e
         xq = e.fresh(f"{name}.x_fp8")
         e.kernel(f"{name}.fp8_quantize_x", C.CAST, reads=2 * x_numel, writes=x_numel, out=[(xq, x_numel)], uses=[x])
         key = (e.layer, name)
         wq = self._fp8_w.get(key)
         if wq is None:
-            wq = self._fp8_w[key] = e.fresh(f"{name}.w_fp8")
-            e.kernel(f"{name}.fp8_quantize_w", C.CAST, reads=2 * w_numel, writes=w_numel, out=[(wq, w_numel)],
-                     uses=[w])
+            wq = self._fp8_w[key] = f"workspace.fp8_weight.L{e.layer}.{name}"
+            self._fp8_ws[wq] = self.s.fp8_weight_copies * w_numel
+            # the GEMMs reading the workspace wait for the cast (no allocation: it is persistent)
+            e.producer[wq] = e.kernel(f"{name}.fp8_quantize_w", C.CAST, reads=2 * w_numel, writes=self._fp8_ws[wq],
+                                      uses=[w])
         return xq, wq
 
     def _linear_bwd(self, name: str, g: str, saved: tuple, in_dim: int, out_dim: int, g_fp32: bool,
@@ -2173,6 +2203,8 @@ class _GptBuilder:
                 self._weight(a.chunk, a.micro_batch, a.last)
         if self.fp8:  # the scaling state of every fp8 Linear (input, weight, output gradient), resident
             self.b.persistent("fp8.scaling_meta", self._fp8_meta_bytes(3 * len(self._fp8_w)))
+            for ws, nbytes in self._fp8_ws.items():
+                self.b.persistent(ws, nbytes)
         self._sequence_parallel_grads()
         self._pipeline_syncs()
         self._optimizer()

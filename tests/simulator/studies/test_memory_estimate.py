@@ -55,6 +55,17 @@ CASES = {
     "fp32 1 GPU no recompute": (ROOT / "scenarios/validation/MLM20-GPT2-1.2B-1xA100.yaml",
                                 ["training.precision=fp32", "training.recompute_granularity=null",
                                  "training.micro_batch_size=4"]),
+    "fp8 Llama H200 (TN-only: weight + transpose)": (H200 / "llama3_8b_b1.yaml", ["training.fp8=hybrid"]),
+    "fp8 Llama B200 (one copy)": (H200 / "llama3_8b_b1.yaml", ["training.fp8=hybrid", "hardware.gpu=b200-180gb",
+                                                              "hardware.profile=null"]),
+    "fp8 1 GPU": (H200 / "gpt_184m_b16.yaml", ["training.precision=bf16", "training.fp8=hybrid"]),
+    "fp8 full recompute": (H200 / "gpt_184m_b16_ckpt.yaml", ["training.precision=bf16", "training.fp8=e4m3"]),
+    "fp8 distributed optimizer": (DP8, ["ddp.use_distributed_optimizer=true", "training.precision=bf16",
+                                        "training.fp8=hybrid"]),
+    "fp8 TP2 SP": (TP2, ["parallelism.sequence_parallel=true", "training.precision=bf16", "training.fp8=hybrid"]),
+    "fp8 TP4 selective": (TP2, ["parallelism.tensor_model_parallel_size=4", "training.recompute_granularity=selective",
+                                "training.precision=bf16", "training.fp8=hybrid"]),
+    "fp8 PP4 1F1B": (TP2, [*PP4, "training.precision=bf16", "training.fp8=hybrid"]),
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
     "tf32 PP4 hf_eager no recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap"
@@ -136,6 +147,25 @@ def test_zero1_ipg_buffers_in_the_estimate_by_hand(overlap, buffers):
     off = estimate_memory(load_scenario(DP8, sets + [f"{Z}.contiguous_gradients=false"])).stages[0]
     assert on.by_category_bytes["grad"] - off.by_category_bytes["grad"] == buffers * R * 2
     assert on.total_bytes - off.total_bytes == pytest.approx(buffers * R * 2 * 1.0078, rel=1e-12)
+
+
+@pytest.mark.parametrize("gpu,copies", [("h200-sxm-141gb", 2), ("b200-180gb", 1)])
+def test_fp8_workspace_in_the_estimate_by_hand(gpu, copies):
+    """llama3_8b_b1 (2 Llama-3.1-8B layers) in fp8: the estimate's ``workspace`` is Transformer Engine's cached fp8
+    weights, ``copies`` x 2 layers x 218,103,808 elements (4096 x (6144 + 4096 + 28672) + 14336 x 4096), the bytes
+    the simulated graph holds persistent under ``workspace.fp8_weight.*``; the fp8-saved inputs spare exactly as
+    many activation bytes per layer, 8192 x (2 x 4096 + 4096 + 14336), so activations drop by 2 x 218,103,808."""
+    from simulator.api import build_graph
+
+    sets = FAST + ["training.fp8=hybrid", f"hardware.gpu={gpu}", "hardware.profile=null"]
+    cfg = load_scenario(H200 / "llama3_8b_b1.yaml", sets)
+    W = 218_103_808
+    c = estimate_memory(cfg).stages[0].by_category_bytes
+    assert c["workspace"] == copies * 2 * W
+    assert sum(t.nbytes for t in build_graph(cfg).persistent if t.name.startswith("workspace.")) == copies * 2 * W
+    bf16 = estimate_memory(load_scenario(H200 / "llama3_8b_b1.yaml", sets[:-3] + sets[-2:])).stages[0]
+    assert "workspace" not in bf16.by_category_bytes
+    assert bf16.by_category_bytes["activations"] - c["activations"] == 2 * W
 
 
 def test_model_states_by_hand():
