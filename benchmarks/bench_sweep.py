@@ -76,6 +76,13 @@ def main() -> None:
     ap.add_argument("--skip-dask", action="store_true")
     ap.add_argument("--scenario", default=SCENARIO)
     args = ap.parse_args()
+    if not args.skip_dask:
+        try:
+            import dask.distributed  # noqa: F401
+        except ImportError:
+            print("bench_sweep.py: the Dask mode needs dask.distributed: pip install -e '.[dask]', or pass --skip-dask",
+                  file=sys.stderr)
+            sys.exit(2)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_simulate import raw_timeouts_per_s
