@@ -1136,33 +1136,37 @@ class _GptBuilder:
         parallelism. The compute stream waits for it. Returns the reduced tensor (identity at ``t = 1``)."""
         if self.tp == 1:
             return x
-        nbytes = self.w * self.T * self.s.hidden_size
-        if not self.sp:
-            self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x])
-            return x
-        y = self.e.fresh(f"{name}.rs")
-        if self.s.tp_comm_overlap != "none" and beside_gemm:  # beside the GEMM producing x, chunk by chunk
-            gemm = self.e.producer[x]
-            self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, out=[(y, nbytes // self.tp)],
-                        after=list(self.b.ops[gemm].deps), fused=self.s.tp_comm_overlap == "fused")
-            return y
-        self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=[(y, nbytes // self.tp)])
-        return y
+        return self._tp_reduce_op(name, x, beside_gemm=beside_gemm)[0]
 
     def _tp_reduce_beside(self, name: str, x: str, gemm: int) -> tuple[str, int]:
         """``_tp_reduce`` of the input gradient ``x`` of a column-parallel layer, issued right after its
         input-gradient GEMM ``gemm`` and not waited for by the next compute kernel (Megatron's asynchronous
         all-reduce / reduce-scatter beside the weight-gradient GEMM, ``tp_async_grad_reduce``). Returns the
         reduced tensor and the collective's id (the caller makes the compute stream wait for it)."""
-        nbytes = self.w * self.T * self.s.hidden_size
-        if self.sp:
-            y = self.e.fresh(f"{name}.rs")
-            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x],
-                            out=[(y, nbytes // self.tp)], after=[gemm])
-        else:
-            y = x
-            i = self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x], after=[gemm])
+        y, i = self._tp_reduce_op(name, x, after=[gemm])
         self.e.wait_for.remove(i)
+        return y, i
+
+    def _tp_reduce_op(self, name: str, x: str, beside_gemm: bool = False, after: list[int] | None = None
+                      ) -> tuple[str, int]:
+        """The collective of ``_tp_reduce`` / ``_tp_reduce_beside`` (``nbytes = w T h``): an in-place all-reduce of
+        ``x`` (which it then produces), or with sequence parallelism a reduce-scatter into a new ``[T / t, h]``
+        tensor. ``beside_gemm`` with ``tp_comm_overlap``: the reduce-scatter runs beside the GEMM producing ``x``,
+        chunk by chunk (after that GEMM's inputs, not reading ``x`` as one tensor); else it starts after ``after``
+        (default: the last compute kernel). Returns the reduced tensor and the collective's id; the compute
+        stream waits for it (``_tp_op``)."""
+        e = self.e
+        nbytes = self.w * self.T * self.s.hidden_size
+        if not self.sp:
+            i = e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x], after=after)
+            return x, i
+        y = e.fresh(f"{name}.rs")
+        out = [(y, nbytes // self.tp)]
+        if self.s.tp_comm_overlap != "none" and beside_gemm:
+            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, out=out,
+                            after=list(self.b.ops[e.producer[x]].deps), fused=self.s.tp_comm_overlap == "fused")
+        else:
+            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=out, after=after)
         return y, i
 
     def _tp_gather_beside(self, name: str, x: str, nbytes: int) -> str:
@@ -1170,8 +1174,7 @@ class _GptBuilder:
         column-parallel layer's input (``nbytes`` the gathered array) beside the input-gradient GEMM issued
         next; only the weight-gradient GEMM reading the result waits for it (Megatron ``_all_gather_base(...,
         async_op=True)`` in the column-parallel backward). Returns the gathered tensor."""
-        y = self.e.fresh(f"{name}.ag")
-        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
+        y, i = self._tp_gather_op(name, x, nbytes)
         self.e.wait_for.remove(i)
         return y
 
@@ -1190,15 +1193,20 @@ class _GptBuilder:
         column-parallel GEMM (forward) or a row-parallel backward. Identity without it."""
         if not self.sp:
             return x
-        nbytes = self.w * self.T * self.s.hidden_size
-        y = self.e.fresh(f"{name}.ag")
-        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)],
-                        fused=self.s.tp_comm_overlap == "fused" and before_gemm)
+        y, i = self._tp_gather_op(name, x, self.w * self.T * self.s.hidden_size,
+                                  fused=self.s.tp_comm_overlap == "fused" and before_gemm)
         if self.s.tp_comm_overlap != "none" and before_gemm:  # the GEMM reading y runs beside it, chunk by chunk
             self.e.wait_for.remove(i)
             self.e.producer[y] = self.e.producer.get(x, -1)
             self._overlapped.append(i)
         return y
+
+    def _tp_gather_op(self, name: str, x: str, nbytes: int, fused: bool = False) -> tuple[str, int]:
+        """The all-gather of ``_tp_gather`` / ``_tp_gather_beside``: shard ``x`` into a new tensor of ``nbytes``
+        (the gathered array), after the last compute kernel (``fused``: inside a fused GEMM + collective kernel).
+        Returns the gathered tensor and the collective's id; the compute stream waits for it (``_tp_op``)."""
+        y = self.e.fresh(f"{name}.ag")
+        return y, self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)], fused=fused)
 
     # -- rotary embeddings -----------------------------------------------------------------
     def _rope_fwd(self, qkv: str, width: int) -> str | None:
