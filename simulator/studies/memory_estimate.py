@@ -162,7 +162,8 @@ def chunk_passes_at_peak(schedule: str, p: int, m: int, rank: int, v: int, split
 
 def _peak_passes(schedule: str, p: int, m: int, rank: int, v: int,
                  split: tuple[int, ...]) -> tuple[int, int, bool, dict[int, int]]:
-    """``in_flight_passes`` plus the passes per local chunk at that peak."""
+    """``in_flight_passes`` plus the passes per local chunk at that peak (``chunk_passes_at_peak``), from one walk
+    of the stage's schedule (the memory estimate needs both)."""
     from simulator.graph.builders.pipeline import Action, stage_actions
 
     if p == 1:
@@ -326,7 +327,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     T = spec.micro_batch_size * spec.seq_length
     h, V = spec.hidden_size, spec.vocab_per_rank
     p, v, m = spec.pipeline_parallel_size, spec.virtual_pipeline_size, spec.num_micro_batches
-    passes, layers, after_backward = in_flight_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
+    passes, layers, after_backward, by_chunk = _peak_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
     sh = spec.sharding if spec.data_parallel_size > 1 else None
     bf16_gathered = sh is not None and sh.gathers and sh.param_bytes == 2  # the GEMMs read the gathered weights
     activations = layers * _layer_activation_bytes(spec, recompute, bf16_gathered)
@@ -342,7 +343,6 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                                                            if recompute == "selective" else 0)
         transient += max(mlp, score) - mlp
     block_transient = transient
-    by_chunk = chunk_passes_at_peak(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
     if spec.has_head:  # saved per pass in flight of the last model chunk (the only one with the head; with an
         # interleaved schedule the other chunks' passes hold none): fp32 log-softmax, the final norm's input and output
         activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))

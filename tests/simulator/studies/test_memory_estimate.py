@@ -178,6 +178,26 @@ def test_passes_in_flight_per_chunk_by_hand():
     assert chunk_passes_at_peak("1f1b", 4, 8, 3, 1, (2, 2, 2, 2)) == {0: 1}
 
 
+def test_each_stage_walks_its_schedule_once(monkeypatch):
+    """The estimate of a PP4 interleaved model walks each stage's schedule (``pipeline.stage_actions``) once:
+    the passes in flight and their chunks come from one walk (it walked it twice: 8 walks for 4 stages)."""
+    from simulator.graph.builders import pipeline
+
+    walks = []
+    real = pipeline.stage_actions
+
+    def counted(schedule, p, m, rank, v):
+        walks.append(rank)
+        return real(schedule, p, m, rank, v)
+
+    monkeypatch.setattr(pipeline, "stage_actions", counted)
+    cfg = load_scenario(TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
+                              "ddp.use_distributed_optimizer=true"])
+    est = estimate_memory(cfg)
+    assert len(est.stages) == 4
+    assert sorted(walks) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("schedule", [["parallelism.pipeline_schedule=1f1b"],
                                       ["parallelism.pipeline_schedule=interleaved_1f1b",
                                        "parallelism.virtual_pipeline_model_parallel_size=2"]])
