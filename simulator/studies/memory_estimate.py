@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
-from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -222,23 +222,16 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
 
 def _grad_bytes(spec) -> int:
     """Bytes per element of a ``.grad`` without a sharding spec: 2 for DeepSpeed ZeRO-1/2 in bf16 / fp16
-    (``transformer.ZERO_HALF_GRAD_PRECISIONS``: the model dtype), else 4 (fp32)."""
-    return 2 if (spec.sharding is None and spec.zero_stage in (1, 2) and spec.grad_reduce_size > 1
-                 and spec.precision in ZERO_HALF_GRAD_PRECISIONS) else 4
+    (``TransformerSpec.zero_half_grads``: the model dtype), else 4 (fp32)."""
+    return 2 if spec.zero_half_grads else 4
 
 
 def _ipg_buffer(spec) -> tuple[float, bool]:
-    """DeepSpeed ZeRO-1/2's IPG gradient buffers, as the builder allocates them (``_GptBuilder._init_ipg``; source
-    microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``, ``DeepSpeedZeroOptimizer.backward``):
-    ``(bytes, at_reduction)``, ``spec.zero_ipg_buffers`` (2 with ``overlap_comm``, else 1) x ``reduce_bucket_size``
-    elements x the model dtype's bytes (``_grad_bytes``), from the first backward on; ``at_reduction``: a pipeline
-    stage without the LM head holds one buffer, only while the step's gradients are reduced. ``(0, False)``
-    without data-parallel ZeRO-1/2 or with ``contiguous_gradients: false``."""
-    if spec.sharding is not None or spec.zero_stage not in (1, 2) or spec.grad_reduce_size <= 1 \
-            or not spec.zero_ipg_buffers:
-        return 0.0, False
-    lazy = spec.pipeline_parallel_size > 1 and not spec.has_head
-    return float((1 if lazy else spec.zero_ipg_buffers) * spec.reduce_bucket_elements * _grad_bytes(spec)), lazy
+    """DeepSpeed ZeRO-1/2's IPG gradient buffers, as the builder allocates them (``TransformerSpec.zero_ipg``, the
+    rule both use): ``(bytes, at_reduction)``, that many buffers x ``reduce_bucket_size`` elements x the model
+    dtype's bytes (``_grad_bytes``); ``(0.0, False)`` without them."""
+    buffers, at_reduction = spec.zero_ipg
+    return float(buffers * spec.reduce_bucket_elements * _grad_bytes(spec)), at_reduction
 
 
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:

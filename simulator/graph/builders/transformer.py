@@ -452,6 +452,28 @@ class TransformerSpec:
         return self.pipeline_parallel_size > 1 and (self.clip_grad > 0 or self.precision == "fp16")
 
     @property
+    def zero_half_grads(self) -> bool:
+        """DeepSpeed ZeRO-1/2 over data parallelism (no sharding spec) keeps the gradients in the model dtype,
+        2 bytes in bf16 / fp16 (``ZERO_HALF_GRAD_PRECISIONS``); False: fp32 ``.grad`` (or the sharding spec's)."""
+        return (self.sharding is None and self.zero_stage in (1, 2) and self.grad_reduce_size > 1
+                and self.precision in ZERO_HALF_GRAD_PRECISIONS)
+
+    @property
+    def zero_ipg(self) -> tuple[int, bool]:
+        """DeepSpeed ZeRO-1/2's IPG gradient buffers one rank holds (``_GptBuilder._init_ipg``; source
+        microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``): ``(buffers, at_reduction)``,
+        each buffer ``reduce_bucket_elements`` gradient elements. ``zero_ipg_buffers`` (``contiguous_gradients``: 1,
+        2 with ``overlap_comm``) from the first backward on; ``at_reduction``: a pipeline stage without the LM head
+        (whose backward DeepSpeed's PipelineEngine runs itself) holds one, only while the step's gradients are
+        reduced. ``(0, False)`` without data-parallel ZeRO-1/2 (a sharding spec, one replica), with
+        ``contiguous_gradients: false`` or optimizer offload (``zero_ipg_buffers`` 0)."""
+        if self.sharding is not None or self.zero_stage not in (1, 2) or self.grad_reduce_size <= 1 \
+                or not self.zero_ipg_buffers:
+            return 0, False
+        lazy = self.pipeline_parallel_size > 1 and not self.has_head
+        return (1 if lazy else self.zero_ipg_buffers), lazy
+
+    @property
     def sp_regathers_inputs(self) -> bool:
         """Sequence parallelism saves the column-parallel layers' ``1 / t`` input shards and gathers them again in
         backward (Megatron's re-gather, with ``tp_async_backward``); False: the gathered inputs are kept."""
@@ -1780,7 +1802,7 @@ class _GptBuilder:
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:
-        """DeepSpeed ZeRO-1/2's IPG (independent partition gradient) buffers, ``spec.zero_ipg_buffers`` of
+        """DeepSpeed ZeRO-1/2's IPG (independent partition gradient) buffers, ``spec.zero_ipg`` (count, when) of
         ``reduce_bucket_size`` elements in the model dtype (``_grad_elem_bytes``: 2 in bf16 / fp16, 4 with fp32
         parameters), whatever the model's size. Source: microsoft/DeepSpeed@cde57d2
         ``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.backward`` allocates
@@ -1803,13 +1825,11 @@ class _GptBuilder:
           last.
         """
         s = self.s
-        on = s.zero_ipg_buffers > 0 and self.zero in (1, 2) and self.sh is None
-        lazy = on and s.pipeline_parallel_size > 1 and not s.has_head
-        self._ipg_bytes = (1 if lazy else s.zero_ipg_buffers) * s.reduce_bucket_elements * self._grad_elem_bytes \
-            if on else 0
+        buffers, lazy = s.zero_ipg  # the one rule, also the memory estimate's
+        self._ipg_bytes = buffers * s.reduce_bucket_elements * self._grad_elem_bytes
         self._ipg_lazy = lazy  # allocated by the first reduce-scatter, not by the backward
         self._ipg: str | None = None  # the live buffer
-        self._grads_in_ipg = on and self.zero == 2
+        self._grads_in_ipg = buffers > 0 and self.zero == 2
 
     def _in_ipg(self, numel: int) -> bool:
         """ZeRO-2 with IPG buffers: a gradient of ``numel`` elements is copied into the buffer (one larger than
@@ -1957,7 +1977,7 @@ class _GptBuilder:
         self._root_bucket: list[ParamGroup] = []
         #: bytes per element of a parameter's gradient tensor (and of its reduction)
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
-        if sh is None and self.zero in (1, 2) and s.precision in ZERO_HALF_GRAD_PRECISIONS:
+        if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
