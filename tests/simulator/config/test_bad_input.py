@@ -192,3 +192,32 @@ def test_a_bad_value_from_set_is_named_as_such(capsys):
     assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=-3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith("(got -3) (from the command line: training.micro_batch_size=...)")
+
+
+@pytest.mark.parametrize("override,line", [
+    ("training=5", "training: expected a mapping of keys (clip_grad, fp8, fp8_amax_history_len, global_batch_size, "
+     "lora, micro_batch_size, optimizer, precision, recompute_granularity) (got 5)"),
+    ("hardware.gpu=5", "hardware.gpu: expected a string or a mapping of keys (overrides, preset) (got 5)"),
+    ("hardware.host=[1]", "hardware.host: expected a string or a mapping of keys (numa_node, overrides, preset, "
+     "threads)"),
+    ("rank_overrides=[1]", "rank_overrides.0: expected a mapping of keys (dp_rank, dvfs, gpu, pp_rank, slowdown) "
+     "(got 1)"),
+    ("zero_optimization.offload_optimizer=off", "zero_optimization.offload_optimizer: expected a mapping of keys "
+     "(cpu_adam_impl, device, mode, pin_memory) (got 'off')"),
+    ("hardware.gpu={preset: h200-sxm-141gb, overrides: {bogus: 1}}", "hardware.gpu: overrides: unknown key(s) bogus "
+     "(allowed: hbm_bandwidth_bytes_per_s, "),
+])
+def test_a_section_of_the_wrong_type_names_its_keys_not_a_class(capsys, override, line):
+    """A section given a scalar or a list: the key path and the keys it takes, never the schema's class names
+    (was "Input should be a valid dictionary or instance of TrainingConfig", "... of PresetRef ... [+1 more]")."""
+    scen = str(ROOT / "scenarios/h200/gpt_184m_b8.yaml")
+    assert main(["run", scen, "--set", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"error: {scen}: {line}" in err
+    assert not any(w in err for w in ("Config", "PresetRef", "HostRef", "RankOverride", "instance of", "['"))
+
+
+def test_a_bad_value_from_set_is_named_as_such(capsys):
+    assert main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("(got -3) (from the command line: training.micro_batch_size=...)")
