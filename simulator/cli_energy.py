@@ -63,7 +63,7 @@ def run(args) -> int:
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
     from simulator.studies.pareto import energy_time_pareto
-    from simulator.config.errors import ScenarioError
+    from simulator.config.errors import ScenarioError, error_text
     from pydantic import ValidationError
 
     from simulator.api import SimulationError
@@ -84,10 +84,10 @@ def run(args) -> int:
         for w in {str(w.message) for w in caught}:
             print(f"warning: {w}", file=sys.stderr)
     except ValidationError as exc:  # a setting the dvfs section refuses
-        print(f"error: {format_validation_error(exc, args.scenario, DvfsConfig)}", file=sys.stderr)
+        print(error_text(format_validation_error(exc, args.scenario, DvfsConfig)), file=sys.stderr)
         return 2
     except (ScenarioError, PresetError, UnitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_text(exc), file=sys.stderr)
         return 2
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)

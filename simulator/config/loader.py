@@ -91,6 +91,8 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
+#: problems of one file shown (one line each) before ``... and N more``
+MAX_PROBLEMS_SHOWN = 20
 #: what a value of a union's branch must be, by the pydantic error type refusing it
 _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type": None, "string_type": "a string",
              "bool_type": "true or false", "bool_parsing": "true or false", "int_type": "an integer",
@@ -98,11 +100,13 @@ _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type"
              "dict_type": "a mapping", "list_type": "a list"}
 
 
-def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
-    """One line for the most useful problem of a pydantic ``ValidationError`` (``FILE: key.path: problem``, with
-    ``[+N more]`` other problems). The errors pydantic gives for one value (a union's branches: ``hardware.gpu``
-    refused as a preset name and as ``{preset, overrides}``) are one problem, named by the user's key path and
-    what it allows, never by the schema's class names.
+def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel],
+                            cap: int = MAX_PROBLEMS_SHOWN) -> str:
+    """Every problem of a pydantic ``ValidationError``, one line each (``FILE: key.path: problem``), joined by
+    newlines: unknown keys first, then bad values, then missing keys; at most ``cap`` lines, then one
+    ``FILE: ... and N more``. The errors pydantic gives for one value (a union's branches: ``hardware.gpu``
+    refused as a preset name and as ``{preset, overrides}``) make one line, naming the user's key path and what
+    it allows, never the schema's class names.
 
     An unknown key is reported before anything else: a misspelt required key also makes that key
     "missing", and the typo is what the user must fix; a bad value is reported before a missing key.
@@ -121,7 +125,9 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
         groups.setdefault(loc, []).append(e)
     lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
     out = [line for _, line in dict.fromkeys(lines)]
-    return out[0] + (f" [+{len(out) - 1} more]" if len(out) > 1 else "")
+    if len(out) > cap:
+        out = [*out[:cap], f"{source}: ... and {len(out) - cap} more"]
+    return "\n".join(out)
 
 
 def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
@@ -165,33 +171,39 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
         overrides: ``dotted.key=value`` strings (``--set``).
 
     Raises:
-        ScenarioError: anything wrong, in one line naming the file and key.
+        ScenarioError: anything wrong, one line per problem naming the file and key.
     """
     data = apply_overrides(read_yaml(path), list(overrides or []))
     try:
         cfg = scenario_from_dict(data, str(path))
     except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
-        msg = str(exc)
         keys = [o.split("=", 1)[0].strip() for o in overrides or []]
-        hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg or f": {k}." in msg), None)
-        if hit is None:
+        lines = [_from_command_line(line, keys) for line in str(exc).split("\n")]
+        if lines == str(exc).split("\n"):
             raise
-        raise ScenarioError(f"{msg} (from the command line: {hit}=...)") from None
+        raise ScenarioError("\n".join(lines)) from None
     resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     return cfg
+
+
+def _from_command_line(line: str, keys: list[str]) -> str:
+    """``line`` (one problem) marked ``(from the command line: KEY=...)`` when it names a ``--set`` key of ``keys``."""
+    hit = next((k for k in keys if f": {k}:" in line or f": {k} " in line or f": {k}." in line), None)
+    return line if hit is None else f"{line} (from the command line: {hit}=...)"
 
 
 def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig:
     """Validate a scenario dict.
 
     Raises:
-        ScenarioError: the first validation error, in one line.
+        ScenarioError: every validation error, one line each (``format_validation_error``).
     """
     data = with_hf_path(data, source)
     try:
         return ScenarioConfig.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(_name_hf_keys(format_validation_error(exc, source, ScenarioConfig), data)) from None
+        raise ScenarioError("\n".join(_name_hf_keys(line, data) for line in
+                                      format_validation_error(exc, source, ScenarioConfig).split("\n"))) from None
 
 
 def _name_hf_keys(message: str, data: dict) -> str:
