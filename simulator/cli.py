@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from hardware_models.safe_yaml import YamlInputError
-    from simulator.config.errors import PolicyError, ScenarioError
+    from simulator.config.errors import PolicyError, ScenarioError, error_text
     from simulator.engine.errors import SimulationError
 
     import warnings
@@ -485,13 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args) or 0)
     except (ScenarioError, PresetError, UnitError, YamlInputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_text(exc), file=sys.stderr)
         return EXIT_USAGE
     except ValidationError as exc:  # a model built from user input outside load_scenario
         from simulator.config.loader import format_validation_error
 
         where = getattr(args, "scenario", None) or "input"
-        print(f"error: {format_validation_error(exc, where, exc.title)}", file=sys.stderr)
+        print(error_text(format_validation_error(exc, where, exc.title)), file=sys.stderr)
         return EXIT_USAGE
     except PolicyError as exc:  # stage-2 validation of a policy's parameters
         where = getattr(args, "scenario", None)

@@ -110,7 +110,9 @@ def run(args) -> int:
     try:
         results = price(args)
     except (PresetError, UnitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from simulator.config.errors import error_text
+
+        print(error_text(exc), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=1))

@@ -49,7 +49,7 @@ def run(args) -> int:
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
     from simulator.studies.whatif_dataloader import min_workers_without_stall, workers_sweep
-    from simulator.config.errors import ScenarioError
+    from simulator.config.errors import ScenarioError, error_text
     from simulator.config.loader import load_scenario
     from simulator.api import SimulationError
 
@@ -68,7 +68,7 @@ def run(args) -> int:
         if args.all and len(df) < args.max_workers + 1:
             df = workers_sweep(cfg, range(args.max_workers + 1), max_steps)
     except (ScenarioError, PresetError, UnitError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_text(exc), file=sys.stderr)
         return 2
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)

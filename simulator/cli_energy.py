@@ -46,13 +46,14 @@ def add_parser(subparsers):
 
 
 def format_table(df) -> str:
-    """The sweep as an aligned table (ms, J, W); Pareto points marked with '*'."""
+    """The sweep as an aligned table (ms, J, W); Pareto points marked with '*', unsettled power caps (not ranked)
+    with '?'."""
     unit = "MHz" if (len(df) and df.setting.iloc[0] == "locked_clocks_mhz") else "W"
     head = "clock MHz" if unit == "MHz" else "cap W"
     lines = [f"{head:>9}  {'step ms':>8}  {'J/step':>8}  {'avg W':>6}  {'mJ/token':>8}  {'avg MHz':>7}  pareto"]
     for r in df.itertuples():
         lines.append(f"{r.value:>9.0f}  {r.step_time_s * 1e3:>8.2f}  {r.energy_j_per_step:>8.2f}  {r.avg_power_w:>6.0f}  "
-                     f"{r.energy_per_token_j * 1e3:>8.3f}  {r.avg_sm_clock_mhz:>7.0f}  {'*' if r.pareto else ''}")
+                     f"{r.energy_per_token_j * 1e3:>8.3f}  {r.avg_sm_clock_mhz:>7.0f}  {'*' if r.pareto else '' if r.settled else '?'}")
     return "\n".join(lines)
 
 
@@ -63,7 +64,7 @@ def run(args) -> int:
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
     from simulator.studies.pareto import energy_time_pareto
-    from simulator.config.errors import ScenarioError
+    from simulator.config.errors import ScenarioError, error_text
     from pydantic import ValidationError
 
     from simulator.api import SimulationError
@@ -84,10 +85,10 @@ def run(args) -> int:
         for w in {str(w.message) for w in caught}:
             print(f"warning: {w}", file=sys.stderr)
     except ValidationError as exc:  # a setting the dvfs section refuses
-        print(f"error: {format_validation_error(exc, args.scenario, DvfsConfig)}", file=sys.stderr)
+        print(error_text(format_validation_error(exc, args.scenario, DvfsConfig)), file=sys.stderr)
         return 2
     except (ScenarioError, PresetError, UnitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_text(exc), file=sys.stderr)
         return 2
     except SimulationError as exc:
         print(f"error: simulation failed: {exc}", file=sys.stderr)
@@ -101,6 +102,7 @@ def run(args) -> int:
     if args.json:
         print(df.to_json(orient="records"))
     else:
-        print(f"scenario {cfg.name}: energy-time trade-off (GPU energy; * = Pareto-optimal)")
+        unsettled = "; ? = power cap not settled in the measured steps, not ranked" if not df.settled.all() else ""
+        print(f"scenario {cfg.name}: energy-time trade-off (GPU energy; * = Pareto-optimal{unsettled})")
         print(format_table(df))
     return 0

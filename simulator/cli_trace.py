@@ -124,7 +124,9 @@ def run_replay(args) -> int:
         out = replay(args.trace, steps, args.gpu, args.pcie_speedup, args.host_speedup, args.dataloader_workers,
                      args.gpu_gaps)
     except (TraceImportError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from simulator.config.errors import error_text
+
+        print(error_text(exc), file=sys.stderr)
         return 2
     text = _strict_json(out)
     if args.out:
@@ -198,7 +200,9 @@ def run_calibrate(args) -> int:
     try:
         prof, report = calibrate(args.traces, args.scenario, Path(args.out).stem)
     except (TraceImportError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from simulator.config.errors import error_text
+
+        print(error_text(exc), file=sys.stderr)
         return 2
     Path(args.out).write_text(CALIBRATED_HEADER + "\n" + yaml.safe_dump(prof, sort_keys=False))
     if args.json:

@@ -260,11 +260,12 @@ def _check_type(value: Any, tp: Any, path: str, quantity: bool | str = False) ->
         return
     if dataclasses.is_dataclass(tp) and not isinstance(value, tp):
         if not isinstance(value, dict):
-            raise PresetError(f"{path}: expected a mapping of {tp.__name__} fields, got {_kind(value)}")
+            raise PresetError(f"{path}: expected a mapping of keys ({', '.join(sorted(_type_hints(tp)))}), got "
+                              f"{_kind(value)}")
         hints = _type_hints(tp)
         unknown = sorted(str(k) for k in value if k not in hints)
         if unknown:
-            raise PresetError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(hints)}")
+            raise PresetError(f"{path}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(hints))})")
         for k, v in value.items():
             _check_type(v, hints[k], f"{path}.{k}", _quantity(tp, k))
 
@@ -280,7 +281,7 @@ def build_spec(cls: type, data: dict, where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(clean) - names)
     if unknown:
-        raise PresetError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+        raise PresetError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(names))})")
     hints = _type_hints(cls)
     for k, v in clean.items():  # containers first, so a mapping is never read as a per-dtype table
         if isinstance(v, (dict, list)) and _type_word(hints[k]) not in ("a mapping", "a list"):

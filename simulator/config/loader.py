@@ -91,8 +91,22 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
-def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel]) -> str:
-    """One line for the most useful error of a pydantic ``ValidationError``.
+#: problems of one file shown (one line each) before ``... and N more``
+MAX_PROBLEMS_SHOWN = 20
+#: what a value of a union's branch must be, by the pydantic error type refusing it
+_EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type": None, "string_type": "a string",
+             "bool_type": "true or false", "bool_parsing": "true or false", "int_type": "an integer",
+             "int_parsing": "an integer", "float_type": "a number", "float_parsing": "a number",
+             "dict_type": "a mapping", "list_type": "a list"}
+
+
+def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel],
+                            cap: int = MAX_PROBLEMS_SHOWN) -> str:
+    """Every problem of a pydantic ``ValidationError``, one line each (``FILE: key.path: problem``), joined by
+    newlines: unknown keys first, then bad values, then missing keys; at most ``cap`` lines, then one
+    ``FILE: ... and N more``. The errors pydantic gives for one value (a union's branches: ``hardware.gpu``
+    refused as a preset name and as ``{preset, overrides}``) make one line, naming the user's key path and what
+    it allows, never the schema's class names.
 
     An unknown key is reported before anything else: a misspelt required key also makes that key
     "missing", and the typo is what the user must fix; a bad value is reported before a missing key.
@@ -101,13 +115,27 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     # a mapping given for a union of a scalar and a model (``fsdp.cpu_offload: bool | {...}``): the scalar branch's
     # complaint that a mapping is not a bool / string / literal says nothing; the model branch's errors do
     errors = [e for e in errors if not (isinstance(e.get("input"), dict) and e["type"] in _SCALAR_BRANCH)] or errors
-    err = next((e for e in errors if e["type"] == "extra_forbidden"),
-               next((e for e in errors if e["type"] != "missing"), errors[0]))  # a bad value before a missing key
+    if not isinstance(model, type):  # a model's title only (``ValidationError.title``): no keys to list
+        model = BaseModel
     names = _model_names(model)
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p[:1].isupper() and "[" in p or p in names
-                                                                       or p in _UNION_TAGS or p.startswith("literal["))))
-    path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p
-                    for p in loc if not str(p).startswith("function-")) or "(top level)"
+    groups: dict[tuple, list[dict]] = {}
+    for e in errors:
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
+            p[:1].isupper() and "[" in p or p in names or p in _UNION_TAGS or p.startswith(("literal[", "function-")))))
+        groups.setdefault(loc, []).append(e)
+    lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
+    out = [line for _, line in dict.fromkeys(lines)]
+    if len(out) > cap:
+        out = [*out[:cap], f"{source}: ... and {len(out) - cap} more"]
+    return "\n".join(out)
+
+
+def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
+    """``(rank, line)`` for the errors pydantic gives at one key path ``loc`` (rank 0: an unknown key, 1: a bad
+    value, 2: a missing key; the order ``format_validation_error`` shows them in)."""
+    err = next((e for e in errs if e["type"] == "extra_forbidden"),
+               next((e for e in errs if e["type"] != "missing"), errs[0]))  # a bad value before a missing key
+    path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p for p in loc) or "(top level)"
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         import difflib
@@ -115,19 +143,24 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
         allowed = _allowed_keys(model, loc)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
+        return 0, f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
     if kind == "missing":
         choices = _choices(model, loc)
-        return f"{source}: {path}: required key is missing" + (f" (allowed: {', '.join(choices)})" if choices else "")
+        return 2, f"{source}: {path}: required key is missing" + (f" (allowed: {', '.join(choices)})" if choices
+                                                                  else "")
+    shown = short_repr(err.get("input"))
+    got = f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    if kind in _EXPECTED and any(e["type"] in ("model_type", "dataclass_type", "model_attributes_type")
+                                 for e in errs):  # "a valid dictionary or instance of TrainingConfig": its keys
+        keys = ", ".join(_allowed_keys(model, (*loc, "")))
+        ways = sorted((_EXPECTED[e["type"]] or f"a mapping of keys ({keys})" for e in errs if e["type"] in _EXPECTED),
+                      key=lambda w: w.startswith("a mapping of keys"))  # the scalar first, then the mapping
+        return 1, f"{source}: {path}: expected {' or '.join(dict.fromkeys(ways))}{got}"
     msg = msg.replace("Value error, ", "")
     keyed = _KEYED.match(msg)
     if path == "(top level)" and keyed and keyed.group(1) in model.model_fields:  # a cross-field check naming its key
-        return f"{source}: {msg}"
-    shown = short_repr(err.get("input"))
-    extra = (f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list))
-             and shown not in msg else "")
-    more = f" [+{len(errors) - 1} more]" if len(errors) > 1 else ""
-    return f"{source}: {path}: {msg}{extra}{more}"
+        return 1, f"{source}: {msg}"
+    return 1, f"{source}: {path}: {msg}{got if shown not in msg else ''}"
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> ScenarioConfig:
@@ -138,33 +171,39 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
         overrides: ``dotted.key=value`` strings (``--set``).
 
     Raises:
-        ScenarioError: anything wrong, in one line naming the file and key.
+        ScenarioError: anything wrong, one line per problem naming the file and key.
     """
     data = apply_overrides(read_yaml(path), list(overrides or []))
     try:
         cfg = scenario_from_dict(data, str(path))
     except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
-        msg = str(exc)
         keys = [o.split("=", 1)[0].strip() for o in overrides or []]
-        hit = next((k for k in keys if f": {k}:" in msg or f": {k} " in msg or f": {k}." in msg), None)
-        if hit is None:
+        lines = [_from_command_line(line, keys) for line in str(exc).split("\n")]
+        if lines == str(exc).split("\n"):
             raise
-        raise ScenarioError(f"{msg} (from the command line: {hit}=...)") from None
+        raise ScenarioError("\n".join(lines)) from None
     resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     return cfg
+
+
+def _from_command_line(line: str, keys: list[str]) -> str:
+    """``line`` (one problem) marked ``(from the command line: KEY=...)`` when it names a ``--set`` key of ``keys``."""
+    hit = next((k for k in keys if f": {k}:" in line or f": {k} " in line or f": {k}." in line), None)
+    return line if hit is None else f"{line} (from the command line: {hit}=...)"
 
 
 def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig:
     """Validate a scenario dict.
 
     Raises:
-        ScenarioError: the first validation error, in one line.
+        ScenarioError: every validation error, one line each (``format_validation_error``).
     """
     data = with_hf_path(data, source)
     try:
         return ScenarioConfig.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(_name_hf_keys(format_validation_error(exc, source, ScenarioConfig), data)) from None
+        raise ScenarioError("\n".join(_name_hf_keys(line, data) for line in
+                                      format_validation_error(exc, source, ScenarioConfig).split("\n"))) from None
 
 
 def _name_hf_keys(message: str, data: dict) -> str:

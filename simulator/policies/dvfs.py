@@ -161,6 +161,8 @@ class PhaseClockPlan:
 
 #: how ``DvfsRuntime.warnings`` starts its line (a study that keeps only its rows' figures picks these out)
 LIMIT_NOT_HELD = "dvfs: power limit"
+#: in a ``LIMIT_NOT_HELD`` warning: the firmware had not settled (the figures are of its transient, not of the cap)
+LIMIT_UNSETTLED = "while the firmware was still lowering the clock"
 
 
 @register_runtime("dvfs")
@@ -382,8 +384,8 @@ class DvfsRuntime:
         if self.ctl.limit_mhz <= floor:
             return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
                     f"supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
-        return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W while the firmware "
-                f"was still lowering the clock (now {self.ctl.limit_mhz:g} MHz; at most one step per "
+        return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W {LIMIT_UNSETTLED} "
+                f"(now {self.ctl.limit_mhz:g} MHz; at most one step per "
                 f"{self.period_s * 1e3:g} ms evaluation of the {self.window_s * 1e3:g} ms average power), so step "
                 f"time, energy and power are of that transient, not of the capped steady state: measure later steps "
                 f"(raise run.warmup_steps and run.steps)"]

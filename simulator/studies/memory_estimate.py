@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
-from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS, ZERO_HALF_GRAD_PRECISIONS
+from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -167,7 +167,8 @@ def chunk_passes_at_peak(schedule: str, p: int, m: int, rank: int, v: int, split
 
 def _peak_passes(schedule: str, p: int, m: int, rank: int, v: int,
                  split: tuple[int, ...]) -> tuple[int, int, bool, dict[int, int]]:
-    """``in_flight_passes`` plus the passes per local chunk at that peak."""
+    """``in_flight_passes`` plus the passes per local chunk at that peak (``chunk_passes_at_peak``), from one walk
+    of the stage's schedule (the memory estimate needs both)."""
     from simulator.graph.builders.pipeline import Action, stage_actions
 
     if p == 1:
@@ -251,23 +252,16 @@ def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
 
 def _grad_bytes(spec) -> int:
     """Bytes per element of a ``.grad`` without a sharding spec: 2 for DeepSpeed ZeRO-1/2 in bf16 / fp16
-    (``transformer.ZERO_HALF_GRAD_PRECISIONS``: the model dtype), else 4 (fp32)."""
-    return 2 if (spec.sharding is None and spec.zero_stage in (1, 2) and spec.grad_reduce_size > 1
-                 and spec.precision in ZERO_HALF_GRAD_PRECISIONS) else 4
+    (``TransformerSpec.zero_half_grads``: the model dtype), else 4 (fp32)."""
+    return 2 if spec.zero_half_grads else 4
 
 
 def _ipg_buffer(spec) -> tuple[float, bool]:
-    """DeepSpeed ZeRO-1/2's IPG gradient buffers, as the builder allocates them (``_GptBuilder._init_ipg``; source
-    microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``, ``DeepSpeedZeroOptimizer.backward``):
-    ``(bytes, at_reduction)``, ``spec.zero_ipg_buffers`` (2 with ``overlap_comm``, else 1) x ``reduce_bucket_size``
-    elements x the model dtype's bytes (``_grad_bytes``), from the first backward on; ``at_reduction``: a pipeline
-    stage without the LM head holds one buffer, only while the step's gradients are reduced. ``(0, False)``
-    without data-parallel ZeRO-1/2 or with ``contiguous_gradients: false``."""
-    if spec.sharding is not None or spec.zero_stage not in (1, 2) or spec.grad_reduce_size <= 1 \
-            or not spec.zero_ipg_buffers:
-        return 0.0, False
-    lazy = spec.pipeline_parallel_size > 1 and not spec.has_head
-    return float((1 if lazy else spec.zero_ipg_buffers) * spec.reduce_bucket_elements * _grad_bytes(spec)), lazy
+    """DeepSpeed ZeRO-1/2's IPG gradient buffers, as the builder allocates them (``TransformerSpec.zero_ipg``, the
+    rule both use): ``(bytes, at_reduction)``, that many buffers x ``reduce_bucket_size`` elements x the model
+    dtype's bytes (``_grad_bytes``); ``(0.0, False)`` without them."""
+    buffers, at_reduction = spec.zero_ipg
+    return float(buffers * spec.reduce_bucket_elements * _grad_bytes(spec)), at_reduction
 
 
 def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], float]:
@@ -358,7 +352,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     T = spec.micro_batch_size * spec.seq_length
     h, V = spec.hidden_size, spec.vocab_per_rank
     p, v, m = spec.pipeline_parallel_size, spec.virtual_pipeline_size, spec.num_micro_batches
-    passes, layers, after_backward = in_flight_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
+    passes, layers, after_backward, by_chunk = _peak_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
     sh = spec.sharding if spec.data_parallel_size > 1 else None
     bf16_gathered = sh is not None and sh.gathers and sh.param_bytes == 2  # the GEMMs read the gathered weights
     activations = layers * _layer_activation_bytes(spec, recompute, bf16_gathered)
@@ -374,7 +368,6 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                                                            if recompute == "selective" else 0)
         transient += max(mlp, score) - mlp
     block_transient = transient
-    by_chunk = chunk_passes_at_peak(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
     if spec.has_head:  # saved per pass in flight of the last model chunk (the only one with the head; with an
         # interleaved schedule the other chunks' passes hold none): fp32 log-softmax, the final norm's input and output
         activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))

@@ -2,8 +2,11 @@
 
 ``energy_time_pareto(cfg, clocks=[1980, 1600, 1200])`` runs the scenario once per setting (with a
 ``locked_clock`` or ``power_cap`` DVFS policy) and returns one row per setting: step time, energy
-per step, average power, energy per token and whether the point is on the energy-time Pareto
-frontier (no other point is at least as fast *and* at least as frugal, and strictly better in one).
+per step, average power, energy per token, whether its setting settled and whether the point is on the
+energy-time Pareto frontier (no other point is at least as fast *and* at least as frugal, and strictly
+better in one). A power cap the firmware was still stepping the clock down to during the measured steps
+(``settled`` false, warned) gives figures of that transient, not of the cap: the row is neither ranked
+optimal nor allowed to dominate another.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import pandas as pd
 from hardware_models.gpu import GpuSpec
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
-from simulator.policies.dvfs import LIMIT_NOT_HELD, requested_clock_mhz
+from simulator.policies.dvfs import LIMIT_NOT_HELD, LIMIT_UNSETTLED, requested_clock_mhz
 
 COLUMNS = ["setting", "value", "step_time_s", "energy_j_per_step", "avg_power_w", "energy_per_token_j",
-           "avg_sm_clock_mhz", "pareto"]
+           "avg_sm_clock_mhz", "settled", "pareto"]
 
 
 def pareto_mask(time_s: Iterable[float], energy_j: Iterable[float]) -> list[bool]:
@@ -45,7 +48,7 @@ def default_clocks(gpu: GpuSpec, n: int = 8) -> list[float]:
 
 def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = None,
                        power_caps: Iterable[float] | None = None) -> pd.DataFrame:
-    """Step time and energy per setting, with a Pareto flag.
+    """Step time and energy per setting, with a settled and a Pareto flag (``COLUMNS``; module docstring).
 
     Args:
         cfg: A validated scenario (its own ``dvfs`` section is replaced per point).
@@ -76,12 +79,16 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
     rows = []
     for setting, value, dvfs in points:
         s = run_scenario(cfg.model_copy(update={"dvfs": dvfs}), hw).summary
-        for w in s["warnings"]:
-            if LIMIT_NOT_HELD in w:  # the row's figures are not those of the setting's steady state
-                warnings.warn(f"{setting} {value:g}: {w}", stacklevel=2)
+        unheld = [w for w in s["warnings"] if LIMIT_NOT_HELD in w]
+        for w in unheld:  # the row's figures are not those of the setting's steady state
+            warnings.warn(f"{setting} {value:g}: {w}", stacklevel=2)
         rows.append({"setting": setting, "value": value, "step_time_s": s["step_time_s"],
                      "energy_j_per_step": s["energy_j_per_step"], "avg_power_w": s["avg_power_w"],
-                     "energy_per_token_j": s["energy_per_token_j"], "avg_sm_clock_mhz": s["avg_sm_clock_mhz"]})
+                     "energy_per_token_j": s["energy_per_token_j"], "avg_sm_clock_mhz": s["avg_sm_clock_mhz"],
+                     # a cap held only at the lowest clock is settled: its figures are of that steady state
+                     "settled": not any(LIMIT_UNSETTLED in w for w in unheld)})
     df = pd.DataFrame(rows, columns=COLUMNS[:-1])
-    df["pareto"] = pareto_mask(df.step_time_s, df.energy_j_per_step) if len(df) else []
+    ranked = df[df.settled] if len(df) else df
+    front = dict(zip(ranked.index, pareto_mask(ranked.step_time_s, ranked.energy_j_per_step)))
+    df["pareto"] = [front.get(i, False) for i in df.index]
     return df

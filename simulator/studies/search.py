@@ -242,9 +242,9 @@ def _isnan(v) -> bool:
 
 
 def _reason(exc: Exception, scenario: str | Path) -> str:
-    msg = str(exc)
+    """The refusal ``exc`` for a table cell: its problems (one a line) joined by ``; ``, without the file name."""
     prefix = f"{scenario}: "
-    return msg[len(prefix):] if msg.startswith(prefix) else msg
+    return "; ".join(line[len(prefix):] if line.startswith(prefix) else line for line in str(exc).split("\n"))
 
 
 def run_search(scenario: str | Path, space: dict[str, list], base_overrides: list[str] | None = None,

@@ -8,6 +8,7 @@ them without a checkout.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -403,6 +404,18 @@ def _get(summary: dict, dotted: str) -> float:
     return float(cur)
 
 
+def unknown_cases_message(bad: list[str], ids: list[str]) -> str:
+    """One line for the case names ``bad`` that begin no case of ``ids``: the closest name (``difflib``) and the
+    case families (each id up to its first ``.`` or ``-``; a name selects every case it begins), not every id."""
+    import difflib
+
+    stems = sorted({re.split(r"[.-]", i, maxsplit=1)[0] for i in ids}, key=str.lower)
+    close = difflib.get_close_matches(bad[0], sorted({*ids, *stems}), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"unknown validation case {', '.join(map(repr, bad))}; {hint}known: {', '.join(stems)} "
+            "(a name selects every case it begins)")
+
+
 def validation_table(names: list[str] | None = None) -> pd.DataFrame:
     """Run the cases and return one row per case with ``case_id, metric, measured, predicted, error``
     (``predicted / measured - 1``), ``tolerance, within, source, known_gap`` (the reason string of a
@@ -423,7 +436,7 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
     if names:
         bad = [n for n in names if not any(c.case_id.startswith(n) for c in cases)]
         if bad:
-            raise ScenarioError(f"unknown validation case(s) {bad}; known: {sorted({c.case_id for c in cases})}")
+            raise ScenarioError(unknown_cases_message(bad, [c.case_id for c in cases]))
         cases = [c for c in cases if any(c.case_id.startswith(n) for n in names)]
     import yaml
 

@@ -219,6 +219,27 @@ def test_a_power_limit_the_measured_steps_exceed_is_flagged():
     assert settled["step_time_s"] > short["step_time_s"] * 1.1  # what the short run understated
 
 
+def test_an_unsettled_power_cap_is_not_ranked_pareto_optimal(capsys):
+    """184M b8, caps 400 and 250 W over the bundled 4 steps: the 250 W cap is still settling (its 45.4 ms and
+    297 W are of the firmware's transient; test_a_power_limit_the_measured_steps_exceed_is_flagged): settled
+    false, not Pareto-optimal (it was: '*' beside its warning), shown '?'; the 400 W cap holds and ranks. With
+    12 steps (6 warm-up) both settle and both are on the front (slower and frugal, faster and hungrier)."""
+    from simulator.studies.pareto import energy_time_pareto
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = energy_time_pareto(load_scenario(B8), power_caps=[400, 250])
+    assert [str(w.message).startswith("power_limit_w 250: ") for w in caught] == [True]
+    assert df.settled.tolist() == [True, False] and df.pareto.tolist() == [True, False]
+    long = energy_time_pareto(load_scenario(B8, overrides=["run.steps=12", "run.warmup_steps=6"]),
+                              power_caps=[400, 250])
+    assert long.settled.tolist() == [True, True] and long.pareto.tolist() == [True, True]
+    assert main(["pareto", str(B8), "--power-caps", "400,250"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("? = power cap not settled in the measured steps, not ranked)")
+    assert out[2].split()[0] == "400" and out[2].endswith("*") and out[3].split()[0] == "250" and out[3].endswith("?")
+
+
 def test_an_unheld_power_limit_is_flagged_per_rank_class_and_in_pareto(capsys):
     dp8 = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
     over = ["model.num_layers=2", "training.micro_batch_size=1", "run.steps=2", "run.warmup_steps=1",

@@ -464,6 +464,28 @@ class TransformerSpec:
         return self.pipeline_parallel_size > 1 and (self.clip_grad > 0 or self.precision == "fp16")
 
     @property
+    def zero_half_grads(self) -> bool:
+        """DeepSpeed ZeRO-1/2 over data parallelism (no sharding spec) keeps the gradients in the model dtype,
+        2 bytes in bf16 / fp16 (``ZERO_HALF_GRAD_PRECISIONS``); False: fp32 ``.grad`` (or the sharding spec's)."""
+        return (self.sharding is None and self.zero_stage in (1, 2) and self.grad_reduce_size > 1
+                and self.precision in ZERO_HALF_GRAD_PRECISIONS)
+
+    @property
+    def zero_ipg(self) -> tuple[int, bool]:
+        """DeepSpeed ZeRO-1/2's IPG gradient buffers one rank holds (``_GptBuilder._init_ipg``; source
+        microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py``): ``(buffers, at_reduction)``,
+        each buffer ``reduce_bucket_elements`` gradient elements. ``zero_ipg_buffers`` (``contiguous_gradients``: 1,
+        2 with ``overlap_comm``) from the first backward on; ``at_reduction``: a pipeline stage without the LM head
+        (whose backward DeepSpeed's PipelineEngine runs itself) holds one, only while the step's gradients are
+        reduced. ``(0, False)`` without data-parallel ZeRO-1/2 (a sharding spec, one replica), with
+        ``contiguous_gradients: false`` or optimizer offload (``zero_ipg_buffers`` 0)."""
+        if self.sharding is not None or self.zero_stage not in (1, 2) or self.grad_reduce_size <= 1 \
+                or not self.zero_ipg_buffers:
+            return 0, False
+        lazy = self.pipeline_parallel_size > 1 and not self.has_head
+        return (1 if lazy else self.zero_ipg_buffers), lazy
+
+    @property
     def sp_regathers_inputs(self) -> bool:
         """Sequence parallelism saves the column-parallel layers' ``1 / t`` input shards and gathers them again in
         backward (Megatron's re-gather, with ``tp_async_backward``); False: the gathered inputs are kept."""
@@ -1167,33 +1189,37 @@ class _GptBuilder:
         parallelism. The compute stream waits for it. Returns the reduced tensor (identity at ``t = 1``)."""
         if self.tp == 1:
             return x
-        nbytes = self.w * self.T * self.s.hidden_size
-        if not self.sp:
-            self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x])
-            return x
-        y = self.e.fresh(f"{name}.rs")
-        if self.s.tp_comm_overlap != "none" and beside_gemm:  # beside the GEMM producing x, chunk by chunk
-            gemm = self.e.producer[x]
-            self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, out=[(y, nbytes // self.tp)],
-                        after=list(self.b.ops[gemm].deps), fused=self.s.tp_comm_overlap == "fused")
-            return y
-        self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=[(y, nbytes // self.tp)])
-        return y
+        return self._tp_reduce_op(name, x, beside_gemm=beside_gemm)[0]
 
     def _tp_reduce_beside(self, name: str, x: str, gemm: int) -> tuple[str, int]:
         """``_tp_reduce`` of the input gradient ``x`` of a column-parallel layer, issued right after its
         input-gradient GEMM ``gemm`` and not waited for by the next compute kernel (Megatron's asynchronous
         all-reduce / reduce-scatter beside the weight-gradient GEMM, ``tp_async_grad_reduce``). Returns the
         reduced tensor and the collective's id (the caller makes the compute stream wait for it)."""
-        nbytes = self.w * self.T * self.s.hidden_size
-        if self.sp:
-            y = self.e.fresh(f"{name}.rs")
-            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x],
-                            out=[(y, nbytes // self.tp)], after=[gemm])
-        else:
-            y = x
-            i = self.e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x], after=[gemm])
+        y, i = self._tp_reduce_op(name, x, after=[gemm])
         self.e.wait_for.remove(i)
+        return y, i
+
+    def _tp_reduce_op(self, name: str, x: str, beside_gemm: bool = False, after: list[int] | None = None
+                      ) -> tuple[str, int]:
+        """The collective of ``_tp_reduce`` / ``_tp_reduce_beside`` (``nbytes = w T h``): an in-place all-reduce of
+        ``x`` (which it then produces), or with sequence parallelism a reduce-scatter into a new ``[T / t, h]``
+        tensor. ``beside_gemm`` with ``tp_comm_overlap``: the reduce-scatter runs beside the GEMM producing ``x``,
+        chunk by chunk (after that GEMM's inputs, not reading ``x`` as one tensor); else it starts after ``after``
+        (default: the last compute kernel). Returns the reduced tensor and the collective's id; the compute
+        stream waits for it (``_tp_op``)."""
+        e = self.e
+        nbytes = self.w * self.T * self.s.hidden_size
+        if not self.sp:
+            i = e.producer[x] = self._tp_op(f"{name}.all_reduce", "all_reduce", nbytes, uses=[x], after=after)
+            return x, i
+        y = e.fresh(f"{name}.rs")
+        out = [(y, nbytes // self.tp)]
+        if self.s.tp_comm_overlap != "none" and beside_gemm:
+            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, out=out,
+                            after=list(self.b.ops[e.producer[x]].deps), fused=self.s.tp_comm_overlap == "fused")
+        else:
+            i = self._tp_op(f"{name}.reduce_scatter", "reduce_scatter", nbytes, uses=[x], out=out, after=after)
         return y, i
 
     def _tp_gather_beside(self, name: str, x: str, nbytes: int) -> str:
@@ -1201,8 +1227,7 @@ class _GptBuilder:
         column-parallel layer's input (``nbytes`` the gathered array) beside the input-gradient GEMM issued
         next; only the weight-gradient GEMM reading the result waits for it (Megatron ``_all_gather_base(...,
         async_op=True)`` in the column-parallel backward). Returns the gathered tensor."""
-        y = self.e.fresh(f"{name}.ag")
-        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)])
+        y, i = self._tp_gather_op(name, x, nbytes)
         self.e.wait_for.remove(i)
         return y
 
@@ -1221,15 +1246,20 @@ class _GptBuilder:
         column-parallel GEMM (forward) or a row-parallel backward. Identity without it."""
         if not self.sp:
             return x
-        nbytes = self.w * self.T * self.s.hidden_size
-        y = self.e.fresh(f"{name}.ag")
-        i = self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)],
-                        fused=self.s.tp_comm_overlap == "fused" and before_gemm)
+        y, i = self._tp_gather_op(name, x, self.w * self.T * self.s.hidden_size,
+                                  fused=self.s.tp_comm_overlap == "fused" and before_gemm)
         if self.s.tp_comm_overlap != "none" and before_gemm:  # the GEMM reading y runs beside it, chunk by chunk
             self.e.wait_for.remove(i)
             self.e.producer[y] = self.e.producer.get(x, -1)
             self._overlapped.append(i)
         return y
+
+    def _tp_gather_op(self, name: str, x: str, nbytes: int, fused: bool = False) -> tuple[str, int]:
+        """The all-gather of ``_tp_gather`` / ``_tp_gather_beside``: shard ``x`` into a new tensor of ``nbytes``
+        (the gathered array), after the last compute kernel (``fused``: inside a fused GEMM + collective kernel).
+        Returns the gathered tensor and the collective's id; the compute stream waits for it (``_tp_op``)."""
+        y = self.e.fresh(f"{name}.ag")
+        return y, self._tp_op(f"{name}.all_gather", "all_gather", nbytes, uses=[x], out=[(y, nbytes)], fused=fused)
 
     # -- rotary embeddings -----------------------------------------------------------------
     def _rope_fwd(self, qkv: str, width: int) -> str | None:
@@ -1803,7 +1833,7 @@ class _GptBuilder:
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:
-        """DeepSpeed ZeRO-1/2's IPG (independent partition gradient) buffers, ``spec.zero_ipg_buffers`` of
+        """DeepSpeed ZeRO-1/2's IPG (independent partition gradient) buffers, ``spec.zero_ipg`` (count, when) of
         ``reduce_bucket_size`` elements in the model dtype (``_grad_elem_bytes``: 2 in bf16 / fp16, 4 with fp32
         parameters), whatever the model's size. Source: microsoft/DeepSpeed@cde57d2
         ``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.backward`` allocates
@@ -1826,13 +1856,11 @@ class _GptBuilder:
           last.
         """
         s = self.s
-        on = s.zero_ipg_buffers > 0 and self.zero in (1, 2) and self.sh is None
-        lazy = on and s.pipeline_parallel_size > 1 and not s.has_head
-        self._ipg_bytes = (1 if lazy else s.zero_ipg_buffers) * s.reduce_bucket_elements * self._grad_elem_bytes \
-            if on else 0
+        buffers, lazy = s.zero_ipg  # the one rule, also the memory estimate's
+        self._ipg_bytes = buffers * s.reduce_bucket_elements * self._grad_elem_bytes
         self._ipg_lazy = lazy  # allocated by the first reduce-scatter, not by the backward
         self._ipg: str | None = None  # the live buffer
-        self._grads_in_ipg = on and self.zero == 2
+        self._grads_in_ipg = buffers > 0 and self.zero == 2
 
     def _in_ipg(self, numel: int) -> bool:
         """ZeRO-2 with IPG buffers: a gradient of ``numel`` elements is copied into the buffer (one larger than
@@ -1980,7 +2008,7 @@ class _GptBuilder:
         self._root_bucket: list[ParamGroup] = []
         #: bytes per element of a parameter's gradient tensor (and of its reduction)
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
-        if sh is None and self.zero in (1, 2) and s.precision in ZERO_HALF_GRAD_PRECISIONS:
+        if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None

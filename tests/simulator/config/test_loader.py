@@ -69,3 +69,17 @@ def test_validate_command_subset_and_unknown_case(capsys):
     assert rows[0]["within"] is True and rows[0]["known_gap"] is None
     assert main(["validate", "no_such_case"]) == 2
     assert "unknown validation case" in capsys.readouterr().err
+
+
+def test_an_unknown_validation_case_is_one_short_line(capsys):
+    """``validate NOPE``: one line naming it, the closest case and the case families (it printed all 41 ids)."""
+    from simulator.studies.validation import all_cases
+
+    stems = sorted({c.case_id.replace("-", ".").split(".")[0] for c in all_cases()}, key=str.lower)
+    assert "MLM20" in stems and "gpt_184m_b8" in stems and "gpt_184m_b8.step_time" not in stems
+    assert main(["validate", "NOPE"]) == 2
+    assert capsys.readouterr().err == (f"error: unknown validation case 'NOPE'; known: {', '.join(stems)} (a name "
+                                       "selects every case it begins)\n")
+    assert main(["validate", "gpt_184m_b9.step_time"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean 'gpt_184m_b8.step_time'?" in err and ".avg_power_w" not in err

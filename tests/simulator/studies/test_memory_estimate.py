@@ -208,6 +208,51 @@ def test_passes_in_flight_per_chunk_by_hand():
     assert chunk_passes_at_peak("1f1b", 4, 8, 3, 1, (2, 2, 2, 2)) == {0: 1}
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ipg_buffers_one_rule_for_the_builder_and_the_estimate(overlap):
+    """DeepSpeed ZeRO-1's IPG buffers on a PP2 x DP4 bf16 model, reduce_bucket_size R = 3e6 (the rule
+    ``TransformerSpec.zero_ipg``): stage 0 (no LM head; DeepSpeed's PipelineEngine runs its backward) holds one
+    buffer, only while the gradients are reduced; stage 1 (the head) 1 + overlap_comm buffers from the backward on.
+    The builder allocates exactly the bytes the estimate counts, R x 2 bytes each."""
+    from simulator.api import transformer_spec
+    from simulator.graph.builders.transformer import build_gpt_step
+    from simulator.studies.memory_estimate import _ipg_buffer
+
+    R = 3_000_000
+    cfg = load_scenario(TP2, ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=2",
+                              "training.global_batch_size=16", "training.micro_batch_size=2", f"{Z}.stage=1",
+                              "training.precision=bf16", f"{Z}.reduce_bucket_size={R}",
+                              f"{Z}.overlap_comm={str(overlap).lower()}"])
+    for rank, (buffers, lazy) in enumerate([(1, True), (2 if overlap else 1, False)]):
+        spec = transformer_spec(cfg, rank)
+        assert spec.zero_ipg == (buffers, lazy)
+        assert _ipg_buffer(spec) == (buffers * R * 2, lazy)
+        g = build_gpt_step(spec)
+        assert {t.nbytes for op in g.ops if op.name == "zero.ipg_buffer.alloc" for t in op.allocs} == {buffers * R * 2}
+    off = transformer_spec(load_scenario(TP2, [f"{Z}.stage=1", f"{Z}.contiguous_gradients=false"]))
+    assert off.zero_ipg == (0, False) and _ipg_buffer(off) == (0.0, False)
+
+
+def test_each_stage_walks_its_schedule_once(monkeypatch):
+    """The estimate of a PP4 interleaved model walks each stage's schedule (``pipeline.stage_actions``) once:
+    the passes in flight and their chunks come from one walk (it walked it twice: 8 walks for 4 stages)."""
+    from simulator.graph.builders import pipeline
+
+    walks = []
+    real = pipeline.stage_actions
+
+    def counted(schedule, p, m, rank, v):
+        walks.append(rank)
+        return real(schedule, p, m, rank, v)
+
+    monkeypatch.setattr(pipeline, "stage_actions", counted)
+    cfg = load_scenario(TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
+                              "ddp.use_distributed_optimizer=true"])
+    est = estimate_memory(cfg)
+    assert len(est.stages) == 4
+    assert sorted(walks) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("schedule", [["parallelism.pipeline_schedule=1f1b"],
                                       ["parallelism.pipeline_schedule=interleaved_1f1b",
                                        "parallelism.virtual_pipeline_model_parallel_size=2"]])
