@@ -232,7 +232,7 @@ def test_many_problems_are_capped_at_20(tmp_path, capsys, unknown, shown):
     ("zero_optimization.offload_optimizer=off", "zero_optimization.offload_optimizer: expected a mapping of keys "
      "(cpu_adam_impl, device, mode, pin_memory) (got 'off')"),
     ("hardware.gpu={preset: h200-sxm-141gb, overrides: {bogus: 1}}", "hardware.gpu: overrides: unknown key(s) bogus "
-     "(allowed: hbm_bandwidth_bytes_per_s, "),
+     "(allowed: fp8_gemm_tn_only, hbm_bandwidth_bytes_per_s, "),
 ])
 def test_a_section_of_the_wrong_type_names_its_keys_not_a_class(capsys, override, line):
     """A section given a scalar or a list: the key path and the keys it takes, never the schema's class names
