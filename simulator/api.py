@@ -377,7 +377,8 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     """The graph of one rank class among ``dp_classes`` per stage: its data-parallel collectives become
     rendezvous of the stage's classes (a collective starts when the last class's replica arrives, as the NCCL
     collective does), and its pipeline rendezvous (send/recv, cross-stage all-reduces) meet only the same
-    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``). FSDP HYBRID_SHARD:
+    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``); a ``world``
+    all-reduce (the distributed optimizer's gradient norm) meets every class of every stage. FSDP HYBRID_SHARD:
     a ``dp_shard`` collective (inside one node) meets only the ``shard_parties`` classes of its ``shard_group``
     (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class."""
     if dp_classes == 1:
@@ -385,13 +386,15 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     ops = []
     for op in graph.ops:
         m = op.meta
-        if m and "rendezvous" in m:
+        if m and "rendezvous" in m and m.get("group") == "world":  # every class of every stage meets there
+            op = dataclasses.replace(op, meta={**m, "parties": m["parties"] * dp_classes})
+        elif m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
         elif m and m.get("group") == "dp_shard" and shard_parties:
             if shard_group is not None and shard_parties > 1:
                 op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
                                                    "parties": shard_parties})
-        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp"):
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp", "world"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
     return graph.with_changes(ops=tuple(ops))

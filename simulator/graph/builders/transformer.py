@@ -1694,10 +1694,10 @@ class _GptBuilder:
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        if s.clip_grad > 0:
+        if s.clip_grad > 0 and not self._megatron_optimizer:
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))
-        else:  # no norm: the optimizer waits for the last point-to-point calls and the embedding all-reduce itself
-            self.tp_ops.extend(calls)
+        else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
+            self.tp_ops.extend(calls)  # optimizer: its norm and found-inf all-reduces, _grad_stats_all_reduce)
 
     def _pp_all_reduce(self, what: str, deps: list[int]) -> int:
         """One fp32 value all-reduced over every pipeline rank (``pp.<what>.all_reduce``, a rendezvous of all
@@ -1737,10 +1737,13 @@ class _GptBuilder:
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
-            if self.tp > 1:
-                chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
-            if s.pipeline_step_end_sync and s.clip_grad == 0:  # over the model-parallel group (tp x pp)
-                chk = self._pp_all_reduce("found_inf", [chk])
+            if self._megatron_optimizer:  # over Megatron's grad-stats group (model parallel, or the world)
+                chk = self._grad_stats_all_reduce("loss_scale.found_inf", [chk])[-1]
+            else:
+                if self.tp > 1:
+                    chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
+                if s.pipeline_step_end_sync and s.clip_grad == 0:  # over the pipeline stages
+                    chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
         if s.optimizer_impl in ("single", "foreach"):  # one kernel per pass (fp32 parameters: the schema's rule)
@@ -2050,14 +2053,52 @@ class _GptBuilder:
         ``multi_tensor_scale``, read + write 4 bytes per element) runs only when ``max_norm / total_norm < 1``: not
         priced, a converged run's norm stays under ``clip_grad`` (assumed; the logs of the validated runs do not
         give it). Newer releases with Transformer Engine's ``multi_tensor_scale_tensor`` scale every step without
-        the ``.item()``: not modelled. The norm's all-reduce: ``_pipeline_syncs`` (pipeline stages; the TP / DP
-        all-reduce of one value is not priced). The shared (tied) and TP-duplicated params excluded from the norm
+        the ``.item()``: not modelled. The norm's all-reduce: ``_grad_stats_all_reduce`` (model-parallel group, or
+        the world with the distributed optimizer). The shared (tied) and TP-duplicated params excluded from the norm
         are counted (a few norm weights). Returns the deps of the optimizer kernel."""
         e = self.e
         norm = e.kernel("clip_grad.l2norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads, deps=deps,
                         dtype="fp32")
-        return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host", deps=[norm], phase=Phase.OPT,
+        return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host",
+                           deps=self._grad_stats_all_reduce("clip_grad.total_norm", [norm]), phase=Phase.OPT,
                            launch=False)]
+
+    def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
+        """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,
+        after ``deps``, over the group Megatron reduces its gradient statistics over; returns the deps of what
+        follows (``deps`` itself when that group is this rank alone).
+
+        The group (NVIDIA/Megatron-LM megatron/core/optimizer/clip_grads.py ``get_grad_norm_fp32``, all-reduce
+        over ``grad_stats_parallel_group``, formerly ``model_parallel_group``; optimizer.py
+        ``_unscale_main_grads_and_check_for_nan``, the found-inf all-reduce over the same group): the
+        model-parallel group (tp x pp ranks; the gradients are whole on every data-parallel replica), or, with
+        the distributed optimizer (each rank's main grads a 1/dp shard), every rank (``DistributedOptimizer
+        .get_model_parallel_group`` returns None, the default world group; the ``get_grad_stats_parallel_group``
+        of newer releases is the same world). Modelled as one 4-byte NCCL all-reduce (latency-bound):
+
+        * ``world``: the distributed optimizer (group ``world``, stream ``comm.world``);
+        * ``mp`` / ``pp``: pipeline stages, with TP (the tp x pp ranks) or without (the stage representatives);
+        * ``tp``: one stage with TP (``_tp_op``); one rank: nothing.
+
+        With pipeline stages it is a rendezvous of every stage (of every data-parallel rank class with the world
+        group, ``api._meet_across_classes``): the ranks start it together, so a straggler delays every stage's
+        optimizer. Expert-parallel MoE ranks (Megatron's separate expert grad-stats group) are not told apart."""
+        s, p = self.s, self.s.pipeline_parallel_size
+        if self.sh is not None and self.sh.strategy == "distributed_optimizer":
+            group = "world"
+        elif p > 1:
+            group = "mp" if self.tp > 1 else "pp"
+        elif self.tp > 1:
+            return [self._tp_op(f"{what}.all_reduce", "all_reduce", 4, deps=deps, dtype="fp32")]
+        else:
+            return deps
+        meta = {"collective": "all_reduce", "bytes": 4, "group": group}
+        if group == "pp":
+            meta["pp_ranks"] = tuple(range(p))
+        if p > 1:
+            meta |= {"rendezvous": (group, what), "parties": p}
+        return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
+                           phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
 
     def _copy_main_params_to_model(self, n: float, adam: int) -> None:
         """Megatron ``_copy_main_params_to_model_params`` after the fused AdamW: the ``n`` updated fp32 main params
