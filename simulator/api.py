@@ -18,7 +18,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig
+from simulator.config.schema import ScenarioConfig, clip_grad_of
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.lora import LoraSpec, trainable_parameters
@@ -48,7 +48,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
-        precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=t.clip_grad,
+        precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),

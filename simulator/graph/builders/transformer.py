@@ -153,10 +153,13 @@ class TransformerSpec:
             ``DecoupledAdamW``: the same passes, sqrt and div into new tensors, ``"torch_single"``, 80 bytes per
             fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
             multi-tensor-apply chunk (foreach) launches are not counted.
-        clip_grad: Megatron-LM ``--clip-grad`` (0: no clipping). With ``p > 1`` and a value above 0 every pipeline
-            rank joins the gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's
-            found-inf all-reduce joins them. Megatron's optimizer (bf16 / fp16 outside ZeRO / FSDP) then prices the
-            norm kernel (``_GptBuilder._clip_grad_norm``); other frameworks' ``clip_grad_norm_`` is not priced.
+        clip_grad: Gradient-clipping max norm (0: no clipping), the framework's kernels. Megatron's optimizer (bf16
+            / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
+            group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
+            ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). Otherwise
+            (torch DDP, DeepSpeed ZeRO) no kernel is priced; with ``p > 1`` every pipeline rank then joins a
+            gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's found-inf
+            all-reduce joins them.
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -449,7 +452,8 @@ class TransformerSpec:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
         gradient norm with ``clip_grad > 0``, else fp16's found-inf check; False with one stage, or bf16 without
         clipping (a stage that ends a step early starts the next one)."""
-        return self.pipeline_parallel_size > 1 and (self.clip_grad > 0 or self.precision == "fp16")
+        fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
+        return self.pipeline_parallel_size > 1 and ((self.clip_grad > 0 and not fsdp) or self.precision == "fp16")
 
     @property
     def sp_regathers_inputs(self) -> bool:
@@ -1694,8 +1698,8 @@ class _GptBuilder:
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        if s.clip_grad > 0 and not self._megatron_optimizer:
-            self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))
+        if s.clip_grad > 0 and not self._megatron_optimizer and not (self.sh is not None and self.sh.unit_buckets):
+            self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
         else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
             self.tp_ops.extend(calls)  # optimizer: its norm and found-inf all-reduces, _grad_stats_all_reduce)
 
@@ -1746,6 +1750,8 @@ class _GptBuilder:
                     chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
+        if self._fsdp_clips:
+            deps = self._fsdp_clip_grad_norm(P * share, grads, deps)
         if s.optimizer_impl in ("single", "foreach"):  # one kernel per pass (fp32 parameters: the schema's rule)
             for k, ps in enumerate(adamw_passes(f"torch_{s.optimizer_impl}")):
                 deps = [e.kernel(f"adamw.{k}.{ps.name.split('(')[0]}", C.OPTIMIZER, reads=ps.read_bytes * P * share,
@@ -2062,6 +2068,34 @@ class _GptBuilder:
         return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host",
                            deps=self._grad_stats_all_reduce("clip_grad.total_norm", [norm]), phase=Phase.OPT,
                            launch=False)]
+
+    @property
+    def _fsdp_clips(self) -> bool:
+        """FSDP's ``clip_grad_norm_`` runs before the optimizer: ``clip_grad > 0`` with an FSDP sharding strategy
+        (``_fsdp_clip_grad_norm``)."""
+        return self.s.clip_grad > 0 and self.sh is not None and self.sh.unit_buckets
+
+    def _fsdp_clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
+        """PyTorch FSDP ``FullyShardedDataParallel.clip_grad_norm_(max_norm)`` over the ``n`` gradient elements of
+        this rank's shard (fp32: the sharded gradient is in the parameters' dtype, fp32 with
+        ``amp_fp32_params``), before the optimizer; returns the optimizer's deps. Source: pytorch/pytorch
+        torch/distributed/fsdp/fully_sharded_data_parallel.py ``clip_grad_norm_`` (releases 2.0-2.4) and
+        ``_get_grad_norm``: a ``torch.linalg.vector_norm`` of each local gradient in fp32 (read 4 B per element,
+        2 FLOPs) then of their stack, the sum of squares all-reduced over the FSDP process group (every shard rank;
+        unconditional, NO_SHARD's local norm added after it), ``clip_coef = max_norm / (total_norm + 1e-6)`` clamped
+        at 1 on the device, then ``grad.mul_(clip_coef_clamped)`` on every gradient whatever the norm (read +
+        write 4 B per element). No host read of the norm (no ``.item()``): the host does not wait. Priced as one
+        norm kernel, the 4-byte all-reduce and one ``mul_`` kernel: the per-tensor launches (one norm and one
+        ``mul_`` per flat parameter) and the scalar kernels (stack, pow, add, div, clamp) are not counted.
+        Composer's ``gradient_clipping`` algorithm with ``clipping_type: norm`` calls it on FSDP models
+        (mosaicml/composer composer/algorithms/gradient_clipping/gradient_clipping.py)."""
+        e = self.e
+        norm = e.kernel("fsdp.clip_grad.norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads,
+                        deps=deps, dtype="fp32")
+        ar = self._collective("fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, [norm], Phase.OPT,
+                              group=self._shard_group)
+        return [e.kernel("fsdp.clip_grad.mul", C.ELEMENTWISE, reads=4 * n, writes=4 * n, flops=n, uses=grads,
+                         deps=[ar], dtype="fp32")]
 
     def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
         """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,
