@@ -633,6 +633,14 @@ class ScenarioConfig(_Model):
         if ddp.use_distributed_optimizer and z.stage > 0:
             raise ValueError(f"ddp.use_distributed_optimizer: exclusive with zero_optimization.stage {z.stage} "
                              "(allowed: one of them)")
+        acc = ddp.accumulate_allreduce_grads_in_fp32
+        if acc is not None and (prec not in ("bf16", "fp16") or z.stage > 0 or f is not None
+                                or self.training.lora is not None):
+            raise ValueError("ddp.accumulate_allreduce_grads_in_fp32 is Megatron-LM's: it needs training.precision "
+                             "bf16 or fp16 without zero_optimization.stage, fsdp or training.lora (allowed: omit it)")
+        if acc is False and prec == "bf16":
+            raise ValueError("ddp.accumulate_allreduce_grads_in_fp32: false with training.precision bf16: Megatron-LM "
+                             "forces it on for bf16 (allowed: true, or omit it)")
         if ddp.overlap_param_gather and not ddp.use_distributed_optimizer:
             raise ValueError("ddp.overlap_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM)")
         if dp > 1 and z.stage == 3:

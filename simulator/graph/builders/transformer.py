@@ -160,6 +160,10 @@ class TransformerSpec:
             (torch DDP, DeepSpeed ZeRO) no kernel is priced; with ``p > 1`` every pipeline rank then joins a
             gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's found-inf
             all-reduce joins them.
+        accumulate_allreduce_grads_in_fp32: Megatron-LM ``--accumulate-allreduce-grads-in-fp32`` (default off;
+            forced on with bf16): with fp16 and Megatron's optimizer, off keeps the contiguous grad buffer, its
+            accumulation and its data-parallel reduction in fp16 (2 B per parameter) and casts the grads into fp32
+            main grads before the step (``_GptBuilder._copy_model_grads_to_main_grads``); on: fp32 (4 B).
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -263,6 +267,7 @@ class TransformerSpec:
     precision: str = "amp_fp32_params"
     optimizer_impl: str = "fused"
     clip_grad: float = 1.0
+    accumulate_allreduce_grads_in_fp32: bool = False
     recompute: str = "none"
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -1453,7 +1458,8 @@ class _GptBuilder:
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
         if self.dp and self.zero == 0:
-            b.persistent("grad.ddp_buckets", 4 * P)  # DDP's flat bucket buffers (fp32, all parameters)
+            # DDP's flat bucket buffers (all parameters; fp32, or Megatron's fp16 buffer: _fp16_grad_buffer)
+            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)
 
     def _forward(self, chunk: int, mb: int) -> dict:
         """Forward of micro-batch ``mb`` through local chunk ``chunk``: the embedding on model chunk 0 (else
@@ -1738,6 +1744,8 @@ class _GptBuilder:
         reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
+        if self._fp16_grad_buffer:
+            grads, deps = self._copy_model_grads_to_main_grads(P * share, grads, deps)
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
@@ -1960,6 +1968,8 @@ class _GptBuilder:
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
         if sh is None and self.zero in (1, 2) and s.precision in ZERO_HALF_GRAD_PRECISIONS:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
+        if self._fp16_grad_buffer:
+            self._grad_elem_bytes = 2
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
         if sh is not None and sh.gathers:
@@ -2010,7 +2020,7 @@ class _GptBuilder:
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
             b.persistent(f"params.{half}", 2 * P)
             b.persistent("params.master_fp32", 4 * Ps)
-            b.persistent("grad.ddp_buckets", 4 * P)
+            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)  # fp32, or fp16 (_fp16_grad_buffer)
         elif st == "zero3":  # 16-bit partition + gradient partition + fp32 master (ZeRO paper (2 + 2 + K) Psi / Nd)
             b.persistent(f"params.{half}.partition", 2 * Ps)
             if self.pg.persistent_numel:
@@ -2036,6 +2046,33 @@ class _GptBuilder:
         s = self.s
         return (s.precision in MEGATRON_DDP_PRECISIONS and s.zero_stage == 0 and s.lora is None
                 and (self.sh is None or self.sh.strategy == "distributed_optimizer"))
+
+    @property
+    def _fp16_grad_buffer(self) -> bool:
+        """Megatron's optimizer with fp16 and without ``--accumulate-allreduce-grads-in-fp32``: the contiguous grad
+        buffer (``main_grad``) is in the parameters' dtype, fp16, so the gradients are accumulated over the
+        micro-batches and all-reduced (or reduce-scattered) in fp16, 2 bytes per element. Source:
+        NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
+        store_true, forced on only with ``--bf16``), megatron/model/distributed.py ``_get_buffer_type``
+        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``), megatron/core/distributed
+        ``grad_reduce_in_fp32`` in later releases; the 2020 code (apex-style FP16_Optimizer) kept the fp16
+        ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by default)."""
+        s = self.s
+        return s.precision == "fp16" and not s.accumulate_allreduce_grads_in_fp32 and self._megatron_optimizer
+
+    def _copy_model_grads_to_main_grads(self, n: float, grads: list[str], deps: list[int]):
+        """Megatron ``_copy_model_grads_to_main_grads`` with an fp16 grad buffer (``_fp16_grad_buffer``):
+        ``main_param.grad = model_param.main_grad.float()`` for the ``n`` gradient elements this rank updates (its
+        shard with the distributed optimizer), read 2 + write 4 bytes each, into fresh fp32 main grads that the
+        unscale, the norm and the AdamW read. Source: NVIDIA/Megatron-LM megatron/optimizer/optimizer.py
+        ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads`` (distrib_optimizer.py: the shard's
+        ``shard_model_grad.float()``); with an fp32 buffer ``.float()`` returns the tensor itself (no kernel).
+        Returns ``(grads, deps)`` for the optimizer."""
+        e = self.e
+        main = e.fresh("grad.main_fp32")
+        i = e.kernel("megatron.copy_model_grads_to_main_grads", C.CAST, reads=2 * n, writes=4 * n, flops=n,
+                     out=[(main, 4 * n)], uses=grads, deps=deps, dtype="fp32")
+        return [main], [i]
 
     def _zero_grad_buffer(self) -> None:
         """Megatron: ``model_chunk.zero_grad_buffer()`` at the start of every step, a memset of the rank's whole
