@@ -591,6 +591,28 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
             f"communication missing)")
 
 
+def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
+    """The gradient-norm work a scenario's framework does that is not priced (``training.clip_grad``): DeepSpeed
+    ZeRO-1/2 computes the norm every step whatever ``gradient_clipping`` (microsoft/DeepSpeed
+    deepspeed/runtime/zero/stage_1_and_2.py ``step``: ``scaled_global_norm``, ``unscale_and_clip_grads``); a
+    ``clip_grad`` given for a PyTorch loop without FSDP (torch.nn.utils ``clip_grad_norm_``)."""
+    if cfg is None:
+        return []
+    t, z = cfg.training, cfg.zero_optimization
+    shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+    if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none":
+        return [f"zero_optimization.stage {z.stage}: DeepSpeed's step computes the global gradient norm every step "
+                "(an fp64 norm of each 16-bit gradient of the partition, all-reduced over the data-parallel group) and "
+                "unscales / clips the fp32 gradient partition (mul_), whatever gradient_clipping: neither is priced "
+                "(about 26 bytes per parameter of the partition)"]
+    megatron = t.precision in ("bf16", "fp16") and z.stage == 0 and cfg.fsdp is None and t.lora is None
+    if t.clip_grad and cfg.fsdp is None and z.stage == 0 and not megatron:
+        return [f"training.clip_grad {t.clip_grad}: with training.precision {t.precision} (no fsdp) the loop's "
+                "clip_grad_norm_ kernels (a norm over every gradient, a mul_ by the clip coefficient) are not priced; "
+                "with pipeline stages only its cross-stage all-reduce is"]
+    return []
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -669,6 +691,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             if prof.startswith("generic:") and not any(prof in w for w in out):
                 out.append(f"rank_overrides: {who}: " + _generic_profile_note(prof))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
+    out.extend(_clip_grad_warnings(cfg))
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "

@@ -79,3 +79,32 @@ def test_step_grows_by_the_clip_kernels():
     # no launch cost: the step grows by exactly the three ops' time (the optimizer waits for the mul_)
     grow = on.summary["step_time_s"] - off.summary["step_time_s"]
     assert grow == pytest.approx(clip, rel=1e-6)
+
+
+def test_unpriced_norms_are_flagged():
+    from simulator.api import run_warnings
+    from simulator.config.loader import resolve_hardware
+
+    def warns(d):
+        cfg = scenario_from_dict(d)
+        return [w for w in run_warnings(resolve_hardware(cfg), cfg) if "norm" in w and "clip" in w]
+
+    # DeepSpeed ZeRO-1/2 computes its norm every step, whatever gradient_clipping
+    d = copy.deepcopy(BASE)
+    del d["fsdp"]
+    d["training"]["precision"] = "bf16"
+    d["zero_optimization"] = {"stage": 2}
+    assert len(warns(d)) == 1 and "zero_optimization.stage 2" in warns(d)[0]
+    # a PyTorch loop without FSDP given a clip_grad: its clip_grad_norm_ is not priced
+    d = copy.deepcopy(BASE)
+    del d["fsdp"]
+    assert warns(d) == []  # not given: no clipping assumed to be asked for
+    d["training"]["clip_grad"] = 1.0
+    assert len(warns(d)) == 1 and "training.clip_grad 1.0" in warns(d)[0]
+    # priced: FSDP's and Megatron's
+    d = copy.deepcopy(BASE)
+    d["training"]["clip_grad"] = 1.0
+    assert warns(d) == []
+    del d["fsdp"]
+    d["training"]["precision"] = "bf16"
+    assert warns(d) == []
