@@ -153,7 +153,8 @@ class TransformerSpec:
             ``DecoupledAdamW``: the same passes, sqrt and div into new tensors, ``"torch_single"``, 80 bytes per
             fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
             multi-tensor-apply chunk (foreach) launches are not counted.
-        clip_grad: Gradient-clipping max norm (0: no clipping), the framework's kernels. Megatron's optimizer (bf16
+        clip_grad: Gradient-clipping max norm (0: no clipping; None: the framework's default, 0 with an FSDP
+            ``sharding``, else Megatron's 1.0), the framework's kernels. Megatron's optimizer (bf16
             / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
             group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
             ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). Otherwise
@@ -266,7 +267,7 @@ class TransformerSpec:
     bias: bool = True
     precision: str = "amp_fp32_params"
     optimizer_impl: str = "fused"
-    clip_grad: float = 1.0
+    clip_grad: float | None = None
     accumulate_allreduce_grads_in_fp32: bool = False
     recompute: str = "none"
     data_parallel_size: int = 1
@@ -323,6 +324,9 @@ class TransformerSpec:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
         size not dividing the heads or the FFN, sequence parallelism with ``t`` not dividing ``s``, tensor
         parallelism with ``amp_fp32_params``."""
+        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP, else Megatron's
+            object.__setattr__(self, "clip_grad", 0.0 if self.sharding is not None and self.sharding.unit_buckets
+                               else 1.0)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
                      "tensor_parallel_size"):
