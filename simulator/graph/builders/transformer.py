@@ -1682,11 +1682,11 @@ class _GptBuilder:
 
     def _pipeline_syncs(self) -> None:
         """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
-        pipeline ranks are all-reduced (fp32; Megatron-LM ``_allreduce_word_embedding_grads``), then, with
-        ``clip_grad > 0`` (Megatron-LM's default 1.0), every pipeline rank joins the gradient-norm all-reduce of
-        ``clip_grad_norm`` (one fp32 value over the model-parallel group, megatron/core/optimizer/clip_grads.py
-        ``get_grad_norm_fp32``; with fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins
-        them instead).
+        pipeline ranks are all-reduced (the ``main_grad``: fp32, fp16 with ``_fp16_grad_buffer``; Megatron-LM
+        ``_allreduce_word_embedding_grads``), then, with ``clip_grad > 0`` (Megatron-LM's default 1.0) outside
+        Megatron's optimizer and FSDP, every pipeline rank joins a gradient-norm all-reduce (one fp32 value; with
+        fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins them instead). Megatron's
+        optimizer reduces its norm and found-inf flag itself, after the local norm (``_grad_stats_all_reduce``).
 
         The rendezvous makes the *optimizer start* together on every stage, not the step end: each stage then
         runs its own optimizer (stage 0 and the last stage hold the embedding and the LM head, so theirs is
@@ -1701,9 +1701,10 @@ class _GptBuilder:
         calls = [*self._last_call, *self._detached]
         deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
-            nbytes = 4 * s.vocab_per_rank * s.hidden_size
+            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            nbytes = gb * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
-                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
+                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype=dt,
                                     meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
@@ -1729,14 +1730,15 @@ class _GptBuilder:
             shd.sp_unit_grads(self, self._bucket)
 
     def _sequence_parallel_grads(self) -> None:
-        """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
-        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
+        """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, fp16 with
+        ``_fp16_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
         FSDP: per unit, ``_unit_sp_grads``)."""
         if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
+            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
-                                           4 * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
-                                           dtype="fp32"))
+                                           gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
+                                           dtype=dt))
 
     def _optimizer(self) -> None:
         s, e = self.s, self.e

@@ -132,3 +132,28 @@ def test_accumulate_flag_bad_input_is_one_line(tmp_path, extra, needle):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "ddp.accumulate_allreduce_grads_in_fp32" in err[0] and needle in err[0]
+
+
+def test_fp16_buffer_halves_the_main_grad_reductions_outside_the_buckets():
+    # sequence parallelism's LayerNorm / bias grads (TP all-reduce) and the tied embedding's (pipeline ends) are
+    # main_grad reductions too: fp16 with the fp16 buffer, fp32 with --accumulate-allreduce-grads-in-fp32
+    def ln(flag):
+        ops = _ops(precision="fp16", tensor_parallel_size=2, sequence_parallel=True,
+                   accumulate_allreduce_grads_in_fp32=flag)
+        o = next(o for o in ops.values() if "layernorm_grads.all_reduce" in o.name)
+        return o.meta["bytes"], o.dtype
+    # 2 layers x (2 LN x 2h + 2 row-parallel biases x h) + the final LN 2h, h = 64: 2 x 384 + 128 = 896 elements
+    assert ln(True) == (4 * 896, "fp32") and ln(False) == (2 * 896, "fp16")
+
+    import copy
+
+    from simulator.api import build_graph
+    from simulator.config.loader import scenario_from_dict
+    from tests.simulator.graph.test_pipeline_parallel import BASE
+    for flag, eb in ((None, 2), (True, 4)):
+        d = copy.deepcopy(BASE)
+        d["training"]["precision"] = "fp16"
+        if flag is not None:
+            d["ddp"] = {"accumulate_allreduce_grads_in_fp32": flag}
+        op = next(o for o in build_graph(scenario_from_dict(d), 0).ops if o.name == "pp.embedding_grads.all_reduce")
+        assert op.meta["bytes"] == eb * 1024 * 512  # V 1024 x h 512 (tp 1: no vocabulary padding)
