@@ -19,7 +19,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig
+from simulator.config.schema import ScenarioConfig, clip_grad_of
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -50,7 +50,8 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
-        precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=t.clip_grad,
+        precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
+        accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -404,7 +405,8 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     """The graph of one rank class among ``dp_classes`` per stage: its data-parallel collectives become
     rendezvous of the stage's classes (a collective starts when the last class's replica arrives, as the NCCL
     collective does), and its pipeline rendezvous (send/recv, cross-stage all-reduces) meet only the same
-    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``). FSDP HYBRID_SHARD:
+    class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``); a ``world``
+    all-reduce (the distributed optimizer's gradient norm) meets every class of every stage. FSDP HYBRID_SHARD:
     a ``dp_shard`` collective (inside one node) meets only the ``shard_parties`` classes of its ``shard_group``
     (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class."""
     if dp_classes == 1:
@@ -412,13 +414,15 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     ops = []
     for op in graph.ops:
         m = op.meta
-        if m and "rendezvous" in m:
+        if m and "rendezvous" in m and m.get("group") == "world":  # every class of every stage meets there
+            op = dataclasses.replace(op, meta={**m, "parties": m["parties"] * dp_classes})
+        elif m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
         elif m and m.get("group") == "dp_shard" and shard_parties:
             if shard_group is not None and shard_parties > 1:
                 op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
                                                    "parties": shard_parties})
-        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp"):
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp", "world"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
     return graph.with_changes(ops=tuple(ops))
@@ -614,6 +618,28 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
             f"communication missing)")
 
 
+def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
+    """The gradient-norm work a scenario's framework does that is not priced (``training.clip_grad``): DeepSpeed
+    ZeRO-1/2 computes the norm every step whatever ``gradient_clipping`` (microsoft/DeepSpeed
+    deepspeed/runtime/zero/stage_1_and_2.py ``step``: ``scaled_global_norm``, ``unscale_and_clip_grads``); a
+    ``clip_grad`` given for a PyTorch loop without FSDP (torch.nn.utils ``clip_grad_norm_``)."""
+    if cfg is None:
+        return []
+    t, z = cfg.training, cfg.zero_optimization
+    shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+    if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none":
+        return [f"zero_optimization.stage {z.stage}: DeepSpeed's step computes the global gradient norm every step "
+                "(an fp64 norm of each 16-bit gradient of the partition, all-reduced over the data-parallel group) and "
+                "unscales / clips the fp32 gradient partition (mul_), whatever gradient_clipping: neither is priced "
+                "(about 26 bytes per parameter of the partition)"]
+    megatron = t.precision in ("bf16", "fp16") and z.stage == 0 and cfg.fsdp is None and t.lora is None
+    if t.clip_grad and cfg.fsdp is None and z.stage == 0 and not megatron:
+        return [f"training.clip_grad {t.clip_grad}: with training.precision {t.precision} (no fsdp) the loop's "
+                "clip_grad_norm_ kernels (a norm over every gradient, a mul_ by the clip coefficient) are not priced; "
+                "with pipeline stages only its cross-stage all-reduce is"]
+    return []
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -692,6 +718,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             if prof.startswith("generic:") and not any(prof in w for w in out):
                 out.append(f"rank_overrides: {who}: " + _generic_profile_note(prof))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
+    out.extend(_clip_grad_warnings(cfg))
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "

@@ -347,16 +347,21 @@ class TrainingConfig(_Model):
         "amax_history_len; Megatron's default 1): fp32 amax entries kept per fp8 tensor, read and rolled by the scale "
         "update after each forward and backward.")
     optimizer: OptimizerConfig = OptimizerConfig()
-    clip_grad: float = Field(
-        default=1.0, ge=0.0, description="Megatron-LM --clip-grad (default 1.0; 0: no clipping): the gradient "
-        "norm of clip_grad_norm, all-reduced over the model-parallel group before the optimizer. With pipeline "
-        "parallelism it is the cross-stage sync that makes the optimizer start together on every stage; with 0 and "
-        "bf16 there is none (fp16 keeps the found-inf all-reduce), and a stage that ends its step early (the last "
-        "stage, after its cool-down) starts the next one: step_latency_s exceeds step_time_s by that overlap. With "
-        "Megatron's optimizer (precision bf16 / fp16 without DeepSpeed ZeRO or FSDP) the norm kernel is priced "
-        "(multi_tensor_l2norm, 4 B per fp32 main grad of the rank, then total_norm.item()); the clip's rescale "
-        "(only when the norm exceeds clip_grad) is not. PyTorch / FSDP / DeepSpeed clip_grad_norm_ is not priced "
-        "whatever this value (the default 1.0 is Megatron's).")
+    clip_grad: float | None = Field(
+        default=None, ge=0.0, description="Gradient clipping by the global L2 norm, max norm (0: none); the "
+        "framework of the scenario decides the kernels. Megatron-LM --clip-grad (default 1.0; the default here "
+        "without fsdp): with Megatron's optimizer (precision bf16 / fp16 without DeepSpeed ZeRO or FSDP) the norm "
+        "kernel (multi_tensor_l2norm, 4 B per fp32 main grad of the rank), its 4-byte all-reduce over the "
+        "model-parallel group (tp x pp; every rank with ddp.use_distributed_optimizer) and total_norm.item(); the "
+        "clip's rescale (only when the norm exceeds clip_grad) is not priced. With pipeline parallelism that "
+        "all-reduce is the cross-stage sync that makes the optimizer start together on every stage; with 0 and bf16 "
+        "there is none (fp16 keeps the found-inf all-reduce), and a stage that ends its step early (the last "
+        "stage, after its cool-down) starts the next one: step_latency_s exceeds step_time_s by that overlap. "
+        "With fsdp (default 0: FSDP clips only when the loop calls it): FullyShardedDataParallel.clip_grad_norm_"
+        "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
+        "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
+        "clip coefficient's mul_ on every grad (8 B), no host sync. torch DDP and DeepSpeed ZeRO "
+        "(gradient_clipping): no norm kernel is priced, only the cross-stage all-reduce with pipeline stages.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )
@@ -371,6 +376,16 @@ class TrainingConfig(_Model):
                              f"training.precision: "
                              f"{', '.join(SINGLE_TENSOR_PRECISIONS)}; got {self.precision})")
         return self
+
+
+def clip_grad_of(cfg: "ScenarioConfig") -> float:
+    """``training.clip_grad`` in force: the value given, else the framework's default: 0 with ``fsdp`` (PyTorch FSDP
+    clips only when the training loop calls ``clip_grad_norm_``), else Megatron-LM's ``--clip-grad`` default 1.0
+    (megatron/training/arguments.py ``_add_regularization_args``)."""
+    v = cfg.training.clip_grad
+    if v is not None:
+        return v
+    return 0.0 if cfg.fsdp is not None else 1.0
 
 
 #: Precisions whose parameters, gradients and moments are fp32: what ``optimizer.impl: single`` and ``foreach`` are priced for.
@@ -621,6 +636,14 @@ class ScenarioConfig(_Model):
         if ddp.use_distributed_optimizer and z.stage > 0:
             raise ValueError(f"ddp.use_distributed_optimizer: exclusive with zero_optimization.stage {z.stage} "
                              "(allowed: one of them)")
+        acc = ddp.accumulate_allreduce_grads_in_fp32
+        if acc is not None and (prec not in ("bf16", "fp16") or z.stage > 0 or f is not None
+                                or self.training.lora is not None):
+            raise ValueError("ddp.accumulate_allreduce_grads_in_fp32 is Megatron-LM's: it needs training.precision "
+                             "bf16 or fp16 without zero_optimization.stage, fsdp or training.lora (allowed: omit it)")
+        if acc is False and prec == "bf16":
+            raise ValueError("ddp.accumulate_allreduce_grads_in_fp32: false with training.precision bf16: Megatron-LM "
+                             "forces it on for bf16 (allowed: true, or omit it)")
         if ddp.overlap_param_gather and not ddp.use_distributed_optimizer:
             raise ValueError("ddp.overlap_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM)")
         if dp > 1 and z.stage == 3:

@@ -38,6 +38,10 @@ from simulator.engine.links import Fabric
 from simulator.engine.memory import MemoryPool
 from simulator.graph.ops import OpKind, PriceKeys
 
+#: Groups spanning pipeline stages (named by the op, not the machine): their rendezvous is one shared call of the
+#: stages (``Fabric.join``) and each party loads only its own links.
+_NAMED = ("pp", "mp", "world")
+
 #: Links crossed by each copy direction.
 COPY_PATHS = {
     OpKind.MEMCPY_H2D: ("pcie.h2d", "pcie.duplex"),
@@ -201,7 +205,8 @@ class System:
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
         ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
-        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``). ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``.
+        ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``), ``"mp"`` the
+        model-parallel group (the TP group on every stage), ``"world"`` every rank. ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``.
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -232,11 +237,16 @@ class System:
             groups["cp"] = self.hw.cp_group[:2]
         if name == "pp":  # the pipeline ranks named by index (``pp_ranks``) in ``hw.pp_group``
             groups["pp"] = tuple(self.hw.pp_group[i] for i in m.get("pp_ranks"))
+        elif name == "mp":  # Megatron's model-parallel group: this rank's TP group on every pipeline stage
+            t0 = self.hw.tp_group[0]
+            groups["mp"] = tuple(sorted(s + t - t0 for s in self.hw.pp_group for t in self.hw.tp_group))
+        elif name == "world":  # every rank (the default process group)
+            groups["world"] = tuple(range(self.hw.world_size))
         if name not in groups:
             from hardware_models.collectives import CollectiveError
 
             raise CollectiveError(f"op {op.name}: process group {name!r} is not modelled (allowed: "
-                                  f"{', '.join([*groups, 'pp'] if 'pp' not in groups else groups)})")
+                                  f"{', '.join([*(g for g in groups if g not in _NAMED), *_NAMED])})")
         return tuple(groups[name])
 
     def collective_s(self, op) -> float:
@@ -430,7 +440,7 @@ class System:
         flows: list = []
         if alone > 0 and self._topo is not None:
             loads = rank_loads(self.hw.collectives, key[0], self._group_of(op), key[2], res.algorithm, self.rank,
-                               mirror=key[1] != "pp")
+                               mirror=key[1] not in _NAMED)
             caps = self.network.capacities
             merged: list[tuple[tuple[str, ...], float]] = []
             for links, b in loads.items():  # parts moving the same bytes at once are one flow (a ring step is coupled)
@@ -502,7 +512,7 @@ class System:
         # keeps its interference (each class beside its own kernels); a fused GEMM + collective kernel
         # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
         lat = res.time_s - alone
-        if m.get("group") == "pp" and "rendezvous" in m:
+        if m.get("group") in _NAMED and "rendezvous" in m:
             yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
                                    [(self.network, *fl) for fl in flows], alone, self._run_shared)
             return

@@ -114,6 +114,12 @@ _ZO_CPU = ("CPU Adam 3.99 s predicted vs 6.35 s logged (-37.1%; 3.68 s, -42.0%, 
 #: layers: Korthikanti +20.4 ms, MLM20 V100 +19.4 ms) then moved MLM20 V100 +10.3% -> +12.1%, A100 +0.8% -> +1.9%,
 #: TP8 -3.9% -> -3.2%, the weak-scaling ratio 0.766 -> 0.768, Narayanan +6.6% -> +6.2%, Korthikanti full -2.2% ->
 #: -0.8%, selective -6.7% -> -4.9%, their ratio +4.8% -> +4.3%, MCORE +11.2% -> +10.5%.
+#: Megatron's fp16 grad buffer (fp16 unless ``ddp.accumulate_allreduce_grads_in_fp32``, Megatron's default; memset and
+#: accumulation at 2 B per parameter, data-parallel reductions in fp16, a cast into fp32 main grads before the step)
+#: then moved MLM20 V100 +12.1% -> +12.3%, A100 +1.9% -> +2.0%, TP8 -3.2% -> -3.0%, Narayanan +6.2% -> +7.3% (its
+#: DP32 all-reduce moves half the bytes, 32 ms less), Korthikanti full -0.8% -> -0.5%, selective -4.9% -> -4.6%,
+#: their ratio +4.3% -> +4.2%; the gradient-norm all-reduce over the model-parallel group (TP8) or the world (the
+#: distributed optimizer) moved them by under 0.01 points (MCORE 451.9 -> 451.8 TFLOP/s/GPU).
 
 _PERSEUS_POWER = ("51,046 J predicted vs 66,955 J measured at 300 W (-23.8%; 39,310 J, -41%, before the Hugging Face "
                   "eager kernels were modelled) while the step is within tolerance (54.3 vs 60.1 s, -9.7%): the "
@@ -131,12 +137,14 @@ _PERSEUS_CAP = ("at 175 W the step grows 1.15x predicted vs 1.77x measured (ener
 #: training.py: 12 B s L h^2 ((2 + s/h) + 4 + V / 2Lh) with MHA and a 4h GELU MLP, i.e. F72 without recompute)
 #: over the logged elapsed time per iteration x world size; both cases are compute-bound in the prediction.
 _MOSAIC_GAP = (
-    "+16.3% (12,380 vs 10,643 tokens/s/GPU; 0.993 vs 1.155 s per step; +21.0% before the run's optimizer and "
+    "+15.9% (12,337 vs 10,643 tokens/s/GPU; 0.996 vs 1.155 s per step; +16.3% before the yaml's gradient clipping "
+    "was modelled: Composer's gradient_clipping calls FSDP clip_grad_norm_, 3.5 ms (the shard's norm 1.2 ms, its mul_ "
+    "2.3 ms); +21.0% before the run's optimizer and "
     "attention path were modelled: the yaml's decoupled_adamw is Composer's per-tensor DecoupledAdamW loop, 23 ms "
     "against the fused kernel's 8, and MPT's flash_attn_fn unpads q, k, v and pads the output with flash-attn's "
     "bert_padding helpers, +23 ms). "
     "Predicted step: 99.6% busy, GEMMs 0.696 s at 704 TFLOP/s (Vidur-fitted profile), flash attention 0.075 s at "
-    "309 TFLOP/s, memory-bound kernels and optimizer 0.218 s, FSDP collectives 0.169 s of which 4 ms exposed; to "
+    "309 TFLOP/s, memory-bound kernels and optimizer 0.221 s, FSDP collectives 0.169 s of which 4 ms exposed; to "
     "take 1.155 s the compute-bound kernels would have to run 21% slower than priced (about 580 TFLOP/s for the "
     "GEMMs). Not explained; candidates, none measured for this run: (1) the attention kernel: the table's runs "
     "(image mosaicml/pytorch:2.1.0_cu121-nightly20230827, h100new.md) do not record attn_impl; the sweep the README says lists "
@@ -148,12 +156,12 @@ _MOSAIC_GAP = (
     "flash-attn 1.0.x until v0.6.0 (PR #1023). Priced as FlashAttention-2 (unmeasured profile "
     "efficiency, 309 TFLOP/s forward + backward) where the FlashAttention-2 paper measured, on an H100 at this "
     "shape (causal, head dim 128, 2k tokens; Dao 2023, Fig. 7d), 265 TFLOP/s for FlashAttention-2 and 106 for "
-    "FlashAttention-1: at FA2's measured rate +14.9%, at FA1's (0.143 s more attention) +1.7%; no H100 figure for "
+    "FlashAttention-1: at FA2's measured rate +14.5%, at FA1's (0.143 s more attention) +1.4%; no H100 figure for "
     "the triton kernel; (2) the sustained clock under the 700 W limit: "
     "the generic H100 power model (95% of TDP at the maximum clock) keeps 1,976 MHz; locked at 1,830 MHz (the "
-    "clock of the 989.4 TFLOP/s datasheet peak) the error is +9.5%, at 1,755 MHz +6.1%; (3) Composer/FSDP host "
-    "work per batch (console logging every batch, speed monitor) and the gradient clipping of mpt-7b.yaml (FSDP "
-    "clip_grad_norm_, about 3.5 ms), not in the graph. Approximations that err the other way: MPT's "
+    "clock of the 989.4 TFLOP/s datasheet peak) the error is +9.2%, at 1,755 MHz +5.7%; (3) Composer/FSDP host "
+    "work per batch (console logging every batch, speed monitor), not in the graph. Approximations that err the "
+    "other way: MPT's "
     "low_precision_layernorm priced as the autocast fp32 LayerNorm, and an fp32 residual stream where FSDP's "
     "param_dtype bf16 makes it bf16: by the casts and 4-byte residual and LayerNorm traffic, an estimated 3.8 GB "
     "per layer, about 0.04 s per step. No attention dropout: mpt-7b.yaml leaves attn_pdrop at "
@@ -161,7 +169,7 @@ _MOSAIC_GAP = (
     "attention kernel, per-kernel GEMM times) with NVML SM clock and power sampled over the 30 batches"
 )
 _MCORE_GAP = (
-    "+10.5% (451.9 vs 408.8 TFLOP/s/GPU; 0.409 vs 0.452 s per iteration; +11.2% before Megatron's optimizer-step "
+    "+10.5% (451.8 vs 408.8 TFLOP/s/GPU; 0.409 vs 0.452 s per iteration; +11.2% before Megatron's optimizer-step "
     "kernels were priced, 2.5 ms: the grad buffer's memset, the clip_grad norm and the main-param copy; +12.1% "
     "before Megatron's default dropouts 0.1 were applied). Predicted iteration (before those kernels): 98.8% busy, "
     "GEMMs 0.211 s at 687 TFLOP/s, flash attention 0.075 s (forward 0.020, backward 0.056; 306 TFLOP/s), "

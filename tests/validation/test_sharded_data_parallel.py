@@ -12,7 +12,7 @@ Measured values: tests/data/paper/paper_cases.yaml (copied from the project's sh
 The predicted-vs-measured rows themselves are in ``simulate validate`` (``simulator.studies.validation``;
 known gaps in ``KNOWN_GAPS``, checked by tests/validation/test_megatron_multi_gpu.py). Tolerance 10% (issue 11). The H100
 profile's GEMMs are fitted on Vidur's H100 timings (scripts/build_h100_profile.py), its memory-bound rates are
-the H200's; both cases are predicted too fast (errors at the time of writing: MPT +16.3%, Megatron-Core +10.5%);
+the H200's; both cases are predicted too fast (errors at the time of writing: MPT +15.9%, Megatron-Core +10.5%);
 nothing is tuned to these cases.
 """
 

@@ -89,6 +89,12 @@ class DdpConfig(_Model):
     overlap_param_gather: bool = Field(default=False, description="Megatron-LM --overlap-param-gather (with "
                                        "use_distributed_optimizer): the parameter all-gathers overlap the next "
                                        "forward, each block waiting for its bucket.")
+    accumulate_allreduce_grads_in_fp32: bool | None = Field(
+        default=None, description="Megatron-LM --accumulate-allreduce-grads-in-fp32 (default off; Megatron forces "
+        "it on with --bf16): with training.precision fp16 off keeps the contiguous grad buffer in fp16 (its "
+        "accumulation and data-parallel all-reduce / reduce-scatter 2 B per parameter, then a cast into fp32 main "
+        "grads before the step), on makes it fp32 (4 B). Only with Megatron's optimizer (precision bf16 / fp16, no "
+        "zero_optimization stage, no fsdp); false with bf16 is refused.")
     bucket_size: int | None = Field(default=None, gt=0, le=10**12, description="Megatron-LM --ddp-bucket-size, "
                                     "elements, with use_distributed_optimizer (default: max(4e7, 1e6 x dp) with "
                                     "overlap_grad_reduce, else one bucket).")

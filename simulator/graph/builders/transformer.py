@@ -153,10 +153,18 @@ class TransformerSpec:
             ``DecoupledAdamW``: the same passes, sqrt and div into new tensors, ``"torch_single"``, 80 bytes per
             fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
             multi-tensor-apply chunk (foreach) launches are not counted.
-        clip_grad: Megatron-LM ``--clip-grad`` (0: no clipping). With ``p > 1`` and a value above 0 every pipeline
-            rank joins the gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's
-            found-inf all-reduce joins them. Megatron's optimizer (bf16 / fp16 outside ZeRO / FSDP) then prices the
-            norm kernel (``_GptBuilder._clip_grad_norm``); other frameworks' ``clip_grad_norm_`` is not priced.
+        clip_grad: Gradient-clipping max norm (0: no clipping; None: the framework's default, 0 with an FSDP
+            ``sharding``, else Megatron's 1.0), the framework's kernels. Megatron's optimizer (bf16
+            / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
+            group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
+            ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). Otherwise
+            (torch DDP, DeepSpeed ZeRO) no kernel is priced; with ``p > 1`` every pipeline rank then joins a
+            gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's found-inf
+            all-reduce joins them.
+        accumulate_allreduce_grads_in_fp32: Megatron-LM ``--accumulate-allreduce-grads-in-fp32`` (default off;
+            forced on with bf16): with fp16 and Megatron's optimizer, off keeps the contiguous grad buffer, its
+            accumulation and its data-parallel reduction in fp16 (2 B per parameter) and casts the grads into fp32
+            main grads before the step (``_GptBuilder._copy_model_grads_to_main_grads``); on: fp32 (4 B).
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -267,7 +275,8 @@ class TransformerSpec:
     bias: bool = True
     precision: str = "amp_fp32_params"
     optimizer_impl: str = "fused"
-    clip_grad: float = 1.0
+    clip_grad: float | None = None
+    accumulate_allreduce_grads_in_fp32: bool = False
     recompute: str = "none"
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -324,6 +333,9 @@ class TransformerSpec:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
         size not dividing the heads or the FFN, sequence parallelism with ``t`` not dividing ``s``, tensor
         parallelism with ``amp_fp32_params``."""
+        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP, else Megatron's
+            object.__setattr__(self, "clip_grad", 0.0 if self.sharding is not None and self.sharding.unit_buckets
+                               else 1.0)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
                      "tensor_parallel_size"):
@@ -461,7 +473,8 @@ class TransformerSpec:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
         gradient norm with ``clip_grad > 0``, else fp16's found-inf check; False with one stage, or bf16 without
         clipping (a stage that ends a step early starts the next one)."""
-        return self.pipeline_parallel_size > 1 and (self.clip_grad > 0 or self.precision == "fp16")
+        fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
+        return self.pipeline_parallel_size > 1 and ((self.clip_grad > 0 and not fsdp) or self.precision == "fp16")
 
     @property
     def zero_half_grads(self) -> bool:
@@ -1510,7 +1523,8 @@ class _GptBuilder:
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
         if self.dp and self.zero == 0:
-            b.persistent("grad.ddp_buckets", 4 * P)  # DDP's flat bucket buffers (fp32, all parameters)
+            # DDP's flat bucket buffers (all parameters; fp32, or Megatron's fp16 buffer: _fp16_grad_buffer)
+            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)
 
     def _forward(self, chunk: int, mb: int) -> dict:
         """Forward of micro-batch ``mb`` through local chunk ``chunk``: the embedding on model chunk 0 (else
@@ -1729,11 +1743,11 @@ class _GptBuilder:
 
     def _pipeline_syncs(self) -> None:
         """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
-        pipeline ranks are all-reduced (fp32; Megatron-LM ``_allreduce_word_embedding_grads``), then, with
-        ``clip_grad > 0`` (Megatron-LM's default 1.0), every pipeline rank joins the gradient-norm all-reduce of
-        ``clip_grad_norm`` (one fp32 value over the model-parallel group, megatron/core/optimizer/clip_grads.py
-        ``get_grad_norm_fp32``; with fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins
-        them instead).
+        pipeline ranks are all-reduced (the ``main_grad``: fp32, fp16 with ``_fp16_grad_buffer``; Megatron-LM
+        ``_allreduce_word_embedding_grads``), then, with ``clip_grad > 0`` (Megatron-LM's default 1.0) outside
+        Megatron's optimizer and FSDP, every pipeline rank joins a gradient-norm all-reduce (one fp32 value; with
+        fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins them instead). Megatron's
+        optimizer reduces its norm and found-inf flag itself, after the local norm (``_grad_stats_all_reduce``).
 
         The rendezvous makes the *optimizer start* together on every stage, not the step end: each stage then
         runs its own optimizer (stage 0 and the last stage hold the embedding and the LM head, so theirs is
@@ -1748,17 +1762,18 @@ class _GptBuilder:
         calls = [*self._last_call, *self._detached]
         deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
-            nbytes = 4 * s.vocab_per_rank * s.hidden_size
+            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            nbytes = gb * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
-                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype="fp32",
+                                    phase=Phase.OPT, bytes_read=float(nbytes), dtype=dt,
                                     meta={"collective": "all_reduce", "bytes": nbytes, "group": "pp",
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        if s.clip_grad > 0:
-            self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))
-        else:  # no norm: the optimizer waits for the last point-to-point calls and the embedding all-reduce itself
-            self.tp_ops.extend(calls)
+        if s.clip_grad > 0 and not self._megatron_optimizer and not (self.sh is not None and self.sh.unit_buckets):
+            self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
+        else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
+            self.tp_ops.extend(calls)  # optimizer: its norm and found-inf all-reduces, _grad_stats_all_reduce)
 
     def _pp_all_reduce(self, what: str, deps: list[int]) -> int:
         """One fp32 value all-reduced over every pipeline rank (``pp.<what>.all_reduce``, a rendezvous of all
@@ -1776,14 +1791,15 @@ class _GptBuilder:
             shd.sp_unit_grads(self, self._bucket)
 
     def _sequence_parallel_grads(self) -> None:
-        """Sequence parallelism: one coalesced all-reduce over the TP group of the fp32 gradients of the
-        LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
+        """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, fp16 with
+        ``_fp16_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
         FSDP: per unit, ``_unit_sp_grads``)."""
         if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
+            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
-                                           4 * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
-                                           dtype="fp32"))
+                                           gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
+                                           dtype=dt))
 
     def _optimizer(self) -> None:
         s, e = self.s, self.e
@@ -1795,15 +1811,22 @@ class _GptBuilder:
         reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
+        if self._fp16_grad_buffer:
+            grads, deps = self._copy_model_grads_to_main_grads(P * share, grads, deps)
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
-            if self.tp > 1:
-                chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
-            if s.pipeline_step_end_sync and s.clip_grad == 0:  # over the model-parallel group (tp x pp)
-                chk = self._pp_all_reduce("found_inf", [chk])
+            if self._megatron_optimizer:  # over Megatron's grad-stats group (model parallel, or the world)
+                chk = self._grad_stats_all_reduce("loss_scale.found_inf", [chk])[-1]
+            else:
+                if self.tp > 1:
+                    chk = self._tp_op("loss_scale.found_inf.all_reduce", "all_reduce", 4, deps=[chk], dtype="fp32")
+                if s.pipeline_step_end_sync and s.clip_grad == 0:  # over the pipeline stages
+                    chk = self._pp_all_reduce("found_inf", [chk])
             deps = [self.b.add("loss_scale.found_inf.item", OpKind.SYNC, "host", deps=[chk], phase=Phase.OPT,
                                launch=False)]
+        if self._fsdp_clips:
+            deps = self._fsdp_clip_grad_norm(P * share, grads, deps)
         if s.optimizer_impl in ("single", "foreach"):  # one kernel per pass (fp32 parameters: the schema's rule)
             for k, ps in enumerate(adamw_passes(f"torch_{s.optimizer_impl}")):
                 deps = [e.kernel(f"adamw.{k}.{ps.name.split('(')[0]}", C.OPTIMIZER, reads=ps.read_bytes * P * share,
@@ -2010,6 +2033,8 @@ class _GptBuilder:
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
         if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
+        if self._fp16_grad_buffer:
+            self._grad_elem_bytes = 2
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
         if sh is not None and sh.gathers:
@@ -2060,7 +2085,7 @@ class _GptBuilder:
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
             b.persistent(f"params.{half}", 2 * P)
             b.persistent("params.master_fp32", 4 * Ps)
-            b.persistent("grad.ddp_buckets", 4 * P)
+            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)  # fp32, or fp16 (_fp16_grad_buffer)
         elif st == "zero3":  # 16-bit partition + gradient partition + fp32 master (ZeRO paper (2 + 2 + K) Psi / Nd)
             b.persistent(f"params.{half}.partition", 2 * Ps)
             if self.pg.persistent_numel:
@@ -2087,6 +2112,33 @@ class _GptBuilder:
         return (s.precision in MEGATRON_DDP_PRECISIONS and s.zero_stage == 0 and s.lora is None
                 and (self.sh is None or self.sh.strategy == "distributed_optimizer"))
 
+    @property
+    def _fp16_grad_buffer(self) -> bool:
+        """Megatron's optimizer with fp16 and without ``--accumulate-allreduce-grads-in-fp32``: the contiguous grad
+        buffer (``main_grad``) is in the parameters' dtype, fp16, so the gradients are accumulated over the
+        micro-batches and all-reduced (or reduce-scattered) in fp16, 2 bytes per element. Source:
+        NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
+        store_true, forced on only with ``--bf16``), megatron/model/distributed.py ``_get_buffer_type``
+        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``), megatron/core/distributed
+        ``grad_reduce_in_fp32`` in later releases; the 2020 code (apex-style FP16_Optimizer) kept the fp16
+        ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by default)."""
+        s = self.s
+        return s.precision == "fp16" and not s.accumulate_allreduce_grads_in_fp32 and self._megatron_optimizer
+
+    def _copy_model_grads_to_main_grads(self, n: float, grads: list[str], deps: list[int]):
+        """Megatron ``_copy_model_grads_to_main_grads`` with an fp16 grad buffer (``_fp16_grad_buffer``):
+        ``main_param.grad = model_param.main_grad.float()`` for the ``n`` gradient elements this rank updates (its
+        shard with the distributed optimizer), read 2 + write 4 bytes each, into fresh fp32 main grads that the
+        unscale, the norm and the AdamW read. Source: NVIDIA/Megatron-LM megatron/optimizer/optimizer.py
+        ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads`` (distrib_optimizer.py: the shard's
+        ``shard_model_grad.float()``); with an fp32 buffer ``.float()`` returns the tensor itself (no kernel).
+        Returns ``(grads, deps)`` for the optimizer."""
+        e = self.e
+        main = e.fresh("grad.main_fp32")
+        i = e.kernel("megatron.copy_model_grads_to_main_grads", C.CAST, reads=2 * n, writes=4 * n, flops=n,
+                     out=[(main, 4 * n)], uses=grads, deps=deps, dtype="fp32")
+        return [main], [i]
+
     def _zero_grad_buffer(self) -> None:
         """Megatron: ``model_chunk.zero_grad_buffer()`` at the start of every step, a memset of the rank's whole
         contiguous grad buffer (``_grad_elem_bytes`` per parameter: the fp32 ``main_grad``; not sharded by the
@@ -2109,14 +2161,80 @@ class _GptBuilder:
         ``multi_tensor_scale``, read + write 4 bytes per element) runs only when ``max_norm / total_norm < 1``: not
         priced, a converged run's norm stays under ``clip_grad`` (assumed; the logs of the validated runs do not
         give it). Newer releases with Transformer Engine's ``multi_tensor_scale_tensor`` scale every step without
-        the ``.item()``: not modelled. The norm's all-reduce: ``_pipeline_syncs`` (pipeline stages; the TP / DP
-        all-reduce of one value is not priced). The shared (tied) and TP-duplicated params excluded from the norm
+        the ``.item()``: not modelled. The norm's all-reduce: ``_grad_stats_all_reduce`` (model-parallel group, or
+        the world with the distributed optimizer). The shared (tied) and TP-duplicated params excluded from the norm
         are counted (a few norm weights). Returns the deps of the optimizer kernel."""
         e = self.e
         norm = e.kernel("clip_grad.l2norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads, deps=deps,
                         dtype="fp32")
-        return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host", deps=[norm], phase=Phase.OPT,
+        return [self.b.add("clip_grad.total_norm.item", OpKind.SYNC, "host",
+                           deps=self._grad_stats_all_reduce("clip_grad.total_norm", [norm]), phase=Phase.OPT,
                            launch=False)]
+
+    @property
+    def _fsdp_clips(self) -> bool:
+        """FSDP's ``clip_grad_norm_`` runs before the optimizer: ``clip_grad > 0`` with an FSDP sharding strategy
+        (``_fsdp_clip_grad_norm``)."""
+        return self.s.clip_grad > 0 and self.sh is not None and self.sh.unit_buckets
+
+    def _fsdp_clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
+        """PyTorch FSDP ``FullyShardedDataParallel.clip_grad_norm_(max_norm)`` over the ``n`` gradient elements of
+        this rank's shard (fp32: the sharded gradient is in the parameters' dtype, fp32 with
+        ``amp_fp32_params``), before the optimizer; returns the optimizer's deps. Source: pytorch/pytorch
+        torch/distributed/fsdp/fully_sharded_data_parallel.py ``clip_grad_norm_`` (releases 2.0-2.4) and
+        ``_get_grad_norm``: a ``torch.linalg.vector_norm`` of each local gradient in fp32 (read 4 B per element,
+        2 FLOPs) then of their stack, the sum of squares all-reduced over the FSDP process group (every shard rank;
+        unconditional, NO_SHARD's local norm added after it), ``clip_coef = max_norm / (total_norm + 1e-6)`` clamped
+        at 1 on the device, then ``grad.mul_(clip_coef_clamped)`` on every gradient whatever the norm (read +
+        write 4 B per element). No host read of the norm (no ``.item()``): the host does not wait. Priced as one
+        norm kernel, the 4-byte all-reduce and one ``mul_`` kernel: the per-tensor launches (one norm and one
+        ``mul_`` per flat parameter) and the scalar kernels (stack, pow, add, div, clamp) are not counted.
+        Composer's ``gradient_clipping`` algorithm with ``clipping_type: norm`` calls it on FSDP models
+        (mosaicml/composer composer/algorithms/gradient_clipping/gradient_clipping.py)."""
+        e = self.e
+        norm = e.kernel("fsdp.clip_grad.norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads,
+                        deps=deps, dtype="fp32")
+        ar = self._collective("fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, [norm], Phase.OPT,
+                              group=self._shard_group)
+        return [e.kernel("fsdp.clip_grad.mul", C.ELEMENTWISE, reads=4 * n, writes=4 * n, flops=n, uses=grads,
+                         deps=[ar], dtype="fp32")]
+
+    def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
+        """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,
+        after ``deps``, over the group Megatron reduces its gradient statistics over; returns the deps of what
+        follows (``deps`` itself when that group is this rank alone).
+
+        The group (NVIDIA/Megatron-LM megatron/core/optimizer/clip_grads.py ``get_grad_norm_fp32``, all-reduce
+        over ``grad_stats_parallel_group``, formerly ``model_parallel_group``; optimizer.py
+        ``_unscale_main_grads_and_check_for_nan``, the found-inf all-reduce over the same group): the
+        model-parallel group (tp x pp ranks; the gradients are whole on every data-parallel replica), or, with
+        the distributed optimizer (each rank's main grads a 1/dp shard), every rank (``DistributedOptimizer
+        .get_model_parallel_group`` returns None, the default world group; the ``get_grad_stats_parallel_group``
+        of newer releases is the same world). Modelled as one 4-byte NCCL all-reduce (latency-bound):
+
+        * ``world``: the distributed optimizer (group ``world``, stream ``comm.world``);
+        * ``mp`` / ``pp``: pipeline stages, with TP (the tp x pp ranks) or without (the stage representatives);
+        * ``tp``: one stage with TP (``_tp_op``); one rank: nothing.
+
+        With pipeline stages it is a rendezvous of every stage (of every data-parallel rank class with the world
+        group, ``api._meet_across_classes``): the ranks start it together, so a straggler delays every stage's
+        optimizer. Expert-parallel MoE ranks (Megatron's separate expert grad-stats group) are not told apart."""
+        s, p = self.s, self.s.pipeline_parallel_size
+        if self.sh is not None and self.sh.strategy == "distributed_optimizer":
+            group = "world"
+        elif p > 1:
+            group = "mp" if self.tp > 1 else "pp"
+        elif self.tp > 1:
+            return [self._tp_op(f"{what}.all_reduce", "all_reduce", 4, deps=deps, dtype="fp32")]
+        else:
+            return deps
+        meta = {"collective": "all_reduce", "bytes": 4, "group": group}
+        if group == "pp":
+            meta["pp_ranks"] = tuple(range(p))
+        if p > 1:
+            meta |= {"rendezvous": (group, what), "parties": p}
+        return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
+                           phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
 
     def _copy_main_params_to_model(self, n: float, adam: int) -> None:
         """Megatron ``_copy_main_params_to_model_params`` after the fused AdamW: the ``n`` updated fp32 main params

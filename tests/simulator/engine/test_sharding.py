@@ -169,6 +169,7 @@ def test_megatron_distributed_optimizer_buckets_by_hand():
     cs = _colls(build_gpt_step(spec))
     assert [(c.meta["collective"], c.meta["bytes"], c.phase) for c in cs] == (
         [("reduce_scatter", 4 * n, Phase.BWD) for n in (312, 344, 360, 32)]
+        + [("all_reduce", 4, Phase.OPT)]  # the squared gradient norm over every rank (clip_grad, Megatron's 1.0)
         + [("all_gather", 2 * n, Phase.OPT) for n in (312, 344, 360, 32)])
     g = build_gpt_step(TransformerSpec(**TINY, precision="bf16", sharding=ShardingSpec(
         "distributed_optimizer", 8, grad_bytes=4, bucket_elements=300, overlap_param_gather=True)))

@@ -95,7 +95,7 @@ def test_pipeline_run_reports_every_stage_and_the_syncs():
     assert s["comm_s_by_group"]["pp"] > 0 and s["pipeline_bubble_s"] > 0
     assert set(r.spans.pp_rank) == {0, 1, 2, 3}
     # the gradient-norm all-reduce of every stage ends at the same instant (rendezvous)
-    gn = r.spans[(r.spans.name == "pp.grad_norm.all_reduce") & (r.spans.step == 1)]
+    gn = r.spans[(r.spans.name == "pp.clip_grad.total_norm.all_reduce") & (r.spans.step == 1)]
     assert len(gn) == 4 and gn.end_s.max() - gn.end_s.min() < 1e-12
 
 

@@ -31,15 +31,20 @@ def _names(cfg, r):
 
 def test_clip_grad_gates_the_grad_norm_all_reduce():
     for r in range(4):
-        op = next(op for op in build_graph(_cfg(), r).ops if op.name == "pp.grad_norm.all_reduce")
-        assert op.meta["parties"] == 4 and op.meta["rendezvous"] == ("pp", "grad_norm")
+        names = _names(_cfg(), r)
+        op = next(op for op in build_graph(_cfg(), r).ops if op.name == "pp.clip_grad.total_norm.all_reduce")
+        assert op.meta["parties"] == 4 and op.meta["rendezvous"] == ("pp", "clip_grad.total_norm")
+        # Megatron get_grad_norm_fp32: the local norm kernel, the all-reduce, then the host reads the norm
+        assert (names.index("opt.clip_grad.l2norm") < names.index("pp.clip_grad.total_norm.all_reduce")
+                < names.index("clip_grad.total_norm.item") < names.index("opt.adamw"))
         names = _names(_cfg(clip_grad=0.0), r)
-        assert not any(n.startswith(("pp.grad_norm", "pp.found_inf")) for n in names)
-        # fp16 without clipping: the found-inf all-reduce over the model-parallel group joins the stages, before
-        # the host reads the flag
-        names = _names(_cfg(clip_grad=0.0, precision="fp16"), r)
-        assert "pp.grad_norm.all_reduce" not in names
-        assert names.index("pp.found_inf.all_reduce") < names.index("loss_scale.found_inf.item")
+        assert not any(n.startswith("pp.") and "all_reduce" in n and "embedding" not in n for n in names)
+        # fp16: the found-inf all-reduce over the model-parallel group joins the stages before the host reads the
+        # flag, with or without clipping (optimizer.py _unscale_main_grads_and_check_for_nan)
+        for clip in (0.0, 1.0):
+            names = _names(_cfg(clip_grad=clip, precision="fp16"), r)
+            assert names.index("pp.loss_scale.found_inf.all_reduce") < names.index("loss_scale.found_inf.item")
+            assert ("pp.clip_grad.total_norm.all_reduce" in names) == (clip > 0)
 
 
 def test_synchronised_pipeline_latency_is_the_last_stage_period():

@@ -60,20 +60,23 @@ def test_sequence_parallel_reduce_scatter_and_all_gather_of_the_same_volume(reco
     # LayerNorm and residual kernels run on s / t tokens: the residual output is b s h / t x 2 bytes
     res = [o for o in g.ops if o.name == "L0.fwd.residual2"][0]
     assert res.allocs[0].nbytes == BSH2 // 2
-    # one all-reduce of the sequence-parallel fp32 grads per step: 2 layers x (2 LN x 2h + 2 row biases x h) + ln_f 2h
+    # one all-reduce of the sequence-parallel grads per step: 2 layers x (2 LN x 2h + 2 row biases x h) + ln_f 2h,
+    # in fp16 (Megatron's fp16 grad buffer, without --accumulate-allreduce-grads-in-fp32)
     ln = [o for o in _tp_ops(g) if "layernorm_grads" in o.name]
-    assert [o.meta["bytes"] for o in ln] == [4 * (2 * (4 * 64 + 2 * 64) + 2 * 64)]
+    assert [o.meta["bytes"] for o in ln] == [2 * (2 * (4 * 64 + 2 * 64) + 2 * 64)]
 
 
 def test_embedding_lm_head_and_vocab_parallel_cross_entropy_collectives():
     # outside the blocks: the embedding output (fwd) and the LM-head input gradient (bwd) all-reduced (b s h x 2 B),
-    # the cross-entropy's 3 all-reduces of b s fp32 (logit max, target logit, sum of exp), the found-inf flag (4 B)
+    # the cross-entropy's 3 all-reduces of b s fp32 (logit max, target logit, sum of exp), the found-inf flag and the
+    # squared gradient norm (4 B each: Megatron reduces both over the model-parallel group, here the TP group)
     g = build_gpt_step(_spec(tensor_parallel_size=2))
     outside = Counter((o.name, o.meta["bytes"]) for o in _tp_ops(g) if o.layer == -1)
     assert outside == {
         ("fwd.tp.embed.all_reduce", BSH2): 1, ("bwd.tp.lm_head.grad.all_reduce", BSH2): 1,
         ("fwd.tp.ce.logits_max.all_reduce", 4 * 32): 1, ("fwd.tp.ce.predicted_logits.all_reduce", 4 * 32): 1,
-        ("fwd.tp.ce.sum_exp_logits.all_reduce", 4 * 32): 1, ("opt.tp.loss_scale.found_inf.all_reduce", 4): 1}
+        ("fwd.tp.ce.sum_exp_logits.all_reduce", 4 * 32): 1, ("opt.tp.loss_scale.found_inf.all_reduce", 4): 1,
+        ("opt.tp.clip_grad.total_norm.all_reduce", 4): 1}
     # the logits are vocab-parallel: V padded to 128 x 2 = 256 -> 1024, 512 rows per rank
     logits = [o for o in g.ops if o.name == "fwd.logits.float"][0]
     assert logits.allocs[0].nbytes == 4 * 32 * 512
