@@ -95,7 +95,8 @@ def fit_vf(f: np.ndarray, p: np.ndarray, f_max: float) -> dict:
     r = least_squares(res, [0.1 * p.max(), p.max(), 0.7, 1000.0],
                       bounds=([0.0, 0.0, 0.3, float(f.min())], [p.max(), 10 * p.max(), 1.0, f_max - 15.0]))
     ps, d, vmin, knee = r.x
-    return {"static": ps, "dyn": d, "v_min_rel": vmin, "voltage_knee_mhz": knee, "rms": float(np.sqrt(np.mean(r.fun ** 2)))}
+    rms = float(np.sqrt(np.mean(r.fun ** 2)))
+    return {"static": ps, "dyn": d, "v_min_rel": vmin, "voltage_knee_mhz": knee, "rms": rms}
 
 
 def fit_series(df: pd.DataFrame, f_max: float) -> pd.DataFrame:
