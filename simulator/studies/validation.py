@@ -125,11 +125,11 @@ _PERSEUS_CAP = ("at 175 W the step grows 1.48x predicted vs 1.77x measured (ener
                 "fitted V-f knee (1,103 MHz): 250 W 1.061x vs 1.082x, 200 W 1.271x vs 1.463x (energy 0.896x vs "
                 "0.912x, 0.850x vs 0.986x); the energy ratio follows the short step (155 W average per GPU at 175 W "
                 "against 166 W measured). Not explained: whether the testbed's clock fell further or its "
-                "memory-bound kernels slowed with the SM clock. The ratio rests on the preset's unfitted terms: a compute-bound draw at "
-                "1410 MHz of 430 W instead of 380 (sm_w 385 W) gives 1.62x (300 W: 59.2 s, 63,271 J), mem_w 0.25 "
-                "instead of 0.45 x sm_w gives 1.31x (55.2 s, 58,521 J). Settled by NVML SM-clock samples of the "
-                "capped runs, the clock an A100 PCIe holds at 300 W on a long TF32 GEMM (pins sm_w), and a locked-clock "
-                "sweep of the eager kernels")
+                "memory-bound kernels slowed with the SM clock. The ratio rests on the preset's unfitted terms: a "
+                "compute-bound draw at 1410 MHz of 430 W instead of 380 (sm_w 385 W) gives 1.62x (300 W: 59.2 s, "
+                "63,271 J), mem_w 0.25 instead of 0.45 x sm_w gives 1.31x (55.2 s, 58,521 J). Settled by NVML "
+                "SM-clock samples of the capped runs, the clock an A100 PCIe holds at 300 W on a long TF32 GEMM "
+                "(pins sm_w), and a locked-clock sweep of the eager kernels")
 #: The two H100 cases. The metric definitions are the sources' own: llm-foundry's Throughput (T/s/GPU) is
 #: samples/s x seq_len / GPUs (scripts/train/benchmarking/collect_results.py; Composer's speed_monitor over the last
 #: 10 of 30 batches, wall clock), Megatron's TFLOP/s/GPU is num_floating_point_operations (megatron/training/
