@@ -19,7 +19,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig, clip_grad_of
+from simulator.config.schema import ScenarioConfig, attention_alias_note, clip_grad_of
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -82,7 +82,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
-        attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+        attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels,
     )
 
@@ -855,7 +855,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.optimizer.impl {cfg.training.optimizer.impl}: its eight AdamW passes are priced as one "
                    f"kernel each over the rank's parameters; their kernel launches ({per}) are not counted, so the "
                    "optimizer's host time is a lower bound")
-    if cfg is not None and (note := flash_dropout_note(cfg.model.attention_backend, cfg.model.attention_dropout)):
+    if cfg is not None and (note := flash_dropout_note(cfg.model.attention_kernel, cfg.model.attention_dropout)):
+        out.append(note)
+    if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
