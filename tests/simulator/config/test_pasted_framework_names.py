@@ -44,3 +44,25 @@ def test_local_backend_keeps_the_unfused_scope():
 def test_unknown_attention_backend_still_refused_with_the_choices():
     with pytest.raises(ScenarioError, match=r"model\.attention_backend: Input should be 'flash'.*'local'"):
         _cfg({"attention_backend": "sdpa"})
+
+
+DS_COUNTS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+             "stage3_param_persistence_threshold", "stage3_max_live_parameters")
+
+
+@pytest.mark.parametrize("key", DS_COUNTS)
+def test_deepspeed_counts_written_as_floats_are_their_integers(key):
+    """microsoft/DeepSpeedExamples@7d936b3 Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_infinity_config.json
+    writes "stage3_prefetch_bucket_size": 5e7 and "stage3_max_live_parameters": 1e9 (JSON numbers, floats in YAML
+    1.2); DeepSpeed reads them as the integers. 2e8 here is the integer 200,000,000 exactly."""
+    cfg = _cfg(zero_optimization={"stage": 3, key: 2e8})
+    value = getattr(cfg.zero_optimization, key)
+    assert value == 200_000_000 and type(value) is int
+    assert cfg == _cfg(zero_optimization={"stage": 3, key: 200_000_000})
+
+
+@pytest.mark.parametrize("bad,match", [(5.5e-1, "valid integer"), (True, "expected a number, got true"),
+                                       (-1e3, "greater than")])
+def test_deepspeed_counts_still_refuse_what_is_not_a_count(bad, match):
+    with pytest.raises(ScenarioError, match=rf"zero_optimization\.reduce_bucket_size: .*{match}"):
+        _cfg(zero_optimization={"stage": 2, "reduce_bucket_size": bad})
