@@ -7,6 +7,7 @@ import pytest
 
 from simulator.api import resolve_hardware, run_scenario, run_warnings
 from simulator.config.errors import ScenarioError
+from simulator.config.foreign_keys import FOREIGN_KEY_HINTS
 from simulator.config.loader import scenario_from_dict
 
 BASE = {
@@ -66,3 +67,36 @@ def test_deepspeed_counts_written_as_floats_are_their_integers(key):
 def test_deepspeed_counts_still_refuse_what_is_not_a_count(bad, match):
     with pytest.raises(ScenarioError, match=rf"zero_optimization\.reduce_bucket_size: .*{match}"):
         _cfg(zero_optimization={"stage": 2, "reduce_bucket_size": bad})
+
+
+def _nested(path: str, value) -> dict:
+    head, _, rest = path.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {**a, **{k: _merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
+@pytest.mark.parametrize("path", sorted(FOREIGN_KEY_HINTS))
+def test_every_framework_key_is_refused_with_its_hint(path):
+    """Each key of the table is really refused (so the hint is never shown for a key the schema accepts), in one
+    line naming the key, the allowed keys and the hint."""
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(_merge(BASE, _nested(path, 1)), "pasted.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"pasted.yaml: {path}: unknown key (allowed: ") and "\n" not in msg
+    assert msg.endswith(f"; {FOREIGN_KEY_HINTS[path]}"), msg
+
+
+def test_llm_foundry_activation_checkpointing_names_its_key_here():
+    """mosaicml/llm-foundry@39393a2 scripts/train/yamls/pretrain/mpt-30b.yaml fsdp_config: activation_checkpointing."""
+    with pytest.raises(ScenarioError, match="activation_checkpointing: true is training.recompute_granularity: full"):
+        _cfg(fsdp={"sharding_strategy": "FULL_SHARD", "activation_checkpointing": True})
+
+
+def test_unlisted_unknown_key_keeps_the_spelling_hint():
+    """DeepSpeedExamples' own typo stage3_param_persitance_threshold gets the close match, not a table hint."""
+    with pytest.raises(ScenarioError, match=r"did you mean 'stage3_param_persistence_threshold'\?$"):
+        _cfg(zero_optimization={"stage": 3, "stage3_param_persitance_threshold": 1e5})
