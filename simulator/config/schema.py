@@ -971,6 +971,10 @@ class ScenarioConfig(_Model):
 
     @model_validator(mode="after")
     def _fp8_scope(self):
+        if self.training.fp8 is not None and self.fsdp is not None:  # before the precision rule, which FSDP refuses
+            raise ValueError(f"training.fp8: {self.training.fp8} with fsdp is not modelled (torchtitan / torchao "
+                             "float8 training over FSDP, its dynamic scaling and float8 all-gathers; allowed: fp8 "
+                             "with Megatron-LM bf16 training: no fsdp section, training.precision bf16)")
         if self.training.fp8 is not None and self.training.precision != "bf16":
             raise ValueError(f"training.fp8: {self.training.fp8} needs training.precision bf16 (Megatron-LM trains "
                              f"fp8 over bf16; got {self.training.precision})")

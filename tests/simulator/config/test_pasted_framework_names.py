@@ -134,3 +134,12 @@ def test_clip_grad_given_where_it_is_not_priced_is_flagged(top):
 ])
 def test_clip_grad_priced_or_not_given_is_not_flagged(top):
     assert _clip_notes(**top) == []
+
+
+def test_float8_over_fsdp_refused_as_what_it_is():
+    """pytorch/torchtitan@01424cb llama3_405b.toml: FSDP x TP8 with converters float8. FSDP takes fp32 parameters
+    (amp_fp32_params) and Megatron fp8 needs bf16, so the run was refused by each rule in turn, each pointing at the
+    other; it is refused once, naming float8 over FSDP."""
+    with pytest.raises(ScenarioError, match=r"training\.fp8: e4m3 with fsdp is not modelled \(torchtitan"):
+        _cfg(hardware=CLUSTER, training={"micro_batch_size": 1, "precision": "amp_fp32_params", "fp8": "e4m3"},
+             fsdp={"sharding_strategy": "FULL_SHARD"})
