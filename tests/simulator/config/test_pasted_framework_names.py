@@ -143,3 +143,50 @@ def test_float8_over_fsdp_refused_as_what_it_is():
     with pytest.raises(ScenarioError, match=r"training\.fp8: e4m3 with fsdp is not modelled \(torchtitan"):
         _cfg(hardware=CLUSTER, training={"micro_batch_size": 1, "precision": "amp_fp32_params", "fp8": "e4m3"},
              fsdp={"sharding_strategy": "FULL_SHARD"})
+
+
+DP = {"hardware": CLUSTER,
+      "model": {"num_layers": 2, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 1024,
+                "vocab_size": 32000}}
+FSDP = {"training": {"micro_batch_size": 1, "precision": "amp_fp32_params"}, "fsdp": {"sharding_strategy": "FULL_SHARD"}}
+ZERO2 = {"zero_optimization": {"stage": 2}}
+ZERO3 = {"zero_optimization": {"stage": 3}}
+DISTOPT = {"ddp": {"use_distributed_optimizer": True}}
+
+
+def _dp_run(setup: dict, ddp: dict):
+    top = _merge(_merge(DP, {"training": {"micro_batch_size": 1, "precision": "bf16"}}), setup)
+    top = _merge(top, {"ddp": ddp}) if ddp else top
+    return run_scenario(scenario_from_dict(_merge(BASE, top)))
+
+
+@pytest.mark.parametrize("setup,ddp,expect", [
+    (ZERO2, {"bucket_cap_mb": 1.0, "first_bucket_mb": 0.5}, "ddp.bucket_cap_mb, ddp.first_bucket_mb have no effect"),
+    (FSDP, {"bucket_cap_mb": 1.0}, "ddp.bucket_cap_mb has no effect with fsdp"),
+    (DISTOPT, {"bucket_cap_mb": 1.0}, "ddp.bucket_cap_mb has no effect with ddp.use_distributed_optimizer"),
+    (FSDP, {"overlap_grad_reduce": False}, "ddp.overlap_grad_reduce false has no effect with fsdp"),
+    (ZERO3, {"overlap_grad_reduce": False}, "ddp.overlap_grad_reduce false has no effect with zero_optimization"),
+    ({}, {"bucket_size": 100_000}, "ddp.bucket_size has no effect without ddp.use_distributed_optimizer"),
+])
+def test_ddp_keys_the_reduction_does_not_read_are_flagged(setup, ddp, expect):
+    """Each flagged key really changes nothing: the step time is bit-identical without it (found pasting a DeepSpeed
+    / llm-foundry configuration beside the ddp section of a Megatron one)."""
+    given, bare = _dp_run(setup, ddp), _dp_run(setup, {})
+    assert given.summary["step_time_s"] == bare.summary["step_time_s"]
+    assert sum(w.startswith(expect) for w in given.summary["warnings"]) == 1, given.summary["warnings"]
+    assert not any(w.startswith("ddp.") and "no effect" in w for w in bare.summary["warnings"])
+
+
+@pytest.mark.parametrize("setup,ddp", [({}, {"bucket_cap_mb": 1.0}), (DISTOPT, {"bucket_size": 100_000}),
+                                       (DISTOPT, {"overlap_grad_reduce": False})])
+def test_ddp_keys_that_act_are_not_flagged(setup, ddp):
+    given, bare = _dp_run(setup, ddp), _dp_run(setup, {})
+    assert given.summary["step_time_s"] != bare.summary["step_time_s"]
+    assert not any(w.startswith("ddp.") and "no effect" in w for w in given.summary["warnings"])
+
+
+def test_ddp_defaults_pasted_under_zero_are_not_flagged():
+    """bucket_cap_mb: 25 and overlap_grad_reduce: true are what runs anyway (scenarios/cluster/gpt_1p3b_dgx_h100_dp8
+    writes them; --set zero_optimization.stage=2 over it must not warn about them)."""
+    cfg = _cfg(**_merge(DP, {**ZERO2, "ddp": {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}}))
+    assert not any(w.startswith("ddp.") for w in run_warnings(resolve_hardware(cfg), cfg))
