@@ -5,12 +5,15 @@ Every key named here is refused (the schema forbids extra keys); the hint only t
 or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's configuration JSON
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
-(composer/utils/parallelism.py ``FSDPConfig``).
+(composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
+(megatron/training/arguments.py).
 """
 
 from __future__ import annotations
 
 _NVME = "NVMe offload (ZeRO-Infinity) is not modelled; offload to the host is device: cpu, without this key"
+_GRAD_BF16 = ("Megatron-LM's --grad-reduce-in-bf16 is not modelled: the main grads (their buffer, its memset and "
+              "the data-parallel reduction) are fp32 here, 4 B per parameter; a bf16 buffer would halve them")
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
@@ -50,6 +53,11 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "zero_optimization.offload_param.buffer_count": _NVME,
     "zero_optimization.offload_param.buffer_size": _NVME,
     "zero_optimization.offload_param.max_in_cpu": _NVME,
+    # Megatron-LM arguments written as keys beside the ones modelled (megatron/training/arguments.py)
+    "ddp.grad_reduce_in_bf16": _GRAD_BF16,
+    "training.grad_reduce_in_bf16": _GRAD_BF16,
+    "training.fp8_param_gather": "Megatron-LM's --fp8-param-gather is not modelled: the parameters are kept and "
+                                 "all-gathered in bf16 and each block Linear weight is cast to fp8 once per step",
     # llm-foundry / Composer fsdp_config keys
     "fsdp.activation_checkpointing": "llm-foundry's fsdp_config.activation_checkpointing: true is "
                                      "training.recompute_granularity: full here (every block recomputed)",
