@@ -24,7 +24,7 @@ from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
 from simulator.graph.builders.lora import LoraSpec, trainable_parameters
-from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step, megatron_optimizer_runs
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
 from simulator.policies import apply_graph_policies, build_runtime
@@ -904,16 +904,6 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
-    t = cfg.training
-    if "clip_grad" in t.model_fields_set and t.clip_grad > 0:
-        spec = transformer_spec(cfg)
-        if not megatron_optimizer_runs(spec, spec.sharding):
-            out.append(f"training.clip_grad {t.clip_grad:g}: the gradient clipping of this run's optimizer (PyTorch / "
-                       "FSDP clip_grad_norm_, DeepSpeed gradient_clipping: a norm over every gradient, its all-reduce "
-                       "over sharded gradients, the rescale) is not priced; only Megatron-LM's optimizer's norm kernel "
-                       "is (training.precision bf16 / fp16 without ZeRO or FSDP)" +
-                       ("; with pipeline parallelism it still makes the stages start their optimizer together"
-                        if p.pipeline_model_parallel_size > 1 else ""))
     ac = cfg.activation_checkpointing
     if ac is not None and "host_buffers" in ac.model_fields_set and not ac.cpu_checkpointing:
         out.append(f"activation_checkpointing.host_buffers {ac.host_buffers} has no effect without cpu_checkpointing "

@@ -821,15 +821,6 @@ ZERO_HALF_GRAD_PRECISIONS = ("bf16", "fp16")
 MEGATRON_DDP_PRECISIONS = ("bf16", "fp16")
 
 
-def megatron_optimizer_runs(spec: TransformerSpec, sharding=None) -> bool:
-    """Whether Megatron-LM's mixed-precision optimizer steps ``spec`` (``_GptBuilder._megatron_optimizer``): bf16 /
-    fp16 outside DeepSpeed ZeRO and FSDP, no LoRA; ``sharding`` is the rank's ``ShardingSpec`` (None without data
-    parallelism, or a plain DDP), which must then be the distributed optimizer. Only then are its clip_grad_norm
-    kernels priced."""
-    return (spec.precision in MEGATRON_DDP_PRECISIONS and spec.zero_stage == 0 and spec.lora is None
-            and (sharding is None or sharding.strategy == "distributed_optimizer"))
-
-
 class _GptBuilder:
     def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False):
         self.s = spec
@@ -2117,7 +2108,9 @@ class _GptBuilder:
         distrib_optimizer.py): the fused AdamW updates the fp32 main params, then ``_copy_main_params_to_model_params``
         casts them into the 16-bit model params; ``clip_grad_norm`` before it (``_clip_grad_norm``) and the grad
         buffer's ``zero_grad_buffer`` before the step's first forward (``_zero_grad_buffer``)."""
-        return megatron_optimizer_runs(self.s, self.sh)
+        s = self.s
+        return (s.precision in MEGATRON_DDP_PRECISIONS and s.zero_stage == 0 and s.lora is None
+                and (self.sh is None or self.sh.strategy == "distributed_optimizer"))
 
     @property
     def _fp16_grad_buffer(self) -> bool:

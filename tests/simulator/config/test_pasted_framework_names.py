@@ -102,38 +102,7 @@ def test_unlisted_unknown_key_keeps_the_spelling_hint():
         _cfg(zero_optimization={"stage": 3, "stage3_param_persitance_threshold": 1e5})
 
 
-def _clip_notes(**top) -> list[str]:
-    cfg = _cfg(**top)
-    return [w for w in run_warnings(resolve_hardware(cfg), cfg) if w.startswith("training.clip_grad")]
-
-
 CLUSTER = {"gpu": "h100-sxm-80gb", "host": "dgx-h100-host", "cluster": {"preset": "dgx-h100", "nodes": 1}}
-
-
-@pytest.mark.parametrize("top", [
-    # llm-foundry mpt-30b.yaml: algorithms.gradient_clipping clipping_threshold 1.0 under FSDP
-    {"hardware": CLUSTER, "training": {"micro_batch_size": 1, "precision": "amp_fp32_params", "clip_grad": 1.0},
-     "fsdp": {"sharding_strategy": "FULL_SHARD"}},
-    # a DeepSpeed ds_config's "gradient_clipping": 1.0 with ZeRO-2 (bf16)
-    {"hardware": CLUSTER, "training": {"micro_batch_size": 1, "precision": "bf16", "clip_grad": 1.0},
-     "zero_optimization": {"stage": 2}},
-    # plain PyTorch AMP on one GPU
-    {"training": {"micro_batch_size": 1, "precision": "amp_fp32_params", "clip_grad": 0.5}},
-])
-def test_clip_grad_given_where_it_is_not_priced_is_flagged(top):
-    notes = _clip_notes(**top)
-    assert len(notes) == 1 and "is not priced" in notes[0], notes
-
-
-@pytest.mark.parametrize("top", [
-    {"training": {"micro_batch_size": 1, "precision": "bf16", "clip_grad": 1.0}},  # Megatron's optimizer: priced
-    {"hardware": CLUSTER, "training": {"micro_batch_size": 1, "precision": "bf16", "clip_grad": 1.0},
-     "ddp": {"use_distributed_optimizer": True}},
-    {"training": {"micro_batch_size": 1, "precision": "amp_fp32_params"}},  # not given: the default says nothing
-    {"training": {"micro_batch_size": 1, "precision": "amp_fp32_params", "clip_grad": 0.0}},  # no clipping asked
-])
-def test_clip_grad_priced_or_not_given_is_not_flagged(top):
-    assert _clip_notes(**top) == []
 
 
 def test_float8_over_fsdp_refused_as_what_it_is():
