@@ -49,8 +49,8 @@ from simulator.config.sections import vit as vit_section
 
 #: Megatron-Core ``--attention-backend`` choices (megatron/core/transformer/enums.py ``AttnBackend``: flash, fused,
 #: unfused, local, auto) that this simulator runs as one of its own: fused is Transformer Engine's FusedAttention
-#: (cuDNN's flash kernels; the H200 profile's attention rates match the cuDNN sm90 flash kernels of the measured
-#: trace, simulator/studies/validation.py), auto lets Transformer Engine pick flash or fused, local is Megatron-Core's
+#: (cuDNN's flash kernels; the H200 profile's assumed attention rates match the cuDNN sm90 flash kernels of the
+#: measured trace, simulator/studies/validation.py _MCORE_GAP), auto lets Transformer Engine pick flash or fused, local is Megatron-Core's
 #: DotProductAttention (batched Q K^T and attention x V GEMMs with the fused softmax, the unfused path).
 MEGATRON_ATTENTION_ALIASES = {"fused": "flash", "auto": "flash", "local": "unfused"}
 _ALIAS_WHAT = {"fused": "Transformer Engine's cuDNN fused attention", "auto": "Transformer Engine's choice of its "
@@ -63,8 +63,9 @@ def attention_alias_note(backend: str) -> str | None:
     kernel = MEGATRON_ATTENTION_ALIASES.get(backend)
     if kernel is None:
         return None
-    how = ("one flash-attention kernel per pass at the GPU profile's attention rates (fitted rates match cuDNN's sm90 "
-           "flash kernels on the measured H200 trace; other GPUs and head dimensions not measured)"
+    how = ("one flash-attention kernel per pass at the GPU profile's attention rates (assumed, not fitted; on the "
+           "measured H200 trace they match cuDNN's sm90 flash kernels at head dim 64, 1k tokens; other GPUs, head "
+           "dimensions and lengths not measured)"
            if kernel == "flash" else "batched Q K^T and attention x V GEMMs with the fused causal softmax")
     return (f"model.attention_backend {backend} (Megatron-Core: {_ALIAS_WHAT[backend]}) is simulated as "
             f"attention_backend {kernel}: {how}")
