@@ -9,14 +9,9 @@ from simulator.api import resolve_hardware, run_scenario, run_warnings
 from simulator.config.errors import ScenarioError
 from simulator.config.foreign_keys import FOREIGN_KEY_HINTS
 from simulator.config.loader import scenario_from_dict
+from tests.simulator.graph.test_flash_dropout_note import BASE as TINY_H100_BF16
 
-BASE = {
-    "name": "pasted",
-    "hardware": {"gpu": "h100-sxm-80gb"},
-    "model": {"num_layers": 2, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 512, "vocab_size": 1000},
-    "training": {"micro_batch_size": 1, "precision": "bf16"},
-    "run": {"steps": 2, "warmup_steps": 1},
-}
+BASE = {**TINY_H100_BF16, "name": "pasted"}  # 2 layers of h 512, seq 512, one H100, bf16, 2 steps
 
 
 def _cfg(model=None, **top):
