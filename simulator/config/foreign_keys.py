@@ -23,8 +23,11 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "train_batch_size": "DeepSpeed's train_batch_size is training.global_batch_size here",
     "gradient_accumulation_steps": "DeepSpeed's gradient_accumulation_steps is implied here: set "
                                    "training.global_batch_size = micro_batch_size x data-parallel size x its value",
-    "gradient_clipping": "DeepSpeed's gradient_clipping is not priced (its norm kernels are not modelled); remove it "
-                         "(training.clip_grad is Megatron-LM's --clip-grad)",
+    "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (under ZeRO its norm kernels "
+                         "are not priced; the run's warnings say so)",
+    "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
+                  "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
+                  "modelled",
     "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
     "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
