@@ -34,6 +34,8 @@ Any field can be overridden from the command line: `simulate run FILE --set trai
 | `cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml` | PyTorch 2-D FSDP FULL_SHARD x TP2 on one DGX H100 (`fsdp`; a prediction) |
 | `cluster/gpt_1p3b_dgx_h100_fsdp_tp2_sp_offload.yaml` | The same with sequence parallelism and FSDP `cpu_offload` (states on the host, CPU AdamW; a prediction) |
 | `cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml` | PP4 x DP2 on one DGX H100, the pipeline-schedule comparison (`parallelism.pipeline_schedule`: 1f1b, zero_bubble_h1, zero_bubble_h2, zero_bubble_v; `scripts/plot_pipeline_schedules.py`; a prediction) |
+| `cluster/llama3_405b_torchtitan_fsdp_tp8_128xh100.yaml` | torchtitan's Llama 3.1 405B layout on 128 H100: FSDP x TP8, full recompute (`from_hf`, `fsdp`; a prediction beside torchtitan's published 109 tokens/s per GPU) |
+| `cluster/gpt_6p7b_2x_dgx_h200_vpp2_powercap.yaml` | a 500 W power cap on an interleaved TP2 x PP2 x DP4 pipeline over 2 DGX H200 (`dvfs.power_cap` on a cluster; a prediction) |
 | `validation/<case id>.yaml` | published cases, named after their ids in `tests/data/paper/paper_cases.yaml` (`simulate validate`): Megatron-LM 2020 (1 GPU, TP8), Narayanan 2021 DP32, Korthikanti 2022 TP8 (`-full_recompute`, `-seq_par_plus_selective`), ZeRO-Offload 10B |
 
 ## Input rules

@@ -19,7 +19,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig, clip_grad_of
+from simulator.config.schema import ScenarioConfig, attention_alias_note, clip_grad_of
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -82,7 +82,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
-        attention_backend=m.attention_backend, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+        attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels,
     )
 
@@ -855,7 +855,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.optimizer.impl {cfg.training.optimizer.impl}: its eight AdamW passes are priced as one "
                    f"kernel each over the rank's parameters; their kernel launches ({per}) are not counted, so the "
                    "optimizer's host time is a lower bound")
-    if cfg is not None and (note := flash_dropout_note(cfg.model.attention_backend, cfg.model.attention_dropout)):
+    if cfg is not None and (note := flash_dropout_note(cfg.model.attention_kernel, cfg.model.attention_dropout)):
+        out.append(note)
+    if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
@@ -898,6 +900,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
+    out += _ddp_keys_without_effect(cfg)
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
@@ -917,6 +920,34 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                     out.append(f"rank_overrides: pp_rank {r} slowdown {q.slowdown:g} and dp_rank {o.dp_rank} slowdown "
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
+    return out
+
+
+def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
+    """The ``ddp`` keys given that this run's gradient reduction does not read (``ineffective_setting_warnings``):
+    PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
+    way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
+    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``).
+    Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway)."""
+    ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
+    # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
+    given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
+    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else
+             f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
+             if z.stage > 0 else "ddp.use_distributed_optimizer (Megatron's buckets: ddp.bucket_size)"
+             if ddp.use_distributed_optimizer else None)
+    torch_keys = [k for k in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view") if k in given]
+    if owner and torch_keys:
+        out.append(f"ddp.{', ddp.'.join(torch_keys)} ha{'s' if len(torch_keys) == 1 else 've'} no effect with "
+                   f"{owner}: PyTorch DDP's gradient buckets are not used")
+    if "overlap_grad_reduce" in given and (f is not None or z.stage == 3):
+        out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
+                   + ("fsdp: each unit's gradients are reduce-scattered as backward completes it" if f is not None else
+                      "zero_optimization.stage 3: zero_optimization.overlap_comm governs"))
+    if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
+        out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
+                   "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "
+                   "--ddp-bucket-size, is modelled only with the distributed optimizer")
     return out
 
 

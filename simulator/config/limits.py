@@ -63,6 +63,20 @@ MAX_DVFS_TIME_S = 100.0
 MIN_POWER_SAMPLE_PERIOD_S = 1e-4
 
 
+def integral_count(cls, v):
+    """``mode="before"`` field validator for element counts written as DeepSpeed configurations write them
+    (``"reduce_bucket_size": 5e8``, ``"stage3_max_live_parameters": 1e9``): an integral float is taken as its
+    integer, as DeepSpeed's own config model does (pydantic's lax int; microsoft/DeepSpeed
+    deepspeed/runtime/zero/config.py declares these fields ``int``); a boolean is an error; anything else is left
+    to the field's type (``5.5e7`` is refused there as not an integer).
+
+    Raises:
+        ValueError: ``v`` is ``True`` or ``False``.
+    """
+    v = no_bool(cls, v)
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 def no_bool(cls, v):
     """``mode="before"`` field validator: a boolean where a number is expected is an error
     (``Literal[0, 1]`` fields would otherwise take ``true`` as 1).

@@ -20,6 +20,7 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
+from simulator.config.foreign_keys import foreign_key_hint
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides
 from simulator.config.schema import PresetRef, ScenarioConfig
@@ -143,6 +144,8 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
         allowed = _allowed_keys(model, loc)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        if (foreign := foreign_key_hint(path)) is not None:  # a framework's key: where it lives here, or why not
+            hint = f"; {foreign}"
         return 0, f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
     if kind == "missing":
         choices = _choices(model, loc)

@@ -47,6 +47,30 @@ from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RA
 from simulator.config.sections import vit as vit_section
 
 
+#: Megatron-Core ``--attention-backend`` choices (megatron/core/transformer/enums.py ``AttnBackend``: flash, fused,
+#: unfused, local, auto) that this simulator runs as one of its own: fused is Transformer Engine's FusedAttention
+#: (cuDNN's flash kernels; the H200 profile's assumed attention rates match the cuDNN sm90 flash kernels of the
+#: measured trace, simulator/studies/validation.py _MCORE_GAP), auto lets Transformer Engine pick flash or fused, local is Megatron-Core's
+#: DotProductAttention (batched Q K^T and attention x V GEMMs with the fused softmax, the unfused path).
+MEGATRON_ATTENTION_ALIASES = {"fused": "flash", "auto": "flash", "local": "unfused"}
+_ALIAS_WHAT = {"fused": "Transformer Engine's cuDNN fused attention", "auto": "Transformer Engine's choice of its "
+               "flash or cuDNN fused attention", "local": "Megatron-Core's local DotProductAttention"}
+
+
+def attention_alias_note(backend: str) -> str | None:
+    """The run's warning when ``model.attention_backend`` is a Megatron-Core name simulated as another backend
+    (``MEGATRON_ATTENTION_ALIASES``); None for the simulator's own names."""
+    kernel = MEGATRON_ATTENTION_ALIASES.get(backend)
+    if kernel is None:
+        return None
+    how = ("one flash-attention kernel per pass at the GPU profile's attention rates (assumed, not fitted; on the "
+           "measured H200 trace they match cuDNN's sm90 flash kernels at head dim 64, 1k tokens; other GPUs, head "
+           "dimensions and lengths not measured)"
+           if kernel == "flash" else "batched Q K^T and attention x V GEMMs with the fused causal softmax")
+    return (f"model.attention_backend {backend} (Megatron-Core: {_ALIAS_WHAT[backend]}) is simulated as "
+            f"attention_backend {kernel}: {how}")
+
+
 class _Model(BaseModel):
     model_config = MODEL_CONFIG
 
@@ -172,9 +196,10 @@ class ModelConfig(_Model):
         default=None, gt=0, le=MAX_CAPACITY_FACTOR, description="Megatron --moe-expert-capacity-factor: each expert "
         "takes at most ceil(factor x T x topk / num_experts) tokens of a rank's T, the rest are dropped (no "
         "padding); null: dropless.")
-    attention_backend: Literal["flash", "flash_varlen", "unfused"] = Field(
+    attention_backend: Literal["flash", "flash_varlen", "unfused", "fused", "auto", "local"] = Field(
         default="flash", description="Megatron-Core --attention-backend: flash (one flash-attention kernel, the "
-        "default), flash_varlen (the same kernel called through flash-attn's bert_padding unpad_input / pad_input, "
+        "default; Megatron's fused and auto, Transformer Engine's cuDNN fused attention and its automatic choice, run "
+        "as it, and local, Megatron-Core's own DotProductAttention, as unfused: the run's warnings say so), flash_varlen (the same kernel called through flash-attn's bert_padding unpad_input / pad_input, "
         "as llm-foundry's MPT flash_attn_fn does even without padding: three gathers of q, k, v and a zero-filled "
         "padded output, their scatters and the QKV concatenation in backward, in place of the output transpose; "
         "not with rope or context parallelism: simulator/graph/builders/varlen.py) or unfused (Megatron-LM before flash attention, 2020-2022: Q K^T and attention x V batched GEMMs "
@@ -238,6 +263,12 @@ class ModelConfig(_Model):
         return vit_section.expand_model(merge_hf(data), {k: f.default for k, f in cls.model_fields.items()})
 
     @property
+    def attention_kernel(self) -> str:
+        """The attention implementation simulated: ``attention_backend`` with Megatron-Core's other names mapped
+        (``MEGATRON_ATTENTION_ALIASES``): flash, flash_varlen or unfused."""
+        return MEGATRON_ATTENTION_ALIASES.get(self.attention_backend, self.attention_backend)
+
+    @property
     def query_groups(self) -> int:
         """K/V head groups: ``num_query_groups`` (default 1) with GQA, else the head count."""
         return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
@@ -261,7 +292,7 @@ class ModelConfig(_Model):
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
                              f"(allowed: 1..{self.num_experts})")
-        if self.attention_backend == "unfused":
+        if self.attention_kernel == "unfused":
             if self.group_query_attention:
                 raise ValueError("attention_backend: unfused with group_query_attention is not modelled (allowed: "
                                  "flash, or group_query_attention false)")
@@ -271,7 +302,7 @@ class ModelConfig(_Model):
             raise ValueError("attention_backend: flash_varlen with position_embedding_type rope is not modelled "
                              "(allowed: learned_absolute or none; or attention_backend flash)")
         if self.kernels == "hf_eager":
-            bad = [k for k, on in (("attention_backend flash", self.attention_backend != "unfused"),
+            bad = [k for k, on in (("attention_backend flash", self.attention_kernel != "unfused"),
                                    ("swiglu", self.swiglu), ("num_experts", self.num_experts is not None),
                                    ("rope", self.position_embedding_type == "rope")) if on]
             if bad:
@@ -941,6 +972,10 @@ class ScenarioConfig(_Model):
 
     @model_validator(mode="after")
     def _fp8_scope(self):
+        if self.training.fp8 is not None and self.fsdp is not None:  # before the precision rule, which FSDP refuses
+            raise ValueError(f"training.fp8: {self.training.fp8} with fsdp is not modelled (torchtitan / torchao "
+                             "float8 training over FSDP, its dynamic scaling and float8 all-gathers; allowed: fp8 "
+                             "with Megatron-LM bf16 training: no fsdp section, training.precision bf16)")
         if self.training.fp8 is not None and self.training.precision != "bf16":
             raise ValueError(f"training.fp8: {self.training.fp8} needs training.precision bf16 (Megatron-LM trains "
                              f"fp8 over bf16; got {self.training.precision})")
@@ -959,7 +994,7 @@ class ScenarioConfig(_Model):
         prec = self.training.precision
         if prec not in ("fp32", "tf32"):
             return self
-        if self.model.attention_backend != "unfused":
+        if self.model.attention_kernel != "unfused":
             raise ValueError(f"training.precision: {prec} needs model.attention_backend: unfused (flash attention has "
                              "fp16 / bf16 kernels only; allowed: unfused)")
         z = self.zero_optimization
@@ -993,7 +1028,7 @@ class ScenarioConfig(_Model):
         if self.training.precision == "amp_fp32_params" and self.fsdp is None:
             raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
                              "with fsdp only, PyTorch context parallelism)")
-        if m.attention_backend != "flash":
+        if m.attention_kernel != "flash":
             raise ValueError(f"{key}: {cp} > 1 with model.attention_backend {m.attention_backend} is not modelled "
                              "(allowed: attention_backend flash with context parallelism)")
         z = self.zero_optimization

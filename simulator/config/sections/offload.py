@@ -38,7 +38,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from simulator.config.limits import MAX_NUM_LAYERS, MAX_REDUCE_BUCKET_SIZE, MODEL_CONFIG, no_bool
+from simulator.config.limits import MAX_NUM_LAYERS, MAX_REDUCE_BUCKET_SIZE, MODEL_CONFIG, integral_count, no_bool
 
 OFFLOAD_DEVICES = ("none", "cpu")
 OFFLOAD_MODES = ("serial", "overlap", "delayed_param_update")
@@ -132,6 +132,9 @@ class ZeroOptimizationConfig(_Model):
         "gathered at once (DeepSpeed default 1e9).")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+    _counts = field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                              "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                              mode="before")(integral_count)
 
     @property
     def ipg_buffers(self) -> int:

@@ -154,7 +154,7 @@ def test_unfused_is_slower_than_flash_and_the_gap_grows_faster_than_the_sequence
      "parallelism.context_parallel_size: 2 > 1 with model.attention_backend unfused is not modelled"),
     ({"model": {**BASE["model"], "group_query_attention": True, "num_query_groups": 8}},
      "attention_backend: unfused with group_query_attention is not modelled"),
-    ({"model": {**BASE["model"], "attention_backend": "fused"}}, "model.attention_backend"),
+    ({"model": {**BASE["model"], "attention_backend": "sdpa"}}, "model.attention_backend"),
     ({"model": {**BASE["model"], "attention_dropout": 1.0}}, "model.attention_dropout"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, change, needle):

@@ -1,0 +1,81 @@
+"""Where a key pasted from a DeepSpeed ``ds_config``, an llm-foundry ``fsdp_config`` or a Megatron-LM launch script
+lives in a scenario, or why it has none: the hint an unknown-key error ends with (``loader.format_validation_error``).
+
+Every key named here is refused (the schema forbids extra keys); the hint only tells the user what to write instead,
+or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's configuration JSON
+(https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
+legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
+(composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
+(megatron/training/arguments.py).
+"""
+
+from __future__ import annotations
+
+_NVME = "NVMe offload (ZeRO-Infinity) is not modelled; offload to the host is device: cpu, without this key"
+_GRAD_BF16 = ("Megatron-LM's --grad-reduce-in-bf16 is not modelled: the main grads (their buffer, its memset and "
+              "the data-parallel reduction) are fp32 here, 4 B per parameter; a bf16 buffer would halve them")
+_NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
+
+#: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
+FOREIGN_KEY_HINTS: dict[str, str] = {
+    # DeepSpeed top-level keys (ds_config.json) pasted at the scenario's top level
+    "train_micro_batch_size_per_gpu": "DeepSpeed's train_micro_batch_size_per_gpu is training.micro_batch_size here",
+    "train_batch_size": "DeepSpeed's train_batch_size is training.global_batch_size here",
+    "gradient_accumulation_steps": "DeepSpeed's gradient_accumulation_steps is implied here: set "
+                                   "training.global_batch_size = micro_batch_size x data-parallel size x its value",
+    "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (under ZeRO its norm kernels "
+                         "are not priced; the run's warnings say so)",
+    "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
+                  "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
+                  "modelled",
+    "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
+    "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
+    "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
+    "steps_per_print": _NO_STEP_EFFECT,
+    "wall_clock_breakdown": _NO_STEP_EFFECT,
+    # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
+    "zero_optimization.sub_group_size": "DeepSpeed's sub_group_size (the offloaded optimizer step in groups of "
+                                        "this many elements) is not modelled; remove it",
+    "zero_optimization.stage3_max_reuse_distance": "DeepSpeed's stage3_max_reuse_distance is not modelled: every "
+                                                   "block's parameters are gathered again for its backward; remove it",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
+    "zero_optimization.gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
+    "zero_optimization.round_robin_gradients": "DeepSpeed's round_robin_gradients is not modelled; remove it",
+    "zero_optimization.cpu_offload": "DeepSpeed's legacy cpu_offload: true is offload_optimizer: {device: cpu} "
+                                     "here (zero_optimization.offload_optimizer)",
+    "zero_optimization.cpu_offload_params": "DeepSpeed's legacy cpu_offload_params: true is offload_param: "
+                                            "{device: cpu} here (zero_optimization.offload_param)",
+    "zero_optimization.cpu_offload_use_pin_memory": "DeepSpeed's legacy cpu_offload_use_pin_memory is pin_memory "
+                                                    "under zero_optimization.offload_optimizer / offload_param here",
+    "zero_optimization.offload_optimizer.nvme_path": _NVME,
+    "zero_optimization.offload_optimizer.buffer_count": _NVME,
+    "zero_optimization.offload_optimizer.pipeline_read": _NVME,
+    "zero_optimization.offload_optimizer.pipeline_write": _NVME,
+    "zero_optimization.offload_optimizer.fast_init": "not modelled (optimizer initialisation, not a step); remove it",
+    "zero_optimization.offload_param.nvme_path": _NVME,
+    "zero_optimization.offload_param.buffer_count": _NVME,
+    "zero_optimization.offload_param.buffer_size": _NVME,
+    "zero_optimization.offload_param.max_in_cpu": _NVME,
+    # Megatron-LM arguments written as keys beside the ones modelled (megatron/training/arguments.py)
+    "ddp.grad_reduce_in_bf16": _GRAD_BF16,
+    "training.grad_reduce_in_bf16": _GRAD_BF16,
+    "training.fp8_param_gather": "Megatron-LM's --fp8-param-gather is not modelled: the parameters are kept and "
+                                 "all-gathered in bf16 and each block Linear weight is cast to fp8 once per step",
+    # llm-foundry / Composer fsdp_config keys
+    "fsdp.activation_checkpointing": "llm-foundry's fsdp_config.activation_checkpointing: true is "
+                                     "training.recompute_granularity: full here (every block recomputed)",
+    "fsdp.activation_checkpointing_reentrant": "not modelled (reentrant and non-reentrant checkpointing are priced "
+                                               "alike); remove it",
+    "fsdp.activation_cpu_offload": "llm-foundry's activation_cpu_offload is not modelled; remove it (DeepSpeed's "
+                                   "activation_checkpointing.cpu_checkpointing is)",
+    "fsdp.verbose": _NO_STEP_EFFECT,
+    "fsdp.state_dict_type": _NO_STEP_EFFECT,
+    "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",
+    "fsdp.use_orig_params": "not modelled (the flat parameters are priced either way); remove it",
+}
+
+
+def foreign_key_hint(path: str) -> str | None:
+    """What to write instead of the unknown key at dotted ``path`` (``fsdp.activation_checkpointing``), or why it
+    is not modelled; None for a key no framework in ``FOREIGN_KEY_HINTS`` uses there."""
+    return FOREIGN_KEY_HINTS.get(path)
