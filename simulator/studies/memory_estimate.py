@@ -251,9 +251,10 @@ def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
 
 
 def _grad_bytes(spec) -> int:
-    """Bytes per element of a ``.grad`` without a sharding spec: 2 for DeepSpeed ZeRO-1/2 in bf16 / fp16
-    (``TransformerSpec.zero_half_grads``: the model dtype), else 4 (fp32)."""
-    return 2 if spec.zero_half_grads else 4
+    """Bytes per element of a ``.grad`` without a sharding spec (and of Megatron's grad buffer): 2 for DeepSpeed
+    ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's fp16 grad buffer
+    (``TransformerSpec.megatron_fp16_grads``), else 4 (fp32)."""
+    return 2 if spec.zero_half_grads or spec.megatron_fp16_grads else 4
 
 
 def _ipg_buffer(spec) -> tuple[float, bool]:
@@ -282,7 +283,8 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         zero = spec.zero_stage
         Ps = part(P) if zero else P
         params = 4 * P if amp else 2 * P + 4 * Ps
-        buckets = 4 * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers
+        buckets = _grad_bytes(spec) * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers (Megatron's
+        # buffer: fp16 with megatron_fp16_grads)
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
             dynamic = 0
         else:
@@ -294,7 +296,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
     if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer
-        return {"params": 2 * P + 4 * Ps, "grad": 4 * P, "optimizer": 8 * Ps}, 0
+        return {"params": 2 * P + 4 * Ps, "grad": _grad_bytes(spec) * P, "optimizer": 8 * Ps}, 0
     if sh.strategy == "no_shard":
         return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
     unit = spec.layer_params

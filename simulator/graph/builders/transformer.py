@@ -477,6 +477,30 @@ class TransformerSpec:
         return self.pipeline_parallel_size > 1 and ((self.clip_grad > 0 and not fsdp) or self.precision == "fp16")
 
     @property
+    def megatron_optimizer(self) -> bool:
+        """Megatron-LM's mixed-precision optimizer runs the step: ``bf16`` / ``fp16`` outside DeepSpeed ZeRO and
+        FSDP (DDP's contiguous grad buffer, or the distributed optimizer), no LoRA (PEFT: torch DDP). Megatron-LM
+        ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer`` (megatron/core/optimizer/optimizer.py,
+        distrib_optimizer.py): the fused AdamW updates the fp32 main params, then ``_copy_main_params_to_model_params``
+        casts them into the 16-bit model params; ``clip_grad_norm`` before it (``_GptBuilder._clip_grad_norm``) and
+        the grad buffer's ``zero_grad_buffer`` before the step's first forward (``_GptBuilder._zero_grad_buffer``)."""
+        sh = self.sharding if self.grad_reduce_size > 1 else None
+        return (self.precision in MEGATRON_DDP_PRECISIONS and self.zero_stage == 0 and self.lora is None
+                and (sh is None or sh.strategy == "distributed_optimizer"))
+
+    @property
+    def megatron_fp16_grads(self) -> bool:
+        """Megatron's optimizer with fp16 and without ``--accumulate-allreduce-grads-in-fp32``: the contiguous grad
+        buffer (``main_grad``) is in the parameters' dtype, fp16, so the gradients are accumulated over the
+        micro-batches and all-reduced (or reduce-scattered) in fp16, 2 bytes per element. Source:
+        NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
+        store_true, forced on only with ``--bf16``), megatron/model/distributed.py ``_get_buffer_type``
+        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``), megatron/core/distributed
+        ``grad_reduce_in_fp32`` in later releases; the 2020 code (apex-style FP16_Optimizer) kept the fp16
+        ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by default)."""
+        return self.precision == "fp16" and not self.accumulate_allreduce_grads_in_fp32 and self.megatron_optimizer
+
+    @property
     def zero_half_grads(self) -> bool:
         """DeepSpeed ZeRO-1/2 over data parallelism (no sharding spec) keeps the gradients in the model dtype,
         2 bytes in bf16 / fp16 (``ZERO_HALF_GRAD_PRECISIONS``); False: fp32 ``.grad`` (or the sharding spec's)."""
@@ -2102,28 +2126,13 @@ class _GptBuilder:
 
     @property
     def _megatron_optimizer(self) -> bool:
-        """Megatron-LM's mixed-precision optimizer runs the step: ``bf16`` / ``fp16`` outside DeepSpeed ZeRO and
-        FSDP (DDP's contiguous grad buffer, or the distributed optimizer), no LoRA (PEFT: torch DDP). Megatron-LM
-        ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer`` (megatron/core/optimizer/optimizer.py,
-        distrib_optimizer.py): the fused AdamW updates the fp32 main params, then ``_copy_main_params_to_model_params``
-        casts them into the 16-bit model params; ``clip_grad_norm`` before it (``_clip_grad_norm``) and the grad
-        buffer's ``zero_grad_buffer`` before the step's first forward (``_zero_grad_buffer``)."""
-        s = self.s
-        return (s.precision in MEGATRON_DDP_PRECISIONS and s.zero_stage == 0 and s.lora is None
-                and (self.sh is None or self.sh.strategy == "distributed_optimizer"))
+        """``TransformerSpec.megatron_optimizer``: Megatron-LM's mixed-precision optimizer runs the step."""
+        return self.s.megatron_optimizer
 
     @property
     def _fp16_grad_buffer(self) -> bool:
-        """Megatron's optimizer with fp16 and without ``--accumulate-allreduce-grads-in-fp32``: the contiguous grad
-        buffer (``main_grad``) is in the parameters' dtype, fp16, so the gradients are accumulated over the
-        micro-batches and all-reduced (or reduce-scattered) in fp16, 2 bytes per element. Source:
-        NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
-        store_true, forced on only with ``--bf16``), megatron/model/distributed.py ``_get_buffer_type``
-        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``), megatron/core/distributed
-        ``grad_reduce_in_fp32`` in later releases; the 2020 code (apex-style FP16_Optimizer) kept the fp16
-        ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by default)."""
-        s = self.s
-        return s.precision == "fp16" and not s.accumulate_allreduce_grads_in_fp32 and self._megatron_optimizer
+        """``TransformerSpec.megatron_fp16_grads``: Megatron's contiguous grad buffer is fp16, 2 bytes per element."""
+        return self.s.megatron_fp16_grads
 
     def _copy_model_grads_to_main_grads(self, n: float, grads: list[str], deps: list[int]):
         """Megatron ``_copy_model_grads_to_main_grads`` with an fp16 grad buffer (``_fp16_grad_buffer``):
