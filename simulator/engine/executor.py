@@ -367,7 +367,9 @@ class Executor:
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env.now
-        if op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
+        if op.folded_comm and "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
+            self._side_spans(op, step, start, now, stream)
+        elif op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
             t = now - self.sys.folded_comm_s(op)
             self.rec.span(step, op, start, t, stream)
             for c in op.folded_comm:
@@ -400,6 +402,21 @@ class Executor:
         rem[step] -= 1
         if rem[step] == 0:
             self.step_end[step] = now
+
+    def _side_spans(self, op: Op, step: int, start: float, now: float, stream: str) -> None:
+        """Spans of a layer-fidelity block carrying TP collectives beside its kernels (``meta["side"]``): its kernels
+        as one span of their busy time (the block less its waits for the collectives in its timeline alone,
+        ``System.side_timeline``), then the waits, and each collective's time in flight as a span of its stream,
+        one after another, ending at the block's end. So the compute stream's busy time, each group's
+        communication time (the union of its spans) and the exposed communication (collective spans outside
+        compute spans: the waits) are the timeline's; the spans' places inside the block are not."""
+        tl = self.sys.side_timeline(op, alone=True)
+        rec = self.rec
+        rec.span(step, op, start, max(start, now - (tl.end_s - tl.busy_s)), stream)
+        t = now - sum(tl.comm_s)
+        for c, d in zip(op.folded_comm, tl.comm_s):
+            rec.span(step, c, max(start, t), t + d, c.stream)
+            t += d
 
     def _free(self, name: str) -> None:
         pool = self._pool_of.get(name)

@@ -51,6 +51,7 @@ peak memory within a few % of kernel fidelity.
 from __future__ import annotations
 
 from simulator.graph.blocks import blocks_of, coarsen, foldable_tp
+from simulator.graph.side_blocks import fold_overlapped_tp
 from simulator.graph.op_graph import OpGraph
 from simulator.policies.registry import register_graph_policy
 
@@ -74,4 +75,6 @@ class LayerFidelity:
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         # TP collectives are folded only where the engine prices them with its NCCL model
-        return coarsen(graph, fold_tp=getattr(hw, "collectives", None) is not None)
+        if getattr(hw, "collectives", None) is None:
+            return coarsen(graph)
+        return fold_overlapped_tp(coarsen(graph, fold_tp=True))

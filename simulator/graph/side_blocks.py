@@ -1,0 +1,281 @@
+"""Layer blocks that carry TP collectives running beside their kernels (``run.fidelity: layer``).
+
+``coarsen`` (``simulator.graph.blocks``) folds a blocking TP collective into the block around it, but a collective
+that runs beside compute cuts the blocks: Megatron's asynchronous column-parallel backward
+(``tp_async_grad_reduce``) issues the input-gradient all-reduce / reduce-scatter right after the input-gradient
+GEMM and waits for it only before the weight-gradient accumulation, and with sequence parallelism gathers the saved
+input shard again beside the input-gradient GEMM; the kernel it waits for ends a block, the kernel waiting for it
+starts one, and it stays an op of its own. A 175B layer's backward is then 16 ops.
+
+``fold_overlapped_tp`` runs on the coarsened graph: it merges each run of consecutive compute-stream ops (blocks
+and mergeable kernels) of one layer and phase whose only cuts are such TP collectives into one block, with every
+TP collective of the run in ``Op.folded_comm`` (blocking or beside compute, in stream order, renumbered to the
+block's id) and their places in ``meta["side"]``: one ``(a, b)`` per collective, the index of the part (in
+``meta["fused"]``, the block's kernels) it starts after and of the part that waits for it. The engine prices such a
+block with ``simulator.cost.overlap.overlap_timeline`` (``System.side_timeline``): the kernels one after another,
+each collective from the end of part ``a`` (and of the collective before it on the stream) with the interference
+kernel fidelity applies (the kernels beside it slowed by its SMs and HBM traffic, it slowed by ``1 + gamma``
+while they run), part ``b`` waiting for it.
+
+A TP collective ``c`` is folded where (besides ``foldable_tp``'s metadata rules: a ``COLLECTIVE`` of group ``tp``
+on a ``comm.tp`` stream, NCCL-priced, no measured duration, rendezvous, ``parties``, previous-step dependencies or
+``fused_gemm``):
+
+* every op it waits for and every op waiting for it is a compute-stream op; ``a`` is the last it waits for, ``b``
+  the first waiting for it, later than ``a``; nothing of the next step waits for it;
+* ``a`` and ``b`` lie in one run: consecutive compute ops, each a block or a mergeable kernel of the same layer
+  (>= 0) and phase, none but the first waiting for an op on another stream that is not folded, none but the last
+  waited for by one (nor by the next step);
+* its run's collectives all use one stream; the op before it on its stream is folded into this run or an earlier
+  one, or a compute op up to ``a`` waits for it; the op after it is folded into this run or a later one, or waits
+  for a compute op from the run's first on (so the stream's order holds).
+
+Collectives failing these are left as ops, which cuts the runs again; the rules are applied until nothing changes.
+Runs without a collective to fold are left as they are. Memory per block is ``blocks.block_memory`` over the run's
+ops (blocks with their scratch) and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from itertools import chain
+
+from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
+    _signature, block_memory
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import Op, OpKind, TensorAlloc
+
+__all__ = ["fold_overlapped_tp"]
+
+_UNMERGEABLE_BLOCK_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "side"})
+
+
+def _unit(op: Op) -> bool:
+    """Whether ``op`` may be part of a run: a mergeable kernel or a block (``meta["fused"]``) of a layer."""
+    if _mergeable(op):
+        return True
+    m = op.meta
+    return (op.kind is OpKind.COMPUTE and op.stream == COMPUTE_STREAM and op.layer >= 0 and m is not None
+            and "fused" in m and op.fixed_duration_s is None and op.launch and not _UNMERGEABLE_BLOCK_META & m.keys())
+
+
+def _candidates(ops, dependents, prev_waited) -> dict[int, tuple[int, int]]:
+    out: dict[int, tuple[int, int]] = {}
+    for op in ops:
+        m = op.meta
+        if not (op.kind is OpKind.COLLECTIVE and m and m.get("group") == "tp" and "collective" in m
+                and op.stream.startswith("comm.tp") and op.fixed_duration_s is None and op.deps
+                and not _UNFOLDABLE_META & m.keys()) or op.id in prev_waited:
+            continue
+        users = dependents.get(op.id)
+        if not users or any(ops[d].stream != COMPUTE_STREAM for d in op.deps) \
+                or any(ops[u].stream != COMPUTE_STREAM for u in users):
+            continue
+        a, b = max(op.deps), min(users)  # compute-stream order is id order
+        if b > a:
+            out[op.id] = (a, b)
+    return out
+
+
+def _runs(ops, compute: list[int], folded, prev_waited) -> list[list[int]]:
+    """Runs of consecutive compute ops that may merge once the collectives ``folded`` are folded."""
+    waited = set(prev_waited)
+    for op in ops:
+        if op.id in folded or op.stream == COMPUTE_STREAM:
+            continue
+        for d in op.deps:
+            if ops[d].stream == COMPUTE_STREAM:
+                waited.add(d)
+    runs: list[list[int]] = []
+    cur: list[int] | None = None
+    key = None
+    for oid in compute:
+        op = ops[oid]
+        if not _unit(op):
+            cur = None
+            continue
+        cross = any(ops[d].stream != COMPUTE_STREAM and d not in folded for d in op.deps)
+        k = (op.layer, op.phase)
+        if cur is not None and k == key and not cross:
+            cur.append(oid)
+        else:
+            cur, key = [oid], k
+            runs.append(cur)
+        if oid in waited:
+            cur = None
+    return runs
+
+
+def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
+    """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
+    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    dependents: dict[int, list[int]] = defaultdict(list)
+    prev_waited: set[int] = set()
+    on_stream: dict[str, list[int]] = defaultdict(list)
+    for op in ops:
+        for d in op.deps:
+            dependents[d].append(op.id)
+        if op.meta and "prev_step_deps" in op.meta:
+            prev_waited.update(op.meta["prev_step_deps"] or ())
+        if op.stream.startswith("comm.tp"):
+            on_stream[op.stream].append(op.id)
+    at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
+    cand = _candidates(ops, dependents, prev_waited)
+    while cand:
+        runs = _runs(ops, compute, cand, prev_waited)
+        run_of = {oid: r for r, run in enumerate(runs) for oid in run}
+        stream_of: dict[int, str] = {}
+        for c, (a, b) in sorted(cand.items()):
+            r = run_of.get(a)
+            if r is not None and run_of.get(b) == r:
+                stream_of.setdefault(r, ops[c].stream)
+        bad = set()
+        for c, (a, b) in cand.items():
+            r = run_of.get(a)
+            if r is None or run_of.get(b) != r or stream_of[r] != ops[c].stream:
+                bad.add(c)
+                continue
+            st, k = at[c]
+            seq = on_stream[st]
+            if k > 0:
+                p = seq[k - 1]
+                if p in cand:
+                    rp = run_of.get(cand[p][0])
+                    ok = rp is not None and rp <= r
+                else:
+                    ok = any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ()))
+                if not ok:
+                    bad.add(c)
+                    continue
+            if k + 1 < len(seq):
+                n = seq[k + 1]
+                if n in cand:
+                    rn = run_of.get(cand[n][0])
+                    ok = rn is not None and rn >= r
+                else:
+                    ok = any(ops[d].stream == COMPUTE_STREAM and d >= runs[r][0] for d in ops[n].deps)
+                if not ok:
+                    bad.add(c)
+        if not bad:
+            break
+        for c in bad:
+            del cand[c]
+    if not cand:
+        return [], {}
+    folded: dict[int, list[int]] = defaultdict(list)
+    for c in sorted(cand):  # id order: the stream's order
+        folded[run_of[cand[c][0]]].append(c)
+    return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
+
+
+def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]], users, size, new_id: int,
+            deps: tuple[int, ...]) -> Op:
+    """One block standing for ``units`` (blocks and kernels) and the TP collectives ``comms`` (``spots``: the
+    ``(a, b)`` op ids of each, by id), with its memory per block (``block_memory``)."""
+    parts: list[Op] = []
+    keys: list[tuple] = []
+    first_of: dict[int, int] = {}
+    last_of: dict[int, int] = {}
+    launches = 0
+    entries: list[tuple[int, int, Op]] = []  # (a, b, collective) with part indices, then sorted by stream order
+    for u in units:
+        first_of[u.id] = len(parts)
+        m = u.meta
+        if m and "fused" in m:
+            off = len(parts)
+            entries += [(off + j - 1, off + j, c) for j, c in zip(m.get("folded_at", ()), u.folded_comm)]
+            parts += m["fused"]
+            keys += m["fused_key"]
+            launches += m["launches"]
+        else:
+            parts.append(u)
+            keys.append(_signature(u))
+            launches += 1
+        last_of[u.id] = len(parts) - 1
+    entries += [(last_of[spots[c.id][0]], first_of[spots[c.id][1]], c) for c in comms]
+    entries.sort(key=lambda e: (e[0], e[1]))  # a collective is issued after the part it waits for
+    after = {spots[c.id][0]: [] for c in comms}
+    for c in comms:
+        after[spots[c.id][0]].append(c)
+    seq = list(chain.from_iterable((u, *after.get(u.id, ())) for u in units))
+    allocs, uses, extra = block_memory(seq, users, size, units[0].id)
+    first = units[0]
+    if extra > 0:
+        allocs.append(TensorAlloc(f"activations.block_scratch.tp#{first.id}", extra))
+    longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
+    meta = {"fused": tuple(parts), "fused_key": tuple(keys), "launches": launches,
+            "side": tuple((a, b) for a, b, _ in entries)}
+    vals = list(_GET_FIELDS(first))
+    vals[0] = new_id
+    vals[_F["name"]] = (f"L{first.layer}.{first.phase.value}.block[{parts[0].name.split('.', 2)[-1]}.."
+                        f"{parts[-1].name.split('.', 2)[-1]}]")
+    vals[_F["cost_class"]], vals[_F["shape"]] = longest.cost_class, ()
+    vals[_F["flops"]] = sum(p.flops for p in parts)
+    vals[_F["bytes_read"]] = sum(p.bytes_read for p in parts)
+    vals[_F["bytes_written"]] = sum(p.bytes_written for p in parts)
+    vals[_F["allocs"]], vals[_F["uses"]], vals[_F["meta"]], vals[_F["deps"]] = tuple(allocs), tuple(uses), meta, deps
+    vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for _, _, c in entries)
+    return Op(*vals)
+
+
+_F = {f: i for i, f in enumerate(_FIELDS)}
+
+
+def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
+    """``graph`` (coarsened, ``blocks.coarsen``) with each run of blocks cut only by foldable TP collectives merged
+    into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
+    (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
+    ops = graph.ops
+    runs, comm_of = _plan(ops)
+    if not runs:
+        return graph
+    start_of = {r[0]: r for r in runs}
+    folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
+    in_run = {oid: r[0] for r in runs for oid in r}
+    new_id = [-1] * len(ops)
+    n = 0
+    for op in ops:
+        if op.id in folded:
+            continue
+        r0 = in_run.get(op.id)
+        if r0 is not None and r0 != op.id:
+            new_id[op.id] = new_id[r0]
+            continue
+        new_id[op.id] = n
+        n += 1
+    for c, r0 in folded.items():
+        new_id[c] = new_id[r0]
+    users: dict[str, list[int]] = defaultdict(list)
+    size: dict[str, int] = {}
+    for op in ops:
+        for u in op.uses:
+            users[u].append(op.id)
+        for t in op.allocs:
+            if t.device == "gpu":
+                size[t.name] = t.nbytes
+    out: list[Op] = []
+    for op in ops:
+        if op.id in folded or (op.id in in_run and op.id not in start_of):
+            continue
+        i = new_id[op.id]
+        run = start_of.get(op.id)
+        if run is None:
+            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
+            meta = op.meta
+            if meta and "prev_step_deps" in meta:
+                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
+            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
+            continue
+        cs = [ops[c] for c in comm_of[op.id]]
+        mine = set(run) | set(comm_of[op.id])
+        deps = tuple(sorted({new_id[d] for p in chain((ops[j] for j in run), cs) for d in p.deps if d not in mine}))
+        spots = {c.id: (max(c.deps), min(u for u in run if c.id in ops[u].deps)) for c in cs}
+        out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps))
+    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    meta = graph.meta
+    if "fidelity" in meta:
+        info = {**meta["fidelity"], "ops_after": len(out)}
+        info["folded_tp"] = info.get("folded_tp", 0) + len(folded)
+        meta = {**meta, "fidelity": info}
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta=meta)
