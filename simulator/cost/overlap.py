@@ -28,6 +28,7 @@ class Timeline:
         end_s: The block's end (its last part's end).
         busy_s: Time some part runs (the compute stream is busy); ``end_s - busy_s`` it waits for collectives.
         comm_s: Each collective's time in flight (start to end), in stream order.
+        comm_start_s: Each collective's start, in stream order.
         run_s: Each part's time from its start to its end.
         wait_s: Each part's wait, after the part before it ended, for the collectives it waits for.
     """
@@ -35,6 +36,7 @@ class Timeline:
     end_s: float
     busy_s: float
     comm_s: tuple[float, ...]
+    comm_start_s: tuple[float, ...]
     run_s: tuple[float, ...]
     wait_s: tuple[float, ...]
 
@@ -66,6 +68,7 @@ def overlap_timeline(part_s: Sequence[float], comms: Sequence[tuple[int, int, fl
     i, pf = 0, 0.0  # the part in progress and the fraction of it done
     k, cp, c0 = 0, 0.0, None  # the next collective, the fraction of it done, its start (None: not started)
     comm_s: list[float] = []
+    comm_t0: list[float] = []
     run_s, wait_s = [0.0] * n, [0.0] * n
     p0 = 0.0  # when the part in progress started (or the one before it ended, while it waits)
     started = False
@@ -92,7 +95,8 @@ def overlap_timeline(part_s: Sequence[float], comms: Sequence[tuple[int, int, fl
         if c0 is not None:
             if tm <= tc:
                 comm_s.append(t - c0)
+                comm_t0.append(c0)
                 k, cp, c0 = k + 1, 0.0, None
             else:
                 cp += dt / tt if tt > 0 else 1.0
-    return Timeline(t, busy, tuple(comm_s), tuple(run_s), tuple(wait_s))
+    return Timeline(t, busy, tuple(comm_s), tuple(comm_t0), tuple(run_s), tuple(wait_s))

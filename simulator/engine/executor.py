@@ -404,19 +404,24 @@ class Executor:
             self.step_end[step] = now
 
     def _side_spans(self, op: Op, step: int, start: float, now: float, stream: str) -> None:
-        """Spans of a layer-fidelity block carrying TP collectives beside its kernels (``meta["side"]``): its kernels
-        as one span of their busy time (the block less its waits for the collectives in its timeline alone,
-        ``System.side_timeline``), then the waits, and each collective's time in flight as a span of its stream,
-        one after another, ending at the block's end. So the compute stream's busy time, each group's
-        communication time (the union of its spans) and the exposed communication (collective spans outside
-        compute spans: the waits) are the timeline's; the spans' places inside the block are not."""
+        """Spans of a layer-fidelity block carrying TP collectives beside its kernels (``meta["side"]``) at their
+        places in its timeline alone (``System.side_timeline``), stretched to the block's span: its kernels as one
+        compute span per stretch between waits for a collective, each collective as a span of its stream. So the
+        compute stream's busy time, each group's communication time, the exposed communication and what runs at
+        once are the timeline's."""
         tl = self.sys.side_timeline(op, alone=True)
         rec = self.rec
-        rec.span(step, op, start, max(start, now - (tl.end_s - tl.busy_s)), stream)
-        t = now - sum(tl.comm_s)
-        for c, d in zip(op.folded_comm, tl.comm_s):
-            rec.span(step, c, max(start, t), t + d, c.stream)
-            t += d
+        k = (now - start) / tl.end_s if tl.end_s > 0 else 0.0
+        t = t0 = 0.0
+        for run, wait in zip(tl.run_s, tl.wait_s):
+            if wait > 0:
+                if t > t0:
+                    rec.span(step, op, start + k * t0, start + k * t, stream)
+                t0 = t = t + wait
+            t += run
+        rec.span(step, op, start + k * t0, now if t >= tl.end_s else start + k * t, stream)
+        for c, c0, d in zip(op.folded_comm, tl.comm_start_s, tl.comm_s):
+            rec.span(step, c, start + k * c0, start + k * (c0 + d), c.stream)
 
     def _free(self, name: str) -> None:
         pool = self._pool_of.get(name)

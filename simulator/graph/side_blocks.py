@@ -78,31 +78,27 @@ def _candidates(ops, dependents, prev_waited) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _runs(ops, compute: list[int], folded, prev_waited) -> list[list[int]]:
-    """Runs of consecutive compute ops that may merge once the collectives ``folded`` are folded."""
-    waited = set(prev_waited)
-    for op in ops:
-        if op.id in folded or op.stream == COMPUTE_STREAM:
-            continue
-        for d in op.deps:
-            if ops[d].stream == COMPUTE_STREAM:
-                waited.add(d)
+def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[int, list[int]],
+          xwaiters: dict[int, list[int]], folded, prev_waited) -> list[list[int]]:
+    """Runs of consecutive compute ops that may merge once the collectives ``folded`` are folded (``unit``: each
+    op may be part of a run; ``key``: its layer and phase; ``xdeps`` / ``xwaiters``: the ops on other streams each
+    compute op waits for / that wait for it)."""
     runs: list[list[int]] = []
     cur: list[int] | None = None
-    key = None
+    k0 = None
     for oid in compute:
-        op = ops[oid]
-        if not _unit(op):
+        if not unit[oid]:
             cur = None
             continue
-        cross = any(ops[d].stream != COMPUTE_STREAM and d not in folded for d in op.deps)
-        k = (op.layer, op.phase)
-        if cur is not None and k == key and not cross:
+        xd = xdeps.get(oid)
+        k = key[oid]
+        if cur is not None and k == k0 and not (xd and any(d not in folded for d in xd)):
             cur.append(oid)
         else:
-            cur, key = [oid], k
+            cur, k0 = [oid], k
             runs.append(cur)
-        if oid in waited:
+        xw = xwaiters.get(oid)
+        if oid in prev_waited or (xw and any(w not in folded for w in xw)):
             cur = None
     return runs
 
@@ -122,8 +118,23 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
             on_stream[op.stream].append(op.id)
     at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
     cand = _candidates(ops, dependents, prev_waited)
+    if not cand:
+        return [], {}
+    unit = [op.stream == COMPUTE_STREAM and _unit(op) for op in ops]
+    key = [(op.layer, op.phase) for op in ops]
+    xdeps: dict[int, list[int]] = {}
+    xwaiters: dict[int, list[int]] = defaultdict(list)
+    for op in ops:
+        if op.stream == COMPUTE_STREAM:
+            xd = [d for d in op.deps if ops[d].stream != COMPUTE_STREAM]
+            if xd:
+                xdeps[op.id] = xd
+        else:
+            for d in op.deps:
+                if ops[d].stream == COMPUTE_STREAM:
+                    xwaiters[d].append(op.id)
     while cand:
-        runs = _runs(ops, compute, cand, prev_waited)
+        runs = _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)
         run_of = {oid: r for r, run in enumerate(runs) for oid in run}
         stream_of: dict[int, str] = {}
         for c, (a, b) in sorted(cand.items()):
