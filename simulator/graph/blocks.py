@@ -243,6 +243,17 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
     return Op(*vals)
 
 
+def moved(op: Op, new_id: list[int]) -> Op:
+    """``op`` (not merged) in a graph renumbered by ``new_id`` (old op id -> new): its id, dependencies and
+    ``meta["prev_step_deps"]`` mapped (``op`` itself where nothing changes)."""
+    i = new_id[op.id]
+    deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
+    meta = op.meta
+    if meta and "prev_step_deps" in meta:
+        meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
+    return op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta)
+
+
 _DEPS, _META, _FOLDED = _FIELDS.index("deps"), _FIELDS.index("meta"), _FIELDS.index("folded_comm")
 _NAME, _COST_CLASS, _SHAPE, _FLOPS, _READ, _WRITTEN, _ALLOCS, _USES = (
     _FIELDS.index(f) for f in ("name", "cost_class", "shape", "flops", "bytes_read", "bytes_written", "allocs", "uses"))
@@ -307,11 +318,7 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[in
             continue
         b = start_of.get(op.id)
         if b is None:
-            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
-            meta = op.meta
-            if meta and "prev_step_deps" in meta:
-                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
-            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
+            out.append(moved(op, new_id))
             continue
         parts = [graph.ops[j] for j in b]
         comm = comm_of.get(op.id)

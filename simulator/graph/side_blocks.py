@@ -25,7 +25,10 @@ on a ``comm.tp`` stream, NCCL-priced, no measured duration, rendezvous, ``partie
   the first waiting for it, later than ``a``; nothing of the next step waits for it;
 * ``a`` and ``b`` lie in one run: consecutive compute ops, each a block or a mergeable kernel of the same layer
   (>= 0) and phase, none but the first waiting for an op on another stream that is not folded, none but the last
-  waited for by one (nor by the next step);
+  waited for by one (nor by the next step); or ``b`` does and ``a`` is the compute op right before the run, whose
+  first op waits for nothing else on another stream: the collective then starts with the block (``a = -1`` in
+  ``meta["side"]``; the block waits for ``a``), as at a layer's start (sequence parallelism's all-gather before a
+  row-parallel backward);
 * its run's collectives all use one stream; the op before it on its stream is folded into this run or an earlier
   one, or a compute op up to ``a`` waits for it; the op after it is folded into this run or a later one, or waits
   for a compute op from the run's first on (so the stream's order holds).
@@ -42,7 +45,7 @@ from collections import defaultdict
 from itertools import chain
 
 from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
-    _signature, block_memory
+    _signature, block_memory, moved
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
 
@@ -106,6 +109,7 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
 def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
     compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    pos = {oid: k for k, oid in enumerate(compute)}
     dependents: dict[int, list[int]] = defaultdict(list)
     prev_waited: set[int] = set()
     on_stream: dict[str, list[int]] = defaultdict(list)
@@ -136,24 +140,30 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     while cand:
         runs = _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)
         run_of = {oid: r for r, run in enumerate(runs) for oid in run}
+        home: dict[int, int] = {}  # collective -> the run it folds into
+        for c, (a, b) in cand.items():
+            r = run_of.get(b)
+            if r is None:
+                continue
+            if run_of.get(a) == r:
+                home[c] = r
+            elif pos[a] + 1 == pos[runs[r][0]] and all(d in cand for d in xdeps.get(runs[r][0], ())):
+                home[c] = r  # waits for the op right before the run, which then waits for it too: at its start
         stream_of: dict[int, str] = {}
-        for c, (a, b) in sorted(cand.items()):
-            r = run_of.get(a)
-            if r is not None and run_of.get(b) == r:
-                stream_of.setdefault(r, ops[c].stream)
+        for c in sorted(home):
+            stream_of.setdefault(home[c], ops[c].stream)
         bad = set()
         for c, (a, b) in cand.items():
-            r = run_of.get(a)
-            if r is None or run_of.get(b) != r or stream_of[r] != ops[c].stream:
+            r = home.get(c)
+            if r is None or stream_of[r] != ops[c].stream:
                 bad.add(c)
                 continue
             st, k = at[c]
             seq = on_stream[st]
             if k > 0:
                 p = seq[k - 1]
-                if p in cand:
-                    rp = run_of.get(cand[p][0])
-                    ok = rp is not None and rp <= r
+                if p in home:  # folded too (if it stays so): into this run or an earlier one
+                    ok = home[p] <= r
                 else:
                     ok = any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ()))
                 if not ok:
@@ -161,9 +171,8 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
                     continue
             if k + 1 < len(seq):
                 n = seq[k + 1]
-                if n in cand:
-                    rn = run_of.get(cand[n][0])
-                    ok = rn is not None and rn >= r
+                if n in home:
+                    ok = home[n] >= r
                 else:
                     ok = any(ops[d].stream == COMPUTE_STREAM and d >= runs[r][0] for d in ops[n].deps)
                 if not ok:
@@ -176,14 +185,15 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
         return [], {}
     folded: dict[int, list[int]] = defaultdict(list)
     for c in sorted(cand):  # id order: the stream's order
-        folded[run_of[cand[c][0]]].append(c)
+        folded[home[c]].append(c)
     return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
 
 
 def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]], users, size, new_id: int,
             deps: tuple[int, ...]) -> Op:
     """One block standing for ``units`` (blocks and kernels) and the TP collectives ``comms`` (``spots``: the
-    ``(a, b)`` op ids of each, by id), with its memory per block (``block_memory``)."""
+    ``(a, b)`` op ids of each, by id; ``a`` outside ``units``: it starts with the block), with its memory per
+    block (``block_memory``)."""
     parts: list[Op] = []
     keys: list[tuple] = []
     first_of: dict[int, int] = {}
@@ -204,12 +214,12 @@ def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]],
             keys.append(_signature(u))
             launches += 1
         last_of[u.id] = len(parts) - 1
-    entries += [(last_of[spots[c.id][0]], first_of[spots[c.id][1]], c) for c in comms]
-    entries.sort(key=lambda e: (e[0], e[1]))  # a collective is issued after the part it waits for
-    after = {spots[c.id][0]: [] for c in comms}
+    entries += [(last_of.get(spots[c.id][0], -1), first_of[spots[c.id][1]], c) for c in comms]
+    entries.sort(key=lambda e: e[0])  # a collective is issued after the part it waits for (stable: stream order)
+    after: dict[int, list[Op]] = defaultdict(list)  # op id -> the collectives issued after it (-1: before the run)
     for c in comms:
-        after[spots[c.id][0]].append(c)
-    seq = list(chain.from_iterable((u, *after.get(u.id, ())) for u in units))
+        after[spots[c.id][0] if spots[c.id][0] in last_of else -1].append(c)
+    seq = [*after.get(-1, ()), *chain.from_iterable((u, *after.get(u.id, ())) for u in units)]
     allocs, uses, extra = block_memory(seq, users, size, units[0].id)
     first = units[0]
     if extra > 0:
@@ -272,11 +282,7 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
         i = new_id[op.id]
         run = start_of.get(op.id)
         if run is None:
-            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
-            meta = op.meta
-            if meta and "prev_step_deps" in meta:
-                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
-            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
+            out.append(moved(op, new_id))
             continue
         cs = [ops[c] for c in comm_of[op.id]]
         mine = set(run) | set(comm_of[op.id])

@@ -246,8 +246,8 @@ def test_tp_scenarios_fold_collectives_within_2_percent(path):
         k = run_scenario(load_scenario(ROOT / path, ["run.fidelity=kernel", *over])).summary
         lr = run_scenario(load_scenario(ROOT / path, ["run.fidelity=layer", *over])).summary
     assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
-    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=1e-3)
-    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=1e-3)
+    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=0.01)
+    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=0.01)
     # a block draws busy power over its whole span, launch gaps between its kernels included (measured: +2.4% to
     # +4.4% energy on the DGX H100 TP scenarios, host-bound ones most); higher, never lower
     assert k["energy_j_per_step"] <= lr["energy_j_per_step"] <= 1.05 * k["energy_j_per_step"]
@@ -369,7 +369,9 @@ def test_tp_scenarios_with_async_backward_fold_it_within_2_percent(path, over, f
     """TP scenarios with Megatron's asynchronous column-parallel backward (the default): layer fidelity folds its
     collectives beside the weight-gradient GEMMs into blocks (some block has one with kernels between its start
     and the kernel waiting for it) where no other stream waits for a kernel in between, and keeps the step time
-    within 2 %, the TP busy time and exposed communication within 0.1 % of kernel fidelity."""
+    within 2 % and the TP busy time and exposed communication within 1 % of kernel fidelity (a collective that starts
+    with its block starts when the block may, ``System.block_tail_s``, not when the kernel before it ends: measured
+    +0.26 % exposed with sequence parallelism)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = load_scenario(ROOT / path, ["run.fidelity=layer", *over])
@@ -383,5 +385,5 @@ def test_tp_scenarios_with_async_backward_fold_it_within_2_percent(path, over, f
         k = run_scenario(load_scenario(ROOT / path, ["run.fidelity=kernel", *over])).summary
         lr = run_scenario(cfg).summary
     assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
-    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=1e-3)
-    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=1e-3)
+    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=0.01)
+    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=0.01)
