@@ -189,23 +189,23 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
 
 
-def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]], users, size, new_id: int,
-            deps: tuple[int, ...]) -> Op:
-    """One block standing for ``units`` (blocks and kernels) and the TP collectives ``comms`` (``spots``: the
-    ``(a, b)`` op ids of each, by id; ``a`` outside ``units``: it starts with the block), with its memory per
-    block (``block_memory``)."""
+def _shape(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
+    """What a merged block of ``units`` and ``comms`` (``_merged``) takes from their kinds alone, the same for every
+    copy of a layer pass: ``(parts, fused_key, launches, side, order, cost_class, flops, bytes_read,
+    bytes_written, name)``; ``order``: where each of its collectives comes from, in stream order (``(0, unit
+    index, index in its folded_comm)`` or ``(1, index in comms)``)."""
     parts: list[Op] = []
     keys: list[tuple] = []
     first_of: dict[int, int] = {}
     last_of: dict[int, int] = {}
     launches = 0
-    entries: list[tuple[int, int, Op]] = []  # (a, b, collective) with part indices, then sorted by stream order
-    for u in units:
+    entries: list[tuple[int, int, tuple[int, int, int]]] = []  # (a, b, origin) with part indices
+    for n, u in enumerate(units):
         first_of[u.id] = len(parts)
         m = u.meta
         if m and "fused" in m:
             off = len(parts)
-            entries += [(off + j - 1, off + j, c) for j, c in zip(m.get("folded_at", ()), u.folded_comm)]
+            entries += [(off + j - 1, off + j, (0, n, k)) for k, j in enumerate(m.get("folded_at", ()))]
             parts += m["fused"]
             keys += m["fused_key"]
             launches += m["launches"]
@@ -214,29 +214,51 @@ def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]],
             keys.append(_signature(u))
             launches += 1
         last_of[u.id] = len(parts) - 1
-    entries += [(last_of.get(spots[c.id][0], -1), first_of[spots[c.id][1]], c) for c in comms]
+    entries += [(last_of.get(spots[c.id][0], -1), first_of[spots[c.id][1]], (1, k, 0)) for k, c in enumerate(comms)]
     entries.sort(key=lambda e: e[0])  # a collective is issued after the part it waits for (stable: stream order)
+    longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
+    name = f"{parts[0].name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}"
+    return (tuple(parts), tuple(keys), launches, tuple((a, b) for a, b, _ in entries), tuple(e[2] for e in entries),
+            longest.cost_class, sum(p.flops for p in parts), sum(p.bytes_read for p in parts),
+            sum(p.bytes_written for p in parts), name)
+
+
+def _shape_key(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
+    """``_shape``'s inputs as far as they matter to it (a stamped block's parts are shared by its copies)."""
+    at = {u.id: n for n, u in enumerate(units)}
+    return (tuple(id(u.meta["fused"]) if u.meta and "fused" in u.meta else (_signature(u), u.name.split(".", 2)[-1])
+                  for u in units),
+            tuple((at.get(spots[c.id][0], -1), at[spots[c.id][1]]) for c in comms))
+
+
+def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]], users, size, new_id: int,
+            deps: tuple[int, ...], shapes: dict) -> Op:
+    """One block standing for ``units`` (blocks and kernels) and the TP collectives ``comms`` (``spots``: the
+    ``(a, b)`` op ids of each, by id; ``a`` outside ``units``: it starts with the block), with its memory per
+    block (``block_memory``); ``shapes``: the ``_shape`` of each ``_shape_key`` met so far."""
+    key = _shape_key(units, comms, spots)
+    sh = shapes.get(key)
+    if sh is None:
+        sh = shapes[key] = _shape(units, comms, spots)
+    parts, keys, launches, side, order, cost_class, flops, br, bw, name = sh
+    in_run = {u.id for u in units}
     after: dict[int, list[Op]] = defaultdict(list)  # op id -> the collectives issued after it (-1: before the run)
     for c in comms:
-        after[spots[c.id][0] if spots[c.id][0] in last_of else -1].append(c)
+        after[spots[c.id][0] if spots[c.id][0] in in_run else -1].append(c)
     seq = [*after.get(-1, ()), *chain.from_iterable((u, *after.get(u.id, ())) for u in units)]
     allocs, uses, extra = block_memory(seq, users, size, units[0].id)
     first = units[0]
     if extra > 0:
         allocs.append(TensorAlloc(f"activations.block_scratch.tp#{first.id}", extra))
-    longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
-    meta = {"fused": tuple(parts), "fused_key": tuple(keys), "launches": launches,
-            "side": tuple((a, b) for a, b, _ in entries)}
+    meta = {"fused": parts, "fused_key": keys, "launches": launches, "side": side}
     vals = list(_GET_FIELDS(first))
     vals[0] = new_id
-    vals[_F["name"]] = (f"L{first.layer}.{first.phase.value}.block[{parts[0].name.split('.', 2)[-1]}.."
-                        f"{parts[-1].name.split('.', 2)[-1]}]")
-    vals[_F["cost_class"]], vals[_F["shape"]] = longest.cost_class, ()
-    vals[_F["flops"]] = sum(p.flops for p in parts)
-    vals[_F["bytes_read"]] = sum(p.bytes_read for p in parts)
-    vals[_F["bytes_written"]] = sum(p.bytes_written for p in parts)
+    vals[_F["name"]] = f"L{first.layer}.{first.phase.value}.block[{name}]"
+    vals[_F["cost_class"]], vals[_F["shape"]] = cost_class, ()
+    vals[_F["flops"]], vals[_F["bytes_read"]], vals[_F["bytes_written"]] = flops, br, bw
     vals[_F["allocs"]], vals[_F["uses"]], vals[_F["meta"]], vals[_F["deps"]] = tuple(allocs), tuple(uses), meta, deps
-    vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for _, _, c in entries)
+    cs = [units[i].folded_comm[j] if kind == 0 else comms[i] for kind, i, j in order]
+    vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for c in cs)
     return Op(*vals)
 
 
@@ -276,6 +298,7 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
             if t.device == "gpu":
                 size[t.name] = t.nbytes
     out: list[Op] = []
+    shapes: dict[tuple, tuple] = {}
     for op in ops:
         if op.id in folded or (op.id in in_run and op.id not in start_of):
             continue
@@ -288,7 +311,7 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
         mine = set(run) | set(comm_of[op.id])
         deps = tuple(sorted({new_id[d] for p in chain((ops[j] for j in run), cs) for d in p.deps if d not in mine}))
         spots = {c.id: (max(c.deps), min(u for u in run if c.id in ops[u].deps)) for c in cs}
-        out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps))
+        out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps, shapes))
     pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
     meta = graph.meta
     if "fidelity" in meta:
