@@ -63,9 +63,11 @@ def _unit(op: Op) -> bool:
             and "fused" in m and op.fixed_duration_s is None and op.launch and not _UNMERGEABLE_BLOCK_META & m.keys())
 
 
-def _candidates(ops, dependents, prev_waited) -> dict[int, tuple[int, int]]:
+def _candidates(ops, tp: list[int], dependents, prev_waited) -> dict[int, tuple[int, int]]:
+    """The TP collectives among ops ``tp`` that pass the rules on their own: id -> ``(a, b)``."""
     out: dict[int, tuple[int, int]] = {}
-    for op in ops:
+    for i in tp:
+        op = ops[i]
         m = op.meta
         if not (op.kind is OpKind.COLLECTIVE and m and m.get("group") == "tp" and "collective" in m
                 and op.stream.startswith("comm.tp") and op.fixed_duration_s is None and op.deps
@@ -108,35 +110,41 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
 
 def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
-    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    on_compute = [op.stream == COMPUTE_STREAM for op in ops]
+    compute = [op.id for op in ops if on_compute[op.id]]
     pos = {oid: k for k, oid in enumerate(compute)}
-    dependents: dict[int, list[int]] = defaultdict(list)
     prev_waited: set[int] = set()
     on_stream: dict[str, list[int]] = defaultdict(list)
+    xdeps: dict[int, list[int]] = {}  # compute op -> the ops on other streams it waits for
+    xwaiters: dict[int, list[int]] = defaultdict(list)  # compute op -> the ops on other streams waiting for it
     for op in ops:
-        for d in op.deps:
-            dependents[d].append(op.id)
-        if op.meta and "prev_step_deps" in op.meta:
-            prev_waited.update(op.meta["prev_step_deps"] or ())
+        m = op.meta
+        if m and "prev_step_deps" in m:
+            prev_waited.update(m["prev_step_deps"] or ())
+        if on_compute[op.id]:
+            if op.deps:
+                xd = [d for d in op.deps if not on_compute[d]]
+                if xd:
+                    xdeps[op.id] = xd
+            continue
         if op.stream.startswith("comm.tp"):
             on_stream[op.stream].append(op.id)
+        for d in op.deps:
+            if on_compute[d]:
+                xwaiters[d].append(op.id)
+    tp = [i for seq in on_stream.values() for i in seq]
+    dependents: dict[int, list[int]] = defaultdict(list)  # TP op -> the ops waiting for it
+    tp_set = set(tp)
+    for op in ops:
+        for d in op.deps:
+            if d in tp_set:
+                dependents[d].append(op.id)
     at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
-    cand = _candidates(ops, dependents, prev_waited)
+    cand = _candidates(ops, sorted(tp), dependents, prev_waited)
     if not cand:
         return [], {}
-    unit = [op.stream == COMPUTE_STREAM and _unit(op) for op in ops]
+    unit = [on_compute[op.id] and _unit(op) for op in ops]
     key = [(op.layer, op.phase) for op in ops]
-    xdeps: dict[int, list[int]] = {}
-    xwaiters: dict[int, list[int]] = defaultdict(list)
-    for op in ops:
-        if op.stream == COMPUTE_STREAM:
-            xd = [d for d in op.deps if ops[d].stream != COMPUTE_STREAM]
-            if xd:
-                xdeps[op.id] = xd
-        else:
-            for d in op.deps:
-                if ops[d].stream == COMPUTE_STREAM:
-                    xwaiters[d].append(op.id)
     while cand:
         runs = _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)
         run_of = {oid: r for r, run in enumerate(runs) for oid in run}
