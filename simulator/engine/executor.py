@@ -367,7 +367,9 @@ class Executor:
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env.now
-        if op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
+        if op.folded_comm and "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
+            self._side_spans(op, step, start, now, stream)
+        elif op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
             t = now - self.sys.folded_comm_s(op)
             self.rec.span(step, op, start, t, stream)
             for c in op.folded_comm:
@@ -400,6 +402,26 @@ class Executor:
         rem[step] -= 1
         if rem[step] == 0:
             self.step_end[step] = now
+
+    def _side_spans(self, op: Op, step: int, start: float, now: float, stream: str) -> None:
+        """Spans of a layer-fidelity block carrying TP collectives beside its kernels (``meta["side"]``) at their
+        places in its timeline alone (``System.side_timeline``), stretched to the block's span: its kernels as one
+        compute span per stretch between waits for a collective, each collective as a span of its stream. So the
+        compute stream's busy time, each group's communication time, the exposed communication and what runs at
+        once are the timeline's."""
+        tl = self.sys.side_timeline(op, alone=True)
+        rec = self.rec
+        k = (now - start) / tl.end_s if tl.end_s > 0 else 0.0
+        t = t0 = 0.0
+        for run, wait in zip(tl.run_s, tl.wait_s):
+            if wait > 0:
+                if t > t0:
+                    rec.span(step, op, start + k * t0, start + k * t, stream)
+                t0 = t = t + wait
+            t += run
+        rec.span(step, op, start + k * t0, now if t >= tl.end_s else start + k * t, stream)
+        for c, c0, d in zip(op.folded_comm, tl.comm_start_s, tl.comm_s):
+            rec.span(step, c, start + k * c0, start + k * (c0 + d), c.stream)
 
     def _free(self, name: str) -> None:
         pool = self._pool_of.get(name)

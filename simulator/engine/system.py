@@ -33,6 +33,7 @@ from hardware_models.host_links import uplink_share
 from hardware_models.machine import Hardware
 from simulator.cost.base import DeviceState
 from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load, kernel_share
+from simulator.cost.overlap import Timeline, overlap_timeline
 from simulator.cost.roofline import RooflineCostModel
 from simulator.engine.links import Fabric
 from simulator.engine.memory import MemoryPool
@@ -162,6 +163,7 @@ class System:
         self._idur: dict[tuple, dict[int, float]] = {}
         self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
+        self._side: dict[tuple, Timeline] = {}  # side_timeline cache: (pricing key, share, clocks) -> timeline
         self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
         self._kernels = 0  # compute kernels running on this GPU
@@ -190,7 +192,7 @@ class System:
         """Drop what refers to the run's ops (the per-op caches, the running-op table) once the run is over
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
-        self._by_op, self._folded, self._dur, self._tail, self._idur = {}, {}, {}, {}, {}
+        self._by_op, self._folded, self._dur, self._tail, self._idur, self._side = {}, {}, {}, {}, {}, {}
         self.price_keys.release()
         self.running.clear()
 
@@ -303,6 +305,9 @@ class System:
         k = hit[1] if hit is not None else self.price_keys.of(op)
         d = self._dur.get(k)
         if d is None:
+            if op.meta and "side" in op.meta:  # TP collectives beside its kernels: their timeline
+                d = self._dur[k] = self.side_timeline(op, alone=True).end_s
+                return d
             d = self.cost.duration_s(op, st)
             if op.folded_comm:  # a block with TP collectives folded in: each one's time alone on its links
                 d += self.folded_comm_s(op)
@@ -314,6 +319,7 @@ class System:
         st = self.state
         self._dur.clear()
         self._idur.clear()
+        self._side.clear()
         self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
 
     def _add_load(self, load: CommLoad) -> None:
@@ -339,6 +345,8 @@ class System:
         if share is None:
             gpu = self.hw.gpu
             share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        if op.meta and "side" in op.meta:
+            return self.side_timeline(op).end_s
         tab = self._idur.get(share)
         if tab is None:
             tab = self._idur[share] = {}
@@ -355,8 +363,57 @@ class System:
         that, ``collective_flows``), s. 0 for any other op."""
         hit = self._folded.get(id(op))
         if hit is None:
-            hit = self._folded[id(op)] = (op, sum(self.collective_s(c) for c in op.folded_comm))
+            t = 0.0 if op.meta and "side" in op.meta else sum(self.collective_s(c) for c in op.folded_comm)
+            hit = self._folded[id(op)] = (op, t)
         return hit[1]
+
+    def side_timeline(self, op, alone: bool = False) -> Timeline:
+        """Timeline of layer-fidelity block ``op`` carrying TP collectives beside its kernels (``meta["side"]``,
+        ``simulator.graph.side_blocks``) beside the other collectives in flight now (``alone``: none), which leave
+        its kernels a share of the GPU (``kernel_share``: SMs held, HBM share), at the current clocks
+        (``cost.overlap.overlap_timeline``).
+
+        Each part alone is ``cost.duration_s(part, state, *share)``; beside one of the block's collectives it is
+        priced with that collective's load (``comm_load`` of its isolated bus bandwidth) added to the others';
+        a collective takes its NCCL-model time alone on its links (``collective_s``: alone, its flows take
+        exactly that) and ``1 + gamma`` times longer while a part runs. Without interference (``nccl.interference:
+        false``) neither slows the other. Cached per pricing key, share and clocks.
+        """
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._clocks_changed()
+        f, gpu = self.interference, self.hw.gpu
+        base = [] if alone or f is None else self._loads
+        if not base:
+            share = (0, 1.0)
+        else:
+            share = self._share
+            if share is None:
+                share = self._share = kernel_share(base, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        hit = self.price_keys.by_op.get(id(op))
+        key = (hit[1] if hit is not None else self.price_keys.of(op), share)
+        tl = self._side.get(key)
+        if tl is not None:
+            return tl
+        parts, cost = op.meta["fused"], self.cost
+        alone_s = [cost.duration_s(p, st, *share) for p in parts]
+        comms = [(a, b, self.collective_s(c)) for (a, b), c in zip(op.meta["side"], op.folded_comm)]
+        if f is None:
+            tl = overlap_timeline(alone_s, comms, 1.0, lambda i, k: alone_s[i])
+        else:
+            shares = [kernel_share([*base, comm_load(f, self.collective_result(c).busbw_bytes_per_s)], gpu.sm_count,
+                                   gpu.hbm_bandwidth_bytes_per_s) for c in op.folded_comm]
+            memo: dict[tuple[int, int], float] = {}
+
+            def beside(i: int, k: int) -> float:
+                d = memo.get((i, k))
+                if d is None:
+                    d = memo[i, k] = cost.duration_s(parts[i], st, *shares[k])
+                return d
+
+            tl = overlap_timeline(alone_s, comms, 1.0 + f.comm_slowdown, beside)
+        self._side[key] = tl
+        return tl
 
     def block_tail_s(self, op, per_launch_s: float) -> float:
         """Shortest time from a block's first host launch to its end when its parts (``meta["fused"]``) are
@@ -366,6 +423,17 @@ class System:
         """
         st = self.state
         m = op.meta  # identical blocks (same parts, same folded collectives) share one entry
+        if "side" in m:  # TP collectives beside the kernels: each part's time and wait in the block's timeline
+            key = (self.price_keys.of(op), per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
+            t = self._tail.get(key)
+            if t is None:
+                tl = self.side_timeline(op, alone=True)
+                t = rest = 0.0
+                for i in range(len(tl.run_s) - 1, -1, -1):
+                    rest += tl.run_s[i] + (tl.wait_s[i + 1] if i + 1 < len(tl.wait_s) else 0.0)
+                    t = max(t, i * per_launch_s + rest)
+                self._tail[key] = t
+            return t
         fold = tuple((c.meta["collective"], c.meta.get("group"), c.meta["bytes"]) for c in op.folded_comm) \
             if op.folded_comm else None
         key = (m["fused_key"], m.get("folded_at"), fold, per_launch_s, st.sm_clock_mhz, st.mem_clock_mhz)
@@ -396,7 +464,12 @@ class System:
         """
         env = self.env
         if self.interference is None:
-            d = duration_s if duration_s is not None else self.cost.duration_s(op, self.state)
+            if duration_s is not None:
+                d = duration_s
+            elif op.meta and "side" in op.meta:
+                d = self.kernel_s(op)
+            else:
+                d = self.cost.duration_s(op, self.state)
             yield env.timeout(d + self.folded_comm_s(op) if op.folded_comm else d)
             return
         self._kernels += 1

@@ -138,22 +138,16 @@ def blocks_of(graph: OpGraph, fold: dict[int, tuple[int, int]] | None = None) ->
 _signature = attrgetter("cost_class", "shape", "flops", "bytes_read", "bytes_written", "dtype")
 
 
-def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
-              deps: tuple[int, ...] | None = None, comm: dict[int, Op] | None = None) -> Op:
-    """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
+def block_memory(seq: list[Op], users: dict[str, list[int]], size: dict[str, int],
+                 first_id: int) -> tuple[list[TensorAlloc], dict[str, None], int]:
+    """Memory of one block standing for ops ``seq`` (run one after another), as ``_block_op`` gives it: ``(allocs,
+    uses, scratch_bytes)``: the tensors of ``seq`` that outlive the block (allocated when it starts), the tensors
+    it reads that it does not make and use up itself, and the bytes of the scratch tensor that brings its demand
+    at the start up to the high-water mark ``seq`` reaches one op after another (0: none needed).
 
-    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate; ``new_id`` and
-    ``deps``: the block's id and dependencies (default: the first part's). The block allocates
-    the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
-    to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
-    inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
-    ``comm``: TP collectives folded in, by the id of the part they run before (``foldable_tp``): their tensors
-    count like a part's, they go to ``folded_comm`` renumbered to the block's id, and ``meta["folded_at"]``
-    holds the index of the part each runs before.
+    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate; ``first_id``:
+    the id of the block's first op (every use from there on is one of ``seq``'s).
     """
-    comm = comm or {}
-    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))] if comm else parts
-    first_id = parts[0].id
     allocs: list[TensorAlloc] = []
     uses: dict[str, None] = {}
     last_use: dict[str, int] = {}
@@ -193,10 +187,30 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
             for u in p.uses:
                 if u in alive and last_use[u] <= i:
                     live -= alive.pop(u)
+    return allocs, uses, high - base
+
+
+def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
+              deps: tuple[int, ...] | None = None, comm: dict[int, Op] | None = None) -> Op:
+    """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
+
+    ``users``: op ids using each tensor, ascending; ``size``: bytes of each GPU tensor ops allocate; ``new_id`` and
+    ``deps``: the block's id and dependencies (default: the first part's). The block allocates
+    the tensors of its parts that outlive it, plus one scratch tensor that brings its demand at the start up
+    to the high-water mark the parts reach one after another at kernel fidelity (tensors made and used only
+    inside, tensors allocated before it whose last users are in it); the scratch counts as activations.
+    ``comm``: TP collectives folded in, by the id of the part they run before (``foldable_tp``): their tensors
+    count like a part's, they go to ``folded_comm`` renumbered to the block's id, and ``meta["folded_at"]``
+    holds the index of the part each runs before.
+    """
+    comm = comm or {}
+    seq = [q for p in parts for q in ((comm[p.id], p) if p.id in comm else (p,))] if comm else parts
+    first_id = parts[0].id
+    allocs, uses, extra = block_memory(seq, users, size, first_id)
     first = parts[0]
     name = f"L{first.layer}.{first.phase.value}.block[{first.name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}]"
-    if high > base:
-        allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", high - base))
+    if extra > 0:
+        allocs.append(TensorAlloc(f"activations.block_scratch#{first.id}", extra))
     longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
     meta = {"fused": tuple(parts), "fused_key": tuple(map(_signature, parts)), "launches": len(parts)}
     vals = list(_GET_FIELDS(first))  # the constructor directly (see ``_renumbered``)
@@ -227,6 +241,17 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
     if op.folded_comm:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives carry its id
         vals[_FOLDED] = tuple(_renumbered(c, new_id, c.deps, c.meta) for c in op.folded_comm)
     return Op(*vals)
+
+
+def moved(op: Op, new_id: list[int]) -> Op:
+    """``op`` (not merged) in a graph renumbered by ``new_id`` (old op id -> new): its id, dependencies and
+    ``meta["prev_step_deps"]`` mapped (``op`` itself where nothing changes)."""
+    i = new_id[op.id]
+    deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
+    meta = op.meta
+    if meta and "prev_step_deps" in meta:
+        meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
+    return op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta)
 
 
 _DEPS, _META, _FOLDED = _FIELDS.index("deps"), _FIELDS.index("meta"), _FIELDS.index("folded_comm")
@@ -293,11 +318,7 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[in
             continue
         b = start_of.get(op.id)
         if b is None:
-            deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
-            meta = op.meta
-            if meta and "prev_step_deps" in meta:
-                meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
-            out.append(op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta))
+            out.append(moved(op, new_id))
             continue
         parts = [graph.ops[j] for j in b]
         comm = comm_of.get(op.id)

@@ -156,7 +156,8 @@ def price_key(op: Op) -> tuple:
     A block (``meta["fused"]``): its parts' signature ``meta["fused_key"]`` (``fused_s``'s cache key); any other
     op: its kind, fixed duration and ``split_s``'s cache key fields. A block with TP collectives folded in
     (``Op.folded_comm``) adds each one's pricing key (``System.collective_result``'s: collective, group, bytes,
-    pipeline ranks), whose time ``System.kernel_s`` adds to the block's.
+    pipeline ranks), whose time ``System.kernel_s`` adds to the block's, and where they run beside its kernels
+    (``meta["side"]``, ``graph.side_blocks``).
     """
     m = op.meta
     if m and "fused" in m:
@@ -167,6 +168,8 @@ def price_key(op: Op) -> tuple:
     if op.folded_comm:
         key += tuple((c.meta["collective"], c.meta.get("group", "dp"), int(c.meta["bytes"]), c.meta.get("pp_ranks"))
                      for c in op.folded_comm)
+        if "side" in m:  # collectives beside the kernels (``graph.side_blocks``): where each runs
+            key += (m["side"],)
     return key
 
 

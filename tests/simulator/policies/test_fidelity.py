@@ -3,6 +3,7 @@ toy machine (tests/conftest.py), and every bundled scenario within 2 % of kernel
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ from simulator.cost.base import DeviceState
 from simulator.cost.roofline import RooflineCostModel
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
-from simulator.policies.fidelity import blocks_of, coarsen
+from simulator.policies.fidelity import LayerFidelity, blocks_of, coarsen
 from tests.conftest import ROOT, make_hw
 
 SCENARIOS = sorted(str(p.relative_to(ROOT)) for d in ("scenarios/h200", "scenarios/cluster")
@@ -245,8 +246,144 @@ def test_tp_scenarios_fold_collectives_within_2_percent(path):
         k = run_scenario(load_scenario(ROOT / path, ["run.fidelity=kernel", *over])).summary
         lr = run_scenario(load_scenario(ROOT / path, ["run.fidelity=layer", *over])).summary
     assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
-    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=1e-3)
-    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=1e-3)
+    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=0.01)
+    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=0.01)
     # a block draws busy power over its whole span, launch gaps between its kernels included (measured: +2.4% to
     # +4.4% energy on the DGX H100 TP scenarios, host-bound ones most); higher, never lower
     assert k["energy_j_per_step"] <= lr["energy_j_per_step"] <= 1.05 * k["energy_j_per_step"]
+
+
+# -- TP collectives beside compute folded into blocks (``graph.side_blocks``) -----------------------------------
+def _async_reduce(ar_bytes: int):
+    """Megatron's asynchronous column-parallel backward in miniature (layer 0 bwd, 1 TB/s memory kernels): k0
+    (1 ms), the input-gradient GEMM k1 (1 ms, makes ``dx``), the TP all-reduce of ``dx`` issued after k1 (on the toy
+    model 10 us + ``ar_bytes`` / 1 GB/s), the weight-gradient GEMM k2 (2 ms) beside it, and the gradient
+    accumulation k3 (1 ms), the first kernel waiting for it."""
+    b = GraphBuilder()
+    _elementwise(b, "k0", 1e9, phase=Phase.BWD)
+    k1 = _elementwise(b, "k1", 1e9, phase=Phase.BWD, allocs=(TensorAlloc("dx", 100),))
+    ar = b.add("tp.grad.all_reduce", OpKind.COLLECTIVE, "comm.tp", layer=0, phase=Phase.BWD, bytes_read=ar_bytes,
+               deps=[k1], uses=("dx",), meta={"collective": "all_reduce", "bytes": ar_bytes, "group": "tp"})
+    _elementwise(b, "k2", 2e9, phase=Phase.BWD)
+    _elementwise(b, "k3", 1e9, phase=Phase.BWD, deps=[ar], uses=("dx",))
+    return b.build()
+
+
+class _ToyInterferenceModel:
+    """The toy NCCL model (10 us + bytes / 1 GB/s) with interference factors: 24 SMs, beta = 3 HBM bytes per bus
+    byte at a bus bandwidth of 100 GB/s (300 GB/s of HBM: memory kernels beside it keep 0.7 of their bandwidth),
+    gamma = 0.3."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.profile = SimpleNamespace(host_dispatch_s=0.0, name="toy", nccl_sm_channels=24, hbm_bytes_per_bus_byte=3.0,
+                                       overlap_comm_slowdown=0.3)
+
+    def price(self, op, group, nbytes, nccl):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(time_s=10e-6 + nbytes / 1e9, busbw_bytes_per_s=1e11)
+
+
+def _interfering_hw():
+    from hardware_models.collectives import NcclConfig
+
+    hw = _tp_hw()
+    hw.collectives, hw.nccl = _ToyInterferenceModel(), NcclConfig(interference=True)
+    return hw
+
+
+@pytest.mark.parametrize("ar_mb, end_ms, exposed_ms", [(1, 5.0, 0.0), (3, 6.01, 1.01)])
+def test_block_with_its_all_reduce_beside_compute_exactly(ar_mb, end_ms, exposed_ms):
+    """The four kernels and the all-reduce become one block carrying it beside k2 (``meta["side"] == ((1, 3),)``).
+    Compute-bound (1 MB: 1.01 ms < k2's 2 ms): 1 + 1 + 2 + 1 = 5 ms, nothing exposed. Comm-bound (3 MB: 3.01 ms):
+    k3 waits for it, 2 + 3.01 + 1 = 6.01 ms, 3.01 - 2 = 1.01 ms exposed. Both fidelities give these, with the
+    all-reduce's busy time (its priced time) and the memory peak (``dx``)."""
+    g = _async_reduce(ar_mb * 1_000_000)
+    lg = LayerFidelity().transform(g, None, _tp_hw())
+    assert len(lg.ops) == 1 and lg.ops[0].meta["side"] == ((1, 3),) and lg.ops[0].meta["launches"] == 4
+    assert [c.name for c in lg.ops[0].folded_comm] == ["tp.grad.all_reduce"]
+    t_ar = 10e-6 + ar_mb * 1e6 / 1e9
+    for graph in (g, lg):
+        s = simulate_graph(graph, _tp_hw(), steps=1).summary
+        assert s["step_time_s"] == pytest.approx(end_ms * MS, rel=1e-12)
+        assert s["comm_s_by_group"] == {"tp": pytest.approx(t_ar, rel=1e-9)}
+        assert s["exposed_comm_s"] == pytest.approx(exposed_ms * MS, abs=1e-12)
+        assert s["peak_memory_bytes"] == 100
+    r = simulate_graph(lg, _tp_hw(), steps=1)
+    busy = r.spans[r.spans.stream == "compute"]
+    assert float((busy.end_s - busy.start_s).sum()) == pytest.approx(5 * MS, rel=1e-12)  # the kernels' time
+
+
+def test_block_with_its_all_reduce_beside_compute_under_interference():
+    """With interference (24 SMs, HBM share 0.7, gamma 0.3) and a 1 MB all-reduce (1.01 ms alone): beside it k2
+    takes 2 / 0.7 ms and the all-reduce 1.3 x 1.01 ms, so it ends at 2 + 1.313 ms, k2 then has 1 - 1.313 x 0.7 / 2
+    of its work left at its own rate (2 ms) and k3 follows: the block and kernel fidelity both end there."""
+    g = _async_reduce(1_000_000)
+    lg = LayerFidelity().transform(g, None, _interfering_hw())
+    t_ar, slow = 1.01e-3, 1.3
+    t = 2 * MS + slow * t_ar
+    end = t + (1 - slow * t_ar * 0.7 / (2 * MS)) * 2 * MS + 1 * MS
+    for graph in (g, lg):
+        s = simulate_graph(graph, _interfering_hw(), steps=1).summary
+        assert s["step_time_s"] == pytest.approx(end, rel=1e-9)
+        assert s["comm_s_by_group"]["tp"] == pytest.approx(slow * t_ar, rel=1e-9)
+        assert s["exposed_comm_s"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_all_reduce_beside_compute_kept_separate_where_unsafe():
+    """The all-reduce stays an op where k3 is of another phase (no run holds k1 and k3), where a copy waits for
+    k2 (the run ends at k2), or where it names a rendezvous."""
+    from simulator.graph.side_blocks import fold_overlapped_tp
+
+    g = _async_reduce(1_000_000)
+    ops = list(g.ops)
+    ops[4] = dataclasses.replace(ops[4], phase=Phase.FWD, layer=0)
+    assert not any(op.meta and "side" in op.meta for op in fold_overlapped_tp(coarsen(g.with_changes(ops=tuple(ops)),
+                                                                                      fold_tp=True)).ops)
+    b = GraphBuilder()
+    for op in g.ops:
+        b.add(op.name, op.kind, op.stream, layer=op.layer, phase=op.phase, cost_class=op.cost_class,
+              bytes_read=op.bytes_read, deps=list(op.deps), uses=op.uses, allocs=op.allocs, meta=op.meta)
+    b.add("d2h", OpKind.MEMCPY_D2H, "d2h", bytes_read=1e6, deps=[3])
+    assert not any(op.meta and "side" in op.meta for op in fold_overlapped_tp(coarsen(b.build(), fold_tp=True)).ops)
+    ops = list(g.ops)
+    ops[2] = dataclasses.replace(ops[2], meta={**ops[2].meta, "rendezvous": ("tp", 0), "parties": 2})
+    assert not any(op.meta and "side" in op.meta for op in fold_overlapped_tp(coarsen(g.with_changes(ops=tuple(ops)),
+                                                                                      fold_tp=True)).ops)
+
+
+_TP2 = "scenarios/cluster/gpt_1p3b_dgx_h100_tp2_dp4.yaml"
+_ACCUM = ["training.global_batch_size=128"]  # 4 micro-batches: DP waits for the gradients in the last one only
+
+
+@pytest.mark.parametrize("path, over, folds", [
+    ("scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml", _SMALL_175B, True),
+    (_TP2, _ACCUM, True),
+    (_TP2, [*_ACCUM, "parallelism.sequence_parallel=true"], True),
+    (_TP2, [], False),  # one micro-batch: the data-parallel buckets wait for the bias gradients beside it
+    ("scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml", [], False),  # FSDP's per-layer reduce-scatter: the same
+])
+def test_tp_scenarios_with_async_backward_fold_it_within_2_percent(path, over, folds):
+    """TP scenarios with Megatron's asynchronous column-parallel backward (the default): layer fidelity folds its
+    collectives beside the weight-gradient GEMMs into blocks (some block has one with kernels between its start
+    and the kernel waiting for it) where no other stream waits for a kernel in between, and keeps the step time
+    within 2 % and the TP busy time and exposed communication within 1 % of kernel fidelity (a collective that starts
+    with its block starts when the block may, ``System.block_tail_s``, not when the kernel before it ends: measured
+    +0.26 % exposed with sequence parallelism)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_scenario(ROOT / path, ["run.fidelity=layer", *over])
+        assert cfg.parallelism.async_tensor_model_parallel_allreduce
+        from simulator.api import build_graph
+        from simulator.config.loader import resolve_hardware
+
+        lg = LayerFidelity().transform(build_graph(cfg), cfg, resolve_hardware(cfg))
+        beside = any(b > a + 1 for op in lg.ops if op.meta and "side" in op.meta for a, b in op.meta["side"])
+        assert beside == folds
+        k = run_scenario(load_scenario(ROOT / path, ["run.fidelity=kernel", *over])).summary
+        lr = run_scenario(cfg).summary
+    assert lr["step_time_s"] == pytest.approx(k["step_time_s"], rel=0.02)
+    assert lr["comm_s_by_group"]["tp"] == pytest.approx(k["comm_s_by_group"]["tp"], rel=0.01)
+    assert lr["exposed_comm_s"] == pytest.approx(k["exposed_comm_s"], rel=0.01)

@@ -1,0 +1,329 @@
+"""Layer blocks that carry TP collectives running beside their kernels (``run.fidelity: layer``).
+
+``coarsen`` (``simulator.graph.blocks``) folds a blocking TP collective into the block around it, but a collective
+that runs beside compute cuts the blocks: Megatron's asynchronous column-parallel backward
+(``tp_async_grad_reduce``) issues the input-gradient all-reduce / reduce-scatter right after the input-gradient
+GEMM and waits for it only before the weight-gradient accumulation, and with sequence parallelism gathers the saved
+input shard again beside the input-gradient GEMM; the kernel it waits for ends a block, the kernel waiting for it
+starts one, and it stays an op of its own. A 175B layer's backward is then 16 ops.
+
+``fold_overlapped_tp`` runs on the coarsened graph: it merges each run of consecutive compute-stream ops (blocks
+and mergeable kernels) of one layer and phase whose only cuts are such TP collectives into one block, with every
+TP collective of the run in ``Op.folded_comm`` (blocking or beside compute, in stream order, renumbered to the
+block's id) and their places in ``meta["side"]``: one ``(a, b)`` per collective, the index of the part (in
+``meta["fused"]``, the block's kernels) it starts after and of the part that waits for it. The engine prices such a
+block with ``simulator.cost.overlap.overlap_timeline`` (``System.side_timeline``): the kernels one after another,
+each collective from the end of part ``a`` (and of the collective before it on the stream) with the interference
+kernel fidelity applies (the kernels beside it slowed by its SMs and HBM traffic, it slowed by ``1 + gamma``
+while they run), part ``b`` waiting for it.
+
+A TP collective ``c`` is folded where (besides ``foldable_tp``'s metadata rules: a ``COLLECTIVE`` of group ``tp``
+on a ``comm.tp`` stream, NCCL-priced, no measured duration, rendezvous, ``parties``, previous-step dependencies or
+``fused_gemm``):
+
+* every op it waits for and every op waiting for it is a compute-stream op; ``a`` is the last it waits for, ``b``
+  the first waiting for it, later than ``a``; nothing of the next step waits for it;
+* ``a`` and ``b`` lie in one run: consecutive compute ops, each a block or a mergeable kernel of the same layer
+  (>= 0) and phase, none but the first waiting for an op on another stream that is not folded, none but the last
+  waited for by one (nor by the next step); or ``b`` does and ``a`` is the compute op right before the run, whose
+  first op waits for nothing else on another stream: the collective then starts with the block (``a = -1`` in
+  ``meta["side"]``; the block waits for ``a``), as at a layer's start (sequence parallelism's all-gather before a
+  row-parallel backward);
+* its run's collectives all use one stream; the op before it on its stream is folded into this run or an earlier
+  one, or a compute op up to ``a`` waits for it; the op after it is folded into this run or a later one, or waits
+  for a compute op from the run's first on (so the stream's order holds).
+
+Collectives failing these are left as ops, which cuts the runs again; the rules are applied until nothing changes.
+Runs without a collective to fold are left as they are. Memory per block is ``blocks.block_memory`` over the run's
+ops (blocks with their scratch) and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from itertools import chain
+
+from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
+    _signature, block_memory, moved
+from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import Op, OpKind, TensorAlloc
+
+__all__ = ["fold_overlapped_tp"]
+
+_UNMERGEABLE_BLOCK_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "side"})
+
+
+def _unit(op: Op) -> bool:
+    """Whether ``op`` may be part of a run: a mergeable kernel or a block (``meta["fused"]``) of a layer."""
+    if _mergeable(op):
+        return True
+    m = op.meta
+    return (op.kind is OpKind.COMPUTE and op.stream == COMPUTE_STREAM and op.layer >= 0 and m is not None
+            and "fused" in m and op.fixed_duration_s is None and op.launch and not _UNMERGEABLE_BLOCK_META & m.keys())
+
+
+def _candidates(ops, tp: list[int], dependents, prev_waited) -> dict[int, tuple[int, int]]:
+    """The TP collectives among ops ``tp`` that pass the rules on their own: id -> ``(a, b)``."""
+    out: dict[int, tuple[int, int]] = {}
+    for i in tp:
+        op = ops[i]
+        m = op.meta
+        if not (op.kind is OpKind.COLLECTIVE and m and m.get("group") == "tp" and "collective" in m
+                and op.stream.startswith("comm.tp") and op.fixed_duration_s is None and op.deps
+                and not _UNFOLDABLE_META & m.keys()) or op.id in prev_waited:
+            continue
+        users = dependents.get(op.id)
+        if not users or any(ops[d].stream != COMPUTE_STREAM for d in op.deps) \
+                or any(ops[u].stream != COMPUTE_STREAM for u in users):
+            continue
+        a, b = max(op.deps), min(users)  # compute-stream order is id order
+        if b > a:
+            out[op.id] = (a, b)
+    return out
+
+
+def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[int, list[int]],
+          xwaiters: dict[int, list[int]], folded, prev_waited) -> list[list[int]]:
+    """Runs of consecutive compute ops that may merge once the collectives ``folded`` are folded (``unit``: each
+    op may be part of a run; ``key``: its layer and phase; ``xdeps`` / ``xwaiters``: the ops on other streams each
+    compute op waits for / that wait for it)."""
+    runs: list[list[int]] = []
+    cur: list[int] | None = None
+    k0 = None
+    for oid in compute:
+        if not unit[oid]:
+            cur = None
+            continue
+        xd = xdeps.get(oid)
+        k = key[oid]
+        if cur is not None and k == k0 and not (xd and any(d not in folded for d in xd)):
+            cur.append(oid)
+        else:
+            cur, k0 = [oid], k
+            runs.append(cur)
+        xw = xwaiters.get(oid)
+        if oid in prev_waited or (xw and any(w not in folded for w in xw)):
+            cur = None
+    return runs
+
+
+def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
+    """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
+    on_compute = [op.stream == COMPUTE_STREAM for op in ops]
+    compute = [op.id for op in ops if on_compute[op.id]]
+    pos = {oid: k for k, oid in enumerate(compute)}
+    prev_waited: set[int] = set()
+    on_stream: dict[str, list[int]] = defaultdict(list)
+    xdeps: dict[int, list[int]] = {}  # compute op -> the ops on other streams it waits for
+    xwaiters: dict[int, list[int]] = defaultdict(list)  # compute op -> the ops on other streams waiting for it
+    for op in ops:
+        m = op.meta
+        if m and "prev_step_deps" in m:
+            prev_waited.update(m["prev_step_deps"] or ())
+        if on_compute[op.id]:
+            if op.deps:
+                xd = [d for d in op.deps if not on_compute[d]]
+                if xd:
+                    xdeps[op.id] = xd
+            continue
+        if op.stream.startswith("comm.tp"):
+            on_stream[op.stream].append(op.id)
+        for d in op.deps:
+            if on_compute[d]:
+                xwaiters[d].append(op.id)
+    tp = [i for seq in on_stream.values() for i in seq]
+    dependents: dict[int, list[int]] = defaultdict(list)  # TP op -> the ops waiting for it
+    tp_set = set(tp)
+    for op in ops:
+        for d in op.deps:
+            if d in tp_set:
+                dependents[d].append(op.id)
+    at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
+    cand = _candidates(ops, sorted(tp), dependents, prev_waited)
+    if not cand:
+        return [], {}
+    unit = [on_compute[op.id] and _unit(op) for op in ops]
+    key = [(op.layer, op.phase) for op in ops]
+    while cand:
+        runs = _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)
+        run_of = {oid: r for r, run in enumerate(runs) for oid in run}
+        home: dict[int, int] = {}  # collective -> the run it folds into
+        for c, (a, b) in cand.items():
+            r = run_of.get(b)
+            if r is None:
+                continue
+            if run_of.get(a) == r:
+                home[c] = r
+            elif pos[a] + 1 == pos[runs[r][0]] and all(d in cand for d in xdeps.get(runs[r][0], ())):
+                home[c] = r  # waits for the op right before the run, which then waits for it too: at its start
+        stream_of: dict[int, str] = {}
+        for c in sorted(home):
+            stream_of.setdefault(home[c], ops[c].stream)
+        bad = set()
+        for c, (a, b) in cand.items():
+            r = home.get(c)
+            if r is None or stream_of[r] != ops[c].stream:
+                bad.add(c)
+                continue
+            st, k = at[c]
+            seq = on_stream[st]
+            if k > 0:
+                p = seq[k - 1]
+                if p in home:  # folded too (if it stays so): into this run or an earlier one
+                    ok = home[p] <= r
+                else:
+                    ok = any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ()))
+                if not ok:
+                    bad.add(c)
+                    continue
+            if k + 1 < len(seq):
+                n = seq[k + 1]
+                if n in home:
+                    ok = home[n] >= r
+                else:
+                    ok = any(ops[d].stream == COMPUTE_STREAM and d >= runs[r][0] for d in ops[n].deps)
+                if not ok:
+                    bad.add(c)
+        if not bad:
+            break
+        for c in bad:
+            del cand[c]
+    if not cand:
+        return [], {}
+    folded: dict[int, list[int]] = defaultdict(list)
+    for c in sorted(cand):  # id order: the stream's order
+        folded[home[c]].append(c)
+    return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
+
+
+def _shape(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
+    """What a merged block of ``units`` and ``comms`` (``_merged``) takes from their kinds alone, the same for every
+    copy of a layer pass: ``(parts, fused_key, launches, side, order, cost_class, flops, bytes_read,
+    bytes_written, name)``; ``order``: where each of its collectives comes from, in stream order (``(0, unit
+    index, index in its folded_comm)`` or ``(1, index in comms)``)."""
+    parts: list[Op] = []
+    keys: list[tuple] = []
+    first_of: dict[int, int] = {}
+    last_of: dict[int, int] = {}
+    launches = 0
+    entries: list[tuple[int, int, tuple[int, int, int]]] = []  # (a, b, origin) with part indices
+    for n, u in enumerate(units):
+        first_of[u.id] = len(parts)
+        m = u.meta
+        if m and "fused" in m:
+            off = len(parts)
+            entries += [(off + j - 1, off + j, (0, n, k)) for k, j in enumerate(m.get("folded_at", ()))]
+            parts += m["fused"]
+            keys += m["fused_key"]
+            launches += m["launches"]
+        else:
+            parts.append(u)
+            keys.append(_signature(u))
+            launches += 1
+        last_of[u.id] = len(parts) - 1
+    entries += [(last_of.get(spots[c.id][0], -1), first_of[spots[c.id][1]], (1, k, 0)) for k, c in enumerate(comms)]
+    entries.sort(key=lambda e: e[0])  # a collective is issued after the part it waits for (stable: stream order)
+    longest = max(parts, key=lambda p: p.flops + p.bytes_read + p.bytes_written)
+    name = f"{parts[0].name.split('.', 2)[-1]}..{parts[-1].name.split('.', 2)[-1]}"
+    return (tuple(parts), tuple(keys), launches, tuple((a, b) for a, b, _ in entries), tuple(e[2] for e in entries),
+            longest.cost_class, sum(p.flops for p in parts), sum(p.bytes_read for p in parts),
+            sum(p.bytes_written for p in parts), name)
+
+
+def _shape_key(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
+    """``_shape``'s inputs as far as they matter to it (a stamped block's parts are shared by its copies)."""
+    at = {u.id: n for n, u in enumerate(units)}
+    return (tuple(id(u.meta["fused"]) if u.meta and "fused" in u.meta else (_signature(u), u.name.split(".", 2)[-1])
+                  for u in units),
+            tuple((at.get(spots[c.id][0], -1), at[spots[c.id][1]]) for c in comms))
+
+
+def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]], users, size, new_id: int,
+            deps: tuple[int, ...], shapes: dict) -> Op:
+    """One block standing for ``units`` (blocks and kernels) and the TP collectives ``comms`` (``spots``: the
+    ``(a, b)`` op ids of each, by id; ``a`` outside ``units``: it starts with the block), with its memory per
+    block (``block_memory``); ``shapes``: the ``_shape`` of each ``_shape_key`` met so far."""
+    key = _shape_key(units, comms, spots)
+    sh = shapes.get(key)
+    if sh is None:
+        sh = shapes[key] = _shape(units, comms, spots)
+    parts, keys, launches, side, order, cost_class, flops, br, bw, name = sh
+    in_run = {u.id for u in units}
+    after: dict[int, list[Op]] = defaultdict(list)  # op id -> the collectives issued after it (-1: before the run)
+    for c in comms:
+        after[spots[c.id][0] if spots[c.id][0] in in_run else -1].append(c)
+    seq = [*after.get(-1, ()), *chain.from_iterable((u, *after.get(u.id, ())) for u in units)]
+    allocs, uses, extra = block_memory(seq, users, size, units[0].id)
+    first = units[0]
+    if extra > 0:
+        allocs.append(TensorAlloc(f"activations.block_scratch.tp#{first.id}", extra))
+    meta = {"fused": parts, "fused_key": keys, "launches": launches, "side": side}
+    vals = list(_GET_FIELDS(first))
+    vals[0] = new_id
+    vals[_F["name"]] = f"L{first.layer}.{first.phase.value}.block[{name}]"
+    vals[_F["cost_class"]], vals[_F["shape"]] = cost_class, ()
+    vals[_F["flops"]], vals[_F["bytes_read"]], vals[_F["bytes_written"]] = flops, br, bw
+    vals[_F["allocs"]], vals[_F["uses"]], vals[_F["meta"]], vals[_F["deps"]] = tuple(allocs), tuple(uses), meta, deps
+    cs = [units[i].folded_comm[j] if kind == 0 else comms[i] for kind, i, j in order]
+    vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for c in cs)
+    return Op(*vals)
+
+
+_F = {f: i for i, f in enumerate(_FIELDS)}
+
+
+def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
+    """``graph`` (coarsened, ``blocks.coarsen``) with each run of blocks cut only by foldable TP collectives merged
+    into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
+    (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
+    ops = graph.ops
+    runs, comm_of = _plan(ops)
+    if not runs:
+        return graph
+    start_of = {r[0]: r for r in runs}
+    folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
+    in_run = {oid: r[0] for r in runs for oid in r}
+    new_id = [-1] * len(ops)
+    n = 0
+    for op in ops:
+        if op.id in folded:
+            continue
+        r0 = in_run.get(op.id)
+        if r0 is not None and r0 != op.id:
+            new_id[op.id] = new_id[r0]
+            continue
+        new_id[op.id] = n
+        n += 1
+    for c, r0 in folded.items():
+        new_id[c] = new_id[r0]
+    users: dict[str, list[int]] = defaultdict(list)
+    size: dict[str, int] = {}
+    for op in ops:
+        for u in op.uses:
+            users[u].append(op.id)
+        for t in op.allocs:
+            if t.device == "gpu":
+                size[t.name] = t.nbytes
+    out: list[Op] = []
+    shapes: dict[tuple, tuple] = {}
+    for op in ops:
+        if op.id in folded or (op.id in in_run and op.id not in start_of):
+            continue
+        i = new_id[op.id]
+        run = start_of.get(op.id)
+        if run is None:
+            out.append(moved(op, new_id))
+            continue
+        cs = [ops[c] for c in comm_of[op.id]]
+        mine = set(run) | set(comm_of[op.id])
+        deps = tuple(sorted({new_id[d] for p in chain((ops[j] for j in run), cs) for d in p.deps if d not in mine}))
+        spots = {c.id: (max(c.deps), min(u for u in run if c.id in ops[u].deps)) for c in cs}
+        out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps, shapes))
+    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    meta = graph.meta
+    if "fidelity" in meta:
+        info = {**meta["fidelity"], "ops_after": len(out)}
+        info["folded_tp"] = info.get("folded_tp", 0) + len(folded)
+        meta = {**meta, "fidelity": info}
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta=meta)
