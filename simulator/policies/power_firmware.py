@@ -202,7 +202,8 @@ class PowerLimitFirmware:
                     e = excess[x[1].id] = meter.excess_w(graph_ops[x[1].id])
                 if e:
                     inst += e
-                    avg_hi += e * (min(x[3], t) - max(x[2], lo))
+                    s0, s1 = x[2], x[3]  # min(s1, t) - max(s0, lo) without the two calls (the same values)
+                    avg_hi += e * ((t if t < s1 else s1) - (lo if lo > s0 else s0))
             quiet = idle + inst <= thresh
             if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
                 continue  # this window's average cannot exceed the limit
