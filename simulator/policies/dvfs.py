@@ -237,17 +237,8 @@ class DvfsRuntime:
         """
         if self.online or not self._can_bind or run_ops < WATCH_MIN_OPS or len(graph.ops) >= WATCH_MIN_OPS:
             return False
-        top: dict[str, float] = {}
-        excess: dict[int, float] = {}
-        for op in graph.ops:
-            if op.stream == "host":  # as the watch's bound: the device streams (``Executor.by_stream``)
-                continue
-            e = excess.get(op.id)
-            if e is None:
-                e = excess[op.id] = self.meter.excess_w(op)
-            if e > top.get(op.stream, 0.0):
-                top[op.stream] = e
-        return self.ledger.p[0] + sum(top.values()) > self.power_limit_w * (1.0 - 1e-9)
+        device = (op for op in graph.ops if op.stream != "host")  # as the watch's bound: ``Executor.by_stream``
+        return self.ledger.p[0] + self.meter.excess_bound_w(device) > self.power_limit_w * (1.0 - 1e-9)
 
     def max_reachable_power_w(self) -> float:
         """Highest board power the model can draw: every unit fully busy at the highest clock, W."""

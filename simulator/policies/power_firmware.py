@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import chain
 
 import numpy as np
 
@@ -183,16 +184,9 @@ class PowerLimitFirmware:
                 # a stream runs one op at a time and the power above idle is subadditive (see below): idle plus
                 # each stream's largest op excess bounds every level of the run; at or below the limit the firmware
                 # can never act and the offline record is exact without watching
-                top: dict[str, float] = {}
-                for stream, ops in sys_.executor.by_stream.items():
-                    for op in ops:
-                        e = excess.get(op.id)
-                        if e is None:
-                            e = excess[op.id] = meter.excess_w(op)
-                        if e > top.get(stream, 0.0):
-                            top[stream] = e
-                if idle + sum(top.values()) <= thresh:
+                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values())) <= thresh:
                     return
+                graph_ops = sys_.executor.g.ops  # a span's op, or a block's folded TP collective, carries its id
             lo = max(0.0, t - w)
             if len(spans) > seen:
                 recent.extend(spans[seen:])
@@ -204,11 +198,12 @@ class PowerLimitFirmware:
             inst = avg_hi = 0.0
             for x in (*recent, *running):  # a running op's end is t (above)
                 e = excess.get(x[1].id)
-                if e is None:
-                    e = excess[x[1].id] = meter.excess_w(x[1])
+                if e is None:  # priced as the graph's op of that id (a folded TP collective: its block)
+                    e = excess[x[1].id] = meter.excess_w(graph_ops[x[1].id])
                 if e:
                     inst += e
-                    avg_hi += e * (min(x[3], t) - max(x[2], lo))
+                    s0, s1 = x[2], x[3]  # min(s1, t) - max(s0, lo) without the two calls (the same values)
+                    avg_hi += e * ((t if t < s1 else s1) - (lo if lo > s0 else s0))
             quiet = idle + inst <= thresh
             if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
                 continue  # this window's average cannot exceed the limit

@@ -71,6 +71,11 @@ class PowerMeter:
         self._power_cache: dict[tuple, float] = {}
         #: ``excess_w`` by ``(activity, SM clock, memory clock)``
         self._excess: dict[tuple, float] = {}
+        #: ``activity`` as the row ``(compute, memory, copy, kernel 1.0 / 0.0)`` ``levels`` reads (None: draws no
+        #: power), by ``(pricing key, SM clock, memory clock)``
+        self._rows: dict[tuple, tuple | None] = {}
+        #: ``excess_w`` by ``(pricing key, SM clock, memory clock)``
+        self._excess_by_key: dict[tuple, float] = {}
 
     # -- the running set --------------------------------------------------------------------------------
     def add(self, op, step, act: Activity) -> None:
@@ -104,16 +109,38 @@ class PowerMeter:
         return self.model.power_w(fmax_mhz, busy=1.0, compute=1.0, memory=1.0, copy=1.0)
 
     def excess_w(self, op) -> float:
-        """Power above idle of ``op`` running alone at the current clocks, W (0 for an op that draws none)."""
-        a = self.activity(op)
-        if a is None:
-            return 0.0
+        """Power above idle of ``op`` running alone at the current clocks, W (0 for an op that draws none); cached by
+        pricing key and clocks, as its activity (``activity``)."""
+        hit = self.price_keys.by_op.get(id(op))
         sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
-        key = (a, sm, mem)  # the excess depends only on the activity and the clocks
-        e = self._excess.get(key)
+        pk = (hit[1] if hit is not None else self.price_keys.of(op), sm, mem)
+        e = self._excess_by_key.get(pk)
         if e is None:
-            e = self._excess[key] = max(0.0, self.model.power_of((a,), sm, mem) - self.model.power_of((), sm, mem))
+            a = self.activity(op)
+            if a is None:
+                e = 0.0
+            else:
+                key = (a, sm, mem)  # the excess depends only on the activity and the clocks
+                e = self._excess.get(key)
+                if e is None:
+                    e = self._excess[key] = max(0.0, self.model.power_of((a,), sm, mem)
+                                                - self.model.power_of((), sm, mem))
+            self._excess_by_key[pk] = e
         return e
+
+    def excess_bound_w(self, ops) -> float:
+        """Sum over streams of the largest ``excess_w`` of ``ops`` on each (an iterable of ops; a stream runs one op
+        at a time and the power above idle is subadditive, so idle plus this bounds every level of a run of them), W.
+
+        The streams are summed in the order their first op with a positive excess comes in ``ops``.
+        """
+        excess = self.excess_w
+        top: dict[str, float] = {}
+        for op in ops:
+            e = excess(op)
+            if e > top.get(op.stream, 0.0):
+                top[op.stream] = e
+        return sum(top.values())
 
     # -- activities -------------------------------------------------------------------------------------
     def activity(self, op) -> Activity | None:
@@ -163,10 +190,17 @@ class PowerMeter:
         _steps, ops, s_all, e_all, streams = zip(*spans)
         uniq = {id(op): op for op in ops}  # in first-span order
         table: dict[int, tuple] = {}
+        by_op, key_of, rows = self.price_keys.by_op, self.price_keys.of, self._rows
+        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         for op in uniq.values():  # a block's folded TP collectives share its id and activity (``PriceKeys``)
-            a = self.activity(op)
-            if a is not None:
-                table[op.id] = (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+            hit = by_op.get(id(op))
+            key = (hit[1] if hit is not None else key_of(op), sm, mem)  # ``activity``'s key
+            row = rows.get(key, _MISSING)
+            if row is _MISSING:
+                a = self.activity(op)
+                row = rows[key] = None if a is None else (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+            if row is not None:
+                table[op.id] = row
         codes: dict[str, int] = {}  # stream -> code, in first-span order (the order the streams are summed in)
         # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
         index = {k: i for i, k in enumerate(uniq)}
@@ -190,7 +224,7 @@ class PowerMeter:
         has_of[keys] = True
         op_ids = np.array([op.id for op in uniq.values()], dtype=np.int64)[pos]
         has, act = has_of[op_ids], act_of[op_ids]
-        s_all, e_all = np.array(s_all, dtype=float), np.array(e_all, dtype=float)
+        s_all, e_all = np.fromiter(s_all, dtype=float, count=len(ops)), np.fromiter(e_all, dtype=float, count=len(ops))
         use = has & (e_all > s_all)
         if not use.any():
             return None

@@ -75,7 +75,9 @@ class Recorder:
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
                              op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
-        if any(streams):
+        if all(streams):  # every span names its stream (the executor's)
+            stream = column_array(streams)
+        elif any(streams):
             stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
         else:
             stream = op_stream

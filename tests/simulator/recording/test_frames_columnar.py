@@ -61,6 +61,20 @@ def test_spans_frame_equals_the_frame_of_its_rows():
     assert str(got.flops.dtype) == "float64"  # 2e9 and the int 0
 
 
+def test_spans_frame_equals_the_frame_of_its_rows_when_every_span_names_its_stream():
+    """The executor's case: each span names its stream (the column is the spans' streams, not their ops')."""
+    a = _op(0, "qkv", "compute", OpKind.COMPUTE, Phase.FWD, 0, 2.0e9, 1024)
+    b = _op(1, "allreduce", "comm.dp", OpKind.COLLECTIVE, Phase.BWD, -1, 0, 4096.0)
+    rec = Recorder()
+    for step, (op, stream) in enumerate([(a, "compute"), (b, "comm.dp.1"), (a, "compute.2"), (b, "comm.dp")]):
+        rec.span(step, op, step * 1e-3, step * 1e-3 + 5e-4, stream)
+    want = pd.DataFrame(rec.spans, columns=SPAN_COLUMNS)
+    want["duration_s"] = want.end_s - want.start_s
+    got = rec.spans_frame()
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert got.stream.tolist() == ["compute", "comm.dp.1", "compute.2", "comm.dp"]
+
+
 def test_counters_frame_is_the_rows_in_stable_time_order():
     rec = _recorder()
     got = rec.counters_frame()

@@ -1,0 +1,97 @@
+"""The power meter's per-pricing-key caches (``excess_w``, ``excess_bound_w``, ``levels``' activity rows) give what
+a fresh meter computes, across clock changes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hardware_models.power import generic_power_model
+from simulator.engine.system import System
+from simulator.graph.op_graph import GraphBuilder
+from simulator.graph.ops import CostClass, OpKind
+from simulator.policies.power_meter import PowerMeter
+from simulator.recording.recorder import Recorder
+from tests.conftest import make_hw
+
+
+def _ops():
+    """A compute-bound GEMM, a memory-bound kernel, a host-to-device copy, a host op (draws no power) and a kernel
+    whose compute and memory take 1 ms each at the maximum clock (its activity changes with the SM clock)."""
+    b = GraphBuilder()
+    b.add("G", OpKind.COMPUTE, "compute", cost_class=CostClass.GEMM, dtype="bf16", shape=(200, 1, 5_000_000_000))
+    b.add("M", OpKind.COMPUTE, "compute", cost_class=CostClass.ELEMENTWISE, bytes_read=1e9)
+    b.add("C", OpKind.MEMCPY_H2D, "h2d", bytes_read=1e8)
+    b.add("H", OpKind.HOST, "host", host_s=1e-3)
+    b.add("X", OpKind.COMPUTE, "compute", cost_class=CostClass.ELEMENTWISE, bytes_read=1e9, flops=1e11)
+    return b.build(samples_per_step=1.0).ops
+
+
+def _setup():
+    hw = make_hw()
+    sys_ = System(simpy.Environment(), hw, Recorder())
+    return hw, sys_, generic_power_model(hw.gpu)
+
+
+_CLOCKS = st.sampled_from([1000.0, 800.0, 500.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["s0", "s1", "s2"])), max_size=12),
+       clocks=st.lists(_CLOCKS, min_size=1, max_size=3))
+def test_excess_bound_is_the_sum_of_each_streams_largest_excess(picks, clocks):
+    """``excess_bound_w`` equals the sum, over streams in the order of their first op with a positive excess, of
+    the largest ``excess_w`` a fresh meter gives the stream's ops, at each clock in turn (one meter throughout)."""
+    hw, sys_, model = _setup()
+    base = _ops()
+    ops = [replace(base[i], stream=s) for i, s in picks]
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    for sm in clocks:
+        sys_.state.sm_clock_mhz = sm
+        fresh = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+        top: dict[str, float] = {}
+        for op in ops:
+            e = max(0.0, model.power_of((fresh.activity(op),), sm, 1000.0) - model.power_of((), sm, 1000.0)) \
+                if fresh.activity(op) is not None else 0.0
+            if e > top.get(op.stream, 0.0):
+                top[op.stream] = e
+        assert meter.excess_bound_w(ops) == sum(top.values())
+
+
+def test_excess_bound_hand_worked():
+    """Two streams: the GEMM and the memory kernel on one (its bound is the larger excess), the copy on the other;
+    the host op draws nothing."""
+    hw, sys_, model = _setup()
+    g, m, c, h, _ = _ops()
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    eg, em, ec = meter.excess_w(g), meter.excess_w(m), meter.excess_w(c)
+    assert meter.excess_w(h) == 0.0 and min(eg, em, ec) > 0.0
+    assert meter.excess_bound_w([g, m, c, h]) == max(eg, em) + ec
+
+
+@settings(max_examples=40, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 4), st.floats(0, 1e-2), st.floats(1e-6, 1e-2)), min_size=1,
+                      max_size=10),
+       clocks=st.lists(_CLOCKS, min_size=1, max_size=3))
+def test_levels_equal_a_fresh_meters_after_clock_changes(spans, clocks):
+    """The power levels of any spans (one per op, each on its op's stream) equal those of a fresh meter at each
+    clock in turn: the activity rows ``levels`` caches are keyed by the clocks."""
+    hw, sys_, model = _setup()
+    ops = _ops()
+    sys_.state.sm_clock_mhz = 500.0
+    assert PowerMeter(model, hw.gpu, sys_.state, sys_.cost).activity(ops[4]).memory == 0.5  # 1.0 at 1000 MHz
+    sys_.state.sm_clock_mhz = 1000.0
+    rows = [(0, ops[i], s, s + d, None) for i, s, d in spans]
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    for sm in clocks:
+        sys_.state.sm_clock_mhz = sm
+        got = meter.levels(rows)
+        want = PowerMeter(model, hw.gpu, sys_.state, sys_.cost).levels(rows)
+        if want is None:
+            assert got is None
+            continue
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
