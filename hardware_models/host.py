@@ -26,6 +26,10 @@ class HostCpuSpec:
         launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per launched
             graph op, s, when fitted from a profiler trace taken on this host (used instead of
             ``launch_overhead_s`` for those phases); empty: none.
+        host_phase_fixed_s: Per step phase, host time spent once per occurrence of the phase besides
+            its launches, s (the optimizer: ``optimizer.step()``'s Python loop over the parameter
+            tensors and ``zero_grad``), fitted with ``launch_overhead_by_phase_s``
+            (``simulator.calibration.host_overhead``); empty: none.
         sockets: CPU sockets (packages) of the host.
         numa_nodes: NUMA nodes of the host; 0 (default): one per socket. Memory bandwidth is split
             evenly between nodes, cores too.
@@ -58,6 +62,7 @@ class HostCpuSpec:
     memory_bandwidth_bytes_per_s: float
     launch_overhead_s: float | None = None
     launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
+    host_phase_fixed_s: dict[str, float] = field(default_factory=dict)
     sockets: int = 1
     numa_nodes: int = 0
     numa_node: int = -1
@@ -80,8 +85,10 @@ class HostCpuSpec:
             raise ValueError(f"cores must be > 0, got {self.cores}")
         if self.memory_bandwidth_bytes_per_s <= 0:
             raise ValueError("memory_bandwidth_bytes_per_s must be > 0")
-        if (self.launch_overhead_s or 0) < 0 or any(v < 0 for v in self.launch_overhead_by_phase_s.values()):
-            raise ValueError("launch_overhead_s and launch_overhead_by_phase_s must be >= 0 (None: not measured)")
+        if (self.launch_overhead_s or 0) < 0 or any(v < 0 for v in (*self.launch_overhead_by_phase_s.values(),
+                                                                     *self.host_phase_fixed_s.values())):
+            raise ValueError("launch_overhead_s, launch_overhead_by_phase_s and host_phase_fixed_s must be >= 0 "
+                             "(None: not measured)")
         if self.sockets <= 0 or self.cores % self.sockets:
             raise ValueError(f"sockets must be > 0 and divide cores ({self.cores}), got {self.sockets}")
         nodes = self.nodes

@@ -26,11 +26,15 @@ class LaunchOverhead(NamedTuple):
         per_op_s: Host time per launched op, s (phases not in ``by_phase_s``).
         by_phase_s: Phase (``fwd``/``bwd``/``opt``) -> host time per launched op, s.
         source: ``"scenario"``, ``"profile"`` (a trace-calibrated profile file), ``"host"`` or ``"generic"``.
+        fixed_by_phase_s: Phase -> host time once per occurrence of the phase besides its launches, s
+            (the optimizer step's Python work; ``HostCpuSpec.host_phase_fixed_s``); it comes with
+            ``by_phase_s`` from the same source (a scenario override: none).
     """
 
     per_op_s: float
     by_phase_s: dict
     source: str
+    fixed_by_phase_s: dict = {}
 
 
 def resolve_launch_overhead(override_s: float | None, host: HostCpuSpec, profile: EfficiencyProfile) -> LaunchOverhead:
@@ -48,9 +52,10 @@ def resolve_launch_overhead(override_s: float | None, host: HostCpuSpec, profile
 
     if profile.launch_overhead_s is not None or profile.launch_overhead_by_phase_s:
         return LaunchOverhead(first(profile.launch_overhead_s, host.launch_overhead_s),
-                              dict(profile.launch_overhead_by_phase_s), "profile")
+                              dict(profile.launch_overhead_by_phase_s), "profile", dict(profile.host_phase_fixed_s))
     if host.launch_overhead_s is not None or host.launch_overhead_by_phase_s:
-        return LaunchOverhead(first(host.launch_overhead_s), dict(host.launch_overhead_by_phase_s), "host")
+        return LaunchOverhead(first(host.launch_overhead_s), dict(host.launch_overhead_by_phase_s), "host",
+                              dict(host.host_phase_fixed_s))
     return LaunchOverhead(GENERIC_LAUNCH_OVERHEAD_S, {}, "generic")
 
 

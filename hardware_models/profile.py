@@ -66,6 +66,8 @@ class EfficiencyProfile:
             (``hardware_models.machine.resolve_launch_overhead``).
         launch_overhead_by_phase_s: Per step phase (``fwd``/``bwd``/``opt``), host time per
             launched graph op, s, when fitted from a trace by ``simulate calibrate`` (same rule).
+        host_phase_fixed_s: Per step phase, host time once per occurrence of the phase besides its
+            launches, s (``HostCpuSpec.host_phase_fixed_s``), fitted with the above (same rule).
         h2d_bytes_per_s / d2h_bytes_per_s: Pinned copy bandwidth, bytes/s.
         pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s: Pageable copy bandwidth, bytes/s.
         duplex_bytes_per_s: Both directions together, bytes/s.
@@ -84,6 +86,7 @@ class EfficiencyProfile:
     reference_hbm_bandwidth_bytes_per_s: float = 0.0
     launch_overhead_s: float | None = None
     launch_overhead_by_phase_s: dict[str, float] = field(default_factory=dict)
+    host_phase_fixed_s: dict[str, float] = field(default_factory=dict)
     h2d_bytes_per_s: float = 0.0
     d2h_bytes_per_s: float = 0.0
     pageable_h2d_bytes_per_s: float = 0.0

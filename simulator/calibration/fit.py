@@ -154,7 +154,8 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     try:
         graph = build_graph(cfgs[0])
         fit = fit_launch_overhead(imports[0], graph, base_hw.launch.per_op_s)
-        prof = dataclasses.replace(prof, launch_overhead_by_phase_s=fit["launch_overhead_by_phase_s"])
+        prof = dataclasses.replace(prof, launch_overhead_by_phase_s=fit["launch_overhead_by_phase_s"],
+                                   host_phase_fixed_s=fit["host_phase_fixed_s"])
         host = {"profiler_inflation": round(fit["profiler_inflation"], 4)}
     except ValueError as exc:
         host = {"skipped": str(exc)}

@@ -4,7 +4,9 @@
 * GPU kernels and copies marked ``launch`` are first *launched* by the host's main training
   thread (stream ``host``), which also runs the host ops in graph order: in eager PyTorch the
   same Python thread dispatches kernels, runs the CPU optimizer and waits on the DataLoader, so
-  a GPU op cannot start before the host has reached it. Launching costs ``launch_overhead_s``.
+  a GPU op cannot start before the host has reached it. Launching costs ``launch_overhead_s`` (by
+  phase, ``launch_overhead_by_phase_s``); a phase's fixed host time (``host_phase_fixed_s``: the
+  optimizer step's Python work) is paid once per step before that phase's first launch.
 * An op starts when its stream is free, it has been launched, and its dependencies are done
   (``simpy.AllOf`` over their completion events).
 * Collectives with ``meta["collective"]`` on a machine with a collective model take the NCCL
@@ -245,6 +247,10 @@ class Executor:
             calls = len(self.g.ops[oid].folded_comm) * self.sys.collective_dispatch_s
             self._early[oid] = cost[oid] * (n - 1) + calls
             cost[oid] = cost[oid] * n + calls
+        for phase, fixed in self.sys.host_phase_fixed_s.items():  # once per step, before the phase's first launch
+            first = next((op for op in self.host_ops if op.stream != HOST_STREAM and op.phase._value_ == phase), None)
+            if first is not None:
+                cost[first.id] += fixed
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t

@@ -145,6 +145,8 @@ class System:
         self.launch_overhead_s = launch.per_op_s
         #: host time per launched op by phase (a scenario override applies to every phase)
         self.launch_overhead_by_phase_s = launch.by_phase_s
+        #: host time once per occurrence of a phase besides its launches (the optimizer step's Python work)
+        self.host_phase_fixed_s = launch.fixed_by_phase_s
         self.state = DeviceState(hw.gpu.max_sm_clock_mhz, hw.gpu.mem_clock_mhz or 1.0)
         self._collective: dict[tuple[str, str, int], object] = {}
         self._by_op: dict[int, tuple] = {}  # id(op) -> (op, collective_result(op))

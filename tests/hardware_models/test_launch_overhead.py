@@ -12,19 +12,25 @@ from hardware_models.machine import GENERIC_LAUNCH_OVERHEAD_S, resolve_launch_ov
 from tests.conftest import make_hw
 
 
-def _hw(host_s=None, host_phase=None, prof_s=None, prof_phase=None, override=None):
+def _hw(host_s=None, host_phase=None, prof_s=None, prof_phase=None, override=None, host_fixed=None, prof_fixed=None):
     hw = make_hw()
-    cpu = HostCpuSpec("cpu", 4, 1e10, launch_overhead_s=host_s, launch_overhead_by_phase_s=host_phase or {})
-    prof = dataclasses.replace(hw.profile, launch_overhead_s=prof_s, launch_overhead_by_phase_s=prof_phase or {})
+    cpu = HostCpuSpec("cpu", 4, 1e10, launch_overhead_s=host_s, launch_overhead_by_phase_s=host_phase or {},
+                      host_phase_fixed_s=host_fixed or {})
+    prof = dataclasses.replace(hw.profile, launch_overhead_s=prof_s, launch_overhead_by_phase_s=prof_phase or {},
+                               host_phase_fixed_s=prof_fixed or {})
     return dataclasses.replace(hw, host_cpu=cpu, profile=prof, launch_overhead_s=override)
 
 
 def test_order_scenario_then_profile_fit_then_host_then_generic():
-    assert _hw().launch == (GENERIC_LAUNCH_OVERHEAD_S, {}, "generic")
-    assert _hw(host_s=7e-6, host_phase={"fwd": 3e-5}).launch == (7e-6, {"fwd": 3e-5}, "host")
-    assert _hw(host_s=7e-6, prof_phase={"bwd": 4e-5}).launch == (7e-6, {"bwd": 4e-5}, "profile")
-    assert _hw(host_s=7e-6, prof_s=0.0).launch == (0.0, {}, "profile")  # an explicit 0 is kept
-    assert _hw(host_s=7e-6, host_phase={"fwd": 3e-5}, override=2e-6).launch == (2e-6, {}, "scenario")
+    assert _hw().launch == (GENERIC_LAUNCH_OVERHEAD_S, {}, "generic", {})
+    assert _hw(host_s=7e-6, host_phase={"fwd": 3e-5}, host_fixed={"opt": 1e-4}).launch == (
+        7e-6, {"fwd": 3e-5}, "host", {"opt": 1e-4})
+    # a profile fit replaces the host's per-phase times and its fixed parts together
+    assert _hw(host_s=7e-6, prof_phase={"bwd": 4e-5}, host_fixed={"opt": 1e-4}).launch == (
+        7e-6, {"bwd": 4e-5}, "profile", {})
+    assert _hw(host_s=7e-6, prof_s=0.0).launch == (0.0, {}, "profile", {})  # an explicit 0 is kept
+    assert _hw(host_s=7e-6, host_phase={"fwd": 3e-5}, host_fixed={"opt": 1e-4}, override=2e-6).launch == (
+        2e-6, {}, "scenario", {})
 
 
 def test_shipped_gpu_profiles_carry_no_host_time_and_the_h200_host_does():
@@ -40,6 +46,8 @@ def test_shipped_gpu_profiles_carry_no_host_time_and_the_h200_host_does():
 def test_negative_host_launch_time_is_rejected():
     with pytest.raises(ValueError, match="launch_overhead_s"):
         HostCpuSpec("cpu", 4, 1e10, launch_overhead_s=-1e-6)
+    with pytest.raises(ValueError, match="host_phase_fixed_s"):
+        HostCpuSpec("cpu", 4, 1e10, host_phase_fixed_s={"opt": -1e-6})
 
 
 def test_resolve_is_a_plain_function_of_specs():

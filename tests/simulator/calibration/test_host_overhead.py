@@ -42,7 +42,21 @@ def test_fit_divides_by_inflation_and_op_count():
     per = fit["launch_overhead_by_phase_s"]
     assert per["fwd"] == pytest.approx(300e-6 / 2 / 3)
     assert per["bwd"] == pytest.approx(300e-6 / 2 / 2)
-    assert per["opt"] == pytest.approx(150e-6 / 2 / 1)
+    # the optimizer: one eager dispatch per launch, the rest once per step: 150 / 2 - 1 x 10 = 65 us
+    assert per["opt"] == pytest.approx(10e-6)
+    assert fit["host_phase_fixed_s"]["opt"] == pytest.approx(65e-6)
+
+
+def test_optimizer_launches_longer_than_its_host_time_fall_back_to_per_op():
+    """8 optimizer ops x 10 us exceed the 150 / 2 = 75 us measured: no fixed part, 75 / 8 us per op."""
+    b = GraphBuilder()
+    b.add("f", OpKind.COMPUTE, "compute", phase=Phase.FWD)
+    b.add("b", OpKind.COMPUTE, "compute", phase=Phase.BWD)
+    for i in range(8):
+        b.add(f"opt{i}", OpKind.COMPUTE, "compute", phase=Phase.OPT)
+    fit = fit_launch_overhead(trace(), b.build(), eager_tiny_op_s=10e-6)
+    assert fit["launch_overhead_by_phase_s"]["opt"] == pytest.approx(75e-6 / 8)
+    assert fit["host_phase_fixed_s"] == {}
 
 
 def test_no_step_marker_is_an_error():
