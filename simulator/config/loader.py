@@ -94,6 +94,9 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
 
 #: problems of one file shown (one line each) before ``... and N more``
 MAX_PROBLEMS_SHOWN = 20
+#: sections named by an unknown key's "did you mean" when its name is a key there (more: too vague to help,
+#: ``preset`` is in four)
+MAX_ELSEWHERE = 3
 #: what a value of a union's branch must be, by the pydantic error type refusing it
 _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type": None, "string_type": "a string",
              "bool_type": "true or false", "bool_parsing": "true or false", "int_type": "an integer",
@@ -144,7 +147,8 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
         allowed = _allowed_keys(model, loc)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        if loc and (elsewhere := _keys_named(ScenarioConfig, str(loc[-1]))):  # a key of another section, as written
+        elsewhere = _keys_named(ScenarioConfig, str(loc[-1])) if loc else []  # a key of another section, as written
+        if 0 < len(elsewhere) <= MAX_ELSEWHERE:
             hint = f"; did you mean {' or '.join(elsewhere)}?"
         if (foreign := foreign_key_hint(path)) is not None:  # a framework's key: where it lives here, or why not
             hint = f"; {foreign}"
