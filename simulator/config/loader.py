@@ -251,7 +251,7 @@ _SHOWN: dict = {}
 def _from_command_line(line: str, keys: list[str], set_by: dict[str, str]) -> str:
     """``line`` (one problem) marked ``(from the command line: KEY=...)`` when it names a ``--set`` key of ``keys``
     (``(SET_BY)`` for a key of ``set_by``: one the program set, not the user)."""
-    hit = next((k for k in reversed(keys) if f": {k}:" in line or f": {k} " in line or f": {k}." in line), None)
+    hit = next((k for k in reversed(keys) if any(f": {k}{c}" in line for c in ": .[")), None)
     if hit is None:
         return line
     return f"{line} ({set_by[hit]})" if hit in set_by else f"{line} (from the command line: {hit}=...)"
