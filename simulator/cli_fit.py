@@ -21,6 +21,7 @@ def add_parser(subparsers):
 def cmd_fit(args) -> int:
     from simulator.config.errors import ScenarioError
     from simulator.config.loader import load_scenario
+    from simulator.studies.search import check_values
     from simulator.studies.sweep import parse_factor
     from simulator.studies.whatif import fitting_values
 
@@ -30,6 +31,7 @@ def cmd_fit(args) -> int:
     except ScenarioError as exc:
         raise ScenarioError(str(exc).replace("--factor", f"--{which}", 1)) from None
     load_scenario(args.scenario, args.set)  # the base scenario must load (its errors are the user's first fix)
+    check_values(args.scenario, {key: values}, args.set, flag=f"--{which}")  # a value refused alone: before any runs
     df = fitting_values(args.scenario, key, values, args.set)
     errors = set(df.error.dropna())
     if len(errors) == 1 and df.error.notna().all():  # every value refused for one reason: a bad key or value

@@ -94,6 +94,9 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
 
 #: problems of one file shown (one line each) before ``... and N more``
 MAX_PROBLEMS_SHOWN = 20
+#: sections named by an unknown key's "did you mean" when its name is a key there (more: too vague to help,
+#: ``preset`` is in four)
+MAX_ELSEWHERE = 3
 #: what a value of a union's branch must be, by the pydantic error type refusing it
 _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type": None, "string_type": "a string",
              "bool_type": "true or false", "bool_parsing": "true or false", "int_type": "an integer",
@@ -136,7 +139,7 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
     value, 2: a missing key; the order ``format_validation_error`` shows them in)."""
     err = next((e for e in errs if e["type"] == "extra_forbidden"),
                next((e for e in errs if e["type"] != "missing"), errs[0]))  # a bad value before a missing key
-    path = ".".join(short_repr(p) if not isinstance(p, str) or len(p) > 60 else p for p in loc) or "(top level)"
+    path = key_path(loc)
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         import difflib
@@ -144,6 +147,9 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
         allowed = _allowed_keys(model, loc)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        elsewhere = _keys_named(ScenarioConfig, str(loc[-1])) if loc else []  # a key of another section, as written
+        if 0 < len(elsewhere) <= MAX_ELSEWHERE:
+            hint = f"; did you mean {' or '.join(elsewhere)}?"
         if (foreign := foreign_key_hint(path)) is not None:  # a framework's key: where it lives here, or why not
             hint = f"; {foreign}"
         return 0, f"{source}: {path}: unknown key (allowed: {', '.join(allowed)}){hint}"
@@ -153,6 +159,7 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
                                                                   else "")
     shown = short_repr(err.get("input"))
     got = f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    own_words = kind in ("value_error", "assertion_error")  # a validator's message, which may name the value
     if kind in _EXPECTED and any(e["type"] in ("model_type", "dataclass_type", "model_attributes_type")
                                  for e in errs):  # "a valid dictionary or instance of TrainingConfig": its keys
         keys = ", ".join(_allowed_keys(model, (*loc, "")))
@@ -163,36 +170,91 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
     keyed = _KEYED.match(msg)
     if path == "(top level)" and keyed and keyed.group(1) in model.model_fields:  # a cross-field check naming its key
         return 1, f"{source}: {msg}"
-    return 1, f"{source}: {path}: {msg}{got if shown not in msg else ''}"
+    # pydantic's own messages never name the value ("greater than 0": a 0 given must still be shown)
+    return 1, f"{source}: {path}: {msg}{got if not own_words or shown not in msg else ''}"
 
 
-def load_scenario(path: str | Path, overrides: list[str] | None = None) -> ScenarioConfig:
+def key_path(loc: tuple) -> str:
+    """A pydantic error location as the user writes the key: ``rank_overrides[0].slowdown`` (list indices in
+    brackets, as the schema's own messages name them); long or odd parts shortened (``short_repr``)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int) and not isinstance(p, bool):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + (p if isinstance(p, str) and len(p) <= 60 else short_repr(p))
+    return out or "(top level)"
+
+
+def _keys_named(model: type[BaseModel], name: str, prefix: str = "", depth: int = 0) -> list[str]:
+    """Dotted paths of every field called ``name`` in any section of ``model`` (lists of models as ``KEY[i]``):
+    where an unknown key exists elsewhere (``model.sequence_parallel`` -> ``parallelism.sequence_parallel``)."""
+    import typing
+
+    out: list[str] = []
+    if depth > 6:  # the schema is 4 levels deep; a guard against a self-referencing model
+        return out
+    for fname, field in model.model_fields.items():
+        path = f"{prefix}{fname}"
+        if fname == name:
+            out.append(path)
+        stack, subs, is_list = [field.annotation], [], False
+        while stack:  # unions, lists and optionals of sections
+            a = stack.pop()
+            if isinstance(a, type) and issubclass(a, BaseModel):
+                subs.append(a)
+            else:
+                is_list = is_list or typing.get_origin(a) is list
+                stack.extend(typing.get_args(a))
+        for sub in dict.fromkeys(subs):
+            out += _keys_named(sub, name, f"{path}[i]." if is_list else f"{path}.", depth + 1)
+    return list(dict.fromkeys(out))
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None,
+                  set_by: dict[str, str] | None = None) -> ScenarioConfig:
     """Load, override and validate a scenario, and check its presets resolve.
+
+    The warnings validation gives (``ScenarioWarning``: a setting with no effect, an override far from its
+    preset) are printed only once the scenario is valid: an invalid one gets its error alone.
 
     Args:
         path: Scenario YAML file.
         overrides: ``dotted.key=value`` strings (``--set``).
+        set_by: Key of an override -> who set it when not the user (``"set by the search for
+            micro_batch_size=64"``): a problem with that key says so instead of ``from the command line``.
 
     Raises:
         ScenarioError: anything wrong, one line per problem naming the file and key.
     """
     data = apply_overrides(read_yaml(path), list(overrides or []))
-    try:
-        cfg = scenario_from_dict(data, str(path))
-    except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
-        keys = [o.split("=", 1)[0].strip() for o in overrides or []]
-        lines = [_from_command_line(line, keys) for line in str(exc).split("\n")]
-        if lines == str(exc).split("\n"):
-            raise
-        raise ScenarioError("\n".join(lines)) from None
-    resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # kept, then shown through the caller's filters if the scenario is valid
+        try:
+            cfg = scenario_from_dict(data, str(path))
+        except ScenarioError as exc:  # a value that came from --set is named as such, not blamed on the file
+            keys = [o.split("=", 1)[0].strip() for o in overrides or []]
+            lines = [_from_command_line(line, keys, set_by or {}) for line in str(exc).split("\n")]
+            if lines == str(exc).split("\n"):
+                raise
+            raise ScenarioError("\n".join(lines)) from None
+        resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
     return cfg
 
 
-def _from_command_line(line: str, keys: list[str]) -> str:
-    """``line`` (one problem) marked ``(from the command line: KEY=...)`` when it names a ``--set`` key of ``keys``."""
-    hit = next((k for k in keys if f": {k}:" in line or f": {k} " in line or f": {k}." in line), None)
-    return line if hit is None else f"{line} (from the command line: {hit}=...)"
+#: ``warnings`` registry of the warnings ``load_scenario`` re-emits (each shown once, as the default filter does)
+_SHOWN: dict = {}
+
+
+def _from_command_line(line: str, keys: list[str], set_by: dict[str, str]) -> str:
+    """``line`` (one problem) marked ``(from the command line: KEY=...)`` when it names a ``--set`` key of ``keys``
+    (``(SET_BY)`` for a key of ``set_by``: one the program set, not the user)."""
+    hit = next((k for k in reversed(keys) if any(f": {k}{c}" in line for c in ": .[")), None)
+    if hit is None:
+        return line
+    return f"{line} ({set_by[hit]})" if hit in set_by else f"{line} (from the command line: {hit}=...)"
 
 
 def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig:
@@ -238,14 +300,38 @@ def with_hf_path(data: dict, source: str) -> dict:
     return data
 
 
+#: HostRef's what-if keys: scenario key -> the host CPU spec field it sets
+_HOST_WHATIFS = {"threads": "threads_used", "numa_node": "numa_node"}
+#: spec fields that label a preset (its product name, its citations): not numbers the simulation uses, so an
+#: override of them would only relabel the output; refused
+NOT_OVERRIDABLE = ("name", "sources")
+
+
 def _ref(ref: PresetRef | str) -> tuple[str, dict]:
-    if isinstance(ref, str):
-        return ref, {}
-    over = dict(ref.overrides)
-    for key, field in (("threads", "threads_used"), ("numa_node", "numa_node")):  # HostRef's what-if keys
-        if getattr(ref, key, None) is not None:
-            over[field] = getattr(ref, key)
-    return ref.preset, over
+    """``(preset name, overrides)`` of a hardware reference (a name alone: no overrides)."""
+    return (ref, {}) if isinstance(ref, str) else (ref.preset, dict(ref.overrides))
+
+
+def _whatifs(ref: PresetRef | str) -> dict[str, Any]:
+    """The host CPU spec fields a ``HostRef`` sets by its own keys (``threads`` -> ``threads_used``)."""
+    return {f: getattr(ref, k) for k, f in _HOST_WHATIFS.items() if getattr(ref, k, None) is not None}
+
+
+def check_override_keys(cls: type, over: dict, where: str, extra: tuple[str, ...] = ()) -> None:
+    """Refuse a key of ``over`` that is not a field of the spec dataclass ``cls`` (nor in ``extra``), or that
+    only labels the preset (``NOT_OVERRIDABLE``).
+
+    Raises:
+        PresetError: ``WHERE: unknown key(s) K (allowed: ...)``, the allowed keys without the labels.
+    """
+    import dataclasses
+
+    allowed = sorted({f.name for f in dataclasses.fields(cls)} - set(NOT_OVERRIDABLE) | set(extra))
+    bad = sorted(k for k in over if k not in allowed)
+    if bad:
+        why = (f"; {', '.join(NOT_OVERRIDABLE)} label the preset and are not overridable"
+               if set(bad) & set(NOT_OVERRIDABLE) else "")
+        raise PresetError(f"{where}: unknown key(s) {', '.join(bad)} (allowed: {', '.join(allowed)}){why}")
 
 
 def _merged(data: dict, over: dict) -> dict:
@@ -262,23 +348,45 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
     try:
         if family == "hosts":
             cpu, mem = presets.get(family, name)
-            if over:
+            whatif = _whatifs(ref)
+            if over or whatif:
+                check_override_keys(type(cpu), over, "overrides", extra=("memory",))
                 data = presets.raw(family, name)
                 mem_over = over.pop("memory", {})
                 if not isinstance(mem_over, dict):
                     raise PresetError(f"overrides.memory: expected a mapping of host memory fields "
                                       f"(capacity_bytes, pinned_limit_bytes), got {presets._kind(mem_over)}")
+                check_override_keys(type(mem), mem_over, "overrides.memory")
                 data_mem = _merged(data.pop("memory", {}), mem_over)
                 cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
+                if whatif:  # the preset with its overrides is valid: an error now is in threads / numa_node
+                    cpu = _host_whatif(type(cpu), _merged(data, {**over, **whatif}), ref, key, source)
             return cpu, mem
         spec = presets.get(family, name)
         if over:
+            check_override_keys(cls, over, "overrides")
             base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
             _warn_far_from_preset(base, spec, over, key)
         return spec
     except PresetError as exc:
         raise ScenarioError(f"{source}: {key}: {exc}") from None
+
+
+def _host_whatif(cls: type, data: dict, ref, key: str, source: str):
+    """The host CPU spec with ``ref``'s ``threads`` / ``numa_node`` applied (``data``: preset, overrides and them).
+
+    Raises:
+        ScenarioError: naming ``hardware.host.threads`` (or ``.numa_node`` when only it is given or the
+            problem is the NUMA node).
+    """
+    given = [k for k in _HOST_WHATIFS if getattr(ref, k, None) is not None]
+    try:
+        return presets.build_spec(cls, data, "")
+    except PresetError as exc:
+        msg = str(exc).removeprefix(": ")
+        bad = given[0] if len(given) == 1 else ("numa_node" if msg.startswith("numa_node") else "threads")
+        raise ScenarioError(f"{source}: {key}.{bad}: {msg}") from None
 
 
 #: An override more than this factor away from the preset's value is printed as a warning: likely a
@@ -407,7 +515,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
             invalid ``nccl`` setting; one line naming the key.
     """
     from hardware_models.collectives import CollectiveModel, NcclConfig, load_collective_profile
-    from hardware_models.topology import build_topology, load_cluster, load_network
+    from hardware_models.topology import NetworkSpec, build_topology, load_cluster, load_network
 
     c = cfg.hardware.cluster
     if c is None:
@@ -418,6 +526,7 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
         raise ScenarioError(f"{source}: hardware.cluster.preset: {exc}") from None
     if c.overrides:  # the preset loads alone: an error now is in what the scenario overrides
         try:
+            check_override_keys(type(spec), c.overrides, f"preset clusters/{c.preset}")
             spec = load_cluster(c.preset, c.overrides)
         except PresetError as exc:
             raise ScenarioError(f"{source}: hardware.cluster.overrides: {exc}") from None
@@ -425,6 +534,8 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     if net and c.network_overrides:  # as the cluster: the preset alone, then with the scenario's fields
         for key, over in (("network", None), ("network_overrides", c.network_overrides)):
             try:
+                if over:
+                    check_override_keys(NetworkSpec, over, f"preset networks/{net}")
                 load_network(net, over)
             except PresetError as exc:
                 raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None

@@ -80,7 +80,8 @@ class PresetRef(_Model):
 
     preset: str = Field(description="Preset name (see `simulate presets`).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Field -> value to replace "
-                                      "(a mapping such as peak_flops_per_s is merged key by key).")
+                                      "(a mapping such as peak_flops_per_s is merged key by key; not name or sources, which "
+                                      "label the preset).")
 
 
 class HostRef(PresetRef):

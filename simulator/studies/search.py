@@ -158,12 +158,14 @@ def check_key(key: str) -> None:
         raise ScenarioError(f"--space {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
 
 
-def check_values(scenario: str | Path, space: dict[str, list], base_overrides: list[str]) -> None:
+def check_values(scenario: str | Path, space: dict[str, list], base_overrides: list[str],
+                 flag: str = "--space") -> None:
     """Raise if a value is one its field refuses by itself (wrong type, out of range), whatever the
-    other keys: each value is validated on the base scenario with only that key changed.
+    other keys: each value is validated on the base scenario with only that key changed. ``flag``: the option
+    that gave the values (``--space``; ``simulate fit``'s ``--largest`` / ``--smallest``).
 
     Raises:
-        ScenarioError: ``FILE: --space KEY=VALUE: problem``.
+        ScenarioError: ``FILE: FLAG KEY=VALUE: problem (got VALUE)``.
     """
     from simulator.config.loader import _model_names, read_yaml, with_hf_path
     from simulator.config.overrides import apply_overrides
@@ -180,9 +182,9 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
             except ValidationError as exc:
                 for err in exc.errors():
                     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in names))
-                    if loc[:len(want)] == want:
+                    if loc[:len(want)] == want and err["type"] != "extra_forbidden":  # unknown: the loader's line
                         msg = err["msg"].replace("Value error, ", "")
-                        raise ScenarioError(f"{scenario}: --space {key}={v}: {msg} (got {v!r})") from None
+                        raise ScenarioError(f"{scenario}: {flag} {key}={v}: {msg} (got {v!r})") from None
 
 
 def bounds(row: dict | pd.Series) -> dict:
@@ -288,19 +290,23 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     base = load_scenario(scenario, base_ov)
     check_values(scenario, space, base_ov)
     notes = []
+    set_by = {_DP_DERIVED.split("=")[0]: "derived by the search: world size / (tp x pp x cp)"}
     gbs = base.training.global_batch_size
-    if "training.global_batch_size" not in space:
-        if gbs is None:
-            gbs = base.training.micro_batch_size * (base.parallelism.data_parallel_size or 1)
-            notes.append(f"global batch fixed at {gbs} samples (the scenario's micro_batch_size x data_parallel_size; "
-                         "set training.global_batch_size to choose another)")
-        base_ov.append(f"training.global_batch_size={gbs}")
+    if "training.global_batch_size" not in space and gbs is None:
+        gbs = base.training.micro_batch_size * (base.parallelism.data_parallel_size or 1)
+        notes.append(f"global batch fixed at {gbs} samples (the scenario's micro_batch_size x data_parallel_size; "
+                     "set training.global_batch_size to choose another)")
+        base_ov.append(f"training.global_batch_size={gbs}")  # else the scenario's (or --set's) stays on every point
+        set_by["training.global_batch_size"] = (f"set by the search to the scenario's micro_batch_size x "
+                                                f"data_parallel_size, {gbs}, for every point; --set "
+                                                "training.global_batch_size=N to choose another")
     points = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
     rows, survivors, not_estimated = [], [], set()
     for pt in points:
         row: dict = {**pt, "status": None, "reason": None}
         try:
-            cfg = load_scenario(scenario, base_ov + [f"{k}={v}" for k, v in pt.items()])
+            cfg = load_scenario(scenario, base_ov + [f"{k}={v}" for k, v in pt.items()],
+                                set_by={**set_by, **{k: f"from --space: {k}={v}" for k, v in pt.items()}})
         except ScenarioError as exc:
             row.update(status="refused", reason=_reason(exc, scenario))
             rows.append(row)

@@ -145,9 +145,9 @@ def test_yaml_12_scalars():
     ("hardware.gpu.overrides.l2_bytes=[[1]]", "overrides.l2_bytes: expected a number (a quantity"),
     ("hardware.gpu.overrides.hbm_capacity_bytes={a: 1}", "overrides.hbm_capacity_bytes: expected a number (a quantity"),
     ("hardware.host.overrides.memory=5", "overrides.memory: expected a mapping"),
-    ("hardware.host.overrides.sources=5", "overrides.sources: expected a mapping"),
+    ("hardware.host.overrides.sources=5", "overrides: unknown key(s) sources (allowed: all_core_clock_mhz"),
     ("hardware.gpu.overrides.supported_sm_clocks_mhz=5", "overrides.supported_sm_clocks_mhz: expected a list"),
-    ("hardware.gpu.overrides.name=[1]", "overrides.name: expected a string"),
+    ("hardware.gpu.overrides.name=[1]", "overrides: unknown key(s) name (allowed: fp8_gemm_tn_only"),
     ("hardware.gpu.overrides.sm_count=true", "overrides.sm_count: expected an integer"),
     ("hardware.gpu.overrides.peak_flops_per_s=5", "overrides.peak_flops_per_s: expected a mapping"),
     ("model.num_layers=true", "model.num_layers: Input should be a valid integer"),
@@ -166,8 +166,13 @@ def test_wrong_types(capsys, setting, fragment):
 
 
 def test_timestamp_is_a_string_in_overrides():
-    cfg = load_scenario(SCEN, ["hardware.gpu.overrides.name=2001-12-14t21:59:43.10-05:00"])
-    assert resolve_hardware(cfg).gpu.name == "2001-12-14t21:59:43.10-05:00"
+    """A YAML 1.1 timestamp stays the string it is in a free-form overrides mapping (validated, not resolved:
+    the GPU's ``name`` labels the preset and resolving refuses overriding it)."""
+    from simulator.config.loader import read_yaml, scenario_from_dict
+    from simulator.config.overrides import apply_overrides
+
+    cfg = scenario_from_dict(apply_overrides(read_yaml(SCEN), ["hardware.gpu.overrides.name=2001-12-14t21:59:43.10-05:00"]))
+    assert cfg.hardware.gpu.overrides["name"] == "2001-12-14t21:59:43.10-05:00"
 
 
 # -- numbers out of range -------------------------------------------------------------------

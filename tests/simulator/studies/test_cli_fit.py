@@ -42,11 +42,13 @@ def test_bad_fit_input_is_one_line():
         assert out.returncode == 2 and len(lines) == 1 and msg in lines[0], out.stderr
 
 
-def test_a_refused_value_is_a_row_with_its_reason_and_the_others_carry_none():
-    out = _fit(DP8, "--largest", "training.micro_batch_size=8,-1")
+def test_a_value_refused_with_the_other_keys_is_a_row_with_its_reason_and_the_others_carry_none():
+    """Micro-batch 16 is valid alone, but 16 x dp 8 = 128 does not divide the global batch 64: a row, not exit 2."""
+    out = _fit(DP8, "--largest", "training.micro_batch_size=8,16", "--set", "training.global_batch_size=64")
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
-    assert "greater than 0" in rows["-1"] and "(" not in rows["8"] and "nan" not in out.stdout
+    assert "64 must be a multiple of micro_batch_size x data_parallel_size (128)" in rows["16"]
+    assert "(" not in rows["8"] and "nan" not in out.stdout
     assert out.stdout.strip().endswith("largest that fits: 8")
 
 
@@ -68,3 +70,12 @@ def test_fit_reports_the_tightest_rank_class_when_a_replica_runs_on_a_smaller_gp
     table = _fit(DP8, "--largest", "training.micro_batch_size=8,12", "--set", A100_40).stdout
     row12 = next(line for line in table.splitlines() if line.startswith("12 "))
     assert " no " in row12 and "/ 42.95 GB [dp_rank 3]" in row12, table
+
+
+def test_a_value_its_field_refuses_stops_fit_before_any_point_runs():
+    """nodes 0 is refused by the schema alone (nodes > 0): one line, exit 2, and no table (nothing simulated),
+    as ``simulate search`` refuses such a value of --space (studies.search.check_values)."""
+    out = _fit(DP8, "--smallest", "hardware.cluster.nodes=0,1")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (f"error: {DP8}: --smallest hardware.cluster.nodes=0: Input should be greater than 0 "
+                                  "(got 0)")
