@@ -640,6 +640,18 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     return []
 
 
+def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
+    """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured (``Hardware.pcie_explicit``)."""
+    p = hw.profile
+    if not hw.pcie_explicit or not (p.h2d_bytes_per_s or p.d2h_bytes_per_s):
+        return []
+    c = hw.copy
+    return [f"hardware.pcie {hw.pcie.name}: its rates replace the host copy rates measured in profile {p.name!r}"
+            + (f" (over {p.copy_link})" if p.copy_link else "")
+            + f": H2D {p.h2d_bytes_per_s / 1e9:.2f} -> {c.h2d_bytes_per_s / 1e9:.2f} GB/s, D2H "
+            f"{p.d2h_bytes_per_s / 1e9:.2f} -> {c.d2h_bytes_per_s / 1e9:.2f} GB/s pinned"]
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -653,6 +665,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.fp8: GPU profile {hw.profile.name!r} has no fp8 GEMM fit, so fp8 GEMMs are priced with its "
                    f"bf16 fit (tile efficiency and wave overhead) at the GPU's fp8 peak "
                    f"({hw.gpu.peak('fp8') / 1e12:.0f} TFLOP/s); no fp8 GEMM was measured on it")
+    out += _replaced_copy_rates_note(hw)
     pageable = _pageable_copies(cfg) if cfg is not None else ""
     if pageable and not (hw.copy.pageable_h2d_bytes_per_s and hw.copy.pageable_d2h_bytes_per_s):
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
