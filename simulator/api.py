@@ -642,10 +642,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
 
 def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
     """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured (``Hardware.pcie_explicit``)."""
-    p = hw.profile
-    if not hw.pcie_explicit or not (p.h2d_bytes_per_s or p.d2h_bytes_per_s):
+    p, c = hw.profile, hw.copy
+    measured = [(m, r) for m, r in ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s)) if m]
+    if not hw.pcie_explicit or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
         return []
-    c = hw.copy
     return [f"hardware.pcie {hw.pcie.name}: its rates replace the host copy rates measured in profile {p.name!r}"
             + (f" (over {p.copy_link})" if p.copy_link else "")
             + f": H2D {p.h2d_bytes_per_s / 1e9:.2f} -> {c.h2d_bytes_per_s / 1e9:.2f} GB/s, D2H "
