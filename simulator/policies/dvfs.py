@@ -49,6 +49,7 @@ import pandas as pd
 from hardware_models.power import ClockController, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
+from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
@@ -63,6 +64,17 @@ DVFS_POLICIES: dict[str, type] = {}
 #: are exact; the watch costs ~13% of a small run (gpt_184m_b16: 1,728 ops) and saves a second simulation of a
 #: large one (the 175B scale scenario's stages: ~52k ops), so small graphs take the after-run check.
 WATCH_MIN_OPS = 20_000
+
+
+def _cpu_step_threads(cfg, hw) -> int:
+    """Intra-op threads of this rank's CPU optimizer step (``offload_optimizer.cpu_threads`` for the run's offload
+    mode and the ranks sharing its host); 1 without a config."""
+    if cfg is None:
+        return 1
+    z = cfg.zero_optimization
+    mode = z.offload_optimizer.mode if z.offload_optimizer.device == "cpu" else "overlap"
+    dp = cfg.parallelism.data_parallel_size or 1
+    return cpu_threads(hw, mode, ranks_per_node(hw) if dp > 1 else 1)
 
 
 def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
@@ -187,6 +199,7 @@ class DvfsRuntime:
         self.cfg, self.env, self.sys = cfg, env, system
         self.gpu = gpu = hw.gpu
         self.host_cores = hw.host_cpu.cores
+        self.cpu_step_threads = _cpu_step_threads(cfg, hw)
         self.model = power_model_for(cfg, gpu)
         self.rec = getattr(system, "recorder", None)
         self.state = system.state
@@ -391,7 +404,17 @@ class DvfsRuntime:
                 f"(raise run.warmup_steps and run.steps)"]
 
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
-        """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""
+        """Average busy host cores over ``[t0, t1]``, capped by the host's cores: the training thread (1 core, the
+        eager launch loop), plus the extra threads of each CPU-step op (``cpu.*``, host kind) while it runs, plus
+        one core per dataloader worker while it loads.
+
+        A CPU-step op runs on ``cpu_step_threads`` intra-op threads (``offload_optimizer.cpu_threads``: the host's
+        ``threads``, or its per-rank share): on the ``host`` stream the training thread is one of them (PyTorch's
+        intra-op pool runs ``at::parallel_for`` chunks on the calling thread too), so it adds ``threads - 1``; on
+        its own stream (delayed_param_update's ``cpu.adam`` thread) it adds ``threads``. Other host ops (the
+        training thread's own work: page faults, syncs) add nothing beyond its core. (Was ``cores - 1`` for every
+        host op whatever the thread count: threads=1 read 87.0 W on the offload scenario, more than 16 threads.)
+        """
         window = max(t1 - t0, 1e-12)
         busy = 1.0
         if spans is not None and len(spans):
@@ -399,11 +422,15 @@ class DvfsRuntime:
             sel = (end > t0) & (start < t1)
             dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
             stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
-            host_ops = dur[(stream == "host") & (kind == "host")].sum()
+            name = spans.name.to_numpy(object)[sel]
+            cpu_step = (kind == "host") & np.array([str(n).startswith("cpu.") for n in name], dtype=bool)
+            t = float(self.cpu_step_threads)
+            extra = np.where(stream == "host", t - 1.0, t)
+            busy += float((extra[cpu_step] * dur[cpu_step]).sum()) / window
             codes, names = pd.factorize(stream)
             is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
             workers = dur[is_worker[codes] if len(names) else np.zeros(len(dur), dtype=bool)].sum()
-            busy += (self.host_cores - 1) * host_ops / window + workers / window
+            busy += workers / window
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:
