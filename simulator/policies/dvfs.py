@@ -49,7 +49,6 @@ import pandas as pd
 from hardware_models.power import ClockController, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
-from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
@@ -71,6 +70,10 @@ def _cpu_step_threads(cfg, hw) -> int:
     mode and the ranks sharing its host); 1 without a config."""
     if cfg is None:
         return 1
+    # imported here: a module-level import would register the offload components before dvfs's neighbours in
+    # simulator.policies' import order, and so reorder every offload run's summary keys
+    from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
+
     z = cfg.zero_optimization
     mode = z.offload_optimizer.mode if z.offload_optimizer.device == "cpu" else "overlap"
     dp = cfg.parallelism.data_parallel_size or 1
