@@ -370,6 +370,7 @@ class DvfsRuntime:
         busy = self._host_busy_cores(spans, t0, t1)
         host_w = self.model.host_power_w(self.host_cores, busy)
         self.measured_avg_power_w = energy / window
+        self.short_phases = self._phases_shorter_than_switch(spans, steps) if self.kind == "phase_plan" else []
         return {
             "energy_j_per_step": e_step,
             "avg_power_w": energy / window,
@@ -393,18 +394,45 @@ class DvfsRuntime:
         stepping the clock down during the measured steps (a run too short for the loop to settle: step time,
         energy and power are of that transient, not of the capped steady state), or that the lowest supported
         clock still draws more than the limit. Empty when the limit holds or cannot bind."""
+        short = list(getattr(self, "short_phases", []))
         cap, avg = self.power_limit_w, getattr(self, "measured_avg_power_w", None)
         if self.firmware is None or avg is None or avg <= cap * (1.0 + HYSTERESIS):
-            return []
+            return short
         floor = min(self.supported)
         if self.ctl.limit_mhz <= floor:
-            return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
+            return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
                     f"supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
-        return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W {LIMIT_UNSETTLED} "
+        return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W {LIMIT_UNSETTLED} "
                 f"(now {self.ctl.limit_mhz:g} MHz; at most one step per "
                 f"{self.period_s * 1e3:g} ms evaluation of the {self.window_s * 1e3:g} ms average power), so step "
                 f"time, energy and power are of that transient, not of the capped steady state: measure later steps "
                 f"(raise run.warmup_steps and run.steps)"]
+
+    def _phases_shorter_than_switch(self, spans, steps) -> list[str]:
+        """One line per ``phase_clocks_mhz`` phase whose GPU work (the ops that request the plan's clock:
+        ``PhaseClockPlan.on_op_start``), first start to last end, lasts less than ``clock_switch_latency_s`` in
+        every measured step while its clock differs from another phase's: the request made when it starts is
+        still pending when the next phase asks for its own clock, so the planned clock never takes effect."""
+        plan = getattr(self.policy, "plan", None)
+        latency = self.ctl.latency_s
+        if not plan or spans is None or not len(spans) or not latency:
+            return []
+        gpu = spans[spans.kind.isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
+                    & spans.step.isin(steps.step[~steps.warmup])]
+        default = getattr(self.policy, "default", self.fmax_mhz)
+        in_run = {str(ph): plan.get(str(ph), default) for ph in gpu.phase.unique()}
+        out = []
+        for ph, mhz in sorted(plan.items()):
+            rows = gpu[gpu.phase == ph]
+            if not len(rows) or all(c == mhz for c in in_run.values()):
+                continue
+            longest = float((rows.groupby("step").end_s.max() - rows.groupby("step").start_s.min()).max())
+            if longest < latency:
+                out.append(f"dvfs.phase_clocks_mhz.{ph} {mhz:g} MHz cannot take effect: the {ph} phase's GPU work "
+                           f"lasts {longest * 1e3:.3g} ms per step, shorter than dvfs.clock_switch_latency_s "
+                           f"{latency * 1e3:g} ms, so the next phase's clock is requested before it applies "
+                           f"(the {ph} phase runs at the clock before it)")
+        return out
 
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
         """Average busy host cores over ``[t0, t1]``, capped by the host's cores: the training thread (1 core, the
