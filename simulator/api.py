@@ -641,9 +641,11 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
 
 
 def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
-    """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured (``Hardware.pcie_explicit``)."""
+    """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured
+    (``Hardware.pcie_explicit``)."""
     p, c = hw.profile, hw.copy
-    measured = [(m, r) for m, r in ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s)) if m]
+    pairs = ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s))
+    measured = [(m, r) for m, r in pairs if m]
     if not hw.pcie_explicit or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
         return []
     return [f"hardware.pcie {hw.pcie.name}: its rates replace the host copy rates measured in profile {p.name!r}"

@@ -400,9 +400,10 @@ class DvfsRuntime:
             return short
         floor = min(self.supported)
         if self.ctl.limit_mhz <= floor:
-            return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
-                    f"supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
-        return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W {LIMIT_UNSETTLED} "
+            return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the "
+                            f"lowest supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
+        return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W "
+                        f"{LIMIT_UNSETTLED} "
                 f"(now {self.ctl.limit_mhz:g} MHz; at most one step per "
                 f"{self.period_s * 1e3:g} ms evaluation of the {self.window_s * 1e3:g} ms average power), so step "
                 f"time, energy and power are of that transient, not of the capped steady state: measure later steps "

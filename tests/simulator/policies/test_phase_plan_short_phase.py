@@ -11,7 +11,8 @@ ONE_GPU = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
 
 
 def _run(*sets):
-    s = run_scenario(load_scenario(ONE_GPU, ["run.steps=3", "run.warmup_steps=1", "dvfs.kind=phase_plan", *sets])).summary
+    sets = ["run.steps=3", "run.warmup_steps=1", "dvfs.kind=phase_plan", *sets]
+    s = run_scenario(load_scenario(ONE_GPU, sets)).summary
     return s, [w for w in s["warnings"] if w.startswith("dvfs.phase_clocks_mhz")]
 
 
