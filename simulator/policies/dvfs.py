@@ -457,12 +457,12 @@ class DvfsRuntime:
             name = spans.name.to_numpy(object)[sel]
             cpu_step = (kind == "host") & np.array([str(n).startswith("cpu.") for n in name], dtype=bool)
             t = float(self.cpu_step_threads)
-            extra = np.where(stream == "host", t - 1.0, t)
-            busy += float((extra[cpu_step] * dur[cpu_step]).sum()) / window
+            on_host = dur[cpu_step & (stream == "host")].sum()  # the training thread is one of the t threads
+            beside = dur[cpu_step & (stream != "host")].sum()  # DPU's worker thread: t threads of its own
             codes, names = pd.factorize(stream)
             is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
             workers = dur[is_worker[codes] if len(names) else np.zeros(len(dur), dtype=bool)].sum()
-            busy += workers / window
+            busy += (t - 1.0) * on_host / window + t * beside / window + workers / window
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:
