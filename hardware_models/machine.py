@@ -81,12 +81,25 @@ class CopyRates(NamedTuple):
     sources: dict
 
 
-def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec) -> CopyRates:
+def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec, link_wins: bool = False) -> CopyRates:
     """The copy rates, chosen in one place: a value measured in the profile (non-zero) wins over
-    the link preset's; a duplex limit neither gives is the sum of the two directions."""
+    the link preset's; a duplex limit neither gives is the sum of the two directions.
+
+    With ``link_wins`` (the scenario named ``hardware.pcie`` itself, other than the link the profile was
+    measured over: ``Hardware.pcie_explicit``) the priority is the other way round: the link preset's value
+    wins where it states one (non-zero) and the profile's measured value fills only what the link leaves
+    unstated (the presets' pageable staging caps, 0 there, are the host driver's, not the link's). The link's
+    rates replace the measured ones rather than scale them: a measured rate belongs to one host's link, and
+    scaling it by a ratio of nominal rates needs the nominal rate of the link it was measured over, which
+    the profiles do not record; replacing gives the same copy rates on every GPU profile for one link
+    preset, as a profile without measured rates (H100) already did.
+    """
     sources: dict[str, str] = {}
 
     def pick(name: str, measured: float, spec: float) -> float:
+        if link_wins:
+            sources[name] = "link" if spec else "profile"
+            return float(spec or measured)
         sources[name] = "profile" if measured else "link"
         return float(measured or spec)
 
@@ -109,6 +122,8 @@ class Hardware:
         gpu: GPU spec.
         profile: Achieved-efficiency profile of that GPU and its host link.
         pcie: Host link spec (its bandwidths are used when the profile has none).
+        pcie_explicit: The scenario named ``hardware.pcie`` itself (a link other than the one the profile's
+            copy rates were measured over): the link's rates replace the profile's (``resolve_copy_rates``).
         host_cpu: Host CPU spec.
         host_memory: Host memory spec.
         launch_overhead_s: Scenario override of the host time per eager op launch, s (None: the
@@ -149,6 +164,7 @@ class Hardware:
     edp_group: tuple[int, ...] = (0,)
     etp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
+    pcie_explicit: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -168,7 +184,7 @@ class Hardware:
         a larger share of the switch uplink: copies got faster as the link got slower. Pageable staging caps
         (host-side) and the latency are not scaled.
         """
-        rates = resolve_copy_rates(self.profile, self.pcie)
+        rates = resolve_copy_rates(self.profile, self.pcie, link_wins=self.pcie_explicit)
         topo = getattr(self.collectives, "topo", None)
         link = float(getattr(getattr(topo, "cluster", None), "pcie_bytes_per_s", 0.0) or 0.0)
         base = self.pcie.bandwidth_bytes_per_s

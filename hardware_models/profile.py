@@ -72,6 +72,9 @@ class EfficiencyProfile:
         pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s: Pageable copy bandwidth, bytes/s.
         duplex_bytes_per_s: Both directions together, bytes/s.
         copy_latency_s: Fixed time per host<->device copy, s.
+        copy_link: The ``links`` preset naming the host link the copy rates were measured over ("" when
+            none is recorded); a scenario naming another ``hardware.pcie`` gets that link's rates instead
+            (``hardware_models.machine.resolve_copy_rates``).
         host_memcpy_bytes_per_s: Host DRAM copy bandwidth (read + write), bytes/s.
         cpu_adam_params_per_s: Implementation -> ((params, params/s), ...) points.
         provenance: Source files, date, script and fit residuals.
@@ -93,6 +96,7 @@ class EfficiencyProfile:
     pageable_d2h_bytes_per_s: float = 0.0
     duplex_bytes_per_s: float = 0.0
     copy_latency_s: float = 0.0
+    copy_link: str = ""
     host_memcpy_bytes_per_s: float = 0.0
     cpu_adam_params_per_s: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)

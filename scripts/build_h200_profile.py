@@ -107,6 +107,7 @@ def build(meas_path: Path) -> dict:
         "pageable_d2h_bytes_per_s": bw_d2h_pg,
         "duplex_bytes_per_s": micro["pcie_bidirectional_256MiB"]["aggregate_GBps"] * 1e9,
         "copy_latency_s": (lat_h2d + lat_d2h) / 2,
+        "copy_link": "pcie-gen5-x16-h200-measured",  # the links preset of the host these copies were measured on
         "host_memcpy_bytes_per_s": micro["host_memcpy_GBps_rw"] * 1e9,
         "cpu_adam_params_per_s": adam,
         "provenance": {

@@ -640,6 +640,20 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     return []
 
 
+def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
+    """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured
+    (``Hardware.pcie_explicit``)."""
+    p, c = hw.profile, hw.copy
+    pairs = ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s))
+    measured = [(m, r) for m, r in pairs if m]
+    if not hw.pcie_explicit or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
+        return []
+    return [f"hardware.pcie {hw.pcie.name}: its rates replace the host copy rates measured in profile {p.name!r}"
+            + (f" (over {p.copy_link})" if p.copy_link else "")
+            + f": H2D {p.h2d_bytes_per_s / 1e9:.2f} -> {c.h2d_bytes_per_s / 1e9:.2f} GB/s, D2H "
+            f"{p.d2h_bytes_per_s / 1e9:.2f} -> {c.d2h_bytes_per_s / 1e9:.2f} GB/s pinned"]
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -653,6 +667,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.fp8: GPU profile {hw.profile.name!r} has no fp8 GEMM fit, so fp8 GEMMs are priced with its "
                    f"bf16 fit (tile efficiency and wave overhead) at the GPU's fp8 peak "
                    f"({hw.gpu.peak('fp8') / 1e12:.0f} TFLOP/s); no fp8 GEMM was measured on it")
+    out += _replaced_copy_rates_note(hw)
     pageable = _pageable_copies(cfg) if cfg is not None else ""
     if pageable and not (hw.copy.pageable_h2d_bytes_per_s and hw.copy.pageable_d2h_bytes_per_s):
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
@@ -900,7 +915,10 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
-    out += _ddp_keys_without_effect(cfg)
+    unread = _single_gpu_keys_without_effect(cfg)
+    out += unread
+    if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
+        out += _ddp_keys_without_effect(cfg)
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
@@ -920,6 +938,36 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                     out.append(f"rank_overrides: pp_rank {r} slowdown {q.slowdown:g} and dp_rank {o.dp_rank} slowdown "
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
+    return out
+
+
+def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
+    """The keys the user set (``model_fields_set``) that nothing in this run reads (``ineffective_setting_warnings``):
+    ``hardware.host`` threads / numa_node without a CPU optimizer step (they bind and size only the CPU step:
+    ``offload_optimizer.cpu_threads``, ``host_kernels``), the ``ddp`` gradient-bucket keys with one data-parallel
+    rank (no gradient reduction), any ``nccl`` key with no collective (one GPU), and ``pin_memory`` of an
+    offload with device none (no host buffers). When it names ``ddp`` keys, ``_ddp_keys_without_effect``'s lines
+    for them would repeat it, so the caller skips those."""
+    out, h, z, p = [], cfg.hardware.host, cfg.zero_optimization, cfg.parallelism
+    cpu_step = z.offload_optimizer.device == "cpu" or (cfg.fsdp is not None and cfg.fsdp.offload_params)
+    host_keys = [k for k in ("threads", "numa_node") if getattr(h, k, None) is not None]
+    if host_keys and not cpu_step:
+        out.append(f"hardware.host.{', hardware.host.'.join(host_keys)} ha{'s' if len(host_keys) == 1 else 've'} no "
+                   "effect: nothing in this run runs on host threads (they set the CPU optimizer step of "
+                   "zero_optimization.offload_optimizer device cpu or fsdp cpu_offload)")
+    dp_ranks = (p.data_parallel_size or 1) * p.context_parallel_size
+    ddp_keys = [k for k in ("bucket_cap_mb", "first_bucket_mb", "overlap_grad_reduce", "bucket_size",
+                            "overlap_param_gather") if k in cfg.ddp.model_fields_set]
+    if dp_ranks == 1 and ddp_keys:
+        out.append(f"ddp.{', ddp.'.join(ddp_keys)} ha{'s' if len(ddp_keys) == 1 else 've'} no effect with "
+                   "data_parallel_size 1: there is no data-parallel gradient reduction to bucket or overlap")
+    nccl_keys = sorted(cfg.nccl.model_fields_set)
+    if nccl_keys and cfg.hardware.cluster is None:
+        out.append(f"nccl.{', nccl.'.join(nccl_keys)} ha{'s' if len(nccl_keys) == 1 else 've'} no effect on one GPU "
+                   "(no hardware.cluster: no collectives)")
+    for key, off in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
+        if "pin_memory" in off.model_fields_set and off.device == "none":
+            out.append(f"zero_optimization.{key}.pin_memory has no effect with device none (no host buffers)")
     return out
 
 

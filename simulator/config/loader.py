@@ -445,6 +445,10 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     """
     hwc = cfg.hardware
     gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source)
+    pcie_name, pcie_over = _ref(hwc.pcie)
+    if not pcie_name.startswith("pcie-"):  # the links family also holds NVLink, InfiniBand and Ethernet presets
+        raise ScenarioError(f"{source}: hardware.pcie: {pcie_name!r} is not a PCIe link (the GPU's host link); "
+                            "allowed: the pcie-* presets (simulate presets links); a network goes in hardware.cluster")
     pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]
@@ -491,7 +495,10 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
             warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
                           f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
         profile = fallback
-    return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, **resolve_cluster(cfg, source, gpu_name))
+    # an explicit hardware.pcie other than the link the profile's copies were measured over replaces its rates
+    pcie_explicit = "pcie" in hwc.model_fields_set and (pcie_name != profile.copy_link or bool(pcie_over))
+    return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, pcie_explicit=pcie_explicit,
+                    **resolve_cluster(cfg, source, gpu_name))
 
 
 def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:

@@ -104,7 +104,9 @@ class HardwareConfig(_Model):
         "(relative paths: from the current folder, else the scenario's folder). "
         "Default: the GPU's shipped profile if any, else a generic one.",
     )
-    pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset.")
+    pcie: PresetRef | str = Field(default="pcie-gen5-x16", description="Host link preset (a pcie-* links preset). "
+                                  "Given explicitly, its rates replace the host-copy rates the GPU profile measured, "
+                                  "unless it is the link they were measured over (the profile's copy_link).")
     host: HostRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset "
                                 "(with threads / numa_node for the CPU optimizer step).")
     launch_overhead_s: Seconds | None = Field(

@@ -65,6 +65,21 @@ DVFS_POLICIES: dict[str, type] = {}
 WATCH_MIN_OPS = 20_000
 
 
+def _cpu_step_threads(cfg, hw) -> int:
+    """Intra-op threads of this rank's CPU optimizer step (``offload_optimizer.cpu_threads`` for the run's offload
+    mode and the ranks sharing its host); 1 without a config."""
+    if cfg is None:
+        return 1
+    # imported here: a module-level import would register the offload components before dvfs's neighbours in
+    # simulator.policies' import order, and so reorder every offload run's summary keys
+    from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
+
+    z = cfg.zero_optimization
+    mode = z.offload_optimizer.mode if z.offload_optimizer.device == "cpu" else "overlap"
+    dp = cfg.parallelism.data_parallel_size or 1
+    return cpu_threads(hw, mode, ranks_per_node(hw) if dp > 1 else 1)
+
+
 def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
     """The supported SM clock for a requested ``clock_mhz`` of ``gpu``, MHz.
 
@@ -187,6 +202,7 @@ class DvfsRuntime:
         self.cfg, self.env, self.sys = cfg, env, system
         self.gpu = gpu = hw.gpu
         self.host_cores = hw.host_cpu.cores
+        self.cpu_step_threads = _cpu_step_threads(cfg, hw)
         self.model = power_model_for(cfg, gpu)
         self.rec = getattr(system, "recorder", None)
         self.state = system.state
@@ -345,6 +361,7 @@ class DvfsRuntime:
         busy = self._host_busy_cores(spans, t0, t1)
         host_w = self.model.host_power_w(self.host_cores, busy)
         self.measured_avg_power_w = energy / window
+        self.short_phases = self._phases_shorter_than_switch(spans, steps) if self.kind == "phase_plan" else []
         return {
             "energy_j_per_step": e_step,
             "avg_power_w": energy / window,
@@ -368,21 +385,59 @@ class DvfsRuntime:
         stepping the clock down during the measured steps (a run too short for the loop to settle: step time,
         energy and power are of that transient, not of the capped steady state), or that the lowest supported
         clock still draws more than the limit. Empty when the limit holds or cannot bind."""
+        short = list(getattr(self, "short_phases", []))
         cap, avg = self.power_limit_w, getattr(self, "measured_avg_power_w", None)
         if self.firmware is None or avg is None or avg <= cap * (1.0 + HYSTERESIS):
-            return []
+            return short
         floor = min(self.supported)
         if self.ctl.limit_mhz <= floor:
-            return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the lowest "
-                    f"supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
-        return [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W {LIMIT_UNSETTLED} "
+            return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W at the "
+                            f"lowest supported clock ({floor:g} MHz), which the modelled firmware cannot go below"]
+        return short + [f"{LIMIT_NOT_HELD} {cap:g} W not held: the measured steps average {avg:.0f} W "
+                        f"{LIMIT_UNSETTLED} "
                 f"(now {self.ctl.limit_mhz:g} MHz; at most one step per "
                 f"{self.period_s * 1e3:g} ms evaluation of the {self.window_s * 1e3:g} ms average power), so step "
                 f"time, energy and power are of that transient, not of the capped steady state: measure later steps "
                 f"(raise run.warmup_steps and run.steps)"]
 
+    def _phases_shorter_than_switch(self, spans, steps) -> list[str]:
+        """One line per ``phase_clocks_mhz`` phase whose GPU work (the ops that request the plan's clock:
+        ``PhaseClockPlan.on_op_start``), first start to last end, lasts less than ``clock_switch_latency_s`` in
+        every measured step while its clock differs from another phase's: the request made when it starts is
+        still pending when the next phase asks for its own clock, so the planned clock never takes effect."""
+        plan = getattr(self.policy, "plan", None)
+        latency = self.ctl.latency_s
+        if not plan or spans is None or not len(spans) or not latency:
+            return []
+        gpu = spans[spans.kind.isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
+                    & spans.step.isin(steps.step[~steps.warmup])]
+        default = getattr(self.policy, "default", self.fmax_mhz)
+        in_run = {str(ph): plan.get(str(ph), default) for ph in gpu.phase.unique()}
+        out = []
+        for ph, mhz in sorted(plan.items()):
+            rows = gpu[gpu.phase == ph]
+            if not len(rows) or all(c == mhz for c in in_run.values()):
+                continue
+            longest = float((rows.groupby("step").end_s.max() - rows.groupby("step").start_s.min()).max())
+            if longest < latency:
+                out.append(f"dvfs.phase_clocks_mhz.{ph} {mhz:g} MHz cannot take effect: the {ph} phase's GPU work "
+                           f"lasts {longest * 1e3:.3g} ms per step, shorter than dvfs.clock_switch_latency_s "
+                           f"{latency * 1e3:g} ms, so the next phase's clock is requested before it applies "
+                           f"(the {ph} phase runs at the clock before it)")
+        return out
+
     def _host_busy_cores(self, spans, t0: float, t1: float) -> float:
-        """Average busy host cores: the eager launch thread (1 core) plus host ops (all cores) and workers."""
+        """Average busy host cores over ``[t0, t1]``, capped by the host's cores: the training thread (1 core, the
+        eager launch loop), plus the extra threads of each CPU-step op (``cpu.*``, host kind) while it runs, plus
+        one core per dataloader worker while it loads.
+
+        A CPU-step op runs on ``cpu_step_threads`` intra-op threads (``offload_optimizer.cpu_threads``: the host's
+        ``threads``, or its per-rank share): on the ``host`` stream the training thread is one of them (PyTorch's
+        intra-op pool runs ``at::parallel_for`` chunks on the calling thread too), so it adds ``threads - 1``; on
+        its own stream (delayed_param_update's ``cpu.adam`` thread) it adds ``threads``. Other host ops (the
+        training thread's own work: page faults, syncs) add nothing beyond its core. (Was ``cores - 1`` for every
+        host op whatever the thread count: threads=1 read 87.0 W on the offload scenario, more than 16 threads.)
+        """
         window = max(t1 - t0, 1e-12)
         busy = 1.0
         if spans is not None and len(spans):
@@ -390,11 +445,15 @@ class DvfsRuntime:
             sel = (end > t0) & (start < t1)
             dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
             stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
-            host_ops = dur[(stream == "host") & (kind == "host")].sum()
+            name = spans.name.to_numpy(object)[sel]
+            cpu_step = (kind == "host") & np.array([str(n).startswith("cpu.") for n in name], dtype=bool)
+            t = float(self.cpu_step_threads)
+            on_host = dur[cpu_step & (stream == "host")].sum()  # the training thread is one of the t threads
+            beside = dur[cpu_step & (stream != "host")].sum()  # DPU's worker thread: t threads of its own
             codes, names = pd.factorize(stream)
             is_worker = np.array([str(n).startswith(("dataloader", "worker")) for n in names], dtype=bool)
             workers = dur[is_worker[codes] if len(names) else np.zeros(len(dur), dtype=bool)].sum()
-            busy += (self.host_cores - 1) * host_ops / window + workers / window
+            busy += (t - 1.0) * on_host / window + t * beside / window + workers / window
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:

@@ -163,6 +163,14 @@ class ZeroOptimizationConfig(_Model):
             raise ValueError("offload_param.device: cpu needs offload_optimizer.device: cpu as well")
         if oo.mode == "serial" and self.overlap_comm:
             raise ValueError("offload_optimizer.mode: serial contradicts overlap_comm: true")
+        if oo.device == "cpu" and oo.mode in ("overlap", "delayed_param_update") and self.overlap_comm is False:
+            # DeepSpeed without overlap_comm copies each bucket's gradients to the host on the compute stream, in
+            # line with backward (stage_1_and_2.py reduce_ipg_grads: ``elif self.cpu_offload: stream =
+            # current_stream()``, its copy_grad_stream disabled): no copy overlaps backward, which mode serial
+            # models (the copies after backward); modes overlap and DPU copy on a side stream as backward goes
+            raise ValueError(f"offload_optimizer.mode: {oo.mode} contradicts overlap_comm: false (without overlap_comm "
+                             "DeepSpeed's gradient copies do not overlap backward; allowed: mode serial, or "
+                             "overlap_comm true)")
         return self
 
     @property

@@ -201,6 +201,17 @@ def test_needs_bf16_and_a_zero_stage():
         scenario_from_dict(_cfg(offload_optimizer={"device": "cpu", "mode": "serial"}))
 
 
+@pytest.mark.parametrize("mode", ["overlap", "delayed_param_update"])
+def test_a_side_stream_mode_with_overlap_comm_false_is_refused(mode):
+    # trial finding: overlap_comm false beside mode overlap ran the overlapped copies (389.22 ms, as with true)
+    oo = {"device": "cpu", "pin_memory": True, "mode": mode, "cpu_adam_impl": "torch_foreach"}
+    with pytest.raises(ScenarioError, match=f"mode: {mode} contradicts overlap_comm: false.*allowed: mode serial"):
+        scenario_from_dict(_cfg(overlap_comm=False, offload_optimizer=oo))
+    # without a mode, overlap_comm false selects serial (the copies after backward), which runs
+    assert scenario_from_dict(_cfg(overlap_comm=False, offload_optimizer={**oo, "mode": None})
+                              ).zero_optimization.offload_mode == "serial"
+
+
 def test_policy_rejects_graph_without_builder_spec():
     g = build_gpt_step(SPEC).with_changes(model=None)
     with pytest.raises(PolicyError, match="needs a graph from the model builder"):
