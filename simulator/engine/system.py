@@ -376,6 +376,9 @@ class System:
         one ``(kernels_s, comm_s)`` per run, its kernels' time beside the collectives in flight now (each part's
         ``cost.duration_s(part, state, *kernel_share)``, summed) and the time alone of the collectives after it
         (``collective_s``; 0 after the last run), s. Cached per pricing key and share at the current clocks."""
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._clocks_changed()
         share = self._share
         if share is None:
             gpu = self.hw.gpu
@@ -384,7 +387,7 @@ class System:
         key = (hit[1] if hit is not None else self.price_keys.of(op), share)
         out = self._stretch.get(key)
         if out is None:
-            parts, st, cost = op.meta["fused"], self.state, self.cost
+            parts, cost = op.meta["fused"], self.cost
             after: dict[int, float] = {}
             for j, c in zip(op.meta["folded_at"], op.folded_comm):
                 after[j] = after.get(j, 0.0) + self.collective_s(c)

@@ -40,7 +40,7 @@ engine's work) by the number of kernels per block:
   activity (``PowerMeter.block_activity``), so the power-limit firmware sees the kernel-fidelity energy.
   Measured on the 405B FSDP x TP8 scenario: with the folded collectives after the kernels and drawn at their
   activity, +3.9 % step time (more clock throttling, the prefetch slowed for the whole block); either fix alone
-  +0.8 % (power) or +2.9 % (stretches); both -0.14 %. The recorder reports the block's kernels as one span and each folded collective as a
+  +0.8 % (power) or +2.6 % (stretches); both -0.4 %. The recorder reports the block's kernels as one span and each folded collective as a
   span of its stream at the block's end, so ``comm_s_by_group["tp"]``, ``exposed_comm_s`` and the compute
   utilisation count the folded time as at kernel fidelity. Approximated: the trace shows the folded
   collectives at the block's end, not between their kernels; during them the GPU counts as idle, their SM and
