@@ -304,6 +304,27 @@ def test_folded_collective_metered_at_its_own_activity():
     assert model.power_of((a,), sm, mem) * (3 * MS + t_ar) == pytest.approx(kernel_j, rel=1e-12)
 
 
+def test_folded_stretches_at_the_current_clocks():
+    """The block of ``_gemm_all_reduce_memory`` runs as k0 (2 ms: 2 waves of 1 ms at 1000 MHz), then the all-reduce
+    (1.01 ms), then k1 (1 ms); at 500 MHz the compute-bound k0 takes 4 ms, the memory-bound k1 and the all-reduce
+    keep theirs (the cache is emptied when the clocks move)."""
+    import simpy
+
+    from simulator.engine.system import System
+    from simulator.recording.recorder import Recorder
+
+    block = coarsen(_gemm_all_reduce_memory(), fold_tp=True).ops[0]
+    sys_ = System(simpy.Environment(), _interfering_hw(), Recorder())
+    t_ar = 10e-6 + 1e6 / 1e9
+
+    def flat():
+        return [t for run in sys_.folded_stretches(block) for t in run]
+
+    assert flat() == pytest.approx([2 * MS, t_ar, 1 * MS, 0.0], rel=1e-12)
+    sys_.state.sm_clock_mhz = 500.0
+    assert flat() == pytest.approx([4 * MS, t_ar, 1 * MS, 0.0], rel=1e-12)
+
+
 def test_folded_collective_leaves_compute_idle_beside_a_dp_collective():
     """With interference (toy: 24 SMs, HBM share 0.7, gamma 0.3) and a 2 MB data-parallel all-gather (2.01 ms alone)
     from the step's start: k1 (memory-bound, 1 ms alone) takes 1 / 0.7 ms beside it while it progresses at 1 / 1.3;
