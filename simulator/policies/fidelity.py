@@ -47,8 +47,9 @@ engine's work) by the number of kernels per block:
   as idle, their SM and HBM load does not slow a kernel on another stream, compute on another stream does not
   stretch them, and they share no link (NVLink, NIC) with other transfers of the rank (a DP collective
   overlapping one keeps its full rate, where at kernel fidelity the two would share a link they both cross).
-  Collectives that another stream, the next step or other ranks wait for (rendezvous: TP collectives have none, ``api._meet_across_classes`` meets only
-  data-parallel and expert groups), or that run inside a fused GEMM (``tp_comm_overlap``) stay separate ops.
+  Collectives that another stream, the next step or other ranks wait for (rendezvous: TP collectives have none,
+  ``api._meet_across_classes`` meets only data-parallel and expert groups), or that run inside a fused GEMM
+  (``tp_comm_overlap``) stay separate ops.
 * **TP collectives beside compute** (``simulator.graph.side_blocks``, after the above). Megatron's asynchronous
   column-parallel backward (``async_tensor_model_parallel_allreduce``) issues the input-gradient all-reduce /
   reduce-scatter (and, with sequence parallelism, the all-gather of the saved input shard) beside the next GEMM;
