@@ -166,6 +166,7 @@ class System:
         self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._side: dict[tuple, Timeline] = {}  # side_timeline cache: (pricing key, share, clocks) -> timeline
+        self._stretch: dict[tuple, tuple] = {}  # folded_stretches cache: (pricing key, share) -> stretches
         self._dur_sm, self._dur_mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         self._loads: list[CommLoad] = []  # collectives in flight on this GPU
         self._kernels = 0  # compute kernels running on this GPU
@@ -195,6 +196,7 @@ class System:
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
         self._by_op, self._folded, self._dur, self._tail, self._idur, self._side = {}, {}, {}, {}, {}, {}
+        self._stretch = {}
         self.price_keys.release()
         self.running.clear()
 
@@ -322,6 +324,7 @@ class System:
         self._dur.clear()
         self._idur.clear()
         self._side.clear()
+        self._stretch.clear()
         self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
 
     def _add_load(self, load: CommLoad) -> None:
@@ -368,6 +371,33 @@ class System:
             t = 0.0 if op.meta and "side" in op.meta else sum(self.collective_s(c) for c in op.folded_comm)
             hit = self._folded[id(op)] = (op, t)
         return hit[1]
+
+    def folded_stretches(self, op) -> tuple[tuple[float, float], ...]:
+        """The runs of layer-fidelity block ``op``'s kernels between the blocking TP collectives folded into it
+        (``Op.folded_comm`` without ``meta["side"]``; collective ``k`` runs before part ``meta["folded_at"][k]``):
+        one ``(kernels_s, comm_s)`` per run, its kernels' time beside the collectives in flight now (each part's
+        ``cost.duration_s(part, state, *kernel_share)``, summed) and the time alone of the collectives after it
+        (``collective_s``; 0 after the last run), s. Cached per pricing key and share at the current clocks."""
+        st = self.state
+        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            self._clocks_changed()
+        share = self._share
+        if share is None:
+            gpu = self.hw.gpu
+            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        hit = self.price_keys.by_op.get(id(op))
+        key = (hit[1] if hit is not None else self.price_keys.of(op), share)
+        out = self._stretch.get(key)
+        if out is None:
+            parts, cost = op.meta["fused"], self.cost
+            after: dict[int, float] = {}
+            for j, c in zip(op.meta["folded_at"], op.folded_comm):
+                after[j] = after.get(j, 0.0) + self.collective_s(c)
+            bounds = [0, *sorted(after), len(parts)]
+            out = self._stretch[key] = tuple(
+                (sum(cost.duration_s(p, st, *share) for p in parts[i:j]), after.get(j, 0.0))
+                for i, j in zip(bounds, bounds[1:]))
+        return out
 
     def side_timeline(self, op, alone: bool = False) -> Timeline:
         """Timeline of layer-fidelity block ``op`` carrying TP collectives beside its kernels (``meta["side"]``,
@@ -459,10 +489,11 @@ class System:
         (its measurement includes whatever ran beside it) but counts as compute for the
         collectives' slowdown. The clocks are read when the rate changes.
 
-        A layer-fidelity block with TP collectives folded in (``Op.folded_comm``) then takes their time alone
+        A layer-fidelity block with TP collectives folded in (``Op.folded_comm``) also takes their time alone
         (``folded_comm_s``) with the GPU counted idle (as the compute stream is while the blocking collective
-        runs at kernel fidelity); approximated: that time does not stretch beside compute on another stream,
-        holds no SMs or HBM from it, and shares no link with other traffic (``simulator.policies.fidelity``).
+        runs at kernel fidelity): after its kernels without interference, in its place between them with it
+        (``_run_folded``); approximated: that time does not stretch beside compute on another stream, holds no
+        SMs or HBM from it, and shares no link with other traffic (``simulator.policies.fidelity``).
         """
         env = self.env
         if self.interference is None:
@@ -473,6 +504,9 @@ class System:
             else:
                 d = self.cost.duration_s(op, self.state)
             yield env.timeout(d + self.folded_comm_s(op) if op.folded_comm else d)
+            return
+        if op.folded_comm and duration_s is None and "side" not in op.meta:
+            yield from self._run_folded(op)
             return
         self._kernels += 1
         if self._kernels == 1:
@@ -486,8 +520,27 @@ class System:
             self._kernels -= 1
             if self._kernels == 0:
                 self._signal("_compute_changed")
-        if op.folded_comm:
-            yield env.timeout(self.folded_comm_s(op))
+
+    def _run_folded(self, op):
+        """SimPy process body of layer-fidelity block ``op`` with blocking TP collectives folded in, with
+        interference: each run of its kernels (``folded_stretches``) re-rated beside the collectives in flight, then
+        the collectives after it with the compute stream idle, as at kernel fidelity (a collective on another
+        stream runs at its rate alone then and slows no kernel). Approximated: the folded collectives hold no SMs
+        or HBM from, and share no link with, what runs beside them."""
+        env = self.env
+        for k in range(len(self.folded_stretches(op))):
+            self._kernels += 1
+            if self._kernels == 1:
+                self._signal("_compute_changed")
+            try:
+                yield from self._progress(lambda: self.folded_stretches(op)[k][0], "_comm_changed")
+            finally:
+                self._kernels -= 1
+                if self._kernels == 0:
+                    self._signal("_compute_changed")
+            comm_s = self.folded_stretches(op)[k][1]
+            if comm_s > 0:
+                yield env.timeout(comm_s)
 
     def collective_flows(self, op) -> tuple[list[tuple[tuple[str, ...], float, float]], float]:
         """The flows collective ``op`` puts on this rank's links and its time after the latency.

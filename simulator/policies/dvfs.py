@@ -215,7 +215,7 @@ class DvfsRuntime:
         self.window_s = dcfg.power_window_s if dcfg is not None else 0.02
         self.fmax_mhz = float(max(max(self.supported), gpu.max_sm_clock_mhz))
         self._fw_t0 = env.now  # the firmware's evaluation grid starts here
-        self.meter = PowerMeter(self.model, gpu, self.state, system.cost, system.price_keys)
+        self.meter = PowerMeter(self.model, gpu, self.state, system.cost, system.price_keys, system.collective_s)
         self.ledger = PowerLedger(env, self.rec, self.meter.power)
         # the power limit binds whatever the clock policy (nvidia-smi -pl over -lgc): see power_firmware
         cap = requested_power_limit_w(dcfg, gpu) or gpu.tdp_w or gpu.max_power_limit_w or None

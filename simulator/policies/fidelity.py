@@ -32,16 +32,24 @@ engine's work) by the number of kernels per block:
   ``meta["folded_at"]``) instead of splitting it, which cuts a 175B layer from ~14 ops to 2-3. The block takes
   its kernels' time plus each folded collective's NCCL-model time alone (``System.folded_comm_s``: alone on
   its links a collective's flows take exactly that); the host pays the collective's dispatch as well as the
-  kernels' launches. The recorder reports the block's kernels as one span and each folded collective as a
-  span of its stream at the block's end, so ``comm_s_by_group["tp"]``, ``exposed_comm_s`` and the compute
-  utilisation count the folded time as at kernel fidelity. Approximated: the folded collectives run at the end
-  of the block (the trace shows them there, not between their kernels); during them the GPU counts as idle,
-  their SM and HBM load does not slow a kernel on another stream, compute on another stream does not stretch
-  them, and they share no link (NVLink, NIC) with other transfers of the rank (a DP collective overlapping
-  one keeps its full rate, where at kernel fidelity the two would share a link they both cross); a power
-  meter metering per op counts their time at the block's power. Collectives that another stream, the next
-  step or other ranks wait for (rendezvous: TP collectives have none, ``api._meet_across_classes`` meets only
-  data-parallel and expert groups), or that run inside a fused GEMM (``tp_comm_overlap``) stay separate ops.
+  kernels' launches. With interference the engine runs the block's kernels between two folded collectives as
+  one stretch re-rated beside the collectives in flight and each folded collective in its place with the
+  compute stream idle (``System.folded_stretches``), so a collective on another stream (FSDP's prefetched
+  all-gather) runs at its own rate and slows no kernel then, as at kernel fidelity. The power meter draws the
+  block's mean activity over its kernels and its folded collectives, each collective at its own kernel
+  activity (``PowerMeter.block_activity``), so the power-limit firmware sees the kernel-fidelity energy.
+  Measured on the 405B FSDP x TP8 scenario: with the folded collectives after the kernels and drawn at their
+  activity, +3.9 % step time (more clock throttling, the prefetch slowed for the whole block); either fix alone
+  +0.8 % (power) or +2.6 % (stretches); both -0.4 %. The recorder reports the block's kernels as one span and
+  each folded collective as a span of its stream at the block's end, so ``comm_s_by_group["tp"]``,
+  ``exposed_comm_s`` and the compute utilisation count the folded time as at kernel fidelity. Approximated: the
+  trace shows the folded collectives at the block's end, not between their kernels; during them the GPU counts
+  as idle, their SM and HBM load does not slow a kernel on another stream, compute on another stream does not
+  stretch them, and they share no link (NVLink, NIC) with other transfers of the rank (a DP collective
+  overlapping one keeps its full rate, where at kernel fidelity the two would share a link they both cross).
+  Collectives that another stream, the next step or other ranks wait for (rendezvous: TP collectives have none,
+  ``api._meet_across_classes`` meets only data-parallel and expert groups), or that run inside a fused GEMM
+  (``tp_comm_overlap``) stay separate ops.
 * **TP collectives beside compute** (``simulator.graph.side_blocks``, after the above). Megatron's asynchronous
   column-parallel backward (``async_tensor_model_parallel_allreduce``) issues the input-gradient all-reduce /
   reduce-scatter (and, with sequence parallelism, the all-gather of the saved input shard) beside the next GEMM;

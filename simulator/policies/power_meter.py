@@ -7,6 +7,8 @@ clocks (``power_firmware``, ``dvfs``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hardware_models.power import Activity, activity_of_kernel, generic_power_model, load_power_model, preset_power_model
@@ -52,13 +54,18 @@ class PowerMeter:
             ``fused_s``: the same for a layer-fidelity block).
         price_keys: The ops' interned pricing keys (``graph.ops.PriceKeys``; the machine's, ``System.price_keys``, so
             that both are released with the run's ops); None: the meter's own.
+        collective_s: Time alone of a collective op, s (the machine's NCCL model, ``System.collective_s``): weighs
+            the blocking TP collectives folded into a layer-fidelity block into its activity (``block_activity``);
+            None: they are metered at the block's kernels' activity.
 
     Attributes:
         active: Activity of each running op that draws power, by ``(step, op id)``, in start order.
     """
 
-    def __init__(self, model, gpu, state, cost, price_keys: PriceKeys | None = None):
+    def __init__(self, model, gpu, state, cost, price_keys: PriceKeys | None = None,
+                 collective_s: Callable[[object], float] | None = None):
         self.model, self.gpu, self.state, self.cost = model, gpu, state, cost
+        self.collective_s = collective_s
         self.active: dict[tuple, Activity] = {}
         #: ``(op id, SM clock, memory clock)`` of each entry of ``active`` when it was added, in insertion order
         #: (the power-cache key: an op's activity depends on the clocks it started at, ``activity``)
@@ -154,8 +161,7 @@ class PowerMeter:
 
     def _activity_uncached(self, op) -> Activity | None:
         if op.meta and "fused" in op.meta:  # a layer-fidelity block: its parts' time-weighted mean activity
-            c, m, d = self.cost.fused_s(op, self.state)
-            return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
+            return self.block_activity(op)
         if op.kind in KERNEL_KINDS and op.fixed_duration_s is None:
             return self._kernel_activity_uncached(op)  # cached by ``activity`` (its pricing key holds the cost split)
         if op.kind in KERNEL_KINDS:
@@ -165,6 +171,23 @@ class PowerMeter:
         if op.kind in COPY_KINDS:
             return Activity(copy=1.0, kernel=False)
         return None
+
+    def block_activity(self, op) -> Activity:
+        """Activity of layer-fidelity block ``op`` (``meta["fused"]``) at the current clocks: the time-weighted mean
+        of its parts' (``cost.fused_s``: compute and memory seconds over their total), and, for the blocking TP
+        collectives folded into it (``Op.folded_comm`` without ``meta["side"]``: they run one after another after
+        its kernels, ``System.run_kernel``), of each collective's own kernel activity over its time alone
+        (``collective_s``), as kernel fidelity meters that time. So the block's energy at one clock is its parts'
+        and collectives' energy at kernel fidelity (up to the power model's clip at full activity when another
+        stream overlaps it); the block's span and its collectives' spans (which share its id) draw this mean.
+        Collectives beside the kernels (``meta["side"]``) are not weighed in: they share the block's activity."""
+        c, m, d = self.cost.fused_s(op, self.state)
+        if op.folded_comm and self.collective_s is not None and "side" not in op.meta:
+            for coll in op.folded_comm:
+                t = self.collective_s(coll)
+                a = self._kernel_activity_uncached(coll)
+                c, m, d = c + a.compute * t, m + a.memory * t, d + t
+        return Activity(compute=c / d, memory=m / d) if d > 0 else Activity(kernel=True)
 
     def _kernel_activity_uncached(self, op) -> Activity:
         """Activity of GPU kernel ``op`` (not a block, no fixed duration) at the current clocks."""
