@@ -135,17 +135,7 @@ def test_bad_fidelity_is_refused():
         load_scenario(ROOT / "scenarios/h200/gpt_184m_b8.yaml", ["run.fidelity=coarse"])
 
 
-#: layer fidelity's known misses, path -> reason (strict xfail: the test fails once they pass); none now
-LAYER_MISSES: dict[str, str] = {}
-
-
-def _with_misses(paths: list[str]) -> list:
-    """``paths`` as parameters, the ``LAYER_MISSES`` marked strict xfail."""
-    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=LAYER_MISSES[p])) if p in LAYER_MISSES else p
-            for p in paths]
-
-
-@pytest.mark.parametrize("path", _with_misses(SCENARIOS))
+@pytest.mark.parametrize("path", SCENARIOS)
 def test_bundled_scenario_layer_within_2_percent(path):
     """Every bundled scenario: layer-fidelity step time and energy within 2 % and peak memory within 3 % of kernel
     fidelity, with at least 1.5x fewer op executions (measured: 1.7x with TP2 to 16x with recompute)."""
@@ -244,7 +234,7 @@ TP_SCENARIOS = [*sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scenarios/clu
 _SMALL_175B = ["model.num_layers=8", "training.global_batch_size=8", "hardware.cluster.nodes=8"]
 
 
-@pytest.mark.parametrize("path", _with_misses(TP_SCENARIOS))
+@pytest.mark.parametrize("path", TP_SCENARIOS)
 def test_tp_scenarios_fold_collectives_within_2_percent(path):
     """Every bundled scenario with TP: layer fidelity folds TP collectives, keeps the step time within 2 % of
     kernel fidelity and the TP busy time and exposed communication within 1 % (folded parts reported), energy
