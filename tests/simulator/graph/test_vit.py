@@ -92,7 +92,8 @@ def test_every_precision_builds_with_all_gradients(precision):
 def test_tensor_parallel_splits_blocks_only():
     """t = 2: the blocks' weights are split (biases of the row-parallel layers and LayerNorms replicated),
     patch embedding, CLS, positions, final LayerNorm and head replicated; one all-reduce after proj and fc2
-    per layer forward and after qkv and fc1 backward, none at the embedding or the head."""
+    per layer forward and after qkv and fc1 backward, none at the embedding or the head; in the optimizer step,
+    Megatron's gradient-norm all-reduce over the TP group (clip_grad 1.0 by default)."""
     h, f, t = 8, 32, 2
     s = vit_spec(tensor_parallel_size=t)
     block = (4 * h * h + 2 * h * f) // t + (3 * h + f) // t + 2 * h + 4 * h
@@ -100,7 +101,8 @@ def test_tensor_parallel_splits_blocks_only():
     assert s.num_parameters == ends + block
     g = build_gpt_step(s)
     tp = [op.name for op in g.ops if op.meta and op.meta.get("group") == "tp"]
-    assert len(tp) == 4 and all(n.startswith("L0.") for n in tp)
+    assert len(tp) == 5 and all(n.startswith("L0.") for n in tp[:4])
+    assert tp[4] == "opt.tp.clip_grad.total_norm.all_reduce"
 
 
 @pytest.mark.parametrize("kw,fragment", [
