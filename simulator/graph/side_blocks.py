@@ -47,7 +47,7 @@ from itertools import chain
 from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
     _signature, block_memory, moved
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import Op, OpKind, TensorAlloc
+from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
 __all__ = ["fold_overlapped_tp"]
 
@@ -108,8 +108,9 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
     return runs
 
 
-def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
-    """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
+def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
+    """The runs to merge, the collectives folded into each (by its first op id), in stream order, and each folded
+    collective's ``(a, b)``: the last op it waits for and the first waiting for it (in its run)."""
     on_compute = [op.stream == COMPUTE_STREAM for op in ops]
     compute = [op.id for op in ops if on_compute[op.id]]
     pos = {oid: k for k, oid in enumerate(compute)}
@@ -142,7 +143,7 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
     cand = _candidates(ops, sorted(tp), dependents, prev_waited)
     if not cand:
-        return [], {}
+        return [], {}, {}
     unit = [on_compute[op.id] and _unit(op) for op in ops]
     key = [(op.layer, op.phase) for op in ops]
     while cand:
@@ -190,11 +191,11 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
         for c in bad:
             del cand[c]
     if not cand:
-        return [], {}
+        return [], {}, {}
     folded: dict[int, list[int]] = defaultdict(list)
     for c in sorted(cand):  # id order: the stream's order
         folded[home[c]].append(c)
-    return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
+    return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}, cand
 
 
 def _shape(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
@@ -267,7 +268,7 @@ def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]],
     vals[_F["allocs"]], vals[_F["uses"]], vals[_F["meta"]], vals[_F["deps"]] = tuple(allocs), tuple(uses), meta, deps
     cs = [units[i].folded_comm[j] if kind == 0 else comms[i] for kind, i, j in order]
     vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for c in cs)
-    return Op(*vals)
+    return op_from_fields(vals)
 
 
 _F = {f: i for i, f in enumerate(_FIELDS)}
@@ -278,7 +279,7 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
     into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
     (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
     ops = graph.ops
-    runs, comm_of = _plan(ops)
+    runs, comm_of, cand = _plan(ops)
     if not runs:
         return graph
     start_of = {r[0]: r for r in runs}
@@ -318,7 +319,7 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
         cs = [ops[c] for c in comm_of[op.id]]
         mine = set(run) | set(comm_of[op.id])
         deps = tuple(sorted({new_id[d] for p in chain((ops[j] for j in run), cs) for d in p.deps if d not in mine}))
-        spots = {c.id: (max(c.deps), min(u for u in run if c.id in ops[u].deps)) for c in cs}
+        spots = {c: cand[c] for c in comm_of[op.id]}  # ``b``: the first op waiting for it, one of the run's
         out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps, shapes))
     pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
     meta = graph.meta
