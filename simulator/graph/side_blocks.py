@@ -109,9 +109,12 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
     return runs
 
 
-def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
+def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
     """The runs to merge, the collectives folded into each (by its first op id), in stream order, and each folded
-    collective's ``(a, b)``: the last op it waits for and the first waiting for it (in its run)."""
+    collective's ``(a, b)``: the last op it waits for and the first waiting for it (in its run).
+
+    ``split``: each round cuts the runs where the collectives it drops cut them (``_split``); False: each round
+    walks the compute stream again (``_runs``; the same plan, slower: the tests' reference)."""
     on_compute = [op.stream == COMPUTE_STREAM for op in ops]
     compute = [op.id for op in ops if on_compute[op.id]]
     pos = {oid: k for k, oid in enumerate(compute)}
@@ -211,7 +214,11 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[i
             del cand[c]
         if not cand:
             return [], {}, {}
-        _split(runs, run_of, {u for c in bad for u in dependents[c]}, {d for c in bad for d in ops[c].deps})
+        if split:
+            _split(runs, run_of, {u for c in bad for u in dependents[c]}, {d for c in bad for d in ops[c].deps})
+        else:
+            runs = {run[0]: run for run in _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)}
+            run_of = {oid: r for r, run in runs.items() for oid in run}
     folded: dict[int, list[int]] = defaultdict(list)
     for c in cand:  # id order: the stream's order
         folded[home[c]].append(c)
