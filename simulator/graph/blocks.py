@@ -15,7 +15,7 @@ from collections import defaultdict
 from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import Op, OpKind, TensorAlloc
+from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
 #: op metadata that keeps a kernel out of any block (it synchronises with something outside the stream)
 _UNMERGEABLE_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "fused"})
@@ -225,7 +225,7 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
     vals[_ALLOCS], vals[_USES], vals[_META] = tuple(allocs), tuple(uses), meta
     if deps is not None:
         vals[_DEPS] = deps
-    return Op(*vals)
+    return op_from_fields(vals)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Op))
@@ -240,7 +240,7 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
     vals[_META] = meta
     if op.folded_comm:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives carry its id
         vals[_FOLDED] = tuple(_renumbered(c, new_id, c.deps, c.meta) for c in op.folded_comm)
-    return Op(*vals)
+    return op_from_fields(vals)
 
 
 def moved(op: Op, new_id: list[int]) -> Op:

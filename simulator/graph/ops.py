@@ -13,7 +13,7 @@ uses it). Tensors named in ``persistent`` ops are allocated before the step and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 
@@ -200,3 +200,23 @@ class PriceKeys:
     def release(self) -> None:
         """Drop the ops held (the interned keys stay)."""
         self.by_op = {}
+
+
+def _fields_constructor():
+    """``op_from_fields``: an ``Op`` from all its field values in declaration order, set slot by slot.
+
+    The frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` looked up per field
+    (``dataclasses._field_init``), ~2.5x slower than calling each slot's descriptor directly; graph passes that
+    copy hundreds of thousands of ops with a few fields changed (the stamper, ``blocks.coarsen``,
+    ``side_blocks.fold_overlapped_tp``) use this instead. Generated like the dataclass's own ``__init__``
+    (``exec`` of a fixed template over the field names, nothing from input)."""
+    names = [f.name for f in fields(Op)]
+    env = {"new": object.__new__, "Op": Op, **{f"set{i}": getattr(Op, n).__set__ for i, n in enumerate(names)}}
+    body = "".join(f"    set{i}(op, vals[{i}])\n" for i in range(len(names)))
+    exec(f"def op_from_fields(vals):\n    op = new(Op)\n{body}    return op\n", env)  # noqa: S102
+    return env["op_from_fields"]
+
+
+#: ``op_from_fields(vals) -> Op``: the same op as ``Op(*vals)`` (``vals``: every field's value, in ``fields(Op)``
+#: order; no defaults, no checks), built ~2.5x faster (``_fields_constructor``)
+op_from_fields = _fields_constructor()

@@ -47,7 +47,7 @@ from itertools import chain
 from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
     _signature, block_memory, moved
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import Op, OpKind, TensorAlloc
+from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
 __all__ = ["fold_overlapped_tp"]
 
@@ -63,9 +63,11 @@ def _unit(op: Op) -> bool:
             and "fused" in m and op.fixed_duration_s is None and op.launch and not _UNMERGEABLE_BLOCK_META & m.keys())
 
 
-def _candidates(ops, tp: list[int], dependents, prev_waited) -> dict[int, tuple[int, int]]:
-    """The TP collectives among ops ``tp`` that pass the rules on their own: id -> ``(a, b)``."""
+def _candidates(ops, tp: list[int], dependents, prev_waited, on_compute: list[bool]) -> dict[int, tuple[int, int]]:
+    """The TP collectives among ops ``tp`` that pass the rules on their own: id -> ``(a, b)`` (``on_compute``: each
+    op id's op is on the compute stream)."""
     out: dict[int, tuple[int, int]] = {}
+    computes = on_compute.__getitem__
     for i in tp:
         op = ops[i]
         m = op.meta
@@ -74,8 +76,7 @@ def _candidates(ops, tp: list[int], dependents, prev_waited) -> dict[int, tuple[
                 and not _UNFOLDABLE_META & m.keys()) or op.id in prev_waited:
             continue
         users = dependents.get(op.id)
-        if not users or any(ops[d].stream != COMPUTE_STREAM for d in op.deps) \
-                or any(ops[u].stream != COMPUTE_STREAM for u in users):
+        if not users or not all(map(computes, op.deps)) or not all(map(computes, users)):
             continue
         a, b = max(op.deps), min(users)  # compute-stream order is id order
         if b > a:
@@ -108,8 +109,12 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
     return runs
 
 
-def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
-    """The runs to merge and the collectives folded into each (by its first op id), in stream order."""
+def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
+    """The runs to merge, the collectives folded into each (by its first op id), in stream order, and each folded
+    collective's ``(a, b)``: the last op it waits for and the first waiting for it (in its run).
+
+    ``split``: each round cuts the runs where the collectives it drops cut them (``_split``); False: each round
+    walks the compute stream again (``_runs``; the same plan, slower: the tests' reference)."""
     on_compute = [op.stream == COMPUTE_STREAM for op in ops]
     compute = [op.id for op in ops if on_compute[op.id]]
     pos = {oid: k for k, oid in enumerate(compute)}
@@ -117,84 +122,125 @@ def _plan(ops) -> tuple[list[list[int]], dict[int, list[int]]]:
     on_stream: dict[str, list[int]] = defaultdict(list)
     xdeps: dict[int, list[int]] = {}  # compute op -> the ops on other streams it waits for
     xwaiters: dict[int, list[int]] = defaultdict(list)  # compute op -> the ops on other streams waiting for it
-    for op in ops:
+    dependents: dict[int, list[int]] = defaultdict(list)  # TP op -> the ops waiting for it
+    is_tp = [False] * len(ops)
+    for op in ops:  # one pass: a dependency is an earlier op (``OpGraph``), so whether it is a TP op is known
+        oid = op.id
         m = op.meta
         if m and "prev_step_deps" in m:
             prev_waited.update(m["prev_step_deps"] or ())
-        if on_compute[op.id]:
+        if on_compute[oid]:
             if op.deps:
                 xd = [d for d in op.deps if not on_compute[d]]
                 if xd:
-                    xdeps[op.id] = xd
+                    xdeps[oid] = xd
+                    for d in xd:
+                        if is_tp[d]:
+                            dependents[d].append(oid)
             continue
-        if op.stream.startswith("comm.tp"):
-            on_stream[op.stream].append(op.id)
+        st = op.stream
+        if st.startswith("comm.tp"):
+            on_stream[st].append(oid)
+            is_tp[oid] = True
         for d in op.deps:
             if on_compute[d]:
-                xwaiters[d].append(op.id)
+                xwaiters[d].append(oid)
+            elif is_tp[d]:
+                dependents[d].append(oid)
     tp = [i for seq in on_stream.values() for i in seq]
-    dependents: dict[int, list[int]] = defaultdict(list)  # TP op -> the ops waiting for it
-    tp_set = set(tp)
-    for op in ops:
-        for d in op.deps:
-            if d in tp_set:
-                dependents[d].append(op.id)
     at = {oid: (st, k) for st, seq in on_stream.items() for k, oid in enumerate(seq)}
-    cand = _candidates(ops, sorted(tp), dependents, prev_waited)
+    cand = _candidates(ops, sorted(tp), dependents, prev_waited, on_compute)
     if not cand:
-        return [], {}
+        return [], {}, {}
     unit = [on_compute[op.id] and _unit(op) for op in ops]
     key = [(op.layer, op.phase) for op in ops]
-    while cand:
-        runs = _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)
-        run_of = {oid: r for r, run in enumerate(runs) for oid in run}
-        home: dict[int, int] = {}  # collective -> the run it folds into
+    inf = len(ops)
+    p_user: dict[int, int] = {}  # TP op -> the first compute op waiting for it (``inf``: none), as needed
+    n_dep: dict[int, int] = {}  # TP op -> the last compute op it waits for (-1: none), as needed
+    # runs by their first op id (the order of runs); removing a candidate only cuts runs (before the ops waiting for
+    # it, after those it waits for: ``_runs``'s conditions), so each round splits the runs it cuts instead of
+    # walking the compute stream again
+    runs = {run[0]: run for run in _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)}
+    run_of = {oid: r for r, run in runs.items() for oid in run}
+    while True:
+        home: dict[int, int] = {}  # collective -> the run it folds into (in id order, as ``cand``)
         for c, (a, b) in cand.items():
             r = run_of.get(b)
             if r is None:
                 continue
             if run_of.get(a) == r:
                 home[c] = r
-            elif pos[a] + 1 == pos[runs[r][0]] and all(d in cand for d in xdeps.get(runs[r][0], ())):
+            elif pos[a] + 1 == pos[r] and all(d in cand for d in xdeps.get(r, ())):
                 home[c] = r  # waits for the op right before the run, which then waits for it too: at its start
         stream_of: dict[int, str] = {}
-        for c in sorted(home):
-            stream_of.setdefault(home[c], ops[c].stream)
-        bad = set()
+        for c, r in home.items():  # the first collective folded into each run names its stream
+            stream_of.setdefault(r, ops[c].stream)
+        bad = []
         for c, (a, b) in cand.items():
             r = home.get(c)
             if r is None or stream_of[r] != ops[c].stream:
-                bad.add(c)
+                bad.append(c)
                 continue
             st, k = at[c]
             seq = on_stream[st]
             if k > 0:
                 p = seq[k - 1]
-                if p in home:  # folded too (if it stays so): into this run or an earlier one
-                    ok = home[p] <= r
+                h = home.get(p)
+                if h is not None:  # folded too (if it stays so): into this run or an earlier one
+                    ok = h <= r
                 else:
-                    ok = any(ops[u].stream == COMPUTE_STREAM and u <= a for u in dependents.get(p, ()))
+                    u = p_user.get(p)
+                    if u is None:
+                        u = p_user[p] = min((u for u in dependents.get(p, ()) if on_compute[u]), default=inf)
+                    ok = u <= a
                 if not ok:
-                    bad.add(c)
+                    bad.append(c)
                     continue
             if k + 1 < len(seq):
                 n = seq[k + 1]
-                if n in home:
-                    ok = home[n] >= r
+                h = home.get(n)
+                if h is not None:
+                    ok = h >= r
                 else:
-                    ok = any(ops[d].stream == COMPUTE_STREAM and d >= runs[r][0] for d in ops[n].deps)
+                    d = n_dep.get(n)
+                    if d is None:
+                        d = n_dep[n] = max((d for d in ops[n].deps if on_compute[d]), default=-1)
+                    ok = d >= r
                 if not ok:
-                    bad.add(c)
+                    bad.append(c)
         if not bad:
             break
         for c in bad:
             del cand[c]
-    if not cand:
-        return [], {}
+        if not cand:
+            return [], {}, {}
+        if split:
+            _split(runs, run_of, {u for c in bad for u in dependents[c]}, {d for c in bad for d in ops[c].deps})
+        else:
+            runs = {run[0]: run for run in _runs(compute, unit, key, xdeps, xwaiters, cand, prev_waited)}
+            run_of = {oid: r for r, run in runs.items() for oid in run}
     folded: dict[int, list[int]] = defaultdict(list)
-    for c in sorted(cand):  # id order: the stream's order
+    for c in cand:  # id order: the stream's order
         folded[home[c]].append(c)
-    return [runs[r] for r in sorted(folded)], {runs[r][0]: folded[r] for r in sorted(folded)}
+    return [runs[r] for r in sorted(folded)], {r: folded[r] for r in sorted(folded)}, cand
+
+
+def _split(runs: dict[int, list[int]], run_of: dict[int, int], starts: set[int], ends: set[int]) -> None:
+    """Cut the runs (by first op id; ``run_of``: op id -> its run's) before each op of ``starts`` and after each of
+    ``ends``, in place."""
+    for r in sorted({run_of[x] for x in chain(starts, ends) if x in run_of}):
+        piece: list[int] = []
+        for oid in runs.pop(r):
+            if piece and oid in starts:
+                runs[piece[0]] = piece
+                piece = []
+            piece.append(oid)
+            run_of[oid] = piece[0]
+            if oid in ends:
+                runs[piece[0]] = piece
+                piece = []
+        if piece:
+            runs[piece[0]] = piece
 
 
 def _shape(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]]) -> tuple:
@@ -267,7 +313,7 @@ def _merged(units: list[Op], comms: list[Op], spots: dict[int, tuple[int, int]],
     vals[_F["allocs"]], vals[_F["uses"]], vals[_F["meta"]], vals[_F["deps"]] = tuple(allocs), tuple(uses), meta, deps
     cs = [units[i].folded_comm[j] if kind == 0 else comms[i] for kind, i, j in order]
     vals[_F["folded_comm"]] = tuple(_renumbered(c, new_id, (), c.meta) for c in cs)
-    return Op(*vals)
+    return op_from_fields(vals)
 
 
 _F = {f: i for i, f in enumerate(_FIELDS)}
@@ -278,48 +324,54 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
     into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
     (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
     ops = graph.ops
-    runs, comm_of = _plan(ops)
+    runs, comm_of, cand = _plan(ops)
     if not runs:
         return graph
-    start_of = {r[0]: r for r in runs}
     folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
-    in_run = {oid: r[0] for r in runs for oid in r}
     new_id = [-1] * len(ops)
+    skip = [False] * len(ops)  # a run's later op or a folded collective: no op of its own
+    for run in runs:
+        for j in run[1:]:
+            skip[j] = True
+    for c in folded:
+        skip[c] = True
     n = 0
-    for op in ops:
-        if op.id in folded:
-            continue
-        r0 = in_run.get(op.id)
-        if r0 is not None and r0 != op.id:
-            new_id[op.id] = new_id[r0]
-            continue
-        new_id[op.id] = n
-        n += 1
+    for oid in range(len(ops)):
+        if not skip[oid]:
+            new_id[oid] = n
+            n += 1
+    for run in runs:
+        i = new_id[run[0]]
+        for j in run[1:]:
+            new_id[j] = i
     for c, r0 in folded.items():
         new_id[c] = new_id[r0]
     users: dict[str, list[int]] = defaultdict(list)
     size: dict[str, int] = {}
     for op in ops:
+        oid = op.id
         for u in op.uses:
-            users[u].append(op.id)
+            users[u].append(oid)
         for t in op.allocs:
             if t.device == "gpu":
                 size[t.name] = t.nbytes
+    start_of = {r[0]: r for r in runs}
     out: list[Op] = []
     shapes: dict[tuple, tuple] = {}
     for op in ops:
-        if op.id in folded or (op.id in in_run and op.id not in start_of):
+        if skip[op.id]:
             continue
-        i = new_id[op.id]
         run = start_of.get(op.id)
         if run is None:
             out.append(moved(op, new_id))
             continue
-        cs = [ops[c] for c in comm_of[op.id]]
-        mine = set(run) | set(comm_of[op.id])
-        deps = tuple(sorted({new_id[d] for p in chain((ops[j] for j in run), cs) for d in p.deps if d not in mine}))
-        spots = {c.id: (max(c.deps), min(u for u in run if c.id in ops[u].deps)) for c in cs}
-        out.append(_merged([ops[j] for j in run], cs, spots, users, size, i, deps, shapes))
+        comms = comm_of[op.id]
+        units = [ops[j] for j in run]
+        cs = [ops[c] for c in comms]
+        mine = {*run, *comms}
+        deps = tuple(sorted({new_id[d] for p in chain(units, cs) for d in p.deps if d not in mine}))
+        spots = {c: cand[c] for c in comms}  # ``b``: the first op waiting for it, one of the run's
+        out.append(_merged(units, cs, spots, users, size, new_id[op.id], deps, shapes))
     pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
     meta = graph.meta
     if "fidelity" in meta:

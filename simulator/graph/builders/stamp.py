@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.ops import Op, TensorAlloc
+from simulator.graph.ops import Op, TensorAlloc, op_from_fields
 
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
@@ -278,8 +278,8 @@ class Stamper:
             v[_USES] = (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ())
             v[_META] = dict(base[_META])  # each op its own, as built
             if folded:  # a block's TP collectives (``stamp_blocks``), renumbered to it
-                v[_FOLDED] = tuple([Op(*_renamed(c, i, prefix + s, layer)) for c, s in folded])
-            out.append(Op(*v))
+                v[_FOLDED] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer)) for c, s in folded])
+            out.append(op_from_fields(v))
             i += 1
         e.b.extend(out)
         e._uid += t.n_uid
