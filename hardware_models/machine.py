@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 from hardware_models.collectives import CollectiveModel, NcclConfig
 from hardware_models.fabrics import LinkSpec
@@ -34,7 +35,7 @@ class LaunchOverhead(NamedTuple):
     per_op_s: float
     by_phase_s: dict
     source: str
-    fixed_by_phase_s: dict = {}
+    fixed_by_phase_s: Mapping = MappingProxyType({})  # read-only: one default shared by every instance
 
 
 def resolve_launch_overhead(override_s: float | None, host: HostCpuSpec, profile: EfficiencyProfile) -> LaunchOverhead:

@@ -339,10 +339,9 @@ class System:
         self._share = None
         self._signal("_comm_changed")
 
-    def interfered_kernel_s(self, op) -> float:
-        """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
-        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per pricing key, share and clocks,
-        s."""
+    def _current_share(self) -> tuple[int, float]:
+        """``kernel_share`` of the collectives in flight now (SMs held, HBM share), cached until a collective
+        starts or ends; the duration caches are dropped first if the clocks changed (``_clocks_changed``)."""
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
             self._clocks_changed()
@@ -350,6 +349,14 @@ class System:
         if share is None:
             gpu = self.hw.gpu
             share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        return share
+
+    def interfered_kernel_s(self, op) -> float:
+        """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
+        current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per pricing key, share and clocks,
+        s; a block carrying TP collectives beside its kernels (``meta["side"]``) takes its ``side_timeline`` end."""
+        st = self.state
+        share = self._current_share()
         if op.meta and "side" in op.meta:
             return self.side_timeline(op).end_s
         tab = self._idur.get(share)
@@ -377,16 +384,12 @@ class System:
         (``Op.folded_comm`` without ``meta["side"]``; collective ``k`` runs before part ``meta["folded_at"][k]``):
         one ``(kernels_s, comm_s)`` per run, its kernels' time beside the collectives in flight now (each part's
         ``cost.duration_s(part, state, *kernel_share)``, summed) and the time alone of the collectives after it
-        (``collective_s``; 0 after the last run), s. Cached per pricing key and share at the current clocks."""
+        (``collective_s``; 0 after the last run), s. Cached per pricing key, cut points (``folded_at``: the pricing
+        key does not hold them) and share at the current clocks."""
         st = self.state
-        if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
-            self._clocks_changed()
-        share = self._share
-        if share is None:
-            gpu = self.hw.gpu
-            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+        share = self._current_share()
         hit = self.price_keys.by_op.get(id(op))
-        key = (hit[1] if hit is not None else self.price_keys.of(op), share)
+        key = (hit[1] if hit is not None else self.price_keys.of(op), tuple(op.meta["folded_at"]), share)
         out = self._stretch.get(key)
         if out is None:
             parts, cost = op.meta["fused"], self.cost
@@ -409,7 +412,8 @@ class System:
         priced with that collective's load (``comm_load`` of its isolated bus bandwidth) added to the others';
         a collective takes its NCCL-model time alone on its links (``collective_s``: alone, its flows take
         exactly that) and ``1 + gamma`` times longer while a part runs. Without interference (``nccl.interference:
-        false``) neither slows the other. Cached per pricing key, share and clocks.
+        false``) neither slows the other. Cached per pricing key and share; the cache is dropped when the clocks
+        change (``_clocks_changed``).
         """
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:

@@ -175,8 +175,8 @@ class PowerMeter:
     def block_activity(self, op) -> Activity:
         """Activity of layer-fidelity block ``op`` (``meta["fused"]``) at the current clocks: the time-weighted mean
         of its parts' (``cost.fused_s``: compute and memory seconds over their total), and, for the blocking TP
-        collectives folded into it (``Op.folded_comm`` without ``meta["side"]``: they run one after another after
-        its kernels, ``System.run_kernel``), of each collective's own kernel activity over its time alone
+        collectives folded into it (``Op.folded_comm`` without ``meta["side"]``: between the runs of its kernels they
+        cut, ``System.folded_stretches``, with interference; one after another after its kernels without), of each collective's own kernel activity over its time alone
         (``collective_s``), as kernel fidelity meters that time. So the block's energy at one clock is its parts'
         and collectives' energy at kernel fidelity (up to the power model's clip at full activity when another
         stream overlaps it); the block's span and its collectives' spans (which share its id) draw this mean.

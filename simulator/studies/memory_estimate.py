@@ -295,7 +295,8 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
-    if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer
+    if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer (fp16
+        # buffer: fresh fp32 main grads at the step, stage_memory)
         return {"params": 2 * P + 4 * Ps, "grad": _grad_bytes(spec) * P, "optimizer": 8 * Ps}, 0
     if sh.strategy == "no_shard":
         return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
@@ -344,6 +345,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
                            "reduced once per step) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
     states, grads = _model_state_bytes(cfg, spec)
+    end_grads = grads  # the gradients backward leaves (beside the states) when the optimizer step starts
     if spec.fp8 is not None:  # resident like the model states
         states = {**states, "workspace": float(fp8_workspace_bytes(spec))}
     recompute = spec.recompute
@@ -406,6 +408,12 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         end = _grad_bytes(spec) * spec.rank_num_parameters + buf
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
+    if spec.megatron_fp16_grads:  # the optimizer step's fresh fp32 main grads (the shard it updates) beside the
+        # states and the fp16 buffer, activations freed (_GptBuilder._copy_model_grads_to_main_grads)
+        P = spec.rank_num_parameters
+        main = 4 * (sh.shard(P) if sh is not None and sh.strategy == "distributed_optimizer" else P)
+        if end_grads + main > grads + activations + transient:
+            grads, activations, transient = end_grads + main, 0.0, 0.0
     tensors = sum(states.values()) + grads + activations + transient
     cats = {**_state_cats(states, grads), "activations": float(activations), "transient": float(transient),
             "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}

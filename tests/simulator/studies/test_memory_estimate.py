@@ -70,6 +70,11 @@ CASES = {
     # counted it at 4 bytes, 6.2% / 8.6% / 7.3% above the simulated peak
     "fp16 Megatron DDP TP2": (TP2, ["training.precision=fp16"]),
     "fp16 Megatron distributed optimizer TP2": (TP2, ["training.precision=fp16", "ddp.use_distributed_optimizer=true"]),
+    # ... and its fresh fp32 main grads at the optimizer step, the peak with small activations (was 18% low)
+    "fp16 Megatron 1 GPU, step peak": (H200 / "gpt_184m_b4.yaml", ["training.precision=fp16",
+                                                                   "training.micro_batch_size=1", "model.seq_length=128"]),
+    "fp16 Megatron DDP TP2, step peak": (TP2, ["training.precision=fp16", "training.micro_batch_size=1",
+                                               "model.seq_length=128"]),
     "fp16 Megatron PP (Narayanan 2021)": (ROOT / "scenarios/validation/NARAYANAN21-T1-GPT1.7B-32xA100.yaml", []),
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
