@@ -622,7 +622,8 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     """The gradient-norm work a scenario's framework does that is not priced (``training.clip_grad``): DeepSpeed
     ZeRO-1/2 computes the norm every step whatever ``gradient_clipping`` (microsoft/DeepSpeed
     deepspeed/runtime/zero/stage_1_and_2.py ``step``: ``scaled_global_norm``, ``unscale_and_clip_grads``); a
-    ``clip_grad`` given for a PyTorch loop without FSDP (torch.nn.utils ``clip_grad_norm_``)."""
+    ``clip_grad`` given for a PyTorch loop without FSDP (torch.nn.utils ``clip_grad_norm_``) or for FSDP on one
+    data-parallel rank (its clip is priced with the sharded units only, ``_GptBuilder._fsdp_clip_grad_norm``)."""
     if cfg is None:
         return []
     t, z = cfg.training, cfg.zero_optimization
@@ -637,6 +638,9 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"training.clip_grad {t.clip_grad}: with training.precision {t.precision} (no fsdp) the loop's "
                 "clip_grad_norm_ kernels (a norm over every gradient, a mul_ by the clip coefficient) are not priced; "
                 "with pipeline stages only its cross-stage all-reduce is"]
+    if t.clip_grad and cfg.fsdp is not None and shards == 1:
+        return [f"training.clip_grad {t.clip_grad} with fsdp on one data-parallel rank (nothing sharded): "
+                "clip_grad_norm_'s norm and mul_ kernels are not priced"]
     return []
 
 

@@ -108,3 +108,22 @@ def test_unpriced_norms_are_flagged():
     del d["fsdp"]
     d["training"]["precision"] = "bf16"
     assert warns(d) == []
+
+
+def test_fsdp_on_one_rank_flags_its_unpriced_clip():
+    """FSDP on one data-parallel rank shards nothing and its clip is not built (priced with sharded units only):
+    a clip_grad there is flagged, and without one nothing is."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import resolve_hardware
+
+    d = copy.deepcopy(BASE)
+    d.pop("hardware", None)
+    d["hardware"] = {"gpu": "h200-sxm-141gb"}
+    d.setdefault("parallelism", {})["data_parallel_size"] = 1
+    d["training"]["clip_grad"] = 1.0
+    cfg = scenario_from_dict(d)
+    flagged = [w for w in run_warnings(resolve_hardware(cfg), cfg) if "clip_grad" in w and "one data-parallel" in w]
+    assert len(flagged) == 1 and "training.clip_grad 1.0 with fsdp" in flagged[0]
+    d["training"]["clip_grad"] = 0.0
+    cfg = scenario_from_dict(d)
+    assert not [w for w in run_warnings(resolve_hardware(cfg), cfg) if "one data-parallel" in w]
