@@ -115,23 +115,35 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     An unknown key is reported before anything else: a misspelt required key also makes that key
     "missing", and the typo is what the user must fix; a bad value is reported before a missing key.
     """
+    if not isinstance(model, type):  # a model's title only (``ValidationError.title``): no keys to list
+        model = BaseModel
+    groups = errors_by_key(exc, model)
+    lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
+    out = [line for _, line in dict.fromkeys(lines)]
+    if len(out) > cap:
+        out = [*out[:cap], f"{source}: ... and {len(out) - cap} more"]
+    return "\n".join(out)
+
+
+def errors_by_key(exc: ValidationError, model: type[BaseModel]) -> dict[tuple, list[dict]]:
+    """The errors of ``exc`` grouped by the user's key path (a tuple of keys and list indices, without the schema's
+    class names, union tags and validator names), in order; ``problem_line`` words each group."""
     errors = exc.errors()
     # a mapping given for a union of a scalar and a model (``fsdp.cpu_offload: bool | {...}``): the scalar branch's
     # complaint that a mapping is not a bool / string / literal says nothing; the model branch's errors do
     errors = [e for e in errors if not (isinstance(e.get("input"), dict) and e["type"] in _SCALAR_BRANCH)] or errors
-    if not isinstance(model, type):  # a model's title only (``ValidationError.title``): no keys to list
-        model = BaseModel
     names = _model_names(model)
     groups: dict[tuple, list[dict]] = {}
     for e in errors:
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
             p[:1].isupper() and "[" in p or p in names or p in _UNION_TAGS or p.startswith(("literal[", "function-")))))
         groups.setdefault(loc, []).append(e)
-    lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
-    out = [line for _, line in dict.fromkeys(lines)]
-    if len(out) > cap:
-        out = [*out[:cap], f"{source}: ... and {len(out) - cap} more"]
-    return "\n".join(out)
+    return groups
+
+
+def problem_line(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> str:
+    """One group of ``errors_by_key``: ``SOURCE: key.path: problem (got VALUE)``."""
+    return _problem(errs, loc, source, model)[1]
 
 
 def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
@@ -157,7 +169,8 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
         choices = _choices(model, loc)
         return 2, f"{source}: {path}: required key is missing" + (f" (allowed: {', '.join(choices)})" if choices
                                                                   else "")
-    shown = short_repr(err.get("input"))
+    value = err.get("input")
+    shown = str(value).lower() if isinstance(value, bool) else short_repr(value)  # booleans as YAML writes them
     got = f" (got {shown})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
     own_words = kind in ("value_error", "assertion_error")  # a validator's message, which may name the value
     if kind in _EXPECTED and any(e["type"] in ("model_type", "dataclass_type", "model_attributes_type")

@@ -165,14 +165,13 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
     that gave the values (``--space``; ``simulate fit``'s ``--largest`` / ``--smallest``).
 
     Raises:
-        ScenarioError: ``FILE: FLAG KEY=VALUE: problem (got VALUE)``.
+        ScenarioError: ``FILE: FLAG KEY=VALUE: key.path: problem (got VALUE)`` (``loader.problem_line``).
     """
-    from simulator.config.loader import _model_names, read_yaml, with_hf_path
+    from simulator.config.loader import errors_by_key, problem_line, read_yaml, with_hf_path
     from simulator.config.overrides import apply_overrides
     from simulator.config.schema import ScenarioConfig
 
     base = read_yaml(scenario)
-    names = _model_names(ScenarioConfig)
     for key, values in space.items():
         want = tuple(key.split("."))
         for v in values:
@@ -180,11 +179,11 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
             try:
                 ScenarioConfig.model_validate(data)
             except ValidationError as exc:
-                for err in exc.errors():
-                    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in names))
-                    if loc[:len(want)] == want and err["type"] != "extra_forbidden":  # unknown: the loader's line
-                        msg = err["msg"].replace("Value error, ", "")
-                        raise ScenarioError(f"{scenario}: {flag} {key}={v}: {msg} (got {v!r})") from None
+                for loc, errs in errors_by_key(exc, ScenarioConfig).items():
+                    if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs):  # unknown:
+                        # the loader's line
+                        raise ScenarioError(problem_line(errs, loc, f"{scenario}: {flag} {key}={v}",
+                                                         ScenarioConfig)) from None
 
 
 def bounds(row: dict | pd.Series) -> dict:

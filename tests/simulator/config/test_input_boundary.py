@@ -151,7 +151,7 @@ def test_yaml_12_scalars():
     ("hardware.gpu.overrides.sm_count=true", "overrides.sm_count: expected an integer"),
     ("hardware.gpu.overrides.peak_flops_per_s=5", "overrides.peak_flops_per_s: expected a mapping"),
     ("model.num_layers=true", "model.num_layers: Input should be a valid integer"),
-    ("zero_optimization.stage=true", "zero_optimization.stage: expected a number, got true"),
+    ("zero_optimization.stage=true", "zero_optimization.stage: expected a number (got true)"),
     ("run.steps=1:30", "run.steps"),
     ("hardware.launch_overhead_s=1:30", "hardware.launch_overhead_s: cannot parse '1:30'"),
     ("hardware.launch_overhead_s=false", "hardware.launch_overhead_s: expected a quantity"),

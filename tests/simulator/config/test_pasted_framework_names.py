@@ -57,7 +57,7 @@ def test_deepspeed_counts_written_as_floats_are_their_integers(key):
     assert cfg == _cfg(zero_optimization={"stage": 3, key: 200_000_000})
 
 
-@pytest.mark.parametrize("bad,match", [(5.5e-1, "valid integer"), (True, "expected a number, got true"),
+@pytest.mark.parametrize("bad,match", [(5.5e-1, "valid integer"), (True, r"expected a number \(got true\)"),
                                        (-1e3, "greater than")])
 def test_deepspeed_counts_still_refuse_what_is_not_a_count(bad, match):
     with pytest.raises(ScenarioError, match=rf"zero_optimization\.reduce_bucket_size: .*{match}"):

@@ -77,5 +77,6 @@ def test_a_value_its_field_refuses_stops_fit_before_any_point_runs():
     as ``simulate search`` refuses such a value of --space (studies.search.check_values)."""
     out = _fit(DP8, "--smallest", "hardware.cluster.nodes=0,1")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == (f"error: {DP8}: --smallest hardware.cluster.nodes=0: Input should be greater than 0 "
+    assert out.stderr.strip() == (f"error: {DP8}: --smallest hardware.cluster.nodes=0: "
+                                  "hardware.cluster.nodes: Input should be greater than 0 "
                                   "(got 0)")

@@ -140,8 +140,9 @@ def test_bad_input_is_one_line_exit_2(case, capsys):
         "empty_space": "search: empty space",
         "no_values": f"--space '{TP}=': expected dotted.key=v1,v2",
         "unknown_key": "unknown key 'tensor_parallel_size' under parallelism",
-        "wrong_type": "--space training.micro_batch_size=two: Input should be a valid integer",
-        "out_of_range": f"--space {TP}=0: Input should be greater than 0",
+        "wrong_type": ("--space training.micro_batch_size=two: training.micro_batch_size: Input should be a valid "
+                       "integer (got 'two')"),
+        "out_of_range": f"--space {TP}=0: {TP}: Input should be greater than 0 (got 0)",
         "derived_dp": "not a search key: derived from the world size",
         "repeated_key": "given more than once",
         "nothing_fits": "no point of the space fits in GPU memory (4 pruned by the memory estimate, 0 out of memory "
