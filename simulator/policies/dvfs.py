@@ -75,7 +75,7 @@ def _cpu_step_threads(cfg, hw) -> int:
     from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
 
     z = cfg.zero_optimization
-    mode = z.offload_optimizer.mode if z.offload_optimizer.device == "cpu" else "overlap"
+    mode = z.offload_mode if z.offload_optimizer.device == "cpu" else "overlap"  # the effective mode
     dp = cfg.parallelism.data_parallel_size or 1
     return cpu_threads(hw, mode, ranks_per_node(hw) if dp > 1 else 1)
 
