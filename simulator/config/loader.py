@@ -461,7 +461,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     pcie_name, pcie_over = _ref(hwc.pcie)
     if not pcie_name.startswith("pcie-"):  # the links family also holds NVLink, InfiniBand and Ethernet presets
         raise ScenarioError(f"{source}: hardware.pcie: {pcie_name!r} is not a PCIe link (the GPU's host link); "
-                            "allowed: the pcie-* presets (simulate presets links); a network goes in hardware.cluster")
+                            "allowed: the pcie-* presets (simulate presets --family links); a network goes in hardware.cluster")
     pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]
