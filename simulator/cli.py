@@ -287,7 +287,8 @@ def cmd_validate(args) -> int:
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"{int(within.sum())} of {len(df)} within tolerance; {int(gaps.sum())} known gaps; "
           f"{int((~within & ~gaps).sum())} outside tolerance and not a known gap")
-    print("known gaps (sources: --json):")
+    if reasons:
+        print("known gaps (sources: --json):")
     for i, r in enumerate(reasons, 1):
         print(f"[{i}] {r}")
     return 0

@@ -68,7 +68,8 @@ class Case:
         return known_gap(self.case_id, self.metric)
 
 
-COLUMNS = ("case_id", "metric", "measured", "predicted", "error", "tolerance", "within", "source", "known_gap")
+COLUMNS = ("case_id", "metric", "measured", "predicted", "error", "tolerance", "tolerance_of", "within", "source",
+           "known_gap")
 
 _OPT_BW = "fused AdamW bandwidth taken from the elementwise microbenchmark"
 _B4_GAPS = "b4 launch gaps priced at idle power (tests/validation/test_energy.py)"
@@ -436,9 +437,10 @@ def unknown_cases_message(bad: list[str], ids: list[str]) -> str:
 
 def validation_table(names: list[str] | None = None) -> pd.DataFrame:
     """Run the cases and return one row per case with ``case_id, metric, measured, predicted, error``
-    (``predicted / measured - 1``), ``tolerance, within, source, known_gap`` (the reason string of a
-    known miss, ``KNOWN_GAPS``, else None). ``within`` compares ``|error|`` with the tolerance, or
-    ``|predicted - measured|`` for a case with an absolute tolerance (a share, in points).
+    (``predicted / measured - 1``), ``tolerance, tolerance_of, within, source, known_gap`` (the reason string of a
+    known miss, ``KNOWN_GAPS``, else None). ``within`` compares ``|error|`` with the tolerance (``tolerance_of``
+    ``"error"``), or ``|predicted - measured|`` for a case with an absolute tolerance (``"difference"``: a share, in
+    points).
 
     Args:
         names: Case ids (or prefixes of them) to run; default all.
@@ -472,7 +474,8 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
         err = pred / m - 1
         within = abs(pred - m) <= c.tolerance if c.absolute else abs(err) <= c.tolerance
         rows.append({"case_id": c.case_id, "metric": c.metric, "measured": m, "predicted": pred, "error": err,
-                     "tolerance": c.tolerance, "within": bool(within), "source": c.source, "known_gap": c.known_gap})
+                     "tolerance": c.tolerance, "tolerance_of": "difference" if c.absolute else "error",
+                     "within": bool(within), "source": c.source, "known_gap": c.known_gap})
     df = pd.DataFrame(rows, columns=COLUMNS)
     df["known_gap"] = df.known_gap.astype(object).where(df.known_gap.notna(), None)  # None, not NaN
     return df

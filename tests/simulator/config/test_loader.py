@@ -66,7 +66,9 @@ def test_validate_command_subset_and_unknown_case(capsys):
     assert main(["validate", "gpt_184m_b8.step_time", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["case_id"] == "gpt_184m_b8.step_time" and abs(rows[0]["error"]) < 0.10
-    assert rows[0]["within"] is True and rows[0]["known_gap"] is None
+    assert rows[0]["within"] is True and rows[0]["known_gap"] is None and rows[0]["tolerance_of"] == "error"
+    assert main(["validate", "gpt_184m_b8.step_time"]) == 0  # no known gap among the rows: no gap heading
+    assert "known gaps (sources" not in capsys.readouterr().out
     assert main(["validate", "no_such_case"]) == 2
     assert "unknown validation case" in capsys.readouterr().err
 
