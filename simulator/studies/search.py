@@ -410,14 +410,16 @@ def format_search(result: SearchResult, top: int = 10) -> str:
              f"estimate, {c['ok'] + c['oom'] + c['error']} simulated ({c['oom']} out of memory, {c['error']} failed); "
              f"global batch {result.global_batch_size} samples on every point"]
     lines += [f"note: {n}" for n in result.notes]
+    names = short_names(result.keys)
     for status in ("refused", "pruned", "oom", "error"):
         sub = t[t["status"] == status]
         for reason, n in sub["reason"].value_counts().head(5).items():
-            lines.append(f"{status} ({n}): {reason}")
+            which = sub[sub["reason"] == reason].head(3)  # the layouts it names (the first three)
+            points = "; ".join(" ".join(f"{names[k]}={r[k]}" for k in result.keys) for _, r in which.iterrows())
+            lines.append(f"{status} ({n}: {points}{'; ...' if n > 3 else ''}): {reason}")
     best = result.best(top)
     if best.empty:
         return "\n".join(lines)
-    names = short_names(result.keys)
     groups = sorted(c[len("exposed_"):-len("_share")] for c in t.columns
                     if c.startswith("exposed_") and c.endswith("_share") and t.loc[best.index, c].notna().any())
     shown = pd.DataFrame({"rank": best["rank"].astype(int)})

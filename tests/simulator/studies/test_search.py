@@ -187,3 +187,18 @@ def test_point_hash_of_a_cluster_scenario_is_stable():
     assert point_hash(TINY, [f"{TP}=2"]) == point_hash(TINY, [f"{TP}=2"]) != point_hash(TINY, [f"{TP}=4"])
     assert point_hash(TINY, []) != point_hash(TINY, ["hardware.cluster.network=ib-ndr-rail",
                                                      "hardware.cluster.nodes=2"])
+
+
+def test_report_names_the_layouts_behind_each_reason():
+    """A refusal or pruning reason names its layouts (the first three, then '...'), by the columns' short names."""
+    import pandas as pd
+
+    from simulator.studies.search import SearchResult, format_search
+
+    TPK, ZK = "parallelism.tensor_model_parallel_size", "zero_optimization.stage"
+    rows = [{TPK: tp, ZK: z, "status": "refused", "reason": "too big", "rank": None} for tp in (8, 16) for z in (0, 1)]
+    rows.append({TPK: 1, ZK: 0, "status": "pruned", "reason": "over", "rank": None})
+    res = SearchResult(pd.DataFrame(rows), "tokens_per_s", [TPK, ZK], 8)
+    text = format_search(res).splitlines()
+    assert "refused (4: tp=8 zero=0; tp=8 zero=1; tp=16 zero=0; ...): too big" in text
+    assert "pruned (1: tp=1 zero=0): over" in text
