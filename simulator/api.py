@@ -611,9 +611,16 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
     m, tr = cfg.model, cfg.training
     w = 4 if tr.precision in ("fp32", "tf32") else 2
     extra = 2 * w * (1 - 1 / t) * tr.micro_batch_size * (m.seq_length // cp) * m.hidden_size
+    p = cfg.parallelism
+    why = [why for cond, why in ((not p.async_tensor_model_parallel_allreduce,
+                                  "parallelism.async_tensor_model_parallel_allreduce false"),
+                                 (tr.precision == "amp_fp32_params", "training.precision amp_fp32_params"),
+                                 (tr.fp8 is not None, f"training.fp8 {tr.fp8}"),
+                                 (p.tp_comm_overlap not in (False, "none"), "parallelism.tp_comm_overlap"),
+                                 (tr.lora is not None, "training.lora")) if cond]
     return (f"parallelism.sequence_parallel: Megatron's backward re-gather of the qkv and fc1 inputs is modelled only "
-            f"with the asynchronous column-parallel backward (not with it off, amp_fp32_params, fp8, tp_comm_overlap or "
-            f"LoRA, as in this run): the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
+            f"with the asynchronous column-parallel backward, which this run does not build "
+            f"({', '.join(why) or 'its settings'}): the gathered [s, b, h] tensors are kept from forward instead of their 1/{t} shards (activation memory "
             f"high by {extra / 1e6:.1f} MB per layer and micro-batch held; 2 all-gathers per layer of backward "
             f"communication missing)")
 

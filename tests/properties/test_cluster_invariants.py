@@ -113,6 +113,7 @@ def test_sequence_parallel_activation_excess_is_flagged_with_its_size(tp, async_
         return
     assert excess == pytest.approx(2 * 2 * (1 - 1 / tp) * sbh)
     assert f"{excess / 1e6:.1f} MB per layer" in note
+    assert "(parallelism.async_tensor_model_parallel_allreduce false)" in note  # the setting that causes it
     assert note in warnings
 
 
