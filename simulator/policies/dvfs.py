@@ -72,12 +72,12 @@ def _cpu_step_threads(cfg, hw) -> int:
         return 1
     # imported here: a module-level import would register the offload components before dvfs's neighbours in
     # simulator.policies' import order, and so reorder every offload run's summary keys
-    from simulator.policies.offload_optimizer import cpu_threads, ranks_per_node
+    from simulator.policies.offload_optimizer import cpu_threads, offload_ranks
 
     z = cfg.zero_optimization
     mode = z.offload_mode if z.offload_optimizer.device == "cpu" else "overlap"  # the effective mode
     dp = cfg.parallelism.data_parallel_size or 1
-    return cpu_threads(hw, mode, ranks_per_node(hw) if dp > 1 else 1)
+    return cpu_threads(hw, mode, offload_ranks(hw, dp))
 
 
 def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:

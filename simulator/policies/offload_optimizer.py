@@ -130,6 +130,12 @@ def ranks_per_node(hw) -> int:
     return max(1, min(hw.collectives.topo.gpus_per_node, hw.world_size))
 
 
+def offload_ranks(hw, dp: int) -> int:
+    """Ranks whose CPU optimizer steps share this rank's host: every GPU of its node (``ranks_per_node``) when the
+    optimizer is partitioned over ``dp`` > 1 data-parallel ranks, else 1 (one replica offloads alone)."""
+    return ranks_per_node(hw) if dp > 1 else 1
+
+
 def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
     """Intra-op threads one rank's CPU step gets.
 
@@ -345,7 +351,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     dp = model.data_parallel_size
     shard = -(-P // dp)  # this rank's ZeRO partition (DeepSpeed pads the flat buffer to dp)
     share = shard / P
-    ranks = ranks_per_node(hw) if dp > 1 else 1
+    ranks = offload_ranks(hw, dp)
     host_dev = "host_pinned" if pin_memory else "host_pageable"
     persistent = [t for t in graph.persistent if t.name not in
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
@@ -574,7 +580,7 @@ class OffloadSummary:
         dp = cfg.parallelism.data_parallel_size or 1
         pinned = cfg.zero_optimization.offload_optimizer.pin_memory
         #: this rank's share of the host DRAM its CPU step streams through and its copies' DMA reads or writes
-        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, ranks_per_node(hw) if dp > 1 else 1,
+        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, offload_ranks(hw, dp),
                                                 1 if pinned else None)
         system.add_copy_link(HOST_DRAM_LINK, self.dram_bytes_per_s)
 
@@ -601,7 +607,7 @@ class OffloadSummary:
         out = offload_parts(spans, steps)
         dp = self.cfg.parallelism.data_parallel_size or 1
         host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                                   self.hw, ranks_per_node(self.hw) if dp > 1 else 1, what=self.what)
+                                   self.hw, offload_ranks(self.hw, dp), what=self.what)
         if host_oom and not summary.get("oom"):
             out["oom"] = host_oom
         return out
