@@ -885,9 +885,37 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(note)
     if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
+    if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
+        out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
     return out
+
+
+#: layers of the model whose traced optimizer step the measured host's fixed optimizer time was fitted on
+#: (hardware_models/presets/hosts/h200-measured-host.yaml ``host_phase_fixed_s.opt``:
+#: tests/data/h200/trace_gpt_184m_b16.json.gz, the 12-layer GPT of scenarios/h200/gpt_184m_b16.yaml, PyTorch AdamW)
+FIXED_OPT_FIT_LAYERS = 12
+
+
+def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
+    """The run warning when the host's fixed optimizer-step time (``host_phase_fixed_s.opt``, mostly PyTorch's Python
+    loop over the parameter tensors) is applied to a step unlike the one it was fitted on: another framework's
+    optimizer (Megatron-LM's, DeepSpeed ZeRO's, FSDP's) or a model with more than twice or under half the fit's layers
+    (its parameter tensors); None where it is not applied or the step is like the fit's."""
+    fixed = hw.launch.fixed_by_phase_s.get("opt")
+    if not fixed:
+        return None
+    other = ("Megatron-LM's optimizer step" if transformer_spec(cfg).megatron_optimizer else
+             f"DeepSpeed ZeRO-{cfg.zero_optimization.stage}'s step" if cfg.zero_optimization.stage else
+             "FSDP's optimizer step" if cfg.fsdp is not None else None)
+    layers = cfg.model.num_layers
+    if other is None and FIXED_OPT_FIT_LAYERS / 2 <= layers <= 2 * FIXED_OPT_FIT_LAYERS:
+        return None
+    what = other or f"a {layers}-layer model's parameter tensors"
+    return (f"host {hw.host_cpu.name!r}: its fixed optimizer-step host time {fixed * 1e3:.2f} ms (Python work per "
+            f"optimizer.step(), fitted on a PyTorch AdamW step of a {FIXED_OPT_FIT_LAYERS}-layer GPT) is applied unscaled "
+            f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
 
 
 def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:

@@ -72,3 +72,20 @@ def test_fit_on_the_trace_splits_the_phase_time_it_measures():
     cpu, _ = presets.get("hosts", "h200-measured-host")  # the shipped preset is this fit
     assert cpu.host_phase_fixed_s["opt"] == pytest.approx(fixed, rel=1e-6)
     assert cpu.launch_overhead_by_phase_s["opt"] == pytest.approx(per, rel=1e-6)
+
+
+def test_fixed_optimizer_time_is_flagged_where_unlike_its_fit():
+    """The fixed optimizer-step host time (fitted on the 12-layer GPT's PyTorch AdamW step) is flagged where it is
+    applied to another framework's step or to a model with over twice / under half the layers; not on the fit's like."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import load_scenario, resolve_hardware
+    from tests.conftest import ROOT
+
+    def note(*sets):
+        cfg = load_scenario(ROOT / "scenarios/h200/gpt_184m_b4.yaml", list(sets))
+        return [w for w in run_warnings(resolve_hardware(cfg), cfg) if "fixed optimizer-step host time" in w]
+
+    assert note() == [] and note("model.num_layers=24") == []
+    assert len(note("model.num_layers=48")) == 1 and "a 48-layer model's parameter tensors" in note("model.num_layers=48")[0]
+    assert "Megatron-LM's optimizer step" in note("training.precision=bf16")[0]
+    assert note("hardware.launch_overhead_s=1e-5") == []  # an override carries no fixed time
