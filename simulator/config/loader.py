@@ -118,6 +118,11 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
     if not isinstance(model, type):  # a model's title only (``ValidationError.title``): no keys to list
         model = BaseModel
     groups = errors_by_key(exc, model)
+    # a misspelt required key is also "missing": its unknown-key line already names it ("did you mean ...")
+    suggested = {(*loc[:-1], close) for loc, errs in groups.items()
+                 if loc and any(e["type"] == "extra_forbidden" for e in errs) and (close := _close_key(model, loc))}
+    groups = {loc: errs for loc, errs in groups.items()
+              if not (loc in suggested and all(e["type"] == "missing" for e in errs))}
     lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
     out = [line for _, line in dict.fromkeys(lines)]
     if len(out) > cap:
@@ -146,6 +151,14 @@ def problem_line(errs: list[dict], loc: tuple, source: str, model: type[BaseMode
     return _problem(errs, loc, source, model)[1]
 
 
+def _close_key(model: type[BaseModel], loc: tuple) -> str | None:
+    """The allowed key nearest the unknown key at ``loc`` (difflib's closest match), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(str(loc[-1]), _allowed_keys(model, loc), n=1) if loc else []
+    return close[0] if close else None
+
+
 def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
     """``(rank, line)`` for the errors pydantic gives at one key path ``loc`` (rank 0: an unknown key, 1: a bad
     value, 2: a missing key; the order ``format_validation_error`` shows them in)."""
@@ -154,11 +167,9 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
     path = key_path(loc)
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
-        import difflib
-
         allowed = _allowed_keys(model, loc)
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = _close_key(model, loc)
+        hint = f"; did you mean {close!r}?" if close else ""
         elsewhere = _keys_named(ScenarioConfig, str(loc[-1])) if loc else []  # a key of another section, as written
         if 0 < len(elsewhere) <= MAX_ELSEWHERE:
             hint = f"; did you mean {' or '.join(elsewhere)}?"
