@@ -52,6 +52,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
+        grad_reduce_in_bf16=ddp.grad_reduce_in_bf16,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -958,6 +959,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     out += unread
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
         out += _ddp_keys_without_effect(cfg)
+    out += _grad_reduce_in_bf16_without_effect(cfg)
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
@@ -1008,6 +1010,24 @@ def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
         if "pin_memory" in off.model_fields_set and off.device == "none":
             out.append(f"zero_optimization.{key}.pin_memory has no effect with device none (no host buffers)")
     return out
+
+
+def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
+    """``ddp.grad_reduce_in_bf16`` outside bf16, which Megatron-LM does not read, and the
+    ``ddp.accumulate_allreduce_grads_in_fp32: true`` it overrides (``ineffective_setting_warnings``). Source:
+    NVIDIA/Megatron-LM@307dcf37 megatron/training/arguments.py ``validate_args`` (only under ``--bf16``:
+    ``if args.grad_reduce_in_bf16: args.accumulate_allreduce_grads_in_fp32 = False``)."""
+    ddp, prec = cfg.ddp, cfg.training.precision
+    if not ddp.grad_reduce_in_bf16:
+        return []
+    if prec != "bf16":
+        buf = "fp16" if prec == "fp16" and not ddp.accumulate_allreduce_grads_in_fp32 else "fp32"
+        return [f"ddp.grad_reduce_in_bf16 has no effect with training.precision {prec}: Megatron-LM reads "
+                f"--grad-reduce-in-bf16 only under --bf16 (the grad buffer here is {buf})"]
+    if ddp.accumulate_allreduce_grads_in_fp32:
+        return ["ddp.accumulate_allreduce_grads_in_fp32 true has no effect with ddp.grad_reduce_in_bf16: Megatron-LM's "
+                "--grad-reduce-in-bf16 turns it off under --bf16 (the grad buffer here is bf16)"]
+    return []
 
 
 def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:

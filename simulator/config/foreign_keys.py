@@ -12,8 +12,6 @@ legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer
 from __future__ import annotations
 
 _NVME = "NVMe offload (ZeRO-Infinity) is not modelled; offload to the host is device: cpu, without this key"
-_GRAD_BF16 = ("Megatron-LM's --grad-reduce-in-bf16 is not modelled: the main grads (their buffer, its memset and "
-              "the data-parallel reduction) are fp32 here, 4 B per parameter; a bf16 buffer would halve them")
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
@@ -57,8 +55,8 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "zero_optimization.offload_param.buffer_size": _NVME,
     "zero_optimization.offload_param.max_in_cpu": _NVME,
     # Megatron-LM arguments written as keys beside the ones modelled (megatron/training/arguments.py)
-    "ddp.grad_reduce_in_bf16": _GRAD_BF16,
-    "training.grad_reduce_in_bf16": _GRAD_BF16,
+    "training.grad_reduce_in_bf16": "Megatron-LM's --grad-reduce-in-bf16 is ddp.grad_reduce_in_bf16: true here (the "
+                                    "DDP config's grad_reduce_in_fp32: false)",
     "training.fp8_param_gather": "Megatron-LM's --fp8-param-gather is not modelled: the parameters are kept and "
                                  "all-gathered in bf16 and each block Linear weight is cast to fp8 once per step",
     # llm-foundry / Composer fsdp_config keys

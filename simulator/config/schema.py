@@ -675,9 +675,12 @@ class ScenarioConfig(_Model):
                                 or self.training.lora is not None):
             raise ValueError("ddp.accumulate_allreduce_grads_in_fp32 is Megatron-LM's: it needs training.precision "
                              "bf16 or fp16 without zero_optimization.stage, fsdp or training.lora (allowed: omit it)")
-        if acc is False and prec == "bf16":
+        if acc is False and prec == "bf16" and not ddp.grad_reduce_in_bf16:
             raise ValueError("ddp.accumulate_allreduce_grads_in_fp32: false with training.precision bf16: Megatron-LM "
-                             "forces it on for bf16 (allowed: true, or omit it)")
+                             "forces it on for bf16 (allowed: true, omit it, or ddp.grad_reduce_in_bf16: true)")
+        if ddp.grad_reduce_in_bf16 and (z.stage > 0 or f is not None or self.training.lora is not None):
+            raise ValueError("ddp.grad_reduce_in_bf16 is Megatron-LM's: it needs Megatron's optimizer, without "
+                             "zero_optimization.stage, fsdp or training.lora (allowed: omit it)")
         if ddp.overlap_param_gather and not ddp.use_distributed_optimizer:
             raise ValueError("ddp.overlap_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM)")
         if dp > 1 and z.stage == 3:

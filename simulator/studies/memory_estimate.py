@@ -252,9 +252,9 @@ def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
 
 def _grad_bytes(spec) -> int:
     """Bytes per element of a ``.grad`` without a sharding spec (and of Megatron's grad buffer): 2 for DeepSpeed
-    ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's fp16 grad buffer
-    (``TransformerSpec.megatron_fp16_grads``), else 4 (fp32)."""
-    return 2 if spec.zero_half_grads or spec.megatron_fp16_grads else 4
+    ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's 16-bit grad
+    buffer (``TransformerSpec.megatron_half_grads``: fp16, or bf16 with ``--grad-reduce-in-bf16``), else 4 (fp32)."""
+    return 2 if spec.zero_half_grads or spec.megatron_half_grads else 4
 
 
 def _ipg_buffer(spec) -> tuple[float, bool]:
@@ -284,7 +284,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         Ps = part(P) if zero else P
         params = 4 * P if amp else 2 * P + 4 * Ps
         buckets = _grad_bytes(spec) * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers (Megatron's
-        # buffer: fp16 with megatron_fp16_grads)
+        # buffer: 16-bit with megatron_half_grads)
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
             dynamic = 0
         else:
@@ -408,8 +408,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         end = _grad_bytes(spec) * spec.rank_num_parameters + buf
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
-    if spec.megatron_fp16_grads:  # the optimizer step's fresh fp32 main grads (the shard it updates) beside the
-        # states and the fp16 buffer, activations freed (_GptBuilder._copy_model_grads_to_main_grads)
+    if spec.megatron_half_grads:  # the optimizer step's fresh fp32 main grads (the shard it updates) beside the
+        # states and the 16-bit buffer, activations freed (_GptBuilder._copy_model_grads_to_main_grads)
         P = spec.rank_num_parameters
         main = 4 * (sh.shard(P) if sh is not None and sh.strategy == "distributed_optimizer" else P)
         if end_grads + main > grads + activations + transient:

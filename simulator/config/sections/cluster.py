@@ -95,6 +95,12 @@ class DdpConfig(_Model):
         "accumulation and data-parallel all-reduce / reduce-scatter 2 B per parameter, then a cast into fp32 main "
         "grads before the step), on makes it fp32 (4 B). Only with Megatron's optimizer (precision bf16 / fp16, no "
         "zero_optimization stage, no fsdp); false with bf16 is refused.")
+    grad_reduce_in_bf16: bool = Field(default=False, description="Megatron-LM --grad-reduce-in-bf16 (DDP config "
+                                      "grad_reduce_in_fp32: false): with training.precision bf16 the contiguous grad "
+                                      "buffer, its accumulation and its data-parallel all-reduce / reduce-scatter are "
+                                      "bf16 (2 B per parameter), cast into fp32 main grads before the step. Only with "
+                                      "Megatron's optimizer (no zero_optimization stage, fsdp or training.lora); "
+                                      "ignored, with a warning, outside bf16 (as Megatron-LM does).")
     bucket_size: int | None = Field(default=None, gt=0, le=10**12, description="Megatron-LM --ddp-bucket-size, "
                                     "elements, with use_distributed_optimizer (default: max(4e7, 1e6 x dp) with "
                                     "overlap_grad_reduce, else one bucket).")

@@ -165,6 +165,10 @@ class TransformerSpec:
             forced on with bf16): with fp16 and Megatron's optimizer, off keeps the contiguous grad buffer, its
             accumulation and its data-parallel reduction in fp16 (2 B per parameter) and casts the grads into fp32
             main grads before the step (``_GptBuilder._copy_model_grads_to_main_grads``); on: fp32 (4 B).
+        grad_reduce_in_bf16: Megatron-LM ``--grad-reduce-in-bf16``: with bf16 and Megatron's optimizer the
+            contiguous grad buffer, its accumulation and its data-parallel reduction are bf16 (2 B per parameter),
+            cast into fp32 main grads before the step, as fp16's buffer (``megatron_half_grads``); no effect with
+            another precision (Megatron-LM reads it only under ``--bf16``).
         recompute: One of ``RECOMPUTE``.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
@@ -277,6 +281,7 @@ class TransformerSpec:
     optimizer_impl: str = "fused"
     clip_grad: float | None = None
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False
     recompute: str = "none"
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -489,16 +494,23 @@ class TransformerSpec:
                 and (sh is None or sh.strategy == "distributed_optimizer"))
 
     @property
-    def megatron_fp16_grads(self) -> bool:
-        """Megatron's optimizer with fp16 and without ``--accumulate-allreduce-grads-in-fp32``: the contiguous grad
-        buffer (``main_grad``) is in the parameters' dtype, fp16, so the gradients are accumulated over the
-        micro-batches and all-reduced (or reduce-scattered) in fp16, 2 bytes per element. Source:
-        NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
+    def megatron_half_grads(self) -> bool:
+        """Megatron's optimizer with a 16-bit contiguous grad buffer (``main_grad``), so the gradients are
+        accumulated over the micro-batches and all-reduced (or reduce-scattered) in the parameters' dtype, 2 bytes
+        per element: fp16 without ``--accumulate-allreduce-grads-in-fp32``, or bf16 with ``--grad-reduce-in-bf16``.
+        Sources: NVIDIA/Megatron-LM megatron/arguments.py (2021-2022: ``--accumulate-allreduce-grads-in-fp32``
         store_true, forced on only with ``--bf16``), megatron/model/distributed.py ``_get_buffer_type``
-        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``), megatron/core/distributed
-        ``grad_reduce_in_fp32`` in later releases; the 2020 code (apex-style FP16_Optimizer) kept the fp16
-        ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by default)."""
-        return self.precision == "fp16" and not self.accumulate_allreduce_grads_in_fp32 and self.megatron_optimizer
+        (``torch.float if accumulate_allreduce_grads_in_fp32 else param.dtype``); the 2020 code (apex-style
+        FP16_Optimizer) kept the fp16 ``.grad`` and all-reduced it in fp16 too (``--fp32-allreduce`` off by
+        default). NVIDIA/Megatron-LM@307dcf37 megatron/training/arguments.py ``validate_args``: under ``--bf16``,
+        ``--grad-reduce-in-bf16`` sets ``accumulate_allreduce_grads_in_fp32 = False`` (overriding it), which
+        becomes ``DistributedDataParallelConfig.grad_reduce_in_fp32`` (megatron/training/training.py), and the
+        buffer's dtype is ``torch.float if grad_reduce_in_fp32 else param.dtype``
+        (megatron/core/distributed/distributed_data_parallel.py); outside ``--bf16`` the flag is not read."""
+        if not self.megatron_optimizer:
+            return False
+        return ((self.precision == "fp16" and not self.accumulate_allreduce_grads_in_fp32)
+                or (self.precision == "bf16" and self.grad_reduce_in_bf16))
 
     @property
     def zero_half_grads(self) -> bool:
@@ -1547,7 +1559,7 @@ class _GptBuilder:
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
         if self.dp and self.zero == 0:
-            # DDP's flat bucket buffers (all parameters; fp32, or Megatron's fp16 buffer: _fp16_grad_buffer)
+            # DDP's flat bucket buffers (all parameters; fp32, or Megatron's 16-bit buffer: _half_grad_buffer)
             b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)
 
     def _forward(self, chunk: int, mb: int) -> dict:
@@ -1767,7 +1779,7 @@ class _GptBuilder:
 
     def _pipeline_syncs(self) -> None:
         """Before the optimizer, with ``p > 1``: the tied word-embedding gradients of the first and last
-        pipeline ranks are all-reduced (the ``main_grad``: fp32, fp16 with ``_fp16_grad_buffer``; Megatron-LM
+        pipeline ranks are all-reduced (the ``main_grad``: fp32, 16-bit with ``_half_grad_buffer``; Megatron-LM
         ``_allreduce_word_embedding_grads``), then, with ``clip_grad > 0`` (Megatron-LM's default 1.0) outside
         Megatron's optimizer and FSDP, every pipeline rank joins a gradient-norm all-reduce (one fp32 value; with
         fp16 and ``clip_grad`` 0 the found-inf all-reduce of ``_optimizer`` joins them instead). Megatron's
@@ -1786,7 +1798,7 @@ class _GptBuilder:
         calls = [*self._last_call, *self._detached]
         deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
-            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
             nbytes = gb * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
                                     phase=Phase.OPT, bytes_read=float(nbytes), dtype=dt,
@@ -1815,12 +1827,12 @@ class _GptBuilder:
             shd.sp_unit_grads(self, self._bucket)
 
     def _sequence_parallel_grads(self) -> None:
-        """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, fp16 with
-        ``_fp16_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
+        """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, 16-bit with
+        ``_half_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
         FSDP: per unit, ``_unit_sp_grads``)."""
         if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
-            gb, dt = (2, "fp16") if self._fp16_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
                                            dtype=dt))
@@ -1835,7 +1847,7 @@ class _GptBuilder:
         reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
-        if self._fp16_grad_buffer:
+        if self._half_grad_buffer:
             grads, deps = self._copy_model_grads_to_main_grads(P * share, grads, deps)
         if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
@@ -2057,7 +2069,7 @@ class _GptBuilder:
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
         if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
-        if self._fp16_grad_buffer:
+        if self._half_grad_buffer:
             self._grad_elem_bytes = 2
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
@@ -2109,7 +2121,7 @@ class _GptBuilder:
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
             b.persistent(f"params.{half}", 2 * P)
             b.persistent("params.master_fp32", 4 * Ps)
-            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)  # fp32, or fp16 (_fp16_grad_buffer)
+            b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)  # fp32, or 16-bit (_half_grad_buffer)
         elif st == "zero3":  # 16-bit partition + gradient partition + fp32 master (ZeRO paper (2 + 2 + K) Psi / Nd)
             b.persistent(f"params.{half}.partition", 2 * Ps)
             if self.pg.persistent_numel:
@@ -2130,12 +2142,13 @@ class _GptBuilder:
         return self.s.megatron_optimizer
 
     @property
-    def _fp16_grad_buffer(self) -> bool:
-        """``TransformerSpec.megatron_fp16_grads``: Megatron's contiguous grad buffer is fp16, 2 bytes per element."""
-        return self.s.megatron_fp16_grads
+    def _half_grad_buffer(self) -> bool:
+        """``TransformerSpec.megatron_half_grads``: Megatron's contiguous grad buffer is 16-bit (fp16, or bf16 with
+        ``--grad-reduce-in-bf16``), 2 bytes per element."""
+        return self.s.megatron_half_grads
 
     def _copy_model_grads_to_main_grads(self, n: float, grads: list[str], deps: list[int]):
-        """Megatron ``_copy_model_grads_to_main_grads`` with an fp16 grad buffer (``_fp16_grad_buffer``):
+        """Megatron ``_copy_model_grads_to_main_grads`` with a 16-bit grad buffer (``_half_grad_buffer``):
         ``main_param.grad = model_param.main_grad.float()`` for the ``n`` gradient elements this rank updates (its
         shard with the distributed optimizer), read 2 + write 4 bytes each, into fresh fp32 main grads that the
         unscale, the norm and the AdamW read. Source: NVIDIA/Megatron-LM megatron/optimizer/optimizer.py

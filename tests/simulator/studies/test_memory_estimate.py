@@ -76,6 +76,15 @@ CASES = {
     "fp16 Megatron DDP TP2, step peak": (TP2, ["training.precision=fp16", "training.micro_batch_size=1",
                                                "model.seq_length=128"]),
     "fp16 Megatron PP (Narayanan 2021)": (ROOT / "scenarios/validation/NARAYANAN21-T1-GPT1.7B-32xA100.yaml", []),
+    # Megatron's bf16 grad buffer (--grad-reduce-in-bf16): 2 bytes per element, fp32 main grads at the step
+    "bf16 grad reduce DDP TP2": (TP2, ["training.precision=bf16", "ddp.grad_reduce_in_bf16=true"]),
+    "bf16 grad reduce distributed optimizer": (DP8, ["training.precision=bf16", "ddp.use_distributed_optimizer=true",
+                                                     "ddp.grad_reduce_in_bf16=true"]),
+    "bf16 grad reduce TP2, step peak": (TP2, ["training.precision=bf16", "ddp.grad_reduce_in_bf16=true",
+                                              "training.micro_batch_size=1", "model.seq_length=128"]),
+    "bf16 grad reduce PP4 distributed optimizer": (TP2, [*PP4, "training.precision=bf16",
+                                                         "ddp.use_distributed_optimizer=true",
+                                                         "ddp.grad_reduce_in_bf16=true"]),
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
     "tf32 PP4 hf_eager no recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap"
