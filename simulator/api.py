@@ -71,6 +71,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         tp_comm_overlap={False: "none", True: "overlap", "fused": "fused"}[p.tp_comm_overlap],
         tp_async_grad_reduce=p.async_tensor_model_parallel_allreduce,
         context_parallel_size=p.context_parallel_size, cp_comm_type=p.cp_comm_type, fp8=t.fp8, fp8_amax_history_len=t.fp8_amax_history_len,
+        fp8_param_gather=t.fp8_param_gather,
         fp8_weight_copies=fp8_weight_copies(stage_gpu(cfg, pipeline_rank)) if t.fp8 is not None else 2,
         num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
@@ -805,6 +806,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "at 2 B per block Linear weight element (the weight and its transpose, as on Hopper); 1 B "
                        "if they take any layout (Blackwell)")
         shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+        if cfg.training.fp8_param_gather and shards > 1:
+            out.append("training.fp8_param_gather: Megatron-LM keeps the fp8 parameters in a uint8 buffer of their "
+                       "own, bucketed apart from the 16-bit ones; here they share the 16-bit parameters' buckets "
+                       "(each all-gather's bytes are exact, 1 B per fp8 and 2 B per bf16 element; the bucket "
+                       "boundaries, and so the overlap of the gathers and reduce-scatters, are approximate)")
         if cfg.zero_optimization.stage in (1, 2) and shards > 1:  # DeepSpeed drives the model, not Megatron
             out.append(f"training.fp8 memory with DeepSpeed ZeRO-{cfg.zero_optimization.stage}: Transformer "
                        "Engine's fp8 weight workspace is counted cached for the run, as under Megatron's TELinear, "

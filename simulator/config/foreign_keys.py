@@ -57,8 +57,8 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     # Megatron-LM arguments written as keys beside the ones modelled (megatron/training/arguments.py)
     "training.grad_reduce_in_bf16": "Megatron-LM's --grad-reduce-in-bf16 is ddp.grad_reduce_in_bf16: true here (the "
                                     "DDP config's grad_reduce_in_fp32: false)",
-    "training.fp8_param_gather": "Megatron-LM's --fp8-param-gather is not modelled: the parameters are kept and "
-                                 "all-gathered in bf16 and each block Linear weight is cast to fp8 once per step",
+    "ddp.fp8_param_gather": "Megatron-LM's --fp8-param-gather is training.fp8_param_gather: true here (beside "
+                            "training.fp8; the DDP config's fp8_param_gather follows it)",
     # llm-foundry / Composer fsdp_config keys
     "fsdp.activation_checkpointing": "llm-foundry's fsdp_config.activation_checkpointing: true is "
                                      "training.recompute_granularity: full here (every block recomputed)",

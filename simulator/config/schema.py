@@ -380,6 +380,13 @@ class TrainingConfig(_Model):
         default=1, le=1_000_000, description="Megatron-LM --fp8-amax-history-len (Transformer Engine DelayedScaling "
         "amax_history_len; Megatron's default 1): fp32 amax entries kept per fp8 tensor, read and rolled by the scale "
         "update after each forward and backward.")
+    fp8_param_gather: bool = Field(
+        default=False, description="Megatron-LM --fp8-param-gather (Transformer Engine fp8_model_init): the blocks' "
+        "Linear weights are kept as fp8 parameters (1 B, plus their transposes where fp8 GEMMs are TN-only) in place "
+        "of bf16 weights and their cached fp8 copies; after the step each rank casts its fp32 master shard to fp8 "
+        "(fp32 -> bf16 -> fp8, quantize_param_shard, with an amax all-reduce over the data-parallel group) and the "
+        "parameter all-gather moves 1 B per fp8 element. Needs training.fp8 and ddp.use_distributed_optimizer "
+        "(Megatron-LM's asserts); dense models only.")
     optimizer: OptimizerConfig = OptimizerConfig()
     clip_grad: float | None = Field(
         default=None, ge=0.0, description="Gradient clipping by the global L2 norm, max norm (0: none); the "
@@ -985,6 +992,16 @@ class ScenarioConfig(_Model):
         if self.training.fp8 is not None and self.training.precision != "bf16":
             raise ValueError(f"training.fp8: {self.training.fp8} needs training.precision bf16 (Megatron-LM trains "
                              f"fp8 over bf16; got {self.training.precision})")
+        t = self.training
+        if t.fp8_param_gather and t.fp8 is None:
+            raise ValueError("training.fp8_param_gather needs training.fp8 (Megatron-LM: fp8_param must be used "
+                             "together with fp8 mode; allowed: set training.fp8, or omit fp8_param_gather)")
+        if t.fp8_param_gather and not self.ddp.use_distributed_optimizer:
+            raise ValueError("training.fp8_param_gather needs ddp.use_distributed_optimizer: true (Megatron-LM: "
+                             "--fp8-param-gather only supported with the distributed optimizer)")
+        if t.fp8_param_gather and self.model.num_experts:
+            raise ValueError("training.fp8_param_gather with model.num_experts is not modelled yet (fp8 expert "
+                             "weights; allowed: a dense model)")
         if self.training.fp8 is not None and self.zero_optimization.stage == 3:
             raise ValueError("training.fp8 with zero_optimization.stage 3 is not modelled yet (allowed: stage 0-2)")
         p = self.parallelism

@@ -232,13 +232,11 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
 def fp8_workspace_bytes(spec) -> int:
     """Transformer Engine's cached fp8 weight workspace of one rank, bytes: ``spec.fp8_weight_copies`` (2 where
     fp8 GEMMs are TN-only, 1 on Blackwell) x the elements of its blocks' Linear weights (QKV, proj, fc1, fc2 per
-    TP rank, ``layer_param_sizes``), resident for the whole run (transformer.py ``_fp8_operands``); 0 without fp8."""
-    from simulator.graph.builders.sharding import layer_param_sizes
+    TP rank, ``sharding.fp8_weight_numel``), resident for the whole run (transformer.py ``_fp8_operands``); 0 without
+    fp8 and with ``fp8_param_gather`` (the fp8 parameters are the GEMM operands: ``_model_state_bytes``)."""
+    from simulator.graph.builders.sharding import fp8_weight_numel
 
-    if spec.fp8 is None:
-        return 0
-    per_layer = sum(n for k, n in layer_param_sizes(spec).items() if k.endswith(".weight") and not k.startswith("ln"))
-    return spec.fp8_weight_copies * spec.rank_layers * per_layer
+    return 0 if spec.fp8_param_gather else spec.fp8_weight_copies * fp8_weight_numel(spec)
 
 
 def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
@@ -255,6 +253,16 @@ def _grad_bytes(spec) -> int:
     ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's 16-bit grad
     buffer (``TransformerSpec.megatron_half_grads``: fp16, or bf16 with ``--grad-reduce-in-bf16``), else 4 (fp32)."""
     return 2 if spec.zero_half_grads or spec.megatron_half_grads else 4
+
+
+def _half_param_bytes(spec) -> int:
+    """A rank's 16-bit model parameters under Megatron's optimizer, bytes: 2 per element, but with
+    ``fp8_param_gather`` the block Linear weights (``sharding.fp8_weight_numel``) are fp8, 1 B each plus their
+    transposes where ``fp8_weight_copies`` is 2 (transformer.py ``_GptBuilder._half_params``)."""
+    from simulator.graph.builders.sharding import fp8_weight_numel
+
+    f8 = fp8_weight_numel(spec) if spec.fp8_param_gather else 0
+    return 2 * (spec.rank_num_parameters - f8) + f8 * (2 if spec.fp8_weight_copies == 2 else 1)
 
 
 def _ipg_buffer(spec) -> tuple[float, bool]:
@@ -282,7 +290,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     if sh is None:
         zero = spec.zero_stage
         Ps = part(P) if zero else P
-        params = 4 * P if amp else 2 * P + 4 * Ps
+        params = 4 * P if amp else _half_param_bytes(spec) + 4 * Ps
         buckets = _grad_bytes(spec) * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers (Megatron's
         # buffer: 16-bit with megatron_half_grads)
         if zero == 2:  # shards and the buckets' full gradients over the backward: _zero2_stage
@@ -297,7 +305,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     Ps = sh.shard(P)
     if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer (fp16
         # buffer: fresh fp32 main grads at the step, stage_memory)
-        return {"params": 2 * P + 4 * Ps, "grad": _grad_bytes(spec) * P, "optimizer": 8 * Ps}, 0
+        return {"params": _half_param_bytes(spec) + 4 * Ps, "grad": _grad_bytes(spec) * P, "optimizer": 8 * Ps}, 0
     if sh.strategy == "no_shard":
         return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
     unit = spec.layer_params
@@ -408,12 +416,18 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         end = _grad_bytes(spec) * spec.rank_num_parameters + buf
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
-    if spec.megatron_half_grads:  # the optimizer step's fresh fp32 main grads (the shard it updates) beside the
-        # states and the 16-bit buffer, activations freed (_GptBuilder._copy_model_grads_to_main_grads)
+    if spec.megatron_half_grads or spec.fp8_param_gather:  # the optimizer step, activations freed: the fresh fp32
+        # main grads of the shard it updates beside the states and the 16-bit buffer
+        # (_GptBuilder._copy_model_grads_to_main_grads), and with fp8 parameters the bf16 copy of the fp8 weights'
+        # master shard that quantize_param_shard casts from (_GptBuilder._copy_main_params_to_fp8)
+        from simulator.graph.builders.sharding import fp8_weight_numel
+
         P = spec.rank_num_parameters
-        main = 4 * (sh.shard(P) if sh is not None and sh.strategy == "distributed_optimizer" else P)
-        if end_grads + main > grads + activations + transient:
-            grads, activations, transient = end_grads + main, 0.0, 0.0
+        share = sh.shard(P) / P if sh is not None and sh.strategy == "distributed_optimizer" else 1.0
+        main = 4 * P * share if spec.megatron_half_grads else 0.0
+        cast = 2 * fp8_weight_numel(spec) * share if spec.fp8_param_gather else 0.0
+        if end_grads + main + cast > grads + activations + transient:
+            grads, activations, transient = end_grads + main, 0.0, cast
     tensors = sum(states.values()) + grads + activations + transient
     cats = {**_state_cats(states, grads), "activations": float(activations), "transient": float(transient),
             "overheads": o.cuda_context_bytes + o.reserve_bytes(tensors)}

@@ -201,6 +201,20 @@ def layer_param_sizes(spec, experts: bool = True, layer: int | None = None) -> d
     return out
 
 
+def is_fp8_weight(name: str) -> bool:
+    """A block parameter (its ``layer_param_sizes`` name, ``qkv.weight``) that Transformer Engine runs in fp8
+    with ``training.fp8``: a Linear weight (not a norm's, not a bias)."""
+    return name.endswith(".weight") and not name.startswith("ln")
+
+
+def fp8_weight_numel(spec) -> int:
+    """Elements of one rank's block Linear weights (QKV, proj, fc1, fc2 per TP rank, ``is_fp8_weight``): those with
+    an fp8 workspace, or fp8 parameters with ``fp8_param_gather``; 0 without ``spec.fp8``."""
+    if spec.fp8 is None:
+        return 0
+    return spec.rank_layers * sum(n for k, n in layer_param_sizes(spec).items() if is_fp8_weight(k))
+
+
 def _moe_param_sizes(spec, out: dict[str, int], experts: bool) -> None:
     """The MoE layer's parameters on one rank in backward order (``moe.moe_bwd``), added to ``out``."""
     h, t = spec.hidden_size, spec.tensor_parallel_size
@@ -265,16 +279,20 @@ class MegatronBuffer:
         bucket_numel: Elements per bucket.
         hook_buckets: Builder hook (a layer; -1 the embeddings, ``num_layers`` the head) -> the buckets
             holding its parameters (which the hook's forward waits for with ``overlap_param_gather``).
+        bucket_fp8_numel: Elements per bucket that are fp8 parameters (``spec.fp8_param_gather``; else 0s).
         closed: Buckets whose gradients are complete (filled in by the builder).
         gather_ops: Bucket -> its parameter all-gather op (filled in by the builder).
+        transposed: Buckets whose fp8 weights' transposes were made this step (filled in by the builder).
     """
 
     first_bucket: int
     bucket_len: list[int]
     bucket_numel: list[int]
     hook_buckets: dict[int, list[int]]
+    bucket_fp8_numel: list[int] = field(default_factory=list)
     closed: int = 0
     gather_ops: dict[int, int] = field(default_factory=dict)
+    transposed: set[int] = field(default_factory=set)
 
 
 def megatron_buffer(spec, chunk: int, first_bucket: int = 0, experts: bool = True) -> MegatronBuffer:
@@ -291,8 +309,10 @@ def megatron_buffer(spec, chunk: int, first_bucket: int = 0, experts: bool = Tru
             hooks.setdefault(unit if unit >= 0 else (-1 if emb else L), set()).add(bi)
             if emb and name == "wte.weight" and spec.tied_embeddings and not spec.embedding_copy:
                 hooks.setdefault(L, set()).add(bi)  # the tied head reads the token table
+    fp8 = [spec.fp8_param_gather and unit >= 0 and is_fp8_weight(name.split(".", 1)[1]) for name, unit, _ in order]
     return MegatronBuffer(first_bucket, [len(b) for b in buckets], [sum(order[i][2] for i in b) for b in buckets],
-                          {h: sorted(v) for h, v in hooks.items()})
+                          {h: sorted(v) for h, v in hooks.items()},
+                          [sum(order[i][2] for i in b if fp8[i]) for b in buckets])
 
 
 def megatron_buckets(sizes: list[int], bucket_elements: int | None) -> list[list[int]]:

@@ -229,6 +229,11 @@ class TransformerSpec:
             transpose for the input-gradient GEMM: Hopper, Ada, ROCm; ``GpuSpec.fp8_gemm_tn_only``), 1 where the
             GEMM reads the one copy either way (Blackwell, delayed scaling). Resident for the whole run (Megatron's
             TELinear passes ``is_first_microbatch``: ``_fp8_operands``).
+        fp8_param_gather: Megatron-LM ``--fp8-param-gather`` (Transformer Engine ``fp8_model_init``; needs ``fp8``
+            and Megatron's optimizer, a dense model): the block Linear weights are fp8 parameters (``Float8Tensor``:
+            1 B per element in Megatron's uint8 param buffer, plus the transpose where ``fp8_weight_copies`` is 2)
+            in place of the bf16 weights and their cached fp8 workspace; the step casts the fp32 master shard to
+            fp8 and the parameter all-gather moves 1 B per fp8 element (``_GptBuilder._copy_main_params_to_fp8``).
         num_experts: Routed experts ``E`` of every block's MLP (Megatron ``--num-experts``; ``None``: dense
             MLP). The MoE layer is built by ``simulator.graph.builders.moe``.
         moe_router_topk: Experts per token ``k`` (Megatron ``--moe-router-topk``, default 2).
@@ -312,6 +317,7 @@ class TransformerSpec:
     cp_comm_type: str = "p2p"
     fp8: str | None = None
     fp8_amax_history_len: int = 1
+    fp8_param_gather: bool = False
     fp8_weight_copies: int = 2
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -448,6 +454,9 @@ class TransformerSpec:
         core.check_attention_spec(self)
         varlen.check_varlen_spec(self)
         hf.check_spec(self)
+        if self.fp8_param_gather and (self.fp8 is None or not self.megatron_optimizer or self.num_experts):
+            raise ValueError("fp8_param_gather needs fp8, Megatron's optimizer (bf16, no ZeRO / FSDP / LoRA) and a "
+                             "dense model")
         if self.fp8_weight_copies not in (1, 2):
             raise ValueError(f"fp8_weight_copies must be 1 or 2 (the fp8 weight, and its transpose where fp8 GEMMs "
                              f"are TN-only), got {self.fp8_weight_copies}")
@@ -1047,6 +1056,8 @@ class _GptBuilder:
         e.kernel(f"{name}.fp8_quantize_x", C.CAST, reads=2 * x_numel, writes=x_numel, out=[(xq, x_numel)], uses=[x])
         key = (e.layer, name)
         wq = self._fp8_w.get(key)
+        if wq is None and self.s.fp8_param_gather:  # the fp8 parameter itself (params.fp8): no cast, no workspace
+            wq = self._fp8_w[key] = "params.fp8"
         if wq is None:
             wq = self._fp8_w[key] = f"workspace.fp8_weight.L{e.layer}.{name}"
             self._fp8_ws[wq] = self.s.fp8_weight_copies * w_numel
@@ -1554,7 +1565,7 @@ class _GptBuilder:
         if self.amp or self.full:  # fp32 parameters, no separate master copy
             b.persistent("params.fp32", 4 * P)
         else:
-            b.persistent(f"params.{self.e.half}", 2 * P)
+            self._half_params(P)
             b.persistent("params.master_fp32", 4 * Ps)
         b.persistent("optimizer.exp_avg", 4 * Ps)
         b.persistent("optimizer.exp_avg_sq", 4 * Ps)
@@ -1877,7 +1888,11 @@ class _GptBuilder:
             adam = e.kernel("adamw", C.OPTIMIZER, reads=reads * share, writes=writes * share, flops=12 * P * share,
                             uses=grads, dtype="fp32", deps=deps, meta={"params": P})
             if meg:
-                self._copy_main_params_to_model(P * share, adam)
+                f8 = shd.fp8_weight_numel(s) if s.fp8_param_gather else 0
+                if P > f8:
+                    self._copy_main_params_to_model((P - f8) * share, adam)
+                if f8:
+                    self._copy_main_params_to_fp8(f8 * share, adam)
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1
@@ -2101,8 +2116,11 @@ class _GptBuilder:
             if not buf.gather_ops:  # the chunk's buckets, in forward order, on the dp stream at its first forward
                 for bi in reversed(range(len(buf.bucket_len))):
                     buf.gather_ops[bi] = self._collective(f"megatron.param_all_gather.{buf.first_bucket + bi}",
-                                                          "all_gather", 2 * buf.bucket_numel[bi], [], Phase.FWD)
-            self.e.wait_for.extend(buf.gather_ops[bi] for bi in buf.hook_buckets.get(layer, ()))
+                                                          "all_gather", self._param_gather_bytes(buf, bi), [],
+                                                          Phase.FWD)
+            hooks = buf.hook_buckets.get(layer, ())
+            self.e.wait_for.extend(buf.gather_ops[bi] for bi in hooks)
+            self._fp8_transposes(buf, hooks, [buf.gather_ops[bi] for bi in hooks])
 
     def _release_layer_params(self, layer: int, phase: Phase) -> None:
         """Hook at the end of a block's backward: BACKWARD_POST prefetch, then the FSDP unit's reduce-scatter."""
@@ -2119,7 +2137,7 @@ class _GptBuilder:
         half = self.e.half
         st = sh.strategy
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
-            b.persistent(f"params.{half}", 2 * P)
+            self._half_params(P)
             b.persistent("params.master_fp32", 4 * Ps)
             b.persistent("grad.ddp_buckets", self._grad_elem_bytes * P)  # fp32, or 16-bit (_half_grad_buffer)
         elif st == "zero3":  # 16-bit partition + gradient partition + fp32 master (ZeRO paper (2 + 2 + K) Psi / Nd)
@@ -2135,6 +2153,22 @@ class _GptBuilder:
         n = P if st == "no_shard" else Ps
         b.persistent("optimizer.exp_avg", 4 * n)
         b.persistent("optimizer.exp_avg_sq", 4 * n)
+
+    def _half_params(self, P: int) -> None:
+        """The model's 16-bit parameters, whole on every rank; with ``fp8_param_gather`` the block Linear weights
+        (``sharding.fp8_weight_numel``) are fp8 parameters instead: 1 B each in Megatron's uint8 param buffer
+        (``params.fp8``) and, where fp8 GEMMs are TN-only (``fp8_weight_copies`` 2), their transposes
+        (``params.fp8_transpose``, made after each all-gather: ``_fp8_transposes``). Sources:
+        NVIDIA/Megatron-LM@6a6cd478 megatron/core/distributed/distributed_data_parallel.py (a ``Float8Tensor``'s
+        buffer dtype is ``torch.uint8``, each (param dtype, grad dtype) its own buffer), megatron/core/fp8_utils.py
+        ``post_all_gather_processing`` -> NVIDIA/TransformerEngine@f3d39f77 transformer_engine/pytorch/tensor/utils.py
+        (``model_weight._create_transpose()`` where ``is_non_tn_fp8_gemm_supported()`` is false)."""
+        f8 = shd.fp8_weight_numel(self.s) if self.s.fp8_param_gather else 0
+        self.b.persistent(f"params.{self.e.half}", 2 * (P - f8))
+        if f8:
+            self.b.persistent("params.fp8", f8)
+            if self.s.fp8_weight_copies == 2:
+                self.b.persistent("params.fp8_transpose", f8)
 
     @property
     def _megatron_optimizer(self) -> bool:
@@ -2258,6 +2292,48 @@ class _GptBuilder:
         return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
                            phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
 
+    def _copy_main_params_to_fp8(self, n8: float, adam: int) -> None:
+        """``fp8_param_gather``: Megatron ``quantize_param_shard`` for the ``n8`` fp32 master elements of fp8
+        parameters this rank updates, Transformer Engine's delayed-scaling path: ``master_weight.to(bf16)`` for
+        all of them first (read 4 + write 2 bytes each, a bf16 copy of the shard alive through the quantize), then
+        ``update_quantized`` into the fp8 param buffer (read 2 + write 1, its amax), then one packed fp32 amax per
+        fp8 weight all-reduced (MAX) over the data-parallel group. Sources: NVIDIA/Megatron-LM@6a6cd478
+        megatron/core/fp8_utils.py ``quantize_param_shard``, called by
+        megatron/core/optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params``;
+        NVIDIA/TransformerEngine@002a3e57 transformer_engine/pytorch/tensor/utils.py ``cast_master_weights_to_fp8``
+        and ``_cast_master_weights_to_fp8_delayed_scaling``. The scale-inverse updates (a few bytes per weight)
+        are not priced."""
+        e = self.e
+        tmp = e.fresh("fp8.master_bf16")
+        cast = e.kernel("megatron.fp8.master_to_bf16", C.CAST, reads=4 * n8, writes=2 * n8, flops=n8,
+                        out=[(tmp, 2 * n8)], deps=[adam], dtype="fp32")
+        q = e.kernel("megatron.fp8.quantize_param_shard", C.CAST, reads=2 * n8, writes=n8, flops=2 * n8, uses=[tmp],
+                     deps=[cast])
+        if self.sh is None:  # one data-parallel rank: the all-gather is over itself, the transposes follow the cast
+            if self.s.fp8_weight_copies == 2:
+                e.kernel("megatron.fp8_transpose", C.COPY, reads=n8, writes=n8, uses=["params.fp8"], deps=[q],
+                         dtype="fp8")
+        else:
+            count = 4 * self.s.rank_layers  # qkv, proj, fc1, fc2 of each block (is_fp8_weight)
+            self.comm_ops.append(self.b.add(
+                "dp.fp8_param_amax.all_reduce", OpKind.COLLECTIVE, "comm.dp", deps=[q], phase=Phase.OPT,
+                bytes_read=4.0 * count, dtype="fp32", meta={"collective": "all_reduce", "bytes": 4 * count,
+                                                              "group": "dp"}))
+
+    def _fp8_transposes(self, buf, buckets, deps: list[int]) -> None:
+        """``fp8_param_gather`` where fp8 GEMMs are TN-only: after the all-gather of ``buckets`` of ``buf``,
+        ``post_all_gather_processing`` writes each fp8 weight's transpose (read 1 + write 1 byte per element, into
+        ``params.fp8_transpose``), once per step (``_half_params``' sources)."""
+        if not self.s.fp8_param_gather or self.s.fp8_weight_copies != 2:
+            return
+        for bi in buckets:
+            if bi in buf.transposed or not buf.bucket_fp8_numel[bi]:
+                continue
+            buf.transposed.add(bi)
+            n = buf.bucket_fp8_numel[bi]
+            self.e.kernel(f"megatron.fp8_transpose.{buf.first_bucket + bi}", C.COPY, reads=n, writes=n,
+                          uses=["params.fp8"], deps=deps, dtype="fp8")
+
     def _copy_main_params_to_model(self, n: float, adam: int) -> None:
         """Megatron ``_copy_main_params_to_model_params`` after the fused AdamW: the ``n`` updated fp32 main params
         of this rank (its shard with the distributed optimizer, into the param buffer the all-gather reads) cast into
@@ -2300,9 +2376,18 @@ class _GptBuilder:
             moe.expert_param_gathers(self, opt)  # (after the step even with overlap_param_gather)
         if sh.strategy == "distributed_optimizer" and not sh.overlap_param_gather:
             for buf in self._mg.values():
-                for bi, n in enumerate(buf.bucket_numel):
+                for bi in range(len(buf.bucket_numel)):
                     self.comm_ops.append(self._collective(f"megatron.param_all_gather.{buf.first_bucket + bi}",
-                                                          "all_gather", 2 * n, [opt], Phase.OPT))
+                                                          "all_gather", self._param_gather_bytes(buf, bi), [opt],
+                                                          Phase.OPT))
+                    self._fp8_transposes(buf, [bi], [self.comm_ops[-1]])
+
+    @staticmethod
+    def _param_gather_bytes(buf, bi: int) -> int:
+        """Bytes of bucket ``bi``'s parameter all-gather: 2 per 16-bit element, 1 per fp8 parameter element
+        (``fp8_param_gather``; Megatron keeps them in their own uint8 buffer, bucketed on its own: here they share
+        the 16-bit parameters' buckets, flagged by ``run_warnings``)."""
+        return 2 * buf.bucket_numel[bi] - (buf.bucket_fp8_numel[bi] if buf.bucket_fp8_numel else 0)
 
     def _sharded_grad_ready(self, pg: ParamGroup) -> bool:
         """Bucket a finished gradient (FSDP: per unit; Megatron: its precomputed buckets). False: use the

@@ -85,6 +85,21 @@ CASES = {
     "bf16 grad reduce PP4 distributed optimizer": (TP2, [*PP4, "training.precision=bf16",
                                                          "ddp.use_distributed_optimizer=true",
                                                          "ddp.grad_reduce_in_bf16=true"]),
+    # Megatron's fp8 parameters (--fp8-param-gather): fp8 weights and their transposes in place of the bf16 weights
+    # and the fp8 workspace; the step's bf16 copy of the fp8 master shard
+    "fp8 param gather distributed optimizer": (DP8, ["ddp.use_distributed_optimizer=true", "training.precision=bf16",
+                                                     "training.fp8=hybrid", "training.fp8_param_gather=true"]),
+    "fp8 param gather + bf16 grads, step peak": (DP8, ["ddp.use_distributed_optimizer=true", "training.precision=bf16",
+                                                       "training.fp8=hybrid", "training.fp8_param_gather=true",
+                                                       "ddp.grad_reduce_in_bf16=true", "training.micro_batch_size=1",
+                                                       "model.seq_length=128"]),
+    "fp8 param gather Llama H200 one rank": (H200 / "llama3_8b_b1.yaml", [
+        "training.fp8=hybrid", "ddp.use_distributed_optimizer=true", "training.fp8_param_gather=true"]),
+    "fp8 param gather Llama B200 one rank": (H200 / "llama3_8b_b1.yaml", [
+        "training.fp8=hybrid", "ddp.use_distributed_optimizer=true", "training.fp8_param_gather=true",
+        "hardware.gpu=b200-180gb", "hardware.profile=null"]),
+    "fp8 param gather PP4": (TP2, [*PP4, "training.precision=bf16", "training.fp8=hybrid",
+                                   "ddp.use_distributed_optimizer=true", "training.fp8_param_gather=true"]),
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
     "tf32 PP4 hf_eager no recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap"
