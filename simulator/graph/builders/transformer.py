@@ -1892,7 +1892,7 @@ class _GptBuilder:
                 if P > f8:
                     self._copy_main_params_to_model((P - f8) * share, adam)
                 if f8:
-                    self._copy_main_params_to_fp8(f8 * share, adam)
+                    self._copy_main_params_to_fp8(f8 * share, adam, grads)
         self._after_step_gathers(len(self.b) - 1)
         if self.zero in (1, 2):
             opt = len(self.b) - 1
@@ -2292,7 +2292,7 @@ class _GptBuilder:
         return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
                            phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
 
-    def _copy_main_params_to_fp8(self, n8: float, adam: int) -> None:
+    def _copy_main_params_to_fp8(self, n8: float, adam: int, grads: list[str]) -> None:
         """``fp8_param_gather``: Megatron ``quantize_param_shard`` for the ``n8`` fp32 master elements of fp8
         parameters this rank updates, Transformer Engine's delayed-scaling path: ``master_weight.to(bf16)`` for
         all of them first (read 4 + write 2 bytes each, a bf16 copy of the shard alive through the quantize), then
@@ -2302,11 +2302,12 @@ class _GptBuilder:
         megatron/core/optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params``;
         NVIDIA/TransformerEngine@002a3e57 transformer_engine/pytorch/tensor/utils.py ``cast_master_weights_to_fp8``
         and ``_cast_master_weights_to_fp8_delayed_scaling``. The scale-inverse updates (a few bytes per weight)
-        are not priced."""
+        are not priced. The fp32 main grads ``grads`` are still allocated (``.grad`` of the main params until the
+        next step's ``zero_grad``): the cast holds them."""
         e = self.e
         tmp = e.fresh("fp8.master_bf16")
         cast = e.kernel("megatron.fp8.master_to_bf16", C.CAST, reads=4 * n8, writes=2 * n8, flops=n8,
-                        out=[(tmp, 2 * n8)], deps=[adam], dtype="fp32")
+                        out=[(tmp, 2 * n8)], uses=grads, deps=[adam], dtype="fp32")
         q = e.kernel("megatron.fp8.quantize_param_shard", C.CAST, reads=2 * n8, writes=n8, flops=2 * n8, uses=[tmp],
                      deps=[cast])
         if self.sh is None:  # one data-parallel rank: the all-gather is over itself, the transposes follow the cast
