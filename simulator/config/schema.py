@@ -375,7 +375,8 @@ class TrainingConfig(_Model):
         "GEMMs in fp8 (e4m3 forward; hybrid: e5m2 gradients) with per-tensor scaling; needs precision bf16 and a GPU "
         "with an fp8 rate. Attention, embeddings and the LM head stay bf16. The fp8 weights stay cached for the run "
         "(Transformer Engine under Megatron), with their transposes where fp8 GEMMs are TN-only (Hopper: 2 B per "
-        "weight element; Blackwell: 1 B).")
+        "weight element; Blackwell: 1 B); with fp8_param_gather the fp8 parameters replace the bf16 weights and the "
+        "cached copies.")
     fp8_amax_history_len: PositiveInt = Field(
         default=1, le=1_000_000, description="Megatron-LM --fp8-amax-history-len (Transformer Engine DelayedScaling "
         "amax_history_len; Megatron's default 1): fp32 amax entries kept per fp8 tensor, read and rolled by the scale "

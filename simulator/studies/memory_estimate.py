@@ -19,7 +19,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   ``overlap_comm``; ``_ipg_buffer``), into which ZeRO-2 copies its gradients (no band then); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
   parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
-  master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole.
+  master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole. Megatron's gradient buffer
+  is 16-bit (2 B) with fp16 (``ddp.accumulate_allreduce_grads_in_fp32`` off) or ``ddp.grad_reduce_in_bf16``, and its
+  fresh fp32 main grads (``4 P / N_d``) join the step's peak; with ``training.fp8_param_gather`` the block Linear
+  weights are 1 B fp8 parameters (+ 1 B transposes where fp8 GEMMs are TN-only, no fp8 workspace) and the step's
+  peak holds the bf16 copy of their master shard (``2 P_fp8 / N_d``).
 * **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
   in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
@@ -41,7 +45,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   2 a_b T h`` and its largest 16-bit weight gradient.
 * **fp8** (``training.fp8``, Transformer Engine): the cached fp8 weight workspace, resident, ``c`` bytes per
   element of the stage's block Linear weights (``c = 2`` where fp8 GEMMs are TN-only: the weight and its transpose;
-  1 on Blackwell; ``fp8_workspace_bytes``), and each block's four Linear inputs saved in fp8, 1 B per element less:
+  1 on Blackwell; ``fp8_workspace_bytes``; none with ``fp8_param_gather``), and each block's four Linear inputs saved in fp8, 1 B per element less:
   ``T (2 h + h / t + f / t)`` per block and micro-batch.
 * **Overheads**: ``memory.cuda_context_bytes`` + ``memory.allocator_reserve_fraction`` x tensors (the
   scenario's ``memory`` section, the engine's defaults).

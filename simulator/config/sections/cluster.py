@@ -94,7 +94,7 @@ class DdpConfig(_Model):
         "it on with --bf16): with training.precision fp16 off keeps the contiguous grad buffer in fp16 (its "
         "accumulation and data-parallel all-reduce / reduce-scatter 2 B per parameter, then a cast into fp32 main "
         "grads before the step), on makes it fp32 (4 B). Only with Megatron's optimizer (precision bf16 / fp16, no "
-        "zero_optimization stage, no fsdp); false with bf16 is refused.")
+        "zero_optimization stage, no fsdp); false with bf16 is refused unless ddp.grad_reduce_in_bf16.")
     grad_reduce_in_bf16: bool = Field(default=False, description="Megatron-LM --grad-reduce-in-bf16 (DDP config "
                                       "grad_reduce_in_fp32: false): with training.precision bf16 the contiguous grad "
                                       "buffer, its accumulation and its data-parallel all-reduce / reduce-scatter are "
