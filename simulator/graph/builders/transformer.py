@@ -2159,9 +2159,10 @@ class _GptBuilder:
         (``sharding.fp8_weight_numel``) are fp8 parameters instead: 1 B each in Megatron's uint8 param buffer
         (``params.fp8``) and, where fp8 GEMMs are TN-only (``fp8_weight_copies`` 2), their transposes
         (``params.fp8_transpose``, made after each all-gather: ``_fp8_transposes``). Sources:
-        NVIDIA/Megatron-LM@6a6cd478 megatron/core/distributed/distributed_data_parallel.py (a ``Float8Tensor``'s
-        buffer dtype is ``torch.uint8``, each (param dtype, grad dtype) its own buffer), megatron/core/fp8_utils.py
-        ``post_all_gather_processing`` -> NVIDIA/TransformerEngine@f3d39f77 transformer_engine/pytorch/tensor/utils.py
+        NVIDIA/Megatron-LM main of 2025 (commit not pinned) megatron/core/distributed/distributed_data_parallel.py (a
+        ``Float8Tensor``'s buffer dtype is ``torch.uint8``, each (param dtype, grad dtype) its own buffer) and
+        param_and_grad_buffer.py ``finish_param_sync`` -> megatron/core/fp8_utils.py ``post_all_gather_processing``
+        -> NVIDIA/TransformerEngine@002a3e57 transformer_engine/pytorch/tensor/utils.py
         (``model_weight._create_transpose()`` where ``is_non_tn_fp8_gemm_supported()`` is false)."""
         f8 = shd.fp8_weight_numel(self.s) if self.s.fp8_param_gather else 0
         self.b.persistent(f"params.{self.e.half}", 2 * (P - f8))
@@ -2297,8 +2298,8 @@ class _GptBuilder:
         parameters this rank updates, Transformer Engine's delayed-scaling path: ``master_weight.to(bf16)`` for
         all of them first (read 4 + write 2 bytes each, a bf16 copy of the shard alive through the quantize), then
         ``update_quantized`` into the fp8 param buffer (read 2 + write 1, its amax), then one packed fp32 amax per
-        fp8 weight all-reduced (MAX) over the data-parallel group. Sources: NVIDIA/Megatron-LM@6a6cd478
-        megatron/core/fp8_utils.py ``quantize_param_shard``, called by
+        fp8 weight all-reduced (MAX) over the data-parallel group. Sources: NVIDIA/Megatron-LM main of 2025 (commit
+        not pinned) megatron/core/fp8_utils.py ``quantize_param_shard``, called by
         megatron/core/optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params``;
         NVIDIA/TransformerEngine@002a3e57 transformer_engine/pytorch/tensor/utils.py ``cast_master_weights_to_fp8``
         and ``_cast_master_weights_to_fp8_delayed_scaling``. The scale-inverse updates (a few bytes per weight)
