@@ -10,7 +10,6 @@ import pytest
 
 from simulator.api import build_graph, run_scenario, run_warnings
 from simulator.config.loader import resolve_hardware, scenario_from_dict
-from simulator.graph.builders.grad_norm import zero_partition_pieces
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import CostClass, OpKind, Phase
 
@@ -31,6 +30,8 @@ def _opt(**kw):
 
 
 def test_partition_views_by_hand():
+    from simulator.graph.builders.grad_norm import zero_partition_pieces
+
     assert zero_partition_pieces([10, 5, 5], 2) == [5, 5]  # rank 0: the first tensor; rank 1: two views, kept
     assert zero_partition_pieces([10, 5, 5], 4) == [5]  # every rank one view: rank 0 (lowest) is kept
     assert zero_partition_pieces([3, 3, 3, 3], 2) == [3, 3]
