@@ -477,10 +477,13 @@ class TransformerSpec:
     @property
     def pipeline_step_end_sync(self) -> bool:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
-        gradient norm with ``clip_grad > 0``, else fp16's found-inf check; False with one stage, or bf16 without
-        clipping (a stage that ends a step early starts the next one)."""
+        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2: whatever its value, ``grad_norm.deepspeed_zero_step``),
+        else fp16's found-inf check; False with one stage, or bf16 without clipping (a stage that ends a step early
+        starts the next one)."""
         fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
-        return self.pipeline_parallel_size > 1 and ((self.clip_grad > 0 and not fsdp) or self.precision == "fp16")
+        zero = self.zero_stage in (1, 2) and self.sharding is None and self.grad_reduce_size > 1
+        return self.pipeline_parallel_size > 1 and (
+            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero)
 
     @property
     def megatron_optimizer(self) -> bool:

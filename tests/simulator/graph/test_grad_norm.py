@@ -93,6 +93,10 @@ def test_zero_with_pipeline_reduces_the_norm_over_the_stages_too():
     assert pp.meta["rendezvous"] == ("pp", "zero.grad_norm") and by["zero.grad_norm.all_reduce"].id in pp.deps
     assert pp.id in by["opt.zero.grad_partition.flatten"].deps
     assert "pp.grad_norm.all_reduce" not in by  # the stage sync is DeepSpeed's model-parallel all-reduce
+    # ... which runs unclipped too: the stages still meet before the optimizer with bf16 and clip_grad 0
+    assert TransformerSpec(**TINY, zero_stage=1, clip_grad=0.0, pipeline_parallel_size=2).pipeline_step_end_sync
+    assert "pp.zero.grad_norm.all_reduce" in [o.name for o in _opt(zero_stage=1, clip_grad=0.0,
+                                                                    pipeline_parallel_size=2)]
 
 
 def test_torch_clip_grad_norm_by_hand():
