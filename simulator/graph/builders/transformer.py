@@ -813,7 +813,9 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       state (8 bytes/param) and fp32 master weights (bf16 mode) are divided by dp (ceil), as are
       the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
       bucket (the full gradients live until their bucket's reduce-scatter ends, in DeepSpeed's IPG
-      buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); after the step
+      buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
+      step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
+      check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
       the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
