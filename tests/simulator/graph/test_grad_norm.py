@@ -158,3 +158,15 @@ def test_priced_norms_are_no_longer_flagged():
     d["training"]["clip_grad"] = 1.0
     assert _warns(d) == []
     assert "opt.clip_grad.foreach.mul" in [o.name for o in build_graph(scenario_from_dict(d)).ops]
+
+
+def test_deepspeed_moe_expert_norm_is_flagged():
+    """DeepSpeed's MoE parameter groups all-reduce their norm once more over the expert-data-parallel group
+    (``_average_expert_grad_norms``): not modelled, so flagged (one line), and only under ZeRO-1/2."""
+    d = copy.deepcopy(BASE)
+    d["training"]["precision"] = "bf16"
+    d["model"].update(num_experts=4, moe_router_topk=2, add_bias_linear=False)
+    assert _warns(d) == []
+    d["zero_optimization"] = {"stage": 2}
+    w = _warns(d)
+    assert len(w) == 1 and w[0].startswith("zero_optimization.stage 2 with model.num_experts")
