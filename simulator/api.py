@@ -51,6 +51,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         micro_batch_size=t.micro_batch_size, num_micro_batches=gbs // per_step,
         tied_embeddings=not m.untie_embeddings_and_output_weights and vit is None, bias=m.add_bias_linear,
         precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
+        clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         grad_reduce_in_bf16=ddp.grad_reduce_in_bf16,
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
@@ -628,28 +629,18 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
 
 
 def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
-    """The gradient-norm work a scenario's framework does that is not priced (``training.clip_grad``): DeepSpeed
-    ZeRO-1/2 computes the norm every step whatever ``gradient_clipping`` (microsoft/DeepSpeed
-    deepspeed/runtime/zero/stage_1_and_2.py ``step``: ``scaled_global_norm``, ``unscale_and_clip_grads``); a
-    ``clip_grad`` given for a PyTorch loop without FSDP (torch.nn.utils ``clip_grad_norm_``) or for FSDP on one
-    data-parallel rank (its clip is priced with the sharded units only, ``_GptBuilder._fsdp_clip_grad_norm``)."""
+    """The gradient-norm work a scenario's framework does that is not priced. DeepSpeed ZeRO-1/2's step
+    (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
+    ``clip_grad_norm`` are priced; what is left: DeepSpeed's MoE expert groups (``_average_expert_grad_norms``: one
+    more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition."""
     if cfg is None:
         return []
-    t, z = cfg.training, cfg.zero_optimization
-    shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
-    if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none":
-        return [f"zero_optimization.stage {z.stage}: DeepSpeed's step computes the global gradient norm every step "
-                "(an fp64 norm of each 16-bit gradient of the partition, all-reduced over the data-parallel group) and "
-                "unscales / clips the fp32 gradient partition (mul_), whatever gradient_clipping: neither is priced "
-                "(about 26 bytes per parameter of the partition)"]
-    megatron = t.precision in ("bf16", "fp16") and z.stage == 0 and cfg.fsdp is None and t.lora is None
-    if t.clip_grad and cfg.fsdp is None and z.stage == 0 and not megatron:
-        return [f"training.clip_grad {t.clip_grad}: with training.precision {t.precision} (no fsdp) the loop's "
-                "clip_grad_norm_ kernels (a norm over every gradient, a mul_ by the clip coefficient) are not priced; "
-                "with pipeline stages only its cross-stage all-reduce is"]
-    if t.clip_grad and cfg.fsdp is not None and shards == 1:
-        return [f"training.clip_grad {t.clip_grad} with fsdp on one data-parallel rank (nothing sharded): "
-                "clip_grad_norm_'s norm and mul_ kernels are not priced"]
+    z, p = cfg.zero_optimization, cfg.parallelism
+    shards = (p.data_parallel_size or 1) * p.context_parallel_size
+    if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none" and cfg.model.num_experts:
+        return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
+                "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
+                "priced with the dense partition's"]
     return []
 
 

@@ -402,8 +402,13 @@ class TrainingConfig(_Model):
         "With fsdp (default 0: FSDP clips only when the loop calls it): FullyShardedDataParallel.clip_grad_norm_"
         "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
         "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
-        "clip coefficient's mul_ on every grad (8 B), no host sync. torch DDP and DeepSpeed ZeRO "
-        "(gradient_clipping): no norm kernel is priced, only the cross-stage all-reduce with pipeline stages.")
+        "clip coefficient's mul_ on every grad (8 B), no host sync. DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
+        "step's norm runs whatever the value: a fp64 norm of each 16-bit gradient view of the partition (18 B per "
+        "element), a 4-byte all-reduce over the data-parallel group (and tp x pp), the fp32 copy of the partition "
+        "(10 B) and the unscale / clip mul_ (8 B); fp16 adds the overflow check (28 B, a 1-byte all-reduce, "
+        ".item()). A PyTorch loop without fsdp (torch DDP, one GPU) given a value: torch.nn.utils.clip_grad_norm_, "
+        "one foreach norm (4 B per fp32 grad), the all-reduce over tp x pp only, one foreach mul_ (8 B), no host "
+        "sync; not given, no clipping (only the cross-stage all-reduce with pipeline stages).")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )

@@ -103,6 +103,7 @@ from dataclasses import dataclass
 from hardware_models.host_kernels import adamw_passes
 
 from simulator.graph.builders import attention as core
+from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
 from simulator.graph.builders import lora, moe, varlen
@@ -157,10 +158,14 @@ class TransformerSpec:
             ``sharding``, else Megatron's 1.0), the framework's kernels. Megatron's optimizer (bf16
             / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
             group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
-            ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). Otherwise
-            (torch DDP, DeepSpeed ZeRO) no kernel is priced; with ``p > 1`` every pipeline rank then joins a
-            gradient-norm all-reduce before its optimizer (``_pipeline_syncs``); with 0 only fp16's found-inf
-            all-reduce joins them.
+            ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). DeepSpeed
+            ZeRO-1/2: its step's norm and unscale run whatever the value (``grad_norm.deepspeed_zero_step``). A
+            PyTorch loop: ``torch.nn.utils.clip_grad_norm_`` with ``clip_grad_norm_call`` (``_torch_clips``), else no
+            kernel; with ``p > 1`` every pipeline rank then joins a gradient-norm all-reduce before its optimizer
+            (``_pipeline_syncs``); with 0 only fp16's found-inf all-reduce joins them.
+        clip_grad_norm_call: The PyTorch loop calls ``torch.nn.utils.clip_grad_norm_(max_norm=clip_grad)``
+            (``grad_norm.torch_clip_grad_norm``; set where the scenario gives ``training.clip_grad > 0``); used only
+            without Megatron's optimizer, DeepSpeed ZeRO or FSDP, which compute their own norms.
         accumulate_allreduce_grads_in_fp32: Megatron-LM ``--accumulate-allreduce-grads-in-fp32`` (default off;
             forced on with bf16): with fp16 and Megatron's optimizer, off keeps the contiguous grad buffer, its
             accumulation and its data-parallel reduction in fp16 (2 B per parameter) and casts the grads into fp32
@@ -285,6 +290,7 @@ class TransformerSpec:
     precision: str = "amp_fp32_params"
     optimizer_impl: str = "fused"
     clip_grad: float | None = None
+    clip_grad_norm_call: bool = False
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False
     recompute: str = "none"
@@ -485,10 +491,13 @@ class TransformerSpec:
     @property
     def pipeline_step_end_sync(self) -> bool:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
-        gradient norm with ``clip_grad > 0``, else fp16's found-inf check; False with one stage, or bf16 without
-        clipping (a stage that ends a step early starts the next one)."""
+        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2: whatever its value, ``grad_norm.deepspeed_zero_step``),
+        else fp16's found-inf check; False with one stage, or bf16 without clipping (a stage that ends a step early
+        starts the next one)."""
         fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
-        return self.pipeline_parallel_size > 1 and ((self.clip_grad > 0 and not fsdp) or self.precision == "fp16")
+        zero = self.zero_stage in (1, 2) and self.sharding is None and self.grad_reduce_size > 1
+        return self.pipeline_parallel_size > 1 and (
+            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero)
 
     @property
     def megatron_optimizer(self) -> bool:
@@ -825,7 +834,9 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       state (8 bytes/param) and fp32 master weights (bf16 mode) are divided by dp (ceil), as are
       the optimizer kernel's traffic and FLOPs; stage 2 keeps only the reduced 1/dp shard of each
       bucket (the full gradients live until their bucket's reduce-scatter ends, in DeepSpeed's IPG
-      buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); after the step
+      buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
+      step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
+      check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
       the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
@@ -1817,10 +1828,11 @@ class _GptBuilder:
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        if s.clip_grad > 0 and not self._megatron_optimizer and not (self.sh is not None and self.sh.unit_buckets):
+        own_norm = self._megatron_optimizer or self._deepspeed_zero_step or self._torch_clips
+        if s.clip_grad > 0 and not own_norm and not (self.sh is not None and self.sh.unit_buckets):
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
         else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
-            self.tp_ops.extend(calls)  # optimizer: its norm and found-inf all-reduces, _grad_stats_all_reduce)
+            self.tp_ops.extend(calls)  # optimizer, DeepSpeed ZeRO, clip_grad_norm_: _grad_stats_all_reduce)
 
     def _pp_all_reduce(self, what: str, deps: list[int]) -> int:
         """One fp32 value all-reduced over every pipeline rank (``pp.<what>.all_reduce``, a rendezvous of all
@@ -1860,7 +1872,10 @@ class _GptBuilder:
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self._half_grad_buffer:
             grads, deps = self._copy_model_grads_to_main_grads(P * share, grads, deps)
-        if self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
+        if self._deepspeed_zero_step:  # DeepSpeed's overflow check, norm, fp32 copy and unscale (grad_norm.py)
+            pieces = gn.zero_partition_pieces([g.numel for g in reversed(self.groups)], s.grad_reduce_size)
+            grads, deps = gn.deepspeed_zero_step(self, pieces, P * share, grads, deps, check_overflow=self.fp16)
+        elif self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
             if self._megatron_optimizer:  # over Megatron's grad-stats group (model parallel, or the world)
@@ -1874,6 +1889,8 @@ class _GptBuilder:
                                launch=False)]
         if self._fsdp_clips:
             deps = self._fsdp_clip_grad_norm(P * share, grads, deps)
+        elif self._torch_clips:
+            deps = gn.torch_clip_grad_norm(self, P * share, grads, deps)
         if s.optimizer_impl in ("single", "foreach"):  # one kernel per pass (fp32 parameters: the schema's rule)
             for k, ps in enumerate(adamw_passes(f"torch_{s.optimizer_impl}")):
                 deps = [e.kernel(f"adamw.{k}.{ps.name.split('(')[0]}", C.OPTIMIZER, reads=ps.read_bytes * P * share,
@@ -2234,6 +2251,20 @@ class _GptBuilder:
         (``_fsdp_clip_grad_norm``)."""
         return self.s.clip_grad > 0 and self.sh is not None and self.sh.unit_buckets
 
+    @property
+    def _deepspeed_zero_step(self) -> bool:
+        """DeepSpeed ZeRO-1/2 (over data parallelism, no sharding spec) runs its ``step``'s norm, fp32 gradient copy
+        and unscale before the optimizer kernel (``grad_norm.deepspeed_zero_step``), every step."""
+        return self.zero in (1, 2) and self.sh is None
+
+    @property
+    def _torch_clips(self) -> bool:
+        """A PyTorch loop calls ``torch.nn.utils.clip_grad_norm_`` (``TransformerSpec.clip_grad_norm_call``, with
+        ``clip_grad > 0``) and neither Megatron's optimizer, DeepSpeed ZeRO nor FSDP computes its own norm."""
+        s = self.s
+        return (s.clip_grad_norm_call and s.clip_grad > 0 and not self._megatron_optimizer and self.zero == 0
+                and not (self.sh is not None and self.sh.unit_buckets))
+
     def _fsdp_clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
         """PyTorch FSDP ``FullyShardedDataParallel.clip_grad_norm_(max_norm)`` over the ``n`` gradient elements of
         this rank's shard (fp32: the sharded gradient is in the parameters' dtype, fp32 with
@@ -2248,13 +2279,8 @@ class _GptBuilder:
         ``mul_`` per flat parameter) and the scalar kernels (stack, pow, add, div, clamp) are not counted.
         Composer's ``gradient_clipping`` algorithm with ``clipping_type: norm`` calls it on FSDP models
         (mosaicml/composer composer/algorithms/gradient_clipping/gradient_clipping.py)."""
-        e = self.e
-        norm = e.kernel("fsdp.clip_grad.norm", C.REDUCTION, reads=4 * n, writes=4, flops=2 * n, uses=grads,
-                        deps=deps, dtype="fp32")
-        ar = self._collective("fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, [norm], Phase.OPT,
-                              group=self._shard_group)
-        return [e.kernel("fsdp.clip_grad.mul", C.ELEMENTWISE, reads=4 * n, writes=4 * n, flops=n, uses=grads,
-                         deps=[ar], dtype="fp32")]
+        return gn.norm_then_mul(self, "fsdp.clip_grad", n, grads, deps, lambda d: [self._collective(
+            "fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, d, Phase.OPT, group=self._shard_group)])
 
     def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
         """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,

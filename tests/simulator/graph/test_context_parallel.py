@@ -123,8 +123,8 @@ TINY_CP = {**BASE, "model": {"num_layers": 1, "hidden_size": 8, "num_attention_h
 
 
 @pytest.mark.parametrize("extra,want", [
-    ({"zero_optimization": {"stage": 1}}, [("zero.grad_reduce_scatter.0", 2 * 1144), ("zero.param_all_gather.0",
-                                                                                      2 * 1144)]),  # bf16 grads
+    ({"zero_optimization": {"stage": 1}}, [("zero.grad_reduce_scatter.0", 2 * 1144), ("zero.grad_norm.all_reduce", 4),
+                                           ("zero.param_all_gather.0", 2 * 1144)]),  # bf16 grads; the step's norm
     ({"ddp": {"use_distributed_optimizer": True}}, [("megatron.grad_reduce_scatter.0", 4 * 1144),
                                                     ("megatron.param_all_gather.0", 2 * 1144)]),
     ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},

@@ -1,0 +1,172 @@
+"""Gradient-norm work outside Megatron's optimizer (``simulator.graph.builders.grad_norm``): DeepSpeed ZeRO-1/2's
+step (per-view fp64 norms, the 4-byte all-reduce over the data-parallel group, the fp32 copy of the partition and
+the unscale ``mul_``; fp16's overflow check with its ``.item()``) and PyTorch's ``clip_grad_norm_`` (one foreach
+norm, one foreach ``mul_``, no collective under DDP, no host sync). Bytes worked by hand on a tiny model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from simulator.api import build_graph, run_scenario, run_warnings
+from simulator.config.loader import resolve_hardware, scenario_from_dict
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.ops import CostClass, OpKind, Phase
+
+# L=2, h=64, a=4, f=256, s=16, V=1000, biases, learned positions: P = 165,120 (test_megatron_optimizer_kernels)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000, ffn_hidden_size=256,
+            micro_batch_size=2, precision="bf16", data_parallel_size=4)
+P = 165_120
+N = P // 4  # one rank's ZeRO partition: 41,280 elements
+# model.parameters() order: wpe 1024, wte 64000, then per layer ln1.b, ln1.w 64, qkv.w 12288, qkv.b 192,
+# proj.w 4096, proj.b 64, ln2.b, ln2.w 64, fc1.w 16384, fc1.b 256, fc2.w 16384, fc2.b 64; ln_f.b, ln_f.w 64.
+# Partitions of 41,280: rank 0 = wpe + 40,256 of wte (2 views); rank 1 = the rest of wte .. 640 of L0.fc1.w (10);
+# rank 2 = the rest of L0.fc1.w .. 8,704 of L1.qkv.w (7); rank 3 = the rest of L1.qkv.w (3,584) .. ln_f (12 views)
+RANK3 = [3584, 192, 4096, 64, 64, 64, 16384, 256, 16384, 64, 64, 64]
+
+
+def _opt(**kw):
+    return [o for o in build_gpt_step(TransformerSpec(**{**TINY, **kw})).ops if o.phase == Phase.OPT]
+
+
+def test_partition_views_by_hand():
+    from simulator.graph.builders.grad_norm import zero_partition_pieces
+
+    assert zero_partition_pieces([10, 5, 5], 2) == [5, 5]  # rank 0: the first tensor; rank 1: two views, kept
+    assert zero_partition_pieces([10, 5, 5], 4) == [5]  # every rank one view: rank 0 (lowest) is kept
+    assert zero_partition_pieces([3, 3, 3, 3], 2) == [3, 3]
+    assert zero_partition_pieces([4, 4], 3) == [1, 2]  # size ceil(8 / 3) = 3: rank 1 takes [3, 6)
+    with pytest.raises(ValueError):
+        zero_partition_pieces([1], 0)
+
+
+def test_zero2_bf16_norm_copy_and_unscale_by_hand():
+    ops = _opt(zero_stage=2)
+    by = {o.name: o for o in ops}
+    casts = [o for o in ops if o.name.endswith(".double")]
+    norms = [o for o in ops if o.name.endswith(".vector_norm")]
+    assert [c.bytes_read / 2 for c in casts] == RANK3 and sum(RANK3) == N
+    assert all(c.cost_class is CostClass.CAST and c.bytes_written == 4 * c.bytes_read for c in casts)
+    assert [(n.cost_class, n.bytes_read, n.bytes_written) for n in norms] == [
+        (CostClass.REDUCTION, 8 * m, 8) for m in RANK3]
+    ar = by["zero.grad_norm.all_reduce"]
+    assert ar.kind is OpKind.COLLECTIVE and ar.meta == {"collective": "all_reduce", "bytes": 4, "group": "dp"}
+    assert set(n.id for n in norms) <= set(ar.deps)
+    flat, cast, mul = (by[f"opt.zero.{n}"] for n in ("grad_partition.flatten", "grad_partition.to_fp32",
+                                                     "unscale_and_clip_grads.mul"))
+    assert (flat.bytes_read, flat.bytes_written) == (2 * N, 2 * N) and ar.id in flat.deps
+    assert (cast.cost_class, cast.bytes_read, cast.bytes_written) == (CostClass.CAST, 2 * N, 4 * N)
+    assert (mul.cost_class, mul.bytes_read, mul.bytes_written) == (CostClass.ELEMENTWISE, 4 * N, 4 * N)
+    adam = by["opt.adamw"]
+    assert mul.id in adam.deps and adam.bytes_read == 16 * N
+    # 36 B per partition element before the AdamW: 18 (norm) + 10 (fp32 copy) + 8 (mul_); bf16: no overflow check
+    moved = sum(o.bytes_read + o.bytes_written for o in ops if o.kind is OpKind.COMPUTE and o.name != "opt.adamw")
+    assert moved == 36 * N + 8 * len(RANK3)
+    assert not any(o.kind is OpKind.SYNC for o in ops) and "opt.loss_scale.unscale_check" not in by
+
+
+def test_zero_gradient_clipping_zero_runs_the_same_kernels():
+    """DeepSpeed computes the norm whatever gradient_clipping (logged as _global_grad_norm) and runs the mul_ by
+    1 / loss_scale even unclipped."""
+    names = [o.name for o in _opt(zero_stage=1, clip_grad=1.0)]
+    assert names == [o.name for o in _opt(zero_stage=1, clip_grad=0.0)]
+    assert "opt.zero.unscale_and_clip_grads.mul" in names and "opt.zero.grad_norm.11.vector_norm" in names
+
+
+def test_zero1_fp16_overflow_check_and_item_by_hand():
+    ops = _opt(zero_stage=1, precision="fp16")
+    chk = [o for o in ops if ".has_inf_or_nan." in o.name]
+    assert len(chk) == 6 * len(RANK3)  # float, isnan, isinf, logical_or, float, max per view
+    # 28 B per 16-bit element: 2+4, 4+1, 4+1, 2+1, 1+4, 4 (and a 4-byte max per view)
+    assert sum(o.bytes_read + o.bytes_written for o in chk) == 28 * N + 4 * len(RANK3)
+    by = {o.name: o for o in ops}
+    ar, item = by["zero.overflow.all_reduce"], by["zero.overflow.item"]
+    assert ar.meta == {"collective": "all_reduce", "bytes": 1, "group": "dp"} and ar.id in item.deps
+    assert item.kind is OpKind.SYNC and all(item.id in o.deps for o in ops if o.name.endswith(".double"))
+    assert "opt.loss_scale.unscale_check" not in by and "loss_scale.found_inf.item" not in by
+
+
+def test_zero_with_pipeline_reduces_the_norm_over_the_stages_too():
+    ops = _opt(zero_stage=2, precision="bf16", pipeline_parallel_size=2)
+    by = {o.name: o for o in ops}
+    pp = by["pp.zero.grad_norm.all_reduce"]
+    assert pp.meta["rendezvous"] == ("pp", "zero.grad_norm") and by["zero.grad_norm.all_reduce"].id in pp.deps
+    assert pp.id in by["opt.zero.grad_partition.flatten"].deps
+    assert "pp.grad_norm.all_reduce" not in by  # the stage sync is DeepSpeed's model-parallel all-reduce
+    # ... which runs unclipped too: the stages still meet before the optimizer with bf16 and clip_grad 0
+    assert TransformerSpec(**TINY, zero_stage=1, clip_grad=0.0, pipeline_parallel_size=2).pipeline_step_end_sync
+    assert "pp.zero.grad_norm.all_reduce" in [o.name for o in _opt(zero_stage=1, clip_grad=0.0,
+                                                                    pipeline_parallel_size=2)]
+
+
+def test_torch_clip_grad_norm_by_hand():
+    spec = dict(precision="amp_fp32_params", clip_grad=1.0, clip_grad_norm_call=True)
+    for dp in (1, 4):  # DDP: the gradients are already all-reduced, no collective
+        ops = _opt(**spec, data_parallel_size=dp)
+        by = {o.name: o for o in ops}
+        norm, mul = by["opt.clip_grad.foreach.norm"], by["opt.clip_grad.foreach.mul"]
+        assert (norm.cost_class, norm.bytes_read, norm.bytes_written) == (CostClass.REDUCTION, 4 * P, 4)
+        assert (mul.cost_class, mul.bytes_read, mul.bytes_written) == (CostClass.ELEMENTWISE, 4 * P, 4 * P)
+        assert norm.id in mul.deps and mul.id in by["opt.adamw"].deps
+        assert not any(o.kind in (OpKind.SYNC, OpKind.COLLECTIVE) and "clip" in o.name for o in ops)
+    assert not any("clip_grad" in o.name for o in _opt(**{**spec, "clip_grad_norm_call": False}))
+    ops = _opt(**spec, pipeline_parallel_size=2)  # the local norm, its all-reduce over the stages, the mul_
+    by = {o.name: o for o in ops}
+    pp = by["pp.clip_grad.total_norm.all_reduce"]
+    assert by["opt.clip_grad.foreach.norm"].id in pp.deps and pp.id in by["opt.clip_grad.foreach.mul"].deps
+    assert "pp.grad_norm.all_reduce" not in by
+
+
+BASE = {
+    "name": "gradnorm",
+    "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}, "launch_overhead_s": 0},
+    "model": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256, "vocab_size": 1024},
+    "training": {"micro_batch_size": 2},
+    "run": {"steps": 3, "warmup_steps": 1},
+}
+
+
+def _warns(d):
+    cfg = scenario_from_dict(d)
+    return [w for w in run_warnings(resolve_hardware(cfg), cfg) if "norm" in w]
+
+
+def test_torch_clip_follows_the_given_value_and_grows_the_step():
+    d = copy.deepcopy(BASE)
+    off = run_scenario(scenario_from_dict(d))  # not given: the loop is assumed not to clip
+    assert not any("clip_grad" in o.name for o in build_graph(scenario_from_dict(d)).ops)
+    d["training"]["clip_grad"] = 1.0
+    on = run_scenario(scenario_from_dict(d))
+    sp = on.spans[on.spans.step == 2]
+    clip = sp[sp["name"].str.startswith("opt.clip_grad.foreach")].duration_s.sum()
+    assert clip > 0
+    assert on.summary["step_time_s"] - off.summary["step_time_s"] == pytest.approx(clip, rel=1e-6)
+    assert _warns(d) == []
+
+
+def test_priced_norms_are_no_longer_flagged():
+    d = copy.deepcopy(BASE)
+    d["training"]["precision"] = "bf16"
+    d["zero_optimization"] = {"stage": 2}
+    assert _warns(d) == []
+    names = [o.name for o in build_graph(scenario_from_dict(d)).ops]
+    assert "opt.zero.unscale_and_clip_grads.mul" in names
+    d = copy.deepcopy(BASE)  # FSDP on one data-parallel rank: its clip_grad_norm_ is the local norm and mul_
+    d["hardware"] = {"gpu": "h200-sxm-141gb"}
+    d["fsdp"] = {"sharding_strategy": "FULL_SHARD"}
+    d["parallelism"] = {"data_parallel_size": 1}
+    d["training"]["clip_grad"] = 1.0
+    assert _warns(d) == []
+    assert "opt.clip_grad.foreach.mul" in [o.name for o in build_graph(scenario_from_dict(d)).ops]
+
+
+def test_deepspeed_moe_expert_norm_is_flagged():
+    """DeepSpeed's MoE parameter groups all-reduce their norm once more over the expert-data-parallel group
+    (``_average_expert_grad_norms``): not modelled, so flagged (one line), and only under ZeRO-1/2."""
+    d = copy.deepcopy(BASE)
+    d["training"]["precision"] = "bf16"
+    d["model"].update(num_experts=4, moe_router_topk=2, add_bias_linear=False)
+    assert _warns(d) == []
+    d["zero_optimization"] = {"stage": 2}
+    w = _warns(d)
+    assert len(w) == 1 and w[0].startswith("zero_optimization.stage 2 with model.num_experts")
