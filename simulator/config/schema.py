@@ -184,7 +184,8 @@ class ModelConfig(_Model):
         "FLOPs count w (2 s - w) / 2 pairs per head instead of s^2 / 2. Default: full causal attention.")
     num_experts: PositiveInt | None = Field(
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
-        "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
+        "many routed experts (grouped GEMMs unless moe_grouped_gemm false, all-to-all dispatch with "
+        "expert_model_parallel_size > 1 unless moe_token_dispatcher_type allgather; routing "
         "balanced unless moe_tokens_per_expert: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
         "add_bias_linear false, and sequence_parallel with tensor_model_parallel_size > 1.")
     moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "

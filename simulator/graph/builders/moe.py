@@ -1,7 +1,9 @@
 """Mixture-of-experts MLP of one decoder block, kernel by kernel, as Megatron-LM core runs it
 (``megatron/core/transformer/moe``: ``MoELayer`` with ``TopKRouter``, the ``alltoall`` token
-dispatcher ``MoEAlltoAllTokenDispatcher`` and grouped-GEMM experts ``GroupedMLP``; Fedus et al.,
-*Switch Transformers*, JMLR 2022; Jiang et al., *Mixtral of Experts*, 2024).
+dispatcher ``MoEAlltoAllTokenDispatcher`` (``moe_token_dispatcher_type: allgather``:
+``MoEAllGatherTokenDispatcher``, ``simulator.graph.builders.moe_allgather``) and grouped-GEMM experts
+``GroupedMLP`` (``moe_grouped_gemm: false``: ``SequentialMLP``, ``simulator.graph.builders.moe_experts``); Fedus
+et al., *Switch Transformers*, JMLR 2022; Jiang et al., *Mixtral of Experts*, 2024).
 
 The transformer builder (``transformer._GptBuilder``) calls ``moe_fwd`` / ``moe_bwd`` in place of
 its dense MLP; the functions use its emitter and Linear helpers. Shapes: ``T`` tokens on this rank
@@ -23,7 +25,7 @@ Forward, per block:
   ``sort_chunks_by_idxs`` (from source-rank order to local-expert order).
 * **experts**: grouped GEMMs fc1 ``[N, h] x [h, 2 f_e]`` (SwiGLU; ``f_e`` without), the activation,
   fc2 ``[N, f_e] x [f_e, h]``; one grouped GEMM is priced as one GEMM of the ``N`` stacked rows
-  (the per-expert tile padding is ignored).
+  (the per-expert tile padding is ignored); or one MLP per local expert (``moe_experts``).
 * **combine**: the reverse chunk sort, the **combine all-to-all**, ``unpermute`` (probability-
   weighted scatter-add back to ``[T, h]``); a shared expert (``moe_shared_expert_intermediate_size``)
   is a dense MLP on all ``T`` tokens whose output is added.
@@ -61,7 +63,7 @@ The shared expert is a dense MLP over the ``t`` TP ranks (all-gather, column/row
 reduce-scatter). The rank groups follow Megatron's expert grid (``initialize_model_parallel``: ``RankGenerator(
 tp=etp, ep=ep, dp=edp)``, ``edp = t dp / (ep etp)`` per stage): ``etp`` consecutive ranks, ``ep`` ranks at
 stride ``etp``. Not modelled (refused): ``etp > t``, ``etp`` not dividing ``t``, context parallelism with
-experts, the all-gather token dispatcher, the probabilities' small all-to-all beside the tokens'.
+experts, the ``alltoall_seq`` and ``flex`` dispatchers, the probabilities' small all-to-all beside the tokens'.
 
 Expert gradients: with data parallelism they are reduced over the expert-data-parallel group
 ``edp`` (``dp / ep`` ranks: Megatron rank order tp-cp-ep-dp), one all-reduce per expert weight
