@@ -49,7 +49,7 @@ def local_expert_rows(s, T: int) -> list[int]:
 def experts_fwd(bld, x: str, Ng: int, fe: int, save: bool, sv: dict) -> str:
     """The local experts' forward on the ``[Ng, h]`` 16-bit rows ``x`` (``fe``: expert width per expert-TP rank);
     saves into ``sv`` what ``experts_bwd`` reads. Returns the ``[Ng, h]`` 16-bit output in the same row order."""
-    s, e, h = bld.s, bld.e, bld.s.hidden_size
+    s, h = bld.s, bld.s.hidden_size
     El, f1 = s.local_experts, (2 if s.swiglu else 1) * fe
     if s.moe_grouped_gemm:
         fc1, sv["fc1"] = bld._linear_fwd("experts.fc1", x, h, f1, x_fp32=False, save=save, tokens=Ng, groups=El)
@@ -69,16 +69,12 @@ def experts_fwd(bld, x: str, Ng: int, fe: int, save: bool, sv: dict) -> str:
         outs.append(y)
         per.append((s1, s2, fc1))
     sv["experts"] = per
-    if El == 1:
-        return outs[0] if outs else x
-    y = e.fresh("experts.cat")
-    e.kernel("experts.cat", C.COPY, reads=2 * Ng * h, writes=2 * Ng * h, out=[(y, 2 * Ng * h)], uses=outs)
-    return y
+    return _concat(bld, "experts.cat", outs, Ng, x)
 
 
 def experts_bwd(bld, g: str, sv: dict, Ng: int, fe: int) -> str:
     """Backward of ``experts_fwd`` from the ``[Ng, h]`` 16-bit gradient ``g``; returns the gradient of its input."""
-    s, e, h = bld.s, bld.e, bld.s.hidden_size
+    s, h = bld.s, bld.s.hidden_size
     El, f1 = s.local_experts, (2 if s.swiglu else 1) * fe
     if s.moe_grouped_gemm:
         ga = bld._linear_bwd("experts.fc2", g, sv["fc2"], fe, h, g_fp32=False, tokens=Ng, groups=El)
@@ -95,11 +91,19 @@ def experts_bwd(bld, g: str, sv: dict, Ng: int, fe: int) -> str:
         ga = bld._linear_bwd(f"experts.{j}.fc2", g, s2, fe, h, g_fp32=False, tokens=n)
         ga = bld._act_bwd(f"experts.{j}.", ga, fc1, n, fe)
         dxs.append(bld._linear_bwd(f"experts.{j}.fc1", ga, s1, h, f1, g_fp32=False, tokens=n))
-    if El == 1:
-        return dxs[0] if dxs else g
-    dx = e.fresh("experts.cat.dgrad")
-    e.kernel("experts.split.dgrad", C.COPY, reads=2 * Ng * h, writes=2 * Ng * h, out=[(dx, 2 * Ng * h)], uses=dxs)
-    return dx
+    return _concat(bld, "experts.split.dgrad", dxs, Ng, g)
+
+
+def _concat(bld, name: str, parts: list[str], Ng: int, alone: str) -> str:
+    """``torch.cat`` of the local experts' ``[n_j, h]`` 16-bit tensors ``parts`` into ``[Ng, h]``: one copy kernel
+    ``name`` (reads and writes ``2 Ng h`` bytes); with one local expert its tensor itself (``alone``, the tensor it
+    would have read, when it had no rows)."""
+    if bld.s.local_experts == 1:
+        return parts[0] if parts else alone
+    h = bld.s.hidden_size
+    y = bld.e.fresh(name)
+    bld.e.kernel(name, C.COPY, reads=2 * Ng * h, writes=2 * Ng * h, out=[(y, 2 * Ng * h)], uses=parts)
+    return y
 
 
 def _zero_expert_grads(bld, j: int, h: int, f1: int, fe: int) -> None:

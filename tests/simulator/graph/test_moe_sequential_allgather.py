@@ -156,8 +156,9 @@ def test_allgather_on_a_cluster_prices_the_tp_ep_group(tmp_path):
     ("moe_token_dispatcher_type", "flex", "moe_token_dispatcher_type: flex is not modelled (allowed: alltoall, "
                                           "allgather)"),
     ("moe_token_dispatcher_type", "alltoall_seq", "moe_token_dispatcher_type: alltoall_seq is not modelled"),
-    ("moe_token_dispatcher_type", "all2all", "moe_token_dispatcher_type"),
-    ("moe_grouped_gemm", "sometimes", "moe_grouped_gemm"),
+    ("moe_token_dispatcher_type", "all2all", "model.moe_token_dispatcher_type: Input should be 'alltoall', "
+                                             "'allgather'"),
+    ("moe_grouped_gemm", "sometimes", "model.moe_grouped_gemm: Input should be a valid boolean"),
 ])
 def test_bad_dispatcher_or_grouped_gemm_one_line_exit_2(tmp_path, capsys, key, value, expected):
     p = _scenario(tmp_path, _mixtral(num_layers=1, **{key: value}))
