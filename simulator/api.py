@@ -82,6 +82,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         expert_tensor_parallel_size=(p.expert_tensor_parallel_size or p.tensor_model_parallel_size
                                      if m.num_experts else 1),
         moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_pattern=_moe_layer_pattern(m),
+        moe_grouped_gemm=m.moe_grouped_gemm, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
@@ -425,7 +426,7 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
             if shard_group is not None and shard_parties > 1:
                 op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
                                                    "parties": shard_parties})
-        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "edp", "world"):
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "tp_ep", "edp", "world"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
     return graph.with_changes(ops=tuple(ops))

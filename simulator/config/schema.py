@@ -184,7 +184,8 @@ class ModelConfig(_Model):
         "FLOPs count w (2 s - w) / 2 pairs per head instead of s^2 / 2. Default: full causal attention.")
     num_experts: PositiveInt | None = Field(
         default=None, le=MAX_NUM_EXPERTS, description="Megatron --num-experts: every block's MLP is a mixture of this "
-        "many routed experts (grouped GEMMs, all-to-all dispatch with expert_model_parallel_size > 1; routing "
+        "many routed experts (grouped GEMMs unless moe_grouped_gemm false, all-to-all dispatch with "
+        "expert_model_parallel_size > 1 unless moe_token_dispatcher_type allgather; routing "
         "balanced unless moe_tokens_per_expert: each expert gets T x topk / num_experts tokens). Needs training.precision bf16 or fp16, "
         "add_bias_linear false, and sequence_parallel with tensor_model_parallel_size > 1.")
     moe_router_topk: PositiveInt = Field(default=2, le=MAX_NUM_EXPERTS, description="Megatron --moe-router-topk: "
@@ -236,6 +237,19 @@ class ModelConfig(_Model):
     moe_layer_freq: PositiveInt | list[Literal[0, 1]] = Field(
         default=1, description="Megatron --moe-layer-freq: an integer N (block i is MoE when i % N == 0) or one 0 "
         "(dense MLP of ffn_hidden_size) / 1 (MoE) per block, e.g. DeepSeek-MoE's first dense block [0, 1, 1, ...].")
+    moe_grouped_gemm: bool = Field(
+        default=True, description="Megatron --moe-grouped-gemm: true runs each block's local experts as grouped "
+        "GEMMs (GroupedMLP / TEGroupedMLP, priced as one GEMM of the stacked rows); false as Megatron's SequentialMLP: "
+        "one MLP per local expert (its fc1, activation and fc2 GEMMs forward and backward, at its own token count), "
+        "one after another, and a torch.cat of their outputs (and of the input gradients) with more than one local "
+        "expert. Megatron's own default (the flag absent) is false; here true, as the bundled MoE scenarios run.")
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "alltoall_seq", "flex"] = Field(
+        default="alltoall", description="Megatron --moe-token-dispatcher-type: alltoall (MoEAlltoAllTokenDispatcher: "
+        "all-to-alls over the EP group, the expert-TP all-gather / reduce-scatter) or allgather "
+        "(MoEAllGatherTokenDispatcher: the routing map, fp32 probabilities and tokens all-gathered over the "
+        "expert_tensor_parallel x expert_model_parallel ranks, every rank picking its local experts' copies, the "
+        "fp32 combine reduce-scattered back; backward the mirror: simulator/graph/builders/moe_allgather.py). "
+        "alltoall_seq and flex (DeepEP) are not modelled. Megatron's own default is allgather; here alltoall.")
     moe_tokens_per_expert: list[float] | None = Field(
         default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
         "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
@@ -292,6 +306,9 @@ class ModelConfig(_Model):
                           if k.startswith("moe_") and getattr(self, k) != f.default)
         if self.num_experts is None and moe_keys:
             raise ValueError(f"{moe_keys[0]} needs model.num_experts (a mixture-of-experts model)")
+        if self.moe_token_dispatcher_type in ("alltoall_seq", "flex"):
+            raise ValueError(f"moe_token_dispatcher_type: {self.moe_token_dispatcher_type} is not modelled (allowed: "
+                             "alltoall, allgather)")
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts ({self.num_experts}) "
                              f"(allowed: 1..{self.num_experts})")

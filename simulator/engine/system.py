@@ -212,7 +212,8 @@ class System:
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
         ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
         ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``), ``"mp"`` the
-        model-parallel group (the TP group on every stage), ``"world"`` every rank. ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``.
+        model-parallel group (the TP group on every stage), ``"world"`` every rank. ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``, ``"tp_ep"`` every
+        ``etp`` rank of every ``ep`` rank (Megatron's ``tp_ep_group``: the all-gather token dispatcher).
 
         Raises:
             CollectiveError: an unknown group name or an op/size the model cannot price.
@@ -246,6 +247,9 @@ class System:
         elif name == "mp":  # Megatron's model-parallel group: this rank's TP group on every pipeline stage
             t0 = self.hw.tp_group[0]
             groups["mp"] = tuple(sorted(s + t - t0 for s in self.hw.pp_group for t in self.hw.tp_group))
+        elif name == "tp_ep":  # Megatron's tp_ep group: the etp x ep ranks of this rank's expert grid
+            t0 = self.hw.etp_group[0]
+            groups["tp_ep"] = tuple(sorted(e + t - t0 for e in self.hw.ep_group for t in self.hw.etp_group))
         elif name == "world":  # every rank (the default process group)
             groups["world"] = tuple(range(self.hw.world_size))
         if name not in groups:

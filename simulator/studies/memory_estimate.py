@@ -50,9 +50,17 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Overheads**: ``memory.cuda_context_bytes`` + ``memory.allocator_reserve_fraction`` x tensors (the
   scenario's ``memory`` section, the engine's defaults).
 
+* **Mixture of experts** (every block an MoE block, ``_moe_mlp_delta``): in place of the dense MLP's
+  tensors the router's probabilities, routing map and auxiliary-loss scores, the experts' input, fc1 and
+  activation outputs over the busiest EP rank's ``N_g`` rows, the routed output the combine reads, with the
+  all-gather dispatcher its local routing map and permuted probabilities, the shared expert's; the experts'
+  backward working set as the transient; expert optimizer state sharded over ``edp`` (``moe.sharded_state``).
+  Grouped and per-expert GEMMs save the same bytes. Checked against the simulation within 2%
+  (``tests/simulator/graph/test_moe_sequential_allgather.py``).
+
 Not estimated (``NotEstimated``; the search simulates such points instead of pruning them): optimizer,
-parameter or activation offload to the host; LoRA (``training.lora``); mixture-of-experts models (routed
-activations not estimated).
+parameter or activation offload to the host; LoRA (``training.lora``); mixture-of-experts models with dense
+blocks between the MoE blocks (``moe_layer_freq``) or with fp8.
 """
 
 from __future__ import annotations
@@ -229,8 +237,51 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     # activation) are saved as their fp8 copies, 1 B per element in place of the 16-bit ones (transformer.py
     # _fp8_operands; TE linear.py saves only the fp8 input for backward)
     fp8 = (w - 1) * T * (2 * h + h // t + f // t) if spec.fp8 is not None else 0
+    moe_mlp = _moe_mlp_delta(spec)[0] if spec.num_experts else 0  # an MoE block's MLP (bf16 / fp16 only)
     return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
-            + weights16 + eager - fp8)
+            + weights16 + eager - fp8 + moe_mlp)
+
+
+def _moe_mlp_delta(spec) -> tuple[float, float]:
+    """An MoE block against the dense block of ``_layer_activation_bytes``: ``(saved, working)``, bytes. ``saved``:
+    what the MoE layer keeps for backward (``moe.moe_fwd``) less the dense MLP's fc1 / activation outputs and
+    its gathered norm output (the MoE layer reads the ``T_n`` tokens of its shard): the router's fp32
+    probabilities, routing map (and auxiliary-loss scores), the experts' input, fc1 and activation outputs over
+    their ``N_g`` rows, the routed output ``unpermute`` reads (the all-to-all's ``max(N_l, N)`` rows with
+    ``ep > 1``, else ``N``), with ``allgather`` the local routing map ``[G T_n, E_l]`` and the permuted fp32
+    probabilities ``[N_g]``, and the shared expert's tensors. ``working``: the experts' backward working set
+    (fc1's and the activation's input gradients over ``N_g`` rows, two ``[rows, h]`` 16-bit tensors, with
+    ``allgather`` the fp32 ``[G T_n, h]`` gradient of the combine), in place of the dense block's."""
+    from simulator.graph.builders import moe
+    from simulator.graph.builders import moe_allgather as ag
+
+    t = spec.tensor_parallel_size
+    T = spec.micro_batch_size * spec.seq_length
+    Tn = T // t if spec.sequence_parallel and t > 1 else T
+    h, E, El = spec.hidden_size, spec.num_experts, spec.local_experts
+    ep, et = spec.expert_parallel_size, spec.expert_tensor_parallel_size
+    fe = moe.expert_ffn(spec) // et
+    f1e = (2 if spec.swiglu else 1) * fe
+    Nl, N = moe.routed_tokens(spec, Tn), moe.expert_tokens(spec, Tn)
+    Ng = N * et
+    router = 5 * Tn * E + (4 * Tn * E if spec.moe_router_load_balancing_type == "aux_loss" else 0)
+    experts = 2 * Ng * (h + f1e + fe)
+    if spec.moe_token_dispatcher_type == "allgather":
+        G = ag.group_size(spec)
+        R = G * Tn
+        routed = 2 * Ng * h + 4 * Ng + (R * El if G > 1 or El < E else 0)
+        working = 2 * Ng * (f1e + fe) + 4 * Ng * h + 4 * R * h
+    else:
+        routed = 2 * h * (max(Nl, N) if ep > 1 else N)
+        working = 2 * Ng * (f1e + fe) + 4 * Ng * h
+    shared = 0
+    fs = spec.moe_shared_expert_intermediate_size
+    if fs:
+        shared = 2 * T * ((2 if spec.swiglu else 1) * fs // t + fs // t) + (2 * T * h if t > 1 else 0)
+        if spec.moe_shared_expert_gate:
+            shared += 2 * Tn + 2 * Tn * h
+    dense = 2 * T * (spec.fc1_out_size // t + spec.ffn_hidden_size // t) + 2 * T * h - 2 * Tn * h
+    return router + experts + routed + shared - dense, working
 
 
 def fp8_workspace_bytes(spec) -> int:
@@ -281,6 +332,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     """``({params, grad, optimizer}, grads_in_backward)``: the persistent model states of one rank and the
     gradient bytes allocated by backward (fp32 ``.grad``, ZeRO-2 shards), bytes (module docstring)."""
     from simulator.api import sharding_spec
+    from simulator.graph.builders import moe
 
     dp = spec.grad_reduce_size  # the model states are sharded over dp x cp
     amp = spec.precision in ("amp_fp32_params", *FULL_PRECISIONS)  # fp32 parameters, no master copy
@@ -293,7 +345,7 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
 
     if sh is None:
         zero = spec.zero_stage
-        Ps = part(P) if zero else P
+        Ps = moe.sharded_state(spec, P, part) if zero else P  # the experts' over edp (moe.sharded_state)
         params = 4 * P if amp else _half_param_bytes(spec) + 4 * Ps
         buckets = _grad_bytes(spec) * P if dp > 1 and zero == 0 else 0  # DDP's flat bucket buffers (Megatron's
         # buffer: 16-bit with megatron_half_grads)
@@ -307,7 +359,8 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         return {"params": params, "grad": buckets, "optimizer": 8 * Ps}, dynamic
     P = spec.rank_num_parameters  # this stage's (ZeRO-3 refuses pipelines; FSDP's are not estimated)
     Ps = sh.shard(P)
-    if sh.strategy == "distributed_optimizer":  # the fp32 main grads are views of the persistent buffer (fp16
+    if sh.strategy == "distributed_optimizer":
+        Ps = moe.sharded_state(spec, P, sh.shard)  # the fp32 main grads are views of the persistent buffer (fp16
         # buffer: fresh fp32 main grads at the step, stage_memory)
         return {"params": _half_param_bytes(spec) + 4 * Ps, "grad": _grad_bytes(spec) * P, "optimizer": 8 * Ps}, 0
     if sh.strategy == "no_shard":
@@ -331,7 +384,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     gradients of an earlier micro-batch are already there and add to it.
 
     Raises:
-        NotEstimated: offload of the optimizer, parameters or activations; LoRA; a mixture-of-experts model.
+        NotEstimated: offload of the optimizer, parameters or activations; LoRA; a mixture-of-experts model with
+            dense blocks or fp8.
     """
     from simulator.api import memory_overheads, transformer_spec
 
@@ -347,8 +401,10 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("activation_checkpointing.cpu_checkpointing is not covered by the memory estimate")
     if cfg.training.lora is not None:
         raise NotEstimated("training.lora (frozen weights) is not covered by the memory estimate")
-    if cfg.model.num_experts:
-        raise NotEstimated("model.num_experts (mixture-of-experts activations) is not covered by the memory estimate")
+    m = cfg.model
+    if m.num_experts and (m.moe_layer_freq != 1 or cfg.training.fp8 is not None):
+        raise NotEstimated("model.num_experts with dense blocks (moe_layer_freq) or fp8 is not covered by the "
+                           "memory estimate")
     if cfg.parallelism.context_parallel_size > 1:
         raise NotEstimated("context parallelism (s / cp tokens per rank, K/V exchange buffers) is not covered by the "
                            "memory estimate")
@@ -375,6 +431,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     f1 = (spec.fc1_out_size + spec.ffn_hidden_size) // t
     largest_weight = max(h * spec.qkv_out_size, h * spec.fc1_out_size, spec.ffn_hidden_size * h) // t
     transient = w * T * f1 + 2 * act * T * h + w * largest_weight  # one block's backward working set
+    if spec.num_experts:  # every block is an MoE block (dense blocks between them are not estimated)
+        transient = _moe_mlp_delta(spec)[1] + w * largest_weight
     if recompute == "full":  # one block's activations are rebuilt during its backward
         transient += _layer_activation_bytes(spec, "none", bf16_gathered)
     if spec.attention_backend == "unfused":  # the core's score gradients (and its recomputed tensors), after

@@ -1,7 +1,9 @@
 """Mixture-of-experts MLP of one decoder block, kernel by kernel, as Megatron-LM core runs it
 (``megatron/core/transformer/moe``: ``MoELayer`` with ``TopKRouter``, the ``alltoall`` token
-dispatcher ``MoEAlltoAllTokenDispatcher`` and grouped-GEMM experts ``GroupedMLP``; Fedus et al.,
-*Switch Transformers*, JMLR 2022; Jiang et al., *Mixtral of Experts*, 2024).
+dispatcher ``MoEAlltoAllTokenDispatcher`` (``moe_token_dispatcher_type: allgather``:
+``MoEAllGatherTokenDispatcher``, ``simulator.graph.builders.moe_allgather``) and grouped-GEMM experts
+``GroupedMLP`` (``moe_grouped_gemm: false``: ``SequentialMLP``, ``simulator.graph.builders.moe_experts``); Fedus
+et al., *Switch Transformers*, JMLR 2022; Jiang et al., *Mixtral of Experts*, 2024).
 
 The transformer builder (``transformer._GptBuilder``) calls ``moe_fwd`` / ``moe_bwd`` in place of
 its dense MLP; the functions use its emitter and Linear helpers. Shapes: ``T`` tokens on this rank
@@ -23,7 +25,7 @@ Forward, per block:
   ``sort_chunks_by_idxs`` (from source-rank order to local-expert order).
 * **experts**: grouped GEMMs fc1 ``[N, h] x [h, 2 f_e]`` (SwiGLU; ``f_e`` without), the activation,
   fc2 ``[N, f_e] x [f_e, h]``; one grouped GEMM is priced as one GEMM of the ``N`` stacked rows
-  (the per-expert tile padding is ignored).
+  (the per-expert tile padding is ignored); or one MLP per local expert (``moe_experts``).
 * **combine**: the reverse chunk sort, the **combine all-to-all**, ``unpermute`` (probability-
   weighted scatter-add back to ``[T, h]``); a shared expert (``moe_shared_expert_intermediate_size``)
   is a dense MLP on all ``T`` tokens whose output is added.
@@ -61,7 +63,7 @@ The shared expert is a dense MLP over the ``t`` TP ranks (all-gather, column/row
 reduce-scatter). The rank groups follow Megatron's expert grid (``initialize_model_parallel``: ``RankGenerator(
 tp=etp, ep=ep, dp=edp)``, ``edp = t dp / (ep etp)`` per stage): ``etp`` consecutive ranks, ``ep`` ranks at
 stride ``etp``. Not modelled (refused): ``etp > t``, ``etp`` not dividing ``t``, context parallelism with
-experts, the all-gather token dispatcher, the probabilities' small all-to-all beside the tokens'.
+experts, the ``alltoall_seq`` and ``flex`` dispatchers, the probabilities' small all-to-all beside the tokens'.
 
 Expert gradients: with data parallelism they are reduced over the expert-data-parallel group
 ``edp`` (``dp / ep`` ranks: Megatron rank order tp-cp-ep-dp), one all-reduce per expert weight
@@ -76,12 +78,16 @@ from __future__ import annotations
 
 import math
 
+from simulator.graph.builders import moe_allgather as ag
+from simulator.graph.builders import moe_experts as experts
 from simulator.graph.op_graph import ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, TensorAlloc
 
 #: ``moe_router_load_balancing_type`` values modelled (Megatron also has seq_aux_loss and sinkhorn)
 LOAD_BALANCING = ("aux_loss", "none")
+#: ``moe_token_dispatcher_type`` values modelled (Megatron also has alltoall_seq and flex)
+DISPATCHERS = ("alltoall", "allgather")
 
 
 # -- counts ------------------------------------------------------------------------------------
@@ -110,6 +116,8 @@ def check_moe_spec(s) -> None:
         v = getattr(s, name)
         if v is not None and v <= 0:
             raise ValueError(f"{name} must be > 0, got {v}")
+    if s.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ValueError(f"moe_token_dispatcher_type must be one of {DISPATCHERS}, got {s.moe_token_dispatcher_type!r}")
     if s.moe_router_load_balancing_type not in LOAD_BALANCING:
         raise ValueError(f"moe_router_load_balancing_type must be one of {LOAD_BALANCING}, got "
                          f"{s.moe_router_load_balancing_type!r}")
@@ -144,7 +152,8 @@ def check_moe_spec(s) -> None:
     if s.precision == "amp_fp32_params":
         raise ValueError("num_experts is modelled for Megatron precisions bf16 and fp16, not amp_fp32_params")
     if s.bias:
-        raise ValueError("num_experts with biases (add_bias_linear) is not modelled (Megatron GroupedMLP has none)")
+        raise ValueError("num_experts with biases (add_bias_linear) is not modelled (Megatron GroupedMLP has none; "
+                         "SequentialMLP's expert biases are not modelled either)")
     if own_expert_grads(s) and s.data_parallel_size > 1 and s.sharding is not None and \
             s.sharding.strategy != "distributed_optimizer":
         raise ValueError(f"{s.sharding.strategy} with expert parallelism (expert gradients over edp) is not modelled "
@@ -279,6 +288,60 @@ def _etp(bld, name: str, op: str, nbytes: int, x: str, out: str, out_bytes: int)
     return y
 
 
+def host_sync(bld, counts: str, nbytes: int) -> None:
+    """The tokens-per-expert counts ``counts`` (``nbytes``) copied to the host and waited for (a host
+    synchronisation per block: the all-to-all splits and the expert GEMMs' row counts are host values in
+    Megatron's dropless path)."""
+    e = bld.e
+    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=nbytes,
+                   uses=[counts], dtype="int64")
+    bld.b.add(f"L{e.layer}.{e.phase.value}.moe.tokens_per_expert.sync", OpKind.SYNC, "host", deps=[d2h],
+              phase=e.phase, layer=e.layer, launch=False)
+
+
+def _alltoall_fwd(bld, x: str, probs: str, rmap: str, save: bool, sv: dict) -> str:
+    """``MoEAlltoAllTokenDispatcher``'s dispatch, the experts and its combine on the ``[T_n, h]`` input ``x``
+    (module text). Returns the ``[T_n, h]`` 16-bit routed output."""
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # copies leaving the router; rows at the busiest rank's experts
+    Na = max(Nl, N)  # all-to-all buffer rows: the busiest rank's receive (dispatch) / send (combine)
+    Ng = N * et  # rows of the expert GEMMs after the etp all-gather
+    # dispatcher preprocess: tokens per expert, gathered over EP x ETP, to the host (a synchronisation)
+    counts = e.fresh("moe.tokens_per_expert")
+    e.kernel("moe.tokens_per_expert", C.REDUCTION, reads=T * E, writes=8 * E, out=[(counts, 8 * E)], uses=[rmap],
+             dtype="int64")
+    n_gather = ep * et  # Megatron gathers them over the tp_ep group (ep x etp ranks): priced over ep (else etp)
+    if n_gather > 1:
+        y = e.fresh("moe.global_tokens_per_expert")
+        bld._tp_op("moe.tokens_per_expert.all_gather", "all_gather", 8 * E * n_gather, uses=[counts],
+                   out=[(y, 8 * E * n_gather)], dtype="int64", group="ep" if ep > 1 else "etp")
+        counts = y
+    host_sync(bld, counts, 8 * E * n_gather)
+    perm = e.fresh("moe.permuted")
+    e.kernel("moe.permute", C.COPY, reads=2 * Nl * h + T * E, writes=2 * Nl * h, out=[(perm, 2 * Nl * h)],
+             uses=[x, rmap])
+    if ep > 1:
+        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * Na * h, perm, "moe.dispatched")
+    if et > 1:
+        perm = _etp(bld, "moe.dispatch.all_gather", "all_gather", 2 * Ng * h, perm, "moe.gathered", 2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        perm = _copy(bld, "moe.sort_chunks", perm, 2 * Ng * h)
+    y = experts.experts_fwd(bld, perm, Ng, fe, save, sv)
+    if El > 1 and (ep > 1 or et > 1):
+        y = _copy(bld, "moe.unsort_chunks", y, 2 * Ng * h)
+    if et > 1:  # partial sums of the etp ranks' slices of f_e, summed and scattered back to this rank's rows
+        y = _etp(bld, "moe.combine.reduce_scatter", "reduce_scatter", 2 * Ng * h, y, "moe.scattered", 2 * N * h)
+    if ep > 1:
+        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
+    out = e.fresh("moe.out")
+    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
+             flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
+    sv["combined"] = y
+    return out
+
+
 def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
     """The MoE layer's forward on the normalised ``[T_n, h]`` 16-bit input ``x`` (``T_n = T / t`` with tensor
     and sequence parallelism; see the module text).
@@ -287,11 +350,9 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
         The ``[T_n, h]`` 16-bit output (before the residual add) and the tensors saved for ``moe_bwd``.
     """
     s, e, T = bld.s, bld.e, bld.Tn
-    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    h, E, et = s.hidden_size, s.num_experts, s.expert_tensor_parallel_size
     fe = expert_ffn(s) // et
-    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # copies leaving the router; rows at the busiest rank's experts
-    Na = max(Nl, N)  # all-to-all buffer rows: the busiest rank's receive (dispatch) / send (combine)
-    Ng = N * et  # rows of the grouped GEMMs after the etp all-gather
+    Ng = expert_tokens(s, T) * et  # rows of the expert GEMMs (after the etp all-gather)
     sv: dict = {}
     logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save, tokens=T)
     probs, rmap = e.fresh("router.probs"), e.fresh("router.routing_map")
@@ -303,42 +364,12 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
         e.kernel("router.aux_loss.softmax", C.SOFTMAX, reads=2 * T * E, writes=4 * T * E,
                  out=[(scores, 4 * T * E)], uses=[logits], dtype="fp32")
         e.kernel("router.aux_loss", C.REDUCTION, reads=5 * T * E, writes=12 * E, uses=[scores, rmap], dtype="fp32")
-    # dispatcher preprocess: tokens per expert, gathered over EP x ETP, to the host (a synchronisation)
-    counts = e.fresh("moe.tokens_per_expert")
-    e.kernel("moe.tokens_per_expert", C.REDUCTION, reads=T * E, writes=8 * E, out=[(counts, 8 * E)], uses=[rmap],
-             dtype="int64")
-    n_gather = ep * et  # Megatron gathers them over the tp_ep group (ep x etp ranks): priced over ep (else etp)
-    if n_gather > 1:
-        y = e.fresh("moe.global_tokens_per_expert")
-        bld._tp_op("moe.tokens_per_expert.all_gather", "all_gather", 8 * E * n_gather, uses=[counts],
-                   out=[(y, 8 * E * n_gather)], dtype="int64", group="ep" if ep > 1 else "etp")
-        counts = y
-    d2h = e.kernel("moe.tokens_per_expert.d2h", C.COPY, kind=OpKind.MEMCPY_D2H, stream="d2h", reads=8 * E * n_gather,
-                   uses=[counts], dtype="int64")
-    bld.b.add(f"L{e.layer}.{e.phase.value}.moe.tokens_per_expert.sync", OpKind.SYNC, "host", deps=[d2h],
-              phase=e.phase, layer=e.layer, launch=False)
-    perm = e.fresh("moe.permuted")
-    e.kernel("moe.permute", C.COPY, reads=2 * Nl * h + T * E, writes=2 * Nl * h, out=[(perm, 2 * Nl * h)],
-             uses=[x, rmap])
-    if ep > 1:
-        perm = _ep(bld, "moe.dispatch.all_to_all", "all_to_all", 2 * Na * h, perm, "moe.dispatched")
-    if et > 1:
-        perm = _etp(bld, "moe.dispatch.all_gather", "all_gather", 2 * Ng * h, perm, "moe.gathered", 2 * Ng * h)
-    if El > 1 and (ep > 1 or et > 1):
-        perm = _copy(bld, "moe.sort_chunks", perm, 2 * Ng * h)
-    fc1, sv["fc1"] = bld._linear_fwd("experts.fc1", perm, h, (2 if s.swiglu else 1) * fe, x_fp32=False, save=save,
-                                     tokens=Ng, groups=El)
-    act = bld._act_fwd("experts.", fc1, Ng, fe)
-    y, sv["fc2"] = bld._linear_fwd("experts.fc2", act, fe, h, x_fp32=False, save=save, tokens=Ng, groups=El)
-    if El > 1 and (ep > 1 or et > 1):
-        y = _copy(bld, "moe.unsort_chunks", y, 2 * Ng * h)
-    if et > 1:  # partial sums of the etp ranks' slices of f_e, summed and scattered back to this rank's rows
-        y = _etp(bld, "moe.combine.reduce_scatter", "reduce_scatter", 2 * Ng * h, y, "moe.scattered", 2 * N * h)
-    if ep > 1:
-        y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
-    out = e.fresh("moe.out")
-    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
-             flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
+    if s.moe_token_dispatcher_type == "allgather":
+        perm = ag.dispatch_fwd(bld, x, probs, rmap, Ng, sv)
+        y = experts.experts_fwd(bld, perm, Ng, fe, save, sv)
+        out = ag.combine_fwd(bld, y, Ng, sv)
+    else:
+        out = _alltoall_fwd(bld, x, probs, rmap, save, sv)
     fs = s.moe_shared_expert_intermediate_size
     if fs:  # a dense MLP split over the attention TP group (Megatron SharedExpertMLP), as the dense path
         fs //= bld.tp
@@ -357,18 +388,50 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
             s2 = s2g
         out = bld._add("moe.shared_expert.add", out, s2, 2, 2, 2)
         sv["shared.act_in"] = s1
-    sv.update(probs=probs, rmap=rmap, scores=scores, fc1_out=fc1, combined=y)
+    sv.update(probs=probs, rmap=rmap, scores=scores)
     return out, sv
+
+
+def _alltoall_bwd(bld, g: str, sv: dict) -> tuple[str, str]:
+    """Backward of ``_alltoall_fwd`` from the ``[T_n, h]`` gradient ``g``: the ``[T_n, h]`` 16-bit input gradient
+    and the ``[T_n, E]`` fp32 gradient of the router probabilities."""
+    s, e, T = bld.s, bld.e, bld.Tn
+    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    fe = expert_ffn(s) // et
+    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in _alltoall_fwd
+    Na, Ng = max(Nl, N), N * et
+    gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
+    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
+             writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
+             uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
+    if ep > 1:
+        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
+    if et > 1:  # the reduce-scatter's backward
+        gy = _etp(bld, "moe.combine.dgrad.all_gather", "all_gather", 2 * Ng * h, gy, "moe.combine.dx_gathered",
+                  2 * Ng * h)
+    if El > 1 and (ep > 1 or et > 1):
+        gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * Ng * h)
+    gx = experts.experts_bwd(bld, gy, sv, Ng, fe)
+    if El > 1 and (ep > 1 or et > 1):
+        gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * Ng * h)
+    if et > 1:  # the all-gather's backward: the etp ranks' input-gradient slices summed
+        gx = _etp(bld, "moe.dispatch.dgrad.reduce_scatter", "reduce_scatter", 2 * Ng * h, gx,
+                  "moe.dispatch.dx_scattered", 2 * N * h)
+    if ep > 1:
+        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * Na * h, gx, "moe.dispatch.dx")
+    g_in = e.fresh("moe.permute.dx")
+    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * Nl * h + T * E, writes=2 * T * h, flops=Nl * h,
+             out=[(g_in, 2 * T * h)], uses=[gx, sv["rmap"]])
+    return g_in, gp
 
 
 def moe_bwd(bld, g: str, sv: dict) -> str:
     """The MoE layer's backward from the gradient ``g`` of its ``[T_n, h]`` output; returns the gradient of its
     input (``[T_n, h]`` 16-bit)."""
     s, e, T = bld.s, bld.e, bld.Tn
-    h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
+    h, E, et = s.hidden_size, s.num_experts, s.expert_tensor_parallel_size
     fe = expert_ffn(s) // et
-    Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in moe_fwd
-    Na, Ng = max(Nl, N), N * et
+    Ng = expert_tokens(s, T) * et  # as in moe_fwd
     fs = s.moe_shared_expert_intermediate_size
     g_shared = None
     if fs:
@@ -388,31 +451,12 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
                                                   (2 if s.swiglu else 1) * fs, g_fp32=False))
         if s.moe_shared_expert_gate:
             g_shared = bld._add("shared_expert.gate.dx.add", g_shared, g_gate, 2, 2, 2)
-    gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
-    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
-             writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
-             uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
-    if ep > 1:
-        gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
-    if et > 1:  # the reduce-scatter's backward
-        gy = _etp(bld, "moe.combine.dgrad.all_gather", "all_gather", 2 * Ng * h, gy, "moe.combine.dx_gathered",
-                  2 * Ng * h)
-    if El > 1 and (ep > 1 or et > 1):
-        gy = _copy(bld, "moe.unsort_chunks.dgrad", gy, 2 * Ng * h)
-    ga = bld._linear_bwd("experts.fc2", gy, sv["fc2"], fe, h, g_fp32=False, tokens=Ng, groups=El)
-    ga = bld._act_bwd("experts.", ga, sv["fc1_out"], Ng, fe)
-    gx = bld._linear_bwd("experts.fc1", ga, sv["fc1"], h, (2 if s.swiglu else 1) * fe, g_fp32=False, tokens=Ng,
-                         groups=El)
-    if El > 1 and (ep > 1 or et > 1):
-        gx = _copy(bld, "moe.sort_chunks.dgrad", gx, 2 * Ng * h)
-    if et > 1:  # the all-gather's backward: the etp ranks' input-gradient slices summed
-        gx = _etp(bld, "moe.dispatch.dgrad.reduce_scatter", "reduce_scatter", 2 * Ng * h, gx,
-                  "moe.dispatch.dx_scattered", 2 * N * h)
-    if ep > 1:
-        gx = _ep(bld, "moe.dispatch.dgrad.all_to_all", "all_to_all", 2 * Na * h, gx, "moe.dispatch.dx")
-    g_in = e.fresh("moe.permute.dx")
-    e.kernel("moe.permute.dgrad", C.ELEMENTWISE, reads=2 * Nl * h + T * E, writes=2 * T * h, flops=Nl * h,
-             out=[(g_in, 2 * T * h)], uses=[gx, sv["rmap"]])
+    if s.moe_token_dispatcher_type == "allgather":
+        gy = ag.combine_bwd(bld, g, Ng, sv)
+        gx = experts.experts_bwd(bld, gy, sv, Ng, fe)
+        g_in, gp = ag.dispatch_bwd(bld, gx, Ng, sv)
+    else:
+        g_in, gp = _alltoall_bwd(bld, g, sv)
     gl = e.fresh("router.logits.dx")
     e.kernel("router.topk_softmax.dgrad", C.SOFTMAX, reads=8 * T * E + T * E, writes=2 * T * E,
              out=[(gl, 2 * T * E)], uses=[gp, sv["probs"], sv["rmap"]])

@@ -227,8 +227,13 @@ def _moe_param_sizes(spec, out: dict[str, int], experts: bool) -> None:
         out["shared_expert.fc1.weight"] = h * (g - 1) * fs // t
     if experts:
         fe = (spec.moe_ffn_hidden_size or spec.ffn_hidden_size) // spec.expert_tensor_parallel_size
-        out["experts.fc2.weight"] = spec.local_experts * fe * h
-        out["experts.fc1.weight"] = spec.local_experts * h * (g - 1) * fe
+        if spec.moe_grouped_gemm:
+            out["experts.fc2.weight"] = spec.local_experts * fe * h
+            out["experts.fc1.weight"] = spec.local_experts * h * (g - 1) * fe
+        else:  # SequentialMLP: one fc1 and fc2 per local expert, the last expert's first (moe_experts.experts_bwd)
+            for j in reversed(range(spec.local_experts)):
+                out[f"experts.{j}.fc2.weight"] = fe * h
+                out[f"experts.{j}.fc1.weight"] = h * (g - 1) * fe
     out["router.weight"] = h * spec.num_experts
 
 

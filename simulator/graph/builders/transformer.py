@@ -255,6 +255,11 @@ class TransformerSpec:
         moe_shared_expert_gate: A sigmoid gate ``[h, 1]`` scales the shared expert's output (Qwen2-MoE).
         moe_layer_pattern: 1 (MoE) or 0 (dense MLP of ``ffn_hidden_size``) per block (Megatron
             ``--moe-layer-freq`` as a list; ``None``: every block is MoE).
+        moe_grouped_gemm: The local experts run as grouped GEMMs (Megatron ``--moe-grouped-gemm``, ``GroupedMLP``
+            / ``TEGroupedMLP``); false: one MLP per local expert, one after another on its token slice
+            (``SequentialMLP``: ``simulator.graph.builders.moe_experts``).
+        moe_token_dispatcher_type: ``alltoall`` (``MoEAlltoAllTokenDispatcher``) or ``allgather``
+            (``MoEAllGatherTokenDispatcher``: ``simulator.graph.builders.moe_allgather``).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -336,6 +341,8 @@ class TransformerSpec:
     expert_tensor_parallel_size: int = 1
     moe_shared_expert_gate: bool = False
     moe_layer_pattern: tuple[int, ...] | None = None
+    moe_grouped_gemm: bool = True
+    moe_token_dispatcher_type: str = "alltoall"
     kv_channels: int | None = None
     window_size: int | None = None
     lora: lora.LoraSpec | None = None
