@@ -81,6 +81,8 @@ class StorageConfig(_Model):
     name: str = "custom"
     read_bandwidth_bytes_per_s: BytesPerS = Field(ge=1e3, description="At least 1 kB/s.")
     read_latency_s: Seconds = Field(default=0.0, ge=0, le=_S)
+    write_bandwidth_bytes_per_s: BytesPerS = Field(default=0.0, ge=0, description="Sequential write rate (0: not "
+                                                   "given; NVMe offload needs it, the dataloader only reads).")
 
 
 class RemoteConfig(_Model):
