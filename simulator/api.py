@@ -745,6 +745,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                 out.append(f"rank_overrides: {who}: " + _generic_profile_note(prof))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     out.extend(_clip_grad_warnings(cfg))
+    if cfg is not None:
+        from simulator.config.sections.nvme import aio_warning
+
+        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set))
+        if aio:
+            out.append(aio)
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "

@@ -16,6 +16,7 @@ YAML::
         pin_memory: true             # host buffers page-locked (pinned PCIe rates) or pageable
         mode: overlap                # serial | overlap | delayed_param_update (see below)
         cpu_adam_impl: torch_foreach # torch_foreach | torch_single | torch_fused | deepspeed_cpu_adam | deepspeed_cpu_adam_2020
+                                     # (device nvme: deepspeed_cpu_adam, its default there)
       offload_param:
         device: none                 # none | cpu | nvme: ZeRO-Infinity parameter offload (stage 3)
         pin_memory: true
@@ -101,6 +102,16 @@ class OffloadOptimizerConfig(_Model):
     @classmethod
     def _device(cls, v):
         return _check_device(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nvme_adam(cls, data):
+        """Device nvme without ``cpu_adam_impl``: DeepSpeedCPUAdam, what DeepSpeed's NVMe swapper steps with (so a
+        pasted DeepSpeed ``offload_optimizer`` block, which has no such key, runs as DeepSpeed does)."""
+        if (isinstance(data, dict) and isinstance(data.get("device"), str) and data["device"].lower() == "nvme"
+                and "cpu_adam_impl" not in data):
+            data = {**data, "cpu_adam_impl": "deepspeed_cpu_adam"}
+        return data
 
 
 class OffloadParamConfig(_Model):
