@@ -25,9 +25,8 @@ from __future__ import annotations
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
 from hardware_models.nvme import MAX_DRIVES
-from hardware_models.presets import PresetError, check_name
 from simulator.config.limits import MODEL_CONFIG
-from simulator.config.sections.dataloader import StorageConfig
+from simulator.config.sections.dataloader import StorageConfig, storage_name
 
 #: DeepSpeed's aio defaults (microsoft/DeepSpeed@077e6740 deepspeed/runtime/swap_tensor/constants.py)
 AIO_DEFAULTS = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
@@ -45,15 +44,7 @@ class NvmeConfig(_Model):
                                          "inline spec with read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s.")
     drives: PositiveInt = Field(default=1, le=MAX_DRIVES, description="Drives striped as one array (RAID-0).")
 
-    @field_validator("storage")
-    @classmethod
-    def _storage_name(cls, v):
-        if isinstance(v, str):
-            try:
-                check_name("storage", v)
-            except PresetError as exc:
-                raise ValueError(str(exc)) from None
-        return v
+    _storage = field_validator("storage")(lambda cls, v: storage_name(v))
 
 
 class AioConfig(_Model):

@@ -17,17 +17,11 @@ import pytest
 from simulator import load_scenario, run_scenario
 from simulator.api import transformer_spec
 from simulator.cli import main
+from tests.simulator.policies.test_offload_shared_host import DP8
 
-Z3_NVME = """name: z3_nvme_dp8
-hardware: {gpu: h100-sxm-80gb, host: dgx-h100-host, cluster: {preset: dgx-h100, nodes: 1}}
-model: {num_layers: 2, hidden_size: 1024, num_attention_heads: 16, seq_length: 512, vocab_size: 32768}
-training: {micro_batch_size: 2, precision: bf16}
-zero_optimization:
-  stage: 3
-  overlap_comm: true
-  offload_optimizer: {device: nvme, nvme_path: /local_nvme, pin_memory: true}
-run: {steps: 3, warmup_steps: 1}
-"""
+Z3_NVME = DP8.replace("name: off_dp8", "name: z3_nvme_dp8").replace("stage: 2", "stage: 3").replace(
+    "offload_optimizer: {device: cpu, pin_memory: true, cpu_adam_impl: deepspeed_cpu_adam}",
+    "offload_optimizer: {device: nvme, nvme_path: /local_nvme, pin_memory: true}")
 
 #: one GPU, one slow drive of its own: 0.1 GB/s read, 0.05 GB/s write, no request latency (NVMe-bound)
 ONE_GPU_SLOW = """name: nvme_one_gpu_slow
