@@ -55,6 +55,8 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: Adam's swapped states per sub-group: fp32 parameter, exp_avg, exp_avg_sq and the gradient (DeepSpeed's
 #: ``ADAM_OPTIMIZER_STATE_BUFFER_COUNT``, microsoft/DeepSpeed@b1cb0dfc deepspeed/runtime/zero/offload_config.py)
 ADAM_SWAP_BUFFERS = 4
+#: DeepSpeed's default sub_group_size (deepspeed/runtime/zero/config.py); another value needs device nvme here
+SUB_GROUP_SIZE_DEFAULT = 1_000_000_000
 OFFLOAD_MODES = ("serial", "overlap", "delayed_param_update")
 CPU_ADAM_IMPLS = ("torch_foreach", "torch_single", "deepspeed_cpu_adam")
 
@@ -175,7 +177,7 @@ class ZeroOptimizationConfig(_Model):
         default=1_000_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: most parameter elements "
         "gathered at once (DeepSpeed default 1e9).")
     sub_group_size: int = Field(
-        default=1_000_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="With offload_optimizer nvme: the CPU "
+        default=SUB_GROUP_SIZE_DEFAULT, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="With offload_optimizer nvme: the CPU "
         "step and its swaps run in groups of this many elements of the rank's partition (DeepSpeed default 1e9); "
         "allowed only there.")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
@@ -211,9 +213,10 @@ class ZeroOptimizationConfig(_Model):
             raise ValueError(f"offload_param.device: {op.device} needs zero_optimization.stage 3, got stage {self.stage}")
         if op.device != "none" and oo.device == "none":
             raise ValueError(f"offload_param.device: {op.device} needs offload_optimizer.device: cpu or nvme as well")
-        if "sub_group_size" in self.model_fields_set and oo.device != "nvme":
+        if self.sub_group_size != SUB_GROUP_SIZE_DEFAULT and oo.device != "nvme":
             raise ValueError("sub_group_size is modelled with offload_optimizer.device: nvme only "
-                             "(its swaps run per sub-group); elsewhere it does not change the step here: remove it")
+                             "(its swaps run per sub-group); elsewhere it does not change the step here: remove it (allowed: the default "
+                             "1e9)")
         if oo.mode == "serial" and self.overlap_comm:
             raise ValueError("offload_optimizer.mode: serial contradicts overlap_comm: true")
         if oo.device == "cpu" and oo.mode in ("overlap", "delayed_param_update") and self.overlap_comm is False:
