@@ -122,12 +122,15 @@ class StorageSpec:
             concurrent readers (max-min fair), bytes/s.
         read_latency_s: Fixed latency of one read, s.
         sources: Citation per field.
+        write_bandwidth_bytes_per_s: Sequential write bandwidth, bytes/s (0: not given; the dataloader only
+            reads, NVMe offload (``hardware_models.nvme``) needs it).
     """
 
     name: str
     read_bandwidth_bytes_per_s: float
     read_latency_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
+    write_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Raises: DataLoaderSpecError: non-positive bandwidth or negative latency."""
@@ -135,6 +138,9 @@ class StorageSpec:
             raise DataLoaderSpecError(f"storage read_bandwidth_bytes_per_s must be > 0, got {self.read_bandwidth_bytes_per_s}")
         if self.read_latency_s < 0:
             raise DataLoaderSpecError(f"storage read_latency_s must be >= 0, got {self.read_latency_s}")
+        if not (self.write_bandwidth_bytes_per_s >= 0 and math.isfinite(self.write_bandwidth_bytes_per_s)):
+            raise DataLoaderSpecError("storage write_bandwidth_bytes_per_s must be >= 0 (0: not given), got "
+                                      f"{self.write_bandwidth_bytes_per_s}")
 
 
 @dataclass(frozen=True, slots=True)

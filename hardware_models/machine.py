@@ -9,6 +9,7 @@ from typing import Mapping, NamedTuple
 from hardware_models.collectives import CollectiveModel, NcclConfig
 from hardware_models.fabrics import LinkSpec
 from hardware_models.gpu import GpuSpec
+from hardware_models.nvme import NvmeArraySpec
 from hardware_models.host import HostCpuSpec, HostMemorySpec
 from hardware_models.profile import EfficiencyProfile
 
@@ -143,6 +144,7 @@ class Hardware:
         edp_group: Global ranks of its expert-data-parallel group (replicas of its experts: expert gradients).
         etp_group: Global ranks of its expert-tensor-parallel group (the ranks splitting its experts' width).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
+        nvme: The host's NVMe array (``hardware_models.nvme``; None: none, or not needed by the run).
     """
 
     gpu: GpuSpec
@@ -167,6 +169,7 @@ class Hardware:
     nccl: NcclConfig | None = None
     pcie_explicit: bool = False
     extra: dict = field(default_factory=dict)
+    nvme: NvmeArraySpec | None = None
 
     @property
     def launch(self) -> LaunchOverhead:

@@ -582,9 +582,9 @@ def _pageable_copies(cfg: ScenarioConfig) -> str:
     """The scenario keys whose host copies are pageable (``pin_memory: false``, DeepSpeed ``cpu_checkpointing``),
     comma-separated, or ``""``."""
     z, keys = cfg.zero_optimization, []
-    if z is not None and z.offload_optimizer.device == "cpu" and not z.offload_optimizer.pin_memory:
+    if z is not None and z.offload_optimizer.device != "none" and not z.offload_optimizer.pin_memory:
         keys.append("zero_optimization.offload_optimizer.pin_memory false")
-    if z is not None and z.offload_param.device == "cpu" and not z.offload_param.pin_memory:
+    if z is not None and z.offload_param.device != "none" and not z.offload_param.pin_memory:
         keys.append("zero_optimization.offload_param.pin_memory false")
     if cfg.activation_checkpointing.cpu_checkpointing:
         keys.append("activation_checkpointing.cpu_checkpointing")
@@ -739,6 +739,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                 out.append(f"rank_overrides: {who}: " + _generic_profile_note(prof))
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     out.extend(_clip_grad_warnings(cfg))
+    if cfg is not None:
+        from simulator.config.sections.nvme import aio_warning
+
+        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set))
+        if aio:
+            out.append(aio)
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "
@@ -847,13 +853,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
                    "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
     if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
-            and (z.offload_optimizer.device == "cpu" or not dp_many)):
-        where = "with offload_optimizer" if z.offload_optimizer.device == "cpu" else "on one GPU"
+            and (z.offload_optimizer.device != "none" or not dp_many)):
+        where = "with offload_optimizer" if z.offload_optimizer.device != "none" else "on one GPU"
         out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
                    "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
-    if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
+    if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device != "none")):
         from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
 
         r = ranks_per_node(hw)
@@ -871,7 +877,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
-    if z is not None and dp_many and z.offload_param.device == "cpu":
+    if z is not None and dp_many and z.offload_param.device != "none":
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "
                    "stage3_max_live_parameters); offload_param.prefetch_depth does not apply")
@@ -988,7 +994,7 @@ def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     offload with device none (no host buffers). When it names ``ddp`` keys, ``_ddp_keys_without_effect``'s lines
     for them would repeat it, so the caller skips those."""
     out, h, z, p = [], cfg.hardware.host, cfg.zero_optimization, cfg.parallelism
-    cpu_step = z.offload_optimizer.device == "cpu" or (cfg.fsdp is not None and cfg.fsdp.offload_params)
+    cpu_step = z.offload_optimizer.device != "none" or (cfg.fsdp is not None and cfg.fsdp.offload_params)
     host_keys = [k for k in ("threads", "numa_node") if getattr(h, k, None) is not None]
     if host_keys and not cpu_step:
         out.append(f"hardware.host.{', hardware.host.'.join(host_keys)} ha{'s' if len(host_keys) == 1 else 've'} no "

@@ -11,7 +11,6 @@ legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer
 
 from __future__ import annotations
 
-_NVME = "NVMe offload (ZeRO-Infinity) is not modelled; offload to the host is device: cpu, without this key"
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
@@ -32,8 +31,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
-    "zero_optimization.sub_group_size": "DeepSpeed's sub_group_size (the offloaded optimizer step in groups of "
-                                        "this many elements) is not modelled; remove it",
     "zero_optimization.stage3_max_reuse_distance": "DeepSpeed's stage3_max_reuse_distance is not modelled: every "
                                                    "block's parameters are gathered again for its backward; remove it",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
@@ -45,15 +42,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                             "{device: cpu} here (zero_optimization.offload_param)",
     "zero_optimization.cpu_offload_use_pin_memory": "DeepSpeed's legacy cpu_offload_use_pin_memory is pin_memory "
                                                     "under zero_optimization.offload_optimizer / offload_param here",
-    "zero_optimization.offload_optimizer.nvme_path": _NVME,
-    "zero_optimization.offload_optimizer.buffer_count": _NVME,
-    "zero_optimization.offload_optimizer.pipeline_read": _NVME,
-    "zero_optimization.offload_optimizer.pipeline_write": _NVME,
-    "zero_optimization.offload_optimizer.fast_init": "not modelled (optimizer initialisation, not a step); remove it",
-    "zero_optimization.offload_param.nvme_path": _NVME,
-    "zero_optimization.offload_param.buffer_count": _NVME,
-    "zero_optimization.offload_param.buffer_size": _NVME,
-    "zero_optimization.offload_param.max_in_cpu": _NVME,
     # Megatron-LM arguments written as keys beside the ones modelled (megatron/training/arguments.py)
     "training.grad_reduce_in_bf16": "Megatron-LM's --grad-reduce-in-bf16 is ddp.grad_reduce_in_bf16: true here (the "
                                     "DDP config's grad_reduce_in_fp32: false)",

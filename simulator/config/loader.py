@@ -376,6 +376,7 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
             if over or whatif:
                 check_override_keys(type(cpu), over, "overrides", extra=("memory",))
                 data = presets.raw(family, name)
+                data.pop("nvme", None)  # the host's NVMe drives: resolve_nvme
                 mem_over = over.pop("memory", {})
                 if not isinstance(mem_over, dict):
                     raise PresetError(f"overrides.memory: expected a mapping of host memory fields "
@@ -522,7 +523,43 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     # an explicit hardware.pcie other than the link the profile's copies were measured over replaces its rates
     pcie_explicit = "pcie" in hwc.model_fields_set and (pcie_name != profile.copy_link or bool(pcie_over))
     return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, pcie_explicit=pcie_explicit,
-                    **resolve_cluster(cfg, source, gpu_name))
+                    nvme=resolve_nvme(cfg, source), **resolve_cluster(cfg, source, gpu_name))
+
+
+def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
+    """The host's NVMe array (``hardware_models.nvme.NvmeArraySpec``): ``hardware.nvme`` if given, else the host
+    preset's ``nvme`` block; None when the run swaps nothing to NVMe and ``hardware.nvme`` is not given.
+
+    Raises:
+        ScenarioError: an NVMe device in ``zero_optimization`` on a host without drives, or a bad ``hardware.nvme``
+            (a drive without a write rate); one line naming the key.
+    """
+    from hardware_models.dataloader import StorageSpec
+    from hardware_models.nvme import host_nvme, load_nvme
+
+    z, given = cfg.zero_optimization, cfg.hardware.nvme
+    users = [f"zero_optimization.{k}.device" for k in ("offload_optimizer", "offload_param")
+             if getattr(z, k).device == "nvme"]
+    if given is None and not users:
+        return None
+    try:
+        if given is not None:
+            st = given.storage
+            drive = st if isinstance(st, str) else StorageSpec(st.name, st.read_bandwidth_bytes_per_s, st.read_latency_s,
+                                                                write_bandwidth_bytes_per_s=st.write_bandwidth_bytes_per_s)
+            return load_nvme(drive, given.drives, "scenario hardware.nvme")
+    except ValueError as exc:
+        raise ScenarioError(f"{source}: hardware.nvme: {exc}") from None
+    host = _ref(cfg.hardware.host)[0]
+    try:
+        nvme = host_nvme(host)
+    except ValueError as exc:
+        raise ScenarioError(f"{source}: hardware.host: {exc}") from None
+    if nvme is None:
+        raise ScenarioError(f"{source}: {users[0]}: nvme needs NVMe drives, and hardware.host {host!r} names none "
+                            "(allowed: a host preset with an nvme block such as dgx-h100-host, or hardware.nvme: "
+                            "{storage: <storage preset>, drives: N})")
+    return nvme
 
 
 def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:

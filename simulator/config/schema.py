@@ -35,6 +35,7 @@ from simulator.config.limits import (
 )
 from simulator.config.quantities import Seconds
 
+from simulator.config.sections.nvme import AioConfig, NvmeConfig
 from simulator.config.sections.offload import ActivationCheckpointingConfig, ZeroOptimizationConfig
 
 from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSectionConfig
@@ -113,6 +114,8 @@ class HardwareConfig(_Model):
         default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
     )
+    nvme: NvmeConfig | None = Field(default=None, description="The host's NVMe drives for ZeRO-Infinity offload "
+                                    "({storage, drives}; default: the host preset's, if it names any).")
     cluster: ClusterConfig | None = Field(
         default=None, description="Cluster of identical nodes for data-parallel runs (absent: one GPU). Its preset's "
         "GPU must be hardware.gpu. One representative rank is simulated; its collectives are priced over the topology.")
@@ -607,6 +610,7 @@ class ScenarioConfig(_Model):
     ddp: DdpConfig = DdpConfig()  # simulator/config/sections/cluster.py
     fsdp: FsdpConfig | None = None  # simulator/config/sections/fsdp.py
     nccl: NcclSectionConfig = NcclSectionConfig()
+    aio: AioConfig = AioConfig()  # simulator/config/sections/nvme.py (DeepSpeed's aio section)
     rank_overrides: list[RankOverride] = Field(default_factory=list, max_length=MAX_RANK_OVERRIDES,
                                                description="Ranks that differ (stragglers, capped GPUs); "
                                                "simulator/config/sections/ranks.py.")

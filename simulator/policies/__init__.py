@@ -11,7 +11,7 @@ from simulator.policies.registry import (  # noqa: F401
 )
 
 # Policy modules register themselves when imported; add new ones here.
-_MODULES: list[str] = ["dataloader", "dvfs", "recompute", "offload_optimizer", "offload_param", "offload_fsdp",
+_MODULES: list[str] = ["dataloader", "dvfs", "recompute", "offload_optimizer", "offload_param", "offload_nvme", "offload_fsdp",
                      "fidelity"]
 
 for _m in _MODULES:

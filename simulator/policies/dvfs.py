@@ -75,7 +75,7 @@ def _cpu_step_threads(cfg, hw) -> int:
     from simulator.policies.offload_optimizer import cpu_threads, offload_ranks
 
     z = cfg.zero_optimization
-    mode = z.offload_mode if z.offload_optimizer.device == "cpu" else "overlap"  # the effective mode
+    mode = z.offload_mode if z.offload_optimizer.device != "none" else "overlap"  # the effective mode
     dp = cfg.parallelism.data_parallel_size or 1
     return cpu_threads(hw, mode, offload_ranks(hw, dp))
 

@@ -312,7 +312,7 @@ def gradients(graph: OpGraph) -> list[dict]:
 # -- the policy -------------------------------------------------------------------------------------
 def _enabled(cfg) -> bool:
     z = getattr(cfg, "zero_optimization", None)
-    return z is not None and z.offload_optimizer.device == "cpu"
+    return z is not None and z.offload_optimizer.device in ("cpu", "nvme")
 
 
 @register_graph_policy("offload_optimizer", order=30)
@@ -593,11 +593,17 @@ class OffloadSummary:
         of its bytes over the host DRAM link, at most at its average rate alone (``dram_bytes / host_s``: its page
         faults and per-tensor dispatch spread evenly over it, as they interleave with the streaming tensor by
         tensor), max-min fairly with the copies in flight; it takes ``host_s`` exactly when nothing shares the
-        link. Other host ops take ``host_s``."""
+        link. A host op with ``meta["flow"]`` (``{links, units, latency_s}``) is that flow over the rank's links
+        (an NVMe swap, ``offload_nvme``). Other host ops take ``host_s``."""
         return {OpKind.HOST: self._host_op}
 
     def _host_op(self, op, step):
-        nbytes = (op.meta or {}).get("dram_bytes", 0.0)
+        meta = op.meta or {}
+        flow = meta.get("flow")
+        if flow:  # a transfer a policy puts on the host's own links (an NVMe swap: simulator/policies/offload_nvme.py)
+            yield from self.system.network.transfer(flow["units"], tuple(flow["links"]), flow.get("latency_s", 0.0))
+            return
+        nbytes = meta.get("dram_bytes", 0.0)
         if nbytes:
             yield from self.system.network.transfer(nbytes, (HOST_DRAM_LINK,), 0.0, nbytes / op.host_s)
         elif op.host_s > 0:

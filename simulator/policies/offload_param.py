@@ -26,7 +26,7 @@ from simulator.policies.registry import PolicyError, register_graph_policy, regi
 
 def _enabled(cfg) -> bool:
     z = getattr(cfg, "zero_optimization", None)
-    return z is not None and z.offload_param.device == "cpu"
+    return z is not None and z.offload_param.device in ("cpu", "nvme")
 
 
 @register_graph_policy("offload_param", order=40)

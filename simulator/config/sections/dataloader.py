@@ -75,12 +75,25 @@ class SampleConfig(_Model):
                          "training step's input, seq_length + 1 int64 tokens; a ViT's fp32 image and int64 label, 4 C H W + 8).")
 
 
+def storage_name(v):
+    """Field validator body: a string must be a shipped storage preset (``ValueError`` listing them); other values
+    pass (``StorageConfig`` checks an inline spec)."""
+    if isinstance(v, str):
+        try:
+            check_name("storage", v)
+        except PresetError as exc:
+            raise ValueError(str(exc)) from None
+    return v
+
+
 class StorageConfig(_Model):
     """Storage spec given inline (instead of a preset name)."""
 
     name: str = "custom"
     read_bandwidth_bytes_per_s: BytesPerS = Field(ge=1e3, description="At least 1 kB/s.")
     read_latency_s: Seconds = Field(default=0.0, ge=0, le=_S)
+    write_bandwidth_bytes_per_s: BytesPerS = Field(default=0.0, ge=0, description="Sequential write rate (0: not "
+                                                   "given; NVMe offload needs it, the dataloader only reads).")
 
 
 class RemoteConfig(_Model):
@@ -112,15 +125,7 @@ class DataLoaderConfig(_Model):
     storage: str | StorageConfig | None = Field(default=None, description="Storage preset name or inline spec.")
     remote: RemoteConfig | None = None
 
-    @field_validator("storage")
-    @classmethod
-    def _storage_name(cls, v):
-        if isinstance(v, str):
-            try:
-                check_name("storage", v)
-            except PresetError as exc:
-                raise ValueError(str(exc)) from None
-        return v
+    _storage = field_validator("storage")(lambda cls, v: storage_name(v))
 
     @model_validator(mode="before")
     @classmethod

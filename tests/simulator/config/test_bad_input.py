@@ -229,7 +229,7 @@ def test_many_problems_are_capped_at_20(tmp_path, capsys, unknown, shown):
     ("rank_overrides=[1]", "rank_overrides[0]: expected a mapping of keys (dp_rank, dvfs, gpu, pp_rank, slowdown) "
      "(got 1)"),
     ("zero_optimization.offload_optimizer=off", "zero_optimization.offload_optimizer: expected a mapping of keys "
-     "(cpu_adam_impl, device, mode, pin_memory) (got 'off')"),
+     "(buffer_count, cpu_adam_impl, device, fast_init, mode, nvme_path, pin_memory, pipeline_read, pipeline_write) (got 'off')"),
     ("hardware.gpu={preset: h200-sxm-141gb, overrides: {bogus: 1}}", "hardware.gpu: overrides: unknown key(s) bogus "
      "(allowed: fp8_gemm_tn_only, hbm_bandwidth_bytes_per_s, "),
 ])

@@ -161,7 +161,7 @@ def _cfg(**zero):
     return d
 
 
-@pytest.mark.parametrize("device", ["nvme", "gpu1"])
+@pytest.mark.parametrize("device", ["gpu1", "disk"])
 def test_unknown_offload_device_is_one_line(device):
     with pytest.raises(ScenarioError) as e:
         scenario_from_dict(_cfg(offload_optimizer={"device": device}))
