@@ -855,9 +855,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device == "cpu")):
-        from simulator.policies.offload_optimizer import cpu_threads, oversubscribed_threads, ranks_per_node
+        from simulator.policies.offload_optimizer import cpu_threads, offload_ranks, oversubscribed_threads
 
-        r = ranks_per_node(hw)
+        r = offload_ranks(hw)
         n = hw.host_cpu.numa_node
         binding = f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
         if (note := oversubscribed_threads(hw, r)) is not None:
