@@ -653,16 +653,20 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
 
 def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
     """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured
-    (``Hardware.pcie_explicit``)."""
+    (``Hardware.pcie_explicit``, or an override of the measured link's bandwidth: ``Hardware.pcie_overridden``)."""
     p, c = hw.profile, hw.copy
     pairs = ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s))
     measured = [(m, r) for m, r in pairs if m]
-    if not hw.pcie_explicit or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
+    if not (hw.pcie_explicit or hw.pcie_overridden) or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
         return []
-    return [f"hardware.pcie {hw.pcie.name}: its rates replace the host copy rates measured in profile {p.name!r}"
+    who = (f"hardware.pcie {hw.pcie.name}: its rates replace" if hw.pcie_explicit else
+           "hardware.pcie.overrides.bandwidth_bytes_per_s replaces")
+    kept = ("" if hw.pcie_explicit else "; the other measured rates are kept (the duplex scaled with the two "
+            "directions)")
+    return [f"{who} the host copy rates measured in profile {p.name!r}"
             + (f" (over {p.copy_link})" if p.copy_link else "")
             + f": H2D {p.h2d_bytes_per_s / 1e9:.2f} -> {c.h2d_bytes_per_s / 1e9:.2f} GB/s, D2H "
-            f"{p.d2h_bytes_per_s / 1e9:.2f} -> {c.d2h_bytes_per_s / 1e9:.2f} GB/s pinned"]
+            f"{p.d2h_bytes_per_s / 1e9:.2f} -> {c.d2h_bytes_per_s / 1e9:.2f} GB/s pinned{kept}"]
 
 
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
