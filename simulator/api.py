@@ -41,7 +41,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
     dp = p.data_parallel_size or 1
     z, ddp = cfg.zero_optimization, cfg.ddp
     per_step = t.micro_batch_size * dp
-    shards = dp * p.context_parallel_size  # the gradient reduce group (dp x cp), which ZeRO / FSDP shard over
+    shards = p.data_context_parallel_size  # the gradient reduce group (dp x cp), which ZeRO / FSDP shard over
     gbs = t.global_batch_size or per_step
     vit = vit_shape(cfg)
     return TransformerSpec(
@@ -139,7 +139,7 @@ def sharding_spec(cfg: ScenarioConfig):
                                                    zero3_prefetch_depth)
 
     # sharded over the gradient reduce group: data x context parallel ranks (Megatron-LM with --context-parallel-size)
-    dp = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+    dp = cfg.parallelism.data_context_parallel_size
     z, f, ddp = cfg.zero_optimization, cfg.fsdp, cfg.ddp
     if z.stage == 3:
         spec = transformer_spec(cfg.model_copy(update={"zero_optimization": z.model_copy(update={"stage": 0})}))
@@ -543,7 +543,7 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
     ZeRO-<stage>``, ``FSDP <strategy>``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
     no gradient reduction)."""
-    if (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size == 1:
+    if cfg.parallelism.data_context_parallel_size == 1:
         return "none"
     if cfg.fsdp is not None:
         return f"FSDP {cfg.fsdp.sharding_strategy}"
@@ -634,7 +634,7 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     if cfg is None:
         return []
     t, z = cfg.training, cfg.zero_optimization
-    shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+    shards = cfg.parallelism.data_context_parallel_size
     if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none":
         return [f"zero_optimization.stage {z.stage}: DeepSpeed's step computes the global gradient norm every step "
                 "(an fp64 norm of each 16-bit gradient of the partition, all-reduced over the data-parallel group) and "
@@ -807,7 +807,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
                        "(GPU field fp8_gemm_tn_only): Transformer Engine's cached fp8 weight workspace is counted "
                        "at 2 B per block Linear weight element (the weight and its transpose, as on Hopper); 1 B "
                        "if they take any layout (Blackwell)")
-        shards = (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size
+        shards = cfg.parallelism.data_context_parallel_size
         if cfg.zero_optimization.stage in (1, 2) and shards > 1:  # DeepSpeed drives the model, not Megatron
             out.append(f"training.fp8 memory with DeepSpeed ZeRO-{cfg.zero_optimization.stage}: Transformer "
                        "Engine's fp8 weight workspace is counted cached for the run, as under Megatron's TELinear, "
@@ -1005,7 +1005,7 @@ def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
         out.append(f"hardware.host.{', hardware.host.'.join(host_keys)} ha{'s' if len(host_keys) == 1 else 've'} no "
                    "effect: nothing in this run runs on host threads (they set the CPU optimizer step of "
                    "zero_optimization.offload_optimizer device cpu or fsdp cpu_offload)")
-    dp_ranks = (p.data_parallel_size or 1) * p.context_parallel_size
+    dp_ranks = p.data_context_parallel_size
     ddp_keys = [k for k in ("bucket_cap_mb", "first_bucket_mb", "overlap_grad_reduce", "bucket_size",
                             "overlap_param_gather") if k in cfg.ddp.model_fields_set]
     if dp_ranks == 1 and ddp_keys:
