@@ -83,7 +83,15 @@ class CopyRates(NamedTuple):
     sources: dict
 
 
-def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec, link_wins: bool = False) -> CopyRates:
+#: The ``LinkSpec`` field each copy rate comes from (``resolve_copy_rates``'s ``overridden``).
+LINK_FIELD = {"h2d_bytes_per_s": "bandwidth_bytes_per_s", "d2h_bytes_per_s": "bandwidth_bytes_per_s",
+              "duplex_bytes_per_s": "duplex_bandwidth_bytes_per_s",
+              "pageable_h2d_bytes_per_s": "pageable_h2d_bytes_per_s",
+              "pageable_d2h_bytes_per_s": "pageable_d2h_bytes_per_s", "latency_s": "latency_s"}
+
+
+def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec, link_wins: bool = False,
+                       overridden: frozenset[str] | tuple[str, ...] = ()) -> CopyRates:
     """The copy rates, chosen in one place: a value measured in the profile (non-zero) wins over
     the link preset's; a duplex limit neither gives is the sum of the two directions.
 
@@ -95,11 +103,17 @@ def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec, link_wins: bo
     scaling it by a ratio of nominal rates needs the nominal rate of the link it was measured over, which
     the profiles do not record; replacing gives the same copy rates on every GPU profile for one link
     preset, as a profile without measured rates (H100) already did.
+
+    ``overridden``: ``LinkSpec`` fields the scenario overrode on the link the profile was measured over
+    (``Hardware.pcie_overridden``): the link's value wins for those rates only (``LINK_FIELD``), the measured
+    ones stay. A bandwidth override without a duplex one keeps the measured duplex's efficiency against the two
+    directions' sum (``duplex x (h2d + d2h) / (measured h2d + measured d2h)``, source ``"scaled"``): a faster link
+    would otherwise run both directions together slower than one alone.
     """
     sources: dict[str, str] = {}
 
     def pick(name: str, measured: float, spec: float) -> float:
-        if link_wins:
+        if link_wins or LINK_FIELD[name] in overridden:
             sources[name] = "link" if spec else "profile"
             return float(spec or measured)
         sources[name] = "profile" if measured else "link"
@@ -108,6 +122,10 @@ def resolve_copy_rates(profile: EfficiencyProfile, link: LinkSpec, link_wins: bo
     h2d = pick("h2d_bytes_per_s", profile.h2d_bytes_per_s, link.bandwidth_bytes_per_s)
     d2h = pick("d2h_bytes_per_s", profile.d2h_bytes_per_s, link.bandwidth_bytes_per_s)
     duplex = pick("duplex_bytes_per_s", profile.duplex_bytes_per_s, link.duplex_bandwidth_bytes_per_s)
+    measured_sum = profile.h2d_bytes_per_s + profile.d2h_bytes_per_s
+    if (not link_wins and "bandwidth_bytes_per_s" in overridden and "duplex_bandwidth_bytes_per_s" not in overridden
+            and profile.duplex_bytes_per_s and profile.h2d_bytes_per_s and profile.d2h_bytes_per_s):
+        duplex, sources["duplex_bytes_per_s"] = profile.duplex_bytes_per_s * (h2d + d2h) / measured_sum, "scaled"
     if not duplex:
         duplex, sources["duplex_bytes_per_s"] = h2d + d2h, "derived"
     return CopyRates(h2d, d2h, duplex,
@@ -126,6 +144,8 @@ class Hardware:
         pcie: Host link spec (its bandwidths are used when the profile has none).
         pcie_explicit: The scenario named ``hardware.pcie`` itself (a link other than the one the profile's
             copy rates were measured over): the link's rates replace the profile's (``resolve_copy_rates``).
+        pcie_overridden: ``LinkSpec`` fields ``hardware.pcie.overrides`` set on the link the profile's copy rates
+            were measured over: only the rates from those fields replace the measured ones.
         host_cpu: Host CPU spec.
         host_memory: Host memory spec.
         launch_overhead_s: Scenario override of the host time per eager op launch, s (None: the
@@ -168,6 +188,7 @@ class Hardware:
     etp_group: tuple[int, ...] = (0,)
     nccl: NcclConfig | None = None
     pcie_explicit: bool = False
+    pcie_overridden: frozenset[str] = frozenset()
     extra: dict = field(default_factory=dict)
     nvme: NvmeArraySpec | None = None
 
@@ -188,7 +209,8 @@ class Hardware:
         a larger share of the switch uplink: copies got faster as the link got slower. Pageable staging caps
         (host-side) and the latency are not scaled.
         """
-        rates = resolve_copy_rates(self.profile, self.pcie, link_wins=self.pcie_explicit)
+        rates = resolve_copy_rates(self.profile, self.pcie, link_wins=self.pcie_explicit,
+                                   overridden=self.pcie_overridden)
         topo = getattr(self.collectives, "topo", None)
         link = float(getattr(getattr(topo, "cluster", None), "pcie_bytes_per_s", 0.0) or 0.0)
         base = self.pcie.bandwidth_bytes_per_s

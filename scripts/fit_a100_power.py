@@ -26,8 +26,8 @@ What comes from where (nothing is fitted to the Perseus GPT-3 XL validation case
   clock and voltage it switches the same capacitance; its lower TDP is a *limit* the firmware enforces by
   lowering the clock. NVIDIA's launch material quotes the 250 W PCIe card at 90% of the SXM4's performance
   (hardwaretimes.com, 2020-06-22): the script prints the model's figure for that (a check, not a fit).
-* **Idle** (``static_w``, ``clock_w``): the spec's ``idle_power_w`` (45 W, inferred from an A100 SXM4 40GB
-  reading) split 70/30 as ``generic_power_model`` does; ``mem_w = 0.45 * sm_w``, ``sm_floor = 0.3``,
+* **Idle** (``static_w``, ``clock_w``): the spec's ``idle_power_w`` (40 W, an ``nvidia-smi`` reading of an idle
+  A100 80GB PCIe at P0: simonjj/simple-gpu-test@4609eed README.md) split 70/30 as ``generic_power_model`` does; ``mem_w = 0.45 * sm_w``, ``sm_floor = 0.3``,
   ``copy_w = 20`` W: the generic/H200 assumptions (scripts/fit_h200_power.py).
 """
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "sm_w": f"0.95 x the A100 SXM4 TDP {info['sxm_tdp_w']:g} W - idle {info['idle_w']:g} W: the same GA100 "
                     f"die and clocks as the SXM4 board; the PCIe board's {info['pcie_tdp_w']:g} W is a limit "
                     "(power-cap firmware), not the die's demand",
-            "static_w, clock_w": f"idle {info['idle_w']:g} W (gpus/{PCIE}.yaml idle_power_w, inferred) split 70/30 "
+            "static_w, clock_w": f"idle {info['idle_w']:g} W (gpus/{PCIE}.yaml idle_power_w, nvidia-smi on an idle board) split 70/30 "
                                  "as generic_power_model",
         },
         "assumed": {"sm_floor": 0.3, "mem_w": "0.45 x sm_w", "copy_w": "20 W",

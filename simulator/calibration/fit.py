@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
+from hardware_models.machine import LaunchOverhead, resolve_launch_overhead
 from hardware_models.profile import EfficiencyProfile
 from simulator.graph.ops import OpKind
 
@@ -111,6 +112,15 @@ def apply_scales(base: EfficiencyProfile, scales: dict[str, float]) -> Efficienc
     return dataclasses.replace(base, gemm=gemm, attention_efficiency=att, memory_bandwidth_bytes_per_s=bw)
 
 
+def eager_op_time(hw) -> LaunchOverhead:
+    """The un-profiled host time of one eager op the trace fit divides by (``fit_launch_overhead``'s
+    ``eager_tiny_op_s``), s: the machine's own (the host preset's microbenchmark, ``micro.memory.tiny_kernel_us_eager``
+    on the measured H200 host; else the profile's, else the generic 10 us; ``source`` says which), never the
+    scenario's ``hardware.launch_overhead_s`` override, which is a what-if of the simulated run, not a measurement
+    of the traced host (it moved the profiler inflation and every fitted per-op time)."""
+    return resolve_launch_overhead(None, hw.host_cpu, hw.profile)
+
+
 def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_name: str = "calibrated") -> tuple[dict, pd.DataFrame]:
     """Fit a profile to traces of runs described by scenarios.
 
@@ -153,10 +163,12 @@ def calibrate(traces: list[str | Path], scenario_paths: list[str | Path], out_na
     host = {}
     try:
         graph = build_graph(cfgs[0])
-        fit = fit_launch_overhead(imports[0], graph, base_hw.launch.per_op_s)
+        eager = eager_op_time(base_hw)
+        fit = fit_launch_overhead(imports[0], graph, eager.per_op_s)
         prof = dataclasses.replace(prof, launch_overhead_by_phase_s=fit["launch_overhead_by_phase_s"],
                                    host_phase_fixed_s=fit["host_phase_fixed_s"])
-        host = {"profiler_inflation": round(fit["profiler_inflation"], 4)}
+        host = {"profiler_inflation": round(fit["profiler_inflation"], 4), "eager_op_s": eager.per_op_s,
+                "eager_op_source": eager.source}
     except ValueError as exc:
         host = {"skipped": str(exc)}
     after = []

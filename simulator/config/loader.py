@@ -520,10 +520,13 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
             warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
                           f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
         profile = fallback
-    # an explicit hardware.pcie other than the link the profile's copies were measured over replaces its rates
-    pcie_explicit = "pcie" in hwc.model_fields_set and (pcie_name != profile.copy_link or bool(pcie_over))
+    # an explicit hardware.pcie other than the link the profile's copies were measured over replaces its rates;
+    # overrides of that link itself replace only the rates of the fields they set
+    pcie_explicit = "pcie" in hwc.model_fields_set and pcie_name != profile.copy_link
+    overridden = frozenset(pcie_over) if "pcie" in hwc.model_fields_set and not pcie_explicit else frozenset()
     return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, pcie_explicit=pcie_explicit,
-                    nvme=resolve_nvme(cfg, source), **resolve_cluster(cfg, source, gpu_name))
+                    nvme=resolve_nvme(cfg, source), pcie_overridden=overridden,
+                    **resolve_cluster(cfg, source, gpu_name))
 
 
 def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):

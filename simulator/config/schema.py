@@ -544,6 +544,13 @@ class ParallelismConfig(_Model):
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
 
     @property
+    def data_context_parallel_size(self) -> int:
+        """Ranks of the gradient reduce group, data x context parallel (``data_parallel_size`` or 1, times
+        ``context_parallel_size``): what ZeRO, FSDP and the distributed optimizer shard over (Megatron-LM
+        ``parallel_state.get_data_parallel_world_size(with_context_parallel=True)``)."""
+        return (self.data_parallel_size or 1) * self.context_parallel_size
+
+    @property
     def chunks_per_rank(self) -> int:
         """Model chunks per pipeline rank: ``virtual_pipeline_model_parallel_size``, 2 with ``zero_bubble_v``
         (derived when the virtual size is left at 1, as the reference sets it: sail-sg/zero-bubble-pipeline-
@@ -658,9 +665,7 @@ class ScenarioConfig(_Model):
 
     @model_validator(mode="after")
     def _data_parallel_scope(self):
-        dp = self.parallelism.data_parallel_size or 1
-        z = self.zero_optimization
-        self._sharding_scope(dp * self.parallelism.context_parallel_size)  # sharded over dp x cp
+        self._sharding_scope(self.parallelism.data_context_parallel_size)  # sharded over dp x cp
         return self
 
     def _fsdp_offload_scope(self, dp: int) -> None:
@@ -787,7 +792,7 @@ class ScenarioConfig(_Model):
             if v % tp:
                 raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
         # PyTorch 2-D FSDP + TP (DeviceMesh), FSDP sharded over dp x cp
-        fsdp_2d = self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1
+        fsdp_2d = self.fsdp is not None and p.data_context_parallel_size > 1
         if self.training.precision == "amp_fp32_params" and not fsdp_2d:
             raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
@@ -862,7 +867,7 @@ class ScenarioConfig(_Model):
             raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
                              f"hardware.cluster (allowed: pp dividing {world // tp})")
         if self.training.precision == "amp_fp32_params" and not (
-                self.fsdp is not None and (p.data_parallel_size or 1) * p.context_parallel_size > 1):
+                self.fsdp is not None and p.data_context_parallel_size > 1):
             raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
                              "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
         dp = p.data_parallel_size or 1

@@ -76,8 +76,7 @@ def _cpu_step_threads(cfg, hw) -> int:
 
     z = cfg.zero_optimization
     mode = z.offload_mode if z.offload_optimizer.device != "none" else "overlap"  # the effective mode
-    dp = cfg.parallelism.data_parallel_size or 1
-    return cpu_threads(hw, mode, offload_ranks(hw, dp))
+    return cpu_threads(hw, mode, offload_ranks(hw))
 
 
 def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:

@@ -26,7 +26,8 @@ step, no pipeline) with the mechanisms of ZeRO offload:
   out-of-memory result (``offload_optimizer.host_memory_oom`` through ``OffloadSummary``), as the engine's pools do
   for each pool alone.
 * **Shared host**: the node's ranks split its cores and share its memory bandwidth (``offload_optimizer.cpu_threads``,
-  ``ranks_per_node``), and their copies share the PCIe switch uplinks (the engine's links).
+  ``offload_ranks``: every rank of the node, dp 1 x cp 2 included), and their copies share the PCIe switch
+  uplinks (the engine's links).
 
 Refused in the config (one line, exit 2): NO_SHARD, pipelines, gradient accumulation (FSDP does not accumulate
 gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
@@ -37,7 +38,7 @@ from __future__ import annotations
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
-from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, ranks_per_node
+from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, offload_ranks
 from simulator.policies.offload_param import fetch_shard_before, is_param_gather
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -65,7 +66,7 @@ class FsdpCpuOffload:
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         return fsdp_cpu_offload(graph, hw, impl=cfg.fsdp.cpu_adam_impl(cfg.training.optimizer.impl),
-                                ranks=ranks_per_node(hw))
+                                ranks=offload_ranks(hw))
 
 
 def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int = 1) -> OpGraph:
@@ -216,9 +217,15 @@ class FsdpOffloadSummary(OffloadSummary):
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
 
+    @staticmethod
+    def pinned(cfg) -> bool:
+        """FSDP pins the fp32 parameter and gradient shards the copies move (module docstring), whatever
+        ``zero_optimization.offload_optimizer.pin_memory`` says."""
+        return True
+
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = super().summarize(spans, steps, counters, summary)
         out["offload_param_fetch_s"], out["exposed_param_fetch_s"] = fetch_times(spans, steps)
         out["fsdp_cpu_offload"] = {"impl": self.cfg.fsdp.cpu_adam_impl(self.cfg.training.optimizer.impl),
-                                   "ranks_per_host": ranks_per_node(self.hw)}
+                                   "ranks_per_host": offload_ranks(self.hw)}
         return out

@@ -130,10 +130,13 @@ def ranks_per_node(hw) -> int:
     return max(1, min(hw.collectives.topo.gpus_per_node, hw.world_size))
 
 
-def offload_ranks(hw, dp: int) -> int:
-    """Ranks whose CPU optimizer steps share this rank's host: every GPU of its node (``ranks_per_node``) when the
-    optimizer is partitioned over ``dp`` > 1 data-parallel ranks, else 1 (one replica offloads alone)."""
-    return ranks_per_node(hw) if dp > 1 else 1
+def offload_ranks(hw) -> int:
+    """Ranks whose CPU optimizer steps share this rank's host: every GPU of its node (``ranks_per_node``), since
+    every rank of an offloading run keeps its own part of the model states there. That holds at
+    ``data_parallel_size`` 1 too: FSDP ``cpu_offload`` shards over dp x cp, and with tp 4 x cp 2 the node's 8
+    ranks each offload their shard (ZeRO-Offload refuses tp, pp and cp > 1, so its ranks are its dp ranks).
+    1 without a cluster."""
+    return ranks_per_node(hw)
 
 
 def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
@@ -351,7 +354,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     dp = model.data_parallel_size
     shard = -(-P // dp)  # this rank's ZeRO partition (DeepSpeed pads the flat buffer to dp)
     share = shard / P
-    ranks = offload_ranks(hw, dp)
+    ranks = offload_ranks(hw)
     host_dev = "host_pinned" if pin_memory else "host_pageable"
     persistent = [t for t in graph.persistent if t.name not in
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
@@ -577,16 +580,19 @@ class OffloadSummary:
 
     def __init__(self, cfg, hw, env, system):
         self.cfg, self.hw, self.env, self.system = cfg, hw, env, system
-        dp = cfg.parallelism.data_parallel_size or 1
-        pinned = cfg.zero_optimization.offload_optimizer.pin_memory
         #: this rank's share of the host DRAM its CPU step streams through and its copies' DMA reads or writes
-        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, offload_ranks(hw, dp),
-                                                1 if pinned else None)
+        self.dram_bytes_per_s = host_dram_share(hw.host_cpu, offload_ranks(hw),
+                                                1 if self.pinned(cfg) else None)
         system.add_copy_link(HOST_DRAM_LINK, self.dram_bytes_per_s)
 
     @classmethod
     def applies(cls, cfg) -> bool:
         return _enabled(cfg)
+
+    @staticmethod
+    def pinned(cfg) -> bool:
+        """Whether the copied host buffers are page-locked (on one NUMA node, ``cpu_step_times``)."""
+        return cfg.zero_optimization.offload_optimizer.pin_memory
 
     def host_handlers(self) -> dict:
         """Host ops run here: a CPU op with a DRAM stream (``meta["dram_bytes"]``, ``cpu_step_work``) is one flow
@@ -611,9 +617,8 @@ class OffloadSummary:
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = offload_parts(spans, steps)
-        dp = self.cfg.parallelism.data_parallel_size or 1
         host_oom = host_memory_oom(summary.get("peak_host_pinned_bytes", 0), summary.get("peak_host_pageable_bytes", 0),
-                                   self.hw, offload_ranks(self.hw, dp), what=self.what)
+                                   self.hw, offload_ranks(self.hw), what=self.what)
         if host_oom and not summary.get("oom"):
             out["oom"] = host_oom
         return out

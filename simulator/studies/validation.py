@@ -129,7 +129,7 @@ _ZO_CPU = ("CPU Adam 3.99 s predicted vs 6.35 s logged (-37.1%; 3.68 s, -42.0%, 
 #: at 300 W: step -9.7% -> -5.3% (54.3 -> 56.9 s; the 300 W limit now binds, stage 2 at 1,288 MHz), energy -23.8% ->
 #: -9.5% (51,046 -> 60,608 J; 235 -> 266 W per GPU, stages 258/259/291/256 W against the artifact's 277/268/294
 #: W for stages 0-2), now within; the 175 W / 300 W ratios -34.8% -> -16.3% (time) and -26.4% -> -18.3% (energy).
-_PERSEUS_CAP = ("at 175 W the step grows 1.48x predicted vs 1.77x measured (energy 0.86x vs 1.06x; 1.15x and 0.78x "
+_PERSEUS_CAP = ("at 175 W the step grows 1.46x predicted vs 1.77x measured (energy 0.85x vs 1.06x; 1.15x and 0.78x "
                 "with the datasheet-TDP generic A100 PCIe power model): with the fitted A100 preset the cap lowers "
                 "the bottleneck stage's clock from 1,288 MHz at 300 W to 700 MHz (1.84x), but the step scales with "
                 "the clock only in part, since the run's memory-bound eager kernels, launch gaps and pipeline "
@@ -142,7 +142,9 @@ _PERSEUS_CAP = ("at 175 W the step grows 1.48x predicted vs 1.77x measured (ener
                 "compute-bound draw at 1410 MHz of 430 W instead of 380 (sm_w 385 W) gives 1.62x (300 W: 59.2 s, "
                 "63,271 J), mem_w 0.25 instead of 0.45 x sm_w gives 1.31x (55.2 s, 58,521 J). Settled by NVML "
                 "SM-clock samples of the capped runs, the clock an A100 PCIe holds at 300 W on a long TF32 GEMM "
-                "(pins sm_w), and a locked-clock sweep of the eager kernels")
+                "(pins sm_w), and a locked-clock sweep of the eager kernels. (The clocks, intermediate caps and "
+                "sensitivities above were worked out with the preset's former 45 W idle; with the cited 40 W the "
+                "headline ratios moved 1.48x -> 1.46x and 0.86x -> 0.85x)")
 #: The two H100 cases. The metric definitions are the sources' own: llm-foundry's Throughput (T/s/GPU) is
 #: samples/s x seq_len / GPUs (scripts/train/benchmarking/collect_results.py; Composer's speed_monitor over the last
 #: 10 of 30 batches, wall clock), Megatron's TFLOP/s/GPU is num_floating_point_operations (megatron/training/

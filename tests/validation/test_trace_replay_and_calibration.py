@@ -108,3 +108,20 @@ def test_calibrated_predicts_other_batches_within_5_percent(calibrated, b):
 def test_calibrated_predicts_other_batches_within_10_percent(calibrated, b):
     pred, meas = _predict(calibrated[0], b), MEAS[f"gpt_184m_b{b}"]["median_step_s"]
     assert abs(pred / meas - 1) < 0.10, f"b{b}: measured {meas:.5f}, predicted {pred:.5f}, error {pred / meas - 1:+.1%}"
+
+
+def test_a_scenario_launch_overhead_override_is_not_taken_as_the_hosts_eager_op_time(tmp_path):
+    """``hardware.launch_overhead_s: 30 us`` in the traced run's scenario is a what-if of the simulation: the fit
+    divides by the host's measured eager-op time (9.555 us, ``micro.memory.tiny_kernel_us_eager``) all the same.
+    It used the override: profiler inflation 1.0 instead of 1.7598 and forward 53.9 instead of 30.6 us per op."""
+    src = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
+    (tmp_path / "b16.yaml").write_text(src.read_text().replace("\nhardware:\n", "\nhardware:\n  launch_overhead_s: 30 us\n"))
+    trace = [ROOT / "tests/data/h200/trace_gpt_184m_b16.json.gz"]
+    plain, _ = calibrate(trace, [src])
+    over, _ = calibrate(trace, [tmp_path / "b16.yaml"])
+    assert load_scenario(tmp_path / "b16.yaml").hardware.launch_overhead_s == pytest.approx(30e-6)
+    host = over["provenance"]["host_overhead"]
+    assert host["eager_op_s"] == pytest.approx(9.5553e-6, rel=1e-4) and host["eager_op_source"] == "host"
+    assert host["profiler_inflation"] == plain["provenance"]["host_overhead"]["profiler_inflation"] == 1.7598
+    assert over["launch_overhead_by_phase_s"] == plain["launch_overhead_by_phase_s"]
+    assert over["host_phase_fixed_s"] == plain["host_phase_fixed_s"]

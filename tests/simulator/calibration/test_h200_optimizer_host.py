@@ -89,3 +89,23 @@ def test_fixed_optimizer_time_is_flagged_where_unlike_its_fit():
     assert len(note("model.num_layers=48")) == 1 and "a 48-layer model's parameter tensors" in note("model.num_layers=48")[0]
     assert "Megatron-LM's optimizer step" in note("training.precision=bf16")[0]
     assert note("hardware.launch_overhead_s=1e-5") == []  # an override carries no fixed time
+
+
+def test_both_traces_step_the_same_148_tensors_so_the_fixed_time_is_not_per_tensor():
+    """The evidence for keeping the fixed optimizer time per step (flagged) rather than per tensor: the b16 trace's
+    model has 148 parameter tensors (the built graph's param_groups), and the only other traced step, the CPU
+    foreach AdamW of the offload trace, runs one ``aten::add_`` per tensor under its ``_foreach_add_``: 148 again.
+    One tensor count cannot separate a per-tensor cost from a per-step one."""
+    import gzip
+    import json
+
+    from simulator.api import FIXED_OPT_FIT_TENSORS, build_graph
+    from simulator.config.loader import load_scenario
+
+    assert len(build_graph(load_scenario(ROOT / "scenarios/h200/gpt_184m_b16.yaml")).param_groups) == 148
+    ev = [e for e in json.load(gzip.open(ROOT / "tests/data/h200/trace_gpt_184m_b16_offload_overlap.json.gz"))
+          ["traceEvents"] if e.get("ph") == "X"]
+    fa = next(e for e in ev if e["name"] == "aten::_foreach_add_")
+    adds = [e for e in ev if e["name"] == "aten::add_" and e["tid"] == fa["tid"]
+            and fa["ts"] <= e["ts"] <= fa["ts"] + fa["dur"]]
+    assert len(adds) == FIXED_OPT_FIT_TENSORS == 148

@@ -60,3 +60,32 @@ def test_gen3_slows_the_parameter_upload_on_h200_as_on_h100():
 def test_a_network_link_is_refused_as_the_pcie_link(link):
     with pytest.raises(ScenarioError, match=r"hardware\.pcie: .* is not a PCIe link.*allowed: the pcie-\* presets"):
         resolve_hardware(load_scenario(GPU_ONLY, [f"hardware.pcie={link}"]))
+
+
+def test_overriding_one_field_of_the_measured_link_changes_only_that_field():
+    """``hardware.pcie.overrides.latency_s`` on the link the profile was measured over: only the latency changes;
+    the measured pinned (55.96 / 57.22 GB/s), duplex and pageable rates stay (they were all replaced by the preset's
+    rounded 53.8 GB/s and 6.63 / 13.9 GB/s pageable: the override of one field dropped every measured rate)."""
+    base = resolve_hardware(load_scenario(OFFLOAD)).copy
+    ref = "hardware.pcie={preset: pcie-gen5-x16-h200-measured, overrides: {latency_s: 40 us}}"
+    hw = resolve_hardware(load_scenario(OFFLOAD, [ref]))
+    assert hw.copy.latency_s == pytest.approx(40e-6, rel=1e-12)
+    assert hw.copy._replace(latency_s=0.0, sources={}) == base._replace(latency_s=0.0, sources={})
+    assert hw.copy.sources["latency_s"] == "link" and hw.copy.sources["h2d_bytes_per_s"] == "profile"
+    assert not [w for w in run_warnings(hw, None) if w.startswith("hardware.pcie")]
+
+
+def test_overriding_the_measured_links_bandwidth_keeps_its_pageable_caps_and_scales_duplex():
+    """A bandwidth override replaces both pinned directions; the measured duplex keeps its efficiency against the
+    two directions' sum (95.67 / (55.96 + 57.22) of 2 x 64 GB/s), the pageable driver caps (host-side) stay."""
+    p = resolve_hardware(load_scenario(OFFLOAD)).profile
+    ref = "hardware.pcie={preset: pcie-gen5-x16-h200-measured, overrides: {bandwidth_bytes_per_s: 64 GB/s}}"
+    hw = resolve_hardware(load_scenario(OFFLOAD, [ref]))
+    c = hw.copy
+    assert (c.h2d_bytes_per_s, c.d2h_bytes_per_s) == (64e9, 64e9)
+    want = p.duplex_bytes_per_s * 128e9 / (p.h2d_bytes_per_s + p.d2h_bytes_per_s)
+    assert c.duplex_bytes_per_s == pytest.approx(want, rel=1e-12)
+    assert (c.pageable_h2d_bytes_per_s, c.pageable_d2h_bytes_per_s, c.latency_s) == (
+        p.pageable_h2d_bytes_per_s, p.pageable_d2h_bytes_per_s, p.copy_latency_s)
+    note = [w for w in run_warnings(hw, None) if w.startswith("hardware.pcie")]
+    assert len(note) == 1 and "55.96 -> 64.00 GB/s" in note[0], note

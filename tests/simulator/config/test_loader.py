@@ -85,3 +85,14 @@ def test_an_unknown_validation_case_is_one_short_line(capsys):
     assert main(["validate", "gpt_184m_b9.step_time"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean 'gpt_184m_b8.step_time'?" in err and ".avg_power_w" not in err
+
+
+def test_data_context_parallel_size_is_the_one_dp_x_cp_rule():
+    """The gradient reduce group the warnings, the builder spec and the sharding checks read: dp x cp (Megatron-LM
+    ``get_data_parallel_world_size(with_context_parallel=True)``); 1 without a cluster."""
+    b16 = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
+    assert load_scenario(b16).parallelism.data_context_parallel_size == 1
+    cl = ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}", "training.precision=bf16"]
+    p = load_scenario(b16, cl + ["parallelism.tensor_model_parallel_size=2",
+                                 "parallelism.context_parallel_size=2"]).parallelism
+    assert (p.data_parallel_size, p.context_parallel_size, p.data_context_parallel_size) == (2, 2, 4)

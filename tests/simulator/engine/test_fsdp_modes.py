@@ -311,3 +311,17 @@ def test_cpu_adam_impl_without_offload_params_is_flagged():
                  "torch_fused}}", "training.precision=amp_fp32_params", *SMALL])
     assert r.returncode == 0, r.stderr
     assert "fsdp.cpu_offload.cpu_adam_impl torch_fused has no effect with offload_params false" in r.stdout
+
+
+def test_fsdp_cpu_offload_at_dp1_counts_every_rank_of_the_node():
+    """dp 1 x cp 2 x tp 4 on the DGX: FSDP shards over the 2 context-parallel ranks, and each of the node's 8 ranks
+    keeps its shard of its TP quarter on the one host (the CPU step was priced for 8 ranks sharing it, but the host
+    memory check counted 1 rank, as if dp 1 meant one rank). On a 1 GB host one rank's states (~0.18 GB) fit,
+    the node's 8 do not."""
+    cp = ["parallelism.tensor_model_parallel_size=4", "parallelism.context_parallel_size=2"]
+    r = run_scenario(load_scenario(B16, SMALL + DGX + OFF + cp + ["hardware.host.overrides.memory.capacity_bytes=1 GB"]))
+    s = r.summary
+    assert (s["peak_host_pinned_bytes"] + s["peak_host_pageable_bytes"]) < 1e9 / 4
+    oom = s["oom"]
+    assert oom is not None and "for the node's 8 ranks" in oom, oom
+    assert s["fsdp_cpu_offload"]["ranks_per_host"] == 8
