@@ -573,12 +573,16 @@ def component_warnings(runtime) -> list[str]:
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
-    ZeRO-<stage>``, ``FSDP <strategy>``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
+    ZeRO-<stage>``, ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
     no gradient reduction)."""
     if (cfg.parallelism.data_parallel_size or 1) * cfg.parallelism.context_parallel_size == 1:
         return "none"
+    if cfg.fsdp is not None and cfg.fsdp.version == 2:
+        shard, rep = fsdp_mesh_of(cfg)
+        return f"FSDP2 fully_shard ({'HSDP ' + str(rep) + ' x ' if rep > 1 else 'shard '}{shard})"
     if cfg.fsdp is not None:
-        return f"FSDP {cfg.fsdp.sharding_strategy}"
+        shard, rep = fsdp_mesh_of(cfg)
+        return f"FSDP {cfg.fsdp.sharding_strategy}" + (f" ({rep} x {shard})" if rep > 1 else "")
     if cfg.ddp.use_distributed_optimizer:
         return "Megatron distributed optimizer"
     z = cfg.zero_optimization.stage
