@@ -122,3 +122,20 @@ def test_bad_input_one_line_exit_2(sets, needle):
                        cwd=ROOT, timeout=120)
     lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("warning")]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_reshard_after_forward_int_keeps_a_quarter_and_gathers_it_over_four_ranks():
+    g = _v2(post_forward_size=4)  # reshard_after_forward=4 over a shard group of 8
+    keep = _op(g, "L0.fwd.fsdp.reshard_post_forward")
+    assert [a.nbytes for a in keep.allocs] == [2 * 872 // 4]  # bf16, 1/4 of the gathered block
+    cin = _op(g, "L0.bwd.fsdp.all_gather_copy_in")  # from the kept copy: no fp32 -> bf16 cast
+    assert cin.uses == (keep.allocs[0].name,) and (cin.bytes_read, cin.bytes_written) == (436, 436)
+    assert not [o for o in g.ops if o.name == "L0.bwd.fsdp.all_gather_cast"]
+    ag = _op(g, "L0.bwd.param_all_gather")
+    assert (ag.meta["group"], ag.meta["bytes"]) == ("dp_post_forward", 2 * 872)
+
+
+def test_reshard_after_forward_int_group_is_consecutive_shard_ranks():
+    hw = resolve_hardware(load_scenario(B16, ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}",
+                                              "fsdp={version: 2, reshard_after_forward: 4}"]))
+    assert hw.dp_post_forward_group == (0, 1, 2, 3) and hw.dp_shard_group == tuple(range(8))
