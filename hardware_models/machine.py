@@ -154,8 +154,11 @@ class Hardware:
         world_size: Ranks in the cluster (1 without one).
         dp_group: Global ranks of the representative rank's data-parallel group.
         tp_group: Global ranks of its tensor-parallel group (consecutive, inside one node).
-        dp_shard_group: The data-parallel ranks of its node (FSDP HYBRID_SHARD shards inside a node).
-        dp_replicate_group: The ranks with its local rank on every node (HYBRID_SHARD's all-reduce across nodes).
+        dp_shard_group: Its FSDP shard group: consecutive data-parallel ranks (HYBRID_SHARD: those of its node, or
+            ``parallelism.data_parallel_shard_degree`` of them).
+        dp_replicate_group: Its FSDP replicas: one rank of every shard group, strided by it (HSDP's all-reduce).
+        dp_post_forward_group: FSDP2 with an int ``reshard_after_forward``: that many consecutive ranks of its shard
+            group (the backward all-gather's group).
         pp_group: Global ranks of the representative rank of each pipeline stage, stage order.
         cp_group: Global ranks of its context-parallel group (``dp_group`` then spans data x context parallel).
         pp_rank: The pipeline stage this machine's representative rank belongs to.
@@ -179,6 +182,7 @@ class Hardware:
     tp_group: tuple[int, ...] = (0,)
     dp_shard_group: tuple[int, ...] = (0,)
     dp_replicate_group: tuple[int, ...] = (0,)
+    dp_post_forward_group: tuple[int, ...] = (0,)
     pp_group: tuple[int, ...] = (0,)
     cp_group: tuple[int, ...] = (0,)
     pp_rank: int = 0
@@ -225,7 +229,7 @@ class Hardware:
 
     def for_pipeline_rank(self, rank: int) -> "Hardware":
         """The machine of pipeline stage ``rank``'s representative: its global rank ``pp_group[rank]`` and the
-        TP, DP, EP and expert-DP groups shifted by the same offset (Megatron tp-cp-ep-dp-pp rank order).
+        TP, DP (FSDP's shard, replicate and post-forward too), EP and expert-DP groups shifted by the same offset (Megatron tp-cp-ep-dp-pp rank order).
 
         Raises:
             IndexError: ``rank`` outside ``0..len(pp_group) - 1``.
@@ -234,7 +238,9 @@ class Hardware:
         shift = lambda g: tuple(r + base for r in g)  # noqa: E731
         return replace(self, pp_rank=rank, dp_group=shift(self.dp_group), tp_group=shift(self.tp_group),
                        ep_group=shift(self.ep_group), edp_group=shift(self.edp_group), cp_group=shift(self.cp_group),
-                       etp_group=shift(self.etp_group))
+                       etp_group=shift(self.etp_group), dp_shard_group=shift(self.dp_shard_group),
+                       dp_replicate_group=shift(self.dp_replicate_group),
+                       dp_post_forward_group=shift(self.dp_post_forward_group))
 
     def link_rate(self, kind: str, pinned: bool) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, cap_bytes_per_s)`` of a copy (``kind`` "memcpy_h2d" or "memcpy_d2h").

@@ -154,11 +154,10 @@ def sharding_spec(cfg: ScenarioConfig):
                             reshard_after_forward=True, reshard_root=True, persistence_threshold=thr)
     if f is not None:
         param, reduce = f.dtypes
+        shard, rep = fsdp_mesh_of(cfg)
+        if f.version == 2:
+            return fsdp2_sharding_spec(f, shard, rep)
         st = f.sharding_strategy.lower()
-        shard, rep = dp, 1
-        if st == "hybrid_shard":
-            per_node = min(len(cfg_node_ranks(cfg)), dp)  # a stage smaller than a node: its dp ranks share one
-            shard, rep = per_node, dp // per_node
         bp = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", None: None}[f.backward_prefetch]
         fwd_depth = 1 if (f.limit_all_gathers or f.forward_prefetch) else None
         if st == "no_shard":  # the bf16 copy of every unit (root too) is freed by post_reshard after each pass
@@ -174,6 +173,37 @@ def sharding_spec(cfg: ScenarioConfig):
         return ShardingSpec("distributed_optimizer", dp, grad_bytes=4, bucket_elements=b,
                             overlap_param_gather=ddp.overlap_param_gather)
     return None
+
+
+def fsdp_mesh_of(cfg: ScenarioConfig) -> tuple[int, int]:
+    """``(shard_size, replicate_size)`` of a scenario's FSDP mesh in ranks of the gradient-reduce group (dp x cp):
+    ``config.sections.fsdp.fsdp_mesh`` with the node's ranks (``cfg_node_ranks``)."""
+    from simulator.config.sections.fsdp import fsdp_mesh
+
+    p = cfg.parallelism
+    return fsdp_mesh(cfg.fsdp, p.data_parallel_size or 1, p.context_parallel_size, len(cfg_node_ranks(cfg)),
+                     p.data_parallel_shard_degree, p.data_parallel_replicate_degree)
+
+
+def fsdp2_sharding_spec(f, shard: int, rep: int):
+    """The ``ShardingSpec`` of FSDP2 (``fsdp.version: 2``, ``simulator/graph/builders/fsdp2.py``): HSDP when
+    replicated, else FULL_SHARD (SHARD_GRAD_OP with ``reshard_after_forward`` false); per-parameter padding, the
+    copy-in / copy-out kernels; forward prefetch 2 units ahead (``fsdp2.FORWARD_PREFETCH_DEPTH``), backward the
+    previous unit; an int ``reshard_after_forward`` r (1 < r < shard) keeps each block's 1/r shard after forward and
+    all-gathers it over r consecutive shard ranks (``dp_post_forward``) in backward."""
+    from simulator.config.sections.fsdp import DTYPE_BYTES
+    from simulator.graph.builders.fsdp2 import FORWARD_PREFETCH_DEPTH
+    from simulator.graph.builders.sharding import ShardingSpec
+
+    param, reduce = f.dtypes
+    raf = f.reshard_after_forward
+    post = raf if isinstance(raf, int) and not isinstance(raf, bool) and 1 < raf < shard else 0
+    reshards = f.reshards and (not isinstance(raf, int) or isinstance(raf, bool) or raf > 1)
+    st = "hybrid_shard" if rep > 1 else ("full_shard" if reshards else "shard_grad_op")
+    return ShardingSpec(st, shard, rep, fwd_prefetch_depth=FORWARD_PREFETCH_DEPTH, bwd_prefetch="pre",
+                        bwd_prefetch_depth=1, reshard_after_forward=reshards, reshard_root=False,
+                        param_bytes=DTYPE_BYTES[param], sharded_param_bytes=4, grad_bytes=DTYPE_BYTES[reduce],
+                        version=2, post_forward_size=post)
 
 
 def cfg_node_ranks(cfg: ScenarioConfig) -> tuple[int, ...]:
@@ -387,7 +417,7 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
 def _hybrid_shard_size(cfg: ScenarioConfig) -> int | None:
     """Data-parallel ranks of one FSDP HYBRID_SHARD shard group (a node's) when the shards are replicated across
     nodes, else None (no shard groups to tell apart)."""
-    if cfg.fsdp is None or cfg.fsdp.sharding_strategy != "HYBRID_SHARD" or (cfg.parallelism.data_parallel_size or 1) < 2:
+    if cfg.fsdp is None or (cfg.parallelism.data_parallel_size or 1) < 2:
         return None
     sh = sharding_spec(cfg)
     return sh.shard_size if sh.replicate_size > 1 else None
@@ -412,7 +442,9 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
     class's pipeline (replica ``j`` of stage ``r`` talks to replica ``j`` of stage ``r + 1``); a ``world``
     all-reduce (the distributed optimizer's gradient norm) meets every class of every stage. FSDP HYBRID_SHARD:
     a ``dp_shard`` collective (inside one node) meets only the ``shard_parties`` classes of its ``shard_group``
-    (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class."""
+    (none for a class of the groups without an overridden replica); ``dp_replicate`` ones meet every class. FSDP2's
+    ``dp_post_forward`` gathers (a part of a shard group) meet as the shard group's do (approximated: every class of
+    that shard group waits, not only those of the part)."""
     if dp_classes == 1:
         return graph
     ops = []
@@ -422,11 +454,11 @@ def _meet_across_classes(graph: OpGraph, stage: int, dp_class: int, dp_classes: 
             op = dataclasses.replace(op, meta={**m, "parties": m["parties"] * dp_classes})
         elif m and "rendezvous" in m:
             op = dataclasses.replace(op, meta={**m, "rendezvous": (*m["rendezvous"], dp_class)})
-        elif m and m.get("group") == "dp_shard" and shard_parties:
+        elif m and m.get("group") in ("dp_shard", "dp_post_forward") and shard_parties:
             if shard_group is not None and shard_parties > 1:
                 op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp_shard", stage, shard_group, op.id),
                                                    "parties": shard_parties})
-        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "ep", "tp_ep", "edp", "world"):
+        elif m and m.get("group") in ("dp", "dp_shard", "dp_replicate", "dp_post_forward", "ep", "tp_ep", "edp", "world"):
             op = dataclasses.replace(op, meta={**m, "rendezvous": ("dp", stage, op.id), "parties": dp_classes})
         ops.append(op)
     return graph.with_changes(ops=tuple(ops))
@@ -545,12 +577,16 @@ def component_warnings(runtime) -> list[str]:
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
-    ZeRO-<stage>``, ``FSDP <strategy>``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
+    ZeRO-<stage>``, ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
     no gradient reduction)."""
     if cfg.parallelism.data_context_parallel_size == 1:
         return "none"
+    if cfg.fsdp is not None and cfg.fsdp.version == 2:
+        shard, rep = fsdp_mesh_of(cfg)
+        return f"FSDP2 fully_shard ({'HSDP ' + str(rep) + ' x ' if rep > 1 else 'shard '}{shard})"
     if cfg.fsdp is not None:
-        return f"FSDP {cfg.fsdp.sharding_strategy}"
+        shard, rep = fsdp_mesh_of(cfg)
+        return f"FSDP {cfg.fsdp.sharding_strategy}" + (f" ({rep} x {shard})" if rep > 1 else "")
     if cfg.ddp.use_distributed_optimizer:
         return "Megatron distributed optimizer"
     z = cfg.zero_optimization.stage

@@ -565,6 +565,23 @@ def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
     return nvme
 
 
+def _fsdp_groups(cfg, node_ranks: int) -> tuple[int, int]:
+    """``(shard, post_forward)``: ranks (of the gradient-reduce group, dp x cp) in the representative rank's FSDP shard
+    group (``fsdp.fsdp_mesh``: consecutive, HYBRID_SHARD's replicas strided by it; without fsdp the node's ranks, the
+    group HYBRID_SHARD's defaults gave) and in its post-forward group (an int ``fsdp.reshard_after_forward``: that
+    many consecutive shard ranks, PyTorch ``_get_post_forward_mesh_info``'s ``mesh.view(-1, r)``; else 1)."""
+    from simulator.config.sections.fsdp import fsdp_mesh
+
+    p, f = cfg.parallelism, cfg.fsdp
+    dp, cp = p.data_parallel_size or 1, p.context_parallel_size
+    if f is None:
+        return min(node_ranks, dp * cp), 1
+    shard, _ = fsdp_mesh(f, dp, cp, node_ranks, p.data_parallel_shard_degree, p.data_parallel_replicate_degree)
+    raf = f.reshard_after_forward
+    post = raf if isinstance(raf, int) and not isinstance(raf, bool) else 1
+    return shard, post
+
+
 def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
@@ -644,9 +661,11 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     et = cfg.parallelism.expert_tensor_parallel_size or tp  # Megatron: expert_tensor_parallel_size defaults to tp
     # the gradient all-reduce group spans data and context parallelism (Megatron's data-parallel group with
     # context parallelism): every stride-tp rank of the stage; the CP group is its first cp ranks
+    shard, post = _fsdp_groups(cfg, per_node // tp)
     return {"collectives": model, "world_size": world, "dp_group": tuple(range(0, stage, tp)),
             "cp_group": tuple(range(0, tp * cp, tp)),
-            "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, min(per_node, stage), tp)),
-            "dp_replicate_group": tuple(range(0, world, per_node)), "pp_group": tuple(range(0, world, stage)),
+            "tp_group": tuple(range(tp)), "dp_shard_group": tuple(range(0, tp * shard, tp)),
+            "dp_replicate_group": tuple(range(0, stage, tp * shard)), "dp_post_forward_group": tuple(range(0, tp * post, tp)),
+            "pp_group": tuple(range(0, world, stage)),
             "ep_group": tuple(range(0, ep * et, et)), "edp_group": tuple(range(0, stage, et * ep)),
             "etp_group": tuple(range(et)), "nccl": nccl}

@@ -524,10 +524,21 @@ class ParallelismConfig(_Model):
     data_parallel_size: PositiveInt | None = Field(
         default=None, le=MAX_DATA_PARALLEL_SIZE, description="Data-parallel replicas. > 1 needs hardware.cluster and "
         "must equal its world size / (tp x pp); default: that (1 without a cluster).")
+    data_parallel_shard_degree: int | None = Field(
+        default=None, ge=-1, le=MAX_DATA_PARALLEL_SIZE, description="torchtitan [parallelism] "
+        "data_parallel_shard_degree (PyTorch init_device_mesh's dp_shard dimension): data-parallel ranks FSDP shards "
+        "over, consecutive ranks (a group may span nodes); -1: data_parallel_size / data_parallel_replicate_degree. "
+        "Needs fsdp; shard x replicate = data_parallel_size. Default: FSDP1 HYBRID_SHARD the data-parallel ranks of "
+        "a node, else all of them.")
+    data_parallel_replicate_degree: PositiveInt | None = Field(
+        default=None, le=MAX_DATA_PARALLEL_SIZE, description="torchtitan [parallelism] data_parallel_replicate_degree "
+        "(init_device_mesh's dp_replicate dimension): shard groups whose gradients are all-reduced (HSDP; ranks "
+        "strided by the shard degree). Needs fsdp (version 1: sharding_strategy HYBRID_SHARD when > 1). Default 1.")
 
     _no_bool = field_validator("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                "expert_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                               "expert_tensor_parallel_size", mode="before")(no_bool)
+                               "expert_tensor_parallel_size", "data_parallel_shard_degree",
+                               "data_parallel_replicate_degree", mode="before")(no_bool)
 
     @field_validator("tp_comm_overlap", mode="before")
     @classmethod
@@ -668,6 +679,57 @@ class ScenarioConfig(_Model):
         self._sharding_scope(self.parallelism.data_context_parallel_size)  # sharded over dp x cp
         return self
 
+    def _fsdp_mesh_scope(self) -> None:
+        """``parallelism.data_parallel_shard_degree`` / ``data_parallel_replicate_degree`` (torchtitan's 2-D FSDP
+        mesh): with fsdp only, shard x replicate = data_parallel_size, and what FSDP1 and FSDP2 each allow; an int
+        ``fsdp.reshard_after_forward`` divides the shard group (``_get_post_forward_mesh_info``)."""
+        p, f = self.parallelism, self.fsdp
+        shard, rep = p.data_parallel_shard_degree, p.data_parallel_replicate_degree
+        if shard is not None or rep is not None:
+            self._fsdp_degrees(shard, rep)
+        raf = f.reshard_after_forward if f is not None else None
+        if isinstance(raf, int) and not isinstance(raf, bool):
+            n = ((p.data_parallel_size or 1) // (rep or 1) if shard in (None, -1) else shard) * p.context_parallel_size
+            if n % raf:
+                raise ValueError(f"fsdp.reshard_after_forward: {raf} is not a factor of the shard group size {n} "
+                                 f"(fully_shard; allowed: {', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}, "
+                                 "true or false)")
+
+    def _fsdp_degrees(self, shard: int | None, rep: int | None) -> None:
+        """The checks of ``_fsdp_mesh_scope`` on the two degrees."""
+        p, f = self.parallelism, self.fsdp
+        key = "parallelism.data_parallel_shard_degree" if shard is not None else \
+            "parallelism.data_parallel_replicate_degree"
+        if f is None:
+            raise ValueError(f"{key} is FSDP's 2-D mesh (torchtitan HSDP): it needs an fsdp section (allowed: "
+                             "fsdp: {version: 2}, or omit it)")
+        dp = p.data_parallel_size or 1
+        divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        if shard == 0:
+            raise ValueError(f"parallelism.data_parallel_shard_degree: 0 (allowed: {divisors}, or -1: the rest)")
+        r = rep or 1
+        if dp % r:
+            raise ValueError(f"parallelism.data_parallel_replicate_degree: {r} does not divide data_parallel_size "
+                             f"{dp} (allowed: {divisors})")
+        if shard not in (None, -1) and dp % shard:
+            raise ValueError(f"parallelism.data_parallel_shard_degree: {shard} does not divide data_parallel_size "
+                             f"{dp} (allowed: {divisors}, or -1)")
+        s = dp // r if shard in (None, -1) else shard
+        if s * r != dp:
+            raise ValueError(f"parallelism.data_parallel_shard_degree: {s} x data_parallel_replicate_degree {r} = "
+                             f"{s * r} is not data_parallel_size {dp} (allowed: shard x replicate = {dp}, e.g. "
+                             f"data_parallel_shard_degree {dp // r} or -1)")
+        if s == 1 and r > 1:
+            raise ValueError(f"parallelism.data_parallel_shard_degree: 1 with replicate {r} is DDP, not FSDP (allowed: "
+                             "a shard degree > 1, or fsdp.sharding_strategy NO_SHARD)")
+        if f.version == 1 and f.sharding_strategy == "NO_SHARD" and s > 1:
+            raise ValueError(f"{key} with fsdp.sharding_strategy NO_SHARD: NO_SHARD does not shard (allowed: omit "
+                             "the degrees, or another strategy)")
+        if f.version == 1 and r > 1 and f.sharding_strategy != "HYBRID_SHARD":
+            raise ValueError(f"parallelism.data_parallel_replicate_degree: {r} > 1 with fsdp.sharding_strategy "
+                             f"{f.sharding_strategy}: FSDP1 replicates shards only under HYBRID_SHARD (allowed: "
+                             "HYBRID_SHARD, or fsdp.version 2)")
+
     def _fsdp_offload_scope(self, dp: int) -> None:
         """``fsdp.cpu_offload``: what is modelled (``simulator/policies/offload_fsdp.py``)."""
         f, par, key = self.fsdp, self.parallelism, "fsdp.cpu_offload"
@@ -726,6 +788,7 @@ class ScenarioConfig(_Model):
             if prec == "amp_fp32_params":
                 raise ValueError("zero_optimization.stage: 3 with data_parallel_size > 1 needs training.precision bf16 "
                                  "or fp16 (16-bit parameter partitions; allowed: bf16, fp16)")
+        self._fsdp_mesh_scope()
         if f is not None and f.offload_params:
             self._fsdp_offload_scope(dp)
         if f is not None and dp > 1:

@@ -210,7 +210,8 @@ class System:
 
         Priced once per (collective, group, bytes) by ``hw.collectives.price(...).time_s`` with the
         scenario's NCCL settings; the group ``"dp"`` is ``hw.dp_group``, ``"tp"`` is ``hw.tp_group``,
-        ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD).
+        ``"dp_shard"`` / ``"dp_replicate"`` are ``hw.dp_shard_group`` / ``hw.dp_replicate_group`` (HYBRID_SHARD),
+        ``"dp_post_forward"`` ``hw.dp_post_forward_group`` (FSDP2's int ``reshard_after_forward``).
         ``"pp"`` the pipeline ranks ``meta["pp_ranks"]`` (indices into ``hw.pp_group``), ``"mp"`` the
         model-parallel group (the TP group on every stage), ``"world"`` every rank. ``"ep"`` is ``hw.ep_group``, ``"edp"`` ``hw.edp_group``, ``"etp"`` ``hw.etp_group``, ``"tp_ep"`` every
         ``etp`` rank of every ``ep`` rank (Megatron's ``tp_ep_group``: the all-gather token dispatcher).
@@ -238,7 +239,7 @@ class System:
         m = op.meta
         name = m.get("group", "dp")
         groups = {"dp": self.hw.dp_group, "tp": self.hw.tp_group, "dp_shard": self.hw.dp_shard_group,
-                  "dp_replicate": self.hw.dp_replicate_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
+                  "dp_replicate": self.hw.dp_replicate_group, "dp_post_forward": self.hw.dp_post_forward_group, "ep": self.hw.ep_group, "edp": self.hw.edp_group,
                   "cp": self.hw.cp_group, "etp": self.hw.etp_group}
         if m["collective"] == "send_recv" and name == "cp":  # the CP ring: this rank to its next neighbour
             groups["cp"] = self.hw.cp_group[:2]

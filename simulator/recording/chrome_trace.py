@@ -252,7 +252,7 @@ def _p2p_flows(spans: pd.DataFrame, col: str) -> list[dict]:
 
 
 #: Streams of the data-parallel collectives that rank classes of one stage meet at (``api._meet_across_classes``)
-_DP_STREAMS = frozenset({"comm.dp", "comm.dp_shard", "comm.dp_replicate", "comm.ep", "comm.tp_ep", "comm.edp"})
+_DP_STREAMS = frozenset({"comm.dp", "comm.dp_shard", "comm.dp_replicate", "comm.dp_post_forward", "comm.ep", "comm.tp_ep", "comm.edp"})
 
 
 def _thread_ids(spans: pd.DataFrame, col: str) -> dict:

@@ -370,6 +370,17 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit
         gathered = 2 * unit * ((sh.fwd_prefetch_depth or 0) + 1) + 2 * root
         return {"params": 6 * Ps + gathered, "grad": 2 * Ps, "optimizer": 8 * Ps}, 0
+    if sh.version == 2:  # FSDP2 (graph/builders/fsdp2.py): padded per parameter; in forward two all-gather
+        # outputs ahead of the unit's unsharded copy
+        from simulator.graph.builders import fsdp2
+        from simulator.graph.builders.sharding import ROOT, backward_param_order, layer_param_sizes
+
+        w = sh.shard_size
+        Ps = fsdp2.sharded_numel(spec, w)
+        unit = fsdp2.unit_padded_numel(spec, layer_param_sizes(spec).items(), w)
+        root = fsdp2.unit_padded_numel(spec, [(n, k) for n, u, k in backward_param_order(spec) if u == ROOT], w)
+        kept = spec.num_layers if not sh.reshard_after_forward else fsdp2.FORWARD_PREFETCH_DEPTH + 1
+        return {"params": 4 * Ps + sh.param_bytes * (unit * kept + root), "grad": 0, "optimizer": 8 * Ps}, 4 * Ps
     kept = spec.num_layers if not sh.reshard_after_forward else 2  # SHARD_GRAD_OP keeps forward's gathers
     gathered = sh.param_bytes * (unit * kept + root)
     return {"params": 4 * Ps + gathered, "grad": 0, "optimizer": 8 * Ps}, 4 * Ps

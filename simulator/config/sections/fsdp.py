@@ -12,6 +12,15 @@ YAML::
       cpu_offload: false               # true: CPUOffload(offload_params=True); or {offload_params: true,
                                        #   cpu_adam_impl: torch_single | torch_foreach | torch_fused}
       mixed_precision: DEFAULT         # DEFAULT | PURE | FULL, or {param_dtype: bf16, reduce_dtype: fp32}
+      version: 1                       # 1: FullyShardedDataParallel (FlatParameter); 2: fully_shard (FSDP2)
+
+``version: 2`` is FSDP2 (``torch.distributed.fsdp.fully_shard``, torchtitan's): per-parameter dim-0 sharding, the
+all-gather copy-in / copy-out and reduce-scatter copy-in kernels (``simulator/graph/builders/fsdp2.py``). It takes
+no ``sharding_strategy``, ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers`` or ``cpu_offload``
+(FSDP1's; refused in one line): the mesh (``parallelism.data_parallel_shard_degree`` /
+``data_parallel_replicate_degree``, torchtitan's names) makes it FSDP or HSDP, ``reshard_after_forward`` true
+(default) / false / an int (reshard to groups of that many consecutive shard ranks) says what it keeps after
+forward, and ``mixed_precision`` is its ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
 One FSDP unit per transformer block (``transformer_auto_wrap_policy``) plus the root (embeddings,
 final norm, LM head). The model is fp32 under ``torch.autocast`` (``training.precision:
@@ -29,10 +38,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from simulator.config.limits import MODEL_CONFIG
 
+#: ``fsdp.version`` by API name
+FSDP_API_VERSIONS = {"FullyShardedDataParallel": 1, "fully_shard": 2}
+#: FSDP1 keys that ``fully_shard`` has no counterpart for, and what FSDP2 does instead (pytorch/pytorch
+#: torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard(module, mesh, reshard_after_forward,
+#: shard_placement_fn, mp_policy, offload_policy, ignored_params)``; _fsdp_param_group.py: implicit forward prefetch
+#: through the all-gather streams, explicit backward prefetch of the previous unit)
+FSDP1_ONLY_KEYS = {
+    "sharding_strategy": "its mesh makes it FSDP or HSDP (parallelism.data_parallel_shard_degree / "
+                         "data_parallel_replicate_degree) and reshard_after_forward false is SHARD_GRAD_OP",
+    "backward_prefetch": "it prefetches the previous unit in backward itself",
+    "forward_prefetch": "its forward prefetch is the all-gather streams' own",
+    "limit_all_gathers": "it limits all-gathers by stream order, not a CPU rate limiter",
+    "cpu_offload": "its offload_policy=CPUOffloadPolicy() is not modelled yet",
+}
 #: composer ``get_mixed_precision`` presets: name -> (param_dtype, reduce_dtype)
 MIXED_PRECISION_PRESETS = {"DEFAULT": ("bf16", "fp32"), "PURE": ("bf16", "bf16"), "FULL": ("fp32", "fp32")}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -82,14 +105,52 @@ class FsdpConfig(_Model):
                                    "the current unit's forward.")
     limit_all_gathers: bool = Field(default=True, description="Rate limiter: at most two all-gathers in flight "
                                     "(false: the host issues them as fast as it runs ahead).")
-    reshard_after_forward: bool | None = Field(default=None, description="Free the gathered parameters after "
-                                               "forward (default: true for FULL_SHARD and HYBRID_SHARD).")
+    reshard_after_forward: bool | int | None = Field(
+        default=None, description="Free the gathered parameters after forward (default: true for FULL_SHARD and "
+        "HYBRID_SHARD; version 2: true). version 2 also takes an int: reshard to groups of that many consecutive "
+        "shard ranks (a factor of the shard group size; 1 is false, the shard size true), all-gathered over them "
+        "in backward.")
     cpu_offload: bool | FsdpCpuOffload = Field(default=False, description="CPUOffload(offload_params=True): fp32 "
                                                "parameter and gradient shards in host memory, each unit's shard "
                                                "copied H2D before its all-gather, the reduced gradient shard D2H, "
                                                "AdamW on the CPU; true or {offload_params, cpu_adam_impl}.")
     mixed_precision: Literal["DEFAULT", "PURE", "FULL"] | FsdpMixedPrecision = Field(
-        default="DEFAULT", description="DEFAULT | PURE | FULL (composer/llm-foundry) or {param_dtype, reduce_dtype}.")
+        default="DEFAULT", description="DEFAULT | PURE | FULL (composer/llm-foundry) or {param_dtype, reduce_dtype} "
+        "(version 2: MixedPrecisionPolicy's).")
+    version: Literal[1, 2] = Field(
+        default=1, description="1: FullyShardedDataParallel (one FlatParameter per unit, padded to the shard size); "
+        "2: FSDP2 fully_shard (torchtitan's; also written fully_shard): per-parameter dim-0 shards, each padded, "
+        "with its copy-in / copy-out kernels; takes no FSDP1-only key.")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_value(cls, v):
+        if isinstance(v, str) and v in FSDP_API_VERSIONS:
+            return FSDP_API_VERSIONS[v]
+        if isinstance(v, bool) or v not in (1, 2):
+            raise ValueError(f"{v!r} (allowed: 1 (FullyShardedDataParallel), 2 (fully_shard), or those API names)")
+        return v
+
+    @field_validator("reshard_after_forward", mode="before")
+    @classmethod
+    def _reshard_value(cls, v):
+        if v is None or isinstance(v, bool) or (isinstance(v, int) and v >= 1):
+            return v
+        raise ValueError(f"{v!r} (allowed: true, false, or with version 2 an int >= 1: the group size to reshard to)")
+
+    @model_validator(mode="after")
+    def _version_keys(self):
+        """FSDP1-only keys under ``version: 2`` and an int ``reshard_after_forward`` under 1: one line each."""
+        if self.version == 2:
+            given = [k for k in FSDP1_ONLY_KEYS if k in self.model_fields_set]
+            if given:
+                raise ValueError(f"fsdp.{given[0]} is FSDP1's (FullyShardedDataParallel); fsdp.version 2 "
+                                 f"(fully_shard) has none: {FSDP1_ONLY_KEYS[given[0]]} (allowed: omit it, or "
+                                 "version 1)")
+        elif isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"fsdp.reshard_after_forward: {self.reshard_after_forward} (an int: reshard to a smaller "
+                             "group) is FSDP2's (allowed with version 1: true, false; or version 2)")
+        return self
 
     @field_validator("cpu_offload", mode="before")
     @classmethod
@@ -139,7 +200,37 @@ class FsdpConfig(_Model):
 
     @property
     def reshards(self) -> bool:
-        """Whether block parameters are gathered again for backward."""
-        if self.reshard_after_forward is not None:
-            return self.reshard_after_forward
-        return self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        """Whether block parameters are gathered again for backward (an int ``reshard_after_forward`` > 1: yes,
+        over its smaller group)."""
+        r = self.reshard_after_forward
+        if r is not None:
+            return bool(r) if isinstance(r, bool) else r > 1
+        return self.version == 2 or self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def fsdp_mesh(f: FsdpConfig, dp: int, cp: int, node_ranks: int, shard_degree: int | None,
+              replicate_degree: int | None) -> tuple[int, int]:
+    """``(shard_size, replicate_size)`` of FSDP's 2-D mesh in ranks of the gradient-reduce group (dp x cp), the
+    shard group being consecutive ranks of that group and the replicas strided by it.
+
+    Args:
+        f: The ``fsdp`` section.
+        dp: ``parallelism.data_parallel_size``.
+        cp: ``parallelism.context_parallel_size`` (torchtitan shards over ``dp_shard x cp``: its ``dp_shard_cp``).
+        node_ranks: Ranks of the reduce group on one node (FSDP1 HYBRID_SHARD's default shard group, PyTorch
+            ``_init_intra_and_inter_node_groups``).
+        shard_degree: ``parallelism.data_parallel_shard_degree`` (-1: the rest), or None.
+        replicate_degree: ``parallelism.data_parallel_replicate_degree``, or None.
+
+    A mesh given explicitly (either degree) is torchtitan's ``init_device_mesh(("dp_replicate", "dp_shard"))``;
+    else FSDP1 HYBRID_SHARD shards inside a node and replicates across nodes, every other strategy (and
+    version 2) shards over all of dp x cp. The degrees were checked against dp by the schema.
+    """
+    if shard_degree is None and replicate_degree is None:
+        if f.version == 1 and f.sharding_strategy == "HYBRID_SHARD":
+            shard = min(node_ranks, dp * cp)
+            return shard, dp * cp // shard
+        return dp * cp, 1
+    rep = replicate_degree or 1
+    shard = dp // rep if shard_degree in (None, -1) else shard_degree
+    return shard * cp, rep

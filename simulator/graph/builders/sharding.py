@@ -98,6 +98,10 @@ class ShardingSpec:
         bucket_elements: Megatron-LM gradient bucket size, elements (``None``: one bucket).
         overlap_param_gather: Megatron-LM ``--overlap-param-gather``: the parameter all-gathers run at
             the start of the next forward, each block waiting for its bucket; else after the step.
+        version: FSDP's API: 1 ``FullyShardedDataParallel`` (flat parameters), 2 ``fully_shard`` (per-parameter
+            shards with copy-in / copy-out kernels, ``simulator/graph/builders/fsdp2.py``).
+        post_forward_size: FSDP2 ``reshard_after_forward`` as an int r (1 < r < ``shard_size``, dividing it): the
+            group size blocks are resharded to after forward and all-gathered over in backward; 0: none.
     """
 
     strategy: str
@@ -114,9 +118,20 @@ class ShardingSpec:
     persistence_threshold: int = 0
     bucket_elements: int | None = None
     overlap_param_gather: bool = False
+    version: int = 1
+    post_forward_size: int = 0
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: an unknown strategy or prefetch mode, non-positive sizes."""
+        """Raises: ValueError: an unknown strategy or prefetch mode, non-positive sizes, a version other than 1 or 2
+        (2 only with the FSDP strategies that gather), a post-forward size that does not divide the shard size."""
+        if self.version not in (1, 2) or (self.version == 2 and self.strategy not in (
+                "full_shard", "shard_grad_op", "hybrid_shard")):
+            raise ValueError(f"version must be 1, or 2 with an FSDP strategy that shards, got {self.version} with "
+                             f"{self.strategy!r}")
+        if self.post_forward_size and (self.version != 2 or self.post_forward_size < 2
+                                       or self.shard_size % self.post_forward_size):
+            raise ValueError(f"post_forward_size {self.post_forward_size} must be 0, or with version 2 a factor > 1 "
+                             f"of shard_size {self.shard_size}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"sharding strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.bwd_prefetch not in BACKWARD_PREFETCH:

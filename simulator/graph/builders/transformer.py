@@ -103,6 +103,7 @@ from dataclasses import dataclass
 from hardware_models.host_kernels import adamw_passes
 
 from simulator.graph.builders import attention as core
+from simulator.graph.builders import fsdp2
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
@@ -2069,6 +2070,9 @@ class _GptBuilder:
         nbytes = sum(g.grad_bytes for g in bucket)
         tensors = [g.grad_tensor for g in bucket if g.grad_tensor]
         deps = [g.grad_op for g in bucket] + list(extra)
+        if self.sh is not None and self.sh.version == 2:
+            fsdp2.fsdp2_reduce(self, k, bucket, tensors, deps)
+            return
         if self.sh is not None:
             self._emit_sharded_bucket(k, nbytes, tensors, deps)
             return
@@ -2110,9 +2114,15 @@ class _GptBuilder:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
         if self._half_grad_buffer:
             self._grad_elem_bytes = 2
+        if sh is not None and sh.version == 2:  # autograd's unsharded gradients are in param_dtype (fsdp2.py)
+            self._grad_elem_bytes = sh.param_bytes
         self._shard_group = "dp_shard" if sh is not None and sh.replicate_size > 1 else "dp"
         self.pg = None
-        if sh is not None and sh.gathers:
+        if sh is not None and sh.version == 2:
+            self.pg = fsdp2.Fsdp2ParamGather(s, self.e, self.b, lambda name, op, nbytes, deps, phase, uses=(),
+                                             group=None: self._collective(name, op, nbytes, deps, phase, uses=uses,
+                                                                          group=group or self._shard_group))
+        elif sh is not None and sh.gathers:
             self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(): self._collective(
                 name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
         elif sh is not None and sh.casts_units:  # NO_SHARD, param_dtype bf16: a cast per unit in place of a gather
@@ -2157,7 +2167,7 @@ class _GptBuilder:
     def _persistent_sharded(self) -> None:
         s, b, sh = self.s, self.b, self.sh
         P = s.rank_num_parameters  # this pipeline stage's (the whole model without a pipeline)
-        Ps = moe.sharded_state(s, P, sh.shard) if sh.strategy == "distributed_optimizer" else sh.shard(P)
+        Ps = moe.sharded_state(s, P, sh.shard) if sh.strategy == "distributed_optimizer" else self._shard_numel(P)
         half = self.e.half
         st = sh.strategy
         if st == "distributed_optimizer":  # Megatron: bf16 params and fp32 grad buffer whole, 12 bytes/param / dp
@@ -2194,6 +2204,13 @@ class _GptBuilder:
             self.b.persistent("params.fp8", f8)
             if self.s.fp8_weight_copies == 2:
                 self.b.persistent("params.fp8_transpose", f8)
+
+    def _shard_numel(self, P: int) -> int:
+        """Elements of this rank's shard of its ``P`` parameters: FSDP2 pads each parameter
+        (``fsdp2.sharded_numel``), FSDP1 / ZeRO-3 the flat buffer (``ShardingSpec.shard``)."""
+        if self.sh.version == 2:
+            return fsdp2.sharded_numel(self.s, self.sh.shard_size)
+        return self.sh.shard(P)
 
     @property
     def _megatron_optimizer(self) -> bool:
@@ -2394,7 +2411,7 @@ class _GptBuilder:
         if self.sh is not None and self.sh.strategy == "distributed_optimizer":
             return moe.sharded_state(self.s, P, self.sh.shard) / P
         if self.sh is not None:
-            return 1.0 if self.sh.strategy == "no_shard" else self.sh.shard(P) / P
+            return 1.0 if self.sh.strategy == "no_shard" else self._shard_numel(P) / P
         return moe.sharded_state(self.s, P, self._shard) / P if self.zero else 1.0
 
     def _after_step_gathers(self, opt: int) -> None:

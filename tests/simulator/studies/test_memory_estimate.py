@@ -30,6 +30,8 @@ CASES = {
                                                          "training.recompute_granularity=full"]),
     "ZeRO-3": (DP8, ["zero_optimization.stage=3", "training.precision=bf16"]),
     "FSDP FULL_SHARD": (DP8, ["fsdp.sharding_strategy=FULL_SHARD"]),
+    "FSDP2 fully_shard": (DP8, ["fsdp={version: 2}"]),
+    "FSDP2 HSDP 2 x 4": (DP8, ["fsdp={version: 2}", "parallelism.data_parallel_replicate_degree=2"]),
     "FSDP SHARD_GRAD_OP fp32 gathered": (DP8, ["fsdp.sharding_strategy=SHARD_GRAD_OP", "fsdp.mixed_precision=FULL"]),
     "FSDP FULL_SHARD fp32 gathered": (DP8, ["fsdp.sharding_strategy=FULL_SHARD", "fsdp.mixed_precision=FULL"]),
     "FSDP SHARD_GRAD_OP bf16 gathered": (DP8, ["fsdp.sharding_strategy=SHARD_GRAD_OP", "fsdp.mixed_precision=PURE"]),
