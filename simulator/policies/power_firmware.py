@@ -31,6 +31,10 @@ from hardware_models.power import ratio_step
 
 #: The firmware raises the clock only when the power is this far below the cap.
 HYSTERESIS = 0.03
+#: Relative margin a bound computed in floats (``watch``'s window energy bound, a sum of ~100s of terms, each
+#: within one rounding of its real value) takes before it rules the limit out: far above the sum's rounding
+#: (~1e-14) and far below the watch's own 1e-9 margin under the limit
+BOUND_SLACK = 1.0 + 1e-12
 
 
 def window_over(T, P, E, t_end: float, cap: float, t0: float, period_s: float, window_s: float) -> bool:
@@ -168,7 +172,16 @@ class PowerLimitFirmware:
         t0, period, w = self.t0, self.period_s, self.window_s
         thresh = self.cap_w * (1.0 - 1e-9)
         idle = self.ledger.p[0]
-        excess: dict[int, float] = {}
+        parts: dict[int, tuple[float, float, bool]] = {}  # op id -> ``excess_parts``
+        busy_w = meter.busy_w()
+
+        def excess_parts(op) -> tuple[float, float, bool]:
+            # ``(excess_w, excess less the SM floor when it is a kernel, is a kernel)``
+            e = meter.excess_w(op)
+            a = meter.activity(op) if e else None
+            kernel = a is not None and a.kernel
+            return e, (max(0.0, e - busy_w) if kernel else e), kernel
+
         spans = recorder._spans
         recent: list = []
         seen = 0
@@ -194,18 +207,27 @@ class PowerLimitFirmware:
             recent = [x for x in recent if x[3] > lo]
             running = [(st, op, start, t, stream) for stream, (st, op, start) in sys_.running.items()]
             # cheap bounds first: the power above idle is subadditive over the running ops (a max and sums clipped
-            # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level
-            inst = avg_hi = 0.0
+            # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level; tighter for
+            # the window's energy: a kernel's excess is the SM floor (``busy_w``, drawn once however many kernels
+            # run) plus its activity's share, so the floor counts at most once at each instant
+            inst = avg_hi = lin = kernel_s = 0.0
             for x in (*recent, *running):  # a running op's end is t (above)
-                e = excess.get(x[1].id)
-                if e is None:  # priced as the graph's op of that id (a folded TP collective: its block)
-                    e = excess[x[1].id] = meter.excess_w(graph_ops[x[1].id])
+                hit = parts.get(x[1].id)
+                if hit is None:  # priced as the graph's op of that id (a folded TP collective: its block)
+                    hit = parts[x[1].id] = excess_parts(graph_ops[x[1].id])
+                e = hit[0]
                 if e:
                     inst += e
                     s0, s1 = x[2], x[3]  # min(s1, t) - max(s0, lo) without the two calls (the same values)
-                    avg_hi += e * ((t if t < s1 else s1) - (lo if lo > s0 else s0))
+                    d = (t if t < s1 else s1) - (lo if lo > s0 else s0)
+                    avg_hi += e * d
+                    lin += hit[1] * d
+                    if hit[2]:
+                        kernel_s += d
             quiet = idle + inst <= thresh
-            if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)):
+            if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)
+                              or (idle * (t - lo) + busy_w * min(t - lo, kernel_s) + lin) * BOUND_SLACK
+                              <= thresh * (t - lo)):
                 continue  # this window's average cannot exceed the limit
             lv = None if quiet else meter.levels(recent + running)
             if lv is None or lv[1].max() <= thresh:

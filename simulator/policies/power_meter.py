@@ -135,6 +135,13 @@ class PowerMeter:
             self._excess_by_key[pk] = e
         return e
 
+    def busy_w(self) -> float:
+        """Power above idle of a kernel that keeps no unit busy (``Activity()``: the SM floor of every running kernel,
+        drawn once however many run) at the current clocks, W; a kernel's ``excess_w`` is this plus the share of its
+        activity, which adds over concurrent ops."""
+        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
+        return max(0.0, self.model.power_of((Activity(),), sm, mem) - self.model.power_of((), sm, mem))
+
     def excess_bound_w(self, ops) -> float:
         """Sum over streams of the largest ``excess_w`` of ``ops`` on each (an iterable of ops; a stream runs one op
         at a time and the power above idle is subadditive, so idle plus this bounds every level of a run of them), W.
