@@ -172,16 +172,8 @@ class PowerLimitFirmware:
         t0, period, w = self.t0, self.period_s, self.window_s
         thresh = self.cap_w * (1.0 - 1e-9)
         idle = self.ledger.p[0]
-        parts: dict[int, tuple[float, float, bool]] = {}  # op id -> ``excess_parts``
+        parts: dict[int, tuple[float, float, bool]] = {}  # op id -> ``PowerMeter.excess_parts_w``
         busy_w = meter.busy_w()
-
-        def excess_parts(op) -> tuple[float, float, bool]:
-            # ``(excess_w, excess less the SM floor when it is a kernel, is a kernel)``
-            e = meter.excess_w(op)
-            a = meter.activity(op) if e else None
-            kernel = a is not None and a.kernel
-            return e, (max(0.0, e - busy_w) if kernel else e), kernel
-
         spans = recorder._spans
         recent: list = []
         seen = 0
@@ -197,7 +189,7 @@ class PowerLimitFirmware:
                 # a stream runs one op at a time and the power above idle is subadditive (see below): idle plus
                 # each stream's largest op excess bounds every level of the run; at or below the limit the firmware
                 # can never act and the offline record is exact without watching
-                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values())) <= thresh:
+                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values()), parts) <= thresh:
                     return
                 graph_ops = sys_.executor.g.ops  # a span's op, or a block's folded TP collective, carries its id
             lo = max(0.0, t - w)
@@ -214,7 +206,7 @@ class PowerLimitFirmware:
             for x in (*recent, *running):  # a running op's end is t (above)
                 hit = parts.get(x[1].id)
                 if hit is None:  # priced as the graph's op of that id (a folded TP collective: its block)
-                    hit = parts[x[1].id] = excess_parts(graph_ops[x[1].id])
+                    hit = parts[x[1].id] = meter.excess_parts_w(graph_ops[x[1].id])
                 e = hit[0]
                 if e:
                     inst += e

@@ -83,6 +83,8 @@ class PowerMeter:
         self._rows: dict[tuple, tuple | None] = {}
         #: ``excess_w`` by ``(pricing key, SM clock, memory clock)``
         self._excess_by_key: dict[tuple, float] = {}
+        #: ``excess_parts_w`` by ``(pricing key, SM clock, memory clock)``
+        self._parts_by_key: dict[tuple, tuple[float, float, bool]] = {}
 
     # -- the running set --------------------------------------------------------------------------------
     def add(self, op, step, act: Activity) -> None:
@@ -142,18 +144,40 @@ class PowerMeter:
         sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
         return max(0.0, self.model.power_of((Activity(),), sm, mem) - self.model.power_of((), sm, mem))
 
-    def excess_bound_w(self, ops) -> float:
+    def excess_parts_w(self, op) -> tuple[float, float, bool]:
+        """``(excess, share, kernel)`` of ``op`` at the current clocks: its ``excess_w``, W; the part of it that adds
+        over concurrent ops, W (a kernel's excess less ``busy_w``, at least 0; a copy's whole excess); whether it is a
+        kernel (draws the SM floor). Cached by pricing key and clocks, as ``excess_w``."""
+        hit = self.price_keys.by_op.get(id(op))
+        pk = (hit[1] if hit is not None else self.price_keys.of(op), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        parts = self._parts_by_key.get(pk)
+        if parts is None:
+            e = self.excess_w(op)
+            a = self.activity(op) if e else None
+            kernel = a is not None and a.kernel
+            parts = self._parts_by_key[pk] = (e, max(0.0, e - self.busy_w()) if kernel else e, kernel)
+        return parts
+
+    def excess_bound_w(self, ops, parts: dict | None = None) -> float:
         """Sum over streams of the largest ``excess_w`` of ``ops`` on each (an iterable of ops; a stream runs one op
         at a time and the power above idle is subadditive, so idle plus this bounds every level of a run of them), W.
 
-        The streams are summed in the order their first op with a positive excess comes in ``ops``.
+        The streams are summed in the order their first op with a positive excess comes in ``ops``. ``parts``: a dict
+        that also receives each op's ``excess_parts_w`` by op id.
         """
-        excess = self.excess_w
         top: dict[str, float] = {}
-        for op in ops:
-            e = excess(op)
-            if e > top.get(op.stream, 0.0):
-                top[op.stream] = e
+        if parts is None:
+            excess = self.excess_w
+            for op in ops:
+                e = excess(op)
+                if e > top.get(op.stream, 0.0):
+                    top[op.stream] = e
+        else:
+            of = self.excess_parts_w
+            for op in ops:
+                p = parts[op.id] = of(op)
+                if p[0] > top.get(op.stream, 0.0):
+                    top[op.stream] = p[0]
         return sum(top.values())
 
     # -- activities -------------------------------------------------------------------------------------
