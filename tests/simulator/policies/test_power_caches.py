@@ -95,3 +95,28 @@ def test_levels_equal_a_fresh_meters_after_clock_changes(spans, clocks):
             assert got is None
             continue
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.integers(0, 4), min_size=1, max_size=8), clock=_CLOCKS)
+def test_power_of_running_ops_at_most_idle_plus_floor_plus_shares(picks, clock):
+    """The watch's window bound (``PowerLimitFirmware.watch``): the board power of any set of running ops is at most
+    idle + the SM floor once (``busy_w``, when a kernel runs) + each op's ``excess_parts_w`` share; a kernel's share is
+    its excess less the floor, a copy's its whole excess, an op drawing nothing has none."""
+    hw, sys_, model = _setup()
+    ops = _ops()
+    sys_.state.sm_clock_mhz = clock
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    floor = meter.busy_w()
+    assert floor > 0.0
+    for op in ops:
+        e, share, kernel = meter.excess_parts_w(op)
+        assert e == meter.excess_w(op)
+        assert share == (max(0.0, e - floor) if kernel else e)
+    assert meter.excess_parts_w(ops[3]) == (0.0, 0.0, False)  # the host op
+    acts = [meter.activity(ops[i]) for i in picks if meter.activity(ops[i]) is not None]
+    idle = model.power_of((), clock, sys_.state.mem_clock_mhz)
+    p = model.power_of(acts, clock, sys_.state.mem_clock_mhz)
+    kernels = any(meter.excess_parts_w(ops[i])[2] for i in picks)
+    bound = idle + (floor if kernels else 0.0) + sum(meter.excess_parts_w(ops[i])[1] for i in picks)
+    assert p <= bound * (1 + 1e-12)
