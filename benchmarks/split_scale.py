@@ -90,6 +90,10 @@ def main() -> None:
           f"peak memory {r.summary['peak_memory_bytes']} B")
     for _, _, label, indent in PHASES:
         print(f"{'  ' * (indent + 1)}{label:{22 - 2 * indent}s} {acc.get(label, 0.0):7.2f}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_simulate import raw_timeouts_per_s
+
+    print(f"raw SimPy in the same process: {raw_timeouts_per_s(n=100_000):,.0f} timeouts/s")
 
 
 if __name__ == "__main__":
