@@ -34,7 +34,13 @@ stream (ProcessGroupNCCL has one NCCL stream per group and device).
   current gradients' reduce-scatter); ``BACKWARD_POST``: the next unit's all-gather is issued after
   the current unit's gradient computation, before its reduce-scatter; ``None``: on demand, after the
   reduce-scatter. The root is not resharded after forward (FSDP keeps the root gathered). One
-  reduce-scatter per unit after its backward.
+  reduce-scatter per unit after its backward. With a 16-bit ``param_dtype`` (``casts_shards``) each all-gather
+  is preceded by the cast of the unit's fp32 shard, ``ceil(n / shard_size)`` elements, into a 16-bit low-precision
+  shard that the all-gather reads (``_unshard``: ``pre_unshard`` -> ``_use_low_precision_shard`` on the pre-unshard
+  stream, which the unshard stream waits for; ``post_unshard`` -> ``_free_low_precision_sharded_param`` frees it,
+  here when the gather ends; pytorch/pytorch@00ae0bc torch/distributed/fsdp/_runtime_utils.py, @fe03cf6
+  _flat_param.py): a memory-bound kernel reading 4, writing 2 bytes per shard element, wherever a unit is gathered
+  (forward, and backward where it was resharded), none where it is still gathered (``needs_unshard`` false).
 
 **Gathered state** (one rule for every strategy): a unit stays gathered until it is resharded; a pass
 gathers only the units that are not. After a forward pass the blocks are resharded with
