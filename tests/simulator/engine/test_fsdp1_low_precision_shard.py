@@ -68,7 +68,8 @@ def test_engine_runs_the_cast_on_its_stream_and_holds_the_shard_until_the_gather
     says that it does not slow the compute kernels beside it (fp32 ``param_dtype``: no cast, no such line)."""
     r = run_scenario(load_scenario(B16, SMALL + DGX + ["fsdp={sharding_strategy: FULL_SHARD}"]))
     assert sum("pre-unshard stream" in w for w in r.summary["warnings"]) == 1
-    full = run_scenario(load_scenario(B16, SMALL + DGX + ["fsdp={sharding_strategy: FULL_SHARD, mixed_precision: FULL}"]))
+    fp32 = ["fsdp={sharding_strategy: FULL_SHARD, mixed_precision: FULL}"]
+    full = run_scenario(load_scenario(B16, SMALL + DGX + fp32))
     assert not any("pre-unshard stream" in w for w in full.summary["warnings"])
     assert not full.spans.name.str.endswith(LOW_PRECISION_SHARD).any()
     sp = r.spans
