@@ -699,6 +699,20 @@ def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
             f"{p.d2h_bytes_per_s / 1e9:.2f} -> {c.d2h_bytes_per_s / 1e9:.2f} GB/s pinned{kept}"]
 
 
+def _low_precision_shard_note(cfg: ScenarioConfig | None) -> list[str]:
+    """FSDP1 with a 16-bit ``param_dtype`` (``ShardingSpec.casts_shards``): its casts of the fp32 shards before each
+    all-gather run on the pre-unshard stream (``sharding.PRE_UNSHARD_STREAM``) beside the compute kernels, which the
+    engine does not slow for them (its kernel interference is against collectives only). One line, or none."""
+    if cfg is None or cfg.fsdp is None or cfg.fsdp.version != 1:
+        return []
+    spec = transformer_spec(cfg)
+    if spec.data_parallel_size < 2 or spec.sharding is None or not spec.sharding.casts_shards:
+        return []
+    return ["fsdp: each all-gather's cast of the fp32 shard to param_dtype (_use_low_precision_shard, on FSDP's "
+            "pre-unshard stream) runs beside the compute kernels without taking SMs or HBM bandwidth from them "
+            "(kernel interference is priced against collectives only)"]
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
     out = []
@@ -754,6 +768,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
             out.append("compute/communication interference off (nccl.interference: false): overlapped collectives do "
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
+    out.extend(_low_precision_shard_note(cfg))
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
             not transformer_spec(cfg).sp_regathers_inputs):
         out.append(sequence_parallel_regather_note(cfg))

@@ -8,9 +8,10 @@ step, no pipeline) with the mechanisms of ZeRO offload:
   ``FlatParamHandle``: ``_local_shard`` is ``pin_memory()``-ed when ``offload_params``). Before each of the unit's
   all-gathers (forward, and backward where it is gathered again) its shard, ``4 ceil(n / shard_size)`` bytes, is
   copied H2D (``pre_unshard`` -> ``flat_param_to(device, non_blocking=True)``, or ``_use_low_precision_shard``'s
-  ``_local_shard.to(device)`` with a bf16 ``param_dtype``) into a GPU buffer the gather reads, then freed: the
-  ``offload_param.fetch_shard_before`` of ZeRO-3 parameter offload, on stream ``h2d``. The cast of the fetched shard
-  to ``param_dtype`` is not charged (nor is it without offload: the builder's gathers read the shard directly).
+  ``_local_shard.to(device)`` with a bf16 ``param_dtype``) into a GPU buffer, then freed: the
+  ``offload_param.fetch_shard_before`` of ZeRO-3 parameter offload, on stream ``h2d``. The gather reads it (fp32
+  ``param_dtype``), or with a bf16 ``param_dtype`` the builder's cast to the low-precision shard does
+  (``sharding.LOW_PRECISION_SHARD``, which the gather reads): the copy goes before that cast.
 * **Gradients**: each unit's reduce-scattered gradient shard (HYBRID_SHARD: after its all-reduce across replicas),
   cast to the fp32 parameter dtype, is copied D2H into the pinned ``_cpu_grad`` (``_post_reduce_grad_callback`` ->
   ``_offload_grad``, non-blocking for sharded strategies), on stream ``d2h``; the GPU shard is freed after it.
@@ -35,6 +36,7 @@ gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParall
 
 from __future__ import annotations
 
+from simulator.graph.builders.sharding import LOW_PRECISION_SHARD
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
@@ -114,8 +116,11 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
             continue
         if op.name == "step.synchronize":
             break
-        if is_param_gather(op):
-            nb = 4 * -(-(int(m["bytes"]) // graph.meta["param_bytes"]) // n)  # fp32 shard of the gathered unit
+        cast = op.name.endswith(LOW_PRECISION_SHARD)  # bf16 param_dtype: the fetch feeds the cast, not the gather
+        if cast or (is_param_gather(op) and not any(graph.ops[d].name.endswith(LOW_PRECISION_SHARD)
+                                                    for d in op.deps)):
+            # the fp32 shard of the gathered unit (the cast reads exactly it)
+            nb = int(op.bytes_read) if cast else 4 * -(-(int(m["bytes"]) // graph.meta["param_bytes"]) // n)
             fetch_shard_before(rw, op, nb, True, h2d, "fsdp_offload.fetch")
             h2d += 1
             h2d_bytes += nb

@@ -48,7 +48,7 @@ issuing a prefetched all-gather is the builder's order (the GPU-side wait is the
 
 from __future__ import annotations
 
-from simulator.graph.builders.sharding import ROOT, ParamGather
+from simulator.graph.builders.sharding import ROOT, ParamGather, shard_cast
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 
 #: Units gathered ahead in forward (see the module docstring: unit ``k`` waits for ``k - 2``'s copy-out)
@@ -144,9 +144,8 @@ class Fsdp2ParamGather(ParamGather):
         uses: tuple[str, ...] = (post,) if post is not None else ()
         if pb == 2 and post is None:  # _foreach_copy_: fp32 padded shards -> flat param_dtype buffer
             flat = self.e.fresh(f"params.{tag}.all_gather_input.{phase.value}")
-            cast = self.b.add(f"{tag}.{phase.value}.fsdp.all_gather_cast", OpKind.COMPUTE, COPY_IN_STREAM, deps=deps,
-                              phase=phase, layer=max(unit, -1), cost_class=CostClass.CAST, bytes_read=4.0 * shard,
-                              bytes_written=2.0 * shard, allocs=(TensorAlloc(flat, 2 * shard),), dtype="fp32")
+            cast = shard_cast(self.b, f"{tag}.{phase.value}.fsdp.all_gather_cast", COPY_IN_STREAM, shard, deps, phase,
+                              flat, max(unit, -1))
             deps, uses = [cast], (flat,)
         cin = self.b.add(f"{tag}.{phase.value}.fsdp.all_gather_copy_in", OpKind.COMPUTE, COPY_IN_STREAM, deps=deps,
                          phase=phase, layer=max(unit, -1), cost_class=CostClass.COPY, bytes_read=float(pb * shard),

@@ -34,7 +34,13 @@ stream (ProcessGroupNCCL has one NCCL stream per group and device).
   current gradients' reduce-scatter); ``BACKWARD_POST``: the next unit's all-gather is issued after
   the current unit's gradient computation, before its reduce-scatter; ``None``: on demand, after the
   reduce-scatter. The root is not resharded after forward (FSDP keeps the root gathered). One
-  reduce-scatter per unit after its backward.
+  reduce-scatter per unit after its backward. With a 16-bit ``param_dtype`` (``casts_shards``) each all-gather
+  is preceded by the cast of the unit's fp32 shard, ``ceil(n / shard_size)`` elements, into a 16-bit low-precision
+  shard that the all-gather reads (``_unshard``: ``pre_unshard`` -> ``_use_low_precision_shard`` on the pre-unshard
+  stream, which the unshard stream waits for; ``post_unshard`` -> ``_free_low_precision_sharded_param`` frees it,
+  here when the gather ends; pytorch/pytorch@00ae0bc torch/distributed/fsdp/_runtime_utils.py, @fe03cf6
+  _flat_param.py): a memory-bound kernel reading 4, writing 2 bytes per shard element, wherever a unit is gathered
+  (forward, and backward where it was resharded), none where it is still gathered (``needs_unshard`` false).
 
 **Gathered state** (one rule for every strategy): a unit stays gathered until it is resharded; a pass
 gathers only the units that are not. After a forward pass the blocks are resharded with
@@ -152,6 +158,14 @@ class ShardingSpec:
         before its forward and its backward (``FlatParamHandle._use_low_precision_shard``), on the schedule of the
         gathers (``ParamGather`` with ``op_suffix="param_cast"``)."""
         return self.strategy == "no_shard" and self.param_bytes == 2
+
+    @property
+    def casts_shards(self) -> bool:
+        """FSDP1 (``version`` 1) FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD with a 16-bit ``param_dtype`` over fp32 flat
+        parameters: before each all-gather the unit's fp32 shard is cast into a 16-bit low-precision shard that the
+        all-gather reads (``ParamGather._emit``, ``shard_cast``)."""
+        return (self.version == 1 and self.strategy in ("full_shard", "shard_grad_op", "hybrid_shard")
+                and self.param_bytes < self.sharded_param_bytes)
 
     @property
     def unit_buckets(self) -> bool:
@@ -355,13 +369,30 @@ def megatron_default_bucket_elements(dp: int, overlap_grad_reduce: bool) -> int 
     return max(40_000_000, 1_000_000 * dp) if overlap_grad_reduce else None
 
 
+#: Stream of FSDP1's pre-unshard logic, the low-precision cast (``_init_streams``: ``state._streams["pre_unshard"]``;
+#: ``_unshard`` runs ``pre_unshard`` on it and makes the unshard stream wait for it; pytorch/pytorch@00ae0bc
+#: torch/distributed/fsdp/_runtime_utils.py)
+PRE_UNSHARD_STREAM = "fsdp.pre_unshard"
+#: Op name suffix (after ``<unit>.<phase>.``) of FSDP1's cast of a unit's fp32 shard before its all-gather
+LOW_PRECISION_SHARD = "fsdp.low_precision_shard"
+
+
+def shard_cast(b, name: str, stream: str, n: int, deps, phase: Phase, tensor: str, layer: int = -1) -> int:
+    """The memory-bound kernel casting ``n`` fp32 elements into a new 16-bit tensor ``tensor`` (reads ``4 n``, writes
+    ``2 n`` bytes; allocates ``2 n`` bytes), on ``stream`` of builder ``b``: FSDP1's ``_use_low_precision_shard``
+    (``_mp_shard.copy_(_local_shard)``, pytorch/pytorch@fe03cf6 torch/distributed/fsdp/_flat_param.py), NO_SHARD's
+    unit cast (``unit_param_cast``) and FSDP2's all-gather copy-in cast (``fsdp2.Fsdp2ParamGather``). Returns the
+    op id."""
+    return b.add(name, OpKind.COMPUTE, stream, deps=deps, phase=phase, layer=layer, cost_class=CostClass.CAST,
+                 bytes_read=4.0 * n, bytes_written=2.0 * n, allocs=(TensorAlloc(tensor, 2 * n),), dtype="fp32")
+
+
 def unit_param_cast(b, name: str, op: str, nbytes: int, deps, phase: Phase, allocs=()) -> int:
     """NO_SHARD with a 16-bit ``param_dtype``: the kernel that casts a unit's ``nbytes / 2`` fp32 parameters into its
-    16-bit copy (reads 4 n, writes 2 n bytes; ``allocs``: the copy), on the compute stream; ``ParamGather``'s op in
-    place of an all-gather (``op`` is unused). Returns the op id."""
-    n = nbytes // 2
-    return b.add(name, OpKind.COMPUTE, "compute", deps=deps, phase=phase, cost_class=CostClass.CAST,
-                 bytes_read=4.0 * n, bytes_written=2.0 * n, allocs=tuple(allocs), dtype="fp32")
+    16-bit copy (``shard_cast``; ``allocs``: the copy, one tensor of ``nbytes``), on the compute stream;
+    ``ParamGather``'s op in place of an all-gather (``op`` is unused). Returns the op id."""
+    (copy,) = allocs
+    return shard_cast(b, name, "compute", nbytes // 2, deps, phase, copy.name)
 
 
 def grad_cast_back(b, k: int, nbytes: int, reduce_op: int, tensors, group: str = "dp") -> tuple[int, str]:
@@ -456,8 +487,15 @@ class ParamGather:
         tensor = self.e.fresh(f"params.L{unit}.gathered.{phase.value}" if unit >= 0 else
                               f"params.root.gathered.{phase.value}")
         deps = [self.e.last_compute] if self.e.last_compute >= 0 else []
-        name = f"{'root' if unit == ROOT else f'L{unit}'}.{phase.value}.{self._suffix}"
-        op = self._coll(name, "all_gather", nbytes, deps, phase, allocs=(TensorAlloc(tensor, nbytes),))
+        tag = "root" if unit == ROOT else f"L{unit}"
+        kw = {}
+        if self.sh.casts_shards:  # pre_unshard -> _use_low_precision_shard, freed by post_unshard after the gather
+            mp = self.e.fresh(f"params.{tag}.low_precision_shard.{phase.value}")
+            deps = [shard_cast(self.e.b, f"{tag}.{phase.value}.{LOW_PRECISION_SHARD}", PRE_UNSHARD_STREAM,
+                               self.sh.shard(self.numel[unit]), deps, phase, mp, max(unit, -1))]
+            kw["uses"] = (mp,)
+        op = self._coll(f"{tag}.{phase.value}.{self._suffix}", "all_gather", nbytes, deps, phase,
+                        allocs=(TensorAlloc(tensor, nbytes),), **kw)
         self._live[unit] = (op, tensor)
         self._unit_of[tensor] = unit
 

@@ -2123,8 +2123,8 @@ class _GptBuilder:
                                              group=None: self._collective(name, op, nbytes, deps, phase, uses=uses,
                                                                           group=group or self._shard_group))
         elif sh is not None and sh.gathers:
-            self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(): self._collective(
-                name, op, nbytes, deps, phase, allocs=allocs, group=self._shard_group))
+            self.pg = shd.ParamGather(s, self.e, lambda name, op, nbytes, deps, phase, allocs=(), uses=(): (
+                self._collective(name, op, nbytes, deps, phase, uses=uses, allocs=allocs, group=self._shard_group)))
         elif sh is not None and sh.casts_units:  # NO_SHARD, param_dtype bf16: a cast per unit in place of a gather
             self.pg = shd.ParamGather(s, self.e, lambda *a, **k: shd.unit_param_cast(self.b, *a, **k), "param_cast")
         if sh is not None and sh.strategy == "distributed_optimizer":

@@ -14,7 +14,7 @@ import pytest
 
 from simulator.api import run_scenario, transformer_spec
 from simulator.config.loader import load_scenario
-from simulator.graph.builders.sharding import ShardingSpec, layer_param_sizes, root_param_sizes
+from simulator.graph.builders.sharding import LOW_PRECISION_SHARD, ShardingSpec, layer_param_sizes, root_param_sizes
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.ops import OpKind
 from tests.conftest import ROOT
@@ -198,8 +198,10 @@ def test_fsdp_cpu_offload_bytes_per_rank_per_step_by_hand(strategy, dp, h2d, d2h
     assert [o.bytes_read for o in fetch] == h2d and [o.bytes_read for o in down] == d2h
     gathers = [o for o in _colls(g) if o.meta["collective"] == "all_gather"]
     assert len(gathers) == len(fetch)
-    for ga, f in zip(gathers, fetch):
-        assert f.id in ga.deps and f.allocs[0].name in ga.uses and f.allocs[0].device == "gpu"
+    for ga, f in zip(gathers, fetch):  # bf16 param_dtype: fetch -> cast to the low-precision shard -> gather
+        cast = next(g.ops[d] for d in ga.deps if g.ops[d].name.endswith(LOW_PRECISION_SHARD))
+        assert f.id in cast.deps and f.allocs[0].name in cast.uses and f.allocs[0].device == "gpu"
+        assert cast.bytes_read == f.bytes_read and cast.allocs[0].name in ga.uses
     rs = [o for o in _colls(g) if o.meta["collective"] == "reduce_scatter"]
     for r, d in zip(rs, down):
         assert r.id in d.deps and r.allocs[0].name in d.uses

@@ -118,9 +118,10 @@ def test_fsdp_full_shard_bytes_and_backward_prefetch_order():
                            "fsdp.grad_reduce_scatter.1", "fsdp.grad_reduce_scatter.2"]
     g_pre, g_post = _fsdp(prefetch="pre"), _fsdp(prefetch="post")
 
-    def l0_gather_dep(g):
-        op = next(o for o in g.ops if o.name == "L0.bwd.param_all_gather")
-        return g.ops[op.deps[0]]
+    def l0_gather_dep(g):  # what its cast to the bf16 low-precision shard (the gather's only dep) waits for
+        cast = next(o for o in g.ops if o.name == "L0.bwd.param_all_gather").deps
+        assert g.ops[cast[0]].name == "L0.bwd.fsdp.low_precision_shard" and len(cast) == 1
+        return g.ops[g.ops[cast[0]].deps[0]]
 
     # BACKWARD_PRE issues it as block 1's backward starts, BACKWARD_POST after block 1's gradients
     assert l0_gather_dep(g_pre).layer == -1
