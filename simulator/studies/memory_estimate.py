@@ -18,7 +18,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   (``contiguous_gradients``, default true: ``reduce_bucket_size`` elements in the model dtype, two with
   ``overlap_comm``; ``_ipg_buffer``), into which ZeRO-2 copies its gradients (no band then); ZeRO-3 all of
   them (plus ``d + 1`` gathered blocks forward and backward, ``d`` the prefetch depth); FSDP fp32 sharded
-  parameters, gradients and moments (plus two gathered units); the Megatron distributed optimizer shards
+  parameters, gradients and moments (plus two gathered units; FSDP2: three, padded per parameter, and with an
+  int ``fsdp.reshard_after_forward`` r every block's ``1/r`` post-forward shard); the Megatron distributed optimizer shards
   master and moments, keeps the 16-bit parameters and the fp32 gradient buffer whole. Megatron's gradient buffer
   is 16-bit (2 B) with fp16 (``ddp.accumulate_allreduce_grads_in_fp32`` off) or ``ddp.grad_reduce_in_bf16``, and its
   fresh fp32 main grads (``4 P / N_d``) join the step's peak; with ``training.fp8_param_gather`` the block Linear
@@ -380,7 +381,11 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         unit = fsdp2.unit_padded_numel(spec, layer_param_sizes(spec).items(), w)
         root = fsdp2.unit_padded_numel(spec, [(n, k) for n, u, k in backward_param_order(spec) if u == ROOT], w)
         kept = spec.num_layers if not sh.reshard_after_forward else fsdp2.FORWARD_PREFETCH_DEPTH + 1
-        return {"params": 4 * Ps + sh.param_bytes * (unit * kept + root), "grad": 0, "optimizer": 8 * Ps}, 4 * Ps
+        # an int reshard_after_forward r: every block's 1/r post-forward shard, alive from its forward to its
+        # backward all-gather (Fsdp2ParamGather._reshard_post_forward); counted whole, also at the step's peak
+        post = spec.num_layers * (unit // sh.post_forward_size) if sh.post_forward_size else 0
+        return {"params": 4 * Ps + sh.param_bytes * (unit * kept + root + post), "grad": 0,
+                "optimizer": 8 * Ps}, 4 * Ps
     kept = spec.num_layers if not sh.reshard_after_forward else 2  # SHARD_GRAD_OP keeps forward's gathers
     gathered = sh.param_bytes * (unit * kept + root)
     return {"params": 4 * Ps + gathered, "grad": 0, "optimizer": 8 * Ps}, 4 * Ps

@@ -507,17 +507,19 @@ def expert_param_gathers(bld, opt: int) -> None:
 
 
 def reduce_expert_grad(bld, pg: ParamGroup) -> None:
-    """With ``own_expert_grads``: all-reduce (ZeRO-1/2, distributed optimizer: reduce-scatter) the finished fp32
-    gradient of one expert weight tensor
-    over the expert-data-parallel group ``edp`` (``expert_data_parallel_size``) on stream ``comm.edp``; nothing when that
-    group is one rank (``t dp = ep etp``: no other rank holds these experts)."""
+    """With ``own_expert_grads``: all-reduce (ZeRO-1/2, distributed optimizer: reduce-scatter) the finished
+    gradient of one expert weight tensor (``pg.grad_bytes_per_element``: fp32, or 16-bit with Megatron's fp16 /
+    ``--grad-reduce-in-bf16`` buffer and DeepSpeed ZeRO-1/2's model-dtype gradients; the collective's dtype label
+    follows) over the expert-data-parallel group ``edp`` (``expert_data_parallel_size``) on stream ``comm.edp``;
+    nothing when that group is one rank (``t dp = ep etp``: no other rank holds these experts)."""
     s = bld.s
     if expert_data_parallel_size(s) <= 1:
         return
     tensors = [pg.grad_tensor] if pg.grad_tensor else []
     if not (bld.zero in (1, 2) or (bld.sh is not None and bld.sh.strategy == "distributed_optimizer")):
         bld.moe_grad_ops.append(bld._collective(f"edp.grad_all_reduce.{pg.name}", "all_reduce", pg.grad_bytes,
-                                                [pg.grad_op], bld.e.phase, uses=tensors, group="edp"))
+                                                [pg.grad_op], bld.e.phase, uses=tensors, group="edp",
+                                                elem_bytes=pg.grad_bytes_per_element))
         return
     allocs = ()  # ZeRO-2: the reduced 1/edp shard stays, the full gradient is freed after the reduce-scatter
     if bld.zero == 2:
@@ -526,4 +528,4 @@ def reduce_expert_grad(bld, pg: ParamGroup) -> None:
         allocs = (TensorAlloc(shard, -(-pg.grad_bytes // expert_data_parallel_size(s))),)
     bld.moe_grad_ops.append(bld._collective(f"edp.grad_reduce_scatter.{pg.name}", "reduce_scatter", pg.grad_bytes,
                                             [pg.grad_op], bld.e.phase, uses=tensors if bld.zero == 2 else (),
-                                            allocs=allocs, group="edp"))
+                                            allocs=allocs, group="edp", elem_bytes=pg.grad_bytes_per_element))

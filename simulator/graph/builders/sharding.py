@@ -129,15 +129,16 @@ class ShardingSpec:
 
     def __post_init__(self) -> None:
         """Raises: ValueError: an unknown strategy or prefetch mode, non-positive sizes, a version other than 1 or 2
-        (2 only with the FSDP strategies that gather), a post-forward size that does not divide the shard size."""
+        (2 only with the FSDP strategies that gather), a post-forward size that is not a factor of the shard size
+        between 1 and it (exclusive)."""
         if self.version not in (1, 2) or (self.version == 2 and self.strategy not in (
                 "full_shard", "shard_grad_op", "hybrid_shard")):
             raise ValueError(f"version must be 1, or 2 with an FSDP strategy that shards, got {self.version} with "
                              f"{self.strategy!r}")
-        if self.post_forward_size and (self.version != 2 or self.post_forward_size < 2
+        if self.post_forward_size and (self.version != 2 or not 1 < self.post_forward_size < self.shard_size
                                        or self.shard_size % self.post_forward_size):
             raise ValueError(f"post_forward_size {self.post_forward_size} must be 0, or with version 2 a factor > 1 "
-                             f"of shard_size {self.shard_size}")
+                             f"of shard_size {self.shard_size} smaller than it")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"sharding strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.bwd_prefetch not in BACKWARD_PREFETCH:

@@ -2302,9 +2302,24 @@ class _GptBuilder:
         norm kernel, the 4-byte all-reduce and one ``mul_`` kernel: the per-tensor launches (one norm and one
         ``mul_`` per flat parameter) and the scalar kernels (stack, pow, add, div, clamp) are not counted.
         Composer's ``gradient_clipping`` algorithm with ``clipping_type: norm`` calls it on FSDP models
-        (mosaicml/composer composer/algorithms/gradient_clipping/gradient_clipping.py)."""
-        return gn.norm_then_mul(self, "fsdp.clip_grad", n, grads, deps, lambda d: [self._collective(
-            "fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, d, Phase.OPT, group=self._shard_group)])
+        (mosaicml/composer composer/algorithms/gradient_clipping/gradient_clipping.py).
+
+        FSDP2 (``fully_shard``, no method of its own): ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients
+        (torchtitan ``dist_utils.clip_grad_norm_``): the norm is ``Partial`` on every mesh dimension the
+        gradients are sharded over and ``total_norm.full_tensor()`` all-reduces it over each, the shard group
+        and, with tensor parallelism, the TP group (one more 4-byte all-reduce, ``_grad_stats_all_reduce``); a
+        pipeline's extra all-reduce over the stages (torchtitan's ``pp_mesh``) is not built. Sources:
+        pytorch/torchtitan torchtitan/distributed/utils.py ``clip_grad_norm_``; pytorch/pytorch
+        torch/distributed/tensor ``Partial`` -> ``Replicate`` redistribution (one all-reduce per mesh dim)."""
+
+        def reduce(d: list[int]) -> list[int]:
+            ar = [self._collective("fsdp.clip_grad.total_norm.all_reduce", "all_reduce", 4, d, Phase.OPT,
+                                   group=self._shard_group)]
+            if self.sh.version == 2 and self.tp > 1 and self.s.pipeline_parallel_size == 1:
+                return self._grad_stats_all_reduce("fsdp.clip_grad.total_norm", ar)
+            return ar
+
+        return gn.norm_then_mul(self, "fsdp.clip_grad", n, grads, deps, reduce)
 
     def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
         """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,

@@ -139,3 +139,15 @@ def test_reshard_after_forward_int_group_is_consecutive_shard_ranks():
     hw = resolve_hardware(load_scenario(B16, ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}",
                                               "fsdp={version: 2, reshard_after_forward: 4}"]))
     assert hw.dp_post_forward_group == (0, 1, 2, 3) and hw.dp_shard_group == tuple(range(8))
+
+
+@pytest.mark.parametrize("post", [1, 3, 8, 16])
+def test_post_forward_size_must_be_a_proper_factor_of_the_shard_group(post):
+    """``post_forward_size`` r (FSDP2's int ``reshard_after_forward``) is documented as 1 < r < shard_size and
+    dividing it: r = shard_size (8) is the whole shard group (``reshard_after_forward: true``), refused as the
+    other values."""
+    from simulator.graph.builders.sharding import ShardingSpec
+
+    with pytest.raises(ValueError, match="post_forward_size"):
+        ShardingSpec("full_shard", 8, version=2, post_forward_size=post)
+    assert ShardingSpec("full_shard", 8, version=2, post_forward_size=4).post_forward_size == 4

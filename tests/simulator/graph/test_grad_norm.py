@@ -170,3 +170,26 @@ def test_deepspeed_moe_expert_norm_is_flagged():
     d["zero_optimization"] = {"stage": 2}
     w = _warns(d)
     assert len(w) == 1 and w[0].startswith("zero_optimization.stage 2 with model.num_experts")
+
+
+@pytest.mark.parametrize("version,tp_reduce", [(1, False), (2, True)])
+def test_fsdp2_clip_grad_norm_reduces_over_tp_too(version, tp_reduce):
+    """FSDP with TP 2 (gpt_1p3b_dgx_h100_fsdp_tp2, dp 4), clip_grad 1.0: FSDP1's ``clip_grad_norm_`` all-reduces
+    the 4-byte squared norm over its process group only; FSDP2's DTensor norm is ``Partial`` over the shard group
+    and the TP group, so ``full_tensor()`` adds a 4-byte all-reduce over TP before the ``mul_``."""
+    from simulator.config.loader import load_scenario
+    from tests.conftest import ROOT
+
+    fsdp = "fsdp={version: 2}" if version == 2 else "fsdp.sharding_strategy=FULL_SHARD"
+    cfg = load_scenario(ROOT / "scenarios" / "cluster" / "gpt_1p3b_dgx_h100_fsdp_tp2.yaml",
+                        ["run.steps=2", "run.warmup_steps=1", "training.clip_grad=1.0", fsdp])
+    by = {o.name: o for o in build_graph(cfg).ops}
+    dp = by["fsdp.clip_grad.total_norm.all_reduce"]
+    assert dp.meta == {"collective": "all_reduce", "bytes": 4, "group": "dp"}
+    tp = [o for n, o in by.items() if n.endswith("clip_grad.total_norm.all_reduce") and o is not dp]
+    mul = by["opt.fsdp.clip_grad.mul"]
+    if tp_reduce:
+        assert len(tp) == 1 and tp[0].meta["bytes"] == 4 and tp[0].meta["group"] == "tp"
+        assert dp.id in tp[0].deps and tp[0].id in mul.deps
+    else:
+        assert tp == [] and dp.id in mul.deps

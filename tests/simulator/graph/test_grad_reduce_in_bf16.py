@@ -140,3 +140,16 @@ def test_training_spelling_points_to_the_ddp_key():
     from simulator.config.foreign_keys import FOREIGN_KEY_HINTS
     assert "ddp.grad_reduce_in_bf16: true" in FOREIGN_KEY_HINTS["training.grad_reduce_in_bf16"]
     assert "ddp.grad_reduce_in_bf16" not in FOREIGN_KEY_HINTS
+
+
+@pytest.mark.parametrize("sharding", [None, ShardingSpec(strategy="distributed_optimizer", shard_size=4)])
+def test_moe_expert_gradient_reductions_are_bf16_by_hand(sharding):
+    """MoE, dp 4, ep 2 (edp 2): each expert weight's gradient is reduced over edp out of Megatron's bf16 expert
+    buffer: 2 B per element and labelled bf16, as the dense buckets (fp32 without the flag). L=2, h=64, f=256,
+    E=4 experts, 2 local: fc1 2 x 64 x 256 = 32,768 elements (65,536 B in bf16), fc2 the same."""
+    moe = dict(TINY, bias=False, num_experts=4, expert_parallel_size=2, data_parallel_size=4, sharding=sharding)
+    for flag, eb, dt in ((False, 4, "fp32"), (True, 2, "bf16")):
+        ops = [o for o in build_gpt_step(TransformerSpec(**moe, grad_reduce_in_bf16=flag)).ops
+               if o.name.startswith("edp.grad_")]
+        assert len(ops) == 4 and {o.meta["group"] for o in ops} == {"edp"}
+        assert [(o.meta["bytes"], o.dtype) for o in ops] == [(eb * 32_768, dt)] * 4

@@ -347,3 +347,25 @@ def test_each_stage_is_compared_with_its_own_smallest_gpu():
     assert est((60e9, 50e9), (a100_40, a100_40)).surely_over(0.0)
     tight = est((100e9, 79e9), (h200, h100))
     assert tight.binding_pp_rank == 1 and tight.headroom_bytes == pytest.approx(h100 - 79e9)
+
+
+def test_fsdp2_post_forward_shards_in_the_estimate_by_hand():
+    """FSDP2 with an int ``reshard_after_forward`` r = 2 (1.3B GPT, DP8, bf16 ``param_dtype``): each of the 24
+    blocks keeps its rank's 1/2 of the gathered (padded) block parameters after forward, in bf16, until its
+    backward all-gather (``Fsdp2ParamGather._reshard_post_forward``): the estimate's ``params`` category grows by
+    exactly 24 x 2 B x ``unit_padded_numel / 2`` over ``reshard_after_forward: true``, and the simulated peak is
+    within the estimate's tolerance."""
+    from simulator.api import transformer_spec
+    from simulator.graph.builders import fsdp2
+    from simulator.graph.builders.sharding import layer_param_sizes
+
+    on = load_scenario(DP8, FAST + ["fsdp={version: 2, reshard_after_forward: 2}"])
+    off = load_scenario(DP8, FAST + ["fsdp={version: 2}"])
+    spec = transformer_spec(on)
+    unit = fsdp2.unit_padded_numel(spec, layer_param_sizes(spec).items(), 8)
+    d = estimate_memory(on).stages[0].by_category_bytes["params"] - estimate_memory(off).stages[0].by_category_bytes[
+        "params"]
+    assert spec.num_layers == 24
+    assert d == 24 * 2 * (unit // 2)
+    sim = run_scenario(on).summary["peak_device_memory_bytes"]
+    assert estimate_memory(on).peak_device_bytes == pytest.approx(sim, rel=0.015)
