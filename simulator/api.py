@@ -802,11 +802,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     out.extend(_clip_grad_warnings(cfg))
     if cfg is not None:
-        from simulator.config.sections.nvme import aio_warning
+        from simulator.config.sections.nvme import NVME_ONLY_KEYS, aio_warning, nvme_keys_without_effect
 
-        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set))
+        nvme = any(getattr(cfg.zero_optimization, k).device == "nvme" for k in NVME_ONLY_KEYS)
+        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set), nvme)
         if aio:
             out.append(aio)
+        out.extend(nvme_keys_without_effect(cfg))
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "

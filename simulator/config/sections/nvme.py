@@ -59,11 +59,46 @@ class AioConfig(_Model):
                                  "completion.")
 
 
-def aio_warning(aio: AioConfig, fields_set: set[str]) -> str | None:
-    """The run's warning when the scenario sets ``aio`` keys (their values do not change the price), else None."""
+def aio_warning(aio: AioConfig, fields_set: set[str], nvme_offload: bool = True) -> str | None:
+    """The run's warning when the scenario sets ``aio`` keys (their values do not change the price), else None;
+    without ``nvme_offload`` (no offload device nvme) the line says they have no effect."""
     if not fields_set:
         return None
     keys = ", ".join(f"aio.{k}" for k in sorted(fields_set))
+    if not nvme_offload:
+        return (f"{keys} ha{'s' if len(fields_set) == 1 else 've'} no effect: no zero_optimization offload device "
+                "nvme (the aio section sets DeepSpeed's NVMe swapper)")
     return (f"{keys} accepted, not priced: NVMe swaps run at the array's sequential bandwidth (datasheet rates at "
             "high queue depth); DeepSpeed's aio settings change the rate it achieves (measure the array with "
             "fio or DeepSpeed's aio benchmark and give it as hardware.nvme)")
+
+
+#: The ``offload_optimizer`` / ``offload_param`` keys DeepSpeed reads for device nvme only
+#: (microsoft/DeepSpeed@b1cb0dfc deepspeed/runtime/zero/offload_config.py: each field's description names NVMe)
+NVME_ONLY_KEYS = {"offload_optimizer": ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init"),
+                  "offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")}
+
+
+def nvme_keys_without_effect(cfg) -> list[str]:
+    """One line per NVMe setting of ``cfg`` (a ``ScenarioConfig``) that changes nothing in its run: ``hardware.nvme``
+    and the nvme-only offload keys (``NVME_ONLY_KEYS``) without an offload device nvme, and
+    ``offload_param.max_in_cpu`` (accepted, not priced) with one, each when set to other than its default; the
+    ``aio`` line is ``aio_warning``'s."""
+    z, out = cfg.zero_optimization, []
+    nvme = [k for k in NVME_ONLY_KEYS if getattr(z, k).device == "nvme"]
+    if cfg.hardware.nvme is not None and not nvme:
+        out.append("hardware.nvme has no effect: no zero_optimization offload device nvme (the drives are read "
+                   "only by ZeRO-Infinity NVMe offload)")
+    for part, keys in NVME_ONLY_KEYS.items():
+        sub = getattr(z, part)
+        # set to other than DeepSpeed's default (a resolved config, which carries every default, stays quiet)
+        given = [k for k in keys if k in sub.model_fields_set and getattr(sub, k) != type(sub).model_fields[k].default]
+        if given and sub.device != "nvme":
+            out.append(f"zero_optimization.{part}.{', '.join(given)} ha{'s' if len(given) == 1 else 've'} no effect "
+                       f"with device {sub.device} (DeepSpeed reads {'it' if len(given) == 1 else 'them'} for device "
+                       "nvme only)")
+    op = z.offload_param
+    if op.device == "nvme" and op.max_in_cpu != type(op).model_fields["max_in_cpu"].default:
+        out.append("zero_optimization.offload_param.max_in_cpu accepted, not priced: every parameter partition is "
+                   "swapped from NVMe at each fetch")
+    return out
