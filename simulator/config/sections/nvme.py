@@ -4,10 +4,10 @@ YAML::
 
     hardware:
       host: dgx-h100-host            # its preset names its drives (nvme: 8x samsung-pm1733-3.84tb, RAID-0)
-      nvme:                          # optional: replaces the host preset's drives
+      nvme:                          # optional: replaces the host preset's drives (a key left out: the preset's)
         storage: samsung-pm1733-3.84tb   # a storage preset (simulate presets), or inline:
                                          # {name, read_bandwidth_bytes_per_s, write_bandwidth_bytes_per_s}
-        drives: 8                    # drives striped (RAID-0)
+        drives: 8                    # drives striped (RAID-0); default the host preset's, else 1
     aio:                             # DeepSpeed's aio section, its names and defaults
       block_size: 1048576
       queue_depth: 8
@@ -40,11 +40,14 @@ class _Model(BaseModel):
 class NvmeConfig(_Model):
     """The host's NVMe drives: one drive model striped over ``drives`` (RAID-0)."""
 
-    storage: str | StorageConfig = Field(description="Storage preset name (a drive, `simulate presets`) or an "
-                                         "inline spec with read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s.")
-    drives: PositiveInt = Field(default=1, le=MAX_DRIVES, description="Drives striped as one array (RAID-0).")
+    storage: str | StorageConfig | None = Field(
+        default=None, description="Storage preset name (a drive, `simulate presets`) or an inline spec with "
+        "read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s; default: the host preset's drive (needed when "
+        "the host names none).")
+    drives: PositiveInt | None = Field(default=None, le=MAX_DRIVES, description="Drives striped as one array "
+                                       "(RAID-0); default: the host preset's count, else 1.")
 
-    _storage = field_validator("storage")(lambda cls, v: storage_name(v))
+    _storage = field_validator("storage")(lambda cls, v: v if v is None else storage_name(v))
 
 
 class AioConfig(_Model):
