@@ -27,6 +27,7 @@ from simulator.graph.builders.lora import LoraSpec, trainable_parameters
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
+from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, kernels_needed
 from simulator.recording.recorder import dependencies_frame
@@ -334,7 +335,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
         step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
         summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
-        summary["warnings"] = run_warnings(hw, cfg)
+        summary["warnings"] = run_warnings(hw, cfg, host_copy_bytes([graph]))
         if cfg is not None:
             summary.update(scenario_keys(cfg, summary))
         for comp in runtime.components:
@@ -560,7 +561,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
-        summary["warnings"] = run_warnings(hws[0], cfg) + notes
+        summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + notes
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
@@ -681,14 +682,34 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     return []
 
 
-def _replaced_copy_rates_note(hw: Hardware) -> list[str]:
+def host_copy_bytes(graphs) -> tuple[float, float]:
+    """Bytes ``graphs`` (``OpGraph``) copy between host and GPU (``MEMCPY_H2D`` / ``MEMCPY_D2H``, the only ops the
+    ``hardware.pcie`` link's rates price: ``engine.system.COPY_PATHS``): (input-batch copies, ``OpRole.INPUT_COPY``;
+    every other copy), bytes per step of the graphs together."""
+    kinds, inputs, others = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H), 0.0, 0.0
+    for op in (op for g in graphs for op in g.ops if op.kind in kinds):
+        if op.role is OpRole.INPUT_COPY:
+            inputs += op.bytes_read
+        else:
+            others += op.bytes_read
+    return inputs, others
+
+
+def _replaced_copy_rates_note(hw: Hardware, copies: tuple[float, float] | None = None) -> list[str]:
     """One line when an explicit ``hardware.pcie`` replaced rates the GPU profile measured
-    (``Hardware.pcie_explicit``, or an override of the measured link's bandwidth: ``Hardware.pcie_overridden``)."""
+    (``Hardware.pcie_explicit``, or an override of the measured link's bandwidth: ``Hardware.pcie_overridden``).
+    ``copies``: the run's ``host_copy_bytes`` (None: not known); with no copy but the input batch's the line says
+    the link has no effect on the rest of the run."""
     p, c = hw.profile, hw.copy
     pairs = ((p.h2d_bytes_per_s, c.h2d_bytes_per_s), (p.d2h_bytes_per_s, c.d2h_bytes_per_s))
     measured = [(m, r) for m, r in pairs if m]
     if not (hw.pcie_explicit or hw.pcie_overridden) or all(m == r for m, r in measured):  # a generic profile's rates are the link's own
         return []
+    if copies is not None and not copies[1]:
+        key = f"hardware.pcie {hw.pcie.name}" if hw.pcie_explicit else "hardware.pcie.overrides"
+        return [f"{key}: no effect in this run beyond its input-batch copy ({copies[0] / 1e3:.1f} kB per step): "
+                "the link's rates price only host<->GPU copies, and this step makes no other (no optimizer, "
+                "parameter or activation offload)"]
     who = (f"hardware.pcie {hw.pcie.name}: its rates replace" if hw.pcie_explicit else
            "hardware.pcie.overrides.bandwidth_bytes_per_s replaces")
     kept = ("" if hw.pcie_explicit else "; the other measured rates are kept (the duplex scaled with the two "
@@ -713,8 +734,9 @@ def _low_precision_shard_note(cfg: ScenarioConfig | None) -> list[str]:
             "(kernel interference is priced against collectives only)"]
 
 
-def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
-    """One line per thing in this run that is assumed rather than measured, or accepted but not modelled."""
+def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, float] | None = None) -> list[str]:
+    """One line per thing in this run that is assumed rather than measured, or accepted but not modelled.
+    ``copies``: the bytes the run's graphs copy between host and GPU (``host_copy_bytes``; None: not known)."""
     out = []
     if hw.profile.name.startswith("generic:"):
         out.append(_generic_profile_note(hw.profile.name))
@@ -726,7 +748,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
         out.append(f"training.fp8: GPU profile {hw.profile.name!r} has no fp8 GEMM fit, so fp8 GEMMs are priced with its "
                    f"bf16 fit (tile efficiency and wave overhead) at the GPU's fp8 peak "
                    f"({hw.gpu.peak('fp8') / 1e12:.0f} TFLOP/s); no fp8 GEMM was measured on it")
-    out += _replaced_copy_rates_note(hw)
+    out += _replaced_copy_rates_note(hw, copies)
     pageable = _pageable_copies(cfg) if cfg is not None else ""
     if pageable and not (hw.copy.pageable_h2d_bytes_per_s and hw.copy.pageable_d2h_bytes_per_s):
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
@@ -795,11 +817,13 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None) -> list[str]:
     pp = cfg.parallelism.pipeline_model_parallel_size if cfg is not None else 1
     out.extend(_clip_grad_warnings(cfg))
     if cfg is not None:
-        from simulator.config.sections.nvme import aio_warning
+        from simulator.config.sections.nvme import NVME_ONLY_KEYS, aio_warning, nvme_keys_without_effect
 
-        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set))
+        nvme = any(getattr(cfg.zero_optimization, k).device == "nvme" for k in NVME_ONLY_KEYS)
+        aio = aio_warning(cfg.aio, set(cfg.aio.model_fields_set), nvme)
         if aio:
             out.append(aio)
+        out.extend(nvme_keys_without_effect(cfg))
     if pp > 1:
         spec = transformer_spec(cfg)
         out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "

@@ -530,12 +530,13 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
 
 
 def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
-    """The host's NVMe array (``hardware_models.nvme.NvmeArraySpec``): ``hardware.nvme`` if given, else the host
-    preset's ``nvme`` block; None when the run swaps nothing to NVMe and ``hardware.nvme`` is not given.
+    """The host's NVMe array (``hardware_models.nvme.NvmeArraySpec``): ``hardware.nvme`` if given (a key it leaves out
+    taken from the host preset's ``nvme`` block; ``drives`` 1 when the host names none), else that block; None when
+    the run swaps nothing to NVMe and ``hardware.nvme`` is not given.
 
     Raises:
         ScenarioError: an NVMe device in ``zero_optimization`` on a host without drives, or a bad ``hardware.nvme``
-            (a drive without a write rate); one line naming the key.
+            (a drive without a write rate, no storage on a host without drives); one line naming the key.
     """
     from hardware_models.dataloader import StorageSpec
     from hardware_models.nvme import host_nvme, load_nvme
@@ -545,24 +546,36 @@ def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
              if getattr(z, k).device == "nvme"]
     if given is None and not users:
         return None
+    host, preset = _ref(cfg.hardware.host)[0], None
+    if given is None or given.storage is None or given.drives is None:  # the host preset's drives fill the gaps
+        try:
+            preset = host_nvme(host)
+        except ValueError as exc:
+            raise ScenarioError(f"{source}: hardware.host: {exc}") from None
+    if given is None:
+        if preset is None:
+            raise ScenarioError(f"{source}: {users[0]}: nvme needs NVMe drives, and hardware.host {host!r} names none "
+                                "(allowed: a host preset with an nvme block such as dgx-h100-host, or hardware.nvme: "
+                                "{storage: <storage preset>, drives: N})")
+        return preset
+    st = given.storage
+    if st is None and preset is None:
+        raise ScenarioError(f"{source}: hardware.nvme.storage: needed, hardware.host {host!r} names no NVMe drive "
+                            "(allowed: a storage preset such as samsung-pm1733-3.84tb, or an inline "
+                            "{name, read_bandwidth_bytes_per_s, write_bandwidth_bytes_per_s})")
     try:
-        if given is not None:
-            st = given.storage
+        if st is None:
+            drive = preset.drive
+        else:
             drive = st if isinstance(st, str) else StorageSpec(st.name, st.read_bandwidth_bytes_per_s, st.read_latency_s,
                                                                 write_bandwidth_bytes_per_s=st.write_bandwidth_bytes_per_s)
-            return load_nvme(drive, given.drives, "scenario hardware.nvme")
+        drives = given.drives if given.drives is not None else preset.drives if preset is not None else 1
+        from_preset = [k for k, v in (("storage", st), ("drives", given.drives)) if v is None and preset is not None]
+        where = "scenario hardware.nvme" + (f"; {', '.join(from_preset)} from the host preset ({preset.source})"
+                                            if from_preset else "")
+        return load_nvme(drive, drives, where)
     except ValueError as exc:
         raise ScenarioError(f"{source}: hardware.nvme: {exc}") from None
-    host = _ref(cfg.hardware.host)[0]
-    try:
-        nvme = host_nvme(host)
-    except ValueError as exc:
-        raise ScenarioError(f"{source}: hardware.host: {exc}") from None
-    if nvme is None:
-        raise ScenarioError(f"{source}: {users[0]}: nvme needs NVMe drives, and hardware.host {host!r} names none "
-                            "(allowed: a host preset with an nvme block such as dgx-h100-host, or hardware.nvme: "
-                            "{storage: <storage preset>, drives: N})")
-    return nvme
 
 
 def _fsdp_groups(cfg, node_ranks: int) -> tuple[int, int]:

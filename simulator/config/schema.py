@@ -115,7 +115,7 @@ class HardwareConfig(_Model):
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
     )
     nvme: NvmeConfig | None = Field(default=None, description="The host's NVMe drives for ZeRO-Infinity offload "
-                                    "({storage, drives}; default: the host preset's, if it names any).")
+                                    "({storage, drives}; default, and each key left out: the host preset's, if it names any).")
     cluster: ClusterConfig | None = Field(
         default=None, description="Cluster of identical nodes for data-parallel runs (absent: one GPU). Its preset's "
         "GPU must be hardware.gpu. One representative rank is simulated; its collectives are priced over the topology.")

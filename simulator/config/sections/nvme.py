@@ -4,10 +4,10 @@ YAML::
 
     hardware:
       host: dgx-h100-host            # its preset names its drives (nvme: 8x samsung-pm1733-3.84tb, RAID-0)
-      nvme:                          # optional: replaces the host preset's drives
+      nvme:                          # optional: replaces the host preset's drives (a key left out: the preset's)
         storage: samsung-pm1733-3.84tb   # a storage preset (simulate presets), or inline:
                                          # {name, read_bandwidth_bytes_per_s, write_bandwidth_bytes_per_s}
-        drives: 8                    # drives striped (RAID-0)
+        drives: 8                    # drives striped (RAID-0); default the host preset's, else 1
     aio:                             # DeepSpeed's aio section, its names and defaults
       block_size: 1048576
       queue_depth: 8
@@ -40,11 +40,14 @@ class _Model(BaseModel):
 class NvmeConfig(_Model):
     """The host's NVMe drives: one drive model striped over ``drives`` (RAID-0)."""
 
-    storage: str | StorageConfig = Field(description="Storage preset name (a drive, `simulate presets`) or an "
-                                         "inline spec with read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s.")
-    drives: PositiveInt = Field(default=1, le=MAX_DRIVES, description="Drives striped as one array (RAID-0).")
+    storage: str | StorageConfig | None = Field(
+        default=None, description="Storage preset name (a drive, `simulate presets`) or an inline spec with "
+        "read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s; default: the host preset's drive (needed when "
+        "the host names none).")
+    drives: PositiveInt | None = Field(default=None, le=MAX_DRIVES, description="Drives striped as one array "
+                                       "(RAID-0); default: the host preset's count, else 1.")
 
-    _storage = field_validator("storage")(lambda cls, v: storage_name(v))
+    _storage = field_validator("storage")(lambda cls, v: v if v is None else storage_name(v))
 
 
 class AioConfig(_Model):
@@ -59,11 +62,46 @@ class AioConfig(_Model):
                                  "completion.")
 
 
-def aio_warning(aio: AioConfig, fields_set: set[str]) -> str | None:
-    """The run's warning when the scenario sets ``aio`` keys (their values do not change the price), else None."""
+def aio_warning(aio: AioConfig, fields_set: set[str], nvme_offload: bool = True) -> str | None:
+    """The run's warning when the scenario sets ``aio`` keys (their values do not change the price), else None;
+    without ``nvme_offload`` (no offload device nvme) the line says they have no effect."""
     if not fields_set:
         return None
     keys = ", ".join(f"aio.{k}" for k in sorted(fields_set))
+    if not nvme_offload:
+        return (f"{keys} ha{'s' if len(fields_set) == 1 else 've'} no effect: no zero_optimization offload device "
+                "nvme (the aio section sets DeepSpeed's NVMe swapper)")
     return (f"{keys} accepted, not priced: NVMe swaps run at the array's sequential bandwidth (datasheet rates at "
             "high queue depth); DeepSpeed's aio settings change the rate it achieves (measure the array with "
             "fio or DeepSpeed's aio benchmark and give it as hardware.nvme)")
+
+
+#: The ``offload_optimizer`` / ``offload_param`` keys DeepSpeed reads for device nvme only
+#: (microsoft/DeepSpeed@b1cb0dfc deepspeed/runtime/zero/offload_config.py: each field's description names NVMe)
+NVME_ONLY_KEYS = {"offload_optimizer": ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init"),
+                  "offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")}
+
+
+def nvme_keys_without_effect(cfg) -> list[str]:
+    """One line per NVMe setting of ``cfg`` (a ``ScenarioConfig``) that changes nothing in its run: ``hardware.nvme``
+    and the nvme-only offload keys (``NVME_ONLY_KEYS``) without an offload device nvme, and
+    ``offload_param.max_in_cpu`` (accepted, not priced) with one, each when set to other than its default; the
+    ``aio`` line is ``aio_warning``'s."""
+    z, out = cfg.zero_optimization, []
+    nvme = [k for k in NVME_ONLY_KEYS if getattr(z, k).device == "nvme"]
+    if cfg.hardware.nvme is not None and not nvme:
+        out.append("hardware.nvme has no effect: no zero_optimization offload device nvme (the drives are read "
+                   "only by ZeRO-Infinity NVMe offload)")
+    for part, keys in NVME_ONLY_KEYS.items():
+        sub = getattr(z, part)
+        # set to other than DeepSpeed's default (a resolved config, which carries every default, stays quiet)
+        given = [k for k in keys if k in sub.model_fields_set and getattr(sub, k) != type(sub).model_fields[k].default]
+        if given and sub.device != "nvme":
+            out.append(f"zero_optimization.{part}.{', '.join(given)} ha{'s' if len(given) == 1 else 've'} no effect "
+                       f"with device {sub.device} (DeepSpeed reads {'it' if len(given) == 1 else 'them'} for device "
+                       "nvme only)")
+    op = z.offload_param
+    if op.device == "nvme" and op.max_in_cpu != type(op).model_fields["max_in_cpu"].default:
+        out.append("zero_optimization.offload_param.max_in_cpu accepted, not priced: every parameter partition is "
+                   "swapped from NVMe at each fetch")
+    return out

@@ -89,3 +89,30 @@ def test_overriding_the_measured_links_bandwidth_keeps_its_pageable_caps_and_sca
         p.pageable_h2d_bytes_per_s, p.pageable_d2h_bytes_per_s, p.copy_latency_s)
     note = [w for w in run_warnings(hw, None) if w.startswith("hardware.pcie")]
     assert len(note) == 1 and "55.96 -> 64.00 GB/s" in note[0], note
+
+
+def test_a_link_in_a_run_without_host_copies_says_it_has_no_effect():
+    """gpt_184m_b8 copies only its input batch (8 x 1024 int64 tokens and labels = 131,072 B per step): an explicit
+    gen3 link leaves its step time as it is, and the run says so (it used to say only that the rates replace the
+    measured ones)."""
+    from simulator.api import run_scenario
+
+    path = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+    sets = ["run.steps=2", "run.warmup_steps=1"]
+    base, gen3 = (run_scenario(load_scenario(path, sets + extra)) for extra in ([], ["hardware.pcie=pcie-gen3-x16"]))
+    assert gen3.summary["step_time_s"] == base.summary["step_time_s"]
+    note = [w for w in gen3.summary["warnings"] if w.startswith("hardware.pcie")]
+    assert note == ["hardware.pcie PCIe Gen3 x16: no effect in this run beyond its input-batch copy (131.1 kB per "
+                    "step): the link's rates price only host<->GPU copies, and this step makes no other (no "
+                    "optimizer, parameter or activation offload)"], note
+
+
+def test_a_link_in_an_offload_run_still_names_the_replaced_rates():
+    from simulator.api import host_copy_bytes, build_graph, apply_graph_policies
+
+    cfg = load_scenario(OFFLOAD, ["hardware.pcie=pcie-gen3-x16"])
+    hw = resolve_hardware(cfg)
+    copies = host_copy_bytes([apply_graph_policies(build_graph(cfg, 0, hw), cfg, hw)])
+    assert copies[1] > 0.37e9  # the bf16 parameter upload alone
+    note = [w for w in run_warnings(hw, cfg, copies) if w.startswith("hardware.pcie")]
+    assert len(note) == 1 and "55.96 -> 15.75 GB/s" in note[0], note
