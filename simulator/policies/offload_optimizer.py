@@ -360,7 +360,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                   ("params.fp32", "params.master_fp32", "optimizer.exp_avg", "optimizer.exp_avg_sq")]
     zero3 = dp > 1 and graph.meta.get("sharding") == "zero3"
     if zero3:  # the reduced gradient partition lives in the host's fp32 buffer, not on the GPU
-        persistent = [t for t in persistent if t.name != "grad.bf16.partition"]
+        persistent = [t for t in persistent if t.name not in ("grad.bf16.partition", "grad.fp16.partition")]
     half = f"params.{model.precision}"  # the builder's 16-bit weights (params.bf16 / params.fp16)
     if not zero3 and not any(t.name == half for t in persistent):
         persistent.append(TensorAlloc(half, 2 * P, "gpu"))

@@ -175,7 +175,7 @@ def _offload_sharded(graph: OpGraph, model: ModelFacts, pin_memory: bool) -> OpG
         rw.copy(op)
     if not fetches:
         raise PolicyError(f"{key}: found no parameter all-gathers to feed from host memory")
-    persistent = [t for t in graph.persistent if t.name != "params.bf16.partition"]
+    persistent = [t for t in graph.persistent if t.name not in ("params.bf16.partition", "params.fp16.partition")]
     meta = dict(graph.meta)
     meta["offload_param"] = {"prefetch_depth": None, "fetches": fetches, "bytes_per_step": nbytes_total}
     return rw.finish(persistent=persistent, meta=meta)

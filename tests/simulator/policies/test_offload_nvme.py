@@ -155,3 +155,16 @@ def test_bad_nvme_input_is_one_line_exit_2(tmp_path, capsys, overrides, line):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and line in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_zero3_offload_moves_fp16_partitions_off_the_gpu_like_bf16(tmp_path, device):
+    """ZeRO-3 with the optimizer and the parameters offloaded: the 16-bit parameter and gradient partitions
+    (``params.{half}.partition``, ``grad.{half}.partition``) leave the GPU whatever the 16-bit dtype; fp16 kept both
+    (2 x 2 B x shard) while bf16 dropped them (the policies filtered the bf16 names only)."""
+    over = [f"zero_optimization.offload_optimizer.device={device}", f"zero_optimization.offload_param.device={device}"]
+    if device == "nvme":
+        over.append("zero_optimization.offload_param.nvme_path=/x")
+    peaks = {pr: run_scenario(_cfg(tmp_path, Z3_NVME, over + [f"training.precision={pr}"])).summary["peak_memory_bytes"]
+             for pr in ("bf16", "fp16")}
+    assert peaks["fp16"] == peaks["bf16"]
