@@ -670,7 +670,8 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     """The gradient-norm work a scenario's framework does that is not priced. DeepSpeed ZeRO-1/2's step
     (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
     ``clip_grad_norm`` are priced; what is left: DeepSpeed's MoE expert groups (``_average_expert_grad_norms``: one
-    more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition."""
+    more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition, and
+    ZeRO-3's step norm and unscale (microsoft/DeepSpeed runtime/zero/stage3.py ``step``), flagged."""
     if cfg is None:
         return []
     z, p = cfg.zero_optimization, cfg.parallelism
@@ -679,6 +680,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
                 "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
                 "priced with the dense partition's"]
+    if z.stage == 3 and shards > 1:
+        return ["zero_optimization.stage 3: DeepSpeed ZeRO-3's step computes the global gradient norm of the "
+                "partition every step, all-reduces it and unscales / clips the gradients (stage3.py step -> "
+                "unscale_and_clip_grads, whatever gradient_clipping): not priced (ZeRO-1/2's are)"]
     return []
 
 

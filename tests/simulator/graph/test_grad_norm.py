@@ -193,3 +193,15 @@ def test_fsdp2_clip_grad_norm_reduces_over_tp_too(version, tp_reduce):
         assert dp.id in tp[0].deps and tp[0].id in mul.deps
     else:
         assert tp == [] and dp.id in mul.deps
+
+
+def test_deepspeed_zero3_step_norm_is_flagged():
+    """DeepSpeed ZeRO-3's step norm and unscale (stage3.py ``step``) are not built: flagged in one line, at dp > 1
+    only (ZeRO-1/2's, priced, are not)."""
+    d = copy.deepcopy(BASE)
+    d["training"]["precision"] = "bf16"
+    d["zero_optimization"] = {"stage": 3}
+    w = _warns(d)
+    assert len(w) == 1 and w[0].startswith("zero_optimization.stage 3: DeepSpeed ZeRO-3's step")
+    d["zero_optimization"] = {"stage": 1}
+    assert _warns(d) == []
