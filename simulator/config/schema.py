@@ -720,8 +720,9 @@ class ScenarioConfig(_Model):
                              f"{s * r} is not data_parallel_size {dp} (allowed: shard x replicate = {dp}, e.g. "
                              f"data_parallel_shard_degree {dp // r} or -1)")
         if s == 1 and r > 1:
+            alt = "fsdp.sharding_strategy NO_SHARD" if f.version == 1 else "no fsdp section (plain DDP)"
             raise ValueError(f"parallelism.data_parallel_shard_degree: 1 with replicate {r} is DDP, not FSDP (allowed: "
-                             "a shard degree > 1, or fsdp.sharding_strategy NO_SHARD)")
+                             f"a shard degree > 1, or {alt})")
         if f.version == 1 and f.sharding_strategy == "NO_SHARD" and s > 1:
             raise ValueError(f"{key} with fsdp.sharding_strategy NO_SHARD: NO_SHARD does not shard (allowed: omit "
                              "the degrees, or another strategy)")
@@ -729,6 +730,10 @@ class ScenarioConfig(_Model):
             raise ValueError(f"parallelism.data_parallel_replicate_degree: {r} > 1 with fsdp.sharding_strategy "
                              f"{f.sharding_strategy}: FSDP1 replicates shards only under HYBRID_SHARD (allowed: "
                              "HYBRID_SHARD, or fsdp.version 2)")
+        if f.version == 1 and r == 1 and f.sharding_strategy == "HYBRID_SHARD":
+            raise ValueError(f"{key}: a shard degree of all {dp} ranks (replicate degree 1) with fsdp.sharding_strategy "
+                             "HYBRID_SHARD replicates nothing: it is FULL_SHARD (allowed: a replicate degree > 1, "
+                             "FULL_SHARD, or omit the degrees for HYBRID_SHARD's shard per node)")
 
     def _fsdp_offload_scope(self, dp: int) -> None:
         """``fsdp.cpu_offload``: what is modelled (``simulator/policies/offload_fsdp.py``)."""

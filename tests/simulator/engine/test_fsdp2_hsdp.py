@@ -112,6 +112,12 @@ def test_hsdp_shard_group_across_nodes_is_priced_on_its_links():
     (["fsdp={sharding_strategy: FULL_SHARD}", "parallelism.data_parallel_replicate_degree=2"],
      "FSDP1 replicates shards only under HYBRID_SHARD"),
     (["fsdp={version: 3}"], "allowed: 1 (FullyShardedDataParallel), 2 (fully_shard)"),
+    (["parallelism.data_parallel_shard_degree=1", "parallelism.data_parallel_replicate_degree=8"],
+     "is DDP, not FSDP (allowed: a shard degree > 1, or no fsdp section (plain DDP))"),
+    (["fsdp={sharding_strategy: HYBRID_SHARD}", "parallelism.data_parallel_shard_degree=1",
+      "parallelism.data_parallel_replicate_degree=8"], "or fsdp.sharding_strategy NO_SHARD"),
+    (["fsdp={sharding_strategy: HYBRID_SHARD}", "parallelism.data_parallel_replicate_degree=1"],
+     "replicates nothing: it is FULL_SHARD"),
 ])
 def test_bad_input_one_line_exit_2(sets, needle):
     base = ["hardware.gpu=h100-sxm-80gb", "hardware.cluster={preset: dgx-h100}"]
