@@ -120,3 +120,13 @@ def test_pipeline_summary_splits_each_stage_idle_by_the_breakdown_rule():
         assert st["pipeline_wait_s"] + st["host_idle_s"] <= st["pipeline_bubble_s"] + 1e-12
     # the 1-layer stage 0 waits for the 3-layer stage 1 at least its imbalance (the time stage 1 is busier)
     assert stages[0]["pipeline_wait_s"] >= stages[0]["pipeline_imbalance_s"] > 0.0
+
+
+def test_busy_line_blames_nvme_swaps_before_the_host():
+    """ZeRO-Infinity: 1.0 s step, 10 % busy (0.9 s idle), swaps in flight 0.8 s: NVMe-bound, not host-bound; with the
+    swaps in flight under half the idle time it stays host-bound."""
+    s = {"utilisation": {"compute": 0.10}, "step_time_s": 1.0, "nvme_busy_s": 0.8, "nvme_bound_s": 0.75}
+    assert _busy_line(s) == ["GPU busy            10 % of the step  (NVMe-bound: ZeRO-Infinity swaps are in flight "
+                             "800.00 ms/step; the node's swaps alone on its drives take 750.00 ms)"]
+    s["nvme_busy_s"] = 0.4
+    assert "host-bound" in _busy_line(s)[0]
