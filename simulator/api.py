@@ -739,6 +739,21 @@ def _low_precision_shard_note(cfg: ScenarioConfig | None) -> list[str]:
             "(kernel interference is priced against collectives only)"]
 
 
+def _cpu_adam_default_note(cfg: ScenarioConfig | None) -> list[str]:
+    """ZeRO-Offload to the CPU without ``offload_optimizer.cpu_adam_impl``: the default ``torch_foreach`` is priced,
+    while DeepSpeed's engine refuses a client optimizer other than its own DeepSpeedCPUAdam under offload unless
+    ``zero_force_ds_cpu_optimizer`` is false (microsoft/DeepSpeed deepspeed/runtime/engine.py
+    ``_configure_zero_optimizer``'s ``ZeRORuntimeException``). One line, or none."""
+    if cfg is None:
+        return []
+    oo = cfg.zero_optimization.offload_optimizer
+    if oo.device != "cpu" or "cpu_adam_impl" in oo.model_fields_set:
+        return []
+    return [f"zero_optimization.offload_optimizer.cpu_adam_impl not given: {oo.cpu_adam_impl} (torch.optim.AdamW, "
+            "foreach) is priced; a DeepSpeed run steps with DeepSpeedCPUAdam unless zero_force_ds_cpu_optimizer is "
+            "false (set cpu_adam_impl: deepspeed_cpu_adam for it)"]
+
+
 def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, float] | None = None) -> list[str]:
     """One line per thing in this run that is assumed rather than measured, or accepted but not modelled.
     ``copies``: the bytes the run's graphs copy between host and GPU (``host_copy_bytes``; None: not known)."""
@@ -796,6 +811,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "not slow the kernels beside them (measured: overlapped compute 19% slower on average, up to "
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
     out.extend(_low_precision_shard_note(cfg))
+    out.extend(_cpu_adam_default_note(cfg))
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
             not transformer_spec(cfg).sp_regathers_inputs):
         out.append(sequence_parallel_regather_note(cfg))

@@ -28,7 +28,8 @@ def _busy_line(s: dict) -> list[str]:
     ``next(iterator)``) is at least half of it, on the pipeline bubble (``pipeline_bubble_s``) when that is,
     on communication (*communication-bound*) when the
     exposed communication (``exposed_comm_s``) is, on both when together they are, on NVMe swaps (*NVMe-bound*) when
-    the time a ZeRO-Infinity swap is in flight (``nvme_busy_s``) is at least half of it, otherwise on the host
+    the time a ZeRO-Infinity swap is in flight (``nvme_busy_s``) is, on the offloaded optimizer step
+    (*CPU-optimizer-bound*) when its host time (``offload_cpu_optimizer_s``) is, otherwise on the host
     (*host-bound*: kernel launches or other host work such as a CPU optimizer). A pipeline run whose stages
     carry ``gpu_busy`` gets ``_pipeline_busy_line`` instead (the figure named by stage, the waits for other
     stages apart from the host's gaps).
@@ -60,6 +61,8 @@ def _busy_line(s: dict) -> list[str]:
         elif (nvme_s := s.get("nvme_busy_s", 0.0) or 0.0) >= 0.5 * idle_s:
             note = (f"  (NVMe-bound: ZeRO-Infinity swaps are in flight {nvme_s * 1e3:.2f} ms/step; the node's swaps "
                     f"alone on its drives take {s.get('nvme_bound_s', 0.0) * 1e3:.2f} ms)")
+        elif (cpu_s := s.get("offload_cpu_optimizer_s", 0.0) or 0.0) >= 0.5 * idle_s:
+            note = f"  (CPU-optimizer-bound: the offloaded optimizer step takes {cpu_s * 1e3:.2f} ms/step on the host)"
         else:
             note = "  (host-bound: the GPU waits for kernel launches or host work)"
     return [f"GPU busy            {busy * 100:.0f} % of the step{note}"]

@@ -130,3 +130,13 @@ def test_busy_line_blames_nvme_swaps_before_the_host():
                              "800.00 ms/step; the node's swaps alone on its drives take 750.00 ms)"]
     s["nvme_busy_s"] = 0.4
     assert "host-bound" in _busy_line(s)[0]
+
+
+def test_busy_line_blames_the_offloaded_cpu_optimizer_before_the_host():
+    """ZeRO-Offload: 0.5 s step, 20 % busy (0.4 s idle), CPU Adam 0.3 s: CPU-optimizer-bound; under half the idle
+    time (0.1 s) it stays host-bound."""
+    s = {"utilisation": {"compute": 0.20}, "step_time_s": 0.5, "offload_cpu_optimizer_s": 0.3}
+    assert _busy_line(s) == ["GPU busy            20 % of the step  (CPU-optimizer-bound: the offloaded optimizer "
+                             "step takes 300.00 ms/step on the host)"]
+    s["offload_cpu_optimizer_s"] = 0.1
+    assert "host-bound" in _busy_line(s)[0]

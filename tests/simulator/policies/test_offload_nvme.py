@@ -168,3 +168,19 @@ def test_zero3_offload_moves_fp16_partitions_off_the_gpu_like_bf16(tmp_path, dev
     peaks = {pr: run_scenario(_cfg(tmp_path, Z3_NVME, over + [f"training.precision={pr}"])).summary["peak_memory_bytes"]
              for pr in ("bf16", "fp16")}
     assert peaks["fp16"] == peaks["bf16"]
+
+
+def test_cpu_offload_without_an_impl_says_which_cpu_adam_is_priced(tmp_path):
+    """device cpu without cpu_adam_impl prices torch_foreach and says a DeepSpeed run would step with
+    DeepSpeedCPUAdam (zero_force_ds_cpu_optimizer); given, or with device nvme (DeepSpeedCPUAdam), no line."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import resolve_hardware
+
+    def lines(over):
+        cfg = _cfg(tmp_path, Z3_NVME, over)
+        return [w for w in run_warnings(resolve_hardware(cfg), cfg) if "cpu_adam_impl not given" in w]
+
+    cpu = "zero_optimization.offload_optimizer={device: cpu, pin_memory: true}"
+    assert len(lines([cpu])) == 1 and "zero_force_ds_cpu_optimizer" in lines([cpu])[0]
+    assert lines([cpu, "zero_optimization.offload_optimizer.cpu_adam_impl=torch_foreach"]) == []
+    assert lines([]) == []
