@@ -51,7 +51,7 @@ import numpy as np
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
-from simulator.policies.offload_optimizer import CPU_OPS, ranks_per_node
+from simulator.policies.offload_optimizer import CPU_OPS, offload_ranks
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 KEY = "zero_optimization"
@@ -248,8 +248,8 @@ def offload_nvme(graph: OpGraph, hw, *, optimizer: bool, params: bool, sub_group
 
 def nvme_link_bytes_per_s(hw) -> float:
     """This rank's share of the array's read bandwidth, bytes/s: the array over the node's ranks
-    (``offload_optimizer.ranks_per_node``), which all swap alike."""
-    return hw.nvme.read_bytes_per_s / ranks_per_node(hw)
+    (``offload_optimizer.offload_ranks``), which all swap alike."""
+    return hw.nvme.read_bytes_per_s / offload_ranks(hw)
 
 
 @register_runtime("offload_nvme")
@@ -258,7 +258,7 @@ class NvmeSummary:
 
     def __init__(self, cfg, hw, env, system):
         self.hw = hw
-        self.ranks = ranks_per_node(hw)
+        self.ranks = offload_ranks(hw)
         system.network.add_links({NVME_LINK: nvme_link_bytes_per_s(hw)})
         self._bytes: dict[int, dict[str, float]] = {}
 

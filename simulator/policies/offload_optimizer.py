@@ -41,7 +41,7 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   gradient partition), and no all-gather follows the step but that of the persistent parameters
   (DeepSpeed stage3.py ``_post_step``): the next forward gathers block by block. The node's ranks share its host:
   ``cpu_threads`` / ``hardware_models.host_kernels.shared_stream_bandwidth`` and ``host_memory_oom``
-  with ``ranks_per_node``; the copies of the ranks behind one PCIe switch share its uplink (the
+  with ``offload_ranks``; the copies of the ranks behind one PCIe switch share its uplink (the
   engine's ``pcie.uplink.*`` links, ``hardware_models.host_links``).
 
 * **DeepSpeed 0.3** (``cpu_adam_impl: deepspeed_cpu_adam_2020``, the ZeRO-Offload release, one rank):
@@ -122,21 +122,14 @@ PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
 
 
 # -- CPU time model ------------------------------------------------------------------------------
-def ranks_per_node(hw) -> int:
-    """Ranks of the cluster that share this rank's host (1 without a cluster): each GPU of the node
-    is one rank, and each offloads its optimizer partition to the same host."""
+def offload_ranks(hw) -> int:
+    """Ranks whose CPU optimizer steps (or NVMe swaps) share this rank's host: every GPU of its node, since every
+    rank of an offloading run keeps its own part of the model states there. That holds at ``data_parallel_size`` 1
+    too: FSDP ``cpu_offload`` shards over dp x cp, and with tp 4 x cp 2 the node's 8 ranks each offload their shard
+    (ZeRO-Offload refuses tp, pp and cp > 1, so its ranks are its dp ranks). 1 without a cluster."""
     if getattr(hw, "collectives", None) is None or hw.world_size <= 1:
         return 1
     return max(1, min(hw.collectives.topo.gpus_per_node, hw.world_size))
-
-
-def offload_ranks(hw) -> int:
-    """Ranks whose CPU optimizer steps share this rank's host: every GPU of its node (``ranks_per_node``), since
-    every rank of an offloading run keeps its own part of the model states there. That holds at
-    ``data_parallel_size`` 1 too: FSDP ``cpu_offload`` shards over dp x cp, and with tp 4 x cp 2 the node's 8
-    ranks each offload their shard (ZeRO-Offload refuses tp, pp and cp > 1, so its ranks are its dp ranks).
-    1 without a cluster."""
-    return ranks_per_node(hw)
 
 
 def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
