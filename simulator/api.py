@@ -671,7 +671,8 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
     ``clip_grad_norm`` are priced; what is left: DeepSpeed's MoE expert groups (``_average_expert_grad_norms``: one
     more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition, and
-    ZeRO-3's step norm and unscale (microsoft/DeepSpeed runtime/zero/stage3.py ``step``), flagged."""
+    ZeRO-3's step norm and unscale (microsoft/DeepSpeed runtime/zero/stage3.py ``step``) and FSDP's cross-stage norm
+    all-reduce with pipelines (``_fsdp_clip_grad_norm``), flagged."""
     if cfg is None:
         return []
     z, p = cfg.zero_optimization, cfg.parallelism
@@ -680,6 +681,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
                 "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
                 "priced with the dense partition's"]
+    if cfg.fsdp is not None and p.pipeline_model_parallel_size > 1 and cfg.training.clip_grad:
+        return [f"training.clip_grad {cfg.training.clip_grad} with fsdp and pipeline_model_parallel_size "
+                f"{p.pipeline_model_parallel_size}: clip_grad_norm_'s all-reduce of the norm over the pipeline stages "
+                "(torchtitan's pp_mesh) is not priced, nor the stages' wait for each other it adds"]
     if z.stage == 3 and shards > 1:
         return ["zero_optimization.stage 3: DeepSpeed ZeRO-3's step computes the global gradient norm of the "
                 "partition every step, all-reduces it and unscales / clips the gradients (stage3.py step -> "

@@ -205,3 +205,17 @@ def test_deepspeed_zero3_step_norm_is_flagged():
     assert len(w) == 1 and w[0].startswith("zero_optimization.stage 3: DeepSpeed ZeRO-3's step")
     d["zero_optimization"] = {"stage": 1}
     assert _warns(d) == []
+
+
+def test_fsdp_clip_with_pipeline_stages_is_flagged():
+    """FSDP with 2 pipeline stages and clip_grad 1.0: the norm's all-reduce over the stages is not built, so flagged
+    in one line; with clip_grad 0 nothing is."""
+    d = copy.deepcopy(BASE)
+    d["fsdp"] = {"sharding_strategy": "FULL_SHARD"}
+    d["training"].update(precision="amp_fp32_params", clip_grad=1.0, global_batch_size=8)
+    d["parallelism"] = {"pipeline_model_parallel_size": 2}
+    d["model"] = {**d["model"], "untie_embeddings_and_output_weights": True}
+    w = _warns(d)
+    assert len(w) == 1 and "over the pipeline stages" in w[0] and "pipeline_model_parallel_size 2" in w[0]
+    d["training"]["clip_grad"] = 0.0
+    assert _warns(d) == []
