@@ -112,6 +112,22 @@ def _pipeline_busy_line(s: dict) -> list[str]:
     return [line]
 
 
+def _offload_line(s: dict) -> str:
+    """The parts of an offloaded step: GPU forward + backward, the CPU optimizer, the post-step parameter upload
+    (``offload_h2d_s``, first to last byte) unless parameters are fetched instead and none is uploaded, and the
+    parameter fetches (``offload_param_fetch_s`` H2D busy, ``exposed_param_fetch_s`` exposed: ZeRO-3
+    ``offload_param`` or FSDP ``cpu_offload``), ms per step."""
+    parts = [f"GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms",
+             f"CPU optimizer {s['offload_cpu_optimizer_s'] * 1e3:.1f} ms"]
+    fetch = "offload_param_fetch_s" in s
+    if not fetch or s.get("offload_h2d_s"):
+        parts.append(f"parameter upload {s.get('offload_h2d_s', 0.0) * 1e3:.1f} ms")
+    if fetch:
+        parts.append(f"parameter fetches H2D {s['offload_param_fetch_s'] * 1e3:.1f} ms busy, "
+                     f"{s.get('exposed_param_fetch_s', 0.0) * 1e3:.1f} ms exposed")
+    return "offload parts       " + ", ".join(parts)
+
+
 def format_summary(s: dict, name: str) -> str:
     """Human-readable summary of a run."""
     ph = s.get("phase_s", {})
@@ -178,11 +194,7 @@ def format_summary(s: dict, name: str) -> str:
                      f"{rc['compute_s'] * 1e3:.2f} ms, waits {rc['wait_s'] * 1e3:.2f} ms/step"
                      + ("  <- straggler" if rc["label"] == s.get("straggler") else ""))
     if "offload_cpu_optimizer_s" in s:
-        lines.append(f"offload parts       GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms, CPU optimizer "
-                     f"{s['offload_cpu_optimizer_s'] * 1e3:.1f} ms, " + (
-                         f"parameter fetches H2D {s['offload_param_fetch_s'] * 1e3:.1f} ms busy, "
-                         f"{s['exposed_param_fetch_s'] * 1e3:.1f} ms exposed" if "offload_param_fetch_s" in s else
-                         f"parameter upload {s['offload_h2d_s'] * 1e3:.1f} ms"))
+        lines.append(_offload_line(s))
     if s.get("step_latency_s") and abs(s["step_latency_s"] - s["step_time_s"]) > 0.01 * s["step_time_s"]:
         over = (s.get("pipeline") or {}).get("step_overlap_s")
         why = f" by {over * 1e3:.1f} ms: a stage runs step i+1 before another ends step i" if over else ""

@@ -41,7 +41,7 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, offload_ranks
-from simulator.policies.offload_param import fetch_shard_before, is_param_gather
+from simulator.policies.offload_param import fetch_shard_before, fetch_times, is_param_gather
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 KEY = "fsdp.cpu_offload"
@@ -162,47 +162,6 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
     return rw.finish(persistent=persistent, meta=meta)
 
 
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> float:
-    """Length of the union ``iv`` outside the union ``cut`` (both merged, sorted)."""
-    total, j = 0.0, 0
-    for a, b in iv:
-        t = a
-        while j < len(cut) and cut[j][1] <= t:
-            j += 1
-        k = j
-        while k < len(cut) and cut[k][0] < b:
-            total += max(0.0, min(cut[k][0], b) - t)
-            t = max(t, cut[k][1])
-            k += 1
-        total += max(0.0, b - t)
-    return total
-
-
-def fetch_times(spans, steps) -> tuple[float, float]:
-    """Per measured step (means, s): the H2D parameter fetches' busy time (union of their spans) and their exposed
-    time: fetch in flight while the compute stream is idle and no collective runs (the gather that follows a fetch
-    counts as exposed communication instead)."""
-    meas = steps[~steps.warmup]
-    busy, exposed = [], []
-    for row in meas.itertuples():
-        d = spans[spans.step == row.step]
-        f = _union(list(zip(*(d[d.name.str.endswith("fsdp_offload.fetch")][c] for c in ("start_s", "end_s")))))
-        other = d[(d.stream == "compute") | (d.kind == "collective")]
-        busy.append(sum(b - a for a, b in f))
-        exposed.append(_minus(f, _union(list(zip(other.start_s, other.end_s)))))
-    return (sum(busy) / len(busy), sum(exposed) / len(exposed)) if busy else (0.0, 0.0)
-
-
 def _grad_copy(rw: GraphRewriter, rs, deps, k: str) -> int:
     """D2H copy of reduce-scatter ``rs``'s fp32 gradient shard into the pinned host ``_cpu_grad``; frees the GPU shard."""
     shard = rs.allocs[0]
@@ -230,7 +189,7 @@ class FsdpOffloadSummary(OffloadSummary):
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = super().summarize(spans, steps, counters, summary)
-        out["offload_param_fetch_s"], out["exposed_param_fetch_s"] = fetch_times(spans, steps)
+        out["offload_param_fetch_s"], out["exposed_param_fetch_s"] = fetch_times(spans, steps, "fsdp_offload.fetch")
         out["fsdp_cpu_offload"] = {"impl": self.cfg.fsdp.cpu_adam_impl(self.cfg.training.optimizer.impl),
                                    "ranks_per_host": offload_ranks(self.hw)}
         return out

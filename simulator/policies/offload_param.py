@@ -10,8 +10,8 @@ the final norm / LM head stay resident (uploaded after the CPU step, as without 
 Prefetch depth ``d``: the GPU holds at most ``d + 1`` block buffers, so the fetch of block ``l``
 waits until block ``l - d - 1`` has finished with its buffer (forward; ``l + d + 1`` in backward)
 and overlaps the compute of the blocks in between. ``d = 0`` fetches on demand: every fetch is
-exposed. The summary's ``exposed_param_fetch_s`` is the per-step compute time lost waiting for
-fetches: when PCIe cannot keep up, it grows.
+exposed. The summary's ``offload_param_fetch_s`` is the fetches' H2D busy time per step and
+``exposed_param_fetch_s`` the per-step compute time lost waiting for them: when PCIe cannot keep up, it grows.
 """
 
 from __future__ import annotations
@@ -181,6 +181,48 @@ def _offload_sharded(graph: OpGraph, model: ModelFacts, pin_memory: bool) -> OpG
     return rw.finish(persistent=persistent, meta=meta)
 
 
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> float:
+    """Length of the union ``iv`` outside the union ``cut`` (both merged, sorted)."""
+    total, j = 0.0, 0
+    for a, b in iv:
+        t = a
+        while j < len(cut) and cut[j][1] <= t:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < b:
+            total += max(0.0, min(cut[k][0], b) - t)
+            t = max(t, cut[k][1])
+            k += 1
+        total += max(0.0, b - t)
+    return total
+
+
+def fetch_times(spans, steps, suffix: str) -> tuple[float, float]:
+    """Per measured step (means, s): the H2D parameter fetches' busy time (union of the spans whose name ends in
+    ``suffix``: ``fsdp_offload.fetch`` for FSDP ``cpu_offload``, ``offload_param.fetch`` here) and their exposed
+    time: fetch in flight while the compute stream is idle and no collective runs (the gather that follows a fetch
+    counts as exposed communication instead). ``spans``: one rank's spans; ``steps``: its steps with ``warmup``."""
+    meas = steps[~steps.warmup]
+    busy, exposed = [], []
+    for row in meas.itertuples():
+        d = spans[spans.step == row.step]
+        f = _union(list(zip(*(d[d.name.str.endswith(suffix)][c] for c in ("start_s", "end_s")))))
+        other = d[(d.stream == "compute") | (d.kind == "collective")]
+        busy.append(sum(b - a for a, b in f))
+        exposed.append(_minus(f, _union(list(zip(other.start_s, other.end_s)))))
+    return (sum(busy) / len(busy), sum(exposed) / len(exposed)) if busy else (0.0, 0.0)
+
+
 def exposed_fetch_s(spans, steps) -> float:
     """Mean per-step compute time lost waiting for parameter fetches, seconds.
 
@@ -207,7 +249,10 @@ def exposed_fetch_s(spans, steps) -> float:
 
 @register_runtime("offload_param")
 class OffloadParamSummary:
-    """Adds ``exposed_param_fetch_s`` to the summary."""
+    """Adds the parameter fetches to the summary: ``offload_param_fetch_s`` (their H2D busy time per measured step,
+    ``fetch_times``; with this policy the block weights are fetched instead of uploaded after the CPU step, so
+    ``offload_h2d_s`` counts only the resident parameters' upload, 0 with ZeRO-3 over dp > 1) and
+    ``exposed_param_fetch_s`` (``exposed_fetch_s``)."""
 
     def __init__(self, cfg, hw, env, system):
         pass
@@ -217,4 +262,5 @@ class OffloadParamSummary:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        return {"exposed_param_fetch_s": exposed_fetch_s(spans, steps)}
+        return {"offload_param_fetch_s": fetch_times(spans, steps, "offload_param.fetch")[0],
+                "exposed_param_fetch_s": exposed_fetch_s(spans, steps)}

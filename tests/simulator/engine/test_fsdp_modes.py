@@ -256,7 +256,7 @@ def test_fsdp_cpu_offload_engine_run_moves_the_states_to_the_host():
 def test_fetch_exposure_interval_arithmetic_by_hand():
     """Fetch [0, 10] against compute/collectives [2, 3], [5, 7], [9, 12]: exposed 2 + 2 + 2 = 6; fetches [0, 1],
     [4, 6] against [0.5, 5]: 0.5 + 1 = 1.5."""
-    from simulator.policies.offload_fsdp import _minus, _union
+    from simulator.policies.offload_param import _minus, _union
     assert _minus(_union([(0, 10)]), _union([(2, 3), (9, 12), (5, 7)])) == 6
     assert _minus(_union([(4, 6), (0, 1)]), _union([(0.5, 5)])) == 1.5
     assert _union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]

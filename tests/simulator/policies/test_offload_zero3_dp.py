@@ -75,3 +75,21 @@ def test_zero3_param_offload_counts_every_rank_in_host_memory(tmp_path):
                                          "hardware.host.overrides.memory.capacity_bytes=1 GB"]))
     oom = res.summary["oom"]
     assert oom is not None and "host" in oom and "8 ranks" in oom
+
+
+def test_zero3_param_offload_summary_reports_the_fetches_worked_out_by_hand(tmp_path):
+    """The 6 fetches (root + 2 blocks, forward and backward) run one after another on the rank's H2D stream, each
+    alone on its half of the Gen5 uplink: ``offload_param_fetch_s = sum(latency + 2 ceil(b / 8) / 63 GB/s)``. The
+    post-step upload is gone (``offload_h2d_s`` 0), so the offload line names the fetches, not a 0.0 ms upload."""
+    from simulator.cli import format_summary
+
+    cfg, g = _graph(tmp_path, ["zero_optimization.offload_param.device=cpu"])
+    hw = resolve_hardware(cfg)
+    fetches = [op for op in g.ops if op.name.endswith("offload_param.fetch")]
+    want = sum(hw.copy.latency_s + op.bytes_read / (hw.copy.h2d_bytes_per_s / 2) for op in fetches)
+    s = run_scenario(cfg).summary
+    assert len(fetches) == 6 and s["offload_h2d_s"] == 0.0
+    assert s.get("offload_param_fetch_s") == pytest.approx(want, rel=1e-9)
+    line = next(ln for ln in format_summary(s, "z3").splitlines() if ln.startswith("offload parts"))
+    assert "parameter upload" not in line
+    assert f"parameter fetches H2D {want * 1e3:.1f} ms busy, {s['exposed_param_fetch_s'] * 1e3:.1f} ms exposed" in line
