@@ -79,9 +79,11 @@ def _pipeline_busy_line(s: dict) -> list[str]:
     """The GPU busy line of a pipeline run: the peak-memory stage's share (the top-level ``utilisation``), named,
     with the range and mean over the stages; when a stage is below 85 % busy, the least busy one's idle time
     split into its waits for the other stages (``pipeline_wait_s``: a launched kernel waits for another stage;
-    without it, its ``pipeline_bubble_s`` = the schedule's bubble + its ``pipeline_imbalance_s``), its exposed
-    communication and its host-bound gaps (``host_idle_s``); blamed on the host only when the waits and the
-    communication are under half of the idle time, on the straggler when the run names one."""
+    without it, its ``pipeline_bubble_s``), its exposed communication and its host-bound gaps (``host_idle_s``),
+    then its ``pipeline_bubble_s`` (no compute, no collective) as the least idle stage's (named: the schedule's
+    bubble, the summary's ``pipeline_bubble_s``) plus its ``pipeline_imbalance_s``. Every figure is named by the
+    stage it comes from. Blamed on the host only when the waits and the communication are under half of the
+    idle time, on the straggler when the run names one."""
     stages = s["pipeline"]["stages"]
     busy = _stage_busy(s)
     top = s.get("peak_memory_pp_rank", 0)
@@ -96,15 +98,19 @@ def _pipeline_busy_line(s: dict) -> list[str]:
     wait_s = st.get("pipeline_wait_s", st.get("pipeline_bubble_s", 0.0))
     host_s, comm_s = st.get("host_idle_s"), st.get("exposed_comm_s", 0.0)
     host = f", host-bound gaps {host_s * 1e3:.2f} ms" if host_s is not None else ""
+    ref = min(range(len(stages)), key=lambda r: stages[r].get("pipeline_bubble_s", 0.0))  # the least idle stage
+    bubble_s, imb_s = st.get("pipeline_bubble_s", 0.0), st.get("pipeline_imbalance_s", 0.0)
+    ref_s = stages[ref].get("pipeline_bubble_s", 0.0)
     if s.get("straggler"):
         line += f"  (ranks wait for the slowest: {s['straggler']}, see rank classes / stages)"
     elif wait_s + comm_s >= 0.5 * idle_s:
+        split = (f"its {bubble_s * 1e3:.2f} ms without compute or collectives is the schedule's bubble (it is the "
+                 "least idle stage)" if ref == low else
+                 f"its {bubble_s * 1e3:.2f} ms without compute or collectives = stage {ref}'s {ref_s * 1e3:.2f} ms (the "
+                 f"least idle stage: the schedule's bubble) + imbalance {imb_s * 1e3:.2f} ms")
         line += (f"  (pipeline: stage {low} idles {idle_s * 1e3:.2f} ms/step: waiting for the other stages "
-                 f"{wait_s * 1e3:.2f} ms (bubble + imbalance; its bubble {st.get('pipeline_bubble_s', 0.0) * 1e3:.2f} ms "
-                 f"= the schedule's {s.get('pipeline_bubble_s', 0.0) * 1e3:.2f} + imbalance "
-                 f"{st.get('pipeline_imbalance_s', 0.0) * 1e3:.2f}), collectives {comm_s * 1e3:.2f} ms{host}; "
-                 + (f"stage {min(range(len(stages)), key=lambda r: stages[r].get('pipeline_bubble_s', 0.0))} "
-                    "gates the step: balance the stages' work" if st.get("pipeline_imbalance_s", 0.0) > s.get("pipeline_bubble_s", 0.0)
+                 f"{wait_s * 1e3:.2f} ms, collectives {comm_s * 1e3:.2f} ms{host}; {split}; "
+                 + (f"stage {ref} gates the step: balance the stages' work" if imb_s > ref_s
                     else "more micro-batches or interleaving shrink the bubble") + ")")
     else:
         line += (f"  (host-bound: stage {low} idles {idle_s * 1e3:.2f} ms/step, waiting for kernel launches or host "
@@ -179,8 +185,9 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
         if pipe:
-            lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (the least idle stage's idle "
-                         "time; a stage's imbalance is its idle time beyond that)")
+            ref = min(pipe["stages"], key=lambda st: st["pipeline_bubble_s"])["pp_rank"]
+            lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (stage {ref}'s idle time, the "
+                         "least idle stage; a stage's imbalance is its idle time beyond that)")
         for st in (pipe or {}).get("stages", ()):
             lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers"
                          + (f" (slowdown {st['slowdown']:g})" if st.get("slowdown", 1.0) != 1.0 else "")

@@ -86,8 +86,8 @@ def test_busy_line_of_a_pipeline_names_the_stage_and_blames_the_wait():
     line = _busy_line(_pipe_summary([0.40, 0.90], [0.059, 0.009]))[0]
     assert line.startswith("GPU busy            40 % of the step on stage 0 (the peak-memory stage); "
                            "stages 40-90 %, mean 65 %")
-    assert ("waiting for the other stages 59.00 ms (bubble + imbalance; its bubble 59.00 ms = the schedule's 9.00 "
-            "+ imbalance 50.00), collectives 1.00 ms;") in line
+    assert ("waiting for the other stages 59.00 ms, collectives 1.00 ms; its 59.00 ms without compute or collectives "
+            "= stage 1's 9.00 ms (the least idle stage: the schedule's bubble) + imbalance 50.00 ms;") in line
     assert "stage 1 gates the step" in line and "host" not in line
     # with the stage's idle split (stage_idle_split): 20 ms waiting for stage 1, 39 ms host gaps -> the host
     s = _pipe_summary([0.40, 0.90], [0.059, 0.009])
@@ -100,6 +100,29 @@ def test_busy_line_of_a_pipeline_names_the_stage_and_blames_the_wait():
     s["utilisation"]["compute"] = 0.97
     line = _busy_line(s)[0]
     assert "97 % of the step on stage 0" in line and "stage 1 idles 50.00 ms/step" in line
+
+
+def test_busy_line_names_the_stage_of_every_figure():
+    # three stages whose roles differ: stage 0 holds the peak memory (busy 95 %), stage 1 is the least busy (busy
+    # 30 %: idles 0.7 x 100 = 70 ms, of which 62 ms waiting, 5 ms host gaps, 3 ms collectives: its 67 ms without
+    # compute or collectives), stage 2 the least idle (busy 60 %, 7 ms without compute or collectives: the
+    # schedule's bubble); stage 1's imbalance is 67 - 7 = 60 ms > 7 ms, so stage 2 gates the step
+    s = _pipe_summary([0.95, 0.30, 0.60], [0.020, 0.067, 0.007])
+    s["pipeline"]["stages"][1].update(pipeline_wait_s=0.062, host_idle_s=0.005, exposed_comm_s=0.003)
+    line = _busy_line(s)[0]
+    assert line.startswith("GPU busy            95 % of the step on stage 0 (the peak-memory stage); "
+                           "stages 30-95 %, mean 62 %")
+    assert ("(pipeline: stage 1 idles 70.00 ms/step: waiting for the other stages 62.00 ms, collectives 3.00 ms, "
+            "host-bound gaps 5.00 ms; its 67.00 ms without compute or collectives = stage 2's 7.00 ms (the least idle "
+            "stage: the schedule's bubble) + imbalance 60.00 ms; stage 2 gates the step: balance the stages' work)") in line
+    # the least busy stage is also the least idle one (its idle is mostly exposed communication): stage 1 idles
+    # 40 ms, 10 without compute or collectives (stage 0: 30 ms, 29): its bubble is the schedule's, no other stage named
+    s = _pipe_summary([0.70, 0.60], [0.029, 0.010])
+    s["pipeline"]["stages"][1]["exposed_comm_s"] = 0.030
+    line = _busy_line(s)[0]
+    assert ("stage 1 idles 40.00 ms/step: waiting for the other stages 10.00 ms, collectives 30.00 ms; its 10.00 ms "
+            "without compute or collectives is the schedule's bubble (it is the least idle stage); more micro-batches"
+            ) in line and "stage 0" not in line.split("(pipeline:")[1]
 
 
 def test_pipeline_summary_splits_each_stage_idle_by_the_breakdown_rule():
