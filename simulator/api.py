@@ -497,9 +497,9 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     Raises:
         SimulationError: the engine failed (a deadlock names the rendezvous).
     """
-    from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps, first_op_s,
-                                             phase_compute_s, pipeline_bubble_s, stage_idle_split,
-                                             step_end_spread_s)
+    from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps,
+                                             compute_clock_mhz, first_op_s, phase_compute_s, pipeline_bubble_s,
+                                             stage_idle_split, step_end_spread_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -522,6 +522,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             if pp > 1:  # the stage's idle split into waits for other stages and host gaps (labels only)
                 summ.update(stage_idle_split(rec.spans, rec.launches, step_df))
+                if (mhz := compute_clock_mhz(rec.spans, rec.counters, step_df)) is not None:
+                    summ["compute_clock_mhz"] = mhz  # the clock its compute ran at (DVFS: the stages' clocks differ)
             parts.append(summ)
             part_steps.append(step_df)
             first_ops.append(first_op_s(rec.spans, run.steps))

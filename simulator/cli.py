@@ -191,7 +191,9 @@ def format_summary(s: dict, name: str) -> str:
         for st in (pipe or {}).get("stages", ()):
             lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers"
                          + (f" (slowdown {st['slowdown']:g})" if st.get("slowdown", 1.0) != 1.0 else "")
-                         + f": bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
+                         + f": compute {sum((st.get('phase_compute_s') or {}).values()) * 1e3:.2f} ms"
+                         + (f" at {st['compute_clock_mhz']:.0f} MHz" if st.get("compute_clock_mhz") else "")
+                         + f", bubble {st['pipeline_bubble_s'] * 1e3:.2f} ms"
                          f" (imbalance {st['pipeline_imbalance_s'] * 1e3:.2f}), exposed comm "
                          f"{st['exposed_comm_s'] * 1e3:.2f} ms, peak memory {_fmt_bytes(st['peak_device_memory_bytes'])}"
                          + (" OUT OF MEMORY" if st.get("oom") else ""))

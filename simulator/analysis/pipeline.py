@@ -14,7 +14,7 @@ from simulator.analysis.summary import step_period_s
 
 #: per-stage keys copied into ``summary["pipeline"]["stages"]``
 _STAGE_KEYS = ("step_time_s", "exposed_comm_s", "comm_s_by_group", "pipeline_bubble_s", "pipeline_imbalance_s",
-               "pipeline_wait_s", "host_idle_s",
+               "pipeline_wait_s", "host_idle_s", "compute_clock_mhz",
                "peak_device_memory_bytes", "peak_memory_bytes", "oom", "phase_compute_s", "energy_j_per_step",
                "avg_power_w", "num_ops")
 #: DVFS / energy keys averaged over the stages (per GPU)
@@ -69,6 +69,46 @@ def phase_compute_s(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float
         iv = comp[comp.phase.astype(str) == ph][["start_s", "end_s"]].to_numpy(dtype=float)
         out[f"{ph}_s"] = float(np.sum(np.diff(_merge(iv), axis=1))) / max(len(measured), 1)
     return out
+
+
+def compute_clock_mhz(spans: pd.DataFrame, counters: pd.DataFrame | None, steps: pd.DataFrame) -> float | None:
+    """Mean SM clock of one stage while its compute stream runs, over its measured steps, MHz: the ``sm_clock_mhz``
+    level of its GPU (``gpu0``; each sample holds until the next) weighted by the union of its ``compute`` spans.
+
+    It says at what clock each stage's kernels ran, which its compute time and so ``pipeline_imbalance_s`` follow
+    under DVFS: each board's firmware lowers its own clock while its own power average is above the cap, so a
+    busier stage computes at a lower clock, and a stage back from idling (a pipeline's fill or drain) at a higher
+    one than its mean (``avg_sm_clock_mhz`` also counts the idle time).
+
+    Args:
+        spans: The stage's spans; counters: its counters (``t_s, scope, metric, value``); steps: its steps.
+
+    Returns:
+        The clock, MHz; None without clock samples (no power model) or without compute in the measured steps.
+    """
+    if counters is None or not len(counters):
+        return None
+    clk = counters[(counters.metric.astype(str) == "sm_clock_mhz") & (counters.scope.astype(str) == "gpu0")]
+    measured = steps[~steps.warmup] if "warmup" in steps else steps
+    comp = spans[(spans.kind == COMPUTE_KIND) & spans.step.isin(measured.step)]
+    if clk.empty or comp.empty:
+        return None
+    busy = _merge(comp[["start_s", "end_s"]].to_numpy(dtype=float))
+    cum = np.concatenate([[0.0], np.cumsum(busy[:, 1] - busy[:, 0])])
+
+    def busy_before(t: np.ndarray) -> np.ndarray:  # busy time in (-inf, t], s
+        j = np.searchsorted(busy[:, 0], t, side="right")
+        inside = np.clip(t - busy[np.maximum(j - 1, 0), 0], 0.0, None)
+        part = np.minimum(inside, busy[np.maximum(j - 1, 0), 1] - busy[np.maximum(j - 1, 0), 0])
+        return cum[np.maximum(j - 1, 0)] + np.where(j > 0, part, 0.0)
+
+    clk = clk.sort_values("t_s", kind="stable")
+    t = clk.t_s.to_numpy(dtype=float)
+    level = clk.value.to_numpy(dtype=float)
+    lo = np.concatenate([[-np.inf], t[1:]])  # the first level also holds before its sample (the initial clock)
+    hi = np.concatenate([t[1:], [np.inf]])
+    weight = busy_before(hi) - busy_before(lo)
+    return float(np.sum(weight * level) / cum[-1]) if cum[-1] > 0 else None
 
 
 def first_op_s(spans: pd.DataFrame, steps: int) -> np.ndarray:
@@ -135,7 +175,7 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
     ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
     ``pipeline.stages`` lists every stage, with its ``pipeline_wait_s`` and ``host_idle_s`` when given
-    (``stage_idle_split``) and its ``gpu_busy`` (its compute stream's busy share of its own
+    (``stage_idle_split``), its ``compute_clock_mhz`` when given (``compute_clock_mhz``) and its ``gpu_busy`` (its compute stream's busy share of its own
     step window; the top-level ``utilisation`` is that of the peak-memory stage).
 
     Args:
@@ -161,7 +201,7 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
                peak_memory_pp_rank=mem, num_ops=sum(s["num_ops"] for s in stages),
                exposed_comm_s=max(s["exposed_comm_s"] for s in stages), pipeline_bubble_s=bubble,
                phase_s={k: float(np.mean([s["phase_compute_s"][k] for s in stages])) for k in stages[0]["phase_compute_s"]})
-    for k in ("phase_compute_s", "pipeline_wait_s", "host_idle_s"):  # per stage only (``pipeline.stages``)
+    for k in ("phase_compute_s", "pipeline_wait_s", "host_idle_s", "compute_clock_mhz"):  # per stage only
         out.pop(k, None)
     ooms = sorted((r for r, s in enumerate(stages) if s.get("oom")), key=lambda r: -stages[r]["peak_device_memory_bytes"])
     out["oom"] = f"pipeline stage {ooms[0]}: {stages[ooms[0]]['oom']}" if ooms else None
