@@ -554,6 +554,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 row["slowdown"] = classes[k].hw.slowdown
                 row["gpu"] = classes[k].hw.gpu.name
                 row["dvfs"] = classes[k].cfg.dvfs.kind if classes[k].cfg.dvfs is not None else None
+                if n_dp > 1:  # the stage's figures are its first data-parallel class's: named (``rank_classes``)
+                    row["rank_class"] = classes[k].label.removeprefix(f"pp_rank {classes[k].pp_rank} / ")
             if cfg.rank_overrides and n_dp == 1:  # an overridden stage: the one the others wait for
                 stages = summary["pipeline"]["stages"]
                 summary["straggler"] = f"pp_rank {min(stages, key=lambda st: st['pipeline_bubble_s'])['pp_rank']}"

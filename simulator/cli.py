@@ -75,6 +75,12 @@ def _stage_busy(s: dict) -> list[float]:
     return busy if busy and all(b is not None for b in busy) else []
 
 
+def _stage_name(st: dict) -> str:
+    """``stage N``, with the data-parallel class its figures come from when the run splits rank classes
+    (``pipeline.stages[].rank_class``: each stage's first class, ``stage 3 / dp ranks (others)``)."""
+    return f"stage {st['pp_rank']}" + (f" / {st['rank_class']}" if st.get("rank_class") else "")
+
+
 def _pipeline_busy_line(s: dict) -> list[str]:
     """The GPU busy line of a pipeline run: the peak-memory stage's share (the top-level ``utilisation``), named,
     with the range and mean over the stages; when a stage is below 85 % busy, the least busy one's idle time
@@ -87,7 +93,8 @@ def _pipeline_busy_line(s: dict) -> list[str]:
     stages = s["pipeline"]["stages"]
     busy = _stage_busy(s)
     top = s.get("peak_memory_pp_rank", 0)
-    line = (f"GPU busy            {busy[top] * 100:.0f} % of the step on stage {top} (the peak-memory stage); "
+    line = (f"GPU busy            {busy[top] * 100:.0f} % of the step on {_stage_name(stages[top])} (the peak-memory "
+            "stage); "
             f"stages {min(busy) * 100:.0f}-{max(busy) * 100:.0f} %, mean {sum(busy) / len(busy) * 100:.0f} %")
     low = min(range(len(busy)), key=lambda r: busy[r])
     if busy[low] >= 0.85:
@@ -106,14 +113,15 @@ def _pipeline_busy_line(s: dict) -> list[str]:
     elif wait_s + comm_s >= 0.5 * idle_s:
         split = (f"its {bubble_s * 1e3:.2f} ms without compute or collectives is the schedule's bubble (it is the "
                  "least idle stage)" if ref == low else
-                 f"its {bubble_s * 1e3:.2f} ms without compute or collectives = stage {ref}'s {ref_s * 1e3:.2f} ms (the "
+                 f"its {bubble_s * 1e3:.2f} ms without compute or collectives = {ref_s * 1e3:.2f} ms of "
+                 f"{_stage_name(stages[ref])} (the "
                  f"least idle stage: the schedule's bubble) + imbalance {imb_s * 1e3:.2f} ms")
-        line += (f"  (pipeline: stage {low} idles {idle_s * 1e3:.2f} ms/step: waiting for the other stages "
+        line += (f"  (pipeline: {_stage_name(st)} idles {idle_s * 1e3:.2f} ms/step: waiting for the other stages "
                  f"{wait_s * 1e3:.2f} ms, collectives {comm_s * 1e3:.2f} ms{host}; {split}; "
-                 + (f"stage {ref} gates the step: balance the stages' work" if imb_s > ref_s
+                 + (f"{_stage_name(stages[ref])} gates the step: balance the stages' work" if imb_s > ref_s
                     else "more micro-batches or interleaving shrink the bubble") + ")")
     else:
-        line += (f"  (host-bound: stage {low} idles {idle_s * 1e3:.2f} ms/step, waiting for kernel launches or host "
+        line += (f"  (host-bound: {_stage_name(st)} idles {idle_s * 1e3:.2f} ms/step, waiting for kernel launches or host "
                  f"work{host}; for the other stages {wait_s * 1e3:.2f} ms)")
     return [line]
 
@@ -185,11 +193,12 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
                      "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
         if pipe:
-            ref = min(pipe["stages"], key=lambda st: st["pipeline_bubble_s"])["pp_rank"]
-            lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (stage {ref}'s idle time, the "
+            ref = _stage_name(min(pipe["stages"], key=lambda st: st["pipeline_bubble_s"]))
+            lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (the idle time of {ref}, the "
                          "least idle stage; a stage's imbalance is its idle time beyond that)")
         for st in (pipe or {}).get("stages", ()):
             lines.append(f"  stage {st['pp_rank']:<3}         {st['layers']} layers"
+                         + (f", {st['rank_class']}" if st.get("rank_class") else "")
                          + (f" (slowdown {st['slowdown']:g})" if st.get("slowdown", 1.0) != 1.0 else "")
                          + f": compute {sum((st.get('phase_compute_s') or {}).values()) * 1e3:.2f} ms"
                          + (f" at {st['compute_clock_mhz']:.0f} MHz" if st.get("compute_clock_mhz") else "")

@@ -87,7 +87,7 @@ def test_busy_line_of_a_pipeline_names_the_stage_and_blames_the_wait():
     assert line.startswith("GPU busy            40 % of the step on stage 0 (the peak-memory stage); "
                            "stages 40-90 %, mean 65 %")
     assert ("waiting for the other stages 59.00 ms, collectives 1.00 ms; its 59.00 ms without compute or collectives "
-            "= stage 1's 9.00 ms (the least idle stage: the schedule's bubble) + imbalance 50.00 ms;") in line
+            "= 9.00 ms of stage 1 (the least idle stage: the schedule's bubble) + imbalance 50.00 ms;") in line
     assert "stage 1 gates the step" in line and "host" not in line
     # with the stage's idle split (stage_idle_split): 20 ms waiting for stage 1, 39 ms host gaps -> the host
     s = _pipe_summary([0.40, 0.90], [0.059, 0.009])
@@ -113,7 +113,7 @@ def test_busy_line_names_the_stage_of_every_figure():
     assert line.startswith("GPU busy            95 % of the step on stage 0 (the peak-memory stage); "
                            "stages 30-95 %, mean 62 %")
     assert ("(pipeline: stage 1 idles 70.00 ms/step: waiting for the other stages 62.00 ms, collectives 3.00 ms, "
-            "host-bound gaps 5.00 ms; its 67.00 ms without compute or collectives = stage 2's 7.00 ms (the least idle "
+            "host-bound gaps 5.00 ms; its 67.00 ms without compute or collectives = 7.00 ms of stage 2 (the least idle "
             "stage: the schedule's bubble) + imbalance 60.00 ms; stage 2 gates the step: balance the stages' work)") in line
     # the least busy stage is also the least idle one (its idle is mostly exposed communication): stage 1 idles
     # 40 ms, 10 without compute or collectives (stage 0: 30 ms, 29): its bubble is the schedule's, no other stage named
@@ -123,6 +123,18 @@ def test_busy_line_names_the_stage_of_every_figure():
     assert ("stage 1 idles 40.00 ms/step: waiting for the other stages 10.00 ms, collectives 30.00 ms; its 10.00 ms "
             "without compute or collectives is the schedule's bubble (it is the least idle stage); more micro-batches"
             ) in line and "stage 0" not in line.split("(pipeline:")[1]
+
+
+def test_busy_line_names_the_rank_class_of_the_stage_figures():
+    # data-parallel rank classes: a stage's figures are its first class's, and every stage named says so
+    s = _pipe_summary([0.95, 0.30, 0.60], [0.020, 0.067, 0.007])
+    for st in s["pipeline"]["stages"]:
+        st["rank_class"] = "dp ranks (others)"
+    line = _busy_line(s)[0]
+    assert "on stage 0 / dp ranks (others) (the peak-memory stage)" in line
+    assert "(pipeline: stage 1 / dp ranks (others) idles 70.00 ms/step" in line
+    assert "= 7.00 ms of stage 2 / dp ranks (others) (the least idle stage" in line
+    assert "stage 2 / dp ranks (others) gates the step" in line
 
 
 def test_pipeline_summary_splits_each_stage_idle_by_the_breakdown_rule():

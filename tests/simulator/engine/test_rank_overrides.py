@@ -131,6 +131,14 @@ def test_a_slow_replica_in_a_pipeline_is_one_class_per_stage():
     assert labels == ["pp_rank 0 / dp ranks (others)", "pp_rank 0 / dp_rank 2", "pp_rank 1 / dp ranks (others)",
                       "pp_rank 1 / dp_rank 2"]
     assert slow["straggler"].endswith("dp_rank 2") and slow["step_time_s"] > base["step_time_s"]
+    # the stage rows are each stage's first class (not the straggler's): named so, in the rows and the busy line
+    from simulator.cli import format_summary
+    assert [st["rank_class"] for st in slow["pipeline"]["stages"]] == ["dp ranks (others)"] * 2
+    text = format_summary(slow, "pipe")
+    top = slow["peak_memory_pp_rank"]
+    assert f"of the step on stage {top} / dp ranks (others) (the peak-memory stage)" in text
+    assert "  stage 0           " in text and "layers, dp ranks (others): compute" in text
+    assert "rank_class" not in base["pipeline"]["stages"][0]
 
 
 @pytest.mark.parametrize("override,msg", [
