@@ -58,10 +58,10 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
-        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
+        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_in(p.pipeline_model_parallel_size),
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
-        zero_ipg_buffers=z.ipg_buffers,
+        zero_ipg_buffers=z.ipg_buffers(p.pipeline_model_parallel_size),
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
@@ -90,6 +90,20 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels,
     )
+
+
+#: A DeepSpeed config with ZeRO stage 0, bf16 and a pipeline: DeepSpeed wraps the optimizer in ``BF16_Optimizer``
+#: (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``: ZeRO off, model and
+#: gradient-accumulation dtype both bf16 and a ``PipelineModule`` -> ``BFLOAT16``; ``deepspeed/runtime/bf16_optimizer.py``
+#: keeps a flat gradient-accumulation buffer of every parameter beside the bf16 ``.grad``, the fp32 master weights and
+#: optimizer state partitioned over the data-parallel ranks, all-reduces the buffer (``pipe/engine.py``
+#: ``_bf16_reduce_grads``) and all-gathers the updated bf16 parameters), which is not built.
+BF16_PIPELINE_NOTE = (
+    "zero_optimization.stage 0 with pipeline parallelism and bf16 is priced as Megatron-LM's DDP (an fp32 main-grad "
+    "buffer, optimizer state and fp32 master weights on every data-parallel rank); DeepSpeed's pipeline engine wraps "
+    "the optimizer in BF16_Optimizer instead (a bf16 gradient-accumulation buffer beside the .grad, master weights "
+    "and optimizer state partitioned over the data-parallel ranks, an all-reduce then a parameter all-gather), which "
+    "is not modelled (zero_optimization.stage 1, DeepSpeed's ZeRO-1 under its pipeline engine, is)")
 
 
 def stage_gpu(cfg: ScenarioConfig, pipeline_rank: int = 0) -> GpuSpec:
@@ -861,6 +875,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
                        "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
                        "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
+        if (cfg.zero_optimization.stage == 0 and "zero_optimization" in cfg.model_fields_set
+                and cfg.training.precision == "bf16"):
+            out.append(BF16_PIPELINE_NOTE)
         if spec.num_micro_batches < pp:
             mbs = f"{spec.num_micro_batches} micro-batch{'es' if spec.num_micro_batches != 1 else ''}"
             out.append(f"{mbs} per step for {pp} pipeline stages: most of the step is pipeline bubble (raise "
@@ -1056,10 +1073,15 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if z.stage < 3 and stage3:
         out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "
                    f"{z.stage} (stage-3 parameter partitioning only)")
-    if z.stage in (1, 2) and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce != z.overlap:
+    pp = p.pipeline_model_parallel_size
+    if z.stage in (1, 2) and pp > 1 and z.overlap:
+        out.append(f"zero_optimization.overlap_comm true has no effect with pipeline_model_parallel_size {pp}: "
+                   "DeepSpeed's engine turns it off for a PipelineModule (deepspeed/runtime/engine.py "
+                   "_configure_zero_optimizer), so it is priced off (one IPG buffer, no reduction during backward)")
+    if z.stage in (1, 2) and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce != z.overlap_in(pp):
         out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
                    f"zero_optimization.stage {z.stage}: DeepSpeed's zero_optimization.overlap_comm governs (in force: "
-                   f"{str(z.overlap).lower()})")
+                   f"{str(z.overlap_in(pp)).lower()})")
     if f is not None and f.forward_prefetch and f.limit_all_gathers:
         out.append("fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers alone: both are "
                    "modelled as a forward prefetch of one unit (the next unit's all-gather issued while the current "

@@ -28,6 +28,10 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
     "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
+    "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
+                  "model dtype (DeepSpeed's default); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
+                  "BF16_Optimizer (an fp32 gradient accumulation buffer of every parameter, an fp32 all-reduce), "
+                  "which is not (deepspeed/runtime/engine.py _do_optimizer_sanity_check); remove it",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names

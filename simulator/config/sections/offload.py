@@ -186,21 +186,28 @@ class ZeroOptimizationConfig(_Model):
                               "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                               mode="before")(integral_count)
 
-    @property
-    def ipg_buffers(self) -> int:
+    def ipg_buffers(self, pipeline_stages: int = 1) -> int:
         """DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_size`` elements allocated by each backward
         (microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer.backward``:
-        one with ``contiguous_gradients``, a second with ``overlap_comm``); 0 for other stages, without
-        ``contiguous_gradients``, or with optimizer offload (whose gradient path is modelled by
-        ``simulator/policies/offload_optimizer.py`` without them)."""
+        one with ``contiguous_gradients``, a second with ``overlap_comm`` in force, ``overlap_in``); 0 for other
+        stages, without ``contiguous_gradients``, or with optimizer offload (whose gradient path is modelled by
+        ``simulator/policies/offload_optimizer.py`` without them). ``pipeline_stages``: the pipeline-parallel size."""
         if self.stage not in (1, 2) or not self.contiguous_gradients or self.offload_optimizer.device != "none":
             return 0
-        return 2 if self.overlap else 1
+        return 2 if self.overlap_in(pipeline_stages) else 1
 
     @property
     def overlap(self) -> bool:
-        """``overlap_comm`` in force (DeepSpeed: true for stage 3 when not given, else false)."""
+        """``overlap_comm`` as configured (DeepSpeed: true for stage 3 when not given, else false); with a pipeline
+        the value in force is ``overlap_in``'s."""
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def overlap_in(self, pipeline_stages: int) -> bool:
+        """``overlap_comm`` in force with ``pipeline_stages`` pipeline-parallel ranks: DeepSpeed's engine turns it off
+        for a ``PipelineModule`` ("Pipeline parallelism does not support overlapped communication, will be
+        disabled."; deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_configure_zero_optimizer``,
+        stages 1-2), else ``overlap``."""
+        return self.overlap and pipeline_stages == 1
 
     @model_validator(mode="after")
     def _consistent(self):
