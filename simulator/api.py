@@ -84,6 +84,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
                                      if m.num_experts else 1),
         moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_pattern=_moe_layer_pattern(m),
         moe_grouped_gemm=m.moe_grouped_gemm, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_router_dtype=m.moe_router_dtype,
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
@@ -895,6 +896,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "times its step equals zero_bubble_h1's); training.clip_grad: 0 with bf16 simulates it without")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
+        if m.moe_router_dtype is not None:
+            out.append(f"model.moe_router_dtype {m.moe_router_dtype}: the routing probabilities and what the dispatcher "
+                       f"moves and weighs with them are priced in {m.moe_router_dtype}, but the router GEMM and its "
+                       "logits in the model dtype (Megatron's router_gating_linear casts the input and the weight to "
+                       f"{m.moe_router_dtype} and multiplies there: a [tokens, hidden] x [hidden, experts] GEMM)")
         if m.moe_tokens_per_expert is None:
             out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
                        f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load "
