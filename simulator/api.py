@@ -152,11 +152,20 @@ def vit_shape(cfg: ScenarioConfig) -> VitShape | None:
     return VitShape(m.image_size, m.patch_size, m.num_channels or 3, m.num_classes)
 
 
+def zero3_head_numel(spec: TransformerSpec) -> int:
+    """Elements of the modules between the last block's forward and its backward in DeepSpeed's ZeRO-3 trace: the
+    final norm and the LM head's weight (the token table with tied embeddings), ``sharding.root_param_sizes``."""
+    from simulator.graph.builders.sharding import root_param_sizes
+
+    return sum(k for n, k in root_param_sizes(spec).items()
+               if not n.startswith("wpe") and (spec.tied_embeddings or not n.startswith("wte")))
+
+
 def sharding_spec(cfg: ScenarioConfig):
     """The builder's ``ShardingSpec`` of a scenario (ZeRO-3, FSDP, Megatron distributed optimizer), or None."""
     from simulator.config.sections.fsdp import DTYPE_BYTES
     from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
-                                                   zero3_prefetch_depth)
+                                                   zero3_kept_after_forward, zero3_prefetch_depth)
 
     # sharded over the gradient reduce group: data x context parallel ranks (Megatron-LM with --context-parallel-size)
     dp = cfg.parallelism.data_context_parallel_size
@@ -166,8 +175,13 @@ def sharding_spec(cfg: ScenarioConfig):
         thr = z.stage3_param_persistence_threshold
         unit = sum(k for k in layer_param_sizes(spec).values() if k > thr)
         d = zero3_prefetch_depth(unit, spec.num_layers, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+        kept = frozenset()
+        if z.offload_param.device == "none":  # with parameter offload every block is fetched again (run_warnings)
+            kept = zero3_kept_after_forward(sum(layer_param_sizes(spec).values()), spec.num_layers,
+                                            zero3_head_numel(spec), z.stage3_max_reuse_distance)
         return ShardingSpec("zero3", dp, fwd_prefetch_depth=d, bwd_prefetch="pre", bwd_prefetch_depth=d,
-                            reshard_after_forward=True, reshard_root=True, persistence_threshold=thr)
+                            reshard_after_forward=True, reshard_root=True, persistence_threshold=thr,
+                            kept_after_forward=kept)
     if f is not None:
         param, reduce = f.dtypes
         shard, rep = fsdp_mesh_of(cfg)
@@ -832,6 +846,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
     out.extend(_low_precision_shard_note(cfg))
     out.extend(_cpu_adam_default_note(cfg))
+    if cfg is not None and cfg.zero_optimization.stage == 3 and cfg.zero_optimization.offload_param.device != "none":
+        z = cfg.zero_optimization
+        out.append(f"zero_optimization.stage3_max_reuse_distance ({z.stage3_max_reuse_distance:.3g}) is not modelled "
+                   f"with offload_param {z.offload_param.device}: every block is fetched again for its backward, where "
+                   "DeepSpeed keeps a block whose reuse comes within that many parameter elements (the last blocks of "
+                   "the forward), so the fetch traffic is an upper bound")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
             not transformer_spec(cfg).sp_regathers_inputs):
         out.append(sequence_parallel_regather_note(cfg))

@@ -35,8 +35,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
-    "zero_optimization.stage3_max_reuse_distance": "DeepSpeed's stage3_max_reuse_distance is not modelled: every "
-                                                   "block's parameters are gathered again for its backward; remove it",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
     "zero_optimization.gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
     "zero_optimization.round_robin_gradients": "DeepSpeed's round_robin_gradients is not modelled; remove it",

@@ -369,8 +369,10 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
     unit = spec.layer_params
     root = (spec.vocab_per_rank + spec.position_table_rows) * spec.hidden_size
-    if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit
-        gathered = 2 * unit * ((sh.fwd_prefetch_depth or 0) + 1) + 2 * root
+    if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit, or the blocks kept from forward to
+        # backward by stage3_max_reuse_distance (the last ones, which the turn to backward holds with the window)
+        kept = sum(1 for u in sh.kept_after_forward if u >= 0)
+        gathered = 2 * unit * max((sh.fwd_prefetch_depth or 0) + 1, kept) + 2 * root
         return {"params": 6 * Ps + gathered, "grad": 2 * Ps, "optimizer": 8 * Ps}, 0
     if sh.version == 2:  # FSDP2 (graph/builders/fsdp2.py): padded per parameter; in forward two all-gather
         # outputs ahead of the unit's unsharded copy

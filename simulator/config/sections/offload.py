@@ -176,6 +176,12 @@ class ZeroOptimizationConfig(_Model):
     stage3_max_live_parameters: int = Field(
         default=1_000_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: most parameter elements "
         "gathered at once (DeepSpeed default 1e9).")
+    stage3_max_reuse_distance: int = Field(
+        default=1_000_000_000, ge=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: a block's parameters are not "
+        "released after its forward when the parameters used before its backward (the later blocks' forward and "
+        "backward and the LM head's) number fewer elements than this, so its backward gathers nothing (DeepSpeed "
+        "default 1e9; block granularity: simulator/graph/builders/sharding.py zero3_kept_after_forward); 0: every "
+        "block gathered again. Not modelled with offload_param (every block fetched again; the run's warnings say so).")
     sub_group_size: int = Field(
         default=SUB_GROUP_SIZE_DEFAULT, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="With offload_optimizer nvme: the CPU "
         "step and its swaps run in groups of this many elements of the rank's partition (DeepSpeed default 1e9); "
@@ -183,7 +189,7 @@ class ZeroOptimizationConfig(_Model):
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
     _counts = field_validator("sub_group_size", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                              "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                              "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                               mode="before")(integral_count)
 
     def ipg_buffers(self, pipeline_stages: int = 1) -> int:
