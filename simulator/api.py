@@ -102,7 +102,8 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
 BF16_PIPELINE_NOTE = (
     "zero_optimization.stage 0 with pipeline parallelism and bf16 is priced as Megatron-LM's DDP (an fp32 main-grad "
     "buffer, optimizer state and fp32 master weights on every data-parallel rank); DeepSpeed's pipeline engine wraps "
-    "the optimizer in BF16_Optimizer instead (a bf16 gradient-accumulation buffer beside the .grad, master weights "
+    "the optimizer in BF16_Optimizer instead (a gradient-accumulation buffer of every parameter, in "
+    "data_types.grad_accum_dtype, the model dtype by default, beside the .grad; master weights "
     "and optimizer state partitioned over the data-parallel ranks, an all-reduce then a parameter all-gather), which "
     "is not modelled (zero_optimization.stage 1, DeepSpeed's ZeRO-1 under its pipeline engine, is)")
 

@@ -9,10 +9,9 @@ import pytest
 
 from simulator.config.errors import ScenarioError
 from simulator.config.loader import load_scenario
-from simulator.graph.builders.transformer import build_gpt_step
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from tests.conftest import ROOT
 from tests.simulator.graph.test_moe import TINY, E, T, _mixtral, _scenario, _spec
-from simulator.graph.builders.transformer import TransformerSpec
 
 
 @pytest.mark.parametrize("router_dtype,p", [(None, 2), ("fp32", 4)])
