@@ -275,6 +275,14 @@ class ModelConfig(_Model):
             raise ValueError(f"{v!r} (allowed: an integer >= 1, or a list of 0 / 1, one per layer)")
         return v
 
+    @field_validator("moe_router_dtype", mode="before")
+    @classmethod
+    def _router_dtype(cls, v):
+        if v == "fp64":  # Megatron accepts it; no GPU preset has an fp64 GEMM rate to price the router GEMM
+            raise ValueError("fp64 is not modelled (no fp64 GEMM rate in the GPU presets; allowed: fp32, or null for "
+                             "the model dtype)")
+        return v
+
     _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                                    "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
                                    mode="before")(no_bool)

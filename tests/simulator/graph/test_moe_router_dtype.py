@@ -44,7 +44,7 @@ def test_router_dtype_key_and_its_warning(tmp_path):
                                      vocab_size=4000))
     w = run_scenario(load_scenario(p, ["model.moe_router_dtype=fp32", "run.steps=2"])).summary["warnings"]
     assert any(x.startswith("model.moe_router_dtype fp32: the routing probabilities") for x in w)
-    with pytest.raises(ScenarioError, match="moe_router_dtype"):
+    with pytest.raises(ScenarioError, match="moe_router_dtype: fp64 is not modelled"):
         load_scenario(p, ["model.moe_router_dtype=fp64"])
     with pytest.raises(ScenarioError, match="moe_router_dtype needs model.num_experts"):
         load_scenario(ROOT / "scenarios/h200/gpt_184m_b4.yaml", ["model.moe_router_dtype=fp32"])
