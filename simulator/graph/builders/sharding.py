@@ -212,7 +212,10 @@ def zero3_kept_after_forward(unit_numel: int, num_units: int, head_numel: int, m
     each) is reached in backward after the forward of blocks ``i+1 .. n-1``, the LM head's forward and backward
     (``head_numel``: final norm and head weight) and the backward of blocks ``n-1 .. i+1``, so it is kept iff
     ``2 (n - 1 - i) unit_numel + 2 head_numel < max_reuse``. The root (``ROOT``) is kept iff ``max_reuse > 0``: its
-    LM head is reused at once (forward then backward), and the unit is gathered whole here. Not modelled: a block
+    LM head is reused at once (forward then backward), and the unit is gathered whole here. The trace is one
+    micro-batch's forward and backward (``reset_step`` at every forward: deepspeedai/DeepSpeed@042b847a
+    ``deepspeed/runtime/zero/parameter_offload.py`` ``_start_of_forward_hook``), so nothing is kept past a backward
+    (``ParamGather.start_pass`` drops every unit then). Not modelled: a block
     kept in part (its last modules are reused sooner than its first), and the kept elements counting against
     ``stage3_max_live_parameters`` in the prefetch budget.
 
