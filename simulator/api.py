@@ -58,10 +58,10 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
-        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap,
+        overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_in(p.pipeline_model_parallel_size),
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
-        zero_ipg_buffers=z.ipg_buffers,
+        zero_ipg_buffers=z.ipg_buffers(p.pipeline_model_parallel_size),
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
         normalization=m.normalization, position_embedding=m.position_embedding_type,
@@ -84,12 +84,28 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
                                      if m.num_experts else 1),
         moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_pattern=_moe_layer_pattern(m),
         moe_grouped_gemm=m.moe_grouped_gemm, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_router_dtype=m.moe_router_dtype,
         moe_tokens_per_expert=tuple(m.moe_tokens_per_expert) if m.moe_tokens_per_expert is not None else None,
         kv_channels=m.kv_channels, window_size=m.window_size,
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
         attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels,
     )
+
+
+#: A DeepSpeed config with ZeRO stage 0, bf16 and a pipeline: DeepSpeed wraps the optimizer in ``BF16_Optimizer``
+#: (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``: ZeRO off, model and
+#: gradient-accumulation dtype both bf16 and a ``PipelineModule`` -> ``BFLOAT16``; ``deepspeed/runtime/bf16_optimizer.py``
+#: keeps a flat gradient-accumulation buffer of every parameter beside the bf16 ``.grad``, the fp32 master weights and
+#: optimizer state partitioned over the data-parallel ranks, all-reduces the buffer (``pipe/engine.py``
+#: ``_bf16_reduce_grads``) and all-gathers the updated bf16 parameters), which is not built.
+BF16_PIPELINE_NOTE = (
+    "zero_optimization.stage 0 with pipeline parallelism and bf16 is priced as Megatron-LM's DDP (an fp32 main-grad "
+    "buffer, optimizer state and fp32 master weights on every data-parallel rank); DeepSpeed's pipeline engine wraps "
+    "the optimizer in BF16_Optimizer instead (a gradient-accumulation buffer of every parameter, in "
+    "data_types.grad_accum_dtype, the model dtype by default, beside the .grad; master weights "
+    "and optimizer state partitioned over the data-parallel ranks, an all-reduce then a parameter all-gather), which "
+    "is not modelled (zero_optimization.stage 1, DeepSpeed's ZeRO-1 under its pipeline engine, is)")
 
 
 def stage_gpu(cfg: ScenarioConfig, pipeline_rank: int = 0) -> GpuSpec:
@@ -137,11 +153,20 @@ def vit_shape(cfg: ScenarioConfig) -> VitShape | None:
     return VitShape(m.image_size, m.patch_size, m.num_channels or 3, m.num_classes)
 
 
+def zero3_head_numel(spec: TransformerSpec) -> int:
+    """Elements of the modules between the last block's forward and its backward in DeepSpeed's ZeRO-3 trace: the
+    final norm and the LM head's weight (the token table with tied embeddings), ``sharding.root_param_sizes``."""
+    from simulator.graph.builders.sharding import root_param_sizes
+
+    return sum(k for n, k in root_param_sizes(spec).items()
+               if not n.startswith("wpe") and (spec.tied_embeddings or not n.startswith("wte")))
+
+
 def sharding_spec(cfg: ScenarioConfig):
     """The builder's ``ShardingSpec`` of a scenario (ZeRO-3, FSDP, Megatron distributed optimizer), or None."""
     from simulator.config.sections.fsdp import DTYPE_BYTES
     from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
-                                                   zero3_prefetch_depth)
+                                                   zero3_kept_after_forward, zero3_prefetch_depth)
 
     # sharded over the gradient reduce group: data x context parallel ranks (Megatron-LM with --context-parallel-size)
     dp = cfg.parallelism.data_context_parallel_size
@@ -151,8 +176,13 @@ def sharding_spec(cfg: ScenarioConfig):
         thr = z.stage3_param_persistence_threshold
         unit = sum(k for k in layer_param_sizes(spec).values() if k > thr)
         d = zero3_prefetch_depth(unit, spec.num_layers, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+        kept = frozenset()
+        if z.offload_param.device == "none":  # with parameter offload every block is fetched again (run_warnings)
+            kept = zero3_kept_after_forward(sum(layer_param_sizes(spec).values()), spec.num_layers,
+                                            zero3_head_numel(spec), z.stage3_max_reuse_distance)
         return ShardingSpec("zero3", dp, fwd_prefetch_depth=d, bwd_prefetch="pre", bwd_prefetch_depth=d,
-                            reshard_after_forward=True, reshard_root=True, persistence_threshold=thr)
+                            reshard_after_forward=True, reshard_root=True, persistence_threshold=thr,
+                            kept_after_forward=kept)
     if f is not None:
         param, reduce = f.dtypes
         shard, rep = fsdp_mesh_of(cfg)
@@ -821,6 +851,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
     out.extend(_low_precision_shard_note(cfg))
     out.extend(_cpu_adam_default_note(cfg))
+    if cfg is not None and cfg.zero_optimization.stage == 3 and cfg.zero_optimization.offload_param.device != "none":
+        z = cfg.zero_optimization
+        out.append(f"zero_optimization.stage3_max_reuse_distance ({z.stage3_max_reuse_distance:.3g}) is not modelled "
+                   f"with offload_param {z.offload_param.device}: every block is fetched again for its backward, where "
+                   "DeepSpeed keeps a block whose reuse comes within that many parameter elements (the last blocks of "
+                   "the forward), so the fetch traffic is an upper bound")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
             not transformer_spec(cfg).sp_regathers_inputs):
         out.append(sequence_parallel_regather_note(cfg))
@@ -865,6 +901,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
                        "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
                        "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
+        if (cfg.zero_optimization.stage == 0 and "zero_optimization" in cfg.model_fields_set
+                and cfg.training.precision == "bf16"):
+            out.append(BF16_PIPELINE_NOTE)
         if spec.num_micro_batches < pp:
             mbs = f"{spec.num_micro_batches} micro-batch{'es' if spec.num_micro_batches != 1 else ''}"
             out.append(f"{mbs} per step for {pp} pipeline stages: most of the step is pipeline bubble (raise "
@@ -882,6 +921,11 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "times its step equals zero_bubble_h1's); training.clip_grad: 0 with bf16 simulates it without")
     if cfg is not None and cfg.model.num_experts:
         m = cfg.model
+        if m.moe_router_dtype is not None:
+            out.append(f"model.moe_router_dtype {m.moe_router_dtype}: the routing probabilities and what the dispatcher "
+                       f"moves and weighs with them are priced in {m.moe_router_dtype}, but the router GEMM and its "
+                       "logits in the model dtype (Megatron's router_gating_linear casts the input and the weight to "
+                       f"{m.moe_router_dtype} and multiplies there: a [tokens, hidden] x [hidden, experts] GEMM)")
         if m.moe_tokens_per_expert is None:
             out.append(f"model.num_experts {m.num_experts}: routing is assumed balanced (every expert receives "
                        f"T x {m.moe_router_topk} / {m.num_experts} of each rank's T tokens; not modelled: load "
@@ -1060,10 +1104,15 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if z.stage < 3 and stage3:
         out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "
                    f"{z.stage} (stage-3 parameter partitioning only)")
-    if z.stage in (1, 2) and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce != z.overlap:
+    pp = p.pipeline_model_parallel_size
+    if z.stage in (1, 2) and pp > 1 and z.overlap:
+        out.append(f"zero_optimization.overlap_comm true has no effect with pipeline_model_parallel_size {pp}: "
+                   "DeepSpeed's engine turns it off for a PipelineModule (deepspeed/runtime/engine.py "
+                   "_configure_zero_optimizer), so it is priced off (one IPG buffer, no reduction during backward)")
+    if z.stage in (1, 2) and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce != z.overlap_in(pp):
         out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
                    f"zero_optimization.stage {z.stage}: DeepSpeed's zero_optimization.overlap_comm governs (in force: "
-                   f"{str(z.overlap).lower()})")
+                   f"{str(z.overlap_in(pp)).lower()})")
     if f is not None and f.forward_prefetch and f.limit_all_gathers:
         out.append("fsdp.forward_prefetch true gives the same schedule here as limit_all_gathers alone: both are "
                    "modelled as a forward prefetch of one unit (the next unit's all-gather issued while the current "

@@ -28,11 +28,13 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
     "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
+    "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
+                  "model dtype (DeepSpeed's default); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
+                  "BF16_Optimizer (an fp32 gradient accumulation buffer of every parameter, an fp32 all-reduce), "
+                  "which is not (deepspeed/runtime/engine.py _do_optimizer_sanity_check); remove it",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
-    "zero_optimization.stage3_max_reuse_distance": "DeepSpeed's stage3_max_reuse_distance is not modelled: every "
-                                                   "block's parameters are gathered again for its backward; remove it",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
     "zero_optimization.gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
     "zero_optimization.round_robin_gradients": "DeepSpeed's round_robin_gradients is not modelled; remove it",
@@ -54,6 +56,11 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                                "alike); remove it",
     "fsdp.activation_cpu_offload": "llm-foundry's activation_cpu_offload is not modelled; remove it (DeepSpeed's "
                                    "activation_checkpointing.cpu_checkpointing is)",
+    "fsdp.offload_policy": "FSDP2's fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=...)) is not modelled "
+                           "(sharded parameters and gradients in host memory, per-parameter H2D / D2H copies, the "
+                           "optimizer step on the CPU); FSDP1's CPUOffload is fsdp.cpu_offload with fsdp.version 1",
+    "training.enable_cpu_offload": "torchtitan's training.enable_cpu_offload (FSDP2 CPUOffloadPolicy) is not "
+                                   "modelled; FSDP1's CPUOffload is fsdp.cpu_offload with fsdp.version 1",
     "fsdp.verbose": _NO_STEP_EFFECT,
     "fsdp.state_dict_type": _NO_STEP_EFFECT,
     "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",

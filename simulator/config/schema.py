@@ -249,10 +249,16 @@ class ModelConfig(_Model):
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "alltoall_seq", "flex"] = Field(
         default="alltoall", description="Megatron --moe-token-dispatcher-type: alltoall (MoEAlltoAllTokenDispatcher: "
         "all-to-alls over the EP group, the expert-TP all-gather / reduce-scatter) or allgather "
-        "(MoEAllGatherTokenDispatcher: the routing map, fp32 probabilities and tokens all-gathered over the "
-        "expert_tensor_parallel x expert_model_parallel ranks, every rank picking its local experts' copies, the "
-        "fp32 combine reduce-scattered back; backward the mirror: simulator/graph/builders/moe_allgather.py). "
+        "(MoEAllGatherTokenDispatcher: the routing map, probabilities (moe_router_dtype) and tokens all-gathered "
+        "over the expert_tensor_parallel x expert_model_parallel ranks, every rank picking its local experts' copies, "
+        "the probability-weighted combine reduce-scattered back; backward the mirror: simulator/graph/builders/moe_allgather.py). "
         "alltoall_seq and flex (DeepEP) are not modelled. Megatron's own default is allgather; here alltoall.")
+    moe_router_dtype: Literal["fp32"] | None = Field(
+        default=None, description="Megatron --moe-router-dtype: the dtype of the router's logits and of the routing "
+        "probabilities the dispatcher permutes, gathers and multiplies into the combine (null, Megatron's default: "
+        "the model dtype, 2 bytes in bf16 / fp16; fp32: 4 bytes, and with the allgather dispatcher the "
+        "probability-weighted combine and its reduce-scatter in fp32). The router GEMM itself is priced in the model "
+        "dtype either way (the run's warnings say so). fp64 is not modelled (no fp64 GEMM rate).")
     moe_tokens_per_expert: list[float] | None = Field(
         default=None, max_length=MAX_NUM_EXPERTS, description="Routed tokens per expert, num_experts non-negative "
         "counts or fractions (normalised by their sum), e.g. pasted from Megatron's per-expert token counts of a "
@@ -267,6 +273,14 @@ class ModelConfig(_Model):
             isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x in (0, 1) for x in v))
         if not ok:  # one line instead of pydantic's union report
             raise ValueError(f"{v!r} (allowed: an integer >= 1, or a list of 0 / 1, one per layer)")
+        return v
+
+    @field_validator("moe_router_dtype", mode="before")
+    @classmethod
+    def _router_dtype(cls, v):
+        if v == "fp64":  # Megatron accepts it; no GPU preset has an fp64 GEMM rate to price the router GEMM
+            raise ValueError("fp64 is not modelled (no fp64 GEMM rate in the GPU presets; allowed: fp32, or null for "
+                             "the model dtype)")
         return v
 
     _moe_no_bool = field_validator("kv_channels", "window_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",

@@ -246,13 +246,13 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
 def _moe_mlp_delta(spec) -> tuple[float, float]:
     """An MoE block against the dense block of ``_layer_activation_bytes``: ``(saved, working)``, bytes. ``saved``:
     what the MoE layer keeps for backward (``moe.moe_fwd``) less the dense MLP's fc1 / activation outputs and
-    its gathered norm output (the MoE layer reads the ``T_n`` tokens of its shard): the router's fp32
-    probabilities, routing map (and auxiliary-loss scores), the experts' input, fc1 and activation outputs over
+    its gathered norm output (the MoE layer reads the ``T_n`` tokens of its shard): the router's
+    probabilities (``moe_probs_bytes``), routing map (and auxiliary-loss scores), the experts' input, fc1 and activation outputs over
     their ``N_g`` rows, the routed output ``unpermute`` reads (the all-to-all's ``max(N_l, N)`` rows with
-    ``ep > 1``, else ``N``), with ``allgather`` the local routing map ``[G T_n, E_l]`` and the permuted fp32
+    ``ep > 1``, else ``N``), with ``allgather`` the local routing map ``[G T_n, E_l]`` and the permuted
     probabilities ``[N_g]``, and the shared expert's tensors. ``working``: the experts' backward working set
     (fc1's and the activation's input gradients over ``N_g`` rows, two ``[rows, h]`` 16-bit tensors, with
-    ``allgather`` the fp32 ``[G T_n, h]`` gradient of the combine), in place of the dense block's."""
+    ``allgather`` the ``[G T_n, h]`` gradient of the combine, in the probabilities' dtype), in place of the dense block's."""
     from simulator.graph.builders import moe
     from simulator.graph.builders import moe_allgather as ag
 
@@ -265,13 +265,14 @@ def _moe_mlp_delta(spec) -> tuple[float, float]:
     f1e = (2 if spec.swiglu else 1) * fe
     Nl, N = moe.routed_tokens(spec, Tn), moe.expert_tokens(spec, Tn)
     Ng = N * et
-    router = 5 * Tn * E + (4 * Tn * E if spec.moe_router_load_balancing_type == "aux_loss" else 0)
+    pb = spec.moe_probs_bytes  # the routing probabilities' dtype (moe_router_dtype, else the model's)
+    router = (pb + 1) * Tn * E + (4 * Tn * E if spec.moe_router_load_balancing_type == "aux_loss" else 0)
     experts = 2 * Ng * (h + f1e + fe)
     if spec.moe_token_dispatcher_type == "allgather":
         G = ag.group_size(spec)
         R = G * Tn
-        routed = 2 * Ng * h + 4 * Ng + (R * El if G > 1 or El < E else 0)
-        working = 2 * Ng * (f1e + fe) + 4 * Ng * h + 4 * R * h
+        routed = 2 * Ng * h + pb * Ng + (R * El if G > 1 or El < E else 0)
+        working = 2 * Ng * (f1e + fe) + 4 * Ng * h + pb * R * h
     else:
         routed = 2 * h * (max(Nl, N) if ep > 1 else N)
         working = 2 * Ng * (f1e + fe) + 4 * Ng * h
@@ -368,8 +369,10 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         return {"params": 4 * P, "grad": 0, "optimizer": 8 * P}, 4 * P
     unit = spec.layer_params
     root = (spec.vocab_per_rank + spec.position_table_rows) * spec.hidden_size
-    if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit
-        gathered = 2 * unit * ((sh.fwd_prefetch_depth or 0) + 1) + 2 * root
+    if sh.strategy == "zero3":  # the root and d + 1 blocks gathered, 16-bit, or the blocks kept from forward to
+        # backward by stage3_max_reuse_distance (the last ones, which the turn to backward holds with the window)
+        kept = sum(1 for u in sh.kept_after_forward if u >= 0)
+        gathered = 2 * unit * max((sh.fwd_prefetch_depth or 0) + 1, kept) + 2 * root
         return {"params": 6 * Ps + gathered, "grad": 2 * Ps, "optimizer": 8 * Ps}, 0
     if sh.version == 2:  # FSDP2 (graph/builders/fsdp2.py): padded per parameter; in forward two all-gather
         # outputs ahead of the unit's unsharded copy

@@ -44,6 +44,15 @@ from simulator.config.limits import MODEL_CONFIG
 
 #: ``fsdp.version`` by API name
 FSDP_API_VERSIONS = {"FullyShardedDataParallel": 1, "fully_shard": 2}
+#: Why FSDP2's offload is refused: ``fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=True))`` keeps the sharded
+#: parameters and gradients in (pinned) host memory, copies each sharded parameter H2D before its all-gather and each
+#: sharded gradient D2H in backward, and steps the optimizer on the CPU with CPU states (pytorch/pytorch@05f814fe
+#: torch/distributed/fsdp/_fully_shard/_fsdp_api.py ``CPUOffloadPolicy``): per-parameter copies around FSDP2's
+#: copy-in / copy-out kernels that are not built, and FSDP1's flat-parameter offload (``cpu_offload`` with version 1)
+#: is not the same schedule.
+FSDP2_OFFLOAD_NOTE = ("its counterpart, fully_shard's offload_policy=CPUOffloadPolicy (sharded parameters and "
+                      "gradients in host memory, copied H2D before each all-gather and D2H in backward, the optimizer "
+                      "step on the CPU), is not modelled")
 #: FSDP1 keys that ``fully_shard`` has no counterpart for, and what FSDP2 does instead (pytorch/pytorch
 #: torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard(module, mesh, reshard_after_forward,
 #: shard_placement_fn, mp_policy, offload_policy, ignored_params)``; _fsdp_param_group.py: implicit forward prefetch
@@ -54,7 +63,7 @@ FSDP1_ONLY_KEYS = {
     "backward_prefetch": "it prefetches the previous unit in backward itself",
     "forward_prefetch": "its forward prefetch is the all-gather streams' own",
     "limit_all_gathers": "it limits all-gathers by stream order, not a CPU rate limiter",
-    "cpu_offload": "its offload_policy=CPUOffloadPolicy() is not modelled yet",
+    "cpu_offload": FSDP2_OFFLOAD_NOTE,
 }
 #: composer ``get_mixed_precision`` presets: name -> (param_dtype, reduce_dtype)
 MIXED_PRECISION_PRESETS = {"DEFAULT": ("bf16", "fp32"), "PURE": ("bf16", "bf16"), "FULL": ("fp32", "fp32")}
@@ -144,8 +153,9 @@ class FsdpConfig(_Model):
         if self.version == 2:
             given = [k for k in FSDP1_ONLY_KEYS if k in self.model_fields_set]
             if given:
+                has = "takes no such key" if given[0] == "cpu_offload" else "has none"
                 raise ValueError(f"fsdp.{given[0]} is FSDP1's (FullyShardedDataParallel); fsdp.version 2 "
-                                 f"(fully_shard) has none: {FSDP1_ONLY_KEYS[given[0]]} (allowed: omit it, or "
+                                 f"(fully_shard) {has}: {FSDP1_ONLY_KEYS[given[0]]} (allowed: omit it, or "
                                  "version 1)")
         elif isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"fsdp.reshard_after_forward: {self.reshard_after_forward} (an int: reshard to a smaller "

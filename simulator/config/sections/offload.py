@@ -176,6 +176,12 @@ class ZeroOptimizationConfig(_Model):
     stage3_max_live_parameters: int = Field(
         default=1_000_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: most parameter elements "
         "gathered at once (DeepSpeed default 1e9).")
+    stage3_max_reuse_distance: int = Field(
+        default=1_000_000_000, ge=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3: a block's parameters are not "
+        "released after its forward when the parameters used before its backward (the later blocks' forward and "
+        "backward and the LM head's) number fewer elements than this, so its backward gathers nothing (DeepSpeed "
+        "default 1e9; block granularity: simulator/graph/builders/sharding.py zero3_kept_after_forward); 0: every "
+        "block gathered again. Not modelled with offload_param (every block fetched again; the run's warnings say so).")
     sub_group_size: int = Field(
         default=SUB_GROUP_SIZE_DEFAULT, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="With offload_optimizer nvme: the CPU "
         "step and its swaps run in groups of this many elements of the rank's partition (DeepSpeed default 1e9); "
@@ -183,24 +189,31 @@ class ZeroOptimizationConfig(_Model):
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
     _counts = field_validator("sub_group_size", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                              "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                              "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                               mode="before")(integral_count)
 
-    @property
-    def ipg_buffers(self) -> int:
+    def ipg_buffers(self, pipeline_stages: int = 1) -> int:
         """DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_size`` elements allocated by each backward
         (microsoft/DeepSpeed@cde57d2 ``deepspeed/runtime/zero/stage_1_and_2.py`` ``DeepSpeedZeroOptimizer.backward``:
-        one with ``contiguous_gradients``, a second with ``overlap_comm``); 0 for other stages, without
-        ``contiguous_gradients``, or with optimizer offload (whose gradient path is modelled by
-        ``simulator/policies/offload_optimizer.py`` without them)."""
+        one with ``contiguous_gradients``, a second with ``overlap_comm`` in force, ``overlap_in``); 0 for other
+        stages, without ``contiguous_gradients``, or with optimizer offload (whose gradient path is modelled by
+        ``simulator/policies/offload_optimizer.py`` without them). ``pipeline_stages``: the pipeline-parallel size."""
         if self.stage not in (1, 2) or not self.contiguous_gradients or self.offload_optimizer.device != "none":
             return 0
-        return 2 if self.overlap else 1
+        return 2 if self.overlap_in(pipeline_stages) else 1
 
     @property
     def overlap(self) -> bool:
-        """``overlap_comm`` in force (DeepSpeed: true for stage 3 when not given, else false)."""
+        """``overlap_comm`` as configured (DeepSpeed: true for stage 3 when not given, else false); with a pipeline
+        the value in force is ``overlap_in``'s."""
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def overlap_in(self, pipeline_stages: int) -> bool:
+        """``overlap_comm`` in force with ``pipeline_stages`` pipeline-parallel ranks: DeepSpeed's engine turns it off
+        for a ``PipelineModule`` ("Pipeline parallelism does not support overlapped communication, will be
+        disabled."; deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_configure_zero_optimizer``,
+        stages 1-2), else ``overlap``."""
+        return self.overlap and pipeline_stages == 1
 
     @model_validator(mode="after")
     def _consistent(self):

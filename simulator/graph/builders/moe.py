@@ -14,7 +14,8 @@ process (``routed_tokens``).
 Forward, per block:
 
 * **router**: the gating GEMM ``[T, h] x [h, E]`` (a replicated weight), one top-k + softmax kernel
-  writing the fp32 probabilities and the boolean routing map ``[T, E]``; with
+  writing the probabilities (the logits' dtype: ``TransformerSpec.moe_probs_bytes``, 2 bytes in bf16 unless
+  ``moe_router_dtype`` fp32) and the boolean routing map ``[T, E]``; with
   ``moe_router_load_balancing_type: aux_loss`` the auxiliary loss (Fedus et al. 2022, eq. 4): a
   softmax of the logits over all experts and a reduction to per-expert sums.
 * **dispatch**: the tokens-per-expert count (``[E]`` int64), all-gathered over the EP group
@@ -336,7 +337,8 @@ def _alltoall_fwd(bld, x: str, probs: str, rmap: str, save: bool, sv: dict) -> s
     if ep > 1:
         y = _ep(bld, "moe.combine.all_to_all", "all_to_all", 2 * Na * h, y, "moe.combined")
     out = e.fresh("moe.out")
-    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + 4 * T * E + T * E, writes=2 * T * h,
+    pb = s.moe_probs_bytes
+    e.kernel("moe.unpermute", C.ELEMENTWISE, reads=2 * Nl * h + pb * T * E + T * E, writes=2 * T * h,
              flops=2 * Nl * h, out=[(out, 2 * T * h)], uses=[y, probs, rmap])
     sv["combined"] = y
     return out
@@ -356,8 +358,9 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
     sv: dict = {}
     logits, sv["router"] = bld._linear_fwd("router", x, h, E, x_fp32=True, save=save, tokens=T)
     probs, rmap = e.fresh("router.probs"), e.fresh("router.routing_map")
-    e.kernel("router.topk_softmax", C.SOFTMAX, reads=2 * T * E, writes=5 * T * E,
-             out=[(probs, 4 * T * E), (rmap, T * E)], uses=[logits])
+    pb = s.moe_probs_bytes
+    e.kernel("router.topk_softmax", C.SOFTMAX, reads=2 * T * E, writes=(pb + 1) * T * E,
+             out=[(probs, pb * T * E), (rmap, T * E)], uses=[logits])
     scores = None
     if s.moe_router_load_balancing_type == "aux_loss":  # softmax over all E, per-expert sums (switch loss)
         scores = e.fresh("router.aux_loss.scores")
@@ -394,15 +397,16 @@ def moe_fwd(bld, x: str, save: bool) -> tuple[str, dict]:
 
 def _alltoall_bwd(bld, g: str, sv: dict) -> tuple[str, str]:
     """Backward of ``_alltoall_fwd`` from the ``[T_n, h]`` gradient ``g``: the ``[T_n, h]`` 16-bit input gradient
-    and the ``[T_n, E]`` fp32 gradient of the router probabilities."""
+    and the ``[T_n, E]`` gradient of the router probabilities (``moe_probs_bytes`` per element)."""
     s, e, T = bld.s, bld.e, bld.Tn
     h, E, El, ep, et = s.hidden_size, s.num_experts, s.local_experts, s.expert_parallel_size, s.expert_tensor_parallel_size
     fe = expert_ffn(s) // et
     Nl, N = routed_tokens(s, T), expert_tokens(s, T)  # as in _alltoall_fwd
     Na, Ng = max(Nl, N), N * et
     gy, gp = e.fresh("moe.unpermute.dx"), e.fresh("router.probs.dx")
-    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + 4 * T * E + T * E,
-             writes=2 * Nl * h + 4 * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, 4 * T * E)],
+    pb = s.moe_probs_bytes
+    e.kernel("moe.unpermute.dgrad", C.ELEMENTWISE, reads=2 * T * h + 2 * Nl * h + pb * T * E + T * E,
+             writes=2 * Nl * h + pb * T * E, flops=2 * Nl * h, out=[(gy, 2 * Nl * h), (gp, pb * T * E)],
              uses=[g, sv["combined"], sv["probs"], sv["rmap"]])
     if ep > 1:
         gy = _ep(bld, "moe.combine.dgrad.all_to_all", "all_to_all", 2 * Na * h, gy, "moe.combine.dx")
@@ -458,7 +462,7 @@ def moe_bwd(bld, g: str, sv: dict) -> str:
     else:
         g_in, gp = _alltoall_bwd(bld, g, sv)
     gl = e.fresh("router.logits.dx")
-    e.kernel("router.topk_softmax.dgrad", C.SOFTMAX, reads=8 * T * E + T * E, writes=2 * T * E,
+    e.kernel("router.topk_softmax.dgrad", C.SOFTMAX, reads=2 * s.moe_probs_bytes * T * E + T * E, writes=2 * T * E,
              out=[(gl, 2 * T * E)], uses=[gp, sv["probs"], sv["rmap"]])
     if sv["scores"] is not None:  # the auxiliary loss's softmax backward, added to the logits' gradient
         gl2 = e.fresh("router.logits.dx")

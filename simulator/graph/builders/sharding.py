@@ -108,6 +108,9 @@ class ShardingSpec:
             shards with copy-in / copy-out kernels, ``simulator/graph/builders/fsdp2.py``).
         post_forward_size: FSDP2 ``reshard_after_forward`` as an int r (1 < r < ``shard_size``, dividing it): the
             group size blocks are resharded to after forward and all-gathered over in backward; 0: none.
+        kept_after_forward: Units (``ROOT`` or block indices) not resharded after forward whatever
+            ``reshard_after_forward`` / ``reshard_root`` say: ZeRO-3's ``stage3_max_reuse_distance``
+            (``zero3_kept_after_forward``), so their backward gathers nothing.
     """
 
     strategy: str
@@ -126,6 +129,7 @@ class ShardingSpec:
     overlap_param_gather: bool = False
     version: int = 1
     post_forward_size: int = 0
+    kept_after_forward: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         """Raises: ValueError: an unknown strategy or prefetch mode, non-positive sizes, a version other than 1 or 2
@@ -194,6 +198,32 @@ def zero3_prefetch_depth(unit_numel: int, num_units: int, prefetch_bucket: int, 
     while d < num_units and (d + 1) * unit_numel <= prefetch_bucket and (d + 2) * unit_numel <= max_live:
         d += 1
     return d
+
+
+def zero3_kept_after_forward(unit_numel: int, num_units: int, head_numel: int, max_reuse: int) -> frozenset[int]:
+    """The units ZeRO-3 does not release after their forward because they are reused within ``max_reuse``
+    parameter elements (``stage3_max_reuse_distance``; DeepSpeed default 1e9).
+
+    DeepSpeed's rule (deepspeedai/DeepSpeed@00a31c99 ``deepspeed/runtime/zero/partitioned_param_coordinator.py``
+    ``__params_to_release``): releasing a module after its forward, the coordinator walks the recorded forward +
+    backward module trace from the next module on, adding up the elements of the modules it passes, and stops
+    once the sum reaches ``max_reuse``; a parameter of the module met before then is not released. At block
+    granularity (one fetch per block, as the module docstring says): block ``i`` of ``n`` (``unit_numel`` elements
+    each) is reached in backward after the forward of blocks ``i+1 .. n-1``, the LM head's forward and backward
+    (``head_numel``: final norm and head weight) and the backward of blocks ``n-1 .. i+1``, so it is kept iff
+    ``2 (n - 1 - i) unit_numel + 2 head_numel < max_reuse``. The root (``ROOT``) is kept iff ``max_reuse > 0``: its
+    LM head is reused at once (forward then backward), and the unit is gathered whole here. The trace is one
+    micro-batch's forward and backward (``reset_step`` at every forward: deepspeedai/DeepSpeed@042b847a
+    ``deepspeed/runtime/zero/parameter_offload.py`` ``_start_of_forward_hook``), so nothing is kept past a backward
+    (``ParamGather.start_pass`` drops every unit then). Not modelled: a block
+    kept in part (its last modules are reused sooner than its first), and the kept elements counting against
+    ``stage3_max_live_parameters`` in the prefetch budget.
+
+    Returns:
+        Block indices ``0 .. num_units - 1`` and ``ROOT`` that stay gathered from forward to backward.
+    """
+    kept = {i for i in range(num_units) if 2 * (num_units - 1 - i) * unit_numel + 2 * head_numel < max_reuse}
+    return frozenset(kept | ({ROOT} if max_reuse > 0 else set()))
 
 
 def layer_param_sizes(spec, experts: bool = True, layer: int | None = None) -> dict[str, int]:
@@ -512,7 +542,8 @@ class ParamGather:
         prev, self._pass = self._pass, phase
         self._entered.clear()
         if prev == Phase.FWD:
-            drop = [u for u in self._live if (self.sh.reshard_root if u == ROOT else self.sh.reshard_after_forward)]
+            drop = [u for u in self._live if u not in self.sh.kept_after_forward
+                    and (self.sh.reshard_root if u == ROOT else self.sh.reshard_after_forward)]
         elif prev == Phase.BWD and not self.keep_after_backward:
             drop = list(self._live)
         else:

@@ -261,6 +261,8 @@ class TransformerSpec:
             (``SequentialMLP``: ``simulator.graph.builders.moe_experts``).
         moe_token_dispatcher_type: ``alltoall`` (``MoEAlltoAllTokenDispatcher``) or ``allgather``
             (``MoEAllGatherTokenDispatcher``: ``simulator.graph.builders.moe_allgather``).
+        moe_router_dtype: Megatron ``--moe-router-dtype`` (``None``: the model dtype; ``fp32``): the dtype of the
+            routing probabilities (``moe_probs_bytes``).
         kv_channels: Head dimension ``d`` (Megatron ``--kv-channels``; ``None``: ``h / a``). With ``a d != h``
             (Qwen3, Gemma, Mistral-Nemo) the QKV projection is ``h x (a d + 2 g d)`` and the output projection
             ``a d x h``.
@@ -344,6 +346,7 @@ class TransformerSpec:
     moe_layer_pattern: tuple[int, ...] | None = None
     moe_grouped_gemm: bool = True
     moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: str | None = None
     kv_channels: int | None = None
     window_size: int | None = None
     lora: lora.LoraSpec | None = None
@@ -537,6 +540,17 @@ class TransformerSpec:
             return False
         return ((self.precision == "fp16" and not self.accumulate_allreduce_grads_in_fp32)
                 or (self.precision == "bf16" and self.grad_reduce_in_bf16))
+
+    @property
+    def moe_probs_bytes(self) -> int:
+        """Bytes per element of the MoE routing probabilities ``[T, E]`` and of what the dispatchers move or weigh with
+        them: the logits' dtype, which is ``moe_router_dtype`` or else the model's (NVIDIA/Megatron-LM@005742ff
+        ``megatron/core/transformer/moe/router.py`` ``Router.gating``: ``router_dtype = input.dtype`` unless
+        ``moe_router_dtype`` is fp32 / fp64; @00611e6e ``moe_utils.py`` ``topk_routing_with_score_function``: "The final
+        probs are casted to the same dtype as the logits"): 2 in bf16 / fp16, 4 with fp32."""
+        if self.moe_router_dtype == "fp32":
+            return 4
+        return 4 if self.precision in FULL_PRECISIONS else 2
 
     @property
     def zero_half_grads(self) -> bool:

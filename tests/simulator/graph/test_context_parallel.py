@@ -127,7 +127,8 @@ TINY_CP = {**BASE, "model": {"num_layers": 1, "hidden_size": 8, "num_attention_h
                                            ("zero.param_all_gather.0", 2 * 1144)]),  # bf16 grads; the step's norm
     ({"ddp": {"use_distributed_optimizer": True}}, [("megatron.grad_reduce_scatter.0", 4 * 1144),
                                                     ("megatron.param_all_gather.0", 2 * 1144)]),
-    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+    # (stage3_max_reuse_distance 0: every unit gathered again for backward; DeepSpeed's default 1e9 would keep both)
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}},
      [("root.fwd.param_all_gather", 2 * 272), ("L0.fwd.param_all_gather", 2 * 872),
       ("root.bwd.param_all_gather", 2 * 272), ("L0.bwd.param_all_gather", 2 * 872),
       ("zero3.grad_reduce_scatter.0", 2 * 1144)]),

@@ -104,24 +104,32 @@ def test_one_local_expert_has_no_cat():
 
 
 # -- all-gather dispatcher ----------------------------------------------------------------------
-def test_allgather_dispatcher_collective_bytes_by_hand():
-    # ep 2 (G = 2 ranks of tp_ep, here the ep group): R = G T = 64 gathered rows
-    g = build_gpt_step(_spec(moe_token_dispatcher_type="allgather", expert_parallel_size=2, data_parallel_size=2))
+@pytest.mark.parametrize("router_dtype,p", [(None, 2), ("fp32", 4)])
+def test_allgather_dispatcher_collective_bytes_by_hand(router_dtype, p):
+    """ep 2 (G = 2 ranks of tp_ep, here the ep group): R = G T = 64 gathered rows. The probabilities are in the
+    logits' dtype, ``p`` bytes: bf16 by default (Megatron ``Router.gating``: ``router_dtype = input.dtype``), fp32
+    with ``--moe-router-dtype fp32``; the probability-weighted combine and its reduce-scatter follow them (bf16 x bf16
+    stays bf16, no cast back; fp32 promotes and is cast back)."""
+    g = build_gpt_step(_spec(moe_token_dispatcher_type="allgather", expert_parallel_size=2, data_parallel_size=2,
+                             moe_router_dtype=router_dtype))
     R = 2 * T
     assert _coll(g, 0) == Counter({
         ("fwd", "ep", "all_gather", R * E): 1,  # routing map, bool: 256
-        ("fwd", "ep", "all_gather", 4 * R * E): 1,  # fp32 probabilities: 1024
+        ("fwd", "ep", "all_gather", p * R * E): 1,  # probabilities: 512 (bf16) / 1024 (fp32)
         ("fwd", "ep", "all_gather", 2 * R * H): 1,  # tokens, 16-bit: 8192
-        ("fwd", "ep", "reduce_scatter", 4 * R * H): 1,  # fp32 weighted unpermute output: 16384
-        ("bwd", "ep", "all_gather", 4 * R * H): 1,  # the reduce-scatter's backward
+        ("fwd", "ep", "reduce_scatter", p * R * H): 1,  # weighted unpermute output: 8192 / 16384
+        ("bwd", "ep", "all_gather", p * R * H): 1,  # the reduce-scatter's backward
         ("bwd", "ep", "reduce_scatter", 2 * R * H): 1,  # the token all-gather's backward
-        ("bwd", "ep", "reduce_scatter", 4 * R * E): 1,  # the probabilities' all-gather's backward
+        ("bwd", "ep", "reduce_scatter", p * R * E): 1,  # the probabilities' all-gather's backward
     })
     ops = {o.name: o for o in g.ops if o.layer == 0}
     # each rank's 2 local experts take their kept copies of all 64 gathered tokens: 2 x 64 x 2 / 4 = 64 rows
     assert ops["L0.fwd.experts.fc1.gemm"].shape == (64, 2 * FE, H)
     assert ops["L0.fwd.moe.permute"].bytes_written == 2 * 64 * H
-    assert ops["L0.fwd.moe.unpermute"].bytes_written == 4 * R * H
+    assert ops["L0.fwd.moe.unpermute"].bytes_written == p * R * H
+    assert ops["L0.fwd.moe.permuted_probs"].bytes_written == p * 64
+    assert ops["L0.fwd.router.topk_softmax"].bytes_written == (p + 1) * T * E  # probabilities + bool map
+    assert ("L0.fwd.moe.combine.cast" in ops) == (p == 4)
     assert "L0.fwd.moe.sort_chunks" not in ops and not [o for o in ops if "all_to_all" in o]
     assert ops["L0.fwd.moe.local_map"].bytes_written == R * 2  # [R, E_l] bool
 
@@ -132,10 +140,11 @@ def test_allgather_dispatcher_spans_ep_times_etp():
                              tensor_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2))
     c = {k: n for k, n in _coll(g, 0).items() if k[1] == "tp_ep"}
     R = 64
-    assert c == {("fwd", "tp_ep", "all_gather", R * E): 1, ("fwd", "tp_ep", "all_gather", 4 * R * E): 1,
-                 ("fwd", "tp_ep", "all_gather", 2 * R * H): 1, ("fwd", "tp_ep", "reduce_scatter", 4 * R * H): 1,
-                 ("bwd", "tp_ep", "all_gather", 4 * R * H): 1, ("bwd", "tp_ep", "reduce_scatter", 2 * R * H): 1,
-                 ("bwd", "tp_ep", "reduce_scatter", 4 * R * E): 1}
+    # bf16 probabilities (2 bytes: the model dtype, Megatron's default moe_router_dtype)
+    assert c == {("fwd", "tp_ep", "all_gather", R * E): 1, ("fwd", "tp_ep", "all_gather", 2 * R * E): 1,
+                 ("fwd", "tp_ep", "all_gather", 2 * R * H): 1, ("fwd", "tp_ep", "reduce_scatter", 2 * R * H): 1,
+                 ("bwd", "tp_ep", "all_gather", 2 * R * H): 1, ("bwd", "tp_ep", "reduce_scatter", 2 * R * H): 1,
+                 ("bwd", "tp_ep", "reduce_scatter", 2 * R * E): 1}
     assert not {k for k in _coll(g, 0) if k[1] in ("ep", "etp")}  # no all-to-all, no etp gather of the rows
     # 2 local experts of width f_e / 2: 64 rows (etp x the ep rank's N = 32)
     assert [o.shape for o in g.ops if o.name == "L0.fwd.experts.fc1.gemm"] == [(64, FE, H)]
@@ -190,6 +199,8 @@ MEM_CASES = {
     "sequential, imbalanced, distributed optimizer": ["model.moe_grouped_gemm=false",
                                                       "model.moe_tokens_per_expert=[4,3,2,1,1,1,1,1]",
                                                       "ddp.use_distributed_optimizer=true"],
+    "allgather, fp32 router probabilities": ["model.moe_token_dispatcher_type=allgather", "model.moe_router_dtype=fp32"],
+    "alltoall, fp32 router probabilities": ["model.moe_router_dtype=fp32"],
     "allgather PP2 shared expert": ["parallelism.pipeline_model_parallel_size=2", "training.global_batch_size=32",
                                     "model.moe_token_dispatcher_type=allgather",
                                     "model.moe_shared_expert_intermediate_size=1024"],
