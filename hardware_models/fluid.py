@@ -103,6 +103,51 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
     return rates
 
 
+def weighted_maxmin_rates(flows: Sequence[tuple[Sequence[tuple[Hashable, float]], float]],
+                          capacities: dict) -> list[float]:
+    """Max-min fair rates by progressive filling when a flow may load a link by more (or less) than its own rate.
+
+    Flow ``i`` crossing link ``k`` with weight ``w_ik`` uses ``w_ik x rate_i`` of the link's capacity (a drive whose
+    writes take ``read_bw / write_bw`` of its time per byte: ``hardware_models.nvme``). All unfrozen flows' rates
+    rise together; link ``k`` saturates at the level ``(capacity_k - used_k) / sum_i w_ik`` (Bertsekas & Gallager,
+    *Data Networks*, 2nd ed., 1992, section 6.5.2, with the link loads weighted). With every weight 1 it gives
+    ``maxmin_rates``' rates.
+
+    Args:
+        flows: ``(((link, weight), ...), cap)`` per flow; weights > 0, ``cap`` in units/s (``inf`` = none), > 0.
+        capacities: Link -> capacity, units/s (> 0).
+
+    Returns:
+        The rate of each flow, in order (units/s).
+
+    Raises:
+        ValueError: a flow crosses no link and has no cap (unbounded rate).
+    """
+    n = len(flows)
+    rates = [0.0] * n
+    links = [tuple(ls) for ls, _ in flows]
+    caps = [c for _, c in flows]
+    used = {k: 0.0 for ls in links for k, _ in ls}
+    active = set(range(n))
+    while active:
+        load: dict = {}
+        for i in active:
+            for k, w in links[i]:
+                load[k] = load.get(k, 0.0) + w
+        share = {k: max(capacities[k] - used[k], 0.0) / w for k, w in load.items()}
+        level = min(min(share.values(), default=math.inf), min(caps[i] for i in active))
+        if level == math.inf:
+            _unbounded()
+        tight = {k for k, s in share.items() if s <= level}
+        frozen = {i for i in active if caps[i] <= level or any(k in tight for k, _ in links[i])}
+        for i in frozen:
+            rates[i] = min(level, caps[i])
+            for k, w in links[i]:
+                used[k] += w * rates[i]
+        active -= frozen
+    return rates
+
+
 def _unbounded():
     raise ValueError("a flow crosses no link and has no rate cap: its rate is unbounded")
 
@@ -233,4 +278,4 @@ class FluidScheduler:
         self.reschedule()
 
 
-__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates"]
+__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates", "weighted_maxmin_rates"]
