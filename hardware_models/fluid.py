@@ -79,28 +79,7 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
         if level == math.inf:
             _unbounded()
         return [level]
-    rates = [0.0] * n
-    links = [tuple(ls) for ls, _ in flows]
-    caps = [c for _, c in flows]
-    used = {k: 0.0 for ls in links for k in ls}  # rate of frozen flows per link
-    active = set(range(n))
-    while active:
-        count: dict = {}
-        for i in active:
-            for k in links[i]:
-                count[k] = count.get(k, 0) + 1
-        share = {k: max(capacities[k] - used[k], 0.0) / c for k, c in count.items()}
-        level = min(min(share.values(), default=math.inf), min(caps[i] for i in active))
-        if level == math.inf:
-            _unbounded()
-        tight = {k for k, s in share.items() if s <= level}
-        frozen = {i for i in active if caps[i] <= level or any(k in tight for k in links[i])}
-        for i in frozen:
-            rates[i] = min(level, caps[i])
-            for k in links[i]:
-                used[k] += rates[i]
-        active -= frozen
-    return rates
+    return _fill([tuple(ls) for ls, _ in flows], [None] * n, [c for _, c in flows], capacities)
 
 
 def weighted_maxmin_rates(flows: Sequence[tuple[Sequence[tuple[Hashable, float]], float]],
@@ -123,27 +102,43 @@ def weighted_maxmin_rates(flows: Sequence[tuple[Sequence[tuple[Hashable, float]]
     Raises:
         ValueError: a flow crosses no link and has no cap (unbounded rate).
     """
-    n = len(flows)
+    links = [tuple(k for k, _ in ls) for ls, _ in flows]
+    weights = [tuple(w for _, w in ls) for ls, _ in flows]
+    return _fill(links, weights, [c for _, c in flows], capacities)
+
+
+def _fill(links: list[tuple], weights: list, caps: list[float], capacities: dict) -> list[float]:
+    """Progressive filling (``maxmin_rates``, ``weighted_maxmin_rates``): ``weights[i]`` the per-link weights of flow
+    ``i`` (None: every weight 1, the links counted). Each round freezes at least one flow."""
+    n = len(links)
     rates = [0.0] * n
-    links = [tuple(ls) for ls, _ in flows]
-    caps = [c for _, c in flows]
-    used = {k: 0.0 for ls in links for k, _ in ls}
+    used = {k: 0.0 for ls in links for k in ls}  # rate (weighted) of frozen flows per link
     active = set(range(n))
     while active:
-        load: dict = {}
+        count: dict = {}
         for i in active:
-            for k, w in links[i]:
-                load[k] = load.get(k, 0.0) + w
-        share = {k: max(capacities[k] - used[k], 0.0) / w for k, w in load.items()}
+            ws = weights[i]
+            if ws is None:
+                for k in links[i]:
+                    count[k] = count.get(k, 0) + 1
+            else:
+                for k, w in zip(links[i], ws):
+                    count[k] = count.get(k, 0) + w
+        share = {k: max(capacities[k] - used[k], 0.0) / c for k, c in count.items()}
         level = min(min(share.values(), default=math.inf), min(caps[i] for i in active))
         if level == math.inf:
             _unbounded()
         tight = {k for k, s in share.items() if s <= level}
-        frozen = {i for i in active if caps[i] <= level or any(k in tight for k, _ in links[i])}
+        frozen = {i for i in active if caps[i] <= level or any(k in tight for k in links[i])}
         for i in frozen:
-            rates[i] = min(level, caps[i])
-            for k, w in links[i]:
-                used[k] += w * rates[i]
+            rates[i] = r = min(level, caps[i])
+            ws = weights[i]
+            if ws is None:
+                for k in links[i]:
+                    used[k] += r
+            else:
+                for k, w in zip(links[i], ws):
+                    used[k] += w * r
         active -= frozen
     return rates
 
