@@ -110,3 +110,16 @@ def test_more_drives_than_the_host_holds_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hardware.nvme: drives: 9 drives, but the host holds 8 (its bays; allowed: 1..8)" in err[0]
     assert "'dgx-h100-host'" in err[0]
+
+
+def test_one_drive_read_rate_against_deepspeeds_aio_benchmark():
+    """Predicted vs published, tolerance 15 % (the issue's bar for a prediction): deepspeedai/DeepSpeed#998 (stas00,
+    2021-04-23) ran DeepSpeed's aio read sweep (csrc/aio/py_test run_read_sweep.sh) on one XPG Gammix S11 Pro 2 TB
+    (its published specs, as quoted there: 3,500 MB/s read, 3,000 MB/s write) and got 1 to 3.15 GB/s over the aio
+    settings (block size, queue depth, threads): the best, 3.15 GB/s, is the one the datasheet rate predicts; the
+    spread below it is the aio settings', not modelled (the run's warnings say so)."""
+    arr = NvmeArraySpec(StorageSpec("xpg-gammix-s11-pro-2tb", 3.5e9, write_bandwidth_bytes_per_s=3.0e9), 1)
+    env, net = _network(arr, 1e12)
+    (t,) = _ends(env, net, [(1e9, swap_links(arr, False))])
+    predicted, published = 1e9 / t, 3.15e9
+    assert abs(predicted / published - 1) <= 0.15  # +11.1 %
