@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from hardware_models.fluid import FluidFlow, FluidScheduler, maxmin_rates
+from hardware_models.fluid import FluidFlow, FluidScheduler, maxmin_rates, weighted_maxmin_rates
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,8 @@ class FluidNetwork:
         self._fluid = FluidScheduler(env, self._rates)
         #: bytes carried per link (for utilisation).
         self.bytes_carried: dict[str, float] = {}
+        #: weighted names of links: name -> (link, weight) (``add_weighted_name``; empty: the unweighted solver)
+        self.weighted: dict[str, tuple[str, float]] = {}
         self.add_links(capacities)
 
     def add_links(self, capacities: dict[str, float]) -> None:
@@ -87,6 +89,37 @@ class FluidNetwork:
                 raise ValueError(f"link {name!r} exists already")
         self.capacities.update(capacities)
         self.bytes_carried.update({k: 0.0 for k in capacities})
+
+    def add_weighted_name(self, name: str, link: str, weight: float) -> None:
+        """Let flows cross ``link`` under the name ``name`` loading it by ``weight`` x their rate (a drive's writes,
+        which take ``read_bw / write_bw`` of its time per byte). Once a network has one, its rates come from
+        ``fluid.weighted_maxmin_rates``.
+
+        Raises:
+            KeyError: ``link`` unknown. ValueError: ``name`` taken, or ``weight`` not a positive finite number.
+        """
+        if link not in self.capacities:
+            raise KeyError(f"unknown link {link!r}; known: {sorted(self.capacities)}")
+        if name in self.capacities or name in self.weighted:
+            raise ValueError(f"link {name!r} exists already")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight of {name!r} must be a positive finite number, got {weight!r}")
+        self.weighted[name] = (link, float(weight))
+
+    def _count(self, links, nbytes: float) -> None:
+        """Add ``nbytes`` to ``bytes_carried`` of each link crossed (a weighted name: its link, weighted).
+        Raises: KeyError: an unknown link name."""
+        for name in links:
+            if name in self.capacities:
+                continue
+            if name not in self.weighted:
+                raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
+        for name in links:
+            if name in self.capacities:
+                self.bytes_carried[name] += nbytes
+            else:
+                link, w = self.weighted[name]
+                self.bytes_carried[link] += w * nbytes
 
     def transfer(self, nbytes: float, links: tuple[str, ...], latency_s: float = 0.0, cap_bytes_per_s: float = 0.0):
         """SimPy process body: move ``nbytes`` over ``links`` after ``latency_s``.
@@ -102,7 +135,7 @@ class FluidNetwork:
             ValueError: ``nbytes`` is NaN or infinite, or ``cap_bytes_per_s`` is negative.
         """
         for name in links:
-            if name not in self.capacities:
+            if name not in self.capacities and name not in self.weighted:
                 raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
         if not math.isfinite(nbytes):
             raise ValueError(f"transfer size must be finite, got {nbytes!r} bytes")
@@ -115,8 +148,11 @@ class FluidNetwork:
         if not links and not cap_bytes_per_s:
             return  # crosses nothing and has no cap: instantaneous
         done = self._fluid.add(nbytes, tuple(links), cap_bytes_per_s or math.inf)
-        for name in links:
-            self.bytes_carried[name] += nbytes
+        if self.weighted:
+            self._count(links, nbytes)
+        else:
+            for name in links:
+                self.bytes_carried[name] += nbytes
         yield done
 
     def start(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = math.inf) -> FluidFlow:
@@ -128,13 +164,16 @@ class FluidNetwork:
             ValueError: as ``FluidScheduler.add``, or no link and no cap.
         """
         for name in links:
-            if name not in self.capacities:
+            if name not in self.capacities and name not in self.weighted:
                 raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
         if not links and cap_bytes_per_s == math.inf:
             raise ValueError("a flow that crosses no link needs a rate cap")
         flow = self._fluid.add_flow(nbytes, tuple(links), cap_bytes_per_s)
-        for name in links:
-            self.bytes_carried[name] += nbytes
+        if self.weighted:
+            self._count(links, nbytes)
+        else:
+            for name in links:
+                self.bytes_carried[name] += nbytes
         return flow
 
     def set_caps(self, caps: list[tuple[FluidFlow, float]]) -> None:
@@ -153,6 +192,12 @@ class FluidNetwork:
 
     def _rates(self, flows: list[FluidFlow]) -> None:
         caps = self.capacities
+        if self.weighted:  # a network with weighted names (NVMe offload): the weighted solver for every flow
+            wn = self.weighted
+            spec = [(tuple(wn[k] if k in wn else (k, 1.0) for k in f.links), f.cap) for f in flows]
+            for f, r in zip(flows, weighted_maxmin_rates(spec, caps)):
+                f.rate = r
+            return
         if len(flows) == 1:  # a lone flow gets its bottleneck (``maxmin_rates`` of one flow, without the lists)
             f = flows[0]
             level = f.cap

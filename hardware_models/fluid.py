@@ -79,16 +79,51 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
         if level == math.inf:
             _unbounded()
         return [level]
+    return _fill([tuple(ls) for ls, _ in flows], [None] * n, [c for _, c in flows], capacities)
+
+
+def weighted_maxmin_rates(flows: Sequence[tuple[Sequence[tuple[Hashable, float]], float]],
+                          capacities: dict) -> list[float]:
+    """Max-min fair rates by progressive filling when a flow may load a link by more (or less) than its own rate.
+
+    Flow ``i`` crossing link ``k`` with weight ``w_ik`` uses ``w_ik x rate_i`` of the link's capacity (a drive whose
+    writes take ``read_bw / write_bw`` of its time per byte: ``hardware_models.nvme``). All unfrozen flows' rates
+    rise together; link ``k`` saturates at the level ``(capacity_k - used_k) / sum_i w_ik`` (Bertsekas & Gallager,
+    *Data Networks*, 2nd ed., 1992, section 6.5.2, with the link loads weighted). With every weight 1 it gives
+    ``maxmin_rates``' rates.
+
+    Args:
+        flows: ``(((link, weight), ...), cap)`` per flow; weights > 0, ``cap`` in units/s (``inf`` = none), > 0.
+        capacities: Link -> capacity, units/s (> 0).
+
+    Returns:
+        The rate of each flow, in order (units/s).
+
+    Raises:
+        ValueError: a flow crosses no link and has no cap (unbounded rate).
+    """
+    links = [tuple(k for k, _ in ls) for ls, _ in flows]
+    weights = [tuple(w for _, w in ls) for ls, _ in flows]
+    return _fill(links, weights, [c for _, c in flows], capacities)
+
+
+def _fill(links: list[tuple], weights: list, caps: list[float], capacities: dict) -> list[float]:
+    """Progressive filling (``maxmin_rates``, ``weighted_maxmin_rates``): ``weights[i]`` the per-link weights of flow
+    ``i`` (None: every weight 1, the links counted). Each round freezes at least one flow."""
+    n = len(links)
     rates = [0.0] * n
-    links = [tuple(ls) for ls, _ in flows]
-    caps = [c for _, c in flows]
-    used = {k: 0.0 for ls in links for k in ls}  # rate of frozen flows per link
+    used = {k: 0.0 for ls in links for k in ls}  # rate (weighted) of frozen flows per link
     active = set(range(n))
     while active:
         count: dict = {}
         for i in active:
-            for k in links[i]:
-                count[k] = count.get(k, 0) + 1
+            ws = weights[i]
+            if ws is None:
+                for k in links[i]:
+                    count[k] = count.get(k, 0) + 1
+            else:
+                for k, w in zip(links[i], ws):
+                    count[k] = count.get(k, 0) + w
         share = {k: max(capacities[k] - used[k], 0.0) / c for k, c in count.items()}
         level = min(min(share.values(), default=math.inf), min(caps[i] for i in active))
         if level == math.inf:
@@ -96,9 +131,14 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
         tight = {k for k, s in share.items() if s <= level}
         frozen = {i for i in active if caps[i] <= level or any(k in tight for k in links[i])}
         for i in frozen:
-            rates[i] = min(level, caps[i])
-            for k in links[i]:
-                used[k] += rates[i]
+            rates[i] = r = min(level, caps[i])
+            ws = weights[i]
+            if ws is None:
+                for k in links[i]:
+                    used[k] += r
+            else:
+                for k, w in zip(links[i], ws):
+                    used[k] += w * r
         active -= frozen
     return rates
 
@@ -233,4 +273,4 @@ class FluidScheduler:
         self.reschedule()
 
 
-__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates"]
+__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates", "weighted_maxmin_rates"]

@@ -9,14 +9,25 @@ measured figure, ``fio --rw=read --bs=1M --iodepth=32`` on the array, is the bet
 
 The array is shared by every rank of the node that swaps to it; a read and a write share the drives' time (a
 drive busy writing is not reading: ``NvmeArraySpec.busy_s``).
+
+Where the host preset says how the drives attach (``drives_per_uplink`` drives behind one PCIe link of
+``uplink_bytes_per_s`` per direction to the CPU's root complex: a PCIe switch's upstream port, or a shared root
+port), the array is also bounded by those links (``uplink_read_bytes_per_s``): RAID-0 stripes every transfer evenly
+over the drives, so the fullest upstream link limits them all. A preset that states ``bays`` refuses more drives
+than the chassis holds. Every byte also crosses host DRAM (the DMA lands in, or is read from, the pinned swap
+buffers): ``simulator.policies.offload_nvme`` puts the swaps on the rank's ``host.dram`` link with the CPU step and
+the GPU copies.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hardware_models.dataloader import StorageSpec
 
+#: The host preset's ``nvme`` keys that say how the drives attach (``NvmeArraySpec``)
+TOPOLOGY = ("bays", "drives_per_uplink", "uplink_bytes_per_s")
 #: Most drives of one array (a sanity bound: 8 on DGX systems; 24 U.2 bays on the largest 2U servers).
 MAX_DRIVES = 64
 
@@ -29,19 +40,33 @@ class NvmeArraySpec:
         drive: One drive (needs ``read_bandwidth_bytes_per_s`` and ``write_bandwidth_bytes_per_s``).
         drives: Drives striped, 1..``MAX_DRIVES``.
         source: Where the drive count comes from (a host preset's citation, or "scenario").
+        bays: Drives the host holds (0: not stated, then up to ``MAX_DRIVES``).
+        drives_per_uplink: Drives behind one upstream PCIe link to the root complex (0: not stated, no shared link
+            modelled: each drive on its own root port).
+        uplink_bytes_per_s: That link's rate per direction, bytes/s (needed with ``drives_per_uplink``).
 
     Raises:
-        ValueError: no drive write bandwidth, or a drive count outside 1..``MAX_DRIVES``.
+        ValueError: no drive write bandwidth, a drive count outside 1..``MAX_DRIVES`` or above ``bays``, or an
+            upstream link without a positive rate.
     """
 
     drive: StorageSpec
     drives: int = 1
     source: str = ""
+    bays: int = 0
+    drives_per_uplink: int = 0
+    uplink_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         """Raises: ValueError: see the class docstring."""
         if isinstance(self.drives, bool) or not isinstance(self.drives, int) or not 1 <= self.drives <= MAX_DRIVES:
             raise ValueError(f"drives must be an integer in 1..{MAX_DRIVES}, got {self.drives!r}")
+        if self.bays and self.drives > self.bays:
+            raise ValueError(f"drives: {self.drives} drives, but the host holds {self.bays} (its bays; allowed: "
+                             f"1..{self.bays})")
+        if self.drives_per_uplink and not (self.uplink_bytes_per_s > 0 and math.isfinite(self.uplink_bytes_per_s)):
+            raise ValueError("uplink_bytes_per_s must be a positive finite rate with drives_per_uplink, got "
+                             f"{self.uplink_bytes_per_s!r}")
         if not self.drive.write_bandwidth_bytes_per_s > 0:
             raise ValueError(f"storage {self.drive.name!r} has no write_bandwidth_bytes_per_s (NVMe offload writes "
                              "to it; give the drive's sequential write rate)")
@@ -56,10 +81,28 @@ class NvmeArraySpec:
         """Sequential write bandwidth of the array, bytes/s: ``drives`` x the drive's."""
         return self.drives * self.drive.write_bandwidth_bytes_per_s
 
+    @property
+    def fullest_uplink(self) -> int:
+        """Drives behind the fullest upstream link (0 without one): ``min(drives, drives_per_uplink)``."""
+        return min(self.drives, self.drives_per_uplink) if self.drives_per_uplink else 0
+
+    @property
+    def uplink_read_bytes_per_s(self) -> float:
+        """What the upstream links let the striped array move per direction, bytes/s (inf without them): each drive
+        carries ``1 / drives`` of a transfer, so the fullest link, of ``fullest_uplink`` drives, saturates first::
+
+            drives x uplink_bytes_per_s / fullest_uplink
+        """
+        if not self.fullest_uplink:
+            return math.inf
+        return self.drives * self.uplink_bytes_per_s / self.fullest_uplink
+
     def busy_s(self, read_bytes: float, write_bytes: float) -> float:
-        """Seconds the array is busy moving ``read_bytes`` and ``write_bytes`` alone (reads and writes share the
-        drives' time): ``read / read_bw + write / write_bw``."""
-        return read_bytes / self.read_bytes_per_s + write_bytes / self.write_bytes_per_s
+        """Seconds the array needs to move ``read_bytes`` and ``write_bytes`` alone: the drives' time (reads and
+        writes share it), ``read / read_bw + write / write_bw``, or the upstream links' per direction when longer,
+        ``max(read, write) / uplink_read_bytes_per_s``."""
+        drives = read_bytes / self.read_bytes_per_s + write_bytes / self.write_bytes_per_s
+        return max(drives, max(read_bytes, write_bytes) / self.uplink_read_bytes_per_s)
 
     @property
     def write_cost(self) -> float:
@@ -68,17 +111,18 @@ class NvmeArraySpec:
         return self.read_bytes_per_s / self.write_bytes_per_s
 
 
-def load_nvme(storage: StorageSpec | str, drives: int = 1, source: str = "") -> NvmeArraySpec:
-    """An array of ``drives`` drives of ``storage`` (a storage preset name or a spec).
+def load_nvme(storage: StorageSpec | str, drives: int = 1, source: str = "", **topology) -> NvmeArraySpec:
+    """An array of ``drives`` drives of ``storage`` (a storage preset name or a spec); ``topology``: the host's
+    ``bays``, ``drives_per_uplink``, ``uplink_bytes_per_s`` (``NvmeArraySpec``).
 
     Raises:
         ValueError: an unknown storage preset (``DataLoaderSpecError``), a drive without a write bandwidth, or a
-            bad drive count.
+            bad drive count (above the host's bays too).
     """
     from hardware_models.dataloader import load_storage_preset
 
     drive = load_storage_preset(storage) if isinstance(storage, str) else storage
-    return NvmeArraySpec(drive, drives, source)
+    return NvmeArraySpec(drive, drives, source, **topology)
 
 
 def host_nvme(name: str) -> NvmeArraySpec | None:
@@ -87,7 +131,7 @@ def host_nvme(name: str) -> NvmeArraySpec | None:
     Raises:
         ValueError: a bad block (``presets.PresetError``, naming the preset), or as ``load_nvme``.
     """
-    from hardware_models import presets
+    from hardware_models import presets, units
 
     block = presets.read("hosts", name).get("nvme")
     if block is None:
@@ -95,9 +139,14 @@ def host_nvme(name: str) -> NvmeArraySpec | None:
     sources: dict[str, str] = {}
     clean = presets.strip_sources(block, sources)
     where = f"preset hosts/{name}.nvme"
-    if not isinstance(clean, dict) or set(clean) - {"storage", "drives"} or "storage" not in clean:
-        raise presets.PresetError(f"{where}: expected a mapping {{storage: <storage preset>, drives: N}}")
+    if not isinstance(clean, dict) or set(clean) - {"storage", "drives", *TOPOLOGY} or "storage" not in clean:
+        raise presets.PresetError(f"{where}: expected a mapping {{storage: <storage preset>, drives: N, and optionally "
+                                  f"{', '.join(TOPOLOGY)}}}")
     try:
-        return load_nvme(clean["storage"], clean.get("drives", 1), "; ".join(sources.values()))
+        topo = {k: clean[k] for k in TOPOLOGY if k in clean}
+        if "uplink_bytes_per_s" in topo:
+            topo["uplink_bytes_per_s"] = units.parse_quantity(topo["uplink_bytes_per_s"], "bytes_per_s")
+        return load_nvme(clean["storage"], clean.get("drives", 1),
+                         "; ".join(v for k, v in sources.items() if k in ("storage", "drives")), **topo)
     except ValueError as exc:
         raise presets.PresetError(f"{where}: {exc}") from None

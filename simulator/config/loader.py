@@ -539,19 +539,18 @@ def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
             (a drive without a write rate, no storage on a host without drives); one line naming the key.
     """
     from hardware_models.dataloader import StorageSpec
-    from hardware_models.nvme import host_nvme, load_nvme
+    from hardware_models.nvme import TOPOLOGY, host_nvme, load_nvme
 
     z, given = cfg.zero_optimization, cfg.hardware.nvme
     users = [f"zero_optimization.{k}.device" for k in ("offload_optimizer", "offload_param")
              if getattr(z, k).device == "nvme"]
     if given is None and not users:
         return None
-    host, preset = _ref(cfg.hardware.host)[0], None
-    if given is None or given.storage is None or given.drives is None:  # the host preset's drives fill the gaps
-        try:
-            preset = host_nvme(host)
-        except ValueError as exc:
-            raise ScenarioError(f"{source}: hardware.host: {exc}") from None
+    host = _ref(cfg.hardware.host)[0]
+    try:  # the host preset's drives fill the gaps; its bays and upstream links hold for any drives
+        preset = host_nvme(host)
+    except ValueError as exc:
+        raise ScenarioError(f"{source}: hardware.host: {exc}") from None
     if given is None:
         if preset is None:
             raise ScenarioError(f"{source}: {users[0]}: nvme needs NVMe drives, and hardware.host {host!r} names none "
@@ -573,9 +572,11 @@ def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):
         from_preset = [k for k, v in (("storage", st), ("drives", given.drives)) if v is None and preset is not None]
         where = "scenario hardware.nvme" + (f"; {', '.join(from_preset)} from the host preset ({preset.source})"
                                             if from_preset else "")
-        return load_nvme(drive, drives, where)
+        topology = {k: getattr(preset, k) for k in TOPOLOGY} if preset is not None else {}
+        return load_nvme(drive, drives, where, **topology)
     except ValueError as exc:
-        raise ScenarioError(f"{source}: hardware.nvme: {exc}") from None
+        raise ScenarioError(f"{source}: hardware.nvme: {exc}" + (f" (hardware.host {host!r})" if preset is not None
+                                                                 and preset.bays else "")) from None
 
 
 def _fsdp_groups(cfg, node_ranks: int) -> tuple[int, int]:

@@ -33,11 +33,15 @@ parameter H2D fetches, PCIe and host DRAM as max-min links. What changes, follow
   4 B (the swapper's buffer pool, ``OptimizerSwapper.swap_buffer_manager``) and ``offload_param.buffer_count`` x
   ``buffer_size`` x the 16-bit size; the fp32 master weights, moments and gradient staging of CPU offload, and with
   parameter nvme the 16-bit partition, are not in host memory.
-* **The drives**: one link ``nvme`` per rank of the array's read bandwidth over the ranks of the node sharing it
-  (``hardware_models.nvme``; folded peers swap alike at the same time); a write of ``b`` bytes moves ``b x
-  read_bw / write_bw`` units over it, so reads and writes share the drives' time. The DMA between NVMe and
-  host DRAM is not charged to the ``host.dram`` link (at most the array's ~50 GB/s against hundreds of GB/s).
-  The run's warnings say so.
+* **The drives** are links of the rank's max-min network (``hardware_models.fabrics``), each of the rank's share
+  (the node's ranks, ``offload_ranks``, swap alike at the same time: folded peers): ``nvme``, the drives' time, of
+  the array's read bandwidth; a write of ``b`` bytes loads it by ``b x read_bw / write_bw`` (the weighted name
+  ``nvme.write``), so reads and writes share the drives' time. Where the host preset says how the drives attach,
+  ``nvme.uplink.up`` (reads, drive to host) and ``nvme.uplink.down`` (writes) of what the striped array's upstream
+  PCIe links carry per direction (``NvmeArraySpec.uplink_read_bytes_per_s``). Every swap also crosses the rank's
+  ``host.dram`` link (the DMA writes or reads the pinned swap buffers), which the CPU step's streams and the GPU
+  copies share (``offload_optimizer.OffloadSummary``). A swap's rate is its max-min share over those links. The
+  run's warnings say so.
 
 Not modelled (refused in the config): stage 1/2 (DeepSpeed swaps in ZeRO-3 only), CPU Adam implementations other
 than DeepSpeedCPUAdam, fewer swap buffers than a sub-group in flight needs. ``aio`` settings are accepted, not
@@ -51,12 +55,14 @@ import numpy as np
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
-from simulator.policies.offload_optimizer import CPU_OPS, offload_ranks
+from simulator.policies.offload_optimizer import CPU_OPS, HOST_DRAM_LINK, offload_ranks
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 KEY = "zero_optimization"
-#: The link of the rank's share of the node's NVMe array (``OffloadSummary._host_op`` moves the flows)
-NVME_LINK = "nvme"
+#: The link of the rank's share of the node's NVMe array's time (``OffloadSummary._host_op`` moves the flows), the
+#: weighted name writes cross it by, and the links of the array's upstream PCIe links per direction
+NVME_LINK, NVME_WRITE = "nvme", "nvme.write"
+UPLINK_UP, UPLINK_DOWN = "nvme.uplink.up", "nvme.uplink.down"
 #: NVMe bytes per element of one sub-group's swap-in (fp32 master weights, exp_avg, exp_avg_sq, gradient) and
 #: swap-out (the three states): partitioned_optimizer_swapper.py ``swap_in_optimizer_state`` / ``swap_out_...``
 SWAP_IN_BYTES, SWAP_OUT_BYTES = 16, 12
@@ -105,14 +111,30 @@ class OffloadNvme:
                             param_buffers=z.offload_param.buffer_count, param_buffer_size=z.offload_param.buffer_size)
 
 
+def swap_links(nv, write: bool) -> tuple[str, ...]:
+    """The links one swap's bytes cross: the drives' time (a write by its weighted name), the upstream link of its
+    direction when the array has one (``nv.fullest_uplink``), host DRAM."""
+    up = (UPLINK_DOWN if write else UPLINK_UP,) if nv.fullest_uplink else ()
+    return (NVME_WRITE if write else NVME_LINK, *up, HOST_DRAM_LINK)
+
+
+def nvme_links(hw) -> dict[str, float]:
+    """This rank's NVMe links, bytes/s: ``nvme`` (the array's read bandwidth) and, with upstream links, ``nvme.uplink.up``
+    / ``.down`` (``uplink_read_bytes_per_s``), each over the node's ranks (``offload_ranks``), which all swap alike."""
+    nv, ranks = hw.nvme, offload_ranks(hw)
+    out = {NVME_LINK: nv.read_bytes_per_s / ranks}
+    if nv.fullest_uplink:
+        out[UPLINK_UP] = out[UPLINK_DOWN] = nv.uplink_read_bytes_per_s / ranks
+    return out
+
+
 def nvme_op(rw: GraphRewriter, hw, name: str, nbytes: float, write: bool, stream: str, deps, phase: Phase,
             **meta) -> int:
-    """Add one NVMe swap of ``nbytes`` (a host op on ``stream`` whose ``meta["flow"]`` the offload runtime moves over
-    the ``nvme`` link: ``nbytes``, x ``write_cost`` for a write, after the drive's request latency)."""
+    """Add one NVMe swap of ``nbytes`` (a host op on ``stream`` whose ``meta["flow"]`` the offload runtime moves, after
+    the drive's request latency, over ``swap_links``)."""
     nv = hw.nvme
-    units = nbytes * (nv.write_cost if write else 1.0)
     return rw.add(name, OpKind.HOST, stream, deps=sorted(set(deps)), phase=phase, launch=False,
-                  cost_class=CostClass.COPY, meta={"flow": {"links": (NVME_LINK,), "units": float(units),
+                  cost_class=CostClass.COPY, meta={"flow": {"links": swap_links(nv, write), "units": float(nbytes),
                                                             "latency_s": nv.drive.read_latency_s},
                                                    "nvme_bytes": float(nbytes), "nvme_dir": "write" if write else "read",
                                                    **meta})
@@ -246,12 +268,6 @@ def offload_nvme(graph: OpGraph, hw, *, optimizer: bool, params: bool, sub_group
     return rw.finish(persistent=persistent, meta=meta)
 
 
-def nvme_link_bytes_per_s(hw) -> float:
-    """This rank's share of the array's read bandwidth, bytes/s: the array over the node's ranks
-    (``offload_optimizer.offload_ranks``), which all swap alike."""
-    return hw.nvme.read_bytes_per_s / offload_ranks(hw)
-
-
 @register_runtime("offload_nvme")
 class NvmeSummary:
     """Adds the ``nvme`` link and the per-step NVMe figures to the summary."""
@@ -259,7 +275,8 @@ class NvmeSummary:
     def __init__(self, cfg, hw, env, system):
         self.hw = hw
         self.ranks = offload_ranks(hw)
-        system.network.add_links({NVME_LINK: nvme_link_bytes_per_s(hw)})
+        system.network.add_links(nvme_links(hw))
+        system.network.add_weighted_name(NVME_WRITE, NVME_LINK, hw.nvme.write_cost)
         self._bytes: dict[int, dict[str, float]] = {}
 
     @classmethod
@@ -300,7 +317,13 @@ class NvmeSummary:
     def warnings(self) -> list[str]:
         """What the NVMe price assumes (one line)."""
         nv = self.hw.nvme
+        up = (f"behind upstream PCIe links of {nv.uplink_bytes_per_s / 1e9:.1f} GB/s per direction, "
+              f"{nv.drives_per_uplink} drives each (at most {nv.uplink_read_bytes_per_s / 1e9:.1f} GB/s for the "
+              "striped array)" if nv.fullest_uplink else "each on its own root port (the host preset states no "
+              "shared upstream link)")
         return [f"NVMe offload: {nv.drives} x {nv.drive.name} striped (RAID-0, {nv.source or 'hardware.nvme'}) taken "
                 f"at {nv.read_bytes_per_s / 1e9:.1f} GB/s read, {nv.write_bytes_per_s / 1e9:.1f} GB/s write (drives x "
-                f"datasheet sequential rates), shared by {self.ranks} rank(s) of the node, reads and writes sharing "
-                "the drives' time; the NVMe-to-host DMA is not charged to host DRAM"]
+                f"datasheet sequential rates), {up}, shared by {self.ranks} rank(s) of the node, reads and writes "
+                "sharing the drives' time; the swaps' DMA shares host DRAM (host.dram) with the CPU step and the GPU "
+                "copies; not modelled: the aio software path (block_size, queue_depth, threads), the upstream links' "
+                "sharing with the GPUs' and NICs' traffic"]

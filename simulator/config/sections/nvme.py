@@ -15,9 +15,12 @@ YAML::
       single_submit: false
       overlap_events: true
 
-The drive is the dataloader's storage model (``hardware_models.nvme``). The ``aio`` keys are accepted and not
-priced: NVMe transfers run at the array's sequential bandwidth (datasheet figures, measured at high queue depth);
-a run that sets any of them says so in its warnings (``aio_warning``).
+The drive is the dataloader's storage model (``hardware_models.nvme``); the host preset's ``nvme`` block may also
+state the chassis' ``bays`` (more drives are refused) and the upstream PCIe links the drives share
+(``drives_per_uplink``, ``uplink_bytes_per_s``), which hold for drives given here too. The ``aio`` keys are
+accepted and not priced: NVMe transfers run at the array's sequential bandwidth (datasheet figures, measured at
+high queue depth), within what the upstream links and host DRAM leave them; a run that sets any of them says so in
+its warnings (``aio_warning``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class NvmeConfig(_Model):
         "read_bandwidth_bytes_per_s and write_bandwidth_bytes_per_s; default: the host preset's drive (needed when "
         "the host names none).")
     drives: PositiveInt | None = Field(default=None, le=MAX_DRIVES, description="Drives striped as one array "
-                                       "(RAID-0); default: the host preset's count, else 1.")
+                                       "(RAID-0); default: the host preset's count, else 1; at most the host "
+                                       "preset's bays where it states them.")
 
     _storage = field_validator("storage")(lambda cls, v: v if v is None else storage_name(v))
 

@@ -18,7 +18,7 @@ def _array(sets):
 def test_drives_alone_keep_the_hosts_drive():
     nv = _array(["hardware.nvme.drives=4"])
     assert (nv.drive.name, nv.drives) == ("Samsung PM1733 3.84 TB NVMe SSD (U.2, PCIe 4.0 x4)", 4)
-    assert (nv.read_bytes_per_s, nv.write_bytes_per_s) == (4 * 6.4e9, 4 * 3.8e9)  # 25.6 / 15.2 GB/s
+    assert (nv.read_bytes_per_s, nv.write_bytes_per_s) == (4 * 7.0e9, 4 * 3.8e9)  # 28.0 / 15.2 GB/s
     assert "storage from the host preset" in nv.source
 
 
