@@ -121,12 +121,13 @@ STRATEGIES = [["zero_optimization.stage=0"], ["ddp.overlap_grad_reduce=false"],
               ["zero_optimization.stage=2", "training.precision=bf16"],
               ["zero_optimization.stage=3", "training.precision=bf16"], ["fsdp.sharding_strategy=FULL_SHARD"],
               ["fsdp.sharding_strategy=HYBRID_SHARD"], ["ddp.use_distributed_optimizer=true", "training.precision=bf16"]]
+REPLICATED = STRATEGIES[:2]  # every rank keeps the whole optimizer state and steps all of it
 DP_SMALL = ["model.num_layers=2", "run.steps=2", "run.warmup_steps=1", "training.micro_batch_size=1"]
 
 
 @settings(max_examples=6, deadline=None)
 @given(st.sampled_from(STRATEGIES), st.sampled_from([1, 2]), st.sampled_from([1, 2]))
-def test_doubling_data_parallel_never_speeds_a_gpus_step_and_scales_at_most_linearly(strategy, nodes, accumulation):
+def test_doubling_data_parallel_never_speeds_forward_backward_and_scales_at_most_linearly(strategy, nodes, accumulation):
     # fixed micro-batch and accumulation: each GPU does the same work, its collectives span more ranks
     def run(n):
         with warnings.catch_warnings():
@@ -135,7 +136,12 @@ def test_doubling_data_parallel_never_speeds_a_gpus_step_and_scales_at_most_line
                 f"hardware.cluster.nodes={n}", f"training.global_batch_size={8 * n * accumulation}"])).summary
     one, two = run(nodes), run(2 * nodes)
     assert two["data_parallel_size"] == 2 * one["data_parallel_size"]
-    assert two["step_time_s"] >= one["step_time_s"] * (1 - 1e-12)
+    fwd_bwd = [r["phase_s"]["fwd_s"] + r["phase_s"]["bwd_s"] for r in (one, two)]
+    assert fwd_bwd[1] >= fwd_bwd[0] * (1 - 1e-12)
+    if strategy in REPLICATED:
+        assert two["step_time_s"] >= one["step_time_s"] * (1 - 1e-12)
+    # a sharded optimizer steps over 1/n of the state, so the whole step may get faster (ZeRO-2, one node -> two:
+    # AdamW halves while the collectives grow less); forward and backward do the same work on more ranks
     assert two["tokens_per_s"] <= 2 * one["tokens_per_s"] * (1 + 1e-12)
 
 
