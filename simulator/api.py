@@ -1071,6 +1071,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
+    out += _hybrid_shard_without_replicas(cfg)
     unread = _single_gpu_keys_without_effect(cfg)
     out += unread
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
@@ -1096,6 +1097,32 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def _hybrid_shard_without_replicas(cfg: ScenarioConfig) -> list[str]:
+    """FSDP1 ``sharding_strategy: HYBRID_SHARD`` whose shard group (the data-parallel ranks of one node, the mesh
+    not given: ``fsdp_mesh``) is the whole gradient-reduce group (``ineffective_setting_warnings``): nothing is
+    replicated, so the layout is FULL_SHARD's (SHARD_GRAD_OP's with ``reshard_after_forward`` false) and the run is
+    the same. PyTorch's HYBRID_SHARD applies FULL_SHARD within a node and replicates parameters across nodes
+    (pytorch/pytorch@acd8c9e torch/distributed/fsdp/api.py ``ShardingStrategy``); its one extra collective, the
+    all-reduce of each reduced gradient shard over the inter-node group (pytorch/pytorch@3ade90a
+    torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``: ``allreduce_hook`` on ``_inter_node_state``),
+    then runs over a group of one rank and moves nothing. An explicit mesh with replicate degree 1 is refused by the
+    schema instead (``ScenarioConfig._fsdp_degrees``); FSDP2 (``version: 2``) takes no strategy: its mesh is given.
+    Returns one line, or none."""
+    f, p = cfg.fsdp, cfg.parallelism
+    n = p.data_context_parallel_size
+    if f is None or f.version != 1 or f.sharding_strategy != "HYBRID_SHARD" or n < 2:
+        return []
+    shard, rep = fsdp_mesh_of(cfg)
+    if rep > 1:
+        return []
+    same = "FULL_SHARD" if f.reshards else "FULL_SHARD with reshard_after_forward false (SHARD_GRAD_OP)"
+    group = "data- x context-parallel" if p.context_parallel_size > 1 else "data-parallel"
+    return [f"fsdp.sharding_strategy HYBRID_SHARD is {same} here: all {n} {group} ranks lie in one node, so the "
+            "shard group (a node's ranks) is the whole group and there is no other node to replicate to (PyTorch's "
+            "HYBRID_SHARD shards within a node and replicates across nodes); its inter-node gradient all-reduce runs "
+            f"over one rank and moves nothing, so the run is the same as {same}"]
 
 
 def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
