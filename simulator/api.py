@@ -517,7 +517,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             for comp in runtime.components:
                 if hasattr(comp, "summarize"):
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
-            notes += [f"{c.label}: {w}" for w in component_warnings(runtime)]
+            notes.append((c.label, component_warnings(runtime)))
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             if pp > 1:  # the stage's idle split into waits for other stages and host gaps (labels only)
@@ -561,12 +561,21 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
-        summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + notes
+        summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + class_warnings(notes)
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])
+
+
+def class_warnings(per_class: list[tuple[str, list[str]]]) -> list[str]:
+    """The component warnings of a run's rank classes (``(label, lines)`` each), one line per class prefixed with
+    its label; a line every class has (the same words: a power limit equal to the TDP on every stage) once, without
+    a label."""
+    shared = set(per_class[0][1]).intersection(*(set(w) for _, w in per_class[1:])) if len(per_class) > 1 else set()
+    out = [w for w in per_class[0][1] if w in shared] if shared else []
+    return out + [f"{label}: {w}" for label, lines in per_class for w in lines if w not in shared]
 
 
 def component_warnings(runtime) -> list[str]:

@@ -101,3 +101,19 @@ def test_a_phase_plan_at_the_maximum_clock_changes_nothing_and_says_so():
                                  "1980 MHz, the clock every phase runs at without a plan: the plan changes nothing"]
     real = _run("dvfs={kind: phase_plan, phase_clocks_mhz: {fwd: 1980, opt: 1200}}")
     assert not any(n.startswith("dvfs.phase_clocks_mhz puts") for n in _dvfs_notes(real))
+
+
+def test_a_line_every_rank_class_has_is_given_once():
+    """``class_warnings``: the Perseus A100 pipeline's 300 W limit (its TDP) is the same note on all four stages: one
+    line, no label; a line of one class only keeps its label, in class order."""
+    from simulator.api import class_warnings
+
+    tdp = "dvfs.power_limit_w 300 W is the default power limit"
+    assert class_warnings([("pp_rank 0", [tdp, "a"]), ("pp_rank 1", [tdp]), ("pp_rank 2", ["b", tdp])]) == [
+        tdp, "pp_rank 0: a", "pp_rank 2: b"]
+    assert class_warnings([("dp_rank 3", [tdp])]) == [f"dp_rank 3: {tdp}"]  # one class: labelled as before
+    s = run_scenario(load_scenario(ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
+                                   ["training.global_batch_size=32"])).summary  # 4 micro-batches
+    assert [w for w in s["warnings"] if "dvfs.power_limit_w" in w] == [
+        f"{tdp} of NVIDIA A100 PCIe 80GB (its TDP), which the firmware holds without it: the run is the same as "
+        "without it"]
