@@ -1080,7 +1080,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
-    out += _hybrid_shard_without_replicas(cfg)
+    out += _hybrid_shard_notes(cfg)
     unread = _single_gpu_keys_without_effect(cfg)
     out += unread
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
@@ -1108,30 +1108,43 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     return out
 
 
-def _hybrid_shard_without_replicas(cfg: ScenarioConfig) -> list[str]:
-    """FSDP1 ``sharding_strategy: HYBRID_SHARD`` whose shard group (the data-parallel ranks of one node, the mesh
-    not given: ``fsdp_mesh``) is the whole gradient-reduce group (``ineffective_setting_warnings``): nothing is
-    replicated, so the layout is FULL_SHARD's (SHARD_GRAD_OP's with ``reshard_after_forward`` false) and the run is
-    the same. PyTorch's HYBRID_SHARD applies FULL_SHARD within a node and replicates parameters across nodes
-    (pytorch/pytorch@acd8c9e torch/distributed/fsdp/api.py ``ShardingStrategy``); its one extra collective, the
-    all-reduce of each reduced gradient shard over the inter-node group (pytorch/pytorch@3ade90a
-    torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``: ``allreduce_hook`` on ``_inter_node_state``),
-    then runs over a group of one rank and moves nothing. An explicit mesh with replicate degree 1 is refused by the
-    schema instead (``ScenarioConfig._fsdp_degrees``); FSDP2 (``version: 2``) takes no strategy: its mesh is given.
-    Returns one line, or none."""
+def _hybrid_shard_notes(cfg: ScenarioConfig) -> list[str]:
+    """FSDP1 ``sharding_strategy: HYBRID_SHARD`` whose mesh (the data-parallel ranks of one node shard, the nodes
+    replicate; not given explicitly: ``fsdp_mesh``) degenerates (``ineffective_setting_warnings``). PyTorch's
+    HYBRID_SHARD applies FULL_SHARD within a node and replicates parameters across nodes (pytorch/pytorch@acd8c9e
+    torch/distributed/fsdp/api.py ``ShardingStrategy``), with one extra collective: the all-reduce of each reduced
+    gradient shard over the inter-node group (pytorch/pytorch@3ade90a torch/distributed/fsdp/_runtime_utils.py
+    ``_post_backward_hook``: ``allreduce_hook`` on ``_inter_node_state``).
+
+    * Replicate 1 (every rank of the group in one node): the shard group is the whole group, the inter-node
+      all-reduce runs over one rank and moves nothing: the layout and the run are FULL_SHARD's (SHARD_GRAD_OP's
+      with ``reshard_after_forward`` false).
+    * Shard 1 (one data-parallel rank per node): PyTorch clamps a one-rank FSDP group to NO_SHARD and then reduces
+      the gradients over that one rank only, so the replicas never synchronize (pytorch/pytorch#154888, not fixed
+      in FSDP1; verl-project/verl#7493 reproduces it); the run models the layout meant (the whole model per rank,
+      gradients all-reduced across the nodes), which the real job does not run.
+
+    An explicit mesh with replicate degree 1 is refused by the schema instead (``ScenarioConfig._fsdp_degrees``);
+    FSDP2 (``version: 2``) takes no strategy: its mesh is given. Returns one line, or none."""
     f, p = cfg.fsdp, cfg.parallelism
     n = p.data_context_parallel_size
     if f is None or f.version != 1 or f.sharding_strategy != "HYBRID_SHARD" or n < 2:
         return []
     shard, rep = fsdp_mesh_of(cfg)
-    if rep > 1:
-        return []
-    same = "FULL_SHARD" if f.reshards else "FULL_SHARD with reshard_after_forward false (SHARD_GRAD_OP)"
     group = "data- x context-parallel" if p.context_parallel_size > 1 else "data-parallel"
-    return [f"fsdp.sharding_strategy HYBRID_SHARD is {same} here: all {n} {group} ranks lie in one node, so the "
-            "shard group (a node's ranks) is the whole group and there is no other node to replicate to (PyTorch's "
-            "HYBRID_SHARD shards within a node and replicates across nodes); its inter-node gradient all-reduce runs "
-            f"over one rank and moves nothing, so the run is the same as {same}"]
+    if rep == 1:
+        same = "FULL_SHARD" if f.reshards else "FULL_SHARD with reshard_after_forward false (SHARD_GRAD_OP)"
+        return [f"fsdp.sharding_strategy HYBRID_SHARD is {same} here: all {n} {group} ranks lie in one node, so the "
+                "shard group (a node's ranks) is the whole group and there is no other node to replicate to "
+                "(PyTorch's HYBRID_SHARD shards within a node and replicates across nodes); its inter-node gradient "
+                f"all-reduce runs over one rank and moves nothing, so the run is the same as {same}"]
+    if shard == 1:
+        return [f"fsdp.sharding_strategy HYBRID_SHARD with one {group} rank per node: the shard group is one rank, "
+                "which PyTorch's FullyShardedDataParallel turns into NO_SHARD over that one rank, so the real job "
+                f"never all-reduces the gradients across the {rep} nodes and the replicas diverge "
+                "(pytorch/pytorch#154888, not fixed in FSDP1); this run models the layout meant (the whole model "
+                f"on every rank, gradients all-reduced across the {rep} nodes), which that job does not run"]
+    return []
 
 
 def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:

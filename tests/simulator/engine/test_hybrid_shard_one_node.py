@@ -1,5 +1,6 @@
-"""FSDP1 HYBRID_SHARD whose data-parallel ranks all lie in one node: nothing to replicate, so it is FULL_SHARD, and
-the run says so (it ran as FULL_SHARD without a word)."""
+"""FSDP1 HYBRID_SHARD whose mesh degenerates says so (it ran without a word): every data-parallel rank in one node
+(nothing to replicate: it is FULL_SHARD), or one rank per node (a one-rank shard group, which PyTorch clamps to
+NO_SHARD without reducing across the nodes)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def test_without_reshard_after_forward_it_names_shard_grad_op():
     cfg = _cfg("fsdp={sharding_strategy: HYBRID_SHARD, reshard_after_forward: false}")
     notes = [w for w in ineffective_setting_warnings(cfg) if "HYBRID_SHARD" in w]
     assert len(notes) == 1 and "FULL_SHARD with reshard_after_forward false (SHARD_GRAD_OP) here" in notes[0]
+
+
+def test_one_rank_per_node_names_the_pytorch_clamp():
+    """Two DGX nodes with tensor parallel 8: one data-parallel rank per node, a shard group of one rank (mesh 1 x
+    2). PyTorch clamps that group to NO_SHARD and never all-reduces across the nodes (pytorch/pytorch#154888): the
+    note says so and that the run models the layout meant."""
+    cfg = _cfg("hardware.cluster={preset: dgx-h100, nodes: 2}", "parallelism.tensor_model_parallel_size=8",
+               "fsdp={sharding_strategy: HYBRID_SHARD}")
+    assert fsdp_mesh_of(cfg) == (1, 2)
+    notes = [w for w in ineffective_setting_warnings(cfg) if "HYBRID_SHARD" in w]
+    assert len(notes) == 1 and notes[0].startswith("fsdp.sharding_strategy HYBRID_SHARD with one data-parallel rank "
+                                                   "per node: the shard group is one rank")
+    assert "never all-reduces the gradients across the 2 nodes" in notes[0] and "pytorch/pytorch#154888" in notes[0]
