@@ -16,7 +16,9 @@ class HostCpuSpec:
 
     Attributes:
         name: Model name.
-        cores: Physical cores available to the job.
+        cores: Physical cores available to the job (a virtual machine's vCPUs where ``vcpus`` is true).
+        vcpus: ``cores`` counts a virtual machine's vCPUs (logical CPUs as the guest's ``lscpu`` lists them; each
+            may be one hyperthread of a host core), not physical cores; only the wording of messages changes.
         memory_bandwidth_bytes_per_s: Achievable DRAM bandwidth (read + write), bytes/s.
         launch_overhead_s: Host CPU time to dispatch one eager PyTorch op (framework + CUDA launch)
             on this host, s; None (default): not measured (the machine falls back on a documented
@@ -77,6 +79,7 @@ class HostCpuSpec:
     stream_bandwidth_bytes_per_s: float = 0.0
     per_core_bandwidth_bytes_per_s: float = 0.0
     page_fault_s: float = 0.0
+    vcpus: bool = False
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,7 +104,7 @@ class HostCpuSpec:
         avail = self.cores_available
         if self.threads_used < 0 or self.threads_used > avail:
             where = f"NUMA node {self.numa_node}" if self.numa_node >= 0 else "the host"
-            raise ValueError(f"threads {self.threads_used} exceeds the {avail} physical cores of {where} "
+            raise ValueError(f"threads {self.threads_used} exceeds the {avail} {self.core_noun} of {where} "
                              f"({self.name}); allowed 1..{avail}")
         if self.simd_width_bits not in (128, 256, 512) or self.fma_units_per_core <= 0:
             raise ValueError(f"simd_width_bits must be 128, 256 or 512 and fma_units_per_core > 0, got "
@@ -112,6 +115,12 @@ class HostCpuSpec:
             raise ValueError("clocks, memory channels/rate, bandwidths and page_fault_s must be >= 0 (0: unknown)")
         if not 0 < self.sustained_bandwidth_fraction <= 1:
             raise ValueError(f"sustained_bandwidth_fraction must be in (0, 1], got {self.sustained_bandwidth_fraction}")
+
+    @property
+    def core_noun(self) -> str:
+        """What ``cores`` counts, for messages: ``vCPUs`` (``vcpus``: a virtual machine's logical CPUs) or
+        ``physical cores``."""
+        return "vCPUs" if self.vcpus else "physical cores"
 
     @property
     def nodes(self) -> int:

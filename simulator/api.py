@@ -547,7 +547,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             for comp in runtime.components:
                 if hasattr(comp, "summarize"):
                     summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
-            notes += [f"{c.label}: {w}" for w in component_warnings(runtime)]
+            notes.append((c.label, component_warnings(runtime)))
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             if pp > 1:  # the stage's idle split into waits for other stages and host gaps (labels only)
@@ -595,12 +595,21 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         else:
             summary = combine_classes(parts, steps, labels=labels, replicas=replicas, slowdowns=slowdowns,
                                       gpus_per_replica=len(hws[0].tp_group), **common)
-        summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + notes
+        summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + class_warnings(notes)
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
     return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
                             cat["launches"], cat["deps"])
+
+
+def class_warnings(per_class: list[tuple[str, list[str]]]) -> list[str]:
+    """The component warnings of a run's rank classes (``(label, lines)`` each), one line per class prefixed with
+    its label; a line every class has (the same words: a power limit equal to the TDP on every stage) once, without
+    a label."""
+    shared = set(per_class[0][1]).intersection(*(set(w) for _, w in per_class[1:])) if len(per_class) > 1 else set()
+    out = [w for w in per_class[0][1] if w in shared] if shared else []
+    return out + [f"{label}: {w}" for label, lines in per_class for w in lines if w not in shared]
 
 
 def component_warnings(runtime) -> list[str]:
@@ -1124,6 +1133,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
+    out += _hybrid_shard_notes(cfg)
     unread = _single_gpu_keys_without_effect(cfg)
     out += unread
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
@@ -1149,6 +1159,45 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def _hybrid_shard_notes(cfg: ScenarioConfig) -> list[str]:
+    """FSDP1 ``sharding_strategy: HYBRID_SHARD`` whose mesh (the data-parallel ranks of one node shard, the nodes
+    replicate; not given explicitly: ``fsdp_mesh``) degenerates (``ineffective_setting_warnings``). PyTorch's
+    HYBRID_SHARD applies FULL_SHARD within a node and replicates parameters across nodes (pytorch/pytorch@acd8c9e
+    torch/distributed/fsdp/api.py ``ShardingStrategy``), with one extra collective: the all-reduce of each reduced
+    gradient shard over the inter-node group (pytorch/pytorch@3ade90a torch/distributed/fsdp/_runtime_utils.py
+    ``_post_backward_hook``: ``allreduce_hook`` on ``_inter_node_state``).
+
+    * Replicate 1 (every rank of the group in one node): the shard group is the whole group, the inter-node
+      all-reduce runs over one rank and moves nothing: the layout and the run are FULL_SHARD's (SHARD_GRAD_OP's
+      with ``reshard_after_forward`` false).
+    * Shard 1 (one data-parallel rank per node): PyTorch clamps a one-rank FSDP group to NO_SHARD and then reduces
+      the gradients over that one rank only, so the replicas never synchronize (pytorch/pytorch#154888, not fixed
+      in FSDP1; verl-project/verl#7493 reproduces it); the run models the layout meant (the whole model per rank,
+      gradients all-reduced across the nodes), which the real job does not run.
+
+    An explicit mesh with replicate degree 1 is refused by the schema instead (``ScenarioConfig._fsdp_degrees``);
+    FSDP2 (``version: 2``) takes no strategy: its mesh is given. Returns one line, or none."""
+    f, p = cfg.fsdp, cfg.parallelism
+    n = p.data_context_parallel_size
+    if f is None or f.version != 1 or f.sharding_strategy != "HYBRID_SHARD" or n < 2:
+        return []
+    shard, rep = fsdp_mesh_of(cfg)
+    group = "data- x context-parallel" if p.context_parallel_size > 1 else "data-parallel"
+    if rep == 1:
+        same = "FULL_SHARD" if f.reshards else "FULL_SHARD with reshard_after_forward false (SHARD_GRAD_OP)"
+        return [f"fsdp.sharding_strategy HYBRID_SHARD is {same} here: all {n} {group} ranks lie in one node, so the "
+                "shard group (a node's ranks) is the whole group and there is no other node to replicate to "
+                "(PyTorch's HYBRID_SHARD shards within a node and replicates across nodes); its inter-node gradient "
+                f"all-reduce runs over one rank and moves nothing, so the run is the same as {same}"]
+    if shard == 1:
+        return [f"fsdp.sharding_strategy HYBRID_SHARD with one {group} rank per node: the shard group is one rank, "
+                "which PyTorch's FullyShardedDataParallel turns into NO_SHARD over that one rank, so the real job "
+                f"never all-reduces the gradients across the {rep} nodes and the replicas diverge "
+                "(pytorch/pytorch#154888, not fixed in FSDP1); this run models the layout meant (the whole model "
+                f"on every rank, gradients all-reduced across the {rep} nodes), which that job does not run"]
+    return []
 
 
 def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:

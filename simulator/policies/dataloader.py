@@ -34,6 +34,7 @@ from hardware_models.dataloader import (
     load_storage_preset,
 )
 from simulator.graph.op_graph import OpGraph
+from simulator.policies.dataloader_notes import workers_notes
 from simulator.graph.ops import OpKind, OpRole, Phase
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -190,7 +191,14 @@ class DataLoaderRuntime:
         self.waits.append((step, rec.wait_s))
         self.leads.append((step, (rec.received_s - rec.wait_s) - rec.ready_s))
 
+    def warnings(self) -> list[str]:
+        """What the run shows of the workers setting (call after ``summarize``): ``dataloader_notes.workers_notes``
+        (workers that do not hold up the step, so more change nothing; a prefetch buffer that is draining)."""
+        return workers_notes(self.spec, self.loader.records, self.waits, self.leads, getattr(self, "_steps", None),
+                             self.loader.pin_busy_s)
+
     def summarize(self, spans=None, steps=None, counters=None, summary=None) -> dict:
+        self._steps = steps
         measured = steps[~steps.warmup]
         ms = set(int(s) for s in measured.step)
         per_step = {s: 0.0 for s in ms}

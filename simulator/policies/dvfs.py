@@ -49,6 +49,7 @@ import pandas as pd
 from hardware_models.power import ClockController, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
+from simulator.policies.dvfs_notes import settings_without_effect
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
@@ -383,8 +384,10 @@ class DvfsRuntime:
         evaluation finds it above), so a measured average above it means either that the firmware was still
         stepping the clock down during the measured steps (a run too short for the loop to settle: step time,
         energy and power are of that transient, not of the capped steady state), or that the lowest supported
-        clock still draws more than the limit. Empty when the limit holds or cannot bind."""
-        short = list(getattr(self, "short_phases", []))
+        clock still draws more than the limit. Empty when the limit holds or cannot bind. Also the ``dvfs`` settings
+        that changed nothing (``dvfs_notes.settings_without_effect``: a limit that never bound, a lock at the
+        maximum clock)."""
+        short = list(getattr(self, "short_phases", [])) + settings_without_effect(self)
         cap, avg = self.power_limit_w, getattr(self, "measured_avg_power_w", None)
         if self.firmware is None or avg is None or avg <= cap * (1.0 + HYSTERESIS):
             return short

@@ -41,9 +41,16 @@ def window_over(T, P, E, t_end: float, cap: float, t0: float, period_s: float, w
     """Whether the average of the piecewise-constant power ``P`` (levels from ``T``, energy ``E`` at ``T``) over
     the window ``[max(0, t - window_s), t]`` exceeds ``cap`` at an evaluation time ``t = t0 + k * period_s <=
     t_end`` (``k >= 1``; the firmware's grid, see ``PowerLimitFirmware.run``)."""
+    return bool(np.any(window_averages(T, P, E, t_end, t0, period_s, window_s) > cap))
+
+
+def window_averages(T, P, E, t_end: float, t0: float, period_s: float, window_s: float) -> np.ndarray:
+    """The windowed average power the firmware reads at each of its evaluation times up to ``t_end``, W: one value
+    per ``t = t0 + k * period_s <= t_end`` (``k >= 1``), the average of ``P`` over ``[max(0, t - window_s), t]``
+    (``window_over``'s arguments; empty before the first evaluation)."""
     kmax = int((t_end - t0) // period_s)
     if kmax < 1:
-        return False
+        return np.zeros(0)
     tk = t0 + np.arange(1, kmax + 1) * period_s
     lo = np.maximum(0.0, tk - window_s)
 
@@ -51,8 +58,7 @@ def window_over(T, P, E, t_end: float, cap: float, t0: float, period_s: float, w
         i = np.maximum(np.searchsorted(T, x, side="right") - 1, 0)
         return E[i] + P[i] * (x - T[i])
 
-    avg = (energy_at(tk) - energy_at(lo)) / (tk - lo)
-    return bool(np.any(avg > cap))
+    return (energy_at(tk) - energy_at(lo)) / (tk - lo)
 
 
 class PowerLimitFirmware:
@@ -72,6 +78,7 @@ class PowerLimitFirmware:
 
     Attributes:
         ticks: Evaluations that ran (the loop sleeps while the limit cannot bind).
+        lowered: Evaluations that lowered the clock limit (the power above the limit); 0: the limit never bound.
         t0: Start of the evaluation grid ``t0 + k * period_s``, s.
     """
 
@@ -81,6 +88,7 @@ class PowerLimitFirmware:
         self.cap_w, self.supported, self.fmax_mhz = cap_w, tuple(supported_mhz), fmax_mhz
         self.period_s, self.window_s, self.t0 = period_s, window_s, env.now
         self.ticks = 0
+        self.lowered = 0
         self._quiet = quiet_since or self.quiet_since
         self._sleep = None  # event the sleeping loop waits on (see ``run``)
         self._over_end_t = -math.inf  # when the last power level above the cap ended
@@ -139,6 +147,7 @@ class PowerLimitFirmware:
             if avg <= 0:
                 continue
             if avg > cap:
+                self.lowered += 1
                 cur = min(ctl.limit_mhz, self.state.sm_clock_mhz)
                 ratio = max(0.85, (cap / avg) ** 0.5)
                 ctl.set_limit(ratio_step(cur, ratio, self.supported))

@@ -13,8 +13,10 @@ SCEN = str(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")
 
 
 @pytest.mark.parametrize("override, fragments", [
-    ("hardware.host.threads=17", ["hardware.host", "threads 17 exceeds the 16 physical cores", "allowed 1..16"]),
-    ("hardware.host.overrides.threads_used=64", ["threads 64 exceeds the 16 physical cores"]),
+    # the measured host is a KVM guest (its preset's vcpus: true): its 16 CPUs are vCPUs, not physical cores
+    ("hardware.host.threads=17", ["hardware.host", "threads 17 exceeds the 16 vCPUs", "allowed 1..16"]),
+    ("hardware.host.threads=999", ["threads 999 exceeds the 16 vCPUs of the host", "allowed 1..16"]),
+    ("hardware.host.overrides.threads_used=64", ["threads 64 exceeds the 16 vCPUs"]),
     ("hardware.host=xeon-9999", ["unknown host preset 'xeon-9999'", "known: ", "dgx2-v100-host"]),
     ("hardware.host.numa_node=1", ["numa_node 1 does not exist: this host has 1 NUMA node(s)", "allowed 0..0"]),
 ])
@@ -24,6 +26,13 @@ def test_bad_host_one_line_exit_2(capsys, override, fragments):
     assert "\n" not in err and "Traceback" not in err and SCEN in err
     for f in fragments:
         assert f in err, f"{f!r} not in {err!r}"
+
+
+def test_physical_cores_wording(capsys):
+    """A host whose preset does not say vCPUs keeps "physical cores" (the rule is the same: threads <= cores)."""
+    assert main(["run", SCEN, "--set", "hardware.host.overrides.vcpus=false", "--set", "hardware.host.threads=17"]) == 2
+    err = capsys.readouterr().err
+    assert "threads 17 exceeds the 16 physical cores" in err and "vCPU" not in err.split("(")[0]
 
 
 def _cpu_s(**host) -> float:
