@@ -44,6 +44,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``dotted.key=value`` set (creating mappings as needed).
 
+    ``KEY=null`` (or ``~``) removes the key, as if it were not written: the schema's default applies, and no
+    section is created for it (a required key is then reported missing by the loader).
+
     ``model.from_hf=PATH`` replaces the scenario's model section by the file (keys an earlier
     ``--set model.KEY`` gave are kept, later ones apply after): merged into the scenario's own model
     keys it would quietly build a hybrid (a GPT-2 scenario's 12 layers with Llama's widths), since
@@ -56,6 +59,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     set_model_keys: dict[str, Any] = {}
     for text in overrides:
         parts, value = parse_override(text)
+        if value is None:
+            _remove(out, parts)
+            if len(parts) >= 2 and parts[0] == "model":
+                set_model_keys.pop(parts[1], None)
+            continue
         if parts == ["model", "from_hf"]:
             out["model"] = {**set_model_keys, "from_hf": value}
             continue
@@ -74,3 +82,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if len(parts) >= 2 and parts[0] == "model" and isinstance(out.get("model"), dict):
             set_model_keys[parts[1]] = copy.deepcopy(out["model"].get(parts[1]))
     return out
+
+
+def _remove(data: dict, parts: list[str]) -> None:
+    """Delete the key at ``parts`` from ``data`` in place (nothing when a mapping on the way is absent; a preset
+    given by name has no keys below it to remove)."""
+    node: Any = data
+    for p in parts[:-1]:
+        node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
