@@ -6,6 +6,8 @@ import re
 import typing
 import warnings
 
+import pytest
+
 from hypothesis import given, settings, strategies as st
 from pydantic import BaseModel
 
@@ -29,7 +31,9 @@ def _optional_paths(model: type[BaseModel], prefix: tuple = (), depth: int = 0) 
     out = []
     for name, field in model.model_fields.items():
         path = (*prefix, name)
-        if not field.is_required():
+        # null is a value of its own (no prefetch) where the field admits it with another default
+        null_is_a_value = type(None) in typing.get_args(field.annotation) and field.default is not None
+        if not field.is_required() and not null_is_a_value:
             out.append(path)
         sub = _section(field.annotation)
         if sub is not None and depth < 2:
@@ -84,6 +88,12 @@ def test_null_on_keys_the_files_write_resets_them_to_the_default():
     assert cfg.run.steps == 5 and cfg.fsdp.sharding_strategy == "FULL_SHARD" and cfg.hardware.host == "h200-measured-host"
     # a key of a section the file does not have creates no section
     assert scenario_from_dict(apply_overrides(data, ["dvfs.kind=null"]), "s.yaml").dvfs is None
+    # where null is a documented value (PyTorch FSDP backward_prefetch=None: on demand) it is kept, not the default
+    assert ("fsdp", "backward_prefetch") not in OPTIONAL and scenario_from_dict(
+        apply_overrides(data, ["fsdp.backward_prefetch=null"]), "s.yaml").fsdp.backward_prefetch is None
+    # a misspelt key given null is still named, not dropped
+    with pytest.raises(ScenarioError, match="parallelism.tensor_model_paralel_size: unknown key"):
+        scenario_from_dict(apply_overrides(data, ["parallelism.tensor_model_paralel_size=null"]), "s.yaml")
 
 
 def test_null_on_a_required_key_is_one_missing_key_line(capsys):
