@@ -422,7 +422,10 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
     Returns:
         One row per point, in grid order: the swept keys, ``gpu_busy``, every scalar of the
         summary (``flatten_summary``), ``error`` (None when the point ran) and, with ``out_dir``,
-        ``folder``. ``df.attrs["skipped"]`` / ``df.attrs["computed"]`` count reused and run points.
+        ``folder``. ``df.attrs["skipped"]`` / ``df.attrs["computed"]`` count reused and run points;
+        ``df.attrs["warnings"]`` (when any point warned: the scenario's load warnings and the run's) maps each
+        distinct warning to the rows that gave it. ``run_sweep`` itself does not check the points first
+        (a refused one is a row with its error); ``simulate sweep`` does (``sweep_check.check_points``).
 
     Raises:
         ScenarioError: the grid is empty, or ``out_dir`` holds another scenario's sweep.
@@ -553,12 +556,13 @@ def parquet_engine() -> str | None:
 
 def _table(rows: list[dict], folders: list, out: Path | None, log) -> pd.DataFrame:
     """The sweep's table; with ``out`` also written to ``out/results.csv`` and ``results.parquet``. Its
-    ``warnings`` column joins each point's warnings with ``"; "``; ``df.attrs["warnings"]`` maps each distinct
-    warning to the positions of the rows that gave it (``point_warnings``)."""
+    ``warnings`` column joins each point's warnings with ``"; "``; ``df.attrs["warnings"]`` (when a point
+    warned) maps each distinct warning to the positions of the rows that gave it (``point_warnings``)."""
     found = point_warnings(rows)
     rows = [{**r, "warnings": "; ".join(r["warnings"])} if isinstance(r.get("warnings"), list) else r for r in rows]
     df = pd.DataFrame(rows)
-    df.attrs["warnings"] = found
+    if found:
+        df.attrs["warnings"] = found
     if "error" not in df:
         df["error"] = None
     df["error"] = df["error"].astype(object).where(df["error"].notna(), None)
