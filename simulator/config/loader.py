@@ -106,8 +106,9 @@ _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type"
 
 def format_validation_error(exc: ValidationError | list[dict], source: str, model: type[BaseModel],
                             cap: int = MAX_PROBLEMS_SHOWN) -> str:
-    """Every problem of a pydantic ``ValidationError`` (or of its ``errors()``), one line each (``FILE: key.path: problem``), joined by
-    newlines: unknown keys first, then bad values, then missing keys; at most ``cap`` lines, then one
+    """Every problem of a pydantic ``ValidationError`` (or of its ``errors()``), one line each
+    (``FILE: key.path: problem``), joined by newlines: unknown keys first, then bad values (and the checks
+    between settings, ``scenario_errors``), then missing keys; at most ``cap`` lines, then one
     ``FILE: ... and N more``. The errors pydantic gives for one value (a union's branches: ``hardware.gpu``
     refused as a preset name and as ``{preset, overrides}``) make one line, naming the user's key path and what
     it allows, never the schema's class names.

@@ -38,6 +38,7 @@ def check_points(scenario: str | Path, base_overrides: list[str] | None, points:
     if not refused:
         return
     point, lines = refused[0]
-    more = f" (and {len(lines) - 1} more problem{'s' if len(lines) > 2 else ''} of this point)" if len(lines) > 1 else ""
+    n = len(lines) - 1
+    more = f" (and {n} more problem{'s' if n > 1 else ''} of this point)" if n else ""
     others = f"; {len(refused)} of {len(points)} points are refused" if len(refused) > 1 else ""
     raise ScenarioError(f"sweep point {point_label(point)}: {lines[0]}{more}{others}; nothing was run")

@@ -85,7 +85,8 @@ def test_null_on_keys_the_files_write_resets_them_to_the_default():
     cfg = scenario_from_dict(apply_overrides(data, ["parallelism.tensor_model_parallel_size=null", "run.steps=null",
                                                     "fsdp.sharding_strategy=null", "hardware.host=~"]), "s.yaml")
     assert cfg.parallelism.tensor_model_parallel_size == 1 and cfg.parallelism.data_parallel_size == 8
-    assert cfg.run.steps == 5 and cfg.fsdp.sharding_strategy == "FULL_SHARD" and cfg.hardware.host == "h200-measured-host"
+    assert cfg.run.steps == 5 and cfg.fsdp.sharding_strategy == "FULL_SHARD"
+    assert cfg.hardware.host == "h200-measured-host"
     # a key of a section the file does not have creates no section
     assert scenario_from_dict(apply_overrides(data, ["dvfs.kind=null"]), "s.yaml").dvfs is None
     # where null is a documented value (PyTorch FSDP backward_prefetch=None: on demand) it is kept, not the default
