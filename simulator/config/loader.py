@@ -5,6 +5,7 @@ Every failure becomes one ``ScenarioError`` line: ``FILE: key.path: problem (all
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -92,6 +93,12 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
+@functools.lru_cache(maxsize=None)
+def _names_of(model: type[BaseModel]) -> frozenset[str]:
+    """``_model_names`` of ``model``, computed once."""
+    return frozenset(_model_names(model))
+
+
 #: problems of one file shown (one line each) before ``... and N more``
 MAX_PROBLEMS_SHOWN = 20
 #: sections named by an unknown key's "did you mean" when its name is a key there (more: too vague to help,
@@ -147,7 +154,7 @@ def errors_by_key(exc: ValidationError | list[dict], model: type[BaseModel]) -> 
     # a mapping given for a union of a scalar and a model (``fsdp.cpu_offload: bool | {...}``): the scalar branch's
     # complaint that a mapping is not a bool / string / literal says nothing; the model branch's errors do
     errors = [e for e in errors if not (isinstance(e.get("input"), dict) and e["type"] in _SCALAR_BRANCH)] or errors
-    names = _model_names(model)
+    names = _names_of(model)
     groups: dict[tuple, list[dict]] = {}
     for e in errors:
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
@@ -300,8 +307,8 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
     data = with_hf_path(data, source)
     try:
         return ScenarioConfig.model_validate(data)
-    except ValidationError:
-        errors = scenario_errors(data)
+    except ValidationError as exc:
+        errors = scenario_errors(data, exc.errors())
     raise ScenarioError("\n".join(_name_hf_keys(line, data) for line in
                                   format_validation_error(errors, source, ScenarioConfig).split("\n"))) from None
 
@@ -319,7 +326,7 @@ def _written(data: Any, path: tuple) -> bool:
 _DP_INPUTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
-def scenario_errors(data: dict) -> list[dict]:
+def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     """Every problem of a scenario mapping that fails validation, as pydantic-style error dicts: the bad keys and
     values, and every check between settings whose inputs are valid (``cross_checks.cross_setting_errors``), so
     that one run names them all.
@@ -327,6 +334,10 @@ def scenario_errors(data: dict) -> list[dict]:
     ``ScenarioConfig``'s before-validator refusing ``parallelism.data_parallel_size`` (pydantic then reports
     nothing else) is kept, the fields validated without that key and the key taken as unknown by the other checks;
     the refusal is dropped when one of its inputs (the cluster, tp, pp, cp) is itself bad.
+
+    Args:
+        data: The scenario mapping (after ``with_hf_path``).
+        errors: ``ValidationError.errors()`` of validating ``data``, when known (else validated here).
     """
     from simulator.config.cross_checks import cross_setting_errors
 
@@ -340,11 +351,12 @@ def scenario_errors(data: dict) -> list[dict]:
             first = [{"type": "value_error", "loc": (), "msg": f"Value error, {exc}"}]
             par = data.get("parallelism")
             data = {**data, "parallelism": {k: v for k, v in par.items() if k != "data_parallel_size"}}
-    try:
-        ScenarioConfig.model_validate(data)
-        errors: list[dict] = []
-    except ValidationError as exc:
-        errors = exc.errors()
+    if first or errors is None:
+        try:
+            ScenarioConfig.model_validate(data)
+            errors = []
+        except ValidationError as exc:
+            errors = exc.errors()
     if first:  # the scenario's own checks ran with a derived data_parallel_size: cross_setting_errors runs them
         errors = [e for e in errors if e["loc"] != ()]
     bad = set()
