@@ -313,6 +313,13 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
                                   format_validation_error(errors, source, ScenarioConfig).split("\n"))) from None
 
 
+def _dp_inputs_bad(bad: set[tuple]) -> bool:
+    """Whether a key path of ``bad`` is one ``ScenarioConfig._resolve_data_parallel`` reads (the cluster, tp, pp,
+    cp) or holds one."""
+    inputs = [("hardware", "cluster"), *(("parallelism", k) for k in _DP_INPUTS)]
+    return bool(bad & {("hardware",), ("parallelism",)}) or any(loc[:len(i)] == i for loc in bad for i in inputs)
+
+
 def _written(data: Any, path: tuple) -> bool:
     """Whether the mapping ``data`` has a value at key path ``path``."""
     for p in path:
@@ -368,11 +375,13 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
             bad.update(m for m in meant if not _written(data, m))
     if first:
         bad.add(("parallelism", "data_parallel_size"))
-        inputs = [("hardware", "cluster"), *(("parallelism", k) for k in _DP_INPUTS)]
-        if bad & {(), ("hardware",), ("parallelism",)} or any(loc[:len(i)] == i for loc in bad for i in inputs):
+        if _dp_inputs_bad(bad):
             first = []
-    if not errors or not isinstance(data, dict):
-        return first or errors
+    if not isinstance(data, dict):
+        return errors
+    par = data.get("parallelism")
+    if not (isinstance(par, dict) and "data_parallel_size" in par) and _dp_inputs_bad(bad):
+        bad.add(("parallelism", "data_parallel_size"))  # derived from a cluster or sizes that are bad: unknown
     return first + errors + cross_setting_errors(ScenarioConfig, before(data), bad)
 
 

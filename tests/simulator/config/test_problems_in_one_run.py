@@ -2,11 +2,14 @@
 inputs are valid is reported beside the key errors; one reading a bad value is skipped."""
 
 import copy
+import re
+import warnings
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from simulator.config.errors import ScenarioError
-from simulator.config.loader import scenario_from_dict
+from simulator.config.loader import load_scenario, scenario_from_dict
 
 BASE = {"name": "t", "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}},
         "model": {"num_layers": 24, "hidden_size": 1536, "num_attention_heads": 12, "seq_length": 1024,
@@ -67,3 +70,61 @@ def test_a_sections_own_check_beside_a_bad_key_of_it():
     lines = problems(model={"num_attention_heads": 7, "num_layers": "many"})
     assert "s.yaml: model.num_layers: Input should be a valid integer (got 'many')" in lines
     assert any("num_attention_heads (7) must divide hidden_size (1536)" in line for line in lines)
+
+
+BREAKERS = ["parallelism.tensor_model_parallel_size=8", "parallelism.pipeline_model_parallel_size=3",
+            "parallelism.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24",
+            "parallelism.context_parallel_size=2", "parallelism.expert_model_parallel_size=2",
+            "parallelism.sequence_parallel=true", "training.precision=amp_fp32_params", "zero_optimization.stage=3",
+            "model.num_query_groups=3", "training.fp8=hybrid", "ddp.use_distributed_optimizer=true",
+            "run.warmup_steps=9", "model.num_attention_heads=24", "parallelism.data_parallel_size=2",
+            "fsdp.sharding_strategy=FULL_SHARD", "parallelism.tp_comm_overlap=true"]
+SCENARIOS = ["scenarios/cluster/gpt_1p3b_dgx_h100_tp2_dp4.yaml", "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml",
+             "scenarios/h200/gpt_184m_b8.yaml"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenario=st.sampled_from(SCENARIOS), sets=st.lists(st.sampled_from(BREAKERS), max_size=4, unique=True),
+       where=st.sampled_from(["model.", "parallelism.", "training.", "run.", ""]))
+def test_an_unknown_key_hides_no_check_between_settings(scenario, sets, where):
+    """An unknown key (no key near its name: it stands for nothing) beside any mix of settings: exactly its own
+    line more than the same settings without it, however many checks between them fail."""
+    def lines(extra):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                load_scenario(scenario, sets + extra)
+                return set()
+            except ScenarioError as exc:
+                return set(re.sub(r" \(from the command line: [^)]*\)", "", str(exc)).split("\n"))
+
+    without, with_it = lines([]), lines([f"{where}zz_not_a_key=1"])
+    extra = [line for line in with_it if "zz_not_a_key: unknown key" in line]
+    assert len(extra) == 1 and with_it - set(extra) == without
+
+
+#: bad values of keys that no check reads before deciding another (the parallel sizes and the cluster are: a bad
+#: tp skips the world-size check, which then no longer hides a later true problem, so the sets may differ)
+BAD_VALUES = {"training.micro_batch_size": "-8", "model.num_layers": "many", "model.seq_length": "-1",
+              "training.precision": "bf17", "run.steps": "0", "zero_optimization.stage": "9",
+              "model.hidden_size": "true", "training.global_batch_size": "-1", "model.num_attention_heads": "0"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenario=st.sampled_from(SCENARIOS), sets=st.lists(st.sampled_from(BREAKERS), max_size=4, unique=True),
+       bad=st.sampled_from(sorted(BAD_VALUES)))
+def test_a_bad_value_adds_no_problem_of_its_own_but_its_line(scenario, sets, bad):
+    """A bad value beside any mix of settings: its own line, and otherwise only problems that the same settings
+    without it have (a check that reads it is skipped, never run on another value)."""
+    def lines(extra):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                load_scenario(scenario, sets + extra)
+                return set()
+            except ScenarioError as exc:
+                return set(re.sub(r" \(from the command line: [^)]*\)", "", str(exc)).split("\n"))
+
+    without, with_it = lines([]), lines([f"{bad}={BAD_VALUES[bad]}"])
+    own = {line for line in with_it if line.startswith(f"{scenario}: {bad}: ")}
+    assert len(own) == 1 and with_it - own <= without
