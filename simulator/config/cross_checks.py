@@ -35,12 +35,13 @@ class _View:
     """A read-only stand-in for an instance of a pydantic model whose validation failed: its valid fields as
     validated, reading an unknown one raises ``_Unknown``; properties and methods of the model run on the view."""
 
-    __slots__ = ("_cls", "_values")
+    __slots__ = ("_cls", "_values", "model_fields_set")
     model_fields: dict = {}
 
-    def __init__(self, cls: type[BaseModel], values: dict[str, Any]):
+    def __init__(self, cls: type[BaseModel], values: dict[str, Any], given: set[str]):
         object.__setattr__(self, "_cls", cls)
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "model_fields_set", given)  # the keys written, as pydantic's
 
     def __getattr__(self, name: str):
         values = object.__getattribute__(self, "_values")
@@ -127,7 +128,7 @@ def _view(cls: type[BaseModel], data: Any, path: tuple, bad: set[tuple], out: li
         model = _section_model(field.annotation)
         ok = model is not None and isinstance(data.get(name), dict)  # a section: its valid keys stay readable
         values[name] = _view(model, data[name], sub, bad, out) if ok else _UNSET
-    view = _view_class(cls)(cls, values)
+    view = _view_class(cls)(cls, values, {k for k in data if k in cls.model_fields})
     for d in cls.__pydantic_decorators__.model_validators.values():
         if d.info.mode != "after":
             continue
