@@ -128,3 +128,12 @@ def test_a_bad_value_adds_no_problem_of_its_own_but_its_line(scenario, sets, bad
     without, with_it = lines([]), lines([f"{bad}={BAD_VALUES[bad]}"])
     own = {line for line in with_it if line.startswith(f"{scenario}: {bad}: ")}
     assert len(own) == 1 and with_it - own <= without
+
+
+def test_a_sections_check_reading_the_keys_written_beside_an_unknown_key():
+    # fsdp version 2 has no sharding_strategy (the file writes one): FsdpConfig's check reads which keys are written
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario("scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml", ["fsdp.version=2", "fsdp.zz_not_a_key=1"])
+    lines = str(exc.value).split("\n")
+    assert len(lines) == 2 and "fsdp.zz_not_a_key: unknown key" in lines[0]
+    assert ": fsdp: fsdp.sharding_strategy is FSDP1's (FullyShardedDataParallel); fsdp.version 2" in lines[1]
