@@ -173,8 +173,9 @@ def grid(factors: dict[str, list]) -> list[dict]:
 
 
 def point_overrides(base_overrides: list[str] | None, point: dict) -> list[str]:
-    """The ``--set`` strings of one point: ``base_overrides`` then ``KEY=VALUE`` per swept key (applied last)."""
-    return list(base_overrides or []) + [f"{k}={v}" for k, v in point.items()]
+    """The ``--set`` strings of one point: ``base_overrides`` then ``KEY=VALUE`` per swept key (applied last; a
+    null value as ``null``, which ``--set`` reads as "the key not written", not as the text ``None``)."""
+    return list(base_overrides or []) + [f"{k}={'null' if v is None else v}" for k, v in point.items()]
 
 
 def parse_factor(text: str) -> tuple[str, list]:

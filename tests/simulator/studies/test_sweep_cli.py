@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 
 from simulator.cli import main
@@ -64,3 +65,15 @@ def test_each_points_warnings_are_listed_with_the_points_they_apply_to(tmp_path,
            f"micro_batch_size=2): {fused[0]}" in lines
     marks = [line.split()[-1].split(",") for line in lines[1:5]]  # the table's warnings column
     assert [str(n) in m for m in marks] == [False, False, True, True]
+
+
+def test_a_null_factor_value_is_the_key_not_written(tmp_path, capsys):
+    one_gpu = {**TINY, "hardware": {"gpu": "h100-sxm-80gb", "host": "dgx-h100-host"},
+               "training": {**TINY["training"], "global_batch_size": 4}}
+    s = scenario(tmp_path, one_gpu)
+    assert main(["sweep", s, "--factor", "training.global_batch_size=null,4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    # null: the default, micro_batch_size x data_parallel_size = 1 sample per step; 4: four micro-batches
+    assert [r["error"] for r in rows] == [None, None]
+    per_step = [r["samples_per_s"] * r["step_time_s"] for r in rows]
+    assert per_step == pytest.approx([1, 4], rel=1e-12)
