@@ -76,4 +76,4 @@ def test_a_null_factor_value_is_the_key_not_written(tmp_path, capsys):
     # null: the default, micro_batch_size x data_parallel_size = 1 sample per step; 4: four micro-batches
     assert [r["error"] for r in rows] == [None, None]
     per_step = [r["samples_per_s"] * r["step_time_s"] for r in rows]
-    assert per_step == pytest.approx([1, 4], rel=1e-12)
+    assert per_step == pytest.approx([1, 4], rel=1e-6)  # the summary rounds its rates
