@@ -83,22 +83,24 @@ SCENARIOS = ["scenarios/cluster/gpt_1p3b_dgx_h100_tp2_dp4.yaml", "scenarios/clus
              "scenarios/h200/gpt_184m_b8.yaml"]
 
 
+def _lines(scenario: str, sets: list[str]) -> set[str]:
+    """The problems of ``scenario`` with ``sets`` (empty when it loads), without the command-line marks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            load_scenario(scenario, sets)
+            return set()
+        except ScenarioError as exc:
+            return set(re.sub(r" \(from the command line: [^)]*\)", "", str(exc)).split("\n"))
+
+
 @settings(max_examples=60, deadline=None)
 @given(scenario=st.sampled_from(SCENARIOS), sets=st.lists(st.sampled_from(BREAKERS), max_size=4, unique=True),
        where=st.sampled_from(["model.", "parallelism.", "training.", "run.", ""]))
 def test_an_unknown_key_hides_no_check_between_settings(scenario, sets, where):
     """An unknown key (no key near its name: it stands for nothing) beside any mix of settings: exactly its own
     line more than the same settings without it, however many checks between them fail."""
-    def lines(extra):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                load_scenario(scenario, sets + extra)
-                return set()
-            except ScenarioError as exc:
-                return set(re.sub(r" \(from the command line: [^)]*\)", "", str(exc)).split("\n"))
-
-    without, with_it = lines([]), lines([f"{where}zz_not_a_key=1"])
+    without, with_it = _lines(scenario, sets), _lines(scenario, sets + [f"{where}zz_not_a_key=1"])
     extra = [line for line in with_it if "zz_not_a_key: unknown key" in line]
     assert len(extra) == 1 and with_it - set(extra) == without
 
@@ -116,16 +118,7 @@ BAD_VALUES = {"training.micro_batch_size": "-8", "model.num_layers": "many", "mo
 def test_a_bad_value_adds_no_problem_of_its_own_but_its_line(scenario, sets, bad):
     """A bad value beside any mix of settings: its own line, and otherwise only problems that the same settings
     without it have (a check that reads it is skipped, never run on another value)."""
-    def lines(extra):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                load_scenario(scenario, sets + extra)
-                return set()
-            except ScenarioError as exc:
-                return set(re.sub(r" \(from the command line: [^)]*\)", "", str(exc)).split("\n"))
-
-    without, with_it = lines([]), lines([f"{bad}={BAD_VALUES[bad]}"])
+    without, with_it = _lines(scenario, sets), _lines(scenario, sets + [f"{bad}={BAD_VALUES[bad]}"])
     own = {line for line in with_it if line.startswith(f"{scenario}: {bad}: ")}
     assert len(own) == 1 and with_it - own <= without
 
