@@ -335,7 +335,8 @@ def cmd_sweep(args) -> int:
     from simulator.studies.sweep import (SweepInterrupted, check_sweep_folder, is_metric_name, parse_factor, run_sweep,
                                          write_sweep_plots)
     from simulator.config.errors import ScenarioError
-    from simulator.config.loader import load_scenario
+    from simulator.studies.sweep import grid
+    from simulator.studies.sweep_check import check_points
 
     if args.workers < 1:
         raise ScenarioError(f"--workers must be >= 1, got {args.workers}")
@@ -358,10 +359,8 @@ def cmd_sweep(args) -> int:
         raise ScenarioError(f"--factor {dup}: given more than once; list all its values in one --factor "
                             f"({dup}=v1,v2,...)")
     factors = dict(parsed)
-    # check every key path and value before running anything (exit 2 on a typo)
-    for key, values in factors.items():
-        for v in values:
-            load_scenario(args.scenario, list(args.set) + [f"{key}={v}"])
+    # every point's whole scenario (file, --set, its factor values) before running anything (exit 2)
+    check_points(args.scenario, args.set, grid(factors))
     client = dask_client(args.dask_scheduler) if args.dask_scheduler else None
     try:
         df = run_sweep(args.scenario, factors, base_overrides=args.set, workers=args.workers,
@@ -425,9 +424,26 @@ def _print_sweep(df, as_json: bool) -> None:
     inputs = list(df.columns[:df.columns.get_loc("gpu_busy")]) if "gpu_busy" in df else \
         [c for c in df.columns if c not in ("error", "folder")]
     shown = inputs + [c for c in ("gpu_busy", *SUMMARY_COLUMNS, "profile") if c in df]
+    found = df.attrs.get("warnings") or {}
+    table = df[shown].copy()
+    if found:  # each point's warnings by number, each distinct one written once below the table
+        refs = [[] for _ in range(len(df))]
+        for n, rows in enumerate(found.values(), 1):
+            for i in rows:
+                refs[i].append(str(n))
+        table["warnings"] = [",".join(r) or "-" for r in refs]
     if not df["error"].isna().all():
-        shown.append("error")
-    print(df[shown].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        table["error"] = df["error"]
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    for n, (text, rows) in enumerate(found.items(), 1):
+        where = "every point" if len(rows) == len(df) else f"{len(rows)} of {len(df)} points: " + "; ".join(
+            ", ".join(f"{k.split('.')[-1]}={df.iloc[i][k]}" for k in inputs) for i in rows[:MAX_POINTS_NAMED]) + (
+            f"; and {len(rows) - MAX_POINTS_NAMED} more" if len(rows) > MAX_POINTS_NAMED else "")
+        print(f"warning [{n}] ({where}): {text}")
+
+
+#: points a sweep's warning footnote names (the table's warnings column marks all of them)
+MAX_POINTS_NAMED = 8
 
 
 def _version() -> str:

@@ -5,6 +5,7 @@ Every failure becomes one ``ScenarioError`` line: ``FILE: key.path: problem (all
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -92,6 +93,12 @@ def _model_names(model: type[BaseModel], seen: set[str] | None = None) -> set[st
     return seen
 
 
+@functools.lru_cache(maxsize=None)
+def _names_of(model: type[BaseModel]) -> frozenset[str]:
+    """``_model_names`` of ``model``, computed once."""
+    return frozenset(_model_names(model))
+
+
 #: problems of one file shown (one line each) before ``... and N more``
 MAX_PROBLEMS_SHOWN = 20
 #: sections named by an unknown key's "did you mean" when its name is a key there (more: too vague to help,
@@ -104,10 +111,11 @@ _EXPECTED = {"model_type": None, "dataclass_type": None, "model_attributes_type"
              "dict_type": "a mapping", "list_type": "a list"}
 
 
-def format_validation_error(exc: ValidationError, source: str, model: type[BaseModel],
+def format_validation_error(exc: ValidationError | list[dict], source: str, model: type[BaseModel],
                             cap: int = MAX_PROBLEMS_SHOWN) -> str:
-    """Every problem of a pydantic ``ValidationError``, one line each (``FILE: key.path: problem``), joined by
-    newlines: unknown keys first, then bad values, then missing keys; at most ``cap`` lines, then one
+    """Every problem of a pydantic ``ValidationError`` (or of its ``errors()``), one line each
+    (``FILE: key.path: problem``), joined by newlines: unknown keys first, then bad values (and the checks
+    between settings, ``scenario_errors``), then missing keys; at most ``cap`` lines, then one
     ``FILE: ... and N more``. The errors pydantic gives for one value (a union's branches: ``hardware.gpu``
     refused as a preset name and as ``{preset, overrides}``) make one line, naming the user's key path and what
     it allows, never the schema's class names.
@@ -123,21 +131,30 @@ def format_validation_error(exc: ValidationError, source: str, model: type[BaseM
                  if loc and any(e["type"] == "extra_forbidden" for e in errs) and (close := _close_key(model, loc))}
     groups = {loc: errs for loc, errs in groups.items()
               if not (loc in suggested and all(e["type"] == "missing" for e in errs))}
-    lines = sorted((_problem(errs, loc, source, model) for loc, errs in groups.items()), key=lambda r: r[0])
+    # the checks between settings refuse with their own words, several at one key path (the scenario's): one line each
+    lines = sorted((_problem(one, loc, source, model) for loc, errs in groups.items()
+                    for one in (_own_words(errs) or [errs])), key=lambda r: r[0])
     out = [line for _, line in dict.fromkeys(lines)]
     if len(out) > cap:
         out = [*out[:cap], f"{source}: ... and {len(out) - cap} more"]
     return "\n".join(out)
 
 
-def errors_by_key(exc: ValidationError, model: type[BaseModel]) -> dict[tuple, list[dict]]:
-    """The errors of ``exc`` grouped by the user's key path (a tuple of keys and list indices, without the schema's
-    class names, union tags and validator names), in order; ``problem_line`` words each group."""
-    errors = exc.errors()
+def _own_words(errs: list[dict]) -> list[list[dict]]:
+    """Each validator refusal (``value_error``) among ``errs`` alone, when there is more than one."""
+    own = [[e] for e in errs if e["type"] == "value_error"]
+    return own if len(own) > 1 else []
+
+
+def errors_by_key(exc: ValidationError | list[dict], model: type[BaseModel]) -> dict[tuple, list[dict]]:
+    """The errors of ``exc`` (a ``ValidationError`` or its ``errors()``) grouped by the user's key path (a tuple of
+    keys and list indices, without the schema's class names, union tags and validator names), in order;
+    ``problem_line`` words each group."""
+    errors = exc.errors() if isinstance(exc, ValidationError) else list(exc)
     # a mapping given for a union of a scalar and a model (``fsdp.cpu_offload: bool | {...}``): the scalar branch's
     # complaint that a mapping is not a bool / string / literal says nothing; the model branch's errors do
     errors = [e for e in errors if not (isinstance(e.get("input"), dict) and e["type"] in _SCALAR_BRANCH)] or errors
-    names = _model_names(model)
+    names = _names_of(model)
     groups: dict[tuple, list[dict]] = {}
     for e in errors:
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
@@ -291,8 +308,81 @@ def scenario_from_dict(data: dict, source: str = "<scenario>") -> ScenarioConfig
     try:
         return ScenarioConfig.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError("\n".join(_name_hf_keys(line, data) for line in
-                                      format_validation_error(exc, source, ScenarioConfig).split("\n"))) from None
+        errors = scenario_errors(data, exc.errors())
+    raise ScenarioError("\n".join(_name_hf_keys(line, data) for line in
+                                  format_validation_error(errors, source, ScenarioConfig).split("\n"))) from None
+
+
+def _dp_inputs_bad(bad: set[tuple]) -> bool:
+    """Whether a key path of ``bad`` is one ``ScenarioConfig._resolve_data_parallel`` reads (the cluster, tp, pp,
+    cp) or holds one."""
+    inputs = [("hardware", "cluster"), *(("parallelism", k) for k in _DP_INPUTS)]
+    return bool(bad & {("hardware",), ("parallelism",)}) or any(loc[:len(i)] == i for loc in bad for i in inputs)
+
+
+def _written(data: Any, path: tuple) -> bool:
+    """Whether the mapping ``data`` has a value at key path ``path``."""
+    for p in path:
+        if not isinstance(data, dict) or p not in data:
+            return False
+        data = data[p]
+    return True
+
+
+#: parallelism keys ``ScenarioConfig._resolve_data_parallel`` reads besides ``hardware.cluster``
+_DP_INPUTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
+    """Every problem of a scenario mapping that fails validation, as pydantic-style error dicts: the bad keys and
+    values, and every check between settings whose inputs are valid (``cross_checks.cross_setting_errors``), so
+    that one run names them all.
+
+    ``ScenarioConfig``'s before-validator refusing ``parallelism.data_parallel_size`` (pydantic then reports
+    nothing else) is kept, the fields validated without that key and the key taken as unknown by the other checks;
+    the refusal is dropped when one of its inputs (the cluster, tp, pp, cp) is itself bad.
+
+    Args:
+        data: The scenario mapping (after ``with_hf_path``).
+        errors: ``ValidationError.errors()`` of validating ``data``, when known (else validated here).
+    """
+    from simulator.config.cross_checks import cross_setting_errors
+
+    (before,) = [d.func for d in ScenarioConfig.__pydantic_decorators__.model_validators.values()
+                 if d.info.mode == "before"]
+    first: list[dict] = []
+    if isinstance(data, dict):
+        try:
+            before(data)
+        except ValueError as exc:  # the data-parallel size against the cluster
+            first = [{"type": "value_error", "loc": (), "msg": f"Value error, {exc}"}]
+            par = data.get("parallelism")
+            data = {**data, "parallelism": {k: v for k, v in par.items() if k != "data_parallel_size"}}
+    if first or errors is None:
+        try:
+            ScenarioConfig.model_validate(data)
+            errors = []
+        except ValidationError as exc:
+            errors = exc.errors()
+    if first:  # the scenario's own checks ran with a derived data_parallel_size: cross_setting_errors runs them
+        errors = [e for e in errors if e["loc"] != ()]
+    bad = set()
+    for loc, errs in errors_by_key(errors, ScenarioConfig).items():
+        bad.add(loc)
+        if all(e["type"] == "extra_forbidden" for e in errs) and loc:  # a misspelt key: the one meant, if not
+            meant = [(*loc[:-1], k) for k in [_close_key(ScenarioConfig, loc)] if k]  # written too, is unknown
+            meant += [tuple(p.split(".")) for p in _keys_named(ScenarioConfig, str(loc[-1])) if "[" not in p]
+            bad.update(m for m in meant if not _written(data, m))
+    if first:
+        bad.add(("parallelism", "data_parallel_size"))
+        if _dp_inputs_bad(bad):
+            first = []
+    if not isinstance(data, dict):
+        return errors
+    par = data.get("parallelism")
+    if not (isinstance(par, dict) and "data_parallel_size" in par) and _dp_inputs_bad(bad):
+        bad.add(("parallelism", "data_parallel_size"))  # derived from a cluster or sizes that are bad: unknown
+    return first + errors + cross_setting_errors(ScenarioConfig, before(data), bad)
 
 
 def _name_hf_keys(message: str, data: dict) -> str:

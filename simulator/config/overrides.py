@@ -44,6 +44,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``dotted.key=value`` set (creating mappings as needed).
 
+    ``KEY=null`` (or ``~``) for a key of the schema removes it, as if it were not written: the schema's default
+    applies, and no section is created for it (a required key is then reported missing by the loader); where
+    null is itself a value other than the default (``fsdp.backward_prefetch: null``, no prefetch) it is set, and
+    a key the schema does not have is set too, for the loader to name (``null_override``).
+
     ``model.from_hf=PATH`` replaces the scenario's model section by the file (keys an earlier
     ``--set model.KEY`` gave are kept, later ones apply after): merged into the scenario's own model
     keys it would quietly build a hybrid (a GPT-2 scenario's 12 layers with Llama's widths), since
@@ -56,6 +61,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     set_model_keys: dict[str, Any] = {}
     for text in overrides:
         parts, value = parse_override(text)
+        if value is None and null_override(parts) == "remove":
+            _remove(out, parts)
+            if len(parts) >= 2 and parts[0] == "model":
+                set_model_keys.pop(parts[1], None)
+            continue
         if parts == ["model", "from_hf"]:
             out["model"] = {**set_model_keys, "from_hf": value}
             continue
@@ -74,3 +84,38 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if len(parts) >= 2 and parts[0] == "model" and isinstance(out.get("model"), dict):
             set_model_keys[parts[1]] = copy.deepcopy(out["model"].get(parts[1]))
     return out
+
+
+def _remove(data: dict, parts: list[str]) -> None:
+    """Delete the key at ``parts`` from ``data`` in place (nothing when a mapping on the way is absent; a preset
+    given by name has no keys below it to remove)."""
+    node: Any = data
+    for p in parts[:-1]:
+        node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
+
+
+def null_override(parts: list[str]) -> str:
+    """What ``--set KEY=null`` does to the key at ``parts``: ``"remove"`` (a key of the scenario schema whose
+    default is not a null value of its own), ``"set"`` (null is one of its values, other than the default:
+    ``fsdp.backward_prefetch``; or a key the schema does not have, which the loader reports)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from simulator.config.schema import ScenarioConfig
+
+    model: Any = ScenarioConfig
+    for i, p in enumerate(parts):
+        field = getattr(model, "model_fields", {}).get(p)
+        if field is None:
+            return "set"
+        if i == len(parts) - 1:
+            admits_null = type(None) in typing.get_args(field.annotation)
+            default = None if field.is_required() else field.get_default(call_default_factory=True)
+            return "set" if admits_null and default is not None else "remove"
+        subs = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = subs[0] if len(subs) == 1 else None
+    return "set"

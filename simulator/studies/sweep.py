@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -40,7 +41,7 @@ from pathlib import Path
 import pandas as pd
 
 from hardware_models import safe_yaml
-from simulator.config.errors import ScenarioError
+from simulator.config.errors import ScenarioError, ScenarioWarning
 
 RESULTS_FILE = "results.csv"
 PARQUET_FILE = "results.parquet"
@@ -165,6 +166,18 @@ def flatten_summary(summary: dict) -> dict:
     return flat
 
 
+def grid(factors: dict[str, list]) -> list[dict]:
+    """Every point of the full grid of ``factors`` (dotted key -> values), the last factor fastest."""
+    keys = list(factors)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
+
+
+def point_overrides(base_overrides: list[str] | None, point: dict) -> list[str]:
+    """The ``--set`` strings of one point: ``base_overrides`` then ``KEY=VALUE`` per swept key (applied last; a
+    null value as ``null``, which ``--set`` reads as "the key not written", not as the text ``None``)."""
+    return list(base_overrides or []) + [f"{k}={'null' if v is None else v}" for k, v in point.items()]
+
+
 def parse_factor(text: str) -> tuple[str, list]:
     """``"training.micro_batch_size=4,8,16"`` -> ``("training.micro_batch_size", [4, 8, 16])``.
 
@@ -286,12 +299,21 @@ def _run_point(args) -> dict:
 
     row = dict(point)
     try:
+        with warnings.catch_warnings(record=True) as caught:  # the scenario's own (a setting with no effect)
+            warnings.simplefilter("always", ScenarioWarning)
+            cfg = load_scenario(scenario, overrides)
+        for w in caught:  # others are shown as before
+            if not issubclass(w.category, ScenarioWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         with reusing_graphs():  # points that differ only in what the graph builder does not read share its graph
-            res = run_scenario(load_scenario(scenario, overrides))
+            res = run_scenario(cfg)
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
         row.update(flatten_summary(res.summary))
+        # each warning whole (the table joins them; ``point_warnings`` numbers the distinct ones)
+        row["warnings"] = list(dict.fromkeys([str(w.message) for w in caught if issubclass(w.category, ScenarioWarning)]
+                                             + [str(w) for w in res.summary.get("warnings") or []])) or None
         if breakdown:
             row.update(breakdown_columns(res))
         if folder:
@@ -401,7 +423,10 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
     Returns:
         One row per point, in grid order: the swept keys, ``gpu_busy``, every scalar of the
         summary (``flatten_summary``), ``error`` (None when the point ran) and, with ``out_dir``,
-        ``folder``. ``df.attrs["skipped"]`` / ``df.attrs["computed"]`` count reused and run points.
+        ``folder``. ``df.attrs["skipped"]`` / ``df.attrs["computed"]`` count reused and run points;
+        ``df.attrs["warnings"]`` (when any point warned: the scenario's load warnings and the run's) maps each
+        distinct warning to the rows that gave it. ``run_sweep`` itself does not check the points first
+        (a refused one is a row with its error); ``simulate sweep`` does (``sweep_check.check_points``).
 
     Raises:
         ScenarioError: the grid is empty, or ``out_dir`` holds another scenario's sweep.
@@ -414,13 +439,13 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
     if not keys or any(not factors[k] for k in keys):
         raise ScenarioError("sweep: empty grid (every --factor needs at least one value)")
     if points is None:
-        points = [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
+        points = grid(factors)
     elif not points:
         raise ScenarioError("sweep: no point to run")
     out = Path(out_dir) if out_dir else None
     folders = [out / n for n in point_folder_names(points)] if out else [None] * len(points)
-    jobs = [(str(scenario), list(base_overrides or []) + [f"{k}={v}" for k, v in p.items()], p,
-             str(f) if f else None, breakdown) for p, f in zip(points, folders)]
+    jobs = [(str(scenario), point_overrides(base_overrides, p), p, str(f) if f else None, breakdown)
+            for p, f in zip(points, folders)]
     done: dict[int, dict] = {}
     index, digests, version = None, {}, simulator_version()
     if out:
@@ -511,6 +536,18 @@ def _failed(done: dict[int, dict], jobs: list, folders: list, out: Path | None, 
                        f"finished, {kept}", table, len(jobs))
 
 
+def point_warnings(rows: list[dict]) -> dict[str, list[int]]:
+    """Each distinct warning of the rows (a row's ``warnings``: a list, or a ``"; "``-joined string from an
+    index written before the list was kept, taken whole) -> the positions of the rows that gave it, in order of
+    first appearance."""
+    found: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        ws = r.get("warnings")
+        for w in (ws if isinstance(ws, list) else [ws] if isinstance(ws, str) and ws else []):
+            found.setdefault(w, []).append(i)
+    return found
+
+
 def parquet_engine() -> str | None:
     """``"pyarrow"`` or ``"fastparquet"``, whichever is importable first; None when neither is."""
     import importlib.util
@@ -519,8 +556,14 @@ def parquet_engine() -> str | None:
 
 
 def _table(rows: list[dict], folders: list, out: Path | None, log) -> pd.DataFrame:
-    """The sweep's table; with ``out`` also written to ``out/results.csv`` and ``results.parquet``."""
+    """The sweep's table; with ``out`` also written to ``out/results.csv`` and ``results.parquet``. Its
+    ``warnings`` column joins each point's warnings with ``"; "``; ``df.attrs["warnings"]`` (when a point
+    warned) maps each distinct warning to the positions of the rows that gave it (``point_warnings``)."""
+    found = point_warnings(rows)
+    rows = [{**r, "warnings": "; ".join(r["warnings"])} if isinstance(r.get("warnings"), list) else r for r in rows]
     df = pd.DataFrame(rows)
+    if found:
+        df.attrs["warnings"] = found
     if "error" not in df:
         df["error"] = None
     df["error"] = df["error"].astype(object).where(df["error"].notna(), None)

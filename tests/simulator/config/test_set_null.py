@@ -1,0 +1,104 @@
+"""``--set KEY=null`` is "as if KEY were not written" for every optional key of the schema; a required one is
+one missing-key line (exit 2)."""
+
+import copy
+import re
+import typing
+import warnings
+
+import pytest
+
+from hypothesis import given, settings, strategies as st
+from pydantic import BaseModel
+
+from simulator.cli import main
+from simulator.config.errors import ScenarioError
+from simulator.config.loader import read_yaml, scenario_from_dict
+from simulator.config.overrides import apply_overrides
+from simulator.config.schema import ScenarioConfig
+
+BASES = ["scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml", "scenarios/cluster/gpt_1p3b_dgx_h100_tp2_dp4.yaml",
+         "scenarios/h200/gpt_184m_b8.yaml"]
+
+
+def _section(annotation) -> type[BaseModel] | None:
+    models = [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def _optional_paths(model: type[BaseModel], prefix: tuple = (), depth: int = 0) -> list[tuple]:
+    """Every key path of the schema (sections and their keys, 3 deep) that has a default."""
+    out = []
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        # null is a value of its own (no prefetch) where the field admits it with another default
+        null_is_a_value = type(None) in typing.get_args(field.annotation) and field.default is not None
+        if not field.is_required() and not null_is_a_value:
+            out.append(path)
+        sub = _section(field.annotation)
+        if sub is not None and depth < 2:
+            out += _optional_paths(sub, path, depth + 1)
+    return out
+
+
+OPTIONAL = _optional_paths(ScenarioConfig)
+
+
+def _without(data: dict, path: tuple) -> dict:
+    """``data`` with the key at ``path`` deleted where it is written (a copy)."""
+    out = copy.deepcopy(data)
+    node = out
+    for p in path[:-1]:
+        node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+    return out
+
+
+def _outcome(data: dict):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return scenario_from_dict(data, "s.yaml").model_dump()
+        except ScenarioError as exc:  # the same problems, whoever removed the key
+            return re.sub(r" \(from the command line: [^)]*\)", "", str(exc))
+
+
+def test_the_optional_paths_cover_every_section():
+    assert len(OPTIONAL) > 150 and {p[0] for p in OPTIONAL} >= {"parallelism", "training", "run", "fsdp", "ddp",
+                                                                 "hardware", "model", "zero_optimization", "dvfs"}
+    assert ("training", "optimizer", "impl") in OPTIONAL and ("parallelism", "sequence_parallel") in OPTIONAL
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=st.sampled_from(BASES), paths=st.lists(st.sampled_from(OPTIONAL), min_size=1, max_size=3))
+def test_null_is_as_if_the_key_were_not_written(base, paths):
+    data = read_yaml(base)
+    expected = data
+    for p in paths:
+        expected = _without(expected, p)
+    assert _outcome(apply_overrides(data, [f"{'.'.join(p)}=null" for p in paths])) == _outcome(expected)
+
+
+def test_null_on_keys_the_files_write_resets_them_to_the_default():
+    data = read_yaml(BASES[0])  # FSDP FULL_SHARD, tp 2, 4 steps
+    cfg = scenario_from_dict(apply_overrides(data, ["parallelism.tensor_model_parallel_size=null", "run.steps=null",
+                                                    "fsdp.sharding_strategy=null", "hardware.host=~"]), "s.yaml")
+    assert cfg.parallelism.tensor_model_parallel_size == 1 and cfg.parallelism.data_parallel_size == 8
+    assert cfg.run.steps == 5 and cfg.fsdp.sharding_strategy == "FULL_SHARD"
+    assert cfg.hardware.host == "h200-measured-host"
+    # a key of a section the file does not have creates no section
+    assert scenario_from_dict(apply_overrides(data, ["dvfs.kind=null"]), "s.yaml").dvfs is None
+    # where null is a documented value (PyTorch FSDP backward_prefetch=None: on demand) it is kept, not the default
+    assert ("fsdp", "backward_prefetch") not in OPTIONAL and scenario_from_dict(
+        apply_overrides(data, ["fsdp.backward_prefetch=null"]), "s.yaml").fsdp.backward_prefetch is None
+    # a misspelt key given null is still named, not dropped
+    with pytest.raises(ScenarioError, match="parallelism.tensor_model_paralel_size: unknown key"):
+        scenario_from_dict(apply_overrides(data, ["parallelism.tensor_model_paralel_size=null"]), "s.yaml")
+
+
+def test_null_on_a_required_key_is_one_missing_key_line(capsys):
+    assert main(["run", BASES[2], "--set", "training.micro_batch_size=null"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {BASES[2]}: training.micro_batch_size: required key is missing (from the command line: "
+                   "training.micro_batch_size=...)")
