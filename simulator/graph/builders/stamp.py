@@ -107,21 +107,19 @@ class Stamper:
         blocks: Stamp a pass's layer blocks instead of its kernels (``stamp_blocks``; ``run.fidelity: layer``),
             folding blocking TP collectives where ``fold_tp``; ``instances`` lists the passes so stamped.
         prefold: With ``fold_tp``: also fold the TP collectives beside compute once per template where the pass
-            qualifies (``simulator.graph.side_blocks``; ``stamp_blocks`` check 6), but for the passes whose ordinals
-            (``run`` calls, from 0) are in ``no_prefold``.
+            qualifies (``simulator.graph.side_blocks``; ``stamp_blocks`` check 6).
     """
 
     def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True, blocks: bool = False,
-                 fold_tp: bool = False, prefold: bool = False, no_prefold: frozenset[int] = frozenset()):
+                 fold_tp: bool = False, prefold: bool = False):
         self.e = e
-        self.blocks, self.fold_tp, self.prefold, self.no_prefold = blocks, fold_tp, prefold, no_prefold
+        self.blocks, self.fold_tp, self.prefold = blocks, fold_tp, prefold
         self.block_templates: dict[Hashable, object] = {}  # None: stamp the kernels
         self.instances: list = []
         self.state = state
         self.enabled = enabled
         self.templates: dict[Hashable, _Template | None] = {}  # None: a pass with this key cannot be stamped
         self._marks: list[str] | None = None  # ``waited_later`` names of the pass being recorded
-        self._ordinal = -1  # of the pass being emitted
         #: passes emitted by ``fn`` / stamped (for the benchmark and the tests)
         self.built = self.stamped = 0
 
@@ -155,7 +153,6 @@ class Stamper:
         if not self.enabled:
             self.built += 1
             return fn(*inputs)
-        self._ordinal = self.built + self.stamped
         e = self.e
         names, vals = self._context(inputs)
         full_key = (key, self._pattern(names, vals, len(e.wait_for)))
@@ -323,8 +320,7 @@ class Stamper:
         sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
         # stubs in the real ops' order, of equal values the first slot (the one recipes name) last
         order = tuple(sorted(range(len(vals)), key=lambda x: (vals[x], -x)))
-        prefold = self.prefold and self._ordinal not in self.no_prefold
-        bkey = (key, compute, order, sizes, prefold)
+        bkey = (key, compute, order, sizes)
         bt = self.block_templates.get(bkey, False)
         if bt is False:
             devices = tuple(next((a.device for a in ops[vals[front + i]].allocs if a.name == n), "gpu")
@@ -332,7 +328,7 @@ class Stamper:
             sizes = tuple(s if d == "gpu" else None for s, d in zip(sizes, devices))
             try:
                 bt = sb.block_template(t, t.kops, t.index, names, compute, order, sizes, devices, self.fold_tp,
-                                       prefold)
+                                       self.prefold)
             except (KeyError, ValueError):  # a pass the block form cannot stand for: its kernels, merged later
                 bt = None
             self.block_templates[bkey] = bt
@@ -351,6 +347,5 @@ class Stamper:
         before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)
         start = len(ops)
         result = self._stamp(bt, layer, names, vals)
-        self.instances.append(sb.Instance(start, len(ops), self._table, bt, layer, e.phase, before, vals,
-                                          self._ordinal))
+        self.instances.append(sb.Instance(start, len(ops), self._table, bt, layer, e.phase, before, vals))
         return result

@@ -42,17 +42,16 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
 
 6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
    ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
-   ``coarsen``, with none of them waited for after the pass (``wait_for``, a result tensor), is stamped in that form
-   (``BlockTemplate.prefold``; the builder's ``waited_later`` tensors as if the ops gathering them again were folded
-   too), so the whole graph's ``fold_overlapped_tp`` has ~7x fewer ops to walk. Then: no op that stays one waits
-   for such a tensor's block (``prefold_misfits``: those passes are stamped again unfolded); the compute ops
-   around the pass are of another layer or phase (no run crosses its edges); on each TP stream it used, the ops
-   before it that may be the stream's op before it once ``coarsen`` has folded what it may (walking back over
-   the ops it may fold) are each waited for by a compute op before the pass, and those after it each wait for a
-   compute op after the pass, or from the block holding its last op there that ``coarsen`` leaves (so every
-   neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
-   pass's own TP ops); check 1 takes the tensors made inside the folded blocks, check 5 also a TP op folded into a
-   later such pass that a compute op keeps apart from its first user (``_apart_waits``); check 4 holds by these.
+   ``coarsen``, with none of them waited for after the pass (``wait_for``, a result tensor) and no tensor the
+   builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
+   (``BlockTemplate.prefold``), so the whole graph's ``fold_overlapped_tp`` has ~4x fewer ops to walk. Then: the
+   compute ops around the pass are of another layer or phase (no run crosses its edges); on each TP stream it
+   used, the ops before it that may be the stream's op before it once ``coarsen`` has folded what it may (walking
+   back over the ops it may fold) are each waited for by a compute op before the pass, and those after it each
+   wait for a compute op after the pass, or from the block holding its last op there that ``coarsen`` leaves (so
+   every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
+   pass's own TP ops); check 1 takes the tensors made inside the folded blocks, check 5 also a TP op folded into
+   such a pass that a compute op keeps apart from its first user (``_apart_waits``); check 4 holds by these.
    Where check 6 fails the builder stamps the graph again without (then checks 1-5).
 
 ``check`` tests all of them on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
@@ -75,7 +74,7 @@ from simulator.graph.ops import Op, OpKind, TensorAlloc
 from simulator.graph.side_blocks import fold_overlapped_tp_ids
 
 _CTX = "ctx"  # stub stream
-__all__ = ["SCRATCH", "BlockTemplate", "Instance", "block_template", "check", "may_fold", "prefold_misfits"]
+__all__ = ["SCRATCH", "BlockTemplate", "Instance", "block_template", "check", "may_fold"]
 
 
 class BlockTemplate:
@@ -231,45 +230,21 @@ def _prefolded(coarse: OpGraph, new_id: list[int], t, kops: Sequence[Op], n_ctx:
                waited: dict) -> tuple[OpGraph, list[int]] | None:
     """``fold_overlapped_tp`` of a block template's small graph ``coarse`` (``coarsen_ids`` of it, ids ``new_id``)
     and the composed id map, where the pass qualifies for stamping in that form (check 6): it folds something and
-    every TP op of the pass, and no op after the pass waits for one (``wait_for``, a result tensor); else None."""
+    every TP op of the pass, no op after the pass waits for one (``wait_for``, a result tensor), and the builder
+    named no tensor of the pass that another stream waits for after it (``Stamper.waited_later``: whether
+    ``fold_overlapped_tp`` merges across its producer depends on whether the op gathering it again is folded in a
+    later pass); else None."""
     if any(r is not None and r >= 0 and kops[r].stream != COMPUTE_STREAM for r in t.wait):
         return None
     made = dict(t.producer)
-    if any(made.get(k) is not None and made[k] >= 0 and kops[made[k]].stream != COMPUTE_STREAM for k in res):
+    if waited or any(made.get(k) is not None and made[k] >= 0 and kops[made[k]].stream != COMPUTE_STREAM for k in res):
         return None
-    if waited:  # folded as if the ops waiting for them were folded too (check 6 verifies that they are)
-        stub = coarse.ops[-1]
-        fg, fid = fold_overlapped_tp_ids(coarse.with_changes(ops=coarse.ops[:-1]))
-        if fg.ops is coarse.ops[:-1] or len(fg.ops) == len(coarse.ops) - 1:
-            return None
-        fid.append(len(fg.ops))
-        fg = fg.with_changes(ops=(*fg.ops, replace(stub, id=len(fg.ops), deps=tuple(sorted({fid[d] for d in stub.deps})))))
-    else:
-        fg, fid = fold_overlapped_tp_ids(coarse)
-        if fg is coarse:
-            return None
+    fg, fid = fold_overlapped_tp_ids(coarse)
+    if fg is coarse:
+        return None
     if any(op.stream != COMPUTE_STREAM for op in fg.ops[n_ctx:len(fg.ops) - n_after]):
         return None
     return fg, [fid[i] for i in new_id]
-
-
-def prefold_misfits(ops: Sequence[Op], inst: list[Instance]) -> set[int]:
-    """Check 6 for the tensors the builder said another stream waits for after a pass stamped with its TP
-    collectives folded (``Stamper.waited_later``; its template folds as if every op waiting for them were folded,
-    ``fold_overlapped_tp`` then merging across their producers): the ordinals (``Instance.ordinal``) of the passes
-    where an op on another stream than ``compute`` (one that stays an op in the stamped graph: not folded into a
-    block) waits for such a producer after the pass. Check 5 still requires an op that ``foldable_tp`` cannot fold
-    to wait for it, so ``coarsen`` ends a block there."""
-    need = {i.start + j: i for i in inst if i.bt.prefold for _, j in i.bt.waited}
-    out: set[int] = set()
-    if need:
-        for op in ops:
-            if op.stream != COMPUTE_STREAM:
-                for d in op.deps:
-                    i = need.get(d)
-                    if i is not None and op.id >= i.end:
-                        out.add(i.ordinal)
-    return out
 
 
 def _apart_waits(coarse: OpGraph, graph: OpGraph, order: tuple[int, ...], n_ctx: int, n_after: int) -> tuple[int, ...]:
@@ -322,14 +297,13 @@ def _result_names(tree) -> list[int]:
 
 
 class Instance:
-    """One pass stamped as blocks: ops ``[start, end)``, its table, template, the compute op before it, and its
-    ordinal among the passes the stamper was asked for (``Stamper.run`` calls)."""
+    """One pass stamped as blocks: ops ``[start, end)``, its table, template, and the compute op before it."""
 
-    __slots__ = ("start", "end", "table", "bt", "layer", "phase", "before", "vals", "ordinal")
+    __slots__ = ("start", "end", "table", "bt", "layer", "phase", "before", "vals")
 
-    def __init__(self, start, end, table, bt, layer, phase, before, vals, ordinal=-1):
+    def __init__(self, start, end, table, bt, layer, phase, before, vals):
         self.start, self.end, self.table, self.bt, self.vals = start, end, table, bt, vals
-        self.layer, self.phase, self.before, self.ordinal = layer, phase, before, ordinal
+        self.layer, self.phase, self.before = layer, phase, before
 
 
 def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
@@ -375,8 +349,6 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
         return why
     tp_users = _tp_users(ops, streams) if any(i.bt.prefold for i in inst) else {}
     reach = _stream_reach(ops, streams, tp_users) if tp_users else {}
-    if tp_users and prefold_misfits(ops, inst):
-        return "an op on another stream waits for a block of a pass stamped with its TP collectives folded"
     for i in inst:
         t, table = i.bt, i.table
         for k in t.folded_uses:

@@ -809,7 +809,7 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
 
 
 def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
-                   prefold: bool | None = None, no_prefold: frozenset[int] | None = None) -> OpGraph:
+                   prefold: bool | None = None) -> OpGraph:
     """Build one training step (all micro-batches and the optimizer) for one GPU.
 
     Args:
@@ -825,9 +825,7 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
         prefold: With ``fold_tp`` (default: ``fold_tp``): stamp the passes that qualify with their TP collectives
             beside compute folded too (``simulator.graph.side_blocks``), so that ``fold_overlapped_tp(coarsen(...))``
             of the graph is the one made of the kernel-level graph; where ``stamp_blocks.check`` fails the graph is
-            built again without (``meta["layer_blocks"]["prefold"]``: None or why). A pass whose tensors another
-            stream's op waits for (``stamp_blocks.prefold_misfits``) is stamped again without, the others with
-            (``no_prefold``: those passes' ordinals; ``meta["layer_blocks"]["unfolded"]`` counts them).
+            built again without (``meta["layer_blocks"]["prefold"]``: None or why).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -863,27 +861,20 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
     prefold = fold_tp if prefold is None else prefold and fold_tp
-    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp, prefold, no_prefold or frozenset())
+    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp, prefold)
     graph = b.build()
     b.stamper.state = None  # the stamper's bound method closes a cycle through the builder and every op it made
     if not blocks:
         return graph
     inst = b.stamper.instances
-    if prefold and stamp and no_prefold is None:
-        misfits = stamp_blocks.prefold_misfits(graph.ops, inst)
-        if misfits:
-            graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold, frozenset(misfits))
-            return graph.with_changes(meta={**graph.meta, "layer_blocks": {**graph.meta["layer_blocks"],
-                                                                           "unfolded": len(misfits)}})
     why = stamp_blocks.check(graph.ops, inst) if stamp else "stamping off"
     if why is not None and prefold and any(i.bt.prefold for i in inst):
-        graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold=False, no_prefold=frozenset())
+        graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold=False)
         return graph.with_changes(meta={**graph.meta, "layer_blocks": {**graph.meta["layer_blocks"], "prefold": why}})
     if why is not None:
         graph = build_gpt_step(spec, stamp)
     return graph.with_changes(meta={**graph.meta, "layer_blocks": {"stamped": 0 if why else len(inst),
-                                                                   "kernel_build": why, "prefold": None,
-                                                                   "unfolded": 0}})
+                                                                   "kernel_build": why, "prefold": None}})
 
 
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
@@ -905,7 +896,7 @@ MEGATRON_DDP_PRECISIONS = ("bf16", "fp16")
 
 class _GptBuilder:
     def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
-                 prefold: bool = False, no_prefold: frozenset[int] = frozenset()):
+                 prefold: bool = False):
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
@@ -980,7 +971,7 @@ class _GptBuilder:
         # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
         self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
                                and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
-                               prefold=prefold, no_prefold=no_prefold)
+                               prefold=prefold)
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
 
     def _stamp_state(self) -> tuple:

@@ -150,8 +150,8 @@ def test_check_refuses_a_block_end_nothing_on_another_stream_waits_for():
 
 def test_prefolded_stamps_carry_the_side_collectives_and_give_the_folded_graph():
     """With the TP collectives beside compute folded into the block templates (``BlockTemplate.prefold``), the
-    asynchronous backward's passes are stamped with no TP op left, the first pass of a key is stamped as blocks
-    too, and ``fold_overlapped_tp(coarsen(...))`` of the graph is the one made from the kernel-level graph."""
+    asynchronous backward's passes are stamped with no TP op left, and ``fold_overlapped_tp(coarsen(...))`` of the
+    graph is the one made from the kernel-level graph."""
     spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
     plain = build_gpt_step(spec, blocks=True, fold_tp=True, prefold=False)
     info = assert_same_layer_graph(spec, True, True)
@@ -159,40 +159,32 @@ def test_prefolded_stamps_carry_the_side_collectives_and_give_the_folded_graph()
     folded = build_gpt_step(spec, blocks=True, fold_tp=True)
     tp = [sum(op.stream.startswith("comm.tp") for op in g.ops) for g in (folded, plain)]
     assert tp[0] < tp[1], tp
-    b = _GptBuilder(spec, True, True, True, True)
-    b.build()
-    inst = b.stamper.instances
-    assert any(i.bt.prefold for i in inst)
-    firsts = {}  # each block template's first instance: the recorded pass itself (an earlier ordinal than its copies)
-    for i in inst:
-        firsts.setdefault(id(i.bt), i.ordinal)
-    assert b.stamper.built + b.stamper.stamped > len(inst) and len(firsts) > 0
-    assert any(i.ordinal == min(firsts.values()) for i in inst)
 
 
-def test_check_6_refuses_a_stream_neighbour_or_a_waiter_a_prefolded_pass_cannot_stand_for():
+def test_check_6_refuses_a_stream_neighbour_a_prefolded_pass_cannot_stand_for(monkeypatch):
     """Check 6: the TP op after a pass stamped with its TP collectives folded must wait for a kernel from the pass's
-    last block on, and no op on another stream may wait for a block the builder said another stream waits for
-    (``prefold_misfits`` names the pass, which the builder stamps again unfolded)."""
+    last block on (else ``fold_overlapped_tp`` might keep the pass's last collective apart), and the compute op
+    after it must be of another layer or phase; the builder then stamps the graph again unfolded."""
     from dataclasses import replace
 
     spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
     b = _GptBuilder(spec, True, True, True, True)
     g = b.build()
-    misfits = sb.prefold_misfits(g.ops, b.stamper.instances)
-    assert misfits  # passes whose saved shard an op that stays one gathers again: stamped unfolded
-    b = _GptBuilder(spec, True, True, True, True, frozenset(misfits))
-    g = b.build()
     inst = b.stamper.instances
-    assert sb.check(g.ops, inst) is None and not sb.prefold_misfits(g.ops, inst)
+    assert sb.check(g.ops, inst) is None
     i = next(i for i in inst if i.bt.prefold and any(op.id >= i.end and op.stream.startswith("comm.tp")
                                                      for op in g.ops))
     x = next(op for op in g.ops if op.id >= i.end and op.stream == i.bt.edges[0][0])
     early = max(op.id for op in g.ops[:i.start] if op.stream == "compute")
     ops = [replace(op, deps=(early,)) if op is x else op for op in g.ops]
     assert sb.check(ops, inst) == f"a TP op after a folded pass of layer {i.layer} does not wait for a kernel after it"
-    w = next(i for i in inst if i.bt.prefold and i.bt.waited)
-    probe = Op(id=len(g.ops), name="probe", kind=OpKind.MEMCPY_D2H, stream="d2h", deps=(w.start + w.bt.waited[0][1],))
-    assert sb.prefold_misfits((*g.ops, probe), inst) == {w.ordinal}
-    assert sb.check((*g.ops, probe), inst) == \
-        "an op on another stream waits for a block of a pass stamped with its TP collectives folded"
+    nxt = next(op for op in g.ops[i.end:] if op.stream == "compute")
+    last = g.ops[i.end - 1]
+    ops = [replace(op, layer=last.layer, phase=last.phase) if op is nxt else op for op in g.ops]
+    assert sb.check(ops, inst) == \
+        f"a pass of layer {i.layer} stamped with its TP collectives folded has a neighbour of its phase"
+    # the builder's fallback where check 6 fails: the graph without pre-folded stamps, checks 1-5 passing
+    sb_check = sb.check
+    monkeypatch.setattr(sb, "check", lambda ops, inst: "probe" if any(j.bt.prefold for j in inst) else sb_check(ops, inst))
+    info = build_gpt_step(spec, blocks=True, fold_tp=True).meta["layer_blocks"]
+    assert info["prefold"] == "probe" and info["kernel_build"] is None and info["stamped"] > 0
