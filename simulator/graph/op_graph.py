@@ -236,6 +236,10 @@ class GraphBuilder:
         ``builders.stamp``; checked by ``build``)."""
         self._ops.extend(ops)
 
+    def truncate(self, n: int) -> None:
+        """Drop every op from id ``n`` on (a recorded pass re-emitted as its stamped blocks, ``builders.stamp``)."""
+        del self._ops[n:]
+
     def persistent(self, name: str, nbytes: int, device: str = "gpu") -> None:
         """Declare a tensor resident for the whole run."""
         self._persistent.append(TensorAlloc(name, int(nbytes), device))

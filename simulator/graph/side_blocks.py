@@ -49,7 +49,7 @@ from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPU
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
-__all__ = ["fold_overlapped_tp"]
+__all__ = ["fold_overlapped_tp", "fold_overlapped_tp_ids"]
 
 _UNMERGEABLE_BLOCK_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "side"})
 
@@ -323,10 +323,16 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
     """``graph`` (coarsened, ``blocks.coarsen``) with each run of blocks cut only by foldable TP collectives merged
     into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
     (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
+    return fold_overlapped_tp_ids(graph)[0]
+
+
+def fold_overlapped_tp_ids(graph: OpGraph) -> tuple[OpGraph, list[int]]:
+    """``(fold_overlapped_tp(graph), new_id)``: ``new_id[i]`` is the id of the op standing for op ``i`` of ``graph``
+    (a run's ops and its folded collectives: the block's)."""
     ops = graph.ops
     runs, comm_of, cand = _plan(ops)
     if not runs:
-        return graph
+        return graph, list(range(len(ops)))
     folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
     new_id = [-1] * len(ops)
     skip = [False] * len(ops)  # a run's later op or a folded collective: no op of its own
@@ -378,4 +384,4 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
         info = {**meta["fidelity"], "ops_after": len(out)}
         info["folded_tp"] = info.get("folded_tp", 0) + len(folded)
         meta = {**meta, "fidelity": info}
-    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta=meta)
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta=meta), new_id

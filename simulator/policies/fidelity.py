@@ -65,7 +65,9 @@ engine's work) by the number of kernels per block:
   the blocking ones: the collectives share no link with other transfers of the rank, and the other collectives in
   flight re-rate the block as a whole; its collectives' spans draw the block's power activity (measured: energy
   -0.9 % to +0.9 % of kernel fidelity where they fold). A collective that another stream's op waits for in
-  between, or that the next step waits for, stays separate (``side_blocks`` lists the conditions).
+  between, or that the next step waits for, stays separate (``side_blocks`` lists the conditions). The GPT builder
+  stamps most layer passes with these already folded (``simulator.graph.builders.stamp_blocks``, check 6), so this
+  policy gives the same graph from far fewer ops.
 
 Measured on the bundled scenarios (``tests/simulator/policies/test_fidelity.py``): step time within 2 % and
 peak memory within a few % of kernel fidelity; with TP collectives beside compute folded (the 175B scenario cut

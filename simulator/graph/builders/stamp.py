@@ -106,12 +106,14 @@ class Stamper:
         enabled: False: every ``run`` calls ``fn`` (the reference the tests compare stamped graphs with).
         blocks: Stamp a pass's layer blocks instead of its kernels (``stamp_blocks``; ``run.fidelity: layer``),
             folding blocking TP collectives where ``fold_tp``; ``instances`` lists the passes so stamped.
+        prefold: With ``fold_tp``: also fold the TP collectives beside compute once per template where the pass
+            qualifies (``simulator.graph.side_blocks``; ``stamp_blocks`` check 6).
     """
 
     def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True, blocks: bool = False,
-                 fold_tp: bool = False):
+                 fold_tp: bool = False, prefold: bool = False):
         self.e = e
-        self.blocks, self.fold_tp = blocks, fold_tp
+        self.blocks, self.fold_tp, self.prefold = blocks, fold_tp, prefold
         self.block_templates: dict[Hashable, object] = {}  # None: stamp the kernels
         self.instances: list = []
         self.state = state
@@ -173,6 +175,12 @@ class Stamper:
         if t is not None:
             t.waited = tuple(dict.fromkeys(t.index[n] for n in marks or () if n in t.index))
         self.templates[full_key] = t
+        if t is not None and self.blocks and self._block_form(t, full_key, names, vals) is not None:
+            # the recorded pass itself as its blocks, like every later copy (``coarsen`` then has nothing to merge
+            # there); ``stamp_blocks.check`` verifies it with the copies
+            e.b.truncate(start)
+            e._uid, e.last_compute, e.wait_for = uid0, vals[0], vals[1:len(vals) - len(names)]
+            return self._stamp_blocks(t, full_key, layer, names, vals)
         return result
 
     def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result):
@@ -298,16 +306,16 @@ class Stamper:
         e.wait_for = [ident(d) for d in t.wait]
         return _mapped(t.result, lambda n: table[n.r])
 
-    def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int]):
-        """Append template ``t``'s pass as its layer blocks (``stamp_blocks``; its kernels where that form is not
-        known) and list it in ``instances``."""
+    def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int]):
+        """The block template (``stamp_blocks.block_template``) of template ``t`` in the context ``names`` /
+        ``vals``, made once per key, context pattern and input sizes; None where the pass is stamped as kernels."""
         from simulator.graph.builders import stamp_blocks as sb
 
         e = self.e
         ops = e.b.ops
         compute = tuple(v >= 0 and ops[v].stream == sb.COMPUTE_STREAM for v in vals)
         if any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
-            return self._stamp(t, layer, names, vals)  # whether it is folded depends on what follows: kernels
+            return None  # whether it is folded depends on what follows: kernels
         front = len(vals) - len(names)
         sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
         # stubs in the real ops' order, of equal values the first slot (the one recipes name) last
@@ -319,12 +327,23 @@ class Stamper:
                             if sizes[i] is not None else "gpu" for i, n in enumerate(names))
             sizes = tuple(s if d == "gpu" else None for s, d in zip(sizes, devices))
             try:
-                bt = sb.block_template(t, t.kops, t.index, names, compute, order, sizes, devices, self.fold_tp)
+                bt = sb.block_template(t, t.kops, t.index, names, compute, order, sizes, devices, self.fold_tp,
+                                       self.prefold)
             except (KeyError, ValueError):  # a pass the block form cannot stand for: its kernels, merged later
                 bt = None
             self.block_templates[bkey] = bt
+        return bt
+
+    def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int]):
+        """Append template ``t``'s pass as its layer blocks (``stamp_blocks``; its kernels where that form is not
+        known) and list it in ``instances``."""
+        from simulator.graph.builders import stamp_blocks as sb
+
+        bt = self._block_form(t, key, names, vals)
         if bt is None:
             return self._stamp(t, layer, names, vals)
+        e = self.e
+        ops = e.b.ops
         before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)
         start = len(ops)
         result = self._stamp(bt, layer, names, vals)

@@ -4,9 +4,9 @@ gave the graph ``coarsen`` would have made of the kernel-level one.
 At layer fidelity ``coarsen`` (``simulator.graph.blocks``) merges each layer pass's kernels into 2-3 block ops;
 building ~20 kernel ops per pass only to merge them is most of a large pipeline's build. With
 ``Stamper(blocks=True)`` a pass that would be stamped (``simulator.graph.builders.stamp``) is emitted as its
-blocks instead: the first pass of a key is emitted kernel by kernel (``coarsen`` merges it later, with the whole
-graph around it), and for every copy the *block template* of its key (``block_template``) is stamped, which is
-``coarsen`` applied once to that pass alone in a small graph standing for its context:
+blocks instead: the first pass of a key is emitted kernel by kernel, recorded, and replaced by its blocks, and for
+every copy the *block template* of its key (``block_template``) is stamped, which is ``coarsen`` applied once to
+that pass alone in a small graph standing for its context:
 
 * one stub op per context value (``last_compute``, ``wait_for``, the inputs' producers), on the compute stream
   where the real one is (a kernel after a stub on another stream starts a new block, as in the whole graph;
@@ -40,7 +40,21 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
    backward gathers again; the template's second stub after the pass, on another stream, waits for its producer)
    is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold.
 
-``check`` tests all five on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
+6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
+   ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
+   ``coarsen``, with none of them waited for after the pass (``wait_for``, a result tensor) and no tensor the
+   builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
+   (``BlockTemplate.prefold``), so the whole graph's ``fold_overlapped_tp`` has ~4x fewer ops to walk. Then: the
+   compute ops around the pass are of another layer or phase (no run crosses its edges); on each TP stream it
+   used, the ops before it that may be the stream's op before it once ``coarsen`` has folded what it may (walking
+   back over the ops it may fold) are each waited for by a compute op before the pass, and those after it each
+   wait for a compute op after the pass, or from the block holding its last op there that ``coarsen`` leaves (so
+   every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
+   pass's own TP ops); check 1 takes the tensors made inside the folded blocks, check 5 also a TP op folded into
+   such a pass that a compute op keeps apart from its first user (``_apart_waits``); check 4 holds by these.
+   Where check 6 fails the builder stamps the graph again without (then checks 1-5).
+
+``check`` tests all of them on the built graph; ``build_gpt_step`` builds the kernel-level graph instead where one
 fails, so the result is the same graph either way (``tests/simulator/graph/test_stamp_blocks.py`` compares them
 on every bundled scenario).
 """
@@ -57,6 +71,7 @@ from simulator.graph.builders.stamp import _FOLDED, SCRATCH, uses_form
 from simulator.graph.builders.stamp import _GET as _fields  # an op's dataclass fields, in order
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc
+from simulator.graph.side_blocks import fold_overlapped_tp_ids
 
 _CTX = "ctx"  # stub stream
 __all__ = ["SCRATCH", "BlockTemplate", "Instance", "block_template", "check", "may_fold"]
@@ -75,15 +90,18 @@ class BlockTemplate:
     (``Stamper.waited_later``) and the block ending at its producer (check 5)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
-                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited")
+                 "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited", "prefold",
+                 "ctx_waiters", "tails", "mid_coarse")
 
 
 def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
-                   order: tuple[int, ...], sizes: tuple, devices: tuple, fold_tp: bool) -> BlockTemplate:
+                   order: tuple[int, ...], sizes: tuple, devices: tuple, fold_tp: bool,
+                   prefold: bool = False) -> BlockTemplate:
     """The block form of kernel template ``t`` (``stamp._Template``) recorded from ``kops`` (its first pass's ops,
     table ``index``, inputs ``names``), for a context whose values lie on the compute stream where ``compute``
     is true and come in the order of slots ``order``, with input sizes ``sizes`` (None: not a GPU tensor made by
-    an op) on ``devices`` (module docstring)."""
+    an op) on ``devices`` (module docstring). ``prefold`` (with ``fold_tp``): the blocks ``fold_overlapped_tp`` makes
+    of them where the pass qualifies (``BlockTemplate.prefold``, check 6)."""
     n_ctx, n_in = len(compute), len(names)
     front = n_ctx - n_in
     stub = {s: k for k, s in enumerate(order)}  # context slot -> stub op id (stubs in the real ops' order)
@@ -111,7 +129,15 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     graph = OpGraph(ops=tuple(mini))
     cand = foldable_tp(graph) if fold_tp else {}
     coarse, new_id = coarsen_ids(graph, fold_tp)
-    cops = coarse.ops[n_ctx:len(coarse.ops) - (len(mini) - n_ctx - len(kops))]  # less the stubs after the pass
+    n_after = len(mini) - n_ctx - len(kops)  # the stubs after the pass
+    pre = _prefolded(coarse, new_id, t, kops, n_ctx, n_after, res, waited) if fold_tp and prefold else None
+    ctx_waiters: tuple[int, ...] = ()
+    id0 = new_id  # the ids ``coarsen`` alone gives
+    if pre is not None:
+        ctx_waiters = _apart_waits(coarse, graph, order, n_ctx, n_after)
+        coarse0 = coarse
+        coarse, new_id = pre
+    cops = coarse.ops[n_ctx:len(coarse.ops) - n_after]
     rel = [new_id[n_ctx + r] - n_ctx for r in range(len(kops))]  # kernel index -> block-template op index
     bt = BlockTemplate()
     bt.n_ops, bt.fresh, bt.consts, bt.result = len(cops), t.fresh, t.consts, t.result
@@ -121,7 +147,7 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     for j, op in enumerate(cops):
         allocs = []
         for a in op.allocs:
-            if a.name.startswith("activations.block_scratch#"):
+            if a.name.startswith(("activations.block_scratch#", "activations.block_scratch.tp#")):
                 k = len(table) + len(scratch)
                 scratch.append(j)
             else:
@@ -143,9 +169,14 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     bt.producer = [(k, move(r)) for k, r in t.producer]
     bt.last, bt.wait = move(t.last), tuple(move(d) for d in t.wait)
     bt.waited = tuple((k, rel[r]) for k, r in waited.items())
-    last_part = {op.meta["fused"][-1].id - n_ctx for op in cops if op.meta and "fused" in op.meta}
     merged = {r for r in range(len(kops)) if cops[rel[r]].meta and "fused" in cops[rel[r]].meta}
-    bt.mid = tuple(k for k, r in t.producer if r is not None and r >= 0 and r in merged and r not in last_part)
+    bt.mid = _mid(t, kops, rel, merged)
+    if pre is None:
+        bt.mid_coarse = bt.mid
+    else:  # the tensors made inside a block of ``coarsen`` alone
+        rel0 = [id0[n_ctx + r] - n_ctx for r in range(len(kops))]
+        bt.mid_coarse = _mid(t, kops, rel0, {r for r in range(len(kops))
+                                             if (coarse0.ops[n_ctx + rel0[r]].meta or {}).get("fused")})
     bt.folded_uses = tuple(index[u] for op in cops for c in op.folded_comm for u in c.uses if u in index)
     # only GPU tensors ops allocate count in a block's memory (``blocks._block_op``)
     sized = {k for k in range(n_in) if sizes[k] is not None} | {index[a.name] for op in kops for a in op.allocs
@@ -168,10 +199,75 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
         d0 = mini[n_ctx + seq[0]].deps
         waits_inside = any(d >= n_ctx and mini[d].stream == COMPUTE_STREAM for d in d0)
         edges.append((st, first, last, separate, waits_inside, tuple(order[d] for d in d0 if d < n_ctx)))
+    bt.prefold, bt.ctx_waiters = pre is not None, ctx_waiters
+    if bt.prefold:  # none of its TP ops is left: check 6 stands for check 4 at its own edges; as a neighbour's,
+        # its last op before a later pass holds (users inside it) and its first waits for a kernel from there on
+        edges = [(st, None, -1, None, True, ()) for st, *_ in edges]
+        # per TP stream: the block holding the pass's last op there where ``coarsen`` leaves that op (the op after
+        # the pass on the stream must wait for a compute op from that block on), else None (from the pass's end on)
+        bt.tails = {st: None if (coarse0.ops[id0[n_ctx + seq[-1]]].meta or {}).get("fused") else rel[seq[-1]]
+                    for st, seq in by_stream.items()}
+    else:
+        bt.tails = {}
     bt.edges = tuple(edges)
     first = next((op for op in mini[n_ctx:] if op.stream == COMPUTE_STREAM), None)
     bt.first_cross = first is not None and any(mini[d].stream != COMPUTE_STREAM for d in first.deps)
     return bt
+
+
+def _mid(t, kops: Sequence[Op], rel: list[int], merged: set[int]) -> tuple[int, ...]:
+    """Table indices of the tensors made inside a block (``rel``: kernel index -> op index; ``merged``: kernels
+    standing in a block): by a kernel other than its block's last, or by a folded collective."""
+    last_of: dict[int, int] = {}  # op index -> the last kernel it stands for
+    for r, op in enumerate(kops):
+        if op.stream == COMPUTE_STREAM:
+            last_of[rel[r]] = r
+    last_part = set(last_of.values())
+    return tuple(k for k, r in t.producer if r is not None and r >= 0 and r in merged and r not in last_part)
+
+
+def _prefolded(coarse: OpGraph, new_id: list[int], t, kops: Sequence[Op], n_ctx: int, n_after: int, res: list[int],
+               waited: dict) -> tuple[OpGraph, list[int]] | None:
+    """``fold_overlapped_tp`` of a block template's small graph ``coarse`` (``coarsen_ids`` of it, ids ``new_id``)
+    and the composed id map, where the pass qualifies for stamping in that form (check 6): it folds something and
+    every TP op of the pass, no op after the pass waits for one (``wait_for``, a result tensor), and the builder
+    named no tensor of the pass that another stream waits for after it (``Stamper.waited_later``: whether
+    ``fold_overlapped_tp`` merges across its producer depends on whether the op gathering it again is folded in a
+    later pass); else None."""
+    if any(r is not None and r >= 0 and kops[r].stream != COMPUTE_STREAM for r in t.wait):
+        return None
+    made = dict(t.producer)
+    if waited or any(made.get(k) is not None and made[k] >= 0 and kops[made[k]].stream != COMPUTE_STREAM for k in res):
+        return None
+    fg, fid = fold_overlapped_tp_ids(coarse)
+    if fg is coarse:
+        return None
+    if any(op.stream != COMPUTE_STREAM for op in fg.ops[n_ctx:len(fg.ops) - n_after]):
+        return None
+    return fg, [fid[i] for i in new_id]
+
+
+def _apart_waits(coarse: OpGraph, graph: OpGraph, order: tuple[int, ...], n_ctx: int, n_after: int) -> tuple[int, ...]:
+    """Context slots waited for by a TP op of the pass that ``coarsen`` leaves (in ``coarse``, of the kernel-level
+    small graph ``graph``) and that a compute op of ``graph`` separates from its first user: at kernel level, where
+    the ops of the whole graph between them are a superset, ``foldable_tp`` cannot fold it either, so the block
+    before it ends there (check 5 for a pass stamped with it folded, ``BlockTemplate.prefold``)."""
+    ops = graph.ops
+    compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
+    slots: dict[int, None] = {}
+    for op in coarse.ops[n_ctx:len(coarse.ops) - n_after]:
+        if op.stream == COMPUTE_STREAM or not op.stream.startswith("comm.tp"):
+            continue
+        k = op.name  # the same op in ``graph`` (``coarsen`` keeps an op it leaves, renumbered)
+        c = next(x for x in ops[n_ctx:] if x.name == k and x.stream == op.stream)
+        ctx = [d for d in c.deps if d < n_ctx and ops[d].stream == COMPUTE_STREAM]
+        users = [x.id for x in ops if c.id in x.deps]
+        if not ctx or not users:
+            continue
+        a, b = max(c.deps), min(users)
+        if bisect_right(compute, a) < bisect_left(compute, b):
+            slots.update((order[d], None) for d in ctx)
+    return tuple(slots)
 
 
 def may_fold(op: Op) -> bool:
@@ -222,9 +318,12 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
         return inst[k] if k >= 0 and op_id < inst[k].end else None
 
     mid: dict[str, int] = {}
+    mid_coarse: dict[str, int] = {}  # made inside a block of ``coarsen`` (a folded collective using one cuts it)
     for i in inst:
         for k in i.bt.mid:
             mid[i.table[k]] = i.start
+        for k in i.bt.mid_coarse:
+            mid_coarse[i.table[k]] = i.start
     last_use = {u: op.id for op in ops for u in op.uses}  # later ops overwrite: the last user
     for op in ops:
         if op.stream != COMPUTE_STREAM and op.uses:
@@ -248,10 +347,12 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
     why = _waited_later(ops, inst, compute)
     if why:
         return why
+    tp_users = _tp_users(ops, streams) if any(i.bt.prefold for i in inst) else {}
+    reach = _stream_reach(ops, streams, tp_users) if tp_users else {}
     for i in inst:
         t, table = i.bt, i.table
         for k in t.folded_uses:
-            m = mid.get(table[k])
+            m = mid_coarse.get(table[k])
             if m is not None and m < i.start:
                 return f"a TP collective folded into a block of layer {i.layer} uses a tensor made inside a block"
         nxt = _next_compute(ops, compute, i.end)
@@ -266,12 +367,83 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
         for k in t.results:
             if last_use.get(table[k], -1) < i.end:
                 return f"a result of a stamped pass of layer {i.layer} is used by nothing after it"
+        if t.prefold:
+            why = _prefold_edges(ops, i, streams, nxt, reach)
+            if why:
+                return why
+            continue
         for st, first, last, *_ in t.edges:
             why = _stream_edges(ops, streams.get(st, []), on[st], starts_on[st], edge_of, i, st, first, last)
             if why:
                 return why
     return None
 
+
+def _tp_users(ops: Sequence[Op], streams: dict[str, list[int]]) -> dict[int, tuple[int, bool]]:
+    """Each TP-stream op waited for: ``(the first compute op waiting for it, whether every op waiting for it is on
+    the compute stream)``."""
+    tp = {x for seq in streams.values() for x in seq}
+    out: dict[int, tuple[int, bool]] = {}
+    for op in ops:
+        on = op.stream == COMPUTE_STREAM
+        for d in op.deps:
+            if d in tp:
+                first, only = out.get(d, (len(ops), True))
+                out[d] = (min(first, op.id) if on else first, only and on)
+    return out
+
+
+def _stream_reach(ops: Sequence[Op], streams: dict[str, list[int]],
+                  tp_users: dict[int, tuple[int, bool]]) -> dict[str, tuple[list[int], list[int]]]:
+    """Per TP stream, for each of its ops ``x`` (by position): walking back from ``x`` over the ops ``coarsen`` may
+    fold (a superset of ``foldable_tp``'s candidates) to the first it cannot, the latest first compute user of the
+    ops passed (``back``); walking forward likewise, the earliest last compute dependency (``ahead``)."""
+    def foldable(x: Op) -> bool:
+        u = tp_users.get(x.id)
+        return may_fold(x) and bool(x.deps) and u is not None and u[1] \
+            and all(ops[d].stream == COMPUTE_STREAM for d in x.deps)
+
+    out = {}
+    n = len(ops)
+    for st, seq in streams.items():
+        fold = [foldable(ops[x]) for x in seq]
+        first = [tp_users.get(x, (n, True))[0] for x in seq]
+        last = [max((d for d in ops[x].deps if ops[d].stream == COMPUTE_STREAM), default=-1) for x in seq]
+        back, ahead = first[:], last[:]
+        for j in range(1, len(seq)):
+            if fold[j]:
+                back[j] = max(back[j], back[j - 1])
+        for j in range(len(seq) - 2, -1, -1):
+            if fold[j]:
+                ahead[j] = min(ahead[j], ahead[j + 1])
+        out[st] = (back, ahead)
+    return out
+
+
+def _prefold_edges(ops: Sequence[Op], i: Instance, streams: dict[str, list[int]], nxt: Op | None,
+                   reach: dict[str, tuple[list[int], list[int]]]) -> str | None:
+    """Check 6, for pass ``i`` stamped with its TP collectives beside compute folded (``BlockTemplate.prefold``):
+    the compute ops right before and after it are of another layer or phase (no run of ``fold_overlapped_tp``
+    crosses the pass's edges), and on each TP stream the pass used, each op before it that ``coarsen`` may leave
+    as the stream's op before the pass (walking back over the ops it may fold) is waited for by a compute op
+    before the pass, and each op after it that may be the stream's next is waiting for a compute op after the
+    pass, or from the block holding the pass's last op there where ``coarsen`` leaves that op (``BlockTemplate.tails``)
+    (so ``foldable_tp`` and ``fold_overlapped_tp`` find every neighbour's stream conditions as with the
+    pass's TP ops there: those hold there, their users and dependencies lying inside the pass)."""
+    for op, edge in ((i.before, ops[i.start]), (nxt, ops[i.end - 1])):
+        if op is not None and op.layer >= 0 and (op.layer, op.phase) == (edge.layer, edge.phase):
+            return f"a pass of layer {i.layer} stamped with its TP collectives folded has a neighbour of its phase"
+    for st, *_ in i.bt.edges:
+        seq = streams.get(st, [])
+        back, ahead = reach.get(st, ((), ()))
+        j = bisect_left(seq, i.start) - 1
+        if j >= 0 and back[j] >= i.start:
+            return f"a TP op before a folded pass of layer {i.layer} is not waited for before it"
+        k = bisect_left(seq, i.end)
+        tail = i.bt.tails.get(st)
+        if k < len(seq) and ahead[k] < (i.end if tail is None else i.start + tail):
+            return f"a TP op after a folded pass of layer {i.layer} does not wait for a kernel after it"
+    return None
 
 def _waited_later(ops: Sequence[Op], inst: list[Instance], compute: list[int]) -> str | None:
     """Check 5: each block a template ends at a tensor the builder said another stream waits for after the pass
@@ -309,7 +481,11 @@ def _waited_later(ops: Sequence[Op], inst: list[Instance], compute: list[int]) -
         a, b = max(ops[u].deps), min(us)
         return bisect_right(compute, a) < bisect_left(compute, b)
 
+    # a TP op folded into a later pass stamped with it folded, that ``foldable_tp`` could not fold at kernel level
+    apart = {j.vals[s]: j.start for j in inst if j.bt.prefold for s in j.bt.ctx_waiters}
     for p, i in need.items():
+        if apart.get(p, -1) >= i.end:
+            continue
         if not any(unfoldable(u) for u in waiters.get(p, ())):
             return f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
     return None

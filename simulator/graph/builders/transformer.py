@@ -822,7 +822,8 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
                       num_micro_batches=s.num_micro_batches)
 
 
-def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False) -> OpGraph:
+def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
+                   prefold: bool | None = None) -> OpGraph:
     """Build one training step (all micro-batches and the optimizer) for one GPU.
 
     Args:
@@ -835,6 +836,10 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
             the one it makes of the kernel-level graph; where ``stamp_blocks.check`` finds a pass for which it
             would not be, the kernel-level graph is built instead. ``meta["layer_blocks"]`` records
             ``{"stamped": passes stamped as blocks, "kernel_build": None or why the kernel-level graph was built}``.
+        prefold: With ``fold_tp`` (default: ``fold_tp``): stamp the passes that qualify with their TP collectives
+            beside compute folded too (``simulator.graph.side_blocks``), so that ``fold_overlapped_tp(coarsen(...))``
+            of the graph is the one made of the kernel-level graph; where ``stamp_blocks.check`` fails the graph is
+            built again without (``meta["layer_blocks"]["prefold"]``: None or why).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -869,17 +874,21 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
-    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp)
+    prefold = fold_tp if prefold is None else prefold and fold_tp
+    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp, prefold)
     graph = b.build()
     b.stamper.state = None  # the stamper's bound method closes a cycle through the builder and every op it made
     if not blocks:
         return graph
     inst = b.stamper.instances
     why = stamp_blocks.check(graph.ops, inst) if stamp else "stamping off"
+    if why is not None and prefold and any(i.bt.prefold for i in inst):
+        graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold=False)
+        return graph.with_changes(meta={**graph.meta, "layer_blocks": {**graph.meta["layer_blocks"], "prefold": why}})
     if why is not None:
         graph = build_gpt_step(spec, stamp)
     return graph.with_changes(meta={**graph.meta, "layer_blocks": {"stamped": 0 if why else len(inst),
-                                                                   "kernel_build": why}})
+                                                                   "kernel_build": why, "prefold": None}})
 
 
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
@@ -900,7 +909,8 @@ MEGATRON_DDP_PRECISIONS = ("bf16", "fp16")
 
 
 class _GptBuilder:
-    def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False):
+    def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
+                 prefold: bool = False):
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
@@ -974,7 +984,8 @@ class _GptBuilder:
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
         # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
         self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
-                               and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp)
+                               and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
+                               prefold=prefold)
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
 
     def _stamp_state(self) -> tuple:

@@ -13,6 +13,7 @@ from simulator.graph.builders import stamp_blocks as sb
 from simulator.graph.builders.stamp_blocks import SCRATCH
 from simulator.graph.builders.transformer import TransformerSpec, _GptBuilder, build_gpt_step
 from simulator.graph.ops import Op, OpKind
+from simulator.graph.side_blocks import fold_overlapped_tp
 from tests.conftest import ROOT
 from tests.simulator.graph.test_stamp import CASES, PIPELINE, TINY
 
@@ -31,7 +32,7 @@ _PRICED = tuple(f for f in _PART if f != "layer")
 
 
 def _scratch(name: str) -> bool:
-    return name.startswith(SCRATCH) or name.startswith("activations.block_scratch#")
+    return name.startswith((SCRATCH, "activations.block_scratch#", "activations.block_scratch.tp#"))
 
 
 def _op_view(op) -> tuple:
@@ -44,24 +45,32 @@ def _op_view(op) -> tuple:
             tuple(tuple(getattr(p, f) for f in _PRICED) for p in parts), meta)
 
 
-def assert_same_layer_graph(spec: TransformerSpec, fold_tp: bool) -> dict:
-    """Layer-fidelity graphs of ``spec`` made both ways are equal; returns the block build's ``meta["layer_blocks"]``."""
-    ref = coarsen(build_gpt_step(spec), fold_tp)
-    built = build_gpt_step(spec, blocks=True, fold_tp=fold_tp)
-    new = coarsen(built, fold_tp)
+def _assert_same(new, ref) -> None:
     assert len(new.ops) == len(ref.ops)
     for x, y in zip(new.ops, ref.ops):
         assert _op_view(x) == _op_view(y), (x.name, y.name)
     assert new.persistent == ref.persistent and new.param_groups == ref.param_groups
+
+
+def assert_same_layer_graph(spec: TransformerSpec, fold_tp: bool, prefold: bool | None = None) -> dict:
+    """Layer-fidelity graphs of ``spec`` made both ways are equal (``coarsen``, then with ``fold_tp`` the side TP
+    fold, as ``LayerFidelity`` makes them; without the pre-folded stamps ``coarsen`` alone too); returns the block
+    build's ``meta["layer_blocks"]``."""
+    kernels = build_gpt_step(spec)
+    built = build_gpt_step(spec, blocks=True, fold_tp=fold_tp, prefold=prefold)
+    if prefold is False or not fold_tp:
+        _assert_same(coarsen(built, fold_tp), coarsen(kernels, fold_tp))
+    if fold_tp:
+        _assert_same(fold_overlapped_tp(coarsen(built, True)), fold_overlapped_tp(coarsen(kernels, True)))
     return built.meta["layer_blocks"]
 
 
-@pytest.mark.parametrize("fold_tp", [True, False])
+@pytest.mark.parametrize("fold_tp, prefold", [(True, True), (True, False), (False, None)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_block_stamps_give_the_coarsened_graph(case, fold_tp):
+def test_block_stamps_give_the_coarsened_graph(case, fold_tp, prefold):
     kw = {**TINY, **CASES[case]}
     for rank in range(kw.get("pipeline_parallel_size", 1)):
-        info = assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp)
+        info = assert_same_layer_graph(TransformerSpec(**kw, pipeline_rank=rank), fold_tp, prefold)
         if "async" in case:  # the fast path is taken
             assert info["kernel_build"] is None and info["stamped"] > 0, info
 
@@ -92,8 +101,8 @@ def test_check_refuses_a_wait_inside_a_block_and_the_builder_falls_back(monkeypa
     extra = Op(id=len(g.ops), name="probe", kind=OpKind.MEMCPY_D2H, stream="d2h", uses=(tensor,))
     assert sb.check((*g.ops, extra), inst) == "op probe on stream d2h uses a tensor made inside a stamped block"
     full = TransformerSpec(**{**TINY, **CASES["pp2_full_recompute"]}, pipeline_rank=0)
-    assert assert_same_layer_graph(full, True) == {"stamped": 0, "kernel_build":
-                                                   "an input of a stamped pass of layer 1 is used after it"}
+    info = assert_same_layer_graph(full, True)
+    assert (info["stamped"], info["kernel_build"]) == (0, "an input of a stamped pass of layer 1 is used after it")
     monkeypatch.setattr(sb, "check", lambda ops, inst: None)
     with pytest.raises(AssertionError):
         assert_same_layer_graph(full, True)
@@ -137,3 +146,45 @@ def test_check_refuses_a_block_end_nothing_on_another_stream_waits_for():
     a = max(op.id for op in g.ops[:b0] if op.stream == "compute")
     ops = [replace(op, deps=(p, a)) if op is u else op for op in g.ops]
     assert sb.check(ops, inst) == f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
+
+
+def test_prefolded_stamps_carry_the_side_collectives_and_give_the_folded_graph():
+    """With the TP collectives beside compute folded into the block templates (``BlockTemplate.prefold``), the
+    asynchronous backward's passes are stamped with no TP op left, and ``fold_overlapped_tp(coarsen(...))`` of the
+    graph is the one made from the kernel-level graph."""
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    plain = build_gpt_step(spec, blocks=True, fold_tp=True, prefold=False)
+    info = assert_same_layer_graph(spec, True, True)
+    assert info["kernel_build"] is None and info["prefold"] is None and info["stamped"] > 0
+    folded = build_gpt_step(spec, blocks=True, fold_tp=True)
+    tp = [sum(op.stream.startswith("comm.tp") for op in g.ops) for g in (folded, plain)]
+    assert tp[0] < tp[1], tp
+
+
+def test_check_6_refuses_a_stream_neighbour_a_prefolded_pass_cannot_stand_for(monkeypatch):
+    """Check 6: the TP op after a pass stamped with its TP collectives folded must wait for a kernel from the pass's
+    last block on (else ``fold_overlapped_tp`` might keep the pass's last collective apart), and the compute op
+    after it must be of another layer or phase; the builder then stamps the graph again unfolded."""
+    from dataclasses import replace
+
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    b = _GptBuilder(spec, True, True, True, True)
+    g = b.build()
+    inst = b.stamper.instances
+    assert sb.check(g.ops, inst) is None
+    i = next(i for i in inst if i.bt.prefold and any(op.id >= i.end and op.stream.startswith("comm.tp")
+                                                     for op in g.ops))
+    x = next(op for op in g.ops if op.id >= i.end and op.stream == i.bt.edges[0][0])
+    early = max(op.id for op in g.ops[:i.start] if op.stream == "compute")
+    ops = [replace(op, deps=(early,)) if op is x else op for op in g.ops]
+    assert sb.check(ops, inst) == f"a TP op after a folded pass of layer {i.layer} does not wait for a kernel after it"
+    nxt = next(op for op in g.ops[i.end:] if op.stream == "compute")
+    last = g.ops[i.end - 1]
+    ops = [replace(op, layer=last.layer, phase=last.phase) if op is nxt else op for op in g.ops]
+    assert sb.check(ops, inst) == \
+        f"a pass of layer {i.layer} stamped with its TP collectives folded has a neighbour of its phase"
+    # the builder's fallback where check 6 fails: the graph without pre-folded stamps, checks 1-5 passing
+    sb_check = sb.check
+    monkeypatch.setattr(sb, "check", lambda ops, inst: "probe" if any(j.bt.prefold for j in inst) else sb_check(ops, inst))
+    info = build_gpt_step(spec, blocks=True, fold_tp=True).meta["layer_blocks"]
+    assert info["prefold"] == "probe" and info["kernel_build"] is None and info["stamped"] > 0
