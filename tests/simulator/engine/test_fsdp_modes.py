@@ -292,7 +292,7 @@ def test_fsdp_cpu_offload_refuses_experts_and_accumulation_in_the_policy():
     g = build_gpt_step(TransformerSpec(**{**TINY, "data_parallel_size": 2}, num_micro_batches=2, sharding=sh))
     with pytest.raises(PolicyError, match="gradient accumulation"):
         fsdp_cpu_offload(g, resolve_hardware(load_scenario(B16, DGX)))
-    r, lines = _cli(["fsdp={cpu_offload: true}", "model.num_experts=8"])
+    r, lines = _cli(["fsdp={cpu_offload: true}", "model.num_experts=8", "training.precision=bf16", "model.add_bias_linear=false"])
     assert r.returncode == 2 and len(lines) == 1 and "fsdp.cpu_offload with model.num_experts" in lines[0], r.stderr
 
 
