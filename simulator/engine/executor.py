@@ -273,6 +273,10 @@ class Executor:
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         early, running, track = self._early, self.running, self.track_running
         run_kernel = sys.run_kernel
+        queue = env._queue  # SimPy's event heap: ``(time, priority, id, event)`` (``_wait_s``)
+        #: the process was last resumed by an event only it waits on (its own timeout, launch event or wake), as the
+        #: last callback of that event: it may move the clock itself (``_wait_s``)
+        own = True
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
             for op in ops:
@@ -284,11 +288,18 @@ class Executor:
                         if ev is None:
                             ev = lev[oid] = env.event()
                         yield ev
+                        own = True  # the launch event is this stream's own
                         when = lt[oid]
                     if early:  # a block may start once its first part is launched
                         when -= early.get(oid, 0.0)
-                    if when > env.now:
-                        yield env.timeout(when - env.now)
+                    now = env._now
+                    if when > now:  # ``_wait_s``, inlined
+                        d = when - now
+                        if own and (not queue or queue[0][0] > now + d):
+                            env._now = now + d
+                        else:
+                            yield env.timeout(d)
+                            own = True
                 # _execute, inlined (one generator less per op)
                 wait = op.meta
                 if not wait:
@@ -300,12 +311,18 @@ class Executor:
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
+                        own = False  # a completion event other streams may wait on too
                     if op.meta and "rendezvous" in op.meta:  # the peers (other ranks' ops) must arrive too
                         yield self.rendezvous.arrive(op.meta["rendezvous"], step, op.meta["parties"])
+                        own = False
                 if early and oid in early:  # a block: it runs when its parts' launches let it run back to back
                     late = self._block_end_s(op, step) - env.now - kernel_s(op)
                     if late > 0:
-                        yield env.timeout(late)
+                        if own and (not queue or queue[0][0] > env._now + late):
+                            env._now += late
+                        else:
+                            yield env.timeout(late)
+                            own = True
                 start = env.now
                 if track:
                     running[stream] = (step, op, start)
@@ -317,14 +334,19 @@ class Executor:
                 for fn in on_start:
                     fn(op, step, sys)
                 m = mode[oid]
-                if m == _KERNEL:
-                    yield env.timeout(kernel_s(op))
-                elif m == _FIXED:
-                    yield env.timeout(fixed[oid])
+                if m == _KERNEL or m == _FIXED:
+                    d = kernel_s(op) if m == _KERNEL else fixed[oid]
+                    if own and (not queue or queue[0][0] > start + d):  # ``_wait_s``, inlined
+                        env._now = start + d
+                    else:
+                        yield env.timeout(d)
+                        own = True
                 elif m == _IKERNEL:
                     yield from run_kernel(op)
+                    own = False  # (its last resume may be its own wake, or it took no time)
                 elif m == _GENERIC:
                     yield from self._run(op, step)
+                    own = False
                 finish(op, step, start, stream)
 
     def _block_end_s(self, op: Op, step: int) -> float:

@@ -58,6 +58,22 @@ class _Wake(simpy.Event):
         if self._value is PENDING:
             self.succeed()
 
+    def fire_last(self, _event) -> None:
+        """Callback, the last one of the event being processed: trigger this event unless it has been already,
+        and when no other event is due at this instant (none in SimPy's heap at or before now) process it at
+        once: what ``Environment.step`` would do next, without the heap push and pop (same order, same times)."""
+        if self._value is not PENDING:
+            return
+        env = self.env
+        queue = env._queue
+        if queue and queue[0][0] <= env._now:
+            self.succeed()
+            return
+        self._ok, self._value = True, None
+        callbacks, self.callbacks = self.callbacks, None
+        for callback in callbacks:
+            callback(self)
+
 
 class System:
     """Runtime objects of one simulated run.
@@ -292,9 +308,8 @@ class System:
             # ``yield to | watch`` without the condition object: ``wake`` fires (scheduled at the same point) when the
             # first of them is processed; a later one finds it triggered and does nothing
             to, wake = env.timeout(left), _Wake(env)
-            fire = wake.fire
-            to.callbacks.append(fire)
-            self._watch(watch).callbacks.append(fire)
+            to.callbacks.append(wake.fire_last)  # the timeout's only callback
+            self._watch(watch).callbacks.append(wake.fire)
             yield wake
             if to.processed:
                 return

@@ -254,7 +254,8 @@ class DvfsRuntime:
         if self.online or not self._can_bind or run_ops < WATCH_MIN_OPS or len(graph.ops) >= WATCH_MIN_OPS:
             return False
         device = (op for op in graph.ops if op.stream != "host")  # as the watch's bound: ``Executor.by_stream``
-        return self.ledger.p[0] + self.meter.excess_bound_w(device) > self.power_limit_w * (1.0 - 1e-9)
+        limit = self.power_limit_w * (1.0 - 1e-9)
+        return self.ledger.p[0] + self.meter.excess_bound_w(device, None, limit, self.ledger.p[0]) > limit
 
     def max_reachable_power_w(self) -> float:
         """Highest board power the model can draw: every unit fully busy at the highest clock, W."""

@@ -198,7 +198,8 @@ class PowerLimitFirmware:
                 # a stream runs one op at a time and the power above idle is subadditive (see below): idle plus
                 # each stream's largest op excess bounds every level of the run; at or below the limit the firmware
                 # can never act and the offline record is exact without watching
-                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values()), parts) <= thresh:
+                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values()), parts,
+                                               thresh, idle) <= thresh:
                     return
                 graph_ops = sys_.executor.g.ops  # a span's op, or a block's folded TP collective, carries its id
             lo = max(0.0, t - w)

@@ -7,6 +7,7 @@ clocks (``power_firmware``, ``dvfs``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -158,26 +159,35 @@ class PowerMeter:
             parts = self._parts_by_key[pk] = (e, max(0.0, e - self.busy_w()) if kernel else e, kernel)
         return parts
 
-    def excess_bound_w(self, ops, parts: dict | None = None) -> float:
+    def excess_bound_w(self, ops, parts: dict | None = None, above_w: float = math.inf,
+                       base_w: float = 0.0) -> float:
         """Sum over streams of the largest ``excess_w`` of ``ops`` on each (an iterable of ops; a stream runs one op
         at a time and the power above idle is subadditive, so idle plus this bounds every level of a run of them), W.
 
         The streams are summed in the order their first op with a positive excess comes in ``ops``. ``parts``: a dict
-        that also receives each op's ``excess_parts_w`` by op id.
+        that also receives each op's ``excess_parts_w`` by op id (the ops read so far). ``above_w``: stop as soon as
+        ``base_w`` plus the sum so far exceeds it and return that partial sum, for a caller that only asks whether
+        ``base_w`` plus the bound exceeds ``above_w`` (the same answer: each stream's largest so far is at most its
+        largest, the streams so far come first in the sum's order, and a float sum is non-decreasing in each term).
         """
         top: dict[str, float] = {}
+        get = top.get
         if parts is None:
             excess = self.excess_w
             for op in ops:
                 e = excess(op)
-                if e > top.get(op.stream, 0.0):
+                if e > get(op.stream, 0.0):
                     top[op.stream] = e
+                    if above_w < math.inf and base_w + sum(top.values()) > above_w:
+                        break
         else:
             of = self.excess_parts_w
             for op in ops:
                 p = parts[op.id] = of(op)
-                if p[0] > top.get(op.stream, 0.0):
+                if p[0] > get(op.stream, 0.0):
                     top[op.stream] = p[0]
+                    if above_w < math.inf and base_w + sum(top.values()) > above_w:
+                        break
         return sum(top.values())
 
     # -- activities -------------------------------------------------------------------------------------

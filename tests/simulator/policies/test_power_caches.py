@@ -120,3 +120,38 @@ def test_power_of_running_ops_at_most_idle_plus_floor_plus_shares(picks, clock):
     kernels = any(meter.excess_parts_w(ops[i])[2] for i in picks)
     bound = idle + (floor if kernels else 0.0) + sum(meter.excess_parts_w(ops[i])[1] for i in picks)
     assert p <= bound * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["s0", "s1", "s2"])), max_size=12),
+       limit=st.floats(0.0, 2000.0), base=st.sampled_from([0.0, 55.5, 300.0]))
+def test_excess_bound_stopping_above_a_limit_answers_as_the_full_bound(picks, limit, base):
+    """``excess_bound_w(ops, above_w=limit, base_w=base)`` stops once ``base`` plus the sum so far exceeds ``limit``:
+    ``base + bound > limit`` is the same answer as with the full bound, and the ops after the stop are not read."""
+    hw, sys_, model = _setup()
+    ops = [replace(_ops()[i], stream=s) for i, s in picks]
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    full = meter.excess_bound_w(ops)
+    read: list = []
+
+    def each():
+        for op in ops:
+            read.append(op)
+            yield op
+
+    part = meter.excess_bound_w(each(), None, limit, base)
+    assert (base + part > limit) == (base + full > limit)
+    assert part <= full
+    if base + full > limit:  # stopped at the first op whose stream's new largest excess takes the sum above
+        top: dict[str, float] = {}
+        stop = len(ops)  # (``base`` alone above the limit: the sum is checked only when it grows)
+        for n, op in enumerate(ops, 1):
+            e = meter.excess_w(op)
+            if e > top.get(op.stream, 0.0):
+                top[op.stream] = e
+                if base + sum(top.values()) > limit:
+                    stop = n
+                    break
+        assert len(read) == stop
+    else:
+        assert part == full and len(read) == len(ops)
