@@ -429,6 +429,15 @@ class TrainingConfig(_Model):
         ".item()). A PyTorch loop without fsdp (torch DDP, one GPU) given a value: torch.nn.utils.clip_grad_norm_, "
         "one foreach norm (4 B per fp32 grad), the all-reduce over tp x pp only, one foreach mul_ (8 B), no host "
         "sync; not given, no clipping (only the cross-stage all-reduce with pipeline stages).")
+    cross_entropy: Literal["megatron", "pytorch"] | None = Field(
+        default=None, description="The LM head's loss. megatron (the default without fsdp, as model.kernels fused): "
+        "Megatron-LM's vocab-parallel cross-entropy, with or without --cross-entropy-loss-fusion (native impl): the "
+        "logits cast to fp32 once, made softmax in place and saved (4 B per logit), its gradient made in place and "
+        "cast to the 16-bit logits dtype (megatron/core/tensor_parallel/cross_entropy.py, "
+        "fusions/fused_cross_entropy.py). pytorch (the default with fsdp or model.kernels hf_eager): "
+        "F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the saved log-softmax, the NLL gradient "
+        "and the log-softmax gradient, three fp32 logits-sized tensors, live together in backward. "
+        "--cross-entropy-fusion-impl te (Transformer Engine's Triton kernel) is not modelled.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )
@@ -453,6 +462,17 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
     if v is not None:
         return v
     return 0.0 if cfg.fsdp is not None else 1.0
+
+
+def cross_entropy_of(cfg: "ScenarioConfig") -> str:
+    """``training.cross_entropy`` in force: the value given, else the framework's: ``pytorch`` (``F.cross_entropy``)
+    with ``fsdp`` or ``model.kernels: hf_eager``, else ``megatron`` (Megatron-LM's GPTModel always calls its
+    vocab-parallel cross-entropy, fused or not: megatron/core/models/common/language_module/language_module.py
+    ``compute_language_model_loss``)."""
+    v = cfg.training.cross_entropy
+    if v is not None:
+        return v
+    return "pytorch" if cfg.fsdp is not None or cfg.model.kernels == "hf_eager" else "megatron"
 
 
 #: Precisions whose parameters, gradients and moments are fp32: what ``optimizer.impl: single`` and ``foreach`` are priced for.

@@ -128,6 +128,9 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: Megatron-LM --position-embedding-type values modelled; ``none``: no position parameters or kernels (ALiBi's
 #: bias is added inside the flash kernel; Press et al., ICLR 2022)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+#: The LM head's loss (``TransformerSpec.cross_entropy``): PyTorch's ``F.cross_entropy`` or Megatron-LM's
+#: vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py)
+CROSS_ENTROPY_IMPLS = ("pytorch", "megatron")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -281,6 +284,10 @@ class TransformerSpec:
             ``attention.flash_dropout_note``).
         hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
             residual add: 1-byte masks saved for backward); 0: none.
+        cross_entropy: The LM head's loss (``CROSS_ENTROPY_IMPLS``): ``pytorch`` (``F.cross_entropy`` on the
+            fp32 logits: log-softmax and NLL, three fp32 logits-sized tensors live in backward) or ``megatron``
+            (Megatron-LM's ``_VocabParallelCrossEntropy``, fused or not: one fp32 copy of the logits made
+            softmax in place, saved, and turned into the gradient in place; ``_GptBuilder._loss_fwd``).
     """
 
     num_layers: int
@@ -353,6 +360,7 @@ class TransformerSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     kernels: str = "fused"
+    cross_entropy: str = "pytorch"
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -376,6 +384,8 @@ class TransformerSpec:
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
+        if self.cross_entropy not in CROSS_ENTROPY_IMPLS:
+            raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_IMPLS}, got {self.cross_entropy!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.position_embedding not in POSITION_EMBEDDINGS:
@@ -920,6 +930,8 @@ class _GptBuilder:
         self.comm_ops: list[int] = []
         self.grad_shards: list[str] = []
         self.fp16 = spec.precision == "fp16"
+        #: the fp32 softmax tensors saved by ``_megatron_loss_fwd`` (their backward is ``_megatron_loss_bwd``)
+        self._megatron_ce: set[str] = set()
         self.fp8 = spec.fp8 is not None
         self._fp8_w: dict[tuple[int, str], str] = {}  # (layer, Linear) -> its cached fp8 weight workspace
         self._fp8_ws: dict[str, int] = {}  # workspace -> bytes (persistent: _fp8_operands)
@@ -1656,6 +1668,8 @@ class _GptBuilder:
             lf = e.kernel("logits.float", C.CAST, reads=2 * n, writes=4 * n, out=[(l32, 4 * n)], uses=[logits])
         tp = vocab_parallel and self.tp > 1
         ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=[lf], dtype="fp32")] if tp else []
+        if vocab_parallel and self.s.cross_entropy == "megatron":
+            return self._megatron_loss_fwd(rows, n, logits, l32, labels, ce)
         lsm = e.fresh("log_softmax.out")
         ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * n, writes=4 * n, out=[(lsm, 4 * n)], uses=[l32], deps=ce,
                       dtype="fp32")
@@ -1666,6 +1680,41 @@ class _GptBuilder:
                  dtype="fp32")
         return lsm
 
+    def _megatron_loss_fwd(self, rows: int, n: int, logits: str, l32: str, labels: str, ce: list) -> str:
+        """Megatron-LM's vocab-parallel cross-entropy forward over ``n`` fp32 logits ``l32`` (``rows`` tokens),
+        after ``logits.float()`` and the max (``ce``: its TP all-reduce). Every logits-sized step runs in place
+        on ``l32`` (NVIDIA/Megatron-LM@00611e6 megatron/core/tensor_parallel/cross_entropy.py
+        ``calculate_predicted_logits``: ``vocab_parallel_logits -= logits_max``, ``torch.exp(..., out=)``,
+        ``calculate_cross_entropy_loss``: ``exp_logits.div_``; the same in place in @0cb4a9c
+        megatron/core/fusions/fused_cross_entropy.py, ``--cross-entropy-loss-fusion``): one pass for the
+        shift, exponent and row sums, one for the division; ``ctx.save_for_backward(exp_logits, ...)`` keeps
+        only that fp32 softmax (4 B per logit). The 16-bit ``logits`` stay alive until the loss returns
+        (GPTModel's local). Returns the saved softmax (``l32``)."""
+        e = self.e
+        ex = e.kernel("ce.exp", C.SOFTMAX, reads=4 * n, writes=4 * n, uses=[l32, labels], deps=ce, dtype="fp32")
+        if self.tp > 1:  # predicted logits and sums of exponentials (one batched all-reduce when fused)
+            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * rows, deps=[ex], dtype="fp32")
+                  for w in ("predicted_logits", "sum_exp_logits")]
+        e.kernel("ce.normalize", C.ELEMENTWISE, reads=4 * n + 4 * rows, writes=4 * n + 4 * rows, flops=n,
+                 uses=[l32, logits], deps=ce if self.tp > 1 else [], dtype="fp32")
+        self._megatron_ce.add(l32)
+        return l32
+
+    def _megatron_loss_bwd(self, n: int, sm: str) -> str:
+        """Backward of ``_megatron_loss_fwd`` over its saved fp32 softmax ``sm`` (``n`` logits): the target's
+        ``- 1`` scatter and ``grad_input.mul_(grad_output)`` in place on ``sm`` (one pass; @00611e6
+        cross_entropy.py ``calculate_gradients``), then its cast to the 16-bit logits dtype (@0cb4a9c
+        fused_cross_entropy.py ``grad_input.to(logits_dtype)``; the autograd engine's cast in the unfused one),
+        beside which ``sm`` is freed; fp32 / tf32: ``sm`` is the gradient. Returns the logits' gradient."""
+        e = self.e
+        e.kernel("ce.dgrad", C.ELEMENTWISE, reads=4 * n, writes=4 * n, flops=n, uses=[sm], dtype="fp32")
+        if self.full:
+            return sm
+        g_logits = e.fresh("logits.float.dx")
+        e.kernel("logits.float.dgrad", C.CAST, reads=4 * n, writes=2 * n, out=[(g_logits, 2 * n)], uses=[sm],
+                 dtype="fp32")
+        return g_logits
+
     def _loss_bwd(self, rows: int, classes: int, lsm: str) -> str:
         """Backward of the fp32 softmax cross-entropy over ``rows`` x ``classes`` logits (``lsm``: the saved
         log-softmax): the loss-scale multiply with fp16 (dynamic loss scaling starts backward from loss x scale;
@@ -1674,6 +1723,8 @@ class _GptBuilder:
         e, n = self.e, rows * classes
         if self.fp16:
             e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
+        if lsm in self._megatron_ce:  # saved by _megatron_loss_fwd
+            return self._megatron_loss_bwd(n, lsm)
         g_lsm = e.fresh("nll_loss.dx")
         e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * n, out=[(g_lsm, 4 * n)], dtype="fp32")
         g_l32 = e.fresh("log_softmax.dx")
