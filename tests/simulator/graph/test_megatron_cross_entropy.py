@@ -1,0 +1,86 @@
+"""The LM head's loss (``training.cross_entropy``): Megatron-LM's vocab-parallel cross-entropy against PyTorch's
+``F.cross_entropy``, the fp32 logits-sized tensors each keeps, worked out by hand on a tiny model.
+
+Megatron-LM (NVIDIA/Megatron-LM@00611e6 megatron/core/tensor_parallel/cross_entropy.py, and @0cb4a9c
+megatron/core/fusions/fused_cross_entropy.py with --cross-entropy-loss-fusion): ``logits.float()`` once (4 B per
+logit), then the shift, ``exp`` and division in place; ``ctx.save_for_backward(exp_logits, ...)``; backward turns
+that softmax into the gradient in place and casts it to bf16 (2 B). PyTorch's ``F.cross_entropy`` =
+``log_softmax`` (output saved, 4 B) + ``nll_loss`` (its backward a fresh fp32 gradient, 4 B) and the log-softmax
+gradient (4 B) beside them."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.api import run_scenario, transformer_spec
+from simulator.config.loader import scenario_from_dict
+from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
+from simulator.graph.ops import Phase
+from tests.conftest import refused_in_one_line
+
+T, V = 256, 16384  # tokens of the micro-batch (1 x 256), vocabulary (a multiple of 128: no padding)
+TINY = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=T, vocab_size=V, ffn_hidden_size=256,
+            micro_batch_size=1, precision="bf16", tied_embeddings=False, bias=False)
+SCENARIO = {"name": "ce", "hardware": {"gpu": "h100-sxm-80gb"},
+            "model": {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "seq_length": T,
+                      "vocab_size": V, "untie_embeddings_and_output_weights": True},
+            "training": {"micro_batch_size": 1, "global_batch_size": 1, "precision": "bf16"},
+            "run": {"steps": 1, "warmup_steps": 0}}
+
+
+def _logits_sized(impl: str, precision: str = "bf16") -> tuple[list[int], list[int]]:
+    """Sizes of the fp32 logits-sized tensors (>= 4 T V bytes) the forward allocates and backward reads, and of
+    those the backward allocates."""
+    kw = {"attention_backend": "unfused"} if precision == "fp32" else {}  # flash has 16-bit kernels only
+    g = build_gpt_step(TransformerSpec(**{**TINY, **kw, "precision": precision, "cross_entropy": impl}))
+    bwd_uses = {u for op in g.ops if op.phase == Phase.BWD for u in op.uses}
+    saved = [t.nbytes for op in g.ops if op.phase == Phase.FWD for t in op.allocs
+             if t.name in bwd_uses and t.nbytes >= 4 * T * V]
+    made = [t.nbytes for op in g.ops if op.phase == Phase.BWD for t in op.allocs if t.nbytes >= 2 * T * V]
+    return saved, made
+
+
+def test_megatron_keeps_one_fp32_softmax_and_makes_only_the_bf16_gradient():
+    saved, made = _logits_sized("megatron")
+    assert saved == [4 * T * V]  # the softmax, made in place in the fp32 copy of the logits
+    assert made == [2 * T * V]  # the bf16 logits gradient (grad_input.to(logits_dtype)); the fp32 one is in place
+
+
+def test_pytorch_keeps_the_log_softmax_and_makes_two_fp32_gradients():
+    saved, made = _logits_sized("pytorch")
+    assert saved == [4 * T * V]
+    assert sorted(made) == [2 * T * V, 4 * T * V, 4 * T * V]  # nll_loss.dx, log_softmax.dx, their bf16 cast
+
+
+def test_fp32_megatron_makes_no_logits_sized_tensor_in_backward():
+    """fp32: ``.float()`` is a no-op, the LM head's own fp32 output becomes the softmax and then the gradient."""
+    saved, made = _logits_sized("megatron", "fp32")
+    assert saved == [4 * T * V] and made == []
+
+
+def _peak(impl: str) -> int:
+    cfg = scenario_from_dict({**SCENARIO, "training": {**SCENARIO["training"], "cross_entropy": impl}})
+    return run_scenario(cfg).summary["peak_memory_allocated_bytes"]
+
+
+def test_peak_by_hand():
+    """The logits dominate this model's peak (V = 16384, h = 64). PyTorch's peak is at the log-softmax backward:
+    its saved output, the NLL gradient and the new gradient, 12 T V; Megatron's is 4 T V + 2 T V (the fp32 softmax
+    beside the bf16 logits in forward, or beside its bf16 gradient in backward), everything else equal:
+    6 T V = 25,165,824 B less."""
+    assert _peak("pytorch") - _peak("megatron") == 6 * T * V == 25_165_824
+
+
+@pytest.mark.parametrize("extra,impl", [({}, "megatron"),
+                                        ({"fsdp": {}, "training": {"precision": "amp_fp32_params"}}, "pytorch"),
+                                        ({"training": {"cross_entropy": "pytorch"}}, "pytorch")])
+def test_the_frameworks_default(extra, impl):
+    d = {**SCENARIO, "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}}}
+    d = {**d, **extra, "training": {**SCENARIO["training"], "global_batch_size": 8, **extra.get("training", {})}}
+    assert transformer_spec(scenario_from_dict(d)).cross_entropy == impl
+
+
+def test_unknown_impl_is_refused_in_one_line(tmp_path, capsys):
+    err = refused_in_one_line(tmp_path, capsys, {**SCENARIO, "training": {**SCENARIO["training"],
+                                                                         "cross_entropy": "te"}})
+    assert "cross_entropy" in err and "megatron" in err and "pytorch" in err
