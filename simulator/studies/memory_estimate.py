@@ -30,7 +30,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
   2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
-  (+ the rotated q, k with rope), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
+  (+ the rotated q, k with rope, except with flash attention: the rotated q, k and V's contiguous copy in its
+  place, Transformer Engine's ``get_qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
   with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics, and with
   ``amp_fp32_params`` the bf16 copies of the block's weights (``fp32`` / ``tf32``: every 16-bit size above
   doubles, no master weights, no copies); with ``attention_backend: unfused`` the
@@ -223,7 +224,9 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     if recompute == "full":
         return residual
     stats = 2 * (8 if spec.normalization == "LayerNorm" else 4) * Tn
-    rope = w * T * (h // t + spec.query_groups * spec.head_dim // t) if spec.position_embedding == "rope" else 0
+    # the rotated q, k beside QKV's output; with flash they and V's contiguous copy replace it (builder _contiguous_v)
+    rope = (w * T * (h // t + spec.query_groups * spec.head_dim // t)
+            if spec.position_embedding == "rope" and spec.attention_backend != "flash" else 0)
     unfused = spec.attention_backend == "unfused"
     if unfused:  # the contiguous context (proj input), plus the core's s^2 tensors unless recomputed
         attn = w * T * h // t + (0 if recompute == "selective" else core.saved_core_bytes(spec, t, w))

@@ -1378,6 +1378,19 @@ class _GptBuilder:
                  flops=3 * n, out=[(y, w * n)], uses=[src])
         return y
 
+    def _contiguous_v(self, qkv: str, kv: int) -> str:
+        """V's contiguous copy, ``[T, kv]`` 16-bit (``kv = g d / t``), saved for the attention backward in place of
+        the QKV output: with rope the rotated q, k are new tensors and v a strided view of the QKV output, a
+        layout Transformer Engine's ``get_qkv_layout`` does not take (k's and v's strides differ), so it makes
+        q, k, v contiguous (NVIDIA/TransformerEngine transformer_engine/pytorch/attention/dot_product_attention/
+        utils.py ``get_qkv_layout``: ``not_supported`` -> ``x.contiguous()``) and FusedAttnFunc saves those:
+        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k."""
+        e = self.e
+        v = e.fresh("attn.v")
+        n = self.w * self.T * kv
+        e.kernel("attn.v_contiguous", C.COPY, reads=n, writes=n, out=[(v, n)], uses=[qkv])
+        return v
+
     # -- MLP activation ----------------------------------------------------------------------
     def _act_fwd(self, prefix: str, fc1: str, T: int, f: int) -> str:
         """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
@@ -1482,6 +1495,8 @@ class _GptBuilder:
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         sv_qkv = self._save_shard(sv_qkv, ln1s)
         qk = self._rope_fwd(qkv, h + kv)
+        if qk is not None and s.attention_backend == "flash":
+            qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d

@@ -84,3 +84,39 @@ def test_unknown_impl_is_refused_in_one_line(tmp_path, capsys):
     err = refused_in_one_line(tmp_path, capsys, {**SCENARIO, "training": {**SCENARIO["training"],
                                                                          "cross_entropy": "te"}})
     assert "cross_entropy" in err and "megatron" in err and "pytorch" in err
+
+
+# -- what one Llama block saves (rope, GQA, SwiGLU, RMSNorm, flash attention) ----------------------------------------
+# Megatron-LM + Transformer Engine: the rotated q, k are new tensors and v a strided view of the QKV output, a layout
+# TE's get_qkv_layout does not take, so q, k, v are made contiguous and FusedAttnFunc saves them with the output and
+# the softmax statistics (transformer_engine/pytorch/attention/dot_product_attention/utils.py get_qkv_layout); the QKV
+# output itself is saved by nothing. Korthikanti et al. 2022 (arXiv 2205.05198) section 4's 34 s b h without the
+# s^2 terms (flash), with GQA's smaller K, V and SwiGLU's two fc1 halves.
+
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=16,
+             vocab_size=256, ffn_hidden_size=128, micro_batch_size=2, precision="bf16", tied_embeddings=False,
+             bias=False, swiglu=True, normalization="RMSNorm", position_embedding="rope")
+
+
+def _saved_by_layer0(**kw) -> int:
+    g = build_gpt_step(TransformerSpec(**{**LLAMA, **kw}))
+    bwd_uses = {u for op in g.ops if op.phase == Phase.BWD for u in op.uses}
+    return sum(t.nbytes for op in g.ops if op.phase == Phase.FWD and op.layer == 0 for t in op.allocs
+               if t.name in bwd_uses)
+
+
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_llama_block_saves_by_hand(fp8):
+    """T = 32 tokens, h = 64, a = 8 heads of d = 8, g = 2 K/V groups, f = 128. bf16: the two residual-stream
+    outputs (x2, and x3 the next block's norm input) 2 x 2 T h, the two norm outputs 2 x 2 T h, rotated q 2 T a d
+    and k 2 T g d, V's contiguous copy 2 T g d, the attention output and its contiguous (proj input) copy
+    2 x 2 T h, fc1's output 2 T 2 f, SwiGLU's output 2 T f: 14 T h + 4 T g d + 6 T f = 28,672 + 2,048 + 24,576 =
+    55,296 B (not the QKV output, 6,144 B, beside them). The RMSNorm rstd (4 B per token per norm) and the softmax
+    statistics (4 B per head per token) are freed after the forward here: 1,280 B (1 MB per Llama-3 8B block) left
+    out. fp8: the four Linear inputs (two norm outputs, the proj input, SwiGLU's output) 1 B each: T (3 h + f) =
+    10,240 less."""
+    T, h, d, g, f = 32, 64, 8, 2, 128
+    bf16 = 14 * T * h + 4 * T * g * d + 6 * T * f
+    assert bf16 == 55_296
+    want = bf16 - (T * (3 * h + f) if fp8 else 0)
+    assert _saved_by_layer0(fp8=fp8) == want == {None: 55_296, "hybrid": 45_056}[fp8]
