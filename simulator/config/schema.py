@@ -429,15 +429,17 @@ class TrainingConfig(_Model):
         ".item()). A PyTorch loop without fsdp (torch DDP, one GPU) given a value: torch.nn.utils.clip_grad_norm_, "
         "one foreach norm (4 B per fp32 grad), the all-reduce over tp x pp only, one foreach mul_ (8 B), no host "
         "sync; not given, no clipping (only the cross-stage all-reduce with pipeline stages).")
-    cross_entropy: Literal["megatron", "pytorch"] | None = Field(
+    cross_entropy: Literal["megatron", "megatron_fused", "pytorch"] | None = Field(
         default=None, description="The LM head's loss. megatron (the default without fsdp, as model.kernels fused): "
-        "Megatron-LM's vocab-parallel cross-entropy, with or without --cross-entropy-loss-fusion (native impl): the "
-        "logits cast to fp32 once, made softmax in place and saved (4 B per logit), its gradient made in place and "
-        "cast to the 16-bit logits dtype (megatron/core/tensor_parallel/cross_entropy.py, "
-        "fusions/fused_cross_entropy.py). pytorch (the default with fsdp or model.kernels hf_eager): "
-        "F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the saved log-softmax, the NLL gradient "
-        "and the log-softmax gradient, three fp32 logits-sized tensors, live together in backward. "
-        "--cross-entropy-fusion-impl te (Transformer Engine's Triton kernel) is not modelled.")
+        "Megatron-LM's vocab-parallel cross-entropy: the logits cast to fp32 once, made softmax in place and saved "
+        "(4 B per logit), its gradient made in place and cast to the 16-bit logits dtype (megatron/core/"
+        "tensor_parallel/cross_entropy.py); the max, shift, exponent, row sum and division one pass each. "
+        "megatron_fused: --cross-entropy-loss-fusion (--cross-entropy-fusion-impl native, "
+        "megatron/core/fusions/fused_cross_entropy.py): the same memory, the max fused with the cast and the shift, "
+        "exponent and sums in one pass, one all-reduce for the target logits and sums with TP. pytorch (the default "
+        "with fsdp or model.kernels hf_eager): F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the "
+        "saved log-softmax, the NLL gradient and the log-softmax gradient, three fp32 logits-sized tensors, live "
+        "together in backward. --cross-entropy-fusion-impl te (Transformer Engine's Triton kernel) is not modelled.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )

@@ -130,7 +130,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 #: The LM head's loss (``TransformerSpec.cross_entropy``): PyTorch's ``F.cross_entropy`` or Megatron-LM's
 #: vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py)
-CROSS_ENTROPY_IMPLS = ("pytorch", "megatron")
+CROSS_ENTROPY_IMPLS = ("pytorch", "megatron", "megatron_fused")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -285,8 +285,9 @@ class TransformerSpec:
         hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
             residual add: 1-byte masks saved for backward); 0: none.
         cross_entropy: The LM head's loss (``CROSS_ENTROPY_IMPLS``): ``pytorch`` (``F.cross_entropy`` on the
-            fp32 logits: log-softmax and NLL, three fp32 logits-sized tensors live in backward) or ``megatron``
-            (Megatron-LM's ``_VocabParallelCrossEntropy``, fused or not: one fp32 copy of the logits made
+            fp32 logits: log-softmax and NLL, three fp32 logits-sized tensors live in backward), ``megatron`` or
+            ``megatron_fused`` (Megatron-LM's ``_VocabParallelCrossEntropy``, without or with
+            ``--cross-entropy-loss-fusion``: the same memory, fewer passes fused; one fp32 copy of the logits made
             softmax in place, saved, and turned into the gradient in place; ``_GptBuilder._loss_fwd``).
     """
 
@@ -1682,8 +1683,11 @@ class _GptBuilder:
             l32 = e.fresh("logits.fp32")
             lf = e.kernel("logits.float", C.CAST, reads=2 * n, writes=4 * n, out=[(l32, 4 * n)], uses=[logits])
         tp = vocab_parallel and self.tp > 1
+        megatron = vocab_parallel and self.s.cross_entropy != "pytorch"
+        if megatron and self.s.cross_entropy == "megatron":  # the max is its own pass, then its all-reduce
+            return self._megatron_loss_fwd(rows, n, logits, l32, labels, [])
         ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=[lf], dtype="fp32")] if tp else []
-        if vocab_parallel and self.s.cross_entropy == "megatron":
+        if megatron:
             return self._megatron_loss_fwd(rows, n, logits, l32, labels, ce)
         lsm = e.fresh("log_softmax.out")
         ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * n, writes=4 * n, out=[(lsm, 4 * n)], uses=[l32], deps=ce,
@@ -1697,21 +1701,34 @@ class _GptBuilder:
 
     def _megatron_loss_fwd(self, rows: int, n: int, logits: str, l32: str, labels: str, ce: list) -> str:
         """Megatron-LM's vocab-parallel cross-entropy forward over ``n`` fp32 logits ``l32`` (``rows`` tokens),
-        after ``logits.float()`` and the max (``ce``: its TP all-reduce). Every logits-sized step runs in place
+        after ``logits.float()`` (``ce``: the logit max's TP all-reduce). Every logits-sized step runs in place
         on ``l32`` (NVIDIA/Megatron-LM@00611e6 megatron/core/tensor_parallel/cross_entropy.py
-        ``calculate_predicted_logits``: ``vocab_parallel_logits -= logits_max``, ``torch.exp(..., out=)``,
-        ``calculate_cross_entropy_loss``: ``exp_logits.div_``; the same in place in @0cb4a9c
-        megatron/core/fusions/fused_cross_entropy.py, ``--cross-entropy-loss-fusion``): one pass for the
-        shift, exponent and row sums, one for the division; ``ctx.save_for_backward(exp_logits, ...)`` keeps
-        only that fp32 softmax (4 B per logit). The 16-bit ``logits`` stay alive until the loss returns
-        (GPTModel's local). Returns the saved softmax (``l32``)."""
-        e = self.e
-        ex = e.kernel("ce.exp", C.SOFTMAX, reads=4 * n, writes=4 * n, uses=[l32, labels], deps=ce, dtype="fp32")
+        ``calculate_logits_max``, ``calculate_predicted_logits``: ``vocab_parallel_logits -= logits_max``,
+        ``torch.exp(..., out=)``, ``exp_logits.sum``; ``calculate_cross_entropy_loss``: ``exp_logits.div_``), and
+        ``ctx.save_for_backward(exp_logits, ...)`` keeps only that fp32 softmax (4 B per logit). Unfused (Megatron's
+        default): the max, shift, exponent, row sum and division each one pass; ``megatron_fused``
+        (``--cross-entropy-loss-fusion``: @0cb4a9c megatron/core/fusions/fused_cross_entropy.py, each step
+        ``jit_fuser``-compiled): the max with the cast, one pass for the shift, exponent and sums, one for the
+        division. The 16-bit ``logits`` stay alive until the loss returns (GPTModel's local). Returns ``l32``."""
+        e, fused = self.e, self.s.cross_entropy == "megatron_fused"
+        if fused:
+            steps = [("ce.exp", C.SOFTMAX, 4 * n)]
+        else:
+            ce = [e.kernel("ce.logits_max", C.REDUCTION, reads=4 * n, writes=4 * rows, uses=[l32], dtype="fp32")]
+            if self.tp > 1:
+                ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=ce, dtype="fp32")]
+            steps = [("ce.sub_max", C.ELEMENTWISE, 4 * n), ("ce.exp", C.ELEMENTWISE, 4 * n),
+                     ("ce.sum_exp", C.REDUCTION, 0)]
+        for name, cc, writes in steps:
+            ex = e.kernel(name, cc, reads=4 * n, writes=writes or 4 * rows, flops=n, uses=[l32, labels], deps=ce,
+                          dtype="fp32")
+            ce = []
         if self.tp > 1:  # predicted logits and sums of exponentials (one batched all-reduce when fused)
-            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", 4 * rows, deps=[ex], dtype="fp32")
-                  for w in ("predicted_logits", "sum_exp_logits")]
+            pairs = [("predicted_logits_sum_exp_logits", 8 * rows)] if fused else [
+                ("predicted_logits", 4 * rows), ("sum_exp_logits", 4 * rows)]
+            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", nb, deps=[ex], dtype="fp32") for w, nb in pairs]
         e.kernel("ce.normalize", C.ELEMENTWISE, reads=4 * n + 4 * rows, writes=4 * n + 4 * rows, flops=n,
-                 uses=[l32, logits], deps=ce if self.tp > 1 else [], dtype="fp32")
+                 uses=[l32, logits], deps=ce, dtype="fp32")
         self._megatron_ce.add(l32)
         return l32
 

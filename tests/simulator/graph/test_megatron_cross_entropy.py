@@ -40,8 +40,9 @@ def _logits_sized(impl: str, precision: str = "bf16") -> tuple[list[int], list[i
     return saved, made
 
 
-def test_megatron_keeps_one_fp32_softmax_and_makes_only_the_bf16_gradient():
-    saved, made = _logits_sized("megatron")
+@pytest.mark.parametrize("impl", ["megatron", "megatron_fused"])
+def test_megatron_keeps_one_fp32_softmax_and_makes_only_the_bf16_gradient(impl):
+    saved, made = _logits_sized(impl)
     assert saved == [4 * T * V]  # the softmax, made in place in the fp32 copy of the logits
     assert made == [2 * T * V]  # the bf16 logits gradient (grad_input.to(logits_dtype)); the fp32 one is in place
 
@@ -63,12 +64,32 @@ def _peak(impl: str) -> int:
     return run_scenario(cfg).summary["peak_memory_allocated_bytes"]
 
 
-def test_peak_by_hand():
+@pytest.mark.parametrize("impl", ["megatron", "megatron_fused"])
+def test_peak_by_hand(impl):
     """The logits dominate this model's peak (V = 16384, h = 64). PyTorch's peak is at the log-softmax backward:
     its saved output, the NLL gradient and the new gradient, 12 T V; Megatron's is 4 T V + 2 T V (the fp32 softmax
     beside the bf16 logits in forward, or beside its bf16 gradient in backward), everything else equal:
     6 T V = 25,165,824 B less."""
-    assert _peak("pytorch") - _peak("megatron") == 6 * T * V == 25_165_824
+    assert _peak("pytorch") - _peak(impl) == 6 * T * V == 25_165_824
+
+
+@pytest.mark.parametrize("impl,passes,reduces", [
+    # unfused: max, shift, exp, row sum, division (+ the cast); the max, then the target logits and the sums
+    ("megatron", {"logits.float": 6, "ce.logits_max": 4, "ce.sub_max": 8, "ce.exp": 8, "ce.sum_exp": 4,
+                  "ce.normalize": 8}, [4, 4, 4]),
+    # fused: the max in the cast, the shift / exp / sums in one pass; one all-reduce of the targets and sums
+    ("megatron_fused", {"logits.float": 6, "ce.exp": 8, "ce.normalize": 8}, [4, 8])])
+def test_megatron_passes_and_tp_all_reduces(impl, passes, reduces):
+    """TP 2: V / 2 logits per rank; bytes per logit of each logits-sized forward pass, and the fp32 all-reduces
+    (bytes per token) over the TP group (megatron/core/tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy,
+    fusions/fused_cross_entropy.py: ``torch.cat((predicted_logits, sum_exp_logits))``, one all-reduce)."""
+    g = build_gpt_step(TransformerSpec(**{**TINY, "cross_entropy": impl, "tensor_parallel_size": 2}))
+    n = T * V // 2
+    fwd = [op for op in g.ops if op.phase == Phase.FWD and op.layer == -1]
+    got = {op.name.removeprefix("fwd."): round(op.bytes_read + op.bytes_written) // n for op in fwd
+           if op.bytes_read + op.bytes_written >= n and "gemm" not in op.name}
+    assert got == passes
+    assert [int(op.meta["bytes"]) // T for op in fwd if ".ce." in op.name and "all_reduce" in op.name] == reduces
 
 
 @pytest.mark.parametrize("extra,impl", [({}, "megatron"),
@@ -83,7 +104,7 @@ def test_the_frameworks_default(extra, impl):
 def test_unknown_impl_is_refused_in_one_line(tmp_path, capsys):
     err = refused_in_one_line(tmp_path, capsys, {**SCENARIO, "training": {**SCENARIO["training"],
                                                                          "cross_entropy": "te"}})
-    assert "cross_entropy" in err and "megatron" in err and "pytorch" in err
+    assert "cross_entropy" in err and "megatron_fused" in err and "pytorch" in err
 
 
 # -- what one Llama block saves (rope, GQA, SwiGLU, RMSNorm, flash attention) ----------------------------------------
