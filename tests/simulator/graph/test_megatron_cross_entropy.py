@@ -94,6 +94,8 @@ def test_megatron_passes_and_tp_all_reduces(impl, passes, reduces):
 
 @pytest.mark.parametrize("extra,impl", [({}, "megatron"),
                                         ({"fsdp": {}, "training": {"precision": "amp_fp32_params"}}, "pytorch"),
+                                        ({"training": {"precision": "amp_fp32_params"}}, "pytorch"),
+                                        ({"training": {"precision": "fp16"}}, "megatron"),
                                         ({"training": {"cross_entropy": "pytorch"}}, "pytorch")])
 def test_the_frameworks_default(extra, impl):
     d = {**SCENARIO, "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}}}
