@@ -439,7 +439,8 @@ class TrainingConfig(_Model):
         "megatron/core/fusions/fused_cross_entropy.py): the same memory, the max fused with the cast and the shift, "
         "exponent and sums in one pass, one all-reduce for the target logits and sums with TP. pytorch (the default "
         "with fsdp, zero_optimization (DeepSpeed takes the model's loss: a Megatron-DeepSpeed model sets megatron), "
-        "model.kernels hf_eager or precision amp_fp32_params, torch.autocast): F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the "
+        "model.kernels hf_eager, precision amp_fp32_params (torch.autocast) or training.lora (Hugging Face PEFT)): "
+        "F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the "
         "saved log-softmax, the NLL gradient and the log-softmax gradient, three fp32 logits-sized tensors, live "
         "together in backward. --cross-entropy-fusion-impl te (Transformer Engine's Triton kernel) is not modelled.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
@@ -471,15 +472,15 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
 def cross_entropy_of(cfg: "ScenarioConfig") -> str:
     """``training.cross_entropy`` in force: the value given, else the framework's: ``pytorch`` (``F.cross_entropy``)
     with ``fsdp``, DeepSpeed ZeRO (which takes the model's own loss: set ``megatron`` for a Megatron-DeepSpeed
-    model), ``model.kernels: hf_eager`` or ``amp_fp32_params`` (torch.autocast: a PyTorch loop; Megatron-LM has no
-    autocast), else ``megatron`` (Megatron-LM's GPTModel always calls its
+    model), ``model.kernels: hf_eager``, ``amp_fp32_params`` (torch.autocast: a PyTorch loop; Megatron-LM has no
+    autocast) or ``training.lora`` (Hugging Face PEFT: the model's ``CrossEntropyLoss``), else ``megatron`` (Megatron-LM's GPTModel always calls its
     vocab-parallel cross-entropy, fused or not: megatron/core/models/common/language_module/language_module.py
     ``compute_language_model_loss``)."""
     v = cfg.training.cross_entropy
     if v is not None:
         return v
     pytorch = (cfg.fsdp is not None or cfg.zero_optimization.stage > 0 or cfg.model.kernels == "hf_eager"
-               or cfg.training.precision == "amp_fp32_params")
+               or cfg.training.precision == "amp_fp32_params" or cfg.training.lora is not None)
     return "pytorch" if pytorch else "megatron"
 
 

@@ -97,6 +97,7 @@ def test_megatron_passes_and_tp_all_reduces(impl, passes, reduces):
                                         ({"training": {"precision": "amp_fp32_params"}}, "pytorch"),
                                         ({"training": {"precision": "fp16"}}, "megatron"),
                                         ({"zero_optimization": {"stage": 1}}, "pytorch"),
+                                        ({"training": {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}}}, "pytorch"),
                                         ({"training": {"cross_entropy": "pytorch"}}, "pytorch")])
 def test_the_frameworks_default(extra, impl):
     d = {**SCENARIO, "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}}}
