@@ -1383,7 +1383,7 @@ class _GptBuilder:
         """V's contiguous copy, ``[T, kv]`` 16-bit (``kv = g d / t``), saved for the attention backward in place of
         the QKV output: with rope the rotated q, k are new tensors and v a strided view of the QKV output, a
         layout Transformer Engine's ``get_qkv_layout`` does not take (k's and v's strides differ), so it makes
-        q, k, v contiguous (NVIDIA/TransformerEngine transformer_engine/pytorch/attention/dot_product_attention/
+        q, k, v contiguous (NVIDIA/TransformerEngine@a0b36d0 transformer_engine/pytorch/attention/dot_product_attention/
         utils.py ``get_qkv_layout``: ``not_supported`` -> ``x.contiguous()``) and FusedAttnFunc saves those:
         q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k."""
         e = self.e

@@ -97,7 +97,8 @@ def test_megatron_passes_and_tp_all_reduces(impl, passes, reduces):
                                         ({"training": {"precision": "amp_fp32_params"}}, "pytorch"),
                                         ({"training": {"precision": "fp16"}}, "megatron"),
                                         ({"zero_optimization": {"stage": 1}}, "pytorch"),
-                                        ({"training": {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}}}, "pytorch"),
+                                        ({"training": {"lora": {"rank": 4, "alpha": 8,
+                                                                "target_modules": ["q_proj"]}}}, "pytorch"),
                                         ({"training": {"cross_entropy": "pytorch"}}, "pytorch")])
 def test_the_frameworks_default(extra, impl):
     d = {**SCENARIO, "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}}}
@@ -114,7 +115,7 @@ def test_unknown_impl_is_refused_in_one_line(tmp_path, capsys):
 # -- what one Llama block saves (rope, GQA, SwiGLU, RMSNorm, flash attention) ----------------------------------------
 # Megatron-LM + Transformer Engine: the rotated q, k are new tensors and v a strided view of the QKV output, a layout
 # TE's get_qkv_layout does not take, so q, k, v are made contiguous and FusedAttnFunc saves them with the output and
-# the softmax statistics (transformer_engine/pytorch/attention/dot_product_attention/utils.py get_qkv_layout); the QKV
+# the softmax statistics (NVIDIA/TransformerEngine@a0b36d0 .../dot_product_attention/utils.py get_qkv_layout); the QKV
 # output itself is saved by nothing. Korthikanti et al. 2022 (arXiv 2205.05198) section 4's 34 s b h without the
 # s^2 terms (flash), with GQA's smaller K, V and SwiGLU's two fc1 halves.
 
