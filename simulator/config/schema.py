@@ -443,6 +443,20 @@ class TrainingConfig(_Model):
         ".item()). A PyTorch loop without fsdp (torch DDP, one GPU) given a value: torch.nn.utils.clip_grad_norm_, "
         "one foreach norm (4 B per fp32 grad), the all-reduce over tp x pp only, one foreach mul_ (8 B), no host "
         "sync; not given, no clipping (only the cross-stage all-reduce with pipeline stages).")
+    cross_entropy: Literal["megatron", "megatron_fused", "pytorch"] | None = Field(
+        default=None, description="The LM head's loss. megatron (the default with precision bf16, fp16, fp32 or tf32 "
+        "without fsdp, DeepSpeed ZeRO or model.kernels hf_eager): "
+        "Megatron-LM's vocab-parallel cross-entropy: the logits cast to fp32 once, made softmax in place and saved "
+        "(4 B per logit), its gradient made in place and cast to the 16-bit logits dtype (megatron/core/"
+        "tensor_parallel/cross_entropy.py); the max, shift, exponent, row sum and division one pass each. "
+        "megatron_fused: --cross-entropy-loss-fusion (--cross-entropy-fusion-impl native, "
+        "megatron/core/fusions/fused_cross_entropy.py): the same memory, the max fused with the cast and the shift, "
+        "exponent and sums in one pass, one all-reduce for the target logits and sums with TP. pytorch (the default "
+        "with fsdp, zero_optimization (DeepSpeed takes the model's loss: a Megatron-DeepSpeed model sets megatron), "
+        "model.kernels hf_eager, precision amp_fp32_params (torch.autocast) or training.lora (Hugging Face PEFT)): "
+        "F.cross_entropy on the fp32 logits, log_softmax then nll_loss: the "
+        "saved log-softmax, the NLL gradient and the log-softmax gradient, three fp32 logits-sized tensors, live "
+        "together in backward. --cross-entropy-fusion-impl te (Transformer Engine's Triton kernel) is not modelled.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )
@@ -467,6 +481,21 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
     if v is not None:
         return v
     return 0.0 if cfg.fsdp is not None else 1.0
+
+
+def cross_entropy_of(cfg: "ScenarioConfig") -> str:
+    """``training.cross_entropy`` in force: the value given, else the framework's: ``pytorch`` (``F.cross_entropy``)
+    with ``fsdp``, DeepSpeed ZeRO (which takes the model's own loss: set ``megatron`` for a Megatron-DeepSpeed
+    model), ``model.kernels: hf_eager``, ``amp_fp32_params`` (torch.autocast: a PyTorch loop; Megatron-LM has no
+    autocast) or ``training.lora`` (Hugging Face PEFT: the model's ``CrossEntropyLoss``), else ``megatron`` (Megatron-LM's GPTModel always calls its
+    vocab-parallel cross-entropy, fused or not: megatron/core/models/common/language_module/language_module.py
+    ``compute_language_model_loss``)."""
+    v = cfg.training.cross_entropy
+    if v is not None:
+        return v
+    pytorch = (cfg.fsdp is not None or cfg.zero_optimization.stage > 0 or cfg.model.kernels == "hf_eager"
+               or cfg.training.precision == "amp_fp32_params" or cfg.training.lora is not None)
+    return "pytorch" if pytorch else "megatron"
 
 
 #: Precisions whose parameters, gradients and moments are fp32: what ``optimizer.impl: single`` and ``foreach`` are priced for.

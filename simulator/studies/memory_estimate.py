@@ -30,7 +30,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
   2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
-  (+ the rotated q, k with rope), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
+  (+ the rotated q, k with rope, except with flash attention: the rotated q, k and V's contiguous copy in its
+  place, Transformer Engine's ``get_qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
   with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics, and with
   ``amp_fp32_params`` the bf16 copies of the block's weights (``fp32`` / ``tf32``: every 16-bit size above
   doubles, no master weights, no copies); with ``attention_backend: unfused`` the
@@ -40,8 +41,10 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   per block, plus one block's activations during its backward. A stage keeps ``n_r`` micro-batches in
   flight, counted from its schedule (``pipeline.stage_actions``: ``p - r`` for 1F1B, ``m`` for GPipe,
   Megatron's warm-up for the interleaved schedule; 1 without pipelining).
-* **Transients**: the last stage's fp32 logits ``12 T V / t`` (log-softmax output, its gradient and the
-  loss gradient live together in backward; ``4 T V / t`` saved per micro-batch in flight), the first
+* **Transients**: the last stage's fp32 logits ``12 T V / t`` with PyTorch's ``F.cross_entropy`` (log-softmax
+  output, its gradient and the loss gradient live together in backward; ``4 T V / t`` saved per micro-batch in
+  flight); ``6 T V / t`` with Megatron-LM's (``training.cross_entropy: megatron``: the saved fp32 softmax, made
+  the gradient in place, beside the 16-bit logits or their gradient; ``4 T V / t`` in fp32 / tf32), the first
   stage's fp32 embedding gradient ``4 V h / t``, one block's backward working set ``2 T (f_1 + f) / t +
   2 a_b T h`` and its largest 16-bit weight gradient.
 * **fp8** (``training.fp8``, Transformer Engine): the cached fp8 weight workspace, resident, ``c`` bytes per
@@ -221,7 +224,9 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     if recompute == "full":
         return residual
     stats = 2 * (8 if spec.normalization == "LayerNorm" else 4) * Tn
-    rope = w * T * (h // t + spec.query_groups * spec.head_dim // t) if spec.position_embedding == "rope" else 0
+    # the rotated q, k beside QKV's output; with flash they and V's contiguous copy replace it (builder _contiguous_v)
+    rope = (w * T * (h // t + spec.query_groups * spec.head_dim // t)
+            if spec.position_embedding == "rope" and spec.attention_backend != "flash" else 0)
     unfused = spec.attention_backend == "unfused"
     if unfused:  # the contiguous context (proj input), plus the core's s^2 tensors unless recomputed
         attn = w * T * h // t + (0 if recompute == "selective" else core.saved_core_bytes(spec, t, w))
@@ -464,7 +469,12 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     if spec.has_head:  # saved per pass in flight of the last model chunk (the only one with the head; with an
         # interleaved schedule the other chunks' passes hold none): fp32 log-softmax, the final norm's input and output
         activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
-        transient = max(transient, 8 * T * V)  # its gradient and the loss gradient, fp32
+        # in backward, F.cross_entropy's log-softmax gradient and NLL gradient, fp32; Megatron-LM's cross-entropy
+        # makes its gradient in place in the saved softmax: only the 16-bit logits (forward) or their gradient
+        # (backward) beside it, none in fp32 / tf32 (TransformerSpec.cross_entropy)
+        head = 8 * T * V if spec.cross_entropy == "pytorch" else (0 if w == 4 else 2 * T * V)
+        # a block's working set comes after the head's backward has freed its pass's saved fp32 logits
+        transient = max(transient - 4 * T * V, head)
     if spec.has_embedding:
         activations += 16 * T * by_chunk.get(0, 0)  # int64 tokens and labels, held by the first chunk's passes
         if p == 1 or spec.has_head:  # the fp32 embedding gradient; on the first of several stages it is made at the

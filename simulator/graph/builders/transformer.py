@@ -128,6 +128,9 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: Megatron-LM --position-embedding-type values modelled; ``none``: no position parameters or kernels (ALiBi's
 #: bias is added inside the flash kernel; Press et al., ICLR 2022)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+#: The LM head's loss (``TransformerSpec.cross_entropy``): PyTorch's ``F.cross_entropy`` or Megatron-LM's
+#: vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py)
+CROSS_ENTROPY_IMPLS = ("pytorch", "megatron", "megatron_fused")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -283,6 +286,11 @@ class TransformerSpec:
             ``attention.flash_dropout_note``).
         hidden_dropout: Dropout rate after the projection and fc2 (Megatron ``--hidden-dropout``, fused with the
             residual add: 1-byte masks saved for backward); 0: none.
+        cross_entropy: The LM head's loss (``CROSS_ENTROPY_IMPLS``): ``pytorch`` (``F.cross_entropy`` on the
+            fp32 logits: log-softmax and NLL, three fp32 logits-sized tensors live in backward), ``megatron`` or
+            ``megatron_fused`` (Megatron-LM's ``_VocabParallelCrossEntropy``, without or with
+            ``--cross-entropy-loss-fusion``: the same memory, fewer passes fused; one fp32 copy of the logits made
+            softmax in place, saved, and turned into the gradient in place; ``_GptBuilder._loss_fwd``).
     """
 
     num_layers: int
@@ -356,6 +364,7 @@ class TransformerSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     kernels: str = "fused"
+    cross_entropy: str = "pytorch"
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -379,6 +388,8 @@ class TransformerSpec:
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
+        if self.cross_entropy not in CROSS_ENTROPY_IMPLS:
+            raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_IMPLS}, got {self.cross_entropy!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.position_embedding not in POSITION_EMBEDDINGS:
@@ -944,6 +955,8 @@ class _GptBuilder:
         self.comm_ops: list[int] = []
         self.grad_shards: list[str] = []
         self.fp16 = spec.precision == "fp16"
+        #: the fp32 softmax tensors saved by ``_megatron_loss_fwd`` (their backward is ``_megatron_loss_bwd``)
+        self._megatron_ce: set[str] = set()
         self.fp8 = spec.fp8 is not None
         self._fp8_w: dict[tuple[int, str], str] = {}  # (layer, Linear) -> its cached fp8 weight workspace
         self._fp8_ws: dict[str, int] = {}  # workspace -> bytes (persistent: _fp8_operands)
@@ -1391,6 +1404,19 @@ class _GptBuilder:
                  flops=3 * n, out=[(y, w * n)], uses=[src])
         return y
 
+    def _contiguous_v(self, qkv: str, kv: int) -> str:
+        """V's contiguous copy, ``[T, kv]`` 16-bit (``kv = g d / t``), saved for the attention backward in place of
+        the QKV output: with rope the rotated q, k are new tensors and v a strided view of the QKV output, a
+        layout Transformer Engine's ``get_qkv_layout`` does not take (k's and v's strides differ), so it makes
+        q, k, v contiguous (NVIDIA/TransformerEngine@a0b36d0 transformer_engine/pytorch/attention/dot_product_attention/
+        utils.py ``get_qkv_layout``: ``not_supported`` -> ``x.contiguous()``) and FusedAttnFunc saves those:
+        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k."""
+        e = self.e
+        v = e.fresh("attn.v")
+        n = self.w * self.T * kv
+        e.kernel("attn.v_contiguous", C.COPY, reads=n, writes=n, out=[(v, n)], uses=[qkv])
+        return v
+
     # -- MLP activation ----------------------------------------------------------------------
     def _act_fwd(self, prefix: str, fc1: str, T: int, f: int) -> str:
         """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
@@ -1495,6 +1521,8 @@ class _GptBuilder:
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         sv_qkv = self._save_shard(sv_qkv, ln1s)
         qk = self._rope_fwd(qkv, h + kv)
+        if qk is not None and s.attention_backend == "flash":
+            qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
@@ -1680,7 +1708,12 @@ class _GptBuilder:
             l32 = e.fresh("logits.fp32")
             lf = e.kernel("logits.float", C.CAST, reads=2 * n, writes=4 * n, out=[(l32, 4 * n)], uses=[logits])
         tp = vocab_parallel and self.tp > 1
+        megatron = vocab_parallel and self.s.cross_entropy != "pytorch"
+        if megatron and self.s.cross_entropy == "megatron":  # the max is its own pass, then its all-reduce
+            return self._megatron_loss_fwd(rows, n, logits, l32, labels, [])
         ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=[lf], dtype="fp32")] if tp else []
+        if megatron:
+            return self._megatron_loss_fwd(rows, n, logits, l32, labels, ce)
         lsm = e.fresh("log_softmax.out")
         ls = e.kernel("log_softmax", C.SOFTMAX, reads=4 * n, writes=4 * n, out=[(lsm, 4 * n)], uses=[l32], deps=ce,
                       dtype="fp32")
@@ -1691,6 +1724,54 @@ class _GptBuilder:
                  dtype="fp32")
         return lsm
 
+    def _megatron_loss_fwd(self, rows: int, n: int, logits: str, l32: str, labels: str, ce: list) -> str:
+        """Megatron-LM's vocab-parallel cross-entropy forward over ``n`` fp32 logits ``l32`` (``rows`` tokens),
+        after ``logits.float()`` (``ce``: the logit max's TP all-reduce). Every logits-sized step runs in place
+        on ``l32`` (NVIDIA/Megatron-LM@00611e6 megatron/core/tensor_parallel/cross_entropy.py
+        ``calculate_logits_max``, ``calculate_predicted_logits``: ``vocab_parallel_logits -= logits_max``,
+        ``torch.exp(..., out=)``, ``exp_logits.sum``; ``calculate_cross_entropy_loss``: ``exp_logits.div_``), and
+        ``ctx.save_for_backward(exp_logits, ...)`` keeps only that fp32 softmax (4 B per logit). Unfused (Megatron's
+        default): the max, shift, exponent, row sum and division each one pass; ``megatron_fused``
+        (``--cross-entropy-loss-fusion``: @0cb4a9c megatron/core/fusions/fused_cross_entropy.py, each step
+        ``jit_fuser``-compiled): the max with the cast, one pass for the shift, exponent and sums, one for the
+        division. The 16-bit ``logits`` stay alive until the loss returns (GPTModel's local). Returns ``l32``."""
+        e, fused = self.e, self.s.cross_entropy == "megatron_fused"
+        if fused:
+            steps = [("ce.exp", C.SOFTMAX, 4 * n)]
+        else:
+            ce = [e.kernel("ce.logits_max", C.REDUCTION, reads=4 * n, writes=4 * rows, uses=[l32], dtype="fp32")]
+            if self.tp > 1:
+                ce = [self._tp_op("ce.logits_max.all_reduce", "all_reduce", 4 * rows, deps=ce, dtype="fp32")]
+            steps = [("ce.sub_max", C.ELEMENTWISE, 4 * n), ("ce.exp", C.ELEMENTWISE, 4 * n),
+                     ("ce.sum_exp", C.REDUCTION, 0)]
+        for name, cc, writes in steps:
+            ex = e.kernel(name, cc, reads=4 * n, writes=writes or 4 * rows, flops=n, uses=[l32, labels], deps=ce,
+                          dtype="fp32")
+            ce = []
+        if self.tp > 1:  # predicted logits and sums of exponentials (one batched all-reduce when fused)
+            pairs = [("predicted_logits_sum_exp_logits", 8 * rows)] if fused else [
+                ("predicted_logits", 4 * rows), ("sum_exp_logits", 4 * rows)]
+            ce = [self._tp_op(f"ce.{w}.all_reduce", "all_reduce", nb, deps=[ex], dtype="fp32") for w, nb in pairs]
+        e.kernel("ce.normalize", C.ELEMENTWISE, reads=4 * n + 4 * rows, writes=4 * n + 4 * rows, flops=n,
+                 uses=[l32, logits], deps=ce, dtype="fp32")
+        self._megatron_ce.add(l32)
+        return l32
+
+    def _megatron_loss_bwd(self, n: int, sm: str) -> str:
+        """Backward of ``_megatron_loss_fwd`` over its saved fp32 softmax ``sm`` (``n`` logits): the target's
+        ``- 1`` scatter and ``grad_input.mul_(grad_output)`` in place on ``sm`` (one pass; @00611e6
+        cross_entropy.py ``calculate_gradients``), then its cast to the 16-bit logits dtype (@0cb4a9c
+        fused_cross_entropy.py ``grad_input.to(logits_dtype)``; the autograd engine's cast in the unfused one),
+        beside which ``sm`` is freed; fp32 / tf32: ``sm`` is the gradient. Returns the logits' gradient."""
+        e = self.e
+        e.kernel("ce.dgrad", C.ELEMENTWISE, reads=4 * n, writes=4 * n, flops=n, uses=[sm], dtype="fp32")
+        if self.full:
+            return sm
+        g_logits = e.fresh("logits.float.dx")
+        e.kernel("logits.float.dgrad", C.CAST, reads=4 * n, writes=2 * n, out=[(g_logits, 2 * n)], uses=[sm],
+                 dtype="fp32")
+        return g_logits
+
     def _loss_bwd(self, rows: int, classes: int, lsm: str) -> str:
         """Backward of the fp32 softmax cross-entropy over ``rows`` x ``classes`` logits (``lsm``: the saved
         log-softmax): the loss-scale multiply with fp16 (dynamic loss scaling starts backward from loss x scale;
@@ -1699,6 +1780,8 @@ class _GptBuilder:
         e, n = self.e, rows * classes
         if self.fp16:
             e.kernel("loss_scale.scale", C.ELEMENTWISE, reads=8, writes=4, flops=1, dtype="fp32")
+        if lsm in self._megatron_ce:  # saved by _megatron_loss_fwd
+            return self._megatron_loss_bwd(n, lsm)
         g_lsm = e.fresh("nll_loss.dx")
         e.kernel("nll_loss.dgrad", C.MEMSET, reads=0, writes=4 * n, out=[(g_lsm, 4 * n)], dtype="fp32")
         g_l32 = e.fresh("log_softmax.dx")

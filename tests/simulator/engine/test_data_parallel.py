@@ -203,7 +203,8 @@ def test_dp_warnings(runs):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_sharding_memory_formula(stage, precision):
     """Adam state 8 Psi/dp and (bf16) fp32 master 4 Psi/dp; DDP's bucket buffer (4 Psi) is gone."""
-    common = ["run.steps=2", "run.warmup_steps=1", f"training.precision={precision}"]
+    # the same loss in both (bf16 without ZeRO defaults to Megatron's cross-entropy, under ZeRO to F.cross_entropy)
+    common = ["run.steps=2", "run.warmup_steps=1", f"training.precision={precision}", "training.cross_entropy=pytorch"]
     z = run_scenario(load_scenario(B16, common + DGX + [f"zero_optimization.stage={stage}"])).summary
     d = run_scenario(load_scenario(B16, common + DGX)).summary
     P, dp = 185_759_744, 8
