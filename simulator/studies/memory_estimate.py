@@ -57,9 +57,10 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Mixture of experts** (every block an MoE block, ``_moe_mlp_delta``): in place of the dense MLP's
   tensors the router's probabilities, routing map and auxiliary-loss scores, the experts' input, fc1 and
   activation outputs over the busiest EP rank's ``N_g`` rows, the routed output the combine reads, with the
-  all-gather dispatcher its local routing map and permuted probabilities, the shared expert's; the experts'
-  backward working set as the transient; expert optimizer state sharded over ``edp`` (``moe.sharded_state``).
-  Grouped and per-expert GEMMs save the same bytes. Checked against the simulation within 2%
+  all-gather dispatcher its local routing map and permuted probabilities, the shared expert's; the block's
+  backward working set above what is still saved at each point of its backward as the transient
+  (``moe_backward_peak``); expert optimizer state sharded over ``edp`` (``moe.sharded_state``).
+  Grouped and per-expert GEMMs save the same bytes. Checked against the simulation within 2.4%
   (``tests/simulator/graph/test_moe_sequential_allgather.py``).
 
 Not estimated (``NotEstimated``; the search simulates such points instead of pruning them): optimizer,
@@ -75,6 +76,7 @@ from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
+from simulator.studies.moe_backward_peak import moe_dims, working_peak
 
 #: Relative error allowed to ``estimate_memory`` against the simulated ``peak_device_memory_bytes``: every
 #: tested case (``tests/simulator/studies/test_memory_estimate.py``: DDP, ZeRO-1/2/3, FSDP, the distributed
@@ -255,32 +257,20 @@ def _moe_mlp_delta(spec) -> tuple[float, float]:
     probabilities (``moe_probs_bytes``), routing map (and auxiliary-loss scores), the experts' input, fc1 and activation outputs over
     their ``N_g`` rows, the routed output ``unpermute`` reads (the all-to-all's ``max(N_l, N)`` rows with
     ``ep > 1``, else ``N``), with ``allgather`` the local routing map ``[G T_n, E_l]`` and the permuted
-    probabilities ``[N_g]``, and the shared expert's tensors. ``working``: the experts' backward working set
-    (fc1's and the activation's input gradients over ``N_g`` rows, two ``[rows, h]`` 16-bit tensors, with
-    ``allgather`` the ``[G T_n, h]`` gradient of the combine, in the probabilities' dtype), in place of the dense block's."""
-    from simulator.graph.builders import moe
+    probabilities ``[N_g]``, and the shared expert's tensors. ``working``: the block's backward working set above
+    the saved tensors still alive at each point of its backward (``moe_backward_peak.working_peak``: the shared
+    expert's saved tensors are freed before the routed experts' gradients are made), in place of the dense block's."""
     from simulator.graph.builders import moe_allgather as ag
 
-    t = spec.tensor_parallel_size
-    T = spec.micro_batch_size * spec.seq_length
-    Tn = T // t if spec.sequence_parallel and t > 1 else T
-    h, E, El = spec.hidden_size, spec.num_experts, spec.local_experts
-    ep, et = spec.expert_parallel_size, spec.expert_tensor_parallel_size
-    fe = moe.expert_ffn(spec) // et
-    f1e = (2 if spec.swiglu else 1) * fe
-    Nl, N = moe.routed_tokens(spec, Tn), moe.expert_tokens(spec, Tn)
-    Ng = N * et
-    pb = spec.moe_probs_bytes  # the routing probabilities' dtype (moe_router_dtype, else the model's)
+    t, T, Tn, h, E, El, ep, et, fe, f1e, Nl, N, Ng, pb = moe_dims(spec)  # pb: moe_router_dtype, else the model's
     router = (pb + 1) * Tn * E + (4 * Tn * E if spec.moe_router_load_balancing_type == "aux_loss" else 0)
     experts = 2 * Ng * (h + f1e + fe)
     if spec.moe_token_dispatcher_type == "allgather":
         G = ag.group_size(spec)
         R = G * Tn
         routed = 2 * Ng * h + pb * Ng + (R * El if G > 1 or El < E else 0)
-        working = 2 * Ng * (f1e + fe) + 4 * Ng * h + pb * R * h
     else:
         routed = 2 * h * (max(Nl, N) if ep > 1 else N)
-        working = 2 * Ng * (f1e + fe) + 4 * Ng * h
     shared = 0
     fs = spec.moe_shared_expert_intermediate_size
     if fs:
@@ -288,7 +278,7 @@ def _moe_mlp_delta(spec) -> tuple[float, float]:
         if spec.moe_shared_expert_gate:
             shared += 2 * Tn + 2 * Tn * h
     dense = 2 * T * (spec.fc1_out_size // t + spec.ffn_hidden_size // t) + 2 * T * h - 2 * Tn * h
-    return router + experts + routed + shared - dense, working
+    return router + experts + routed + shared - dense, working_peak(spec)
 
 
 def fp8_workspace_bytes(spec) -> int:
