@@ -388,6 +388,8 @@ class TransformerSpec:
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
+        if self.moe_router_dtype not in (None, "fp32"):  # moe_probs_bytes knows these only
+            raise ValueError(f"moe_router_dtype must be None or 'fp32', got {self.moe_router_dtype!r}")
         if self.cross_entropy not in CROSS_ENTROPY_IMPLS:
             raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_IMPLS}, got {self.cross_entropy!r}")
         if self.normalization not in NORMALIZATIONS:

@@ -147,3 +147,11 @@ def test_llama_block_saves_by_hand(fp8):
     assert bf16 == 55_296
     want = bf16 - (T * (3 * h + f) if fp8 else 0)
     assert _saved_by_layer0(fp8=fp8) == want == {None: 55_296, "hybrid": 45_056}[fp8]
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "bf16", "float32"])
+def test_spec_refuses_a_router_dtype_it_would_price_as_the_model_dtype(dtype):
+    """``TransformerSpec.moe_probs_bytes`` knows fp32 and None only: another ``moe_router_dtype`` (Megatron also takes
+    fp64) would be priced as 2-byte probabilities without a word, so the spec refuses it."""
+    with pytest.raises(ValueError, match="moe_router_dtype"):
+        TransformerSpec(**{**TINY, "num_experts": 4, "moe_router_dtype": dtype})
