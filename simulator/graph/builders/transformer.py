@@ -388,6 +388,8 @@ class TransformerSpec:
         g = self.query_groups
         if g <= 0 or self.num_attention_heads % g:
             raise ValueError(f"num_query_groups ({g}) must divide num_attention_heads ({self.num_attention_heads})")
+        if self.moe_router_dtype not in (None, "fp32"):  # moe_probs_bytes knows these only
+            raise ValueError(f"moe_router_dtype must be None or 'fp32', got {self.moe_router_dtype!r}")
         if self.cross_entropy not in CROSS_ENTROPY_IMPLS:
             raise ValueError(f"cross_entropy must be one of {CROSS_ENTROPY_IMPLS}, got {self.cross_entropy!r}")
         if self.normalization not in NORMALIZATIONS:
@@ -1732,12 +1734,15 @@ class _GptBuilder:
         ``torch.exp(..., out=)``, ``exp_logits.sum``; ``calculate_cross_entropy_loss``: ``exp_logits.div_``), and
         ``ctx.save_for_backward(exp_logits, ...)`` keeps only that fp32 softmax (4 B per logit). Unfused (Megatron's
         default): the max, shift, exponent, row sum and division each one pass; ``megatron_fused``
-        (``--cross-entropy-loss-fusion``: @0cb4a9c megatron/core/fusions/fused_cross_entropy.py, each step
-        ``jit_fuser``-compiled): the max with the cast, one pass for the shift, exponent and sums, one for the
-        division. The 16-bit ``logits`` stay alive until the loss returns (GPTModel's local). Returns ``l32``."""
+        (``--cross-entropy-loss-fusion``: @0cb4a9c megatron/core/fusions/fused_cross_entropy.py): the max with the
+        cast (``jit_fuser``), one compiled in-place pass for the shift and exponent (``_exp_logits_inplace``), the
+        row sum ``exp_logits.sum`` run outside the compiled graphs (its own pass: the module's note on Inductor
+        materialising a mutated input that is also reduced), one pass for the division. (At d086a2e the whole of
+        ``calculate_predicted_logits`` was one ``jit_fuser`` region, which that note says costs a logits-sized
+        transient and a copy back under torch.compile: not modelled.) The 16-bit ``logits`` stay alive until the loss returns (GPTModel's local). Returns ``l32``."""
         e, fused = self.e, self.s.cross_entropy == "megatron_fused"
-        if fused:
-            steps = [("ce.exp", C.SOFTMAX, 4 * n)]
+        if fused:  # the shift and exp one compiled in-place pass, the row sum outside it (@0cb4a9c)
+            steps = [("ce.exp", C.ELEMENTWISE, 4 * n), ("ce.sum_exp", C.REDUCTION, 0)]
         else:
             ce = [e.kernel("ce.logits_max", C.REDUCTION, reads=4 * n, writes=4 * rows, uses=[l32], dtype="fp32")]
             if self.tp > 1:

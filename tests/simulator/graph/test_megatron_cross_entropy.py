@@ -77,8 +77,9 @@ def test_peak_by_hand(impl):
     # unfused: max, shift, exp, row sum, division (+ the cast); the max, then the target logits and the sums
     ("megatron", {"logits.float": 6, "ce.logits_max": 4, "ce.sub_max": 8, "ce.exp": 8, "ce.sum_exp": 4,
                   "ce.normalize": 8}, [4, 4, 4]),
-    # fused: the max in the cast, the shift / exp / sums in one pass; one all-reduce of the targets and sums
-    ("megatron_fused", {"logits.float": 6, "ce.exp": 8, "ce.normalize": 8}, [4, 8])])
+    # fused (@0cb4a9c): the max in the cast, the shift and exp in one in-place pass, the row sum outside the
+    # compiled graphs (its own pass), the division; one all-reduce of the targets and sums
+    ("megatron_fused", {"logits.float": 6, "ce.exp": 8, "ce.sum_exp": 4, "ce.normalize": 8}, [4, 8])])
 def test_megatron_passes_and_tp_all_reduces(impl, passes, reduces):
     """TP 2: V / 2 logits per rank; bytes per logit of each logits-sized forward pass, and the fp32 all-reduces
     (bytes per token) over the TP group (megatron/core/tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy,
@@ -146,3 +147,11 @@ def test_llama_block_saves_by_hand(fp8):
     assert bf16 == 55_296
     want = bf16 - (T * (3 * h + f) if fp8 else 0)
     assert _saved_by_layer0(fp8=fp8) == want == {None: 55_296, "hybrid": 45_056}[fp8]
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "bf16", "float32"])
+def test_spec_refuses_a_router_dtype_it_would_price_as_the_model_dtype(dtype):
+    """``TransformerSpec.moe_probs_bytes`` knows fp32 and None only: another ``moe_router_dtype`` (Megatron also takes
+    fp64) would be priced as 2-byte probabilities without a word, so the spec refuses it."""
+    with pytest.raises(ValueError, match="moe_router_dtype"):
+        TransformerSpec(**{**TINY, "num_experts": 4, "moe_router_dtype": dtype})
