@@ -38,7 +38,9 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
 5. a block a template ends at a result tensor the builder said another stream will wait for
    (``Stamper.waited_later``: sequence parallelism's saved ``1 / t`` shard, which the asynchronous column-parallel
    backward gathers again; the template's second stub after the pass, on another stream, waits for its producer)
-   is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold.
+   is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold; for a pass stamped
+   folded across that producer (``Stamper.run(waits_fold=True)``, ``BlockTemplate.waits_folded``), that op is a
+   TP collective folded into a later pass stamped with it folded (``_apart_waits``), as the builder said.
 
 6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
    ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
