@@ -208,3 +208,21 @@ def test_forwards_folded_across_the_saved_shard_give_the_folded_graph(case):
         assert sum(i.bt.waits_folded for i in b.stamper.instances) > 0
         plain = build_gpt_step(spec, blocks=True, fold_tp=True, waits_fold=False)
         assert len(build_gpt_step(spec, blocks=True, fold_tp=True).ops) < len(plain.ops)
+
+
+def test_a_wrong_waits_fold_word_is_refused_and_the_builder_falls_back(monkeypatch):
+    """Every forward stamped folded across its saved shard, also where the backward's re-gather is left as an op
+    (the first and last micro-batches): the check refuses it (check 1: the re-gather uses a tensor made inside the
+    folded block) and the graph is built again without, the same graph (the patch forcing the word in the rebuild
+    too, that ends at the build without prefolding)."""
+    from simulator.graph.builders.stamp import Stamper
+
+    run = Stamper.run
+
+    def eager(self, key, layer, fn, inputs, waits_fold=False):
+        return run(self, key, layer, fn, inputs, waits_fold or key[0][0] == "fwd")
+
+    monkeypatch.setattr(Stamper, "run", eager)
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    info = assert_same_layer_graph(spec, True, True)
+    assert info["waits_fold"] is not None and "inside a stamped block" in info["waits_fold"], info
