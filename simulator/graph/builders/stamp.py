@@ -108,6 +108,9 @@ class Stamper:
             folding blocking TP collectives where ``fold_tp``; ``instances`` lists the passes so stamped.
         prefold: With ``fold_tp``: also fold the TP collectives beside compute once per template where the pass
             qualifies (``simulator.graph.side_blocks``; ``stamp_blocks`` check 6).
+
+    ``last_prefold``: whether the latest ``run`` stamped its pass with its TP collectives folded (the builder's
+    evidence for ``run(waits_fold=True)``).
     """
 
     def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True, blocks: bool = False,
@@ -120,6 +123,7 @@ class Stamper:
         self.enabled = enabled
         self.templates: dict[Hashable, _Template | None] = {}  # None: a pass with this key cannot be stamped
         self._marks: list[str] | None = None  # ``waited_later`` names of the pass being recorded
+        self.last_prefold = False
         #: passes emitted by ``fn`` / stamped (for the benchmark and the tests)
         self.built = self.stamped = 0
 
@@ -147,9 +151,17 @@ class Stamper:
         if self._marks is not None:
             self._marks.append(name)
 
-    def run(self, key: Hashable, layer: int, fn: Callable, inputs: tuple):
+    def run(self, key: Hashable, layer: int, fn: Callable, inputs: tuple, waits_fold: bool = False):
         """``fn(*inputs)``, or a stamp of the template recorded under ``key`` (module docstring); returns what
-        ``fn`` returns (its tensor names those of this pass)."""
+        ``fn`` returns (its tensor names those of this pass).
+
+        ``waits_fold``: the builder's word that the ops on another stream that will wait for the tensors it names
+        in this pass (``waited_later``) are TP collectives folded into a later pass stamped with them folded
+        (``last_prefold``): with ``prefold``, the pass may then be stamped with its TP collectives folded across
+        those tensors' producers (``stamp_blocks`` check 6; check 1 finds a word that was wrong)."""
+        self.last_prefold = False
+        if waits_fold:
+            key = (key, "waits_fold")
         if not self.enabled:
             self.built += 1
             return fn(*inputs)
@@ -160,7 +172,7 @@ class Stamper:
         if t:
             self.stamped += 1
             if self.blocks:
-                return self._stamp_blocks(t, full_key, layer, names, vals)
+                return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold)
             return self._stamp(t, layer, names, vals)
         self.built += 1
         if t is None:
@@ -175,12 +187,12 @@ class Stamper:
         if t is not None:
             t.waited = tuple(dict.fromkeys(t.index[n] for n in marks or () if n in t.index))
         self.templates[full_key] = t
-        if t is not None and self.blocks and self._block_form(t, full_key, names, vals) is not None:
+        if t is not None and self.blocks and self._block_form(t, full_key, names, vals, waits_fold) is not None:
             # the recorded pass itself as its blocks, like every later copy (``coarsen`` then has nothing to merge
             # there); ``stamp_blocks.check`` verifies it with the copies
             e.b.truncate(start)
             e._uid, e.last_compute, e.wait_for = uid0, vals[0], vals[1:len(vals) - len(names)]
-            return self._stamp_blocks(t, full_key, layer, names, vals)
+            return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold)
         return result
 
     def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result):
@@ -306,9 +318,10 @@ class Stamper:
         e.wait_for = [ident(d) for d in t.wait]
         return _mapped(t.result, lambda n: table[n.r])
 
-    def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int]):
+    def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int], waits_fold: bool = False):
         """The block template (``stamp_blocks.block_template``) of template ``t`` in the context ``names`` /
-        ``vals``, made once per key, context pattern and input sizes; None where the pass is stamped as kernels."""
+        ``vals``, made once per key, context pattern and input sizes; None where the pass is stamped as kernels
+        (``waits_fold``: ``run``'s)."""
         from simulator.graph.builders import stamp_blocks as sb
 
         e = self.e
@@ -328,20 +341,22 @@ class Stamper:
             sizes = tuple(s if d == "gpu" else None for s, d in zip(sizes, devices))
             try:
                 bt = sb.block_template(t, t.kops, t.index, names, compute, order, sizes, devices, self.fold_tp,
-                                       self.prefold)
+                                       self.prefold, waits_fold)
             except (KeyError, ValueError):  # a pass the block form cannot stand for: its kernels, merged later
                 bt = None
             self.block_templates[bkey] = bt
         return bt
 
-    def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int]):
+    def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int],
+                      waits_fold: bool = False):
         """Append template ``t``'s pass as its layer blocks (``stamp_blocks``; its kernels where that form is not
         known) and list it in ``instances``."""
         from simulator.graph.builders import stamp_blocks as sb
 
-        bt = self._block_form(t, key, names, vals)
+        bt = self._block_form(t, key, names, vals, waits_fold)
         if bt is None:
             return self._stamp(t, layer, names, vals)
+        self.last_prefold = bt.prefold
         e = self.e
         ops = e.b.ops
         before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)

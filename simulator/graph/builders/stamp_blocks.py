@@ -38,7 +38,9 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
 5. a block a template ends at a result tensor the builder said another stream will wait for
    (``Stamper.waited_later``: sequence parallelism's saved ``1 / t`` shard, which the asynchronous column-parallel
    backward gathers again; the template's second stub after the pass, on another stream, waits for its producer)
-   is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold.
+   is waited for after the pass by an op on another stream that ``foldable_tp`` cannot fold; for a pass stamped
+   folded across that producer (``Stamper.run(waits_fold=True)``, ``BlockTemplate.waits_folded``), that op is a
+   TP collective folded into a later pass stamped with it folded (``_apart_waits``), as the builder said.
 
 6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
    ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
@@ -91,17 +93,19 @@ class BlockTemplate:
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited", "prefold",
-                 "ctx_waiters", "tails", "mid_coarse")
+                 "ctx_waiters", "tails", "mid_coarse", "waits_folded")
 
 
 def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
                    order: tuple[int, ...], sizes: tuple, devices: tuple, fold_tp: bool,
-                   prefold: bool = False) -> BlockTemplate:
+                   prefold: bool = False, waits_fold: bool = False) -> BlockTemplate:
     """The block form of kernel template ``t`` (``stamp._Template``) recorded from ``kops`` (its first pass's ops,
     table ``index``, inputs ``names``), for a context whose values lie on the compute stream where ``compute``
     is true and come in the order of slots ``order``, with input sizes ``sizes`` (None: not a GPU tensor made by
     an op) on ``devices`` (module docstring). ``prefold`` (with ``fold_tp``): the blocks ``fold_overlapped_tp`` makes
-    of them where the pass qualifies (``BlockTemplate.prefold``, check 6)."""
+    of them where the pass qualifies (``BlockTemplate.prefold``, check 6); ``waits_fold``: the builder's word that
+    what another stream waits for after the pass (``Stamper.waited_later``) is folded later (``Stamper.run``), so
+    ``fold_overlapped_tp`` merges across those tensors' producers (``BlockTemplate.waits_folded``)."""
     n_ctx, n_in = len(compute), len(names)
     front = n_ctx - n_in
     stub = {s: k for k, s in enumerate(order)}  # context slot -> stub op id (stubs in the real ops' order)
@@ -130,7 +134,8 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     cand = foldable_tp(graph) if fold_tp else {}
     coarse, new_id = coarsen_ids(graph, fold_tp)
     n_after = len(mini) - n_ctx - len(kops)  # the stubs after the pass
-    pre = _prefolded(coarse, new_id, t, kops, n_ctx, n_after, res, waited) if fold_tp and prefold else None
+    pre = _prefolded(coarse, new_id, t, kops, n_ctx, n_after, res, waited, waits_fold) if fold_tp and prefold \
+        else None
     ctx_waiters: tuple[int, ...] = ()
     id0 = new_id  # the ids ``coarsen`` alone gives
     if pre is not None:
@@ -169,6 +174,7 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     bt.producer = [(k, move(r)) for k, r in t.producer]
     bt.last, bt.wait = move(t.last), tuple(move(d) for d in t.wait)
     bt.waited = tuple((k, rel[r]) for k, r in waited.items())
+    bt.waits_folded = pre is not None and bool(waited)  # folded across them (``waits_fold``; check 5)
     merged = {r for r in range(len(kops)) if cops[rel[r]].meta and "fused" in cops[rel[r]].meta}
     bt.mid = _mid(t, kops, rel, merged)
     if pre is None:
@@ -227,21 +233,33 @@ def _mid(t, kops: Sequence[Op], rel: list[int], merged: set[int]) -> tuple[int, 
 
 
 def _prefolded(coarse: OpGraph, new_id: list[int], t, kops: Sequence[Op], n_ctx: int, n_after: int, res: list[int],
-               waited: dict) -> tuple[OpGraph, list[int]] | None:
+               waited: dict, waits_fold: bool = False) -> tuple[OpGraph, list[int]] | None:
     """``fold_overlapped_tp`` of a block template's small graph ``coarse`` (``coarsen_ids`` of it, ids ``new_id``)
     and the composed id map, where the pass qualifies for stamping in that form (check 6): it folds something and
     every TP op of the pass, no op after the pass waits for one (``wait_for``, a result tensor), and the builder
     named no tensor of the pass that another stream waits for after it (``Stamper.waited_later``: whether
     ``fold_overlapped_tp`` merges across its producer depends on whether the op gathering it again is folded in a
-    later pass); else None."""
+    later pass) or said that op is folded (``waits_fold``: the small graph is then folded without the stub waiting
+    for those producers, which is put back after, as in the whole graph once that op is a compute block's); else
+    None."""
     if any(r is not None and r >= 0 and kops[r].stream != COMPUTE_STREAM for r in t.wait):
         return None
     made = dict(t.producer)
-    if waited or any(made.get(k) is not None and made[k] >= 0 and kops[made[k]].stream != COMPUTE_STREAM for k in res):
+    if waited and not waits_fold or any(made.get(k) is not None and made[k] >= 0
+                                        and kops[made[k]].stream != COMPUTE_STREAM for k in res):
         return None
-    fg, fid = fold_overlapped_tp_ids(coarse)
-    if fg is coarse:
-        return None
+    if waited:  # the last op: ``future.waits``
+        stub = coarse.ops[-1]
+        bare = coarse.with_changes(ops=coarse.ops[:-1])
+        fg, fid = fold_overlapped_tp_ids(bare)
+        if fg is bare:
+            return None
+        fid = [*fid, len(fg.ops)]
+        fg = fg.with_changes(ops=(*fg.ops, replace(stub, id=len(fg.ops), deps=tuple(sorted({fid[d] for d in stub.deps})))))
+    else:
+        fg, fid = fold_overlapped_tp_ids(coarse)
+        if fg is coarse:
+            return None
     if any(op.stream != COMPUTE_STREAM for op in fg.ops[n_ctx:len(fg.ops) - n_after]):
         return None
     return fg, [fid[i] for i in new_id]
@@ -486,6 +504,9 @@ def _waited_later(ops: Sequence[Op], inst: list[Instance], compute: list[int]) -
     for p, i in need.items():
         if apart.get(p, -1) >= i.end:
             continue
+        if i.bt.waits_folded:
+            return f"a pass of layer {i.layer} stamped folded across a tensor another stream waits for is not " \
+                   "followed by a pass folding that op"
         if not any(unfoldable(u) for u in waiters.get(p, ())):
             return f"a block of a stamped pass of layer {i.layer} ends where no other stream waits for it"
     return None

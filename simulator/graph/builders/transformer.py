@@ -836,7 +836,7 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
 
 
 def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
-                   prefold: bool | None = None) -> OpGraph:
+                   prefold: bool | None = None, waits_fold: bool | None = None) -> OpGraph:
     """Build one training step (all micro-batches and the optimizer) for one GPU.
 
     Args:
@@ -853,6 +853,12 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
             beside compute folded too (``simulator.graph.side_blocks``), so that ``fold_overlapped_tp(coarsen(...))``
             of the graph is the one made of the kernel-level graph; where ``stamp_blocks.check`` fails the graph is
             built again without (``meta["layer_blocks"]["prefold"]``: None or why).
+        waits_fold: With ``prefold`` (default: ``prefold``): a forward saving sequence parallelism's shard for
+            the backward's asynchronous re-gather is stamped with its TP collectives folded across the shard's
+            producer where the backward of the same layer and micro-batch class (last, first) was last stamped
+            with its TP collectives folded (so the re-gather is folded there too; ``Stamper.run(waits_fold)``,
+            ``stamp_blocks`` check 5 verifies it); where the check fails the graph is built again without
+            (``meta["layer_blocks"]["waits_fold"]``: None or why).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -888,20 +894,26 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
         ``param_groups`` lists every parameter tensor (their ``numel`` sum to ``num_parameters``).
     """
     prefold = fold_tp if prefold is None else prefold and fold_tp
-    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp, prefold)
+    waits_fold = prefold if waits_fold is None else waits_fold and prefold
+    b = _GptBuilder(spec, stamp, blocks and stamp, fold_tp, prefold, waits_fold)
     graph = b.build()
     b.stamper.state = None  # the stamper's bound method closes a cycle through the builder and every op it made
     if not blocks:
         return graph
     inst = b.stamper.instances
     why = stamp_blocks.check(graph.ops, inst) if stamp else "stamping off"
+    if why is not None and waits_fold and any(i.bt.waits_folded for i in inst):
+        graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold=prefold, waits_fold=False)
+        return graph.with_changes(meta={**graph.meta, "layer_blocks": {**graph.meta["layer_blocks"],
+                                                                       "waits_fold": why}})
     if why is not None and prefold and any(i.bt.prefold for i in inst):
         graph = build_gpt_step(spec, stamp, blocks, fold_tp, prefold=False)
         return graph.with_changes(meta={**graph.meta, "layer_blocks": {**graph.meta["layer_blocks"], "prefold": why}})
     if why is not None:
         graph = build_gpt_step(spec, stamp)
     return graph.with_changes(meta={**graph.meta, "layer_blocks": {"stamped": 0 if why else len(inst),
-                                                                   "kernel_build": why, "prefold": None}})
+                                                                   "kernel_build": why, "prefold": None,
+                                                                   "waits_fold": None}})
 
 
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
@@ -923,7 +935,7 @@ MEGATRON_DDP_PRECISIONS = ("bf16", "fp16")
 
 class _GptBuilder:
     def __init__(self, spec: TransformerSpec, stamp: bool = True, blocks: bool = False, fold_tp: bool = False,
-                 prefold: bool = False):
+                 prefold: bool = False, waits_fold: bool = False):
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
@@ -1002,6 +1014,11 @@ class _GptBuilder:
                                and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
                                prefold=prefold)
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
+        #: ``build_gpt_step(waits_fold)``: (layer, last, first micro-batch) -> whether that backward was last stamped
+        #: with its TP collectives folded (``Stamper.last_prefold``); (chunk, micro-batch) -> its backward's ``last``
+        self._waits_fold = waits_fold and blocks
+        self._bwd_folded: dict[tuple, bool] = {}
+        self._bwd_last: dict[tuple[int, int], bool] = {}
 
     def _stamp_state(self) -> tuple:
         """The bookkeeping a stamped pass must leave as it is (``Stamper``): sizes of every collection a pass
@@ -1025,8 +1042,14 @@ class _GptBuilder:
         """``_layer_fwd`` through the stamper."""
         if self._overlapped or self._deferred is not None:
             return self._layer_fwd(x, save, selective)
+        fold = self._waits_fold and save and self._regather and self._bwd_folded.get(self._bwd_class(), False)
         return self.stamper.run(self._pass_key(("fwd", save, selective)), self.e.layer,
-                                lambda x_: self._layer_fwd(x_, save, selective), (x,))
+                                lambda x_: self._layer_fwd(x_, save, selective), (x,), waits_fold=fold)
+
+    def _bwd_class(self) -> tuple:
+        """The current layer and micro-batch's backward as ``_bwd_folded`` keys it: layer, whether it is the last
+        backward of its chunk, whether the micro-batch is the first."""
+        return self.e.layer, self._bwd_last.get((self._chunk, self._mb), True), self._mb == 0
 
     def _block_bwd(self, gx: str, sv: dict) -> str:
         """``_layer_bwd`` through the stamper."""
@@ -1034,6 +1057,7 @@ class _GptBuilder:
             out = self._layer_bwd(gx, sv)
         else:
             out = self.stamper.run(self._pass_key(("bwd",)), self.e.layer, self._layer_bwd, (gx, sv))
+            self._bwd_folded[self._bwd_class()] = self.stamper.last_prefold
         self._grad_layers.add(self.e.layer)
         return out
 
@@ -2622,6 +2646,8 @@ class _GptBuilder:
         actions = stage_actions(s.pipeline_schedule, s.pipeline_parallel_size, s.num_micro_batches, s.pipeline_rank,
                                 s.virtual_pipeline_size)
         split_w = any(isinstance(a, Action) and a.kind == "W" for a in actions)  # SPLIT_BACKWARD with a pipeline
+        self._bwd_last = {(s.model_chunks[a.chunk], a.micro_batch): a.last for a in actions
+                          if isinstance(a, Action) and a.kind == "B"}
         for a in actions:
             if isinstance(a, Comm):
                 self._comm(a)

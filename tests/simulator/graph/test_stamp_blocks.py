@@ -188,3 +188,41 @@ def test_check_6_refuses_a_stream_neighbour_a_prefolded_pass_cannot_stand_for(mo
     monkeypatch.setattr(sb, "check", lambda ops, inst: "probe" if any(j.bt.prefold for j in inst) else sb_check(ops, inst))
     info = build_gpt_step(spec, blocks=True, fold_tp=True).meta["layer_blocks"]
     assert info["prefold"] == "probe" and info["kernel_build"] is None and info["stamped"] > 0
+
+
+@pytest.mark.parametrize("case", ["pp2_tp2_sp_async", "tp2_sp_async_no_recompute"])
+def test_forwards_folded_across_the_saved_shard_give_the_folded_graph(case):
+    """``build_gpt_step(waits_fold=True)``: once a layer's backward of a micro-batch class was stamped with its TP
+    collectives folded (its re-gather of the saved shard too), later forwards of that layer are stamped folded
+    across the shard's producer; ``fold_overlapped_tp(coarsen(...))`` of the graph is the kernel-level one's, with
+    fewer ops than stamping those forwards unfolded."""
+    kw = {**TINY, **CASES[case], "num_micro_batches": 8}
+    for rank in range(kw.get("pipeline_parallel_size", 1)):
+        spec = TransformerSpec(**kw, pipeline_rank=rank)
+        info = assert_same_layer_graph(spec, True, True)
+        assert info["kernel_build"] is None and info["prefold"] is None and info["waits_fold"] is None, info
+        if case != "tp2_sp_async_no_recompute":  # the pipeline's tiny backwards are not stamped folded
+            continue
+        b = _GptBuilder(spec, True, True, True, True, True)
+        b.build()
+        assert sum(i.bt.waits_folded for i in b.stamper.instances) > 0
+        plain = build_gpt_step(spec, blocks=True, fold_tp=True, waits_fold=False)
+        assert len(build_gpt_step(spec, blocks=True, fold_tp=True).ops) < len(plain.ops)
+
+
+def test_a_wrong_waits_fold_word_is_refused_and_the_builder_falls_back(monkeypatch):
+    """Every forward stamped folded across its saved shard, also where the backward's re-gather is left as an op
+    (the first and last micro-batches): the check refuses it (check 1: the re-gather uses a tensor made inside the
+    folded block) and the graph is built again without, the same graph (the patch forcing the word in the rebuild
+    too, that ends at the build without prefolding)."""
+    from simulator.graph.builders.stamp import Stamper
+
+    run = Stamper.run
+
+    def eager(self, key, layer, fn, inputs, waits_fold=False):
+        return run(self, key, layer, fn, inputs, waits_fold or key[0][0] == "fwd")
+
+    monkeypatch.setattr(Stamper, "run", eager)
+    spec = TransformerSpec(**{**TINY, **CASES["tp2_sp_async_no_recompute"]}, pipeline_rank=0)
+    info = assert_same_layer_graph(spec, True, True)
+    assert info["waits_fold"] is not None and "inside a stamped block" in info["waits_fold"], info
