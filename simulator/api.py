@@ -1092,6 +1092,14 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
 
 
+def _dataloader_has_cost(dl) -> bool:
+    """Whether a ``dataloader`` section gives its workers anything to do: a sample's CPU cost or read, a storage
+    device, or a per-batch collate / pin / hand-off time."""
+    c = dl.sample.cost
+    return bool(c.mean_s or c.samples_s or dl.sample.read_bytes or dl.storage is not None or dl.collate_overhead_s
+                or dl.pin_overhead_s or dl.handoff_s or dl.worker_startup_s)
+
+
 def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     """One line per setting given in the scenario that has no effect on this run (as sequence_parallel at tp 1),
     and one per rank where a stage's and a replica's ``rank_overrides`` slowdowns compound."""
@@ -1150,6 +1158,12 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
             and "impl" in cfg.training.optimizer.model_fields_set):
         out.append(f"training.optimizer.impl {cfg.training.optimizer.impl} has no effect: AdamW runs on the CPU as "
                    f"fsdp.cpu_offload.cpu_adam_impl {f.cpu_offload.cpu_adam_impl}")
+    dl = cfg.dataloader
+    if dl is not None and dl.remote is None and not _dataloader_has_cost(dl):
+        out.append("dataloader: no per-sample or per-batch cost is given (sample.cost, sample.read_bytes, storage and "
+                   "the collate / pin / hand-off / start-up times are all 0 or unset): a batch costs only the copy of "
+                   "its tensors, so num_workers and prefetch_factor can hardly change the step; give the per-sample "
+                   "time your loader measures (dataloader.sample.cost.mean_s) to ask what workers do")
     by_pp = {o.pp_rank: o for o in cfg.rank_overrides if o.pp_rank is not None}
     for o in cfg.rank_overrides:
         if o.dp_rank is not None and o.pp_rank is None and o.slowdown != 1.0:

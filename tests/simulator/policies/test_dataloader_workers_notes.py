@@ -65,3 +65,23 @@ def test_a_draining_prefetch_buffer_is_flagged_and_its_stall_predicted():
     long = _run("dataloader_w8.yaml", cost, "run.steps=96", "run.warmup_steps=48")
     assert long["data_stall_s"] == pytest.approx(predicted_s, rel=0.01)
     assert not _notes(long)  # it stalls: neither note
+
+
+def test_a_loader_without_any_cost_says_so_and_one_with_a_cost_does_not():
+    """`--set dataloader.num_workers=4` on a scenario without a dataloader section (fresh-user trial) builds a loader
+    whose batches cost nothing but their copy: the run says so; a sample cost of 1 ms or a collate time silences it."""
+    import warnings
+
+    from simulator.api import ineffective_setting_warnings
+    from simulator.config.loader import load_scenario
+    from tests.conftest import ROOT
+
+    b8 = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = ineffective_setting_warnings(load_scenario(b8, ["dataloader.num_workers=4"]))
+        cost = ineffective_setting_warnings(load_scenario(b8, ["dataloader.num_workers=4",
+                                                               "dataloader.sample.cost.mean_s=0.001"]))
+        collate = ineffective_setting_warnings(load_scenario(b8, ["dataloader.collate_overhead_s=0.002"]))
+    assert [w for w in bare if w.startswith("dataloader: no per-sample or per-batch cost")]
+    assert not [w for w in cost + collate if w.startswith("dataloader: no per-sample")]
