@@ -190,8 +190,9 @@ def format_summary(s: dict, name: str) -> str:
                      + (f"; {strategy}: {sharded} over the {ranks}" if sharded
                         else f"; {strategy}: gradients all-reduced over the {ranks}" if cp > 1 and strategy != "none"
                         else ""))
+        mp = "; mp = Megatron's model-parallel group, tp x pp: the grad-norm all-reduce" if "mp" in (s.get("comm_s_by_group") or {}) else ""
         lines.append(f"communication       {groups or 'none'} per step; exposed {s.get('exposed_comm_s', 0) * 1e3:.2f} ms "
-                     "(compute idle while a collective is in flight" + ("; largest stage)" if pipe else ")"))
+                     "(compute idle while a collective is in flight" + ("; largest stage" if pipe else "") + mp + ")")
         if pipe:
             ref = _stage_name(min(pipe["stages"], key=lambda st: st["pipeline_bubble_s"]))
             lines.append(f"pipeline bubble     {s['pipeline_bubble_s'] * 1e3:.2f} ms/step (the idle time of {ref}, the "
@@ -225,7 +226,9 @@ def format_summary(s: dict, name: str) -> str:
         every = (f"; {s['energy_j_per_step_all_gpus']:.1f} J/step for all {s['world_size']} GPUs"
                  if "energy_j_per_step_all_gpus" in s else "")
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average"
-                     f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}")
+                     f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}"
+                     + (f"; power cap {s['power_limit_w']:.0f} W per GPU (dvfs)" if s.get("dvfs_policy") == "power_cap"
+                        and s.get("power_limit_w") else ""))
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
         lines.append("                    (the step time and throughput above are what the step would take if it fit; "

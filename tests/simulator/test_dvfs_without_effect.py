@@ -117,3 +117,15 @@ def test_a_line_every_rank_class_has_is_given_once():
     assert [w for w in s["warnings"] if "dvfs.power_limit_w" in w] == [
         f"{tdp} of NVIDIA A100 PCIe 80GB (its TDP), which the firmware holds without it: the run is the same as "
         "without it"]
+
+
+def test_the_summary_names_the_power_cap_it_ran_under(capsys):
+    """The human summary printed no cap, only the clocks it caused (fresh-user trial): the energy line names it."""
+    from simulator.cli import main
+
+    b8 = str(ROOT / "scenarios/h200/gpt_184m_b8.yaml")
+    assert main(["run", b8, "--set", "dvfs.kind=power_cap", "--set", "dvfs.power_limit_w=400"]) == 0
+    energy = [x for x in capsys.readouterr().out.splitlines() if x.startswith("energy")]
+    assert len(energy) == 1 and energy[0].endswith("; power cap 400 W per GPU (dvfs)"), energy
+    assert main(["run", b8]) == 0
+    assert "power cap" not in capsys.readouterr().out
