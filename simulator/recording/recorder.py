@@ -115,14 +115,20 @@ def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
     pandas infers: Python ints and floats alone convert directly (``int64``, or ``float64`` when any is a
     float, as pandas does); anything else (strings, None, bools) goes through pandas' own inference."""
     values = list(values)
-    if set(map(type, values)) <= _NUMBERS:
+    types = set(map(type, values))
+    if types <= _NUMBERS:
         a = np.array(values)
         if a.dtype.kind in "if":
             return a
+    if types == _STR:  # strings alone: pandas' string dtype without its inference pass
+        return pd.array(values, dtype=_STR_DTYPE)
     return pd.Series(values).array
 
 
 _NUMBERS = {int, float}
+_STR = {str}
+#: the dtype pandas infers for a column of Python strings (``str``)
+_STR_DTYPE = pd.Series(["a"]).dtype
 
 
 LAUNCH_COLUMNS = ["step", "op_id", "start_s", "end_s"]
