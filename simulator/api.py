@@ -1141,6 +1141,10 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "async_tensor_model_parallel_allreduce" in p.model_fields_set and p.tensor_model_parallel_size == 1:
         out.append("parallelism.async_tensor_model_parallel_allreduce has no effect with tensor_model_parallel_size 1 "
                    "(no tensor-parallel gradient reduction)")
+    if "cross_entropy" in cfg.training.model_fields_set and vit_shape(cfg) is not None:
+        out.append(f"training.cross_entropy {cfg.training.cross_entropy} has no effect on a ViT: its classification "
+                   "head's loss is F.cross_entropy over the classes (no vocab-parallel LM head); the run is the same "
+                   "as without it")
     out += _hybrid_shard_notes(cfg)
     unread = _single_gpu_keys_without_effect(cfg)
     out += unread

@@ -688,7 +688,9 @@ class ScenarioConfig(_Model):
         if not isinstance(data, dict):
             return data
         hw = data.get("hardware")
-        par = data.get("parallelism") if isinstance(data.get("parallelism"), dict) else {}
+        if data.get("parallelism") is not None and not isinstance(data.get("parallelism"), dict):
+            return data  # not a mapping: the field refuses it (filling data_parallel_size would replace it)
+        par = data.get("parallelism") or {}
         dp = par.get("data_parallel_size")
         cl = hw.get("cluster") if isinstance(hw, dict) else None
         if cl is None:

@@ -13,8 +13,9 @@ from simulator.studies.sweep import point_overrides
 
 
 def point_label(point: dict) -> str:
-    """``KEY=VALUE, KEY=VALUE`` of a point (the swept keys as given)."""
-    return ", ".join(f"{k}={v}" for k, v in point.items())
+    """``KEY=VALUE, KEY=VALUE`` of a point (the swept keys as given; a null value as ``null``, as ``--factor``
+    takes it, not Python's ``None``)."""
+    return ", ".join(f"{k}={'null' if v is None else v}" for k, v in point.items())
 
 
 def check_points(scenario: str | Path, base_overrides: list[str] | None, points: list[dict]) -> None:
