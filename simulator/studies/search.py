@@ -29,7 +29,6 @@ data_parallel_size``, set on every point (``SearchResult.notes`` says which).
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -275,7 +274,7 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     """
     from simulator.config.loader import load_scenario
     from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory, stage_capacities
-    from simulator.studies.sweep import SEARCH_FILE, run_sweep
+    from simulator.studies.sweep import SEARCH_FILE, grid, run_sweep
 
     if objective not in OBJECTIVES:
         raise ScenarioError(f"--objective {objective}: unknown (allowed: {', '.join(OBJECTIVES)})")
@@ -299,7 +298,7 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
         set_by["training.global_batch_size"] = (f"set by the search to the scenario's micro_batch_size x "
                                                 f"data_parallel_size, {gbs}, for every point; --set "
                                                 "training.global_batch_size=N to choose another")
-    points = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+    points = grid({k: space[k] for k in keys})
     rows, survivors, not_estimated = [], [], set()
     for pt in points:
         row: dict = {**pt, "status": None, "reason": None}

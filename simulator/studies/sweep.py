@@ -172,10 +172,15 @@ def grid(factors: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(factors[k] for k in keys))]
 
 
+def point_settings(point: dict) -> list[str]:
+    """``KEY=VALUE`` per swept key of a point, as ``--set`` and ``--factor`` take them (a null value as ``null``,
+    which ``--set`` reads as "the key not written", not as Python's ``None``)."""
+    return [f"{k}={'null' if v is None else v}" for k, v in point.items()]
+
+
 def point_overrides(base_overrides: list[str] | None, point: dict) -> list[str]:
-    """The ``--set`` strings of one point: ``base_overrides`` then ``KEY=VALUE`` per swept key (applied last; a
-    null value as ``null``, which ``--set`` reads as "the key not written", not as the text ``None``)."""
-    return list(base_overrides or []) + [f"{k}={'null' if v is None else v}" for k, v in point.items()]
+    """The ``--set`` strings of one point: ``base_overrides`` then its ``point_settings`` (applied last)."""
+    return list(base_overrides or []) + point_settings(point)
 
 
 def parse_factor(text: str) -> tuple[str, list]:

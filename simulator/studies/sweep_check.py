@@ -9,13 +9,13 @@ import warnings
 from pathlib import Path
 
 from simulator.config.errors import ScenarioError
-from simulator.studies.sweep import point_overrides
+from simulator.studies.sweep import point_overrides, point_settings
 
 
 def point_label(point: dict) -> str:
     """``KEY=VALUE, KEY=VALUE`` of a point (the swept keys as given; a null value as ``null``, as ``--factor``
     takes it, not Python's ``None``)."""
-    return ", ".join(f"{k}={'null' if v is None else v}" for k, v in point.items())
+    return ", ".join(point_settings(point))
 
 
 def check_points(scenario: str | Path, base_overrides: list[str] | None, points: list[dict]) -> None:
