@@ -53,8 +53,8 @@ def test_a_batch_that_costs_nothing_says_workers_change_nothing():
 def test_a_draining_prefetch_buffer_is_flagged_and_its_stall_predicted():
     """32 ms x 8 samples = 256 ms per batch: 8 workers deliver one every 32.0 ms, slower than the 30.4 ms step;
     the 16 batches prefetched at the start last the 8 steps of the scenario, so no measured step stalls. The note
-    predicts the stall of a longer run (32.0 - 30.4 = 1.57 ms per batch); a 96-step run measuring its last 48 steps
-    stalls that much (1% tolerance: the steady state's step is the workers' period)."""
+    predicts the stall of a longer run (32.0 - 30.4 = 1.57 ms per batch); a simulated 96-step run timing its last 48
+    steps stalls that much (a consistency check of the model, not a measurement) (1% tolerance: the steady state's step is the workers' period)."""
     cost = "dataloader.sample.cost={distribution: constant, mean_s: 32 ms}"
     short = _run("dataloader_w8.yaml", cost)
     assert short["data_stall_s"] == 0.0
