@@ -860,6 +860,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "40%; Lee et al. 2025, arXiv 2507.03114), so exposed_comm_s and step_time_s are lower bounds")
     out.extend(_low_precision_shard_note(cfg))
     out.extend(_cpu_adam_default_note(cfg))
+    if cfg is not None and (note := _zero3_partial_reuse_note(cfg)):
+        out.append(note)
     if cfg is not None and cfg.zero_optimization.stage == 3 and cfg.zero_optimization.offload_param.device != "none":
         z = cfg.zero_optimization
         out.append(f"zero_optimization.stage3_max_reuse_distance ({z.stage3_max_reuse_distance:.3g}) is not modelled "
@@ -1090,6 +1092,27 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"optimizer.step(), fitted on a PyTorch AdamW step of a {FIXED_OPT_FIT_LAYERS}-layer GPT's "
             f"{FIXED_OPT_FIT_TENSORS} parameter tensors, one tensor count only, so not per tensor) is applied unscaled "
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
+
+
+def _zero3_partial_reuse_note(cfg: ScenarioConfig) -> str | None:
+    """ZeRO-3's ``stage3_max_reuse_distance`` keeps some blocks gathered from forward to backward and re-gathers the
+    rest; it is decided per block here (``sharding.zero3_kept_after_forward``) where DeepSpeed decides per module,
+    so the first block re-gathered may in fact keep its last modules: flagged, with that block's size, when the
+    boundary falls inside the blocks (some kept, some not). None otherwise."""
+    from simulator.graph.builders.sharding import ROOT, layer_param_sizes
+
+    sh = sharding_spec(cfg) if cfg.zero_optimization.stage == 3 else None
+    if sh is None or sh.strategy != "zero3":
+        return None
+    blocks = sorted(k for k in sh.kept_after_forward if k != ROOT)
+    n = cfg.model.num_layers // cfg.parallelism.pipeline_model_parallel_size
+    if not blocks or len(blocks) >= n:
+        return None
+    unit = sum(layer_param_sizes(transformer_spec(cfg)).values())
+    return (f"zero_optimization.stage3_max_reuse_distance {cfg.zero_optimization.stage3_max_reuse_distance:.3g}: "
+            f"blocks {blocks[0]}-{blocks[-1]} of {n} stay gathered from forward to backward, decided per block; "
+            f"DeepSpeed decides per module, so block {blocks[0] - 1} may keep its last modules too (up to "
+            f"{unit / 1e6:.1f}M parameter elements): its memory and backward all-gather are approximate")
 
 
 def _dataloader_has_cost(dl) -> bool:
