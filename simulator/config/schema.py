@@ -871,11 +871,11 @@ class ScenarioConfig(_Model):
                              "allowed: bf16, fp16)")
 
     @model_validator(mode="after")
-    def _tensor_parallel_scope(self):
-        """Megatron's rules for ``tensor_model_parallel_size`` > 1, and what is not modelled with it."""
+    def _sequence_parallel_scope(self):
+        """Megatron's rules for sequence parallelism and ``tp_comm_overlap`` (a check of their own, so that a
+        misspelt ``sequence_parallel`` leaves the tensor-parallel layout checks to run: ``cross_checks``)."""
         p, m = self.parallelism, self.model
         tp = p.tensor_model_parallel_size
-        key = "parallelism.tensor_model_parallel_size"
         if p.sequence_parallel and tp > 1 and m.seq_length % tp:
             raise ValueError(f"parallelism.sequence_parallel: tensor_model_parallel_size {tp} must divide "
                              f"model.seq_length {m.seq_length} (Megatron splits the sequence over the TP ranks)")
@@ -886,6 +886,14 @@ class ScenarioConfig(_Model):
                                                                       "zero_bubble_v"):
             raise ValueError(f"parallelism.tp_comm_overlap with pipeline_schedule {p.pipeline_schedule} is not "
                              "modelled yet (allowed: tp_comm_overlap false, or another schedule)")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_scope(self):
+        """Megatron's rules for ``tensor_model_parallel_size`` > 1, and what is not modelled with it."""
+        p, m = self.parallelism, self.model
+        tp = p.tensor_model_parallel_size
+        key = "parallelism.tensor_model_parallel_size"
         if tp == 1:
             return self
         cl = self.hardware.cluster

@@ -36,6 +36,16 @@ def test_a_bad_value_and_a_check_between_settings_in_one_run():
                      "Megatron splits it over the TP ranks)"]
 
 
+def test_a_misspelt_sequence_parallel_leaves_the_tensor_parallel_layout_checked():
+    """Final fresh-user check: a misspelt ``sequence_parallel`` (the key meant is unknown) hid the TP layout rules,
+    which ran in the same check as the sequence-parallel ones."""
+    lines = problems(training={"micro_batch_size": -8},
+                     parallelism={"sequence_paralel": True, "tensor_model_parallel_size": 3})
+    assert len(lines) == 3 and lines[0].startswith("s.yaml: parallelism.sequence_paralel: unknown key")
+    assert lines[2] == ("s.yaml: parallelism.tensor_model_parallel_size: 3 must divide the 8 GPUs per node of "
+                        "hardware.cluster 'dgx-h100' (TP ranks are consecutive inside a node; allowed: a divisor of 8)")
+
+
 def test_a_misspelt_key_and_the_world_size_check_in_one_run():
     lines = problems(training={"micro_batch_sise": 8}, parallelism={"data_parallel_size": 3})
     assert len(lines) == 2 and lines[0].startswith("s.yaml: training.micro_batch_sise: unknown key")
