@@ -97,11 +97,12 @@ class NvmeArraySpec:
             return math.inf
         return self.drives * self.uplink_bytes_per_s / self.fullest_uplink
 
-    def busy_s(self, read_bytes: float, write_bytes: float) -> float:
+    def busy_s(self, read_bytes: float, write_bytes: float, efficiency: float = 1.0) -> float:
         """Seconds the array needs to move ``read_bytes`` and ``write_bytes`` alone: the drives' time (reads and
-        writes share it), ``read / read_bw + write / write_bw``, or the upstream links' per direction when longer,
-        ``max(read, write) / uplink_read_bytes_per_s``."""
-        drives = read_bytes / self.read_bytes_per_s + write_bytes / self.write_bytes_per_s
+        writes share it) at ``efficiency`` (in (0, 1]: the fraction of the sequential rates the I/O settings reach,
+        ``hardware_models.aio``), ``(read / read_bw + write / write_bw) / efficiency``, or the upstream links' per
+        direction when longer, ``max(read, write) / uplink_read_bytes_per_s``."""
+        drives = (read_bytes / self.read_bytes_per_s + write_bytes / self.write_bytes_per_s) / efficiency
         return max(drives, max(read_bytes, write_bytes) / self.uplink_read_bytes_per_s)
 
     @property

@@ -44,14 +44,16 @@ parameter H2D fetches, PCIe and host DRAM as max-min links. What changes, follow
   run's warnings say so.
 
 Not modelled (refused in the config): stage 1/2 (DeepSpeed swaps in ZeRO-3 only), CPU Adam implementations other
-than DeepSpeedCPUAdam, fewer swap buffers than a sub-group in flight needs. ``aio`` settings are accepted, not
-priced (``simulator.config.sections.nvme``).
+than DeepSpeedCPUAdam, fewer swap buffers than a sub-group in flight needs. ``aio`` settings are
+priced by ``hardware_models.aio`` (the array's rate times the fraction the requests in flight reach against the
+drive's request latency: ``aio_factor``), but ``single_submit`` (``simulator.config.sections.nvme``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from hardware_models.aio import aio_efficiency
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
@@ -118,11 +120,22 @@ def swap_links(nv, write: bool) -> tuple[str, ...]:
     return (NVME_WRITE if write else NVME_LINK, *up, HOST_DRAM_LINK)
 
 
-def nvme_links(hw) -> dict[str, float]:
-    """This rank's NVMe links, bytes/s: ``nvme`` (the array's read bandwidth) and, with upstream links, ``nvme.uplink.up``
-    / ``.down`` (``uplink_read_bytes_per_s``), each over the node's ranks (``offload_ranks``), which all swap alike."""
+def aio_factor(hw, aio) -> float:
+    """Fraction of the array's sequential rate DeepSpeed's aio settings reach (``hardware_models.aio``), with every
+    rank of the node (``offload_ranks``) swapping at once; 1.0 without ``aio`` (an ``AioConfig``)."""
+    if aio is None:
+        return 1.0
+    nv = hw.nvme
+    return aio_efficiency(aio.block_size, aio.queue_depth, aio.thread_count, aio.overlap_events, nv.read_bytes_per_s,
+                          nv.drive.read_latency_s, offload_ranks(hw))
+
+
+def nvme_links(hw, aio=None) -> dict[str, float]:
+    """This rank's NVMe links, bytes/s: ``nvme`` (the array's read bandwidth x ``aio_factor``) and, with upstream
+    links, ``nvme.uplink.up`` / ``.down`` (``uplink_read_bytes_per_s``), each over the node's ranks
+    (``offload_ranks``), which all swap alike."""
     nv, ranks = hw.nvme, offload_ranks(hw)
-    out = {NVME_LINK: nv.read_bytes_per_s / ranks}
+    out = {NVME_LINK: aio_factor(hw, aio) * nv.read_bytes_per_s / ranks}
     if nv.fullest_uplink:
         out[UPLINK_UP] = out[UPLINK_DOWN] = nv.uplink_read_bytes_per_s / ranks
     return out
@@ -275,7 +288,9 @@ class NvmeSummary:
     def __init__(self, cfg, hw, env, system):
         self.hw = hw
         self.ranks = offload_ranks(hw)
-        system.network.add_links(nvme_links(hw))
+        self.aio = cfg.aio
+        self.aio_factor = aio_factor(hw, cfg.aio)
+        system.network.add_links(nvme_links(hw, cfg.aio))
         system.network.add_weighted_name(NVME_WRITE, NVME_LINK, hw.nvme.write_cost)
         self._bytes: dict[int, dict[str, float]] = {}
 
@@ -296,7 +311,8 @@ class NvmeSummary:
     def summarize(self, spans, steps, counters, summary) -> dict:
         """``nvme_read_bytes_per_step`` / ``nvme_write_bytes_per_step`` (this rank's), ``nvme_busy_s`` (time an NVMe
         swap of the rank was in flight, per step) and ``nvme_bound_s`` (the node's swaps alone on the array:
-        ``ranks x (read / read_bw + write / write_bw)``), means over the measured steps."""
+        ``ranks x (read / read_bw + write / write_bw)``, the drives' time at the aio settings' rate,
+        ``aio_factor``), means over the measured steps."""
         meas = [int(s) for s in steps[~steps.warmup].step]
         rd = [self._bytes.get(s, {}).get("read", 0.0) for s in meas]
         wr = [self._bytes.get(s, {}).get("write", 0.0) for s in meas]
@@ -312,11 +328,11 @@ class NvmeSummary:
         mean = lambda v: float(np.mean(v)) if v else 0.0  # noqa: E731
         r, w = mean(rd), mean(wr)
         return {"nvme_read_bytes_per_step": r, "nvme_write_bytes_per_step": w, "nvme_busy_s": mean(busy),
-                "nvme_bound_s": self.ranks * self.hw.nvme.busy_s(r, w)}
+                "nvme_bound_s": self.ranks * self.hw.nvme.busy_s(r, w, self.aio_factor)}
 
     def warnings(self) -> list[str]:
         """What the NVMe price assumes (one line)."""
-        nv = self.hw.nvme
+        nv, a = self.hw.nvme, self.aio
         up = (f"behind upstream PCIe links of {nv.uplink_bytes_per_s / 1e9:.1f} GB/s per direction, "
               f"{nv.drives_per_uplink} drives each (at most {nv.uplink_read_bytes_per_s / 1e9:.1f} GB/s for the "
               "striped array)" if nv.fullest_uplink else "each on its own root port (the host preset states no "
@@ -325,5 +341,7 @@ class NvmeSummary:
                 f"at {nv.read_bytes_per_s / 1e9:.1f} GB/s read, {nv.write_bytes_per_s / 1e9:.1f} GB/s write (drives x "
                 f"datasheet sequential rates), {up}, shared by {self.ranks} rank(s) of the node, reads and writes "
                 "sharing the drives' time; the swaps' DMA shares host DRAM (host.dram) with the CPU step and the GPU "
-                "copies; not modelled: the aio software path (block_size, queue_depth, threads), the upstream links' "
-                "sharing with the GPUs' and NICs' traffic"]
+                f"copies; DeepSpeed's aio settings reach {self.aio_factor:.1%} of the drives' rate "
+                f"({self.ranks} x {a.thread_count} thread(s) x queue_depth {a.queue_depth} x {a.block_size} B "
+                f"{'overlapped' if a.overlap_events else 'in batches'} against a {nv.drive.read_latency_s * 1e6:g} us "
+                "request latency, hardware_models.aio); not priced: aio.single_submit, a write latency of its own"]

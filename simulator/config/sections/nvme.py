@@ -18,9 +18,9 @@ YAML::
 The drive is the dataloader's storage model (``hardware_models.nvme``); the host preset's ``nvme`` block may also
 state the chassis' ``bays`` (more drives are refused) and the upstream PCIe links the drives share
 (``drives_per_uplink``, ``uplink_bytes_per_s``), which hold for drives given here too. The ``aio`` keys are
-accepted and not priced: NVMe transfers run at the array's sequential bandwidth (datasheet figures, measured at
-high queue depth), within what the upstream links and host DRAM leave them; a run that sets any of them says so in
-its warnings (``aio_warning``).
+the swaps' rate: the array's sequential bandwidth (datasheet figures, measured at high queue depth) times the
+fraction the requests in flight reach against the drive's request latency (``hardware_models.aio``), within what
+the upstream links and host DRAM leave them; ``single_submit`` is accepted and not priced (``aio_warning``).
 """
 
 from __future__ import annotations
@@ -55,29 +55,40 @@ class NvmeConfig(_Model):
 
 
 class AioConfig(_Model):
-    """DeepSpeed ``aio`` (libaio settings of the NVMe swapper): accepted, not priced (module docstring)."""
+    """DeepSpeed ``aio`` (libaio settings of the NVMe swapper): priced by ``hardware_models.aio`` but
+    ``single_submit`` (module docstring)."""
 
     block_size: PositiveInt = Field(default=AIO_DEFAULTS["block_size"], le=1 << 34, description="Bytes per I/O request.")
     queue_depth: PositiveInt = Field(default=AIO_DEFAULTS["queue_depth"], le=1 << 16, description="Requests in flight.")
     thread_count: PositiveInt = Field(default=AIO_DEFAULTS["thread_count"], le=1024, description="I/O threads per "
-                                      "handle (intra-request parallelism).")
+                                      "handle (intra-request parallelism: each its own queue_depth).")
     single_submit: bool = Field(default=AIO_DEFAULTS["single_submit"], description="Submit requests one by one.")
     overlap_events: bool = Field(default=AIO_DEFAULTS["overlap_events"], description="Overlap submission and "
                                  "completion.")
 
 
+#: The ``aio`` keys the NVMe price does not depend on (``hardware_models.aio``: no source sizes their cost)
+AIO_UNPRICED = ("single_submit",)
+
+
 def aio_warning(aio: AioConfig, fields_set: set[str], nvme_offload: bool = True) -> str | None:
-    """The run's warning when the scenario sets ``aio`` keys (their values do not change the price), else None;
-    without ``nvme_offload`` (no offload device nvme) the line says they have no effect."""
-    if not fields_set:
-        return None
-    keys = ", ".join(f"aio.{k}" for k in sorted(fields_set))
+    """The run's warning about the ``aio`` keys the scenario sets, else None: without ``nvme_offload`` (no offload
+    device nvme) they have no effect; with it, those of ``AIO_UNPRICED`` set to other than DeepSpeed's default are
+    accepted and not priced (the model submits a batch per ``io_submit``, the default; the others
+    set the swaps' rate, ``hardware_models.aio``, and the NVMe warning states it)."""
     if not nvme_offload:
+        if not fields_set:
+            return None
+        keys = ", ".join(f"aio.{k}" for k in sorted(fields_set))
         return (f"{keys} ha{'s' if len(fields_set) == 1 else 've'} no effect: no zero_optimization offload device "
                 "nvme (the aio section sets DeepSpeed's NVMe swapper)")
-    return (f"{keys} accepted, not priced: NVMe swaps run at the array's sequential bandwidth (datasheet rates at "
-            "high queue depth); DeepSpeed's aio settings change the rate it achieves (measure the array with "
-            "fio or DeepSpeed's aio benchmark and give it as hardware.nvme)")
+    unpriced = sorted(k for k in set(fields_set) & set(AIO_UNPRICED) if getattr(aio, k) != AIO_DEFAULTS[k])
+    if not unpriced:
+        return None
+    keys = ", ".join(f"aio.{k}" for k in unpriced)
+    return (f"{keys} accepted, not priced: one io_submit per request instead of one per batch is a CPU cost no "
+            "source sizes (block_size, queue_depth, thread_count and overlap_events set the swaps' rate, "
+            "hardware_models.aio)")
 
 
 #: The ``offload_optimizer`` / ``offload_param`` keys DeepSpeed reads for device nvme only

@@ -115,7 +115,7 @@ def test_sub_groups_swap_in_order_and_pipelining_overlaps_them(tmp_path):
 
 def test_a_pasted_zero_infinity_block_runs(tmp_path):
     """DeepSpeedExamples@7d936b3 Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_infinity_config.json's keys (but
-    stage3_max_reuse_distance, not modelled): accepted; its aio section is named in the warnings."""
+    stage3_max_reuse_distance, not modelled): accepted; its aio settings' rate is stated in the warnings."""
     text = Z3_NVME.replace("""  offload_optimizer: {device: nvme, nvme_path: /local_nvme, pin_memory: true}
 """, """  sub_group_size: 1e8
   reduce_bucket_size: 90000000
@@ -126,8 +126,11 @@ aio: {block_size: 1048576, queue_depth: 16, single_submit: false, overlap_events
 """)
     s = run_scenario(_cfg(tmp_path, text)).summary
     assert s["oom"] is None and s["nvme_read_bytes_per_step"] > 0
-    assert any(w.startswith("aio.queue_depth, aio.thread_count") or "aio.block_size" in w and "not priced" in w
+    assert any("aio settings reach" in w and "2 thread(s) x queue_depth 16 x 1048576 B overlapped" in w
                for w in s["warnings"])
+    assert not any(w.startswith("aio.") for w in s["warnings"])  # single_submit at its default (false) is priced
+    s = run_scenario(_cfg(tmp_path, text.replace("single_submit: false", "single_submit: true"))).summary
+    assert any(w.startswith("aio.single_submit accepted, not priced") for w in s["warnings"])
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
