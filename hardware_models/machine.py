@@ -168,6 +168,8 @@ class Hardware:
         etp_group: Global ranks of its expert-tensor-parallel group (the ranks splitting its experts' width).
         nccl: NCCL overrides for every collective (None: NCCL's tuner).
         nvme: The host's NVMe array (``hardware_models.nvme``; None: none, or not needed by the run).
+        pcie_switches: The host's PCIe switches (``hardware_models.pcie_switches.PcieSwitchTopology``; None: the
+            host states none).
     """
 
     gpu: GpuSpec
@@ -195,6 +197,7 @@ class Hardware:
     pcie_overridden: frozenset[str] = frozenset()
     extra: dict = field(default_factory=dict)
     nvme: NvmeArraySpec | None = None
+    pcie_switches: object = None
 
     @property
     def launch(self) -> LaunchOverhead:

@@ -14,7 +14,8 @@ Where the host preset says how the drives attach (``drives_per_uplink`` drives b
 ``uplink_bytes_per_s`` per direction to the CPU's root complex: a PCIe switch's upstream port, or a shared root
 port), the array is also bounded by those links (``uplink_read_bytes_per_s``): RAID-0 stripes every transfer evenly
 over the drives, so the fullest upstream link limits them all. A preset that states ``bays`` refuses more drives
-than the chassis holds. Every byte also crosses host DRAM (the DMA lands in, or is read from, the pinned swap
+than the chassis holds. A host that states its PCIe switches (``hardware_models.pcie_switches``) gives these
+links from the drives behind each switch instead. Every byte also crosses host DRAM (the DMA lands in, or is read from, the pinned swap
 buffers): ``simulator.policies.offload_nvme`` puts the swaps on the rank's ``host.dram`` link with the CPU step and
 the GPU copies.
 """

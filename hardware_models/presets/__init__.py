@@ -1,10 +1,11 @@
 """Preset registry: one YAML data file per product, found by family and name.
 
 Families: ``gpus`` (``GpuSpec``), ``links`` (``LinkSpec``), ``hosts`` (``HostCpuSpec`` plus a
-``memory`` block for ``HostMemorySpec`` and an optional ``nvme`` block, ``hardware_models.nvme.host_nvme``), ``profiles`` (``EfficiencyProfile``). A value in a preset
-file may be a number (SI units), a string with a unit (``"4.8 TB/s"``), or ``{value: ..., source:
-...}``; the unit dimension comes from the field-name suffix (``_bytes``, ``_bytes_per_s``, ``_s``,
-``_w``, ``_mhz``, ``_flops_per_s``).
+``memory`` block for ``HostMemorySpec``, an optional ``nvme`` block, ``hardware_models.nvme.host_nvme``, and an
+optional ``pcie_switches`` list, ``hardware_models.pcie_switches.host_pcie_switches``), ``profiles``
+(``EfficiencyProfile``). A value in a preset file may be a number (SI units), a string with a unit
+(``"4.8 TB/s"``), or ``{value: ..., source: ...}``; the unit dimension comes from the field-name suffix
+(``_bytes``, ``_bytes_per_s``, ``_s``, ``_w``, ``_mhz``, ``_flops_per_s``).
 """
 
 from __future__ import annotations
@@ -377,6 +378,7 @@ def _built(family: str, name: str) -> Any:
         return build_spec(LinkSpec, data, where)
     if family == "hosts":
         data.pop("nvme", None)  # the host's NVMe drives: hardware_models.nvme.host_nvme
+        data.pop("pcie_switches", None)  # its PCIe switches: hardware_models.pcie_switches.host_pcie_switches
         mem = data.pop("memory", {})
         return build_spec(HostCpuSpec, data, where), build_spec(HostMemorySpec, mem, where + ".memory")
     return build_spec(EfficiencyProfile, data, where)

@@ -614,9 +614,74 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     # overrides of that link itself replace only the rates of the fields they set
     pcie_explicit = "pcie" in hwc.model_fields_set and pcie_name != profile.copy_link
     overridden = frozenset(pcie_over) if "pcie" in hwc.model_fields_set and not pcie_explicit else frozenset()
+    nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name)
+    switches = resolve_pcie_switches(cfg, source, nvme, cluster.get("collectives"))
+    if switches is not None and nvme is not None:  # the declared switches say where the drives attach
+        import dataclasses
+
+        d, up = switches.drive_uplink(nvme.drives)
+        nvme = dataclasses.replace(nvme, drives_per_uplink=d, uplink_bytes_per_s=up)
     return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, pcie_explicit=pcie_explicit,
-                    nvme=resolve_nvme(cfg, source), pcie_overridden=overridden,
-                    **resolve_cluster(cfg, source, gpu_name))
+                    nvme=nvme, pcie_overridden=overridden, pcie_switches=switches, **cluster)
+
+
+def resolve_pcie_switches(cfg: ScenarioConfig, source: str, nvme, collectives):
+    """The host's PCIe switches (``hardware_models.pcie_switches.PcieSwitchTopology``): ``hardware.host.pcie_switches``
+    if given, else the host preset's; None when neither states them.
+
+    Checked against the node: GPU indices below its GPUs (1 without a cluster), NIC indices below its NICs (with a
+    cluster), drive indices below the NVMe array's drives (when the run has one); with a cluster, the GPUs behind
+    each switch must be those the cluster preset puts behind one (``pcie_switches`` count, GPUs spread evenly) at
+    the cluster's uplink rate.
+
+    Raises:
+        ScenarioError: one line naming the key: a device in two switches, an index the node does not have, or a
+            topology the cluster preset contradicts.
+    """
+    from hardware_models.pcie_switches import host_pcie_switches, parse_pcie_switches
+    from simulator.config.schema import HostRef
+
+    ref = cfg.hardware.host
+    name = _ref(ref)[0]
+    given = isinstance(ref, HostRef) and ref.pcie_switches is not None
+    key = "hardware.host.pcie_switches" if given else f"hardware.host {name!r} (its preset's pcie_switches)"
+    try:
+        if given:
+            topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario")
+        else:
+            topo = host_pcie_switches(name)
+        if topo is None:
+            return None
+        c = collectives.topo.cluster if collectives is not None else None
+        topo.check(c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
+                   nvme.drives if nvme is not None else None)
+        if c is not None:
+            _check_against_cluster(topo, c)
+    except ValueError as exc:
+        raise ScenarioError(f"{source}: {key}: {exc}") from None
+    return topo
+
+
+def _check_against_cluster(topo, c) -> None:
+    """Raise ValueError when ``topo`` puts the GPUs behind switches other than the cluster preset ``c`` does
+    (``hardware_models.topology``: ``c.pcie_switches`` switches, GPU ``i`` behind ``i * switches // gpus``) or gives
+    a switch with GPUs another uplink rate."""
+    n, k = c.gpus_per_node, c.pcie_switches
+    placed = {frozenset(i for i in range(n) if i * k // n == j) for j in range(k)} if k else set()
+    for j, sw in enumerate(topo.switches):
+        if not sw.gpus:
+            continue
+        group = frozenset(sw.gpus)
+        if group not in placed:
+            first = min(group)
+            where = (f"the cluster preset {c.name!r} puts GPU {first} behind one with GPUs "
+                     f"{sorted(next(g for g in placed if first in g))}" if k else
+                     f"the cluster preset {c.name!r} has its GPUs on CPU root ports (pcie_switches: 0)")
+            raise ValueError(f"pcie_switches[{j}].gpus: {sorted(group)} behind one switch, but {where}")
+        if sw.uplink_bytes_per_s != c.pcie_switch_uplink_bytes_per_s:
+            raise ValueError(f"pcie_switches[{j}].uplink_bytes_per_s: {sw.uplink_bytes_per_s / 1e9:g} GB/s, but the "
+                             f"cluster preset {c.name!r} gives its switch uplinks "
+                             f"{c.pcie_switch_uplink_bytes_per_s / 1e9:g} GB/s")
 
 
 def resolve_nvme(cfg: ScenarioConfig, source: str = "<scenario>"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from hardware_models.presets import FILE_PREFIXES
 from simulator.config.limits import (
@@ -85,6 +85,16 @@ class PresetRef(_Model):
                                       "label the preset).")
 
 
+class PcieSwitchConfig(_Model):
+    """One PCIe switch of the host (``hardware_models.pcie_switches``)."""
+
+    gpus: list[NonNegativeInt] = Field(default_factory=list, description="Node-local GPU indices behind the switch.")
+    nics: list[NonNegativeInt] = Field(default_factory=list, description="Node-local NIC indices behind it.")
+    drives: list[NonNegativeInt] = Field(default_factory=list, description="Indices of the NVMe array's drives "
+                                         "behind it (0..drives-1).")
+    uplink_bytes_per_s: float | str = Field(description='Its uplink to the CPU, per direction ("63 GB/s").')
+
+
 class HostRef(PresetRef):
     """A host preset with the CPU optimizer's thread count and NUMA binding (what-ifs)."""
 
@@ -92,6 +102,10 @@ class HostRef(PresetRef):
                                         "(torch.set_num_threads / OMP_NUM_THREADS); default: all physical cores.")
     numa_node: int | None = Field(default=None, ge=0, description="Bind the CPU step's threads and memory to this "
                                   "NUMA node (numactl --cpunodebind=N --membind=N); default: not bound.")
+    pcie_switches: list[PcieSwitchConfig] | None = Field(
+        default=None, description="The host's PCIe switches: which of the node's GPUs, NICs and NVMe drives (indices) "
+        "sit behind each and its uplink's rate per direction (hardware_models/pcie_switches.py); replaces the host "
+        "preset's. NVMe swaps then share the uplinks with the GPUs' host copies.")
 
 
 class HardwareConfig(_Model):

@@ -49,6 +49,19 @@ COPY_PATHS = {
     OpKind.MEMCPY_D2H: ("pcie.d2h", "pcie.duplex"),
 }
 
+#: The PCIe switch uplink's links each copy direction also crosses when the uplink is shared (``uplink_links``)
+UPLINK_PATHS = {
+    OpKind.MEMCPY_H2D: ("pcie.uplink.h2d", "pcie.uplink.duplex"),
+    OpKind.MEMCPY_D2H: ("pcie.uplink.d2h", "pcie.uplink.duplex"),
+}
+
+
+def uplink_links(up, copy) -> dict[str, float]:
+    """This rank's share of its PCIe switch uplink per direction and both ways, bytes/s: ``up.share_of`` (an
+    ``hardware_models.host_links.UplinkShare``) of the copy rates ``copy`` (``hw.copy``) reach alone."""
+    return {"pcie.uplink.h2d": up.share_of(copy.h2d_bytes_per_s), "pcie.uplink.d2h": up.share_of(copy.d2h_bytes_per_s),
+            "pcie.uplink.duplex": up.share_of(copy.duplex_bytes_per_s)}
+
 
 class _Wake(simpy.Event):
     """An event triggered by the first of the events it is a callback of (``fire``) to be processed."""
@@ -145,11 +158,8 @@ class System:
             up = uplink_share(self._topo, self.rank, range(first, min(first + stage, hw.world_size)))
             if up is not None and up.sharers > 1:
                 self.uplink = up
-                links.update({"pcie.uplink.h2d": up.share_of(c.h2d_bytes_per_s),
-                              "pcie.uplink.d2h": up.share_of(c.d2h_bytes_per_s),
-                              "pcie.uplink.duplex": up.share_of(c.duplex_bytes_per_s)})
-                copy_links = {k: v + (f"pcie.uplink.{'h2d' if k is OpKind.MEMCPY_H2D else 'd2h'}",
-                                           "pcie.uplink.duplex") for k, v in COPY_PATHS.items()}
+                links.update(uplink_links(up, c))
+                copy_links = {k: v + UPLINK_PATHS[k] for k, v in COPY_PATHS.items()}
         #: this rank's links (``collective_flows.PORT_LINKS``): only its own flows cross them, so the solver
         #: works on one rank's flows at a time
         self.network = FluidNetwork(env, links)
@@ -196,6 +206,18 @@ class System:
             "host_pinned": MemoryPool(f"{host}.pinned", hw.host_memory.pinned_capacity_bytes, clock),
             "host_pageable": MemoryPool(f"{host}.pageable", hw.host_memory.capacity_bytes, clock),
         }
+
+    def share_uplink(self, up) -> None:
+        """Route this rank's host<->device copies over its PCIe switch uplink ``up`` (an ``UplinkShare``) when
+        ``__init__`` did not (a lone rank behind its switch, ``up.sharers`` 1: a runtime component whose traffic
+        shares the uplink needs it as a link). Sets ``uplink``.
+
+        Raises:
+            ValueError: the uplink links exist already (``FluidNetwork.add_links``).
+        """
+        self.network.add_links(uplink_links(up, self.hw.copy))
+        self.copy_links = {k: (*v, *UPLINK_PATHS[k]) for k, v in self.copy_links.items()}
+        self.uplink = up
 
     def add_copy_link(self, name: str, capacity_bytes_per_s: float) -> None:
         """Route this rank's host<->device copies over one more link ``name`` of ``capacity_bytes_per_s`` (the host

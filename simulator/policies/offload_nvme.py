@@ -40,8 +40,11 @@ parameter H2D fetches, PCIe and host DRAM as max-min links. What changes, follow
   ``nvme.uplink.up`` (reads, drive to host) and ``nvme.uplink.down`` (writes) of what the striped array's upstream
   PCIe links carry per direction (``NvmeArraySpec.uplink_read_bytes_per_s``). Every swap also crosses the rank's
   ``host.dram`` link (the DMA writes or reads the pinned swap buffers), which the CPU step's streams and the GPU
-  copies share (``offload_optimizer.OffloadSummary``). A swap's rate is its max-min share over those links. The
-  run's warnings say so.
+  copies share (``offload_optimizer.OffloadSummary``). Where the host states its PCIe switches
+  (``hardware_models.pcie_switches``) and this rank's GPU shares one with drives of the array, the swaps also cross
+  that switch's uplink beside the GPU's copies (reads up with the D2H copies, writes down with the H2D copies, both
+  against its two-way limit: ``NvmeSummary._share_switch``). A swap's rate is its max-min share over those links.
+  The run's warnings say so.
 
 Not modelled (refused in the config): stage 1/2 (DeepSpeed swaps in ZeRO-3 only), CPU Adam implementations other
 than DeepSpeedCPUAdam, fewer swap buffers than a sub-group in flight needs. ``aio`` settings are
@@ -65,6 +68,10 @@ KEY = "zero_optimization"
 #: weighted name writes cross it by, and the links of the array's upstream PCIe links per direction
 NVME_LINK, NVME_WRITE = "nvme", "nvme.write"
 UPLINK_UP, UPLINK_DOWN = "nvme.uplink.up", "nvme.uplink.down"
+#: The weighted names a swap crosses this rank's PCIe switch uplink by (its drives' share of the striped swaps of the
+#: node's ranks, against the rank's share of the uplink: ``NvmeSummary``), reads up, writes down, both ways
+SWITCH_UP, SWITCH_DOWN, SWITCH_DUPLEX = "nvme.switch.up", "nvme.switch.down", "nvme.switch.duplex"
+SWITCH_NAMES = {SWITCH_UP: "pcie.uplink.d2h", SWITCH_DOWN: "pcie.uplink.h2d", SWITCH_DUPLEX: "pcie.uplink.duplex"}
 #: NVMe bytes per element of one sub-group's swap-in (fp32 master weights, exp_avg, exp_avg_sq, gradient) and
 #: swap-out (the three states): partitioned_optimizer_swapper.py ``swap_in_optimizer_state`` / ``swap_out_...``
 SWAP_IN_BYTES, SWAP_OUT_BYTES = 16, 12
@@ -113,11 +120,25 @@ class OffloadNvme:
                             param_buffers=z.offload_param.buffer_count, param_buffer_size=z.offload_param.buffer_size)
 
 
-def swap_links(nv, write: bool) -> tuple[str, ...]:
+def swap_links(nv, write: bool, switch: bool = False) -> tuple[str, ...]:
     """The links one swap's bytes cross: the drives' time (a write by its weighted name), the upstream link of its
-    direction when the array has one (``nv.fullest_uplink``), host DRAM."""
+    direction when the array has one (``nv.fullest_uplink``), with ``switch`` this rank's PCIe switch uplink (its
+    direction and both ways, by the weighted names of ``SWITCH_NAMES``: ``NvmeSummary``), host DRAM."""
     up = (UPLINK_DOWN if write else UPLINK_UP,) if nv.fullest_uplink else ()
-    return (NVME_WRITE if write else NVME_LINK, *up, HOST_DRAM_LINK)
+    sw = (SWITCH_DOWN if write else SWITCH_UP, SWITCH_DUPLEX) if switch else ()
+    return (NVME_WRITE if write else NVME_LINK, *up, *sw, HOST_DRAM_LINK)
+
+
+def rank_switch(hw) -> int | None:
+    """The host PCIe switch (index in ``hw.pcie_switches``) of this rank's GPU when it also holds drives of the NVMe
+    array, else None (no topology stated, the GPU on a root port, or no drive behind its switch)."""
+    topo = getattr(hw, "pcie_switches", None)
+    if topo is None or hw.nvme is None:
+        return None
+    rank = hw.pp_group[hw.pp_rank] if hw.pp_group else 0
+    gpn = hw.collectives.topo.gpus_per_node if getattr(hw, "collectives", None) is not None else 1
+    j = topo.switch_of("gpus", rank % gpn)
+    return j if j is not None and topo.switches[j].drives else None
 
 
 def aio_factor(hw, aio) -> float:
@@ -146,11 +167,11 @@ def nvme_op(rw: GraphRewriter, hw, name: str, nbytes: float, write: bool, stream
     """Add one NVMe swap of ``nbytes`` (a host op on ``stream`` whose ``meta["flow"]`` the offload runtime moves, after
     the drive's request latency, over ``swap_links``)."""
     nv = hw.nvme
+    links = swap_links(nv, write, rank_switch(hw) is not None)
+    flow = {"links": links, "units": float(nbytes), "latency_s": nv.drive.read_latency_s}
     return rw.add(name, OpKind.HOST, stream, deps=sorted(set(deps)), phase=phase, launch=False,
-                  cost_class=CostClass.COPY, meta={"flow": {"links": swap_links(nv, write), "units": float(nbytes),
-                                                            "latency_s": nv.drive.read_latency_s},
-                                                   "nvme_bytes": float(nbytes), "nvme_dir": "write" if write else "read",
-                                                   **meta})
+                  cost_class=CostClass.COPY, meta={"flow": flow, "nvme_bytes": float(nbytes),
+                                                   "nvme_dir": "write" if write else "read", **meta})
 
 
 def offload_nvme(graph: OpGraph, hw, *, optimizer: bool, params: bool, sub_group_size: int = 1_000_000_000,
@@ -292,7 +313,27 @@ class NvmeSummary:
         self.aio_factor = aio_factor(hw, cfg.aio)
         system.network.add_links(nvme_links(hw, cfg.aio))
         system.network.add_weighted_name(NVME_WRITE, NVME_LINK, hw.nvme.write_cost)
+        self.switch = rank_switch(hw)
+        if self.switch is not None:
+            self._share_switch(hw, system)
         self._bytes: dict[int, dict[str, float]] = {}
+
+    def _share_switch(self, hw, system) -> None:
+        """Put the swaps on this rank's PCIe switch uplink beside its GPU's copies: the ``pcie.uplink.*`` links are
+        this rank's ``1 / sharers`` of the uplink (``hardware_models.host_links.UplinkShare``; added here for a lone
+        GPU behind its switch). The node's ``ranks`` swap alike and RAID-0 puts ``drives_s / drives`` of every byte on
+        the switch's drives, so one byte of this rank's swaps loads its share of the uplink by
+        ``w = ranks x drives_s / (drives x sharers)`` (reads up, writes down, and both ways)."""
+        from hardware_models.host_links import UplinkShare
+
+        sw = hw.pcie_switches.switches[self.switch]
+        if system.uplink is None:
+            cluster = hw.collectives.topo.cluster if getattr(hw, "collectives", None) is not None else None
+            gpu_link = cluster.pcie_bytes_per_s if cluster is not None else hw.pcie.bandwidth_bytes_per_s
+            system.share_uplink(UplinkShare(f"pcie_switches[{self.switch}]", 1, sw.uplink_bytes_per_s, gpu_link))
+        self.switch_weight = self.ranks * len(sw.drives) / (hw.nvme.drives * system.uplink.sharers)
+        for name, link in SWITCH_NAMES.items():
+            system.network.add_weighted_name(name, link, self.switch_weight)
 
     @classmethod
     def applies(cls, cfg) -> bool:
@@ -344,4 +385,28 @@ class NvmeSummary:
                 f"copies; DeepSpeed's aio settings reach {self.aio_factor:.1%} of the drives' rate "
                 f"({self.ranks} x {a.thread_count} thread(s) x queue_depth {a.queue_depth} x {a.block_size} B "
                 f"{'overlapped' if a.overlap_events else 'in batches'} against a {nv.drive.read_latency_s * 1e6:g} us "
-                "request latency, hardware_models.aio); not priced: aio.single_submit, a write latency of its own"]
+                f"request latency, hardware_models.aio); {self._switch_note()}; not priced: aio.single_submit, a write "
+                "latency of its own"]
+
+    def _switch_note(self) -> str:
+        """The warning's words on the PCIe switches the drives share with the GPUs."""
+        topo = getattr(self.hw, "pcie_switches", None)
+        if topo is None:
+            return ("not modelled: the drives' PCIe switch uplinks shared with the GPUs' copies (the host states no "
+                    "pcie_switches)")
+        held = [sw for sw in topo.switches if sw.drives]
+        if not held:
+            return f"the host's PCIe switches ({topo.source}) hold no drive: the swaps share no switch uplink"
+        kinds = {(len(sw.gpus), len(sw.drives), sw.uplink_bytes_per_s) for sw in held}
+        rest = ("" if len(kinds) == 1 and len(held) == len(topo.switches) else
+                ": the switches differ, and on the others the drives' share is bounded by their uplinks alone, "
+                "without their GPUs' copies (exact when every switch holds the same GPUs and drives)")
+        if self.switch is None:
+            return ("this rank's GPU shares no PCIe switch with a drive; the drives' switch uplinks bound the "
+                    "striped swaps (nvme.uplink.*) without those switches' GPUs' copies (the host's pcie_switches, "
+                    f"{topo.source})")
+        sw = topo.switches[self.switch]
+        return (f"this rank's GPU shares PCIe switch {self.switch} ({len(sw.drives)} of the {self.hw.nvme.drives} "
+                f"drives, {sw.uplink_bytes_per_s / 1e9:g} GB/s uplink per direction; the host's pcie_switches, "
+                f"{topo.source}) with the swaps: reads share its uplink with the D2H copies, writes with the H2D "
+                f"copies, both with its two-way limit{rest}")
