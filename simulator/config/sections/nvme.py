@@ -98,15 +98,19 @@ NVME_ONLY_KEYS = {"offload_optimizer": ("nvme_path", "buffer_count", "pipeline_r
 
 
 def nvme_keys_without_effect(cfg) -> list[str]:
-    """One line per NVMe setting of ``cfg`` (a ``ScenarioConfig``) that changes nothing in its run: ``hardware.nvme``
-    and the nvme-only offload keys (``NVME_ONLY_KEYS``) without an offload device nvme, and
-    ``offload_param.max_in_cpu`` (accepted, not priced) with one, each when set to other than its default; the
+    """One line per NVMe setting of ``cfg`` (a ``ScenarioConfig``) that changes nothing in its run: ``hardware.nvme``,
+    ``hardware.host.pcie_switches`` and the nvme-only offload keys (``NVME_ONLY_KEYS``) without an offload device
+    nvme, and ``offload_param.max_in_cpu`` (accepted, not priced) with one, each when set to other than its default; the
     ``aio`` line is ``aio_warning``'s."""
     z, out = cfg.zero_optimization, []
     nvme = [k for k in NVME_ONLY_KEYS if getattr(z, k).device == "nvme"]
     if cfg.hardware.nvme is not None and not nvme:
         out.append("hardware.nvme has no effect: no zero_optimization offload device nvme (the drives are read "
                    "only by ZeRO-Infinity NVMe offload)")
+    if getattr(cfg.hardware.host, "pcie_switches", None) is not None and not nvme:
+        out.append("hardware.host.pcie_switches has no effect: no zero_optimization offload device nvme (the GPUs' "
+                   "switch uplinks are priced from hardware.cluster; the switches' drives are read only by NVMe "
+                   "offload)")
     for part, keys in NVME_ONLY_KEYS.items():
         sub = getattr(z, part)
         # set to other than DeepSpeed's default (a resolved config, which carries every default, stays quiet)

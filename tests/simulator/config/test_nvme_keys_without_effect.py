@@ -37,6 +37,16 @@ def test_an_nvme_setting_without_nvme_offload_is_named(key, line):
     assert _warnings(CPU_OFFLOAD, [key]) == [line]
 
 
+def test_pcie_switches_without_nvme_offload_are_named(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(CPU_OFFLOAD.read_text().replace(
+        "  host: h200-measured-host ", "  host: {preset: h200-measured-host, pcie_switches: [{gpus: [0], "
+        "uplink_bytes_per_s: 63e9}]} "))
+    assert _warnings(p, []) == ["hardware.host.pcie_switches has no effect: no zero_optimization offload device nvme "
+                                "(the GPUs' switch uplinks are priced from hardware.cluster; the switches' drives are "
+                                "read only by NVMe offload)"]
+
+
 def test_defaults_given_again_stay_quiet():
     """A resolved config carries every key at its default: no line for them."""
     assert _warnings(CPU_OFFLOAD, ["zero_optimization.offload_optimizer.buffer_count=4",

@@ -117,7 +117,8 @@ def test_one_drive_read_rate_against_deepspeeds_aio_benchmark():
     2021-04-23) ran DeepSpeed's aio read sweep (csrc/aio/py_test run_read_sweep.sh) on one XPG Gammix S11 Pro 2 TB
     (its published specs, as quoted there: 3,500 MB/s read, 3,000 MB/s write) and got 1 to 3.15 GB/s over the aio
     settings (block size, queue depth, threads): the best, 3.15 GB/s, is the one the datasheet rate predicts; the
-    spread below it is the aio settings', not modelled (the run's warnings say so)."""
+    spread below it is the aio settings' (``hardware_models.aio``, ``tests/hardware_models/test_aio.py``: at the
+    sweep's best settings the requests in flight saturate the drive, so the datasheet rate stands)."""
     arr = NvmeArraySpec(StorageSpec("xpg-gammix-s11-pro-2tb", 3.5e9, write_bandwidth_bytes_per_s=3.0e9), 1)
     env, net = _network(arr, 1e12)
     (t,) = _ends(env, net, [(1e9, swap_links(arr, False))])
