@@ -74,3 +74,23 @@ def test_deepspeed_aio_sweep_top_rows_saturate_the_drive():
     for z in (20e-6, 100e-6, 1e-3):
         assert aio_efficiency(524288, 32, 1, True, 3.45e9, z, ranks=8) == 1.0
     assert abs(3.45 / 3.184 - 1) <= 0.15
+
+
+def test_settings_below_saturation_slow_the_swaps_and_say_so():
+    """The bundled NVMe scenario (8 ranks on 8 x PM1733, 100 us request latency) at queue depth 1 of 128 KiB in
+    batches: 8 batches of D = 128 KiB / 56 GB/s = 2.34 us in flight against 100 us -> MVA 0.182 of the drives'
+    rate; the defaults (64 requests of 1 MiB) saturate them (the scenario's result unchanged)."""
+    from simulator import load_scenario, run_scenario
+    from tests.conftest import ROOT
+
+    path = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_zero3_nvme.yaml"
+    assert aio_efficiency(131072, 1, 1, False, 56e9, 100e-6, ranks=8) == pytest.approx(0.182, abs=5e-4)
+    slow = run_scenario(load_scenario(path, ["aio.queue_depth=1", "aio.block_size=131072",
+                                             "aio.overlap_events=false"])).summary
+    base = run_scenario(load_scenario(path)).summary
+    assert any("aio settings reach 18.2% of the drives' rate" in w and "below saturation" in w
+               for w in slow["warnings"])
+    assert any("aio settings reach 100.0%" in w and "below saturation" not in w for w in base["warnings"])
+    # NVMe-bound: the drives' time alone grows by 1 / 0.182
+    assert slow["nvme_bound_s"] == pytest.approx(base["nvme_bound_s"] / aio_efficiency(
+        131072, 1, 1, False, 56e9, 100e-6, ranks=8), rel=1e-9)
