@@ -276,7 +276,15 @@ class FsdpOffloadSummary(OffloadSummary):
     """ZeRO-Offload's summary parts (``offload_optimizer.offload_parts``) and the node's host-memory check, naming
     FSDP's host states, plus the CPU AdamW implementation used."""
 
-    what = HOST_OOM_WHAT
+    @property
+    def what(self) -> tuple[str, str, str]:
+        """``HOST_OOM_WHAT``, named after the key that asked for the offload (FSDP2: ``offload_policy``; pageable
+        shards in the pageable pool)."""
+        if self.cfg.fsdp.offload_policy is None:
+            return HOST_OOM_WHAT
+        if self.cfg.fsdp.offload_pinned:
+            return ("FSDP2 offload_policy states",) + HOST_OOM_WHAT[1:]
+        return ("FSDP2 offload_policy states", "nothing", "fp32 parameter and gradient shards, Adam moments")
 
     @classmethod
     def applies(cls, cfg) -> bool:
