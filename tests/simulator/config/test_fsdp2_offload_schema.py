@@ -43,23 +43,29 @@ def test_torchtitan_enable_cpu_offload_is_cpuoffloadpolicy():
     assert same == f
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["fsdp={version: 2, cpu_offload: true}"], "fsdp.cpu_offload is FSDP1's (FullyShardedDataParallel); fsdp.version 2 "
-                                               "(fully_shard) takes no such key: its counterpart is fsdp.offload_policy"),
-    (["fsdp={version: 2, offload_policy: {kind: gpu}}"], "fsdp.offload_policy.kind: Input should be 'cpu'"),
-    (["fsdp={version: 2, offload_policy: true}"], "fsdp.offload_policy: True (allowed: {kind: cpu, pin_memory"),
-    (["fsdp={version: 2, offload_policy: 'CPUOffloadPolicy(pin_memory=maybe)'}"], "(allowed: {kind: cpu"),
-    (["fsdp={version: 1, offload_policy: CPUOffloadPolicy}"], "fsdp.offload_policy is FSDP2's"),
-    (["training.enable_cpu_offload=true"], "training.enable_cpu_offload: true is torchtitan's FSDP2"),
-    (["fsdp={version: 1}", "training.enable_cpu_offload=true"], "it needs fsdp: {version: 2}"),
-    (["fsdp={version: 2, offload_policy: {pin_memory: false}}", "training.enable_cpu_offload=true"],
-     "contradicts fsdp.offload_policy pin_memory false"),
-    (["fsdp={version: 2, offload_policy: CPUOffloadPolicy}", "training.micro_batch_size=1",
-      "training.global_batch_size=16"], "fsdp.offload_policy with gradient accumulation"),
-])
-def test_bad_input_is_one_line(overrides, needle):
+#: what the one line says -> the overrides that make it
+BAD = {
+    "fsdp.cpu_offload is FSDP1's (FullyShardedDataParallel); fsdp.version 2 (fully_shard) takes no such key: its "
+    "counterpart is fsdp.offload_policy": ["fsdp={version: 2, cpu_offload: true}"],
+    "fsdp.offload_policy.kind: Input should be 'cpu'": ["fsdp={version: 2, offload_policy: {kind: gpu}}"],
+    "fsdp.offload_policy: True (allowed: {kind: cpu, pin_memory": ["fsdp={version: 2, offload_policy: true}"],
+    "'CPUOffloadPolicy(pin_memory=maybe)' (allowed: {kind: cpu": [
+        "fsdp={version: 2, offload_policy: 'CPUOffloadPolicy(pin_memory=maybe)'}"],
+    "fsdp.offload_policy is FSDP2's": ["fsdp={version: 1, offload_policy: CPUOffloadPolicy}"],
+    "training.enable_cpu_offload: true is torchtitan's FSDP2": ["training.enable_cpu_offload=true"],
+    "it needs fsdp: {version: 2}": ["fsdp={version: 1}", "training.enable_cpu_offload=true"],
+    "contradicts fsdp.offload_policy pin_memory false": [
+        "fsdp={version: 2, offload_policy: {pin_memory: false}}", "training.enable_cpu_offload=true"],
+    "fsdp.offload_policy with gradient accumulation": [
+        "fsdp={version: 2, offload_policy: CPUOffloadPolicy}", "training.micro_batch_size=1",
+        "training.global_batch_size=16"],
+}
+
+
+@pytest.mark.parametrize("needle", BAD)
+def test_bad_input_is_one_line(needle):
     with pytest.raises(ScenarioError) as e:
-        load_scenario(DP8, overrides)
+        load_scenario(DP8, BAD[needle])
     assert needle in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)
 
 
