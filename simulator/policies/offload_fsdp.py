@@ -1,6 +1,8 @@
-"""PyTorch FSDP ``CPUOffload(offload_params=True)``: sharded parameters and gradients in host memory, AdamW on the CPU.
+"""PyTorch FSDP ``CPUOffload(offload_params=True)`` and FSDP2 ``CPUOffloadPolicy``: sharded parameters and gradients
+in host memory, AdamW on the CPU.
 
-Selected by ``fsdp.cpu_offload`` (``simulator.config.sections.fsdp``). Rewrites the FSDP builder graph
+Selected by ``fsdp.cpu_offload`` (FSDP1) or ``fsdp.offload_policy`` / torchtitan's ``training.enable_cpu_offload``
+(FSDP2, below) (``simulator.config.sections.fsdp``). Rewrites the FSDP builder graph
 (``simulator/graph/builders/sharding.py``: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD over dp > 1, one micro-batch per
 step, no pipeline) with the mechanisms of ZeRO offload:
 
