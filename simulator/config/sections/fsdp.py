@@ -203,6 +203,13 @@ class FsdpConfig(_Model):
     @field_validator("offload_policy", mode="before")
     @classmethod
     def _offload_policy_value(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("preset"), str):  # ``--set fsdp.offload_policy.pin_memory=...``
+            base = cls._offload_policy_value(v["preset"])  # over a string form: the overrides' {preset: name}
+            rest = {k: x for k, x in v.items() if k != "preset"}
+            if base is None and rest:
+                raise ValueError(f"{v['preset']} (no offload) takes no {', '.join(rest)} (allowed: CPUOffloadPolicy, "
+                                 "or {kind: cpu, pin_memory: ...})")
+            return {**base, **rest} if base is not None else None
         if isinstance(v, str):
             if v.strip() in _NO_POLICY:
                 return None

@@ -30,6 +30,12 @@ def test_offload_policy_as_users_write_it(override, pinned):
     assert f.cpu_adam_impl("fused") == "torch_fused"  # torch AdamW(fused=True) over the CPU shards
 
 
+def test_a_key_set_over_the_string_form():
+    f = load_scenario(DP8, ["fsdp={version: 2, offload_policy: CPUOffloadPolicy}",
+                            "fsdp.offload_policy.pin_memory=false"]).fsdp
+    assert f.offload_policy is not None and not f.offload_pinned
+
+
 def test_no_offload_policy_is_offloadpolicy():
     for v in ("OffloadPolicy", "'OffloadPolicy()'", "null"):
         assert not load_scenario(DP8, [f"fsdp={{version: 2, offload_policy: {v}}}"]).fsdp.offload_params
@@ -56,6 +62,8 @@ BAD = {
     "it needs fsdp: {version: 2}": ["fsdp={version: 1}", "training.enable_cpu_offload=true"],
     "contradicts fsdp.offload_policy pin_memory false": [
         "fsdp={version: 2, offload_policy: {pin_memory: false}}", "training.enable_cpu_offload=true"],
+    "fsdp.offload_policy: OffloadPolicy (no offload) takes no pin_memory": [
+        "fsdp={version: 2, offload_policy: OffloadPolicy}", "fsdp.offload_policy.pin_memory=false"],
     "fsdp.offload_policy with gradient accumulation": [
         "fsdp={version: 2, offload_policy: CPUOffloadPolicy}", "training.micro_batch_size=1",
         "training.global_batch_size=16"],
