@@ -668,6 +668,8 @@ def _pageable_copies(cfg: ScenarioConfig) -> str:
         keys.append("zero_optimization.offload_param.pin_memory false")
     if cfg.activation_checkpointing.cpu_checkpointing:
         keys.append("activation_checkpointing.cpu_checkpointing")
+    if cfg.fsdp is not None and cfg.fsdp.offload_params and not cfg.fsdp.offload_pinned:
+        keys.append("fsdp.offload_policy.pin_memory false")
     return ", ".join(keys)
 
 
@@ -724,6 +726,11 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
                 "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
                 "priced with the dense partition's"]
+    if cfg.fsdp is not None and cfg.fsdp.offload_params and cfg.training.clip_grad and shards > 1:
+        return [f"training.clip_grad {cfg.training.clip_grad} with {cfg.fsdp.offload_key}: clip_grad_norm_ runs over "
+                "the CPU gradient shards (the norm and the clip's mul_ on the CPU, the norm's all-reduce over the "
+                "CPU process group): not priced (the GPU step's norm kernels are removed with it; the norm's 4-byte "
+                "all-reduce is priced as NCCL)"]
     if cfg.fsdp is not None and p.pipeline_model_parallel_size > 1 and cfg.training.clip_grad:
         return [f"training.clip_grad {cfg.training.clip_grad} with fsdp and pipeline_model_parallel_size "
                 f"{p.pipeline_model_parallel_size}: clip_grad_norm_'s all-reduce of the norm over the pipeline stages "
@@ -1031,7 +1038,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         binding = f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
         if (note := oversubscribed_threads(hw, r)) is not None:
             out.append(note)
-        what, mode = ("FSDP cpu_offload", "overlap") if fsdp_offload else ("ZeRO-Offload", z.offload_mode)
+        fsdp2 = fsdp_offload and cfg.fsdp.offload_policy is not None
+        what = ("FSDP2 offload_policy" if fsdp2 else "FSDP cpu_offload") if fsdp_offload else "ZeRO-Offload"
+        mode = "overlap" if fsdp_offload else z.offload_mode
         dma = ("not modelled: the host DRAM bandwidth the copies' DMA takes, the other ranks' training threads"
                if fsdp_offload else "the copies' DMA shares each rank's host DRAM share with its CPU step "
                "(host.dram); not modelled: the other ranks' training threads")
@@ -1041,6 +1050,12 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
+    if dp_many and fsdp_offload and cfg.fsdp.offload_policy is not None:
+        page = ("; pageable: the first-touch page faults of the fresh CPU gradient tensors each .to('cpu') "
+                "allocates are not priced" if not cfg.fsdp.offload_pinned else "")
+        out.append("fsdp.offload_policy (FSDP2): each unit's per-parameter H2D copies (FSDPParam.all_gather_inputs), "
+                   "param_dtype casts and D2H gradient copies (foreach_reduce) are priced as one copy / one cast per "
+                   f"unit: one host launch and one copy latency each, not one per parameter{page}")
     if z is not None and dp_many and z.offload_param.device != "none":
         out.append("offload_param with data_parallel_size > 1: each rank's parameter partition is fetched from host "
                    "memory before every ZeRO-3 all-gather, at the gathers' prefetch (stage3_prefetch_bucket_size, "

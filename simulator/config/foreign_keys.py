@@ -56,11 +56,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                                "alike); remove it",
     "fsdp.activation_cpu_offload": "llm-foundry's activation_cpu_offload is not modelled; remove it (DeepSpeed's "
                                    "activation_checkpointing.cpu_checkpointing is)",
-    "fsdp.offload_policy": "FSDP2's fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=...)) is not modelled "
-                           "(sharded parameters and gradients in host memory, per-parameter H2D / D2H copies, the "
-                           "optimizer step on the CPU); FSDP1's CPUOffload is fsdp.cpu_offload with fsdp.version 1",
-    "training.enable_cpu_offload": "torchtitan's training.enable_cpu_offload (FSDP2 CPUOffloadPolicy) is not "
-                                   "modelled; FSDP1's CPUOffload is fsdp.cpu_offload with fsdp.version 1",
     "fsdp.verbose": _NO_STEP_EFFECT,
     "fsdp.state_dict_type": _NO_STEP_EFFECT,
     "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",

@@ -41,7 +41,7 @@ from simulator.config.sections.offload import ActivationCheckpointingConfig, Zer
 from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSectionConfig
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
-from simulator.config.sections.fsdp import FsdpConfig
+from simulator.config.sections.fsdp import FsdpConfig, FsdpOffloadPolicy
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
 from simulator.config.sections.memory import MemoryConfig
 from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
@@ -474,6 +474,10 @@ class TrainingConfig(_Model):
     recompute_granularity: Literal["full", "selective"] | None = Field(
         default=None, description="Megatron-LM --recompute-granularity (full = every block)."
     )
+    enable_cpu_offload: bool = Field(
+        default=False, description="torchtitan's [training] enable_cpu_offload (pytorch/torchtitan@81c12433 "
+        "torchtitan/models/llama3/infra/parallelize.py apply_fsdp: fully_shard(offload_policy=CPUOffloadPolicy())): "
+        "true is fsdp.offload_policy {kind: cpu, pin_memory: true}; needs fsdp: {version: 2}.")
     lora: LoraConfig | None = Field(default=None, description="LoRA fine-tune (Hugging Face PEFT names; "
                                     "simulator/config/sections/lora.py): base weights frozen, low-rank adapters "
                                     "trained. Default: every parameter is trained.")
@@ -734,6 +738,25 @@ class ScenarioConfig(_Model):
         return data
 
     @model_validator(mode="after")
+    def _torchtitan_cpu_offload(self):
+        """torchtitan's ``training.enable_cpu_offload: true`` is ``fsdp.offload_policy: {kind: cpu, pin_memory:
+        true}`` (``CPUOffloadPolicy()``'s default), filled in here; beside an ``offload_policy`` it must say the
+        same. Runs before the sharding checks (pydantic runs after-validators in the order defined)."""
+        if not self.training.enable_cpu_offload:
+            return self
+        f = self.fsdp
+        if f is None or f.version != 2:
+            raise ValueError("training.enable_cpu_offload: true is torchtitan's FSDP2 CPUOffloadPolicy(): it needs "
+                             "fsdp: {version: 2} (allowed: add it, or fsdp.cpu_offload with fsdp.version 1)")
+        if f.offload_policy is None:
+            # the section is frozen: the filled-in policy replaces it once, at validation
+            object.__setattr__(self, "fsdp", f.model_copy(update={"offload_policy": FsdpOffloadPolicy()}))
+        elif not f.offload_policy.pin_memory:
+            raise ValueError("training.enable_cpu_offload: true (torchtitan's CPUOffloadPolicy(), pinned) contradicts "
+                             "fsdp.offload_policy pin_memory false (allowed: one of them, or pin_memory true)")
+        return self
+
+    @model_validator(mode="after")
     def _data_parallel_scope(self):
         self._sharding_scope(self.parallelism.data_context_parallel_size)  # sharded over dp x cp
         return self
@@ -795,8 +818,9 @@ class ScenarioConfig(_Model):
                              "FULL_SHARD, or omit the degrees for HYBRID_SHARD's shard per node)")
 
     def _fsdp_offload_scope(self, dp: int) -> None:
-        """``fsdp.cpu_offload``: what is modelled (``simulator/policies/offload_fsdp.py``)."""
-        f, par, key = self.fsdp, self.parallelism, "fsdp.cpu_offload"
+        """``fsdp.cpu_offload`` / ``fsdp.offload_policy``: what is modelled (``simulator/policies/offload_fsdp.py``)."""
+        f, par = self.fsdp, self.parallelism
+        key = f.offload_key
         if f.sharding_strategy == "NO_SHARD":
             raise ValueError(f"{key} with sharding_strategy NO_SHARD is not modelled yet (allowed: FULL_SHARD, "
                              "SHARD_GRAD_OP, HYBRID_SHARD)")

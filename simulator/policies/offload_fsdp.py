@@ -1,6 +1,8 @@
-"""PyTorch FSDP ``CPUOffload(offload_params=True)``: sharded parameters and gradients in host memory, AdamW on the CPU.
+"""PyTorch FSDP ``CPUOffload(offload_params=True)`` and FSDP2 ``CPUOffloadPolicy``: sharded parameters and gradients
+in host memory, AdamW on the CPU.
 
-Selected by ``fsdp.cpu_offload`` (``simulator.config.sections.fsdp``). Rewrites the FSDP builder graph
+Selected by ``fsdp.cpu_offload`` (FSDP1) or ``fsdp.offload_policy`` / torchtitan's ``training.enable_cpu_offload``
+(FSDP2, below) (``simulator.config.sections.fsdp``). Rewrites the FSDP builder graph
 (``simulator/graph/builders/sharding.py``: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD over dp > 1, one micro-batch per
 step, no pipeline) with the mechanisms of ZeRO offload:
 
@@ -30,12 +32,43 @@ step, no pipeline) with the mechanisms of ZeRO offload:
   ``offload_ranks``: every rank of the node, dp 1 x cp 2 included), and their copies share the PCIe switch
   uplinks (the engine's links).
 
+**FSDP2** (``fsdp.version: 2`` with ``fsdp.offload_policy``, ``fully_shard(offload_policy=CPUOffloadPolicy(
+pin_memory))``; the builder of ``simulator/graph/builders/fsdp2.py``), the same mechanisms where PyTorch puts them:
+
+* **Parameters**: each parameter's padded fp32 shard lives on the CPU, pinned when ``pin_memory``
+  (pytorch/pytorch@17a7e1e0 torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``:
+  ``padded_sharded_param.cpu()``, then ``.pin_memory()``). With offload, ``_get_param_all_gather_inputs`` skips its
+  ``_foreach_copy_`` fast path (``use_foreach_copy`` is false for ``offload_to_cpu``, pytorch/pytorch@8fc2039d
+  _fsdp_collectives.py) and each parameter's ``all_gather_inputs`` copies its shard H2D (``.to(device,
+  non_blocking=True)``) before its ``param_dtype`` cast, under the all-gather copy-in stream: the unit's shard,
+  ``4 x`` its padded shard elements, is copied on stream ``fsdp.all_gather_copy_in`` before the unit's cast (bf16
+  ``param_dtype``) or copy-in (fp32), which reads it. A unit resharded to a smaller group after forward (an int
+  ``reshard_after_forward``) gathers its backward from the GPU copy kept after forward: no copy then.
+* **Gradients**: ``foreach_reduce`` copies each reduced fp32 gradient shard (after the bf16 -> fp32 cast; HSDP:
+  after the replica all-reduce) to the CPU on the post-reduce stream (``new_sharded_grad.to("cpu",
+  non_blocking=pin_memory)``): one D2H copy per unit after its reduction, and the unit's next reduction on that
+  stream (the reduce-scatter; HSDP: the all-reduce) waits for it. ``finalize_backward`` blocks the CPU on every
+  copy's event (pytorch/pytorch@62a45b6f _fsdp_param_group.py ``grad_offload_event.synchronize()``): the
+  ``offload.bwd_done`` host sync before the CPU step.
+* **pin_memory false**: the copies read and write pageable memory, at the pageable rate (``hw.link_rate``), and the
+  training thread blocks on each: the D2H is ``non_blocking=False`` (a synchronous copy), the H2D a
+  ``cudaMemcpyAsync`` from pageable memory, which returns once the driver has staged it (CUDA Runtime API, "API
+  synchronization behavior"); a ``SYNC`` on stream ``host`` after each, as the activation offload of
+  ``recompute.py`` waits on its pageable copies. The host's buffers are pageable.
+* **The optimizer**: ``torch.optim.AdamW`` over the CPU DTensor shards, one tensor per parameter
+  (``graph.meta["param_shard_numels"]``), implementation from ``training.optimizer.impl`` (torchtitan's default
+  ``fused``: torch's fused CPU AdamW).
+* Priced as one copy per unit where PyTorch issues one ``.to()`` per parameter (they queue back to back on one
+  stream: the copy latency and host launch once per unit, as ``offload_optimizer``'s parameter upload) and one
+  ``param_dtype`` cast kernel per unit where it runs one per parameter (the same bytes); the run's warnings say so.
+
 Refused in the config (one line, exit 2): NO_SHARD, pipelines, gradient accumulation (FSDP does not accumulate
 gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
 """
 
 from __future__ import annotations
 
+from simulator.graph.builders.fsdp2 import COPY_IN_STREAM
 from simulator.graph.builders.sharding import LOW_PRECISION_SHARD
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
@@ -68,22 +101,26 @@ class FsdpCpuOffload:
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         return fsdp_cpu_offload(graph, hw, impl=cfg.fsdp.cpu_adam_impl(cfg.training.optimizer.impl),
-                                ranks=offload_ranks(hw))
+                                ranks=offload_ranks(hw), pin_memory=cfg.fsdp.offload_pinned)
 
 
-def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int = 1) -> OpGraph:
+def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int = 1,
+                     pin_memory: bool = True) -> OpGraph:
     """The rewrite itself, usable without a scenario (tests, notebooks).
 
     Args:
         graph: The FSDP builder's step graph (``meta["sharding"]`` in ``STRATEGIES``; ``meta["shard_size"]``: ranks
-            a state is sharded over; ``meta["param_bytes"]``: bytes per gathered element, ``param_dtype``).
+            a state is sharded over; ``meta["param_bytes"]``: bytes per gathered element, ``param_dtype``); an
+            FSDP2 graph (ops on stream ``fsdp.all_gather_copy_in``) gets FSDP2's copies (module docstring).
         hw: The resolved hardware (its host prices the CPU step).
         impl: torch AdamW implementation on the CPU (``hardware_models.host_kernels.IMPLEMENTATIONS``, torch ones).
         ranks: Ranks of the node sharing its host (they split its cores and memory bandwidth).
+        pin_memory: FSDP2's ``CPUOffloadPolicy.pin_memory`` (false: pageable copies the host waits on, pageable host
+            buffers); FSDP1 pins (true).
 
     Raises:
-        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation, or experts reduced
-            over their own group (their gradients are not FSDP's).
+        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation, experts reduced
+            over their own group (their gradients are not FSDP's), or ``pin_memory`` false on an FSDP1 graph.
     """
     st = graph.meta.get("sharding")
     if graph.model is None or st not in STRATEGIES:
@@ -97,16 +134,51 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
     if any(op.kind == OpKind.COLLECTIVE and (op.meta or {}).get("group") in ("edp", "ep") and op.phase == Phase.BWD
            and (op.meta or {}).get("collective") == "all_reduce" for op in graph.ops):
         raise PolicyError(f"{KEY} with experts reduced over their own group is not modelled yet")
-    n = graph.meta["shard_size"]
+    fsdp2 = any(op.stream == COPY_IN_STREAM for op in graph.ops)
+    if not fsdp2 and not pin_memory:
+        raise PolicyError(f"{KEY}: FSDP1's CPUOffload always pins its shards (allowed: pin_memory true)")
     states = {t.name: t for t in graph.persistent}
     if not all(k in states for k in GPU_STATES):
         raise PolicyError(f"{KEY}: the graph has no FSDP sharded states ({', '.join(GPU_STATES)})")
     shard_bytes = states["params.fp32.shard"].nbytes  # 4 ceil(P / n): this rank's fp32 flat-parameter shard
     shard = shard_bytes // 4
     rw = GraphRewriter(graph)
+    h2d, h2d_bytes, copies, d2h, tensors = (_fsdp2_ops if fsdp2 else _fsdp1_ops)(graph, rw, pin_memory)
+    if not h2d or not copies:
+        raise PolicyError(f"{KEY}: found no parameter all-gathers or gradient reduce-scatters to offload")
+    last_bwd = max(op.id for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE)
+    done = rw.add("offload.bwd_done", OpKind.SYNC, "host", deps=list(rw.new(last_bwd)) + copies, phase=Phase.BWD,
+                  launch=False)
+    # pin_memory True either way: FSDP2's pageable shards are first touched by the training thread too
+    # (``.cpu()`` in _init_sharded_param, ``.to("cpu")`` in foreach_reduce), so they sit on its NUMA node
+    times = cpu_step_times(shard, len(tensors), impl, hw, tensor_elements=tensors, pin_memory=True,
+                           ranks=ranks)
+    adam = rw.add("cpu.adam", OpKind.HOST, "host", deps=[done], phase=Phase.OPT, host_s=times["cpu.adam"],
+                  launch=False, cost_class=CostClass.OPTIMIZER, dtype="fp32", meta={"params": shard, "impl": impl})
+    rw.add("step.synchronize", OpKind.SYNC, "host", deps=[adam], phase=Phase.OTHER, launch=False)
+    host = "host_pinned" if pin_memory else "host_pageable"
+    persistent = [t for t in graph.persistent if t.name not in GPU_STATES] + [
+        TensorAlloc("params.fp32.shard.host", shard_bytes, host),
+        TensorAlloc("grad.fp32.shard.host", shard_bytes, host),
+        TensorAlloc("optimizer.exp_avg.host", states["optimizer.exp_avg"].nbytes, "host_pageable"),
+        TensorAlloc("optimizer.exp_avg_sq.host", states["optimizer.exp_avg_sq"].nbytes, "host_pageable"),
+    ]
+    meta = dict(graph.meta)
+    meta["fsdp_cpu_offload"] = {"impl": impl, "params_per_rank": shard, "ranks_per_host": ranks, "fetches": h2d,
+                                "grad_copies": len(copies), "d2h_bytes_per_step": d2h, "h2d_bytes_per_step": h2d_bytes,
+                                "cpu_adam_s": times["cpu.adam"],
+                                "adam_rate": cpu_adam_rate(shard, impl, hw, "overlap", True, ranks)}
+    if fsdp2:
+        meta["fsdp_cpu_offload"]["pin_memory"] = pin_memory
+    return rw.finish(persistent=persistent, meta=meta)
+
+
+def _fsdp1_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int, int, list[int], int, list[int]]:
+    """FSDP1's ops (module docstring): ``(fetches, H2D bytes, gradient copy ids, D2H bytes, elements of each CPU
+    tensor)``, the flat-parameter shard of each unit."""
+    n = graph.meta["shard_size"]
     h2d = d2h = h2d_bytes = 0
     copies: list[int] = []
-    last_bwd = max(op.id for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE)
     unit_shards: list[int] = []
     pending: dict[int, int] = {}  # reduce-scatter old id -> its op (HYBRID: the replica all-reduce comes after it)
     for op in graph.ops:
@@ -139,34 +211,65 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
             copies.append(_grad_copy(rw, rs, [new], k))
             d2h += rs.allocs[0].nbytes
             unit_shards.append(rs.allocs[0].nbytes // 4)
-    if not h2d or not copies:
-        raise PolicyError(f"{KEY}: found no parameter all-gathers or gradient reduce-scatters to offload")
-    done = rw.add("offload.bwd_done", OpKind.SYNC, "host", deps=list(rw.new(last_bwd)) + copies, phase=Phase.BWD,
-                  launch=False)
-    times = cpu_step_times(shard, len(unit_shards), impl, hw, tensor_elements=unit_shards, pin_memory=True,
-                           ranks=ranks)
-    adam = rw.add("cpu.adam", OpKind.HOST, "host", deps=[done], phase=Phase.OPT, host_s=times["cpu.adam"],
-                  launch=False, cost_class=CostClass.OPTIMIZER, dtype="fp32", meta={"params": shard, "impl": impl})
-    rw.add("step.synchronize", OpKind.SYNC, "host", deps=[adam], phase=Phase.OTHER, launch=False)
-    persistent = [t for t in graph.persistent if t.name not in GPU_STATES] + [
-        TensorAlloc("params.fp32.shard.host", shard_bytes, "host_pinned"),
-        TensorAlloc("grad.fp32.shard.host", shard_bytes, "host_pinned"),
-        TensorAlloc("optimizer.exp_avg.host", states["optimizer.exp_avg"].nbytes, "host_pageable"),
-        TensorAlloc("optimizer.exp_avg_sq.host", states["optimizer.exp_avg_sq"].nbytes, "host_pageable"),
-    ]
-    meta = dict(graph.meta)
-    meta["fsdp_cpu_offload"] = {"impl": impl, "params_per_rank": shard, "ranks_per_host": ranks, "fetches": h2d,
-                                "grad_copies": len(copies), "d2h_bytes_per_step": d2h, "h2d_bytes_per_step": h2d_bytes,
-                                "cpu_adam_s": times["cpu.adam"],
-                                "adam_rate": cpu_adam_rate(shard, impl, hw, "overlap", True, ranks)}
-    return rw.finish(persistent=persistent, meta=meta)
+    return h2d, h2d_bytes, copies, d2h, unit_shards
 
 
-def _grad_copy(rw: GraphRewriter, rs, deps, k: str) -> int:
-    """D2H copy of reduce-scatter ``rs``'s fp32 gradient shard into the pinned host ``_cpu_grad``; frees the GPU shard."""
+#: FSDP2's reduction chain of unit bucket ``k`` (``fsdp2.fsdp2_reduce``), in order
+FSDP2_REDUCE = ("fsdp.grad_reduce_scatter.", "fsdp.grad_all_reduce_replicas.", "fsdp.grad_cast_fp32.")
+
+
+def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int, int, list[int], int, list[int]]:
+    """FSDP2's ops (module docstring): ``(fetches, H2D bytes, gradient copy ids, D2H bytes, elements of each CPU
+    tensor)``, one CPU tensor per parameter (``meta["param_shard_numels"]``)."""
+    fp32_gather = graph.meta["param_bytes"] == 4
+    last: dict[str, int] = {}  # unit bucket -> old id of the last op of its reduction (the D2H copy follows it)
+    for op in graph.ops:
+        if op.name.startswith(FSDP2_REDUCE):
+            last[op.name.rsplit(".", 1)[-1]] = op.id
+    # the post-reduce stream's next reduction waits for the copy: the replica all-reduce's (HSDP), else the
+    # reduce-scatter's
+    follows = FSDP2_REDUCE[1] if any(op.name.startswith(FSDP2_REDUCE[1]) for op in graph.ops) else FSDP2_REDUCE[0]
+    h2d = d2h = h2d_bytes = 0
+    copies: list[int] = []
+    shard_of: dict[str, object] = {}  # unit bucket -> the op whose first alloc is its fp32 gradient shard
+    for op in graph.ops:
+        if op.phase == Phase.OPT and op.kind != OpKind.COLLECTIVE:
+            rw.drop(op)  # the GPU AdamW (and anything of the step on the GPU)
+            continue
+        if op.name == "step.synchronize":
+            break
+        fetch = op.name.endswith(".fsdp.all_gather_cast") or (
+            fp32_gather and op.name.endswith(".fsdp.all_gather_copy_in")
+            and not any("sharded_post_forward" in u for u in op.uses))  # reshard int: backward gathers the GPU copy
+        if fetch:
+            nb = int(op.bytes_read)  # the unit's padded fp32 shard, which the cast / fp32 copy-in reads
+            fetch_shard_before(rw, op, nb, pin_memory, h2d, "fsdp_offload.fetch", stream=COPY_IN_STREAM,
+                               host_waits=not pin_memory)
+            h2d += 1
+            h2d_bytes += nb
+            continue
+        k = op.name.rsplit(".", 1)[-1] if op.name.startswith(FSDP2_REDUCE) else None
+        new = rw.copy(op, extra_deps=copies[-1:] if op.name.startswith(follows) else ())
+        if k is None:
+            continue
+        if op.name.startswith((FSDP2_REDUCE[0], FSDP2_REDUCE[2])):
+            shard_of[k] = op
+        if op.id == last[k]:
+            src = shard_of[k]
+            copies.append(_grad_copy(rw, src, [new], k, pin_memory))
+            d2h += src.allocs[0].nbytes
+            if not pin_memory:  # a synchronous .to("cpu"): the training thread waits for it
+                rw.add(f"fsdp_offload.d2h.grad.shard.{k}.wait", OpKind.SYNC, "host", deps=[copies[-1]],
+                       phase=Phase.BWD, layer=op.layer, launch=False)
+    return h2d, h2d_bytes, copies, d2h, list(graph.meta["param_shard_numels"])
+
+
+def _grad_copy(rw: GraphRewriter, rs, deps, k: str, pinned: bool = True) -> int:
+    """D2H copy of op ``rs``'s fp32 gradient shard (its first alloc: the reduce-scatter's, or FSDP2's fp32 cast's)
+    into host memory (FSDP1's pinned ``_cpu_grad``; FSDP2's ``.to("cpu")``); frees the GPU shard."""
     shard = rs.allocs[0]
     return rw.add(f"fsdp_offload.d2h.grad.shard.{k}", OpKind.MEMCPY_D2H, "d2h", deps=deps, phase=Phase.BWD,
-                  layer=rs.layer, cost_class=CostClass.COPY, bytes_read=float(shard.nbytes), pinned=True,
+                  layer=rs.layer, cost_class=CostClass.COPY, bytes_read=float(shard.nbytes), pinned=pinned,
                   uses=(shard.name,))
 
 
@@ -175,7 +278,15 @@ class FsdpOffloadSummary(OffloadSummary):
     """ZeRO-Offload's summary parts (``offload_optimizer.offload_parts``) and the node's host-memory check, naming
     FSDP's host states, plus the CPU AdamW implementation used."""
 
-    what = HOST_OOM_WHAT
+    @property
+    def what(self) -> tuple[str, str, str]:
+        """``HOST_OOM_WHAT``, named after the key that asked for the offload (FSDP2: ``offload_policy``; pageable
+        shards in the pageable pool)."""
+        if self.cfg.fsdp.offload_policy is None:
+            return HOST_OOM_WHAT
+        if self.cfg.fsdp.offload_pinned:
+            return ("FSDP2 offload_policy states",) + HOST_OOM_WHAT[1:]
+        return ("FSDP2 offload_policy states", "nothing", "fp32 parameter and gradient shards, Adam moments")
 
     @classmethod
     def applies(cls, cfg) -> bool:
@@ -183,13 +294,17 @@ class FsdpOffloadSummary(OffloadSummary):
 
     @staticmethod
     def pinned(cfg) -> bool:
-        """FSDP pins the fp32 parameter and gradient shards the copies move (module docstring), whatever
-        ``zero_optimization.offload_optimizer.pin_memory`` says."""
+        """The shards the copies move sit on the training thread's NUMA node (the host DRAM share of
+        ``OffloadSummary``), whatever ``zero_optimization.offload_optimizer.pin_memory`` says: FSDP1 pins them
+        (module docstring); FSDP2's pageable ones (``pin_memory`` false) are first touched by that thread too."""
         return True
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = super().summarize(spans, steps, counters, summary)
         out["offload_param_fetch_s"], out["exposed_param_fetch_s"] = fetch_times(spans, steps, "fsdp_offload.fetch")
-        out["fsdp_cpu_offload"] = {"impl": self.cfg.fsdp.cpu_adam_impl(self.cfg.training.optimizer.impl),
+        f = self.cfg.fsdp
+        out["fsdp_cpu_offload"] = {"impl": f.cpu_adam_impl(self.cfg.training.optimizer.impl),
                                    "ranks_per_host": offload_ranks(self.hw)}
+        if f.offload_policy is not None:
+            out["fsdp_cpu_offload"]["pin_memory"] = f.offload_pinned
         return out

@@ -134,15 +134,22 @@ def is_param_gather(op, groups=("dp", "dp_shard")) -> bool:
             and m.get("group", "dp") in groups)
 
 
-def fetch_shard_before(rw: GraphRewriter, op, nbytes: int, pin_memory: bool, k: int, suffix: str) -> int:
-    """Copy parameter all-gather ``op`` after an H2D copy (stream ``h2d``) of this rank's ``nbytes`` shard of it from
-    host memory into a GPU buffer that the gather reads (freed after it); the copy waits for what the gather waited
-    for. Used by ZeRO-3 parameter offload and FSDP ``cpu_offload`` (``offload_fsdp``). Returns the copy's new id."""
+def fetch_shard_before(rw: GraphRewriter, op, nbytes: int, pin_memory: bool, k: int, suffix: str,
+                       stream: str = "h2d", host_waits: bool = False) -> int:
+    """Copy ``op`` (a parameter all-gather, or the kernel that feeds one) after an H2D copy on ``stream`` of this
+    rank's ``nbytes`` shard of it from host memory into a GPU buffer that ``op`` reads (freed after it); the copy
+    waits for what ``op`` waited for. ``host_waits``: the training thread blocks until the copy ends (a
+    ``cudaMemcpyAsync`` from pageable memory stages through the driver's buffer before it returns: CUDA Runtime API,
+    "API synchronization behavior"), a ``SYNC`` on stream ``host`` that ``op`` follows. Used by ZeRO-3 parameter
+    offload and FSDP ``cpu_offload`` / ``offload_policy`` (``offload_fsdp``). Returns the copy's new id."""
     tensor = f"{op.name}.host_partition#{k}"
-    f = rw.add(f"{op.name.removesuffix('.param_all_gather')}.{suffix}", OpKind.MEMCPY_H2D, "h2d",
-               deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer, cost_class=CostClass.COPY,
-               bytes_read=float(nbytes), pinned=pin_memory, allocs=(TensorAlloc(tensor, nbytes),))
-    rw.copy(op, extra_deps=[f], uses=op.uses + (tensor,))
+    name = f"{op.name.removesuffix('.param_all_gather')}.{suffix}"
+    f = rw.add(name, OpKind.MEMCPY_H2D, stream, deps=sorted(rw._remap(op.deps)), phase=op.phase, layer=op.layer,
+               cost_class=CostClass.COPY, bytes_read=float(nbytes), pinned=pin_memory,
+               allocs=(TensorAlloc(tensor, nbytes),))
+    after = [rw.add(f"{name}.wait", OpKind.SYNC, "host", deps=[f], phase=op.phase, layer=op.layer, launch=False)] \
+        if host_waits else []
+    rw.copy(op, extra_deps=[f, *after], uses=op.uses + (tensor,))
     return f
 
 

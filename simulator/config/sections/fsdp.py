@@ -13,11 +13,14 @@ YAML::
                                        #   cpu_adam_impl: torch_single | torch_foreach | torch_fused}
       mixed_precision: DEFAULT         # DEFAULT | PURE | FULL, or {param_dtype: bf16, reduce_dtype: fp32}
       version: 1                       # 1: FullyShardedDataParallel (FlatParameter); 2: fully_shard (FSDP2)
+      offload_policy: null             # version 2: {kind: cpu, pin_memory: true} = CPUOffloadPolicy(pin_memory=True)
 
 ``version: 2`` is FSDP2 (``torch.distributed.fsdp.fully_shard``, torchtitan's): per-parameter dim-0 sharding, the
 all-gather copy-in / copy-out and reduce-scatter copy-in kernels (``simulator/graph/builders/fsdp2.py``). It takes
 no ``sharding_strategy``, ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers`` or ``cpu_offload``
-(FSDP1's; refused in one line): the mesh (``parallelism.data_parallel_shard_degree`` /
+(FSDP1's; refused in one line; its CPU offload is ``offload_policy``, ``fully_shard(offload_policy=CPUOffloadPolicy(
+pin_memory=...))``, also written ``CPUOffloadPolicy``, ``CPUOffloadPolicy(pin_memory=False)`` or torchtitan's
+``training.enable_cpu_offload: true``; ``simulator/policies/offload_fsdp.py``): the mesh (``parallelism.data_parallel_shard_degree`` /
 ``data_parallel_replicate_degree``, torchtitan's names) makes it FSDP or HSDP, ``reshard_after_forward`` true
 (default) / false / an int (reshard to groups of that many consecutive shard ranks) says what it keeps after
 forward, and ``mixed_precision`` is its ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
@@ -36,6 +39,7 @@ torch 2.x) with llm-foundry's ``mixed_precision: DEFAULT``. See
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -44,15 +48,10 @@ from simulator.config.limits import MODEL_CONFIG
 
 #: ``fsdp.version`` by API name
 FSDP_API_VERSIONS = {"FullyShardedDataParallel": 1, "fully_shard": 2}
-#: Why FSDP2's offload is refused: ``fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=True))`` keeps the sharded
-#: parameters and gradients in (pinned) host memory, copies each sharded parameter H2D before its all-gather and each
-#: sharded gradient D2H in backward, and steps the optimizer on the CPU with CPU states (pytorch/pytorch@05f814fe
-#: torch/distributed/fsdp/_fully_shard/_fsdp_api.py ``CPUOffloadPolicy``): per-parameter copies around FSDP2's
-#: copy-in / copy-out kernels that are not built, and FSDP1's flat-parameter offload (``cpu_offload`` with version 1)
-#: is not the same schedule.
-FSDP2_OFFLOAD_NOTE = ("its counterpart, fully_shard's offload_policy=CPUOffloadPolicy (sharded parameters and "
-                      "gradients in host memory, copied H2D before each all-gather and D2H in backward, the optimizer "
-                      "step on the CPU), is not modelled")
+#: FSDP1's ``cpu_offload`` under version 2: FSDP2's counterpart, ``fully_shard(offload_policy=CPUOffloadPolicy(
+#: pin_memory=True))`` (pytorch/pytorch@05f814fe torch/distributed/fsdp/_fully_shard/_fsdp_api.py ``CPUOffloadPolicy``)
+FSDP2_OFFLOAD_NOTE = ("its counterpart is fsdp.offload_policy: {kind: cpu, pin_memory: true} (fully_shard's "
+                      "offload_policy=CPUOffloadPolicy(pin_memory=True))")
 #: FSDP1 keys that ``fully_shard`` has no counterpart for, and what FSDP2 does instead (pytorch/pytorch
 #: torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard(module, mesh, reshard_after_forward,
 #: shard_placement_fn, mp_policy, offload_policy, ignored_params)``; _fsdp_param_group.py: implicit forward prefetch
@@ -100,6 +99,23 @@ class FsdpCpuOffload(_Model):
         "training.optimizer.impl (foreach -> torch_foreach, fused -> torch_fused, single -> torch_single).")
 
 
+#: ``fsdp.offload_policy`` written as PyTorch's constructor: ``CPUOffloadPolicy``, ``CPUOffloadPolicy()``,
+#: ``CPUOffloadPolicy(pin_memory=False)``; ``OffloadPolicy`` / ``OffloadPolicy()`` is the no-offload default
+_CPU_POLICY = re.compile(r"^CPUOffloadPolicy(\(\s*(pin_memory\s*=\s*(True|False|true|false))?\s*\))?$")
+_NO_POLICY = ("OffloadPolicy", "OffloadPolicy()", "none")
+
+
+class FsdpOffloadPolicy(_Model):
+    """FSDP2's ``CPUOffloadPolicy`` (pytorch/pytorch@05f814fe torch/distributed/fsdp/_fully_shard/_fsdp_api.py):
+    sharded parameters, gradients and optimizer states on the CPU, the optimizer step on the CPU."""
+
+    kind: Literal["cpu"] = Field(default="cpu", description="cpu: CPUOffloadPolicy (the only offload fully_shard "
+                                 "has; OffloadPolicy, no offload, is offload_policy: null).")
+    pin_memory: bool = Field(default=True, description="CPUOffloadPolicy.pin_memory: the sharded parameters (and "
+                             "the gradients copied down) in page-locked memory, copied asynchronously; false: "
+                             "pageable, each copy at the pageable rate with the training thread waiting on it.")
+
+
 class FsdpConfig(_Model):
     """PyTorch FSDP (exclusive with ``zero_optimization.stage`` > 0 and ``ddp.use_distributed_optimizer``)."""
 
@@ -126,6 +142,12 @@ class FsdpConfig(_Model):
     mixed_precision: Literal["DEFAULT", "PURE", "FULL"] | FsdpMixedPrecision = Field(
         default="DEFAULT", description="DEFAULT | PURE | FULL (composer/llm-foundry) or {param_dtype, reduce_dtype} "
         "(version 2: MixedPrecisionPolicy's).")
+    offload_policy: FsdpOffloadPolicy | None = Field(
+        default=None, description="version 2 (fully_shard's offload_policy): {kind: cpu, pin_memory: bool} = "
+        "CPUOffloadPolicy(pin_memory=...), also written CPUOffloadPolicy or CPUOffloadPolicy(pin_memory=False); "
+        "torchtitan's training.enable_cpu_offload: true is CPUOffloadPolicy(). The fp32 sharded parameters live on "
+        "the host, each unit's shard is copied H2D before its all-gather, the reduced fp32 gradient shard D2H, and "
+        "AdamW (training.optimizer.impl) steps on the CPU; null: no offload (OffloadPolicy).")
     version: Literal[1, 2] = Field(
         default=1, description="1: FullyShardedDataParallel (one FlatParameter per unit, padded to the shard size); "
         "2: FSDP2 fully_shard (torchtitan's; also written fully_shard): per-parameter dim-0 shards, each padded, "
@@ -157,6 +179,10 @@ class FsdpConfig(_Model):
                 raise ValueError(f"fsdp.{given[0]} is FSDP1's (FullyShardedDataParallel); fsdp.version 2 "
                                  f"(fully_shard) {has}: {FSDP1_ONLY_KEYS[given[0]]} (allowed: omit it, or "
                                  "version 1)")
+        elif self.offload_policy is not None:
+            raise ValueError("fsdp.offload_policy is FSDP2's (fully_shard's CPUOffloadPolicy); fsdp.version 1 "
+                             "(FullyShardedDataParallel) offloads with fsdp.cpu_offload (allowed: version 2, or "
+                             "cpu_offload: true)")
         elif isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"fsdp.reshard_after_forward: {self.reshard_after_forward} (an int: reshard to a smaller "
                              "group) is FSDP2's (allowed with version 1: true, false; or version 2)")
@@ -174,11 +200,45 @@ class FsdpConfig(_Model):
             raise ValueError(f"{v!r} (allowed: true, false or {{offload_params: bool, cpu_adam_impl: ...}})")
         return v
 
+    @field_validator("offload_policy", mode="before")
+    @classmethod
+    def _offload_policy_value(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("preset"), str):  # ``--set fsdp.offload_policy.pin_memory=...``
+            base = cls._offload_policy_value(v["preset"])  # over a string form: the overrides' {preset: name}
+            rest = {k: x for k, x in v.items() if k != "preset"}
+            if base is None and rest:
+                raise ValueError(f"{v['preset']} (no offload) takes no {', '.join(rest)} (allowed: CPUOffloadPolicy, "
+                                 "or {kind: cpu, pin_memory: ...})")
+            return {**base, **rest} if base is not None else None
+        if isinstance(v, str):
+            if v.strip() in _NO_POLICY:
+                return None
+            m = _CPU_POLICY.match(v.strip())
+            if m:
+                return {"kind": "cpu", "pin_memory": (m.group(3) or "True").lower() == "true"}
+        if v is None or isinstance(v, dict):
+            return v
+        raise ValueError(f"{v!r} (allowed: {{kind: cpu, pin_memory: true | false}}, CPUOffloadPolicy, "
+                         "CPUOffloadPolicy(pin_memory=False), or null / OffloadPolicy: no offload)")
+
     @property
     def offload_params(self) -> bool:
-        """``CPUOffload(offload_params=True)``."""
+        """Sharded states on the host with the CPU AdamW: FSDP1 ``CPUOffload(offload_params=True)`` or FSDP2
+        ``offload_policy`` ``CPUOffloadPolicy``."""
         c = self.cpu_offload
-        return c if isinstance(c, bool) else c.offload_params
+        return (c if isinstance(c, bool) else c.offload_params) or self.offload_policy is not None
+
+    @property
+    def offload_key(self) -> str:
+        """The key that asked for the offload, for messages: ``fsdp.offload_policy`` (FSDP2) or
+        ``fsdp.cpu_offload`` (FSDP1)."""
+        return "fsdp.offload_policy" if self.offload_policy is not None else "fsdp.cpu_offload"
+
+    @property
+    def offload_pinned(self) -> bool:
+        """Whether the offloaded parameter and gradient shards are page-locked: FSDP1 always pins them
+        (``FlatParamHandle``), FSDP2 as ``CPUOffloadPolicy.pin_memory`` says."""
+        return self.offload_policy.pin_memory if self.offload_policy is not None else True
 
     def cpu_adam_impl(self, optimizer_impl: str) -> str:
         """The host implementation of the CPU AdamW (``cpu_adam_impl``, else from ``training.optimizer.impl``)."""

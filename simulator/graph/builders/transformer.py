@@ -2342,6 +2342,14 @@ class _GptBuilder:
             if self.s.fp8_weight_copies == 2:
                 self.b.persistent("params.fp8_transpose", f8)
 
+    def _fsdp2_meta(self) -> dict:
+        """FSDP2 graphs: ``param_shard_numels``, this rank's padded shard of each parameter (``fsdp2.padded_numel`` /
+        the shard size), in ``param_groups`` order: the CPU tensors of ``fsdp.offload_policy``'s CPU AdamW. {} else."""
+        if self.sh is None or self.sh.version != 2:
+            return {}
+        w = self.sh.shard_size
+        return {"param_shard_numels": tuple(fsdp2.padded_numel(self.s, g.name, g.numel, w) // w for g in self.groups)}
+
     def _shard_numel(self, P: int) -> int:
         """Elements of this rank's shard of its ``P`` parameters: FSDP2 pads each parameter
         (``fsdp2.sharded_numel``), FSDP1 / ZeRO-3 the flat buffer (``ShardingSpec.shard``)."""
@@ -2685,5 +2693,6 @@ class _GptBuilder:
                   "num_trainable_parameters": lora.trainable_parameters(s) if s.lora is not None else s.num_parameters, "tensor_parallel_size": s.tensor_parallel_size,
                   "sharding": self.sh.strategy if self.sh is not None else None,
                   "shard_size": self.sh.shard_size if self.sh is not None else 1,
-                  "param_bytes": self.sh.param_bytes if self.sh is not None else None},
+                  "param_bytes": self.sh.param_bytes if self.sh is not None else None,
+                  **self._fsdp2_meta()},
         )

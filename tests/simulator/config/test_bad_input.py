@@ -221,7 +221,8 @@ def test_many_problems_are_capped_at_20(tmp_path, capsys, unknown, shown):
 
 
 @pytest.mark.parametrize("override,line", [
-    ("training=5", "training: expected a mapping of keys (clip_grad, cross_entropy, fp8, fp8_amax_history_len, "
+    ("training=5", "training: expected a mapping of keys (clip_grad, cross_entropy, enable_cpu_offload, fp8, "
+     "fp8_amax_history_len, "
      "fp8_param_gather, "
      "global_batch_size, lora, micro_batch_size, optimizer, precision, recompute_granularity) (got 5)"),
     ("hardware.gpu=5", "hardware.gpu: expected a string or a mapping of keys (overrides, preset) (got 5)"),
