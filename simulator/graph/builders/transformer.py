@@ -1260,15 +1260,22 @@ class _GptBuilder:
                           writes=gb * numel, out=out, uses=[dw16, self._ipg] if in_ipg else [dw16], dtype="fp32")
         return i, gname
 
-    def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE):
+    def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE) -> tuple[str, str]:
+        """LayerNorm / RMSNorm over ``[T_n, h]``. Returns ``(output, statistics)``: the fp32 per-token mean and
+        ``rstd`` (LayerNorm, 8 B a token) or ``rstd`` alone (RMSNorm, 4 B), which the backward reads, so they live
+        until ``_norm_bwd`` (pytorch/pytorch aten/src/ATen/native/layer_norm.cpp ``native_layer_norm`` returns
+        ``(out, mean, rstd)`` and its backward takes ``mean, rstd``; NVIDIA/TransformerEngine ``rmsnorm_fwd`` keeps
+        ``rsigma`` for ``rmsnorm_bwd``)."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
-        y = e.fresh(f"{name}.out")
+        y, st = e.fresh(f"{name}.out"), e.fresh(f"{name}.stats")
         stats = 8 * T if self.s.normalization == "LayerNorm" else 4 * T  # fp32 mean + rstd, or rstd only (RMSNorm)
         e.kernel(f"{name}", C.NORM, role=role, reads=self.act * T * h, writes=self.act * T * h,
-                 out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), stats)], uses=[x], dtype="fp32")
-        return y
+                 out=[(y, self.act * T * h), (st, stats)], uses=[x], dtype="fp32")
+        return y, st
 
-    def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool):
+    def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool, stats: str | None = None):
+        """Backward of ``_norm_fwd`` from ``g``; ``x`` its input, ``stats`` its statistics (read by the input- and
+        weight-gradient kernels; None: none kept). Returns the input gradient."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
         gin = g
         if self.amp and g_is_bf16:
@@ -1276,15 +1283,16 @@ class _GptBuilder:
             e.kernel(f"{name}.cast_grad", C.CAST, reads=2 * T * h, writes=4 * T * h,
                      out=[(gin, 4 * T * h)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
+        st = [stats] if stats else []
         e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
-                 out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
+                 out=[(dx, self.act * T * h)], uses=[gin, x, *st], dtype="fp32")
         if self.s.lora is not None:  # frozen norm weights: no dgamma / dbeta
             return dx
         nb = self.s.norm_has_bias
 
         def weight_grads() -> None:
             i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, role=OpRole.NORM_GRAD,
-                         reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
+                         reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x, *st], dtype="fp32")
             self._grad_ready(f"{name}.weight", h, i)
             if nb:
                 self._grad_ready(f"{name}.bias", h, i)
@@ -1542,7 +1550,7 @@ class _GptBuilder:
         h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         self._gather_layer_params(e.layer, e.phase)
-        ln1s = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
+        ln1s, ln1_st = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
         ln1 = self._tp_gather("ln1", ln1s)
         qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
         sv_qkv = self._save_shard(sv_qkv, ln1s)
@@ -1554,16 +1562,17 @@ class _GptBuilder:
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
-        sv_core = None
+        sv_core = lse = None
         varlen_mode = s.attention_backend == "flash_varlen"  # MPT's padding helpers (builders/varlen.py)
         if varlen_mode:
             qkv = varlen.unpad_fwd(self, qkv, T, (h, kv, kv))
         if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
             att, sv_core = core.unfused_fwd(self, qkv, qk)
         else:
+            lse = e.fresh("attn.lse")  # fp32 [b, a / t, s / c] row log-sum-exp, read by the backward
             self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
                             writes=2 * T * h + 4 * bsz * a * s_loc,
-                            out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
+                            out=[(att, 2 * T * h), (lse, 4 * bsz * a * s_loc)],
                             uses=[qkv] + ([qk] if qk else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
@@ -1576,7 +1585,7 @@ class _GptBuilder:
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
-        ln2 = self._norm_fwd("ln2", x2)
+        ln2, ln2_st = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
         if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py), T / t tokens
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
@@ -1592,7 +1601,8 @@ class _GptBuilder:
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
                          x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
-                         core=None if selective else sv_core, mask1=mask1, mask2=mask2)
+                         core=None if selective else sv_core, mask1=mask1, mask2=mask2,
+                         lse=None if selective else lse, ln1_stats=ln1_st, ln2_stats=ln2_st)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -1613,7 +1623,7 @@ class _GptBuilder:
             g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
             g_ln2 = self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t, g_fp32=False,
                                      tp_reduce="fc1.grad")
-        g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
+        g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True, stats=sv["ln2_stats"])
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
         g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
@@ -1628,23 +1638,26 @@ class _GptBuilder:
         if s.attention_backend == "unfused":  # re-run the core first with selective recompute
             sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
             g_qkv = self._rope_bwd(core.unfused_bwd(self, g_att, sv_core, T * qo), h + kv)
-        elif att is None:  # selective recompute: re-run the attention forward
-            att = e.fresh("attn.out.recomputed")
-            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h,
-                            out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
+        lse = sv.get("lse")
+        if s.attention_backend != "unfused" and att is None:  # selective recompute: re-run the attention forward
+            att, lse = e.fresh("attn.out.recomputed"), e.fresh("attn.lse.recomputed")
+            nl = 4 * bsz * a * (s.seq_length // self.cp)
+            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
+                            writes=2 * T * h + nl, out=[(att, 2 * T * h), (lse, nl)],
+                            uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
                             kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
         if s.attention_backend != "unfused":
             g_qkv = e.fresh("attn.dqkv")
             self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
                             writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
-                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
+                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []) + ([lse] if lse else []),
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
                             q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
             if s.attention_backend == "flash_varlen":
                 g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False, tp_reduce="qkv.grad")
-        g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
+        g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True, stats=sv["ln1_stats"])
         out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
         self._release_layer_params(e.layer, Phase.BWD)
         return out
@@ -1715,7 +1728,7 @@ class _GptBuilder:
             return st
         st["x"] = x
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
-        xfs = self._norm_fwd("ln_f", x)
+        xfs, st["ln_f_stats"] = self._norm_fwd("ln_f", x)
         xf = self._tp_gather("ln_f", xfs)
         logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
         st["sv_head"] = self._save_shard(sv_head, xfs)
@@ -1847,7 +1860,7 @@ class _GptBuilder:
             self._gather_layer_params(s.num_layers, Phase.BWD)
             g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
                                  g_fp32=False, tp_reduce="lm_head.grad")
-            g = self._norm_bwd("ln_f", g, st["x"], g_is_bf16=True)
+            g = self._norm_bwd("ln_f", g, st["x"], g_is_bf16=True, stats=st["ln_f_stats"])
         else:
             g = self._take(("grad", k, mb))
         saved_layers = st["layers"]
