@@ -31,7 +31,8 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
   (+ the rotated q, k with rope, except with flash attention: the rotated q, k and V's contiguous copy in its
-  place, Transformer Engine's ``get_qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
+  place, Transformer Engine's ``get_qkv_layout``; with torchtitan's ``repeat_kv`` q and the ``a``-head K and V,
+  ``3 x 2 T a d / t``: ``qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
   with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics (``norm_stats_bytes``; the final norm's too),
   the flash kernel's fp32 log-sum-exp ``4 b a s / t`` (``flash_lse_bytes``; not with selective recompute), and with
   ``amp_fp32_params`` the bf16 copies of the block's weights (``fp32`` / ``tf32``: every 16-bit size above
@@ -75,6 +76,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
+from simulator.graph.builders import qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
 from simulator.studies.moe_backward_peak import moe_dims, working_peak
@@ -267,7 +269,8 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     # _fp8_operands; TE linear.py saves only the fp8 input for backward)
     fp8 = (w - 1) * T * (2 * h + h // t + f // t) if spec.fp8 is not None else 0
     moe_mlp = _moe_mlp_delta(spec)[0] if spec.num_experts else 0  # an MoE block's MLP (bf16 / fp16 only)
-    return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
+    qkv = 3 * spec.attention_width // t if qkv_layout.repeats(spec) else qo  # repeat_kv: q and a heads of K, V
+    return (2 * residual + 2 * w * T * h + w * T * qkv + rope + attn + masks + w * T * (f1 + f // t) + stats
             + weights16 + eager - fp8 + moe_mlp)
 
 

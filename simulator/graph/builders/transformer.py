@@ -107,7 +107,7 @@ from simulator.graph.builders import fsdp2
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
-from simulator.graph.builders import lora, moe, varlen
+from simulator.graph.builders import lora, moe, qkv_layout, varlen
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
@@ -291,6 +291,11 @@ class TransformerSpec:
             ``megatron_fused`` (Megatron-LM's ``_VocabParallelCrossEntropy``, without or with
             ``--cross-entropy-loss-fusion``: the same memory, fewer passes fused; one fp32 copy of the logits made
             softmax in place, saved, and turned into the gradient in place; ``_GptBuilder._loss_fwd``).
+        qkv_separate: q, k and v come from separate projections (torchtitan's ``wq`` / ``wk`` / ``wv``, Hugging
+            Face's ``q_proj`` / ``k_proj`` / ``v_proj``): with flash attention and rope no contiguous copy of V
+            (``simulator/graph/builders/qkv_layout.py``); false: Megatron / Transformer Engine's fused QKV.
+        repeat_kv: torchtitan's ``repeat_kv``: with grouped K/V heads, k and v are copied out to the query heads
+            before the flash kernel and their gradients summed back (``qkv_layout.py``; needs flash and rope).
     """
 
     num_layers: int
@@ -365,6 +370,8 @@ class TransformerSpec:
     hidden_dropout: float = 0.0
     kernels: str = "fused"
     cross_entropy: str = "pytorch"
+    qkv_separate: bool = False
+    repeat_kv: bool = False
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -482,6 +489,7 @@ class TransformerSpec:
         if self.vit is not None:
             vitb.check_vit_spec(self)
         core.check_attention_spec(self)
+        qkv_layout.check_qkv_layout(self)
         varlen.check_varlen_spec(self)
         hf.check_spec(self)
         if self.fp8_param_gather and (self.fp8 is None or not self.megatron_optimizer or self.num_experts):
@@ -1063,11 +1071,13 @@ class _GptBuilder:
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
-                    tokens: int | None = None, groups: int = 1):
+                    tokens: int | None = None, groups: int = 1, parts: tuple[int, ...] = ()):
         """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue).
 
         ``tokens`` rows (default ``T``); ``groups > 1``: a grouped GEMM of ``groups`` weights ``[in, out]``
-        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows."""
+        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows. ``parts``: output
+        widths summing to ``out_dim`` (separate projections priced as one GEMM, ``qkv_layout``): the GEMM writes one
+        tensor per part and the first return value is their tuple."""
         e = self.e
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
@@ -1083,7 +1093,8 @@ class _GptBuilder:
             xin = e.fresh(f"{name}.in16")
             e.kernel(f"{name}.cast_in", C.CAST, reads=4 * T * in_dim, writes=2 * T * in_dim,
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
-        y = e.fresh(f"{name}.out")
+        outs = [(e.fresh(f"{name}.out"), self.w * T * p) for p in (parts or (out_dim,))]
+        y = outs[0][0]
         if self.fp8 and e.layer >= 0:  # Transformer Engine fp8 Linear
             xin, w16 = self._fp8_operands(name, xin, w16, T * in_dim, W)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
@@ -1093,10 +1104,12 @@ class _GptBuilder:
             beta = hf.addmm_bias_copy(self, name, T, out_dim)  # Conv1D's addmm on PyTorch 1.10 (hf_eager only)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
                      reads=self.w * (T * in_dim + W + (T * out_dim if beta else 0)), writes=self.w * T * out_dim,
-                     out=[(y, self.w * T * out_dim)], uses=[xin, w16, *([beta] if beta else [])])
+                     out=outs, uses=[xin, w16, *([beta] if beta else [])])
         self._after_overlapped_gemm()
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
-        return y, (xin, w16, ad) if save else ()
+        for t, _ in outs[1:]:  # the parts are ready when the first is (after its adapters' add)
+            e.producer[t] = e.producer[y]
+        return (tuple(t for t, _ in outs) if parts else y), (xin, w16, ad) if save else ()
 
     def _fp8_meta_bytes(self, tensors: int) -> int:
         """Bytes of the delayed-scaling state of ``tensors`` fp8 tensors: an fp32 amax history of
@@ -1422,21 +1435,23 @@ class _GptBuilder:
             return None
         return self._rope_kernel("rope", "rope.qk", qkv, width)
 
-    def _rope_bwd(self, g_qkv: str, width: int) -> str:
+    def _rope_bwd(self, g_qkv: str | list[str], width: int) -> str:
         """Backward of ``_rope_fwd`` (the inverse rotation of dq, dk: same traffic); returns the QKV gradient."""
         if self.s.position_embedding != "rope":
             return g_qkv
         return self._rope_kernel("rope.dgrad", "rope.dx", g_qkv, width)
 
-    def _rope_kernel(self, name: str, out: str, src: str, width: int) -> str:
-        """One rotation pass over ``[T, width]`` 16-bit elements (forward or backward: the same traffic)."""
+    def _rope_kernel(self, name: str, out: str, src: str | list[str], width: int, parts: tuple[int, ...] = ()):
+        """One rotation pass over ``[T, width]`` 16-bit elements (forward or backward: the same traffic) reading
+        ``src`` (a tensor, or several). Returns its output, or with ``parts`` (widths summing to ``width``) one
+        output tensor per part (q and k apart), as a tuple."""
         e, s = self.e, self.s
         n = self.T * width
-        y = e.fresh(out)
         w = self.w
+        ys = [(e.fresh(out), w * self.T * p) for p in parts] if parts else [(e.fresh(out), w * n)]
         e.kernel(name, C.ELEMENTWISE, reads=w * n + 2 * 4 * s.seq_length * s.head_dim, writes=w * n,
-                 flops=3 * n, out=[(y, w * n)], uses=[src])
-        return y
+                 flops=3 * n, out=ys, uses=[src] if isinstance(src, str) else src)
+        return tuple(y for y, _ in ys) if parts else ys[0][0]
 
     def _contiguous_v(self, qkv: str, kv: int) -> str:
         """V's contiguous copy, ``[T, kv]`` 16-bit (``kv = g d / t``), saved for the attention backward in place of
@@ -1552,11 +1567,17 @@ class _GptBuilder:
         self._gather_layer_params(e.layer, e.phase)
         ln1s, ln1_st = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
         ln1 = self._tp_gather("ln1", ln1s)
-        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
+        sep = qkv_layout.separate(s)  # q, k, v from separate projections (torchtitan, PEFT): qkv_layout.py
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save, parts=(h + kv, kv) if sep else ())
         sv_qkv = self._save_shard(sv_qkv, ln1s)
-        qk = self._rope_fwd(qkv, h + kv)
-        if qk is not None and s.attention_backend == "flash":
-            qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
+        if sep:  # rope, torchtitan's repeat_kv copies; V goes in as the projection wrote it
+            attn_in = qkv_layout.separate_fwd(self, *qkv, h, kv)
+            qk, qkv = attn_in[0], attn_in[-1]
+        else:
+            qk = self._rope_fwd(qkv, h + kv)
+            if qk is not None and s.attention_backend == "flash":
+                qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
+        qw, kvw = qkv_layout.attn_widths(s, h, kv) if sep else (qo, kv)  # the flash kernel's q, k, v; K width
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
@@ -1566,16 +1587,17 @@ class _GptBuilder:
         varlen_mode = s.attention_backend == "flash_varlen"  # MPT's padding helpers (builders/varlen.py)
         if varlen_mode:
             qkv = varlen.unpad_fwd(self, qkv, T, (h, kv, kv))
+        if not sep:
+            attn_in = [qkv] + ([qk] if qk else [])
         if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
             att, sv_core = core.unfused_fwd(self, qkv, qk)
         else:
             lse = e.fresh("attn.lse")  # fp32 [b, a / t, s / c] row log-sum-exp, read by the backward
-            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
+            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qw,
                             writes=2 * T * h + 4 * bsz * a * s_loc,
-                            out=[(att, 2 * T * h), (lse, 4 * bsz * a * s_loc)],
-                            uses=[qkv] + ([qk] if qk else []),
+                            out=[(att, 2 * T * h), (lse, 4 * bsz * a * s_loc)], uses=attn_in,
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size},
-                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+                            kv=kvw, q_bytes=2 * T * qw, o_bytes=2 * T * h)
         if varlen_mode:
             attc = varlen.pad_fwd(self, att, T, h)
         else:
@@ -1602,7 +1624,7 @@ class _GptBuilder:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
                          x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
                          core=None if selective else sv_core, mask1=mask1, mask2=mask2,
-                         lse=None if selective else lse, ln1_stats=ln1_st, ln2_stats=ln2_st)
+                         lse=None if selective else lse, ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -1638,21 +1660,25 @@ class _GptBuilder:
         if s.attention_backend == "unfused":  # re-run the core first with selective recompute
             sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
             g_qkv = self._rope_bwd(core.unfused_bwd(self, g_att, sv_core, T * qo), h + kv)
-        lse = sv.get("lse")
+        lse, sep = sv.get("lse"), qkv_layout.separate(s)
+        qw, kvw = qkv_layout.attn_widths(s, h, kv) if sep else (qo, kv)  # the flash kernel's q, k, v; K width
         if s.attention_backend != "unfused" and att is None:  # selective recompute: re-run the attention forward
             att, lse = e.fresh("attn.out.recomputed"), e.fresh("attn.lse.recomputed")
             nl = 4 * bsz * a * (s.seq_length // self.cp)
-            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
-                            writes=2 * T * h + nl, out=[(att, 2 * T * h), (lse, nl)],
-                            uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
-                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qw,
+                            writes=2 * T * h + nl, out=[(att, 2 * T * h), (lse, nl)], uses=sv["attn_in"], meta={},
+                            kv=kvw, q_bytes=2 * T * qw, o_bytes=2 * T * h)
         if s.attention_backend != "unfused":
-            g_qkv = e.fresh("attn.dqkv")
-            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
-                            writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
-                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []) + ([lse] if lse else []),
-                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
-                            q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            outs = qkv_layout.grad_outs(self, h, kv) if sep else [(e.fresh("attn.dqkv"), 2 * T * qo)]
+            ain = sv["attn_in"]
+            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qw + 2 * T * h),
+                            writes=2 * T * qw + 4 * T * h, out=outs,
+                            uses=[g_att, ain[0], att, *ain[1:]] + ([lse] if lse else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kvw,
+                            q_bytes=2 * T * h, o_bytes=2 * T * qw, backward=True)
+            g_qkv = [g for g, _ in outs]
+            g_qkv = qkv_layout.reduce_grads(self, g_qkv, h, kv) if sep else g_qkv
+            g_qkv = g_qkv[0] if len(g_qkv) == 1 else g_qkv
             if s.attention_backend == "flash_varlen":
                 g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
