@@ -1459,7 +1459,8 @@ class _GptBuilder:
         layout Transformer Engine's ``get_qkv_layout`` does not take (k's and v's strides differ), so it makes
         q, k, v contiguous (NVIDIA/TransformerEngine@a0b36d0 transformer_engine/pytorch/attention/dot_product_attention/
         utils.py ``get_qkv_layout``: ``not_supported`` -> ``x.contiguous()``) and FusedAttnFunc saves those:
-        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k."""
+        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k. Megatron /
+        Transformer Engine's fused QKV only: separate q, k, v projections take no such copy (``qkv_layout``)."""
         e = self.e
         v = e.fresh("attn.v")
         n = self.w * self.T * kv
