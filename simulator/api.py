@@ -23,7 +23,7 @@ from simulator.config.schema import ScenarioConfig, attention_alias_note, clip_g
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
-from simulator.graph.builders.lora import LoraSpec, trainable_parameters
+from simulator.graph.builders.lora import LoraSpec, hf_names as lora_hf_names, trainable_parameters
 from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
@@ -45,6 +45,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
     shards = p.data_context_parallel_size  # the gradient reduce group (dp x cp), which ZeRO / FSDP shard over
     gbs = t.global_batch_size or per_step
     vit = vit_shape(cfg)
+    fsdp2 = cfg.fsdp is not None and cfg.fsdp.version == 2  # torchtitan's FSDP2 and Llama (separate wq / wk / wv)
     return TransformerSpec(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         seq_length=m.seq_length, vocab_size=vit.num_classes if vit else m.vocab_size,
@@ -90,6 +91,8 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         lora=lora_spec(t.lora), causal=vit is None, vit=vit,
         attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels, cross_entropy=cross_entropy_of(cfg),
+        qkv_separate=fsdp2 or (t.lora is not None and lora_hf_names(tuple(t.lora.target_modules))),
+        repeat_kv=m.repeat_kv if m.repeat_kv is not None else fsdp2,
     )
 
 

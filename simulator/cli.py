@@ -129,8 +129,9 @@ def _pipeline_busy_line(s: dict) -> list[str]:
 def _offload_line(s: dict) -> str:
     """The parts of an offloaded step: GPU forward + backward, the CPU optimizer, the post-step parameter upload
     (``offload_h2d_s``, first to last byte) unless parameters are fetched instead and none is uploaded, and the
-    parameter fetches (``offload_param_fetch_s`` H2D busy, ``exposed_param_fetch_s`` exposed: ZeRO-3
-    ``offload_param`` or FSDP ``cpu_offload``), ms per step."""
+    parameter fetches (``offload_param_fetch_s`` H2D busy, ``exposed_param_fetch_s`` exposed: the time the compute
+    stream waits on a fetch, one definition for ZeRO-3 ``offload_param`` and FSDP ``cpu_offload``,
+    ``policies.offload_param.fetch_times``), ms per step."""
     parts = [f"GPU fwd+bwd {s['offload_gpu_fwd_bwd_s'] * 1e3:.1f} ms",
              f"CPU optimizer {s['offload_cpu_optimizer_s'] * 1e3:.1f} ms"]
     fetch = "offload_param_fetch_s" in s

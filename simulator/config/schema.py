@@ -43,6 +43,7 @@ from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig, FsdpOffloadPolicy
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
+from simulator.graph.builders.lora import hf_names as lora_hf_names
 from simulator.config.sections.memory import MemoryConfig
 from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
 from simulator.config.sections import vit as vit_section
@@ -235,6 +236,14 @@ class ModelConfig(_Model):
         "add apart, Conv1D's addmm copying the expanded bias before its GEMM (PyTorch 1.10): "
         "simulator/graph/builders/hf_eager.py). hf_eager needs attention_backend unfused; not with "
         "swiglu, num_experts or rope.")
+    repeat_kv: bool | None = Field(
+        default=None, description="torchtitan's repeat_kv: with group_query_attention, k and v are copied out to the "
+        "query heads before the flash kernel (a copy kernel each, the flash kernel reads and saves a heads of K and V, "
+        "their gradients summed back in backward: simulator/graph/builders/qkv_layout.py); null: the framework's "
+        "default, true with fsdp.version 2 (torchtitan before pytorch/torchtitan#2259, January 2026; set false for "
+        "later releases, which pass enable_gqa to SDPA), false otherwise (Megatron / Transformer Engine and Hugging "
+        "Face's sdpa_attention_forward with torch >= 2.5 and no mask use grouped K/V as they are). Needs "
+        "attention_backend flash and position_embedding_type rope.")
     attention_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="Megatron --attention-dropout (its default is 0.1; 0 here, no "
         "dropout): with unfused a dropout kernel and a 1-byte mask over the attention probabilities; with flash "
@@ -1167,6 +1176,26 @@ class ScenarioConfig(_Model):
     @model_validator(mode="after")
     def _lora_scope(self):
         check_lora_scenario(self)
+        return self
+
+    @model_validator(mode="after")
+    def _repeat_kv_scope(self):
+        """``model.repeat_kv`` in force (given, or torchtitan's default with ``fsdp.version 2``) with grouped K/V:
+        flash attention with rope and separate q / k / v projections only (``simulator/graph/builders/
+        qkv_layout.py``)."""
+        m, fsdp2 = self.model, self.fsdp is not None and self.fsdp.version == 2
+        on = m.repeat_kv if m.repeat_kv is not None else fsdp2
+        if not on or m.query_groups >= m.num_attention_heads:
+            return self
+        why = "" if m.repeat_kv is not None else " (torchtitan's default with fsdp.version 2)"
+        if m.attention_kernel != "flash" or m.position_embedding_type != "rope":
+            raise ValueError(f"model.repeat_kv{why} is modelled with attention_backend flash and "
+                             "position_embedding_type rope only (allowed: model.repeat_kv false)")
+        lo = self.training.lora
+        if not fsdp2 and not (lo is not None and lora_hf_names(tuple(lo.target_modules))):
+            raise ValueError("model.repeat_kv is modelled for separate q / k / v projections only (torchtitan: "
+                             "fsdp.version 2; Hugging Face: training.lora with q_proj / k_proj / v_proj names); "
+                             "Megatron's fused QKV takes grouped K/V as they are (allowed: repeat_kv false)")
         return self
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, offload_ranks
-from simulator.policies.offload_param import fetch_shard_before, fetch_times, is_param_gather
+from simulator.policies.offload_param import fetch_shard_before, is_param_gather, param_fetch_summary
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 KEY = "fsdp.cpu_offload"
@@ -301,7 +301,7 @@ class FsdpOffloadSummary(OffloadSummary):
 
     def summarize(self, spans, steps, counters, summary) -> dict:
         out = super().summarize(spans, steps, counters, summary)
-        out["offload_param_fetch_s"], out["exposed_param_fetch_s"] = fetch_times(spans, steps, "fsdp_offload.fetch")
+        out.update(param_fetch_summary(spans, steps, "fsdp_offload.fetch"))
         f = self.cfg.fsdp
         out["fsdp_cpu_offload"] = {"impl": f.cpu_adam_impl(self.cfg.training.optimizer.impl),
                                    "ranks_per_host": offload_ranks(self.hw)}

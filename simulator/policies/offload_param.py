@@ -11,12 +11,12 @@ Prefetch depth ``d``: the GPU holds at most ``d + 1`` block buffers, so the fetc
 waits until block ``l - d - 1`` has finished with its buffer (forward; ``l + d + 1`` in backward)
 and overlaps the compute of the blocks in between. ``d = 0`` fetches on demand: every fetch is
 exposed. The summary's ``offload_param_fetch_s`` is the fetches' H2D busy time per step and
-``exposed_param_fetch_s`` the per-step compute time lost waiting for them: when PCIe cannot keep up, it grows.
+``exposed_param_fetch_s`` the per-step time the compute stream waits on them (a fetch in flight, compute idle, no
+collective running: ``fetch_times``, the same definition as FSDP ``cpu_offload``'s): when PCIe cannot keep up, it
+grows.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from simulator.graph.op_graph import ModelFacts, OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
@@ -215,10 +215,16 @@ def _minus(iv: list[tuple[float, float]], cut: list[tuple[float, float]]) -> flo
 
 
 def fetch_times(spans, steps, suffix: str) -> tuple[float, float]:
-    """Per measured step (means, s): the H2D parameter fetches' busy time (union of the spans whose name ends in
-    ``suffix``: ``fsdp_offload.fetch`` for FSDP ``cpu_offload``, ``offload_param.fetch`` here) and their exposed
-    time: fetch in flight while the compute stream is idle and no collective runs (the gather that follows a fetch
-    counts as exposed communication instead). ``spans``: one rank's spans; ``steps``: its steps with ``warmup``."""
+    """Per measured step (means, s): the H2D parameter fetches' busy time and their exposed time.
+
+    Busy: the union of the spans whose name ends in ``suffix`` (``fsdp_offload.fetch`` for FSDP ``cpu_offload``,
+    ``offload_param.fetch`` for ZeRO-3 ``offload_param``). Exposed (``exposed_param_fetch_s``, one definition for
+    both): the time the compute stream waits on a parameter fetch, i.e. the time a fetch is in flight while the
+    compute stream is idle and no collective runs; the all-gather a fetch feeds (ZeRO-3 over ``dp > 1``, FSDP)
+    counts as exposed communication instead, not twice. ``spans``: one rank's spans; ``steps``: its steps with
+    ``warmup``. Tiny case (``tests/simulator/policies/test_exposed_param_fetch.py``): compute busy over [0, 2] and
+    [6, 10] s, a fetch over [3, 5] and its all-gather over [5, 6]: 2 s exposed (the idle [2, 3] before the fetch
+    starts is not the fetch's)."""
     meas = steps[~steps.warmup]
     busy, exposed = [], []
     for row in meas.itertuples():
@@ -230,28 +236,12 @@ def fetch_times(spans, steps, suffix: str) -> tuple[float, float]:
     return (sum(busy) / len(busy), sum(exposed) / len(exposed)) if busy else (0.0, 0.0)
 
 
-def exposed_fetch_s(spans, steps) -> float:
-    """Mean per-step compute time lost waiting for parameter fetches, seconds.
-
-    For each fetch, the first compute op of its block waits from the end of the previous compute
-    op until the fetch ends (if it ends later); that wait is exposed copy time.
-    """
-    meas = steps[~steps.warmup]
-    out = []
-    for row in meas.itertuples():
-        d = spans[spans.step == row.step]
-        comp = d[d.stream == "compute"].sort_values("start_s")
-        starts, ends = comp.start_s.to_numpy(), comp.end_s.to_numpy()
-        total = 0.0
-        for f in d[d.name.str.endswith("offload_param.fetch")].itertuples():
-            cand = comp[(comp.layer == f.layer) & (comp.phase == f.phase) & (comp.start_s >= f.end_s - 1e-12)]
-            if cand.empty:
-                continue
-            k = int(np.searchsorted(starts, float(cand.start_s.iloc[0])))
-            prev_end = ends[k - 1] if k > 0 else row.start_s
-            total += max(0.0, min(float(cand.start_s.iloc[0]), f.end_s) - prev_end)
-        out.append(total)
-    return float(np.mean(out)) if out else 0.0
+def param_fetch_summary(spans, steps, suffix: str) -> dict:
+    """The summary's parameter-fetch keys for the fetches named ``*suffix``: ``offload_param_fetch_s`` (H2D busy
+    time per measured step) and ``exposed_param_fetch_s`` (the compute stream's wait on them), both ``fetch_times``.
+    Used by ZeRO-3 ``offload_param`` and FSDP ``cpu_offload`` alike."""
+    busy, exposed = fetch_times(spans, steps, suffix)
+    return {"offload_param_fetch_s": busy, "exposed_param_fetch_s": exposed}
 
 
 @register_runtime("offload_param")
@@ -259,7 +249,7 @@ class OffloadParamSummary:
     """Adds the parameter fetches to the summary: ``offload_param_fetch_s`` (their H2D busy time per measured step,
     ``fetch_times``; with this policy the block weights are fetched instead of uploaded after the CPU step, so
     ``offload_h2d_s`` counts only the resident parameters' upload, 0 with ZeRO-3 over dp > 1) and
-    ``exposed_param_fetch_s`` (``exposed_fetch_s``)."""
+    ``exposed_param_fetch_s`` (the compute stream's wait on them; ``param_fetch_summary``)."""
 
     def __init__(self, cfg, hw, env, system):
         pass
@@ -269,5 +259,4 @@ class OffloadParamSummary:
         return _enabled(cfg)
 
     def summarize(self, spans, steps, counters, summary) -> dict:
-        return {"offload_param_fetch_s": fetch_times(spans, steps, "offload_param.fetch")[0],
-                "exposed_param_fetch_s": exposed_fetch_s(spans, steps)}
+        return param_fetch_summary(spans, steps, "offload_param.fetch")

@@ -31,8 +31,10 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
   (+ the rotated q, k with rope, except with flash attention: the rotated q, k and V's contiguous copy in its
-  place, Transformer Engine's ``get_qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
-  with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics, and with
+  place, Transformer Engine's ``get_qkv_layout``; with torchtitan's ``repeat_kv`` q and the ``a``-head K and V,
+  ``3 x 2 T a d / t``: ``qkv_layout``), the attention output and its contiguous copy ``2 x 2 T h / t`` (one less
+  with selective recompute), fc1 and GELU/SwiGLU outputs ``2 T (f_1 + f) / t``, norm statistics (``norm_stats_bytes``; the final norm's too),
+  the flash kernel's fp32 log-sum-exp ``4 b a s / t`` (``flash_lse_bytes``; not with selective recompute), and with
   ``amp_fp32_params`` the bf16 copies of the block's weights (``fp32`` / ``tf32``: every 16-bit size above
   doubles, no master weights, no copies); with ``attention_backend: unfused`` the
   attention output is not kept but the core's ``s^2`` tensors are (``attention.saved_core_bytes``, ``5 a s^2 b
@@ -74,6 +76,7 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
+from simulator.graph.builders import qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
 from simulator.studies.moe_backward_peak import moe_dims, working_peak
@@ -211,6 +214,26 @@ def _peak_passes(schedule: str, p: int, m: int, rank: int, v: int,
     return best[0], best[1], after, at_best
 
 
+def norm_stats_bytes(spec) -> int:
+    """Bytes of one norm's statistics kept for its backward per micro-batch: fp32 mean and rstd per token
+    (LayerNorm, 8 B) or rstd alone (RMSNorm, 4 B), over the ``T_n`` tokens the norm sees (the builder's
+    ``_norm_fwd``)."""
+    t = spec.tensor_parallel_size
+    T = spec.micro_batch_size * spec.seq_length
+    Tn = T // t if spec.sequence_parallel and t > 1 else T
+    return (8 if spec.normalization == "LayerNorm" else 4) * Tn
+
+
+def flash_lse_bytes(spec, recompute: str) -> int:
+    """Bytes of the flash kernel's fp32 log-sum-exp ``[b, a / t, s]`` a block keeps for its attention backward per
+    micro-batch (Dao, *FlashAttention-2*, 2023, Algorithm 1 line 13: the forward writes ``L``, the backward reads it);
+    none with the unfused core (it keeps the softmax output) or selective recompute (the recomputed forward writes
+    it again)."""
+    if spec.attention_backend == "unfused" or recompute == "selective":
+        return 0
+    return 4 * spec.micro_batch_size * (spec.num_attention_heads // spec.tensor_parallel_size) * spec.seq_length
+
+
 def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -> float:
     """Bytes one block saves for backward per micro-batch (module docstring; the builder's saved tensors)."""
     t = spec.tensor_parallel_size
@@ -225,7 +248,7 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     residual = act * Tn * h
     if recompute == "full":
         return residual
-    stats = 2 * (8 if spec.normalization == "LayerNorm" else 4) * Tn
+    stats = 2 * norm_stats_bytes(spec) + flash_lse_bytes(spec, recompute)
     # the rotated q, k beside QKV's output; with flash they and V's contiguous copy replace it (builder _contiguous_v)
     rope = (w * T * (h // t + spec.query_groups * spec.head_dim // t)
             if spec.position_embedding == "rope" and spec.attention_backend != "flash" else 0)
@@ -246,7 +269,8 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     # _fp8_operands; TE linear.py saves only the fp8 input for backward)
     fp8 = (w - 1) * T * (2 * h + h // t + f // t) if spec.fp8 is not None else 0
     moe_mlp = _moe_mlp_delta(spec)[0] if spec.num_experts else 0  # an MoE block's MLP (bf16 / fp16 only)
-    return (2 * residual + 2 * w * T * h + w * T * qo + rope + attn + masks + w * T * (f1 + f // t) + stats
+    qkv = 3 * spec.attention_width // t if qkv_layout.repeats(spec) else qo  # repeat_kv: q and a heads of K, V
+    return (2 * residual + 2 * w * T * h + w * T * qkv + rope + attn + masks + w * T * (f1 + f // t) + stats
             + weights16 + eager - fp8 + moe_mlp)
 
 
@@ -458,7 +482,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     block_transient = transient
     if spec.has_head:  # saved per pass in flight of the last model chunk (the only one with the head; with an
         # interleaved schedule the other chunks' passes hold none): fp32 log-softmax, the final norm's input and output
-        activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + (2 * V * h if amp and not bf16_gathered else 0))
+        activations += min(by_chunk.get(v - 1, 0), m) * (4 * T * V + w * T * h + act * T * h + norm_stats_bytes(spec)
+                                                         + (2 * V * h if amp and not bf16_gathered else 0))
         # in backward, F.cross_entropy's log-softmax gradient and NLL gradient, fp32; Megatron-LM's cross-entropy
         # makes its gradient in place in the saved softmax: only the 16-bit logits (forward) or their gradient
         # (backward) beside it, none in fp32 / tf32 (TransformerSpec.cross_entropy)

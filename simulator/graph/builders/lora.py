@@ -93,6 +93,12 @@ class LoraSpec:
     dropout: float = 0.0
 
 
+def hf_names(modules: tuple[str, ...]) -> bool:
+    """``target_modules`` name Hugging Face's separate projections (``HF_MODULES`` or ``all-linear``), not
+    Megatron / NeMo's fused Linears."""
+    return any(m in HF_MODULES or m == ALL_LINEAR for m in modules)
+
+
 def allowed_modules(swiglu: bool) -> tuple[str, ...]:
     """Target names a model accepts: the HF names (``gate_proj`` only with SwiGLU), the Megatron names and
     ``all-linear``."""

@@ -107,7 +107,7 @@ from simulator.graph.builders import fsdp2
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
-from simulator.graph.builders import lora, moe, varlen
+from simulator.graph.builders import lora, moe, qkv_layout, varlen
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
@@ -291,6 +291,11 @@ class TransformerSpec:
             ``megatron_fused`` (Megatron-LM's ``_VocabParallelCrossEntropy``, without or with
             ``--cross-entropy-loss-fusion``: the same memory, fewer passes fused; one fp32 copy of the logits made
             softmax in place, saved, and turned into the gradient in place; ``_GptBuilder._loss_fwd``).
+        qkv_separate: q, k and v come from separate projections (torchtitan's ``wq`` / ``wk`` / ``wv``, Hugging
+            Face's ``q_proj`` / ``k_proj`` / ``v_proj``): with flash attention and rope no contiguous copy of V
+            (``simulator/graph/builders/qkv_layout.py``); false: Megatron / Transformer Engine's fused QKV.
+        repeat_kv: torchtitan's ``repeat_kv``: with grouped K/V heads, k and v are copied out to the query heads
+            before the flash kernel and their gradients summed back (``qkv_layout.py``; needs flash and rope).
     """
 
     num_layers: int
@@ -365,6 +370,8 @@ class TransformerSpec:
     hidden_dropout: float = 0.0
     kernels: str = "fused"
     cross_entropy: str = "pytorch"
+    qkv_separate: bool = False
+    repeat_kv: bool = False
 
     def __post_init__(self) -> None:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
@@ -482,6 +489,7 @@ class TransformerSpec:
         if self.vit is not None:
             vitb.check_vit_spec(self)
         core.check_attention_spec(self)
+        qkv_layout.check_qkv_layout(self)
         varlen.check_varlen_spec(self)
         hf.check_spec(self)
         if self.fp8_param_gather and (self.fp8 is None or not self.megatron_optimizer or self.num_experts):
@@ -1063,11 +1071,13 @@ class _GptBuilder:
 
     # -- helpers ---------------------------------------------------------------------------
     def _linear_fwd(self, name: str, x: str, in_dim: int, out_dim: int, x_fp32: bool, save: bool,
-                    tokens: int | None = None, groups: int = 1):
+                    tokens: int | None = None, groups: int = 1, parts: tuple[int, ...] = ()):
         """Autocast Linear: (cast input) + cast weight + GEMM (+bias in the epilogue).
 
         ``tokens`` rows (default ``T``); ``groups > 1``: a grouped GEMM of ``groups`` weights ``[in, out]``
-        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows."""
+        over ``tokens`` rows in all (the MoE experts), priced as one GEMM of the stacked rows. ``parts``: output
+        widths summing to ``out_dim`` (separate projections priced as one GEMM, ``qkv_layout``): the GEMM writes one
+        tensor per part and the first return value is their tuple."""
         e = self.e
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
@@ -1083,7 +1093,8 @@ class _GptBuilder:
             xin = e.fresh(f"{name}.in16")
             e.kernel(f"{name}.cast_in", C.CAST, reads=4 * T * in_dim, writes=2 * T * in_dim,
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
-        y = e.fresh(f"{name}.out")
+        outs = [(e.fresh(f"{name}.out"), self.w * T * p) for p in (parts or (out_dim,))]
+        y = outs[0][0]
         if self.fp8 and e.layer >= 0:  # Transformer Engine fp8 Linear
             xin, w16 = self._fp8_operands(name, xin, w16, T * in_dim, W)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
@@ -1093,10 +1104,12 @@ class _GptBuilder:
             beta = hf.addmm_bias_copy(self, name, T, out_dim)  # Conv1D's addmm on PyTorch 1.10 (hf_eager only)
             e.kernel(f"{name}.gemm", C.GEMM, flops=2 * T * in_dim * out_dim, shape=(T, out_dim, in_dim),
                      reads=self.w * (T * in_dim + W + (T * out_dim if beta else 0)), writes=self.w * T * out_dim,
-                     out=[(y, self.w * T * out_dim)], uses=[xin, w16, *([beta] if beta else [])])
+                     out=outs, uses=[xin, w16, *([beta] if beta else [])])
         self._after_overlapped_gemm()
         ad = lora.adapter_fwd(self, name, x, x_fp32, y, save) if self.s.lora is not None else None
-        return y, (xin, w16, ad) if save else ()
+        for t, _ in outs[1:]:  # the parts are ready when the first is (after its adapters' add)
+            e.producer[t] = e.producer[y]
+        return (tuple(t for t, _ in outs) if parts else y), (xin, w16, ad) if save else ()
 
     def _fp8_meta_bytes(self, tensors: int) -> int:
         """Bytes of the delayed-scaling state of ``tensors`` fp8 tensors: an fp32 amax history of
@@ -1260,15 +1273,22 @@ class _GptBuilder:
                           writes=gb * numel, out=out, uses=[dw16, self._ipg] if in_ipg else [dw16], dtype="fp32")
         return i, gname
 
-    def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE):
+    def _norm_fwd(self, name: str, x: str, role: OpRole = OpRole.NONE) -> tuple[str, str]:
+        """LayerNorm / RMSNorm over ``[T_n, h]``. Returns ``(output, statistics)``: the fp32 per-token mean and
+        ``rstd`` (LayerNorm, 8 B a token) or ``rstd`` alone (RMSNorm, 4 B), which the backward reads, so they live
+        until ``_norm_bwd`` (pytorch/pytorch aten/src/ATen/native/layer_norm.cpp ``native_layer_norm`` returns
+        ``(out, mean, rstd)`` and its backward takes ``mean, rstd``; NVIDIA/TransformerEngine ``rmsnorm_fwd`` keeps
+        ``rsigma`` for ``rmsnorm_bwd``)."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
-        y = e.fresh(f"{name}.out")
+        y, st = e.fresh(f"{name}.out"), e.fresh(f"{name}.stats")
         stats = 8 * T if self.s.normalization == "LayerNorm" else 4 * T  # fp32 mean + rstd, or rstd only (RMSNorm)
         e.kernel(f"{name}", C.NORM, role=role, reads=self.act * T * h, writes=self.act * T * h,
-                 out=[(y, self.act * T * h), (e.fresh(f"{name}.stats"), stats)], uses=[x], dtype="fp32")
-        return y
+                 out=[(y, self.act * T * h), (st, stats)], uses=[x], dtype="fp32")
+        return y, st
 
-    def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool):
+    def _norm_bwd(self, name: str, g: str, x: str, g_is_bf16: bool, stats: str | None = None):
+        """Backward of ``_norm_fwd`` from ``g``; ``x`` its input, ``stats`` its statistics (read by the input- and
+        weight-gradient kernels; None: none kept). Returns the input gradient."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
         gin = g
         if self.amp and g_is_bf16:
@@ -1276,15 +1296,16 @@ class _GptBuilder:
             e.kernel(f"{name}.cast_grad", C.CAST, reads=2 * T * h, writes=4 * T * h,
                      out=[(gin, 4 * T * h)], uses=[g], dtype="fp32")
         dx = e.fresh(f"{name}.dx")
+        st = [stats] if stats else []
         e.kernel(f"{name}.dgrad", C.NORM, reads=2 * self.act * T * h, writes=self.act * T * h,
-                 out=[(dx, self.act * T * h)], uses=[gin, x], dtype="fp32")
+                 out=[(dx, self.act * T * h)], uses=[gin, x, *st], dtype="fp32")
         if self.s.lora is not None:  # frozen norm weights: no dgamma / dbeta
             return dx
         nb = self.s.norm_has_bias
 
         def weight_grads() -> None:
             i = e.kernel(f"{name}.dgamma_dbeta" if nb else f"{name}.dgamma", C.REDUCTION, role=OpRole.NORM_GRAD,
-                         reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x], dtype="fp32")
+                         reads=2 * self.act * T * h, writes=(8 if nb else 4) * h, uses=[gin, x, *st], dtype="fp32")
             self._grad_ready(f"{name}.weight", h, i)
             if nb:
                 self._grad_ready(f"{name}.bias", h, i)
@@ -1414,21 +1435,23 @@ class _GptBuilder:
             return None
         return self._rope_kernel("rope", "rope.qk", qkv, width)
 
-    def _rope_bwd(self, g_qkv: str, width: int) -> str:
+    def _rope_bwd(self, g_qkv: str | list[str], width: int) -> str:
         """Backward of ``_rope_fwd`` (the inverse rotation of dq, dk: same traffic); returns the QKV gradient."""
         if self.s.position_embedding != "rope":
             return g_qkv
         return self._rope_kernel("rope.dgrad", "rope.dx", g_qkv, width)
 
-    def _rope_kernel(self, name: str, out: str, src: str, width: int) -> str:
-        """One rotation pass over ``[T, width]`` 16-bit elements (forward or backward: the same traffic)."""
+    def _rope_kernel(self, name: str, out: str, src: str | list[str], width: int, parts: tuple[int, ...] = ()):
+        """One rotation pass over ``[T, width]`` 16-bit elements (forward or backward: the same traffic) reading
+        ``src`` (a tensor, or several). Returns its output, or with ``parts`` (widths summing to ``width``) one
+        output tensor per part (q and k apart), as a tuple."""
         e, s = self.e, self.s
         n = self.T * width
-        y = e.fresh(out)
         w = self.w
+        ys = [(e.fresh(out), w * self.T * p) for p in parts] if parts else [(e.fresh(out), w * n)]
         e.kernel(name, C.ELEMENTWISE, reads=w * n + 2 * 4 * s.seq_length * s.head_dim, writes=w * n,
-                 flops=3 * n, out=[(y, w * n)], uses=[src])
-        return y
+                 flops=3 * n, out=ys, uses=[src] if isinstance(src, str) else src)
+        return tuple(y for y, _ in ys) if parts else ys[0][0]
 
     def _contiguous_v(self, qkv: str, kv: int) -> str:
         """V's contiguous copy, ``[T, kv]`` 16-bit (``kv = g d / t``), saved for the attention backward in place of
@@ -1436,7 +1459,8 @@ class _GptBuilder:
         layout Transformer Engine's ``get_qkv_layout`` does not take (k's and v's strides differ), so it makes
         q, k, v contiguous (NVIDIA/TransformerEngine@a0b36d0 transformer_engine/pytorch/attention/dot_product_attention/
         utils.py ``get_qkv_layout``: ``not_supported`` -> ``x.contiguous()``) and FusedAttnFunc saves those:
-        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k."""
+        q, k, v saved are 2 T (a d + 2 g d) / t bytes, the QKV output's size, not it and the rotated q, k. Megatron /
+        Transformer Engine's fused QKV only: separate q, k, v projections take no such copy (``qkv_layout``)."""
         e = self.e
         v = e.fresh("attn.v")
         n = self.w * self.T * kv
@@ -1542,31 +1566,39 @@ class _GptBuilder:
         h = s.attention_width // t  # per TP rank: attention width a d (h unless kv_channels), FFN width, heads
         qo, kv = s.qkv_out_size // t, s.query_groups * d // t  # QKV width a d + 2 g d, K (or V) width g d per rank
         self._gather_layer_params(e.layer, e.phase)
-        ln1s = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
+        ln1s, ln1_st = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
         ln1 = self._tp_gather("ln1", ln1s)
-        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save)
+        sep = qkv_layout.separate(s)  # q, k, v from separate projections (torchtitan, PEFT): qkv_layout.py
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save, parts=(h + kv, kv) if sep else ())
         sv_qkv = self._save_shard(sv_qkv, ln1s)
-        qk = self._rope_fwd(qkv, h + kv)
-        if qk is not None and s.attention_backend == "flash":
-            qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
+        if sep:  # rope, torchtitan's repeat_kv copies; V goes in as the projection wrote it
+            attn_in = qkv_layout.separate_fwd(self, *qkv, h, kv)
+            qk, qkv = attn_in[0], attn_in[-1]
+        else:
+            qk = self._rope_fwd(qkv, h + kv)
+            if qk is not None and s.attention_backend == "flash":
+                qkv = self._contiguous_v(qkv, kv)  # the QKV output is then saved by nothing
+        qw, kvw = qkv_layout.attn_widths(s, h, kv) if sep else (qo, kv)  # the flash kernel's q, k, v; K width
         att = e.fresh("attn.out")
         bsz = s.micro_batch_size
         att_flops = 4 * bsz * a * s.attention_pairs * d
         # flash attention with grouped K/V: a query heads read g K/V heads (FLOPs per query head unchanged)
         s_loc = s.seq_length // self.cp
-        sv_core = None
+        sv_core = lse = None
         varlen_mode = s.attention_backend == "flash_varlen"  # MPT's padding helpers (builders/varlen.py)
         if varlen_mode:
             qkv = varlen.unpad_fwd(self, qkv, T, (h, kv, kv))
+        if not sep:
+            attn_in = [qkv] + ([qk] if qk else [])
         if s.attention_backend == "unfused":  # Megatron 2020-2022 (simulator/graph/builders/attention.py)
             att, sv_core = core.unfused_fwd(self, qkv, qk)
         else:
-            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo,
+            lse = e.fresh("attn.lse")  # fp32 [b, a / t, s / c] row log-sum-exp, read by the backward
+            self._attention("attn", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qw,
                             writes=2 * T * h + 4 * bsz * a * s_loc,
-                            out=[(att, 2 * T * h), (e.fresh("attn.lse"), 4 * bsz * a * s_loc)],
-                            uses=[qkv] + ([qk] if qk else []),
+                            out=[(att, 2 * T * h), (lse, 4 * bsz * a * s_loc)], uses=attn_in,
                             meta={"kv_heads": s.query_groups // t, "window": s.window_size},
-                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+                            kv=kvw, q_bytes=2 * T * qw, o_bytes=2 * T * h)
         if varlen_mode:
             attc = varlen.pad_fwd(self, att, T, h)
         else:
@@ -1576,7 +1608,7 @@ class _GptBuilder:
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
         proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
-        ln2 = self._norm_fwd("ln2", x2)
+        ln2, ln2_st = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
         if moe.is_moe_layer(s, e.layer):  # mixture of experts (simulator/graph/builders/moe.py), T / t tokens
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
@@ -1592,7 +1624,8 @@ class _GptBuilder:
         if save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
                          x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
-                         core=None if selective else sv_core, mask1=mask1, mask2=mask2)
+                         core=None if selective else sv_core, mask1=mask1, mask2=mask2,
+                         lse=None if selective else lse, ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in)
         return x3, saved
 
     def _layer_bwd(self, gx: str, sv: dict) -> str:
@@ -1613,7 +1646,7 @@ class _GptBuilder:
             g_gelu = self._act_bwd("", g_fc2_in, sv["fc1"], T, f)
             g_ln2 = self._linear_bwd("fc1", g_gelu, sv["sv_fc1"], hf, s.fc1_out_size // t, g_fp32=False,
                                      tp_reduce="fc1.grad")
-        g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True)
+        g_x2 = self._norm_bwd("ln2", g_ln2, sv["x2"], g_is_bf16=True, stats=sv["ln2_stats"])
         g_mid = self._add("residual2.grad", gx, g_x2, self.act, self.act, self.act)
         # attention
         g_proj = core.hidden_dropout_bwd(self, "residual1.dropout", g_mid, sv["mask1"])
@@ -1628,23 +1661,30 @@ class _GptBuilder:
         if s.attention_backend == "unfused":  # re-run the core first with selective recompute
             sv_core = sv["core"] or core.unfused_fwd(self, sv["qkv"], sv["qk"], prefix="attn.recompute")[1]
             g_qkv = self._rope_bwd(core.unfused_bwd(self, g_att, sv_core, T * qo), h + kv)
-        elif att is None:  # selective recompute: re-run the attention forward
-            att = e.fresh("attn.out.recomputed")
-            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qo, writes=2 * T * h,
-                            out=[(att, 2 * T * h)], uses=[sv["qkv"]] + ([sv["qk"]] if sv["qk"] else []), meta={},
-                            kv=kv, q_bytes=2 * T * qo, o_bytes=2 * T * h)
+        lse, sep = sv.get("lse"), qkv_layout.separate(s)
+        qw, kvw = qkv_layout.attn_widths(s, h, kv) if sep else (qo, kv)  # the flash kernel's q, k, v; K width
+        if s.attention_backend != "unfused" and att is None:  # selective recompute: re-run the attention forward
+            att, lse = e.fresh("attn.out.recomputed"), e.fresh("attn.lse.recomputed")
+            nl = 4 * bsz * a * (s.seq_length // self.cp)
+            self._attention("attn.recompute", C.ATTENTION_FWD, flops=att_flops, reads=2 * T * qw,
+                            writes=2 * T * h + nl, out=[(att, 2 * T * h), (lse, nl)], uses=sv["attn_in"], meta={},
+                            kv=kvw, q_bytes=2 * T * qw, o_bytes=2 * T * h)
         if s.attention_backend != "unfused":
-            g_qkv = e.fresh("attn.dqkv")
-            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qo + 2 * T * h),
-                            writes=2 * T * qo + 4 * T * h, out=[(g_qkv, 2 * T * qo)],
-                            uses=[g_att, sv["qkv"], att] + ([sv["qk"]] if sv["qk"] else []),
-                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kv,
-                            q_bytes=2 * T * h, o_bytes=2 * T * qo, backward=True)
+            outs = qkv_layout.grad_outs(self, h, kv) if sep else [(e.fresh("attn.dqkv"), 2 * T * qo)]
+            ain = sv["attn_in"]
+            self._attention("attn.dgrad", C.ATTENTION_BWD, flops=2.5 * att_flops, reads=2 * (T * qw + 2 * T * h),
+                            writes=2 * T * qw + 4 * T * h, out=outs,
+                            uses=[g_att, ain[0], att, *ain[1:]] + ([lse] if lse else []),
+                            meta={"kv_heads": s.query_groups // t, "window": s.window_size}, kv=kvw,
+                            q_bytes=2 * T * h, o_bytes=2 * T * qw, backward=True)
+            g_qkv = [g for g, _ in outs]
+            g_qkv = qkv_layout.reduce_grads(self, g_qkv, h, kv) if sep else g_qkv
+            g_qkv = g_qkv[0] if len(g_qkv) == 1 else g_qkv
             if s.attention_backend == "flash_varlen":
                 g_qkv = varlen.unpad_bwd(self, g_qkv, T, (h, kv, kv))
             g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False, tp_reduce="qkv.grad")
-        g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True)
+        g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True, stats=sv["ln1_stats"])
         out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
         self._release_layer_params(e.layer, Phase.BWD)
         return out
@@ -1715,7 +1755,7 @@ class _GptBuilder:
             return st
         st["x"] = x
         self._gather_layer_params(s.num_layers, Phase.FWD)  # the head (final norm, LM head)
-        xfs = self._norm_fwd("ln_f", x)
+        xfs, st["ln_f_stats"] = self._norm_fwd("ln_f", x)
         xf = self._tp_gather("ln_f", xfs)
         logits, sv_head = self._linear_fwd("lm_head", xf, h, V, x_fp32=True, save=True)
         st["sv_head"] = self._save_shard(sv_head, xfs)
@@ -1847,7 +1887,7 @@ class _GptBuilder:
             self._gather_layer_params(s.num_layers, Phase.BWD)
             g = self._linear_bwd("wte" if s.tied_embeddings else "lm_head", g_logits, st["sv_head"], h, V,
                                  g_fp32=False, tp_reduce="lm_head.grad")
-            g = self._norm_bwd("ln_f", g, st["x"], g_is_bf16=True)
+            g = self._norm_bwd("ln_f", g, st["x"], g_is_bf16=True, stats=st["ln_f_stats"])
         else:
             g = self._take(("grad", k, mb))
         saved_layers = st["layers"]

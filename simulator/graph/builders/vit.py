@@ -183,7 +183,7 @@ def head_fwd(bld, st: dict, x: str) -> None:
     s = bld.s
     b, h, K = s.micro_batch_size, s.hidden_size, s.vit.num_classes
     st["x"] = x
-    xf = bld._norm_fwd("ln_f", x)
+    xf, st["ln_f_stats"] = bld._norm_fwd("ln_f", x)
     logits, st["sv_head"] = bld._linear_fwd("head", xf, h, K, x_fp32=True, save=True, tokens=b)
     st["lsm"] = bld._loss_fwd(b, K, logits, st["labels"], vocab_parallel=False)  # the head is replicated over TP
 
@@ -202,7 +202,7 @@ def head_bwd(bld, st: dict) -> str:
     g_seq = e.fresh("head.select.dx")  # select_backward: zeros [b, s, h] with the CLS rows filled in
     e.kernel("head.select.dgrad", C.COPY, reads=act * b * h, writes=act * T * h, out=[(g_seq, act * T * h)],
              uses=[g_cls], dtype="fp32" if bld.amp else None)
-    return bld._norm_bwd("ln_f", g_seq, st["x"], g_is_bf16=False)
+    return bld._norm_bwd("ln_f", g_seq, st["x"], g_is_bf16=False, stats=st["ln_f_stats"])
 
 
 def embed_bwd(bld, st: dict, g: str) -> None:

@@ -288,13 +288,14 @@ def test_a_replica_on_a_gpu_without_a_fitted_profile_says_so():
 
 
 def test_an_out_of_memory_replica_is_named():
-    """Micro-batch 48 needs 18.6 GB (Megatron fp16 DDP, gradients in its fp16 grad buffer: 18.56 GB; 18.98 with the fp32
-    buffer of --accumulate-allreduce-grads-in-fp32, 19.02 while a separate .grad was counted): it fits the H100s (85.5 GB) but not replica 1's V100 16 GB (16.94 GB): the out-of-memory
+    """Micro-batch 48 needs 18.6 GB (Megatron fp16 DDP, gradients in its fp16 grad buffer: 18.58 GB, 18.56 before the
+    norms' statistics and the flash log-sum-exp were kept for backward; 18.98 with the fp32 buffer of
+    --accumulate-allreduce-grads-in-fp32, 19.02 while a separate .grad was counted): it fits the H100s (85.5 GB) but not replica 1's V100 16 GB (16.94 GB): the out-of-memory
     line names the replica whose GPU overflows."""
     d = {**BASE, "training": {**BASE["training"], "precision": "fp16", "micro_batch_size": 48},
          "rank_overrides": [{"dp_rank": 1, "gpu": "v100-sxm2-16gb"}]}
     s = run_scenario(scenario_from_dict(d)).summary
-    assert s["oom"].startswith("dp_rank 1: out of memory on gpu0.hbm: peak demand 18.56 GB exceeds the capacity "
+    assert s["oom"].startswith("dp_rank 1: out of memory on gpu0.hbm: peak demand 18.58 GB exceeds the capacity "
                                "16.94 GB")
 
 

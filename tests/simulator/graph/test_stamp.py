@@ -47,6 +47,9 @@ CASES = {
     "context_parallel_p2p": dict(context_parallel_size=2, cp_comm_type="p2p", data_parallel_size=1),
     "llama_gqa_rope": dict(num_query_groups=2, swiglu=True, normalization="RMSNorm", position_embedding="rope",
                            bias=False, ffn_hidden_size=128),
+    "torchtitan_repeat_kv_cp2": dict(num_query_groups=2, swiglu=True, normalization="RMSNorm", position_embedding="rope",
+                                     bias=False, ffn_hidden_size=128, qkv_separate=True, repeat_kv=True,
+                                     context_parallel_size=2, recompute="selective"),
 }
 
 

@@ -73,19 +73,25 @@ def _saved_for_backward(g) -> int:
 
 S, B_, H, A = 4, 2, 8, 4
 SBH = S * B_ * H  # 64
+#: the two LayerNorms' fp32 mean and rstd (8 B per token each), read by their backward; Korthikanti's sbh terms
+#: leave them out
+STATS = 2 * 8 * S * B_  # 128
+#: the flash kernel's fp32 log-sum-exp, 4 B per head per token (not with the unfused core)
+LSE = 4 * A * S * B_  # 128
 
 
 def test_activation_memory_is_korthikanti_table_2():
     """sbh (34 + 5 a s / h) bytes per layer with attention and hidden dropout (Korthikanti et al. 2023,
-    section 4.1): 34 x 64 + 5 x 4 x 16 x 2 = 2,816 (LayerNorm statistics are not read by backward here)."""
+    section 4.1): 34 x 64 + 5 x 4 x 16 x 2 = 2,816, plus the LayerNorm statistics (``STATS``, 128): 2,944."""
     _, g = _ops(attention_dropout=0.1, hidden_dropout=0.1)
-    assert _saved_for_backward(g) == SBH * (34 + 5 * A * S / H) == 2816
+    assert _saved_for_backward(g) == SBH * (34 + 5 * A * S / H) + STATS == 2944
 
 
 def test_selective_recompute_keeps_34_sbh_and_reruns_the_core():
-    """Table 2, selective recompute: 34 sbh; the backward re-runs the core's four forward kernels."""
+    """Table 2, selective recompute: 34 sbh (and the LayerNorm statistics); the backward re-runs the core's four
+    forward kernels."""
     ops, g = _ops(attention_dropout=0.1, hidden_dropout=0.1, recompute="selective")
-    assert _saved_for_backward(g) == 34 * SBH
+    assert _saved_for_backward(g) == 34 * SBH + STATS
     for k in ("qk_bmm", "scale_mask_softmax", "dropout", "pv_bmm"):
         assert ops[f"L0.bwd.attn.recompute.{k}"].phase == Phase.BWD
 
@@ -93,13 +99,13 @@ def test_selective_recompute_keeps_34_sbh_and_reruns_the_core():
 def test_without_dropout_masks_and_dropout_output():
     """No dropout: no 1-byte masks (2 sbh) and only the softmax output of the core (2 a s^2 b)."""
     _, g = _ops()
-    assert _saved_for_backward(g) == 32 * SBH + 2 * A * S * S * B_
+    assert _saved_for_backward(g) == 32 * SBH + 2 * A * S * S * B_ + STATS
 
 
 def test_flash_default_saves_no_s_squared_term():
     _, g = _ops(attention_backend="flash")
-    # flash keeps its output (2 sbh) instead of the s^2 tensors; no dropout masks: 32 + 2 sbh
-    assert _saved_for_backward(g) == 34 * SBH
+    # flash keeps its output (2 sbh) and its log-sum-exp instead of the s^2 tensors; no dropout masks: 32 + 2 sbh
+    assert _saved_for_backward(g) == 34 * SBH + STATS + LSE
 
 
 def test_batched_gemm_prices_its_tiles_over_the_batch():

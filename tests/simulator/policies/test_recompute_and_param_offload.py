@@ -13,7 +13,7 @@ from simulator.graph.builders.transformer import TransformerSpec, build_gpt_step
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import OpKind
 from simulator.policies.offload_optimizer import offload_optimizer
-from simulator.policies.offload_param import exposed_fetch_s, offload_param
+from simulator.policies.offload_param import fetch_times, offload_param
 from simulator.policies.recompute import offload_activations, recompute
 from simulator.policies.registry import PolicyError
 from tests.conftest import ROOT, make_hw
@@ -159,7 +159,7 @@ def test_prefetch_depth_hides_fetches_when_pcie_keeps_up():
     for depth in (0, 2):
         g, hw, _ = _param_graph(depth, 1e11)
         r = simulate_graph(g, hw, 3, 1)
-        ex[depth] = exposed_fetch_s(r.spans, r.steps)
+        ex[depth] = fetch_times(r.spans, r.steps, "offload_param.fetch")[1]
     assert ex[0] > 0 and ex[2] < ex[0]
 
 
@@ -168,7 +168,7 @@ def test_exposed_fetch_grows_when_pcie_cannot_keep_up():
     for pcie in (1e11, 1e8):
         g, hw, _ = _param_graph(1, pcie)
         r = simulate_graph(g, hw, 3, 1)
-        ex.append(exposed_fetch_s(r.spans, r.steps))
+        ex.append(fetch_times(r.spans, r.steps, "offload_param.fetch")[1])
     assert ex[1] > 10 * ex[0]
 
 
