@@ -43,7 +43,7 @@ def test_both_offload_paths_expose_the_same_fetch_wait_by_hand(monkeypatch):
     monkeypatch.setattr(OffloadSummary, "summarize", lambda self, *a: {})
     monkeypatch.setattr(offload_fsdp, "offload_ranks", lambda hw: 1)
     summ = object.__new__(FsdpOffloadSummary)
-    summ.cfg = SimpleNamespace(fsdp=SimpleNamespace(cpu_adam_impl=lambda impl: "torch_fused"),
+    summ.cfg = SimpleNamespace(fsdp=SimpleNamespace(cpu_adam_impl=lambda impl: "torch_fused", offload_policy=None),
                                training=SimpleNamespace(optimizer=SimpleNamespace(impl="fused")))
     summ.hw = None
     spans, steps = _spans("fsdp_offload.fetch")
