@@ -47,7 +47,8 @@ class GraphRewriter:
         meta = dict(changes.pop("meta", op.meta) or {})
         prev = meta.pop("prev_step_deps", None)
         new = dataclasses.replace(op, id=len(self.b), deps=tuple(sorted(deps)), meta=meta, **changes)
-        i = self.b.add_op(new, deps=new.deps)
+        self.b.extend((new,))  # it carries its id and sorted deps already (``add_op`` would copy it once more)
+        i = new.id
         self.map[op.id] = (i,)
         if prev:
             self._prev.setdefault(i, set()).update(("old", p) for p in prev)  # type: ignore[arg-type]
