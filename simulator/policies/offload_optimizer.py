@@ -80,7 +80,6 @@ scripts/fit_host_cpu_model.py):
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from hardware_models.host_kernels import (
     DS2020_TILE_ELEMENTS,
@@ -95,6 +94,7 @@ from hardware_models.host_kernels import (
 )
 from simulator.graph.op_graph import ModelFacts, OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
+from simulator.policies._columns import value_masks
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -618,15 +618,6 @@ class OffloadSummary:
         return out
 
 
-def name_masks(names, tests) -> list[np.ndarray]:
-    """One boolean array per test in ``tests`` (``str -> bool``): which entries of ``names`` (a column of op names)
-    pass it; each distinct name is tested once (``pandas.factorize``)."""
-    codes, uniques = pd.factorize(names.to_numpy(object))
-    uniq = list(uniques)
-    return [np.array([bool(t(n)) for n in uniq], dtype=bool)[codes] if len(codes) else np.zeros(0, dtype=bool)
-            for t in tests]
-
-
 def offload_parts(spans, steps) -> dict:
     """Per-step parts of an offloaded step, averaged over measured steps (seconds).
 
@@ -637,12 +628,12 @@ def offload_parts(spans, steps) -> dict:
     ``offload_h2d_s``: first to last parameter-upload byte; ``offload_d2h_wait_s``: end of the last
     backward kernel to the end of the last gradient copy.
 
-    Computed on the span columns once: each distinct name is classified once (``name_masks``), and each step's
+    Computed on the span columns once: each distinct name is classified once (``_columns.value_masks``), and each step's
     rows are one slice of the spans in step order (the frame's order kept within a step), so every max, min and
     sum takes the same values in the same order as filtering the frame step by step.
     """
     parts = {"offload_gpu_fwd_bwd_s": [], "offload_cpu_optimizer_s": [], "offload_h2d_s": [], "offload_d2h_wait_s": []}
-    done_m, h2d_m, tile_m, cpu_m = name_masks(spans["name"], (
+    done_m, h2d_m, tile_m, cpu_m = value_masks(spans["name"].to_numpy(object), (
         lambda n: n == "offload.bwd_done", lambda n: n.startswith("offload.h2d.params"),
         lambda n: n.startswith("offload.h2d.params.tile"), lambda n: n in CPU_OPS))
     bwd_m = (spans["phase"].to_numpy(object) == "bwd") & (spans["stream"].to_numpy(object) == "compute")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pandas as pd
 
@@ -19,6 +21,8 @@ class Recorder:
         self._spans: list[tuple] = []
         self.counters: list[tuple] = []
         self._last: dict[tuple[str, str], int] = {}
+        #: ``(rows, row count, SpanColumns)`` of the last ``span_columns`` call
+        self._span_cols: tuple | None = None
 
     def span(self, step: int, op, start_s: float, end_s: float, stream: str | None = None) -> None:
         """Record that ``op`` ran from ``start_s`` to ``end_s`` (seconds) in ``step``."""
@@ -55,6 +59,20 @@ class Recorder:
         self._spans = []
         self.counters = []
         self._last = {}
+        self._span_cols = None
+
+    def span_columns(self) -> SpanColumns:
+        """The recorded spans as columns with their distinct ops (``SpanColumns``), built once per set of spans (the
+        power meter's ``levels`` after the run and ``spans_frame`` share them); an empty recorder gives None.
+
+        Rebuilt when a span was recorded since (the row count changed) or the rows were released."""
+        spans = self._spans
+        cached = self._span_cols
+        if cached is not None and cached[0] is spans and cached[1] == len(spans):
+            return cached[2]
+        cols = span_columns(spans)
+        self._span_cols = (spans, len(spans), cols)
+        return cols
 
     def spans_frame(self) -> pd.DataFrame:
         """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
@@ -67,10 +85,7 @@ class Recorder:
             df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
-        steps, ops, starts, ends, streams = zip(*self._spans)
-        uniq = list({id(op): op for op in ops}.values())  # in first-span order
-        index = {id(op): i for i, op in enumerate(uniq)}
-        pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+        steps, ops, starts, ends, streams, uniq, pos = self.span_columns()
         # ``_value_``: an enum member's value without the ``value`` descriptor call (the same object)
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
                              op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
@@ -108,6 +123,30 @@ class Recorder:
         cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),
                 "value": column_array(value).take(order)}
         return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
+
+
+class SpanColumns(NamedTuple):
+    """Span rows ``(step, op, start_s, end_s, stream)`` as columns (tuples, in recording order), with the distinct
+    ops in first-span order (``uniq``) and each span's index into them (``pos``, an ``intp`` array)."""
+
+    steps: tuple
+    ops: tuple
+    starts: tuple
+    ends: tuple
+    streams: tuple
+    uniq: list
+    pos: np.ndarray
+
+
+def span_columns(spans: list[tuple]) -> SpanColumns | None:
+    """``SpanColumns`` of span rows ``(step, op, start_s, end_s, stream)``; None for no rows."""
+    if not spans:
+        return None
+    steps, ops, starts, ends, streams = zip(*spans)
+    uniq = list({id(op): op for op in ops}.values())  # in first-span order
+    index = {id(op): i for i, op in enumerate(uniq)}
+    pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+    return SpanColumns(steps, ops, starts, ends, streams, uniq, pos)
 
 
 def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
