@@ -103,26 +103,67 @@ class Recorder:
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
-    def counters_frame(self, extra: tuple[list, list, list, list] | None = None) -> pd.DataFrame:
+    def counters_frame(self, extra: tuple[list, list, list, list] | None = None,
+                       parts: list[tuple] | None = None) -> pd.DataFrame:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order (stable: samples at one
         instant keep their recording order).
 
         Args:
             extra: More samples after the recorded ones, as columns ``(t_s, scope, metric, value)`` (lists of one
-                length; ``System.memory_counters``): the frame is the one the recorded rows followed by these
-                would give.
+                length): the frame is the one the recorded rows followed by these would give.
+            parts: More samples after those, as blocks ``(t_s, scope, metric, value)``: ``t_s`` and ``value`` lists
+                of one length, ``scope`` and ``metric`` each a list of that length or one string for every row of
+                the block (``System.memory_counter_parts``); the same frame as their rows in order.
+
+        The columns are built block by block: numbers as arrays concatenated (the dtype the rows would give,
+        ``numeric_column``), strings as codes into their distinct values (``string_column``).
         """
-        rows = list(zip(*self.counters)) if self.counters else [[], [], [], []]
+        blocks = [tuple(zip(*self.counters))] if self.counters else []
         if extra is not None:
-            rows = [list(r) + list(x) for r, x in zip(rows, extra, strict=True)]
-        if not rows[0]:
+            blocks.append(tuple(extra))
+        blocks += list(parts or ())
+        blocks = [b for b in blocks if len(b[0])]
+        if not blocks:
             return pd.DataFrame([], columns=COUNTER_COLUMNS)
-        t_s, scope, metric, value = rows
-        t = column_array(t_s)
+        lengths = [len(b[0]) for b in blocks]
+        t = numeric_column([b[0] for b in blocks])
         order = np.argsort(np.asarray(t), kind="stable")
-        cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),
-                "value": column_array(value).take(order)}
+        cols = {"t_s": t.take(order), "scope": string_column([b[1] for b in blocks], lengths).take(order),
+                "metric": string_column([b[2] for b in blocks], lengths).take(order),
+                "value": numeric_column([b[3] for b in blocks]).take(order)}
         return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
+
+
+def numeric_column(blocks: list) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """``column_array`` of the blocks' values one after another (each a sequence), built block by block when they
+    are Python ints and floats alone: each block's array, concatenated (``int64`` blocks with a ``float64`` one give
+    ``float64``, each int converted as ``numpy.array`` of all the values converts it); otherwise ``column_array``."""
+    types: set = set()
+    for b in blocks:
+        types.update(map(type, b))
+    if types <= _NUMBERS:
+        arrays = [np.array(b) for b in blocks if len(b)]  # (an empty block's array would be float64)
+        if arrays and all(a.dtype.kind in "if" for a in arrays):
+            return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    return column_array([v for b in blocks for v in b])
+
+
+def string_column(blocks: list, lengths: list[int]) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """``column_array`` of the blocks' values one after another, each block a sequence of ``lengths[i]`` values or
+    one string for all of them: with strings alone, pandas' string array of the distinct values taken by each
+    row's code (the same array as built from every row); otherwise ``column_array`` of every row."""
+    index: dict[str, int] = {}
+    codes = []
+    for b, n in zip(blocks, lengths, strict=True):
+        if isinstance(b, str):
+            codes.append(np.full(n, index.setdefault(b, len(index)), dtype=np.intp))
+            continue
+        if set(map(type, b)) != _STR:
+            return column_array([v for b_, n_ in zip(blocks, lengths) for v in ([b_] * n_ if isinstance(b_, str) else b_)])
+        c, uniq = pd.factorize(np.array(b, dtype=object))
+        codes.append(np.array([index.setdefault(u, len(index)) for u in uniq], dtype=np.intp)[c])
+    values = pd.array(np.array(list(index), dtype=object), dtype=_STR_DTYPE)
+    return values.take(np.concatenate(codes) if len(codes) > 1 else codes[0])
 
 
 class SpanColumns(NamedTuple):
