@@ -90,16 +90,20 @@ class Recorder:
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
                              op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
-        if all(streams):  # every span names its stream (the executor's)
-            stream = column_array(streams)
+        if all(streams):  # every span names its stream (the executor's): codes into the few distinct streams
+            stream = string_column([streams], [len(streams)])
         elif any(streams):
             stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
         else:
             stream = op_stream
+        start, end = column_array(starts), column_array(ends)
         cols = {"step": column_array(steps), "op_id": op_id, "name": name, "stream": stream, "kind": kind,
-                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": column_array(starts),
-                "end_s": column_array(ends), "flops": flops, "bytes": nbytes}
-        df = pd.DataFrame(cols)  # in SPAN_COLUMNS order
+                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": start,
+                "end_s": end, "flops": flops, "bytes": nbytes}
+        if isinstance(start, np.ndarray) and isinstance(end, np.ndarray):  # the column pandas' subtraction gives
+            cols["duration_s"] = end - start
+            return pd.DataFrame(cols)  # in SPAN_COLUMNS order, then duration_s
+        df = pd.DataFrame(cols)
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
