@@ -101,8 +101,18 @@ def _fill_two(l0: tuple, l1: tuple, c0: float, c1: float, capacities: dict) -> l
             level = sh
     if level == math.inf:
         _unbounded()
-    f0 = c0 <= level or any(max(capacities[k] - 0.0, 0.0) / count[k] <= level for k in l0)
-    f1 = c1 <= level or any(max(capacities[k] - 0.0, 0.0) / count[k] <= level for k in l1)
+    f0 = c0 <= level
+    if not f0:
+        for k in l0:
+            if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
+                f0 = True
+                break
+    f1 = c1 <= level
+    if not f1:
+        for k in l1:
+            if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
+                f1 = True
+                break
     r0 = min(level, c0) if f0 else 0.0
     r1 = min(level, c1) if f1 else 0.0
     if f0 and f1:
