@@ -101,18 +101,8 @@ def _fill_two(l0: tuple, l1: tuple, c0: float, c1: float, capacities: dict) -> l
             level = sh
     if level == math.inf:
         _unbounded()
-    f0 = c0 <= level
-    if not f0:
-        for k in l0:
-            if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
-                f0 = True
-                break
-    f1 = c1 <= level
-    if not f1:
-        for k in l1:
-            if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
-                f1 = True
-                break
+    f0 = c0 <= level or _crosses_tight(l0, count, capacities, level)
+    f1 = c1 <= level or _crosses_tight(l1, count, capacities, level)
     r0 = min(level, c0) if f0 else 0.0
     r1 = min(level, c1) if f1 else 0.0
     if f0 and f1:
@@ -195,6 +185,15 @@ def _fill(links: list[tuple], weights: list, caps: list[float], capacities: dict
                     used[k] += w * r
         active -= frozen
     return rates
+
+
+def _crosses_tight(links: tuple, count: dict, capacities: dict, level: float) -> bool:
+    """Whether a flow over ``links`` crosses a link saturated at ``level`` in ``_fill_two``'s first round (its share
+    ``capacity / count`` at most ``level``)."""
+    for k in links:
+        if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
+            return True
+    return False
 
 
 def _unbounded():

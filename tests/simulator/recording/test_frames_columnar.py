@@ -85,18 +85,24 @@ def test_counters_frame_is_the_rows_in_stable_time_order():
     assert got.value.tolist() == [1980.0, 450.5, 300.0, 4096.0]
 
 
-def test_counters_frame_with_memory_columns_equals_the_frame_of_all_rows():
-    """The memory timelines passed as columns (``System.memory_counters``) give the frame of the recorded rows
-    followed by theirs: stable time order, the values' dtype inferred over all of them (ints among floats)."""
+def _system_with_clock():
+    """``(system, its GPU pool, t)``: the pool's clock reads ``t[0]`` (set by the test; the int 0 first, as ``env.now``)."""
     import simpy
 
     from simulator.engine.system import System
     from tests.conftest import make_hw
 
-    t = [0]  # env.now starts as the int 0
+    t = [0]
     sys_ = System(simpy.Environment(), make_hw(), Recorder())
     pool = sys_.memory["gpu"]
     pool._clock = lambda: t[0]
+    return sys_, pool, t
+
+
+def test_counters_frame_with_memory_columns_equals_the_frame_of_all_rows():
+    """The memory timelines passed as columns (``System.memory_counters``) give the frame of the recorded rows
+    followed by theirs: stable time order, the values' dtype inferred over all of them (ints among floats)."""
+    sys_, pool, t = _system_with_clock()
     pool.alloc("params.L0.w", 1_000, 0)
     t[0] = 0.001
     pool.alloc("act.L0.x", 3_000, 0.001)
@@ -173,15 +179,7 @@ def test_block_columns_infer_what_pandas_infers_from_all_rows(blocks):
 def test_counters_frame_with_memory_parts_equals_the_frame_of_all_rows():
     """The memory timelines passed as blocks (``System.memory_counter_parts``: a pool's scope, and its total's metric,
     one string for the block) give the frame of the recorded rows followed by their rows."""
-    import simpy
-
-    from simulator.engine.system import System
-    from tests.conftest import make_hw
-
-    t = [0]
-    sys_ = System(simpy.Environment(), make_hw(), Recorder())
-    pool = sys_.memory["gpu"]
-    pool._clock = lambda: t[0]
+    sys_, pool, t = _system_with_clock()
     pool.alloc("params.L0.w", 1_000, 0)
     t[0] = 0.001
     pool.alloc("act.L0.x", 3_000, 0.001)
