@@ -90,7 +90,7 @@ class Recorder:
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
                              op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
-        if all(streams):  # every span names its stream (the executor's): codes into the few distinct streams
+        if all(streams):  # every span names its stream (the executor's)
             stream = string_column([streams], [len(streams)])
         elif any(streams):
             stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
@@ -120,7 +120,7 @@ class Recorder:
                 the block (``System.memory_counter_parts``); the same frame as their rows in order.
 
         The columns are built block by block: numbers as arrays concatenated (the dtype the rows would give,
-        ``numeric_column``), strings as codes into their distinct values (``string_column``).
+        ``numeric_column``), strings as one object array (``string_column``).
         """
         blocks = [tuple(zip(*self.counters))] if self.counters else []
         if extra is not None:
@@ -154,20 +154,17 @@ def numeric_column(blocks: list) -> np.ndarray | pd.api.extensions.ExtensionArra
 
 def string_column(blocks: list, lengths: list[int]) -> np.ndarray | pd.api.extensions.ExtensionArray:
     """``column_array`` of the blocks' values one after another, each block a sequence of ``lengths[i]`` values or
-    one string for all of them: with strings alone, pandas' string array of the distinct values taken by each
-    row's code (the same array as built from every row); otherwise ``column_array`` of every row."""
-    index: dict[str, int] = {}
-    codes = []
+    one string for all of them: with strings alone, pandas' string array of every row (built from one object array:
+    a one-string block filled without a list of its rows); otherwise ``column_array`` of every row."""
+    arrays = []
     for b, n in zip(blocks, lengths, strict=True):
         if isinstance(b, str):
-            codes.append(np.full(n, index.setdefault(b, len(index)), dtype=np.intp))
-            continue
-        if set(map(type, b)) != _STR:
+            arrays.append(np.full(n, b, dtype=object))
+        elif set(map(type, b)) == _STR:
+            arrays.append(np.array(b, dtype=object))
+        else:
             return column_array([v for b_, n_ in zip(blocks, lengths) for v in ([b_] * n_ if isinstance(b_, str) else b_)])
-        c, uniq = pd.factorize(np.array(b, dtype=object))
-        codes.append(np.array([index.setdefault(u, len(index)) for u in uniq], dtype=np.intp)[c])
-    values = pd.array(np.array(list(index), dtype=object), dtype=_STR_DTYPE)
-    return values.take(np.concatenate(codes) if len(codes) > 1 else codes[0])
+    return pd.array(np.concatenate(arrays) if len(arrays) > 1 else arrays[0], dtype=_STR_DTYPE)
 
 
 class SpanColumns(NamedTuple):
