@@ -52,6 +52,9 @@ def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=float).reshape(-1, 2)
 
 
+_NO_INTERVALS = np.zeros((0, 2))
+
+
 def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
     """Length of disjoint intervals ``iv`` inside ``[t0, t1]``."""
     if t1 <= t0 or len(iv) == 0:
@@ -173,8 +176,9 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         acc = dict.fromkeys(out, 0.0)
         if r.stop > r.start:
             iv = iv_all[r]
-            gpu_busy = _merge(iv[gpu[r]])
-            idle_data = _subtract(_merge(iv[data[r]]), gpu_busy)
+            waits = data[r]
+            # no data wait in the step: nothing idle to take out (``_overlap`` of no intervals is 0)
+            idle_data = _subtract(_merge(iv[waits]), _merge(iv[gpu[r]])) if waits.any() else _NO_INTERVALS
             t = max(float(step_start_s), last_phase_end(step - 1))
             for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r], phase_names):
                 if e > t:
