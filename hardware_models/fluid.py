@@ -79,7 +79,51 @@ def maxmin_rates(flows: Sequence[tuple[Iterable[Hashable], float]], capacities: 
         if level == math.inf:
             _unbounded()
         return [level]
+    if n == 2:  # two flows (a copy beside a CPU step on the host DRAM link): the same rounds, without the sets
+        (l0, c0), (l1, c1) = flows
+        return _fill_two(tuple(l0), tuple(l1), c0, c1, capacities)
     return _fill([tuple(ls) for ls, _ in flows], [None] * n, [c for _, c in flows], capacities)
+
+
+def _fill_two(l0: tuple, l1: tuple, c0: float, c1: float, capacities: dict) -> list[float]:
+    """``_fill`` of two unweighted flows (links ``l0``, ``l1``, caps ``c0``, ``c1``): the same rounds and the same
+    float operations (the first round's shares ``capacity / count``, the second's ``capacity - frozen rate``), so
+    the same rates to the last bit."""
+    count: dict = {}
+    for k in l0:
+        count[k] = count.get(k, 0) + 1
+    for k in l1:
+        count[k] = count.get(k, 0) + 1
+    level = min(c0, c1)
+    for k, c in count.items():  # round one: nothing frozen yet (``used`` 0)
+        sh = max(capacities[k] - 0.0, 0.0) / c
+        if sh < level:
+            level = sh
+    if level == math.inf:
+        _unbounded()
+    f0 = c0 <= level or _crosses_tight(l0, count, capacities, level)
+    f1 = c1 <= level or _crosses_tight(l1, count, capacities, level)
+    r0 = min(level, c0) if f0 else 0.0
+    r1 = min(level, c1) if f1 else 0.0
+    if f0 and f1:
+        return [r0, r1]
+    # round two: the flow left alone, on its links less what the frozen one uses there
+    lf, rf, lj, cj = (l0, r0, l1, c1) if f0 else (l1, r1, l0, c0)
+    used: dict = {}
+    for k in lf:
+        used[k] = used.get(k, 0.0) + rf
+    count = {}
+    for k in lj:
+        count[k] = count.get(k, 0) + 1
+    level = cj
+    for k, c in count.items():
+        sh = max(capacities[k] - used.get(k, 0.0), 0.0) / c
+        if sh < level:
+            level = sh
+    if level == math.inf:
+        _unbounded()
+    r = min(level, cj)
+    return [r0, r] if f0 else [r, r1]
 
 
 def weighted_maxmin_rates(flows: Sequence[tuple[Sequence[tuple[Hashable, float]], float]],
@@ -141,6 +185,15 @@ def _fill(links: list[tuple], weights: list, caps: list[float], capacities: dict
                     used[k] += w * r
         active -= frozen
     return rates
+
+
+def _crosses_tight(links: tuple, count: dict, capacities: dict, level: float) -> bool:
+    """Whether a flow over ``links`` crosses a link saturated at ``level`` in ``_fill_two``'s first round (its share
+    ``capacity / count`` at most ``level``)."""
+    for k in links:
+        if max(capacities[k] - 0.0, 0.0) / count[k] <= level:
+            return True
+    return False
 
 
 def _unbounded():

@@ -216,10 +216,20 @@ class Hardware:
         a larger share of the switch uplink: copies got faster as the link got slower. Pageable staging caps
         (host-side) and the latency are not scaled.
         """
-        rates = resolve_copy_rates(self.profile, self.pcie, link_wins=self.pcie_explicit,
-                                   overridden=self.pcie_overridden)
         topo = getattr(self.collectives, "topo", None)
         link = float(getattr(getattr(topo, "cluster", None), "pcie_bytes_per_s", 0.0) or 0.0)
+        memo = self.__dict__.get("_copy_memo")  # (inputs, rates) of the last call: the rates are a pure function of them
+        if (memo is not None and memo[0][0] is self.profile and memo[0][1] is self.pcie
+                and memo[0][2:] == (self.pcie_explicit, self.pcie_overridden, link)):
+            return memo[1]
+        rates = self._copy_uncached(link)
+        self.__dict__["_copy_memo"] = ((self.profile, self.pcie, self.pcie_explicit, self.pcie_overridden, link), rates)
+        return rates
+
+    def _copy_uncached(self, link: float) -> CopyRates:
+        """``copy`` computed afresh (``link``: the cluster's GPU PCIe link rate, bytes/s; 0: none)."""
+        rates = resolve_copy_rates(self.profile, self.pcie, link_wins=self.pcie_explicit,
+                                   overridden=self.pcie_overridden)
         base = self.pcie.bandwidth_bytes_per_s
         if not link or not base or link == base:
             return rates

@@ -52,6 +52,9 @@ def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=float).reshape(-1, 2)
 
 
+_NO_INTERVALS = np.zeros((0, 2))
+
+
 def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
     """Length of disjoint intervals ``iv`` inside ``[t0, t1]``."""
     if t1 <= t0 or len(iv) == 0:
@@ -60,9 +63,10 @@ def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
 
 
 def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.ndarray,
-              comp: np.ndarray) -> list[tuple[str, float]]:
+              comp: np.ndarray, names: list[str] | None = None) -> list[tuple[str, float]]:
     """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``); ``inph``: the
-    spans of a phase in ``PHASES``, ``comp``: those that are also compute kernels (boolean arrays)."""
+    spans of a phase in ``PHASES``, ``comp``: those that are also compute kernels (boolean arrays). ``names``: the
+    phase of each code when ``phase`` holds integer codes (``_codes``); None: ``phase`` holds the names."""
     ci = np.flatnonzero(comp)
     ci = ci[np.lexsort((end[ci], start[ci]))]
     ph, ends = phase[ci], end[ci]
@@ -71,7 +75,7 @@ def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.nd
         cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
         for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
             e = float(ends[a:b].max())
-            segs.append([str(ph[a]), e, e])
+            segs.append([ph[a].item(), e, e])
     orphans: dict[str, float] = {}
     oi = np.flatnonzero(inph & ~comp)
     o_phase, o_end = phase[oi], end[oi]
@@ -91,13 +95,15 @@ def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.nd
                 g[1] = t
     segs.extend([p, e, e] for p, e in orphans.items())
     segs.sort(key=lambda g: g[2])
-    return [(str(p), e) for p, e, _ in segs]
+    label = str if names is None else names.__getitem__
+    return [(label(p), e) for p, e, _ in segs]
 
 
-def _as_str(col: pd.Series) -> np.ndarray:
-    """A string column as a NumPy unicode array (``to_numpy().astype(str)``), converting each distinct value once."""
-    codes, uniques = pd.factorize(col.to_numpy(object))
-    return np.asarray(uniques, dtype=str)[codes]
+def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
+    """``(codes, names)`` of a column: each row's code into ``names``, its distinct values as strings (as
+    ``to_numpy().astype(str)`` gives them) in first-row order; equal codes are equal strings."""
+    codes, uniques = pd.factorize(col.to_numpy(object), use_na_sentinel=False)
+    return codes, np.asarray(uniques, dtype=str).tolist()
 
 
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
@@ -140,15 +146,20 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     step_all = spans.step.to_numpy()
     order = np.argsort(step_all, kind="stable")
     step_col = step_all[order]
-    kind = _as_str(spans.kind)[order]
-    phase = _as_str(spans.phase)[order]
+    kind, kind_names = _codes(spans.kind)
+    phase, phase_names = _codes(spans.phase)
+    kind, phase = kind[order], phase[order]
     start = spans.start_s.to_numpy(float)[order]
     end = spans.end_s.to_numpy(float)[order]
-    # per span, once for all steps (each step below takes its slice)
-    inph = np.isin(phase, PHASES)
-    comp = inph & (kind == COMPUTE_KIND)
-    gpu = np.isin(kind, GPU_KINDS)
-    data = phase == DATA_PHASE
+    # per span, once for all steps (each step below takes its slice); each tested once per distinct value
+
+    def of(names: list[str], test) -> np.ndarray:
+        return np.array([test(n) for n in names], dtype=bool)
+
+    inph = of(phase_names, lambda n: n in PHASES)[phase]
+    comp = inph & of(kind_names, lambda n: n == COMPUTE_KIND)[kind]
+    gpu = of(kind_names, lambda n: n in GPU_KINDS)[kind]
+    data = of(phase_names, lambda n: n == DATA_PHASE)[phase]
     iv_all = np.stack([start, end], axis=1)
 
     def rows(step: int) -> slice:
@@ -165,10 +176,11 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         acc = dict.fromkeys(out, 0.0)
         if r.stop > r.start:
             iv = iv_all[r]
-            gpu_busy = _merge(iv[gpu[r]])
-            idle_data = _subtract(_merge(iv[data[r]]), gpu_busy)
+            waits = data[r]
+            # no data wait in the step: nothing idle to take out (``_overlap`` of no intervals is 0)
+            idle_data = _subtract(_merge(iv[waits]), _merge(iv[gpu[r]])) if waits.any() else _NO_INTERVALS
             t = max(float(step_start_s), last_phase_end(step - 1))
-            for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r]):
+            for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r], phase_names):
                 if e > t:
                     w = _overlap(idle_data, t, e)
                     acc[DATA_PHASE] += w

@@ -173,7 +173,7 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         step_df = pd.DataFrame({"step": np.arange(steps, dtype=np.int64), "start_s": start, "end_s": end,
                                 "step_time_s": end - start})
         launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
-        counters = rec.counters_frame(system.memory_counters())  # the recorded samples, then the memory timelines
+        counters = rec.counters_frame(parts=system.memory_counter_parts())  # the recorded samples, then the memory timelines
         out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches), runtime))
     for _, rec, system, _, ex in ranks:
         _release(ex, rec, system)

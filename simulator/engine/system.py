@@ -100,29 +100,35 @@ class System:
     """
 
     def memory_counters(self) -> tuple[list[float], list[str], list[str], list[int]]:
-        """Memory timelines of all pools as counter columns ``(t_s, scope, metric, value)``: rows ``(t_s, scope,
-        "memory_bytes", bytes)`` of every pool, then per tensor category ``(t_s, scope, "memory_bytes.<category>",
-        bytes)`` (``memory.category``) of every pool."""
+        """Memory timelines of all pools as counter columns ``(t_s, scope, metric, value)``: the rows of
+        ``memory_counter_parts`` one block after another."""
         t_s: list = []
         scope: list = []
         metric: list = []
         value: list = []
-        for pool in self.memory.values():
-            t, v = pool.timeline_columns()
+        for t, sc, m, v in self.memory_counter_parts():
             t_s += t
             value += v
-            scope += [pool.name] * len(t)
-            metric += ["memory_bytes"] * len(t)
+            scope += [sc] * len(t)
+            metric += [m] * len(t) if isinstance(m, str) else m
+        return t_s, scope, metric, value
+
+    def memory_counter_parts(self) -> list[tuple]:
+        """Memory timelines of all pools as counter blocks ``(t_s, scope, metric, value)`` (``Recorder.counters_frame``'s
+        ``parts``): per pool ``(t_s, pool name, "memory_bytes", bytes)``, then per pool its tensor categories
+        ``(t_s, pool name, ["memory_bytes.<category>", ...], bytes)`` (``memory.category``); ``t_s`` and bytes are
+        the pools' own lists (read, don't modify)."""
+        parts = []
+        for pool in self.memory.values():
+            t, v = pool.timeline_columns()
+            parts.append((t, pool.name, "memory_bytes", v))
         names: dict[str, str] = {}
         for pool in self.memory.values():
             t, cats, v = pool.category_timeline_columns()
             for c in set(cats).difference(names):
                 names[c] = f"memory_bytes.{c}"
-            t_s += t
-            value += v
-            scope += [pool.name] * len(t)
-            metric += map(names.__getitem__, cats)
-        return t_s, scope, metric, value
+            parts.append((t, pool.name, list(map(names.__getitem__, cats)), v))
+        return parts
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder, fabric: Fabric | None = None):
         self.env = env

@@ -34,6 +34,7 @@ from hardware_models.dataloader import (
     load_storage_preset,
 )
 from simulator.graph.op_graph import OpGraph
+from simulator.policies._rewrite import replace_op
 from simulator.policies.dataloader_notes import workers_notes
 from simulator.graph.ops import OpKind, OpRole, Phase
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
@@ -120,7 +121,7 @@ def insert_dataloader_ops(graph: OpGraph, pinned: bool, batch_bytes: float | Non
             changes["pinned"] = pinned
             if batch_bytes:
                 changes["bytes_read"] = float(batch_bytes)
-        new_ops.append(dataclasses.replace(op, **changes))
+        new_ops.append(replace_op(op, **changes))
     # prev_step_deps may name any op of the previous step: remap them once every id is known
     for op in graph.ops:
         prev = op.meta.get("prev_step_deps") if op.meta else None

@@ -49,6 +49,7 @@ import pandas as pd
 from hardware_models.power import ClockController, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
+from simulator.policies._columns import value_masks
 from simulator.policies.dvfs_notes import settings_without_effect
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import PowerLedger
@@ -300,7 +301,7 @@ class DvfsRuntime:
         """
         if self.online:
             return True
-        self.ledger.record_levels(self.meter.levels(recorder._spans))
+        self.ledger.record_levels(self.meter.levels(recorder._spans, recorder.span_columns()))
         return not (self._can_bind and self.firmware.would_act(self.env.now))
 
     def _go_online(self, running, k: int) -> None:
@@ -448,8 +449,8 @@ class DvfsRuntime:
             sel = (end > t0) & (start < t1)
             dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
             stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
-            name = spans.name.to_numpy(object)[sel]
-            cpu_step = (kind == "host") & np.array([str(n).startswith("cpu.") for n in name], dtype=bool)
+            (cpu_name,) = value_masks(spans.name.to_numpy(object)[sel], (lambda n: n.startswith("cpu."),))
+            cpu_step = (kind == "host") & cpu_name
             t = float(self.cpu_step_threads)
             on_host = dur[cpu_step & (stream == "host")].sum()  # the training thread is one of the t threads
             beside = dur[cpu_step & (stream != "host")].sum()  # DPU's worker thread: t threads of its own

@@ -94,6 +94,7 @@ from hardware_models.host_kernels import (
 )
 from simulator.graph.op_graph import ModelFacts, OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
+from simulator.policies._columns import value_masks
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -626,22 +627,35 @@ def offload_parts(spans, steps) -> dict:
     timers synchronize the device before they stop);
     ``offload_h2d_s``: first to last parameter-upload byte; ``offload_d2h_wait_s``: end of the last
     backward kernel to the end of the last gradient copy.
+
+    Computed on the span columns once: each distinct name is classified once (``_columns.value_masks``), and each step's
+    rows are one slice of the spans in step order (the frame's order kept within a step), so every max, min and
+    sum takes the same values in the same order as filtering the frame step by step.
     """
-    meas = steps[~steps.warmup]
     parts = {"offload_gpu_fwd_bwd_s": [], "offload_cpu_optimizer_s": [], "offload_h2d_s": [], "offload_d2h_wait_s": []}
-    for row in meas.itertuples():
-        d = spans[spans.step == row.step]
-        done = d[d.name == "offload.bwd_done"]
-        bwd = d[(d.phase == "bwd") & (d.stream == "compute")]
-        h2d = d[d.name.str.startswith("offload.h2d.params")]
-        cpu = d[d.name.isin(CPU_OPS)]
-        if len(done):
-            parts["offload_gpu_fwd_bwd_s"].append(float(done.end_s.max()) - row.start_s)
-            parts["offload_d2h_wait_s"].append(max(0.0, float(done.end_s.max()) - float(bwd.end_s.max())))
-        tiles = d[d.name.str.startswith("offload.h2d.params.tile")]
-        tail = max(0.0, float(tiles.end_s.max()) - float(cpu.end_s.max())) if len(tiles) and len(cpu) else 0.0
-        parts["offload_cpu_optimizer_s"].append(float(cpu.duration_s.sum()) + tail if len(cpu) else 0.0)
-        if len(h2d):
-            parts["offload_h2d_s"].append(float(h2d.end_s.max() - h2d.start_s.min()))
+    done_m, h2d_m, tile_m, cpu_m = value_masks(spans["name"].to_numpy(object), (
+        lambda n: n == "offload.bwd_done", lambda n: n.startswith("offload.h2d.params"),
+        lambda n: n.startswith("offload.h2d.params.tile"), lambda n: n in CPU_OPS))
+    bwd_m = (spans["phase"].to_numpy(object) == "bwd") & (spans["stream"].to_numpy(object) == "compute")
+    step_all = spans["step"].to_numpy()
+    order = np.argsort(step_all, kind="stable")
+    step_sorted = step_all[order]
+    start, end, dur = (spans[c].to_numpy(float)[order] for c in ("start_s", "end_s", "duration_s"))
+    done_m, h2d_m, tile_m, cpu_m, bwd_m = (m[order] for m in (done_m, h2d_m, tile_m, cpu_m, bwd_m))
+    meas = ~steps.warmup.to_numpy(bool)
+    for step, step_start in zip(steps.step.to_numpy()[meas].tolist(), steps.start_s.to_numpy()[meas].tolist()):
+        r = slice(int(np.searchsorted(step_sorted, step, "left")), int(np.searchsorted(step_sorted, step, "right")))
+        e, s_ = end[r], start[r]
+        done, bwd, h2d, tiles, cpu = (m[r] for m in (done_m, bwd_m, h2d_m, tile_m, cpu_m))
+        if done.any():
+            done_end = float(e[done].max())
+            bwd_end = float(e[bwd].max()) if bwd.any() else np.nan  # NaN: no backward kernel (max(0.0, NaN) is 0.0)
+            parts["offload_gpu_fwd_bwd_s"].append(done_end - step_start)
+            parts["offload_d2h_wait_s"].append(max(0.0, done_end - bwd_end))
+        has_cpu = cpu.any()
+        tail = max(0.0, float(e[tiles].max()) - float(e[cpu].max())) if tiles.any() and has_cpu else 0.0
+        parts["offload_cpu_optimizer_s"].append(float(dur[r][cpu].sum()) + tail if has_cpu else 0.0)
+        if h2d.any():
+            parts["offload_h2d_s"].append(float(e[h2d].max() - s_[h2d].min()))
     out = {k: float(np.mean(v)) if v else 0.0 for k, v in parts.items()}
     return out

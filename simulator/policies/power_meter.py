@@ -239,7 +239,7 @@ class PowerMeter:
         return activity_of_kernel(c, m, f)
 
     # -- power from recorded spans ----------------------------------------------------------------------
-    def levels(self, spans):
+    def levels(self, spans, columns=None):
         """``(times, power, last_starts)``: the power levels of ``spans`` ``(step, op, start_s, end_s, stream)`` at
         the current clocks (each level from its instant to the next; ``last_starts``: an op starts at the last
         instant), or None when no span draws power.
@@ -248,11 +248,21 @@ class PowerMeter:
         (``GpuPowerModel.power_of``, evaluated on arrays). A stream runs one op at a time, so the op running on
         each stream at an instant is the last one started on it, if not yet ended. Monotone: the power at every
         instant from a subset of the spans is at most that from all of them (every coefficient of the power
-        model is >= 0 and the activities only add)."""
+        model is >= 0 and the activities only add).
+
+        ``columns``: ``spans`` as ``recording.recorder.SpanColumns`` when the caller has them (the recorder's
+        ``span_columns``, shared with its ``spans_frame``); None: built here."""
         if not spans:
             return None
-        _steps, ops, s_all, e_all, streams = zip(*spans)
-        uniq = {id(op): op for op in ops}  # in first-span order
+        if columns is None:
+            _steps, ops, s_all, e_all, streams = zip(*spans)
+            uniq = {id(op): op for op in ops}  # in first-span order
+            # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
+            index = {k: i for i, k in enumerate(uniq)}
+            pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+        else:
+            ops, s_all, e_all, streams, uniq_ops, pos = columns[1:]
+            uniq = {id(op): op for op in uniq_ops}
         table: dict[int, tuple] = {}
         by_op, key_of, rows = self.price_keys.by_op, self.price_keys.of, self._rows
         sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
@@ -266,9 +276,6 @@ class PowerMeter:
             if row is not None:
                 table[op.id] = row
         codes: dict[str, int] = {}  # stream -> code, in first-span order (the order the streams are summed in)
-        # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
-        index = {k: i for i, k in enumerate(uniq)}
-        pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
         if all(streams):  # every span names its stream (the executor's)
             codes = {st: k for k, st in enumerate(dict.fromkeys(streams))}
             stream_code = np.fromiter(map(codes.__getitem__, streams), dtype=np.int64, count=len(ops))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pandas as pd
 
@@ -19,6 +21,8 @@ class Recorder:
         self._spans: list[tuple] = []
         self.counters: list[tuple] = []
         self._last: dict[tuple[str, str], int] = {}
+        #: ``(rows, row count, SpanColumns)`` of the last ``span_columns`` call
+        self._span_cols: tuple | None = None
 
     def span(self, step: int, op, start_s: float, end_s: float, stream: str | None = None) -> None:
         """Record that ``op`` ran from ``start_s`` to ``end_s`` (seconds) in ``step``."""
@@ -55,6 +59,20 @@ class Recorder:
         self._spans = []
         self.counters = []
         self._last = {}
+        self._span_cols = None
+
+    def span_columns(self) -> SpanColumns:
+        """The recorded spans as columns with their distinct ops (``SpanColumns``), built once per set of spans (the
+        power meter's ``levels`` after the run and ``spans_frame`` share them); an empty recorder gives None.
+
+        Rebuilt when a span was recorded since (the row count changed) or the rows were released."""
+        spans = self._spans
+        cached = self._span_cols
+        if cached is not None and cached[0] is spans and cached[1] == len(spans):
+            return cached[2]
+        cols = span_columns(spans)
+        self._span_cols = (spans, len(spans), cols)
+        return cols
 
     def spans_frame(self) -> pd.DataFrame:
         """Spans as a DataFrame with ``SPAN_COLUMNS`` (times in seconds).
@@ -67,47 +85,110 @@ class Recorder:
             df = pd.DataFrame(self.spans, columns=SPAN_COLUMNS)
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
-        steps, ops, starts, ends, streams = zip(*self._spans)
-        uniq = list({id(op): op for op in ops}.values())  # in first-span order
-        index = {id(op): i for i, op in enumerate(uniq)}
-        pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+        steps, ops, starts, ends, streams, uniq, pos = self.span_columns()
         # ``_value_``: an enum member's value without the ``value`` descriptor call (the same object)
         per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
                              op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
         op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
         if all(streams):  # every span names its stream (the executor's)
-            stream = column_array(streams)
+            stream = string_column([streams], [len(streams)])
         elif any(streams):
             stream = column_array([s or d for s, d in zip(streams, np.asarray(per_op[2], dtype=object)[pos].tolist())])
         else:
             stream = op_stream
+        start, end = column_array(starts), column_array(ends)
         cols = {"step": column_array(steps), "op_id": op_id, "name": name, "stream": stream, "kind": kind,
-                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": column_array(starts),
-                "end_s": column_array(ends), "flops": flops, "bytes": nbytes}
-        df = pd.DataFrame(cols)  # in SPAN_COLUMNS order
+                "phase": phase, "layer": layer, "cost_class": cost_class, "start_s": start,
+                "end_s": end, "flops": flops, "bytes": nbytes}
+        if isinstance(start, np.ndarray) and isinstance(end, np.ndarray):  # the column pandas' subtraction gives
+            cols["duration_s"] = end - start
+            return pd.DataFrame(cols)  # in SPAN_COLUMNS order, then duration_s
+        df = pd.DataFrame(cols)
         df["duration_s"] = df["end_s"] - df["start_s"]
         return df
 
-    def counters_frame(self, extra: tuple[list, list, list, list] | None = None) -> pd.DataFrame:
+    def counters_frame(self, extra: tuple[list, list, list, list] | None = None,
+                       parts: list[tuple] | None = None) -> pd.DataFrame:
         """Counter samples as a DataFrame with ``COUNTER_COLUMNS``, in time order (stable: samples at one
         instant keep their recording order).
 
         Args:
             extra: More samples after the recorded ones, as columns ``(t_s, scope, metric, value)`` (lists of one
-                length; ``System.memory_counters``): the frame is the one the recorded rows followed by these
-                would give.
+                length): the frame is the one the recorded rows followed by these would give.
+            parts: More samples after those, as blocks ``(t_s, scope, metric, value)``: ``t_s`` and ``value`` lists
+                of one length, ``scope`` and ``metric`` each a list of that length or one string for every row of
+                the block (``System.memory_counter_parts``); the same frame as their rows in order.
+
+        The columns are built block by block: numbers as arrays concatenated (the dtype the rows would give,
+        ``numeric_column``), strings as one object array (``string_column``).
         """
-        rows = list(zip(*self.counters)) if self.counters else [[], [], [], []]
+        blocks = [tuple(zip(*self.counters))] if self.counters else []
         if extra is not None:
-            rows = [list(r) + list(x) for r, x in zip(rows, extra, strict=True)]
-        if not rows[0]:
+            blocks.append(tuple(extra))
+        blocks += list(parts or ())
+        blocks = [b for b in blocks if len(b[0])]
+        if not blocks:
             return pd.DataFrame([], columns=COUNTER_COLUMNS)
-        t_s, scope, metric, value = rows
-        t = column_array(t_s)
+        lengths = [len(b[0]) for b in blocks]
+        t = numeric_column([b[0] for b in blocks])
         order = np.argsort(np.asarray(t), kind="stable")
-        cols = {"t_s": t.take(order), "scope": column_array(scope).take(order), "metric": column_array(metric).take(order),
-                "value": column_array(value).take(order)}
+        cols = {"t_s": t.take(order), "scope": string_column([b[1] for b in blocks], lengths).take(order),
+                "metric": string_column([b[2] for b in blocks], lengths).take(order),
+                "value": numeric_column([b[3] for b in blocks]).take(order)}
         return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
+
+
+def numeric_column(blocks: list) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """``column_array`` of the blocks' values one after another (each a sequence), built block by block when they
+    are Python ints and floats alone: each block's array, concatenated (``int64`` blocks with a ``float64`` one give
+    ``float64``, each int converted as ``numpy.array`` of all the values converts it); otherwise ``column_array``."""
+    types: set = set()
+    for b in blocks:
+        types.update(map(type, b))
+    if types <= _NUMBERS:
+        arrays = [np.array(b) for b in blocks if len(b)]  # (an empty block's array would be float64)
+        if arrays and all(a.dtype.kind in "if" for a in arrays):
+            return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    return column_array([v for b in blocks for v in b])
+
+
+def string_column(blocks: list, lengths: list[int]) -> np.ndarray | pd.api.extensions.ExtensionArray:
+    """``column_array`` of the blocks' values one after another, each block a sequence of ``lengths[i]`` values or
+    one string for all of them: with strings alone, pandas' string array of every row (built from one object array:
+    a one-string block filled without a list of its rows); otherwise ``column_array`` of every row."""
+    arrays = []
+    for b, n in zip(blocks, lengths, strict=True):
+        if isinstance(b, str):
+            arrays.append(np.full(n, b, dtype=object))
+        elif set(map(type, b)) == _STR:
+            arrays.append(np.array(b, dtype=object))
+        else:
+            return column_array([v for b_, n_ in zip(blocks, lengths) for v in ([b_] * n_ if isinstance(b_, str) else b_)])
+    return pd.array(np.concatenate(arrays) if len(arrays) > 1 else arrays[0], dtype=_STR_DTYPE)
+
+
+class SpanColumns(NamedTuple):
+    """Span rows ``(step, op, start_s, end_s, stream)`` as columns (tuples, in recording order), with the distinct
+    ops in first-span order (``uniq``) and each span's index into them (``pos``, an ``intp`` array)."""
+
+    steps: tuple
+    ops: tuple
+    starts: tuple
+    ends: tuple
+    streams: tuple
+    uniq: list
+    pos: np.ndarray
+
+
+def span_columns(spans: list[tuple]) -> SpanColumns | None:
+    """``SpanColumns`` of span rows ``(step, op, start_s, end_s, stream)``; None for no rows."""
+    if not spans:
+        return None
+    steps, ops, starts, ends, streams = zip(*spans)
+    uniq = list({id(op): op for op in ops}.values())  # in first-span order
+    index = {id(op): i for i, op in enumerate(uniq)}
+    pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+    return SpanColumns(steps, ops, starts, ends, streams, uniq, pos)
 
 
 def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:

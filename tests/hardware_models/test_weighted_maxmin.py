@@ -39,3 +39,24 @@ def test_weighted_rates_are_feasible_and_max_min(flows, caps):
     for (ls, c), r in zip(spec, rates):
         assert r > 0
         assert r >= c * (1 - 1e-12) or any(k in full for k, _ in ls)
+
+
+_DUP_FLOW = st.tuples(st.lists(st.sampled_from(LINKS), min_size=0, max_size=4),  # links may repeat
+                      st.sampled_from([math.inf, 0.5, 2.0, 5.0, 1e10]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(flows=st.lists(_DUP_FLOW, min_size=2, max_size=2), caps=st.fixed_dictionaries({k: _CAP for k in LINKS}))
+def test_two_flow_path_gives_the_general_fill_exactly(flows, caps):
+    """``maxmin_rates`` of two flows (its own path, ``fluid._fill_two``) is the general progressive filling's result to
+    the last bit (the weighted solver with weights 1 runs the general rounds), repeated links and no links included;
+    both refuse an unbounded flow."""
+    try:
+        general = weighted_maxmin_rates([(tuple((k, 1.0) for k in ls), c) for ls, c in flows], caps)
+    except ValueError:
+        general = None
+    try:
+        two = maxmin_rates([(tuple(ls), c) for ls, c in flows], caps)
+    except ValueError:
+        two = None
+    assert two == general

@@ -15,7 +15,7 @@ from hardware_models.presets import PresetError
 from simulator.graph.ops import CostClass, OpKind, Phase
 from simulator.recording.recorder import (
     COUNTER_COLUMNS, DEPENDENCY_COLUMNS, LAUNCH_COLUMNS, SPAN_COLUMNS, Recorder, column_array, dependencies_frame,
-    launches_frame)
+    launches_frame, numeric_column, string_column)
 
 _value = st.one_of(st.integers(-2**62, 2**62), st.floats(allow_nan=True), st.booleans(), st.none(),
                    st.sampled_from(["a", "comm.dp", ""]), st.integers(2**64, 2**70))
@@ -85,18 +85,24 @@ def test_counters_frame_is_the_rows_in_stable_time_order():
     assert got.value.tolist() == [1980.0, 450.5, 300.0, 4096.0]
 
 
-def test_counters_frame_with_memory_columns_equals_the_frame_of_all_rows():
-    """The memory timelines passed as columns (``System.memory_counters``) give the frame of the recorded rows
-    followed by theirs: stable time order, the values' dtype inferred over all of them (ints among floats)."""
+def _system_with_clock():
+    """``(system, its GPU pool, t)``: the pool's clock reads ``t[0]`` (set by the test; the int 0 first, as ``env.now``)."""
     import simpy
 
     from simulator.engine.system import System
     from tests.conftest import make_hw
 
-    t = [0]  # env.now starts as the int 0
+    t = [0]
     sys_ = System(simpy.Environment(), make_hw(), Recorder())
     pool = sys_.memory["gpu"]
     pool._clock = lambda: t[0]
+    return sys_, pool, t
+
+
+def test_counters_frame_with_memory_columns_equals_the_frame_of_all_rows():
+    """The memory timelines passed as columns (``System.memory_counters``) give the frame of the recorded rows
+    followed by theirs: stable time order, the values' dtype inferred over all of them (ints among floats)."""
+    sys_, pool, t = _system_with_clock()
     pool.alloc("params.L0.w", 1_000, 0)
     t[0] = 0.001
     pool.alloc("act.L0.x", 3_000, 0.001)
@@ -149,3 +155,43 @@ def test_presets_are_built_once_and_bad_names_still_raise():
     for _ in range(2):
         with pytest.raises(PresetError):
             presets.get("gpus", "no-such-gpu")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_value, max_size=5), min_size=1, max_size=4))
+def test_block_columns_infer_what_pandas_infers_from_all_rows(blocks):
+    """``numeric_column`` / ``string_column`` of blocks (a string standing for a block of repeated values) give the
+    array pandas infers from every row one after another: same dtype, same values."""
+    rows = [v for b in blocks for v in b]
+    want = pd.Series(rows, dtype=object if not rows else None)
+    if rows:
+        got = pd.Series(numeric_column(blocks))
+        assert got.dtype == want.dtype and got.equals(want)
+    lengths = [len(b) for b in blocks]
+    as_str = [b[0] if len(b) and all(v == b[0] and type(v) is str for v in b) else b for b in blocks]
+    rows_str = [v for b, n in zip(as_str, lengths) for v in ([b] * n if isinstance(b, str) else b)]
+    if rows_str:
+        got = pd.Series(string_column(as_str, lengths))
+        want = pd.Series(rows_str)
+        assert got.dtype == want.dtype and got.equals(want)
+
+
+def test_counters_frame_with_memory_parts_equals_the_frame_of_all_rows():
+    """The memory timelines passed as blocks (``System.memory_counter_parts``: a pool's scope, and its total's metric,
+    one string for the block) give the frame of the recorded rows followed by their rows."""
+    sys_, pool, t = _system_with_clock()
+    pool.alloc("params.L0.w", 1_000, 0)
+    t[0] = 0.001
+    pool.alloc("act.L0.x", 3_000, 0.001)
+    t[0] = 0.0005  # an earlier instant than the recorded samples after it: the stable time order puts it first
+    pool.free("act.L0.x")
+    rec = _recorder()
+    parts = sys_.memory_counter_parts()
+    assert any(isinstance(p[1], str) and isinstance(p[2], str) for p in parts)
+    rows = list(zip(*sys_.memory_counters()))
+    got = rec.counters_frame(parts=parts)
+    want = pd.DataFrame(rec.counters + rows, columns=COUNTER_COLUMNS).sort_values("t_s", kind="stable",
+                                                                                 ignore_index=True)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert got.equals(want)
+    assert Recorder().counters_frame(parts=[([], "gpu", "memory_bytes", [])]).empty
