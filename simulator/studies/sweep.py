@@ -25,7 +25,8 @@ same ``TransformerSpec`` (differing only in hardware, clocks, dataloader, polici
 (``api.reusing_graphs``), and points whose graph policies also read the same settings share the rewritten graph
 (``api.policy_graph``: the dataloader's input ops, not rebuilt per point of a ``dataloader.num_workers`` or
 clock sweep); every row equals a fresh ``simulate run`` of its point (``tests/simulator/studies/test_sweep_reuse.py``,
-``test_sweep_backends.py``). The parent process imports no simulation code for a pool or a cluster.
+``test_sweep_backends.py``). ``run_sweep`` itself imports the simulation (``simulator.api``) only where it runs
+points, not in the parent of a pool or a cluster.
 """
 
 from __future__ import annotations
