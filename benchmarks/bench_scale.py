@@ -101,14 +101,19 @@ def main() -> None:
     for fid in ("layer",) if args.skip_kernel else ("layer", "kernel"):
         print(row(f"{Path(args.scenario).stem} {fid}", run_point(args.scenario, fid, [])), flush=True)
     gpus = [int(g) for g in args.gpus.split(",") if g]
-    walls, scaled = [], []
+    walls, scaled, cpus = [], [], []
     for g in gpus:
         p = run_point(args.scenario, args.weak_fidelity, weak_overrides(g))
         walls.append(p["wall_s"])
+        cpus.append(p["cpu_s"])
         scaled.append(p["wall_s"] * p["raw_timeouts_per_s"] / 1e6)
         print(row(f"weak {g:,} GPUs (DP {g // GPUS_PER_REPLICA}) {args.weak_fidelity}", p), flush=True)
     if walls:
         print(f"weak scaling: wall {min(walls):.2f}-{max(walls):.2f} s, max/min {max(walls) / min(walls):.2f}")
+        # CPU s: the figure that other jobs on a shared machine do not stretch (a point runs on one core)
+        mean = sum(cpus) / len(cpus)
+        print(f"weak scaling: CPU {min(cpus):.2f}-{max(cpus):.2f} s, max/min {max(cpus) / min(cpus):.2f}, "
+              f"{100 * (min(cpus) / mean - 1):+.0f}% to {100 * (max(cpus) / mean - 1):+.0f}% of their mean")
     if args.plot and walls:
         import matplotlib
 

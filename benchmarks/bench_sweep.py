@@ -15,7 +15,12 @@ runs), so the times include process start-up, scenario loading and result collec
 measured in this process before the sweeps (``bench_simulate.raw_timeouts_per_s``). ``CPU ms/point`` is the CPU
 time of this process and of its finished child processes (the pool's workers; the LocalCluster's worker
 processes, joined when it closes) per point: what a point costs whatever else loads the machine (the header
-gives the load average, since other jobs on the 2 cores lower points/s but not CPU ms/point).
+gives the load average, since other jobs on the 2 cores lower points/s but not CPU ms/point); ``parent`` and
+``workers`` split it between this process (the sweep's bookkeeping and table, the pool's queue thread; with Dask
+also the scheduler, the nannies and the client, which a LocalCluster runs here) and the worker processes. The
+LocalCluster is ``simulator.studies.sweep_dask.local_cluster`` (2 processes of one thread, no dashboard,
+``SWEEP_DASK_CONFIG``); ``--dask-defaults`` starts it with Dask's default settings instead, to see what those
+cost.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--skip-dask", action="store_true")
     ap.add_argument("--scenario", default=SCENARIO)
+    ap.add_argument("--dask-defaults", action="store_true",
+                    help="start the LocalCluster with Dask's default settings, not sweep_dask.SWEEP_DASK_CONFIG")
     args = ap.parse_args()
     if not args.skip_dask:
         try:
@@ -95,30 +102,36 @@ def main() -> None:
           f"{args.scenario} with {' '.join(BASE)}; raw SimPy {raw:,.0f} timeouts/s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'mode':28s} {'points':>7s} {'failed':>6s} {'wall s':>8s} {'points/s':>9s} {'ms/point':>9s} "
-          f"{'CPU ms/point':>12s} {'10k wall s':>11s} {'':12s}")
+          f"{'CPU ms/point':>12s} {'parent':>7s} {'workers':>8s} {'10k wall s':>11s} {'':12s}")
     modes = [(f"local pool, {args.workers} workers", None)]
     if not args.skip_dask:
-        modes.append((f"dask LocalCluster, {args.workers} w", "dask"))
+        modes.append((f"dask LocalCluster, {args.workers} w" + (" (defaults)" if args.dask_defaults else ""), "dask"))
     for name, kind in modes:
         client = cluster = None
         cpu0, ch0 = time.process_time(), children_cpu_s()
         if kind == "dask":
-            from dask.distributed import Client, LocalCluster
+            from simulator.studies.sweep_dask import local_cluster
 
-            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                                   dashboard_address=None)
-            client = Client(cluster)
+            if args.dask_defaults:
+                from dask.distributed import Client, LocalCluster
+
+                cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                                       dashboard_address=None)
+                client = Client(cluster)
+            else:
+                cluster, client = local_cluster(args.workers)
         try:
             wall, _, failed = time_mode(args.scenario, points, args.workers, client)
         finally:
             if client is not None:
                 client.close()
                 cluster.close()
-        cpu_ms = 1e3 * (time.process_time() - cpu0 + children_cpu_s() - ch0) / len(points)
+        parent_ms = 1e3 * (time.process_time() - cpu0) / len(points)
+        workers_ms = 1e3 * (children_cpu_s() - ch0) / len(points)
         rate = len(points) / wall
-        print(f"{name:28s} {len(points):7d} {failed:6d} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} {cpu_ms:12.1f} "
-              f"{GRID / rate:11.0f} {label:12s}  (load average now {os.getloadavg()[0]:.1f})", flush=True)
-
+        print(f"{name:28s} {len(points):7d} {failed:6d} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} "
+              f"{parent_ms + workers_ms:12.1f} {parent_ms:7.1f} {workers_ms:8.1f} {GRID / rate:11.0f} {label:12s}  "
+              f"(load average now {os.getloadavg()[0]:.1f})", flush=True)
 
 if __name__ == "__main__":
     main()

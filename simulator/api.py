@@ -29,7 +29,7 @@ from simulator.graph.builders.vit import VitShape
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
-from simulator.policies.registry import PolicyError, kernels_needed
+from simulator.policies.registry import PolicyError, kernels_needed, policies_reuse_key
 from simulator.recording.recorder import dependencies_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
@@ -305,22 +305,54 @@ def build_graph(cfg: ScenarioConfig, pipeline_rank: int = 0, hw: Hardware | None
     return graph
 
 
+def policy_graph(cfg: ScenarioConfig, pipeline_rank: int, hw: Hardware) -> OpGraph:
+    """``build_graph`` of the stage rewritten by the scenario's graph policies (``apply_graph_policies``). Inside
+    ``reusing_graphs`` the rewritten graph is kept too, by the built graph and what the policies read
+    (``policies_reuse_key``: a sweep's points that differ in clocks or dataloader workers rewrite one graph
+    once); when a policy does not say what it reads, or refuses the settings, it is rewritten afresh.
+
+    Raises:
+        PolicyError: as ``apply_graph_policies``.
+    """
+    graph = build_graph(cfg, pipeline_rank, hw)
+    try:
+        reads = policies_reuse_key(cfg, hw) if _GRAPHS.on else None
+    except PolicyError:  # rewritten afresh below: the error apply_graph_policies gives, in its order
+        reads = None
+    if reads is None:
+        return apply_graph_policies(graph, cfg, hw)
+    key = ("policies", id(graph), reads)  # the built graph is held by the entry: its id is not reused meanwhile
+    held = _GRAPHS.graphs.pop(key, None)
+    if held is None or held[0] is not graph:
+        held = (graph, apply_graph_policies(graph, cfg, hw))
+    _GRAPHS.keep(key, held)
+    return held[1]
+
+
 class _GraphCache:
     """Built step graphs by ``TransformerSpec`` (the builder's whole input: ``build_gpt_step`` is a pure function
-    of it, and an ``OpGraph`` is immutable, policies rewrite copies), least recently used last out, at most
-    ``MAX_OPS`` ops in all (a few hundred bytes each). Used only inside ``reusing_graphs``."""
+    of it, and an ``OpGraph`` is immutable, policies rewrite copies), and graphs rewritten by the policies
+    (``policy_graph``: an entry holds the built graph and the rewritten one), least recently used last out, at
+    most ``MAX_OPS`` ops in all (a few hundred bytes each). Used only inside ``reusing_graphs``."""
 
     MAX_OPS = 200_000
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple, OpGraph] = {}  # (spec, blocks, fold_tp)
+        # (spec, blocks, fold_tp) -> built graph; ("policies", id(built), reads) -> (built, rewritten)
+        self.graphs: dict[tuple, OpGraph | tuple[OpGraph, OpGraph]] = {}
         self.on = 0
 
-    def keep(self, key: tuple, graph: OpGraph) -> None:
+    def keep(self, key: tuple, graph: OpGraph | tuple[OpGraph, OpGraph]) -> None:
         self.graphs[key] = graph  # most recent last
-        total = sum(len(g) for g in self.graphs.values())
+        total = sum(map(self.ops, self.graphs.values()))
         while total > self.MAX_OPS and self.graphs:
-            total -= len(self.graphs.pop(next(iter(self.graphs))))
+            total -= self.ops(self.graphs.pop(next(iter(self.graphs))))
+
+    @staticmethod
+    def ops(entry: OpGraph | tuple[OpGraph, OpGraph]) -> int:
+        """Ops an entry holds (a rewritten graph's entry: both graphs, the built one counted again if its own
+        entry is still there: the bound errs on the small side)."""
+        return len(entry[0]) + len(entry[1]) if isinstance(entry, tuple) else len(entry)
 
 
 _GRAPHS = _GraphCache()
@@ -1362,7 +1394,7 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             for c in classes:
                 key = (c.pp_rank, id(c.cfg), id(c.hw))
                 if key not in built:
-                    built[key] = apply_graph_policies(build_graph(c.cfg, c.pp_rank, c.hw), c.cfg, c.hw)
+                    built[key] = policy_graph(c.cfg, c.pp_rank, c.hw)
                 graphs.append(_meet_across_classes(built[key], c.pp_rank, c.dp_class, n_dp, c.shard_group,
                                                    parties[c.pp_rank, c.shard_group] if hybrid else 0))
             del built

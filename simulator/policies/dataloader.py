@@ -143,6 +143,17 @@ class DataLoaderGraphPolicy:
     def applies(cfg) -> bool:
         return getattr(cfg, "dataloader", None) is not None
 
+    @staticmethod
+    def reuse_key(cfg, hw) -> tuple:
+        """What ``transform`` reads beside the graph (``registry.policies_reuse_key``): pinned, batch bytes.
+
+        Raises:
+            PolicyError: as ``transform``.
+        """
+        spec = loader_spec(cfg)
+        storage_spec(cfg)
+        return (spec.pin_memory, spec.batch_bytes)
+
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         spec = loader_spec(cfg)  # validate now: errors surface in the build phase
         storage_spec(cfg)

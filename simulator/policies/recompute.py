@@ -58,6 +58,13 @@ class Recompute:
         ac = getattr(cfg, "activation_checkpointing", None)
         return bool(ac and ac.cpu_checkpointing)
 
+    @staticmethod
+    def reuse_key(cfg, hw) -> tuple | None:
+        """What ``transform`` reads beside the graph (``registry.policies_reuse_key``): the granularity; None with
+        activation offload (it reads the host's CPU too: rewritten afresh)."""
+        ac = getattr(cfg, "activation_checkpointing", None)
+        return None if ac and ac.cpu_checkpointing else (cfg.training.recompute_granularity,)
+
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         ac = getattr(cfg, "activation_checkpointing", None)
         return recompute(graph, cfg.training.recompute_granularity, bool(ac and ac.cpu_checkpointing),

@@ -54,6 +54,27 @@ def apply_graph_policies(graph, cfg, hw):
     return graph
 
 
+def policies_reuse_key(cfg, hw) -> tuple | None:
+    """What the applicable graph policies read of ``cfg`` and ``hw``, as one hashable value: two scenarios with
+    the same key rewrite the same graph into the same graph (``api.reusing_graphs`` keeps the rewritten graph by
+    it). A policy opts in with ``reuse_key(cfg, hw)`` (every setting its ``transform`` reads beside the graph);
+    None when an applicable policy has none (or says None): the graph is rewritten afresh.
+
+    Raises:
+        PolicyError: a policy's ``reuse_key`` refused the settings (the caller rewrites afresh, which raises the
+            error ``apply_graph_policies`` raises).
+    """
+    key = []
+    for name, (_, cls) in sorted(GRAPH_POLICIES.items(), key=lambda kv: kv[1][0]):
+        if cls.applies(cfg):
+            reuse_key = getattr(cls, "reuse_key", None)
+            part = reuse_key(cfg, hw) if reuse_key is not None else None
+            if part is None:
+                return None
+            key.append((name, part))
+    return tuple(key)
+
+
 def kernels_needed(cfg) -> bool:
     """Whether a graph policy that applies to ``cfg`` reads the builder's kernel-level ops (a policy says it
     does not with a ``needs_kernels(cfg)`` that returns False; without one it does)."""

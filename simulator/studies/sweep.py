@@ -1,8 +1,10 @@
 """Parameter sweeps: a grid of ``--set`` overrides, one run per point, one DataFrame back.
 
 Points run in a local process pool (``workers`` > 1) with a progress bar, or on a Dask cluster
-(``client``: a ``dask.distributed.Client``; points go in small batches, one task each, ``dask_batches``;
-the scheduler re-runs a batch whose worker was lost).
+(``client``: a ``dask.distributed.Client``; ``sweep_dask.local_cluster`` makes a local one with the settings
+that keep Dask's own cost per point small; the scheduler re-runs a batch whose worker was lost). Either way
+points go in small batches of consecutive points, one task each (``point_batches``), and a batch's rows are
+recorded when it finishes.
 With ``out_dir`` each point writes its own output folder (named after its values, sanitised so
 that no value can name a path outside ``out_dir``) and the sweep is **resumable**: every finished
 point is appended, as it completes, to ``out_dir/index.jsonl`` (one JSON line: folder, hash of the
@@ -20,8 +22,11 @@ killed) raises ``SweepFailed`` (a ``ScenarioError``: one line, exit 2) the same 
 What a point costs beside its simulation is paid once per worker process where the result cannot differ: the
 scenario file and the ``--set`` values are parsed once (``safe_yaml.loads`` remembers texts), and points with the
 same ``TransformerSpec`` (differing only in hardware, clocks, dataloader, policies...) share one built step graph
-(``api.reusing_graphs``); every row equals a fresh ``simulate run`` of its point
-(``tests/simulator/studies/test_sweep_reuse.py``).
+(``api.reusing_graphs``), and points whose graph policies also read the same settings share the rewritten graph
+(``api.policy_graph``: the dataloader's input ops, not rebuilt per point of a ``dataloader.num_workers`` or
+clock sweep); every row equals a fresh ``simulate run`` of its point (``tests/simulator/studies/test_sweep_reuse.py``,
+``test_sweep_backends.py``). ``run_sweep`` itself imports the simulation (``simulator.api``) only where it runs
+points, not in the parent of a pool or a cluster.
 """
 
 from __future__ import annotations
@@ -257,33 +262,34 @@ def breakdown_columns(result) -> dict:
 
 
 def _run_points(jobs: list) -> list[dict]:
-    """``_run_point`` of each job in order: one cluster task for a batch of points (``dask_batches``)."""
+    """``_run_point`` of each job in order: one pool or cluster task for a batch of points (``point_batches``)."""
     return [_run_point(job) for job in jobs]
 
 
-#: batches per cluster worker thread (``dask_batches``): enough for the scheduler to even out the load
-#: and a lost worker to cost little, few enough that per-task scheduling does not show
-DASK_BATCHES_PER_THREAD = 8
-#: most points in one cluster task (a finished batch is recorded at once: bounds what a crash can lose)
-DASK_BATCH_MAX = 32
+#: batches per worker process or cluster thread (``point_batches``): enough for the pool or scheduler to even out
+#: the load and a lost worker to cost little, few enough that per-task costs do not show
+BATCHES_PER_WORKER = 8
+#: most points in one task (a finished batch is recorded at once: bounds what a crash or Ctrl-C can lose)
+BATCH_MAX = 32
 
 
-def dask_batches(todo: list[int], threads: int) -> list[list[int]]:
-    """Split the point indices ``todo`` into consecutive batches, one cluster task each.
+def point_batches(todo: list[int], workers: int) -> list[list[int]]:
+    """Split the point indices ``todo`` into consecutive batches, one process-pool or cluster task each.
 
-    Every Dask task costs scheduler, client and worker time beside the point (``benchmarks/bench_sweep.py``:
-    one task per point of about 20 ms gave a 2-worker LocalCluster 26% lower throughput than the local
-    pool of 2 processes on 10,000 points), so points go ``ceil(len(todo) / (threads *
-    DASK_BATCHES_PER_THREAD))`` to a task, at most ``DASK_BATCH_MAX`` and at least 1.
+    Every task costs the parent and the worker time beside its points (pickling it and its rows, the pool's queue
+    thread, Dask's scheduler and client): with one task per point of about 20 ms, a 2-worker LocalCluster gave
+    26% lower throughput than the local pool of 2 processes on 10,000 points (``benchmarks/bench_sweep.py``).
+    So points go ``ceil(len(todo) / (workers * BATCHES_PER_WORKER))`` to a task, at most ``BATCH_MAX`` and at
+    least 1.
 
     Args:
         todo: Point indices to run, in order.
-        threads: Worker threads of the cluster (>= 1; fewer is treated as 1).
+        workers: Worker processes of the pool, or worker threads of the cluster (>= 1; fewer is treated as 1).
 
     Returns:
         Batches covering ``todo`` in order, each non-empty.
     """
-    size = max(1, min(DASK_BATCH_MAX, math.ceil(len(todo) / (max(threads, 1) * DASK_BATCHES_PER_THREAD))))
+    size = max(1, min(BATCH_MAX, math.ceil(len(todo) / (max(workers, 1) * BATCHES_PER_WORKER))))
     return [todo[i:i + size] for i in range(0, len(todo), size)]
 
 
@@ -476,20 +482,22 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         if index is not None:
             index.append(folders[i], digests[i], version, row)
 
+    def finish_batch(batch: list[int], rows: list[dict], bar) -> None:
+        for i, row in zip(batch, rows):
+            finish(i, row)
+        bar.update(len(batch))
+
     try:
         if client is not None and todo:
             from dask.distributed import as_completed as dask_completed
 
-            batches = dask_batches(todo, _cluster_threads(client))
+            batches = point_batches(todo, _cluster_threads(client))
             try:
                 futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
                 where = {f.key: b for f, b in zip(futures, batches)}
                 with tqdm(total=len(todo), disable=not progress, desc="sweep") as bar:
                     for fut in dask_completed(futures):
-                        batch = where[fut.key]
-                        for i, row in zip(batch, fut.result()):
-                            finish(i, row)
-                        bar.update(len(batch))
+                        finish_batch(where[fut.key], fut.result(), bar)
             except KeyboardInterrupt:
                 client.cancel(futures)
                 raise
@@ -499,11 +507,12 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         elif workers > 1 and len(todo) > 1:
             from concurrent.futures import as_completed
 
-            with ProcessPoolExecutor(min(workers, len(todo))) as pool:
-                futures = {pool.submit(_run_point, jobs[i]): i for i in todo}
+            procs = min(workers, len(todo))
+            with ProcessPoolExecutor(procs) as pool, tqdm(total=len(todo), disable=not progress, desc="sweep") as bar:
+                futures = {pool.submit(_run_points, [jobs[i] for i in b]): b for b in point_batches(todo, procs)}
                 try:
-                    for fut in tqdm(as_completed(futures), total=len(todo), disable=not progress, desc="sweep"):
-                        finish(futures[fut], fut.result())
+                    for fut in as_completed(futures):
+                        finish_batch(futures[fut], fut.result(), bar)
                 except KeyboardInterrupt:
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
@@ -518,9 +527,9 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         table = _table([done[i] for i in order], [folders[i] for i in order], out, log)
         raise SweepInterrupted(table, len(jobs)) from None
     finally:
-        from simulator.api import forget_graphs
-
-        forget_graphs()  # kept by the points run in this process (workers=1)
+        api = sys.modules.get("simulator.api")  # imported here only when this process ran points (workers=1)
+        if api is not None:
+            api.forget_graphs()  # the graphs they kept
     if out:
         log(f"sweep: {skipped} of {len(jobs)} points already done and unchanged (skipped), {len(todo)} computed")
     df = _table([done[i] for i in range(len(jobs))], folders, out, log)
@@ -567,8 +576,6 @@ def _table(rows: list[dict], folders: list, out: Path | None, log) -> pd.DataFra
     found = point_warnings(rows)
     rows = [{**r, "warnings": "; ".join(r["warnings"])} if isinstance(r.get("warnings"), list) else r for r in rows]
     df = pd.DataFrame(rows)
-    if found:
-        df.attrs["warnings"] = found
     if "error" not in df:
         df["error"] = None
     df["error"] = df["error"].astype(object).where(df["error"].notna(), None)
@@ -585,9 +592,13 @@ def _table(rows: list[dict], folders: list, out: Path | None, log) -> pd.DataFra
             import io
 
             buf = io.BytesIO()
-            df.astype({c: str for c in df.columns if df[c].dtype == object}).where(df.notna(), None) \
-                .to_parquet(buf, engine=engine, index=False)
+            flat = df.astype({c: str for c in df.columns if df[c].dtype == object}).where(df.notna(), None)
+            if found:  # the file's metadata keeps the table's attrs (pandas writes them)
+                flat.attrs["warnings"] = found
+            flat.to_parquet(buf, engine=engine, index=False)
             atomic_write_bytes(out / PARQUET_FILE, buf.getvalue())
+    if found:  # last: pandas deep-copies attrs into the result of every operation above
+        df.attrs["warnings"] = found
     return df
 
 
