@@ -126,6 +126,11 @@ class Stamper:
         self.last_prefold = False
         #: passes emitted by ``fn`` / stamped (for the benchmark and the tests)
         self.built = self.stamped = 0
+        #: the TP collectives folded into a block template's op (``stamp_blocks``), by (that op's, layer): made for the
+        #: layer's first stamp of it, with that block's id, and shared by the later copies, whose ids they do not
+        #: carry (a 175B stage stamps ~10,000 of them); ``blocks.coarsen`` and ``side_blocks.fold_overlapped_tp``, the
+        #: layer-fidelity policy that every graph built with ``blocks`` goes through, give each block's its id
+        self.comm_copies: dict[tuple[int, int], tuple[Op, ...]] = {}
 
     def _context(self, inputs) -> tuple[list[str], list[int]]:
         """The pass's input tensors and its context values: ``last_compute``, ``wait_for``, the inputs' producers."""
@@ -279,6 +284,7 @@ class Stamper:
         e = self.e
         start, uid0 = len(e.b), e._uid
         prefix = f"L{layer}."
+        comms = self.comm_copies
         table = names + [f"{stem}{uid0 + r}" for stem, r in t.fresh] + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
@@ -297,8 +303,12 @@ class Stamper:
                 v[_ALLOCS] = tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs])
             v[_USES] = (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ())
             v[_META] = dict(base[_META])  # each op its own, as built
-            if folded:  # a block's TP collectives (``stamp_blocks``), renumbered to it
-                v[_FOLDED] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer)) for c, s in folded])
+            if folded:  # a block's TP collectives (``stamp_blocks``), made once per layer (``comm_copies``)
+                fc = comms.get((id(folded), layer))
+                if fc is None:
+                    fc = comms[id(folded), layer] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer))
+                                                           for c, s in folded])
+                v[_FOLDED] = fc
             out.append(op_from_fields(v))
             i += 1
         e.b.extend(out)
