@@ -26,6 +26,7 @@ gathers, LoRA, fp8 or MoE).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from itertools import repeat
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
@@ -49,11 +50,15 @@ def _strings(tree, out: list) -> list:
     """The strings of a tree of tuples / lists / dicts (dict values, in order), depth first."""
     if isinstance(tree, str):
         out.append(tree)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _strings(v, out)
-    elif isinstance(tree, (tuple, list)):
-        for v in tree:
+        return out
+    if isinstance(tree, dict):
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return out
+    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20)
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, (dict, tuple, list)):
             _strings(v, out)
     return out
 
@@ -78,6 +83,26 @@ def _mapped(tree, f: Callable):
     if isinstance(tree, list):
         return [_mapped(v, f) for v in tree]
     return tree
+
+
+def _maker(tree) -> Callable[[list], object]:
+    """``table -> _mapped(tree, lambda n: table[n.r])`` for a template's result ``tree`` (``_Name`` leaves), with the
+    walk over the tree done once: a dict of names is one ``itemgetter`` call per stamp."""
+    if isinstance(tree, _Name):
+        return itemgetter(tree.r)
+    if isinstance(tree, dict):
+        keys, vals = tuple(tree), tuple(tree.values())
+        if len(vals) > 1 and all(isinstance(v, _Name) for v in vals):
+            get = itemgetter(*[v.r for v in vals])
+            return lambda table: dict(zip(keys, get(table)))
+        fs = tuple(map(_maker, vals))
+        return lambda table: {k: f(table) for k, f in zip(keys, fs)}
+    if isinstance(tree, (tuple, list)):
+        fs = tuple(map(_maker, tree))
+        if isinstance(tree, tuple):
+            return lambda table: tuple([f(table) for f in fs])
+        return lambda table: [f(table) for f in fs]
+    return lambda table: tree
 
 
 class _Template:
@@ -131,12 +156,13 @@ class Stamper:
         #: carry (a 175B stage stamps ~10,000 of them); ``blocks.coarsen`` and ``side_blocks.fold_overlapped_tp``, the
         #: layer-fidelity policy that every graph built with ``blocks`` goes through, give each block's its id
         self.comm_copies: dict[tuple[int, int], tuple[Op, ...]] = {}
+        self._makers: dict[int, Callable] = {}  # ``id(template)`` -> ``_maker`` of its result
 
     def _context(self, inputs) -> tuple[list[str], list[int]]:
         """The pass's input tensors and its context values: ``last_compute``, ``wait_for``, the inputs' producers."""
         e = self.e
         names = _strings(inputs, [])
-        vals = [e.last_compute, *e.wait_for, *(e.producer.get(n, -1) for n in names)]
+        vals = [e.last_compute, *e.wait_for, *map(e.producer.get, names, repeat(-1, len(names)))]
         return names, vals
 
     @staticmethod
@@ -326,7 +352,10 @@ class Stamper:
         e.size.update([(table[k], nb) for k, nb in t.size])
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
-        return _mapped(t.result, lambda n: table[n.r])
+        make = self._makers.get(id(t))
+        if make is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
+            make = self._makers[id(t)] = _maker(t.result)
+        return make(table)
 
     def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int], waits_fold: bool = False):
         """The block template (``stamp_blocks.block_template``) of template ``t`` in the context ``names`` /
