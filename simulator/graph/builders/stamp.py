@@ -105,6 +105,23 @@ def _maker(tree) -> Callable[[list], object]:
     return lambda table: tree
 
 
+class _StampPlan:
+    """What ``Stamper._stamp`` reads of a template ``t`` in the form its C-level calls take, made once per template:
+    the fresh tensors' stems and uid offsets (``stems``, ``offsets``); the table indices of the tensors whose producer
+    a stamp sets (``made``), each producer's place in the list ``[-1, the stamp's op ids..., context values...]``
+    (``made_at``); the table indices and bytes of the sizes it sets (``sized``, ``sizes``); and ``result``
+    (``_maker``)."""
+
+    __slots__ = ("stems", "offsets", "made", "made_at", "sized", "sizes", "result")
+
+    def __init__(self, t) -> None:
+        self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
+        self.made = tuple(k for k, _ in t.producer)
+        self.made_at = tuple(0 if p is None else (1 + p if p >= 0 else t.n_ops - p) for _, p in t.producer)
+        self.sized, self.sizes = tuple(k for k, _ in t.size), tuple(nb for _, nb in t.size)
+        self.result = _maker(t.result)
+
+
 class _Template:
     """One recorded pass: its ops as recipes relative to the pass's start (see ``Stamper``); with block stamps also
     the recorded pass's ops (``kops``) and tensor table (``index``)."""
@@ -156,7 +173,7 @@ class Stamper:
         #: carry (a 175B stage stamps ~10,000 of them); ``blocks.coarsen`` and ``side_blocks.fold_overlapped_tp``, the
         #: layer-fidelity policy that every graph built with ``blocks`` goes through, give each block's its id
         self.comm_copies: dict[tuple[int, int], tuple[Op, ...]] = {}
-        self._makers: dict[int, Callable] = {}  # ``id(template)`` -> ``_maker`` of its result
+        self._plans: dict[int, _StampPlan] = {}  # by ``id(template)``
 
     def _context(self, inputs) -> tuple[list[str], list[int]]:
         """The pass's input tensors and its context values: ``last_compute``, ``wait_for``, the inputs' producers."""
@@ -311,7 +328,10 @@ class Stamper:
         start, uid0 = len(e.b), e._uid
         prefix = f"L{layer}."
         comms = self.comm_copies
-        table = names + [f"{stem}{uid0 + r}" for stem, r in t.fresh] + t.consts
+        plan = self._plans.get(id(t))
+        if plan is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
+            plan = self._plans[id(t)] = _StampPlan(t)
+        table = names + list(map(str.__add__, plan.stems, map(str, map(uid0.__add__, plan.offsets)))) + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
         out = []
@@ -346,16 +366,12 @@ class Stamper:
                 return -1
             return start + r if r >= 0 else vals[-1 - r]
 
-        producer = e.producer
-        for k, p in t.producer:
-            producer[table[k]] = -1 if p is None else (start + p if p >= 0 else vals[-1 - p])
-        e.size.update([(table[k], nb) for k, nb in t.size])
+        where = [-1, *range(start, start + t.n_ops), *vals]  # ``_StampPlan.made_at`` indexes it
+        e.producer.update(zip(map(table.__getitem__, plan.made), map(where.__getitem__, plan.made_at)))
+        e.size.update(zip(map(table.__getitem__, plan.sized), plan.sizes))
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
-        make = self._makers.get(id(t))
-        if make is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
-            make = self._makers[id(t)] = _maker(t.result)
-        return make(table)
+        return plan.result(table)
 
     def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int], waits_fold: bool = False):
         """The block template (``stamp_blocks.block_template``) of template ``t`` in the context ``names`` /
