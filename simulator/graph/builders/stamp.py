@@ -381,13 +381,18 @@ class Stamper:
 
         e = self.e
         ops = e.b.ops
-        compute = tuple(v >= 0 and ops[v].stream == sb.COMPUTE_STREAM for v in vals)
-        if any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
+        cs = sb.COMPUTE_STREAM
+        compute = tuple([v >= 0 and ops[v].stream == cs for v in vals])
+        if not all(compute) and any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
             return None  # whether it is folded depends on what follows: kernels
         front = len(vals) - len(names)
-        sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
-        # stubs in the real ops' order, of equal values the first slot (the one recipes name) last
-        order = tuple(sorted(range(len(vals)), key=lambda x: (vals[x], -x)))
+        if min(vals[front:], default=0) >= 0:  # every input made by an op
+            sizes = tuple(map(e.size.get, names))
+        else:
+            sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
+        # stubs in the real ops' order, of equal values the first slot (the one recipes name) last: slots sorted by
+        # (value, -slot)
+        order = tuple([-j for _, j in sorted(zip(vals, range(0, -len(vals), -1)))])
         bkey = (key, compute, order, sizes)
         bt = self.block_templates.get(bkey, False)
         if bt is False:
