@@ -231,27 +231,45 @@ def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int]
 _FIELDS = tuple(f.name for f in dataclasses.fields(Op))
 
 
-def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict) -> Op:
+def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict, comm_ids: bool = True) -> Op:
     """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
-    several times slower, and large pipelines have hundreds of thousands of ops)."""
+    several times slower, and large pipelines have hundreds of thousands of ops); ``comm_ids`` False: its folded
+    collectives keep the ids they had (``moved``)."""
     vals = list(_GET_FIELDS(op))
     vals[0] = new_id
     vals[_DEPS] = deps
     vals[_META] = meta
-    if op.folded_comm:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives carry its id
-        vals[_FOLDED] = tuple(_renumbered(c, new_id, c.deps, c.meta) for c in op.folded_comm)
+    if op.folded_comm and comm_ids:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives
+        vals[_FOLDED] = tuple([_with_id(c, new_id) for c in op.folded_comm])  # carry its id
     return op_from_fields(vals)
 
 
-def moved(op: Op, new_id: list[int]) -> Op:
+def _with_id(op: Op, new_id: int) -> Op:
+    """``op`` with id ``new_id`` (``_renumbered`` keeping its dependencies and metadata)."""
+    if op.folded_comm:
+        return _renumbered(op, new_id, op.deps, op.meta)
+    vals = list(_GET_FIELDS(op))
+    vals[0] = new_id
+    return op_from_fields(vals)
+
+
+def moved(op: Op, new_id: list[int], comm_ids: bool = True) -> Op:
     """``op`` (not merged) in a graph renumbered by ``new_id`` (old op id -> new): its id, dependencies and
-    ``meta["prev_step_deps"]`` mapped (``op`` itself where nothing changes)."""
+    ``meta["prev_step_deps"]`` mapped, and the collectives folded into it (``Op.folded_comm``) given its id, also
+    where they carried another (``comm_ids`` False: ``coarsen_ids``'s); ``op`` itself where nothing changes."""
     i = new_id[op.id]
     deps = tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ()
     meta = op.meta
     if meta and "prev_step_deps" in meta:
         meta = {**meta, "prev_step_deps": tuple(sorted({new_id[d] for d in meta["prev_step_deps"]}))}
-    return op if i == op.id and deps == op.deps and meta is op.meta else _renumbered(op, i, deps, meta)
+    if i == op.id and deps == op.deps and meta is op.meta and (not comm_ids or _comm_ids_ok(op)):
+        return op
+    return _renumbered(op, i, deps, meta, comm_ids)
+
+
+def _comm_ids_ok(op: Op) -> bool:
+    """Whether the collectives folded into ``op`` carry its id."""
+    return not op.folded_comm or op.folded_comm[0].id == op.id
 
 
 _DEPS, _META, _FOLDED = _FIELDS.index("deps"), _FIELDS.index("meta"), _FIELDS.index("folded_comm")
@@ -260,18 +278,23 @@ _NAME, _COST_CLASS, _SHAPE, _FLOPS, _READ, _WRITTEN, _ALLOCS, _USES = (
 _GET_FIELDS = attrgetter(*_FIELDS)  # all fields of an op as one tuple, in one C call
 
 
-def coarsen(graph: OpGraph, fold_tp: bool = False) -> OpGraph:
+def coarsen(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) -> OpGraph:
     """The graph at layer fidelity (``coarsen_ids`` without the id map)."""
-    return coarsen_ids(graph, fold_tp)[0]
+    return coarsen_ids(graph, fold_tp, comm_ids)[0]
 
 
-def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[int]]:
+def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) -> tuple[OpGraph, list[int]]:
     """The graph at layer fidelity: each run of ``blocks_of`` replaced by one block op at its first part's
     place (dependencies on any part become dependencies on the block; ``meta["prev_step_deps"]`` and the
     parameter groups' ``grad_op`` are renumbered). A graph without such runs comes back with the same ops.
 
     ``fold_tp``: also fold each blocking TP collective (``foldable_tp``) whose kernels before and after land in
     one block into that block (``Op.folded_comm``; ``simulator.policies.fidelity``'s module docstring, *TP collectives*).
+
+    ``comm_ids`` False: an op only renumbered keeps the collectives folded into it (stamped blocks,
+    ``builders.stamp_blocks``) with the id they had, for a pass that gives every such op its id anyway
+    (``side_blocks.fold_overlapped_tp``, which the layer-fidelity policy runs next; it copies each op again): one copy
+    of each such collective less (a 175B pipeline stage has ~10,000).
 
     Returns:
         ``(graph, new_id)``: the new graph (``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks",
@@ -281,7 +304,11 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[in
     blocks = blocks_of(graph, fold)
     info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks), "folded_tp": 0}
     if not blocks:
-        return graph.with_changes(meta={**graph.meta, "fidelity": info}), list(range(len(graph.ops)))
+        same = list(range(len(graph.ops)))
+        if comm_ids and not all(map(_comm_ids_ok, graph.ops)):  # stamped blocks' shared collectives: their ids
+            return graph.with_changes(ops=tuple(moved(op, same) for op in graph.ops),
+                                      meta={**graph.meta, "fidelity": info}), same
+        return graph.with_changes(meta={**graph.meta, "fidelity": info}), same
     pair = {ab: c for c, ab in fold.items()}
     comm_of: dict[int, dict[int, Op]] = {}  # block start -> {part id: collective folded before it}
     for b in blocks:
@@ -318,7 +345,7 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False) -> tuple[OpGraph, list[in
             continue
         b = start_of.get(op.id)
         if b is None:
-            out.append(moved(op, new_id))
+            out.append(moved(op, new_id, comm_ids))
             continue
         parts = [graph.ops[j] for j in b]
         comm = comm_of.get(op.id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from operator import attrgetter
 
 
 class OpKind(str, Enum):
@@ -148,7 +149,14 @@ class Op:
         return self.bytes_read + self.bytes_written
 
 
-def price_key(op: Op) -> tuple:
+def _comms_key(comms: tuple[Op, ...]) -> tuple:
+    """The pricing key of the TP collectives folded into a block (``price_key``): each one's collective, group, bytes
+    and pipeline ranks, from its ``meta``."""
+    return tuple((c.meta["collective"], c.meta.get("group", "dp"), int(c.meta["bytes"]), c.meta.get("pp_ranks"))
+                 for c in comms)
+
+
+def price_key(op: Op, fused_id=None, comms_key=_comms_key) -> tuple:
     """What a kernel's time and power activity depend on besides the clocks and interference: ops with equal
     keys are priced alike (``simulator.cost.roofline.RooflineCostModel``'s ``duration_s``, ``split_s``, ``fused_s``;
     the power meter's activity).
@@ -158,19 +166,25 @@ def price_key(op: Op) -> tuple:
     (``Op.folded_comm``) adds each one's pricing key (``System.collective_result``'s: collective, group, bytes,
     pipeline ranks), whose time ``System.kernel_s`` adds to the block's, and where they run beside its kernels
     (``meta["side"]``, ``graph.side_blocks``).
+
+    ``fused_id``: a function giving each ``meta["fused_key"]`` an int, equal for equal keys (``PriceKeys``): the key
+    holds that int instead (two ops' keys are equal exactly when they are without it); ``comms_key``: the folded
+    collectives' part (``_comms_key`` or a cache of it).
     """
     m = op.meta
     if m and "fused" in m:
-        key = ("fused", m["fused_key"])
+        key = ("fused", m["fused_key"] if fused_id is None else fused_id(m["fused_key"]))
     else:
         key = (op.kind, op.fixed_duration_s, op.cost_class, op.shape, op.flops, op.bytes_read, op.bytes_written,
                op.dtype)
     if op.folded_comm:
-        key += tuple((c.meta["collective"], c.meta.get("group", "dp"), int(c.meta["bytes"]), c.meta.get("pp_ranks"))
-                     for c in op.folded_comm)
+        key += comms_key(op.folded_comm)
         if "side" in m:  # collectives beside the kernels (``graph.side_blocks``): where each runs
             key += (m["side"],)
     return key
+
+
+_META_OF = attrgetter("meta")
 
 
 class PriceKeys:
@@ -185,13 +199,34 @@ class PriceKeys:
     def __init__(self) -> None:
         self.by_op: dict[int, tuple[Op, int]] = {}
         self._ids: dict[tuple, int] = {}
+        #: blocks' ``meta["fused_key"]`` (a tuple per kernel: hashed once here, not once per block): by ``id`` (the
+        #: key held, so that its id stays its own) and by value, each an int
+        self._fused_by_id: dict[int, tuple[tuple, int]] = {}
+        self._fused: dict[tuple, int] = {}
+        #: ``_comms_key`` by the ids of the collectives' ``meta`` dicts (a stamped block's copies share them; the dicts
+        #: held, so that their ids stay theirs)
+        self._comms: dict[tuple, tuple[list, tuple]] = {}
+
+    def _comms_key(self, comms: tuple[Op, ...]) -> tuple:
+        metas = list(map(_META_OF, comms))
+        ids = tuple(map(id, metas))
+        hit = self._comms.get(ids)
+        if hit is None:
+            hit = self._comms[ids] = (metas, _comms_key(comms))
+        return hit[1]
+
+    def _fused_id(self, fused_key: tuple) -> int:
+        hit = self._fused_by_id.get(id(fused_key))  # stamped copies of a block share their parts' key
+        if hit is None:
+            hit = self._fused_by_id[id(fused_key)] = (fused_key, self._fused.setdefault(fused_key, len(self._fused)))
+        return hit[1]
 
     def of(self, op: Op) -> int:
         """The interned ``price_key(op)``."""
         hit = self.by_op.get(id(op))
         if hit is not None:
             return hit[1]
-        k = self._ids.setdefault(price_key(op), len(self._ids))
+        k = self._ids.setdefault(price_key(op, self._fused_id, self._comms_key), len(self._ids))
         self.by_op[id(op)] = (op, k)
         for c in op.folded_comm:  # a TP collective folded into a block carries the block's id (and, metered, its
             self.by_op.setdefault(id(c), (c, k))  # activity: ``PowerMeter``); nothing prices it as a kernel
@@ -200,6 +235,7 @@ class PriceKeys:
     def release(self) -> None:
         """Drop the ops held (the interned keys stay)."""
         self.by_op = {}
+        self._fused_by_id, self._comms = {}, {}
 
 
 def _fields_constructor():

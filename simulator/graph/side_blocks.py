@@ -44,8 +44,8 @@ import dataclasses
 from collections import defaultdict
 from itertools import chain
 
-from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _mergeable, _renumbered, \
-    _signature, block_memory, moved
+from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _comm_ids_ok, _mergeable, \
+    _renumbered, _signature, block_memory, moved
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
@@ -321,7 +321,8 @@ _F = {f: i for i, f in enumerate(_FIELDS)}
 
 def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
     """``graph`` (coarsened, ``blocks.coarsen``) with each run of blocks cut only by foldable TP collectives merged
-    into one block carrying them (module docstring); the same graph where there is none. ``meta["fidelity"]``
+    into one block carrying them (module docstring); the same graph where there is none. Every block's folded
+    collectives come out with its id (also those ``coarsen(comm_ids=False)`` left with the ids they had). ``meta["fidelity"]``
     (when there) counts the collectives folded in ``folded_tp`` and the ops left in ``ops_after``."""
     return fold_overlapped_tp_ids(graph)[0]
 
@@ -332,7 +333,10 @@ def fold_overlapped_tp_ids(graph: OpGraph) -> tuple[OpGraph, list[int]]:
     ops = graph.ops
     runs, comm_of, cand = _plan(ops)
     if not runs:
-        return graph, list(range(len(ops)))
+        if all(map(_comm_ids_ok, ops)):
+            return graph, list(range(len(ops)))
+        same = list(range(len(ops)))  # ``coarsen(comm_ids=False)``: the folded collectives take their blocks' ids
+        return graph.with_changes(ops=tuple(moved(op, same) for op in ops)), same
     folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
     new_id = [-1] * len(ops)
     skip = [False] * len(ops)  # a run's later op or a folded collective: no op of its own

@@ -103,4 +103,4 @@ class LayerFidelity:
         # TP collectives are folded only where the engine prices them with its NCCL model
         if getattr(hw, "collectives", None) is None:
             return coarsen(graph)
-        return fold_overlapped_tp(coarsen(graph, fold_tp=True))
+        return fold_overlapped_tp(coarsen(graph, fold_tp=True, comm_ids=False))  # which gives them their ids

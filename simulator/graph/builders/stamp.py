@@ -26,6 +26,7 @@ gathers, LoRA, fp8 or MoE).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from itertools import repeat
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
@@ -49,11 +50,15 @@ def _strings(tree, out: list) -> list:
     """The strings of a tree of tuples / lists / dicts (dict values, in order), depth first."""
     if isinstance(tree, str):
         out.append(tree)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _strings(v, out)
-    elif isinstance(tree, (tuple, list)):
-        for v in tree:
+        return out
+    if isinstance(tree, dict):
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return out
+    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20)
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, (dict, tuple, list)):
             _strings(v, out)
     return out
 
@@ -78,6 +83,43 @@ def _mapped(tree, f: Callable):
     if isinstance(tree, list):
         return [_mapped(v, f) for v in tree]
     return tree
+
+
+def _maker(tree) -> Callable[[list], object]:
+    """``table -> _mapped(tree, lambda n: table[n.r])`` for a template's result ``tree`` (``_Name`` leaves), with the
+    walk over the tree done once: a dict of names is one ``itemgetter`` call per stamp."""
+    if isinstance(tree, _Name):
+        return itemgetter(tree.r)
+    if isinstance(tree, dict):
+        keys, vals = tuple(tree), tuple(tree.values())
+        if len(vals) > 1 and all(isinstance(v, _Name) for v in vals):
+            get = itemgetter(*[v.r for v in vals])
+            return lambda table: dict(zip(keys, get(table)))
+        fs = tuple(map(_maker, vals))
+        return lambda table: {k: f(table) for k, f in zip(keys, fs)}
+    if isinstance(tree, (tuple, list)):
+        fs = tuple(map(_maker, tree))
+        if isinstance(tree, tuple):
+            return lambda table: tuple([f(table) for f in fs])
+        return lambda table: [f(table) for f in fs]
+    return lambda table: tree
+
+
+class _StampPlan:
+    """What ``Stamper._stamp`` reads of a template ``t`` in the form its C-level calls take, made once per template:
+    the fresh tensors' stems and uid offsets (``stems``, ``offsets``); the table indices of the tensors whose producer
+    a stamp sets (``made``), each producer's place in the list ``[-1, the stamp's op ids..., context values...]``
+    (``made_at``); the table indices and bytes of the sizes it sets (``sized``, ``sizes``); and ``result``
+    (``_maker``)."""
+
+    __slots__ = ("stems", "offsets", "made", "made_at", "sized", "sizes", "result")
+
+    def __init__(self, t) -> None:
+        self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
+        self.made = tuple(k for k, _ in t.producer)
+        self.made_at = tuple(0 if p is None else (1 + p if p >= 0 else t.n_ops - p) for _, p in t.producer)
+        self.sized, self.sizes = tuple(k for k, _ in t.size), tuple(nb for _, nb in t.size)
+        self.result = _maker(t.result)
 
 
 class _Template:
@@ -126,12 +168,18 @@ class Stamper:
         self.last_prefold = False
         #: passes emitted by ``fn`` / stamped (for the benchmark and the tests)
         self.built = self.stamped = 0
+        #: the TP collectives folded into a block template's op (``stamp_blocks``), by (that op's, layer): made for the
+        #: layer's first stamp of it, with that block's id, and shared by the later copies, whose ids they do not
+        #: carry (a 175B stage stamps ~10,000 of them); ``blocks.coarsen`` and ``side_blocks.fold_overlapped_tp``, the
+        #: layer-fidelity policy that every graph built with ``blocks`` goes through, give each block's its id
+        self.comm_copies: dict[tuple[int, int], tuple[Op, ...]] = {}
+        self._plans: dict[int, _StampPlan] = {}  # by ``id(template)``
 
     def _context(self, inputs) -> tuple[list[str], list[int]]:
         """The pass's input tensors and its context values: ``last_compute``, ``wait_for``, the inputs' producers."""
         e = self.e
         names = _strings(inputs, [])
-        vals = [e.last_compute, *e.wait_for, *(e.producer.get(n, -1) for n in names)]
+        vals = [e.last_compute, *e.wait_for, *map(e.producer.get, names, repeat(-1, len(names)))]
         return names, vals
 
     @staticmethod
@@ -279,7 +327,11 @@ class Stamper:
         e = self.e
         start, uid0 = len(e.b), e._uid
         prefix = f"L{layer}."
-        table = names + [f"{stem}{uid0 + r}" for stem, r in t.fresh] + t.consts
+        comms = self.comm_copies
+        plan = self._plans.get(id(t))
+        if plan is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
+            plan = self._plans[id(t)] = _StampPlan(t)
+        table = names + list(map(str.__add__, plan.stems, map(str, map(uid0.__add__, plan.offsets)))) + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
         out = []
@@ -297,8 +349,12 @@ class Stamper:
                 v[_ALLOCS] = tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs])
             v[_USES] = (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ())
             v[_META] = dict(base[_META])  # each op its own, as built
-            if folded:  # a block's TP collectives (``stamp_blocks``), renumbered to it
-                v[_FOLDED] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer)) for c, s in folded])
+            if folded:  # a block's TP collectives (``stamp_blocks``), made once per layer (``comm_copies``)
+                fc = comms.get((id(folded), layer))
+                if fc is None:
+                    fc = comms[id(folded), layer] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer))
+                                                           for c, s in folded])
+                v[_FOLDED] = fc
             out.append(op_from_fields(v))
             i += 1
         e.b.extend(out)
@@ -310,13 +366,12 @@ class Stamper:
                 return -1
             return start + r if r >= 0 else vals[-1 - r]
 
-        producer = e.producer
-        for k, p in t.producer:
-            producer[table[k]] = -1 if p is None else (start + p if p >= 0 else vals[-1 - p])
-        e.size.update([(table[k], nb) for k, nb in t.size])
+        where = [-1, *range(start, start + t.n_ops), *vals]  # ``_StampPlan.made_at`` indexes it
+        e.producer.update(zip(map(table.__getitem__, plan.made), map(where.__getitem__, plan.made_at)))
+        e.size.update(zip(map(table.__getitem__, plan.sized), plan.sizes))
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
-        return _mapped(t.result, lambda n: table[n.r])
+        return plan.result(table)
 
     def _block_form(self, t: _Template, key: Hashable, names: list[str], vals: list[int], waits_fold: bool = False):
         """The block template (``stamp_blocks.block_template``) of template ``t`` in the context ``names`` /
@@ -326,13 +381,18 @@ class Stamper:
 
         e = self.e
         ops = e.b.ops
-        compute = tuple(v >= 0 and ops[v].stream == sb.COMPUTE_STREAM for v in vals)
-        if any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
+        cs = sb.COMPUTE_STREAM
+        compute = tuple([v >= 0 and ops[v].stream == cs for v in vals])
+        if not all(compute) and any(v >= 0 and not c and sb.may_fold(ops[v]) for v, c in zip(vals, compute)):
             return None  # whether it is folded depends on what follows: kernels
         front = len(vals) - len(names)
-        sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
-        # stubs in the real ops' order, of equal values the first slot (the one recipes name) last
-        order = tuple(sorted(range(len(vals)), key=lambda x: (vals[x], -x)))
+        if min(vals[front:], default=0) >= 0:  # every input made by an op
+            sizes = tuple(map(e.size.get, names))
+        else:
+            sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
+        # stubs in the real ops' order, of equal values the first slot (the one recipes name) last: slots sorted by
+        # (value, -slot)
+        order = tuple([-j for _, j in sorted(zip(vals, range(0, -len(vals), -1)))])
         bkey = (key, compute, order, sizes)
         bt = self.block_templates.get(bkey, False)
         if bt is False:

@@ -67,6 +67,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import repeat
 
 from simulator.graph.blocks import COMPUTE_STREAM, _mergeable, coarsen_ids, foldable_tp
 from simulator.graph.builders.stamp import _FOLDED, SCRATCH, uses_form
@@ -337,11 +338,10 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
 
     mid: dict[str, int] = {}
     mid_coarse: dict[str, int] = {}  # made inside a block of ``coarsen`` (a folded collective using one cuts it)
-    for i in inst:
-        for k in i.bt.mid:
-            mid[i.table[k]] = i.start
-        for k in i.bt.mid_coarse:
-            mid_coarse[i.table[k]] = i.start
+    for i in inst:  # later passes overwrite, as one by one
+        get = i.table.__getitem__
+        mid.update(zip(map(get, i.bt.mid), repeat(i.start)))
+        mid_coarse.update(zip(map(get, i.bt.mid_coarse), repeat(i.start)))
     last_use = {u: op.id for op in ops for u in op.uses}  # later ops overwrite: the last user
     for op in ops:
         if op.stream != COMPUTE_STREAM and op.uses:

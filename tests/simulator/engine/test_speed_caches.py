@@ -174,3 +174,29 @@ def test_power_levels_give_a_folded_collective_span_its_block_activity():
     want = meter.levels([(0, block, 0.0, 3e-3, "compute"), (0, block, 3e-3, 4e-3, "compute")])
     (t_got, p_got, _), (t_want, p_want, _) = got, want
     assert list(t_got) == list(t_want) == [0.0, 3e-3, 4e-3] and list(p_got) == list(p_want)
+
+
+def test_price_keys_intern_block_parts_and_folded_collectives_by_value():
+    """``PriceKeys.of``: blocks whose parts' signature (``meta["fused_key"]``) and folded collectives are equal but
+    distinct objects share one int, as ``price_key`` equality says; a different part or collective size another."""
+    from dataclasses import replace as rep
+
+    from simulator.graph.ops import Op, OpKind, PriceKeys, price_key
+
+    ar = Op(id=0, name="tp.ar", kind=OpKind.COLLECTIVE, stream="comm.tp",
+            meta={"collective": "all_reduce", "bytes": 1024, "group": "tp"})
+
+    def block(i, sig, nbytes):
+        return Op(id=i, name=f"b{i}", kind=OpKind.COMPUTE, stream="compute", layer=0,
+                  folded_comm=(rep(ar, id=i, meta={**ar.meta, "bytes": nbytes}),),
+                  meta={"fused": (), "fused_key": tuple(list(sig)), "launches": 1})
+
+    sig = (("gemm", (8, 8, 8), 1.0, 2.0, 3.0, "bf16"),)
+    other = (("gemm", (8, 8, 16), 1.0, 2.0, 3.0, "bf16"),)
+    ops = [block(0, sig, 1024), block(1, sig, 1024), block(2, other, 1024), block(3, sig, 2048)]
+    keys = PriceKeys()
+    ids = [keys.of(op) for op in ops]
+    assert ids == [0, 0, 1, 2]
+    assert len(keys._fused) == 2 and len(keys._comms) == 4  # each signature hashed once by value; metas by id
+    for a, b in [(0, 1), (0, 2), (0, 3)]:
+        assert (ids[a] == ids[b]) == (price_key(ops[a]) == price_key(ops[b]))

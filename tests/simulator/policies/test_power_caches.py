@@ -155,3 +155,35 @@ def test_excess_bound_stopping_above_a_limit_answers_as_the_full_bound(picks, li
         assert len(read) == stop
     else:
         assert part == full and len(read) == len(ops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), st.booleans()), max_size=16),
+       clocks=st.lists(_CLOCKS, min_size=1, max_size=3))
+def test_power_is_cached_by_the_running_activities_not_the_op_ids(events, clocks):
+    """``PowerMeter.power`` after any sequence of starts and ends (ops of three steps, at changing clocks) equals
+    ``GpuPowerModel.power_of`` of the running ops' activities in start order, to the last bit, and the cache holds
+    one entry per distinct running set of activity keys: a set of other op ids with the same kinds hits."""
+    hw, sys_, model = _setup()
+    base = _ops()
+    meter = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    for k, (i, step, start) in enumerate(events):
+        sys_.state.sm_clock_mhz = clocks[k % len(clocks)]
+        op = replace(base[i], id=10 * step + i)  # each step's op a distinct object and id, priced alike
+        if start and not meter.is_running(op, step) and meter.activity(op) is not None:
+            meter.add(op, step, meter.activity(op))
+        elif not start and meter.is_running(op, step):
+            meter.remove(op, step)
+        want = model.power_of(list(meter.active.values()), sys_.state.sm_clock_mhz, sys_.state.mem_clock_mhz)
+        assert meter.power() == want
+    # two steps' copies of the same two kernels, started in the same order: one cache entry
+    sys_.state.sm_clock_mhz = 1000.0
+    fresh = PowerMeter(model, hw.gpu, sys_.state, sys_.cost)
+    for step in (0, 1):
+        ops = [replace(base[0], id=10 * step), replace(base[1], id=10 * step + 1)]
+        for op in ops:
+            fresh.add(op, step, fresh.activity(op))
+        fresh.power()
+        for op in ops:
+            fresh.remove(op, step)
+    assert len(fresh._power_cache) == 1
