@@ -712,9 +712,10 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
 def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     """The gradient-norm work a scenario's framework does that is not priced. DeepSpeed ZeRO-1/2's step
     (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
-    ``clip_grad_norm`` are priced; what is left: DeepSpeed's MoE expert groups (``_average_expert_grad_norms``: one
-    more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition, and
-    ZeRO-3's step norm and unscale (microsoft/DeepSpeed runtime/zero/stage3.py ``step``) and FSDP's cross-stage norm
+    ``clip_grad_norm`` are priced, as is ZeRO-3's (``deepspeed_zero_step`` with ``stage3``); what is left: DeepSpeed's
+    MoE expert groups (``_average_expert_grad_norms``: one more all-reduce of their norm over the expert-data-parallel
+    group), not told apart from the dense partition, ZeRO-3's step norm with optimizer offload (deepspeedai/DeepSpeed
+    runtime/zero/stage3.py ``complete_grad_norm_calculation_for_cpu_offload``) and FSDP's cross-stage norm
     all-reduce with pipelines (``_fsdp_clip_grad_norm``), flagged."""
     if cfg is None:
         return []
@@ -728,10 +729,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"training.clip_grad {cfg.training.clip_grad} with fsdp and pipeline_model_parallel_size "
                 f"{p.pipeline_model_parallel_size}: clip_grad_norm_'s all-reduce of the norm over the pipeline stages "
                 "(torchtitan's pp_mesh) is not priced, nor the stages' wait for each other it adds"]
-    if z.stage == 3 and shards > 1:
-        return ["zero_optimization.stage 3: DeepSpeed ZeRO-3's step computes the global gradient norm of the "
-                "partition every step, all-reduces it and unscales / clips the gradients (stage3.py step -> "
-                "unscale_and_clip_grads, whatever gradient_clipping): not priced (ZeRO-1/2's are)"]
+    if z.stage == 3 and shards > 1 and z.offload_optimizer.device != "none":
+        return [f"zero_optimization.stage 3 with offload_optimizer {z.offload_optimizer.device}: DeepSpeed ZeRO-3's "
+                "step norm over the offloaded partition (stage3.py complete_grad_norm_calculation_for_cpu_offload) "
+                "and its unscale / clip are not priced (without offload they are)"]
     return []
 
 

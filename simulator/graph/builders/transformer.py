@@ -515,11 +515,12 @@ class TransformerSpec:
     @property
     def pipeline_step_end_sync(self) -> bool:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
-        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2: whatever its value, ``grad_norm.deepspeed_zero_step``),
+        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2/3: whatever its value, ``grad_norm.deepspeed_zero_step``),
         else fp16's found-inf check; False with one stage, or bf16 without clipping (a stage that ends a step early
         starts the next one)."""
         fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
-        zero = self.zero_stage in (1, 2) and self.sharding is None and self.grad_reduce_size > 1
+        zero = self.grad_reduce_size > 1 and ((self.zero_stage in (1, 2) and self.sharding is None) or (
+            self.zero_stage == 3 and self.sharding is not None and self.sharding.strategy == "zero3"))
         return self.pipeline_parallel_size > 1 and (
             (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero)
 
@@ -1973,7 +1974,7 @@ class _GptBuilder:
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        own_norm = self._megatron_optimizer or self._deepspeed_zero_step or self._torch_clips
+        own_norm = self._megatron_optimizer or self._deepspeed_zero_step or self._deepspeed_zero3_step or self._torch_clips
         if s.clip_grad > 0 and not own_norm and not (self.sh is not None and self.sh.unit_buckets):
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
         else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
@@ -2020,6 +2021,10 @@ class _GptBuilder:
         if self._deepspeed_zero_step:  # DeepSpeed's overflow check, norm, fp32 copy and unscale (grad_norm.py)
             pieces = gn.zero_partition_pieces([g.numel for g in reversed(self.groups)], s.grad_reduce_size)
             grads, deps = gn.deepspeed_zero_step(self, pieces, P * share, grads, deps, check_overflow=self.fp16)
+        elif self._deepspeed_zero3_step:  # ZeRO-3's: over each parameter's own partition (grad_norm.py)
+            pieces = gn.zero3_partition_pieces([g.numel for g in reversed(self.groups)], self.sh.shard_size)
+            grads, deps = gn.deepspeed_zero_step(self, pieces, P * share, grads, deps, check_overflow=self.fp16,
+                                                 stage3=True)
         elif self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
@@ -2232,8 +2237,8 @@ class _GptBuilder:
                     group: str = "dp", elem_bytes: int = 4) -> int:
         """A collective over ``group`` (``dp``; HYBRID_SHARD: ``dp_shard`` / ``dp_replicate``) on stream
         ``comm.<group>`` (priced by the engine's NCCL model) of ``elem_bytes``-byte elements (its dtype label:
-        4 fp32, 2 the model's 16-bit type)."""
-        dtype = "fp32" if elem_bytes == 4 else "fp16" if self.s.precision == "fp16" else "bf16"
+        8 fp64, 4 fp32, 2 the model's 16-bit type)."""
+        dtype = {8: "fp64", 4: "fp32"}.get(elem_bytes) or ("fp16" if self.s.precision == "fp16" else "bf16")
         return self.b.add(name, OpKind.COLLECTIVE, f"comm.{group}", deps=deps, phase=phase, bytes_read=float(nbytes),
                           uses=tuple(uses), allocs=tuple(allocs), dtype=dtype,
                           meta={"collective": op, "bytes": int(nbytes), "group": group})
@@ -2417,6 +2422,13 @@ class _GptBuilder:
         """DeepSpeed ZeRO-1/2 (over data parallelism, no sharding spec) runs its ``step``'s norm, fp32 gradient copy
         and unscale before the optimizer kernel (``grad_norm.deepspeed_zero_step``), every step."""
         return self.zero in (1, 2) and self.sh is None
+
+    @property
+    def _deepspeed_zero3_step(self) -> bool:
+        """DeepSpeed ZeRO-3 over data parallelism runs its ``step``'s fp16 overflow check, norm, fp32 gradient copy
+        and unscale before the optimizer kernel (``grad_norm.deepspeed_zero_step`` with ``stage3``), every step,
+        whatever ``clip_grad``. With optimizer offload the offload policy replaces the step (not priced there)."""
+        return self.zero == 3 and self.sh is not None and self.sh.strategy == "zero3"
 
     @property
     def _torch_clips(self) -> bool:
