@@ -47,8 +47,9 @@ Every kernel here is memory-bound, one launch per op, bytes counted as the kerne
   2. ``_get_norm_groups`` -> ``get_grad_norm_direct`` over ``averaged_gradients``: one view per parameter tensor,
      each its own ZeRO-3 partition of ``ceil(numel / dp)`` elements (``partition_parameters.py`` ``_aligned_size``
      pads every parameter to a multiple of the world size; ``zero3_partition_pieces``), ``g.double().norm(2)``
-     each; the stacked squares summed in fp64, so the total all-reduced (SUM) over the data-parallel group and
-     the model-parallel group is 8 bytes.
+     each; the stacked squares summed in fp64, so the total all-reduced (SUM) over the data-parallel group is 8
+     bytes (over the model-parallel group too in DeepSpeed; that one is ``_grad_stats_all_reduce``'s, priced as 4
+     bytes like the others).
 
   Then ``_prepare_fp32_grad_for_sub_group`` (``self.flatten(averaged_gradients).to(fp32)``: the flat copy and
   the cast, as ZeRO-1/2) and ``unscale_and_clip_grads`` (``mul_(1. / combined_scale)`` whatever ``clip_grad``),
