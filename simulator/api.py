@@ -19,7 +19,8 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of
+from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
+                                     deepspeed_bf16_optimizer)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -54,7 +55,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
         clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
-        grad_reduce_in_bf16=ddp.grad_reduce_in_bf16,
+        grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -91,21 +92,6 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         attention_backend=m.attention_kernel, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         kernels=m.kernels, cross_entropy=cross_entropy_of(cfg),
     )
-
-
-#: A DeepSpeed config with ZeRO stage 0, bf16 and a pipeline: DeepSpeed wraps the optimizer in ``BF16_Optimizer``
-#: (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``: ZeRO off, model and
-#: gradient-accumulation dtype both bf16 and a ``PipelineModule`` -> ``BFLOAT16``; ``deepspeed/runtime/bf16_optimizer.py``
-#: keeps a flat gradient-accumulation buffer of every parameter beside the bf16 ``.grad``, the fp32 master weights and
-#: optimizer state partitioned over the data-parallel ranks, all-reduces the buffer (``pipe/engine.py``
-#: ``_bf16_reduce_grads``) and all-gathers the updated bf16 parameters), which is not built.
-BF16_PIPELINE_NOTE = (
-    "zero_optimization.stage 0 with pipeline parallelism and bf16 is priced as Megatron-LM's DDP (an fp32 main-grad "
-    "buffer, optimizer state and fp32 master weights on every data-parallel rank); DeepSpeed's pipeline engine wraps "
-    "the optimizer in BF16_Optimizer instead (a gradient-accumulation buffer of every parameter, in "
-    "data_types.grad_accum_dtype, the model dtype by default, beside the .grad; master weights "
-    "and optimizer state partitioned over the data-parallel ranks, an all-reduce then a parameter all-gather), which "
-    "is not modelled (zero_optimization.stage 1, DeepSpeed's ZeRO-1 under its pipeline engine, is)")
 
 
 def stage_gpu(cfg: ScenarioConfig, pipeline_rank: int = 0) -> GpuSpec:
@@ -913,9 +899,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
                        "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
                        "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
-        if (cfg.zero_optimization.stage == 0 and "zero_optimization" in cfg.model_fields_set
-                and cfg.training.precision == "bf16"):
-            out.append(BF16_PIPELINE_NOTE)
         if spec.num_micro_batches < pp:
             mbs = f"{spec.num_micro_batches} micro-batch{'es' if spec.num_micro_batches != 1 else ''}"
             out.append(f"{mbs} per step for {pp} pipeline stages: most of the step is pipeline bubble (raise "
