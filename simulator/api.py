@@ -699,8 +699,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     """The gradient-norm work a scenario's framework does that is not priced. DeepSpeed ZeRO-1/2's step
     (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
     ``clip_grad_norm`` are priced, as is ZeRO-3's (``deepspeed_zero_step`` with ``stage3``); what is left: DeepSpeed's
-    MoE expert groups (``_average_expert_grad_norms``: one more all-reduce of their norm over the expert-data-parallel
-    group), not told apart from the dense partition, ZeRO-3's step norm with optimizer offload (deepspeedai/DeepSpeed
+    MoE expert groups (deepspeedai/DeepSpeed@02aa38c3 ``deepspeed/runtime/zero/stage_1_and_2.py`` ``scaled_global_norm``:
+    each param group's norm all-reduced over dp and mp on its own, then ``_average_expert_grad_norms``: the MoE group's
+    once more over the expert-data-parallel group), not told apart from the dense partition because a scenario does
+    not say whether its experts are DeepSpeed MoE parameters (Megatron-core experts are not: no MoE param group), ZeRO-3's step norm with optimizer offload (deepspeedai/DeepSpeed
     runtime/zero/stage3.py ``complete_grad_norm_calculation_for_cpu_offload``) and FSDP's cross-stage norm
     all-reduce with pipelines (``_fsdp_clip_grad_norm``), flagged."""
     if cfg is None:
@@ -708,9 +710,12 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     z, p = cfg.zero_optimization, cfg.parallelism
     shards = p.data_context_parallel_size
     if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none" and cfg.model.num_experts:
-        return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
-                "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
-                "priced with the dense partition's"]
+        return [f"zero_optimization.stage {z.stage} with model.num_experts: if the experts are DeepSpeed MoE "
+                "parameters (deepspeed.moe layers, their own optimizer param group), DeepSpeed's step norms that group "
+                "on its own (its 4-byte all-reduce over the data-parallel and model-parallel groups) and all-reduces it "
+                "once more over the expert-data-parallel group (stage_1_and_2.py _average_expert_grad_norms): those "
+                "all-reduces are not priced, the experts' norm kernels are, with the dense partition's (one norm "
+                "all-reduce in all)"]
     if cfg.fsdp is not None and p.pipeline_model_parallel_size > 1 and cfg.training.clip_grad:
         return [f"training.clip_grad {cfg.training.clip_grad} with fsdp and pipeline_model_parallel_size "
                 f"{p.pipeline_model_parallel_size}: clip_grad_norm_'s all-reduce of the norm over the pipeline stages "
