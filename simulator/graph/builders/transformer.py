@@ -895,7 +895,12 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
-      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources).
+      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources); ZeRO-3's step runs its
+      fp16 overflow check, per-partition fp64 norm, fp32 copy and unscale before the optimizer kernel
+      (``grad_norm.deepspeed_zero_step`` with ``stage3``).
+    * DeepSpeed's BF16_Optimizer (``spec.deepspeed_bf16_optimizer``: a DeepSpeed pipeline with ZeRO stage 0 and
+      bf16): ``simulator/graph/builders/bf16_optimizer.py`` (states, per-micro-batch accumulation, one bf16
+      all-reduce, its step), in place of Megatron's DDP and optimizer.
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
