@@ -258,7 +258,8 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
 
     The warnings validation gives (``ScenarioWarning``: a setting with no effect, an override far from its
     preset) are printed only once the scenario is valid: an invalid one gets its error alone; then one per
-    ``--set KEY=null`` naming the value the key took (``overrides.null_override_notes``).
+    ``--set KEY=null`` the user gave (not a key of ``set_by``) naming the value the key took
+    (``overrides.null_override_notes``).
 
     Args:
         path: Scenario YAML file.
@@ -283,7 +284,8 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
         resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
-    for note in null_override_notes(cfg, list(overrides or [])):  # what a removed key became (the default taken)
+    mine = [o for o in overrides or [] if o.split("=", 1)[0].strip() not in (set_by or {})]  # not the program's
+    for note in null_override_notes(cfg, mine):  # what a removed key became (the default taken)
         warnings.warn(note, ScenarioWarning, stacklevel=2)
     return cfg
 
