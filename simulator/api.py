@@ -19,7 +19,8 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
-from simulator.config.schema import ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of
+from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
+                                     deepspeed_bf16_optimizer)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -55,7 +56,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         precision=t.precision, optimizer_impl=t.optimizer.impl, clip_grad=clip_grad_of(cfg),
         clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
-        grad_reduce_in_bf16=ddp.grad_reduce_in_bf16,
+        grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -94,21 +95,6 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         qkv_separate=fsdp2 or (t.lora is not None and lora_hf_names(tuple(t.lora.target_modules))),
         repeat_kv=m.repeat_kv if m.repeat_kv is not None else fsdp2,
     )
-
-
-#: A DeepSpeed config with ZeRO stage 0, bf16 and a pipeline: DeepSpeed wraps the optimizer in ``BF16_Optimizer``
-#: (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``: ZeRO off, model and
-#: gradient-accumulation dtype both bf16 and a ``PipelineModule`` -> ``BFLOAT16``; ``deepspeed/runtime/bf16_optimizer.py``
-#: keeps a flat gradient-accumulation buffer of every parameter beside the bf16 ``.grad``, the fp32 master weights and
-#: optimizer state partitioned over the data-parallel ranks, all-reduces the buffer (``pipe/engine.py``
-#: ``_bf16_reduce_grads``) and all-gathers the updated bf16 parameters), which is not built.
-BF16_PIPELINE_NOTE = (
-    "zero_optimization.stage 0 with pipeline parallelism and bf16 is priced as Megatron-LM's DDP (an fp32 main-grad "
-    "buffer, optimizer state and fp32 master weights on every data-parallel rank); DeepSpeed's pipeline engine wraps "
-    "the optimizer in BF16_Optimizer instead (a gradient-accumulation buffer of every parameter, in "
-    "data_types.grad_accum_dtype, the model dtype by default, beside the .grad; master weights "
-    "and optimizer state partitioned over the data-parallel ranks, an all-reduce then a parameter all-gather), which "
-    "is not modelled (zero_optimization.stage 1, DeepSpeed's ZeRO-1 under its pipeline engine, is)")
 
 
 def stage_gpu(cfg: ScenarioConfig, pipeline_rank: int = 0) -> GpuSpec:
@@ -749,18 +735,24 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
 def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
     """The gradient-norm work a scenario's framework does that is not priced. DeepSpeed ZeRO-1/2's step
     (``graph.builders.grad_norm.deepspeed_zero_step``), PyTorch's and FSDP's ``clip_grad_norm_`` and Megatron's
-    ``clip_grad_norm`` are priced; what is left: DeepSpeed's MoE expert groups (``_average_expert_grad_norms``: one
-    more all-reduce of their norm over the expert-data-parallel group), not told apart from the dense partition, and
-    ZeRO-3's step norm and unscale (microsoft/DeepSpeed runtime/zero/stage3.py ``step``) and FSDP's cross-stage norm
+    ``clip_grad_norm`` are priced, as is ZeRO-3's (``deepspeed_zero_step`` with ``stage3``); what is left: DeepSpeed's
+    MoE expert groups (deepspeedai/DeepSpeed@02aa38c3 ``deepspeed/runtime/zero/stage_1_and_2.py`` ``scaled_global_norm``:
+    each param group's norm all-reduced over dp and mp on its own, then ``_average_expert_grad_norms``: the MoE group's
+    once more over the expert-data-parallel group), not told apart from the dense partition because a scenario does
+    not say whether its experts are DeepSpeed MoE parameters (Megatron-core experts are not: no MoE param group), ZeRO-3's step norm with optimizer offload (deepspeedai/DeepSpeed
+    runtime/zero/stage3.py ``complete_grad_norm_calculation_for_cpu_offload``) and FSDP's cross-stage norm
     all-reduce with pipelines (``_fsdp_clip_grad_norm``), flagged."""
     if cfg is None:
         return []
     z, p = cfg.zero_optimization, cfg.parallelism
     shards = p.data_context_parallel_size
     if z.stage in (1, 2) and shards > 1 and z.offload_optimizer.device == "none" and cfg.model.num_experts:
-        return [f"zero_optimization.stage {z.stage} with model.num_experts: DeepSpeed's expert parameter groups' "
-                "own norm all-reduce (_average_expert_grad_norms) is not priced; their gradients' norm kernels are "
-                "priced with the dense partition's"]
+        return [f"zero_optimization.stage {z.stage} with model.num_experts: if the experts are DeepSpeed MoE "
+                "parameters (deepspeed.moe layers, their own optimizer param group), DeepSpeed's step norms that group "
+                "on its own (its 4-byte all-reduce over the data-parallel and model-parallel groups) and all-reduces it "
+                "once more over the expert-data-parallel group (stage_1_and_2.py _average_expert_grad_norms): those "
+                "all-reduces are not priced, the experts' norm kernels are, with the dense partition's (one norm "
+                "all-reduce in all)"]
     if cfg.fsdp is not None and cfg.fsdp.offload_params and cfg.training.clip_grad and shards > 1:
         return [f"training.clip_grad {cfg.training.clip_grad} with {cfg.fsdp.offload_key}: clip_grad_norm_ runs over "
                 "the CPU gradient shards (the norm and the clip's mul_ on the CPU, the norm's all-reduce over the "
@@ -770,10 +762,10 @@ def _clip_grad_warnings(cfg: ScenarioConfig | None) -> list[str]:
         return [f"training.clip_grad {cfg.training.clip_grad} with fsdp and pipeline_model_parallel_size "
                 f"{p.pipeline_model_parallel_size}: clip_grad_norm_'s all-reduce of the norm over the pipeline stages "
                 "(torchtitan's pp_mesh) is not priced, nor the stages' wait for each other it adds"]
-    if z.stage == 3 and shards > 1:
-        return ["zero_optimization.stage 3: DeepSpeed ZeRO-3's step computes the global gradient norm of the "
-                "partition every step, all-reduces it and unscales / clips the gradients (stage3.py step -> "
-                "unscale_and_clip_grads, whatever gradient_clipping): not priced (ZeRO-1/2's are)"]
+    if z.stage == 3 and shards > 1 and z.offload_optimizer.device != "none":
+        return [f"zero_optimization.stage 3 with offload_optimizer {z.offload_optimizer.device}: DeepSpeed ZeRO-3's "
+                "step norm over the offloaded partition (stage3.py complete_grad_norm_calculation_for_cpu_offload) "
+                "and its unscale / clip are not priced (without offload they are)"]
     return []
 
 
@@ -954,9 +946,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                        "and stages that end a step on their own after the gradient-norm all-reduce); DeepSpeed's "
                        "pipeline engine also ends every step with a loss broadcast from the last stage over the pipeline "
                        "group (deepspeed/runtime/pipe/engine.py _aggregate_total_loss), which is not modelled")
-        if (cfg.zero_optimization.stage == 0 and "zero_optimization" in cfg.model_fields_set
-                and cfg.training.precision == "bf16"):
-            out.append(BF16_PIPELINE_NOTE)
         if spec.num_micro_batches < pp:
             mbs = f"{spec.num_micro_batches} micro-batch{'es' if spec.num_micro_batches != 1 else ''}"
             out.append(f"{mbs} per step for {pp} pipeline stages: most of the step is pipeline bubble (raise "

@@ -29,8 +29,9 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
-                  "model dtype (DeepSpeed's default); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
-                  "BF16_Optimizer (an fp32 gradient accumulation buffer of every parameter, an fp32 all-reduce), "
+                  "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
+                  "its bf16 buffer, modelled); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
+                  "BF16_Optimizer with an fp32 gradient accumulation buffer of every parameter, "
                   "which is not (deepspeed/runtime/engine.py _do_optimizer_sanity_check); remove it",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,

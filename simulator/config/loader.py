@@ -23,7 +23,7 @@ from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
 from simulator.config.foreign_keys import foreign_key_hint
 from simulator.config.hf_config import hf_origin
-from simulator.config.overrides import apply_overrides
+from simulator.config.overrides import apply_overrides, null_override_notes
 from simulator.config.schema import PresetRef, ScenarioConfig
 
 
@@ -257,7 +257,9 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
     """Load, override and validate a scenario, and check its presets resolve.
 
     The warnings validation gives (``ScenarioWarning``: a setting with no effect, an override far from its
-    preset) are printed only once the scenario is valid: an invalid one gets its error alone.
+    preset) are printed only once the scenario is valid: an invalid one gets its error alone; then one per
+    ``--set KEY=null`` the user gave (not a key of ``set_by``) naming the value the key took
+    (``overrides.null_override_notes``).
 
     Args:
         path: Scenario YAML file.
@@ -282,6 +284,9 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
         resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
+    mine = [o for o in overrides or [] if o.split("=", 1)[0].strip() not in (set_by or {})]  # not the program's
+    for note in null_override_notes(cfg, mine):  # what a removed key became (the default taken)
+        warnings.warn(note, ScenarioWarning, stacklevel=2)
     return cfg
 
 

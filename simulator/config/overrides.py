@@ -119,3 +119,41 @@ def null_override(parts: list[str]) -> str:
                 if isinstance(a, type) and issubclass(a, BaseModel)]
         model = subs[0] if len(subs) == 1 else None
     return "set"
+
+
+def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
+    """One line per ``--set KEY=null`` of ``overrides`` that removed a scalar key (``null_override`` "remove"),
+    saying what the valid scenario ``cfg`` took in its place: the schema's default, or the value its validators
+    derived from the other settings (``parallelism.data_parallel_size``), or that it is left unset for the run to
+    resolve from the framework (``training.clip_grad``: ``None``). Sections removed (``hardware.host=~``) are not
+    noted (a whole section's defaults are not one value). Raises nothing: a text that does not parse is skipped."""
+    from pydantic import BaseModel
+
+    out = []
+    for text in overrides:
+        try:
+            parts, value = parse_override(text)
+        except ScenarioError:
+            continue
+        if value is not None or null_override(parts) != "remove":
+            continue
+        node: Any = cfg
+        owner: Any = None
+        for p in parts:
+            owner, node = node, getattr(node, p, None)
+            if node is None:
+                break
+        key, raw = ".".join(parts), text.partition("=")[2].strip()
+        if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
+            continue
+        field = type(owner).model_fields.get(parts[-1]) if isinstance(owner, BaseModel) else None
+        default = field.get_default(call_default_factory=True) if field is not None and not field.is_required() \
+            else None
+        if node is None:
+            out.append(f"--set {key}={raw}: {key} is not written, so it is left unset: the run resolves it from the "
+                       "other settings (see its documentation)")
+        elif node == default:
+            out.append(f"--set {key}={raw}: {key} is not written, so it takes the schema's default: {node!r}")
+        else:
+            out.append(f"--set {key}={raw}: {key} is not written, so it is derived from the other settings: {node!r}")
+    return out

@@ -510,6 +510,15 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
     return 0.0 if cfg.fsdp is not None else 1.0
 
 
+def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:
+    """DeepSpeed runs the step with ``BF16_Optimizer``: a DeepSpeed config (a ``zero_optimization`` section given)
+    with stage 0, ``training.precision: bf16`` and a pipeline (deepspeedai/DeepSpeed@007cca6a
+    ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``: ZeRO off, model and gradient-accumulation dtype
+    both bf16 and a ``PipelineModule`` -> ``BFLOAT16``); priced by ``graph.builders.bf16_optimizer``."""
+    return ("zero_optimization" in cfg.model_fields_set and cfg.zero_optimization.stage == 0
+            and cfg.training.precision == "bf16" and cfg.parallelism.pipeline_model_parallel_size > 1)
+
+
 def cross_entropy_of(cfg: "ScenarioConfig") -> str:
     """``training.cross_entropy`` in force: the value given, else the framework's: ``pytorch`` (``F.cross_entropy``)
     with ``fsdp``, DeepSpeed ZeRO (which takes the model's own loss: set ``megatron`` for a Megatron-DeepSpeed
@@ -1052,6 +1061,15 @@ class ScenarioConfig(_Model):
         if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
             raise ValueError(f"{key}: {pp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
                              "device none, or pp 1)")
+        if deepspeed_bf16_optimizer(self):  # DeepSpeed's pipeline engine: no interleaving, no split backward
+            why = [w for c, w in ((v > 1 or p.schedule not in ("1f1b", "gpipe"), f"pipeline_schedule {p.schedule}"),
+                                  (bool(m.num_experts), "model.num_experts"), (self.training.lora is not None,
+                                                                               "training.lora"),
+                                  (self.training.fp8 is not None, "training.fp8")) if c]
+            if why:
+                raise ValueError(f"zero_optimization.stage: 0 with bf16 and {key} {pp} > 1 is DeepSpeed's "
+                                 f"BF16_Optimizer, which is not modelled with {', '.join(why)} (allowed: 1f1b or "
+                                 "gpipe, dense, no LoRA or fp8; or zero_optimization.stage 1)")
         if self.dataloader is not None:
             raise ValueError(f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
                              "dataloader section, or pp 1)")

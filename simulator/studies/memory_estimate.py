@@ -24,7 +24,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   is 16-bit (2 B) with fp16 (``ddp.accumulate_allreduce_grads_in_fp32`` off) or ``ddp.grad_reduce_in_bf16``, and its
   fresh fp32 main grads (``4 P / N_d``) join the step's peak; with ``training.fp8_param_gather`` the block Linear
   weights are 1 B fp8 parameters (+ 1 B transposes where fp8 GEMMs are TN-only, no fp8 workspace) and the step's
-  peak holds the bf16 copy of their master shard (``2 P_fp8 / N_d``).
+  peak holds the bf16 copy of their master shard (``2 P_fp8 / N_d``). DeepSpeed's ``BF16_Optimizer`` (a DeepSpeed
+  pipeline with ZeRO stage 0 and bf16): ``2P`` bf16 parameters, a bf16 accumulation buffer of every parameter
+  ``2P``, fp32 master and moments ``12P / N_d``, the bf16 ``.grad`` ``2P`` from the first backward, and at the
+  step the fp32 copy of the gradient partition ``4P / N_d`` (or the larger fp32 copy its norm makes of the
+  largest tensor; ``graph/builders/bf16_optimizer.py``).
 * **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
   in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
@@ -327,8 +331,9 @@ def _state_cats(states: dict[str, float], grads: float) -> dict[str, float]:
 def _grad_bytes(spec) -> int:
     """Bytes per element of a ``.grad`` without a sharding spec (and of Megatron's grad buffer): 2 for DeepSpeed
     ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's 16-bit grad
-    buffer (``TransformerSpec.megatron_half_grads``: fp16, or bf16 with ``--grad-reduce-in-bf16``), else 4 (fp32)."""
-    return 2 if spec.zero_half_grads or spec.megatron_half_grads else 4
+    buffer (``TransformerSpec.megatron_half_grads``: fp16, or bf16 with ``--grad-reduce-in-bf16``) and DeepSpeed's
+    ``BF16_Optimizer`` (the bf16 autograd ``.grad``), else 4 (fp32)."""
+    return 2 if spec.zero_half_grads or spec.megatron_half_grads or spec.deepspeed_bf16_optimizer else 4
 
 
 def _half_param_bytes(spec) -> int:
@@ -364,6 +369,11 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
     def part(n: float) -> float:
         return -(-n // dp)
 
+    if spec.deepspeed_bf16_optimizer:  # bf16 params, the bf16 accumulation buffer of every parameter, fp32 master
+        # and moments over dp; the bf16 .grad made by backward (graph/builders/bf16_optimizer.py)
+        from simulator.graph.builders.bf16_optimizer import HP_GRAD_BYTES
+
+        return {"params": 2 * P + 4 * part(P), "grad": HP_GRAD_BYTES * P, "optimizer": 8 * part(P)}, 2 * P
     if sh is None:
         zero = spec.zero_stage
         Ps = moe.sharded_state(spec, P, part) if zero else P  # the experts' over edp (moe.sharded_state)
@@ -522,7 +532,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         end = _grad_bytes(spec) * spec.rank_num_parameters + buf
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
-    if spec.megatron_half_grads or spec.fp8_param_gather:  # the optimizer step, activations freed: the fresh fp32
+    if spec.megatron_half_grads or spec.fp8_param_gather or spec.deepspeed_bf16_optimizer:
+        # the optimizer step, activations freed: the fresh fp32
         # main grads of the shard it updates beside the states and the 16-bit buffer
         # (_GptBuilder._copy_model_grads_to_main_grads), and with fp8 parameters the bf16 copy of the fp8 weights'
         # master shard that quantize_param_shard casts from (_GptBuilder._copy_main_params_to_fp8)
@@ -531,6 +542,10 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         P = spec.rank_num_parameters
         share = sh.shard(P) / P if sh is not None and sh.strategy == "distributed_optimizer" else 1.0
         main = 4 * P * share if spec.megatron_half_grads else 0.0
+        if spec.deepspeed_bf16_optimizer:  # BF16_Optimizer: the fp32 copy of the gradient partition, or before it
+            # the fp32 copy of the largest tensor its norm casts (bf16_optimizer.step)
+            table = spec.vocab_per_rank * h if spec.has_embedding or spec.has_head else 0
+            main = 4 * max(-(-P // spec.grad_reduce_size), table, largest_weight)
         cast = 2 * fp8_weight_numel(spec) * share if spec.fp8_param_gather else 0.0
         if end_grads + main + cast > grads + activations + transient:
             grads, activations, transient = end_grads + main, 0.0, cast

@@ -285,10 +285,10 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     for k in keys:
         check_key(k)
     base_ov = [*(base_overrides or []), _DP_DERIVED]
-    base = load_scenario(scenario, base_ov)
+    set_by = {_DP_DERIVED.split("=")[0]: "derived by the search: world size / (tp x pp x cp)"}
+    base = load_scenario(scenario, base_ov, set_by=set_by)
     check_values(scenario, space, base_ov)
     notes = []
-    set_by = {_DP_DERIVED.split("=")[0]: "derived by the search: world size / (tp x pp x cp)"}
     gbs = base.training.global_batch_size
     if "training.global_batch_size" not in space and gbs is None:
         gbs = base.training.micro_batch_size * (base.parallelism.data_parallel_size or 1)

@@ -29,7 +29,10 @@ def with_overrides(cfg: ScenarioConfig, **dotted: Any) -> ScenarioConfig:
     Raises:
         ScenarioError: the result does not validate.
     """
-    data = cfg.model_dump(mode="json", exclude_none=True)
+    # only the keys the scenario gave (with those its validators derived): a dump of every default would mark each
+    # section as given, and what a section's presence means (a DeepSpeed config: schema.deepspeed_bf16_optimizer,
+    # the warnings on keys given without effect) would change
+    data = cfg.model_dump(mode="json", exclude_none=True, exclude_unset=True)
     return scenario_from_dict(apply_overrides(data, [f"{k}={_yaml(v)}" for k, v in dotted.items()]), cfg.name)
 
 

@@ -35,6 +35,26 @@ Every kernel here is memory-bound, one launch per op, bytes counted as the kerne
   Per 16-bit partition element: 18 B for the norm, 10 B for the flat fp32 copy, 8 B for the ``mul_`` (36 B; the
   earlier unpriced estimate of 26 B left the copy out), plus 28 B with the fp16 overflow check. With optimizer
   offload the CPU path replaces all of it (``simulator.policies.offload_optimizer``).
+* **DeepSpeed ZeRO-3** (``deepspeed_zero_step`` with ``stage3``; source deepspeedai/DeepSpeed@007cca6a
+  ``deepspeed/runtime/zero/stage3.py`` ``DeepSpeedZeroOptimizer_Stage3.step``), the same four stages over this
+  rank's gradient partition, with two differences:
+
+  1. fp16 only (``_overflow_check_and_loss_scale_update``: ``if self.dtype == torch.float16: check_overflow()``):
+     ``has_overflow(partition_gradients=True)`` runs ``torch.isinf(grad_partitions_flat_buffer).any()`` and
+     ``torch.isnan(...).any()`` over the whole flat 16-bit partition (``ZERO3_HAS_INF_OR_NAN``: 6 B per element,
+     4 launches), ``logical_or_`` into a 1-element tracker, the 1-byte flag all-reduced (MAX) over the
+     data-parallel group and the model-parallel group, then ``overflow_gpu[0].item()``: a host sync.
+  2. ``_get_norm_groups`` -> ``get_grad_norm_direct`` over ``averaged_gradients``: one view per parameter tensor,
+     each its own ZeRO-3 partition of ``ceil(numel / dp)`` elements (``partition_parameters.py`` ``_aligned_size``
+     pads every parameter to a multiple of the world size; ``zero3_partition_pieces``), ``g.double().norm(2)``
+     each; the stacked squares summed in fp64, so the total all-reduced (SUM) over the data-parallel group is 8
+     bytes (over the model-parallel group too in DeepSpeed; that one is ``_grad_stats_all_reduce``'s, priced as 4
+     bytes like the others).
+
+  Then ``_prepare_fp32_grad_for_sub_group`` (``self.flatten(averaged_gradients).to(fp32)``: the flat copy and
+  the cast, as ZeRO-1/2) and ``unscale_and_clip_grads`` (``mul_(1. / combined_scale)`` whatever ``clip_grad``),
+  per ``sub_group_size`` sub-group (one sub-group priced: DeepSpeed's default ``sub_group_size`` 1e9 covers a
+  rank's partition up to a billion elements; the per-sub-group launches beyond it are not counted).
 * **PyTorch** ``clip_grad_norm_`` (``torch_clip_grad_norm``; source pytorch/pytorch@01a57d8
   ``torch/nn/utils/clip_grad.py``, ``_get_total_norm`` and ``_clip_grads_with_norm_``): per (device, dtype)
   group one ``torch._foreach_norm`` (read the gradient once, one 4-byte norm per tensor), the
@@ -58,6 +78,35 @@ from simulator.graph.ops import OpKind, Phase
 #: ``float_x.isinf()``, ``nan.logical_or(inf)``, ``inf_or_nan.float()``, ``.max()``; bool tensors 1 B).
 HAS_INF_OR_NAN = (("float", C.CAST, 2, 4), ("isnan", C.ELEMENTWISE, 4, 1), ("isinf", C.ELEMENTWISE, 4, 1),
                   ("logical_or", C.ELEMENTWISE, 2, 1), ("to_float", C.CAST, 1, 4), ("max", C.REDUCTION, 4, 0))
+
+
+#: DeepSpeed ZeRO-3 ``has_overflow(partition_gradients=True)`` over the flat 16-bit gradient partition, per element:
+#: ``(name, cost class, read B, write B)`` (deepspeedai/DeepSpeed@007cca6a stage3.py: ``torch.isinf(buf).any()``,
+#: ``torch.isnan(buf).any()``; bool tensors 1 B, each ``.any()`` a 1-byte result; the ``logical_or_`` into the
+#: 1-element tracker and its ``.to(torch.uint8)`` are scalars, not counted).
+ZERO3_HAS_INF_OR_NAN = (("isinf", C.ELEMENTWISE, 2, 1), ("isinf_any", C.REDUCTION, 1, 0),
+                        ("isnan", C.ELEMENTWISE, 2, 1), ("isnan_any", C.REDUCTION, 1, 0))
+
+
+def zero3_partition_pieces(numels: Sequence[int], dp: int) -> list[int]:
+    """The gradient views of one rank's ZeRO-3 partition: one per parameter tensor, ``ceil(numel / dp)``
+    elements each (DeepSpeed ZeRO-3 partitions every parameter on its own, padded to a multiple of ``dp``:
+    deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/zero/partition_parameters.py`` ``_aligned_size`` /
+    ``_padding_size``; ``stage3.py`` ``averaged_gradients`` holds each parameter's gradient partition).
+
+    Args:
+        numels: Elements of each parameter tensor.
+        dp: Ranks the parameters are partitioned over (>= 1).
+
+    Returns:
+        Elements of each view, in the order given.
+
+    Raises:
+        ValueError: ``dp < 1`` or a negative size.
+    """
+    if dp < 1 or any(n < 0 for n in numels):
+        raise ValueError(f"zero3_partition_pieces needs dp >= 1 and sizes >= 0, got dp={dp}")
+    return [-(-n // dp) for n in numels if n]
 
 
 def zero_partition_pieces(numels: Sequence[int], dp: int) -> list[int]:
@@ -97,8 +146,9 @@ def zero_partition_pieces(numels: Sequence[int], dp: int) -> list[int]:
 
 
 def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], deps: list[int],
-                        check_overflow: bool) -> tuple[list[str], list[int]]:
-    """DeepSpeed ZeRO-1/2's work between the gradient reduction and the optimizer kernel (module docstring).
+                        check_overflow: bool, stage3: bool = False) -> tuple[list[str], list[int]]:
+    """DeepSpeed ZeRO-1/2's (ZeRO-3's with ``stage3``) work between the gradient reduction and the optimizer kernel
+    (module docstring).
 
     Args:
         bld: The ``_GptBuilder`` (its emitter, ``_collective``, ``_grad_stats_all_reduce``, ``_grad_elem_bytes``).
@@ -107,6 +157,8 @@ def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], 
         grads: Gradient tensors of the partition (read by the first kernels).
         deps: Ops the step waits for (the reductions).
         check_overflow: Run ``has_overflow`` (fp16).
+        stage3: ZeRO-3's step: its overflow check over the flat partition (``ZERO3_HAS_INF_OR_NAN``) and its
+            8-byte (fp64) norm all-reduce; ``pieces`` from ``zero3_partition_pieces``.
 
     Returns:
         ``(grads, deps)`` for the optimizer kernel: the fp32 gradient partition and the ``mul_``.
@@ -114,10 +166,10 @@ def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], 
     e, g = bld.e, bld._grad_elem_bytes
     if check_overflow:
         last = []
-        for j, m in enumerate(pieces):
-            for name, cc, rd, wr in HAS_INF_OR_NAN:
-                last = [e.kernel(f"zero.has_inf_or_nan.{j}.{name}", cc, reads=rd * m, writes=wr * m or 4, flops=m,
-                                 uses=grads, deps=last or deps, dtype="fp32")]
+        for j, m in ([("flat", n)] if stage3 else enumerate(pieces)):
+            for name, cc, rd, wr in (ZERO3_HAS_INF_OR_NAN if stage3 else HAS_INF_OR_NAN):
+                last = [e.kernel(f"zero.has_inf_or_nan.{j}.{name}", cc, reads=rd * m, writes=wr * m or (1 if stage3 else 4),
+                                 flops=m, uses=grads, deps=last or deps, dtype="fp32")]
         ar = bld._collective("zero.overflow.all_reduce", "all_reduce", 1, last, Phase.OPT)
         deps = [bld.b.add("zero.overflow.item", OpKind.SYNC, "host", deps=bld._grad_stats_all_reduce(
             "zero.overflow", [ar]), phase=Phase.OPT, launch=False)]
@@ -128,7 +180,8 @@ def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], 
                         out=[(dbl, 8 * m)], uses=grads, deps=deps, dtype="fp64")
         norms.append(e.kernel(f"zero.grad_norm.{j}.vector_norm", C.REDUCTION, reads=8 * m, writes=8, flops=2 * m,
                               uses=[dbl], deps=[cast], dtype="fp64"))
-    ar = bld._collective("zero.grad_norm.all_reduce", "all_reduce", 4, norms or deps, Phase.OPT)
+    ar = bld._collective("zero.grad_norm.all_reduce", "all_reduce", 8 if stage3 else 4, norms or deps, Phase.OPT,
+                         elem_bytes=8 if stage3 else 4)
     norm = bld._grad_stats_all_reduce("zero.grad_norm", [ar])
     flat = e.fresh("grad.partition_flat")
     cat = e.kernel("zero.grad_partition.flatten", C.COPY, reads=g * n, writes=g * n, out=[(flat, g * n)],

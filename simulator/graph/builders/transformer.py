@@ -104,6 +104,7 @@ from hardware_models.host_kernels import adamw_passes
 
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import fsdp2
+from simulator.graph.builders import bf16_optimizer as bf16opt
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
@@ -174,6 +175,11 @@ class TransformerSpec:
             forced on with bf16): with fp16 and Megatron's optimizer, off keeps the contiguous grad buffer, its
             accumulation and its data-parallel reduction in fp16 (2 B per parameter) and casts the grads into fp32
             main grads before the step (``_GptBuilder._copy_model_grads_to_main_grads``); on: fp32 (4 B).
+        deepspeed_bf16_optimizer: DeepSpeed's ``BF16_Optimizer`` runs the step (a DeepSpeed pipeline with ZeRO
+            stage 0 and bf16: ``graph.builders.bf16_optimizer``): 2-byte ``.grad`` tensors beside a bf16
+            accumulation buffer of every parameter, fp32 master weights and moments partitioned over ``dp``, one
+            bf16 all-reduce of the buffer after the last backward, its own norm and a parameter all-gather; in
+            place of Megatron's optimizer (bf16 precision only).
         grad_reduce_in_bf16: Megatron-LM ``--grad-reduce-in-bf16``: with bf16 and Megatron's optimizer the
             contiguous grad buffer, its accumulation and its data-parallel reduction are bf16 (2 B per parameter),
             cast into fp32 main grads before the step, as fp16's buffer (``megatron_half_grads``); no effect with
@@ -314,6 +320,7 @@ class TransformerSpec:
     clip_grad_norm_call: bool = False
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False
+    deepspeed_bf16_optimizer: bool = False
     recompute: str = "none"
     data_parallel_size: int = 1
     zero_stage: int = 0
@@ -523,13 +530,14 @@ class TransformerSpec:
     @property
     def pipeline_step_end_sync(self) -> bool:
         """Every pipeline stage joins an all-reduce before its optimizer (``_GptBuilder._pipeline_syncs``): the
-        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2: whatever its value, ``grad_norm.deepspeed_zero_step``),
+        gradient norm with ``clip_grad > 0`` (DeepSpeed ZeRO-1/2/3: whatever its value, ``grad_norm.deepspeed_zero_step``),
         else fp16's found-inf check; False with one stage, or bf16 without clipping (a stage that ends a step early
         starts the next one)."""
         fsdp = self.sharding is not None and self.sharding.unit_buckets  # FSDP's norm: over its own group only
-        zero = self.zero_stage in (1, 2) and self.sharding is None and self.grad_reduce_size > 1
+        zero = self.grad_reduce_size > 1 and ((self.zero_stage in (1, 2) and self.sharding is None) or (
+            self.zero_stage == 3 and self.sharding is not None and self.sharding.strategy == "zero3"))
         return self.pipeline_parallel_size > 1 and (
-            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero)
+            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero or self.deepspeed_bf16_optimizer)
 
     @property
     def megatron_optimizer(self) -> bool:
@@ -541,7 +549,7 @@ class TransformerSpec:
         the grad buffer's ``zero_grad_buffer`` before the step's first forward (``_GptBuilder._zero_grad_buffer``)."""
         sh = self.sharding if self.grad_reduce_size > 1 else None
         return (self.precision in MEGATRON_DDP_PRECISIONS and self.zero_stage == 0 and self.lora is None
-                and (sh is None or sh.strategy == "distributed_optimizer"))
+                and not self.deepspeed_bf16_optimizer and (sh is None or sh.strategy == "distributed_optimizer"))
 
     @property
     def megatron_half_grads(self) -> bool:
@@ -895,7 +903,12 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
-      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources).
+      (``simulator/graph/builders/sharding.py`` documents the schedule and its sources); ZeRO-3's step runs its
+      fp16 overflow check, per-partition fp64 norm, fp32 copy and unscale before the optimizer kernel
+      (``grad_norm.deepspeed_zero_step`` with ``stage3``).
+    * DeepSpeed's BF16_Optimizer (``spec.deepspeed_bf16_optimizer``: a DeepSpeed pipeline with ZeRO stage 0 and
+      bf16): ``simulator/graph/builders/bf16_optimizer.py`` (states, per-micro-batch accumulation, one bf16
+      all-reduce, its step), in place of Megatron's DDP and optimizer.
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
@@ -928,8 +941,8 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
 #: bf16 / fp16 with ``bf16`` / ``fp16`` enabled, and ``stage_1_and_2.DeepSpeedZeroOptimizer`` (``self.dtype``, the
-#: parameters' dtype) holds the IPG buffer and the gradient partition in it; BF16_Optimizer (fp32 accumulation) is
-#: chosen only for ZeRO-1 with ``grad_accum_dtype: fp32``, not modelled (deepspeedai/DeepSpeed master, 2025:
+#: parameters' dtype) holds the IPG buffer and the gradient partition in it; BF16_Optimizer is chosen for ZeRO-1 only
+#: with ``grad_accum_dtype: fp32``, not modelled (ZeRO-0 + bf16 + a pipeline's is: ``bf16_optimizer.py``) (deepspeedai/DeepSpeed master, 2025:
 #: ``deepspeed/runtime/engine.py``, ``deepspeed/runtime/zero/stage_1_and_2.py``). The optimizer still reads fp32.
 ZERO_HALF_GRAD_PRECISIONS = ("bf16", "fp16")
 
@@ -968,8 +981,11 @@ class _GptBuilder:
         # buckets (Megatron-LM DistributedDataParallel: param.main_grad views its contiguous fp32 grad buffer, the
         # weight-gradient GEMMs accumulate into it; no separate .grad). A separate fp32 .grad beside the buffer
         # counted 4 bytes per parameter twice (GPT 6.7B PP2 x DP8: 86.05 GB, out of memory, against 72.22 GB)
-        self._grads_in_buckets = self.dp and self.zero == 0 and (
+        self._grads_in_buckets = self.dp and self.zero == 0 and not spec.deepspeed_bf16_optimizer and (
             spec.gradient_as_bucket_view or (spec.precision in MEGATRON_DDP_PRECISIONS and spec.lora is None))  # PEFT: torch DDP
+        #: BF16_Optimizer: the weight gradients each backward made, for its update_hp_grads (bf16_optimizer.py)
+        self._bf16_ready: list[tuple[str, int, int, str | None]] | None = (
+            [] if spec.deepspeed_bf16_optimizer else None)
         self.overlap = spec.overlap_grad_reduce
         self._bucket: list[ParamGroup] = []
         self._buckets: list[tuple[ParamGroup, ...]] = []  # closed, not yet emitted (overlap off)
@@ -1699,6 +1715,9 @@ class _GptBuilder:
             return
         s, b = self.s, self.b
         P = s.rank_num_parameters
+        if s.deepspeed_bf16_optimizer:
+            bf16opt.persistent(self, P, self._shard(P))
+            return
         Ps = moe.sharded_state(s, P, self._shard) if self.zero else P  # ZeRO-1/2: states per rank (experts: edp)
         if self.amp or self.full:  # fp32 parameters, no separate master copy
             b.persistent("params.fp32", 4 * P)
@@ -1880,6 +1899,8 @@ class _GptBuilder:
         e.phase, e.layer = Phase.BWD, -1
         if not self._ipg_lazy:
             self._ipg_alloc()
+        if self._bf16_ready is not None:  # BF16_Optimizer.clear_lp_grads before the backward
+            bf16opt.clear_lp_grads(self)
         if s.vit is not None:
             g = vitb.head_bwd(self, st)
         elif last:
@@ -2005,7 +2026,8 @@ class _GptBuilder:
         calls = [*self._last_call, *self._detached]
         deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
-            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            # the main_grad's dtype; BF16_Optimizer's buffer view (weight._hp_grad, pipe/engine.py _exec_reduce_tied_grads)
+            gb, dt = (2, self.e.half) if self._half_grad_buffer or s.deepspeed_bf16_optimizer else (4, "fp32")
             nbytes = gb * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
                                     phase=Phase.OPT, bytes_read=float(nbytes), dtype=dt,
@@ -2013,7 +2035,8 @@ class _GptBuilder:
                                           "pp_ranks": (0, p - 1), "rendezvous": ("pp", "embedding_grads"),
                                           "parties": 2}))
             deps.append(calls[-1])
-        own_norm = self._megatron_optimizer or self._deepspeed_zero_step or self._torch_clips
+        own_norm = (self._megatron_optimizer or self._deepspeed_zero_step or self._deepspeed_zero3_step
+                    or self._torch_clips or s.deepspeed_bf16_optimizer)
         if s.clip_grad > 0 and not own_norm and not (self.sh is not None and self.sh.unit_buckets):
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
         else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
@@ -2054,12 +2077,19 @@ class _GptBuilder:
         # ZeRO's copy folded in; Megatron's is its own kernel, _copy_main_params_to_model)
         reads, writes = 16 * P, 12 * P + (0 if self.amp or self.full else 2 * P)
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
+        if s.deepspeed_bf16_optimizer:  # DeepSpeed's BF16_Optimizer.step (bf16_optimizer.py)
+            bf16opt.step(self, self._shard(P), grads, list(self.comm_ops) + self.tp_ops + self.moe_grad_ops)
+            return
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self._half_grad_buffer:
             grads, deps = self._copy_model_grads_to_main_grads(P * share, grads, deps)
         if self._deepspeed_zero_step:  # DeepSpeed's overflow check, norm, fp32 copy and unscale (grad_norm.py)
             pieces = gn.zero_partition_pieces([g.numel for g in reversed(self.groups)], s.grad_reduce_size)
             grads, deps = gn.deepspeed_zero_step(self, pieces, P * share, grads, deps, check_overflow=self.fp16)
+        elif self._deepspeed_zero3_step:  # ZeRO-3's: over each parameter's own partition (grad_norm.py)
+            pieces = gn.zero3_partition_pieces([g.numel for g in reversed(self.groups)], self.sh.shard_size)
+            grads, deps = gn.deepspeed_zero_step(self, pieces, P * share, grads, deps, check_overflow=self.fp16,
+                                                 stage3=True)
         elif self.fp16:  # unscale the fp32 main grads in place and check them for inf/nan, then found_inf.item()
             chk = e.kernel("loss_scale.unscale_check", C.ELEMENTWISE, reads=4 * P * share, writes=4 * P * share,
                            flops=P * share, uses=grads, deps=deps, dtype="fp32")
@@ -2162,6 +2192,8 @@ class _GptBuilder:
     def _grad_ready(self, name: str, numel: int, op: int, tensor: str | None = None) -> None:
         """Record that op ``op`` finished the gradient of parameter ``name`` (the last micro-batch's, or every
         micro-batch's when ZeRO-2/3 or FSDP reduce each one)."""
+        if self._bf16_ready is not None:  # BF16_Optimizer adds every backward's gradients into its buffer
+            self._bf16_ready.append((f"L{self.e.layer}.{name}" if self.e.layer >= 0 else name, numel, op, tensor))
         if not (self.last_mb or self._every_mb):
             return
         layer = self.e.layer
@@ -2172,7 +2204,7 @@ class _GptBuilder:
             if self.last_mb:
                 moe.reduce_expert_grad(self, pg)
             return
-        if not self.dp:
+        if not self.dp or self._bf16_ready is not None:  # BF16_Optimizer: one all-reduce of its buffer at the end
             return
         s = self.s
         if self.sh is not None and self._sharded_grad_ready(pg):
@@ -2200,6 +2232,8 @@ class _GptBuilder:
             self._buckets.append(bucket)
 
     def _end_of_backward(self) -> None:
+        if self._bf16_ready is not None:  # BF16_Optimizer.update_hp_grads after every backward
+            bf16opt.update_hp_grads(self, self._bf16_ready)
         if not (self.dp and (self.last_mb or self._every_mb)):
             return
         self._bucket = self._root_bucket + self._bucket  # FSDP: the root unit's reduce-scatter comes last
@@ -2272,8 +2306,8 @@ class _GptBuilder:
                     group: str = "dp", elem_bytes: int = 4) -> int:
         """A collective over ``group`` (``dp``; HYBRID_SHARD: ``dp_shard`` / ``dp_replicate``) on stream
         ``comm.<group>`` (priced by the engine's NCCL model) of ``elem_bytes``-byte elements (its dtype label:
-        4 fp32, 2 the model's 16-bit type)."""
-        dtype = "fp32" if elem_bytes == 4 else "fp16" if self.s.precision == "fp16" else "bf16"
+        8 fp64, 4 fp32, 2 the model's 16-bit type)."""
+        dtype = {8: "fp64", 4: "fp32"}.get(elem_bytes) or ("fp16" if self.s.precision == "fp16" else "bf16")
         return self.b.add(name, OpKind.COLLECTIVE, f"comm.{group}", deps=deps, phase=phase, bytes_read=float(nbytes),
                           uses=tuple(uses), allocs=tuple(allocs), dtype=dtype,
                           meta={"collective": op, "bytes": int(nbytes), "group": group})
@@ -2289,7 +2323,7 @@ class _GptBuilder:
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
         if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
-        if self._half_grad_buffer:
+        if self._half_grad_buffer or s.deepspeed_bf16_optimizer:  # BF16_Optimizer: the bf16 autograd .grad
             self._grad_elem_bytes = 2
         if sh is not None and sh.version == 2:  # autograd's unsharded gradients are in param_dtype (fsdp2.py)
             self._grad_elem_bytes = sh.param_bytes
@@ -2465,6 +2499,13 @@ class _GptBuilder:
         """DeepSpeed ZeRO-1/2 (over data parallelism, no sharding spec) runs its ``step``'s norm, fp32 gradient copy
         and unscale before the optimizer kernel (``grad_norm.deepspeed_zero_step``), every step."""
         return self.zero in (1, 2) and self.sh is None
+
+    @property
+    def _deepspeed_zero3_step(self) -> bool:
+        """DeepSpeed ZeRO-3 over data parallelism runs its ``step``'s fp16 overflow check, norm, fp32 gradient copy
+        and unscale before the optimizer kernel (``grad_norm.deepspeed_zero_step`` with ``stage3``), every step,
+        whatever ``clip_grad``. With optimizer offload the offload policy replaces the step (not priced there)."""
+        return self.zero == 3 and self.sh is not None and self.sh.strategy == "zero3"
 
     @property
     def _torch_clips(self) -> bool:
@@ -2714,6 +2755,8 @@ class _GptBuilder:
                 self.b.persistent(ws, nbytes)
         self._sequence_parallel_grads()
         self._pipeline_syncs()
+        if s.deepspeed_bf16_optimizer:  # pipe/engine.py: ReduceTiedGrads, then ReduceGrads, then the step
+            bf16opt.reduce_grads(self)
         self._optimizer()
         # the measured training loops synchronise the device after every step
         self.b.add("step.synchronize", OpKind.SYNC, "host", deps=[len(self.b) - 1], phase=Phase.OTHER,

@@ -102,3 +102,28 @@ def test_null_on_a_required_key_is_one_missing_key_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"error: {BASES[2]}: training.micro_batch_size: required key is missing (from the command line: "
                    "training.micro_batch_size=...)")
+
+
+def test_null_says_which_default_the_key_took():
+    """``--set KEY=null`` is as if KEY were not written, and says what it became: the schema's default
+    (``training.precision`` -> amp_fp32_params), the value derived from the other settings
+    (``parallelism.data_parallel_size`` -> 8 on one DGX), or unset for the run to resolve (``training.clip_grad``:
+    the framework's default); ``hardware.host=~`` names the preset it falls back to (the H200 test host, on a DGX
+    H100 scenario). Before, all of them fell back silently."""
+    from simulator.config.loader import load_scenario
+
+    path = "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario(path, ["training.precision=null", "parallelism.data_parallel_size=null",
+                                   "training.clip_grad=null", "hardware.host=~", "run.steps=2", "run.warmup_steps=1"])
+    notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
+    assert cfg.training.precision == "amp_fp32_params" and cfg.parallelism.data_parallel_size == 8
+    assert notes == [
+        "--set training.precision=null: training.precision is not written, so it takes the schema's default: "
+        "'amp_fp32_params'",
+        "--set parallelism.data_parallel_size=null: parallelism.data_parallel_size is not written, so it is derived "
+        "from the other settings: 8",
+        "--set training.clip_grad=null: training.clip_grad is not written, so it is left unset: the run resolves it "
+        "from the other settings (see its documentation)",
+        "--set hardware.host=~: hardware.host is not written, so it takes the schema's default: 'h200-measured-host'"]

@@ -1,12 +1,12 @@
 """DeepSpeed's pipeline engine (``PipelineEngine``) settings that run differently there than a plain reading suggests
 (issue 11): overlap_comm is turned off under a pipeline, ``data_types.grad_accum_dtype`` (BF16_Optimizer) is refused
-with a hint, and ZeRO stage 0 with bf16 (BF16_Optimizer, not built) is flagged."""
+with a hint, and ZeRO stage 0 with bf16 runs BF16_Optimizer (graph/builders/bf16_optimizer.py), not Megatron's DDP."""
 
 from __future__ import annotations
 
 import pytest
 
-from simulator.api import BF16_PIPELINE_NOTE, run_scenario, transformer_spec
+from simulator.api import build_graph, run_scenario, transformer_spec
 from simulator.config.errors import ScenarioError
 from simulator.config.loader import load_scenario
 from tests.conftest import ROOT
@@ -59,12 +59,36 @@ def test_grad_accum_dtype_is_refused_naming_bf16_optimizer(tmp_path):
         load_scenario(y)
 
 
-def test_explicit_zero_stage_0_with_a_pipeline_and_bf16_is_flagged(tmp_path):
+def test_explicit_zero_stage_0_with_a_pipeline_and_bf16_runs_bf16_optimizer(tmp_path):
     """A DeepSpeed config with ``zero_optimization: {stage: 0}``, bf16 and a pipeline runs BF16_Optimizer in
-    DeepSpeed (ZeRO off, model and accumulation dtype bf16, a PipelineModule -> BFLOAT16), which is not built: the
-    run says it is priced as Megatron-LM's DDP. Without a zero_optimization section (a Megatron-LM run) no note."""
+    DeepSpeed (ZeRO off, model and accumulation dtype bf16, a PipelineModule -> BFLOAT16): its states and its one
+    bf16 all-reduce are built in place of Megatron-LM's DDP (no fp32 grad buffer, no bucketed all-reduces), no
+    longer flagged, and the peak is lower (fp32 master and moments partitioned over dp, bf16 gradients). Without a
+    zero_optimization section (a Megatron-LM run) Megatron's DDP as before."""
     y = tmp_path / "s.yaml"
     y.write_text(PP.read_text() + "zero_optimization: {stage: 0}\n")
-    flagged = run_scenario(load_scenario(y, SMALL)).summary["warnings"]
-    plain = run_scenario(load_scenario(PP, SMALL)).summary["warnings"]
-    assert BF16_PIPELINE_NOTE in flagged and BF16_PIPELINE_NOTE not in plain
+    ds, meg = load_scenario(y, SMALL), load_scenario(PP, SMALL)
+    assert transformer_spec(ds).deepspeed_bf16_optimizer and not transformer_spec(meg).deepspeed_bf16_optimizer
+    names = [o.name for o in build_graph(ds).ops]
+    assert "bf16opt.grad_all_reduce" in names and not any(n.startswith("ddp.grad_all_reduce") for n in names)
+    assert not any("megatron." in n for n in names)
+    r_ds, r_meg = run_scenario(ds).summary, run_scenario(meg).summary
+    assert not any("BF16_Optimizer" in w for w in r_ds["warnings"] + r_meg["warnings"])
+    spec = transformer_spec(ds)  # stage 0 holds the peak in both
+    P, dp = spec.rank_num_parameters, spec.data_parallel_size
+    states = {t.name: t.nbytes for t in build_graph(ds).persistent}
+    assert states["grad.bf16_optimizer.hp_flat"] == 2 * P and states["params.master_fp32"] == 4 * -(-P // dp)
+    assert r_ds["peak_memory_bytes"] < r_meg["peak_memory_bytes"]
+
+
+@pytest.mark.parametrize("extra,what", [(["parallelism.virtual_pipeline_model_parallel_size=2"],
+                                         "pipeline_schedule interleaved_1f1b"),
+                                        (["parallelism.pipeline_schedule=zero_bubble_h1"],
+                                         "pipeline_schedule zero_bubble_h1")])
+def test_bf16_optimizer_outside_deepspeeds_pipeline_schedules_is_refused(tmp_path, extra, what):
+    """DeepSpeed's pipeline engine has one schedule (1F1B-like TrainSchedule): BF16_Optimizer with an interleaved
+    or split-backward schedule is refused in one line naming the key."""
+    y = tmp_path / "s.yaml"
+    y.write_text(PP.read_text() + "zero_optimization: {stage: 0}\n")
+    with pytest.raises(ScenarioError, match=rf"zero_optimization.stage: 0 with bf16 .*BF16_Optimizer.* {what}"):
+        load_scenario(y, SMALL + ["training.global_batch_size=32"] + extra)

@@ -46,6 +46,9 @@ def test_zero3_moves_3_psi_16bit_per_step():
     # forward all-gather (root 2 x 176, block 2 x 872), the same in backward, one reduce-scatter of 2 x 1048
     g = _zero3()
     cs = _colls(g)
+    # ... and the step's 8-byte fp64 gradient-norm all-reduce (stage3.py get_grad_norm_direct; grad_norm.py)
+    assert [(c.name, c.meta["bytes"]) for c in cs if c.phase is Phase.OPT] == [("zero.grad_norm.all_reduce", 8)]
+    cs = [c for c in cs if c.phase is not Phase.OPT]
     assert [(c.name, c.meta["collective"], c.meta["bytes"]) for c in cs] == [
         ("root.fwd.param_all_gather", "all_gather", 352), ("L0.fwd.param_all_gather", "all_gather", 1744),
         ("root.bwd.param_all_gather", "all_gather", 352), ("L0.bwd.param_all_gather", "all_gather", 1744),
@@ -62,6 +65,7 @@ def test_zero3_persistence_threshold_keeps_small_params_whole():
     assert by["L0.fwd.param_all_gather"] == by["L0.bwd.param_all_gather"] == 2 * (872 - 48)
     assert by["root.fwd.param_all_gather"] == 2 * (176 - 16)
     assert by["zero3.persistent_param_all_gather"] == 2 * 64
+    assert by.pop("zero.grad_norm.all_reduce") == 8  # the step's fp64 norm (grad_norm.deepspeed_zero_step)
     assert sum(by.values()) == 2 * (3 * P - 64)
     assert {t.name: t.nbytes for t in g.persistent}["params.bf16.persistent"] == 2 * 64
 
@@ -382,7 +386,7 @@ def test_zero3_with_tensor_parallelism_shards_each_tp_ranks_parameters():
     dp = [(c.name, c.meta["bytes"]) for c in _colls(g) if c.meta["group"] == "dp"]
     assert dp == [("root.fwd.param_all_gather", 2144), ("L0.fwd.param_all_gather", 920),
                   ("root.bwd.param_all_gather", 2144), ("L0.bwd.param_all_gather", 920),
-                  ("zero3.grad_reduce_scatter.0", 3064)]
+                  ("zero3.grad_reduce_scatter.0", 3064), ("zero.grad_norm.all_reduce", 8)]
     assert sum(t.nbytes for t in g.persistent) == 16 * 1532 // 4
 
 

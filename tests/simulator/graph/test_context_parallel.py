@@ -131,7 +131,7 @@ TINY_CP = {**BASE, "model": {"num_layers": 1, "hidden_size": 8, "num_attention_h
     ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}},
      [("root.fwd.param_all_gather", 2 * 272), ("L0.fwd.param_all_gather", 2 * 872),
       ("root.bwd.param_all_gather", 2 * 272), ("L0.bwd.param_all_gather", 2 * 872),
-      ("zero3.grad_reduce_scatter.0", 2 * 1144)]),
+      ("zero3.grad_reduce_scatter.0", 2 * 1144), ("zero.grad_norm.all_reduce", 8)]),  # the step's fp64 norm
     ({"fsdp": {"sharding_strategy": "FULL_SHARD"}, "training": {"micro_batch_size": 1, "precision": "amp_fp32_params"}},
      [("root.fwd.param_all_gather", 2 * 272), ("L0.fwd.param_all_gather", 2 * 872),
       ("L0.bwd.param_all_gather", 2 * 872), ("fsdp.grad_reduce_scatter.0", 4 * 872),

@@ -195,16 +195,76 @@ def test_fsdp2_clip_grad_norm_reduces_over_tp_too(version, tp_reduce):
         assert tp == [] and dp.id in mul.deps
 
 
-def test_deepspeed_zero3_step_norm_is_flagged():
-    """DeepSpeed ZeRO-3's step norm and unscale (stage3.py ``step``) are not built: flagged in one line, at dp > 1
-    only (ZeRO-1/2's, priced, are not)."""
+# the TINY model's parameter tensors (model.parameters() order), each ZeRO-3-partitioned over dp 4 on its own
+TENSORS = [1024, 64000] + [64, 64, 12288, 192, 4096, 64, 64, 64, 16384, 256, 16384, 64] * 2 + [64, 64]
+Z3 = [-(-n // 4) for n in TENSORS]  # ceil(numel / 4): 256, 16000, 16, 16, 3072, 48, ... (every size a multiple of 4)
+
+
+def _z3(**kw):
+    from simulator.graph.builders.sharding import ShardingSpec
+
+    return _opt(zero_stage=3, sharding=ShardingSpec("zero3", 4), **kw)
+
+
+def test_zero3_partition_views_by_hand():
+    from simulator.graph.builders.grad_norm import zero3_partition_pieces
+
+    assert zero3_partition_pieces([10, 5, 4], 4) == [3, 2, 1]
+    assert sum(Z3) == N and sorted(zero3_partition_pieces(TENSORS, 4)) == sorted(Z3)
+    with pytest.raises(ValueError):
+        zero3_partition_pieces([1], 0)
+
+
+def test_zero3_bf16_norm_copy_and_unscale_by_hand():
+    """DeepSpeed ZeRO-3's step (stage3.py ``step``): per parameter partition ``g.double().norm(2)`` (2 + 8, then 8
+    bytes per element; 8-byte result), the fp64 sum all-reduced over dp (8 bytes), then the flat copy of the
+    41,280-element partition (2 + 2 B), its fp32 cast (2 + 4 B) and the unscale ``mul_`` (4 + 4 B), before the
+    AdamW; bf16: no overflow check, no host sync. Before this change the step went straight to the AdamW."""
+    ops = _z3()
+    by = {o.name: o for o in ops}
+    casts = [o for o in ops if o.name.endswith(".double")]
+    norms = [o for o in ops if o.name.endswith(".vector_norm")]
+    assert sorted(c.bytes_read / 2 for c in casts) == sorted(Z3) and len(casts) == 28
+    assert all(c.cost_class is CostClass.CAST and c.bytes_written == 4 * c.bytes_read for c in casts)
+    assert sorted((n.bytes_read, n.bytes_written) for n in norms) == sorted((8 * m, 8) for m in Z3)
+    ar = by["zero.grad_norm.all_reduce"]
+    assert ar.meta == {"collective": "all_reduce", "bytes": 8, "group": "dp"} and ar.dtype == "fp64"
+    assert set(n.id for n in norms) <= set(ar.deps)
+    flat, cast, mul = (by[f"opt.zero.{n}"] for n in ("grad_partition.flatten", "grad_partition.to_fp32",
+                                                     "unscale_and_clip_grads.mul"))
+    assert (flat.bytes_read, flat.bytes_written) == (2 * N, 2 * N) and ar.id in flat.deps
+    assert (cast.bytes_read, cast.bytes_written) == (2 * N, 4 * N)
+    assert (mul.bytes_read, mul.bytes_written) == (4 * N, 4 * N) and mul.id in by["opt.adamw"].deps
+    moved = sum(o.bytes_read + o.bytes_written for o in ops if o.kind is OpKind.COMPUTE and o.name != "opt.adamw")
+    assert moved == 18 * sum(Z3) + 8 * len(Z3) + 18 * N
+    assert not any(o.kind is OpKind.SYNC for o in ops)
+    assert [o.name for o in _z3(clip_grad=0.0)] == [o.name for o in ops]  # whatever gradient_clipping
+
+
+def test_zero3_fp16_overflow_check_over_the_flat_partition_by_hand():
+    """fp16: ``isinf(buf).any()`` and ``isnan(buf).any()`` over the 41,280-element flat 16-bit partition (2 + 1,
+    1 + 1 byte each: 6 B per element, 4 launches), the 1-byte flag all-reduced over dp, then ``.item()``."""
+    ops = _z3(precision="fp16")
+    chk = [o for o in ops if ".has_inf_or_nan." in o.name]
+    assert [(o.name.rsplit(".", 1)[-1], o.bytes_read, o.bytes_written) for o in chk] == [
+        ("isinf", 2 * N, N), ("isinf_any", N, 1), ("isnan", 2 * N, N), ("isnan_any", N, 1)]
+    by = {o.name: o for o in ops}
+    ar, item = by["zero.overflow.all_reduce"], by["zero.overflow.item"]
+    assert ar.meta == {"collective": "all_reduce", "bytes": 1, "group": "dp"} and ar.id in item.deps
+    assert all(item.id in o.deps for o in ops if o.name.endswith(".double"))
+
+
+def test_deepspeed_zero3_step_norm_is_priced_not_flagged():
+    """ZeRO-3 without optimizer offload: its step's norm and unscale are built, so no longer flagged (the run
+    grows by them); with offload_optimizer (the CPU path) still flagged."""
     d = copy.deepcopy(BASE)
     d["training"]["precision"] = "bf16"
     d["zero_optimization"] = {"stage": 3}
-    w = _warns(d)
-    assert len(w) == 1 and w[0].startswith("zero_optimization.stage 3: DeepSpeed ZeRO-3's step")
-    d["zero_optimization"] = {"stage": 1}
     assert _warns(d) == []
+    assert "opt.zero.unscale_and_clip_grads.mul" in [o.name for o in build_graph(scenario_from_dict(d)).ops]
+    d["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    w = _warns(d)
+    assert len(w) == 1 and w[0].startswith("zero_optimization.stage 3 with offload_optimizer")
 
 
 def test_fsdp_clip_with_pipeline_stages_is_flagged():

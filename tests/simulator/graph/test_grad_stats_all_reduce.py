@@ -80,7 +80,7 @@ def test_pipeline_with_tp_reduces_over_the_model_parallel_group():
         op = next(o for o in g.ops if o.name == "mp.clip_grad.total_norm.all_reduce")
         assert op.meta["rendezvous"] == ("mp", "clip_grad.total_norm") and op.meta["parties"] == 2
     dist = _scenario(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    dist = scenario_from_dict({**dist.model_dump(mode="json", exclude_none=True),
+    dist = scenario_from_dict({**dist.model_dump(mode="json", exclude_none=True, exclude_unset=True),
                                "ddp": {"use_distributed_optimizer": True}})
     assert _stats(build_graph(dist, 1)) == [("world.clip_grad.total_norm.all_reduce", "world", 4)]
 

@@ -46,6 +46,7 @@ CASES = {
     "PP4 1F1B": (TP2, PP4),
     "PP4 GPipe": (TP2, [*PP4, "parallelism.pipeline_schedule=gpipe"]),
     "PP4 distributed optimizer": (TP2, [*PP4, "ddp.use_distributed_optimizer=true"]),
+    "PP4 DeepSpeed BF16_Optimizer": (TP2, [*PP4, "zero_optimization.stage=0", "training.precision=bf16"]),
     "PP4 interleaved v2 distributed optimizer": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
                                                        "ddp.use_distributed_optimizer=true"]),
     "PP4 interleaved v2 ZeRO-1": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
