@@ -1062,7 +1062,7 @@ class ScenarioConfig(_Model):
             sel = ("pp_rank", o.pp_rank) if o.pp_rank is not None else ("dp_rank", o.dp_rank)
             top = pp if sel[0] == "pp_rank" else dp
             if sel[1] >= top:
-                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is outside the {top} {'pipeline stages' if top == pp else 'data-parallel replicas'} (allowed: 0..{top - 1})")
+                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is outside the {top} {'pipeline stages' if sel[0] == 'pp_rank' else 'data-parallel replicas'} (allowed: 0..{top - 1})")
             if sel in seen:
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)
