@@ -280,7 +280,13 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
             if lines == str(exc).split("\n"):
                 raise
             raise ScenarioError("\n".join(lines)) from None
-        resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+        try:
+            resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+        except ScenarioError:  # every unknown preset name at once (preset_names), not the first one found
+            names = preset_name_problems(data)
+            if len(names) < 2:
+                raise
+            raise ScenarioError("\n".join(f"{path}: {key_path(loc)}: {msg}" for loc, msg in names)) from None
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
     return cfg
