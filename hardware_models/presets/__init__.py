@@ -71,7 +71,8 @@ def check_name(family: str, name: object) -> str:
 
     Raises:
         PresetError: not a string, not a valid name (e.g. ``../x``, too long) or not shipped; the
-            message lists the known names.
+            message lists the known names, then the closest ones (``did you mean``, difflib's
+            ``get_close_matches`` at its default cutoff 0.6) when a valid name is near some.
     """
     known = list_presets(family)[family]
     if not isinstance(name, str) or not _NAME.match(name) or name not in known:
@@ -83,8 +84,23 @@ def check_name(family: str, name: object) -> str:
             why = " (a preset name is letters, digits, '.', '_', '+' and '-', at most 100 characters)"
         else:
             why = ""
-        raise PresetError(f"unknown {_ONE.get(family, family)} preset {shown}{why}; known: {', '.join(known)}")
+        raise PresetError(f"unknown {_ONE.get(family, family)} preset {shown}{why}; known: {', '.join(known)}"
+                          f"{_did_you_mean(name, known)}")
     return name
+
+
+#: closest names shown after an unknown preset name (difflib)
+MAX_CLOSE = 3
+
+
+def _did_you_mean(name: object, known: list[str]) -> str:
+    """``"; did you mean 'a' or 'b'?"`` for the known names nearest ``name`` (a valid name only), else ``""``."""
+    import difflib
+
+    if not isinstance(name, str) or not _NAME.match(name):
+        return ""
+    close = difflib.get_close_matches(name, known, n=MAX_CLOSE)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def dimension_of(field_name: str) -> str | None:

@@ -9,7 +9,8 @@ unknown value is skipped (its inputs are themselves invalid), every other one is
 It runs only after validation failed, so a valid scenario is validated by pydantic alone, as before.
 
 The unit skipped is one validator method: it stops at its first refusal as pydantic does, and a method that
-reads an unknown value before reaching one of its checks skips that check too.
+reads an unknown value before reaching one of its checks skips that check too; a method whose rules are each
+their own (``errors.refuse_each``) skips only the rule reading it, and tells every rule it breaks.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import types
 import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from simulator.config.errors import UnknownValue
 
 
-class _Unknown(Exception):
-    """A check read a value that is itself invalid (or missing): the check is skipped."""
+class _Unknown(UnknownValue):
+    """A check read a value that is itself invalid (or missing): the check (or its rule, ``errors.refuse_each``)
+    is skipped."""
 
 
 #: a field whose value is unknown (invalid, missing, or the intended key of a misspelt one)
@@ -136,6 +140,8 @@ def _view(cls: type[BaseModel], data: Any, path: tuple, bad: set[tuple], out: li
             d.func(view)
         except _Unknown:
             continue
+        except ValidationError as exc:  # several refusals of one check (errors.refuse): one error each
+            out.extend({"type": "value_error", "loc": path, "msg": e["msg"]} for e in exc.errors())
         except ValueError as exc:
             out.append({"type": "value_error", "loc": path, "msg": f"Value error, {exc}"})
         except Exception:  # a check that assumed an earlier one passed: it runs again once the file is fixed

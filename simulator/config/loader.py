@@ -24,6 +24,7 @@ from simulator.config.errors import ScenarioError, ScenarioWarning
 from simulator.config.foreign_keys import foreign_key_hint
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides, null_override_notes
+from simulator.config.preset_names import READ_BY_CHECKS, pcie_link_problem, preset_name_problems
 from simulator.config.schema import PresetRef, ScenarioConfig
 
 
@@ -281,7 +282,13 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
             if lines == str(exc).split("\n"):
                 raise
             raise ScenarioError("\n".join(lines)) from None
-        resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+        try:
+            resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+        except ScenarioError:  # every unknown preset name at once (preset_names), not the first one found
+            names = preset_name_problems(data)
+            if len(names) < 2:
+                raise
+            raise ScenarioError("\n".join(f"{path}: {key_path(loc)}: {msg}" for loc, msg in names)) from None
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN)
     mine = [o for o in overrides or [] if o.split("=", 1)[0].strip() not in (set_by or {})]  # not the program's
@@ -343,6 +350,10 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     values, and every check between settings whose inputs are valid (``cross_checks.cross_setting_errors``), so
     that one run names them all.
 
+    An unknown preset name of ``hardware`` (``preset_names.preset_name_problems``, the line ``resolve_hardware``
+    gives a valid scenario) is one of the problems; with an unknown cluster preset the checks reading the world
+    size (or the data-parallel size derived from it) are skipped, as with a bad ``hardware.cluster``.
+
     ``ScenarioConfig``'s before-validator refusing ``parallelism.data_parallel_size`` (pydantic then reports
     nothing else) is kept, the fields validated without that key and the key taken as unknown by the other checks;
     the refusal is dropped when one of its inputs (the cluster, tp, pp, cp) is itself bad.
@@ -378,6 +389,12 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
             meant = [(*loc[:-1], k) for k in [_close_key(ScenarioConfig, loc)] if k]  # written too, is unknown
             meant += [tuple(p.split(".")) for p in _keys_named(ScenarioConfig, str(loc[-1])) if "[" not in p]
             bad.update(m for m in meant if not _written(data, m))
+    names = [{"type": "value_error", "loc": loc, "msg": f"Value error, {msg}"}  # resolve_hardware's, in this round
+             for loc, msg in preset_name_problems(data, bad)]
+    unread = {e["loc"] for e in names} & READ_BY_CHECKS  # an unknown cluster: the world size is unknown
+    if unread:  # the scenario's checks ran on a world of 1 GPU: cross_setting_errors runs them again
+        bad.update(unread)
+        errors = [e for e in errors if e["loc"] != ()]
     if first:
         bad.add(("parallelism", "data_parallel_size"))
         if _dp_inputs_bad(bad):
@@ -387,7 +404,7 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     par = data.get("parallelism")
     if not (isinstance(par, dict) and "data_parallel_size" in par) and _dp_inputs_bad(bad):
         bad.add(("parallelism", "data_parallel_size"))  # derived from a cluster or sizes that are bad: unknown
-    return first + errors + cross_setting_errors(ScenarioConfig, before(data), bad)
+    return first + errors + names + cross_setting_errors(ScenarioConfig, before(data), bad)
 
 
 def _name_hf_keys(message: str, data: dict) -> str:
@@ -462,6 +479,12 @@ def _merged(data: dict, over: dict) -> dict:
     return out
 
 
+def _name_key(ref: PresetRef | str, key: str) -> str:
+    """The key path of the preset name of ``ref`` at ``key``: ``key`` for a name, ``KEY.preset`` for a mapping
+    (as ``preset_names.preset_name_problems`` names it)."""
+    return key if isinstance(ref, str) else f"{key}.preset"
+
+
 def _with_overrides(family: str, ref, cls, key: str, source: str):
     name, over = _ref(ref)
     try:
@@ -489,8 +512,9 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
             base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
             _warn_far_from_preset(base, spec, over, key)
         return spec
-    except PresetError as exc:
-        raise ScenarioError(f"{source}: {key}: {exc}") from None
+    except PresetError as exc:  # an unknown name is the name's key's (hardware.gpu.preset in a mapping)
+        where = key if name in presets.list_presets(family)[family] else _name_key(ref, key)
+        raise ScenarioError(f"{source}: {where}: {exc}") from None
 
 
 def _host_whatif(cls: type, data: dict, ref, key: str, source: str):
@@ -566,9 +590,8 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
     hwc = cfg.hardware
     gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source)
     pcie_name, pcie_over = _ref(hwc.pcie)
-    if not pcie_name.startswith("pcie-"):  # the links family also holds NVLink, InfiniBand and Ethernet presets
-        raise ScenarioError(f"{source}: hardware.pcie: {pcie_name!r} is not a PCIe link (the GPU's host link); "
-                            "allowed: the pcie-* presets (simulate presets --family links); a network goes in hardware.cluster")
+    if (why := pcie_link_problem(pcie_name)) is not None:
+        raise ScenarioError(f"{source}: {_name_key(hwc.pcie, 'hardware.pcie')}: {why}")
     pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]

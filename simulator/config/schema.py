@@ -33,6 +33,7 @@ from simulator.config.limits import (
     MODEL_CONFIG,
     no_bool,
 )
+from simulator.config.errors import refuse_each
 from simulator.config.quantities import Seconds
 
 from simulator.config.sections.nvme import AioConfig, NvmeConfig
@@ -953,30 +954,43 @@ class ScenarioConfig(_Model):
         if tp == 1:
             return self
         cl = self.hardware.cluster
-        if cl is None:
-            raise ValueError(f"{key}: {tp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
-                             "without it one GPU is simulated (allowed: 1)")
-        world = world_size_of(cl)
-        if world is not None:
-            per_node = world // cl.nodes
-            if tp > per_node or per_node % tp:
-                raise ValueError(f"{key}: {tp} must divide the {per_node} GPUs per node of hardware.cluster "
-                                 f"{cl.preset!r} (TP ranks are consecutive inside a node; allowed: a divisor "
-                                 f"of {per_node})")
-        for name, v in (("num_attention_heads", m.num_attention_heads),
-                        ("ffn_hidden_size", m.ffn_hidden_size or 4 * m.hidden_size),
-                        ("num_query_groups", m.query_groups)):
-            if v % tp:
-                raise ValueError(f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)")
-        # PyTorch 2-D FSDP + TP (DeviceMesh), FSDP sharded over dp x cp
-        fsdp_2d = self.fsdp is not None and p.data_context_parallel_size > 1
-        if self.training.precision == "amp_fp32_params" and not fsdp_2d:
-            raise ValueError(f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
-        z = self.zero_optimization
-        if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
-            raise ValueError(f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet "
-                             "(allowed: offload device none, or tp 1)")
+
+        def node() -> str | None:
+            if cl is None:
+                return (f"{key}: {tp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
+                        "without it one GPU is simulated (allowed: 1)")
+            world = world_size_of(cl)
+            per_node = world // cl.nodes if world is not None else None
+            if per_node is not None and (tp > per_node or per_node % tp):
+                return (f"{key}: {tp} must divide the {per_node} GPUs per node of hardware.cluster {cl.preset!r} "
+                        f"(TP ranks are consecutive inside a node; allowed: a divisor of {per_node})")
+            return None
+
+        def split(name: str, size):  # the rule that tp divides the model size ``size()`` named ``name``
+            def rule() -> str | None:
+                v = size()  # None: the rule does not apply
+                return f"{key}: {tp} must divide model.{name} ({v}; Megatron splits it over the TP ranks)" \
+                    if v is not None and v % tp else None
+            return rule
+
+        def precision() -> str | None:  # PyTorch 2-D FSDP + TP (DeviceMesh), FSDP sharded over dp x cp
+            fsdp_2d = self.fsdp is not None and p.data_context_parallel_size > 1
+            if cl is not None and self.training.precision == "amp_fp32_params" and not fsdp_2d:
+                return (f"{key}: {tp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params is "
+                        "torch.autocast, allowed with tp 1 or with fsdp over data_parallel_size > 1)")
+            return None
+
+        def offload() -> str | None:
+            z = self.zero_optimization
+            if cl is not None and (z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
+                return (f"{key}: {tp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
+                        "device none, or tp 1)")
+            return None
+
+        refuse_each(node, split("num_attention_heads", lambda: m.num_attention_heads),
+                    split("ffn_hidden_size", lambda: m.ffn_hidden_size or 4 * m.hidden_size),
+                    split("num_query_groups", lambda: m.query_groups if m.group_query_attention else None),  # else heads
+                    precision, offload)
         return self
 
     def _zero_bubble_v_rules(self) -> None:
@@ -1089,7 +1103,7 @@ class ScenarioConfig(_Model):
             sel = ("pp_rank", o.pp_rank) if o.pp_rank is not None else ("dp_rank", o.dp_rank)
             top = pp if sel[0] == "pp_rank" else dp
             if sel[1] >= top:
-                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is outside the {top} {'pipeline stages' if top == pp else 'data-parallel replicas'} (allowed: 0..{top - 1})")
+                raise ValueError(f"{key}.{sel[0]}: {sel[1]} is outside the {top} {'pipeline stages' if sel[0] == 'pp_rank' else 'data-parallel replicas'} (allowed: 0..{top - 1})")
             if sel in seen:
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)

@@ -38,6 +38,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+def _misspelt(key: str, data: dict, fields: dict) -> bool:
+    """Whether ``data`` writes an unknown key (not one of ``fields``) that is a misspelling of ``key`` (difflib's
+    closest field name to it, as the unknown-key line suggests): that line names the problem, a "missing" here
+    would hide it (pydantic reports no field error once a before-validator refused)."""
+    import difflib
+
+    return any(difflib.get_close_matches(str(k), list(fields), n=1) == [key] for k in data if k not in fields)
+
+
 def expand_model(data: dict, defaults: dict[str, Any]) -> dict:
     """The model section with the family's rules applied (before field validation).
 
@@ -58,7 +67,7 @@ def expand_model(data: dict, defaults: dict[str, Any]) -> dict:
             if data.get(k) is not None:
                 raise ValueError(f"{k}: needs architecture: vit (a vision transformer; allowed with decoder: omit it)")
         for k in ("seq_length", "vocab_size"):
-            if k not in data:
+            if k not in data and not _misspelt(k, data, defaults):
                 raise ValueError(f"{k}: required key is missing (architecture decoder)")
         return data
     if arch != "vit":

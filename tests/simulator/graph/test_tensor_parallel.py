@@ -179,7 +179,6 @@ def test_cluster_groups_follow_megatron_rank_order():
     (["model.ffn_hidden_size=16388"], "parallelism.tensor_model_parallel_size: 8 must divide model.ffn_hidden_size"),
     (["parallelism.tensor_model_parallel_size=16", "hardware.cluster.nodes=2"],
      "16 must divide the 8 GPUs per node"),
-    (["parallelism.tensor_model_parallel_size=3"], "3 must divide the 8 GPUs per node"),
     (["hardware.cluster=null"], "parallelism.tensor_model_parallel_size: 8 > 1 needs hardware.cluster"),
     (["training.precision=amp_fp32_params"], "needs training.precision bf16 or fp16"),
     (["zero_optimization.stage=1", "zero_optimization.offload_optimizer.device=cpu"], "8 > 1 with zero_optimization offload is not modelled"),
@@ -196,6 +195,17 @@ def test_bad_tp_input_is_one_line(sets, needle):
         load_scenario(MLM20, sets)
     msg = str(exc.value)
     assert "\n" not in msg and needle in msg and str(MLM20) in msg, msg
+
+
+def test_a_tp_size_breaking_several_rules_is_one_line_per_rule():
+    """tp 3: neither the 8 GPUs per node nor the 32 heads nor the 16384 FFN width (one line before: the first)."""
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(MLM20, ["parallelism.tensor_model_parallel_size=3"])
+    lines = str(exc.value).split("\n")
+    assert [line.split(" (")[0].split(": ", 1)[1] for line in lines] == [
+        "parallelism.tensor_model_parallel_size: 3 must divide the 8 GPUs per node of hardware.cluster 'dgx-a100'",
+        "parallelism.tensor_model_parallel_size: 3 must divide model.num_attention_heads",
+        "parallelism.tensor_model_parallel_size: 3 must divide model.ffn_hidden_size"]
 
 
 def test_bad_tp_input_exits_2_from_the_cli():
