@@ -188,6 +188,18 @@ class MemoryPool:
         clock = self._clock
         self._log.append((clock() if clock is not None else None, tensor, None, None))
 
+    def writer(self):
+        """The change log's own ``append``, for a hot loop that knows the clock (``engine.executor``):
+        ``w((t, tensor, nbytes, t))`` is ``alloc(tensor, nbytes, t)`` made when the clock reads ``t``, and
+        ``w((t, tensor, None, None))`` is ``free(tensor)`` then; without a method call per change. Valid for the
+        pool's life (``_settle`` empties the log in place). A pool without a clock records no time, as ``alloc``
+        and ``free`` do (the first field becomes None).
+        """
+        append = self._log.append
+        if self._clock is None:
+            return lambda change: append((None, *change[1:]))
+        return append
+
     def _settle(self) -> None:
         """Apply the pending changes in order: live and per-category bytes, the peak and its
         categories, the first out-of-memory, and the timelines (one sample per instant).
@@ -195,10 +207,11 @@ class MemoryPool:
         The out-of-memory test runs only when ``live`` exceeds the largest value tested so far under
         the current overheads: ``device_bytes`` is non-decreasing in ``live``, so a smaller value
         cannot be the first over capacity."""
-        log = self._log
-        if not log:
+        pending = self._log
+        if not pending:
             return
-        self._log = []
+        log = pending.copy()
+        pending.clear()  # in place: ``writer`` holds its ``append``
         sizes, by_cat, live = self._sizes, self._by_category, self._live
         (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
         tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
