@@ -51,7 +51,7 @@ HOST_STREAM = "host"
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 # how an op runs (``Executor._plan``)
-_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL, _IPLAIN = 0, 1, 2, 3, 4, 5
+_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL, _IPLAIN, _COLL = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass
@@ -99,9 +99,10 @@ class Executor:
         self.step_start = [0.0] * steps
         self.step_end = [0.0] * steps
         self._remaining_ops = [n] * steps
-        # tensor bookkeeping (per graph; refcounts are re-armed per step)
+        # tensor bookkeeping (per graph; refcounts are re-armed per step): the users of each tensor, and per step the
+        # users left of each, by its place in ``_users``
         self._users: dict[str, int] = dict(Counter(chain.from_iterable(op.uses for op in graph.ops)))
-        self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
+        self._refs: list[list[int]] = [list(self._users.values()) for _ in range(steps)]
         self.by_stream: dict[str, list[Op]] = defaultdict(list)
         for op in graph.ops:
             if op.stream != HOST_STREAM:
@@ -113,7 +114,8 @@ class Executor:
         gpu = write["gpu"]
         write_of = {t.name: write.get(t.device, gpu) for op in graph.ops for t in op.allocs}
         #: per op: ``(write, name, bytes)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
-        #: ``(name, users, write or None)`` per tensor it uses (``_finish``); ``(write, name)`` per tensor it
+        #: ``(place, write, name)`` per tensor it uses that some op allocates (``_finish``; ``place``: its refcount's in
+        #: ``_refs[step]``, -1 for a tensor of one user, freed when that ends); ``(write, name)`` per tensor it
         #: allocates that no op uses (freed when it ends)
         self._allocs, self._use_plan, self._unused_plan = self._tensor_plans(graph.ops, write_of, self._users)
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
@@ -135,18 +137,24 @@ class Executor:
     @staticmethod
     def _tensor_plans(ops, write_of: dict, users: dict) -> tuple[list, list, list]:
         """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``; ``write_of``: tensor name -> its pool's
-        writer), one tuple per op (``()`` for none)."""
+        writer; ``users``: tensor name -> its users, in refcount order), one tuple per op (``()`` for none)."""
         allocs, use_plan, unused_plan = [], [], []
-        users_get, write_get, empty = users.get, write_of.get, ()
+        empty = ()
+        # per used tensor that some op allocates: ``(place, write)`` (``place`` -1: a tensor of one user)
+        use_of = {nm: (i if n > 1 else -1, write_of[nm]) for i, (nm, n) in enumerate(users.items()) if nm in write_of}
         for op in ops:
             a, u = op.allocs, op.uses
             if a:
                 allocs.append(tuple([(write_of[t.name], t.name, t.nbytes) for t in a]))
-                unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if users_get(t.name, 0) == 0]))
+                unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name not in users]))
             else:
                 allocs.append(empty)
                 unused_plan.append(empty)
-            use_plan.append(tuple([(nm, users_get(nm, 0), write_get(nm)) for nm in u]) if u else empty)
+            if u:
+                plan = tuple([(*use_of[nm], nm) for nm in u if nm in use_of])
+                use_plan.append(plan if plan else empty)
+            else:
+                use_plan.append(empty)
         return allocs, use_plan, unused_plan
 
     def add_hook(self, hook) -> None:
@@ -162,8 +170,10 @@ class Executor:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
         ``(_KERNEL, 0)`` one timeout of its cost-model time at the current clocks
         (``System.kernel_s``), ``(_IKERNEL, 0)`` a compute kernel beside the collectives (``System.run_kernel``
-        under interference), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what
-        ``_run`` would do for the op."""
+        under interference), ``(_IPLAIN, 0)`` one without TP collectives folded in, which ``_stream`` runs itself up
+        to its first change of rate, ``(_COLL, 0)`` a collective the NCCL model prices (``System.run_collective``),
+        ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what ``_run`` would do for the
+        op."""
         inter = self.sys.interference is not None
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s <= 0:
@@ -174,6 +184,8 @@ class Executor:
                 return _KERNEL, 0.0
             plain = not op.folded_comm and not (op.meta and "side" in op.meta)  # ``Executor._stream`` runs it itself
             return (_IPLAIN, 0.0) if plain else (_IKERNEL, 0.0)
+        if op.kind is _COLLECTIVE and self.sys.collective_model(op):
+            return _COLL, 0.0
         if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
             return _GENERIC, 0.0
         if op.kind is _HOST:
@@ -235,7 +247,7 @@ class Executor:
             yield env.timeout(self.sys.kernel_s(op))
         elif mode == _FIXED:
             yield env.timeout(self._fixed[op.id])
-        elif mode == _GENERIC or mode == _IKERNEL or mode == _IPLAIN:
+        elif mode >= _GENERIC:
             yield from self._run(op, step)
         self._finish(op, step, start, stream)
 
@@ -286,7 +298,7 @@ class Executor:
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         early, running, track = self._early, self.running, self.track_running
         run_kernel, ikernel_s, arm, disarm = sys.run_kernel, sys.interfered_kernel_s, sys.arm, sys.disarm
-        kernel_begins, kernel_ends = sys.kernel_begins, sys.kernel_ends
+        kernel_begins, kernel_ends, run_collective = sys.kernel_begins, sys.kernel_ends, sys.run_collective
         queue = env._queue  # SimPy's event heap: ``(time, priority, id, event)`` (``_wait_s``)
         #: the process was last resumed by an event only it waits on (its own timeout, launch event or wake), as the
         #: last callback of that event: it may move the clock itself (``_wait_s``)
@@ -315,20 +327,21 @@ class Executor:
                             yield env.timeout(d)
                             own = True
                 # _execute, inlined (one generator less per op)
-                wait = op.meta
-                if not wait:
-                    for d in op.deps:
-                        if not fin[d]:
-                            wait = True
-                            break
-                if wait:
+                meta = op.meta
+                if meta and ("rendezvous" in meta or "prev_step_deps" in meta):
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
                         own = False  # a completion event other streams may wait on too
-                    if op.meta and "rendezvous" in op.meta:  # the peers (other ranks' ops) must arrive too
-                        yield self.rendezvous.arrive(op.meta["rendezvous"], step, op.meta["parties"])
+                    if "rendezvous" in meta:  # the peers (other ranks' ops) must arrive too
+                        yield self.rendezvous.arrive(meta["rendezvous"], step, meta["parties"])
                         own = False
+                else:
+                    for d in op.deps:
+                        if not fin[d]:
+                            yield self._deps_event(op, step)
+                            own = False
+                            break
                 if early and oid in early:  # a block: it runs when its parts' launches let it run back to back
                     late = self._block_end_s(op, step) - env.now - kernel_s(op, keys[oid])
                     if late > 0:
@@ -376,6 +389,9 @@ class Executor:
                 elif m == _IKERNEL:
                     yield from run_kernel(op)
                     own = False  # (its last resume may be its own wake, or it took no time)
+                elif m == _COLL:
+                    yield from run_collective(op, step)
+                    own = False
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                     own = False
@@ -447,11 +463,13 @@ class Executor:
         uses = self._use_plan[oid]
         if uses:  # a tensor is freed when its last user ends (refcounts re-armed per step)
             refs = self._refs[step]
-            for name, users, write in uses:
-                n = refs.get(name, users) - 1
-                refs[name] = n
-                if n <= 0 and write is not None:
-                    write((now, name, None, None))
+            for i, write, name in uses:
+                if i >= 0:
+                    n = refs[i] - 1
+                    refs[i] = n
+                    if n > 0:
+                        continue
+                write((now, name, None, None))
         for write, name in self._unused_plan[oid]:
             write((now, name, None, None))
         self.finished[step][oid] = True

@@ -156,6 +156,9 @@ class System:
         #: links crossed by each copy direction
         self.copy_links = copy_links
         self._flows: dict[tuple, tuple[list, float]] = {}
+        #: ``run_collective``'s per (collective, group, bytes, pipeline ranks): its flows, their time alone, its
+        #: latency and its load (None without interference)
+        self._run_plans: dict[tuple, tuple] = {}
         self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
         self.launch_overhead_s = launch.per_op_s
@@ -182,6 +185,7 @@ class System:
         self._itab: dict[int, float] | None = None  # ``_idur[_itab_share]`` (None: to look up)
         self._itab_share: tuple[int, float] | None = None
         self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
+        self._shares: dict[tuple, tuple] = {}  # the shares seen, each as one tuple object
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._side: dict[tuple, Timeline] = {}  # side_timeline cache: (pricing key, share, clocks) -> timeline
         self._stretch: dict[tuple, tuple] = {}  # folded_stretches cache: (pricing key, share) -> stretches
@@ -399,13 +403,19 @@ class System:
         """A collective holding ``load`` starts on this GPU: the kernels beside it are re-rated."""
         self._loads.append(load)
         self._share = None
-        self._signal("_comm_changed")
+        ev = self._comm_changed
+        if ev is not None:
+            self._comm_changed = None
+            ev.succeed()
 
     def _remove_load(self, load: CommLoad) -> None:
         """The collective holding ``load`` (``_add_load``) ends: the kernels beside it are re-rated."""
         self._loads.remove(load)
         self._share = None
-        self._signal("_comm_changed")
+        ev = self._comm_changed
+        if ev is not None:
+            self._comm_changed = None
+            ev.succeed()
 
     def _current_share(self) -> tuple[int, float]:
         """``kernel_share`` of the collectives in flight now (SMs held, HBM share), cached until a collective
@@ -416,7 +426,9 @@ class System:
         share = self._share
         if share is None:
             gpu = self.hw.gpu
-            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+            share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+            # the same tuple object while it is the same share (``interfered_kernel_s`` tests it by identity)
+            share = self._share = self._shares.setdefault(share, share)
         return share
 
     def interfered_kernel_s(self, op, key: int | None = None) -> float:
@@ -707,15 +719,20 @@ class System:
         A pipeline call met at a rendezvous (send/recv, cross-stage all-reduce) is one ``SharedCall`` of
         the stages: the flows of every stage's links start together and it ends at the same time on all.
         """
-        res = self.collective_result(op)
         m = op.meta
         f = self.interference
-        flows, alone = self.collective_flows(op)
+        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
+        plan = self._run_plans.get(key)
+        if plan is None:
+            res = self.collective_result(op)
+            flows, alone = self.collective_flows(op)
+            plan = self._run_plans[key] = (flows, alone, res.time_s - alone,
+                                           comm_load(f, res.busbw_bytes_per_s) if f is not None else None)
+        flows, alone, lat, load = plan
         # a pipeline rendezvous (send/recv, cross-stage all-reduce) ends at the same time on both stages: its
         # flows, not re-rated by one GPU's compute; a data-parallel collective met across rank classes
         # keeps its interference (each class beside its own kernels); a fused GEMM + collective kernel
         # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
-        lat = res.time_s - alone
         if m.get("group") in _NAMED and "rendezvous" in m:
             yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
                                    [(self.network, *fl) for fl in flows], alone, self._run_shared)
@@ -725,7 +742,6 @@ class System:
                 yield self.env.timeout(lat)
             yield from self._move(flows, alone)
             return
-        load = comm_load(f, res.busbw_bytes_per_s)
         self._add_load(load)
         slow = 1.0 + f.comm_slowdown
         try:
