@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 
 import simpy
@@ -50,7 +51,7 @@ HOST_STREAM = "host"
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 # how an op runs (``Executor._plan``)
-_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL = 0, 1, 2, 3, 4
+_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL, _IPLAIN, _COLL = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass
@@ -88,18 +89,20 @@ class Executor:
         self._on_start = [h.on_op_start for h in self.hooks if hasattr(h, "on_op_start")]
         self._on_end = [h.on_op_end for h in self.hooks if hasattr(h, "on_op_end")]
         self.host_handlers = dict(host_handlers or {})
-        # completion flags and lazily created events (an event exists only if someone waits)
-        self.finished: list[list[bool]] = [[False] * len(graph.ops) for _ in range(steps)]
-        self._done_ev: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
+        n = len(graph.ops)
+        # completion flags and lazily created events, by op id (an event exists only if someone waits)
+        self.finished: list[list[bool]] = [[False] * n for _ in range(steps)]
+        self._done_ev: list[list[simpy.Event | None]] = [[None] * n for _ in range(steps)]
         # host launch time of each launched op (None until the host thread reaches it)
-        self.launch_time: list[list[float | None]] = [[None] * len(graph.ops) for _ in range(steps)]
-        self._launch_ev: list[dict[int, simpy.Event]] = [{} for _ in range(steps)]
+        self.launch_time: list[list[float | None]] = [[None] * n for _ in range(steps)]
+        self._launch_ev: list[list[simpy.Event | None]] = [[None] * n for _ in range(steps)]
         self.step_start = [0.0] * steps
         self.step_end = [0.0] * steps
-        self._remaining_ops = [len(graph.ops)] * steps
-        # tensor bookkeeping (per graph; refcounts are re-armed per step)
+        self._remaining_ops = [n] * steps
+        # tensor bookkeeping (per graph; refcounts are re-armed per step): the users of each tensor, and per step the
+        # users left of each, by its place in ``_users``
         self._users: dict[str, int] = dict(Counter(chain.from_iterable(op.uses for op in graph.ops)))
-        self._refs: list[dict[str, int]] = [dict() for _ in range(steps)]
+        self._refs: list[list[int]] = [list(self._users.values()) for _ in range(steps)]
         self.by_stream: dict[str, list[Op]] = defaultdict(list)
         for op in graph.ops:
             if op.stream != HOST_STREAM:
@@ -107,12 +110,18 @@ class Executor:
         self.host_ops = [op for op in graph.ops if op.stream == HOST_STREAM or op.launch]
         # per-op plans, fixed for the run (see ``_plan``): what running the op takes, its pools
         mem = system.memory
-        gpu_pool = mem["gpu"]
-        self._pool_of = pool_of = {t.name: mem.get(t.device, gpu_pool) for op in graph.ops for t in op.allocs}
-        #: per op: ``(pool, name, bytes)`` per tensor it allocates; ``(name, users, pool or None)`` per tensor it
-        #: uses (``_finish``); ``(pool, name)`` per tensor it allocates that no op uses (freed when it ends)
-        self._allocs, self._use_plan, self._unused_plan = self._tensor_plans(graph.ops, pool_of, self._users)
+        write = {dev: pool.writer() for dev, pool in mem.items()}  # each pool's change log (``MemoryPool.writer``)
+        gpu = write["gpu"]
+        write_of = {t.name: write.get(t.device, gpu) for op in graph.ops for t in op.allocs}
+        #: per op: ``(write, name, bytes)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
+        #: ``(place, write, name)`` per tensor it uses that some op allocates (``_finish``; ``place``: its refcount's in
+        #: ``_refs[step]``, -1 for a tensor of one user, freed when that ends); ``(write, name)`` per tensor it
+        #: allocates that no op uses (freed when it ends)
+        self._allocs, self._use_plan, self._unused_plan = self._tensor_plans(graph.ops, write_of, self._users)
         self._mode, self._fixed = zip(*(self._plan(op) for op in graph.ops)) if graph.ops else ((), ())
+        #: the interned pricing key (``System.price_keys``) of each op priced as a kernel on the fast paths, else None
+        of = system.price_keys.of
+        self._key = [of(op) if m == _KERNEL or m == _IPLAIN else None for op, m in zip(graph.ops, self._mode)]
         #: layer-fidelity blocks: op id -> parts (each launched by the host; the block may start after the first)
         self._blocks = {op.id: op.meta["launches"] for op in graph.ops if op.meta and "launches" in op.meta}
         self._early: dict[int, float] = {}  # block id -> host time from its first part's launch to its last's
@@ -126,19 +135,26 @@ class Executor:
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
     @staticmethod
-    def _tensor_plans(ops, pool_of: dict, users: dict) -> tuple[list, list, list]:
-        """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``), one tuple per op (``()`` for none)."""
+    def _tensor_plans(ops, write_of: dict, users: dict) -> tuple[list, list, list]:
+        """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``; ``write_of``: tensor name -> its pool's
+        writer; ``users``: tensor name -> its users, in refcount order), one tuple per op (``()`` for none)."""
         allocs, use_plan, unused_plan = [], [], []
-        users_get, empty = users.get, ()
+        empty = ()
+        # per used tensor that some op allocates: ``(place, write)`` (``place`` -1: a tensor of one user)
+        use_of = {nm: (i if n > 1 else -1, write_of[nm]) for i, (nm, n) in enumerate(users.items()) if nm in write_of}
         for op in ops:
             a, u = op.allocs, op.uses
             if a:
-                allocs.append(tuple([(pool_of[t.name], t.name, t.nbytes) for t in a]))
-                unused_plan.append(tuple([(pool_of[t.name], t.name) for t in a if users_get(t.name, 0) == 0]))
+                allocs.append(tuple([(write_of[t.name], t.name, t.nbytes) for t in a]))
+                unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name not in users]))
             else:
                 allocs.append(empty)
                 unused_plan.append(empty)
-            use_plan.append(tuple([(n, users_get(n, 0), pool_of.get(n)) for n in u]) if u else empty)
+            if u:
+                plan = tuple([(*use_of[nm], nm) for nm in u if nm in use_of])
+                use_plan.append(plan if plan else empty)
+            else:
+                use_plan.append(empty)
         return allocs, use_plan, unused_plan
 
     def add_hook(self, hook) -> None:
@@ -154,15 +170,22 @@ class Executor:
         """How ``op`` runs: ``(_NOTHING, 0)`` takes no time, ``(_FIXED, s)`` one timeout of ``s``,
         ``(_KERNEL, 0)`` one timeout of its cost-model time at the current clocks
         (``System.kernel_s``), ``(_IKERNEL, 0)`` a compute kernel beside the collectives (``System.run_kernel``
-        under interference), ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what
-        ``_run`` would do for the op."""
+        under interference), ``(_IPLAIN, 0)`` one without TP collectives folded in, which ``_stream`` runs itself up
+        to its first change of rate, ``(_COLL, 0)`` a collective the NCCL model prices (``System.run_collective``),
+        ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what ``_run`` would do for the
+        op."""
         inter = self.sys.interference is not None
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s <= 0:
                 return _NOTHING, 0.0
             return (_GENERIC, 0.0) if op.kind is _COMPUTE and inter else (_FIXED, op.fixed_duration_s)
         if op.kind is _COMPUTE:
-            return (_IKERNEL, 0.0) if inter else (_KERNEL, 0.0)
+            if not inter:
+                return _KERNEL, 0.0
+            plain = not op.folded_comm and not (op.meta and "side" in op.meta)  # ``Executor._stream`` runs it itself
+            return (_IPLAIN, 0.0) if plain else (_IKERNEL, 0.0)
+        if op.kind is _COLLECTIVE and self.sys.collective_model(op):
+            return _COLL, 0.0
         if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
             return _GENERIC, 0.0
         if op.kind is _HOST:
@@ -182,7 +205,7 @@ class Executor:
     # -- processes -------------------------------------------------------------------------
     def done_event(self, step: int, op_id: int) -> simpy.Event:
         """Event that fires when op ``op_id`` of ``step`` finishes (already triggered if it has)."""
-        ev = self._done_ev[step].get(op_id)
+        ev = self._done_ev[step][op_id]
         if ev is None:
             ev = self._done_ev[step][op_id] = self.env.event()
             if self.finished[step][op_id]:
@@ -224,7 +247,7 @@ class Executor:
             yield env.timeout(self.sys.kernel_s(op))
         elif mode == _FIXED:
             yield env.timeout(self._fixed[op.id])
-        elif mode == _GENERIC or mode == _IKERNEL:
+        elif mode >= _GENERIC:
             yield from self._run(op, step)
         self._finish(op, step, start, stream)
 
@@ -258,9 +281,11 @@ class Executor:
             for op in self.host_ops:
                 if op.stream != HOST_STREAM:
                     t += cost[op.id]
-                    lt[op.id] = t
-                    ev = lev.pop(op.id, None)
+                    oid = op.id
+                    lt[oid] = t
+                    ev = lev[oid]
                     if ev is not None:
+                        lev[oid] = None
                         ev.succeed()
                     continue
                 if t > env.now:
@@ -269,10 +294,11 @@ class Executor:
                 t = env.now
 
     def _stream(self, stream: str, ops: list[Op]):
-        env, mode, fixed, kernel_s = self.env, self._mode, self._fixed, self.sys.kernel_s
+        env, mode, fixed, keys, kernel_s = self.env, self._mode, self._fixed, self._key, self.sys.kernel_s
         allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
         early, running, track = self._early, self.running, self.track_running
-        run_kernel = sys.run_kernel
+        run_kernel, ikernel_s, arm, disarm = sys.run_kernel, sys.interfered_kernel_s, sys.arm, sys.disarm
+        kernel_begins, kernel_ends, run_collective = sys.kernel_begins, sys.kernel_ends, sys.run_collective
         queue = env._queue  # SimPy's event heap: ``(time, priority, id, event)`` (``_wait_s``)
         #: the process was last resumed by an event only it waits on (its own timeout, launch event or wake), as the
         #: last callback of that event: it may move the clock itself (``_wait_s``)
@@ -284,7 +310,7 @@ class Executor:
                 if op.launch:
                     when = lt[oid]
                     if when is None:
-                        ev = lev.get(oid)
+                        ev = lev[oid]
                         if ev is None:
                             ev = lev[oid] = env.event()
                         yield ev
@@ -301,41 +327,60 @@ class Executor:
                             yield env.timeout(d)
                             own = True
                 # _execute, inlined (one generator less per op)
-                wait = op.meta
-                if not wait:
-                    for d in op.deps:
-                        if not fin[d]:
-                            wait = True
-                            break
-                if wait:
+                meta = op.meta
+                if meta and ("rendezvous" in meta or "prev_step_deps" in meta):
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
                         own = False  # a completion event other streams may wait on too
-                    if op.meta and "rendezvous" in op.meta:  # the peers (other ranks' ops) must arrive too
-                        yield self.rendezvous.arrive(op.meta["rendezvous"], step, op.meta["parties"])
+                    if "rendezvous" in meta:  # the peers (other ranks' ops) must arrive too
+                        yield self.rendezvous.arrive(meta["rendezvous"], step, meta["parties"])
                         own = False
+                else:
+                    for d in op.deps:
+                        if not fin[d]:
+                            yield self._deps_event(op, step)
+                            own = False
+                            break
                 if early and oid in early:  # a block: it runs when its parts' launches let it run back to back
-                    late = self._block_end_s(op, step) - env.now - kernel_s(op)
+                    late = self._block_end_s(op, step) - env.now - kernel_s(op, keys[oid])
                     if late > 0:
                         if own and (not queue or queue[0][0] > env._now + late):
                             env._now += late
                         else:
                             yield env.timeout(late)
                             own = True
-                start = env.now
+                start = env._now
                 if track:
                     running[stream] = (step, op, start)
                     if sys.start_waiter is not None:
                         sys.start_waiter, ev = None, sys.start_waiter
                         ev.succeed(start)
-                for pool, name, nbytes in allocs[oid]:  # _begin, inlined
-                    pool.alloc(name, nbytes, start)
+                for write, name, nbytes in allocs[oid]:  # _begin, inlined
+                    write((start, name, nbytes, start))
                 for fn in on_start:
                     fn(op, step, sys)
                 m = mode[oid]
-                if m == _KERNEL or m == _FIXED:
-                    d = kernel_s(op) if m == _KERNEL else fixed[oid]
+                if m == _IPLAIN:  # ``System.run_kernel`` beside the collectives, inlined up to a change of rate
+                    kernel_begins()
+                    key = keys[oid]
+                    d = ikernel_s(op, key)
+                    if d > 0:
+                        if own and (not queue or queue[0][0] > start + d):  # nothing happens before it ends
+                            env._now = start + d
+                        else:
+                            to, wake, fire, ev = arm(d, "_comm_changed")
+                            yield wake
+                            own = True  # (the wake is this stream's own)
+                            if to.callbacks is None:  # it ended
+                                disarm("_comm_changed", ev, fire)
+                            else:  # a collective started or ended beside it: the rest at the new rates
+                                yield from sys.progress(partial(ikernel_s, op, key), "_comm_changed",
+                                                         min(1.0, (env._now - start) / d))
+                                own = False
+                    kernel_ends()
+                elif m == _KERNEL or m == _FIXED:
+                    d = kernel_s(op, keys[oid]) if m == _KERNEL else fixed[oid]
                     if own and (not queue or queue[0][0] > start + d):  # ``_wait_s``, inlined
                         env._now = start + d
                     else:
@@ -344,6 +389,9 @@ class Executor:
                 elif m == _IKERNEL:
                     yield from run_kernel(op)
                     own = False  # (its last resume may be its own wake, or it took no time)
+                elif m == _COLL:
+                    yield from run_collective(op, step)
+                    own = False
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                     own = False
@@ -360,8 +408,8 @@ class Executor:
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""
         now = self.env.now
-        for pool, name, nbytes in self._allocs[op.id]:
-            pool.alloc(name, nbytes, now)
+        for write, name, nbytes in self._allocs[op.id]:
+            write((now, name, nbytes, now))
         for fn in self._on_start:
             fn(op, step, self.sys)
 
@@ -415,15 +463,17 @@ class Executor:
         uses = self._use_plan[oid]
         if uses:  # a tensor is freed when its last user ends (refcounts re-armed per step)
             refs = self._refs[step]
-            for name, users, pool in uses:
-                n = refs.get(name, users) - 1
-                refs[name] = n
-                if n <= 0 and pool is not None:
-                    pool.free(name)
-        for pool, name in self._unused_plan[oid]:
-            pool.free(name)
+            for i, write, name in uses:
+                if i >= 0:
+                    n = refs[i] - 1
+                    refs[i] = n
+                    if n > 0:
+                        continue
+                write((now, name, None, None))
+        for write, name in self._unused_plan[oid]:
+            write((now, name, None, None))
         self.finished[step][oid] = True
-        ev = self._done_ev[step].get(oid)
+        ev = self._done_ev[step][oid]
         if ev is not None:
             ev.succeed()
         rem = self._remaining_ops
@@ -451,7 +501,4 @@ class Executor:
         for c, c0, d in zip(op.folded_comm, tl.comm_start_s, tl.comm_s):
             rec.span(step, c, start + k * c0, start + k * (c0 + d), c.stream)
 
-    def _free(self, name: str) -> None:
-        pool = self._pool_of.get(name)
-        if pool is not None:
-            pool.free(name)
+

@@ -126,7 +126,12 @@ def category(tensor: str) -> str:
     """Memory category of a tensor from its name (``params``, ``grad``, ``optimizer``, ``activations``...): from
     its head (the name up to the first ``.``, then up to the first ``#``); cached per name, and per head for the
     runs whose millions of names overflow the first cache."""
-    return _head_category(tensor.partition(".")[0].partition("#")[0])
+    return prefix_category(tensor.partition(".")[0])
+
+
+def prefix_category(prefix: str) -> str:
+    """``category`` of the names whose part before the first ``.`` is ``prefix``."""
+    return _head_category(prefix.partition("#")[0])
 
 
 @lru_cache(maxsize=4096)
@@ -164,8 +169,8 @@ class MemoryPool:
         self._peak = 0
         self._by_category: dict[str, int] = defaultdict(int)
         self._peak_by_category: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
-        self._cat_of: dict[str, str] = {}  # ``category`` of each live tensor (the keys of ``_sizes``)
+        #: each live tensor's ``(bytes, category)``
+        self._held: dict[str, tuple[int, str]] = {}
         self._oom: OomEvent | None = None
         #: the largest ``live`` tested for out-of-memory under the current overheads (``_settle``)
         self._oom_tested = -math.inf
@@ -188,6 +193,18 @@ class MemoryPool:
         clock = self._clock
         self._log.append((clock() if clock is not None else None, tensor, None, None))
 
+    def writer(self):
+        """The change log's own ``append``, for a hot loop that knows the clock (``engine.executor``):
+        ``w((t, tensor, nbytes, t))`` is ``alloc(tensor, nbytes, t)`` made when the clock reads ``t``, and
+        ``w((t, tensor, None, None))`` is ``free(tensor)`` then; without a method call per change. Valid for the
+        pool's life (``_settle`` empties the log in place). A pool without a clock records no time, as ``alloc``
+        and ``free`` do (the first field becomes None).
+        """
+        append = self._log.append
+        if self._clock is None:
+            return lambda change: append((None, *change[1:]))
+        return append
+
     def _settle(self) -> None:
         """Apply the pending changes in order: live and per-category bytes, the peak and its
         categories, the first out-of-memory, and the timelines (one sample per instant).
@@ -195,28 +212,34 @@ class MemoryPool:
         The out-of-memory test runs only when ``live`` exceeds the largest value tested so far under
         the current overheads: ``device_bytes`` is non-decreasing in ``live``, so a smaller value
         cannot be the first over capacity."""
-        log = self._log
-        if not log:
+        pending = self._log
+        if not pending:
             return
-        self._log = []
-        sizes, by_cat, live = self._sizes, self._by_category, self._live
+        log = pending.copy()
+        pending.clear()  # in place: ``writer`` holds its ``append``
+        held, by_cat, live = self._held, self._by_category, self._live
         (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
         tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
         peak, tested, oom = self._peak, self._oom_tested, self._oom
-        cat_of = self._cat_of
         last_t = tl_t[-1] if tl_t else None
+        # ``category`` by the name up to its first ``.`` (what it depends on), for this pass: most names come once
+        # (``category``'s own cache would miss on every one of a large run's)
+        heads: dict[str, str] = {}
         for t, tensor, nbytes, t_s in log:
             if nbytes is None:  # free
-                nbytes = sizes.pop(tensor, None)
-                if nbytes is None:
+                hit = held.pop(tensor, None)
+                if hit is None:
                     continue
+                nbytes, cat = hit
                 live -= nbytes
-                cat = cat_of.pop(tensor)
                 v = by_cat[cat] = by_cat[cat] - nbytes
             else:
-                sizes[tensor] = nbytes
+                head = tensor.partition(".")[0]
+                cat = heads.get(head)
+                if cat is None:
+                    cat = heads[head] = prefix_category(head)
+                held[tensor] = (nbytes, cat)
                 live += nbytes
-                cat = cat_of[tensor] = category(tensor)
                 v = by_cat[cat] = by_cat[cat] + nbytes
                 if live > peak:
                     peak = live
@@ -290,7 +313,7 @@ class MemoryPool:
     def sizes(self) -> dict[str, int]:
         """Live tensors and their sizes, bytes."""
         self._settle()
-        return self._sizes
+        return {name: n for name, (n, _) in self._held.items()}
 
     @property
     def oom(self) -> OomEvent | None:

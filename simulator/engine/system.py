@@ -172,6 +172,9 @@ class System:
         #: links crossed by each copy direction
         self.copy_links = copy_links
         self._flows: dict[tuple, tuple[list, float]] = {}
+        #: ``run_collective``'s per (collective, group, bytes, pipeline ranks): its flows, their time alone, its
+        #: latency and its load (None without interference)
+        self._run_plans: dict[tuple, tuple] = {}
         self.copy_latency_s = c.latency_s
         launch = hw.launch  # scenario > calibrated profile > host > generic (hardware_models.machine)
         self.launch_overhead_s = launch.per_op_s
@@ -195,7 +198,10 @@ class System:
         self._dur: dict[int, float] = {}  # kernel_s cache at the clocks below, by pricing key
         #: interfered_kernel_s cache at the clocks below: ``(sm_held, hbm_share) -> {pricing key: s}``
         self._idur: dict[tuple, dict[int, float]] = {}
+        self._itab: dict[int, float] | None = None  # ``_idur[_itab_share]`` (None: to look up)
+        self._itab_share: tuple[int, float] | None = None
         self._share: tuple[int, float] | None = None  # kernel_share of self._loads (None: to compute)
+        self._shares: dict[tuple, tuple] = {}  # the shares seen, each as one tuple object
         self._tail: dict[tuple, float] = {}  # block_tail_s cache
         self._side: dict[tuple, Timeline] = {}  # side_timeline cache: (pricing key, share, clocks) -> timeline
         self._stretch: dict[tuple, tuple] = {}  # folded_stretches cache: (pricing key, share) -> stretches
@@ -240,7 +246,7 @@ class System:
         (``engine.run._release``): the machine sits in the environment's reference cycles, and the ops it held
         (each block with its parts) would wait for the cyclic collector, whose pass over them costs seconds."""
         self._by_op, self._folded, self._dur, self._tail, self._idur, self._side = {}, {}, {}, {}, {}, {}
-        self._stretch = {}
+        self._stretch, self._itab, self._itab_share = {}, None, None
         self.price_keys.release()
         self.running.clear()
 
@@ -322,30 +328,72 @@ class System:
             setattr(self, name, ev)
         return ev
 
-    def _progress(self, duration_s, watch: str):
+    def progress(self, duration_s, watch: str, done: float = 0.0):
         """Run one unit of work whose full duration at the current state is ``duration_s()``,
-        re-rated whenever the event ``watch`` names fires (rate = 1 / duration)."""
+        re-rated whenever the event ``watch`` names fires (rate = 1 / duration); ``done``: the fraction of it
+        already done."""
         env = self.env
-        done = 0.0
         while True:
             d = duration_s()
             left = (1.0 - done) * d
             if left <= 0:
                 return
             t0 = env.now
-            # ``yield to | watch`` without the condition object: ``wake`` fires (scheduled at the same point) when the
-            # first of them is processed; a later one finds it triggered and does nothing
-            to, wake = env.timeout(left), _Wake(env)
-            to.callbacks.append(wake.fire_last)  # the timeout's only callback
-            self._watch(watch).callbacks.append(wake.fire)
+            to, wake, fire, ev = self.arm(left, watch)
             yield wake
-            if to.processed:
+            if to.callbacks is None:  # the timeout was processed
+                self.disarm(watch, ev, fire)
                 return
             done = min(1.0, done + (env.now - t0) / d)
 
-    def kernel_s(self, op) -> float:
+    def arm(self, delay_s: float, watch: str) -> tuple[simpy.Timeout, _Wake, object, simpy.Event]:
+        """``yield to | watch`` without the condition object: ``(to, wake, fire, ev)`` where ``to`` is a timeout of
+        ``delay_s`` and ``wake`` fires (scheduled at the same point) when the first of ``to`` and the event ``watch``
+        names (``ev``, made if there is none) is processed; a later one finds it triggered and does nothing.
+        ``fire`` is ``wake``'s callback on ``ev`` (for ``disarm``)."""
+        env = self.env
+        to, wake = simpy.Timeout(env, delay_s), _Wake(env)
+        to.callbacks.append(wake.fire_last)  # the timeout's only callback
+        ev = getattr(self, watch)
+        if ev is None:
+            ev = simpy.Event(env)
+            setattr(self, watch, ev)
+        fire = wake.fire
+        ev.callbacks.append(fire)
+        return to, wake, fire, ev
+
+    def disarm(self, watch: str, ev: simpy.Event, fire) -> None:
+        """The wait ``arm`` made ended by its timeout: its ``fire`` leaves the watch event ``ev`` (where it would do
+        nothing), and an event nobody watches any more is dropped, so that the next change schedules none (an event
+        whose callbacks all do nothing changes no state: the results are those with it)."""
+        cbs = ev.callbacks
+        if cbs is not None:  # None: ``ev`` was processed (it fired at the same instant, after the timeout)
+            cbs.remove(fire)
+            if not cbs and getattr(self, watch) is ev:
+                setattr(self, watch, None)
+
+    def kernel_begins(self) -> None:
+        """A compute kernel starts on this GPU (interference, ``run_kernel``): the collectives in flight are re-rated
+        if it is the only one."""
+        self._kernels += 1
+        if self._kernels == 1:
+            ev = self._compute_changed
+            if ev is not None:
+                self._compute_changed = None
+                ev.succeed()
+
+    def kernel_ends(self) -> None:
+        """A compute kernel (``kernel_begins``) ends: the collectives in flight are re-rated if it was the last."""
+        self._kernels -= 1
+        if self._kernels == 0:
+            ev = self._compute_changed
+            if ev is not None:
+                self._compute_changed = None
+                ev.succeed()
+
+    def kernel_s(self, op, key: int | None = None) -> float:
         """``cost.duration_s(op, state)`` (plus ``folded_comm_s``), cached per pricing key while the clocks stay the
-        same, s.
+        same, s. ``key``: the op's interned pricing key (``price_keys.of(op)``) where the caller holds it.
 
         The cost model's time depends only on what the op's pricing key holds (``graph.ops.price_key``) and
         the device clocks (without interference, which ``run_kernel`` prices itself).
@@ -353,8 +401,11 @@ class System:
         st = self.state
         if st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
             self._clocks_changed()
-        hit = self.price_keys.by_op.get(id(op))
-        k = hit[1] if hit is not None else self.price_keys.of(op)
+        if key is None:
+            hit = self.price_keys.by_op.get(id(op))
+            k = hit[1] if hit is not None else self.price_keys.of(op)
+        else:
+            k = key
         d = self._dur.get(k)
         if d is None:
             if op.meta and "side" in op.meta:  # TP collectives beside its kernels: their timeline
@@ -371,6 +422,7 @@ class System:
         st = self.state
         self._dur.clear()
         self._idur.clear()
+        self._itab = self._itab_share = None
         self._side.clear()
         self._stretch.clear()
         self._dur_sm, self._dur_mem = st.sm_clock_mhz, st.mem_clock_mhz
@@ -379,13 +431,19 @@ class System:
         """A collective holding ``load`` starts on this GPU: the kernels beside it are re-rated."""
         self._loads.append(load)
         self._share = None
-        self._signal("_comm_changed")
+        ev = self._comm_changed
+        if ev is not None:
+            self._comm_changed = None
+            ev.succeed()
 
     def _remove_load(self, load: CommLoad) -> None:
         """The collective holding ``load`` (``_add_load``) ends: the kernels beside it are re-rated."""
         self._loads.remove(load)
         self._share = None
-        self._signal("_comm_changed")
+        ev = self._comm_changed
+        if ev is not None:
+            self._comm_changed = None
+            ev.succeed()
 
     def _current_share(self) -> tuple[int, float]:
         """``kernel_share`` of the collectives in flight now (SMs held, HBM share), cached until a collective
@@ -396,25 +454,34 @@ class System:
         share = self._share
         if share is None:
             gpu = self.hw.gpu
-            share = self._share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+            share = kernel_share(self._loads, gpu.sm_count, gpu.hbm_bandwidth_bytes_per_s)
+            # the same tuple object while it is the same share (``interfered_kernel_s`` tests it by identity)
+            share = self._share = self._shares.setdefault(share, share)
         return share
 
-    def interfered_kernel_s(self, op) -> float:
+    def interfered_kernel_s(self, op, key: int | None = None) -> float:
         """Duration of compute kernel ``op`` beside the collectives in flight now (``kernel_share`` of them) at the
         current clocks: ``cost.duration_s(op, state, sm_held, hbm_share)``, cached per pricing key, share and clocks,
-        s; a block carrying TP collectives beside its kernels (``meta["side"]``) takes its ``side_timeline`` end."""
+        s; a block carrying TP collectives beside its kernels (``meta["side"]``) takes its ``side_timeline`` end.
+        ``key``: the op's interned pricing key (``price_keys.of(op)``) where the caller holds it."""
         st = self.state
-        share = self._current_share()
+        share = self._share
+        if share is None or st.sm_clock_mhz != self._dur_sm or st.mem_clock_mhz != self._dur_mem:
+            share = self._current_share()
         if op.meta and "side" in op.meta:
             return self.side_timeline(op).end_s
-        tab = self._idur.get(share)
-        if tab is None:
-            tab = self._idur[share] = {}
-        hit = self.price_keys.by_op.get(id(op))
-        k = hit[1] if hit is not None else self.price_keys.of(op)
-        d = tab.get(k)
+        tab = self._itab
+        if tab is None or self._itab_share is not share:
+            tab = self._idur.get(share)
+            if tab is None:
+                tab = self._idur[share] = {}
+            self._itab, self._itab_share = tab, share
+        if key is None:
+            hit = self.price_keys.by_op.get(id(op))
+            key = hit[1] if hit is not None else self.price_keys.of(op)
+        d = tab.get(key)
         if d is None:
-            d = tab[k] = self.cost.duration_s(op, st, *share)
+            d = tab[key] = self.cost.duration_s(op, st, *share)
         return d
 
     def folded_comm_s(self, op) -> float:
@@ -560,18 +627,14 @@ class System:
         if op.folded_comm and duration_s is None and "side" not in op.meta:
             yield from self._run_folded(op)
             return
-        self._kernels += 1
-        if self._kernels == 1:
-            self._signal("_compute_changed")
+        self.kernel_begins()
         try:
             if duration_s is not None:
                 yield env.timeout(duration_s)
             else:
-                yield from self._progress(partial(self.interfered_kernel_s, op), "_comm_changed")
+                yield from self.progress(partial(self.interfered_kernel_s, op), "_comm_changed")
         finally:
-            self._kernels -= 1
-            if self._kernels == 0:
-                self._signal("_compute_changed")
+            self.kernel_ends()
 
     def _run_folded(self, op):
         """SimPy process body of layer-fidelity block ``op`` with blocking TP collectives folded in, with
@@ -581,15 +644,11 @@ class System:
         or HBM from, and share no link with, what runs beside them."""
         env = self.env
         for k in range(len(self.folded_stretches(op))):
-            self._kernels += 1
-            if self._kernels == 1:
-                self._signal("_compute_changed")
+            self.kernel_begins()
             try:
-                yield from self._progress(lambda: self.folded_stretches(op)[k][0], "_comm_changed")
+                yield from self.progress(lambda: self.folded_stretches(op)[k][0], "_comm_changed")
             finally:
-                self._kernels -= 1
-                if self._kernels == 0:
-                    self._signal("_compute_changed")
+                self.kernel_ends()
             comm_s = self.folded_stretches(op)[k][1]
             if comm_s > 0:
                 yield env.timeout(comm_s)
@@ -647,7 +706,7 @@ class System:
                 if alone_s > 0:
                     yield env.timeout(alone_s)
             else:
-                yield from self._progress(lambda: alone_s * (slow if self._kernels else 1.0), "_compute_changed")
+                yield from self.progress(lambda: alone_s * (slow if self._kernels else 1.0), "_compute_changed")
             return
         net = self.network
         factor = slow if slow is not None and self._kernels else 1.0
@@ -660,11 +719,16 @@ class System:
             if not live:
                 return
             done = live[0][0].done if len(live) == 1 else env.all_of([f.done for f, _ in live])
-            # ``yield done | watch`` without the condition object (as ``_progress``): scheduled at the same point
+            # ``yield done | watch`` without the condition object (as ``progress``): scheduled at the same point;
+            # ``done`` (this collective's own flow's or condition) has no callback after ``wake``'s
             wake = _Wake(env)
-            done.callbacks.append(wake.fire)
-            self._watch("_compute_changed").callbacks.append(wake.fire)
+            done.callbacks.append(wake.fire_last)
+            watch = self._watch("_compute_changed")
+            fire = wake.fire
+            watch.callbacks.append(fire)
             yield wake
+            if done.callbacks is None:  # ``done`` was processed
+                self.disarm("_compute_changed", watch, fire)
             now = slow if self._kernels else 1.0
             if now != factor:
                 factor = now
@@ -683,15 +747,20 @@ class System:
         A pipeline call met at a rendezvous (send/recv, cross-stage all-reduce) is one ``SharedCall`` of
         the stages: the flows of every stage's links start together and it ends at the same time on all.
         """
-        res = self.collective_result(op)
         m = op.meta
         f = self.interference
-        flows, alone = self.collective_flows(op)
+        key = (m["collective"], m.get("group", "dp"), int(m["bytes"]), m.get("pp_ranks"))
+        plan = self._run_plans.get(key)
+        if plan is None:
+            res = self.collective_result(op)
+            flows, alone = self.collective_flows(op)
+            plan = self._run_plans[key] = (flows, alone, res.time_s - alone,
+                                           comm_load(f, res.busbw_bytes_per_s) if f is not None else None)
+        flows, alone, lat, load = plan
         # a pipeline rendezvous (send/recv, cross-stage all-reduce) ends at the same time on both stages: its
         # flows, not re-rated by one GPU's compute; a data-parallel collective met across rank classes
         # keeps its interference (each class beside its own kernels); a fused GEMM + collective kernel
         # (tp_comm_overlap: fused) takes nothing from the GEMM beside it
-        lat = res.time_s - alone
         if m.get("group") in _NAMED and "rendezvous" in m:
             yield self.fabric.join((m["rendezvous"], step), m.get("parties", 1), lat,
                                    [(self.network, *fl) for fl in flows], alone, self._run_shared)
@@ -701,12 +770,11 @@ class System:
                 yield self.env.timeout(lat)
             yield from self._move(flows, alone)
             return
-        load = comm_load(f, res.busbw_bytes_per_s)
         self._add_load(load)
         slow = 1.0 + f.comm_slowdown
         try:
             if lat > 0:
-                yield from self._progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
+                yield from self.progress(lambda: lat * (slow if self._kernels else 1.0), "_compute_changed")
             yield from self._move(flows, alone, slow)
         finally:
             self._remove_load(load)
