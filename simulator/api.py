@@ -1093,6 +1093,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
+    if cfg is not None and (note := fsdp2_selective_note(cfg)):
+        out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
     if cfg is not None:
@@ -1239,6 +1241,23 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for ``training.recompute_granularity: selective`` with ``fsdp.version 2`` (torchtitan's
+    FSDP2), else None. The key is Megatron-LM's (the core attention recomputed, its inputs saved); torchtitan's
+    ``[activation_checkpoint] mode = "selective"`` is another policy: ``selective_ac_option = "op"`` saves the
+    outputs of the ops in its ``_save_list`` (every other ``mm``, the SDPA kernels, the TP reduce-scatters, ``max``)
+    and recomputes the rest, an int ``n`` checkpoints every ``n``-th block whole (pytorch/torchtitan@81c12433
+    torchtitan/models/llama3/infra/parallelize.py ``_apply_ac_to_transformer_block``). Neither is built: the run
+    prices Megatron's, which saves and recomputes other tensors."""
+    f = cfg.fsdp
+    if f is None or f.version != 2 or cfg.training.recompute_granularity != "selective":
+        return None
+    return ("training.recompute_granularity selective with fsdp.version 2 is priced as Megatron-LM's selective "
+            "recompute (core attention recomputed); torchtitan's selective activation checkpointing (op-level: "
+            "every other matmul's and the attention kernels' outputs saved, the rest recomputed; or every n-th "
+            "block checkpointed) is not modelled: its memory and recompute time differ")
 
 
 def _hybrid_shard_notes(cfg: ScenarioConfig) -> list[str]:
