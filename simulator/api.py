@@ -1093,6 +1093,10 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
+    if cfg is not None and (note := fsdp2_selective_note(cfg)):
+        out.append(note)
+    if cfg is not None and (note := deepspeed_fp16_optimizer_note(cfg)):
+        out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
     if cfg is not None:
@@ -1239,6 +1243,44 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def deepspeed_fp16_optimizer_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for a DeepSpeed config (a ``zero_optimization`` section given) with stage 0 and 16-bit
+    training that DeepSpeed wraps in ``FP16_Optimizer``, else None. DeepSpeed picks ``FP16`` for fp16 and
+    ``DDP_BFLOAT16`` for bf16 without a pipeline (bf16 with one is ``BF16_Optimizer``, priced:
+    ``schema.deepspeed_bf16_optimizer``), both ``FP16_Optimizer`` (deepspeedai/DeepSpeed@007cca6a
+    ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``, ``_configure_fp16_optimizer``;
+    @b97b870b ``deepspeed/runtime/fp16/fused_optimizer.py``: a flat fp32 master copy of every parameter, the 16-bit
+    ``.grad`` all-reduced by the engine, flattened into a fresh fp32 gradient at the step, freed after it). The
+    builder prices Megatron-LM's DDP instead (a persistent fp32 main-grad buffer, all-reduced in fp32 unless
+    ``ddp.grad_reduce_in_bf16``): its gradient memory and all-reduce bytes are not DeepSpeed's."""
+    z, t = cfg.zero_optimization, cfg.training
+    if ("zero_optimization" not in cfg.model_fields_set or z.stage != 0 or t.precision not in ("bf16", "fp16")
+            or deepspeed_bf16_optimizer(cfg) or cfg.fsdp is not None or cfg.ddp.use_distributed_optimizer):
+        return None
+    return (f"zero_optimization.stage 0 with training.precision {t.precision} is priced as Megatron-LM's DDP (a "
+            "persistent fp32 main-grad buffer, all-reduced in fp32 unless ddp.grad_reduce_in_bf16); DeepSpeed wraps "
+            "the optimizer in FP16_Optimizer instead (the 16-bit .grad all-reduced in the model dtype, then "
+            "flattened into a fresh fp32 gradient at the step beside a flat fp32 master copy), which is not "
+            "modelled: gradient memory and all-reduce bytes differ")
+
+
+def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for ``training.recompute_granularity: selective`` with ``fsdp.version 2`` (torchtitan's
+    FSDP2), else None. The key is Megatron-LM's (the core attention recomputed, its inputs saved); torchtitan's
+    ``[activation_checkpoint] mode = "selective"`` is another policy: ``selective_ac_option = "op"`` saves the
+    outputs of the ops in its ``_save_list`` (every other ``mm``, the SDPA kernels, the TP reduce-scatters, ``max``)
+    and recomputes the rest, an int ``n`` checkpoints every ``n``-th block whole (pytorch/torchtitan@81c12433
+    torchtitan/models/llama3/infra/parallelize.py ``_apply_ac_to_transformer_block``). Neither is built: the run
+    prices Megatron's, which saves and recomputes other tensors."""
+    f = cfg.fsdp
+    if f is None or f.version != 2 or cfg.training.recompute_granularity != "selective":
+        return None
+    return ("training.recompute_granularity selective with fsdp.version 2 is priced as Megatron-LM's selective "
+            "recompute (core attention recomputed); torchtitan's selective activation checkpointing (op-level: "
+            "every other matmul's and the attention kernels' outputs saved, the rest recomputed; or every n-th "
+            "block checkpointed) is not modelled: its memory and recompute time differ")
 
 
 def _hybrid_shard_notes(cfg: ScenarioConfig) -> list[str]:

@@ -126,7 +126,8 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
     saying what the valid scenario ``cfg`` took in its place: the schema's default, or the value its validators
     derived from the other settings (``parallelism.data_parallel_size``), or that it is left unset for the run to
     resolve from the framework (``training.clip_grad``: ``None``). Sections removed (``hardware.host=~``) are not
-    noted (a whole section's defaults are not one value). Raises nothing: a text that does not parse is skipped."""
+    noted (a whole section's defaults are not one value), but for one whose default is None that the validators
+    filled in from other keys (``fsdp.offload_policy`` from ``training.enable_cpu_offload``): derived, with its value. Raises nothing: a text that does not parse is skipped."""
     from pydantic import BaseModel
 
     out = []
@@ -144,11 +145,15 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
             if node is None:
                 break
         key, raw = ".".join(parts), text.partition("=")[2].strip()
-        if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
-            continue
         field = type(owner).model_fields.get(parts[-1]) if isinstance(owner, BaseModel) else None
         default = field.get_default(call_default_factory=True) if field is not None and not field.is_required() \
             else None
+        if isinstance(node, BaseModel) and field is not None and default is None:  # a section the validators fill
+            out.append(f"--set {key}={raw}: {key} is not written, so it is derived from the other settings: "
+                       f"{node.model_dump()}")  # (fsdp.offload_policy from training.enable_cpu_offload)
+            continue
+        if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
+            continue
         if node is None:
             out.append(f"--set {key}={raw}: {key} is not written, so it is left unset: the run resolves it from the "
                        "other settings (see its documentation)")

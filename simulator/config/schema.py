@@ -760,13 +760,17 @@ class ScenarioConfig(_Model):
     def _torchtitan_cpu_offload(self):
         """torchtitan's ``training.enable_cpu_offload: true`` is ``fsdp.offload_policy: {kind: cpu, pin_memory:
         true}`` (``CPUOffloadPolicy()``'s default), filled in here; beside an ``offload_policy`` it must say the
-        same. Runs before the sharding checks (pydantic runs after-validators in the order defined)."""
+        same (one given as no offload, ``OffloadPolicy`` / null, is refused: not overridden in silence). Runs before the sharding checks (pydantic runs after-validators in the order defined)."""
         if not self.training.enable_cpu_offload:
             return self
         f = self.fsdp
         if f is None or f.version != 2:
             raise ValueError("training.enable_cpu_offload: true is torchtitan's FSDP2 CPUOffloadPolicy(): it needs "
                              "fsdp: {version: 2} (allowed: add it, or fsdp.cpu_offload with fsdp.version 1)")
+        if f.offload_policy is None and "offload_policy" in f.model_fields_set:
+            raise ValueError("training.enable_cpu_offload: true (torchtitan's CPUOffloadPolicy()) contradicts "
+                             "fsdp.offload_policy given as no offload (OffloadPolicy / null) (allowed: one of them: "
+                             "training.enable_cpu_offload false, or omit fsdp.offload_policy)")
         if f.offload_policy is None:
             # the section is frozen: the filled-in policy replaces it once, at validation
             object.__setattr__(self, "fsdp", f.model_copy(update={"offload_policy": FsdpOffloadPolicy()}))

@@ -62,6 +62,10 @@ BAD = {
     "it needs fsdp: {version: 2}": ["fsdp={version: 1}", "training.enable_cpu_offload=true"],
     "contradicts fsdp.offload_policy pin_memory false": [
         "fsdp={version: 2, offload_policy: {pin_memory: false}}", "training.enable_cpu_offload=true"],
+    "contradicts fsdp.offload_policy given as no offload (OffloadPolicy / null)": [
+        "fsdp={version: 2, offload_policy: OffloadPolicy}", "training.enable_cpu_offload=true"],
+    "fsdp.offload_policy given as no offload": ["fsdp={version: 2, offload_policy: null}",
+                                                "training.enable_cpu_offload=true"],
     "fsdp.offload_policy: OffloadPolicy (no offload) takes no pin_memory": [
         "fsdp={version: 2, offload_policy: OffloadPolicy}", "fsdp.offload_policy.pin_memory=false"],
     "fsdp.offload_policy with gradient accumulation": [

@@ -127,3 +127,19 @@ def test_null_says_which_default_the_key_took():
         "--set training.clip_grad=null: training.clip_grad is not written, so it is left unset: the run resolves it "
         "from the other settings (see its documentation)",
         "--set hardware.host=~: hardware.host is not written, so it takes the schema's default: 'h200-measured-host'"]
+
+
+def test_null_on_a_section_the_validators_fill_says_it_was_derived():
+    """``--set fsdp.offload_policy=null`` on a scenario with torchtitan's ``training.enable_cpu_offload: true``
+    removes the key, and the validator fills it back in (``CPUOffloadPolicy()``): the run offloads anyway, which
+    the note says. Before, the section was skipped and the offload kept in silence."""
+    from simulator.config.loader import load_scenario
+
+    path = "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp2_offload.yaml"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario(path, ["fsdp.offload_policy=null"])
+    notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
+    assert cfg.fsdp.offload_policy is not None
+    assert notes == ["--set fsdp.offload_policy=null: fsdp.offload_policy is not written, so it is derived from the "
+                     "other settings: {'kind': 'cpu', 'pin_memory': True}"]
