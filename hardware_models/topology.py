@@ -9,6 +9,10 @@ a ``tier`` (``nvlink``, ``pcie``, ``host``, ``net``). The edge names and capacit
 ``hardware_models.fabrics.FluidNetwork`` unchanged (``Topology.capacities()``); a route between
 two devices (``Topology.route``) is computed once per pair and cached.
 
+The graph is built lazily: one template node (node 0), the network core and the nodes a query touches;
+nodes are copies of the template and the network is wired by formula, so building and querying a cluster
+costs the same at any node count (``Topology.graph``, the complete graph, is built only on demand).
+
 Graph node names: ``n{k}.gpu{i}``, ``n{k}.nvswitch``, ``n{k}.pcie{j}``, ``n{k}.cpu{s}``,
 ``n{k}.mem{s}``, ``n{k}.nic{r}``; network switches ``leaf{l}`` and ``spine{x}``. Global rank
 ``r`` is GPU ``r % gpus_per_node`` of node ``r // gpus_per_node``.
@@ -287,7 +291,8 @@ class Topology:
         return rank // self.cluster.gpus_per_node
 
     # links
-    def _link(self, u: str, v: str, cap: float, tier: str, latency_s: float = 0.0, g: "nx.DiGraph | None" = None) -> None:
+    def _link(self, u: str, v: str, cap: float, tier: str, latency_s: float = 0.0,
+              g: "nx.DiGraph | None" = None) -> None:
         g = self._g if g is None else g
         for a, b in ((u, v), (v, u)):
             g.add_edge(a, b, name=f"{a}->{b}", capacity_bytes_per_s=float(cap), tier=tier, latency_s=float(latency_s))
