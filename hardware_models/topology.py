@@ -198,6 +198,11 @@ def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkS
 MAX_NODES = 4096
 
 
+def _edge(name: str, cap: float, tier: str, latency_s: float) -> dict:
+    """One directed link's attributes (module docstring)."""
+    return {"name": name, "capacity_bytes_per_s": float(cap), "tier": tier, "latency_s": float(latency_s)}
+
+
 class Topology:
     """The directed link graph of ``nodes`` x ``cluster`` joined by ``network``, built lazily.
 
@@ -237,6 +242,7 @@ class Topology:
 
         self._ready = False
         self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._links: dict[str, dict] = {}  # link() answers
         self._node0_paths: dict[tuple[str, str], list[str] | None] = {}
         self._g = nx.DiGraph()  # the graph _link / _build_node write to
         self._build_node(0)
@@ -295,7 +301,7 @@ class Topology:
               g: "nx.DiGraph | None" = None) -> None:
         g = self._g if g is None else g
         for a, b in ((u, v), (v, u)):
-            g.add_edge(a, b, name=f"{a}->{b}", capacity_bytes_per_s=float(cap), tier=tier, latency_s=float(latency_s))
+            g.add_edge(a, b, **_edge(f"{a}->{b}", cap, tier, latency_s))
 
     def _build_node(self, k: int) -> None:
         c = self.cluster
@@ -415,11 +421,18 @@ class Topology:
         if k is not None:
             self._ensure(k)
             return True
+        return self._attrs(dev) is not None
+
+    def _attrs(self, dev: str) -> dict | None:
+        """Attributes of device ``dev`` without building its node (a node-local device: the template's, whose
+        ``node`` is 0); None: no such device. A fat-tree leaf is built with its first node."""
+        if self._node_index(dev) is not None:
+            return self._local.nodes["n0." + dev.partition(".")[2]]
         if self.network is not None and self.network.kind == "fat_tree" and dev.startswith("leaf"):
             num = dev[4:]
             if num.isdigit() and str(int(num)) == num and int(num) < self._n_leaves():
                 self._ensure(int(num) * self.network.nodes_per_leaf)
-        return dev in self._lazy
+        return self._lazy.nodes[dev] if dev in self._lazy else None
 
     def _check_connected(self) -> None:
         """Every GPU reachable from ``n0.gpu0``, decided on the template: node ``k``'s GPUs are copies of
@@ -454,18 +467,38 @@ class Topology:
         return {d["name"]: d["capacity_bytes_per_s"] for _, _, d in self.graph.edges(data=True)}
 
     def link(self, name: str) -> dict:
-        """Edge attributes of link ``name`` (``"u->v"``). Raises: KeyError: unknown link."""
+        """Edge attributes of link ``name`` (``"u->v"``; a link inside a node or a NIC's uplink without building
+        the node). Raises: KeyError: unknown link."""
+        hit = self._links.get(name)
+        if hit is not None:
+            return hit
         u, v = name.split("->")
-        self._has(u)
-        self._has(v)
-        return self._lazy.edges[u, v]
+        ku, kv = self._node_index(u), self._node_index(v)
+        n = self.network
+        if ku is not None and ku == kv:
+            d = {**self._local.edges["n0." + u.partition(".")[2], "n0." + v.partition(".")[2]], "name": name}
+        elif n is not None and (ku is None) != (kv is None) and self._is_uplink(u, v):
+            d = _edge(name, n.nic_bytes_per_s, "net", n.link_latency_s)
+        else:
+            self._has(u)
+            self._has(v)
+            d = self._lazy.edges[u, v]
+        self._links[name] = d
+        return d
+
+    def _is_uplink(self, u: str, v: str) -> bool:
+        """``u``-``v`` (either way) is a NIC and the leaf ``_leaf_of`` wires it to."""
+        nic, leaf = (u, v) if self._node_index(u) is not None else (v, u)
+        a = self._attrs(nic)
+        return a.get("kind") == "nic" and leaf == self._leaf_of(self._node_index(nic), a["rail"])
 
     def kind(self, dev: str) -> str | None:
         """The ``kind`` of device ``dev`` (``gpu``, ``nic``, ``pcie_switch``, ``cpu``, ...; a fat-tree leaf has
         none). Raises: TopologyError: unknown device."""
-        if not self._has(dev):
+        a = self._attrs(dev)
+        if a is None:
             raise TopologyError(f"link to a device that does not exist: {dev!r}")
-        return self._lazy.nodes[dev].get("kind")
+        return a.get("kind")
 
     def out_links(self, dev: str) -> list[tuple[str, dict]]:
         """``(neighbour, edge attributes)`` of every link leaving ``dev``, in the complete graph's order.
@@ -486,15 +519,14 @@ class Topology:
         hit = self._routes.get(key)
         if hit is not None:
             return hit
-        for node in key:
-            if not self._has(node):
+        a, b = self._attrs(src), self._attrs(dst)
+        for node, attrs in ((src, a), (dst, b)):
+            if attrs is None:
                 raise TopologyError(f"link to a device that does not exist: {node!r}")
         if src == dst:
             self._routes[key] = ()
             return ()
         ka, kb = self._node_index(src), self._node_index(dst)
-        g = self._lazy
-        a, b = g.nodes[src], g.nodes[dst]
         nics = self.cluster.nics_per_node
         if ka is not None and ka == kb:
             path = self._in_node(src, dst, ka)

@@ -92,10 +92,11 @@ def test_a_large_cluster_builds_only_the_nodes_queried():
                      "leaf3->n1777.nic3", "n1777.nic3->n1777.pcie1", "n1777.pcie1->n1777.gpu3")
     assert topo.link("n1777.nic3->leaf3")["capacity_bytes_per_s"] == 10e9
     assert topo.link("leaf3->spine0")["capacity_bytes_per_s"] == 4096 * 10e9  # rail: every node's NIC, 1:1
+    per_node = len(topo._local)
+    assert len(topo._lazy) == per_node + 8 + 1  # routes and link lookups build no node: node 0, 8 leaves, the spine
     assert port_capacities(topo, rank) == {"nvlink.tx": 450e9, "nvlink.rx": 450e9, "nic.tx": 10e9, "nic.rx": 10e9}
     share = uplink_share(topo, rank, range(rank - 3, rank + 5))
     assert (share.uplink, share.sharers) == ("n1777.pcie1->n1777.cpu0", 2)
-    per_node = len([v for v in topo._local])
     assert len(topo._lazy) == 2 * per_node + 8 + 1  # nodes 0 and 1,777, 8 rail leaves, the spine
     with pytest.raises(TopologyError, match="does not exist: 'n4096.gpu0'"):
         topo.route("n0.gpu0", "n4096.gpu0")
