@@ -145,37 +145,34 @@ PORT_LINKS = ("nvlink.tx", "nvlink.rx", "pcie.d2h", "pcie.h2d", "pcie.duplex", "
 
 def _port_map(topo, rank: int) -> dict[str, tuple[str, ...]]:
     """Topology link name -> the names of ``PORT_LINKS`` it is, for the links of ``rank``'s own GPU and NIC."""
-    g = topo.graph
     gpu = topo.gpu(rank)
     out: dict[str, tuple[str, ...]] = {}
-    for _, v, d in g.out_edges(gpu, data=True):
-        kind = g.nodes[v].get("kind")
+    for v, d in topo.out_links(gpu):
+        kind = topo.kind(v)
         if d["tier"] == "nvlink":
             out[d["name"]] = ("nvlink.tx",)
-            out[g.edges[v, gpu]["name"]] = ("nvlink.rx",)
+            out[topo.link(f"{v}->{gpu}")["name"]] = ("nvlink.rx",)
         elif kind in ("pcie_switch", "cpu"):
             out[d["name"]] = ("pcie.d2h", "pcie.duplex")
-            out[g.edges[v, gpu]["name"]] = ("pcie.h2d", "pcie.duplex")
+            out[topo.link(f"{v}->{gpu}")["name"]] = ("pcie.h2d", "pcie.duplex")
     nics = topo.cluster.nics_per_node
     if topo.network is not None and nics:
         nic = f"n{topo.node_of(rank)}.nic{(rank % topo.gpus_per_node) % nics}"
-        for _, v, d in g.out_edges(nic, data=True):
+        for v, d in topo.out_links(nic):
             if d["tier"] == "net":
                 out[d["name"]] = ("nic.tx",)
-                out[g.edges[v, nic]["name"]] = ("nic.rx",)
+                out[topo.link(f"{v}->{nic}")["name"]] = ("nic.rx",)
     return out
 
 
 def port_capacities(topo, rank: int) -> dict[str, float]:
     """Datasheet capacity (bytes/s) of ``rank``'s NVLink port and NIC rail links, by ``PORT_LINKS`` name
     (the PCIe link's rates are the copy profile's, set by the caller); absent where the rank has none."""
-    g = topo.graph
     caps: dict[str, float] = {}
     for name, locals_ in _port_map(topo, rank).items():
         for loc in locals_:
             if not loc.startswith("pcie."):
-                u, v = name.split("->")
-                caps[loc] = g.edges[u, v]["capacity_bytes_per_s"]
+                caps[loc] = topo.link(name)["capacity_bytes_per_s"]
     return caps
 
 

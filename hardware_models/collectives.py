@@ -263,8 +263,7 @@ class CollectiveModel:
             self._ring_eff.setdefault("net", net.busbw_efficiency)
             self._p2p_eff.setdefault("net", net.p2p_efficiency)
             self._p2p_lat.setdefault("net", net.p2p_latency_s)
-        used = {d["tier"] for _, _, d in topology.graph.edges(data=True)}
-        for tier in used:
+        for tier in topology.tiers():
             for what, d in (("ring_efficiency", self._ring_eff), ("p2p_efficiency", self._p2p_eff),
                             ("p2p_latency_s", self._p2p_lat)):
                 if tier not in d:

@@ -49,10 +49,9 @@ class UplinkShare:
 
 def _switch_of(topo, rank: int) -> tuple[str | None, str | None]:
     """(PCIe switch node, GPU->switch edge name) of ``rank``'s GPU; (None, None) on a CPU root port."""
-    g = topo.graph
     gpu = topo.gpu(rank)
-    for _, v, d in g.out_edges(gpu, data=True):
-        if g.nodes[v].get("kind") == "pcie_switch":
+    for v, d in topo.out_links(gpu):
+        if topo.kind(v) == "pcie_switch":
             return v, d["name"]
     return None, None
 
@@ -71,12 +70,10 @@ def uplink_share(topo, rank: int, ranks) -> UplinkShare | None:
     sw, gpu_edge = _switch_of(topo, rank)
     if sw is None:
         return None
-    g = topo.graph
-    up = next((d for _, v, d in g.out_edges(sw, data=True) if g.nodes[v].get("kind") == "cpu"), None)
+    up = next((d for v, d in topo.out_links(sw) if topo.kind(v) == "cpu"), None)
     if up is None:
         return None
     node = topo.node_of(rank)
     sharers = sum(1 for r in set(ranks) | {rank} if topo.node_of(r) == node and _switch_of(topo, r)[0] == sw)
-    u, v = gpu_edge.split("->")
     return UplinkShare(up["name"], sharers, float(up["capacity_bytes_per_s"]),
-                       float(g.edges[u, v]["capacity_bytes_per_s"]))
+                       float(topo.link(gpu_edge)["capacity_bytes_per_s"]))

@@ -9,6 +9,10 @@ a ``tier`` (``nvlink``, ``pcie``, ``host``, ``net``). The edge names and capacit
 ``hardware_models.fabrics.FluidNetwork`` unchanged (``Topology.capacities()``); a route between
 two devices (``Topology.route``) is computed once per pair and cached.
 
+The graph is built lazily: one template node (node 0), the network core and the nodes a query touches;
+nodes are copies of the template and the network is wired by formula, so building and querying a cluster
+costs the same at any node count (``Topology.graph``, the complete graph, is built only on demand).
+
 Graph node names: ``n{k}.gpu{i}``, ``n{k}.nvswitch``, ``n{k}.pcie{j}``, ``n{k}.cpu{s}``,
 ``n{k}.mem{s}``, ``n{k}.nic{r}``; network switches ``leaf{l}`` and ``spine{x}``. Global rank
 ``r`` is GPU ``r % gpus_per_node`` of node ``r // gpus_per_node``.
@@ -194,8 +198,20 @@ def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkS
 MAX_NODES = 4096
 
 
+def _edge(name: str, cap: float, tier: str, latency_s: float) -> dict:
+    """One directed link's attributes (module docstring)."""
+    return {"name": name, "capacity_bytes_per_s": float(cap), "tier": tier, "latency_s": float(latency_s)}
+
+
 class Topology:
-    """The directed link graph of ``nodes`` x ``cluster`` joined by ``network``.
+    """The directed link graph of ``nodes`` x ``cluster`` joined by ``network``, built lazily.
+
+    Every node is a copy of one template node (node 0, ``_build_node(0)``) renamed ``n{k}.``, and the
+    network wires NIC ``r`` of node ``k`` to one leaf by formula (``_leaf_of``), so the topology keeps the
+    template, the network core (rail: its leaves and spine) and only the nodes a query touches
+    (``link``, ``out_links``, ``kind``, ``route``): building and querying it costs the same at 2 nodes and at
+    ``MAX_NODES``. Every query answers what the complete graph answers (``graph``, built in full on first
+    use, O(nodes): for ``capacities`` and searches that leave the structure, e.g. a route from a leaf).
 
     Args:
         cluster: The node description.
@@ -204,7 +220,8 @@ class Topology:
 
     Raises:
         TopologyError: ``nodes < 1``, several nodes without a network or NICs, NIC counts that do
-            not match, or a graph in which some GPU cannot reach another.
+            not match, or a graph in which some GPU cannot reach another (checked structurally on the
+            template: ``_check_connected``).
     """
 
     def __init__(self, cluster: ClusterSpec, nodes: int = 1, network: NetworkSpec | None = None):
@@ -223,14 +240,39 @@ class Topology:
         self.network = network if nodes > 1 else None
         import networkx as nx
 
-        self.graph = nx.DiGraph()
+        self._ready = False
         self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
-        self._node0_paths: dict[tuple[str, str], list[str]] = {}
-        for k in range(nodes):
-            self._build_node(k)
-        if self.network is not None:
-            self._build_network()
+        self._links: dict[str, dict] = {}  # link() answers
+        self._node0_paths: dict[tuple[str, str], list[str] | None] = {}
+        self._g = nx.DiGraph()  # the graph _link / _build_node write to
+        self._build_node(0)
+        self._local = self._g  # the template: node 0's devices and links
         self._check_connected()
+        self._lazy = self._local.copy()  # template + network core + the nodes queries touched
+        self._g = self._lazy
+        self._built: set[int] = set()
+        self._full: nx.DiGraph | None = None
+        if self.network is not None:
+            if self.network.kind == "rail":
+                for r in range(self.cluster.nics_per_node):
+                    self._lazy.add_node(f"leaf{r}", kind="leaf")
+            self._ensure(0)
+            if self.network.kind == "rail" and self._n_leaves() > 1:
+                for r in range(self.cluster.nics_per_node):
+                    self._spine_link(f"leaf{r}", self._lazy)
+        self._built.add(0)
+        self._tmpl = self._lazy.copy()  # fixed search graph of in-node routes: node 0 + its uplinks + core
+        self._ready = True
+
+    @property
+    def graph(self) -> "nx.DiGraph":
+        """The complete directed graph (all nodes, built on first use in the order of the module docstring;
+        O(nodes) time and memory). While the template is built: the graph under construction."""
+        if not self._ready:
+            return self._g
+        if self._full is None:
+            self._full = self._build_full()
+        return self._full
 
     # world
     @property
@@ -255,10 +297,11 @@ class Topology:
         return rank // self.cluster.gpus_per_node
 
     # links
-    def _link(self, u: str, v: str, cap: float, tier: str, latency_s: float = 0.0) -> None:
+    def _link(self, u: str, v: str, cap: float, tier: str, latency_s: float = 0.0,
+              g: "nx.DiGraph | None" = None) -> None:
+        g = self._g if g is None else g
         for a, b in ((u, v), (v, u)):
-            self.graph.add_edge(a, b, name=f"{a}->{b}", capacity_bytes_per_s=float(cap), tier=tier,
-                                latency_s=float(latency_s))
+            g.add_edge(a, b, **_edge(f"{a}->{b}", cap, tier, latency_s))
 
     def _build_node(self, k: int) -> None:
         c = self.cluster
@@ -294,50 +337,176 @@ class Topology:
             for i in range(0, c.gpus_per_node, 2):
                 self._link(f"{p}gpu{i}", f"{p}gpu{i + 1}", c.nvlink_bytes_per_s, "nvlink", c.nvlink_latency_s)
 
-    def _build_network(self) -> None:
+    # -- the network by formula -----------------------------------------------------------------
+    def _n_leaves(self) -> int:
         n = self.network
         assert n is not None
-        lat = n.link_latency_s
-        if n.kind == "rail":
-            rails = self.cluster.nics_per_node
-            leaves = [f"leaf{r}" for r in range(rails)]
-            for leaf in leaves:
-                self.graph.add_node(leaf, kind="leaf")
-            for k in range(self.nodes):
-                for r in range(rails):
-                    self._link(f"n{k}.nic{r}", f"leaf{r}", n.nic_bytes_per_s, "net", lat)
-            down = self.nodes * n.nic_bytes_per_s
-        else:
-            n_leaves = -(-self.nodes // n.nodes_per_leaf)
-            leaves = [f"leaf{l}" for l in range(n_leaves)]
-            for k in range(self.nodes):
-                for r in range(self.cluster.nics_per_node):
-                    self._link(f"n{k}.nic{r}", f"leaf{k // n.nodes_per_leaf}", n.nic_bytes_per_s, "net", lat)
-            down = n.nodes_per_leaf * self.cluster.nics_per_node * n.nic_bytes_per_s
-        if len(leaves) > 1:
-            self.graph.add_node("spine0", kind="spine")
-            for leaf in leaves:
-                # one aggregate uplink per leaf: downlink capacity / oversubscription
-                self._link(leaf, "spine0", down / n.oversubscription, "net", lat)
+        return self.cluster.nics_per_node if n.kind == "rail" else -(-self.nodes // n.nodes_per_leaf)
 
-    def _check_connected(self) -> None:
+    def _leaf_of(self, k: int, r: int) -> str:
+        """The leaf NIC ``r`` of node ``k`` is wired to (rail: leaf ``r``; fat tree: the node's leaf)."""
+        n = self.network
+        assert n is not None
+        return f"leaf{r}" if n.kind == "rail" else f"leaf{k // n.nodes_per_leaf}"
+
+    def _spine_link(self, leaf: str, g: "nx.DiGraph") -> None:
+        """One aggregate uplink per leaf: its downlink capacity / oversubscription."""
+        n = self.network
+        assert n is not None
+        down = (self.nodes * n.nic_bytes_per_s if n.kind == "rail"
+                else n.nodes_per_leaf * self.cluster.nics_per_node * n.nic_bytes_per_s)
+        if "spine0" not in g:
+            g.add_node("spine0", kind="spine")
+        self._link(leaf, "spine0", down / n.oversubscription, "net", n.link_latency_s, g)
+
+    def _copy_node(self, k: int, g: "nx.DiGraph") -> None:
+        """Add node ``k`` to ``g``: the template's devices and links renamed ``n{k}.`` (attribute ``node``: k)."""
+        own = f"n{k}."
+        for v, d in self._local.nodes(data=True):
+            g.add_node(own + v[3:], **({**d, "node": k} if "node" in d else d))
+        for u, nbrs in self._local.adj.items():
+            a = own + u[3:]
+            for v, d in nbrs.items():
+                b = own + v[3:]
+                g.add_edge(a, b, **{**d, "name": f"{a}->{b}"})
+
+    def _ensure(self, k: int) -> None:
+        """Materialise node ``k`` (its devices, links and uplinks; a fat-tree leaf with its first node)."""
+        if k in self._built:
+            return
+        g = self._lazy
+        if k:
+            self._copy_node(k, g)
+        n = self.network
+        if n is not None:
+            for r in range(self.cluster.nics_per_node):
+                leaf = self._leaf_of(k, r)
+                new = leaf not in g
+                self._link(f"n{k}.nic{r}", leaf, n.nic_bytes_per_s, "net", n.link_latency_s, g)
+                if new and n.kind == "fat_tree" and self._n_leaves() > 1:
+                    self._spine_link(leaf, g)
+        self._built.add(k)
+
+    def _build_full(self) -> "nx.DiGraph":
+        """The complete graph: every node, then the network (leaves, uplinks node by node, the spine)."""
         import networkx as nx
 
-        gpus = [f"n{k}.gpu{i}" for k in range(self.nodes) for i in range(self.cluster.gpus_per_node)]
-        reach = nx.descendants(self.graph, gpus[0]) | {gpus[0]}
-        missing = [g for g in gpus if g not in reach]
+        g = nx.DiGraph()
+        for k in range(self.nodes):
+            self._copy_node(k, g)
+        n = self.network
+        if n is not None:
+            if n.kind == "rail":
+                for r in range(self.cluster.nics_per_node):
+                    g.add_node(f"leaf{r}", kind="leaf")
+            for k in range(self.nodes):
+                for r in range(self.cluster.nics_per_node):
+                    self._link(f"n{k}.nic{r}", self._leaf_of(k, r), n.nic_bytes_per_s, "net", n.link_latency_s, g)
+            if self._n_leaves() > 1:
+                for leaf in range(self._n_leaves()):
+                    self._spine_link(f"leaf{leaf}", g)
+        return g
+
+    def _node_index(self, dev: str) -> int | None:
+        """Node ``k`` of a node-local device name ``n{k}.<template device>``; None for any other name."""
+        head, dot, tail = dev.partition(".")
+        if not dot or head[:1] != "n" or not head[1:].isdigit() or str(int(head[1:])) != head[1:]:
+            return None
+        k = int(head[1:])
+        return k if k < self.nodes and "n0." + tail in self._local else None
+
+    def _has(self, dev: str) -> bool:
+        """``dev`` is a device of the topology (materialising its node, or its fat-tree leaf)."""
+        k = self._node_index(dev)
+        if k is not None:
+            self._ensure(k)
+            return True
+        return self._attrs(dev) is not None
+
+    def _attrs(self, dev: str) -> dict | None:
+        """Attributes of device ``dev`` without building its node (a node-local device: the template's, whose
+        ``node`` is 0); None: no such device. A fat-tree leaf is built with its first node."""
+        if self._node_index(dev) is not None:
+            return self._local.nodes["n0." + dev.partition(".")[2]]
+        if self.network is not None and self.network.kind == "fat_tree" and dev.startswith("leaf"):
+            num = dev[4:]
+            if num.isdigit() and str(int(num)) == num and int(num) < self._n_leaves():
+                self._ensure(int(num) * self.network.nodes_per_leaf)
+        return self._lazy.nodes[dev] if dev in self._lazy else None
+
+    def _check_connected(self) -> None:
+        """Every GPU reachable from ``n0.gpu0``, decided on the template: node ``k``'s GPUs are copies of
+        node 0's, and the network joins every NIC to every other (each NIC has its uplink; the leaves share
+        the spine), so a GPU of node ``k`` is reached iff node 0's GPU 0 reaches one of its own NICs and the GPU
+        is reached from one of its node's NICs inside the node (node 0: or from GPU 0 inside the node)."""
+        import networkx as nx
+
+        g, c = self._local, self.cluster
+        src = "n0.gpu0"
+        own = nx.descendants(g, src) | {src}
+        nics = [f"n0.nic{r}" for r in range(c.nics_per_node)] if self.nodes > 1 else []
+        out = bool(nics) and any(n in own for n in nics)
+        via_net: set[str] = set()
+        if out:
+            for n in nics:
+                via_net |= nx.descendants(g, n)
+        missing = [f"n0.gpu{i}" for i in range(c.gpus_per_node) if f"n0.gpu{i}" not in own | via_net]
+        if not missing and self.nodes > 1:
+            missing = [f"n1.gpu{i}" for i in range(c.gpus_per_node) if f"n0.gpu{i}" not in via_net]
         if missing:
             raise TopologyError(f"topology of {self.cluster.name} x {self.nodes} is disconnected: "
-                                f"{missing[0]} cannot be reached from {gpus[0]}")
+                                f"{missing[0]} cannot be reached from {src}")
+
+    def tiers(self) -> set[str]:
+        """Tiers of the topology's links (the template's, plus ``net`` with a network)."""
+        used = {d["tier"] for _, _, d in self._local.edges(data=True)}
+        return used | ({"net"} if self.network is not None else set())
 
     def capacities(self) -> dict[str, float]:
-        """Link name -> datasheet capacity, bytes/s (the ``FluidNetwork`` argument)."""
+        """Link name -> datasheet capacity, bytes/s (the ``FluidNetwork`` argument; every link: O(nodes))."""
         return {d["name"]: d["capacity_bytes_per_s"] for _, _, d in self.graph.edges(data=True)}
 
     def link(self, name: str) -> dict:
-        """Edge attributes of link ``name`` (``"u->v"``). Raises: KeyError: unknown link."""
+        """Edge attributes of link ``name`` (``"u->v"``; a link inside a node or a NIC's uplink without building
+        the node). Raises: KeyError: unknown link."""
+        hit = self._links.get(name)
+        if hit is not None:
+            return hit
         u, v = name.split("->")
-        return self.graph.edges[u, v]
+        ku, kv = self._node_index(u), self._node_index(v)
+        n = self.network
+        if ku is not None and ku == kv:
+            d = {**self._local.edges["n0." + u.partition(".")[2], "n0." + v.partition(".")[2]], "name": name}
+        elif n is not None and (ku is None) != (kv is None) and self._is_uplink(u, v):
+            d = _edge(name, n.nic_bytes_per_s, "net", n.link_latency_s)
+        else:
+            self._has(u)
+            self._has(v)
+            d = self._lazy.edges[u, v]
+        self._links[name] = d
+        return d
+
+    def _is_uplink(self, u: str, v: str) -> bool:
+        """``u``-``v`` (either way) is a NIC and the leaf ``_leaf_of`` wires it to."""
+        nic, leaf = (u, v) if self._node_index(u) is not None else (v, u)
+        a = self._attrs(nic)
+        return a.get("kind") == "nic" and leaf == self._leaf_of(self._node_index(nic), a["rail"])
+
+    def kind(self, dev: str) -> str | None:
+        """The ``kind`` of device ``dev`` (``gpu``, ``nic``, ``pcie_switch``, ``cpu``, ...; a fat-tree leaf has
+        none). Raises: TopologyError: unknown device."""
+        a = self._attrs(dev)
+        if a is None:
+            raise TopologyError(f"link to a device that does not exist: {dev!r}")
+        return a.get("kind")
+
+    def out_links(self, dev: str) -> list[tuple[str, dict]]:
+        """``(neighbour, edge attributes)`` of every link leaving ``dev``, in the complete graph's order.
+        Raises: TopologyError: unknown device."""
+        if not self._has(dev):
+            raise TopologyError(f"link to a device that does not exist: {dev!r}")
+        g = self._lazy if self._node_index(dev) is not None else self.graph  # a leaf's links span all nodes
+        return list(g.adj[dev].items())
 
     def route(self, src: str, dst: str) -> tuple[str, ...]:
         """Link names from graph node ``src`` to ``dst`` (cached; NVLink preferred over PCIe, CPU,
@@ -350,62 +519,58 @@ class Topology:
         hit = self._routes.get(key)
         if hit is not None:
             return hit
-        for node in key:
-            if node not in self.graph:
+        a, b = self._attrs(src), self._attrs(dst)
+        for node, attrs in ((src, a), (dst, b)):
+            if attrs is None:
                 raise TopologyError(f"link to a device that does not exist: {node!r}")
         if src == dst:
             self._routes[key] = ()
             return ()
-        g = self.graph
-        a, b = g.nodes[src], g.nodes[dst]
+        ka, kb = self._node_index(src), self._node_index(dst)
         nics = self.cluster.nics_per_node
-        if (self.network is not None and a.get("kind") == "gpu" and b.get("kind") == "gpu"
-                and a["node"] != b["node"] and nics):
+        if ka is not None and ka == kb:
+            path = self._in_node(src, dst, ka)
+        elif self.network is not None and a.get("kind") == "gpu" and b.get("kind") == "gpu" and nics:
             # rail affinity: GPU i leaves and enters through NIC i % nics (one NIC per GPU on HGX;
             # NCCL picks the closest NIC per GPU, src/graph/search.cc)
-            na, nb = f"n{a['node']}.nic{a['local'] % nics}", f"n{b['node']}.nic{b['local'] % nics}"
-            path = self._in_node(src, na)[:-1] + self._net_path(na, nb)[:-1] + self._in_node(nb, dst)
-        elif a.get("node") is not None and a.get("node") == b.get("node"):
-            path = self._in_node(src, dst)
+            na, nb = f"n{ka}.nic{a['local'] % nics}", f"n{kb}.nic{b['local'] % nics}"
+            path = self._in_node(src, na, ka)[:-1] + self._net_path(na, nb)[:-1] + self._in_node(nb, dst, kb)
         else:
             path = self._path(src, dst)
-        names = tuple(g.edges[u, v]["name"] for u, v in zip(path, path[1:]))
+        names = tuple(f"{u}->{v}" for u, v in zip(path, path[1:]))
         self._routes[key] = names
         return names
 
-    def _in_node(self, src: str, dst: str) -> list[str]:
-        """Path between two devices of one node: node 0's path, renamed (every node is built alike),
-        so a ring over thousands of nodes costs one search per pair of local devices."""
-        k = self.graph.nodes[src]["node"]
-        if k == 0:
-            return self._path(src, dst)
+    def _in_node(self, src: str, dst: str, k: int) -> list[str]:
+        """Path between two devices of node ``k``: the template's path (searched on node 0 with its uplinks and
+        the network core), renamed (every node is a copy), so a ring over thousands of nodes costs one search per
+        pair of local devices; a search of the complete graph if the template's path leaves the node."""
         own = f"n{k}."
         tmpl_key = ("n0." + src[len(own):], "n0." + dst[len(own):])
-        tmpl = self._node0_paths.get(tmpl_key)
-        if tmpl is None:
-            tmpl = self._node0_paths[tmpl_key] = self._path(*tmpl_key)
-        if not all(v.startswith("n0.") for v in tmpl):  # the path leaves the node: search this pair
+        if tmpl_key not in self._node0_paths:
+            try:
+                self._node0_paths[tmpl_key] = self._search(self._tmpl, *tmpl_key)
+            except TopologyError:  # joined only through another node: search this pair
+                self._node0_paths[tmpl_key] = None
+        tmpl = self._node0_paths[tmpl_key]
+        if tmpl is None or not all(v.startswith("n0.") for v in tmpl):  # the path leaves the node: search this pair
             return self._path(src, dst)
-        return [own + v[3:] for v in tmpl]
+        return tmpl if k == 0 else [own + v[3:] for v in tmpl]
 
     def _net_path(self, na: str, nb: str) -> list[str]:
-        """NIC-to-NIC path over the scale-out network: NIC -> its leaf (-> spine -> the other leaf)
-        -> NIC, as ``_build_network`` wires it (one spine); a search only if the wiring differs."""
-        g = self.graph
-
-        def leaf(nic: str) -> str | None:
-            return next((v for v in g.successors(nic) if g.nodes[v].get("kind") == "leaf"), None)
-
-        la, lb = leaf(na), leaf(nb)
-        path = [na, la, nb] if la == lb else [na, la, "spine0", lb, nb]
-        if la is not None and lb is not None and all(g.has_edge(u, v) for u, v in zip(path, path[1:])):
-            return path
-        return self._path(na, nb, net_only=True)
+        """NIC-to-NIC path over the scale-out network: NIC -> its leaf (-> spine -> the other leaf) -> NIC, as
+        ``_leaf_of`` wires it: the network's links form a tree (each NIC has one uplink, each leaf one spine
+        link), so this is the only path on ``net`` links, the one a search finds."""
+        la = self._leaf_of(int(na[1:na.index(".")]), int(na[na.index(".nic") + 4:]))
+        lb = self._leaf_of(int(nb[1:nb.index(".")]), int(nb[nb.index(".nic") + 4:]))
+        return [na, la, nb] if la == lb else [na, la, "spine0", lb, nb]
 
     def _path(self, src: str, dst: str, net_only: bool = False) -> list[str]:
-        import networkx as nx
+        """A search of the complete graph (``graph``)."""
+        return self._search(self.graph, src, dst, net_only)
 
-        g = self.graph
+    def _search(self, g: "nx.DiGraph", src: str, dst: str, net_only: bool = False) -> list[str]:
+        import networkx as nx
 
         def weight(u: str, v: str, d: dict) -> float | None:
             if v != dst and g.nodes[v].get("kind") == "gpu":
