@@ -155,23 +155,25 @@ def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd
     steps = steps[~steps.warmup] if "warmup" in steps else steps
     sp = spans[spans.kind != "sync"]
     kind, phase = sp.kind.astype(str), sp.phase.astype(str)
-    coll = sp[kind == COLLECTIVE_KIND]
-    group = comm_group(coll.stream)
+    iv = sp[["start_s", "end_s"]].to_numpy(dtype=float)  # each category's rows taken from it (no frame copies)
+    coll = (kind == COLLECTIVE_KIND).to_numpy(bool)
+    group = comm_group(sp.stream[coll]).to_numpy(object)
     groups = sorted(set(group))
-    cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
-            (BREAKDOWN_OPTIMIZER, sp[(phase == "opt") & (kind != COLLECTIVE_KIND)])]
-    cats += [(f"exposed comm ({g})", coll[group == g]) for g in groups]
-    cats += [(BREAKDOWN_COPIES, sp[kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])]),
-             (BREAKDOWN_DATA, sp[phase == DATA_PHASE])]
-    ivs = [(name, d[["start_s", "end_s"]].to_numpy(dtype=float)) for name, d in cats]
+    masks = [(BREAKDOWN_COMPUTE, (kind == COMPUTE_KIND) & (phase != "opt")),
+             (BREAKDOWN_OPTIMIZER, (phase == "opt") & (kind != COLLECTIVE_KIND))]
+    ivs = [(name, iv[m.to_numpy(bool)]) for name, m in masks]
+    ivs += [(f"exposed comm ({g})", iv[coll][group == g]) for g in groups]
+    ivs += [(name, iv[m.to_numpy(bool)]) for name, m in
+            ((BREAKDOWN_COPIES, kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])),
+             (BREAKDOWN_DATA, phase == DATA_PHASE))]
     if pipeline:
         ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches)))
     totals = dict.fromkeys([n for n, _ in ivs] + [BREAKDOWN_IDLE], 0.0)
     for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
         clipped = []
-        for name, iv in ivs:
-            iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
-            clipped.append((name, _merge(np.clip(iv, t0, t1))))
+        for name, x in ivs:
+            x = x[(x[:, 1] > t0) & (x[:, 0] < t1)]
+            clipped.append((name, _merge(np.clip(x, t0, t1))))
         edges = np.unique(np.concatenate([[t0, t1]] + [iv.ravel() for _, iv in clipped]))
         mid, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
         free = np.ones(len(mid), dtype=bool)
