@@ -147,22 +147,27 @@ def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.
     return _merge(np.stack([lo, hi], axis=1)[hi > lo])
 
 
+#: the span columns ``rank_partition`` reads (``_dependency_waits`` the step and op ids)
+_PARTITION_COLUMNS = ("step", "op_id", "stream", "kind", "phase", "start_s", "end_s")
+
+
 def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame, *,
                pipeline: bool) -> pd.DataFrame:
     """``SimulationResult.breakdown`` of one rank (``component, seconds`` per measured step): ``spans`` its spans,
     ``launches`` its host launches (used on a pipeline stage only), ``steps`` the steps whose windows are
     partitioned (``start_s, end_s``, optional ``warmup``); ``pipeline`` adds the waits for other stages."""
     steps = steps[~steps.warmup] if "warmup" in steps else steps
-    sp = spans[spans.kind != "sync"]
+    sp = spans[[c for c in _PARTITION_COLUMNS if c in spans]]  # the columns read here (no copy of the names)
+    sp = sp[sp.kind != "sync"]
     kind, phase = sp.kind.astype(str), sp.phase.astype(str)
     iv = sp[["start_s", "end_s"]].to_numpy(dtype=float)  # each category's rows taken from it (no frame copies)
     coll = (kind == COLLECTIVE_KIND).to_numpy(bool)
-    group = comm_group(sp.stream[coll]).to_numpy(object)
-    groups = sorted(set(group))
+    codes, uniq = pd.factorize(comm_group(sp.stream[coll]).to_numpy(object))
+    groups = sorted(uniq)
     masks = [(BREAKDOWN_COMPUTE, (kind == COMPUTE_KIND) & (phase != "opt")),
              (BREAKDOWN_OPTIMIZER, (phase == "opt") & (kind != COLLECTIVE_KIND))]
     ivs = [(name, iv[m.to_numpy(bool)]) for name, m in masks]
-    ivs += [(f"exposed comm ({g})", iv[coll][group == g]) for g in groups]
+    ivs += [(f"exposed comm ({g})", iv[coll][codes == list(uniq).index(g)]) for g in groups]
     ivs += [(name, iv[m.to_numpy(bool)]) for name, m in
             ((BREAKDOWN_COPIES, kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])),
              (BREAKDOWN_DATA, phase == DATA_PHASE))]
