@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from bisect import bisect_right
-
 import numpy as np
 import pandas as pd
 
@@ -26,30 +24,27 @@ def _merge(iv: np.ndarray) -> np.ndarray:
 
 
 def _subtract(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``).
+    """Disjoint intervals ``a`` minus disjoint sorted intervals ``b`` (both shape ``(n, 2)``; ``b`` as ``_merge``
+    gives them, each starting after the one before ends), in ``a``'s order.
 
-    Each interval of ``a`` is cut by the intervals of ``b`` from the first one ending after its
-    start (``bisect``) to the first one starting after its end: linear in the pieces, not ``|a| x |b|``.
+    ``a`` is intersected with the gaps of ``b`` (``(-inf, b[0].start), (b[0].end, b[1].start), ..., (b[-1].end,
+    inf)``): each interval of ``a`` with the gaps from the first ending after its start to the last starting
+    before its end (``np.searchsorted``), each piece ``(max(starts), min(ends))`` kept where it is not empty.
+    Linear in the pieces, not ``|a| x |b|``, and vectorised (a 175B pipeline stage has ~10^5 spans).
     """
-    out = []
-    bl = b.tolist()
-    ends = [be for _, be in bl]
-    for s, e in a.tolist():
-        cur = s
-        for k in range(bisect_right(ends, cur), len(bl)):
-            bs, be = bl[k]
-            if bs >= e:
-                break
-            if be <= cur:
-                continue
-            if bs > cur:
-                out.append((cur, bs))
-            cur = max(cur, be)
-            if cur >= e:
-                break
-        if cur < e:
-            out.append((cur, e))
-    return np.asarray(out, dtype=float).reshape(-1, 2)
+    if len(a) == 0:
+        return np.zeros((0, 2))
+    gs = np.concatenate([[-np.inf], b[:, 1]])  # the gaps of ``b``
+    ge = np.concatenate([b[:, 0], [np.inf]])
+    s, e = a[:, 0], a[:, 1]
+    j0 = np.searchsorted(ge, s, side="right")  # first gap ending after the start
+    j1 = np.searchsorted(gs, e, side="left")  # past the last gap starting before the end
+    n = np.maximum(j1 - j0, 0)
+    i = np.repeat(np.arange(len(a)), n)
+    j = np.repeat(j0 - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+    lo, hi = np.maximum(s[i], gs[j]), np.minimum(e[i], ge[j])
+    keep = hi > lo
+    return np.stack([lo[keep], hi[keep]], axis=1)
 
 
 _NO_INTERVALS = np.zeros((0, 2))

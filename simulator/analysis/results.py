@@ -147,31 +147,38 @@ def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.
     return _merge(np.stack([lo, hi], axis=1)[hi > lo])
 
 
+#: the span columns ``rank_partition`` reads (``_dependency_waits`` the step and op ids)
+_PARTITION_COLUMNS = ("step", "op_id", "stream", "kind", "phase", "start_s", "end_s")
+
+
 def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd.DataFrame, *,
                pipeline: bool) -> pd.DataFrame:
     """``SimulationResult.breakdown`` of one rank (``component, seconds`` per measured step): ``spans`` its spans,
     ``launches`` its host launches (used on a pipeline stage only), ``steps`` the steps whose windows are
     partitioned (``start_s, end_s``, optional ``warmup``); ``pipeline`` adds the waits for other stages."""
     steps = steps[~steps.warmup] if "warmup" in steps else steps
-    sp = spans[spans.kind != "sync"]
+    sp = spans[[c for c in _PARTITION_COLUMNS if c in spans]]  # the columns read here (no copy of the names)
+    sp = sp[sp.kind != "sync"]
     kind, phase = sp.kind.astype(str), sp.phase.astype(str)
-    coll = sp[kind == COLLECTIVE_KIND]
-    group = comm_group(coll.stream)
-    groups = sorted(set(group))
-    cats = [(BREAKDOWN_COMPUTE, sp[(kind == COMPUTE_KIND) & (phase != "opt")]),
-            (BREAKDOWN_OPTIMIZER, sp[(phase == "opt") & (kind != COLLECTIVE_KIND)])]
-    cats += [(f"exposed comm ({g})", coll[group == g]) for g in groups]
-    cats += [(BREAKDOWN_COPIES, sp[kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])]),
-             (BREAKDOWN_DATA, sp[phase == DATA_PHASE])]
-    ivs = [(name, d[["start_s", "end_s"]].to_numpy(dtype=float)) for name, d in cats]
+    iv = sp[["start_s", "end_s"]].to_numpy(dtype=float)  # each category's rows taken from it (no frame copies)
+    coll = (kind == COLLECTIVE_KIND).to_numpy(bool)
+    codes, uniq = pd.factorize(comm_group(sp.stream[coll]).to_numpy(object))
+    groups = sorted(uniq)
+    masks = [(BREAKDOWN_COMPUTE, (kind == COMPUTE_KIND) & (phase != "opt")),
+             (BREAKDOWN_OPTIMIZER, (phase == "opt") & (kind != COLLECTIVE_KIND))]
+    ivs = [(name, iv[m.to_numpy(bool)]) for name, m in masks]
+    ivs += [(f"exposed comm ({g})", iv[coll][codes == list(uniq).index(g)]) for g in groups]
+    ivs += [(name, iv[m.to_numpy(bool)]) for name, m in
+            ((BREAKDOWN_COPIES, kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])),
+             (BREAKDOWN_DATA, phase == DATA_PHASE))]
     if pipeline:
         ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches)))
     totals = dict.fromkeys([n for n, _ in ivs] + [BREAKDOWN_IDLE], 0.0)
     for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
         clipped = []
-        for name, iv in ivs:
-            iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]
-            clipped.append((name, _merge(np.clip(iv, t0, t1))))
+        for name, x in ivs:
+            x = x[(x[:, 1] > t0) & (x[:, 0] < t1)]
+            clipped.append((name, _merge(np.clip(x, t0, t1))))
         edges = np.unique(np.concatenate([[t0, t1]] + [iv.ravel() for _, iv in clipped]))
         mid, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
         free = np.ones(len(mid), dtype=bool)
