@@ -283,7 +283,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
                 raise
             raise ScenarioError("\n".join(lines)) from None
         try:
-            resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+            resolve_hardware(cfg, str(path), warn_every_time=True)  # validate presets now, with the file name in the error
         except ScenarioError:  # every unknown preset name at once (preset_names), not the first one found
             names = preset_name_problems(data)
             if len(names) < 2:
@@ -581,8 +581,11 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
 _WARNED: set[tuple[str, str]] = set()
 
 
-def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardware:
+def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_every_time: bool = False) -> Hardware:
     """Turn the hardware section into specs.
+
+    A profile fitted for another GPU warns (``ScenarioWarning``) once per process, or on every call with
+    ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep point, records its own warnings).
 
     Raises:
         ScenarioError: unknown presets, bad overrides or a missing profile file.
@@ -633,7 +636,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
         raise ScenarioError(f"{source}: hardware.profile: {exc}") from None
     if profile.gpu != gpu_name and not profile.name.startswith("generic:"):
         fallback = default_profile()
-        if (profile.name, gpu_name) not in _WARNED:  # once per process, not once per resolve
+        if warn_every_time or (profile.name, gpu_name) not in _WARNED:  # once per process, not once per resolve
             _WARNED.add((profile.name, gpu_name))
             warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
                           f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
