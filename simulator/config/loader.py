@@ -677,19 +677,20 @@ def resolve_pcie_switches(cfg: ScenarioConfig, source: str, nvme, collectives):
     given = isinstance(ref, HostRef) and ref.pcie_switches is not None
     key = "hardware.host.pcie_switches" if given else f"hardware.host {name!r} (its preset's pcie_switches)"
     try:
-        if given:
-            topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario")
+        c = collectives.topo.cluster if collectives is not None else None
+        counts = (c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
+                  nvme.drives if nvme is not None else None)
+        if given:  # every problem of the list at once, layout and ranges
+            topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario", counts)
         else:
             topo = host_pcie_switches(name)
         if topo is None:
             return None
-        c = collectives.topo.cluster if collectives is not None else None
-        topo.check(c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
-                   nvme.drives if nvme is not None else None)
+        topo.check(*counts)
         if c is not None:
             _check_against_cluster(topo, c)
     except ValueError as exc:
-        raise ScenarioError(f"{source}: {key}: {exc}") from None
+        raise ScenarioError("\n".join(f"{source}: {key}: {line}" for line in str(exc).split("\n"))) from None
     return topo
 
 
