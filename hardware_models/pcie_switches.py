@@ -48,45 +48,26 @@ class PcieSwitchTopology:
 
     Raises:
         ValueError: a device listed twice (in two switches or twice in one), a negative index, or an uplink that is
-            not a positive finite rate (one line naming the switch).
+            not a positive finite rate (one line per problem, naming the switch).
     """
 
     switches: tuple[PcieSwitch, ...]
     source: str = ""
 
     def __post_init__(self) -> None:
-        """Raises: ValueError: see the class docstring."""
-        for kind in KINDS:
-            seen: dict[int, int] = {}
-            for j, sw in enumerate(self.switches):
-                for i in getattr(sw, kind):
-                    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                        raise ValueError(f"pcie_switches[{j}].{kind}: {i!r} is not a device index (allowed: 0, 1, ...)")
-                    if i in seen:
-                        where = "twice in it" if seen[i] == j else f"also in pcie_switches[{seen[i]}]"
-                        raise ValueError(f"pcie_switches[{j}].{kind}: {kind[:-1]} {i} is listed {where} (a device sits "
-                                         "behind one switch)")
-                    seen[i] = j
-        for j, sw in enumerate(self.switches):
-            if not (sw.uplink_bytes_per_s > 0 and math.isfinite(sw.uplink_bytes_per_s)):
-                raise ValueError(f"pcie_switches[{j}].uplink_bytes_per_s must be a positive finite rate, got "
-                                 f"{sw.uplink_bytes_per_s!r}")
+        """Raises: ValueError: see the class docstring (every problem found, one line each)."""
+        if problems := layout_problems(self.switches):
+            raise ValueError("\n".join(problems))
 
     def check(self, gpus: int, nics: int | None = None, drives: int | None = None) -> None:
         """Check the indices against the node's devices (``None``: that count unknown, not checked).
 
         Raises:
-            ValueError: an index of a device the node does not have (one line naming the switch and the range).
+            ValueError: an index of a device the node does not have (one line per index, naming the switch and
+                the range).
         """
-        for kind, n in zip(KINDS, (gpus, nics, drives)):
-            if n is None:
-                continue
-            for j, sw in enumerate(self.switches):
-                bad = [i for i in getattr(sw, kind) if i >= n]
-                if bad:
-                    allowed = f"0..{n - 1}" if n else "none: the node has no " + kind
-                    raise ValueError(f"pcie_switches[{j}].{kind}: {kind[:-1]} {bad[0]} does not exist (the node has "
-                                     f"{n}; allowed: {allowed})")
+        if problems := range_problems(self.switches, gpus, nics, drives):
+            raise ValueError("\n".join(problems))
 
     def switch_of(self, kind: str, index: int) -> int | None:
         """The switch holding device ``index`` of ``kind`` (``"gpus"``, ``"nics"``, ``"drives"``), None: none."""
@@ -108,12 +89,57 @@ class PcieSwitchTopology:
         return d_max, d_max * min(u / d for d, u in loads)
 
 
-def parse_pcie_switches(value, source: str = "") -> PcieSwitchTopology:
+def layout_problems(switches) -> list[str]:
+    """One line per problem of ``switches`` (``PcieSwitch`` each) on their own: a device listed twice (in two
+    switches or twice in one), an index that is not a non-negative int, an uplink that is not a positive finite rate.
+    Raises nothing."""
+    out = []
+    for kind in KINDS:
+        seen: dict[int, int] = {}
+        for j, sw in enumerate(switches):
+            for i in getattr(sw, kind):
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    out.append(f"pcie_switches[{j}].{kind}: {i!r} is not a device index (allowed: 0, 1, ...)")
+                elif i in seen:
+                    where = "twice in it" if seen[i] == j else f"also in pcie_switches[{seen[i]}]"
+                    out.append(f"pcie_switches[{j}].{kind}: {kind[:-1]} {i} is listed {where} (a device sits "
+                               "behind one switch)")
+                else:
+                    seen[i] = j
+    for j, sw in enumerate(switches):
+        if not (sw.uplink_bytes_per_s > 0 and math.isfinite(sw.uplink_bytes_per_s)):
+            out.append(f"pcie_switches[{j}].uplink_bytes_per_s must be a positive finite rate, got "
+                       f"{sw.uplink_bytes_per_s!r}")
+    return out
+
+
+def range_problems(switches, gpus: int, nics: int | None = None, drives: int | None = None) -> list[str]:
+    """One line per index of ``switches`` beyond the node's ``gpus`` / ``nics`` / ``drives`` (``None``: that count
+    unknown, not checked), in kind then switch order; an index that is not an int is ``layout_problems``'.
+    Raises nothing."""
+    out = []
+    for kind, n in zip(KINDS, (gpus, nics, drives)):
+        if n is None:
+            continue
+        allowed = f"0..{n - 1}" if n else "none: the node has no " + kind
+        for j, sw in enumerate(switches):
+            for i in getattr(sw, kind):
+                if isinstance(i, int) and not isinstance(i, bool) and i >= n:
+                    out.append(f"pcie_switches[{j}].{kind}: {kind[:-1]} {i} does not exist (the node has {n}; "
+                               f"allowed: {allowed})")
+    return out
+
+
+def parse_pcie_switches(value, source: str = "", counts: tuple | None = None) -> PcieSwitchTopology:
     """A topology from a list of mappings ``{gpus: [...], nics: [...], drives: [...], uplink_bytes_per_s: rate}`` (a
     rate with units, ``"63 GB/s"``, or bytes/s), as a host preset or a scenario writes it.
 
+    ``counts``: the node's ``(gpus, nics, drives)`` (as ``PcieSwitchTopology.check``), checked with the layout so
+    that one error tells every problem of both.
+
     Raises:
-        ValueError: not such a list, an unknown key, or as ``PcieSwitchTopology`` (one line naming the switch).
+        ValueError: not such a list, an unknown key, or as ``PcieSwitchTopology`` (one line per problem, naming the
+            switch).
     """
     from hardware_models import units
 
@@ -137,6 +163,8 @@ def parse_pcie_switches(value, source: str = "") -> PcieSwitchTopology:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"pcie_switches[{j}].uplink_bytes_per_s: {exc}") from None
         out.append(PcieSwitch(uplink_bytes_per_s=rate, **lists))
+    if counts is not None and (problems := layout_problems(out) + range_problems(out, *counts)):
+        raise ValueError("\n".join(problems))
     return PcieSwitchTopology(tuple(out), source)
 
 

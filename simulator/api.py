@@ -642,8 +642,9 @@ def component_warnings(runtime) -> list[str]:
 def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
-    ZeRO-<stage>``, ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed optimizer`` (``none`` when that group is one rank:
-    no gradient reduction)."""
+    ZeRO-<stage>``, ``DeepSpeed BF16_Optimizer`` (stage 0, bf16 and a pipeline: ``schema.deepspeed_bf16_optimizer``),
+    ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed
+    optimizer`` (``none`` when that group is one rank: no gradient reduction)."""
     if cfg.parallelism.data_context_parallel_size == 1:
         return "none"
     if cfg.fsdp is not None and cfg.fsdp.version == 2:
@@ -654,8 +655,14 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
         return f"FSDP {cfg.fsdp.sharding_strategy}" + (f" ({rep} x {shard})" if rep > 1 else "")
     if cfg.ddp.use_distributed_optimizer:
         return "Megatron distributed optimizer"
+    if deepspeed_bf16_optimizer(cfg):
+        return BF16_OPTIMIZER
     z = cfg.zero_optimization.stage
     return f"DeepSpeed ZeRO-{z}" if z else "DDP"
+
+
+#: ``data_parallel_strategy`` of a DeepSpeed pipeline with ZeRO stage 0 and bf16
+BF16_OPTIMIZER = "DeepSpeed BF16_Optimizer"
 
 
 def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
@@ -1182,7 +1189,8 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                    "exchange); the run is the same as without it")
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
-                   "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)")
+                   + (f"({BF16_OPTIMIZER}: {_BF16_OPT_REDUCE})" if deepspeed_bf16_optimizer(cfg) else
+                      "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)"))
     stage3 = sorted(k for k in z.model_fields_set if k.startswith("stage3_"))
     if z.stage < 3 and stage3:
         out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "
@@ -1370,16 +1378,27 @@ def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
     return []
 
 
+#: how BF16_Optimizer reduces the gradients (graph.builders.bf16_optimizer: deepspeed/runtime/pipe/engine.py
+#: ``_exec_reduce_grads`` -> ``allreduce_bucket``)
+_BF16_OPT_REDUCE = "one all-reduce of the whole gradient buffer after the last backward, no overlap"
+
+
 def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     """The ``ddp`` keys given that this run's gradient reduction does not read (``ineffective_setting_warnings``):
     PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
     way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
-    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``).
-    Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway)."""
+    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``);
+    under DeepSpeed's BF16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (it reduces once, after
+    backward). Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway),
+    but for BF16_Optimizer's bucket caps (no bucketing runs)."""
     ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
     # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
     given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
-    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else
+    bf16opt = deepspeed_bf16_optimizer(cfg)
+    if bf16opt:  # no buckets at all (one all-reduce of the whole buffer): no cap describes it, the default neither
+        given |= {k for k in ("bucket_cap_mb", "first_bucket_mb") if k in ddp.model_fields_set}
+    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{BF16_OPTIMIZER} ({_BF16_OPT_REDUCE})"
+             if bf16opt else
              f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
              if z.stage > 0 else "ddp.use_distributed_optimizer (Megatron's buckets: ddp.bucket_size)"
              if ddp.use_distributed_optimizer else None)
@@ -1391,6 +1410,8 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
         out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
                    + ("fsdp: each unit's gradients are reduce-scattered as backward completes it" if f is not None else
                       "zero_optimization.stage 3: zero_optimization.overlap_comm governs"))
+    elif bf16opt and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
+        out.append(f"ddp.overlap_grad_reduce true has no effect with {BF16_OPTIMIZER}: {_BF16_OPT_REDUCE}")
     if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
         out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
                    "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "

@@ -173,7 +173,10 @@ def format_summary(s: dict, name: str) -> str:
         strategy = s.get("data_parallel_strategy") or "DDP"
         sharded = {"DeepSpeed ZeRO-1": "optimizer state sharded", "DeepSpeed ZeRO-2": "optimizer state and gradients "
                    "sharded", "DeepSpeed ZeRO-3": "parameters, gradients and optimizer state sharded",
-                   "Megatron distributed optimizer": "optimizer state sharded, gradients reduce-scattered"}.get(
+                   "Megatron distributed optimizer": "optimizer state sharded, gradients reduce-scattered",
+                   # graph.builders.bf16_optimizer: the fp32 master partition and Adam moments, like ZeRO-1
+                   "DeepSpeed BF16_Optimizer": "fp32 master weights and optimizer state sharded, gradients "
+                   "all-reduced"}.get(
             strategy, "model states sharded" if strategy.startswith("FSDP") and "NO_SHARD" not in strategy else None)
         pipe = s.get("pipeline")
         cp = s.get("context_parallel_size", 1)

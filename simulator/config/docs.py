@@ -38,9 +38,11 @@ def _type_name(annotation) -> str:
 
 
 def schema_markdown(model: type[BaseModel] = ScenarioConfig, prefix: str = "", seen=None) -> str:
-    """One table per (nested) section: key, type, default, description."""
+    """One table per (nested) section: its docstring's first paragraph (lines joined), then key, type, default,
+    description."""
     seen = set() if seen is None else seen
-    lines = [f"### `{prefix or '(top level)'}`", "", (model.__doc__ or "").strip().splitlines()[0], "",
+    intro = " ".join(line.strip() for line in (model.__doc__ or "").strip().split("\n\n")[0].splitlines())
+    lines = [f"### `{prefix or '(top level)'}`", "", intro, "",
              "| key | type | default | description |", "|---|---|---|---|"]
     nested = []
     for name, f in model.model_fields.items():

@@ -283,7 +283,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
                 raise
             raise ScenarioError("\n".join(lines)) from None
         try:
-            resolve_hardware(cfg, str(path))  # validate presets now, with the file name in the error
+            resolve_hardware(cfg, str(path), warn_every_time=True)  # validate presets now, with the file name in the error
         except ScenarioError:  # every unknown preset name at once (preset_names), not the first one found
             names = preset_name_problems(data)
             if len(names) < 2:
@@ -581,8 +581,11 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
 _WARNED: set[tuple[str, str]] = set()
 
 
-def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardware:
+def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_every_time: bool = False) -> Hardware:
     """Turn the hardware section into specs.
+
+    A profile fitted for another GPU warns (``ScenarioWarning``) once per process, or on every call with
+    ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep point, records its own warnings).
 
     Raises:
         ScenarioError: unknown presets, bad overrides or a missing profile file.
@@ -633,7 +636,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>") -> Hardwar
         raise ScenarioError(f"{source}: hardware.profile: {exc}") from None
     if profile.gpu != gpu_name and not profile.name.startswith("generic:"):
         fallback = default_profile()
-        if (profile.name, gpu_name) not in _WARNED:  # once per process, not once per resolve
+        if warn_every_time or (profile.name, gpu_name) not in _WARNED:  # once per process, not once per resolve
             _WARNED.add((profile.name, gpu_name))
             warnings.warn(f"hardware.profile {profile.name!r} was fitted for {profile.gpu!r}, not "
                           f"{gpu_name!r}; using {fallback.name!r} instead", ScenarioWarning, stacklevel=2)
@@ -674,19 +677,20 @@ def resolve_pcie_switches(cfg: ScenarioConfig, source: str, nvme, collectives):
     given = isinstance(ref, HostRef) and ref.pcie_switches is not None
     key = "hardware.host.pcie_switches" if given else f"hardware.host {name!r} (its preset's pcie_switches)"
     try:
-        if given:
-            topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario")
+        c = collectives.topo.cluster if collectives is not None else None
+        counts = (c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
+                  nvme.drives if nvme is not None else None)
+        if given:  # every problem of the list at once, layout and ranges
+            topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario", counts)
         else:
             topo = host_pcie_switches(name)
         if topo is None:
             return None
-        c = collectives.topo.cluster if collectives is not None else None
-        topo.check(c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
-                   nvme.drives if nvme is not None else None)
+        topo.check(*counts)
         if c is not None:
             _check_against_cluster(topo, c)
     except ValueError as exc:
-        raise ScenarioError(f"{source}: {key}: {exc}") from None
+        raise ScenarioError("\n".join(f"{source}: {key}: {line}" for line in str(exc).split("\n"))) from None
     return topo
 
 

@@ -125,9 +125,10 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
     """One line per ``--set KEY=null`` of ``overrides`` that removed a scalar key (``null_override`` "remove"),
     saying what the valid scenario ``cfg`` took in its place: the schema's default, or the value its validators
     derived from the other settings (``parallelism.data_parallel_size``), or that it is left unset for the run to
-    resolve from the framework (``training.clip_grad``: ``None``). Sections removed (``hardware.host=~``) are not
-    noted (a whole section's defaults are not one value), but for one whose default is None that the validators
-    filled in from other keys (``fsdp.offload_policy`` from ``training.enable_cpu_offload``): derived, with its value. Raises nothing: a text that does not parse is skipped."""
+    resolve from the framework (``training.clip_grad``: ``None``). A section removed is noted when it took the
+    schema's defaults (``aio=null``: their values) or, one whose default is None, when the validators filled it in
+    from other keys (``fsdp.offload_policy`` from ``training.enable_cpu_offload``: derived, with its value); other
+    sections are not. Raises nothing: a text that does not parse is skipped."""
     from pydantic import BaseModel
 
     out = []
@@ -151,6 +152,10 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
         if isinstance(node, BaseModel) and field is not None and default is None:  # a section the validators fill
             out.append(f"--set {key}={raw}: {key} is not written, so it is derived from the other settings: "
                        f"{node.model_dump()}")  # (fsdp.offload_policy from training.enable_cpu_offload)
+            continue
+        if isinstance(node, BaseModel) and node == default:  # a section of schema defaults (aio=null)
+            out.append(f"--set {key}={raw}: {key} is not written, so it takes the schema's defaults: "
+                       f"{node.model_dump()}")
             continue
         if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
             continue

@@ -334,7 +334,7 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     if survivors:
         df = run_sweep(scenario, space, base_overrides=base_ov, workers=workers, out_dir=out_dir, progress=progress,
-                       client=client, log=log, points=[points[i] for i in survivors], breakdown=True)
+                       client=client, log=log, points=[points[i] for i in survivors], breakdown=True, set_by=set_by)
         for i, sim in zip(survivors, df.to_dict("records")):
             row = rows[i]
             row.update({k: v for k, v in sim.items() if k not in space})

@@ -222,7 +222,9 @@ def point_hash(scenario: str | Path, overrides: list[str]) -> str:
     """
     from simulator.config.loader import load_scenario, resolve_hardware
 
-    cfg = load_scenario(scenario, overrides)
+    with warnings.catch_warnings():  # each point's warnings come with its row (``_run_point``), not from its hash
+        warnings.simplefilter("ignore")
+        cfg = load_scenario(scenario, overrides)
     text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) + stable_repr(resolve_hardware(cfg))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -304,6 +306,7 @@ def _cluster_threads(client) -> int:
 def _run_point(args) -> dict:
     scenario, overrides, point, folder = args[:4]
     breakdown = len(args) > 4 and args[4]
+    set_by = args[5] if len(args) > 5 else None
     from simulator.config.loader import load_scenario
     from simulator.api import reusing_graphs, run_scenario
     from simulator.recording.writers import write_outputs
@@ -312,7 +315,7 @@ def _run_point(args) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:  # the scenario's own (a setting with no effect)
             warnings.simplefilter("always", ScenarioWarning)
-            cfg = load_scenario(scenario, overrides)
+            cfg = load_scenario(scenario, overrides, set_by=set_by)
         for w in caught:  # others are shown as before
             if not issubclass(w.category, ScenarioWarning):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -412,7 +415,8 @@ def _claim(out_dir: Path, scenario: str | Path) -> str | None:
 
 def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: list[str] | None = None,
               workers: int = 1, out_dir: str | Path | None = None, progress: bool = True, client=None,
-              log=None, points: list[dict] | None = None, breakdown: bool = False) -> pd.DataFrame:
+              log=None, points: list[dict] | None = None, breakdown: bool = False,
+              set_by: dict[str, str] | None = None) -> pd.DataFrame:
     """Run the full grid of ``factors`` over ``scenario`` (resuming a previous run in ``out_dir``).
 
     Args:
@@ -430,6 +434,8 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         points: Run these points (dicts of ``factors``' keys) instead of the full grid (a layout search's
             survivors).
         breakdown: Add each point's step breakdown (``breakdown_columns``).
+        set_by: Key of a ``base_overrides`` entry the program wrote, not the user -> who set it
+            (``load_scenario``'s ``set_by``): its ``=null`` notes stay silent, its problems name who set it.
 
     Returns:
         One row per point, in grid order: the swept keys, ``gpu_busy``, every scalar of the
@@ -455,7 +461,7 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
         raise ScenarioError("sweep: no point to run")
     out = Path(out_dir) if out_dir else None
     folders = [out / n for n in point_folder_names(points)] if out else [None] * len(points)
-    jobs = [(str(scenario), point_overrides(base_overrides, p), p, str(f) if f else None, breakdown)
+    jobs = [(str(scenario), point_overrides(base_overrides, p), p, str(f) if f else None, breakdown, set_by)
             for p, f in zip(points, folders)]
     done: dict[int, dict] = {}
     index, digests, version = None, {}, simulator_version()

@@ -55,8 +55,8 @@ class NvmeConfig(_Model):
 
 
 class AioConfig(_Model):
-    """DeepSpeed ``aio`` (libaio settings of the NVMe swapper): priced by ``hardware_models.aio`` but
-    ``single_submit`` (module docstring)."""
+    """DeepSpeed ``aio`` (libaio settings of the NVMe swapper): each key is priced by ``hardware_models.aio``
+    except ``single_submit``, accepted and not priced (module docstring)."""
 
     block_size: PositiveInt = Field(default=AIO_DEFAULTS["block_size"], le=1 << 34, description="Bytes per I/O request.")
     queue_depth: PositiveInt = Field(default=AIO_DEFAULTS["queue_depth"], le=1 << 16, description="Requests in flight.")

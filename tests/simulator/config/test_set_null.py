@@ -143,3 +143,17 @@ def test_null_on_a_section_the_validators_fill_says_it_was_derived():
     assert cfg.fsdp.offload_policy is not None
     assert notes == ["--set fsdp.offload_policy=null: fsdp.offload_policy is not written, so it is derived from the "
                      "other settings: {'kind': 'cpu', 'pin_memory': True}"]
+
+
+def test_null_on_a_section_with_schema_defaults_says_it_took_them():
+    """``--set aio=null`` (``aio`` not in the file) notes the defaults taken, as ``hardware.nvme=null`` and
+    ``training.clip_grad=null`` note theirs; before, only a section was silent."""
+    from simulator.config.loader import load_scenario
+    from simulator.config.sections.nvme import AIO_DEFAULTS
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario("scenarios/h200/gpt_184m_b8.yaml", ["aio=null"])
+    notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
+    assert cfg.aio.model_dump() == {k: AIO_DEFAULTS[k] for k in cfg.aio.model_dump()}
+    assert notes == [f"--set aio=null: aio is not written, so it takes the schema's defaults: {cfg.aio.model_dump()}"]

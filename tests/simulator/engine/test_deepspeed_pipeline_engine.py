@@ -73,7 +73,8 @@ def test_explicit_zero_stage_0_with_a_pipeline_and_bf16_runs_bf16_optimizer(tmp_
     assert "bf16opt.grad_all_reduce" in names and not any(n.startswith("ddp.grad_all_reduce") for n in names)
     assert not any("megatron." in n for n in names)
     r_ds, r_meg = run_scenario(ds).summary, run_scenario(meg).summary
-    assert not any("BF16_Optimizer" in w for w in r_ds["warnings"] + r_meg["warnings"])
+    # no flag of BF16_Optimizer itself (the ddp keys it does not read are named: test_bf16_optimizer_label.py)
+    assert not any("BF16_Optimizer" in w for w in r_ds["warnings"] + r_meg["warnings"] if not w.startswith("ddp."))
     spec = transformer_spec(ds)  # stage 0 holds the peak in both
     P, dp = spec.rank_num_parameters, spec.data_parallel_size
     states = {t.name: t.nbytes for t in build_graph(ds).persistent}

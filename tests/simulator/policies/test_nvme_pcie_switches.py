@@ -131,3 +131,14 @@ def test_gpus_grouped_against_the_cluster_preset_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and ("pcie_switches[0].gpus: [0, 2] behind one switch, but the cluster preset 'NVIDIA DGX "
                               "H100") in err[0] and "puts GPU 0 behind one with GPUs [0, 1]" in err[0], err
+
+
+def test_every_problem_of_the_list_is_its_own_line(tmp_path, capsys):
+    """GPU 0 in two switches, GPU 9 and drive 12 beyond the node's 8: three lines in one run, not the first."""
+    sw = (SWITCHES.replace("gpus: [2, 3]", "gpus: [0, 3]").replace("gpus: [6, 7]", "gpus: [6, 9]")
+          .replace("drives: [6, 7]", "drives: [6, 12]"))
+    assert main(["run", str(_scenario(tmp_path, sw))]) == 2
+    err = [line.split("hardware.host.pcie_switches: ", 1)[-1] for line in capsys.readouterr().err.strip().splitlines()]
+    assert err == ["pcie_switches[1].gpus: gpu 0 is listed also in pcie_switches[0] (a device sits behind one switch)",
+                   "pcie_switches[3].gpus: gpu 9 does not exist (the node has 8; allowed: 0..7)",
+                   "pcie_switches[3].drives: drive 12 does not exist (the node has 8; allowed: 0..7)"], err

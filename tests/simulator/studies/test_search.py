@@ -202,3 +202,13 @@ def test_report_names_the_layouts_behind_each_reason():
     text = format_search(res).splitlines()
     assert "refused (4: tp=8 zero=0; tp=8 zero=1; tp=16 zero=0; ...): too big" in text
     assert "pruned (1: tp=1 zero=0): over" in text
+
+
+def test_the_searchs_own_nulls_stay_silent(recwarn, tmp_path):
+    """The search writes ``parallelism.data_parallel_size=null`` itself: no point's row and no warning shown
+    (with ``--out``, its points' hashes load them too) says "--set parallelism.data_parallel_size=null ..."."""
+    result = search.run_search(TINY, {TP: [1, 2]}, out_dir=tmp_path, progress=False, log=lambda m: None)
+    rows = result.table[result.table["status"] == "ok"]
+    assert len(rows) == 2
+    assert not any("data_parallel_size=null" in str(w) for w in rows["warnings"])
+    assert not any("data_parallel_size=null" in str(w.message) for w in recwarn.list)
