@@ -1046,7 +1046,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
-                   "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
+                   "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1); "
+                   "the step is priced unsharded, without DeepSpeed's ZeRO step norm, fp32 partition copy and unscale "
+                   "mul_ (grad_norm.deepspeed_zero_step), which DeepSpeed runs on one GPU too whatever training.clip_grad")
     if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
             and (z.offload_optimizer.device != "none" or not dp_many)):
         where = "with offload_optimizer" if z.offload_optimizer.device != "none" else "on one GPU"

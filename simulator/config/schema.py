@@ -460,7 +460,10 @@ class TrainingConfig(_Model):
         "With fsdp (default 0: FSDP clips only when the loop calls it): FullyShardedDataParallel.clip_grad_norm_"
         "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
         "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
-        "clip coefficient's mul_ on every grad (8 B), no host sync. DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
+        "clip coefficient's mul_ on every grad (8 B), no host sync. With a zero_optimization section (any stage) the "
+        "default is DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
+        "constants.py GRADIENT_CLIPPING_DEFAULT): set clip_grad for the value of the ds_config. "
+        "DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
         "step's norm runs whatever the value: a fp64 norm of each 16-bit gradient view of the partition (18 B per "
         "element), a 4-byte all-reduce over the data-parallel group (and tp x pp), the fp32 copy of the partition "
         "(10 B) and the unscale / clip mul_ (8 B); fp16 adds the overflow check (28 B, a 1-byte all-reduce, "
@@ -503,12 +506,15 @@ class TrainingConfig(_Model):
 
 def clip_grad_of(cfg: "ScenarioConfig") -> float:
     """``training.clip_grad`` in force: the value given, else the framework's default: 0 with ``fsdp`` (PyTorch FSDP
-    clips only when the training loop calls ``clip_grad_norm_``), else Megatron-LM's ``--clip-grad`` default 1.0
+    clips only when the training loop calls ``clip_grad_norm_``), 0 with a DeepSpeed config (a ``zero_optimization``
+    section given, any stage: DeepSpeed's ``gradient_clipping`` default, deepspeedai/DeepSpeed@ac2f3a34
+    ``deepspeed/runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT = 0.``; ZeRO-1/2/3 still price their norm,
+    ``graph.builders.grad_norm.deepspeed_zero_step``), else Megatron-LM's ``--clip-grad`` default 1.0
     (megatron/training/arguments.py ``_add_regularization_args``)."""
     v = cfg.training.clip_grad
     if v is not None:
         return v
-    return 0.0 if cfg.fsdp is not None else 1.0
+    return 0.0 if cfg.fsdp is not None or "zero_optimization" in cfg.model_fields_set else 1.0
 
 
 def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:

@@ -160,7 +160,9 @@ class TransformerSpec:
             fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
             multi-tensor-apply chunk (foreach) launches are not counted.
         clip_grad: Gradient-clipping max norm (0: no clipping; None: the framework's default, 0 with an FSDP
-            ``sharding``, else Megatron's 1.0), the framework's kernels. Megatron's optimizer (bf16
+            ``sharding``, DeepSpeed ZeRO (``zero_stage`` > 0) or ``deepspeed_bf16_optimizer`` (DeepSpeed's
+            ``gradient_clipping`` default 0, ``config.schema.clip_grad_of``), else Megatron's 1.0), the framework's
+            kernels. Megatron's optimizer (bf16
             / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
             group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
             ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). DeepSpeed
@@ -384,8 +386,9 @@ class TransformerSpec:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
         size not dividing the heads or the FFN, sequence parallelism with ``t`` not dividing ``s``, tensor
         parallelism with ``amp_fp32_params``."""
-        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP, else Megatron's
-            object.__setattr__(self, "clip_grad", 0.0 if self.sharding is not None and self.sharding.unit_buckets
+        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP or DeepSpeed
+            fsdp = self.sharding is not None and self.sharding.unit_buckets
+            object.__setattr__(self, "clip_grad", 0.0 if fsdp or self.zero_stage > 0 or self.deepspeed_bf16_optimizer
                                else 1.0)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
