@@ -2550,10 +2550,13 @@ class _GptBuilder:
 
         return gn.norm_then_mul(self, "fsdp.clip_grad", n, grads, deps, reduce)
 
-    def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
+    def _grad_stats_all_reduce(self, what: str, deps: list[int], nbytes: int = 4) -> list[int]:
         """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,
         after ``deps``, over the group Megatron reduces its gradient statistics over; returns the deps of what
-        follows (``deps`` itself when that group is this rank alone).
+        follows (``deps`` itself when that group is this rank alone). ``nbytes``: the value's size, 4 (fp32), or
+        8 for DeepSpeed ZeRO-3's fp64 squared norm (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/zero/
+        stage3.py`` ``get_grad_norm_direct``: the sum of the ``.double().norm(2)`` squares, all-reduced over the
+        data-parallel group, then by ``_model_parallel_all_reduce`` over the model-parallel group).
 
         The group (NVIDIA/Megatron-LM megatron/core/optimizer/clip_grads.py ``get_grad_norm_fp32``, all-reduce
         over ``grad_stats_parallel_group``, formerly ``model_parallel_group``; optimizer.py
@@ -2571,21 +2574,22 @@ class _GptBuilder:
         group, ``api._meet_across_classes``): the ranks start it together, so a straggler delays every stage's
         optimizer. Expert-parallel MoE ranks (Megatron's separate expert grad-stats group) are not told apart."""
         s, p = self.s, self.s.pipeline_parallel_size
+        dtype = "fp64" if nbytes == 8 else "fp32"
         if self.sh is not None and self.sh.strategy == "distributed_optimizer":
             group = "world"
         elif p > 1:
             group = "mp" if self.tp > 1 else "pp"
         elif self.tp > 1:
-            return [self._tp_op(f"{what}.all_reduce", "all_reduce", 4, deps=deps, dtype="fp32")]
+            return [self._tp_op(f"{what}.all_reduce", "all_reduce", nbytes, deps=deps, dtype=dtype)]
         else:
             return deps
-        meta = {"collective": "all_reduce", "bytes": 4, "group": group}
+        meta = {"collective": "all_reduce", "bytes": nbytes, "group": group}
         if group == "pp":
             meta["pp_ranks"] = tuple(range(p))
         if p > 1:
             meta |= {"rendezvous": (group, what), "parties": p}
         return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
-                           phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
+                           phase=Phase.OPT, bytes_read=float(nbytes), dtype=dtype, meta=meta)]
 
     def _copy_main_params_to_fp8(self, n8: float, adam: int, grads: list[str]) -> None:
         """``fp8_param_gather``: Megatron ``quantize_param_shard`` for the ``n8`` fp32 master elements of fp8
