@@ -200,7 +200,6 @@ class TransformerSpec:
             the backward hook, the compute stream waiting for it, as DeepSpeed without ``overlap_comm``).
         gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
         reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
-        allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
         zero_ipg_buffers: DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_elements`` each
             (``contiguous_gradients``; ``_GptBuilder._ipg_alloc``): 2 with ``overlap_comm``, else 1; 0: none
             (``contiguous_gradients: false``, or optimizer offload, whose buffers are not modelled).
@@ -331,7 +330,6 @@ class TransformerSpec:
     overlap_grad_reduce: bool = True
     gradient_as_bucket_view: bool = False
     reduce_bucket_elements: int = 500_000_000
-    allgather_bucket_elements: int = 500_000_000
     zero_ipg_buffers: int = 0
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
@@ -850,7 +848,7 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
     return ModelFacts(precision=s.precision, recompute=s.recompute, num_parameters=s.num_parameters,
                       num_layers=s.num_layers, layer_params=s.layer_params, upload_groups=tuple(groups),
                       tied_embeddings=s.tied_embeddings, data_parallel_size=s.data_parallel_size,
-                      allgather_bucket_elements=s.allgather_bucket_elements, rank_layers=s.rank_layers,
+                      rank_layers=s.rank_layers,
                       num_micro_batches=s.num_micro_batches)
 
 
@@ -902,7 +900,7 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
       step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
       check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
-      the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
+      the updated parameters (model dtype) are all-gathered in one call (``ZERO_PARAM_ALL_GATHER``).
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
@@ -940,6 +938,13 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
                                                                    "waits_fold": None}})
 
 
+#: DeepSpeed ZeRO-1/2's parameter all-gather after the step, one op: ``step`` calls ``all_gather_dp_groups``, which
+#: issues one ``all_gather_into_tensor`` of each whole flat 16-bit param group (one group modelled) when the backend
+#: has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch >= 1.13);
+#: only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size`` chunks, not
+#: modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
+#: ``all_gather_into_tensor_dp_groups``). The current behaviour is modelled: ``allgather_bucket_size`` has no effect.
+ZERO_PARAM_ALL_GATHER = "zero.param_all_gather.0"
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
@@ -2133,12 +2138,10 @@ class _GptBuilder:
             opt = len(self.b) - 1
             pbytes = 4 if self.amp or self.full else 2
             moe.expert_param_gathers(self, opt)
-            left, k = P - moe.own_expert_params(s), 0
-            while left > 0:
-                n = min(left, s.allgather_bucket_elements)
-                self.comm_ops.append(self._collective(f"zero.param_all_gather.{k}", "all_gather", n * pbytes, [opt],
+            n = P - moe.own_expert_params(s)  # one all_gather_into_tensor of the flat group (ZERO_PARAM_ALL_GATHER)
+            if n > 0:
+                self.comm_ops.append(self._collective(ZERO_PARAM_ALL_GATHER, "all_gather", n * pbytes, [opt],
                                                       Phase.OPT))
-                left, k = left - n, k + 1
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:
