@@ -460,8 +460,8 @@ class TrainingConfig(_Model):
         "With fsdp (default 0: FSDP clips only when the loop calls it): FullyShardedDataParallel.clip_grad_norm_"
         "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
         "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
-        "clip coefficient's mul_ on every grad (8 B), no host sync. With a zero_optimization section (any stage) the "
-        "default is DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
+        "clip coefficient's mul_ on every grad (8 B), no host sync. With zero_optimization.stage 1-3, or stage 0 "
+        "with bf16 and pipeline stages (BF16_Optimizer), the default is DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
         "constants.py GRADIENT_CLIPPING_DEFAULT): set clip_grad for the value of the ds_config. "
         "DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
         "step's norm runs whatever the value: a fp64 norm of each 16-bit gradient view of the partition (18 B per "
@@ -506,15 +506,18 @@ class TrainingConfig(_Model):
 
 def clip_grad_of(cfg: "ScenarioConfig") -> float:
     """``training.clip_grad`` in force: the value given, else the framework's default: 0 with ``fsdp`` (PyTorch FSDP
-    clips only when the training loop calls ``clip_grad_norm_``), 0 with a DeepSpeed config (a ``zero_optimization``
-    section given, any stage: DeepSpeed's ``gradient_clipping`` default, deepspeedai/DeepSpeed@ac2f3a34
-    ``deepspeed/runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT = 0.``; ZeRO-1/2/3 still price their norm,
-    ``graph.builders.grad_norm.deepspeed_zero_step``), else Megatron-LM's ``--clip-grad`` default 1.0
-    (megatron/training/arguments.py ``_add_regularization_args``)."""
+    clips only when the training loop calls ``clip_grad_norm_``), 0 where DeepSpeed runs the step (``zero_optimization
+    .stage`` 1-3, or stage 0 as ``BF16_Optimizer``, ``deepspeed_bf16_optimizer``: DeepSpeed's ``gradient_clipping``
+    default, deepspeedai/DeepSpeed@ac2f3a34 ``deepspeed/runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT = 0.``;
+    ZeRO-1/2/3 still price their norm, ``graph.builders.grad_norm.deepspeed_zero_step``), else Megatron-LM's
+    ``--clip-grad`` default 1.0 (megatron/training/arguments.py ``_add_regularization_args``; also for a stage-0
+    section otherwise, whose step is priced as Megatron's optimizer). The stage, not the section's presence, decides:
+    a dumped and re-validated config carries a stage-0 section whatever the original had."""
     v = cfg.training.clip_grad
     if v is not None:
         return v
-    return 0.0 if cfg.fsdp is not None or "zero_optimization" in cfg.model_fields_set else 1.0
+    deepspeed = cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg)
+    return 0.0 if cfg.fsdp is not None or deepspeed else 1.0
 
 
 def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:

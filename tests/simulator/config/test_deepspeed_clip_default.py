@@ -37,20 +37,25 @@ def _names(cfg) -> set[str]:
     return {o.name for o in build_graph(cfg).ops}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_deepspeed_config_defaults_to_no_clipping(stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_defaults_to_no_clipping(stage):
     assert clip_grad_of(_cfg({"stage": stage})) == 0.0
     assert clip_grad_of(_cfg({"stage": stage}, clip=0.5)) == 0.5  # a value given wins
 
 
-def test_megatron_default_without_a_deepspeed_config():
-    assert clip_grad_of(_cfg()) == 1.0
+def test_megatron_default_without_deepspeed_and_after_a_dump():
+    """No ZeRO stage: Megatron's 1.0, also once the config is dumped and validated again (the dump carries a
+    stage-0 zero_optimization section)."""
+    cfg = _cfg()
+    assert clip_grad_of(cfg) == 1.0
+    assert clip_grad_of(scenario_from_dict(cfg.model_dump())) == 1.0
+    assert clip_grad_of(_cfg({"stage": 0})) == 1.0  # ZeRO off, no pipeline: priced as Megatron's optimizer
+    ds = _cfg({"stage": 2})
+    assert clip_grad_of(scenario_from_dict(ds.model_dump())) == 0.0
 
 
-def test_deepspeed_stage0_prices_no_megatron_norm_unless_given():
-    assert "opt.clip_grad.l2norm" in _names(_cfg())  # Megatron-LM: --clip-grad 1.0
-    assert "opt.clip_grad.l2norm" not in _names(_cfg({"stage": 0}))  # DeepSpeed: gradient_clipping 0
-    assert "opt.clip_grad.l2norm" in _names(_cfg({"stage": 0}, clip=1.0))
+def test_bf16_optimizer_defaults_to_no_clipping():
+    assert clip_grad_of(_cfg({"stage": 0}, pipeline_model_parallel_size=2)) == 0.0
 
 
 def test_bf16_optimizer_reads_no_clip_coefficient_by_default():
