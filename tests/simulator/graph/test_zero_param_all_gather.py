@@ -11,13 +11,7 @@ import pytest
 from simulator.api import build_graph, ineffective_setting_warnings
 from simulator.config.loader import scenario_from_dict
 
-BASE = {
-    "name": "zeroag",
-    "hardware": {"gpu": "h100-sxm-80gb", "cluster": {"preset": "dgx-h100", "nodes": 1}, "launch_overhead_s": 0},
-    "model": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256, "vocab_size": 1024},
-    "training": {"micro_batch_size": 2, "precision": "bf16"},
-    "run": {"steps": 3, "warmup_steps": 1},
-}
+from tests.simulator.config.test_deepspeed_clip_default import BASE  # 4 x 512 GPT, bf16, one DGX H100
 
 
 def _cfg(**zero):
