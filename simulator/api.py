@@ -62,7 +62,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_in(p.pipeline_model_parallel_size),
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        reduce_bucket_elements=z.reduce_bucket_size or 500_000_000, allgather_bucket_elements=z.allgather_bucket_size,
+        reduce_bucket_elements=z.reduce_bucket_size or 500_000_000,
         zero_ipg_buffers=z.ipg_buffers(p.pipeline_model_parallel_size),
         tensor_parallel_size=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         num_query_groups=m.query_groups if m.group_query_attention else None, swiglu=m.swiglu,
@@ -1053,7 +1053,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"
             and z.offload_param.device == "none"):
         out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
-                   "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1)")
+                   "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1); "
+                   "the step is priced unsharded, without DeepSpeed's ZeRO step norm, fp32 partition copy and unscale "
+                   "mul_ (grad_norm.deepspeed_zero_step), which DeepSpeed runs on one GPU too whatever training.clip_grad")
     if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
             and (z.offload_optimizer.device != "none" or not dp_many)):
         where = "with offload_optimizer" if z.offload_optimizer.device != "none" else "on one GPU"
@@ -1191,6 +1193,10 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
                    + (f"({BF16_OPTIMIZER}: {_BF16_OPT_REDUCE})" if deepspeed_bf16_optimizer(cfg) else
                       "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)"))
+    if z.stage in (1, 2) and "allgather_bucket_size" in z.model_fields_set:
+        out.append("zero_optimization.allgather_bucket_size has no effect: DeepSpeed gathers the updated partition "
+                   "in one all_gather_into_tensor (deepspeed/runtime/utils.py all_gather_dp_groups); its chunked "
+                   "fallback for a torch.distributed without all_gather_into_tensor is not modelled")
     stage3 = sorted(k for k in z.model_fields_set if k.startswith("stage3_"))
     if z.stage < 3 and stage3:
         out.append(f"zero_optimization.{', '.join(stage3)} ha{'s' if len(stage3) == 1 else 've'} no effect with stage "

@@ -20,8 +20,9 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "train_batch_size": "DeepSpeed's train_batch_size is training.global_batch_size here",
     "gradient_accumulation_steps": "DeepSpeed's gradient_accumulation_steps is implied here: set "
                                    "training.global_batch_size = micro_batch_size x data-parallel size x its value",
-    "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (under ZeRO-1/2 the step's norm "
-                         "and unscale mul_ are priced whatever its value; it changes no kernel)",
+    "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (default 0 with a "
+                         "ZeRO stage or BF16_Optimizer, as DeepSpeed's; under ZeRO-1/2 the step's norm and unscale mul_ "
+                         "are priced whatever its value)",
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",

@@ -460,7 +460,10 @@ class TrainingConfig(_Model):
         "With fsdp (default 0: FSDP clips only when the loop calls it): FullyShardedDataParallel.clip_grad_norm_"
         "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
         "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
-        "clip coefficient's mul_ on every grad (8 B), no host sync. DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
+        "clip coefficient's mul_ on every grad (8 B), no host sync. With zero_optimization.stage 1-3, or stage 0 "
+        "with bf16 and pipeline stages (BF16_Optimizer), the default is DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
+        "constants.py GRADIENT_CLIPPING_DEFAULT): set clip_grad for the value of the ds_config. "
+        "DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
         "step's norm runs whatever the value: a fp64 norm of each 16-bit gradient view of the partition (18 B per "
         "element), a 4-byte all-reduce over the data-parallel group (and tp x pp), the fp32 copy of the partition "
         "(10 B) and the unscale / clip mul_ (8 B); fp16 adds the overflow check (28 B, a 1-byte all-reduce, "
@@ -503,12 +506,18 @@ class TrainingConfig(_Model):
 
 def clip_grad_of(cfg: "ScenarioConfig") -> float:
     """``training.clip_grad`` in force: the value given, else the framework's default: 0 with ``fsdp`` (PyTorch FSDP
-    clips only when the training loop calls ``clip_grad_norm_``), else Megatron-LM's ``--clip-grad`` default 1.0
-    (megatron/training/arguments.py ``_add_regularization_args``)."""
+    clips only when the training loop calls ``clip_grad_norm_``), 0 where DeepSpeed runs the step (``zero_optimization
+    .stage`` 1-3, or stage 0 as ``BF16_Optimizer``, ``deepspeed_bf16_optimizer``: DeepSpeed's ``gradient_clipping``
+    default, deepspeedai/DeepSpeed@ac2f3a34 ``deepspeed/runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT = 0.``;
+    ZeRO-1/2/3 still price their norm, ``graph.builders.grad_norm.deepspeed_zero_step``), else Megatron-LM's
+    ``--clip-grad`` default 1.0 (megatron/training/arguments.py ``_add_regularization_args``; also for a stage-0
+    section otherwise, whose step is priced as Megatron's optimizer). The stage, not the section's presence, decides:
+    a dumped and re-validated config carries a stage-0 section whatever the original had."""
     v = cfg.training.clip_grad
     if v is not None:
         return v
-    return 0.0 if cfg.fsdp is not None else 1.0
+    deepspeed = cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg)
+    return 0.0 if cfg.fsdp is not None or deepspeed else 1.0
 
 
 def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:
@@ -997,100 +1006,122 @@ class ScenarioConfig(_Model):
                     precision, offload)
         return self
 
-    def _zero_bubble_v_rules(self) -> None:
+    def _zero_bubble_v_rules(self) -> tuple:
         """ZB-V's inputs, the reference's rules (sail-sg/zero-bubble-pipeline-parallelism
         ``megatron/core/zbpp_utils.py`` ``validate_arguments``: pipeline size > 1, the virtual size set to 2 and
-        not given otherwise, untied embeddings; the even layers per stage are checked with the split)."""
+        not given otherwise, untied embeddings; the even layers per stage are checked with the split), as rules
+        for ``errors.refuse_each`` (each returns its problem or None)."""
         p = self.parallelism
         v = p.virtual_pipeline_model_parallel_size
-        if v not in (1, 2):
-            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} with pipeline_schedule "
-                             "zero_bubble_v, which places exactly 2 model chunks per rank in a V (allowed: omit it, "
-                             "derived 2, or 2)")
-        if p.pipeline_model_parallel_size == 1:
-            raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs pipeline_model_parallel_size > 1 "
-                             "(allowed with one stage: 1f1b, gpipe, zero_bubble_h1, zero_bubble_h2)")
-        if not self.model.untie_embeddings_and_output_weights:
-            raise ValueError("parallelism.pipeline_schedule: zero_bubble_v needs "
-                             "model.untie_embeddings_and_output_weights: true (the reference implementation asserts "
-                             "untied embeddings; allowed: another schedule with tied embeddings)")
+        return (
+            lambda: (f"parallelism.virtual_pipeline_model_parallel_size: {v} with pipeline_schedule "
+                     "zero_bubble_v, which places exactly 2 model chunks per rank in a V (allowed: omit it, "
+                     "derived 2, or 2)") if v not in (1, 2) else None,
+            lambda: ("parallelism.pipeline_schedule: zero_bubble_v needs pipeline_model_parallel_size > 1 "
+                     "(allowed with one stage: 1f1b, gpipe, zero_bubble_h1, zero_bubble_h2)")
+            if p.pipeline_model_parallel_size == 1 else None,
+            lambda: ("parallelism.pipeline_schedule: zero_bubble_v needs "
+                     "model.untie_embeddings_and_output_weights: true (the reference implementation asserts "
+                     "untied embeddings; allowed: another schedule with tied embeddings)")
+            if not self.model.untie_embeddings_and_output_weights else None,
+        )
 
     @model_validator(mode="after")
     def _pipeline_parallel_scope(self):
-        """Megatron's rules for pipeline parallelism, and what is not modelled with it."""
+        """Megatron's rules for pipeline parallelism, and what is not modelled with it: every rule a setting breaks
+        is told (``errors.refuse_each``), the layout rules first, then, with pp > 1, the rest."""
         p, m = self.parallelism, self.model
         pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
         key = "parallelism.pipeline_model_parallel_size"
-        if p.schedule == "zero_bubble_v":
-            self._zero_bubble_v_rules()
+        zbv = p.schedule == "zero_bubble_v"
+        if zbv:
             v = 2
-        elif v > 1 and p.schedule != "interleaved_1f1b":
-            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs pipeline_schedule "
-                             f"interleaved_1f1b (got {p.schedule}; allowed: 1 with gpipe/1f1b)")
-        if p.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1:
-            raise ValueError("parallelism.pipeline_schedule: interleaved_1f1b needs "
-                             "virtual_pipeline_model_parallel_size > 1 (allowed: gpipe, 1f1b with 1)")
-        if v > 1 and pp == 1:
-            raise ValueError(f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs "
-                             "pipeline_model_parallel_size > 1 (allowed: 1)")
         chunks = pp * v
         split = p.pipeline_layers_per_stage
-        if split is not None and pp == 1:
-            raise ValueError("parallelism.pipeline_layers_per_stage needs pipeline_model_parallel_size > 1 (allowed: "
-                             "omit it with one stage)")
-        if split is not None:
-            if len(split) != chunks or sum(split) != m.num_layers:
-                raise ValueError(f"parallelism.pipeline_layers_per_stage: {split} must be {chunks} numbers (pp {pp} x "
-                                 f"virtual {v}) summing to model.num_layers {m.num_layers} (got {len(split)} summing "
-                                 f"to {sum(split)})")
-        elif m.num_layers % chunks and p.schedule == "zero_bubble_v":
-            raise ValueError(f"parallelism.pipeline_schedule: zero_bubble_v needs an even number of layers per "
-                             f"pipeline stage: 2 x pp {pp} = {chunks} must divide model.num_layers {m.num_layers} "
-                             "(each stage is split into its 2 chunks evenly; or give "
-                             f"parallelism.pipeline_layers_per_stage with {chunks} numbers)")
-        elif m.num_layers % chunks:
-            raise ValueError(f"{key}: pp {pp} x virtual {v} = {chunks} must divide model.num_layers {m.num_layers} "
-                             "(or give parallelism.pipeline_layers_per_stage)")
+
+        def layers() -> str | None:  # the layers' split over the pp x v model chunks
+            if split is not None:
+                if pp == 1:
+                    return ("parallelism.pipeline_layers_per_stage needs pipeline_model_parallel_size > 1 (allowed: "
+                            "omit it with one stage)")
+                if len(split) != chunks or sum(split) != m.num_layers:
+                    return (f"parallelism.pipeline_layers_per_stage: {split} must be {chunks} numbers (pp {pp} x "
+                            f"virtual {v}) summing to model.num_layers {m.num_layers} (got {len(split)} summing "
+                            f"to {sum(split)})")
+                return None
+            if m.num_layers % chunks and zbv:
+                return (f"parallelism.pipeline_schedule: zero_bubble_v needs an even number of layers per "
+                        f"pipeline stage: 2 x pp {pp} = {chunks} must divide model.num_layers {m.num_layers} "
+                        "(each stage is split into its 2 chunks evenly; or give "
+                        f"parallelism.pipeline_layers_per_stage with {chunks} numbers)")
+            if m.num_layers % chunks:
+                return (f"{key}: pp {pp} x virtual {v} = {chunks} must divide model.num_layers {m.num_layers} "
+                        "(or give parallelism.pipeline_layers_per_stage)")
+            return None
+
+        layout = (
+            *(self._zero_bubble_v_rules() if zbv else ()),
+            lambda: (f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs pipeline_schedule "
+                     f"interleaved_1f1b (got {p.schedule}; allowed: 1 with gpipe/1f1b)")
+            if not zbv and v > 1 and p.schedule != "interleaved_1f1b" else None,
+            lambda: ("parallelism.pipeline_schedule: interleaved_1f1b needs "
+                     "virtual_pipeline_model_parallel_size > 1 (allowed: gpipe, 1f1b with 1)")
+            if p.pipeline_schedule == "interleaved_1f1b" and v == 1 and pp > 1 else None,
+            lambda: (f"parallelism.virtual_pipeline_model_parallel_size: {v} > 1 needs "
+                     "pipeline_model_parallel_size > 1 (allowed: 1)") if not zbv and v > 1 and pp == 1 else None,
+            layers,
+        )
         if pp == 1:
+            refuse_each(*layout)
             return self
-        if self.hardware.cluster is None:
-            raise ValueError(f"{key}: {pp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
-                             "without it one GPU is simulated (allowed: 1)")
-        world = world_size_of(self.hardware.cluster)
+        cl = self.hardware.cluster
         tp = p.tensor_model_parallel_size
-        if world is not None and world % (tp * pp):
-            raise ValueError(f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {world} of "
-                             f"hardware.cluster (allowed: pp dividing {world // tp})")
-        if self.training.precision == "amp_fp32_params" and not (
-                self.fsdp is not None and p.data_context_parallel_size > 1):
-            raise ValueError(f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
-        dp = p.data_parallel_size or 1
-        gbs = self.training.global_batch_size or self.training.micro_batch_size * dp
-        mbs = gbs // (self.training.micro_batch_size * dp)
-        if p.schedule == "interleaved_1f1b" and mbs % pp:
-            raise ValueError(f"parallelism.pipeline_schedule: interleaved_1f1b needs the micro-batches per step "
-                             f"(global_batch_size / (micro_batch_size x data_parallel_size) = {mbs}) to be a multiple "
-                             f"of pipeline_model_parallel_size {pp} (Megatron-LM)")
-        z = self.zero_optimization
-        if z.stage >= 2:
-            raise ValueError(f"zero_optimization.stage: {z.stage} with pipeline parallelism is not modelled (DeepSpeed's "
-                             "pipeline engine supports ZeRO stage 0 or 1; allowed: 0, 1)")
-        if z.offload_optimizer.device != "none" or z.offload_param.device != "none":
-            raise ValueError(f"{key}: {pp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
-                             "device none, or pp 1)")
-        if deepspeed_bf16_optimizer(self):  # DeepSpeed's pipeline engine: no interleaving, no split backward
+
+        def world() -> str | None:
+            if cl is None:
+                return (f"{key}: {pp} > 1 needs hardware.cluster (e.g. {{preset: dgx-a100, nodes: 1}}); "
+                        "without it one GPU is simulated (allowed: 1)")
+            w = world_size_of(cl)
+            return (f"{key}: tp {tp} x pp {pp} = {tp * pp} must divide the world size {w} of "
+                    f"hardware.cluster (allowed: pp dividing {w // tp})") if w is not None and w % (tp * pp) else None
+
+        def interleaved_batches() -> str | None:
+            dp = p.data_parallel_size or 1
+            gbs = self.training.global_batch_size or self.training.micro_batch_size * dp
+            mbs = gbs // (self.training.micro_batch_size * dp)
+            return (f"parallelism.pipeline_schedule: interleaved_1f1b needs the micro-batches per step "
+                    f"(global_batch_size / (micro_batch_size x data_parallel_size) = {mbs}) to be a multiple "
+                    f"of pipeline_model_parallel_size {pp} (Megatron-LM)") \
+                if p.schedule == "interleaved_1f1b" and mbs % pp else None
+
+        def bf16_optimizer() -> str | None:  # DeepSpeed's pipeline engine: no interleaving, no split backward
+            if not deepspeed_bf16_optimizer(self):
+                return None
             why = [w for c, w in ((v > 1 or p.schedule not in ("1f1b", "gpipe"), f"pipeline_schedule {p.schedule}"),
                                   (bool(m.num_experts), "model.num_experts"), (self.training.lora is not None,
                                                                                "training.lora"),
                                   (self.training.fp8 is not None, "training.fp8")) if c]
-            if why:
-                raise ValueError(f"zero_optimization.stage: 0 with bf16 and {key} {pp} > 1 is DeepSpeed's "
-                                 f"BF16_Optimizer, which is not modelled with {', '.join(why)} (allowed: 1f1b or "
-                                 "gpipe, dense, no LoRA or fp8; or zero_optimization.stage 1)")
-        if self.dataloader is not None:
-            raise ValueError(f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
-                             "dataloader section, or pp 1)")
+            return (f"zero_optimization.stage: 0 with bf16 and {key} {pp} > 1 is DeepSpeed's "
+                    f"BF16_Optimizer, which is not modelled with {', '.join(why)} (allowed: 1f1b or "
+                    "gpipe, dense, no LoRA or fp8; or zero_optimization.stage 1)") if why else None
+
+        z = self.zero_optimization
+        refuse_each(
+            *layout, world,
+            lambda: (f"{key}: {pp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
+                     "is torch.autocast, allowed with pp 1 or with fsdp over data_parallel_size > 1)")
+            if self.training.precision == "amp_fp32_params" and not (
+                self.fsdp is not None and p.data_context_parallel_size > 1) else None,
+            interleaved_batches,
+            lambda: (f"zero_optimization.stage: {z.stage} with pipeline parallelism is not modelled (DeepSpeed's "
+                     "pipeline engine supports ZeRO stage 0 or 1; allowed: 0, 1)") if z.stage >= 2 else None,
+            lambda: (f"{key}: {pp} > 1 with zero_optimization offload is not modelled yet (allowed: offload "
+                     "device none, or pp 1)")
+            if z.offload_optimizer.device != "none" or z.offload_param.device != "none" else None,
+            bf16_optimizer,
+            lambda: (f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
+                     "dataloader section, or pp 1)") if self.dataloader is not None else None,
+        )
         return self
 
     @model_validator(mode="after")
@@ -1155,58 +1186,54 @@ class ScenarioConfig(_Model):
 
     @model_validator(mode="after")
     def _expert_parallel_scope(self):
-        """Megatron's rules for ``num_experts`` and ``expert_model_parallel_size``, and what is not modelled."""
+        """Megatron's rules for ``num_experts`` and ``expert_model_parallel_size``, and what is not modelled: every
+        rule a setting breaks is told (``errors.refuse_each``)."""
         p, m = self.parallelism, self.model
         ep, E = p.expert_model_parallel_size, m.num_experts
         key = "parallelism.expert_model_parallel_size"
         if E is None:
-            if ep > 1:
-                raise ValueError(f"{key}: {ep} > 1 needs model.num_experts (a mixture-of-experts model)")
             et = p.expert_tensor_parallel_size
-            if et is not None and et != p.tensor_model_parallel_size:
-                raise ValueError(f"parallelism.expert_tensor_parallel_size: {et} needs model.num_experts (a "
-                                 "mixture-of-experts model)")
+            refuse_each(
+                lambda: f"{key}: {ep} > 1 needs model.num_experts (a mixture-of-experts model)" if ep > 1 else None,
+                lambda: (f"parallelism.expert_tensor_parallel_size: {et} needs model.num_experts (a "
+                         "mixture-of-experts model)") if et is not None and et != p.tensor_model_parallel_size
+                else None)
             return self
-        if E % ep:
-            raise ValueError(f"{key}: {ep} must divide model.num_experts ({E})")
         dp, tp = p.data_parallel_size or 1, p.tensor_model_parallel_size
         et = p.expert_tensor_parallel_size or tp
         ekey = "parallelism.expert_tensor_parallel_size"
-        if et > tp:
-            raise ValueError(f"{ekey}: {et} above tensor_model_parallel_size {tp} is not modelled (allowed: a divisor "
-                             f"of {tp})")
-        if tp % et:
-            raise ValueError(f"{ekey}: {et} must divide tensor_model_parallel_size {tp} (modelled: the expert-tensor-"
-                             "parallel ranks inside the tensor-parallel group)")
         fe = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
-        if fe % et:
-            raise ValueError(f"{ekey}: {et} must divide the expert width {fe} (model.moe_ffn_hidden_size)")
-        if (tp * dp) % (ep * et):
-            raise ValueError(f"{key}: {ep} x {ekey.split('.')[1]} {et} must divide tensor_model_parallel_size x "
-                             f"data_parallel_size {tp} x {dp} (Megatron's expert grid etp-ep-edp spans the tp x dp "
-                             "ranks of a pipeline stage"
-                             + ("; set hardware.cluster)" if self.hardware.cluster is None else ")"))
-        if tp > 1 and not p.sequence_parallel:
-            raise ValueError(f"parallelism.sequence_parallel: model.num_experts with tensor_model_parallel_size {tp} "
-                             "needs sequence_parallel true (Megatron-LM: \"When using MoE and tensor parallelism, "
-                             "sequence parallelism must be used\")")
         fs = m.moe_shared_expert_intermediate_size
-        if fs and fs % tp:
-            raise ValueError(f"model.moe_shared_expert_intermediate_size: {fs} is not divisible by "
-                             f"tensor_model_parallel_size {tp} (the shared expert is split as the dense MLP)")
-        if m.moe_shared_expert_gate and not fs:
-            raise ValueError("model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size")
-        if self.training.precision == "amp_fp32_params":
-            raise ValueError("model.num_experts needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
-                             "is not modelled with experts)")
-        if m.add_bias_linear:
-            raise ValueError("model.num_experts with model.add_bias_linear true is not modelled (Megatron's grouped "
-                             "experts have no biases; allowed: add_bias_linear false)")
-        if (ep > 1 or et != tp) and dp > 1 and (self.zero_optimization.stage == 3 or self.fsdp is not None):
-            what = "zero_optimization.stage: 3" if self.fsdp is None else "fsdp"
-            raise ValueError(f"{what} with {key} {ep} / expert_tensor_parallel_size {et} (expert parameters sharded "
-                             "over the expert-data-parallel group) is not modelled yet (allowed: ZeRO stage 0-2, "
-                             "ddp.use_distributed_optimizer)")
+        sharded = (ep > 1 or et != tp) and dp > 1 and (self.zero_optimization.stage == 3 or self.fsdp is not None)
+        what = "zero_optimization.stage: 3" if self.fsdp is None else "fsdp"
+        refuse_each(
+            lambda: f"{key}: {ep} must divide model.num_experts ({E})" if E % ep else None,
+            lambda: (f"{ekey}: {et} above tensor_model_parallel_size {tp} is not modelled (allowed: a divisor "
+                     f"of {tp})") if et > tp else None,
+            lambda: (f"{ekey}: {et} must divide tensor_model_parallel_size {tp} (modelled: the expert-tensor-"
+                     "parallel ranks inside the tensor-parallel group)") if et <= tp and tp % et else None,
+            lambda: f"{ekey}: {et} must divide the expert width {fe} (model.moe_ffn_hidden_size)" if fe % et else None,
+            lambda: (f"{key}: {ep} x {ekey.split('.')[1]} {et} must divide tensor_model_parallel_size x "
+                     f"data_parallel_size {tp} x {dp} (Megatron's expert grid etp-ep-edp spans the tp x dp "
+                     "ranks of a pipeline stage"
+                     + ("; set hardware.cluster)" if self.hardware.cluster is None else ")"))
+            if (tp * dp) % (ep * et) else None,
+            lambda: (f"parallelism.sequence_parallel: model.num_experts with tensor_model_parallel_size {tp} "
+                     "needs sequence_parallel true (Megatron-LM: \"When using MoE and tensor parallelism, "
+                     "sequence parallelism must be used\")") if tp > 1 and not p.sequence_parallel else None,
+            lambda: (f"model.moe_shared_expert_intermediate_size: {fs} is not divisible by "
+                     f"tensor_model_parallel_size {tp} (the shared expert is split as the dense MLP)")
+            if fs and fs % tp else None,
+            lambda: "model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size"
+            if m.moe_shared_expert_gate and not fs else None,
+            lambda: ("model.num_experts needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params "
+                     "is not modelled with experts)") if self.training.precision == "amp_fp32_params" else None,
+            lambda: ("model.num_experts with model.add_bias_linear true is not modelled (Megatron's grouped "
+                     "experts have no biases; allowed: add_bias_linear false)") if m.add_bias_linear else None,
+            lambda: (f"{what} with {key} {ep} / expert_tensor_parallel_size {et} (expert parameters sharded "
+                     "over the expert-data-parallel group) is not modelled yet (allowed: ZeRO stage 0-2, "
+                     "ddp.use_distributed_optimizer)") if sharded else None,
+        )
         return self
 
     @model_validator(mode="after")
@@ -1285,40 +1312,45 @@ class ScenarioConfig(_Model):
 
     @model_validator(mode="after")
     def _context_parallel_scope(self):
-        """Megatron's rules for ``context_parallel_size`` > 1, and what is not modelled with it."""
+        """Megatron's rules for ``context_parallel_size`` > 1, and what is not modelled with it: every rule a
+        setting breaks is told (``errors.refuse_each``)."""
         p, m = self.parallelism, self.model
         cp = p.context_parallel_size
         key = "parallelism.context_parallel_size"
         if cp == 1:
             return self
-        if self.hardware.cluster is None:
-            raise ValueError(f"{key}: {cp} > 1 needs hardware.cluster (e.g. {{preset: dgx-h100, nodes: 1}})")
-        world = world_size_of(self.hardware.cluster)
+        cl, z = self.hardware.cluster, self.zero_optimization
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if world is not None and world % (tp * pp * cp):
-            raise ValueError(f"{key}: tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} must divide the world size {world} "
-                             "of hardware.cluster")
-        if m.seq_length % (2 * cp):
-            raise ValueError(f"{key}: 2 x {cp} must divide model.seq_length {m.seq_length} (Megatron splits each "
-                             "sequence into 2 cp chunks for causal load balance)")
-        if p.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
-            raise ValueError(f"parallelism.cp_comm_type: a2a needs cp {cp} to divide the attention heads per TP rank "
-                             f"({m.num_attention_heads // tp})")
-        if self.training.precision == "amp_fp32_params" and self.fsdp is None:
-            raise ValueError(f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
-                             "with fsdp only, PyTorch context parallelism)")
-        if m.attention_kernel != "flash":
-            raise ValueError(f"{key}: {cp} > 1 with model.attention_backend {m.attention_backend} is not modelled "
-                             "(allowed: attention_backend flash with context parallelism)")
-        z = self.zero_optimization
-        if m.num_experts:
-            raise ValueError(f"{key}: {cp} > 1 with experts is not modelled yet (allowed: dense models; DDP, ZeRO, "
-                             "FSDP or the distributed optimizer over dp x cp)")
-        if z.offload_optimizer.device != "none" or z.offload_param.device != "none" or self.dataloader is not None:
-            raise ValueError(f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet")
-        if self.run.rank_folding == "none" or any(o.dp_rank is not None for o in self.rank_overrides):
-            raise ValueError(f"{key}: {cp} > 1 with data-parallel rank classes (run.rank_folding none or a dp_rank "
-                             "override) is not modelled yet (allowed: rank_folding classes, pp_rank overrides)")
+
+        def world() -> str | None:
+            if cl is None:
+                return f"{key}: {cp} > 1 needs hardware.cluster (e.g. {{preset: dgx-h100, nodes: 1}})"
+            w = world_size_of(cl)
+            return (f"{key}: tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} must divide the world size {w} "
+                    "of hardware.cluster") if w is not None and w % (tp * pp * cp) else None
+
+        refuse_each(
+            world,
+            lambda: (f"{key}: 2 x {cp} must divide model.seq_length {m.seq_length} (Megatron splits each "
+                     "sequence into 2 cp chunks for causal load balance)") if m.seq_length % (2 * cp) else None,
+            lambda: (f"parallelism.cp_comm_type: a2a needs cp {cp} to divide the attention heads per TP rank "
+                     f"({m.num_attention_heads // tp})")
+            if p.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp else None,
+            lambda: (f"{key}: {cp} > 1 needs training.precision bf16 or fp16 (Megatron-LM; amp_fp32_params: "
+                     "with fsdp only, PyTorch context parallelism)")
+            if self.training.precision == "amp_fp32_params" and self.fsdp is None else None,
+            lambda: (f"{key}: {cp} > 1 with model.attention_backend {m.attention_backend} is not modelled "
+                     "(allowed: attention_backend flash with context parallelism)")
+            if m.attention_kernel != "flash" else None,
+            lambda: (f"{key}: {cp} > 1 with experts is not modelled yet (allowed: dense models; DDP, ZeRO, "
+                     "FSDP or the distributed optimizer over dp x cp)") if m.num_experts else None,
+            lambda: f"{key}: {cp} > 1 with offload or a DataLoader is not modelled yet"
+            if (z.offload_optimizer.device != "none" or z.offload_param.device != "none"
+                or self.dataloader is not None) else None,
+            lambda: (f"{key}: {cp} > 1 with data-parallel rank classes (run.rank_folding none or a dp_rank "
+                     "override) is not modelled yet (allowed: rank_folding classes, pp_rank overrides)")
+            if self.run.rank_folding == "none" or any(o.dp_rank is not None for o in self.rank_overrides) else None,
+        )
         return self
 
     @model_validator(mode="after")

@@ -66,7 +66,6 @@ class ModelFacts:
             ``"head"`` (final norm and an untied LM head).
         tied_embeddings: The LM head shares the token-embedding weight.
         data_parallel_size: Data-parallel ranks.
-        allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
         rank_layers: Transformer blocks held by this pipeline rank.
         num_micro_batches: Micro-batches per step.
     """
@@ -79,7 +78,6 @@ class ModelFacts:
     upload_groups: tuple[tuple[str, int, int], ...]
     tied_embeddings: bool
     data_parallel_size: int
-    allgather_bucket_elements: int
     rank_layers: int
     num_micro_batches: int
 

@@ -165,8 +165,10 @@ class ZeroOptimizationConfig(_Model):
         "elements (model dtype; two with overlap_comm) as they are produced (DeepSpeed's default true); false: no "
         "buffers, each gradient its own tensor.")
     allgather_bucket_size: int = Field(
-        default=500_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Elements per parameter all-gather after the step with data-parallel "
-        "stage 1/2 (DeepSpeed default 5e8).")
+        default=500_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="DeepSpeed's elements per parameter all-gather after "
+        "the step with data-parallel stage 1/2 (default 5e8): accepted, no effect: current DeepSpeed gathers the "
+        "updated partition in one all_gather_into_tensor (deepspeed/runtime/utils.py all_gather_dp_groups); its "
+        "chunked fallback (torch.distributed without all_gather_into_tensor) is not modelled.")
     stage3_prefetch_bucket_size: int = Field(
         default=50_000_000, gt=0, le=MAX_REDUCE_BUCKET_SIZE, description="Stage 3 with data parallelism: parameter "
         "elements gathered ahead of use (DeepSpeed default 5e7; block granularity).")

@@ -48,8 +48,8 @@ Every kernel here is memory-bound, one launch per op, bytes counted as the kerne
      each its own ZeRO-3 partition of ``ceil(numel / dp)`` elements (``partition_parameters.py`` ``_aligned_size``
      pads every parameter to a multiple of the world size; ``zero3_partition_pieces``), ``g.double().norm(2)``
      each; the stacked squares summed in fp64, so the total all-reduced (SUM) over the data-parallel group is 8
-     bytes (over the model-parallel group too in DeepSpeed; that one is ``_grad_stats_all_reduce``'s, priced as 4
-     bytes like the others).
+     bytes, and the same fp64 tensor over the model-parallel group (``_model_parallel_all_reduce``;
+     ``_grad_stats_all_reduce`` with ``nbytes=8``; deepspeedai/DeepSpeed@007cca6a ``stage3.py``).
 
   Then ``_prepare_fp32_grad_for_sub_group`` (``self.flatten(averaged_gradients).to(fp32)``: the flat copy and
   the cast, as ZeRO-1/2) and ``unscale_and_clip_grads`` (``mul_(1. / combined_scale)`` whatever ``clip_grad``),
@@ -158,7 +158,8 @@ def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], 
         deps: Ops the step waits for (the reductions).
         check_overflow: Run ``has_overflow`` (fp16).
         stage3: ZeRO-3's step: its overflow check over the flat partition (``ZERO3_HAS_INF_OR_NAN``) and its
-            8-byte (fp64) norm all-reduce; ``pieces`` from ``zero3_partition_pieces``.
+            8-byte (fp64) norm all-reduces (over the data-parallel group, then the model-parallel one);
+            ``pieces`` from ``zero3_partition_pieces``.
 
     Returns:
         ``(grads, deps)`` for the optimizer kernel: the fp32 gradient partition and the ``mul_``.
@@ -182,7 +183,7 @@ def deepspeed_zero_step(bld, pieces: Sequence[int], n: float, grads: list[str], 
                               uses=[dbl], deps=[cast], dtype="fp64"))
     ar = bld._collective("zero.grad_norm.all_reduce", "all_reduce", 8 if stage3 else 4, norms or deps, Phase.OPT,
                          elem_bytes=8 if stage3 else 4)
-    norm = bld._grad_stats_all_reduce("zero.grad_norm", [ar])
+    norm = bld._grad_stats_all_reduce("zero.grad_norm", [ar], nbytes=8 if stage3 else 4)
     flat = e.fresh("grad.partition_flat")
     cat = e.kernel("zero.grad_partition.flatten", C.COPY, reads=g * n, writes=g * n, out=[(flat, g * n)],
                    uses=grads, deps=norm, dtype="fp32" if g == 4 else None)

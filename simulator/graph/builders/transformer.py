@@ -160,7 +160,9 @@ class TransformerSpec:
             fp32 parameter). One kernel per pass over the rank's partition: the per-tensor (single) or per
             multi-tensor-apply chunk (foreach) launches are not counted.
         clip_grad: Gradient-clipping max norm (0: no clipping; None: the framework's default, 0 with an FSDP
-            ``sharding``, else Megatron's 1.0), the framework's kernels. Megatron's optimizer (bf16
+            ``sharding``, DeepSpeed ZeRO (``zero_stage`` > 0) or ``deepspeed_bf16_optimizer`` (DeepSpeed's
+            ``gradient_clipping`` default 0, ``config.schema.clip_grad_of``), else Megatron's 1.0), the framework's
+            kernels. Megatron's optimizer (bf16
             / fp16 outside ZeRO / FSDP): ``--clip-grad``, the norm kernel and its all-reduce over the model-parallel
             group or the world (``_GptBuilder._clip_grad_norm``, ``_grad_stats_all_reduce``). FSDP:
             ``clip_grad_norm_`` (``_fsdp_clip_grad_norm``: over its process group, no cross-stage sync). DeepSpeed
@@ -198,7 +200,6 @@ class TransformerSpec:
             the backward hook, the compute stream waiting for it, as DeepSpeed without ``overlap_comm``).
         gradient_as_bucket_view: DDP gradients are views of the bucket buffer (no extra copy).
         reduce_bucket_elements: ZeRO-1/2 gradient bucket, elements (DeepSpeed ``reduce_bucket_size``).
-        allgather_bucket_elements: ZeRO-1/2 parameter all-gather chunk, elements.
         zero_ipg_buffers: DeepSpeed ZeRO-1/2 IPG gradient buffers of ``reduce_bucket_elements`` each
             (``contiguous_gradients``; ``_GptBuilder._ipg_alloc``): 2 with ``overlap_comm``, else 1; 0: none
             (``contiguous_gradients: false``, or optimizer offload, whose buffers are not modelled).
@@ -329,7 +330,6 @@ class TransformerSpec:
     overlap_grad_reduce: bool = True
     gradient_as_bucket_view: bool = False
     reduce_bucket_elements: int = 500_000_000
-    allgather_bucket_elements: int = 500_000_000
     zero_ipg_buffers: int = 0
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
@@ -384,8 +384,9 @@ class TransformerSpec:
         """Raises: ValueError: non-positive sizes, heads not dividing hidden, unknown modes, a tensor-parallel
         size not dividing the heads or the FFN, sequence parallelism with ``t`` not dividing ``s``, tensor
         parallelism with ``amp_fp32_params``."""
-        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP, else Megatron's
-            object.__setattr__(self, "clip_grad", 0.0 if self.sharding is not None and self.sharding.unit_buckets
+        if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP or DeepSpeed
+            fsdp = self.sharding is not None and self.sharding.unit_buckets
+            object.__setattr__(self, "clip_grad", 0.0 if fsdp or self.zero_stage > 0 or self.deepspeed_bf16_optimizer
                                else 1.0)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
@@ -847,7 +848,7 @@ def model_facts(s: TransformerSpec) -> ModelFacts:
     return ModelFacts(precision=s.precision, recompute=s.recompute, num_parameters=s.num_parameters,
                       num_layers=s.num_layers, layer_params=s.layer_params, upload_groups=tuple(groups),
                       tied_embeddings=s.tied_embeddings, data_parallel_size=s.data_parallel_size,
-                      allgather_bucket_elements=s.allgather_bucket_elements, rank_layers=s.rank_layers,
+                      rank_layers=s.rank_layers,
                       num_micro_batches=s.num_micro_batches)
 
 
@@ -899,7 +900,7 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
       step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
       check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
-      the updated parameters (model dtype) are all-gathered in ``allgather_bucket_size`` chunks.
+      the updated parameters (model dtype) are all-gathered in one call (``ZERO_PARAM_ALL_GATHER``).
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
@@ -937,6 +938,13 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
                                                                    "waits_fold": None}})
 
 
+#: DeepSpeed ZeRO-1/2's parameter all-gather after the step, one op: ``step`` calls ``all_gather_dp_groups``, which
+#: issues one ``all_gather_into_tensor`` of each whole flat 16-bit param group (one group modelled) when the backend
+#: has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch >= 1.13);
+#: only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size`` chunks, not
+#: modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
+#: ``all_gather_into_tensor_dp_groups``). The current behaviour is modelled: ``allgather_bucket_size`` has no effect.
+ZERO_PARAM_ALL_GATHER = "zero.param_all_gather.0"
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
@@ -2130,12 +2138,10 @@ class _GptBuilder:
             opt = len(self.b) - 1
             pbytes = 4 if self.amp or self.full else 2
             moe.expert_param_gathers(self, opt)
-            left, k = P - moe.own_expert_params(s), 0
-            while left > 0:
-                n = min(left, s.allgather_bucket_elements)
-                self.comm_ops.append(self._collective(f"zero.param_all_gather.{k}", "all_gather", n * pbytes, [opt],
+            n = P - moe.own_expert_params(s)  # one all_gather_into_tensor of the flat group (ZERO_PARAM_ALL_GATHER)
+            if n > 0:
+                self.comm_ops.append(self._collective(ZERO_PARAM_ALL_GATHER, "all_gather", n * pbytes, [opt],
                                                       Phase.OPT))
-                left, k = left - n, k + 1
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:
@@ -2547,10 +2553,13 @@ class _GptBuilder:
 
         return gn.norm_then_mul(self, "fsdp.clip_grad", n, grads, deps, reduce)
 
-    def _grad_stats_all_reduce(self, what: str, deps: list[int]) -> list[int]:
+    def _grad_stats_all_reduce(self, what: str, deps: list[int], nbytes: int = 4) -> list[int]:
         """Megatron's optimizer: one fp32 value (the squared gradient norm, or fp16's found-inf flag) all-reduced,
         after ``deps``, over the group Megatron reduces its gradient statistics over; returns the deps of what
-        follows (``deps`` itself when that group is this rank alone).
+        follows (``deps`` itself when that group is this rank alone). ``nbytes``: the value's size, 4 (fp32), or
+        8 for DeepSpeed ZeRO-3's fp64 squared norm (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/zero/
+        stage3.py`` ``get_grad_norm_direct``: the sum of the ``.double().norm(2)`` squares, all-reduced over the
+        data-parallel group, then by ``_model_parallel_all_reduce`` over the model-parallel group).
 
         The group (NVIDIA/Megatron-LM megatron/core/optimizer/clip_grads.py ``get_grad_norm_fp32``, all-reduce
         over ``grad_stats_parallel_group``, formerly ``model_parallel_group``; optimizer.py
@@ -2568,21 +2577,22 @@ class _GptBuilder:
         group, ``api._meet_across_classes``): the ranks start it together, so a straggler delays every stage's
         optimizer. Expert-parallel MoE ranks (Megatron's separate expert grad-stats group) are not told apart."""
         s, p = self.s, self.s.pipeline_parallel_size
+        dtype = "fp64" if nbytes == 8 else "fp32"
         if self.sh is not None and self.sh.strategy == "distributed_optimizer":
             group = "world"
         elif p > 1:
             group = "mp" if self.tp > 1 else "pp"
         elif self.tp > 1:
-            return [self._tp_op(f"{what}.all_reduce", "all_reduce", 4, deps=deps, dtype="fp32")]
+            return [self._tp_op(f"{what}.all_reduce", "all_reduce", nbytes, deps=deps, dtype=dtype)]
         else:
             return deps
-        meta = {"collective": "all_reduce", "bytes": 4, "group": group}
+        meta = {"collective": "all_reduce", "bytes": nbytes, "group": group}
         if group == "pp":
             meta["pp_ranks"] = tuple(range(p))
         if p > 1:
             meta |= {"rendezvous": (group, what), "parties": p}
         return [self.b.add(f"{group}.{what}.all_reduce", OpKind.COLLECTIVE, f"comm.{group}", deps=deps,
-                           phase=Phase.OPT, bytes_read=4.0, dtype="fp32", meta=meta)]
+                           phase=Phase.OPT, bytes_read=float(nbytes), dtype=dtype, meta=meta)]
 
     def _copy_main_params_to_fp8(self, n8: float, adam: int, grads: list[str]) -> None:
         """``fp8_param_gather``: Megatron ``quantize_param_shard`` for the ``n8`` fp32 master elements of fp8

@@ -55,7 +55,7 @@ def test_step_kernels_by_hand():
     the pipeline stages, the host read of the norm (and of the clip coefficient with clip_grad > 0), the partition's
     fp32 copy (2 + 4 Ps), the fused Adam (16 + 12 Ps), the bf16 copy of the updated partition (4 + 2 Ps), one
     all-gather of the whole bf16 flat buffer, and two memsets of the buffer (step's clear_hp_grads, zero_grad's)."""
-    ops = [o for o in _graph().ops if o.phase is Phase.OPT or o.kind in (OpKind.SYNC, OpKind.COLLECTIVE)]
+    ops = [o for o in _graph(clip_grad=1.0).ops if o.phase is Phase.OPT or o.kind in (OpKind.SYNC, OpKind.COLLECTIVE)]
     by = {o.name: o for o in ops}
     casts = [o for o in ops if o.name.endswith(".float")]
     norms = [o for o in ops if o.name.endswith(".norm")]
@@ -74,6 +74,7 @@ def test_step_kernels_by_hand():
     memsets = [o for o in ops if ".bf16opt.clear_hp_grads." in o.name]
     assert [(o.cost_class, o.bytes_written) for o in memsets] == [(CostClass.MEMSET, 2 * P0)] * 2
     assert "bf16opt.clip_coef.item" not in {o.name for o in _graph(clip_grad=0.0).ops}
+    assert "bf16opt.clip_coef.item" not in {o.name for o in _graph().ops}  # DeepSpeed's gradient_clipping default 0
 
 
 def test_last_stage_skips_its_tied_embedding_replica_in_the_norm():

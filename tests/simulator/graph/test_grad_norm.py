@@ -241,6 +241,21 @@ def test_zero3_bf16_norm_copy_and_unscale_by_hand():
     assert [o.name for o in _z3(clip_grad=0.0)] == [o.name for o in ops]  # whatever gradient_clipping
 
 
+@pytest.mark.parametrize("stage,nbytes,dtype", [(2, 4, "fp32"), (3, 8, "fp64")])
+def test_zero_model_parallel_norm_all_reduce_bytes(stage, nbytes, dtype):
+    """With TP 2 the norm's total goes over the model-parallel group after the data-parallel one: ZeRO-3's is the
+    fp64 sum (8 B, stage3.py ``get_grad_norm_direct`` -> ``_model_parallel_all_reduce``), ZeRO-1/2's 4 B."""
+    from simulator.graph.builders.sharding import ShardingSpec
+
+    kw = dict(zero_stage=stage, tensor_parallel_size=2, data_parallel_size=2)
+    if stage == 3:
+        kw["sharding"] = ShardingSpec("zero3", 2)
+    by = {o.name: o for o in build_gpt_step(TransformerSpec(**{**TINY, **kw})).ops}
+    dp, mp = by["zero.grad_norm.all_reduce"], by["opt.tp.zero.grad_norm.all_reduce"]
+    assert (dp.meta["bytes"], mp.meta["bytes"], mp.meta["group"]) == (nbytes, nbytes, "tp")
+    assert mp.bytes_read == nbytes and mp.dtype == dtype and dp.id in mp.deps
+
+
 def test_zero3_fp16_overflow_check_over_the_flat_partition_by_hand():
     """fp16: ``isinf(buf).any()`` and ``isnan(buf).any()`` over the 41,280-element flat 16-bit partition (2 + 1,
     1 + 1 byte each: 6 B per element, 4 launches), the 1-byte flag all-reduced over dp, then ``.item()``."""

@@ -180,8 +180,8 @@ BAD = [
     ("ep without experts", {"from_hf": str(ROOT / "scenarios/models/llama-2-7b.json"), "num_layers": 1,
                             "seq_length": 512}, {"expert_model_parallel_size": 2}, True,
      ["parallelism.expert_model_parallel_size: 2 > 1 needs model.num_experts"]),
-    ("ep not dividing experts", _mixtral(num_layers=1), {"expert_model_parallel_size": 3}, True,
-     ["expert_model_parallel_size: 3 must divide model.num_experts (8)"]),
+    ("ep not dividing experts", {**_mixtral(num_layers=1), "num_experts": 6}, {"expert_model_parallel_size": 4}, True,
+     ["expert_model_parallel_size: 4 must divide model.num_experts (6)"]),  # 4 divides tp x dp 8: one rule broken
     ("dp not divisible by ep", {**_mixtral(num_layers=1), "num_experts": 16}, {"expert_model_parallel_size": 16},
      True, ["expert_model_parallel_size: 16 x expert_tensor_parallel_size 1 must divide tensor_model_parallel_size x "
             "data_parallel_size 1 x 8", "etp-ep-edp"]),
