@@ -29,11 +29,17 @@ def with_overrides(cfg: ScenarioConfig, **dotted: Any) -> ScenarioConfig:
     Raises:
         ScenarioError: the result does not validate.
     """
-    # only the keys the scenario gave (with those its validators derived): a dump of every default would mark each
-    # section as given, and what a section's presence means (a DeepSpeed config: schema.deepspeed_bf16_optimizer,
-    # the warnings on keys given without effect) would change
-    data = cfg.model_dump(mode="json", exclude_none=True, exclude_unset=True)
-    return scenario_from_dict(apply_overrides(data, [f"{k}={_yaml(v)}" for k, v in dotted.items()]), cfg.name)
+    return scenario_from_dict(apply_overrides(given_data(cfg), [f"{k}={_yaml(v)}" for k, v in dotted.items()]),
+                              cfg.name)
+
+
+def given_data(cfg: ScenarioConfig) -> dict[str, Any]:
+    """The keys ``cfg`` was given (with those its validators derived), as a plain dict to edit and reload.
+
+    A dump of every default would mark each section as given, and what a section's presence means would change (a
+    ``zero_optimization`` section makes a bf16 pipeline DeepSpeed's BF16_Optimizer: schema.deepspeed_bf16_optimizer;
+    the warnings on keys given without effect)."""
+    return cfg.model_dump(mode="json", exclude_none=True, exclude_unset=True)
 
 
 def _yaml(v: Any) -> str:

@@ -46,6 +46,7 @@ from simulator.config.errors import ScenarioError
 from simulator.config.loader import scenario_from_dict
 from simulator.config.schema import ScenarioConfig
 from simulator.api import run_scenario
+from simulator.studies.whatif import given_data
 
 COLUMNS = ("num_workers", "step_time_s", "data_stall_s", "stall_fraction", "samples_per_s",
            "worker_utilisation", "host_cpu_busy_cores", "oversubscribed", "steady", "steps_simulated")
@@ -62,7 +63,7 @@ def with_workers(cfg: ScenarioConfig, num_workers: int, prefetch_factor: int | N
     """
     if cfg.dataloader is None:
         raise ScenarioError(f"{cfg.name}: no dataloader section: add `dataloader:` (see scenarios/h200/dataloader_w0.yaml)")
-    data = cfg.model_dump(mode="python")
+    data = given_data(cfg)
     dl = data["dataloader"]
     dl["num_workers"] = int(num_workers)
     if num_workers == 0:
@@ -76,8 +77,8 @@ def with_workers(cfg: ScenarioConfig, num_workers: int, prefetch_factor: int | N
 
 def with_steps(cfg: ScenarioConfig, steps: int) -> ScenarioConfig:
     """A copy of ``cfg`` that simulates ``steps`` steps (same warm-up)."""
-    data = cfg.model_dump(mode="python")
-    data["run"]["steps"] = int(steps)
+    data = given_data(cfg)
+    data.setdefault("run", {})["steps"] = int(steps)
     return scenario_from_dict(data, cfg.name)
 
 
