@@ -184,7 +184,8 @@ def test_cluster_groups_follow_megatron_rank_order():
     (["zero_optimization.stage=1", "zero_optimization.offload_optimizer.device=cpu"], "8 > 1 with zero_optimization offload is not modelled"),
     (["parallelism.pipeline_model_parallel_size=2"], "parallelism.pipeline_model_parallel_size: tp 8 x pp 2 = 16 "
      "must divide the world size 8"),
-    (["parallelism.context_parallel_size=2"], "parallelism.context_parallel_size: tp 8 x pp 1 x cp 2 = 16 must "
+    (["parallelism.context_parallel_size=2", "model.attention_backend=flash"],  # unfused with cp: a second rule
+     "parallelism.context_parallel_size: tp 8 x pp 1 x cp 2 = 16 must "
      "divide the world size 8"),
     (["parallelism.expert_model_parallel_size=2"], "parallelism.expert_model_parallel_size: 2 > 1 needs model.num_experts"),
     (["parallelism.sequence_parallel=true", "model.seq_length=1028"], "parallelism.sequence_parallel: tensor_model"),

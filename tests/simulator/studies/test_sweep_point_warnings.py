@@ -42,9 +42,10 @@ def test_each_row_carries_the_fresh_runs_warnings_on_every_backend():
         df = sweep.run_sweep(SCEN, FACTORS, BASE, workers=workers, progress=False, log=lambda m: None)
         assert list(df["warnings"]) == want, workers  # the row joins them with "; " in the order shown
     try:
-        from simulator.studies.sweep_dask import local_cluster
+        import dask.distributed  # noqa: F401  (the optional `dask` extra)
     except ImportError:  # dask.distributed not installed: the two backends above still ran
         return
+    from simulator.studies.sweep_dask import local_cluster
     cluster, client = local_cluster(2)
     try:
         df = sweep.run_sweep(SCEN, FACTORS, BASE, client=client, progress=False, log=lambda m: None)
