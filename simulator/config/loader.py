@@ -5,6 +5,7 @@ Every failure becomes one ``ScenarioError`` line: ``FILE: key.path: problem (all
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -648,8 +649,6 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_ev
     nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name)
     switches = resolve_pcie_switches(cfg, source, nvme, cluster.get("collectives"))
     if switches is not None and nvme is not None:  # the declared switches say where the drives attach
-        import dataclasses
-
         d, up = switches.drive_uplink(nvme.drives)
         nvme = dataclasses.replace(nvme, drives_per_uplink=d, uplink_bytes_per_s=up)
     return Hardware(gpu, profile, pcie, cpu, mem, hwc.launch_overhead_s, pcie_explicit=pcie_explicit,
