@@ -1104,6 +1104,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := fsdp2_selective_note(cfg)):
         out.append(note)
+    if cfg is not None and (note := fsdp2_last_block_note(cfg)):
+        out.append(note)
     if cfg is not None and (note := deepspeed_fp16_optimizer_note(cfg)):
         out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
@@ -1295,6 +1297,21 @@ def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
             "recompute (core attention recomputed); torchtitan's selective activation checkpointing (op-level: "
             "every other matmul's and the attention kernels' outputs saved, the rest recomputed; or every n-th "
             "block checkpointed) is not modelled: its memory and recompute time differ")
+
+
+def fsdp2_last_block_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for ``fsdp.version 2`` resharding after forward, else None. torchtitan's ``apply_fsdp``
+    leaves its last ``TransformerBlock`` gathered after forward (backward needs it first; pytorch/torchtitan@81c12433
+    torchtitan/models/llama3/infra/parallelize.py); the graph (``graph.builders.fsdp2``) reshards every unit alike,
+    so it prices one backward all-gather that torchtitan does not run. A plain ``fully_shard`` loop over the blocks
+    reshards every one, as priced."""
+    f = cfg.fsdp
+    r = f.reshard_after_forward if f is not None else None
+    if f is None or f.version != 2 or r is False or (type(r) is int and r == 1):  # 1: no resharding
+        return None
+    return ("fsdp.version 2: every block is resharded after forward and gathered again in backward; torchtitan "
+            "keeps its last block gathered after forward, so one backward all-gather is priced that torchtitan "
+            "does not run (a plain fully_shard loop reshards every block, as priced)")
 
 
 def _hybrid_shard_notes(cfg: ScenarioConfig) -> list[str]:
