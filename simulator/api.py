@@ -19,6 +19,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
+from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
                                      deepspeed_bf16_optimizer)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
@@ -57,7 +58,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
-        recompute=t.recompute_granularity or "none", data_parallel_size=dp,
+        recompute=recompute_of(cfg)[0], recompute_every=recompute_of(cfg)[1], data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_in(p.pipeline_model_parallel_size),
@@ -265,7 +266,7 @@ def megatron_flops_per_s_per_gpu(cfg: ScenarioConfig, summary: dict) -> float | 
         return None
     batch = t.global_batch_size or t.micro_batch_size * (cfg.parallelism.data_parallel_size or 1)
     flops = metrics.megatron_flops_per_step(batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-                                            t.recompute_granularity == "full")
+                                            recompute_of(cfg) == ("full", 1))
     return flops / (summary["step_time_s"] * summary["world_size"])
 
 
@@ -1284,19 +1285,16 @@ def deepspeed_fp16_optimizer_note(cfg: ScenarioConfig) -> str | None:
 
 def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
     """The run's line for ``training.recompute_granularity: selective`` with ``fsdp.version 2`` (torchtitan's
-    FSDP2), else None. The key is Megatron-LM's (the core attention recomputed, its inputs saved); torchtitan's
-    ``[activation_checkpoint] mode = "selective"`` is another policy: ``selective_ac_option = "op"`` saves the
-    outputs of the ops in its ``_save_list`` (every other ``mm``, the SDPA kernels, the TP reduce-scatters, ``max``)
-    and recomputes the rest, an int ``n`` checkpoints every ``n``-th block whole (pytorch/torchtitan@81c12433
-    torchtitan/models/llama3/infra/parallelize.py ``_apply_ac_to_transformer_block``). Neither is built: the run
-    prices Megatron's, which saves and recomputes other tensors."""
+    FSDP2), else None. The key is Megatron-LM's (the core attention recomputed, its inputs saved), which the run
+    prices; torchtitan's ``[activation_checkpoint] mode = "selective"`` is another policy, modelled under its own
+    key ``activation_checkpoint`` (``simulator/config/sections/torchtitan_ac.py``, ``graph/builders/op_sac.py``)."""
     f = cfg.fsdp
     if f is None or f.version != 2 or cfg.training.recompute_granularity != "selective":
         return None
     return ("training.recompute_granularity selective with fsdp.version 2 is priced as Megatron-LM's selective "
-            "recompute (core attention recomputed); torchtitan's selective activation checkpointing (op-level: "
-            "every other matmul's and the attention kernels' outputs saved, the rest recomputed; or every n-th "
-            "block checkpointed) is not modelled: its memory and recompute time differ")
+            "recompute (core attention recomputed), not torchtitan's selective activation checkpointing (its "
+            "memory and recompute time differ): for torchtitan's, set activation_checkpoint {mode: selective, "
+            "selective_ac_option: op or n} instead")
 
 
 def fsdp2_last_block_note(cfg: ScenarioConfig) -> str | None:

@@ -44,6 +44,7 @@ from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig, FsdpOffloadPolicy
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
+from simulator.config.sections import torchtitan_ac
 from simulator.graph.builders.lora import hf_names as lora_hf_names
 from simulator.config.sections.memory import MemoryConfig
 from simulator.config.sections.ranks import MAX_RANK_OVERRIDES, MAX_SIMULATED_RANKS, RankOverride
@@ -711,6 +712,9 @@ class ScenarioConfig(_Model):
     run: RunConfig = RunConfig()
     zero_optimization: ZeroOptimizationConfig = ZeroOptimizationConfig()  # simulator/config/sections/offload.py
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    activation_checkpoint: torchtitan_ac.TorchtitanActivationCheckpoint | None = Field(
+        default=None, description="torchtitan's [activation_checkpoint] (mode, selective_ac_option), in place of "
+        "training.recompute_granularity; needs fsdp.version 2 (simulator/config/sections/torchtitan_ac.py).")
     dataloader: DataLoaderConfig | None = None
     dvfs: DvfsConfig | None = None
     memory: MemoryConfig = MemoryConfig()  # simulator/config/sections/memory.py
@@ -1239,6 +1243,11 @@ class ScenarioConfig(_Model):
     @model_validator(mode="after")
     def _lora_scope(self):
         check_lora_scenario(self)
+        return self
+
+    @model_validator(mode="after")
+    def _torchtitan_ac_scope(self):
+        torchtitan_ac.check_scenario(self)
         return self
 
     @model_validator(mode="after")

@@ -1,9 +1,12 @@
 """Activation recompute (full, selective) and activation offload to host memory.
 
 The GPT builder emits the recompute itself (``TransformerSpec.recompute``, from
-``training.recompute_granularity``): ``full`` keeps each block's input and re-runs the block's
-forward before its backward (Megatron-LM ``--recompute-granularity full``); ``selective`` re-runs
-only the attention core (Korthikanti et al., MLSys 2023). This policy checks that the graph has
+``training.recompute_granularity`` or torchtitan's ``activation_checkpoint``: ``config.sections.torchtitan_ac``):
+``full`` keeps each block's input and re-runs the block's forward before its backward (Megatron-LM
+``--recompute-granularity full``; torchtitan ``mode = "full"``, and with ``selective_ac_option`` n every n-th
+block only); ``selective`` re-runs only the attention core (Korthikanti et al., MLSys 2023); ``op`` is torchtitan's
+per-op policy (``graph.builders.op_sac``: every other matmul's, the attention's and the TP reduce-scatters' outputs
+saved, the rest re-run before the block's backward). This policy checks that the graph has
 blocks to recompute and adds **activation offload** as DeepSpeed's
 ``activation_checkpointing.cpu_checkpointing`` runs it (``deepspeed/runtime/activation_checkpointing/
 checkpointing.py``, ``CheckpointFunction``): not overlapped, in line with the compute.
@@ -37,6 +40,7 @@ buffers, no faults. Buffers totalling under 32 MiB are recycled from the heap: n
 from __future__ import annotations
 
 from hardware_models.host_kernels import faulting_elements, first_touch_s
+from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
@@ -50,7 +54,7 @@ class Recompute:
     @classmethod
     def applies(cls, cfg) -> bool:
         ac = getattr(cfg, "activation_checkpointing", None)
-        return bool(cfg.training.recompute_granularity) or bool(ac and ac.cpu_checkpointing)
+        return recompute_of(cfg)[0] != "none" or bool(ac and ac.cpu_checkpointing)
 
     @staticmethod
     def needs_kernels(cfg) -> bool:
@@ -60,21 +64,22 @@ class Recompute:
 
     @staticmethod
     def reuse_key(cfg, hw) -> tuple | None:
-        """What ``transform`` reads beside the graph (``registry.policies_reuse_key``): the granularity; None with
+        """What ``transform`` reads beside the graph (``registry.policies_reuse_key``): the recompute; None with
         activation offload (it reads the host's CPU too: rewritten afresh)."""
         ac = getattr(cfg, "activation_checkpointing", None)
-        return None if ac and ac.cpu_checkpointing else (cfg.training.recompute_granularity,)
+        return None if ac and ac.cpu_checkpointing else recompute_of(cfg)
 
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         ac = getattr(cfg, "activation_checkpointing", None)
-        return recompute(graph, cfg.training.recompute_granularity, bool(ac and ac.cpu_checkpointing),
+        mode = recompute_of(cfg)[0]
+        return recompute(graph, None if mode == "none" else mode, bool(ac and ac.cpu_checkpointing),
                          host_buffers=ac.host_buffers if ac else "fresh", host_cpu=getattr(hw, "host_cpu", None))
 
 
 def recompute(graph: OpGraph, granularity: str | None, cpu_checkpointing: bool = False, *,
               host_buffers: str = "fresh", host_cpu=None) -> OpGraph:
-    """Check the recompute setting against the graph and add activation offload if asked
-    (``host_buffers``, ``host_cpu``: see :func:`offload_activations`).
+    """Check the recompute setting (``TransformerSpec.recompute``: full, selective, op; None: none) against the
+    graph and add activation offload if asked (``host_buffers``, ``host_cpu``: see :func:`offload_activations`).
 
     Raises:
         PolicyError: no transformer blocks, or cpu_checkpointing without full recompute.

@@ -460,6 +460,9 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("fsdp with pipeline parallelism (units kept gathered across micro-batches, gradients "
                            "reduced once per step) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
+    if spec.recompute == "op" or spec.recompute_every != 1:
+        raise NotEstimated("torchtitan's selective activation_checkpoint (per op, or every n-th block) is not covered "
+                           "by the memory estimate")
     states, grads = _model_state_bytes(cfg, spec)
     end_grads = grads  # the gradients backward leaves (beside the states) when the optimizer step starts
     if spec.fp8 is not None:  # resident like the model states

@@ -108,7 +108,7 @@ from simulator.graph.builders import bf16_optimizer as bf16opt
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
-from simulator.graph.builders import lora, moe, qkv_layout, varlen
+from simulator.graph.builders import lora, moe, op_sac, qkv_layout, varlen
 from simulator.graph.builders import vit as vitb
 from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
@@ -124,7 +124,8 @@ PRECISIONS = ("amp_fp32_params", "bf16", "fp16", "fp32", "tf32")
 FULL_PRECISIONS = ("fp32", "tf32")
 #: Megatron-LM --make-vocab-size-divisible-by default (arguments.py); the padded vocabulary is a multiple of 128 t
 VOCAB_DIVISIBLE_BY = 128
-RECOMPUTE = ("none", "full", "selective")
+#: ``op``: torchtitan's per-op selective checkpointing (``simulator/graph/builders/op_sac.py``)
+RECOMPUTE = ("none", "full", "selective", "op")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: Megatron-LM --position-embedding-type values modelled; ``none``: no position parameters or kernels (ALiBi's
 #: bias is added inside the flash kernel; Press et al., ICLR 2022)
@@ -133,6 +134,11 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 #: vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py)
 CROSS_ENTROPY_IMPLS = ("pytorch", "megatron", "megatron_fused")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
+
+
+def _parts(t: str | tuple[str, ...]) -> list[str]:
+    """A tensor, or the tensors of a GEMM written in parts (``_linear_fwd(parts=...)``), as a list."""
+    return [t] if isinstance(t, str) else list(t)
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
@@ -187,6 +193,9 @@ class TransformerSpec:
             cast into fp32 main grads before the step, as fp16's buffer (``megatron_half_grads``); no effect with
             another precision (Megatron-LM reads it only under ``--bf16``).
         recompute: One of ``RECOMPUTE``.
+        recompute_every: With ``recompute`` full, block ``i`` (0-based) is checkpointed whole when ``(i + 1) %
+            recompute_every == 0`` and keeps all its activations otherwise (torchtitan's ``selective_ac_option``
+            int n: ``simulator/config/sections/torchtitan_ac.py``); 1: every block.
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
         zero_stage: DeepSpeed ZeRO stage with data parallelism: 0 (DDP all-reduce), 1 (optimizer
@@ -323,6 +332,7 @@ class TransformerSpec:
     grad_reduce_in_bf16: bool = False
     deepspeed_bf16_optimizer: bool = False
     recompute: str = "none"
+    recompute_every: int = 1
     data_parallel_size: int = 1
     zero_stage: int = 0
     ddp_first_bucket_bytes: int = 1 << 20
@@ -419,6 +429,10 @@ class TransformerSpec:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.recompute_every < 1 or (self.recompute_every > 1 and self.recompute != "full"):
+            raise ValueError(f"recompute_every must be >= 1 and 1 unless recompute is full, got {self.recompute_every}")
+        if self.recompute == "op":
+            op_sac.check_spec(self)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
         sh = self.sharding
@@ -1337,11 +1351,13 @@ class _GptBuilder:
         self._weight_grads(weight_grads)
         return dx
 
-    def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int):
+    def _add(self, name: str, a: str, b_: str, a_bytes: int, b_bytes: int, out_bytes: int, held=()):
+        """Elementwise ``a + b_`` over ``[T_n, h]`` (bytes per element of each); ``held``: tensors kept alive until
+        it runs (read by nothing: torchtitan's per-op checkpoint storage, ``op_sac.py``). Returns the sum."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
         y = e.fresh(f"{name}.out")
         e.kernel(name, C.ELEMENTWISE, reads=(a_bytes + b_bytes) * T * h, writes=out_bytes * T * h,
-                 out=[(y, out_bytes * T * h)], uses=[a, b_], dtype="fp32")
+                 out=[(y, out_bytes * T * h)], uses=[a, b_, *held], dtype="fp32")
         return y
 
     # -- tensor parallel ---------------------------------------------------------------------
@@ -1492,8 +1508,9 @@ class _GptBuilder:
         return v
 
     # -- MLP activation ----------------------------------------------------------------------
-    def _act_fwd(self, prefix: str, fc1: str, T: int, f: int) -> str:
-        """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``):
+    def _act_fwd(self, prefix: str, fc1: str | tuple[str, str], T: int, f: int) -> str:
+        """The MLP activation over ``[T, f]`` 16-bit outputs (``prefix``: kernel-name prefix, e.g. ``experts.``;
+        ``fc1``: the fc1 output, or its gate and up halves as two tensors, ``op_sac.py``):
         SwiGLU ``silu(a) * b`` over the two halves of fc1 (Megatron fused bias_swiglu, ~6 FLOPs/element), or
         GELU (~8 FLOPs/element)."""
         if hf.is_hf_eager(self.s):  # Hugging Face gelu_new, 8 eager kernels (simulator/graph/builders/hf_eager.py)
@@ -1504,7 +1521,7 @@ class _GptBuilder:
         n_in = 2 * T * f if self.s.swiglu else T * f
         w = self.w
         e.kernel(f"{prefix}{name}", C.ELEMENTWISE, reads=w * n_in, writes=w * T * f,
-                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, w * T * f)], uses=[fc1])
+                 flops=(6 if self.s.swiglu else 8) * T * f, out=[(g, w * T * f)], uses=_parts(fc1))
         return g
 
     def _act_bwd(self, prefix: str, g: str, fc1: str, T: int, f: int) -> str:
@@ -1516,7 +1533,7 @@ class _GptBuilder:
         if self.s.swiglu:
             dx = e.fresh(f"{prefix}swiglu.dx")
             e.kernel(f"{prefix}swiglu.dgrad", C.ELEMENTWISE, reads=w * 3 * T * f, writes=w * 2 * T * f,
-                     flops=12 * T * f, out=[(dx, w * 2 * T * f)], uses=[g, fc1])
+                     flops=12 * T * f, out=[(dx, w * 2 * T * f)], uses=[g, *_parts(fc1)])
         else:
             dx = e.fresh(f"{prefix}gelu.dx")
             e.kernel(f"{prefix}gelu.dgrad", C.ELEMENTWISE, reads=w * 2 * T * f, writes=w * T * f, flops=16 * T * f,
@@ -1593,10 +1610,13 @@ class _GptBuilder:
         ln1s, ln1_st = self._norm_fwd("ln1", x, OpRole.BLOCK_INPUT_NORM)
         ln1 = self._tp_gather("ln1", ln1s)
         sep = qkv_layout.separate(s)  # q, k, v from separate projections (torchtitan, PEFT): qkv_layout.py
-        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save, parts=(h + kv, kv) if sep else ())
+        op = s.recompute == "op"  # torchtitan's per-op checkpointing: q, k, v apart (op_sac.py saves q and v)
+        qkv, sv_qkv = self._linear_fwd("qkv", ln1, hf, qo, x_fp32=True, save=save,
+                                       parts=(h, kv, kv) if op else (h + kv, kv) if sep else ())
         sv_qkv = self._save_shard(sv_qkv, ln1s)
+        projections = qkv
         if sep:  # rope, torchtitan's repeat_kv copies; V goes in as the projection wrote it
-            attn_in = qkv_layout.separate_fwd(self, *qkv, h, kv)
+            attn_in = qkv_layout.separate_fwd(self, qkv[:-1] if op else qkv[0], qkv[-1], h, kv)
             qk, qkv = attn_in[0], attn_in[-1]
         else:
             qk = self._rope_fwd(qkv, h + kv)
@@ -1630,7 +1650,7 @@ class _GptBuilder:
             e.kernel("attn.transpose", C.COPY, reads=self.w * T * h, writes=self.w * T * h,
                      out=[(attc, self.w * T * h)], uses=[att])
         proj, sv_proj = self._linear_fwd("proj", attc, h, hf, x_fp32=False, save=save)
-        proj = self._tp_reduce("proj", proj)
+        proj_rs = proj = self._tp_reduce("proj", proj)
         x2, mask1 = core.residual_dropout_add(self, "residual1", x, proj, self.w)
         ln2, ln2_st = self._norm_fwd("ln2", x2)
         fc1 = sv_fc1 = sv_fc2 = sv_moe = None
@@ -1638,14 +1658,18 @@ class _GptBuilder:
             fc2, sv_moe = moe.moe_fwd(self, ln2, save)
         else:
             ln2s, ln2 = ln2, self._tp_gather("ln2", ln2)
-            fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save)
+            fc1, sv_fc1 = self._linear_fwd("fc1", ln2, hf, s.fc1_out_size // t, x_fp32=True, save=save,
+                                           parts=(f, f) if op else ())  # op: w1 and w3 apart (op_sac.py saves w1)
             sv_fc1 = self._save_shard(sv_fc1, ln2s)
             g = self._act_fwd("", fc1, T, f)
-            fc2, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
-            fc2 = self._tp_reduce("fc2", fc2)
+            fc2_out, sv_fc2 = self._linear_fwd("fc2", g, f, hf, x_fp32=False, save=save)
+            fc2 = self._tp_reduce("fc2", fc2_out)
         x3, mask2 = core.residual_dropout_add(self, "residual2", x2, fc2, self.w)
         saved = {}
-        if save:
+        if op:  # what torchtitan's policy keeps of the block (op_sac.py); the rest is recomputed in backward
+            saved = op_sac.saved_outputs(self, x=x, q=projections[0], v=projections[2], att=att, lse=lse,
+                                         proj_rs=proj_rs, w1=fc1[0], w2=fc2_out, w2_rs=fc2)
+        elif save:
             saved = dict(x=x, qkv=qkv, qk=qk, att=None if selective else att, sv_qkv=sv_qkv, sv_proj=sv_proj,
                          x2=x2, fc1=fc1, sv_fc1=sv_fc1, sv_fc2=sv_fc2, moe=sv_moe,
                          core=None if selective else sv_core, mask1=mask1, mask2=mask2,
@@ -1709,7 +1733,7 @@ class _GptBuilder:
             g_qkv = self._rope_bwd(g_qkv, h + kv)
         g_ln1 = self._linear_bwd("qkv", g_qkv, sv["sv_qkv"], hf, qo, g_fp32=False, tp_reduce="qkv.grad")
         g_x = self._norm_bwd("ln1", g_ln1, sv["x"], g_is_bf16=True, stats=sv["ln1_stats"])
-        out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act)
+        out = self._add("residual1.grad", g_mid, g_x, self.act, self.act, self.act, held=sv.get("held", ()))
         self._release_layer_params(e.layer, Phase.BWD)
         return out
 
@@ -1746,7 +1770,6 @@ class _GptBuilder:
         h, V = s.hidden_size, s.vocab_per_rank  # vocabulary-parallel embedding and LM head: V_p / t rows
         k = self._chunk = s.model_chunks[chunk]
         first, last = k == 0, k == self.n_chunks - 1
-        full = s.recompute == "full"
         selective = s.recompute == "selective"
         e.phase, e.layer = Phase.FWD, -1
         self._new_micro_batch(mb)
@@ -1770,7 +1793,8 @@ class _GptBuilder:
         for layer in chunk_layers(s.layer_split, k):
             e.layer = layer
             x_in = x
-            x, sv = self._block_fwd(x, save=not full, selective=selective)
+            full = self._checkpointed(layer)
+            x, sv = self._block_fwd(x, save=not full and s.recompute != "op", selective=selective)
             saved_layers[layer] = sv if not full else {"x": x_in}
         e.layer = -1
         self._fp8_scale_update(forward=True)
@@ -1899,7 +1923,6 @@ class _GptBuilder:
         h, V = s.hidden_size, s.vocab_per_rank
         k = self._chunk = s.model_chunks[chunk]
         first, last = k == 0, k == self.n_chunks - 1
-        full = s.recompute == "full"
         self.last_mb = last_pass
         self._mb, self._bwd_comm_start = mb, len(self.comm_ops)
         if self.pg is not None:
@@ -1923,8 +1946,10 @@ class _GptBuilder:
         for layer in reversed(chunk_layers(s.layer_split, k)):
             e.layer = layer
             sv = saved_layers[layer]
-            if full:
+            if self._checkpointed(layer):
                 _, sv = self._block_fwd(sv["x"], save=True, selective=False)
+            elif s.recompute == "op":  # torchtitan's per-op checkpointing: re-run what its policy did not save
+                sv = op_sac.recompute(self, sv)
             g = self._block_bwd(g, sv)
         e.layer = -1
         self._fp8_scale_update(forward=False)
@@ -1942,6 +1967,12 @@ class _GptBuilder:
             return
         self._weight_grads(lambda: self._embedding_grads(g, tokens))
         self._end_of_backward()
+
+    def _checkpointed(self, layer: int) -> bool:
+        """Block ``layer`` is checkpointed whole: only its input kept, its forward re-run before its backward
+        (``recompute`` full; with ``recompute_every`` n only the blocks with ``(layer + 1) % n == 0``)."""
+        s = self.s
+        return s.recompute == "full" and (layer + 1) % s.recompute_every == 0
 
     def _embedding_grads(self, g: str, tokens: str) -> None:
         """Embedding backward of model chunk 0: the dense fp32 gradient of the token table (+ the tied LM-head

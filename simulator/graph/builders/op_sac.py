@@ -1,0 +1,104 @@
+"""torchtitan's per-op selective activation checkpointing (``[activation_checkpoint] mode = "selective"``,
+``selective_ac_option = "op"``) of its Llama ``TransformerBlock``, for the GPT builder (``TransformerSpec.recompute``
+``op``).
+
+**The policy** (pytorch/torchtitan@81c12433 torchtitan/models/llama3/infra/parallelize.py
+``_apply_ac_to_transformer_block``, ``_save_list``; later torchtitan/distributed/activation_checkpoint.py
+``_apply_op_sac``): each block runs under ``checkpoint_wrapper(context_fn=...)`` with
+``create_selective_checkpoint_contexts``: an op's outputs are stored (``MUST_SAVE``) when the op is in ``_save_list``
+(``aten.mm``, SDPA flash / efficient attention, ``_c10d_functional.reduce_scatter_tensor``, ``aten.max``), except
+every second ``aten.mm``: a counter per block and forward (``meta["forward_mm_count"]``, a fresh ``defaultdict`` per
+call) saves the 1st, 3rd, 5th ... mm and recomputes the others (``PREFER_RECOMPUTE``, as every op not in the list).
+
+**The block's mm order** (pytorch/torchtitan@018740b7 torchtitan/models/llama3/model/model.py): ``Attention.forward``
+runs ``self.wq(x), self.wk(x), self.wv(x)`` then ``self.wo(output)``; ``FeedForward.forward`` is
+``self.w2(F.silu(self.w1(x)) * self.w3(x))``, evaluated w1, w3, w2. A bias-free ``nn.Linear`` on ``[b, s, i]`` is one
+``aten.mm`` (``F.linear`` -> ``matmul`` folds the batch into ``mm``; with a bias it would be ``addmm``, not counted:
+refused). So the seven mm are wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7: **wq, wv, w1, w2 saved; wk, wo, w3
+recomputed** (later torchtitan names the same four explicitly: ``save_mm_modules`` {"wq", "wv", "w1", "w2"} "for
+Llama3", torchtitan/distributed/activation_checkpoint.py ``_apply_op_sac``). Under tensor parallelism the
+``RowwiseParallel(output_layouts=Shard(1))`` outputs of wo and w2 are reduce-scattered (saved); the sequence-parallel
+all-gathers before wq / w1 (``PrepareModuleInput``) are not in the list: recomputed, so they run again in backward.
+
+**Kept from forward to backward**, per block (``saved_outputs``; beside the block input, kept by the wrapper): the
+outputs of wq (``[T, a d / t]``), wv (``[T, g d / t]``), SDPA (``[T, a d / t]`` and its fp32 log-sum-exp ``[b, a /
+t, s]``), w1 (``[T, f / t]``), w2 (``[T, h]``, before its reduce-scatter) and, with TP, the two reduce-scatter outputs
+(``[T / t, h]`` each), all 16-bit but the log-sum-exp.
+
+**Recomputed** before the block's backward (``recompute``): non-reentrant checkpointing re-runs the block's forward
+in order, returning stored outputs for the saved ops, and stops once every tensor its backward unpacks exists again
+(early stop, torch/utils/checkpoint.py ``_checkpoint_without_reentrant_generator``, on by default), i.e. at w2,
+whose autograd node saves its input before the op is dispatched. So the recompute runs: attention norm, (all-gather),
+wk, rope on q and k, repeat_kv's copies, the transpose of the SDPA output, wo (run although with TP its output feeds
+only the stored reduce-scatter: the caching mode re-runs every ``PREFER_RECOMPUTE`` op), the residual add, FFN norm,
+(all-gather), w3 and the SwiGLU product: three GEMMs (``T x kv x h``, ``T x h x a d / t``, ``T x f / t x h``), not
+the block's forward. Stored outputs the recompute reads (wq, wv, the SDPA out, w1, the first reduce-scatter) are
+freed when their last reader has run; those it never reaches (w2's output and its reduce-scatter) stay in the
+checkpoint's storage until the block's backward is done (the frame is released with the block's autograd nodes):
+held by the block's last backward kernel here. The builder prices SwiGLU's silu and product as one kernel, after w3.
+The philox state SDPA returns (two 8-byte tensors) is not counted.
+"""
+
+from __future__ import annotations
+
+from simulator.graph.builders import qkv_layout
+from simulator.graph.ops import CostClass as C
+from simulator.graph.ops import OpRole
+
+#: torchtitan Llama's Linear layers in forward order, and the ones torchtitan's policy saves (odd mm counts)
+MM_ORDER = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+SAVED_MM = tuple(name for i, name in enumerate(MM_ORDER, 1) if i % 2)
+
+
+def check_spec(s) -> None:
+    """Raises: ValueError: a ``TransformerSpec`` with ``recompute`` op that is not torchtitan's dense Llama block
+    (separate q / k / v, SwiGLU, flash attention with rope, no biases, no MoE / LoRA / fp8 / context parallelism,
+    sequence parallelism with TP, no dropout, fused kernels)."""
+    bad = [name for name, ok in (
+        ("qkv_separate", qkv_layout.separate(s)), ("swiglu", s.swiglu), ("no bias", not s.bias and not s.qkv_bias),
+        ("dense", s.num_experts is None), ("no lora", s.lora is None), ("no fp8", s.fp8 is None),
+        ("cp 1", s.context_parallel_size == 1), ("sp with tp", s.tensor_parallel_size == 1 or s.sequence_parallel),
+        ("no dropout", s.attention_dropout == 0 and s.hidden_dropout == 0), ("fused kernels", s.kernels == "fused"),
+        ("no tp_comm_overlap", s.tp_comm_overlap == "none"), ("no vit", s.vit is None)) if not ok]
+    if bad:
+        raise ValueError(f"recompute op (torchtitan's per-op checkpointing) needs torchtitan's dense Llama block: "
+                         f"{', '.join(bad)} not met")
+
+
+def saved_outputs(bld, *, x: str, q: str, v: str, att: str, lse: str, proj_rs: str, w1: str, w2: str,
+                  w2_rs: str) -> dict:
+    """What the forward of one block keeps for ``recompute`` (module docstring): its input ``x``, the wq / wv
+    outputs ``q`` / ``v``, the SDPA output and log-sum-exp, the wo reduce-scatter output ``proj_rs``, the w1 output,
+    the w2 output and its reduce-scatter output ``w2_rs`` (without TP the reductions are identities: ``proj_rs`` is
+    then wo's output, recomputed, and ``w2_rs`` is ``w2``)."""
+    tp = bld.tp > 1
+    return dict(x=x, q=q, v=v, att=att, lse=lse, proj_rs=proj_rs if tp else None, w1=w1,
+                held=(w2, w2_rs) if tp else (w2,))
+
+
+def recompute(bld, c: dict) -> dict:
+    """Re-run the ops torchtitan's policy did not save of the current block (``bld.e.layer``, backward phase), from
+    ``c`` (``saved_outputs``). Returns the tensors its backward reads (``_GptBuilder._layer_bwd``'s ``sv``)."""
+    s, e, T, t = bld.s, bld.e, bld.T, bld.tp
+    f, hf = s.ffn_hidden_size // t, s.hidden_size
+    h, kv = s.attention_width // t, s.query_groups * s.head_dim // t
+    bld._gather_layer_params(e.layer, e.phase)
+    ln1s, ln1_st = bld._norm_fwd("ln1", c["x"], OpRole.BLOCK_INPUT_NORM)
+    ln1 = bld._tp_gather("ln1", ln1s)
+    k, sv_qkv = bld._linear_fwd("wk", ln1, hf, kv, x_fp32=True, save=True)
+    sv_qkv = bld._save_shard(sv_qkv, ln1s)
+    attn_in = qkv_layout.separate_fwd(bld, [c["q"], k], c["v"], h, kv)
+    attc = e.fresh("attn.out_contig")
+    e.kernel("attn.transpose", C.COPY, reads=bld.w * T * h, writes=bld.w * T * h, out=[(attc, bld.w * T * h)],
+             uses=[c["att"]])
+    proj, sv_proj = bld._linear_fwd("proj", attc, h, hf, x_fp32=False, save=True)
+    x2 = bld._add("residual1", c["x"], c["proj_rs"] or proj, bld.act, bld.w, bld.act)
+    ln2s, ln2_st = bld._norm_fwd("ln2", x2)
+    ln2 = bld._tp_gather("ln2", ln2s)
+    w3, sv_fc1 = bld._linear_fwd("w3", ln2, hf, f, x_fp32=True, save=True)
+    sv_fc1 = bld._save_shard(sv_fc1, ln2s)
+    g = bld._act_fwd("", (c["w1"], w3), T, f)
+    w_fc2 = bld.pg.weight(e.layer, e.phase) if bld.pg is not None else "param.fc2"  # the stored w2 mm's weight
+    return dict(x=c["x"], qkv=None, qk=attn_in[0], att=c["att"], sv_qkv=sv_qkv, sv_proj=sv_proj, x2=x2,
+                fc1=(c["w1"], w3), sv_fc1=sv_fc1, sv_fc2=(g, w_fc2, None), moe=None, core=None, mask1=None,
+                mask2=None, lse=c["lse"], ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in, held=c["held"])
