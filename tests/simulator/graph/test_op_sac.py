@@ -1,0 +1,151 @@
+"""torchtitan's activation checkpointing (``simulator/graph/builders/op_sac.py``,
+``simulator/config/sections/torchtitan_ac.py``), worked by hand on the tiny GQA Llama of ``test_llama_features``
+with torchtitan's layout (separate wq / wk / wv, repeat_kv): h 64, a 8 heads of d 8, g 2 K/V heads (kv 16),
+f 160, b 2, s 16: T = 32 tokens, bf16 (2 B).
+
+Per block, op mode keeps (pytorch/torchtitan@81c12433 torchtitan/models/llama3/infra/parallelize.py ``_save_list``,
+every second ``aten.mm`` recomputed; mm order wq, wk, wv, wo, w1, w3, w2): wq out 2 T a d = 4096, wv out 2 T g d =
+1024, SDPA out 2 T a d = 4096 and its log-sum-exp 4 b a s = 1024, w1 out 2 T f = 10240, w2 out 2 T h = 4096, beside
+the block input 2 T h = 4096: 28672 B. Full recompute keeps the input alone (4096 B); no recompute 68864 B."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from simulator import load_scenario, run_scenario
+from simulator.api import fsdp2_selective_note, resolve_hardware, run_warnings, transformer_spec
+from simulator.config.errors import ScenarioError
+from simulator.graph.builders.transformer import build_gpt_step
+from simulator.graph.ops import OpKind, Phase
+from tests.simulator.graph.test_llama_features import T, spec
+
+ROOT = Path(__file__).resolve().parents[3]
+TT = dict(qkv_separate=True, repeat_kv=True)
+
+
+def _kept(g, layer=0) -> list[tuple[str, int]]:
+    """(producing kernel, bytes) of the tensors block ``layer``'s forward allocates that a backward op reads."""
+    bwd = {u for op in g.ops if op.phase == Phase.BWD for u in op.uses}
+    return sorted((op.name, t.nbytes) for op in g.ops if op.phase == Phase.FWD and op.layer == layer
+                  for t in op.allocs if t.name in bwd)
+
+
+def _bytes(g, layer=0) -> int:
+    return sum(b for _, b in _kept(g, layer))
+
+
+def _bwd(g, layer=1, kind=None):
+    return [o for o in g.ops if o.layer == layer and o.phase == Phase.BWD and (kind is None or o.kind == kind)]
+
+
+def test_op_mode_keeps_every_other_mm_by_hand():
+    """wq and wv (the QKV GEMM's first and third parts), SDPA's out and lse, w1 (fc1's first half) and w2 are
+    kept; wk, wo, w3 are not. Block 0's output (block 1's input) 4096 B is counted too."""
+    op, full, none = (build_gpt_step(spec(**TT, recompute=r)) for r in ("op", "full", "none"))
+    assert _kept(op) == sorted([("L0.fwd.qkv.gemm", 4096), ("L0.fwd.qkv.gemm", 1024), ("L0.fwd.attn", 4096),
+                                ("L0.fwd.attn", 1024), ("L0.fwd.fc1.gemm", 10240), ("L0.fwd.fc2.gemm", 4096),
+                                ("L0.fwd.residual2", 4096)])
+    assert _bytes(op) == 28672
+    assert _bytes(full) == 4096 and _bytes(none) == 68864
+    qkv = next(o for o in op.ops if o.name == "L0.fwd.qkv.gemm")
+    assert [t.nbytes for t in qkv.allocs] == [2 * T * 64, 2 * T * 16, 2 * T * 16]  # q, k, v apart
+    fc1 = next(o for o in op.ops if o.name == "L0.fwd.fc1.gemm")
+    assert [t.nbytes for t in fc1.allocs] == [2 * T * 160, 2 * T * 160]  # w1, w3 apart
+    k_name = qkv.allocs[1].name
+    assert not any(k_name in o.uses for o in op.ops if o.phase == Phase.BWD)  # wk's output is recomputed
+
+
+def test_op_mode_recompute_kernels_by_hand():
+    """Before each block's backward: the three recomputed GEMMs wk (T x 16 x 64: 65536 FLOPs), wo (T x 64 x 64:
+    262144) and w3 (T x 160 x 64: 655360), no SDPA forward and no w2; the forward kernels are the same as without
+    recompute (the same GEMMs, bytes and FLOPs)."""
+    op, none = build_gpt_step(spec(**TT, recompute="op")), build_gpt_step(spec(**TT))
+    gemms = [(o.name, o.shape, o.flops) for o in _bwd(op) if o.name.endswith(".gemm")]
+    assert gemms == [("L1.bwd.wk.gemm", (T, 16, 64), 65536.0), ("L1.bwd.proj.gemm", (T, 64, 64), 262144.0),
+                     ("L1.bwd.w3.gemm", (T, 160, 64), 655360.0)]
+    assert not any(o.name == "L1.bwd.attn" for o in _bwd(op))
+    fwd = [(o.name, o.flops, o.bytes_read, o.bytes_written) for o in op.ops if o.phase == Phase.FWD]
+    assert fwd == [(o.name, o.flops, o.bytes_read, o.bytes_written) for o in none.ops if o.phase == Phase.FWD]
+    extra = sum(o.flops for o in op.ops) - sum(o.flops for o in none.ops)
+    recomputed = sum(o.flops for o in op.ops if o.phase == Phase.BWD and o.layer >= 0) - sum(
+        o.flops for o in none.ops if o.phase == Phase.BWD and o.layer >= 0)
+    assert extra == recomputed > 2 * (65536 + 262144 + 655360)  # two blocks' GEMMs + their elementwise kernels
+
+
+def test_op_mode_with_tensor_parallelism_by_hand():
+    """t = 2 with sequence parallelism: kept per block wq 2 T 32 = 2048, wv 2 T 8 = 512, SDPA out 2048 and lse
+    4 b 4 s = 512, wo's reduce-scatter output 2 (T / 2) 64 = 2048, w1 2 T 80 = 5120, w2 2 T 64 = 4096 and its
+    reduce-scatter output 2048, beside the input 2048: 20480 B. The recompute re-runs the two sequence-parallel
+    all-gathers (2 T 64 = 4096 B each), not the reduce-scatters."""
+    g = build_gpt_step(spec(**TT, recompute="op", tensor_parallel_size=2, sequence_parallel=True))
+    assert sorted(b for _, b in _kept(g)) == sorted([2048, 512, 2048, 512, 2048, 5120, 4096, 2048, 2048])
+    assert _bytes(g) == 20480
+    names = [(o.name, o.meta["collective"], o.meta["bytes"]) for o in _bwd(g, kind=OpKind.COLLECTIVE)]
+    assert names[:2] == [("L1.bwd.tp.ln1.all_gather", "all_gather", 4096),
+                         ("L1.bwd.tp.ln2.all_gather", "all_gather", 4096)]
+    plain = build_gpt_step(spec(**TT, tensor_parallel_size=2, sequence_parallel=True))
+    assert len(_bwd(g, kind=OpKind.COLLECTIVE)) == len(_bwd(plain, kind=OpKind.COLLECTIVE)) + 2
+
+
+def test_every_nth_block_checkpointed_whole():
+    """selective_ac_option n: torchtitan's counter (from 1) checkpoints block i when (i + 1) % n == 0: with 4
+    blocks and n 2, blocks 1 and 3 re-run their forward in backward and keep only their input; 0 and 2 keep all."""
+    g = build_gpt_step(spec(**TT, num_layers=4, recompute="full", recompute_every=2))
+    full, none = build_gpt_step(spec(**TT, num_layers=4, recompute="full")), build_gpt_step(spec(**TT, num_layers=4))
+    for layer in range(4):
+        again = any(o.name == f"L{layer}.bwd.qkv.gemm" for o in g.ops)
+        assert again == (layer in (1, 3)), layer
+        ref = full if layer in (1, 3) else none
+        assert _bytes(g, layer) == _bytes(ref, layer), layer
+    with pytest.raises(ValueError, match="recompute_every"):
+        spec(recompute="op", recompute_every=2)
+
+
+F = ROOT / "scenarios/h200/llama3_8b_b1.yaml"
+FSDP2 = "fsdp={version: 2}"
+
+
+def test_config_maps_torchtitan_names():
+    """mode full and option 0 / 1 are every block; option n every n-th; op the per-op policy; none none; the
+    section's defaults are torchtitan's (selective, "2"); TOML's digit strings are ints."""
+    def rec(ac):
+        s = transformer_spec(load_scenario(F, [FSDP2, f"activation_checkpoint={ac}"]))
+        return s.recompute, s.recompute_every
+    assert rec("{mode: full}") == rec("{selective_ac_option: 1}") == rec("{selective_ac_option: 0}") == ("full", 1)
+    assert rec("{}") == rec("{mode: selective, selective_ac_option: '2'}") == ("full", 2)
+    assert rec("{selective_ac_option: op}") == ("op", 1) and rec("{mode: none}") == ("none", 1)
+    assert transformer_spec(load_scenario(F, [FSDP2, "training.recompute_granularity=full"])).recompute == "full"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["activation_checkpoint={mode: full}"], "needs fsdp: {version: 2}"),
+    ([FSDP2, "activation_checkpoint={mode: full}", "training.recompute_granularity=full"], "both set the recompute"),
+    ([FSDP2, "activation_checkpoint={mode: memory_budget}"], "memory_budget .* is not modelled"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: -1}"], "not a torchtitan selective_ac_option"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: op}", "model.attention_backend=unfused"],
+     "op with model.attention_backend unfused is not modelled"),
+])
+def test_refusals_name_the_key(overrides, match):
+    with pytest.raises(ScenarioError, match=match):
+        load_scenario(F, overrides)
+
+
+def test_op_mode_runs_between_none_and_full():
+    """Simulated (kernel fidelity): op mode's peak memory lies between full recompute's and none's, and so does its
+    step time (it re-runs three of seven GEMMs per block, full all seven and the attention)."""
+    res = {ac: run_scenario(load_scenario(F, [FSDP2, "run.steps=2", f"activation_checkpoint={ac}"])).summary
+           for ac in ("{mode: none}", "{selective_ac_option: op}", "{mode: full}")}
+    none, op, full = res.values()
+    assert full["peak_memory_bytes"] < op["peak_memory_bytes"] < none["peak_memory_bytes"]
+    assert none["step_time_s"] < op["step_time_s"] < full["step_time_s"]
+
+
+def test_selective_note_points_to_torchtitan_key():
+    """recompute_granularity selective with fsdp.version 2 is still Megatron's, flagged; torchtitan's key is not."""
+    cfg = load_scenario(F, [FSDP2, "training.recompute_granularity=selective"])
+    note = fsdp2_selective_note(cfg)
+    assert note in run_warnings(resolve_hardware(cfg, str(F)), cfg) and "activation_checkpoint" in note
+    cfg = load_scenario(F, [FSDP2, "activation_checkpoint={selective_ac_option: op}"])
+    assert fsdp2_selective_note(cfg) is None
