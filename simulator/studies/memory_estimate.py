@@ -433,7 +433,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
 
     Raises:
         NotEstimated: offload of the optimizer, parameters or activations; LoRA; a mixture-of-experts model with
-            dense blocks or fp8.
+            dense blocks or fp8; torchtitan's selective activation_checkpoint.
     """
     from simulator.api import memory_overheads, transformer_spec
 

@@ -19,6 +19,7 @@ from simulator.api import fsdp2_selective_note, resolve_hardware, run_warnings, 
 from simulator.config.errors import ScenarioError
 from simulator.graph.builders.transformer import build_gpt_step
 from simulator.graph.ops import OpKind, Phase
+from simulator.studies.memory_estimate import NotEstimated, stage_memory
 from tests.simulator.graph.test_llama_features import T, spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,6 +141,14 @@ def test_op_mode_runs_between_none_and_full():
     none, op, full = res.values()
     assert full["peak_memory_bytes"] < op["peak_memory_bytes"] < none["peak_memory_bytes"]
     assert none["step_time_s"] < op["step_time_s"] < full["step_time_s"]
+
+
+def test_memory_estimate_refuses_torchtitan_selective():
+    """The analytic estimate does not cover the per-op or every-n policy: NotEstimated (the search simulates)."""
+    for ac in ("{selective_ac_option: op}", "{selective_ac_option: 2}"):
+        with pytest.raises(NotEstimated, match="torchtitan's selective activation_checkpoint"):
+            stage_memory(load_scenario(F, [FSDP2, f"activation_checkpoint={ac}"]))
+    stage_memory(load_scenario(F, [FSDP2, "activation_checkpoint={mode: full}"]))
 
 
 def test_selective_note_points_to_torchtitan_key():
