@@ -13,8 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator import load_scenario, run_scenario
+from simulator.cli import main
 from simulator.api import fsdp2_selective_note, resolve_hardware, run_warnings, transformer_spec
 from simulator.config.errors import ScenarioError
 from simulator.graph.builders.transformer import build_gpt_step
@@ -131,6 +134,25 @@ def test_config_maps_torchtitan_names():
 def test_refusals_name_the_key(overrides, match):
     with pytest.raises(ScenarioError, match=match):
         load_scenario(F, overrides)
+
+
+def test_unsupported_option_one_line_exit_2(capsys):
+    """The CLI refuses what is not modelled in one line naming the key, exit status 2."""
+    assert main(["run", str(F), "--set", FSDP2, "--set", "activation_checkpoint={mode: memory_budget}"]) == 2
+    err = capsys.readouterr().err.strip().split("\n")
+    assert len(err) == 1 and "activation_checkpoint.mode: memory_budget" in err[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(layers=st.integers(1, 6), n=st.integers(1, 7))
+def test_every_n_keeps_what_each_block_would(layers, n):
+    """Invariant: with option n each block keeps exactly what it keeps under full recompute (checkpointed: (i + 1)
+    % n == 0) or under none (the others), block by block."""
+    g = build_gpt_step(spec(**TT, num_layers=layers, recompute="full", recompute_every=n))
+    full = build_gpt_step(spec(**TT, num_layers=layers, recompute="full"))
+    none = build_gpt_step(spec(**TT, num_layers=layers))
+    for i in range(layers):
+        assert _bytes(g, i) == _bytes(full if (i + 1) % n == 0 else none, i), (layers, n, i)
 
 
 def test_op_mode_runs_between_none_and_full():
