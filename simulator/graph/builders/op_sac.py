@@ -36,7 +36,10 @@ the block's forward. Stored outputs the recompute reads (wq, wv, the SDPA out, w
 freed when their last reader has run; those it never reaches (w2's output and its reduce-scatter) stay in the
 checkpoint's storage until the block's backward is done (the frame is released with the block's autograd nodes):
 held by the block's last backward kernel here. The builder prices SwiGLU's silu and product as one kernel, after w3.
-The philox state SDPA returns (two 8-byte tensors) is not counted.
+The philox state SDPA returns (two 8-byte tensors) is not counted. Under ``torch.autocast`` (fp32 weights not
+gathered as bf16 by FSDP) every Linear's weight cast is an op outside the list, so all seven re-run (the recompute's
+autocast context has a fresh cast cache: torch/utils/checkpoint.py restores the autocast state, not its cache); the
+activations' casts follow the builder's forward, one per projection group (q/k/v, w1/w3).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def recompute(bld, c: dict) -> dict:
     bld._gather_layer_params(e.layer, e.phase)
     ln1s, ln1_st = bld._norm_fwd("ln1", c["x"], OpRole.BLOCK_INPUT_NORM)
     ln1 = bld._tp_gather("ln1", ln1s)
+    bld._weight16("wq_wv", hf * (h + kv))  # autocast: the stored wq, wv mm's weight casts re-run (else no kernel)
     k, sv_qkv = bld._linear_fwd("wk", ln1, hf, kv, x_fp32=True, save=True)
     sv_qkv = bld._save_shard(sv_qkv, ln1s)
     attn_in = qkv_layout.separate_fwd(bld, [c["q"], k], c["v"], h, kv)
@@ -95,10 +99,11 @@ def recompute(bld, c: dict) -> dict:
     x2 = bld._add("residual1", c["x"], c["proj_rs"] or proj, bld.act, bld.w, bld.act)
     ln2s, ln2_st = bld._norm_fwd("ln2", x2)
     ln2 = bld._tp_gather("ln2", ln2s)
+    bld._weight16("w1", hf * f)
     w3, sv_fc1 = bld._linear_fwd("w3", ln2, hf, f, x_fp32=True, save=True)
     sv_fc1 = bld._save_shard(sv_fc1, ln2s)
     g = bld._act_fwd("", (c["w1"], w3), T, f)
-    w_fc2 = bld.pg.weight(e.layer, e.phase) if bld.pg is not None else "param.fc2"  # the stored w2 mm's weight
+    w_fc2 = bld._weight16("fc2", f * hf)  # w2's weight for its backward (autocast: its cast re-runs; its mm is stored)
     return dict(x=c["x"], qkv=None, qk=attn_in[0], att=c["att"], sv_qkv=sv_qkv, sv_proj=sv_proj, x2=x2,
                 fc1=(c["w1"], w3), sv_fc1=sv_fc1, sv_fc2=(g, w_fc2, None), moe=None, core=None, mask1=None,
                 mask2=None, lse=c["lse"], ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in, held=c["held"])

@@ -38,7 +38,10 @@ same memory traffic the GPU moves:
 * **Activation recompute** ``full`` keeps only each block's input and re-runs the block's forward
   before its backward (Megatron-LM ``--recompute-granularity full --recompute-method uniform``);
   ``selective`` re-runs only the attention core (Korthikanti et al., *Reducing Activation
-  Recomputation in Large Transformer Models*, MLSys 2023).
+  Recomputation in Large Transformer Models*, MLSys 2023); ``full`` with ``recompute_every`` n checkpoints every
+  n-th block only (torchtitan's ``selective_ac_option`` n); ``op`` is torchtitan's per-op policy, which keeps the
+  outputs of wq, wv, w1, w2, SDPA and the TP reduce-scatters and re-runs the rest before each block's backward
+  (``simulator/graph/builders/op_sac.py``).
 
 * **Tensor parallelism** (Megatron-LM, Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter
   Language Models Using Model Parallelism*, 2019, section 3; ``megatron/mpu/layers.py`` of 2020):
@@ -1119,13 +1122,7 @@ class _GptBuilder:
         e = self.e
         T = self.T if tokens is None else tokens
         W = groups * in_dim * out_dim
-        wg = self.pg.weight(e.layer, e.phase) if self.pg is not None else None  # ZeRO-3/FSDP gathered unit
-        w16 = e.fresh(f"{name}.w16")
-        if self.amp and not (wg is not None and self.sh.param_bytes == 2):
-            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * W, writes=2 * W, out=[(w16, 2 * W)], uses=[wg] if wg else [],
-                     dtype="fp32")
-        else:
-            w16 = wg or f"param.{name}"
+        w16 = self._weight16(name, W)
         xin = x
         if self.amp and x_fp32:
             xin = e.fresh(f"{name}.in16")
@@ -1148,6 +1145,18 @@ class _GptBuilder:
         for t, _ in outs[1:]:  # the parts are ready when the first is (after its adapters' add)
             e.producer[t] = e.producer[y]
         return (tuple(t for t, _ in outs) if parts else y), (xin, w16, ad) if save else ()
+
+    def _weight16(self, name: str, W: int) -> str:
+        """The 16-bit weight a Linear ``name`` of ``W`` elements multiplies by: under autocast its fp32 weight cast
+        (one kernel, 4 B read and 2 B written per element), else the parameter or the gathered ZeRO-3/FSDP unit."""
+        e = self.e
+        wg = self.pg.weight(e.layer, e.phase) if self.pg is not None else None  # ZeRO-3/FSDP gathered unit
+        w16 = e.fresh(f"{name}.w16")  # drawn either way (the tensor numbering stays that of every other kernel)
+        if self.amp and not (wg is not None and self.sh.param_bytes == 2):
+            e.kernel(f"{name}.cast_w", C.CAST, reads=4 * W, writes=2 * W, out=[(w16, 2 * W)], uses=[wg] if wg else [],
+                     dtype="fp32")
+            return w16
+        return wg or f"param.{name}"
 
     def _fp8_meta_bytes(self, tensors: int) -> int:
         """Bytes of the delayed-scaling state of ``tensors`` fp8 tensors: an fp32 amax history of

@@ -78,6 +78,20 @@ def test_op_mode_recompute_kernels_by_hand():
     assert extra == recomputed > 2 * (65536 + 262144 + 655360)  # two blocks' GEMMs + their elementwise kernels
 
 
+def test_op_mode_under_autocast_recasts_every_weight():
+    """amp_fp32_params (fp32 weights, autocast): the recompute casts all seven weights again, h (h + kv) + h kv +
+    h h + h f + h f + f h = 64 x 80 + 64 x 16 + 64 x 64 + 3 x 64 x 160 = 40960 elements at 4 B read and 2 B
+    written each; with bf16 weights (precision bf16) there is no cast."""
+    g = build_gpt_step(spec(**TT, recompute="op", precision="amp_fp32_params"))
+    casts = [o for o in _bwd(g) if o.name.endswith(".cast_w")]
+    assert [o.name for o in casts] == ["L1.bwd.wq_wv.cast_w", "L1.bwd.wk.cast_w", "L1.bwd.proj.cast_w",
+                                       "L1.bwd.w1.cast_w", "L1.bwd.w3.cast_w", "L1.bwd.fc2.cast_w"]
+    assert sum(o.bytes_read for o in casts) == 4 * 40960 and sum(o.bytes_written for o in casts) == 2 * 40960
+    fwd = [o for o in g.ops if o.layer == 1 and o.phase == Phase.FWD and o.name.endswith(".cast_w")]
+    assert sum(o.bytes_read for o in fwd) == 4 * 40960  # the forward casts the same weights once
+    assert not any(o.name.endswith(".cast_w") for o in build_gpt_step(spec(**TT, recompute="op")).ops)
+
+
 def test_op_mode_with_tensor_parallelism_by_hand():
     """t = 2 with sequence parallelism: kept per block wq 2 T 32 = 2048, wv 2 T 8 = 512, SDPA out 2048 and lse
     4 b 4 s = 512, wo's reduce-scatter output 2 (T / 2) 64 = 2048, w1 2 T 80 = 5120, w2 2 T 64 = 4096 and its
