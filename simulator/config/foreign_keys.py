@@ -6,7 +6,7 @@ or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's 
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
 (composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
-(megatron/training/arguments.py).
+(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled.
 """
 
 from __future__ import annotations
@@ -62,6 +62,14 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "fsdp.state_dict_type": _NO_STEP_EFFECT,
     "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",
     "fsdp.use_orig_params": "not modelled (the flat parameters are priced either way); remove it",
+    # torchtitan [activation_checkpoint] keys beside mode / selective_ac_option (torchtitan/config/job_config.py)
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "torchtitan's force-recompute list is not "
+        "modelled (its default, moe.router.gate, names no Linear of a dense Llama block); remove it",
+    "activation_checkpoint.early_stop": "not modelled: the recompute is priced with torch's early stop (its "
+                                        "default, on); remove it",
+    "activation_checkpoint.preserve_rng_state": "not modelled (the RNG state save / restore is not priced); remove it",
+    "activation_checkpoint.memory_budget": "torchtitan's mode memory_budget (torch.compile's partitioner) is not "
+                                           "modelled; remove it",
 }
 
 

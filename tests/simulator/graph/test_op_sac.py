@@ -144,6 +144,10 @@ def test_config_maps_torchtitan_names():
     ([FSDP2, "activation_checkpoint={selective_ac_option: -1}"], "not a torchtitan selective_ac_option"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: op}", "model.attention_backend=unfused"],
      "op with model.attention_backend unfused is not modelled"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: op, early_stop: false}"],
+     "activation_checkpoint.early_stop: unknown key .* priced with torch's early stop"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: 2}", "parallelism.pipeline_model_parallel_size=2"],
+     "selective_ac_option: 2 with pipeline_model_parallel_size > 1 is not modelled"),
 ])
 def test_refusals_name_the_key(overrides, match):
     with pytest.raises(ScenarioError, match=match):
