@@ -137,12 +137,12 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 #: vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py)
 CROSS_ENTROPY_IMPLS = ("pytorch", "megatron", "megatron_fused")
 TP_COMM_OVERLAP = ("none", "overlap", "fused")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def _parts(t: str | tuple[str, ...]) -> list[str]:
     """A tensor, or the tensors of a GEMM written in parts (``_linear_fwd(parts=...)``), as a list."""
     return [t] if isinstance(t, str) else list(t)
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 @dataclass(frozen=True)
