@@ -15,8 +15,8 @@ runs ``self.wq(x), self.wk(x), self.wv(x)`` then ``self.wo(output)``; ``FeedForw
 ``self.w2(F.silu(self.w1(x)) * self.w3(x))``, evaluated w1, w3, w2. A bias-free ``nn.Linear`` on ``[b, s, i]`` is one
 ``aten.mm`` (``F.linear`` -> ``matmul`` folds the batch into ``mm``; with a bias it would be ``addmm``, not counted:
 refused). So the seven mm are wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7: **wq, wv, w1, w2 saved; wk, wo, w3
-recomputed** (later torchtitan names the same four explicitly: ``save_mm_modules`` {"wq", "wv", "w1", "w2"} "for
-Llama3", torchtitan/distributed/activation_checkpoint.py ``_apply_op_sac``). Under tensor parallelism the
+recomputed** (a later revision of torchtitan/distributed/activation_checkpoint.py, read without its commit, drops the
+counter for module names and lists the same four, ``save_mm_modules`` {"wq", "wv", "w1", "w2"} "for Llama3"). Under tensor parallelism the
 ``RowwiseParallel(output_layouts=Shard(1))`` outputs of wo and w2 are reduce-scattered (saved); the sequence-parallel
 all-gathers before wq / w1 (``PrepareModuleInput``) are not in the list: recomputed, so they run again in backward.
 
