@@ -55,6 +55,28 @@ pin_memory))``; the builder of ``simulator/graph/builders/fsdp2.py``), the same 
   ``cudaMemcpyAsync`` from pageable memory, which returns once the driver has staged it (CUDA Runtime API, "API
   synchronization behavior"); a ``SYNC`` on stream ``host`` after each, as the activation offload of
   ``recompute.py`` waits on its pageable copies. The host's buffers are pageable.
+* **First touch of the CPU gradients** (pin_memory false): ``.to("cpu")`` allocates a fresh CPU tensor for every
+  parameter's reduced shard every step (``_to_copy`` allocates its output, pinned only for a ``non_blocking`` copy
+  from CUDA: pytorch/pytorch@fc9325ea aten/src/ATen/native/TensorConversions.cpp ``pin_out``), which becomes the
+  ``.grad`` until torchtitan's ``optimizers.zero_grad()`` (set_to_none) at the next step's start
+  (pytorch/torchtitan@000204a4 torchtitan/train.py ``train_step``) frees them together. Under the rule of
+  ``hardware_models.host_kernels`` (freed together, 32 MiB or more in all: returned to the kernel), every 4 KiB
+  page is faulted in again each step by the synchronous copy's staging memcpy in the training thread:
+  ``host_kernels.first_touch_s`` of the unit's shard bytes, the copy's ``host_s``, as ``recompute.py``'s fresh
+  checkpoint buffers. Pinned copies (``non_blocking=True``) come from PyTorch's pinned caching host allocator:
+  no faults.
+* **Gradient accumulation** (``fully_shard``'s default ``requires_gradient_sync`` true, as torchtitan's
+  ``train_step`` runs its micro-batches: no ``set_requires_gradient_sync(False)``): every micro-batch
+  reduce-scatters (the builder's per-micro-batch reductions). From the second micro-batch on the parameter has a
+  ``.grad``, so ``foreach_reduce`` copies with ``non_blocking = pin_memory and not to_accumulate_grad`` = false
+  ("the CPU add kernel depends on the copy result", pytorch/pytorch@8fc2039d _fsdp_collectives.py
+  ``foreach_reduce``): a synchronous D2H into a fresh pageable tensor (``pin_out`` above) at the pageable rate that
+  the training thread waits for, pinned policy or not, then ``grad._local_tensor += new_sharded_grad`` on the
+  CPU: a host op per unit ``fsdp_offload.cpu_grad_accum.<k>`` (``cpu_grad_add_s``: 8 B read, 4 B written per
+  element, one dispatch per parameter) in place of the builder's GPU ``grad.shard_accum``. The temporary of each
+  parameter is freed after its add, one at a time, so only parameters of 32 MiB and more (``mmap``-ed each time,
+  ``host_kernels.mmapped_elements``) fault on it. ``set_requires_gradient_sync(False)`` (unsharded accumulation on
+  the GPU, ``unsharded_accumulated_grad``) is not expressible in a scenario.
 * **The optimizer**: ``torch.optim.AdamW`` over the CPU DTensor shards, one tensor per parameter
   (``graph.meta["param_shard_numels"]``), implementation from ``training.optimizer.impl`` (torchtitan's default
   ``fused``: torch's fused CPU AdamW).
@@ -62,8 +84,8 @@ pin_memory))``; the builder of ``simulator/graph/builders/fsdp2.py``), the same 
   stream: the copy latency and host launch once per unit, as ``offload_optimizer``'s parameter upload) and one
   ``param_dtype`` cast kernel per unit where it runs one per parameter (the same bytes); the run's warnings say so.
 
-Refused in the config (one line, exit 2): NO_SHARD, pipelines, gradient accumulation (FSDP does not accumulate
-gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
+Refused in the config (one line, exit 2): NO_SHARD, pipelines, FSDP1 with gradient accumulation (FSDP1 does not
+accumulate gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
 """
 
 from __future__ import annotations
