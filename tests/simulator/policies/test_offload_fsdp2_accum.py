@@ -112,3 +112,25 @@ def test_pinned_without_accumulation_has_no_faults(hw):
     g = fsdp_cpu_offload(_graph(mbs=1, vocab_size=BIG_VOCAB), hw, impl="torch_fused", ranks=8, pin_memory=True)
     assert all(c.host_s == 0.0 and c.pinned for c in _named(g, "fsdp_offload.d2h.grad.shard."))
     assert not _named(g, "fsdp_offload.cpu_grad_accum.")
+
+
+def test_scenario_accumulates_every_later_micro_batch_on_the_cpu():
+    """The bundled GPT 1.3B dp8 scenario (4 layers, micro-batch 8) at global batch 128: two micro-batches per step.
+    The measured step copies each unit's reduced shard D2H once per micro-batch (4 B per shard element each time),
+    adds the second micro-batch's on the CPU once per unit (4 blocks and the root, on the training thread), and
+    takes longer than twice the GPU part of a one-micro-batch step."""
+    from simulator.api import run_scenario
+    from tests.simulator.policies.test_offload_fsdp2 import DP8
+    from tests.simulator.engine.test_sharding import SMALL
+
+    one = run_scenario(load_scenario(DP8, SMALL + ["training.enable_cpu_offload=true", "fsdp={version: 2}"]))
+    r = run_scenario(load_scenario(DP8, SMALL + ["training.enable_cpu_offload=true", "fsdp={version: 2}",
+                                                 "training.global_batch_size=128"]))
+    shard = one.summary["peak_host_pinned_bytes"] // 8
+    sp = r.spans[r.spans.step == 1]
+    assert sp[sp.kind == "memcpy_d2h"].bytes.sum() == 2 * 4 * shard
+    adds = sp[sp.name.str.startswith("fsdp_offload.cpu_grad_accum.")]
+    assert len(adds) == 5 and (adds.stream == "host").all() and (adds.duration_s > 0).all()
+    assert r.summary["step_time_s"] > 2 * (one.summary["step_time_s"] - one.summary["offload_cpu_optimizer_s"])
+    assert any("no page_fault_s, so the first-touch faults of the fresh pageable CPU gradient" in w
+               for w in r.summary["warnings"])
