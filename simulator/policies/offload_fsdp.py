@@ -148,15 +148,16 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
         graph: The FSDP builder's step graph (``meta["sharding"]`` in ``STRATEGIES``; ``meta["shard_size"]``: ranks
             a state is sharded over; ``meta["param_bytes"]``: bytes per gathered element, ``param_dtype``); an
             FSDP2 graph (ops on stream ``fsdp.all_gather_copy_in``) gets FSDP2's copies (module docstring).
-        hw: The resolved hardware (its host prices the CPU step).
+        hw: The resolved hardware (its host prices the CPU step, FSDP2's CPU gradient adds and first-touch faults).
         impl: torch AdamW implementation on the CPU (``hardware_models.host_kernels.IMPLEMENTATIONS``, torch ones).
         ranks: Ranks of the node sharing its host (they split its cores and memory bandwidth).
         pin_memory: FSDP2's ``CPUOffloadPolicy.pin_memory`` (false: pageable copies the host waits on, pageable host
             buffers); FSDP1 pins (true).
 
     Raises:
-        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation, experts reduced
-            over their own group (their gradients are not FSDP's), or ``pin_memory`` false on an FSDP1 graph.
+        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation on an FSDP1
+            graph, experts reduced over their own group (their gradients are not FSDP's), ``pin_memory`` false on
+            an FSDP1 graph, or FSDP2 units other than one per block plus the root (``_fsdp2_ops``).
     """
     st = graph.meta.get("sharding")
     if graph.model is None or st not in STRATEGIES:
