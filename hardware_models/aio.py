@@ -26,9 +26,17 @@ Fitted and checked against one published sweep (``tests/hardware_models/test_aio
 to 128. ``Z`` is fitted from the iodepth-1 row and the rate from the iodepth-128 row; the six other rows are
 predicted within 1.1 %.
 
-Not priced (the run's warnings say so): ``single_submit`` (one ``io_submit`` per request instead of one per batch:
-a CPU cost no source sizes), the writes' own latency (the drive's read latency stands for both), and threads that
-interfere beyond adding requests (the same fio issue reports QD-1 jobs topping out below one job at QD >= 4).
+Not priced (the run's warnings say so): ``single_submit``, the writes' own latency (the drive's read latency stands
+for both), and threads that interfere beyond adding requests (the same fio issue reports QD-1 jobs topping out below
+one job at QD >= 4). ``single_submit`` changes only the system calls: both modes prepare the same iocbs and reap them
+alike; ``_do_io_submit_block`` hands a batch's ``n`` iocbs to one ``io_submit(ctx, n, iocbs)``,
+``_do_io_submit_singles`` loops ``io_submit(ctx, 1, iocbs + i)`` (deepspeedai/DeepSpeed@02fa6329
+csrc/aio/common/deepspeed_aio_common.cpp, in both ``do_aio_operation_sequential`` and ``do_aio_operation_overlap``):
+``n - 1`` more syscall entries per batch, the per-iocb work in the kernel (bio build, queue insertion) being the same
+in both. Its price would be the fixed part of one ``io_submit`` call, apart from its iocbs; the published submission
+latencies found (fio ``slat`` per request, e.g. 1.65-24.66 us on ext4 in the 2012 LKML thread "Make io_submit
+non-blocking", lwn.net/Articles/508064) include each request's own submission and do not separate it, and DeepSpeed
+records its ``submit_times`` but publishes none, so it stays unpriced.
 """
 
 from __future__ import annotations

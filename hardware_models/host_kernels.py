@@ -268,6 +268,13 @@ def faulting_elements(tensor_elements, elem_bytes: float) -> float:
     return n if n * elem_bytes >= MMAP_THRESHOLD_BYTES else 0.0
 
 
+def mmapped_elements(tensor_elements, elem_bytes: float) -> float:
+    """Elements of tensors (``elem_bytes`` each) allocated and freed one at a time that fault on every allocation:
+    those of 32 MiB and more, which glibc ``mmap``-s and ``munmap``-s on free (module docstring); smaller ones are
+    recycled from the heap. :func:`faulting_elements` is the rule for tensors freed together."""
+    return float(sum(n for n in tensor_elements if n * elem_bytes >= MMAP_THRESHOLD_BYTES))
+
+
 def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0, threads: int | None = None,
                  memory_nodes: int | None = None, state_bytes: int = 4, grad_bytes: int = 4,
                  copy_bytes: int = 2, bandwidth_bytes_per_s: float | None = None) -> float:

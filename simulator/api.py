@@ -1085,8 +1085,16 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
     if dp_many and fsdp_offload and cfg.fsdp.offload_policy is not None:
-        page = ("; pageable: the first-touch page faults of the fresh CPU gradient tensors each .to('cpu') "
-                "allocates are not priced" if not cfg.fsdp.offload_pinned else "")
+        page = ""
+        accum = (cfg.training.global_batch_size or 0) > cfg.training.micro_batch_size * (
+            cfg.parallelism.data_parallel_size or 1)
+        if (not cfg.fsdp.offload_pinned or accum) and not hw.host_cpu.page_fault_s:
+            from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S
+
+            page = (f"; host {hw.host_cpu.name!r} has no page_fault_s, so the first-touch faults of the fresh "
+                    f"pageable CPU gradient tensors .to('cpu') allocates are priced at {DEFAULT_PAGE_FAULT_S * 1e6:.2f} "
+                    "us per 4 KiB page, the figure fitted in the measured H200 host's KVM guest (set hardware.host "
+                    "overrides page_fault_s)")
         out.append("fsdp.offload_policy (FSDP2): each unit's per-parameter H2D copies (FSDPParam.all_gather_inputs), "
                    "param_dtype casts and D2H gradient copies (foreach_reduce) are priced as one copy / one cast per "
                    f"unit: one host launch and one copy latency each, not one per parameter{page}")

@@ -868,10 +868,14 @@ class ScenarioConfig(_Model):
         if self.model.num_experts or self.training.lora is not None:
             what = "model.num_experts" if self.model.num_experts else "training.lora"
             raise ValueError(f"{key} with {what} is not modelled yet (allowed: a dense model, every parameter trained)")
-        if (self.training.global_batch_size or 0) > self.training.micro_batch_size * (par.data_parallel_size or 1):
-            raise ValueError(f"{key} with gradient accumulation: FSDP does not accumulate gradients outside no_sync() "
-                             "with CPU offload (torch FullyShardedDataParallel docs: it uses the newly reduced "
-                             "gradient); allowed: global_batch_size = micro_batch_size x data_parallel_size")
+        # FSDP2 accumulates on the CPU: foreach_reduce adds each later micro-batch's reduced shard into the CPU
+        # .grad (pytorch/pytorch@8fc2039d torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)
+        if f.version == 1 and (self.training.global_batch_size or 0) > self.training.micro_batch_size * (
+                par.data_parallel_size or 1):
+            raise ValueError(f"{key} with gradient accumulation: FSDP1 does not accumulate gradients outside "
+                             "no_sync() with CPU offload (torch FullyShardedDataParallel docs: it uses the newly "
+                             "reduced gradient); allowed: global_batch_size = micro_batch_size x data_parallel_size, "
+                             "or fsdp.version 2 (fully_shard adds each micro-batch's reduced shard on the CPU)")
 
     def _sharding_scope(self, dp: int) -> None:
         """ZeRO-3, FSDP and the Megatron distributed optimizer: one of them at a time, and what is not modelled."""

@@ -55,6 +55,28 @@ pin_memory))``; the builder of ``simulator/graph/builders/fsdp2.py``), the same 
   ``cudaMemcpyAsync`` from pageable memory, which returns once the driver has staged it (CUDA Runtime API, "API
   synchronization behavior"); a ``SYNC`` on stream ``host`` after each, as the activation offload of
   ``recompute.py`` waits on its pageable copies. The host's buffers are pageable.
+* **First touch of the CPU gradients** (pin_memory false): ``.to("cpu")`` allocates a fresh CPU tensor for every
+  parameter's reduced shard every step (``_to_copy`` allocates its output, pinned only for a ``non_blocking`` copy
+  from CUDA: pytorch/pytorch@fc9325ea aten/src/ATen/native/TensorConversions.cpp ``pin_out``), which becomes the
+  ``.grad`` until torchtitan's ``optimizers.zero_grad()`` (set_to_none) at the next step's start
+  (pytorch/torchtitan@000204a4 torchtitan/train.py ``train_step``) frees them together. Under the rule of
+  ``hardware_models.host_kernels`` (freed together, 32 MiB or more in all: returned to the kernel), every 4 KiB
+  page is faulted in again each step by the synchronous copy's staging memcpy in the training thread:
+  ``host_kernels.first_touch_s`` of the unit's shard bytes, the copy's ``host_s``, as ``recompute.py``'s fresh
+  checkpoint buffers. Pinned copies (``non_blocking=True``) come from PyTorch's pinned caching host allocator:
+  no faults.
+* **Gradient accumulation** (``fully_shard``'s default ``requires_gradient_sync`` true, as torchtitan's
+  ``train_step`` runs its micro-batches: no ``set_requires_gradient_sync(False)``): every micro-batch
+  reduce-scatters (the builder's per-micro-batch reductions). From the second micro-batch on the parameter has a
+  ``.grad``, so ``foreach_reduce`` copies with ``non_blocking = pin_memory and not to_accumulate_grad`` = false
+  ("the CPU add kernel depends on the copy result", pytorch/pytorch@8fc2039d _fsdp_collectives.py
+  ``foreach_reduce``): a synchronous D2H into a fresh pageable tensor (``pin_out`` above) at the pageable rate that
+  the training thread waits for, pinned policy or not, then ``grad._local_tensor += new_sharded_grad`` on the
+  CPU: a host op per unit ``fsdp_offload.cpu_grad_accum.<k>`` (``cpu_grad_add_s``: 8 B read, 4 B written per
+  element, one dispatch per parameter) in place of the builder's GPU ``grad.shard_accum``. The temporary of each
+  parameter is freed after its add, one at a time, so only parameters of 32 MiB and more (``mmap``-ed each time,
+  ``host_kernels.mmapped_elements``) fault on it. ``set_requires_gradient_sync(False)`` (unsharded accumulation on
+  the GPU, ``unsharded_accumulated_grad``) is not expressible in a scenario.
 * **The optimizer**: ``torch.optim.AdamW`` over the CPU DTensor shards, one tensor per parameter
   (``graph.meta["param_shard_numels"]``), implementation from ``training.optimizer.impl`` (torchtitan's default
   ``fused``: torch's fused CPU AdamW).
@@ -62,18 +84,32 @@ pin_memory))``; the builder of ``simulator/graph/builders/fsdp2.py``), the same 
   stream: the copy latency and host launch once per unit, as ``offload_optimizer``'s parameter upload) and one
   ``param_dtype`` cast kernel per unit where it runs one per parameter (the same bytes); the run's warnings say so.
 
-Refused in the config (one line, exit 2): NO_SHARD, pipelines, gradient accumulation (FSDP does not accumulate
-gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
+Refused in the config (one line, exit 2): NO_SHARD, pipelines, FSDP1 with gradient accumulation (FSDP1 does not
+accumulate gradients outside ``no_sync()`` with CPU offload: torch ``FullyShardedDataParallel`` docs).
 """
 
 from __future__ import annotations
 
+from hardware_models.host_kernels import (
+    StreamPass,
+    faulting_elements,
+    first_touch_s,
+    mmapped_elements,
+    pass_parts,
+    shared_stream_bandwidth,
+)
 from simulator.graph.builders.fsdp2 import COPY_IN_STREAM
 from simulator.graph.builders.sharding import LOW_PRECISION_SHARD
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
-from simulator.policies.offload_optimizer import OffloadSummary, cpu_adam_rate, cpu_step_times, offload_ranks
+from simulator.policies.offload_optimizer import (
+    OffloadSummary,
+    cpu_adam_rate,
+    cpu_step_times,
+    cpu_threads,
+    offload_ranks,
+)
 from simulator.policies.offload_param import fetch_shard_before, is_param_gather, param_fetch_summary
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
@@ -112,15 +148,16 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
         graph: The FSDP builder's step graph (``meta["sharding"]`` in ``STRATEGIES``; ``meta["shard_size"]``: ranks
             a state is sharded over; ``meta["param_bytes"]``: bytes per gathered element, ``param_dtype``); an
             FSDP2 graph (ops on stream ``fsdp.all_gather_copy_in``) gets FSDP2's copies (module docstring).
-        hw: The resolved hardware (its host prices the CPU step).
+        hw: The resolved hardware (its host prices the CPU step, FSDP2's CPU gradient adds and first-touch faults).
         impl: torch AdamW implementation on the CPU (``hardware_models.host_kernels.IMPLEMENTATIONS``, torch ones).
         ranks: Ranks of the node sharing its host (they split its cores and memory bandwidth).
         pin_memory: FSDP2's ``CPUOffloadPolicy.pin_memory`` (false: pageable copies the host waits on, pageable host
             buffers); FSDP1 pins (true).
 
     Raises:
-        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation, experts reduced
-            over their own group (their gradients are not FSDP's), or ``pin_memory`` false on an FSDP1 graph.
+        PolicyError: not an FSDP builder graph with sharded parameters, gradient accumulation on an FSDP1
+            graph, experts reduced over their own group (their gradients are not FSDP's), ``pin_memory`` false on
+            an FSDP1 graph, or FSDP2 units other than one per block plus the root (``_fsdp2_ops``).
     """
     st = graph.meta.get("sharding")
     if graph.model is None or st not in STRATEGIES:
@@ -128,13 +165,13 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
                           f"HYBRID_SHARD over data_parallel_size > 1, got sharding {st!r}")
     if impl not in ("torch_single", "torch_foreach", "torch_fused"):
         raise PolicyError(f"{KEY}.cpu_adam_impl: {impl!r} (allowed: torch_single, torch_foreach, torch_fused)")
-    if graph.model.num_micro_batches > 1:
+    fsdp2 = any(op.stream == COPY_IN_STREAM for op in graph.ops)
+    if graph.model.num_micro_batches > 1 and not fsdp2:
         raise PolicyError(f"{KEY} with gradient accumulation ({graph.model.num_micro_batches} micro-batches) is not "
-                          "modelled: FSDP does not accumulate gradients outside no_sync() with CPU offload")
+                          "modelled: FSDP1 does not accumulate gradients outside no_sync() with CPU offload")
     if any(op.kind == OpKind.COLLECTIVE and (op.meta or {}).get("group") in ("edp", "ep") and op.phase == Phase.BWD
            and (op.meta or {}).get("collective") == "all_reduce" for op in graph.ops):
         raise PolicyError(f"{KEY} with experts reduced over their own group is not modelled yet")
-    fsdp2 = any(op.stream == COPY_IN_STREAM for op in graph.ops)
     if not fsdp2 and not pin_memory:
         raise PolicyError(f"{KEY}: FSDP1's CPUOffload always pins its shards (allowed: pin_memory true)")
     states = {t.name: t for t in graph.persistent}
@@ -143,7 +180,8 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
     shard_bytes = states["params.fp32.shard"].nbytes  # 4 ceil(P / n): this rank's fp32 flat-parameter shard
     shard = shard_bytes // 4
     rw = GraphRewriter(graph)
-    h2d, h2d_bytes, copies, d2h, tensors = (_fsdp2_ops if fsdp2 else _fsdp1_ops)(graph, rw, pin_memory)
+    h2d, h2d_bytes, copies, d2h, tensors = (_fsdp2_ops(graph, rw, pin_memory, hw, ranks) if fsdp2
+                                            else _fsdp1_ops(graph, rw, pin_memory))
     if not h2d or not copies:
         raise PolicyError(f"{KEY}: found no parameter all-gathers or gradient reduce-scatters to offload")
     last_bwd = max(op.id for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE)
@@ -214,18 +252,45 @@ def _fsdp1_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int
     return h2d, h2d_bytes, copies, d2h, unit_shards
 
 
+#: ``foreach_reduce``'s CPU gradient accumulation, ``grad._local_tensor += new_sharded_grad`` (fp32, in place)
+GRAD_ADD = StreamPass("grad.add_(cpu partial)", 8.0, 4.0)
+#: the builder's GPU kernel adding a later micro-batch's reduced shards into the step's (``_accumulate_shards``)
+GPU_SHARD_ACCUM = "grad.shard_accum"
 #: FSDP2's reduction chain of unit bucket ``k`` (``fsdp2.fsdp2_reduce``), in order
 FSDP2_REDUCE = ("fsdp.grad_reduce_scatter.", "fsdp.grad_all_reduce_replicas.", "fsdp.grad_cast_fp32.")
 
 
-def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int, int, list[int], int, list[int]]:
+def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool, hw=None,
+               ranks: int = 1) -> tuple[int, int, list[int], int, list[int]]:
     """FSDP2's ops (module docstring): ``(fetches, H2D bytes, gradient copy ids, D2H bytes, elements of each CPU
-    tensor)``, one CPU tensor per parameter (``meta["param_shard_numels"]``)."""
+    tensor)``, one CPU tensor per parameter (``meta["param_shard_numels"]``). With gradient accumulation each later
+    micro-batch's reduced shards are copied synchronously into fresh pageable tensors and added on the CPU (module
+    docstring, "Gradient accumulation"); ``hw`` (its host) and ``ranks`` price the adds and the first-touch faults.
+
+    Raises:
+        PolicyError: a unit's reduced shard is not the sum of its layer's parameter shards (units other than one
+            block each and the root: the per-parameter fault rule would not know its tensors).
+    """
     fp32_gather = graph.meta["param_bytes"] == 4
     last: dict[str, int] = {}  # unit bucket -> old id of the last op of its reduction (the D2H copy follows it)
+    layer_of: dict[str, int] = {}  # unit bucket -> its layer (-1: the root), from its reduce-scatter copy-in
     for op in graph.ops:
         if op.name.startswith(FSDP2_REDUCE):
             last[op.name.rsplit(".", 1)[-1]] = op.id
+        elif ".fsdp.reduce_scatter_copy_in." in op.name or op.name.startswith("fsdp.reduce_scatter_copy_in."):
+            layer_of[op.name.rsplit(".", 1)[-1]] = op.layer
+    # the partial shards a later micro-batch adds into the step's gradient (the builder's GPU grad.shard_accum)
+    accum = {op.id for op in graph.ops if op.name.endswith(GPU_SHARD_ACCUM)}
+    partials = {u for op in graph.ops if op.id in accum for u in op.uses}
+    numels: dict[int, list[int]] = {}
+    parts: dict[int, list[int]] = {}
+    for g, n, ps in zip(graph.param_groups, graph.meta["param_shard_numels"],
+                        graph.meta.get("param_part_shard_numels") or [(n,) for n in graph.meta["param_shard_numels"]]):
+        numels.setdefault(g.layer, []).append(n)
+        parts.setdefault(g.layer, []).extend(ps)
+    # the step's CPU .grad tensors (first micro-batch) are freed together by zero_grad(set_to_none=True)
+    step_faults = faulting_elements(graph.meta["param_shard_numels"], 4.0) > 0
+    cpu = hw.host_cpu if hw is not None else None
     # the post-reduce stream's next reduction waits for the copy: the replica all-reduce's (HSDP), else the
     # reduce-scatter's
     follows = FSDP2_REDUCE[1] if any(op.name.startswith(FSDP2_REDUCE[1]) for op in graph.ops) else FSDP2_REDUCE[0]
@@ -238,6 +303,9 @@ def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int
             continue
         if op.name == "step.synchronize":
             break
+        if op.id in accum:
+            rw.drop(op)  # the partials are added on the CPU instead (below)
+            continue
         fetch = op.name.endswith(".fsdp.all_gather_cast") or (
             fp32_gather and op.name.endswith(".fsdp.all_gather_copy_in")
             and not any("sharded_post_forward" in u for u in op.uses))  # reshard int: backward gathers the GPU copy
@@ -254,23 +322,61 @@ def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int
             continue
         if op.name.startswith((FSDP2_REDUCE[0], FSDP2_REDUCE[2])):
             shard_of[k] = op
-        if op.id == last[k]:
-            src = shard_of[k]
-            copies.append(_grad_copy(rw, src, [new], k, pin_memory))
-            d2h += src.allocs[0].nbytes
-            if not pin_memory:  # a synchronous .to("cpu"): the training thread waits for it
-                rw.add(f"fsdp_offload.d2h.grad.shard.{k}.wait", OpKind.SYNC, "host", deps=[copies[-1]],
-                       phase=Phase.BWD, layer=op.layer, launch=False)
+        if op.id != last[k]:
+            continue
+        src = shard_of[k]
+        nbytes = src.allocs[0].nbytes
+        layer = layer_of.get(k, op.layer)
+        if 4 * sum(numels.get(layer, ())) != nbytes:
+            raise PolicyError(f"{KEY}: unit bucket {k}'s reduced shard ({nbytes} B) is not its layer's parameter "
+                              "shards: only one FSDP unit per block plus the root is modelled")
+        adding = src.allocs[0].name in partials
+        # .to("cpu", non_blocking=pin_memory and not accumulating): a blocking copy allocates pageable memory
+        pinned = pin_memory and not adding
+        if adding:  # freed after its add, one parameter at a time: only the ones glibc mmaps fault
+            fault_bytes = 4.0 * mmapped_elements(parts[layer], 4.0)
+        else:
+            fault_bytes = float(nbytes) if not pin_memory and step_faults else 0.0
+        touch = first_touch_s(cpu, fault_bytes) if fault_bytes else 0.0
+        temp = (TensorAlloc(f"grad.fp32.partial.host.b{k}", nbytes, "host_pageable"),) if adding else ()
+        copies.append(_grad_copy(rw, src, [new], k, pinned, host_s=touch, allocs=temp))
+        d2h += nbytes
+        wait = None
+        if not pinned:  # a synchronous .to("cpu"): the training thread waits for it
+            wait = rw.add(f"fsdp_offload.d2h.grad.shard.{k}.wait", OpKind.SYNC, "host", deps=[copies[-1]],
+                          phase=Phase.BWD, layer=op.layer, launch=False)
+        if adding:
+            add_s = cpu_grad_add_s(parts[layer], hw, ranks)
+            rw.add(f"fsdp_offload.cpu_grad_accum.{k}", OpKind.HOST, "host", deps=[wait], phase=Phase.BWD,
+                   layer=op.layer, host_s=add_s, launch=False, cost_class=CostClass.ELEMENTWISE, dtype="fp32",
+                   uses=(temp[0].name,), meta={"params": nbytes // 4, "first_touch_s": touch})
     return h2d, h2d_bytes, copies, d2h, list(graph.meta["param_shard_numels"])
 
 
-def _grad_copy(rw: GraphRewriter, rs, deps, k: str, pinned: bool = True) -> int:
+def cpu_grad_add_s(tensor_elements, hw, ranks: int = 1) -> float:
+    """Seconds of ``foreach_reduce``'s CPU accumulation ``sharded_param.grad._local_tensor += new_sharded_grad``
+    over one unit's parameters (``tensor_elements``: each parameter's shard elements, fp32): one in-place add per
+    parameter (``GRAD_ADD``: reads 8, writes 4 bytes per element), priced by the host roofline
+    (``host_kernels.pass_parts``) on the threads and DRAM share the rank's CPU AdamW gets (``cpu_threads``,
+    ``shared_stream_bandwidth`` over ``ranks`` ranks, memory on the training thread's node), plus one op dispatch
+    (``hw.launch.per_op_s``) per parameter, as ``cpu_step_work`` prices a per-tensor pass."""
+    cpu = hw.host_cpu
+    t = cpu_threads(hw, "overlap", ranks)
+    bw = shared_stream_bandwidth(cpu, ranks, t, 1)
+    _, stream, fault = pass_parts(GRAD_ADD, float(sum(tensor_elements)), cpu, t, 1, None, bw)
+    return stream + fault + len(tensor_elements) * hw.launch.per_op_s
+
+
+def _grad_copy(rw: GraphRewriter, rs, deps, k: str, pinned: bool = True, host_s: float = 0.0,
+               allocs: tuple = ()) -> int:
     """D2H copy of op ``rs``'s fp32 gradient shard (its first alloc: the reduce-scatter's, or FSDP2's fp32 cast's)
-    into host memory (FSDP1's pinned ``_cpu_grad``; FSDP2's ``.to("cpu")``); frees the GPU shard."""
+    into host memory (FSDP1's pinned ``_cpu_grad``; FSDP2's ``.to("cpu")``); frees the GPU shard. ``host_s``: the
+    first-touch faults of a fresh pageable destination, serial with the transfer; ``allocs``: a host tensor it
+    allocates (FSDP2's accumulation temporary)."""
     shard = rs.allocs[0]
     return rw.add(f"fsdp_offload.d2h.grad.shard.{k}", OpKind.MEMCPY_D2H, "d2h", deps=deps, phase=Phase.BWD,
                   layer=rs.layer, cost_class=CostClass.COPY, bytes_read=float(shard.nbytes), pinned=pinned,
-                  uses=(shard.name,))
+                  uses=(shard.name,), host_s=host_s, allocs=allocs)
 
 
 @register_runtime("fsdp_cpu_offload")

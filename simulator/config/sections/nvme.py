@@ -86,9 +86,11 @@ def aio_warning(aio: AioConfig, fields_set: set[str], nvme_offload: bool = True)
     if not unpriced:
         return None
     keys = ", ".join(f"aio.{k}" for k in unpriced)
-    return (f"{keys} accepted, not priced: one io_submit per request instead of one per batch is a CPU cost no "
-            "source sizes (block_size, queue_depth, thread_count and overlap_events set the swaps' rate, "
-            "hardware_models.aio)")
+    return (f"{keys} accepted, not priced: DeepSpeed then calls io_submit once per request instead of once per "
+            "batch (deepspeedai/DeepSpeed@02fa6329 csrc/aio/common/deepspeed_aio_common.cpp _do_io_submit_singles), "
+            "queue_depth - 1 more system calls per batch, whose cost apart from the requests' own submission no "
+            "published measurement sizes (block_size, queue_depth, thread_count and overlap_events set the swaps' "
+            "rate, hardware_models.aio)")
 
 
 #: The ``offload_optimizer`` / ``offload_param`` keys DeepSpeed reads for device nvme only

@@ -2464,11 +2464,18 @@ class _GptBuilder:
 
     def _fsdp2_meta(self) -> dict:
         """FSDP2 graphs: ``param_shard_numels``, this rank's padded shard of each parameter (``fsdp2.padded_numel`` /
-        the shard size), in ``param_groups`` order: the CPU tensors of ``fsdp.offload_policy``'s CPU AdamW. {} else."""
+        the shard size), in ``param_groups`` order: the CPU tensors of ``fsdp.offload_policy``'s CPU AdamW; and
+        ``param_part_shard_numels``, the same split into the PyTorch parameters each stands for (``fsdp2.dim0_parts``:
+        torchtitan's separate ``wq`` / ``wk`` / ``wv``, ``w1`` / ``w3``), one tuple per group. {} else."""
         if self.sh is None or self.sh.version != 2:
             return {}
         w = self.sh.shard_size
-        return {"param_shard_numels": tuple(fsdp2.padded_numel(self.s, g.name, g.numel, w) // w for g in self.groups)}
+        parts = []
+        for g in self.groups:
+            dims, row = fsdp2.dim0_parts(self.s, g.name, g.numel)
+            parts.append(tuple(-(-d // w) * row for d in dims))
+        return {"param_shard_numels": tuple(fsdp2.padded_numel(self.s, g.name, g.numel, w) // w for g in self.groups),
+                "param_part_shard_numels": tuple(parts)}
 
     def _shard_numel(self, P: int) -> int:
         """Elements of this rank's shard of its ``P`` parameters: FSDP2 pads each parameter

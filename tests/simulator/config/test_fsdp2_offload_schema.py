@@ -68,9 +68,8 @@ BAD = {
                                                 "training.enable_cpu_offload=true"],
     "fsdp.offload_policy: OffloadPolicy (no offload) takes no pin_memory": [
         "fsdp={version: 2, offload_policy: OffloadPolicy}", "fsdp.offload_policy.pin_memory=false"],
-    "fsdp.offload_policy with gradient accumulation": [
-        "fsdp={version: 2, offload_policy: CPUOffloadPolicy}", "training.micro_batch_size=1",
-        "training.global_batch_size=16"],
+    "fsdp.cpu_offload with gradient accumulation: FSDP1 does not accumulate": [
+        "fsdp={version: 1, cpu_offload: true}", "training.micro_batch_size=1", "training.global_batch_size=16"],
 }
 
 
@@ -92,3 +91,10 @@ def test_the_cli_refuses_it_in_one_line_with_exit_2():
 def test_fsdp1_cpu_offload_still_builds():
     cfg = load_scenario(DP8, ["fsdp={version: 1, cpu_offload: true}"])
     assert cfg.fsdp.offload_params and cfg.fsdp.offload_key == "fsdp.cpu_offload" and cfg.fsdp.offload_pinned
+
+
+def test_fsdp2_offload_with_gradient_accumulation_loads():
+    """fully_shard accumulates on the CPU (foreach_reduce adds each later micro-batch's shard): not refused."""
+    cfg = load_scenario(DP8, ["fsdp={version: 2, offload_policy: CPUOffloadPolicy}", "training.micro_batch_size=1",
+                              "training.global_batch_size=16"])
+    assert cfg.fsdp.offload_key == "fsdp.offload_policy" and cfg.training.global_batch_size == 16
