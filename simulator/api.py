@@ -20,7 +20,7 @@ from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
-                                     deepspeed_bf16_optimizer)
+                                     deepspeed_bf16_optimizer, deepspeed_fp16_optimizer)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -57,6 +57,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
+        deepspeed_fp16_optimizer=deepspeed_fp16_optimizer(cfg),
         recompute=t.recompute_granularity or "none", data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -643,6 +644,7 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
     ZeRO-<stage>``, ``DeepSpeed BF16_Optimizer`` (stage 0, bf16 and a pipeline: ``schema.deepspeed_bf16_optimizer``),
+    ``DeepSpeed FP16_Optimizer`` (stage 0 with fp16, or bf16 without a pipeline: ``schema.deepspeed_fp16_optimizer``),
     ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed
     optimizer`` (``none`` when that group is one rank: no gradient reduction)."""
     if cfg.parallelism.data_context_parallel_size == 1:
@@ -657,12 +659,16 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
         return "Megatron distributed optimizer"
     if deepspeed_bf16_optimizer(cfg):
         return BF16_OPTIMIZER
+    if deepspeed_fp16_optimizer(cfg):
+        return FP16_OPTIMIZER
     z = cfg.zero_optimization.stage
     return f"DeepSpeed ZeRO-{z}" if z else "DDP"
 
 
 #: ``data_parallel_strategy`` of a DeepSpeed pipeline with ZeRO stage 0 and bf16
 BF16_OPTIMIZER = "DeepSpeed BF16_Optimizer"
+#: ``data_parallel_strategy`` of DeepSpeed with ZeRO stage 0 and fp16, or bf16 without a pipeline
+FP16_OPTIMIZER = "DeepSpeed FP16_Optimizer"
 
 
 def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
@@ -1106,8 +1112,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := fsdp2_last_block_note(cfg)):
         out.append(note)
-    if cfg is not None and (note := deepspeed_fp16_optimizer_note(cfg)):
-        out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
     if cfg is not None:
@@ -1193,7 +1197,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                    "exchange); the run is the same as without it")
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
-                   + (f"({BF16_OPTIMIZER}: {_BF16_OPT_REDUCE})" if deepspeed_bf16_optimizer(cfg) else
+                   + (f"({owner[0]}: {owner[1]})" if (owner := _stage0_wrapper(cfg)) else
                       "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)"))
     if z.stage in (1, 2) and "allgather_bucket_size" in z.model_fields_set:
         out.append("zero_optimization.allgather_bucket_size has no effect: DeepSpeed gathers the updated partition "
@@ -1259,27 +1263,6 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
-
-
-def deepspeed_fp16_optimizer_note(cfg: ScenarioConfig) -> str | None:
-    """The run's line for a DeepSpeed config (a ``zero_optimization`` section given) with stage 0 and 16-bit
-    training that DeepSpeed wraps in ``FP16_Optimizer``, else None. DeepSpeed picks ``FP16`` for fp16 and
-    ``DDP_BFLOAT16`` for bf16 without a pipeline (bf16 with one is ``BF16_Optimizer``, priced:
-    ``schema.deepspeed_bf16_optimizer``), both ``FP16_Optimizer`` (deepspeedai/DeepSpeed@007cca6a
-    ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``, ``_configure_fp16_optimizer``;
-    @b97b870b ``deepspeed/runtime/fp16/fused_optimizer.py``: a flat fp32 master copy of every parameter, the 16-bit
-    ``.grad`` all-reduced by the engine, flattened into a fresh fp32 gradient at the step, freed after it). The
-    builder prices Megatron-LM's DDP instead (a persistent fp32 main-grad buffer, all-reduced in fp32 unless
-    ``ddp.grad_reduce_in_bf16``): its gradient memory and all-reduce bytes are not DeepSpeed's."""
-    z, t = cfg.zero_optimization, cfg.training
-    if ("zero_optimization" not in cfg.model_fields_set or z.stage != 0 or t.precision not in ("bf16", "fp16")
-            or deepspeed_bf16_optimizer(cfg) or cfg.fsdp is not None or cfg.ddp.use_distributed_optimizer):
-        return None
-    return (f"zero_optimization.stage 0 with training.precision {t.precision} is priced as Megatron-LM's DDP (a "
-            "persistent fp32 main-grad buffer, all-reduced in fp32 unless ddp.grad_reduce_in_bf16); DeepSpeed wraps "
-            "the optimizer in FP16_Optimizer instead (the 16-bit .grad all-reduced in the model dtype, then "
-            "flattened into a fresh fp32 gradient at the step beside a flat fp32 master copy), which is not "
-            "modelled: gradient memory and all-reduce bytes differ")
 
 
 def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
@@ -1404,6 +1387,20 @@ def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
 #: how BF16_Optimizer reduces the gradients (graph.builders.bf16_optimizer: deepspeed/runtime/pipe/engine.py
 #: ``_exec_reduce_grads`` -> ``allreduce_bucket``)
 _BF16_OPT_REDUCE = "one all-reduce of the whole gradient buffer after the last backward, no overlap"
+#: how the engine reduces FP16_Optimizer's gradients (graph.builders.fp16_optimizer: deepspeed/runtime/engine.py
+#: ``allreduce_gradients`` -> ``buffered_allreduce_fallback``)
+_FP16_OPT_REDUCE = ("the engine's all-reduces of 500M-element buckets of the 16-bit .grad after the last backward, "
+                    "no overlap")
+
+
+def _stage0_wrapper(cfg: ScenarioConfig) -> tuple[str, str] | None:
+    """``(label, how it reduces the gradients)`` of the DeepSpeed ZeRO-0 optimizer wrapper that runs the scenario
+    (``BF16_OPTIMIZER`` / ``FP16_OPTIMIZER``), else None (no DeepSpeed wrapper: PyTorch's or Megatron's DDP)."""
+    if deepspeed_bf16_optimizer(cfg):
+        return BF16_OPTIMIZER, _BF16_OPT_REDUCE
+    if deepspeed_fp16_optimizer(cfg):
+        return FP16_OPTIMIZER, _FP16_OPT_REDUCE
+    return None
 
 
 def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
@@ -1411,17 +1408,17 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
     way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
     ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``);
-    under DeepSpeed's BF16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (it reduces once, after
-    backward). Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway),
-    but for BF16_Optimizer's bucket caps (no bucketing runs)."""
+    under DeepSpeed's BF16_Optimizer / FP16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (the engine
+    reduces after backward, in its own buckets). Keys set to their default are not named (a pasted ``bucket_cap_mb:
+    25`` asks for what runs anyway), but for those wrappers' bucket caps (PyTorch's buckets do not run)."""
     ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
     # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
     given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
-    bf16opt = deepspeed_bf16_optimizer(cfg)
-    if bf16opt:  # no buckets at all (one all-reduce of the whole buffer): no cap describes it, the default neither
+    wrapper = _stage0_wrapper(cfg)
+    if wrapper:  # DeepSpeed's own reduction: no PyTorch cap describes it, the default neither
         given |= {k for k in ("bucket_cap_mb", "first_bucket_mb") if k in ddp.model_fields_set}
-    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{BF16_OPTIMIZER} ({_BF16_OPT_REDUCE})"
-             if bf16opt else
+    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{wrapper[0]} ({wrapper[1]})"
+             if wrapper else
              f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
              if z.stage > 0 else "ddp.use_distributed_optimizer (Megatron's buckets: ddp.bucket_size)"
              if ddp.use_distributed_optimizer else None)
@@ -1433,8 +1430,8 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
         out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
                    + ("fsdp: each unit's gradients are reduce-scattered as backward completes it" if f is not None else
                       "zero_optimization.stage 3: zero_optimization.overlap_comm governs"))
-    elif bf16opt and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
-        out.append(f"ddp.overlap_grad_reduce true has no effect with {BF16_OPTIMIZER}: {_BF16_OPT_REDUCE}")
+    elif wrapper and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
+        out.append(f"ddp.overlap_grad_reduce true has no effect with {wrapper[0]}: {wrapper[1]}")
     if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
         out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
                    "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "
