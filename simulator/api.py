@@ -621,8 +621,21 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
-    return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
+    return SimulationResult(summary, cat["spans"], cat["counters"], steps, resolved_config(cfg),
                             cat["launches"], cat["deps"])
+
+
+def resolved_config(cfg: ScenarioConfig) -> dict:
+    """The scenario with every value in force, as a JSON-able dict (``SimulationResult.config``, written as
+    ``config.resolved.yaml``): ``cfg.model_dump``, but without the ``zero_optimization`` section when the scenario
+    gave none. A section's presence decides who runs the step (a DeepSpeed config at stage 0 with 16-bit training is
+    DeepSpeed's BF16_Optimizer / FP16_Optimizer, ``schema.deepspeed_bf16_optimizer`` /
+    ``deepspeed_fp16_optimizer``; none is Megatron-LM's or PyTorch's DDP), so a dumped default section would turn the
+    re-run of a Megatron-LM run's resolved config into another run."""
+    out = cfg.model_dump(mode="json")
+    if "zero_optimization" not in cfg.model_fields_set:
+        out.pop("zero_optimization", None)
+    return out
 
 
 def class_warnings(per_class: list[tuple[str, list[str]]]) -> list[str]:
@@ -1479,6 +1492,6 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         else:
             c = classes[0]
             result = simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                                    cfg.model_dump(mode="json"), c.cfg)
+                                    resolved_config(cfg), c.cfg)
         del graphs  # freed now, by reference counting: not traversed by the collection that resumes below
     return result

@@ -50,7 +50,7 @@ over a one-rank group exchanges nothing: not priced).
 3. ``get_flattened_grad_norm`` over the flat fp32 gradient: ``.float()`` returns it, ``.norm(2)`` reads 4 B per
    element, ``.item()`` (a host read), then the total in a fresh 4-byte tensor all-reduced (SUM) over the
    model-parallel group (with an ``mpu``) and ``.item()`` again. On a pipeline stage holding a pipe-replicated tied
-   embedding (``ds_pipe_replicated``: a later stage's copy, ``bf16_optimizer.norm_numels``) the norm masks its range
+   embedding (``ds_pipe_replicated``: a later stage's copy, ``bf16_optimizer.holds_pipe_replica``) the norm masks its range
    (``grad_norm_mask``): an fp32 ``zeros`` of ``P + 1`` elements (4 B written), its ``cumsum`` (read + write 4 B),
    ``.bool()`` (read 4, write 1 B), ``torch.masked_fill`` (read 4 + 1, write 4 B per element), the norm of that;
 4. ``unscale_and_clip_grads``: ``grad.mul_(1 / combined_scale)`` over the flat gradient (read + write 4 B per
@@ -76,6 +76,15 @@ from simulator.graph.ops import OpKind, Phase
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 #: Bytes per element of the ``.grad`` tensors and of their all-reduce: the model dtype (fp16 or bf16).
 GRAD_BYTES = 2
+
+
+def step_transient_bytes(P: int, replica: bool) -> int:
+    """Bytes ``step`` holds beyond the states and the 16-bit ``.grad`` at its peak, for ``P`` parameters: the
+    per-tensor fp32 copies and the flat fp32 gradient of the flatten (8 P, the ``.grad`` still alive); on a stage
+    holding a pipe-replicated embedding (``replica``), after the ``.grad`` are freed, the flat gradient and the
+    norm mask's ``zeros``, ``cumsum`` and ``bool`` tensors (4 P + 9 (P + 1)) less the freed ``.grad`` (2 P), if
+    larger (module docstring, steps 2-3)."""
+    return max(8 * P, 4 * P + 9 * (P + 1) - GRAD_BYTES * P if replica else 0)
 
 
 def allreduce_buckets(numels: Sequence[int], cap: int = ALLREDUCE_BUCKET_ELEMENTS) -> list[list[int]]:
@@ -127,7 +136,7 @@ def reduce_grads(bld, grads: list[str]) -> None:
     e, g = bld.e, GRAD_BYTES
     e.phase, e.layer = Phase.BWD, -1
     last = len(bld.b) - 1
-    for k, bucket in enumerate(allreduce_buckets(module_numels(bld))):
+    for k, bucket in enumerate(allreduce_buckets(module_numels(bld), ALLREDUCE_BUCKET_ELEMENTS)):
         n, flat = sum(bucket), []
         if len(bucket) > 1:  # _flatten_dense_tensors of one tensor is a view of it
             flat = [e.fresh("grad.allreduce_flat")]
@@ -193,8 +202,7 @@ def step(bld, grads: list[str], deps: list[int]) -> None:
     else:
         e.kernel("fp16opt.grad_flat.cat", C.COPY, reads=4 * P, writes=4 * P, out=[(flat, 4 * P)],
                  uses=copies + grads, dtype="fp32")  # then p.grad = None: the .grad freed
-    replica = P - sum(bf16opt.norm_numels(bld))
-    src = _masked_grad(bld, flat, P, [e.last_compute]) if replica else flat
+    src = _masked_grad(bld, flat, P, [e.last_compute]) if bf16opt.holds_pipe_replica(s) else flat
     norm = e.kernel("fp16opt.grad_norm.norm", C.REDUCTION, reads=4 * P, writes=4, flops=2 * P, uses=[src],
                     dtype="fp32")
     last = _sync(bld, "fp16opt.grad_norm.item", [norm])
