@@ -2086,7 +2086,8 @@ class _GptBuilder:
         FSDP: per unit, ``_unit_sp_grads``)."""
         if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
-            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            # the main_grad's dtype; FP16_Optimizer's 16-bit .grad
+            gb, dt = (2, self.e.half) if self._half_grad_buffer or self.s.deepspeed_fp16_optimizer else (4, "fp32")
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
                                            dtype=dt))
