@@ -1381,10 +1381,16 @@ def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
 
 def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
     """``ddp.grad_reduce_in_bf16`` outside bf16, which Megatron-LM does not read, and the
-    ``ddp.accumulate_allreduce_grads_in_fp32: true`` it overrides (``ineffective_setting_warnings``). Source:
+    ``ddp.accumulate_allreduce_grads_in_fp32: true`` it overrides (``ineffective_setting_warnings``); either under
+    DeepSpeed's BF16_Optimizer / FP16_Optimizer, which keep no Megatron grad buffer (``_stage0_wrapper``). Source:
     NVIDIA/Megatron-LM@307dcf37 megatron/training/arguments.py ``validate_args`` (only under ``--bf16``:
     ``if args.grad_reduce_in_bf16: args.accumulate_allreduce_grads_in_fp32 = False``)."""
     ddp, prec = cfg.ddp, cfg.training.precision
+    keys = [k for k in ("accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16") if getattr(ddp, k)]
+    if keys and (wrapper := _stage0_wrapper(cfg)):  # DeepSpeed's ZeRO-0 wrappers keep no Megatron grad buffer
+        return [f"ddp.{', ddp.'.join(keys)} ha{'s' if len(keys) == 1 else 've'} no effect with {wrapper[0]}: "
+                "Megatron-LM's grad buffer is not used (DeepSpeed keeps the .grad in the model dtype, "
+                f"training.precision {prec})"]
     if not ddp.grad_reduce_in_bf16:
         return []
     if prec != "bf16":

@@ -71,3 +71,16 @@ def test_a_megatron_runs_resolved_config_stays_megatron():
     assert data_parallel_strategy(cfg) == data_parallel_strategy(again) == "DDP"
     ds = load_scenario(DP8, [*SMALL, "training.precision=bf16", "zero_optimization={stage: 0}"])
     assert data_parallel_strategy(scenario_from_dict(run_scenario(ds).config)) == "DeepSpeed FP16_Optimizer"
+
+
+def test_megatrons_grad_buffer_keys_are_warned_under_fp16_optimizer():
+    """ddp.accumulate_allreduce_grads_in_fp32 / grad_reduce_in_bf16 shape Megatron-LM's grad buffer, which
+    FP16_Optimizer does not keep: one line names both (the run is the same without them)."""
+    cfg = load_scenario(DP8, [*SMALL, "zero_optimization={stage: 0}", "training.precision=bf16",
+                              "ddp.grad_reduce_in_bf16=true", "ddp.accumulate_allreduce_grads_in_fp32=true"])
+    lines = [w for w in ineffective_setting_warnings(cfg) if "grad_reduce_in_bf16" in w]
+    assert lines == ["ddp.accumulate_allreduce_grads_in_fp32, ddp.grad_reduce_in_bf16 have no effect with DeepSpeed "
+                     "FP16_Optimizer: Megatron-LM's grad buffer is not used (DeepSpeed keeps the .grad in the model "
+                     "dtype, training.precision bf16)"]
+    plain = load_scenario(DP8, [*SMALL, "zero_optimization={stage: 0}", "training.precision=bf16"])
+    assert [o.name for o in build_graph(cfg).ops] == [o.name for o in build_graph(plain).ops]
