@@ -919,6 +919,9 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
     * DeepSpeed's BF16_Optimizer (``spec.deepspeed_bf16_optimizer``: a DeepSpeed pipeline with ZeRO stage 0 and
       bf16): ``simulator/graph/builders/bf16_optimizer.py`` (states, per-micro-batch accumulation, one bf16
       all-reduce, its step), in place of Megatron's DDP and optimizer.
+    * DeepSpeed's FP16_Optimizer (``spec.deepspeed_fp16_optimizer``: ZeRO stage 0 with fp16, or bf16 without a
+      pipeline): ``simulator/graph/builders/fp16_optimizer.py`` (states, the engine's bucketed 16-bit all-reduce
+      after the last backward, its step), in place of Megatron's DDP and optimizer.
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
