@@ -21,7 +21,7 @@ from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
-                                     deepspeed_bf16_optimizer)
+                                     deepspeed_bf16_optimizer, deepspeed_fp16_optimizer)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -58,6 +58,7 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         clip_grad_norm_call=bool(t.clip_grad) and z.stage == 0 and (cfg.fsdp is None or shards == 1),
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
+        deepspeed_fp16_optimizer=deepspeed_fp16_optimizer(cfg),
         recompute=recompute_of(cfg)[0], recompute_every=recompute_of(cfg)[1], data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
@@ -621,8 +622,21 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
         cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
-    return SimulationResult(summary, cat["spans"], cat["counters"], steps, cfg.model_dump(mode="json"),
+    return SimulationResult(summary, cat["spans"], cat["counters"], steps, resolved_config(cfg),
                             cat["launches"], cat["deps"])
+
+
+def resolved_config(cfg: ScenarioConfig) -> dict:
+    """The scenario with every value in force, as a JSON-able dict (``SimulationResult.config``, written as
+    ``config.resolved.yaml``): ``cfg.model_dump``, but without the ``zero_optimization`` section when the scenario
+    gave none. A section's presence decides who runs the step (a DeepSpeed config at stage 0 with 16-bit training is
+    DeepSpeed's BF16_Optimizer / FP16_Optimizer, ``schema.deepspeed_bf16_optimizer`` /
+    ``deepspeed_fp16_optimizer``; none is Megatron-LM's or PyTorch's DDP), so a dumped default section would turn the
+    re-run of a Megatron-LM run's resolved config into another run."""
+    out = cfg.model_dump(mode="json")
+    if "zero_optimization" not in cfg.model_fields_set:
+        out.pop("zero_optimization", None)
+    return out
 
 
 def class_warnings(per_class: list[tuple[str, list[str]]]) -> list[str]:
@@ -644,6 +658,7 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
     """How the gradient reduce group (the data x context parallel ranks: context-parallel ranks hold other tokens
     of the same sequences, so their gradients are reduced together) holds the model states: ``DDP``, ``DeepSpeed
     ZeRO-<stage>``, ``DeepSpeed BF16_Optimizer`` (stage 0, bf16 and a pipeline: ``schema.deepspeed_bf16_optimizer``),
+    ``DeepSpeed FP16_Optimizer`` (stage 0 with fp16, or bf16 without a pipeline: ``schema.deepspeed_fp16_optimizer``),
     ``FSDP <strategy>`` (HYBRID_SHARD: ``(replicas x shard)``), ``FSDP2 fully_shard (...)``, ``Megatron distributed
     optimizer`` (``none`` when that group is one rank: no gradient reduction)."""
     if cfg.parallelism.data_context_parallel_size == 1:
@@ -658,12 +673,16 @@ def data_parallel_strategy(cfg: ScenarioConfig) -> str:
         return "Megatron distributed optimizer"
     if deepspeed_bf16_optimizer(cfg):
         return BF16_OPTIMIZER
+    if deepspeed_fp16_optimizer(cfg):
+        return FP16_OPTIMIZER
     z = cfg.zero_optimization.stage
     return f"DeepSpeed ZeRO-{z}" if z else "DDP"
 
 
 #: ``data_parallel_strategy`` of a DeepSpeed pipeline with ZeRO stage 0 and bf16
 BF16_OPTIMIZER = "DeepSpeed BF16_Optimizer"
+#: ``data_parallel_strategy`` of DeepSpeed with ZeRO stage 0 and fp16, or bf16 without a pipeline
+FP16_OPTIMIZER = "DeepSpeed FP16_Optimizer"
 
 
 def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
@@ -1115,8 +1134,6 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := fsdp2_last_block_note(cfg)):
         out.append(note)
-    if cfg is not None and (note := deepspeed_fp16_optimizer_note(cfg)):
-        out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
     if cfg is not None:
@@ -1202,7 +1219,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                    "exchange); the run is the same as without it")
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
-                   + (f"({BF16_OPTIMIZER}: {_BF16_OPT_REDUCE})" if deepspeed_bf16_optimizer(cfg) else
+                   + (f"({owner[0]}: {owner[1]})" if (owner := _stage0_wrapper(cfg)) else
                       "(DeepSpeed ZeRO off: ddp.overlap_grad_reduce governs the gradient all-reduce)"))
     if z.stage in (1, 2) and "allgather_bucket_size" in z.model_fields_set:
         out.append("zero_optimization.allgather_bucket_size has no effect: DeepSpeed gathers the updated partition "
@@ -1268,27 +1285,6 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
-
-
-def deepspeed_fp16_optimizer_note(cfg: ScenarioConfig) -> str | None:
-    """The run's line for a DeepSpeed config (a ``zero_optimization`` section given) with stage 0 and 16-bit
-    training that DeepSpeed wraps in ``FP16_Optimizer``, else None. DeepSpeed picks ``FP16`` for fp16 and
-    ``DDP_BFLOAT16`` for bf16 without a pipeline (bf16 with one is ``BF16_Optimizer``, priced:
-    ``schema.deepspeed_bf16_optimizer``), both ``FP16_Optimizer`` (deepspeedai/DeepSpeed@007cca6a
-    ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``, ``_configure_fp16_optimizer``;
-    @b97b870b ``deepspeed/runtime/fp16/fused_optimizer.py``: a flat fp32 master copy of every parameter, the 16-bit
-    ``.grad`` all-reduced by the engine, flattened into a fresh fp32 gradient at the step, freed after it). The
-    builder prices Megatron-LM's DDP instead (a persistent fp32 main-grad buffer, all-reduced in fp32 unless
-    ``ddp.grad_reduce_in_bf16``): its gradient memory and all-reduce bytes are not DeepSpeed's."""
-    z, t = cfg.zero_optimization, cfg.training
-    if ("zero_optimization" not in cfg.model_fields_set or z.stage != 0 or t.precision not in ("bf16", "fp16")
-            or deepspeed_bf16_optimizer(cfg) or cfg.fsdp is not None or cfg.ddp.use_distributed_optimizer):
-        return None
-    return (f"zero_optimization.stage 0 with training.precision {t.precision} is priced as Megatron-LM's DDP (a "
-            "persistent fp32 main-grad buffer, all-reduced in fp32 unless ddp.grad_reduce_in_bf16); DeepSpeed wraps "
-            "the optimizer in FP16_Optimizer instead (the 16-bit .grad all-reduced in the model dtype, then "
-            "flattened into a fresh fp32 gradient at the step beside a flat fp32 master copy), which is not "
-            "modelled: gradient memory and all-reduce bytes differ")
 
 
 def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
@@ -1391,10 +1387,16 @@ def _single_gpu_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
 
 def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
     """``ddp.grad_reduce_in_bf16`` outside bf16, which Megatron-LM does not read, and the
-    ``ddp.accumulate_allreduce_grads_in_fp32: true`` it overrides (``ineffective_setting_warnings``). Source:
+    ``ddp.accumulate_allreduce_grads_in_fp32: true`` it overrides (``ineffective_setting_warnings``); either under
+    DeepSpeed's BF16_Optimizer / FP16_Optimizer, which keep no Megatron grad buffer (``_stage0_wrapper``). Source:
     NVIDIA/Megatron-LM@307dcf37 megatron/training/arguments.py ``validate_args`` (only under ``--bf16``:
     ``if args.grad_reduce_in_bf16: args.accumulate_allreduce_grads_in_fp32 = False``)."""
     ddp, prec = cfg.ddp, cfg.training.precision
+    keys = [k for k in ("accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16") if getattr(ddp, k)]
+    if keys and (wrapper := _stage0_wrapper(cfg)):  # DeepSpeed's ZeRO-0 wrappers keep no Megatron grad buffer
+        return [f"ddp.{', ddp.'.join(keys)} ha{'s' if len(keys) == 1 else 've'} no effect with {wrapper[0]}: "
+                "Megatron-LM's grad buffer is not used (DeepSpeed keeps the .grad in the model dtype, "
+                f"training.precision {prec})"]
     if not ddp.grad_reduce_in_bf16:
         return []
     if prec != "bf16":
@@ -1410,6 +1412,20 @@ def _grad_reduce_in_bf16_without_effect(cfg: ScenarioConfig) -> list[str]:
 #: how BF16_Optimizer reduces the gradients (graph.builders.bf16_optimizer: deepspeed/runtime/pipe/engine.py
 #: ``_exec_reduce_grads`` -> ``allreduce_bucket``)
 _BF16_OPT_REDUCE = "one all-reduce of the whole gradient buffer after the last backward, no overlap"
+#: how the engine reduces FP16_Optimizer's gradients (graph.builders.fp16_optimizer: deepspeed/runtime/engine.py
+#: ``allreduce_gradients`` -> ``buffered_allreduce_fallback``)
+_FP16_OPT_REDUCE = ("the engine's all-reduces of 500M-element buckets of the 16-bit .grad after the last backward, "
+                    "no overlap")
+
+
+def _stage0_wrapper(cfg: ScenarioConfig) -> tuple[str, str] | None:
+    """``(label, how it reduces the gradients)`` of the DeepSpeed ZeRO-0 optimizer wrapper that runs the scenario
+    (``BF16_OPTIMIZER`` / ``FP16_OPTIMIZER``), else None (no DeepSpeed wrapper: PyTorch's or Megatron's DDP)."""
+    if deepspeed_bf16_optimizer(cfg):
+        return BF16_OPTIMIZER, _BF16_OPT_REDUCE
+    if deepspeed_fp16_optimizer(cfg):
+        return FP16_OPTIMIZER, _FP16_OPT_REDUCE
+    return None
 
 
 def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
@@ -1417,17 +1433,17 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
     way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
     ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``);
-    under DeepSpeed's BF16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (it reduces once, after
-    backward). Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway),
-    but for BF16_Optimizer's bucket caps (no bucketing runs)."""
+    under DeepSpeed's BF16_Optimizer / FP16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (the engine
+    reduces after backward, in its own buckets). Keys set to their default are not named (a pasted ``bucket_cap_mb:
+    25`` asks for what runs anyway), but for those wrappers' bucket caps (PyTorch's buckets do not run)."""
     ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
     # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
     given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
-    bf16opt = deepspeed_bf16_optimizer(cfg)
-    if bf16opt:  # no buckets at all (one all-reduce of the whole buffer): no cap describes it, the default neither
+    wrapper = _stage0_wrapper(cfg)
+    if wrapper:  # DeepSpeed's own reduction: no PyTorch cap describes it, the default neither
         given |= {k for k in ("bucket_cap_mb", "first_bucket_mb") if k in ddp.model_fields_set}
-    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{BF16_OPTIMIZER} ({_BF16_OPT_REDUCE})"
-             if bf16opt else
+    owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{wrapper[0]} ({wrapper[1]})"
+             if wrapper else
              f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
              if z.stage > 0 else "ddp.use_distributed_optimizer (Megatron's buckets: ddp.bucket_size)"
              if ddp.use_distributed_optimizer else None)
@@ -1439,8 +1455,8 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
         out.append(f"ddp.overlap_grad_reduce {str(ddp.overlap_grad_reduce).lower()} has no effect with "
                    + ("fsdp: each unit's gradients are reduce-scattered as backward completes it" if f is not None else
                       "zero_optimization.stage 3: zero_optimization.overlap_comm governs"))
-    elif bf16opt and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
-        out.append(f"ddp.overlap_grad_reduce true has no effect with {BF16_OPTIMIZER}: {_BF16_OPT_REDUCE}")
+    elif wrapper and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
+        out.append(f"ddp.overlap_grad_reduce true has no effect with {wrapper[0]}: {wrapper[1]}")
     if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
         out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
                    "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "
@@ -1488,6 +1504,6 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         else:
             c = classes[0]
             result = simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
-                                    cfg.model_dump(mode="json"), c.cfg)
+                                    resolved_config(cfg), c.cfg)
         del graphs  # freed now, by reference counting: not traversed by the collection that resumes below
     return result

@@ -176,6 +176,9 @@ def format_summary(s: dict, name: str) -> str:
                    "Megatron distributed optimizer": "optimizer state sharded, gradients reduce-scattered",
                    # graph.builders.bf16_optimizer: the fp32 master partition and Adam moments, like ZeRO-1
                    "DeepSpeed BF16_Optimizer": "fp32 master weights and optimizer state sharded, gradients "
+                   "all-reduced",
+                   # graph.builders.fp16_optimizer: flat fp32 master and Adam moments of every parameter on each rank
+                   "DeepSpeed FP16_Optimizer": "fp32 master weights and optimizer state replicated, 16-bit gradients "
                    "all-reduced"}.get(
             strategy, "model states sharded" if strategy.startswith("FSDP") and "NO_SHARD" not in strategy else None)
         pipe = s.get("pipeline")

@@ -21,7 +21,8 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "gradient_accumulation_steps": "DeepSpeed's gradient_accumulation_steps is implied here: set "
                                    "training.global_batch_size = micro_batch_size x data-parallel size x its value",
     "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (default 0 with a "
-                         "ZeRO stage or BF16_Optimizer, as DeepSpeed's; under ZeRO-1/2 the step's norm and unscale mul_ "
+                         "ZeRO stage, BF16_Optimizer or FP16_Optimizer, as DeepSpeed's; under ZeRO-1/2 and "
+                         "FP16_Optimizer the step's norm and unscale mul_ "
                          "are priced whatever its value)",
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
@@ -34,6 +35,13 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                   "its bf16 buffer, modelled); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
                   "BF16_Optimizer with an fp32 gradient accumulation buffer of every parameter, "
                   "which is not (deepspeed/runtime/engine.py _do_optimizer_sanity_check); remove it",
+    "communication_data_type": "DeepSpeed's communication_data_type is not modelled: the gradients are reduced in "
+                               "the model dtype (DeepSpeed's default with fp16 / bf16 enabled, deepspeed/runtime/"
+                               "engine.py communication_data_type); remove it",
+    "prescale_gradients": "DeepSpeed's prescale_gradients is not modelled: the gradients are divided by the "
+                          "data-parallel size after their all-reduce (DeepSpeed's default false); remove it",
+    "gradient_predivide_factor": "DeepSpeed's gradient_predivide_factor is not modelled: 1.0 (DeepSpeed's default, "
+                                 "one division after the all-reduce); remove it",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names

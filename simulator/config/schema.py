@@ -462,8 +462,10 @@ class TrainingConfig(_Model):
         "(max_norm), as Composer's gradient_clipping algorithm with clipping_type norm and clipping_threshold this "
         "value calls it: the shard's norm (4 B per fp32 grad), a 4-byte all-reduce over the FSDP group, the "
         "clip coefficient's mul_ on every grad (8 B), no host sync. With zero_optimization.stage 1-3, or stage 0 "
-        "with bf16 and pipeline stages (BF16_Optimizer), the default is DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
-        "constants.py GRADIENT_CLIPPING_DEFAULT): set clip_grad for the value of the ds_config. "
+        "with bf16 / fp16 (BF16_Optimizer with bf16 and pipeline stages, else FP16_Optimizer), the default is "
+        "DeepSpeed's gradient_clipping default 0 (deepspeedai/DeepSpeed@ac2f3a34 deepspeed/runtime/"
+        "constants.py GRADIENT_CLIPPING_DEFAULT): set clip_grad for the value of the ds_config. FP16_Optimizer's "
+        "step runs the same kernels whatever the value (its norm, then one unscale mul_ with the clip folded in). "
         "DeepSpeed ZeRO-1/2 (its gradient_clipping): the "
         "step's norm runs whatever the value: a fp64 norm of each 16-bit gradient view of the partition (18 B per "
         "element), a 4-byte all-reduce over the data-parallel group (and tp x pp), the fp32 copy of the partition "
@@ -508,7 +510,8 @@ class TrainingConfig(_Model):
 def clip_grad_of(cfg: "ScenarioConfig") -> float:
     """``training.clip_grad`` in force: the value given, else the framework's default: 0 with ``fsdp`` (PyTorch FSDP
     clips only when the training loop calls ``clip_grad_norm_``), 0 where DeepSpeed runs the step (``zero_optimization
-    .stage`` 1-3, or stage 0 as ``BF16_Optimizer``, ``deepspeed_bf16_optimizer``: DeepSpeed's ``gradient_clipping``
+    .stage`` 1-3, or stage 0 as ``BF16_Optimizer`` / ``FP16_Optimizer``, ``deepspeed_bf16_optimizer`` /
+    ``deepspeed_fp16_optimizer``: DeepSpeed's ``gradient_clipping``
     default, deepspeedai/DeepSpeed@ac2f3a34 ``deepspeed/runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT = 0.``;
     ZeRO-1/2/3 still price their norm, ``graph.builders.grad_norm.deepspeed_zero_step``), else Megatron-LM's
     ``--clip-grad`` default 1.0 (megatron/training/arguments.py ``_add_regularization_args``; also for a stage-0
@@ -517,7 +520,7 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
     v = cfg.training.clip_grad
     if v is not None:
         return v
-    deepspeed = cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg)
+    deepspeed = cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg) or deepspeed_fp16_optimizer(cfg)
     return 0.0 if cfg.fsdp is not None or deepspeed else 1.0
 
 
@@ -528,6 +531,36 @@ def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:
     both bf16 and a ``PipelineModule`` -> ``BFLOAT16``); priced by ``graph.builders.bf16_optimizer``."""
     return ("zero_optimization" in cfg.model_fields_set and cfg.zero_optimization.stage == 0
             and cfg.training.precision == "bf16" and cfg.parallelism.pipeline_model_parallel_size > 1)
+
+
+def deepspeed_fp16_optimizer(cfg: "ScenarioConfig") -> bool:
+    """DeepSpeed runs the step with ``FP16_Optimizer``: a DeepSpeed config (a ``zero_optimization`` section given,
+    no ``fsdp`` section nor Megatron's distributed optimizer) with stage 0 and ``training.precision: fp16``, or bf16
+    without a pipeline (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``_do_optimizer_sanity_check``:
+    ZeRO off, model and gradient-accumulation dtype equal -> ``FP16``, or ``DDP_BFLOAT16`` for bf16 without a
+    ``PipelineModule``; ``_configure_optimizer`` wraps both in ``FP16_Optimizer``); priced by
+    ``graph.builders.fp16_optimizer``."""
+    z, prec = cfg.zero_optimization, cfg.training.precision
+    return ("zero_optimization" in cfg.model_fields_set and z.stage == 0 and cfg.fsdp is None
+            and not cfg.ddp.use_distributed_optimizer
+            and (prec == "fp16" or (prec == "bf16" and cfg.parallelism.pipeline_model_parallel_size == 1)))
+
+
+def stage0_wrapper_gaps(cfg: "ScenarioConfig") -> list[str]:
+    """What a scenario run by DeepSpeed's ZeRO-0 optimizer wrappers (``deepspeed_bf16_optimizer``,
+    ``deepspeed_fp16_optimizer``) sets that they are not modelled with, one phrase each: a pipeline schedule other
+    than DeepSpeed's one (``TrainSchedule``, 1F1B-like: ``1f1b`` / ``gpipe`` without interleaving), experts (their
+    separate expert-data-parallel reductions and norms), LoRA, fp8, context parallelism (FP16_Optimizer: DeepSpeed's
+    own sequence parallelism is not Megatron's context parallelism)."""
+    p, m, t = cfg.parallelism, cfg.model, cfg.training
+    pp = p.pipeline_model_parallel_size > 1
+    return [w for c, w in (
+        (pp and (p.virtual_pipeline_model_parallel_size > 1 or p.schedule not in ("1f1b", "gpipe")),
+         f"pipeline_schedule {p.schedule}"),
+        (bool(m.num_experts), "model.num_experts"), (t.lora is not None, "training.lora"),
+        (t.fp8 is not None, "training.fp8"),
+        (p.context_parallel_size > 1 and deepspeed_fp16_optimizer(cfg),
+         f"context_parallel_size {p.context_parallel_size}")) if c]
 
 
 def cross_entropy_of(cfg: "ScenarioConfig") -> str:
@@ -1105,10 +1138,7 @@ class ScenarioConfig(_Model):
         def bf16_optimizer() -> str | None:  # DeepSpeed's pipeline engine: no interleaving, no split backward
             if not deepspeed_bf16_optimizer(self):
                 return None
-            why = [w for c, w in ((v > 1 or p.schedule not in ("1f1b", "gpipe"), f"pipeline_schedule {p.schedule}"),
-                                  (bool(m.num_experts), "model.num_experts"), (self.training.lora is not None,
-                                                                               "training.lora"),
-                                  (self.training.fp8 is not None, "training.fp8")) if c]
+            why = stage0_wrapper_gaps(self)
             return (f"zero_optimization.stage: 0 with bf16 and {key} {pp} > 1 is DeepSpeed's "
                     f"BF16_Optimizer, which is not modelled with {', '.join(why)} (allowed: 1f1b or "
                     "gpipe, dense, no LoRA or fp8; or zero_optimization.stage 1)") if why else None
@@ -1130,6 +1160,16 @@ class ScenarioConfig(_Model):
             lambda: (f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
                      "dataloader section, or pp 1)") if self.dataloader is not None else None,
         )
+        return self
+
+    @model_validator(mode="after")
+    def _fp16_optimizer_scope(self):
+        """DeepSpeed's FP16_Optimizer (``deepspeed_fp16_optimizer``): what it is not modelled with, in one line."""
+        if deepspeed_fp16_optimizer(self) and (why := stage0_wrapper_gaps(self)):
+            raise ValueError(f"zero_optimization.stage: 0 with training.precision {self.training.precision} is "
+                             f"DeepSpeed's FP16_Optimizer, which is not modelled with {', '.join(why)} (allowed: "
+                             "1f1b or gpipe, dense, no LoRA, fp8 or context parallelism; or zero_optimization.stage "
+                             "1)")
         return self
 
     @model_validator(mode="after")

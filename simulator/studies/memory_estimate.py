@@ -28,7 +28,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   pipeline with ZeRO stage 0 and bf16): ``2P`` bf16 parameters, a bf16 accumulation buffer of every parameter
   ``2P``, fp32 master and moments ``12P / N_d``, the bf16 ``.grad`` ``2P`` from the first backward, and at the
   step the fp32 copy of the gradient partition ``4P / N_d`` (or the larger fp32 copy its norm makes of the
-  largest tensor; ``graph/builders/bf16_optimizer.py``).
+  largest tensor; ``graph/builders/bf16_optimizer.py``). DeepSpeed's ``FP16_Optimizer`` (ZeRO stage 0 with fp16,
+  or bf16 without a pipeline): ``2P`` 16-bit parameters, a flat fp32 master copy ``4P`` and moments ``8P`` of every
+  parameter, the 16-bit ``.grad`` ``2P`` from the first backward, and at the step the per-tensor fp32 copies and
+  the flat fp32 gradient ``8P`` beside the ``.grad`` (a pipe-replicated embedding's stage: the norm mask's
+  tensors, if larger; ``graph/builders/fp16_optimizer.py`` ``step_transient_bytes``).
 * **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
   in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
@@ -80,6 +84,8 @@ from dataclasses import dataclass, field
 
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
+from simulator.graph.builders import fp16_optimizer as fp16opt
+from simulator.graph.builders.bf16_optimizer import holds_pipe_replica
 from simulator.graph.builders import qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
@@ -332,8 +338,9 @@ def _grad_bytes(spec) -> int:
     """Bytes per element of a ``.grad`` without a sharding spec (and of Megatron's grad buffer): 2 for DeepSpeed
     ZeRO-1/2 in bf16 / fp16 (``TransformerSpec.zero_half_grads``: the model dtype) and for Megatron's 16-bit grad
     buffer (``TransformerSpec.megatron_half_grads``: fp16, or bf16 with ``--grad-reduce-in-bf16``) and DeepSpeed's
-    ``BF16_Optimizer`` (the bf16 autograd ``.grad``), else 4 (fp32)."""
-    return 2 if spec.zero_half_grads or spec.megatron_half_grads or spec.deepspeed_bf16_optimizer else 4
+    ``BF16_Optimizer`` / ``FP16_Optimizer`` (the 16-bit autograd ``.grad``), else 4 (fp32)."""
+    return 2 if (spec.zero_half_grads or spec.megatron_half_grads or spec.deepspeed_bf16_optimizer
+                 or spec.deepspeed_fp16_optimizer) else 4
 
 
 def _half_param_bytes(spec) -> int:
@@ -374,6 +381,9 @@ def _model_state_bytes(cfg: ScenarioConfig, spec) -> tuple[dict[str, float], flo
         from simulator.graph.builders.bf16_optimizer import HP_GRAD_BYTES
 
         return {"params": 2 * P + 4 * part(P), "grad": HP_GRAD_BYTES * P, "optimizer": 8 * part(P)}, 2 * P
+    if spec.deepspeed_fp16_optimizer:  # 16-bit params, the flat fp32 master and moments of every parameter; the
+        # 16-bit .grad made by backward (graph/builders/fp16_optimizer.py)
+        return {"params": 6 * P, "grad": 0, "optimizer": 8 * P}, _grad_bytes(spec) * P
     if sh is None:
         zero = spec.zero_stage
         Ps = moe.sharded_state(spec, P, part) if zero else P  # the experts' over edp (moe.sharded_state)
@@ -535,7 +545,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         end = _grad_bytes(spec) * spec.rank_num_parameters + buf
         if end > grads + activations + transient:
             grads, activations, transient = end, 0.0, 0.0
-    if spec.megatron_half_grads or spec.fp8_param_gather or spec.deepspeed_bf16_optimizer:
+    if spec.megatron_half_grads or spec.fp8_param_gather or spec.deepspeed_bf16_optimizer or spec.deepspeed_fp16_optimizer:
         # the optimizer step, activations freed: the fresh fp32
         # main grads of the shard it updates beside the states and the 16-bit buffer
         # (_GptBuilder._copy_model_grads_to_main_grads), and with fp8 parameters the bf16 copy of the fp8 weights'
@@ -549,6 +559,8 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
             # the fp32 copy of the largest tensor its norm casts (bf16_optimizer.step)
             table = spec.vocab_per_rank * h if spec.has_embedding or spec.has_head else 0
             main = 4 * max(-(-P // spec.grad_reduce_size), table, largest_weight)
+        if spec.deepspeed_fp16_optimizer:  # FP16_Optimizer: its flatten (or the norm mask of a pipe replica)
+            main = float(fp16opt.step_transient_bytes(P, holds_pipe_replica(spec)))
         cast = 2 * fp8_weight_numel(spec) * share if spec.fp8_param_gather else 0.0
         if end_grads + main + cast > grads + activations + transient:
             grads, activations, transient = end_grads + main, 0.0, cast

@@ -37,7 +37,8 @@ def given_data(cfg: ScenarioConfig) -> dict[str, Any]:
     """The keys ``cfg`` was given (with those its validators derived), as a plain dict to edit and reload.
 
     A dump of every default would mark each section as given, and what a section's presence means would change (a
-    ``zero_optimization`` section makes a bf16 pipeline DeepSpeed's BF16_Optimizer: schema.deepspeed_bf16_optimizer;
+    ``zero_optimization`` section makes a bf16 pipeline DeepSpeed's BF16_Optimizer and another bf16 / fp16 run its
+    FP16_Optimizer: schema.deepspeed_bf16_optimizer / deepspeed_fp16_optimizer;
     the warnings on keys given without effect)."""
     return cfg.model_dump(mode="json", exclude_none=True, exclude_unset=True)
 

@@ -94,12 +94,17 @@ def update_hp_grads(bld, ready: list[tuple[str, int, int, str | None]]) -> None:
     ready.clear()
 
 
+def holds_pipe_replica(spec) -> bool:
+    """The stage of ``spec`` holds a pipe-replicated copy of the tied token table (``ds_pipe_replicated``: a later
+    stage than the lowest of the tied group, which owns it for DeepSpeed's gradient norms)."""
+    s = spec
+    return s.pipeline_parallel_size > 1 and s.tied_embeddings and s.has_head and not s.has_embedding
+
+
 def norm_numels(bld) -> list[int]:
     """Elements of each tensor ``get_grads_for_norm`` returns: every parameter of the stage but the tied token
-    table on a later stage that holds a replica of it (``ds_pipe_replicated``: the lowest stage of the tied group
-    owns it for the norm)."""
-    s = bld.s
-    replica = s.pipeline_parallel_size > 1 and s.tied_embeddings and s.has_head and not s.has_embedding
+    table on a later stage that holds a replica of it (``holds_pipe_replica``)."""
+    replica = holds_pipe_replica(bld.s)
     return [g.numel for g in reversed(bld.groups) if not (replica and g.name.startswith("wte"))]
 
 

@@ -108,6 +108,7 @@ from hardware_models.host_kernels import adamw_passes
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import fsdp2
 from simulator.graph.builders import bf16_optimizer as bf16opt
+from simulator.graph.builders import fp16_optimizer as fp16opt
 from simulator.graph.builders import grad_norm as gn
 from simulator.graph.builders import sharding as shd
 from simulator.graph.builders import hf_eager as hf
@@ -191,6 +192,11 @@ class TransformerSpec:
             accumulation buffer of every parameter, fp32 master weights and moments partitioned over ``dp``, one
             bf16 all-reduce of the buffer after the last backward, its own norm and a parameter all-gather; in
             place of Megatron's optimizer (bf16 precision only).
+        deepspeed_fp16_optimizer: DeepSpeed's ``FP16_Optimizer`` runs the step (ZeRO stage 0 with fp16, or bf16
+            without a pipeline: ``graph.builders.fp16_optimizer``): 2-byte ``.grad`` tensors, a flat fp32 master copy
+            and moments of every parameter, the engine's bucketed 16-bit all-reduce after the last backward, its
+            per-tensor overflow check, flat fp32 gradient, norm, unscale, Adam and 16-bit copy back; in place of
+            Megatron's DDP and optimizer (bf16 / fp16 precision only).
         grad_reduce_in_bf16: Megatron-LM ``--grad-reduce-in-bf16``: with bf16 and Megatron's optimizer the
             contiguous grad buffer, its accumulation and its data-parallel reduction are bf16 (2 B per parameter),
             cast into fp32 main grads before the step, as fp16's buffer (``megatron_half_grads``); no effect with
@@ -334,6 +340,7 @@ class TransformerSpec:
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False
     deepspeed_bf16_optimizer: bool = False
+    deepspeed_fp16_optimizer: bool = False
     recompute: str = "none"
     recompute_every: int = 1
     data_parallel_size: int = 1
@@ -400,7 +407,7 @@ class TransformerSpec:
         if self.clip_grad is None:  # the framework's default (config.schema.clip_grad_of): 0 with FSDP or DeepSpeed
             fsdp = self.sharding is not None and self.sharding.unit_buckets
             object.__setattr__(self, "clip_grad", 0.0 if fsdp or self.zero_stage > 0 or self.deepspeed_bf16_optimizer
-                               else 1.0)
+                               or self.deepspeed_fp16_optimizer else 1.0)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size", "micro_batch_size", "num_micro_batches", "data_parallel_size",
                      "tensor_parallel_size"):
@@ -555,7 +562,8 @@ class TransformerSpec:
         zero = self.grad_reduce_size > 1 and ((self.zero_stage in (1, 2) and self.sharding is None) or (
             self.zero_stage == 3 and self.sharding is not None and self.sharding.strategy == "zero3"))
         return self.pipeline_parallel_size > 1 and (
-            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero or self.deepspeed_bf16_optimizer)
+            (self.clip_grad > 0 and not fsdp) or self.precision == "fp16" or zero or self.deepspeed_bf16_optimizer
+            or self.deepspeed_fp16_optimizer)
 
     @property
     def megatron_optimizer(self) -> bool:
@@ -567,7 +575,8 @@ class TransformerSpec:
         the grad buffer's ``zero_grad_buffer`` before the step's first forward (``_GptBuilder._zero_grad_buffer``)."""
         sh = self.sharding if self.grad_reduce_size > 1 else None
         return (self.precision in MEGATRON_DDP_PRECISIONS and self.zero_stage == 0 and self.lora is None
-                and not self.deepspeed_bf16_optimizer and (sh is None or sh.strategy == "distributed_optimizer"))
+                and not self.deepspeed_bf16_optimizer and not self.deepspeed_fp16_optimizer
+                and (sh is None or sh.strategy == "distributed_optimizer"))
 
     @property
     def megatron_half_grads(self) -> bool:
@@ -927,6 +936,9 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
     * DeepSpeed's BF16_Optimizer (``spec.deepspeed_bf16_optimizer``: a DeepSpeed pipeline with ZeRO stage 0 and
       bf16): ``simulator/graph/builders/bf16_optimizer.py`` (states, per-micro-batch accumulation, one bf16
       all-reduce, its step), in place of Megatron's DDP and optimizer.
+    * DeepSpeed's FP16_Optimizer (``spec.deepspeed_fp16_optimizer``: ZeRO stage 0 with fp16, or bf16 without a
+      pipeline): ``simulator/graph/builders/fp16_optimizer.py`` (states, the engine's bucketed 16-bit all-reduce
+      after the last backward, its step), in place of Megatron's DDP and optimizer.
 
     Returns:
         The step graph; ``samples_per_step`` counts all data-parallel replicas;
@@ -1007,6 +1019,7 @@ class _GptBuilder:
         # weight-gradient GEMMs accumulate into it; no separate .grad). A separate fp32 .grad beside the buffer
         # counted 4 bytes per parameter twice (GPT 6.7B PP2 x DP8: 86.05 GB, out of memory, against 72.22 GB)
         self._grads_in_buckets = self.dp and self.zero == 0 and not spec.deepspeed_bf16_optimizer and (
+            not spec.deepspeed_fp16_optimizer) and (
             spec.gradient_as_bucket_view or (spec.precision in MEGATRON_DDP_PRECISIONS and spec.lora is None))  # PEFT: torch DDP
         #: BF16_Optimizer: the weight gradients each backward made, for its update_hp_grads (bf16_optimizer.py)
         self._bf16_ready: list[tuple[str, int, int, str | None]] | None = (
@@ -1759,6 +1772,9 @@ class _GptBuilder:
         if s.deepspeed_bf16_optimizer:
             bf16opt.persistent(self, P, self._shard(P))
             return
+        if s.deepspeed_fp16_optimizer:
+            fp16opt.persistent(self, P)
+            return
         Ps = moe.sharded_state(s, P, self._shard) if self.zero else P  # ZeRO-1/2: states per rank (experts: edp)
         if self.amp or self.full:  # fp32 parameters, no separate master copy
             b.persistent("params.fp32", 4 * P)
@@ -2075,7 +2091,9 @@ class _GptBuilder:
         deps = [len(self.b) - 1, *self.comm_ops, *self.tp_ops, *calls]
         if s.embedding_copy and (s.has_embedding or s.has_head):
             # the main_grad's dtype; BF16_Optimizer's buffer view (weight._hp_grad, pipe/engine.py _exec_reduce_tied_grads)
-            gb, dt = (2, self.e.half) if self._half_grad_buffer or s.deepspeed_bf16_optimizer else (4, "fp32")
+            # FP16_Optimizer's 16-bit .grad (weight.grad, the same function)
+            gb, dt = (2, self.e.half) if (self._half_grad_buffer or s.deepspeed_bf16_optimizer
+                                          or s.deepspeed_fp16_optimizer) else (4, "fp32")
             nbytes = gb * s.vocab_per_rank * s.hidden_size
             calls.append(self.b.add("pp.embedding_grads.all_reduce", OpKind.COLLECTIVE, "comm.pp", deps=deps,
                                     phase=Phase.OPT, bytes_read=float(nbytes), dtype=dt,
@@ -2084,7 +2102,7 @@ class _GptBuilder:
                                           "parties": 2}))
             deps.append(calls[-1])
         own_norm = (self._megatron_optimizer or self._deepspeed_zero_step or self._deepspeed_zero3_step
-                    or self._torch_clips or s.deepspeed_bf16_optimizer)
+                    or self._torch_clips or s.deepspeed_bf16_optimizer or s.deepspeed_fp16_optimizer)
         if s.clip_grad > 0 and not own_norm and not (self.sh is not None and self.sh.unit_buckets):
             self.tp_ops.append(self._pp_all_reduce("grad_norm", deps))  # FSDP: its own group only (_fsdp_clips)
         else:  # the optimizer waits for the last point-to-point calls and the embedding all-reduce itself (Megatron's
@@ -2111,7 +2129,8 @@ class _GptBuilder:
         FSDP: per unit, ``_unit_sp_grads``)."""
         if self.sp and not (self.sh is not None and self.sh.unit_buckets):
             self.e.phase, self.e.layer = Phase.BWD, -1
-            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
+            # the main_grad's dtype; FP16_Optimizer's 16-bit .grad
+            gb, dt = (2, self.e.half) if self._half_grad_buffer or self.s.deepspeed_fp16_optimizer else (4, "fp32")
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
                                            dtype=dt))
@@ -2127,6 +2146,9 @@ class _GptBuilder:
         share = self._optimizer_share()  # ZeRO/FSDP/distributed optimizer: this rank updates its 1/dp partition
         if s.deepspeed_bf16_optimizer:  # DeepSpeed's BF16_Optimizer.step (bf16_optimizer.py)
             bf16opt.step(self, self._shard(P), grads, list(self.comm_ops) + self.tp_ops + self.moe_grad_ops)
+            return
+        if s.deepspeed_fp16_optimizer:  # DeepSpeed's FP16_Optimizer.step (fp16_optimizer.py)
+            fp16opt.step(self, grads, list(self.comm_ops) + self.tp_ops + self.moe_grad_ops)
             return
         deps = list(self.comm_ops) + self.tp_ops + self.moe_grad_ops
         if self._half_grad_buffer:
@@ -2250,9 +2272,9 @@ class _GptBuilder:
             if self.last_mb:
                 moe.reduce_expert_grad(self, pg)
             return
-        if not self.dp or self._bf16_ready is not None:  # BF16_Optimizer: one all-reduce of its buffer at the end
-            return
         s = self.s
+        if not self.dp or self._bf16_ready is not None or s.deepspeed_fp16_optimizer:  # BF16_ / FP16_Optimizer: the
+            return  # engine reduces after the last backward (bf16_optimizer / fp16_optimizer .reduce_grads)
         if self.sh is not None and self._sharded_grad_ready(pg):
             return
         if self.zero == 0:  # DDP: close once the bucket reaches its cap (reducer.cpp)
@@ -2369,7 +2391,7 @@ class _GptBuilder:
         self._grad_elem_bytes = 4 if sh is None or sh.strategy == "distributed_optimizer" else sh.grad_bytes
         if s.zero_half_grads:
             self._grad_elem_bytes = 2  # DeepSpeed ZeRO-1/2 keeps the gradients in the model dtype (ZERO_HALF_GRAD_...)
-        if self._half_grad_buffer or s.deepspeed_bf16_optimizer:  # BF16_Optimizer: the bf16 autograd .grad
+        if self._half_grad_buffer or s.deepspeed_bf16_optimizer or s.deepspeed_fp16_optimizer:  # their 16-bit .grad
             self._grad_elem_bytes = 2
         if sh is not None and sh.version == 2:  # autograd's unsharded gradients are in param_dtype (fsdp2.py)
             self._grad_elem_bytes = sh.param_bytes
@@ -2566,6 +2588,7 @@ class _GptBuilder:
         ``clip_grad > 0``) and neither Megatron's optimizer, DeepSpeed ZeRO nor FSDP computes its own norm."""
         s = self.s
         return (s.clip_grad_norm_call and s.clip_grad > 0 and not self._megatron_optimizer and self.zero == 0
+                and not s.deepspeed_fp16_optimizer
                 and not (self.sh is not None and self.sh.unit_buckets))
 
     def _fsdp_clip_grad_norm(self, n: float, grads: list[str], deps: list[int]) -> list[int]:
@@ -2624,7 +2647,7 @@ class _GptBuilder:
         group, ``api._meet_across_classes``): the ranks start it together, so a straggler delays every stage's
         optimizer. Expert-parallel MoE ranks (Megatron's separate expert grad-stats group) are not told apart."""
         s, p = self.s, self.s.pipeline_parallel_size
-        dtype = "fp64" if nbytes == 8 else "fp32"
+        dtype = {8: "fp64", 1: "uint8"}.get(nbytes, "fp32")  # 1: a byte flag (DeepSpeed's overflow ByteTensor)
         if self.sh is not None and self.sh.strategy == "distributed_optimizer":
             group = "world"
         elif p > 1:
@@ -2814,6 +2837,8 @@ class _GptBuilder:
         self._pipeline_syncs()
         if s.deepspeed_bf16_optimizer:  # pipe/engine.py: ReduceTiedGrads, then ReduceGrads, then the step
             bf16opt.reduce_grads(self)
+        if s.deepspeed_fp16_optimizer:  # engine.py _backward_epilogue / pipe/engine.py _exec_reduce_grads
+            fp16opt.reduce_grads(self, self._optimizer_grads())
         self._optimizer()
         # the measured training loops synchronise the device after every step
         self.b.add("step.synchronize", OpKind.SYNC, "host", deps=[len(self.b) - 1], phase=Phase.OTHER,

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from simulator.api import build_graph, run_warnings, resolve_hardware
+from simulator.api import build_graph, resolve_hardware, resolved_config, run_warnings
 from simulator.config.loader import scenario_from_dict
 from simulator.config.schema import clip_grad_of
 
@@ -44,14 +44,15 @@ def test_deepspeed_zero_defaults_to_no_clipping(stage):
 
 
 def test_megatron_default_without_deepspeed_and_after_a_dump():
-    """No ZeRO stage: Megatron's 1.0, also once the config is dumped and validated again (the dump carries a
-    stage-0 zero_optimization section)."""
+    """No DeepSpeed section: Megatron's 1.0, also once the resolved config is validated again (``resolved_config``
+    leaves out the zero_optimization section the scenario did not give, which would make it DeepSpeed's
+    FP16_Optimizer). A stage-0 section with bf16 and no pipeline is FP16_Optimizer: DeepSpeed's 0."""
     cfg = _cfg()
     assert clip_grad_of(cfg) == 1.0
-    assert clip_grad_of(scenario_from_dict(cfg.model_dump())) == 1.0
-    assert clip_grad_of(_cfg({"stage": 0})) == 1.0  # ZeRO off, no pipeline: priced as Megatron's optimizer
+    assert clip_grad_of(scenario_from_dict(resolved_config(cfg))) == 1.0
+    assert clip_grad_of(_cfg({"stage": 0})) == 0.0  # DeepSpeed's FP16_Optimizer (DDP_BFLOAT16)
     ds = _cfg({"stage": 2})
-    assert clip_grad_of(scenario_from_dict(ds.model_dump())) == 0.0
+    assert clip_grad_of(scenario_from_dict(resolved_config(ds))) == 0.0
 
 
 def test_bf16_optimizer_defaults_to_no_clipping():

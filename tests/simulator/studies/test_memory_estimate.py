@@ -47,6 +47,10 @@ CASES = {
     "PP4 GPipe": (TP2, [*PP4, "parallelism.pipeline_schedule=gpipe"]),
     "PP4 distributed optimizer": (TP2, [*PP4, "ddp.use_distributed_optimizer=true"]),
     "PP4 DeepSpeed BF16_Optimizer": (TP2, [*PP4, "zero_optimization.stage=0", "training.precision=bf16"]),
+    "PP4 DeepSpeed FP16_Optimizer": (TP2, [*PP4, "zero_optimization.stage=0", "training.precision=fp16"]),
+    "DeepSpeed FP16_Optimizer dp8": (DP8, ["zero_optimization.stage=0", "training.precision=fp16"]),
+    "DeepSpeed FP16_Optimizer bf16 dp8 step peak": (DP8, ["zero_optimization.stage=0", "training.precision=bf16",
+                                                          "training.recompute_granularity=full"]),
     "PP4 interleaved v2 distributed optimizer": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
                                                        "ddp.use_distributed_optimizer=true"]),
     "PP4 interleaved v2 ZeRO-1": (TP2, [*PP4, "parallelism.virtual_pipeline_model_parallel_size=2",
@@ -373,3 +377,19 @@ def test_fsdp2_post_forward_shards_in_the_estimate_by_hand():
     assert d == 24 * 2 * (unit // 2)
     sim = run_scenario(on).summary["peak_device_memory_bytes"]
     assert estimate_memory(on).peak_device_bytes == pytest.approx(sim, rel=0.015)
+
+
+def test_fp16_optimizer_step_peak_by_hand():
+    """DeepSpeed's FP16_Optimizer (ZeRO stage 0, bf16, no pipeline: DDP_BFLOAT16), full recompute so the step holds
+    the peak: 16-bit parameters 2 P + the flat fp32 master 4 P, Adam moments 8 P (none partitioned), and at the step
+    the 16-bit .grad 2 P beside the flatten's per-tensor fp32 copies 4 P and the flat fp32 gradient 4 P; no
+    activations left (graph/builders/fp16_optimizer.py)."""
+    from simulator.api import transformer_spec
+    from simulator.studies.memory_estimate import stage_memory
+
+    cfg = load_scenario(DP8, FAST + ["zero_optimization.stage=0", "training.precision=bf16",
+                                     "training.recompute_granularity=full"])
+    P = transformer_spec(cfg).rank_num_parameters
+    cats = stage_memory(cfg).by_category_bytes
+    assert (cats["params"], cats["optimizer"], cats["grad"]) == (6 * P, 8 * P, 2 * P + 8 * P)
+    assert cats["activations"] == cats["transient"] == 0
