@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simulator.api import model_num_parameters, run_scenario, transformer_spec
+from simulator.api import model_num_parameters, resolved_config, run_scenario, transformer_spec
 from simulator.cli import main
 from simulator.config.hf_config import read_hf_config
 from simulator.config.loader import load_scenario, scenario_from_dict
@@ -37,7 +37,7 @@ def scenario(tmp_path: Path, model: dict, training: dict | None = None, top: dic
 
 def test_from_hf_round_trip(tmp_path):
     """google/vit-base-patch16-224's config.json gives the same spec as its keys written out: 197 tokens,
-    86,567,656 parameters, bidirectional attention; a dump of the validated scenario validates again."""
+    86,567,656 parameters, bidirectional attention; the resolved config a run writes validates again."""
     keys = read_hf_config(VIT_B16)
     assert (keys["architecture"], keys["image_size"], keys["patch_size"], keys["num_channels"],
             keys["num_classes"], keys["ffn_hidden_size"]) == ("vit", 224, 16, 3, 1000, 3072)
@@ -48,7 +48,7 @@ def test_from_hf_round_trip(tmp_path):
     assert not s.causal and s.vit.num_patches == 196 and not s.tied_embeddings
     direct = load_scenario(scenario(tmp_path, EXPLICIT))
     assert transformer_spec(direct) == s
-    again = scenario_from_dict(cfg.model_dump())
+    again = scenario_from_dict(resolved_config(cfg))
     assert transformer_spec(again) == s
 
 
