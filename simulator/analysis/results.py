@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge, comm_group
+from simulator.recording.deferred import DeferredField, build_fields
 from simulator.recording.recorder import RANK_COLUMNS, rank_column
 
 #: ``SimulationResult.breakdown`` components, in priority order (an instant counts once, for the
@@ -47,7 +48,8 @@ class SimulationResult:
     Attributes:
         summary: Headline metrics (see ``simulator.analysis.summary.summarize``).
         spans: One row per op execution (``recording.recorder.SPAN_COLUMNS`` + ``duration_s``).
-        counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``.
+        counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``; may be given as a
+            ``recording.deferred.Deferred``, built when first read (the summary does not read it).
         steps: One row per step: ``step, start_s, end_s, step_time_s, warmup``.
         config: The resolved scenario as a plain dict.
         launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (the host
@@ -57,11 +59,16 @@ class SimulationResult:
 
     summary: dict[str, Any]
     spans: pd.DataFrame
-    counters: pd.DataFrame
+    counters: pd.DataFrame = DeferredField()
     steps: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
     launches: pd.DataFrame | None = None
     deps: pd.DataFrame | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled with every frame built (a ``Deferred``'s builder does not pickle)."""
+        build_fields(self)
+        return self.__dict__
 
     @property
     def ok(self) -> bool:

@@ -52,7 +52,7 @@ from simulator.graph.ops import OpKind
 from simulator.policies._columns import value_masks
 from simulator.policies.dvfs_notes import settings_without_effect
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
-from simulator.policies.power_ledger import PowerLedger
+from simulator.policies.power_ledger import SCOPE, PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
 from simulator.policies.registry import PolicyError, register_runtime
 
@@ -299,6 +299,8 @@ class DvfsRuntime:
             False when the firmware would have lowered the clock: the run must be repeated with
             online metering (``System.exact_power``) to stay exact; True otherwise.
         """
+        # the clock's samples (``_avg_clock``): complete, as only the run changes the clock
+        self._clock_samples = recorder.samples(SCOPE, "sm_clock_mhz")
         if self.online:
             return True
         self.ledger.record_levels(self.meter.levels(recorder._spans, recorder.span_columns()))
@@ -461,12 +463,20 @@ class DvfsRuntime:
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:
-        if counters is None or not len(counters):
-            return float(self.state.sm_clock_mhz)
-        sel = (counters.metric.to_numpy(object) == "sm_clock_mhz") & (counters.scope.to_numpy(object) == "gpu0")
-        if not sel.any():
-            return float(self.state.sm_clock_mhz)
-        ts, vs = counters.t_s.to_numpy()[sel].tolist() + [t1], counters.value.to_numpy()[sel].tolist()
+        """Time-weighted mean SM clock over ``[t0, t1]``, MHz: from the clock's samples taken in ``finish`` (the
+        ``sm_clock_mhz`` rows of the counters frame, in its order), else from ``counters`` (a frame)."""
+        samples = getattr(self, "_clock_samples", None)
+        if samples is not None:
+            if not samples:
+                return float(self.state.sm_clock_mhz)
+            ts, vs = [float(t) for t, _ in samples] + [t1], [float(v) for _, v in samples]
+        else:
+            if counters is None or not len(counters):
+                return float(self.state.sm_clock_mhz)
+            sel = (counters.metric.to_numpy(object) == "sm_clock_mhz") & (counters.scope.to_numpy(object) == SCOPE)
+            if not sel.any():
+                return float(self.state.sm_clock_mhz)
+            ts, vs = counters.t_s.to_numpy()[sel].tolist() + [t1], counters.value.to_numpy()[sel].tolist()
         total = 0.0
         for i, v in enumerate(vs):
             a, b = max(ts[i], t0), min(ts[i + 1], t1)
