@@ -132,6 +132,8 @@ class Executor:
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self
+        #: ``recorder.span`` as a bound call (``_finish``)
+        self._span = recorder.span
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
@@ -473,18 +475,18 @@ class Executor:
         # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
-        now = self.env.now
-        if op.folded_comm and "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
+        now = self.env._now  # (``env.now`` without the property call)
+        if not op.folded_comm:
+            self._span(step, op, start, now, stream)
+        elif "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
             self._side_spans(op, step, start, now, stream)
-        elif op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
+        else:  # a block with TP collectives folded in: its kernels' span, then each collective's
             t = now - self.sys.folded_comm_s(op)
             self.rec.span(step, op, start, t, stream)
             for c in op.folded_comm:
                 d = self.sys.collective_s(c)
                 self.rec.span(step, c, t, t + d, c.stream)
                 t += d
-        else:
-            self.rec.span(step, op, start, now, stream)
         if self.track_running:
             del self.running[stream]
         if self._on_end:
@@ -501,15 +503,18 @@ class Executor:
                     if n > 0:
                         continue
                 write((now, name, None, None))
-        for write, name in self._unused_plan[oid]:
-            write((now, name, None, None))
+        unused = self._unused_plan[oid]
+        if unused:
+            for write, name in unused:
+                write((now, name, None, None))
         self.finished[step][oid] = True
         ev = self._done_ev[step][oid]
         if ev is not None:
             ev.succeed()
         rem = self._remaining_ops
-        rem[step] -= 1
-        if rem[step] == 0:
+        n = rem[step] - 1
+        rem[step] = n
+        if n == 0:
             self.step_end[step] = now
 
     def _side_spans(self, op: Op, step: int, start: float, now: float, stream: str) -> None:
