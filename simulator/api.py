@@ -396,7 +396,7 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
         summary.update(metrics.job_energy_per_work(summary))
-    return SimulationResult(summary, rec.spans, counters, step_df, config or {}, rec.launches,
+    return SimulationResult(summary, rec.spans, counters, step_df, config or {}, DeferredField.raw(rec, "launches"),
                             dependencies_frame(graph))
 
 

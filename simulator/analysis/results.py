@@ -53,7 +53,7 @@ class SimulationResult:
         steps: One row per step: ``step, start_s, end_s, step_time_s, warmup``.
         config: The resolved scenario as a plain dict.
         launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (the host
-            thread's busy interval; ``recording.recorder.launches_frame``).
+            thread's busy interval; ``recording.recorder.launches_frame``; may be given as a ``Deferred``).
         deps: The step graph's dependencies: ``op_id, dep_id, step_lag`` (0 same step, 1 previous).
     """
 
@@ -62,7 +62,7 @@ class SimulationResult:
     counters: pd.DataFrame = DeferredField()
     steps: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
-    launches: pd.DataFrame | None = None
+    launches: pd.DataFrame | None = DeferredField(None)
     deps: pd.DataFrame | None = None
 
     def __getstate__(self) -> dict:

@@ -246,7 +246,19 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     """
     if launch_cost_s is None:
         return pd.DataFrame(columns=LAUNCH_COLUMNS)
-    launched = np.array([op.id for op in graph.ops if op.launch], dtype=np.intp)
+    return launch_intervals(launched_ids(graph), launch_time, launch_cost_s)
+
+
+def launched_ids(graph) -> np.ndarray:
+    """Ids of the graph's launched ops (``Op.launch``), in graph order (``intp``)."""
+    return np.array([op.id for op in graph.ops if op.launch], dtype=np.intp)
+
+
+def launch_intervals(launched: np.ndarray, launch_time: list[list[float | None]],
+                     launch_cost_s: list[float] | None) -> pd.DataFrame:
+    """``launches_frame`` of the launched ops' ids ``launched`` (``launched_ids``)."""
+    if launch_cost_s is None:
+        return pd.DataFrame(columns=LAUNCH_COLUMNS)
     steps = len(launch_time)
     if not len(launched) or not steps:
         return pd.DataFrame([], columns=LAUNCH_COLUMNS)

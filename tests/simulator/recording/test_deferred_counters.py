@@ -1,4 +1,4 @@
-"""A run's counters frame is built when first read (``recording.deferred``; the summary does not read it), and is
+"""A run's counters and launches frames are built when first read (``recording.deferred``; the summary does not read it), and is
 then the frame the eager build gave; the DVFS average clock, which read it, comes from the clock's recorded samples
 with the same result."""
 
@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from simulator import load_scenario, run_scenario
+from simulator.api import build_graph
 from simulator.policies.dvfs import DvfsRuntime
 from simulator.recording.deferred import Deferred, DeferredField
 from simulator.recording.recorder import counter_frame
@@ -25,11 +26,18 @@ def test_deferred_builds_once_on_first_read():
     assert (d.value(), d.value(), calls) == (42, 42, [1])
 
 
+def r_cfg():
+    return load_scenario(ROOT / "scenarios/h200/llama3_8b_b1.yaml", ["run.steps=2", "run.warmup_steps=1"])
+
+
 def test_run_counters_are_built_on_first_read_and_pickle_built():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = run_scenario(load_scenario(ROOT / "scenarios/h200/llama3_8b_b1.yaml", ["run.steps=2", "run.warmup_steps=1"]))
+        r = run_scenario(r_cfg())
     assert isinstance(DeferredField.raw(r, "counters"), Deferred)
+    assert isinstance(DeferredField.raw(r, "launches"), Deferred)
+    launches = r.launches  # every launched op of both steps, each ending when the host thread launched it
+    assert len(launches) == 2 * sum(op.launch for op in build_graph(r_cfg(), 0).ops) and launches.end_s.is_monotonic_increasing
     frame = r.counters
     assert DeferredField.raw(r, "counters") is frame is r.counters
     assert set(frame.metric.astype(str)) >= {"memory_bytes", "power_w", "sm_clock_mhz"}
@@ -38,6 +46,7 @@ def test_run_counters_are_built_on_first_read_and_pickle_built():
         r.counters = frame  # still a frozen result
     back = pickle.loads(pickle.dumps(r))
     pd.testing.assert_frame_equal(back.counters, frame, check_exact=True)
+    pd.testing.assert_frame_equal(back.launches, launches, check_exact=True)
 
 
 def test_average_clock_from_samples_equals_the_frames():
