@@ -70,20 +70,15 @@ def test_lone_copy_takes_latency_plus_size_over_rate_and_no_event(monkeypatch):
 def _old_wake(self, gen, due):
     """``FluidScheduler._wake`` before the flow's end was processed at once: every ended flow's ``done`` succeeds
     (queued), then the rest is rescheduled."""
-    if gen != self._generation:
-        return
-    self.advance()
-    self.wakeups += 1
-    now = self.env.now
-    due_ids = {id(f) for f in due}
-    done, left = [], []
-    for f in self.flows:
-        (done if id(f) in due_ids or self._finished(f, now) else left).append(f)
-    self.flows = left
-    for f in done:
-        f.remaining = 0.0
-        f.done.succeed()
-    self.reschedule()
+    if gen == self._generation:
+        self.advance()
+        self.wakeups += 1
+        ended = [f for f in self.flows if any(f is d for d in due) or self._finished(f, self.env.now)]
+        self.flows = [f for f in self.flows if all(f is not e for e in ended)]
+        for f in ended:
+            f.remaining = 0.0
+            f.done.succeed()
+        self.reschedule()
 
 
 def _general(monkeypatch):
