@@ -351,11 +351,11 @@ class DvfsRuntime:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
         summary = summary or {}
         self.ledger.update()  # commit any deferred level change
-        warmup = steps.warmup.to_numpy(bool)
+        warmup = steps["warmup"].to_numpy(bool)
         n = max(int((~warmup).sum()), 1)
         w = int(warmup.sum())
-        ends = steps.end_s.to_numpy()
-        t0 = float(ends[w - 1]) if w > 0 else float(steps.start_s.to_numpy()[0])
+        ends = steps["end_s"].to_numpy()
+        t0 = float(ends[w - 1]) if w > 0 else float(steps["start_s"].to_numpy()[0])
         t1 = float(ends[-1])
         window = max(t1 - t0, 1e-12)
         energy = self.ledger.energy_between(t0, t1)
@@ -415,8 +415,8 @@ class DvfsRuntime:
         latency = self.ctl.latency_s
         if not plan or spans is None or not len(spans) or not latency:
             return []
-        gpu = spans[spans.kind.isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
-                    & spans.step.isin(steps.step[~steps.warmup])]
+        gpu = spans[spans["kind"].isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
+                    & spans["step"].isin(steps["step"][~steps["warmup"]])]
         default = getattr(self.policy, "default", self.fmax_mhz)
         in_run = {str(ph): plan.get(str(ph), default) for ph in gpu.phase.unique()}
         out = []
@@ -447,11 +447,11 @@ class DvfsRuntime:
         window = max(t1 - t0, 1e-12)
         busy = 1.0
         if spans is not None and len(spans):
-            start, end = spans.start_s.to_numpy(float), spans.end_s.to_numpy(float)
+            start, end = spans["start_s"].to_numpy(float), spans["end_s"].to_numpy(float)
             sel = (end > t0) & (start < t1)
             dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
-            stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
-            (cpu_name,) = value_masks(spans.name.to_numpy(object)[sel], (lambda n: n.startswith("cpu."),))
+            stream, kind = spans["stream"].to_numpy(object)[sel], spans["kind"].to_numpy(object)[sel]
+            (cpu_name,) = value_masks(spans["name"].to_numpy(object)[sel], (lambda n: n.startswith("cpu."),))
             cpu_step = (kind == "host") & cpu_name
             t = float(self.cpu_step_threads)
             on_host = dur[cpu_step & (stream == "host")].sum()  # the training thread is one of the t threads
@@ -473,10 +473,11 @@ class DvfsRuntime:
         else:
             if counters is None or not len(counters):
                 return float(self.state.sm_clock_mhz)
-            sel = (counters.metric.to_numpy(object) == "sm_clock_mhz") & (counters.scope.to_numpy(object) == SCOPE)
+            sel = ((counters["metric"].to_numpy(object) == "sm_clock_mhz")
+                   & (counters["scope"].to_numpy(object) == SCOPE))
             if not sel.any():
                 return float(self.state.sm_clock_mhz)
-            ts, vs = counters.t_s.to_numpy()[sel].tolist() + [t1], counters.value.to_numpy()[sel].tolist()
+            ts, vs = counters["t_s"].to_numpy()[sel].tolist() + [t1], counters["value"].to_numpy()[sel].tolist()
         total = 0.0
         for i, v in enumerate(vs):
             a, b = max(ts[i], t0), min(ts[i + 1], t1)

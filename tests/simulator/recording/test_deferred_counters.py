@@ -1,5 +1,5 @@
-"""A run's counters and launches frames are built when first read (``recording.deferred``; the summary does not read it), and is
-then the frame the eager build gave; the DVFS average clock, which read it, comes from the clock's recorded samples
+"""A run's counters and launches frames are built when first read (``recording.deferred``; the summary does not
+read them), and are then the frames the eager build gave; the DVFS average clock, which read it, comes from the clock's recorded samples
 with the same result."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def test_run_counters_are_built_on_first_read_and_pickle_built():
     assert isinstance(DeferredField.raw(r, "counters"), Deferred)
     assert isinstance(DeferredField.raw(r, "launches"), Deferred)
     launches = r.launches  # every launched op of both steps, each ending when the host thread launched it
-    assert len(launches) == 2 * sum(op.launch for op in build_graph(r_cfg(), 0).ops) and launches.end_s.is_monotonic_increasing
+    assert len(launches) == 2 * sum(op.launch for op in build_graph(r_cfg(), 0).ops)
+    assert launches.end_s.is_monotonic_increasing
     frame = r.counters
     assert DeferredField.raw(r, "counters") is frame is r.counters
     assert set(frame.metric.astype(str)) >= {"memory_bytes", "power_w", "sm_clock_mhz"}
