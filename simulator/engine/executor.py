@@ -476,17 +476,17 @@ class Executor:
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
         now = self.env._now  # (``env.now`` without the property call)
-        if not op.folded_comm:
-            self._span(step, op, start, now, stream)
-        elif "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
+        if op.folded_comm and "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
             self._side_spans(op, step, start, now, stream)
-        else:  # a block with TP collectives folded in: its kernels' span, then each collective's
+        elif op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
             t = now - self.sys.folded_comm_s(op)
             self.rec.span(step, op, start, t, stream)
             for c in op.folded_comm:
                 d = self.sys.collective_s(c)
                 self.rec.span(step, c, t, t + d, c.stream)
                 t += d
+        else:
+            self._span(step, op, start, now, stream)
         if self.track_running:
             del self.running[stream]
         if self._on_end:
