@@ -17,6 +17,9 @@ import simpy
 
 from hardware_models.fluid import FluidFlow, FluidScheduler, maxmin_rates, weighted_maxmin_rates
 
+#: most entries of ``FluidNetwork``'s memo of shared rates before it starts afresh
+_MEMO_MAX = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
@@ -77,6 +80,11 @@ class FluidNetwork:
         self.bytes_carried: dict[str, float] = {}
         #: weighted names of links: name -> (link, weight) (``add_weighted_name``; empty: the unweighted solver)
         self.weighted: dict[str, tuple[str, float]] = {}
+        #: link tuples found to exist (``_check``; links are only ever added, so a tuple stays valid)
+        self._known: set[tuple] = set()
+        #: ``_rates`` of several flows by their ``(links, cap)``s: a pure function of them and the capacities (emptied
+        #: when links are added)
+        self._memo: dict[tuple, tuple] = {}
         self.add_links(capacities)
 
     def add_links(self, capacities: dict[str, float]) -> None:
@@ -89,6 +97,7 @@ class FluidNetwork:
                 raise ValueError(f"link {name!r} exists already")
         self.capacities.update(capacities)
         self.bytes_carried.update({k: 0.0 for k in capacities})
+        self._memo.clear()
 
     def add_weighted_name(self, name: str, link: str, weight: float) -> None:
         """Let flows cross ``link`` under the name ``name`` loading it by ``weight`` x their rate (a drive's writes,
@@ -105,6 +114,7 @@ class FluidNetwork:
         if not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"weight of {name!r} must be a positive finite number, got {weight!r}")
         self.weighted[name] = (link, float(weight))
+        self._memo.clear()
 
     def _count(self, links, nbytes: float) -> None:
         """Add ``nbytes`` to ``bytes_carried`` of each link crossed (a weighted name: its link, weighted).
@@ -121,6 +131,32 @@ class FluidNetwork:
                 link, w = self.weighted[name]
                 self.bytes_carried[link] += w * nbytes
 
+    def _check(self, links: tuple) -> None:
+        """Raises: KeyError: a link of ``links`` that does not exist."""
+        if links in self._known:
+            return
+        for name in links:
+            if name not in self.capacities and name not in self.weighted:
+                raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
+        self._known.add(links)
+
+    def _carried(self, links: tuple, nbytes: float) -> None:
+        """Add a flow's ``nbytes`` to ``bytes_carried`` of the links it crosses."""
+        if self.weighted:
+            self._count(links, nbytes)
+        else:
+            carried = self.bytes_carried
+            for name in links:
+                carried[name] += nbytes
+
+    @staticmethod
+    def _check_transfer(nbytes: float, cap_bytes_per_s: float) -> None:
+        """Raises: ValueError: ``nbytes`` NaN or infinite, ``cap_bytes_per_s`` negative (``transfer``)."""
+        if not math.isfinite(nbytes):
+            raise ValueError(f"transfer size must be finite, got {nbytes!r} bytes")
+        if cap_bytes_per_s < 0:
+            raise ValueError(f"cap_bytes_per_s must be >= 0, got {cap_bytes_per_s!r}")
+
     def transfer(self, nbytes: float, links: tuple[str, ...], latency_s: float = 0.0, cap_bytes_per_s: float = 0.0):
         """SimPy process body: move ``nbytes`` over ``links`` after ``latency_s``.
 
@@ -134,26 +170,35 @@ class FluidNetwork:
             KeyError: an unknown link name.
             ValueError: ``nbytes`` is NaN or infinite, or ``cap_bytes_per_s`` is negative.
         """
-        for name in links:
-            if name not in self.capacities and name not in self.weighted:
-                raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
-        if not math.isfinite(nbytes):
-            raise ValueError(f"transfer size must be finite, got {nbytes!r} bytes")
-        if cap_bytes_per_s < 0:
-            raise ValueError(f"cap_bytes_per_s must be >= 0, got {cap_bytes_per_s!r}")
+        links = tuple(links)
+        self._check(links)
+        self._check_transfer(nbytes, cap_bytes_per_s)
         if latency_s > 0:
             yield self.env.timeout(latency_s)
         if nbytes <= 0:
             return
         if not links and not cap_bytes_per_s:
             return  # crosses nothing and has no cap: instantaneous
-        done = self._fluid.add(nbytes, tuple(links), cap_bytes_per_s or math.inf)
-        if self.weighted:
-            self._count(links, nbytes)
-        else:
-            for name in links:
-                self.bytes_carried[name] += nbytes
+        done = self._fluid.add(nbytes, links, cap_bytes_per_s or math.inf)
+        self._carried(links, nbytes)
         yield done
+
+    def moves(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = 0.0) -> bool:
+        """Whether ``transfer(nbytes, links, latency, cap_bytes_per_s)`` moves anything after its latency (False: it
+        ends then). Raises: as ``transfer``."""
+        self._check(links)
+        self._check_transfer(nbytes, cap_bytes_per_s)
+        return nbytes > 0 and bool(links or cap_bytes_per_s)
+
+    def move_alone(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float, before: float) -> float | None:
+        """The end of ``transfer``'s flow started now (``moves`` true; after its latency) when no other flow is in
+        flight and it ends before ``before`` (s), moved without an event (``FluidScheduler.run_alone``: the same
+        end to the last bit, the same ``bytes_carried``); the caller moves the clock there. None: nothing done
+        (``start`` it instead)."""
+        end = self._fluid.run_alone(nbytes, links, cap_bytes_per_s or math.inf, before)
+        if end is not None:
+            self._carried(links, nbytes)
+        return end
 
     def start(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = math.inf) -> FluidFlow:
         """Start moving ``nbytes`` (> 0, finite) over ``links`` now, at most at ``cap_bytes_per_s``; returns
@@ -163,17 +208,12 @@ class FluidNetwork:
             KeyError: an unknown link name.
             ValueError: as ``FluidScheduler.add``, or no link and no cap.
         """
-        for name in links:
-            if name not in self.capacities and name not in self.weighted:
-                raise KeyError(f"unknown link {name!r}; known: {sorted(self.capacities)}")
+        links = tuple(links)
+        self._check(links)
         if not links and cap_bytes_per_s == math.inf:
             raise ValueError("a flow that crosses no link needs a rate cap")
-        flow = self._fluid.add_flow(nbytes, tuple(links), cap_bytes_per_s)
-        if self.weighted:
-            self._count(links, nbytes)
-        else:
-            for name in links:
-                self.bytes_carried[name] += nbytes
+        flow = self._fluid.add_flow(nbytes, links, cap_bytes_per_s)
+        self._carried(links, nbytes)
         return flow
 
     def set_caps(self, caps: list[tuple[FluidFlow, float]]) -> None:
@@ -208,20 +248,28 @@ class FluidNetwork:
                 maxmin_rates([(f.links, f.cap)], caps)  # raises: unbounded
             f.rate = level
             return
-        if len(flows) > 1:  # fast path: no link carries two flows -> each flow gets its own bottleneck
-            seen: set = set()
-            shared = False
-            for f in flows:
-                for k in f.links:
-                    if k in seen:
-                        shared = True
-                        break
-                    seen.add(k)
-                if shared:
-                    break
-            if not shared:
-                for f in flows:
-                    f.rate = min(f.cap, min((caps[k] for k in f.links), default=math.inf))
-                return
-        for f, r in zip(flows, maxmin_rates([(f.links, f.cap) for f in flows], caps)):
+        key = tuple([(f.links, f.cap) for f in flows])
+        rates = self._memo.get(key)
+        if rates is None:
+            if len(self._memo) >= _MEMO_MAX:  # (flows re-capped by interference give ever new caps)
+                self._memo.clear()
+            rates = self._memo[key] = self._shared_rates(flows, caps)
+        for f, r in zip(flows, rates):
             f.rate = r
+
+    @staticmethod
+    def _shared_rates(flows: list[FluidFlow], caps: dict) -> tuple:
+        """Max-min rates of several unweighted flows over links of capacities ``caps``."""
+        seen: set = set()  # fast path: no link carries two flows -> each flow gets its own bottleneck
+        shared = False
+        for f in flows:
+            for k in f.links:
+                if k in seen:
+                    shared = True
+                    break
+                seen.add(k)
+            if shared:
+                break
+        if not shared:
+            return tuple([min(f.cap, min((caps[k] for k in f.links), default=math.inf)) for f in flows])
+        return tuple(maxmin_rates([(f.links, f.cap) for f in flows], caps))

@@ -301,20 +301,66 @@ class FluidScheduler:
             return True
         return f.rate > 0 and now + f.remaining / f.rate <= now  # completion rounds to now
 
+    def run_alone(self, size: float, links: tuple, cap: float, before: float) -> float | None:
+        """Move a flow of ``size`` units over ``links`` (at most ``cap`` units/s) now, with no other flow in flight,
+        when it would end before ``before`` (s): what ``add_flow`` and its wake-up do (the same rate, the same
+        completion time to the last bit, ``advance`` and ``wakeups`` as they leave them), without an event. The
+        caller moves the clock to the returned end; only valid when no other event is due before it (``before``:
+        the earliest time in SimPy's heap), so that nothing can start another flow meanwhile.
+
+        Returns:
+            The flow's end, s; None (nothing done) when a flow is in flight, it would not move, or it would not
+            end before ``before``: the caller adds it (``add_flow``) instead.
+
+        Raises:
+            ValueError: as ``add_flow``.
+        """
+        if self.flows:
+            return None
+        if not (size > 0 and math.isfinite(size)):
+            raise ValueError(f"flow size must be a positive finite number, got {size!r}")
+        if not cap > 0:
+            raise ValueError(f"flow rate cap must be > 0, got {cap!r}")
+        flow = FluidFlow(size, None, tuple(links), cap)
+        self._set_rates([flow])  # ``reschedule``'s (a pure function of the flow)
+        if not flow.rate > 0:
+            return None
+        now = self.env.now
+        t_next = now + flow.remaining / flow.rate
+        end = now + max(t_next - now, 0.0)  # the wake-up's time: ``now + delay`` as ``Environment.schedule`` adds it
+        if not end < before:  # (also t_next inf: ``add_flow`` raises)
+            return None
+        self.advance()  # ``add_flow``'s
+        self._generation += 2  # ``reschedule``'s, and the wake-up's ``reschedule`` of no flow
+        self.wakeups += 1
+        dt = end - now  # the wake-up's ``advance``
+        if dt > 0 and self._on_advance is not None:
+            self._on_advance(dt)
+        self._last_t = end
+        return end
+
     def _wake(self, gen: int, due: list[FluidFlow]) -> None:
         if gen != self._generation:
             return  # superseded: a flow started or ended, or the rates changed
         self.advance()
         self.wakeups += 1
+        env = self.env
+        queue = env._queue
+        now = env._now
+        # nothing else is due at this instant: the one flow that ends is processed at once after this wake-up (what
+        # ``Environment.step`` does next with its ``done``: ``process_at_once``)
+        free = not queue or queue[0][0] > now
         flows = self.flows
         if len(flows) == 1 and len(due) == 1 and due[0] is flows[0]:  # the lone flow ends (as below, no sets)
             f = flows[0]
             self.flows = []
             f.remaining = 0.0
-            f.done.succeed()
             self._generation += 1  # ``reschedule`` of no flow
+            if free:
+                process_at_once(f.done)
+            else:
+                f.done.succeed()
             return
-        now = self.env.now
         due_ids = {id(f) for f in due}
         done, left = [], []
         for f in self.flows:
@@ -322,8 +368,25 @@ class FluidScheduler:
         self.flows = left
         for f in done:
             f.remaining = 0.0
+        if free and len(done) == 1:
+            self.reschedule()  # its wake-up is due at or after ``done``, which ``Environment.step`` takes first
+            process_at_once(done[0].done)
+            return
+        for f in done:
             f.done.succeed()
         self.reschedule()
 
 
-__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates", "weighted_maxmin_rates"]
+def process_at_once(event: simpy.Event) -> None:
+    """Trigger ``event`` (a success, value None) and run its callbacks now, as ``Environment.step`` would when it
+    takes it from the heap. Only for the last action of an event's last callback when nothing else is due at this
+    instant (no entry of SimPy's heap at or before now, but what the caller scheduled after it): ``step`` would
+    take this event next, at the same time, so the order and the times are the same without the heap push and
+    pop."""
+    event._ok, event._value = True, None
+    callbacks, event.callbacks = event.callbacks, None
+    for callback in callbacks:
+        callback(event)
+
+
+__all__ = ["REL_TOL", "FluidFlow", "FluidScheduler", "maxmin_rates", "process_at_once", "weighted_maxmin_rates"]

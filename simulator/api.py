@@ -32,6 +32,7 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, kernels_needed, policies_reuse_key
+from simulator.recording.deferred import DeferredField
 from simulator.recording.recorder import dependencies_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
@@ -391,12 +392,13 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
         summary["warnings"] = run_warnings(hw, cfg, host_copy_bytes([graph]))
         if cfg is not None:
             summary.update(scenario_keys(cfg, summary))
+        counters = DeferredField.raw(rec, "counters")  # built when read: the components' summaries do not need it
         for comp in runtime.components:
             if hasattr(comp, "summarize"):
-                summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summary))
+                summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
         summary.update(metrics.job_energy_per_work(summary))
-    return SimulationResult(summary, rec.spans, rec.counters, step_df, config or {}, rec.launches,
+    return SimulationResult(summary, rec.spans, counters, step_df, config or {}, DeferredField.raw(rec, "launches"),
                             dependencies_frame(graph))
 
 

@@ -138,14 +138,14 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         ``{"data_s", "fwd_s", "bwd_s", "opt_s"}``, means over the measured steps (0 without any).
     """
     out = {p: [] for p in (DATA_PHASE, *PHASES)}
-    step_all = spans.step.to_numpy()
+    step_all = spans["step"].to_numpy()
     order = np.argsort(step_all, kind="stable")
     step_col = step_all[order]
-    kind, kind_names = _codes(spans.kind)
-    phase, phase_names = _codes(spans.phase)
+    kind, kind_names = _codes(spans["kind"])
+    phase, phase_names = _codes(spans["phase"])
     kind, phase = kind[order], phase[order]
-    start = spans.start_s.to_numpy(float)[order]
-    end = spans.end_s.to_numpy(float)[order]
+    start = spans["start_s"].to_numpy(float)[order]
+    end = spans["end_s"].to_numpy(float)[order]
     # per span, once for all steps (each step below takes its slice); each tested once per distinct value
 
     def of(names: list[str], test) -> np.ndarray:
@@ -165,8 +165,9 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
         m = inph[r]
         return float(end[r][m].max()) if m.any() else -np.inf
 
-    measured = ~steps.warmup.to_numpy(bool)
-    for step, step_start_s in zip(steps.step.to_numpy()[measured].tolist(), steps.start_s.to_numpy()[measured].tolist()):
+    measured = ~steps["warmup"].to_numpy(bool)
+    for step, step_start_s in zip(steps["step"].to_numpy()[measured].tolist(),
+                                  steps["start_s"].to_numpy()[measured].tolist()):
         r = rows(step)
         acc = dict.fromkeys(out, 0.0)
         if r.stop > r.start:
@@ -201,21 +202,21 @@ def _union_s(start, end) -> float:
 
 def busy_time(spans: pd.DataFrame, stream: str) -> float:
     """Union of busy intervals of one stream, seconds."""
-    d = spans[spans.stream == stream]
-    return _union_s(d.start_s.to_numpy(), d.end_s.to_numpy())
+    d = spans[spans["stream"] == stream]
+    return _union_s(d["start_s"].to_numpy(), d["end_s"].to_numpy())
 
 
 def utilisation(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     """Busy fraction of each stream over the measured steps (0-1)."""
-    measured = ~steps.warmup.to_numpy(bool)
+    measured = ~steps["warmup"].to_numpy(bool)
     if not measured.any():
         return {}
-    t0, t1 = float(steps.start_s.to_numpy()[measured].min()), float(steps.end_s.to_numpy()[measured].max())
+    t0, t1 = float(steps["start_s"].to_numpy()[measured].min()), float(steps["end_s"].to_numpy()[measured].max())
     if not t1 > t0:
         return {}
-    d = np.isin(spans.step.to_numpy(), steps.step.to_numpy()[measured])
-    codes, names = pd.factorize(spans.stream.to_numpy(object)[d])
-    start, end = spans.start_s.to_numpy()[d], spans.end_s.to_numpy()[d]
+    d = np.isin(spans["step"].to_numpy(), steps["step"].to_numpy()[measured])
+    codes, names = pd.factorize(spans["stream"].to_numpy(object)[d])
+    start, end = spans["start_s"].to_numpy()[d], spans["end_s"].to_numpy()[d]
     out = {}
     for k, name in sorted(enumerate(names), key=lambda kv: kv[1]):
         sel = codes == k
@@ -311,19 +312,20 @@ def comm_exposure(spans: pd.DataFrame, steps: pd.DataFrame) -> tuple[float, dict
     Returns:
         ``(exposed_comm_s, {group: busy_s})``: means over the measured (non-warmup) steps, s.
     """
-    measured = ~steps.warmup.to_numpy(bool) if "warmup" in steps else np.ones(len(steps), dtype=bool)
-    kind = spans.kind.to_numpy(object)
+    measured = ~steps["warmup"].to_numpy(bool) if "warmup" in steps else np.ones(len(steps), dtype=bool)
+    kind = spans["kind"].to_numpy(object)
     coll = kind == COLLECTIVE_KIND
     if not coll.any() or not measured.any():
         return 0.0, {}
     iv_all = spans[["start_s", "end_s"]].to_numpy(dtype=float)
     coll_iv, comp_iv = iv_all[coll], iv_all[kind == COMPUTE_KIND]
-    codes, streams = pd.factorize(spans.stream.to_numpy(object)[coll])
+    codes, streams = pd.factorize(spans["stream"].to_numpy(object)[coll])
     group = comm_group(pd.Series(streams, dtype=object)).to_numpy(object)[codes]  # per collective span
     names = {g: g for g in group}
     by_group = [(g, coll_iv[group == g]) for g in sorted(set(names.values()))]
     exposed, busy = 0.0, {}
-    for t0, t1 in zip(steps.start_s.to_numpy(float)[measured].tolist(), steps.end_s.to_numpy(float)[measured].tolist()):
+    for t0, t1 in zip(steps["start_s"].to_numpy(float)[measured].tolist(),
+                      steps["end_s"].to_numpy(float)[measured].tolist()):
 
         def window(iv):
             iv = iv[(iv[:, 1] > t0) & (iv[:, 0] < t1)]

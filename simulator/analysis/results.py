@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge, comm_group
+from simulator.recording.deferred import DeferredField, build_fields
 from simulator.recording.recorder import RANK_COLUMNS, rank_column
 
 #: ``SimulationResult.breakdown`` components, in priority order (an instant counts once, for the
@@ -47,21 +48,27 @@ class SimulationResult:
     Attributes:
         summary: Headline metrics (see ``simulator.analysis.summary.summarize``).
         spans: One row per op execution (``recording.recorder.SPAN_COLUMNS`` + ``duration_s``).
-        counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``.
+        counters: Level samples (memory bytes, clocks, power) with ``t_s, scope, metric, value``; may be given as a
+            ``recording.deferred.Deferred``, built when first read (the summary does not read it).
         steps: One row per step: ``step, start_s, end_s, step_time_s, warmup``.
         config: The resolved scenario as a plain dict.
         launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (the host
-            thread's busy interval; ``recording.recorder.launches_frame``).
+            thread's busy interval; ``recording.recorder.launches_frame``; may be given as a ``Deferred``).
         deps: The step graph's dependencies: ``op_id, dep_id, step_lag`` (0 same step, 1 previous).
     """
 
     summary: dict[str, Any]
     spans: pd.DataFrame
-    counters: pd.DataFrame
+    counters: pd.DataFrame = DeferredField()
     steps: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
-    launches: pd.DataFrame | None = None
+    launches: pd.DataFrame | None = DeferredField(None)
     deps: pd.DataFrame | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled with every frame built (a ``Deferred``'s builder does not pickle)."""
+        build_fields(self)
+        return self.__dict__
 
     @property
     def ok(self) -> bool:

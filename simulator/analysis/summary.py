@@ -24,11 +24,11 @@ def step_period_s(steps: pd.DataFrame) -> tuple[float, float]:
     Args:
         steps: One row per step with ``step, start_s, end_s, warmup`` (in step order).
     """
-    ends, starts = steps.end_s.to_numpy(), steps.start_s.to_numpy()
+    ends, starts = steps["end_s"].to_numpy(), steps["start_s"].to_numpy()
     prev_end = np.concatenate(([np.nan], ends[:-1]))
-    first = steps.step.to_numpy() == 0
+    first = steps["step"].to_numpy() == 0
     period = np.where(first, ends - starts, ends - prev_end)
-    mask = ~steps.warmup.to_numpy()
+    mask = ~steps["warmup"].to_numpy()
     if not mask.any():
         return 0.0, 0.0
     latency = (ends - starts)[mask]
@@ -100,7 +100,7 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
         "utilisation": util,
         "num_ops": len(graph),
         "steps_simulated": int(len(steps)),
-        "warmup_steps": int(steps.warmup.sum()),
+        "warmup_steps": int(steps["warmup"].sum()),
         "gpu": hw.gpu.name,
         "profile": hw.profile.name,
         "launch_overhead_source": hw.launch.source,

@@ -48,10 +48,11 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind
 
 HOST_STREAM = "host"
+_INF = float("inf")
 # enum members bound once: attribute access on an Enum class is a descriptor call (slow in hot loops)
 _COMPUTE, _COLLECTIVE, _D2D, _HOST = OpKind.COMPUTE, OpKind.COLLECTIVE, OpKind.MEMCPY_D2D, OpKind.HOST
 # how an op runs (``Executor._plan``)
-_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL, _IPLAIN, _COLL = 0, 1, 2, 3, 4, 5, 6
+_NOTHING, _FIXED, _KERNEL, _GENERIC, _IKERNEL, _IPLAIN, _COLL, _COPY = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass
@@ -131,6 +132,8 @@ class Executor:
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self
+        #: ``recorder.span`` as a bound call (``_finish``)
+        self._span = recorder.span
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
@@ -172,8 +175,8 @@ class Executor:
         (``System.kernel_s``), ``(_IKERNEL, 0)`` a compute kernel beside the collectives (``System.run_kernel``
         under interference), ``(_IPLAIN, 0)`` one without TP collectives folded in, which ``_stream`` runs itself up
         to its first change of rate, ``(_COLL, 0)`` a collective the NCCL model prices (``System.run_collective``),
-        ``(_GENERIC, 0)`` the general path (``_run``). The fast plans are exactly what ``_run`` would do for the
-        op."""
+        ``(_COPY, 0)`` a host<->device copy (``_stream`` runs ``_run``'s transfer itself), ``(_GENERIC, 0)`` the
+        general path (``_run``). The fast plans are exactly what ``_run`` would do for the op."""
         inter = self.sys.interference is not None
         if op.fixed_duration_s is not None:
             if op.fixed_duration_s <= 0:
@@ -186,7 +189,9 @@ class Executor:
             return (_IPLAIN, 0.0) if plain else (_IKERNEL, 0.0)
         if op.kind is _COLLECTIVE and self.sys.collective_model(op):
             return _COLL, 0.0
-        if op.kind in COPY_PATHS or op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
+        if op.kind in COPY_PATHS:
+            return _COPY, 0.0
+        if op.kind is _COLLECTIVE or op.kind is _D2D or op.kind in self.host_handlers:
             return _GENERIC, 0.0
         if op.kind is _HOST:
             return (_FIXED, op.host_s) if op.host_s > 0 else (_NOTHING, 0.0)
@@ -300,6 +305,7 @@ class Executor:
         run_kernel, ikernel_s, arm, disarm = sys.run_kernel, sys.interfered_kernel_s, sys.arm, sys.disarm
         kernel_begins, kernel_ends, run_collective = sys.kernel_begins, sys.kernel_ends, sys.run_collective
         queue = env._queue  # SimPy's event heap: ``(time, priority, id, event)`` (``_wait_s``)
+        net, copy_cap = sys.network, {}  # copies: each (kind, pinned)'s rate cap (``Hardware.link_rate``)
         #: the process was last resumed by an event only it waits on (its own timeout, launch event or wake), as the
         #: last callback of that event: it may move the clock itself (``_wait_s``)
         own = True
@@ -392,6 +398,33 @@ class Executor:
                 elif m == _COLL:
                     yield from run_collective(op, step)
                     own = False
+                elif m == _COPY:  # ``_run``'s copy, inlined: a lone flow that nothing can disturb moves at once
+                    kind, pinned = op.kind, op.pinned
+                    cap = copy_cap.get((kind, pinned))
+                    if cap is None:
+                        cap = copy_cap[kind, pinned] = sys.hw.link_rate(kind.value, pinned)[1]
+                    links, nbytes, lat = sys.copy_links[kind], op.bytes_read, sys.copy_latency_s
+                    moves = net.moves(nbytes, links, cap)
+                    if lat > 0:  # ``transfer``'s latency (``_wait_s``, inlined)
+                        if own and (not queue or queue[0][0] > env._now + lat):
+                            env._now += lat
+                        else:
+                            yield env.timeout(lat)
+                            own = True
+                    if moves:
+                        end = net.move_alone(nbytes, links, cap, queue[0][0] if queue else _INF) if own else None
+                        if end is not None:
+                            env._now = end
+                        else:
+                            yield net.start(nbytes, links, cap or _INF).done
+                            own = True  # (its flow's end: this stream's own, ``FluidScheduler._wake``)
+                    d = op.host_s
+                    if d > 0:  # the copy's host work beyond the transfer (``_wait_s``, inlined)
+                        if own and (not queue or queue[0][0] > env._now + d):
+                            env._now += d
+                        else:
+                            yield env.timeout(d)
+                            own = True
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                     own = False
@@ -442,7 +475,7 @@ class Executor:
         # SYNC and DATALOADER without a handler take no time beyond their dependencies
 
     def _finish(self, op: Op, step: int, start: float, stream: str) -> None:
-        now = self.env.now
+        now = self.env._now  # (``env.now`` without the property call)
         if op.folded_comm and "side" in op.meta:  # TP collectives beside its kernels (``System.side_timeline``)
             self._side_spans(op, step, start, now, stream)
         elif op.folded_comm:  # a block with TP collectives folded in: its kernels' span, then each collective's
@@ -453,7 +486,7 @@ class Executor:
                 self.rec.span(step, c, t, t + d, c.stream)
                 t += d
         else:
-            self.rec.span(step, op, start, now, stream)
+            self._span(step, op, start, now, stream)
         if self.track_running:
             del self.running[stream]
         if self._on_end:
@@ -470,15 +503,18 @@ class Executor:
                     if n > 0:
                         continue
                 write((now, name, None, None))
-        for write, name in self._unused_plan[oid]:
-            write((now, name, None, None))
+        unused = self._unused_plan[oid]
+        if unused:
+            for write, name in unused:
+                write((now, name, None, None))
         self.finished[step][oid] = True
         ev = self._done_ev[step][oid]
         if ev is not None:
             ev.succeed()
         rem = self._remaining_ops
-        rem[step] -= 1
-        if rem[step] == 0:
+        n = rem[step] - 1
+        rem[step] = n
+        if n == 0:
             self.step_end[step] = now
 
     def _side_spans(self, op: Op, step: int, start: float, now: float, stream: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -26,7 +27,8 @@ from simulator.engine.links import Fabric
 from simulator.engine.rendezvous import Rendezvous
 from simulator.engine.system import System
 from simulator.graph.op_graph import OpGraph
-from simulator.recording.recorder import Recorder, column_array, launches_frame
+from simulator.recording.deferred import Deferred, DeferredField
+from simulator.recording.recorder import Recorder, column_array, counter_frame, launch_intervals, launched_ids
 
 
 @contextmanager
@@ -54,18 +56,20 @@ class RunRecords:
 
     Attributes:
         spans: One row per op execution (``recording.recorder.SPAN_COLUMNS`` + ``duration_s``).
-        counters: Level samples ``t_s, scope, metric, value`` (memory, clocks, power).
+        counters: Level samples ``t_s, scope, metric, value`` (memory, clocks, power); built when first read
+            (``recording.deferred``: ``DeferredField.raw(records, "counters")`` passes it on unbuilt).
         steps: One row per step: ``step, start_s, end_s, step_time_s``, seconds.
         memory: Memory pools by name (``gpu``, ``host_pinned``, ``host_pageable``), each with
             ``capacity_bytes``, ``peak``, ``peak_by_category``, ``oom`` and ``oom_message()``.
-        launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s``.
+        launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (built when first read, as
+            ``counters``).
     """
 
     spans: pd.DataFrame
-    counters: pd.DataFrame
+    counters: pd.DataFrame = DeferredField()
     steps: pd.DataFrame
     memory: dict[str, Any]
-    launches: pd.DataFrame
+    launches: pd.DataFrame = DeferredField()
 
 
 class _NoRuntime:
@@ -172,8 +176,11 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         start, end = column_array(ex.step_start), column_array(ex.step_end)
         step_df = pd.DataFrame({"step": np.arange(steps, dtype=np.int64), "start_s": start, "end_s": end,
                                 "step_time_s": end - start})
-        launches = launches_frame(graph, ex.launch_time, getattr(ex, "launch_cost_s", None))
-        counters = rec.counters_frame(parts=system.memory_counter_parts())  # the recorded samples, then the memory timelines
+        cost = getattr(ex, "launch_cost_s", None)  # (the launched ids now: the thunk does not hold the graph)
+        launches = Deferred(partial(launch_intervals, launched_ids(graph) if cost is not None else None,
+                                    ex.launch_time, cost))
+        # the recorded samples, then the memory timelines; built when read (the summary does not)
+        counters = Deferred(partial(counter_frame, rec.counters, None, system.memory_counter_parts()))
         out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches), runtime))
     for _, rec, system, _, ex in ranks:
         _release(ex, rec, system)

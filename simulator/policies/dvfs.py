@@ -52,7 +52,7 @@ from simulator.graph.ops import OpKind
 from simulator.policies._columns import value_masks
 from simulator.policies.dvfs_notes import settings_without_effect
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
-from simulator.policies.power_ledger import PowerLedger
+from simulator.policies.power_ledger import SCOPE, PowerLedger
 from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
 from simulator.policies.registry import PolicyError, register_runtime
 
@@ -299,6 +299,8 @@ class DvfsRuntime:
             False when the firmware would have lowered the clock: the run must be repeated with
             online metering (``System.exact_power``) to stay exact; True otherwise.
         """
+        # the clock's samples (``_avg_clock``): complete, as only the run changes the clock
+        self._clock_samples = recorder.samples(SCOPE, "sm_clock_mhz")
         if self.online:
             return True
         self.ledger.record_levels(self.meter.levels(recorder._spans, recorder.span_columns()))
@@ -349,11 +351,11 @@ class DvfsRuntime:
         """GPU energy and power over the measured steps, host estimate, clock statistics."""
         summary = summary or {}
         self.ledger.update()  # commit any deferred level change
-        warmup = steps.warmup.to_numpy(bool)
+        warmup = steps["warmup"].to_numpy(bool)
         n = max(int((~warmup).sum()), 1)
         w = int(warmup.sum())
-        ends = steps.end_s.to_numpy()
-        t0 = float(ends[w - 1]) if w > 0 else float(steps.start_s.to_numpy()[0])
+        ends = steps["end_s"].to_numpy()
+        t0 = float(ends[w - 1]) if w > 0 else float(steps["start_s"].to_numpy()[0])
         t1 = float(ends[-1])
         window = max(t1 - t0, 1e-12)
         energy = self.ledger.energy_between(t0, t1)
@@ -413,8 +415,8 @@ class DvfsRuntime:
         latency = self.ctl.latency_s
         if not plan or spans is None or not len(spans) or not latency:
             return []
-        gpu = spans[spans.kind.isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
-                    & spans.step.isin(steps.step[~steps.warmup])]
+        gpu = spans[spans["kind"].isin([k.value for k in (*KERNEL_KINDS, OpKind.MEMCPY_D2D)])
+                    & spans["step"].isin(steps["step"][~steps["warmup"]])]
         default = getattr(self.policy, "default", self.fmax_mhz)
         in_run = {str(ph): plan.get(str(ph), default) for ph in gpu.phase.unique()}
         out = []
@@ -445,11 +447,11 @@ class DvfsRuntime:
         window = max(t1 - t0, 1e-12)
         busy = 1.0
         if spans is not None and len(spans):
-            start, end = spans.start_s.to_numpy(float), spans.end_s.to_numpy(float)
+            start, end = spans["start_s"].to_numpy(float), spans["end_s"].to_numpy(float)
             sel = (end > t0) & (start < t1)
             dur = np.minimum(end[sel], t1) - np.maximum(start[sel], t0)
-            stream, kind = spans.stream.to_numpy(object)[sel], spans.kind.to_numpy(object)[sel]
-            (cpu_name,) = value_masks(spans.name.to_numpy(object)[sel], (lambda n: n.startswith("cpu."),))
+            stream, kind = spans["stream"].to_numpy(object)[sel], spans["kind"].to_numpy(object)[sel]
+            (cpu_name,) = value_masks(spans["name"].to_numpy(object)[sel], (lambda n: n.startswith("cpu."),))
             cpu_step = (kind == "host") & cpu_name
             t = float(self.cpu_step_threads)
             on_host = dur[cpu_step & (stream == "host")].sum()  # the training thread is one of the t threads
@@ -461,12 +463,21 @@ class DvfsRuntime:
         return min(busy, float(self.host_cores))
 
     def _avg_clock(self, counters, t0: float, t1: float) -> float:
-        if counters is None or not len(counters):
-            return float(self.state.sm_clock_mhz)
-        sel = (counters.metric.to_numpy(object) == "sm_clock_mhz") & (counters.scope.to_numpy(object) == "gpu0")
-        if not sel.any():
-            return float(self.state.sm_clock_mhz)
-        ts, vs = counters.t_s.to_numpy()[sel].tolist() + [t1], counters.value.to_numpy()[sel].tolist()
+        """Time-weighted mean SM clock over ``[t0, t1]``, MHz: from the clock's samples taken in ``finish`` (the
+        ``sm_clock_mhz`` rows of the counters frame, in its order), else from ``counters`` (a frame)."""
+        samples = getattr(self, "_clock_samples", None)
+        if samples is not None:
+            if not samples:
+                return float(self.state.sm_clock_mhz)
+            ts, vs = [float(t) for t, _ in samples] + [t1], [float(v) for _, v in samples]
+        else:
+            if counters is None or not len(counters):
+                return float(self.state.sm_clock_mhz)
+            sel = ((counters["metric"].to_numpy(object) == "sm_clock_mhz")
+                   & (counters["scope"].to_numpy(object) == SCOPE))
+            if not sel.any():
+                return float(self.state.sm_clock_mhz)
+            ts, vs = counters["t_s"].to_numpy()[sel].tolist() + [t1], counters["value"].to_numpy()[sel].tolist()
         total = 0.0
         for i, v in enumerate(vs):
             a, b = max(ts[i], t0), min(ts[i + 1], t1)

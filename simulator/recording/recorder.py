@@ -50,6 +50,11 @@ class Recorder:
         self._last[key] = len(self.counters)
         self.counters.append((t_s, scope, metric, value))
 
+    def samples(self, scope: str, metric: str) -> list[tuple[float, float]]:
+        """``(t_s, value)`` of counter ``(scope, metric)`` as recorded so far, in recording order (the counter's rows
+        of ``counters_frame``, in its order when they were recorded in time order, as ``counter`` calls are)."""
+        return [(t, v) for t, sc, m, v in self.counters if m == metric and sc == scope]
+
     def release(self) -> None:
         """Drop the recorded rows (the frames built from them stay valid); later calls record afresh.
 
@@ -122,20 +127,26 @@ class Recorder:
         The columns are built block by block: numbers as arrays concatenated (the dtype the rows would give,
         ``numeric_column``), strings as one object array (``string_column``).
         """
-        blocks = [tuple(zip(*self.counters))] if self.counters else []
-        if extra is not None:
-            blocks.append(tuple(extra))
-        blocks += list(parts or ())
-        blocks = [b for b in blocks if len(b[0])]
-        if not blocks:
-            return pd.DataFrame([], columns=COUNTER_COLUMNS)
-        lengths = [len(b[0]) for b in blocks]
-        t = numeric_column([b[0] for b in blocks])
-        order = np.argsort(np.asarray(t), kind="stable")
-        cols = {"t_s": t.take(order), "scope": string_column([b[1] for b in blocks], lengths).take(order),
-                "metric": string_column([b[2] for b in blocks], lengths).take(order),
-                "value": numeric_column([b[3] for b in blocks]).take(order)}
-        return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
+        return counter_frame(self.counters, extra, parts)
+
+
+def counter_frame(rows: list[tuple], extra: tuple[list, list, list, list] | None = None,
+                  parts: list[tuple] | None = None) -> pd.DataFrame:
+    """``Recorder.counters_frame`` of the recorded samples ``rows`` (``(t_s, scope, metric, value)`` each)."""
+    blocks = [tuple(zip(*rows))] if rows else []
+    if extra is not None:
+        blocks.append(tuple(extra))
+    blocks += list(parts or ())
+    blocks = [b for b in blocks if len(b[0])]
+    if not blocks:
+        return pd.DataFrame([], columns=COUNTER_COLUMNS)
+    lengths = [len(b[0]) for b in blocks]
+    t = numeric_column([b[0] for b in blocks])
+    order = np.argsort(np.asarray(t), kind="stable")
+    cols = {"t_s": t.take(order), "scope": string_column([b[1] for b in blocks], lengths).take(order),
+            "metric": string_column([b[2] for b in blocks], lengths).take(order),
+            "value": numeric_column([b[3] for b in blocks]).take(order)}
+    return pd.DataFrame(cols)  # in COUNTER_COLUMNS order
 
 
 def numeric_column(blocks: list) -> np.ndarray | pd.api.extensions.ExtensionArray:
@@ -235,7 +246,19 @@ def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: 
     """
     if launch_cost_s is None:
         return pd.DataFrame(columns=LAUNCH_COLUMNS)
-    launched = np.array([op.id for op in graph.ops if op.launch], dtype=np.intp)
+    return launch_intervals(launched_ids(graph), launch_time, launch_cost_s)
+
+
+def launched_ids(graph) -> np.ndarray:
+    """Ids of the graph's launched ops (``Op.launch``), in graph order (``intp``)."""
+    return np.array([op.id for op in graph.ops if op.launch], dtype=np.intp)
+
+
+def launch_intervals(launched: np.ndarray, launch_time: list[list[float | None]],
+                     launch_cost_s: list[float] | None) -> pd.DataFrame:
+    """``launches_frame`` of the launched ops' ids ``launched`` (``launched_ids``)."""
+    if launch_cost_s is None:
+        return pd.DataFrame(columns=LAUNCH_COLUMNS)
     steps = len(launch_time)
     if not len(launched) or not steps:
         return pd.DataFrame([], columns=LAUNCH_COLUMNS)
