@@ -679,13 +679,12 @@ def resolve_pcie_switches(cfg: ScenarioConfig, source: str, nvme, collectives):
         c = collectives.topo.cluster if collectives is not None else None
         counts = (c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
                   nvme.drives if nvme is not None else None)
-        if given:  # every problem of the list at once, layout and ranges
+        if given:  # every problem of the list at once, layout and ranges (the preset's the same)
             topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario", counts)
         else:
-            topo = host_pcie_switches(name)
+            topo = host_pcie_switches(name, counts)
         if topo is None:
             return None
-        topo.check(*counts)
         if c is not None:
             _check_against_cluster(topo, c)
     except ValueError as exc:
