@@ -1410,16 +1410,16 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     """The ``ddp`` keys given that this run's gradient reduction does not read (``ineffective_setting_warnings``):
     PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
     way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
-    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``);
+    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``'s,
+    or the owner's);
     under DeepSpeed's BF16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (it reduces once, after
-    backward). Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway),
-    but for BF16_Optimizer's bucket caps (no bucketing runs)."""
+    backward). Keys set to their default are not named (a pasted ``bucket_cap_mb: 25`` asks for what runs anyway,
+    under every owner: BF16_Optimizer's single all-reduce too); ``overlap_grad_reduce`` is named when the value the
+    user set says what the owner does not do."""
     ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
     # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
     given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
     bf16opt = deepspeed_bf16_optimizer(cfg)
-    if bf16opt:  # no buckets at all (one all-reduce of the whole buffer): no cap describes it, the default neither
-        given |= {k for k in ("bucket_cap_mb", "first_bucket_mb") if k in ddp.model_fields_set}
     owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{BF16_OPTIMIZER} ({_BF16_OPT_REDUCE})"
              if bf16opt else
              f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
@@ -1436,7 +1436,9 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     elif bf16opt and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
         out.append(f"ddp.overlap_grad_reduce true has no effect with {BF16_OPTIMIZER}: {_BF16_OPT_REDUCE}")
     if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
-        out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
+        out.append(f"ddp.bucket_size has no effect with {owner}: Megatron-LM's --ddp-bucket-size is read only with "
+                   "ddp.use_distributed_optimizer" if owner else
+                   "ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
                    "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "
                    "--ddp-bucket-size, is modelled only with the distributed optimizer")
     return out
