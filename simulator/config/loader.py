@@ -486,7 +486,7 @@ def _name_key(ref: PresetRef | str, key: str) -> str:
     return key if isinstance(ref, str) else f"{key}.preset"
 
 
-def _with_overrides(family: str, ref, cls, key: str, source: str):
+def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_time: bool = True):
     name, over = _ref(ref)
     try:
         if family == "hosts":
@@ -511,7 +511,7 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
         if over:
             check_override_keys(cls, over, "overrides")
             base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
-            _warn_far_from_preset(base, spec, over, key)
+            _warn_far_from_preset(base, spec, over, key, warn_every_time)
         return spec
     except PresetError as exc:  # an unknown name is the name's key's (hardware.gpu.preset in a mapping)
         where = key if name in presets.list_presets(family)[family] else _name_key(ref, key)
@@ -539,12 +539,15 @@ def _host_whatif(cls: type, data: dict, ref, key: str, source: str):
 FAR_FROM_PRESET = 100.0
 
 
-def _warn_far_from_preset(base, spec, over: dict, key: str) -> None:
-    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's."""
+def _warn_far_from_preset(base, spec, over: dict, key: str, every_time: bool = True) -> None:
+    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's: each
+    time, or (``every_time`` false: ``resolve_hardware``'s) once per process, as the profile warning."""
     for field_name in over:
         a, b = getattr(base, field_name, None), getattr(spec, field_name, None)
         if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-                and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET):
+                and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET
+                and (every_time or (f"{key}.overrides.{field_name}", repr(b)) not in _WARNED)):
+            _WARNED.add((f"{key}.overrides.{field_name}", repr(b)))
             warnings.warn(f"{key}.overrides.{field_name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
                           f"{'below' if b < a else 'above'} the preset's {a:.4g} (SI units); check the unit",
                           ScenarioWarning, stacklevel=3)
@@ -579,24 +582,26 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
     )
 
 
+#: the warnings ``resolve_hardware`` gave once per process: (profile, GPU) and (override key, value)
 _WARNED: set[tuple[str, str]] = set()
 
 
 def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_every_time: bool = False) -> Hardware:
     """Turn the hardware section into specs.
 
-    A profile fitted for another GPU warns (``ScenarioWarning``) once per process, or on every call with
-    ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep point, records its own warnings).
+    A profile fitted for another GPU, and an override far from its preset's value, warn (``ScenarioWarning``) once
+    per process, or on every call with ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep
+    point, records its own warnings; the run's own resolve then says nothing more).
 
     Raises:
         ScenarioError: unknown presets, bad overrides or a missing profile file.
     """
     hwc = cfg.hardware
-    gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source)
+    gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source, warn_every_time)
     pcie_name, pcie_over = _ref(hwc.pcie)
     if (why := pcie_link_problem(pcie_name)) is not None:
         raise ScenarioError(f"{source}: {_name_key(hwc.pcie, 'hardware.pcie')}: {why}")
-    pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
+    pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source, warn_every_time)
     cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
     gpu_name = _ref(hwc.gpu)[0]
     if cfg.training.fp8 is not None and "fp8" not in gpu.peak_flops_per_s:
