@@ -1035,12 +1035,17 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
 
             unit = sum(k for k in layer_param_sizes(transformer_spec(cfg)).values()
                        if k > z.stage3_param_persistence_threshold)
-            out.append(f"zero_optimization.stage3_prefetch_bucket_size {z.stage3_prefetch_bucket_size:,} elements "
-                       f"(or stage3_max_live_parameters {z.stage3_max_live_parameters:,}) holds less than one block's "
-                       f"{unit:,} parameters: prefetch is modelled a whole block at a time, so no block is prefetched "
-                       "and every parameter all-gather is exposed, while DeepSpeed prefetches parameter by parameter "
-                       "up to the bucket: exposed_comm_s and step_time_s are upper bounds (a bucket of at least "
-                       f"{unit:,} gives the other bound)")
+            # the keys that stop a one-block prefetch (sharding.zero3_prefetch_depth): the bucket, the live limit
+            short = [(f"stage3_prefetch_bucket_size {z.stage3_prefetch_bucket_size:,} elements holds less than one "
+                      f"block's {unit:,} parameters", f"stage3_prefetch_bucket_size of at least {unit:,}")
+                     ] * (unit > z.stage3_prefetch_bucket_size) + [
+                (f"stage3_max_live_parameters {z.stage3_max_live_parameters:,} holds less than two blocks' "
+                 f"{2 * unit:,} (the one in use and the one fetched ahead)",
+                 f"stage3_max_live_parameters of at least {2 * unit:,}")] * (2 * unit > z.stage3_max_live_parameters)
+            out.append(f"zero_optimization.{'; '.join(w for w, _ in short)}: prefetch is modelled a whole block at a "
+                       "time, so no block is prefetched and every parameter all-gather is exposed, while DeepSpeed "
+                       "prefetches parameter by parameter up to the bucket: exposed_comm_s and step_time_s are upper "
+                       f"bounds ({' and '.join(f for _, f in short)} give{'s' * (len(short) == 1)} the other bound)")
     if cfg is not None and cfg.training.lora is not None:
         out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
                    "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "
