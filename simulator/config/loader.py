@@ -502,8 +502,11 @@ def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_tim
                                       f"(capacity_bytes, pinned_limit_bytes), got {presets._kind(mem_over)}")
                 check_override_keys(type(mem), mem_over, "overrides.memory")
                 data_mem = _merged(data.pop("memory", {}), mem_over)
+                base_cpu, base_mem = cpu, mem
                 cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
+                _warn_far_from_preset(base_cpu, cpu, over, f"{key}.overrides", warn_every_time)  # as a GPU's
+                _warn_far_from_preset(base_mem, mem, mem_over, f"{key}.overrides.memory", warn_every_time)
                 if whatif:  # the preset with its overrides is valid: an error now is in threads / numa_node
                     cpu = _host_whatif(type(cpu), _merged(data, {**over, **whatif}), ref, key, source)
             return cpu, mem
@@ -511,7 +514,7 @@ def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_tim
         if over:
             check_override_keys(cls, over, "overrides")
             base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
-            _warn_far_from_preset(base, spec, over, key, warn_every_time)
+            _warn_far_from_preset(base, spec, over, f"{key}.overrides", warn_every_time)
         return spec
     except PresetError as exc:  # an unknown name is the name's key's (hardware.gpu.preset in a mapping)
         where = key if name in presets.list_presets(family)[family] else _name_key(ref, key)
@@ -539,16 +542,18 @@ def _host_whatif(cls: type, data: dict, ref, key: str, source: str):
 FAR_FROM_PRESET = 100.0
 
 
-def _warn_far_from_preset(base, spec, over: dict, key: str, every_time: bool = True) -> None:
-    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's: each
-    time, or (``every_time`` false: ``resolve_hardware``'s) once per process, as the profile warning."""
+def _warn_far_from_preset(base, spec, over: dict, where: str, every_time: bool = True) -> None:
+    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's, named
+    ``{where}.{field}`` (``where``: ``hardware.gpu.overrides``): each time, or (``every_time`` false:
+    ``resolve_hardware``'s) once per process, as the profile warning."""
     for field_name in over:
         a, b = getattr(base, field_name, None), getattr(spec, field_name, None)
+        name = f"{where}.{field_name}"
         if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
                 and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET
-                and (every_time or (f"{key}.overrides.{field_name}", repr(b)) not in _WARNED)):
-            _WARNED.add((f"{key}.overrides.{field_name}", repr(b)))
-            warnings.warn(f"{key}.overrides.{field_name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
+                and (every_time or (name, repr(b)) not in _WARNED)):
+            _WARNED.add((name, repr(b)))
+            warnings.warn(f"{name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
                           f"{'below' if b < a else 'above'} the preset's {a:.4g} (SI units); check the unit",
                           ScenarioWarning, stacklevel=3)
 
@@ -602,7 +607,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_ev
     if (why := pcie_link_problem(pcie_name)) is not None:
         raise ScenarioError(f"{source}: {_name_key(hwc.pcie, 'hardware.pcie')}: {why}")
     pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source, warn_every_time)
-    cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
+    cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source, warn_every_time)
     gpu_name = _ref(hwc.gpu)[0]
     if cfg.training.fp8 is not None and "fp8" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.fp8: {gpu.name} has no fp8 tensor-core rate (Hopper and later have "
