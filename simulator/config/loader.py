@@ -656,7 +656,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_ev
     # overrides of that link itself replace only the rates of the fields they set
     pcie_explicit = "pcie" in hwc.model_fields_set and pcie_name != profile.copy_link
     overridden = frozenset(pcie_over) if "pcie" in hwc.model_fields_set and not pcie_explicit else frozenset()
-    nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name)
+    nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name, warn_every_time)
     switches = resolve_pcie_switches(cfg, source, nvme, cluster.get("collectives"))
     if switches is not None and nvme is not None:  # the declared switches say where the drives attach
         d, up = switches.drive_uplink(nvme.drives)
@@ -791,7 +791,7 @@ def _fsdp_groups(cfg, node_ranks: int) -> tuple[int, int]:
     return shard, post
 
 
-def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
+def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str, warn_every_time: bool = True) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
@@ -824,18 +824,21 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     if c.overrides:  # the preset loads alone: an error now is in what the scenario overrides
         try:
             check_override_keys(type(spec), c.overrides, f"preset clusters/{c.preset}")
-            spec = load_cluster(c.preset, c.overrides)
+            base, spec = spec, load_cluster(c.preset, c.overrides)
         except PresetError as exc:
             raise ScenarioError(f"{source}: hardware.cluster.overrides: {exc}") from None
+        _warn_far_from_preset(base, spec, c.overrides, "hardware.cluster.overrides", warn_every_time)
     net = c.network or (spec.network if c.nodes > 1 else None)
     if net and c.network_overrides:  # as the cluster: the preset alone, then with the scenario's fields
+        loaded = []  # the preset's, then with the overrides
         for key, over in (("network", None), ("network_overrides", c.network_overrides)):
             try:
                 if over:
                     check_override_keys(NetworkSpec, over, f"preset networks/{net}")
-                load_network(net, over)
+                loaded.append(load_network(net, over))
             except PresetError as exc:
                 raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
+        _warn_far_from_preset(*loaded, c.network_overrides, "hardware.cluster.network_overrides", warn_every_time)
     if spec.gpu != gpu_name:
         raise ScenarioError(f"{source}: hardware.gpu: {gpu_name!r} is not the GPU of cluster {c.preset!r} "
                             f"(allowed: {spec.gpu!r}, or another hardware.cluster.preset)")

@@ -116,3 +116,18 @@ def test_a_host_override_far_from_its_preset_is_warned_once(capsys):
         "6.705e+10 (SI units); check the unit",
         "warning: hardware.host.overrides.memory.capacity_bytes: 1.25e+08 is 1,074x below the preset's 1.342e+11 "
         "(SI units); check the unit"], err
+
+
+def test_cluster_overrides_far_from_their_preset_are_warned_once(capsys):
+    """``hardware.cluster.overrides`` and ``network_overrides`` 1,000x off the preset (bytes/s written as MB/s) are
+    warned once each, as a GPU's override is. Before, they were not checked."""
+    s = str(ROOT / "scenarios/cluster/gpt_6p7b_2x_dgx_h200_vpp2_powercap.yaml")
+    assert main(["run", s, "--set", "hardware.cluster.network_overrides={nic_bytes_per_s: 50e6}", "--set",
+                 "hardware.cluster.overrides={nvlink_bytes_per_s: 450e6}", "--set", "run.steps=2", "--set",
+                 "run.warmup_steps=1"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.endswith("check the unit")]
+    assert err == [
+        "warning: hardware.cluster.overrides.nvlink_bytes_per_s: 4.5e+08 is 1,000x below the preset's 4.5e+11 "
+        "(SI units); check the unit",
+        "warning: hardware.cluster.network_overrides.nic_bytes_per_s: 5e+07 is 1,000x below the preset's 5e+10 "
+        "(SI units); check the unit"], err
