@@ -168,11 +168,14 @@ def parse_pcie_switches(value, source: str = "", counts: tuple | None = None) ->
     return PcieSwitchTopology(tuple(out), source)
 
 
-def host_pcie_switches(name: str) -> PcieSwitchTopology | None:
+def host_pcie_switches(name: str, counts: tuple | None = None) -> PcieSwitchTopology | None:
     """The PCIe switches host preset ``name`` states (its ``pcie_switches`` list), None when it states none.
 
+    ``counts``: the node's ``(gpus, nics, drives)``, checked with the layout as ``parse_pcie_switches`` does (every
+    problem of both in one error, as for a scenario's list).
+
     Raises:
-        ValueError: a bad list (``presets.PresetError``, naming the preset).
+        ValueError: a bad list (``presets.PresetError``, naming the preset; one line per problem).
     """
     from hardware_models import presets
 
@@ -182,6 +185,6 @@ def host_pcie_switches(name: str) -> PcieSwitchTopology | None:
     sources: dict[str, str] = {}
     clean = presets.strip_sources(block, sources)
     try:
-        return parse_pcie_switches(clean, "; ".join(sources.values()))
+        return parse_pcie_switches(clean, "; ".join(sources.values()), counts)
     except ValueError as exc:
-        raise presets.PresetError(f"preset hosts/{name}.{exc}") from None
+        raise presets.PresetError("\n".join(f"preset hosts/{name}.{line}" for line in str(exc).split("\n"))) from None

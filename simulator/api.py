@@ -1057,12 +1057,17 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
 
             unit = sum(k for k in layer_param_sizes(transformer_spec(cfg)).values()
                        if k > z.stage3_param_persistence_threshold)
-            out.append(f"zero_optimization.stage3_prefetch_bucket_size {z.stage3_prefetch_bucket_size:,} elements "
-                       f"(or stage3_max_live_parameters {z.stage3_max_live_parameters:,}) holds less than one block's "
-                       f"{unit:,} parameters: prefetch is modelled a whole block at a time, so no block is prefetched "
-                       "and every parameter all-gather is exposed, while DeepSpeed prefetches parameter by parameter "
-                       "up to the bucket: exposed_comm_s and step_time_s are upper bounds (a bucket of at least "
-                       f"{unit:,} gives the other bound)")
+            # the keys that stop a one-block prefetch (sharding.zero3_prefetch_depth): the bucket, the live limit
+            short = [(f"stage3_prefetch_bucket_size {z.stage3_prefetch_bucket_size:,} elements holds less than one "
+                      f"block's {unit:,} parameters", f"stage3_prefetch_bucket_size of at least {unit:,}")
+                     ] * (unit > z.stage3_prefetch_bucket_size) + [
+                (f"stage3_max_live_parameters {z.stage3_max_live_parameters:,} holds less than two blocks' "
+                 f"{2 * unit:,} (the one in use and the one fetched ahead)",
+                 f"stage3_max_live_parameters of at least {2 * unit:,}")] * (2 * unit > z.stage3_max_live_parameters)
+            out.append(f"zero_optimization.{'; '.join(w for w, _ in short)}: prefetch is modelled a whole block at a "
+                       "time, so no block is prefetched and every parameter all-gather is exposed, while DeepSpeed "
+                       "prefetches parameter by parameter up to the bucket: exposed_comm_s and step_time_s are upper "
+                       f"bounds ({' and '.join(f for _, f in short)} give{'s' * (len(short) == 1)} the other bound)")
     if cfg is not None and cfg.training.lora is not None:
         out.append("training.lora: the first block's input gradient is computed (as with Hugging Face "
                    "enable_input_require_grads; plain autograd would skip it when the embeddings are frozen), at most "
@@ -1434,16 +1439,16 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     """The ``ddp`` keys given that this run's gradient reduction does not read (``ineffective_setting_warnings``):
     PyTorch DDP's buckets under FSDP, DeepSpeed ZeRO or Megatron's distributed optimizer, which bucket their own
     way; ``overlap_grad_reduce`` under FSDP and ZeRO-3, which always reduce as backward goes (ZeRO-3: its
-    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``);
+    ``overlap_comm``); Megatron's ``bucket_size`` without the distributed optimizer (buckets: ``bucket_cap_mb``'s,
+    or the owner's);
     under DeepSpeed's BF16_Optimizer / FP16_Optimizer the bucket caps and ``overlap_grad_reduce: true`` (the engine
     reduces after backward, in its own buckets). Keys set to their default are not named (a pasted ``bucket_cap_mb:
-    25`` asks for what runs anyway), but for those wrappers' bucket caps (PyTorch's buckets do not run)."""
+    25`` asks for what runs anyway, under every owner: those wrappers' reductions too); ``overlap_grad_reduce`` is
+    named when the value the user set says what the owner does not do."""
     ddp, z, f, out = cfg.ddp, cfg.zero_optimization, cfg.fsdp, []
     # given and not the default: a pasted default (bucket_cap_mb: 25) asks for nothing other than what runs
     given = {k for k in ddp.model_fields_set if getattr(ddp, k) != type(ddp).model_fields[k].default}
     wrapper = _stage0_wrapper(cfg)
-    if wrapper:  # DeepSpeed's own reduction: no PyTorch cap describes it, the default neither
-        given |= {k for k in ("bucket_cap_mb", "first_bucket_mb") if k in ddp.model_fields_set}
     owner = ("fsdp (one reduction per FSDP unit)" if f is not None else f"{wrapper[0]} ({wrapper[1]})"
              if wrapper else
              f"zero_optimization.stage {z.stage} (DeepSpeed's buckets: zero_optimization.reduce_bucket_size)"
@@ -1460,7 +1465,9 @@ def _ddp_keys_without_effect(cfg: ScenarioConfig) -> list[str]:
     elif wrapper and "overlap_grad_reduce" in ddp.model_fields_set and ddp.overlap_grad_reduce:  # in force: off
         out.append(f"ddp.overlap_grad_reduce true has no effect with {wrapper[0]}: {wrapper[1]}")
     if "bucket_size" in given and not ddp.use_distributed_optimizer and ddp.bucket_size is not None:
-        out.append("ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
+        out.append(f"ddp.bucket_size has no effect with {owner}: Megatron-LM's --ddp-bucket-size is read only with "
+                   "ddp.use_distributed_optimizer" if owner else
+                   "ddp.bucket_size has no effect without ddp.use_distributed_optimizer: the data-parallel gradient "
                    "buckets here are ddp.bucket_cap_mb's (PyTorch DDP); Megatron-LM's own DDP, which also buckets by "
                    "--ddp-bucket-size, is modelled only with the distributed optimizer")
     return out

@@ -308,7 +308,11 @@ def cmd_presets(args) -> int:
     from hardware_models import presets
 
     if args.name:
-        fam = args.family or next((f for f, names in presets.list_presets().items() if args.name in names), None)
+        fams = [f for f, names in presets.list_presets().items() if args.name in names]
+        fam = args.family or next(iter(fams), None)
+        if args.family is None and len(fams) > 1:  # h100-sxm-80gb is a GPU and a profile: say which is shown
+            print(f"note: {args.name!r} is a preset of {', '.join(fams)}; showing {fam} (--family for another)",
+                  file=sys.stderr)
         if fam is None:
             from hardware_models.units import short_repr
 
@@ -479,35 +483,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="verb", required=True)
 
     p = sub.add_parser("run", help="simulate a scenario YAML")
-    p.add_argument("scenario")
+    p.add_argument("scenario", help="scenario YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
     p.add_argument("--out", help="write config, summary, spans and a Perfetto trace here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("sweep", help="run a scenario over a grid of values (one row per point)")
-    p.add_argument("scenario")
-    p.add_argument("--factor", action="append", required=True, metavar="KEY=V1,V2,...")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("scenario", help="scenario YAML")
+    p.add_argument("--factor", action="append", required=True, metavar="KEY=V1,V2,...",
+                   help="a factor of the grid (repeatable; the points are every combination), e.g. "
+                   "training.micro_batch_size=1,2,4")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field on every point (repeatable)")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS", help="run the points on a dask.distributed cluster")
     p.add_argument("--out", help="one output folder per point under here, results.csv/.parquet (one row per "
                    "point); re-running the same command skips the points already done")
     p.add_argument("--plot", metavar="METRIC,...", help="with --out: write DIR/sweep_<metric>.png per metric "
                    "(e.g. step_time_s,tokens_per_s)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON records")
     p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("validate", help="predicted vs measured for the bundled validation cases")
     p.add_argument("case", nargs="*", help="case names (default: all)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the table as JSON records")
     p.set_defaults(fn=cmd_validate)
 
     from hardware_models.presets import FAMILIES as PRESET_FAMILIES
 
     p = sub.add_parser("presets", help="list presets, or show one")
-    p.add_argument("name", nargs="?")
-    p.add_argument("--family", choices=list(PRESET_FAMILIES))
+    p.add_argument("name", nargs="?", help="a preset to show (default: list every family's names)")
+    p.add_argument("--family", choices=list(PRESET_FAMILIES), help="only this family (a name in several: which one)")
     p.set_defaults(fn=cmd_presets)
 
     p = sub.add_parser("schema", help="print the scenario JSON schema")

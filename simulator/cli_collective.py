@@ -15,7 +15,8 @@ def add_parser(subparsers):
     p = subparsers.add_parser("collective", help="price an NCCL collective on a cluster preset")
     p.add_argument("cluster", help="cluster preset name (hardware_models/presets/clusters)")
     p.add_argument("--op", default="all_reduce",
-                   help="all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce, send_recv")
+                   help="all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce, send_recv "
+                   "(default all_reduce)")
     p.add_argument("--ranks", type=int, default=None, help="group size (default: one node's GPUs)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: all GPUs of a node)")
     p.add_argument("--bytes", default="1MiB,64MiB,1GiB", help="comma-separated sizes (default 1MiB,64MiB,1GiB)")

@@ -9,11 +9,12 @@ import json
 def add_parser(subparsers):
     """Register ``fit``."""
     p = subparsers.add_parser("fit", help="the largest micro-batch (or any key) that fits, or the smallest world")
-    p.add_argument("scenario")
+    p.add_argument("scenario", help="scenario YAML")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--largest", metavar="KEY=V1,V2,...", help="e.g. training.micro_batch_size=1,2,4,8,16")
     g.add_argument("--smallest", metavar="KEY=V1,V2,...", help="e.g. hardware.cluster.nodes=1,2,4,8")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field on every point")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field on every point "
+                   "(repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_fit)
 

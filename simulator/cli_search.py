@@ -16,11 +16,13 @@ def add_parser(subparsers):
     """Register ``search``."""
     p = subparsers.add_parser("search", help="rank parallel layouts (TP/PP/micro-batch/ZeRO): refuse, prune by "
                               "memory, simulate the rest")
-    p.add_argument("scenario")
+    p.add_argument("scenario", help="scenario YAML")
     p.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="a dimension of the space (repeatable), e.g. parallelism.tensor_model_parallel_size=1,2,4,8")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field on every point")
-    p.add_argument("--objective", default="tokens_per_s", choices=OBJECTIVE_CHOICES, help="ranking metric")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field on every point "
+                   "(repeatable)")
+    p.add_argument("--objective", default="tokens_per_s", choices=OBJECTIVE_CHOICES,
+                   help="ranking metric (default tokens_per_s)")
     p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--dask-scheduler", metavar="ADDRESS", help="simulate the points on a dask.distributed cluster")

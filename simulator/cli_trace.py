@@ -72,7 +72,7 @@ def _check_writable_file(path: str, what: str) -> str | None:
 def add_parser(subparsers):
     """Register ``replay`` and ``calibrate``."""
     p = subparsers.add_parser("replay", help="replay a PyTorch-profiler (Kineto) trace and compare its step time")
-    p.add_argument("trace")
+    p.add_argument("trace", help="PyTorch profiler (Kineto) JSON trace")
     p.add_argument("--steps", default="all", type=_steps_arg, help="'all' or a step index >= 0 (default all)")
     p.add_argument("--gpu", help="what-if: re-cost the kernels for this GPU preset")
     p.add_argument("--pcie-speedup", type=float, default=1.0, help="what-if: copies this many times faster")
@@ -85,7 +85,7 @@ def add_parser(subparsers):
     p.set_defaults(fn=run_replay)
 
     p = subparsers.add_parser("calibrate", help="fit an efficiency profile to traces of a scenario's run")
-    p.add_argument("traces", nargs="+")
+    p.add_argument("traces", nargs="+", help="PyTorch profiler (Kineto) JSON traces of the scenario's run")
     p.add_argument("--scenario", action="append", required=True, help="scenario of the traced run (one, or one per trace)")
     p.add_argument("--out", required=True, help="profile YAML to write (reference it as hardware.profile)")
     p.add_argument("--report", help="folder for report.csv and report.png")

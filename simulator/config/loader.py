@@ -486,7 +486,7 @@ def _name_key(ref: PresetRef | str, key: str) -> str:
     return key if isinstance(ref, str) else f"{key}.preset"
 
 
-def _with_overrides(family: str, ref, cls, key: str, source: str):
+def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_time: bool = True):
     name, over = _ref(ref)
     try:
         if family == "hosts":
@@ -502,8 +502,11 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
                                       f"(capacity_bytes, pinned_limit_bytes), got {presets._kind(mem_over)}")
                 check_override_keys(type(mem), mem_over, "overrides.memory")
                 data_mem = _merged(data.pop("memory", {}), mem_over)
+                base_cpu, base_mem = cpu, mem
                 cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
+                _warn_far_from_preset(base_cpu, cpu, over, f"{key}.overrides", warn_every_time)  # as a GPU's
+                _warn_far_from_preset(base_mem, mem, mem_over, f"{key}.overrides.memory", warn_every_time)
                 if whatif:  # the preset with its overrides is valid: an error now is in threads / numa_node
                     cpu = _host_whatif(type(cpu), _merged(data, {**over, **whatif}), ref, key, source)
             return cpu, mem
@@ -511,7 +514,7 @@ def _with_overrides(family: str, ref, cls, key: str, source: str):
         if over:
             check_override_keys(cls, over, "overrides")
             base, spec = spec, presets.build_spec(cls, _merged(presets.raw(family, name), over), "overrides")
-            _warn_far_from_preset(base, spec, over, key)
+            _warn_far_from_preset(base, spec, over, f"{key}.overrides", warn_every_time)
         return spec
     except PresetError as exc:  # an unknown name is the name's key's (hardware.gpu.preset in a mapping)
         where = key if name in presets.list_presets(family)[family] else _name_key(ref, key)
@@ -539,13 +542,18 @@ def _host_whatif(cls: type, data: dict, ref, key: str, source: str):
 FAR_FROM_PRESET = 100.0
 
 
-def _warn_far_from_preset(base, spec, over: dict, key: str) -> None:
-    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's."""
+def _warn_far_from_preset(base, spec, over: dict, where: str, every_time: bool = True) -> None:
+    """Warn (``ScenarioWarning``) for each overridden number ``FAR_FROM_PRESET`` x away from the preset's, named
+    ``{where}.{field}`` (``where``: ``hardware.gpu.overrides``): each time, or (``every_time`` false:
+    ``resolve_hardware``'s) once per process, as the profile warning."""
     for field_name in over:
         a, b = getattr(base, field_name, None), getattr(spec, field_name, None)
+        name = f"{where}.{field_name}"
         if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-                and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET):
-            warnings.warn(f"{key}.overrides.{field_name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
+                and a > 0 and b > 0 and max(a / b, b / a) > FAR_FROM_PRESET
+                and (every_time or (name, repr(b)) not in _WARNED)):
+            _WARNED.add((name, repr(b)))
+            warnings.warn(f"{name}: {b:.4g} is {max(a / b, b / a):,.0f}x "
                           f"{'below' if b < a else 'above'} the preset's {a:.4g} (SI units); check the unit",
                           ScenarioWarning, stacklevel=3)
 
@@ -579,25 +587,27 @@ def generic_profile(gpu: GpuSpec, pcie: LinkSpec, name: str) -> EfficiencyProfil
     )
 
 
+#: the warnings ``resolve_hardware`` gave once per process: (profile, GPU) and (override key, value)
 _WARNED: set[tuple[str, str]] = set()
 
 
 def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_every_time: bool = False) -> Hardware:
     """Turn the hardware section into specs.
 
-    A profile fitted for another GPU warns (``ScenarioWarning``) once per process, or on every call with
-    ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep point, records its own warnings).
+    A profile fitted for another GPU, and an override far from its preset's value, warn (``ScenarioWarning``) once
+    per process, or on every call with ``warn_every_time`` (``load_scenario``: each loaded scenario, so each sweep
+    point, records its own warnings; the run's own resolve then says nothing more).
 
     Raises:
         ScenarioError: unknown presets, bad overrides or a missing profile file.
     """
     hwc = cfg.hardware
-    gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source)
+    gpu = _with_overrides("gpus", hwc.gpu, GpuSpec, "hardware.gpu", source, warn_every_time)
     pcie_name, pcie_over = _ref(hwc.pcie)
     if (why := pcie_link_problem(pcie_name)) is not None:
         raise ScenarioError(f"{source}: {_name_key(hwc.pcie, 'hardware.pcie')}: {why}")
-    pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source)
-    cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source)
+    pcie = _with_overrides("links", hwc.pcie, LinkSpec, "hardware.pcie", source, warn_every_time)
+    cpu, mem = _with_overrides("hosts", hwc.host, None, "hardware.host", source, warn_every_time)
     gpu_name = _ref(hwc.gpu)[0]
     if cfg.training.fp8 is not None and "fp8" not in gpu.peak_flops_per_s:
         raise ScenarioError(f"{source}: training.fp8: {gpu.name} has no fp8 tensor-core rate (Hopper and later have "
@@ -646,7 +656,7 @@ def resolve_hardware(cfg: ScenarioConfig, source: str = "<scenario>", *, warn_ev
     # overrides of that link itself replace only the rates of the fields they set
     pcie_explicit = "pcie" in hwc.model_fields_set and pcie_name != profile.copy_link
     overridden = frozenset(pcie_over) if "pcie" in hwc.model_fields_set and not pcie_explicit else frozenset()
-    nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name)
+    nvme, cluster = resolve_nvme(cfg, source), resolve_cluster(cfg, source, gpu_name, warn_every_time)
     switches = resolve_pcie_switches(cfg, source, nvme, cluster.get("collectives"))
     if switches is not None and nvme is not None:  # the declared switches say where the drives attach
         d, up = switches.drive_uplink(nvme.drives)
@@ -679,13 +689,12 @@ def resolve_pcie_switches(cfg: ScenarioConfig, source: str, nvme, collectives):
         c = collectives.topo.cluster if collectives is not None else None
         counts = (c.gpus_per_node if c is not None else 1, c.nics_per_node if c is not None else None,
                   nvme.drives if nvme is not None else None)
-        if given:  # every problem of the list at once, layout and ranges
+        if given:  # every problem of the list at once, layout and ranges (the preset's the same)
             topo = parse_pcie_switches([sw.model_dump() for sw in ref.pcie_switches], "scenario", counts)
         else:
-            topo = host_pcie_switches(name)
+            topo = host_pcie_switches(name, counts)
         if topo is None:
             return None
-        topo.check(*counts)
         if c is not None:
             _check_against_cluster(topo, c)
     except ValueError as exc:
@@ -782,7 +791,7 @@ def _fsdp_groups(cfg, node_ranks: int) -> tuple[int, int]:
     return shard, post
 
 
-def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
+def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str, warn_every_time: bool = True) -> dict:
     """The cluster side of the machine: topology, collective model, data-parallel group, NCCL settings.
 
     Returns the ``Hardware`` keyword arguments ``collectives``, ``world_size``, ``dp_group``, ``tp_group``,
@@ -815,18 +824,21 @@ def resolve_cluster(cfg: ScenarioConfig, source: str, gpu_name: str) -> dict:
     if c.overrides:  # the preset loads alone: an error now is in what the scenario overrides
         try:
             check_override_keys(type(spec), c.overrides, f"preset clusters/{c.preset}")
-            spec = load_cluster(c.preset, c.overrides)
+            base, spec = spec, load_cluster(c.preset, c.overrides)
         except PresetError as exc:
             raise ScenarioError(f"{source}: hardware.cluster.overrides: {exc}") from None
+        _warn_far_from_preset(base, spec, c.overrides, "hardware.cluster.overrides", warn_every_time)
     net = c.network or (spec.network if c.nodes > 1 else None)
     if net and c.network_overrides:  # as the cluster: the preset alone, then with the scenario's fields
+        loaded = []  # the preset's, then with the overrides
         for key, over in (("network", None), ("network_overrides", c.network_overrides)):
             try:
                 if over:
                     check_override_keys(NetworkSpec, over, f"preset networks/{net}")
-                load_network(net, over)
+                loaded.append(load_network(net, over))
             except PresetError as exc:
                 raise ScenarioError(f"{source}: hardware.cluster.{key}: {exc}") from None
+        _warn_far_from_preset(*loaded, c.network_overrides, "hardware.cluster.network_overrides", warn_every_time)
     if spec.gpu != gpu_name:
         raise ScenarioError(f"{source}: hardware.gpu: {gpu_name!r} is not the GPU of cluster {c.preset!r} "
                             f"(allowed: {spec.gpu!r}, or another hardware.cluster.preset)")

@@ -121,14 +121,40 @@ def null_override(parts: list[str]) -> str:
     return "set"
 
 
+#: Sections the validators fill in from another key when they are not written: dotted key -> (that key, what its
+#: value filled in, the ``--set`` that turns that off, what the key's null means). ``fsdp.offload_policy`` from
+#: torchtitan's ``training.enable_cpu_offload: true`` (``ScenarioConfig._torchtitan_cpu_offload``: CPUOffloadPolicy(),
+#: pytorch/torchtitan@81c12433 torchtitan/models/llama3/infra/parallelize.py apply_fsdp; unset, fully_shard's
+#: OffloadPolicy(): no offload).
+DERIVED_FROM = {"fsdp.offload_policy": ("training.enable_cpu_offload", "torchtitan's CPUOffloadPolicy()",
+                                        "training.enable_cpu_offload=false turns the offload off",
+                                        "no offload (OffloadPolicy)")}
+
+
+def _derived_note(cfg: Any, key: str, node: Any) -> str | None:
+    """For a key of ``DERIVED_FROM`` removed by ``--set KEY=null``: what it became and why, naming the key it was
+    derived from and the ``--set`` that turns it off; None for another key."""
+    if key not in DERIVED_FROM:
+        return None
+    src, what, off, null = DERIVED_FROM[key]
+    if node is None:
+        return f"{key} is not written, so it is null: {null}"
+    value: Any = cfg
+    for p in src.split("."):
+        value = getattr(value, p, None)
+    return (f"{key} is not written, so it is derived from {src}: {str(value).lower()} ({what}): "
+            f"{node.model_dump()}; only --set {off}")
+
+
 def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
     """One line per ``--set KEY=null`` of ``overrides`` that removed a scalar key (``null_override`` "remove"),
     saying what the valid scenario ``cfg`` took in its place: the schema's default, or the value its validators
     derived from the other settings (``parallelism.data_parallel_size``), or that it is left unset for the run to
     resolve from the framework (``training.clip_grad``: ``None``). A section removed is noted when it took the
     schema's defaults (``aio=null``: their values) or, one whose default is None, when the validators filled it in
-    from other keys (``fsdp.offload_policy`` from ``training.enable_cpu_offload``: derived, with its value); other
-    sections are not. Raises nothing: a text that does not parse is skipped."""
+    from other keys (derived, with its value); a key of ``DERIVED_FROM`` names the key it came from and the
+    ``--set`` that turns it off (``fsdp.offload_policy`` from ``training.enable_cpu_offload``), or, left null, what
+    null means there; other sections are not. Raises nothing: a text that does not parse is skipped."""
     from pydantic import BaseModel
 
     out = []
@@ -149,9 +175,12 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
         field = type(owner).model_fields.get(parts[-1]) if isinstance(owner, BaseModel) else None
         default = field.get_default(call_default_factory=True) if field is not None and not field.is_required() \
             else None
+        if (note := _derived_note(cfg, key, node)) is not None:  # fsdp.offload_policy from enable_cpu_offload
+            out.append(f"--set {key}={raw}: {note}")
+            continue
         if isinstance(node, BaseModel) and field is not None and default is None:  # a section the validators fill
             out.append(f"--set {key}={raw}: {key} is not written, so it is derived from the other settings: "
-                       f"{node.model_dump()}")  # (fsdp.offload_policy from training.enable_cpu_offload)
+                       f"{node.model_dump()}")
             continue
         if isinstance(node, BaseModel) and node == default:  # a section of schema defaults (aio=null)
             out.append(f"--set {key}={raw}: {key} is not written, so it takes the schema's defaults: "

@@ -932,6 +932,16 @@ class ScenarioConfig(_Model):
         if ddp.use_distributed_optimizer and z.stage > 0:
             raise ValueError(f"ddp.use_distributed_optimizer: exclusive with zero_optimization.stage {z.stage} "
                              "(allowed: one of them)")
+        # DeepSpeed's BF16_Optimizer keeps its own gradient buffer and fp32 partition (graph.builders.bf16_optimizer):
+        # Megatron-LM's optimizer keys describe an optimizer that does not run
+        megatron_keys = [k for k in ("use_distributed_optimizer", "grad_reduce_in_bf16") if getattr(ddp, k)]
+        megatron_keys += ["accumulate_allreduce_grads_in_fp32"] if ddp.accumulate_allreduce_grads_in_fp32 is not None \
+            else []
+        if megatron_keys and deepspeed_bf16_optimizer(self):
+            raise ValueError(f"ddp.{', ddp.'.join(megatron_keys)}: Megatron-LM's optimizer, but zero_optimization "
+                             "stage 0 with bf16 and a pipeline runs DeepSpeed's BF16_Optimizer (its own gradient "
+                             "buffer and fp32 partition; allowed: omit them, or no zero_optimization section for "
+                             "Megatron-LM's optimizer)")
         acc = ddp.accumulate_allreduce_grads_in_fp32
         if acc is not None and (prec not in ("bf16", "fp16") or z.stage > 0 or f is not None
                                 or self.training.lora is not None):

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from hardware_models.power import ClockController, snap_clock
+from hardware_models.power import ClockController, nearest_clock, snap_clock
 from simulator.config.sections.dvfs import DEFAULT_SWITCH_LATENCY_S
 from simulator.graph.ops import OpKind
 from simulator.policies._columns import value_masks
@@ -81,12 +81,12 @@ def _cpu_step_threads(cfg, hw) -> int:
     return cpu_threads(hw, mode, offload_ranks(hw))
 
 
-def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
+def requested_clock_mhz(clock_mhz: float, gpu, key: str, warn: bool = True) -> float:
     """The supported SM clock for a requested ``clock_mhz`` of ``gpu``, MHz.
 
     A clock between the lowest and highest supported clocks snaps to the nearest one, with a
-    warning (``nvidia-smi -lgc`` rounds likewise); one outside that range is refused, since
-    snapping would quietly run a typo (14100 for 1410 MHz) at the maximum clock.
+    warning unless ``warn`` is false (``nvidia-smi -lgc`` rounds likewise); one outside that range is refused,
+    since snapping would quietly run a typo (14100 for 1410 MHz) at the maximum clock.
 
     Raises:
         PolicyError: ``clock_mhz`` below the lowest or above the highest supported clock (without a
@@ -97,7 +97,7 @@ def requested_clock_mhz(clock_mhz: float, gpu, key: str) -> float:
     if not lo <= clock_mhz <= hi:
         raise PolicyError(f"{key}: {clock_mhz:g} MHz is outside the SM clocks of {gpu.name} "
                           f"(allowed: {lo:g}-{hi:g} MHz)")
-    return snap_clock(clock_mhz, sup, key)
+    return snap_clock(clock_mhz, sup, key) if warn else (nearest_clock(clock_mhz, sup) if sup else float(clock_mhz))
 
 
 def register_dvfs(kind: str) -> Callable[[type], type]:
@@ -118,7 +118,8 @@ class LockedClock:
     per_op = False
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
-        self.clock_mhz = requested_clock_mhz(dcfg.locked_clocks_mhz, gpu, "dvfs.locked_clocks_mhz")
+        # a snapped clock is the run's warning (api.run_warnings), not a second one here
+        self.clock_mhz = requested_clock_mhz(dcfg.locked_clocks_mhz, gpu, "dvfs.locked_clocks_mhz", warn=False)
         ctl.set_target(self.clock_mhz, immediate=True)
 
     def on_op_start(self, op, ctl: ClockController) -> None:
@@ -163,7 +164,7 @@ class PhaseClockPlan:
     per_op = True
 
     def __init__(self, dcfg, gpu, ctl: ClockController):
-        self.plan = {ph: requested_clock_mhz(mhz, gpu, f"dvfs.phase_clocks_mhz.{ph}")
+        self.plan = {ph: requested_clock_mhz(mhz, gpu, f"dvfs.phase_clocks_mhz.{ph}", warn=False)  # as above
                      for ph, mhz in dcfg.phase_clocks_mhz.items()}
         self.default = gpu.max_sm_clock_mhz
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import pandas as pd
 
 from hardware_models import safe_yaml
-from simulator.config.errors import ScenarioError, ScenarioWarning
+from simulator.config.errors import ScenarioError
 
 RESULTS_FILE = "results.csv"
 PARQUET_FILE = "results.parquet"
@@ -313,20 +313,22 @@ def _run_point(args) -> dict:
 
     row = dict(point)
     try:
-        with warnings.catch_warnings(record=True) as caught:  # the scenario's own (a setting with no effect)
-            warnings.simplefilter("always", ScenarioWarning)
+        # the scenario's own (a setting with no effect) and the run's (the DataLoader's threads beyond the host's
+        # cores): each UserWarning a `simulate run` of the point prints comes with its row
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
             cfg = load_scenario(scenario, overrides, set_by=set_by)
+            with reusing_graphs():  # points that differ only in what the graph builder does not read share its graph
+                res = run_scenario(cfg)
         for w in caught:  # others are shown as before
-            if not issubclass(w.category, ScenarioWarning):
+            if not issubclass(w.category, UserWarning):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        with reusing_graphs():  # points that differ only in what the graph builder does not read share its graph
-            res = run_scenario(cfg)
         # busy fraction of the GPU's compute stream: well below 1 means a host-bound step
         row["gpu_busy"] = (res.summary.get("utilisation") or {}).get("compute", float("nan"))
         # "profile" = "generic:..." marks an unfitted GPU profile (see the summary's warnings)
         row.update(flatten_summary(res.summary))
         # each warning whole (the table joins them; ``point_warnings`` numbers the distinct ones)
-        row["warnings"] = list(dict.fromkeys([str(w.message) for w in caught if issubclass(w.category, ScenarioWarning)]
+        row["warnings"] = list(dict.fromkeys([str(w.message) for w in caught if issubclass(w.category, UserWarning)]
                                              + [str(w) for w in res.summary.get("warnings") or []])) or None
         if breakdown:
             row.update(breakdown_columns(res))

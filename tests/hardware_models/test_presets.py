@@ -308,3 +308,17 @@ def test_every_shipped_preset_passes_the_strict_reader():
             presets.get(fam, name)
         else:
             _load(fam, name)
+
+
+def test_showing_a_name_of_several_families_says_which_is_shown(capsys):
+    """``h100-sxm-80gb`` is a GPU and a profile: ``simulate presets h100-sxm-80gb`` shows the GPU and says so on
+    stderr; ``--family`` picks one, without the note. Before, the other family's preset was hidden in silence."""
+    from simulator.cli import main
+
+    assert main(["presets", "h100-sxm-80gb"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out) == presets.raw("gpus", "h100-sxm-80gb")
+    assert err == "note: 'h100-sxm-80gb' is a preset of gpus, profiles; showing gpus (--family for another)\n"
+    assert main(["presets", "h100-sxm-80gb", "--family", "profiles"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out) == presets.raw("profiles", "h100-sxm-80gb") and err == ""

@@ -3,7 +3,10 @@ summary names it (not "DDP") and the ``ddp`` keys the scenario writes, which it 
 
 from __future__ import annotations
 
+import pytest
+
 from simulator.api import data_parallel_strategy, ineffective_setting_warnings
+from simulator.cli import main
 from simulator.config.loader import load_scenario
 from tests.conftest import ROOT
 
@@ -11,12 +14,42 @@ SCEN = ROOT / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml"  # bf16, pp 
 
 
 def test_stage_0_bf16_pipeline_is_labelled_bf16_optimizer_and_its_ddp_keys_are_warned():
+    """The scenario's pasted ``bucket_cap_mb: 25`` (PyTorch's default) asks for nothing and is not named, as under
+    ZeRO; its ``overlap_grad_reduce: true`` asks for an overlap BF16_Optimizer does not run and is. Before, the
+    pasted default cap was named too."""
     cfg = load_scenario(SCEN, ["zero_optimization.stage=0"])
     assert data_parallel_strategy(cfg) == "DeepSpeed BF16_Optimizer"
+    assert "bucket_cap_mb" in cfg.ddp.model_fields_set and cfg.ddp.bucket_cap_mb == 25
     lines = [w for w in ineffective_setting_warnings(cfg) if w.startswith("ddp.")]
-    assert len(lines) == 2, lines
-    assert lines[0].startswith("ddp.bucket_cap_mb has no effect with DeepSpeed BF16_Optimizer")
-    assert lines[1].startswith("ddp.overlap_grad_reduce true has no effect with DeepSpeed BF16_Optimizer")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ddp.overlap_grad_reduce true has no effect with DeepSpeed BF16_Optimizer")
+
+
+@pytest.mark.parametrize("setting,line", [
+    ("ddp.bucket_cap_mb=1", "ddp.bucket_cap_mb has no effect with DeepSpeed BF16_Optimizer (one all-reduce"),
+    ("ddp.first_bucket_mb=5", "ddp.first_bucket_mb has no effect with DeepSpeed BF16_Optimizer (one all-reduce"),
+    ("ddp.gradient_as_bucket_view=true", "ddp.gradient_as_bucket_view has no effect with DeepSpeed BF16_Optimizer"),
+    ("ddp.bucket_size=1000000", "ddp.bucket_size has no effect with DeepSpeed BF16_Optimizer (one all-reduce"),
+])
+def test_a_ddp_key_set_to_another_value_is_named_under_bf16_optimizer(setting, line):
+    """Set away from its default, each bucket key is named, naming BF16_Optimizer (``bucket_size`` too: before, it
+    said the buckets here were ``bucket_cap_mb``'s, PyTorch DDP's, which do not run either)."""
+    cfg = load_scenario(SCEN, ["zero_optimization.stage=0", setting])
+    lines = [w for w in ineffective_setting_warnings(cfg) if w.startswith("ddp.") and "overlap_grad" not in w]
+    assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
+@pytest.mark.parametrize("setting", ["ddp.use_distributed_optimizer=true", "ddp.grad_reduce_in_bf16=true",
+                                     "ddp.accumulate_allreduce_grads_in_fp32=true"])
+def test_megatron_optimizer_keys_under_bf16_optimizer_are_refused(setting, capsys):
+    """Megatron-LM's optimizer keys beside a DeepSpeed BF16_Optimizer run, one line, exit 2. Before,
+    ``use_distributed_optimizer`` priced Megatron's distributed optimizer while the warnings named BF16_Optimizer,
+    and the other two were accepted with no effect and no warning."""
+    assert main(["run", str(SCEN), "--set", "zero_optimization.stage=0", "--set", setting]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    key = setting.split("=")[0]
+    assert len(err) == 1 and f"{key}: Megatron-LM's optimizer, but zero_optimization stage 0 with bf16 and a " \
+        "pipeline runs DeepSpeed's BF16_Optimizer" in err[0], err
 
 
 def test_without_deepspeed_the_same_run_is_ddp_and_reads_its_ddp_keys():

@@ -25,10 +25,19 @@ B16 = ROOT / "scenarios/h200/gpt_184m_b16.yaml"
 
 
 def test_unsupported_clock_snaps_with_warning():
+    """The snap is said once, by the run's warnings (before, the clock policy also warned, and `simulate run`
+    printed the same fact twice)."""
+    import warnings
+
     cfg = load_scenario(B8, overrides=["dvfs.kind=locked_clock", "dvfs.locked_clocks_mhz=1412"])
-    with pytest.warns(UserWarning, match="1412 MHz is not a supported SM clock; using the nearest supported clock 1410"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         s = run_scenario(cfg).summary
     assert s["avg_sm_clock_mhz"] == pytest.approx(1410)
+    assert [w for w in s["warnings"] if "1412 MHz is not a supported SM clock" in w] == [
+        "dvfs.locked_clocks_mhz 1412 MHz is not a supported SM clock of NVIDIA H200 SXM 141GB: the run uses the "
+        "nearest, 1410 MHz (as nvidia-smi -lgc rounds)"]
+    assert not [str(w.message) for w in caught if "supported SM clock" in str(w.message)]
 
 
 def test_power_cap_out_of_range_is_one_line_error():

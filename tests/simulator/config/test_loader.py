@@ -96,3 +96,38 @@ def test_data_context_parallel_size_is_the_one_dp_x_cp_rule():
     p = load_scenario(b16, cl + ["parallelism.tensor_model_parallel_size=2",
                                  "parallelism.context_parallel_size=2"]).parallelism
     assert (p.data_parallel_size, p.context_parallel_size, p.data_context_parallel_size) == (2, 2, 4)
+
+
+def test_a_host_override_far_from_its_preset_is_warned_once(capsys):
+    """A host override 1,000x off its preset (a unit slip: bytes for MB) is warned, once, as a GPU's or a link's
+    is; the memory block's fields too. Before, host overrides were never checked, and a GPU's was printed twice
+    by `simulate run` (the load, then the run's own resolve)."""
+    b8 = str(ROOT / "scenarios/h200/gpt_184m_b8.yaml")
+    host = ("hardware.host={preset: h200-measured-host, overrides: {memory_bandwidth_bytes_per_s: 67e6, "
+            "memory: {capacity_bytes: 125e6}}}")
+    gpu = "hardware.gpu={preset: h200-sxm-141gb, overrides: {hbm_bandwidth_bytes_per_s: 4.8e9}}"
+    assert main(["run", b8, "--set", host, "--set", gpu, "--set", "model.num_layers=2", "--set", "run.steps=2",
+                 "--set", "run.warmup_steps=1"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.endswith("check the unit")]
+    assert err == [
+        "warning: hardware.gpu.overrides.hbm_bandwidth_bytes_per_s: 4.8e+09 is 1,000x below the preset's 4.8e+12 "
+        "(SI units); check the unit",
+        "warning: hardware.host.overrides.memory_bandwidth_bytes_per_s: 6.7e+07 is 1,001x below the preset's "
+        "6.705e+10 (SI units); check the unit",
+        "warning: hardware.host.overrides.memory.capacity_bytes: 1.25e+08 is 1,074x below the preset's 1.342e+11 "
+        "(SI units); check the unit"], err
+
+
+def test_cluster_overrides_far_from_their_preset_are_warned_once(capsys):
+    """``hardware.cluster.overrides`` and ``network_overrides`` 1,000x off the preset (bytes/s written as MB/s) are
+    warned once each, as a GPU's override is. Before, they were not checked."""
+    s = str(ROOT / "scenarios/cluster/gpt_6p7b_2x_dgx_h200_vpp2_powercap.yaml")
+    assert main(["run", s, "--set", "hardware.cluster.network_overrides={nic_bytes_per_s: 50e6}", "--set",
+                 "hardware.cluster.overrides={nvlink_bytes_per_s: 450e6}", "--set", "run.steps=2", "--set",
+                 "run.warmup_steps=1"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.endswith("check the unit")]
+    assert err == [
+        "warning: hardware.cluster.overrides.nvlink_bytes_per_s: 4.5e+08 is 1,000x below the preset's 4.5e+11 "
+        "(SI units); check the unit",
+        "warning: hardware.cluster.network_overrides.nic_bytes_per_s: 5e+07 is 1,000x below the preset's 5e+10 "
+        "(SI units); check the unit"], err

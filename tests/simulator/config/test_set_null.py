@@ -141,8 +141,26 @@ def test_null_on_a_section_the_validators_fill_says_it_was_derived():
         cfg = load_scenario(path, ["fsdp.offload_policy=null"])
     notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
     assert cfg.fsdp.offload_policy is not None
-    assert notes == ["--set fsdp.offload_policy=null: fsdp.offload_policy is not written, so it is derived from the "
-                     "other settings: {'kind': 'cpu', 'pin_memory': True}"]
+    assert notes == ["--set fsdp.offload_policy=null: fsdp.offload_policy is not written, so it is derived from "
+                     "training.enable_cpu_offload: true (torchtitan's CPUOffloadPolicy()): {'kind': 'cpu', "
+                     "'pin_memory': True}; only --set training.enable_cpu_offload=false turns the offload off"]
+
+
+def test_the_set_the_offload_note_names_turns_the_offload_off():
+    """What the note above says is true: ``--set training.enable_cpu_offload=false`` on that scenario leaves no
+    offload policy (the run keeps its states on the GPU), and nulling ``fsdp.offload_policy`` with it says so
+    (null: OffloadPolicy, no offload), not that the run resolves it. Before, the note named only 'the other
+    settings' and, with both, 'left unset: the run resolves it'."""
+    from simulator.config.loader import load_scenario
+
+    path = "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp2_offload.yaml"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario(path, ["training.enable_cpu_offload=false", "fsdp.offload_policy=null"])
+    notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
+    assert cfg.fsdp.offload_policy is None and cfg.fsdp.cpu_offload is False
+    assert notes == ["--set fsdp.offload_policy=null: fsdp.offload_policy is not written, so it is null: no offload "
+                     "(OffloadPolicy)"]
 
 
 def test_null_on_a_section_with_schema_defaults_says_it_took_them():

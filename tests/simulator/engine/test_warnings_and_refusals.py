@@ -186,3 +186,28 @@ def test_pageable_copies_without_a_pageable_rate_are_flagged():
     h200 = load_scenario(ROOT / "scenarios/h200/gpt_184m_b16_offload_serial.yaml",
                          ["zero_optimization.offload_optimizer.pin_memory=false"])
     assert not [x for x in run_warnings(resolve_hardware(h200), h200) if "pageable" in x]
+
+
+NVME = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_zero3_nvme.yaml"  # 50,331,648 parameters per block
+UNIT = 50_331_648
+
+
+@pytest.mark.parametrize("sets,head,fix", [
+    ([], "stage3_prefetch_bucket_size 50,000,000 elements holds less than one block's 50,331,648 parameters",
+     "(stage3_prefetch_bucket_size of at least 50,331,648 gives the other bound)"),
+    ([f"zero_optimization.stage3_prefetch_bucket_size={UNIT}", "zero_optimization.stage3_max_live_parameters=60000000"],
+     "stage3_max_live_parameters 60,000,000 holds less than two blocks' 100,663,296 (the one in use and the one "
+     "fetched ahead)", "(stage3_max_live_parameters of at least 100,663,296 gives the other bound)"),
+])
+def test_no_prefetch_names_the_key_that_stops_it(sets, head, fix):
+    """ZeRO-3 prefetches no block when one does not fit the bucket or two the live limit
+    (``sharding.zero3_prefetch_depth``): the warning names the key that stops it, not both. Before, it read
+    "bucket (or stage3_max_live_parameters 1,000,000,000) holds less than one block" whichever it was."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import resolve_hardware
+
+    cfg = load_scenario(NVME, sets)
+    got = [w for w in run_warnings(resolve_hardware(cfg), cfg) if "no block is prefetched" in w]
+    assert len(got) == 1, got
+    assert got[0].split(": prefetch is modelled", 1)[0] == "zero_optimization." + head
+    assert got[0].endswith(fix)

@@ -142,3 +142,30 @@ def test_every_problem_of_the_list_is_its_own_line(tmp_path, capsys):
     assert err == ["pcie_switches[1].gpus: gpu 0 is listed also in pcie_switches[0] (a device sits behind one switch)",
                    "pcie_switches[3].gpus: gpu 9 does not exist (the node has 8; allowed: 0..7)",
                    "pcie_switches[3].drives: drive 12 does not exist (the node has 8; allowed: 0..7)"], err
+
+
+def test_a_host_presets_own_list_reports_every_problem_as_a_scenarios_does(monkeypatch, capsys):
+    """The same three problems in the host preset's own ``pcie_switches`` (no shipped preset has a bad one: the
+    preset read is patched to add it) give the same three lines, each naming the preset, in one run. Before, the
+    preset's list was parsed without the node's counts: only the layout line (GPU 0 twice) was reported."""
+    from hardware_models import presets
+
+    bad = [{"gpus": [0, 1], "nics": [0, 1], "drives": [0, 1], "uplink_bytes_per_s": "63 GB/s"},
+           {"gpus": [0, 3], "nics": [2, 3], "drives": [2, 3], "uplink_bytes_per_s": "63 GB/s"},
+           {"gpus": [4, 5], "nics": [4, 5], "drives": [4, 5], "uplink_bytes_per_s": "63 GB/s"},
+           {"gpus": [6, 9], "nics": [6, 7], "drives": [6, 12], "uplink_bytes_per_s": "63 GB/s"}]
+    load = presets._load
+
+    def with_switches(family, name):
+        data = load(family, name)
+        return {**data, "pcie_switches": bad} if (family, name) == ("hosts", "dgx-h100-host") else data
+
+    monkeypatch.setattr(presets, "_load", with_switches)
+    assert main(["run", str(NVME)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    key = "hardware.host 'dgx-h100-host' (its preset's pcie_switches): preset hosts/dgx-h100-host."
+    assert all(key in line for line in lines), lines
+    assert [line.split(key, 1)[-1] for line in lines] == [
+        "pcie_switches[1].gpus: gpu 0 is listed also in pcie_switches[0] (a device sits behind one switch)",
+        "pcie_switches[3].gpus: gpu 9 does not exist (the node has 8; allowed: 0..7)",
+        "pcie_switches[3].drives: drive 12 does not exist (the node has 8; allowed: 0..7)"], lines
