@@ -609,6 +609,20 @@ class TransformerSpec:
         return 4 if self.precision in FULL_PRECISIONS else 2
 
     @property
+    def deepspeed_engine(self) -> bool:
+        """DeepSpeed's engine runs backward and the step (ZeRO stage > 0, ``BF16_Optimizer`` or ``FP16_Optimizer``):
+        Megatron-DeepSpeed then never all-reduces the sequence-parallel replicated gradients over the TP group
+        (``_GptBuilder._sequence_parallel_grads``). Its ``train_step`` calls Megatron's ``reduce_model_grads``, the
+        only holder of that all-reduce, under ``if not args.deepspeed``, and its pipeline path is DeepSpeed's
+        ``train_batch`` (microsoft/Megatron-DeepSpeed@00caa0e9 ``megatron/training.py``; @3adb671f
+        ``megatron/core/pipeline_parallel/schedules.py`` ``forward_backward_no_pipelining``: ``model.backward``,
+        no gradient finalisation); DeepSpeed's engine reduces over the data-parallel group only
+        (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``allreduce_gradients``). Seen by users:
+        deepspeedai/Megatron-DeepSpeed issues #170 ("Not.") and #223 (LayerNorm weights differ across TP ranks
+        after training with ``--sequence-parallel``)."""
+        return self.zero_stage > 0 or self.deepspeed_bf16_optimizer or self.deepspeed_fp16_optimizer
+
+    @property
     def zero_half_grads(self) -> bool:
         """DeepSpeed ZeRO-1/2 over data parallelism (no sharding spec) keeps the gradients in the model dtype,
         2 bytes in bf16 / fp16 (``ZERO_HALF_GRAD_PRECISIONS``); False: fp32 ``.grad`` (or the sharding spec's)."""
@@ -2119,18 +2133,19 @@ class _GptBuilder:
 
     def _unit_sp_grads(self) -> None:
         """FSDP with sequence parallelism: the TP all-reduce of the unit's TP-replicated gradients before its
-        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``)."""
-        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket:
+        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``); none under DeepSpeed's
+        engine (ZeRO-3: ``TransformerSpec.deepspeed_engine``)."""
+        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket and not self.s.deepspeed_engine:
             shd.sp_unit_grads(self, self._bucket)
 
     def _sequence_parallel_grads(self) -> None:
         """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, 16-bit with
         ``_half_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
-        FSDP: per unit, ``_unit_sp_grads``)."""
-        if self.sp and not (self.sh is not None and self.sh.unit_buckets):
+        FSDP: per unit, ``_unit_sp_grads``); none under DeepSpeed's engine (ZeRO, BF16_Optimizer, FP16_Optimizer:
+        ``TransformerSpec.deepspeed_engine``, flagged by ``api.deepspeed_sp_grads_note``)."""
+        if self.sp and not (self.sh is not None and self.sh.unit_buckets) and not self.s.deepspeed_engine:
             self.e.phase, self.e.layer = Phase.BWD, -1
-            # the main_grad's dtype; FP16_Optimizer's 16-bit .grad
-            gb, dt = (2, self.e.half) if self._half_grad_buffer or self.s.deepspeed_fp16_optimizer else (4, "fp32")
+            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
                                            dtype=dt))
