@@ -101,6 +101,7 @@ Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hardware_models.host_kernels import adamw_passes
@@ -981,13 +982,37 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
                                                                    "waits_fold": None}})
 
 
-#: DeepSpeed ZeRO-1/2's parameter all-gather after the step, one op: ``step`` calls ``all_gather_dp_groups``, which
-#: issues one ``all_gather_into_tensor`` of each whole flat 16-bit param group (one group modelled) when the backend
-#: has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch >= 1.13);
-#: only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size`` chunks, not
-#: modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
-#: ``all_gather_into_tensor_dp_groups``). The current behaviour is modelled: ``allgather_bucket_size`` has no effect.
-ZERO_PARAM_ALL_GATHER = "zero.param_all_gather.0"
+#: DeepSpeed ZeRO-1/2's parameter all-gathers after the step, one op per param group (``zero.param_all_gather.<k>``):
+#: ``step`` calls ``all_gather_dp_groups``, which issues one ``all_gather_into_tensor`` of each whole flat 16-bit
+#: param group (``bit16_groups_flat``, one per ``optimizer.param_groups`` entry: ``zero_param_groups``) when the
+#: backend has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch
+#: >= 1.13); only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size``
+#: chunks, not modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
+#: ``all_gather_into_tensor_dp_groups``: ``for group_id, ...: dist.all_gather_into_tensor(group_flat, ...)``). The
+#: current behaviour is modelled: ``allgather_bucket_size`` has no effect.
+ZERO_PARAM_ALL_GATHER = "zero.param_all_gather"
+
+
+def no_weight_decay(name: str) -> bool:
+    """Parameter ``name`` (a ``ParamGroup`` name, ``L<layer>.<module>.<weight|bias>`` or ``<module>.<...>``) is in
+    the no-weight-decay group: a bias or a norm's weight, the builder's 1-D tensors (the norms are ``ln1``, ``ln2``,
+    ``ln_f``: ``_norm_bwd``). Megatron-DeepSpeed's rule (microsoft/Megatron-DeepSpeed@8fd352da
+    ``megatron/optimizer/__init__.py`` ``_get_params_for_weight_decay_optimization``: LayerNorm parameters and
+    biases without weight decay, the rest with it; later ``get_param_groups``: ``name.endswith(".bias") or
+    len(param.shape) == 1``) and Hugging Face's Trainer's (``get_decay_parameter_names``: biases and norm weights
+    excluded)."""
+    parts = name.split(".")
+    return parts[-1] == "bias" or (len(parts) >= 2 and parts[-2] in ("ln1", "ln2", "ln_f"))
+
+
+def zero_param_groups(numels: Sequence[tuple[str, int]]) -> list[int]:
+    """Elements of each non-empty param group DeepSpeed's ZeRO-1/2 flattens, in ``optimizer.param_groups`` order:
+    the weight-decay group, then the no-weight-decay one (``no_weight_decay``), from ``(name, elements)`` of the
+    rank's parameters. Both Megatron-DeepSpeed and Hugging Face's Trainer hand DeepSpeed these two groups
+    (Megatron-DeepSpeed@8fd352da ``get_megatron_optimizer``: ``if args.deepspeed: return optimizer`` over
+    ``param_groups``); an empty one gets no flat buffer here."""
+    nd = sum(n for name, n in numels if no_weight_decay(name))
+    return [n for n in (sum(n for _, n in numels) - nd, nd) if n > 0]
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
@@ -2215,10 +2240,11 @@ class _GptBuilder:
             opt = len(self.b) - 1
             pbytes = 4 if self.amp or self.full else 2
             moe.expert_param_gathers(self, opt)
-            n = P - moe.own_expert_params(s)  # one all_gather_into_tensor of the flat group (ZERO_PARAM_ALL_GATHER)
-            if n > 0:
-                self.comm_ops.append(self._collective(ZERO_PARAM_ALL_GATHER, "all_gather", n * pbytes, [opt],
-                                                      Phase.OPT))
+            own = moe.own_expert_grads(s)  # the experts' own group is gathered by expert_param_gathers
+            numels = [(g.name, g.numel) for g in self.groups if not (own and ".experts." in f".{g.name}")]
+            for k, n in enumerate(zero_param_groups(numels)):  # one all_gather_into_tensor per flat group
+                self.comm_ops.append(self._collective(f"{ZERO_PARAM_ALL_GATHER}.{k}", "all_gather", n * pbytes,
+                                                      [opt], Phase.OPT))
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:
