@@ -64,7 +64,8 @@ same memory traffic the GPU moves:
   all-gather before qkv, fc1 and the LM head, reduce-scatter after proj, fc2 and the embedding;
   backward the reverse), LayerNorm and residual kernels (and their activations) run on ``s / t``
   tokens, and the gradients of the sequence-parallel parameters (LayerNorms, row-parallel biases)
-  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). With
+  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``; not under DeepSpeed's
+  engine, which Megatron-DeepSpeed leaves without it: ``TransformerSpec.deepspeed_engine``). With
   ``tp_async_grad_reduce`` the column-parallel layers save their input's ``s / t`` shard and gather it again
   for the weight gradient beside the input-gradient GEMM (Megatron's re-gather), and reduce-scatter the input
   gradient beside the weight-gradient GEMM; without it the gathered input is saved and nothing is re-gathered.
@@ -941,7 +942,10 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
       step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
       check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
-      the updated parameters (model dtype) are all-gathered in one call (``ZERO_PARAM_ALL_GATHER``).
+      the updated parameters (model dtype) are all-gathered in one call per param group (``ZERO_PARAM_ALL_GATHER``,
+      ``zero_param_groups``: weight decay, no weight decay). The rest of the step (the partition's gradient views,
+      its flatten, fp32 copy and copy back) is priced as one flat group: per group DeepSpeed pads and partitions
+      each group's flat buffer on its own and runs those kernels per group (a few more launches, not counted).
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
