@@ -21,7 +21,7 @@ from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
 from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
-                                     deepspeed_bf16_optimizer, deepspeed_fp16_optimizer)
+                                     deepspeed_bf16_optimizer, deepspeed_fp16_optimizer, deepspeed_runs_step)
 from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
@@ -1137,6 +1137,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := attention_alias_note(cfg.model.attention_backend)):
         out.append(note)
+    if cfg is not None and (note := deepspeed_sp_grads_note(cfg)):
+        out.append(note)
     if cfg is not None and (note := fsdp2_selective_note(cfg)):
         out.append(note)
     if cfg is not None and (note := fsdp2_last_block_note(cfg)):
@@ -1292,6 +1294,20 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def deepspeed_sp_grads_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for sequence parallelism (``tensor_model_parallel_size`` > 1) under DeepSpeed's engine
+    (``schema.deepspeed_runs_step``), else None: Megatron-DeepSpeed all-reduces no sequence-parallel replicated
+    gradient over the TP group there, so none is priced and the replicas drift (``TransformerSpec.deepspeed_engine``
+    gives the sources)."""
+    p = cfg.parallelism
+    if not (p.sequence_parallel and p.tensor_model_parallel_size > 1 and deepspeed_runs_step(cfg)):
+        return None
+    return ("parallelism.sequence_parallel under DeepSpeed's engine: Megatron-DeepSpeed never all-reduces the "
+            "LayerNorm / row-parallel-bias gradients over the tensor-parallel group (Megatron's reduce_model_grads "
+            "runs only without --deepspeed; Megatron-DeepSpeed issues #170, #223), so no such all-reduce is priced "
+            "and those replicated weights drift apart across TP ranks in the real run")
 
 
 def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:

@@ -520,8 +520,14 @@ def clip_grad_of(cfg: "ScenarioConfig") -> float:
     v = cfg.training.clip_grad
     if v is not None:
         return v
-    deepspeed = cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg) or deepspeed_fp16_optimizer(cfg)
-    return 0.0 if cfg.fsdp is not None or deepspeed else 1.0
+    return 0.0 if cfg.fsdp is not None or deepspeed_runs_step(cfg) else 1.0
+
+
+def deepspeed_runs_step(cfg: "ScenarioConfig") -> bool:
+    """DeepSpeed's engine runs backward and the step: ``zero_optimization.stage`` 1-3, or stage 0 as
+    ``BF16_Optimizer`` / ``FP16_Optimizer`` (``deepspeed_bf16_optimizer`` / ``deepspeed_fp16_optimizer``); the
+    config-level ``TransformerSpec.deepspeed_engine``."""
+    return cfg.zero_optimization.stage > 0 or deepspeed_bf16_optimizer(cfg) or deepspeed_fp16_optimizer(cfg)
 
 
 def deepspeed_bf16_optimizer(cfg: "ScenarioConfig") -> bool:

@@ -35,7 +35,7 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   dp)`` parameters (host buffers, CPU step and upload are for that partition); the builder's
   gradient reduce-scatters run in bf16 and each is followed by the D2H copy of this rank's shard
   (DeepSpeed stage_1_and_2.py with ``offload_optimizer``); the updated partition goes up in one
-  H2D copy and is all-gathered in one call (``ZERO_PARAM_ALL_GATHER``). ZeRO-3 (the builder's
+  H2D copy and is all-gathered in one call per param group (``ZERO_PARAM_ALL_GATHER``). ZeRO-3 (the builder's
   ``sharding`` ``zero3``): the reduce-scatters already carry 16-bit gradients (kept as built), the
   GPU keeps the 16-bit parameter partition the shard is uploaded into (no whole-model copy, no
   gradient partition), and no all-gather follows the step but that of the persistent parameters
@@ -496,16 +496,14 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                               layer=layer, cost_class=CostClass.COPY, bytes_read=float(2 * n), pinned=pin_memory,
                               role=OpRole.PARAM_UPLOAD))
     ag_ids = []
-    if zero3:  # ZeRO-3 gathers blocks on demand in the next step; only the persistent (unpartitioned)
-        # parameters are all-gathered after the step (DeepSpeed stage3.py _post_step)
+    if zero3 or dp > 1:  # the builder's post-step all-gathers, after the uploads: ZeRO-3 gathers blocks on demand
+        # in the next step, only the persistent (unpartitioned) parameters after it (DeepSpeed stage3.py _post_step);
+        # ZeRO-1/2 every rank's updated 16-bit partition, one call per param group (ZERO_PARAM_ALL_GATHER)
         for op in graph.ops:
-            if op.phase == Phase.OPT and (op.meta or {}).get("collective") == "all_gather":
+            if op.phase == Phase.OPT and (op.meta or {}).get("collective") == "all_gather" and (
+                    zero3 or op.name.startswith(ZERO_PARAM_ALL_GATHER)):
                 ag_ids.append(rw.add(op.name, OpKind.COLLECTIVE, op.stream, deps=h2d_ids, phase=Phase.OPT,
                                      bytes_read=op.bytes_read, dtype=op.dtype, meta=dict(op.meta)))
-    elif dp > 1:  # every rank's updated bf16 partition is all-gathered in one call (ZERO_PARAM_ALL_GATHER)
-        ag_ids.append(rw.add(ZERO_PARAM_ALL_GATHER, OpKind.COLLECTIVE, "comm.dp", deps=h2d_ids,
-                             phase=Phase.OPT, bytes_read=float(2 * P), dtype=model.precision,
-                             meta={"collective": "all_gather", "bytes": int(2 * P), "group": "dp"}))
     sync_deps = [bwd_done] if dpu else h2d_ids + ag_ids
     rw.add("step.synchronize", OpKind.SYNC, "host", deps=sync_deps, phase=Phase.OTHER, launch=False)
     if dpu:

@@ -48,7 +48,11 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   attention output is not kept but the core's ``s^2`` tensors are (``attention.saved_core_bytes``, ``5 a s^2 b
   / t`` with attention dropout; none with selective recompute, which adds them and the core's score gradients
   to the backward transient, the larger of them and the MLP's backward working set), and hidden dropout adds two 1-byte masks ``2 T_n h``. With full recompute only ``x`` is kept
-  per block, plus one block's activations during its backward. A stage keeps ``n_r`` micro-batches in
+  per block, plus one block's activations during its backward; with torchtitan's every-n-th-block checkpointing
+  (``recompute_every`` n) only the blocks ``(i + 1) % n == 0`` are checkpointed, the others keep all, and the rebuilt
+  block counts against the later blocks' activations already freed (``_rebuilt_bytes``); torchtitan's per-op policy
+  (``activation_checkpoint.selective_ac_option: op``) keeps per block the tensors of ``op_sac.KEPT`` (the builder's
+  table) and rebuilds the rest of one block during its backward. A stage keeps ``n_r`` micro-batches in
   flight, counted from its schedule (``pipeline.stage_actions``: ``p - r`` for 1F1B, ``m`` for GPipe,
   Megatron's warm-up for the interleaved schedule; 1 without pipelining).
 * **Transients**: the last stage's fp32 logits ``12 T V / t`` with PyTorch's ``F.cross_entropy`` (log-softmax
@@ -86,7 +90,7 @@ from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import fp16_optimizer as fp16opt
 from simulator.graph.builders.bf16_optimizer import holds_pipe_replica
-from simulator.graph.builders import qkv_layout
+from simulator.graph.builders import op_sac, qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
 from simulator.studies.moe_backward_peak import moe_dims, working_peak
@@ -258,6 +262,8 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     residual = act * Tn * h
     if recompute == "full":
         return residual
+    if recompute == "op":  # torchtitan's per-op policy: the tensors of op_sac.KEPT
+        return sum(op_sac.kept_bytes(spec, w, act).values())
     stats = 2 * norm_stats_bytes(spec) + flash_lse_bytes(spec, recompute)
     # the rotated q, k beside QKV's output; with flash they and V's contiguous copy replace it (builder _contiguous_v)
     rope = (w * T * (h // t + spec.query_groups * spec.head_dim // t)
@@ -282,6 +288,39 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     qkv = 3 * spec.attention_width // t if qkv_layout.repeats(spec) else qo  # repeat_kv: q and a heads of K, V
     return (2 * residual + 2 * w * T * h + w * T * qkv + rope + attn + masks + w * T * (f1 + f // t) + stats
             + weights16 + eager - fp8 + moe_mlp)
+
+
+def _block_bytes(spec, layer: int, bf16_gathered: bool = False) -> float:
+    """Bytes block ``layer`` (0-based, of the model) saves for backward per micro-batch: with ``recompute`` full and
+    ``recompute_every`` n only the blocks with ``(layer + 1) % n == 0`` are checkpointed, the others keep all (the
+    builder's ``_GptBuilder._checkpointed``, torchtitan's ``selective_ac_option`` n)."""
+    r = spec.recompute
+    if r == "full" and (layer + 1) % spec.recompute_every:
+        r = "none"
+    return _layer_activation_bytes(spec, r, bf16_gathered)
+
+
+def _mean_block_bytes(spec, bf16_gathered: bool = False) -> float:
+    """``_block_bytes`` averaged over the model's blocks: every block alike but with ``recompute_every`` n > 1,
+    which torchtitan allows without a pipeline only (``torchtitan_ac.check_scenario``), so the stage holds them
+    all."""
+    if spec.recompute_every == 1:
+        return _layer_activation_bytes(spec, spec.recompute, bf16_gathered)
+    L = spec.num_layers
+    return sum(_block_bytes(spec, i, bf16_gathered) for i in range(L)) / L
+
+
+def _rebuilt_bytes(spec, bf16_gathered: bool = False) -> float:
+    """What a recomputed block rebuilds before its backward, above the activations in flight at the first backward:
+    op mode (every block): the block's activations but those ``op_sac.KEPT`` holds; full: a whole block's, and with
+    ``recompute_every`` n (one pass, no pipeline) the largest over the checkpointed blocks ``j`` of that less the
+    saved bytes of the later blocks, already freed by then (0 when no block is checkpointed)."""
+    whole = _layer_activation_bytes(spec, "none", bf16_gathered)
+    if spec.recompute == "op":
+        return whole - _layer_activation_bytes(spec, "op", bf16_gathered)
+    L, n = spec.num_layers, spec.recompute_every
+    later = [sum(_block_bytes(spec, i, bf16_gathered) for i in range(j + 1, L)) for j in range(L)]
+    return max([0.0] + [whole - later[j] for j in range(L) if (j + 1) % n == 0])
 
 
 def _moe_mlp_delta(spec) -> tuple[float, float]:
@@ -443,7 +482,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
 
     Raises:
         NotEstimated: offload of the optimizer, parameters or activations; LoRA; a mixture-of-experts model with
-            dense blocks or fp8; torchtitan's selective activation_checkpoint.
+            dense blocks or fp8.
     """
     from simulator.api import memory_overheads, transformer_spec
 
@@ -470,9 +509,6 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         raise NotEstimated("fsdp with pipeline parallelism (units kept gathered across micro-batches, gradients "
                            "reduced once per step) is not covered by the memory estimate")
     spec = transformer_spec(cfg, pp_rank)
-    if spec.recompute == "op" or spec.recompute_every != 1:
-        raise NotEstimated("torchtitan's selective activation_checkpoint (per op, or every n-th block) is not covered "
-                           "by the memory estimate")
     states, grads = _model_state_bytes(cfg, spec)
     end_grads = grads  # the gradients backward leaves (beside the states) when the optimizer step starts
     if spec.fp8 is not None:  # resident like the model states
@@ -488,14 +524,15 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     passes, layers, after_backward, by_chunk = _peak_passes(spec.pipeline_schedule, p, m, pp_rank, v, spec.layer_split)
     sh = spec.sharding if spec.data_parallel_size > 1 else None
     bf16_gathered = sh is not None and sh.gathers and sh.param_bytes == 2  # the GEMMs read the gathered weights
-    activations = layers * _layer_activation_bytes(spec, recompute, bf16_gathered)
+    block = _mean_block_bytes(spec, bf16_gathered)  # one block's saved activations, averaged over the stage's
+    activations = layers * block
     f1 = (spec.fc1_out_size + spec.ffn_hidden_size) // t
     largest_weight = max(h * spec.qkv_out_size, h * spec.fc1_out_size, spec.ffn_hidden_size * h) // t
     transient = w * T * f1 + 2 * act * T * h + w * largest_weight  # one block's backward working set
     if spec.num_experts:  # every block is an MoE block (dense blocks between them are not estimated)
         transient = _moe_mlp_delta(spec)[1] + w * largest_weight
-    if recompute == "full":  # one block's activations are rebuilt during its backward
-        transient += _layer_activation_bytes(spec, "none", bf16_gathered)
+    if recompute in ("full", "op"):  # one block's activations are rebuilt during its backward (op: those not kept)
+        transient += _rebuilt_bytes(spec, bf16_gathered)
     if spec.attention_backend == "unfused":  # the core's score gradients (and its recomputed tensors), after
         # the MLP's backward has freed its working set: the larger of the two
         mlp = w * T * f1 + 2 * act * T * h + w * largest_weight
@@ -521,15 +558,15 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     dynamic = activations + transient
     o = memory_overheads(cfg)
     if sh is None and spec.zero_stage == 2 and spec.grad_reduce_size > 1:
-        per_pass = sum(spec.layer_split[c * p + pp_rank] for c in range(v)) * _layer_activation_bytes(
-            spec, recompute, bf16_gathered) / max(1, v)  # the blocks of the pass whose backward runs
+        per_pass = sum(spec.layer_split[c * p + pp_rank] for c in range(v)) * block / max(1, v)  # the blocks of
+        # the pass whose backward runs
         return _zero2_stage(cfg, spec, pp_rank, passes, states, float(activations), float(transient), per_pass,
                             after_backward and m > 1, o, largest_weight)
     # the first block's backward, without pipelining: every gradient but its own (and an untied embedding's),
     # beside its saved activations, its working set and the tokens
     g = _grad_bytes(spec)
     near_end = (grads - g * spec.layer_params - (0 if spec.tied_embeddings else g * V * h)
-                + _layer_activation_bytes(spec, recompute, bf16_gathered) + block_transient + 16 * T
+                + _block_bytes(spec, 0, bf16_gathered) + block_transient + 16 * T
                 if sh is None and p == 1 and grads else 0.0)
     if not after_backward and max(grads, near_end) > dynamic:  # the peak is (near) the end of backward
         if near_end > grads:

@@ -68,15 +68,46 @@ def check_spec(s) -> None:
                          f"{', '.join(bad)} not met")
 
 
+#: The tensors one block's forward keeps for ``recompute`` (module docstring), the one table the builder
+#: (``saved_outputs``) and the memory estimate (``kept_bytes``) read: name -> (what it is, kept only with TP). Without
+#: TP the reductions are identities: ``proj_rs`` is then wo's output, recomputed, and ``w2_rs`` is ``w2``.
+KEPT = {"x": ("the block input", False), "q": ("wq's output", False), "v": ("wv's output", False),
+        "att": ("SDPA's output", False), "lse": ("SDPA's fp32 log-sum-exp", False),
+        "proj_rs": ("wo's reduce-scatter output", True), "w1": ("w1's output", False),
+        "w2": ("w2's output, before its reduce-scatter", False), "w2_rs": ("w2's reduce-scatter output", True)}
+
+
+def kept(tp: int) -> tuple[str, ...]:
+    """The names of ``KEPT`` a block keeps under TP size ``tp``."""
+    return tuple(k for k, (_, tp_only) in KEPT.items() if tp > 1 or not tp_only)
+
+
 def saved_outputs(bld, *, x: str, q: str, v: str, att: str, lse: str, proj_rs: str, w1: str, w2: str,
                   w2_rs: str) -> dict:
-    """What the forward of one block keeps for ``recompute`` (module docstring): its input ``x``, the wq / wv
-    outputs ``q`` / ``v``, the SDPA output and log-sum-exp, the wo reduce-scatter output ``proj_rs``, the w1 output,
-    the w2 output and its reduce-scatter output ``w2_rs`` (without TP the reductions are identities: ``proj_rs`` is
-    then wo's output, recomputed, and ``w2_rs`` is ``w2``)."""
-    tp = bld.tp > 1
-    return dict(x=x, q=q, v=v, att=att, lse=lse, proj_rs=proj_rs if tp else None, w1=w1,
-                held=(w2, w2_rs) if tp else (w2,))
+    """What the forward of one block keeps for ``recompute`` (``KEPT``: its input ``x``, the wq / wv outputs ``q`` /
+    ``v``, the SDPA output and log-sum-exp, the wo reduce-scatter output ``proj_rs``, the w1 output, the w2 output and
+    its reduce-scatter output ``w2_rs``), the tensor names by role; ``held``: those the recompute never reads."""
+    names = dict(x=x, q=q, v=v, att=att, lse=lse, proj_rs=proj_rs, w1=w1, w2=w2, w2_rs=w2_rs)
+    k = kept(bld.tp)
+    out = {r: names[r] if r in k else None for r in ("x", "q", "v", "att", "lse", "proj_rs", "w1")}
+    return {**out, "held": tuple(names[r] for r in ("w2", "w2_rs") if r in k)}
+
+
+def kept_bytes(s, w: int, act: int) -> dict[str, int]:
+    """Bytes per micro-batch of each tensor of ``KEPT`` a block of ``TransformerSpec`` ``s`` keeps (``kept``): the
+    block input ``[T_n, h]`` in the residual dtype, q ``[T, a d / t]``, v ``[T, g d / t]``, the SDPA output ``[T,
+    a d / t]``, the fp32 log-sum-exp ``[b, a / t, s]``, w1 ``[T, f / t]``, w2 ``[T, h]`` and the two
+    reduce-scatter outputs ``[T_n, h]``: ``w`` bytes per element (the GEMM output dtype), ``act`` for the block
+    input (the residual dtype), 4 for the log-sum-exp (``T_n = T / t`` under sequence parallelism, which op mode
+    needs with TP: ``check_spec``)."""
+    t = s.tensor_parallel_size
+    T = s.micro_batch_size * s.seq_length
+    Tn, h = T // t, s.hidden_size
+    sizes = {"x": act * Tn * h, "q": w * T * s.attention_width // t, "v": w * T * s.query_groups * s.head_dim // t,
+             "att": w * T * s.attention_width // t,
+             "lse": 4 * s.micro_batch_size * (s.num_attention_heads // t) * s.seq_length,
+             "proj_rs": w * Tn * h, "w1": w * T * s.ffn_hidden_size // t, "w2": w * T * h, "w2_rs": w * Tn * h}
+    return {k: sizes[k] for k in kept(t)}
 
 
 def recompute(bld, c: dict) -> dict:

@@ -64,7 +64,8 @@ same memory traffic the GPU moves:
   all-gather before qkv, fc1 and the LM head, reduce-scatter after proj, fc2 and the embedding;
   backward the reverse), LayerNorm and residual kernels (and their activations) run on ``s / t``
   tokens, and the gradients of the sequence-parallel parameters (LayerNorms, row-parallel biases)
-  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``). With
+  are all-reduced over the TP group once per step (Megatron ``_allreduce_layernorm_grads``; not under DeepSpeed's
+  engine, which Megatron-DeepSpeed leaves without it: ``TransformerSpec.deepspeed_engine``). With
   ``tp_async_grad_reduce`` the column-parallel layers save their input's ``s / t`` shard and gather it again
   for the weight gradient beside the input-gradient GEMM (Megatron's re-gather), and reduce-scatter the input
   gradient beside the weight-gradient GEMM; without it the gathered input is saved and nothing is re-gathered.
@@ -101,6 +102,7 @@ Shapes below use ``T = micro_batch_size * seq_length`` tokens, ``h`` hidden, ``f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hardware_models.host_kernels import adamw_passes
@@ -609,6 +611,20 @@ class TransformerSpec:
         return 4 if self.precision in FULL_PRECISIONS else 2
 
     @property
+    def deepspeed_engine(self) -> bool:
+        """DeepSpeed's engine runs backward and the step (ZeRO stage > 0, ``BF16_Optimizer`` or ``FP16_Optimizer``):
+        Megatron-DeepSpeed then never all-reduces the sequence-parallel replicated gradients over the TP group
+        (``_GptBuilder._sequence_parallel_grads``). Its ``train_step`` calls Megatron's ``reduce_model_grads``, the
+        only holder of that all-reduce, under ``if not args.deepspeed``, and its pipeline path is DeepSpeed's
+        ``train_batch`` (microsoft/Megatron-DeepSpeed@00caa0e9 ``megatron/training.py``; @3adb671f
+        ``megatron/core/pipeline_parallel/schedules.py`` ``forward_backward_no_pipelining``: ``model.backward``,
+        no gradient finalisation); DeepSpeed's engine reduces over the data-parallel group only
+        (deepspeedai/DeepSpeed@007cca6a ``deepspeed/runtime/engine.py`` ``allreduce_gradients``). Seen by users:
+        deepspeedai/Megatron-DeepSpeed issues #170 ("Not.") and #223 (LayerNorm weights differ across TP ranks
+        after training with ``--sequence-parallel``)."""
+        return self.zero_stage > 0 or self.deepspeed_bf16_optimizer or self.deepspeed_fp16_optimizer
+
+    @property
     def zero_half_grads(self) -> bool:
         """DeepSpeed ZeRO-1/2 over data parallelism (no sharding spec) keeps the gradients in the model dtype,
         2 bytes in bf16 / fp16 (``ZERO_HALF_GRAD_PRECISIONS``); False: fp32 ``.grad`` (or the sharding spec's)."""
@@ -926,7 +942,10 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
       buffers with ``contiguous_gradients``: ``_GptBuilder._init_ipg``); before the optimizer kernel DeepSpeed's
       step computes the gradient norm, copies the partition to fp32 and unscales it (fp16: after its overflow
       check; ``simulator.graph.builders.grad_norm.deepspeed_zero_step``); after the step
-      the updated parameters (model dtype) are all-gathered in one call (``ZERO_PARAM_ALL_GATHER``).
+      the updated parameters (model dtype) are all-gathered in one call per param group (``ZERO_PARAM_ALL_GATHER``,
+      ``zero_param_groups``: weight decay, no weight decay). The rest of the step (the partition's gradient views,
+      its flatten, fp32 copy and copy back) is priced as one flat group: per group DeepSpeed pads and partitions
+      each group's flat buffer on its own and runs those kernels per group (a few more launches, not counted).
     * ZeRO-3, FSDP and the Megatron-LM distributed optimizer (``spec.sharding``): per-unit parameter
       all-gathers with prefetch, per-unit / per-bucket gradient reduce-scatters and sharded states,
       through the hooks ``_gather_layer_params`` / ``_release_layer_params``
@@ -967,13 +986,37 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
                                                                    "waits_fold": None}})
 
 
-#: DeepSpeed ZeRO-1/2's parameter all-gather after the step, one op: ``step`` calls ``all_gather_dp_groups``, which
-#: issues one ``all_gather_into_tensor`` of each whole flat 16-bit param group (one group modelled) when the backend
-#: has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch >= 1.13);
-#: only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size`` chunks, not
-#: modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
-#: ``all_gather_into_tensor_dp_groups``). The current behaviour is modelled: ``allgather_bucket_size`` has no effect.
-ZERO_PARAM_ALL_GATHER = "zero.param_all_gather.0"
+#: DeepSpeed ZeRO-1/2's parameter all-gathers after the step, one op per param group (``zero.param_all_gather.<k>``):
+#: ``step`` calls ``all_gather_dp_groups``, which issues one ``all_gather_into_tensor`` of each whole flat 16-bit
+#: param group (``bit16_groups_flat``, one per ``optimizer.param_groups`` entry: ``zero_param_groups``) when the
+#: backend has it (``dist.has_all_gather_into_tensor()``: torch.distributed with ``all_gather_into_tensor``, torch
+#: >= 1.13); only without it does DeepSpeed fall back to ``dist.all_gather`` calls in ``allgather_bucket_size``
+#: chunks, not modelled (deepspeedai/DeepSpeed@e466bd53 ``deepspeed/runtime/utils.py`` ``all_gather_dp_groups`` /
+#: ``all_gather_into_tensor_dp_groups``: ``for group_id, ...: dist.all_gather_into_tensor(group_flat, ...)``). The
+#: current behaviour is modelled: ``allgather_bucket_size`` has no effect.
+ZERO_PARAM_ALL_GATHER = "zero.param_all_gather"
+
+
+def no_weight_decay(name: str) -> bool:
+    """Parameter ``name`` (a ``ParamGroup`` name, ``L<layer>.<module>.<weight|bias>`` or ``<module>.<...>``) is in
+    the no-weight-decay group: a bias or a norm's weight, the builder's 1-D tensors (the norms are ``ln1``, ``ln2``,
+    ``ln_f``: ``_norm_bwd``). Megatron-DeepSpeed's rule (microsoft/Megatron-DeepSpeed@8fd352da
+    ``megatron/optimizer/__init__.py`` ``_get_params_for_weight_decay_optimization``: LayerNorm parameters and
+    biases without weight decay, the rest with it; later ``get_param_groups``: ``name.endswith(".bias") or
+    len(param.shape) == 1``) and Hugging Face's Trainer's (``get_decay_parameter_names``: biases and norm weights
+    excluded)."""
+    parts = name.split(".")
+    return parts[-1] == "bias" or (len(parts) >= 2 and parts[-2] in ("ln1", "ln2", "ln_f"))
+
+
+def zero_param_groups(numels: Sequence[tuple[str, int]]) -> list[int]:
+    """Elements of each non-empty param group DeepSpeed's ZeRO-1/2 flattens, in ``optimizer.param_groups`` order:
+    the weight-decay group, then the no-weight-decay one (``no_weight_decay``), from ``(name, elements)`` of the
+    rank's parameters. Both Megatron-DeepSpeed and Hugging Face's Trainer hand DeepSpeed these two groups
+    (Megatron-DeepSpeed@8fd352da ``get_megatron_optimizer``: ``if args.deepspeed: return optimizer`` over
+    ``param_groups``); an empty one gets no flat buffer here."""
+    nd = sum(n for name, n in numels if no_weight_decay(name))
+    return [n for n in (sum(n for _, n in numels) - nd, nd) if n > 0]
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to
@@ -2119,18 +2162,19 @@ class _GptBuilder:
 
     def _unit_sp_grads(self) -> None:
         """FSDP with sequence parallelism: the TP all-reduce of the unit's TP-replicated gradients before its
-        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``)."""
-        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket:
+        reduce-scatter (``sharding.sp_unit_grads``; in place of ``_sequence_parallel_grads``); none under DeepSpeed's
+        engine (ZeRO-3: ``TransformerSpec.deepspeed_engine``)."""
+        if self.sp and self.sh is not None and self.sh.unit_buckets and self._bucket and not self.s.deepspeed_engine:
             shd.sp_unit_grads(self, self._bucket)
 
     def _sequence_parallel_grads(self) -> None:
         """Sequence parallelism: one coalesced all-reduce over the TP group of the gradients (fp32, 16-bit with
         ``_half_grad_buffer``) of the LayerNorms and row-parallel biases (Megatron ``finalize_model_grads`` -> ``_allreduce_layernorm_grads``;
-        FSDP: per unit, ``_unit_sp_grads``)."""
-        if self.sp and not (self.sh is not None and self.sh.unit_buckets):
+        FSDP: per unit, ``_unit_sp_grads``); none under DeepSpeed's engine (ZeRO, BF16_Optimizer, FP16_Optimizer:
+        ``TransformerSpec.deepspeed_engine``, flagged by ``api.deepspeed_sp_grads_note``)."""
+        if self.sp and not (self.sh is not None and self.sh.unit_buckets) and not self.s.deepspeed_engine:
             self.e.phase, self.e.layer = Phase.BWD, -1
-            # the main_grad's dtype; FP16_Optimizer's 16-bit .grad
-            gb, dt = (2, self.e.half) if self._half_grad_buffer or self.s.deepspeed_fp16_optimizer else (4, "fp32")
+            gb, dt = (2, self.e.half) if self._half_grad_buffer else (4, "fp32")  # the main_grad's dtype
             self.tp_ops.append(self._tp_op("layernorm_grads.all_reduce", "all_reduce",
                                            gb * self.s.sequence_parallel_params, deps=[len(self.b) - 1],
                                            dtype=dt))
@@ -2200,10 +2244,11 @@ class _GptBuilder:
             opt = len(self.b) - 1
             pbytes = 4 if self.amp or self.full else 2
             moe.expert_param_gathers(self, opt)
-            n = P - moe.own_expert_params(s)  # one all_gather_into_tensor of the flat group (ZERO_PARAM_ALL_GATHER)
-            if n > 0:
-                self.comm_ops.append(self._collective(ZERO_PARAM_ALL_GATHER, "all_gather", n * pbytes, [opt],
-                                                      Phase.OPT))
+            own = moe.own_expert_grads(s)  # the experts' own group is gathered by expert_param_gathers
+            numels = [(g.name, g.numel) for g in self.groups if not (own and ".experts." in f".{g.name}")]
+            for k, n in enumerate(zero_param_groups(numels)):  # one all_gather_into_tensor per flat group
+                self.comm_ops.append(self._collective(f"{ZERO_PARAM_ALL_GATHER}.{k}", "all_gather", n * pbytes,
+                                                      [opt], Phase.OPT))
 
     # -- data parallel -----------------------------------------------------------------------
     def _init_ipg(self) -> None:

@@ -124,7 +124,9 @@ TINY_CP = {**BASE, "model": {"num_layers": 1, "hidden_size": 8, "num_attention_h
 
 @pytest.mark.parametrize("extra,want", [
     ({"zero_optimization": {"stage": 1}}, [("zero.grad_reduce_scatter.0", 2 * 1144), ("zero.grad_norm.all_reduce", 4),
-                                           ("zero.param_all_gather.0", 2 * 1144)]),  # bf16 grads; the step's norm
+                                           # per param group (weight decay; biases and norms: ln1 16 + ln2 16 +
+                                           # qkv 24 + proj 8 + fc1 32 + fc2 8 + ln_f 16 = 120, no decay)
+                                           ("zero.param_all_gather.0", 2 * 1024), ("zero.param_all_gather.1", 2 * 120)]),
     ({"ddp": {"use_distributed_optimizer": True}}, [("megatron.grad_reduce_scatter.0", 4 * 1144),
                                                     ("megatron.param_all_gather.0", 2 * 1144)]),
     # (stage3_max_reuse_distance 0: every unit gathered again for backward; DeepSpeed's default 1e9 would keep both)

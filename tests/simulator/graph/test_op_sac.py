@@ -22,7 +22,8 @@ from simulator.api import fsdp2_selective_note, resolve_hardware, run_warnings, 
 from simulator.config.errors import ScenarioError
 from simulator.graph.builders.transformer import build_gpt_step
 from simulator.graph.ops import OpKind, Phase
-from simulator.studies.memory_estimate import NotEstimated, stage_memory
+from simulator.graph.builders import op_sac
+from simulator.studies.memory_estimate import stage_memory
 from tests.simulator.graph.test_llama_features import T, spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -183,12 +184,18 @@ def test_op_mode_runs_between_none_and_full():
     assert none["step_time_s"] < op["step_time_s"] < full["step_time_s"]
 
 
-def test_memory_estimate_refuses_torchtitan_selective():
-    """The analytic estimate does not cover the per-op or every-n policy: NotEstimated (the search simulates)."""
-    for ac in ("{selective_ac_option: op}", "{selective_ac_option: 2}"):
-        with pytest.raises(NotEstimated, match="torchtitan's selective activation_checkpoint"):
-            stage_memory(load_scenario(F, [FSDP2, f"activation_checkpoint={ac}"]))
-    stage_memory(load_scenario(F, [FSDP2, "activation_checkpoint={mode: full}"]))
+def test_memory_estimate_reads_the_kept_table_by_hand():
+    """The analytic estimate reads the builder's table (``op_sac.KEPT``): op mode saves 28672 B per block, the bytes
+    ``test_op_mode_keeps_every_other_mm_by_hand`` counts in the graph; every-2 averages a checkpointed block (its
+    input, 4096 B) and a whole one over the model; neither is NotEstimated any more."""
+    from simulator.studies.memory_estimate import _layer_activation_bytes, _mean_block_bytes
+
+    op = spec(**TT, recompute="op")
+    assert _layer_activation_bytes(op, "op") == 28672
+    assert sum(op_sac.kept_bytes(op, 2, 2).values()) == 28672
+    every2 = spec(**TT, recompute="full", recompute_every=2)
+    assert _mean_block_bytes(every2) == (4096 + _layer_activation_bytes(every2, "none")) / 2
+    stage_memory(load_scenario(F, [FSDP2, "activation_checkpoint={selective_ac_option: op}"]))  # no NotEstimated
 
 
 def test_selective_note_points_to_torchtitan_key():

@@ -109,6 +109,11 @@ CASES = {
         "hardware.gpu=b200-180gb", "hardware.profile=null"]),
     "fp8 param gather PP4": (TP2, [*PP4, "training.precision=bf16", "training.fp8=hybrid",
                                    "ddp.use_distributed_optimizer=true", "training.fp8_param_gather=true"]),
+    # torchtitan's activation_checkpoint on an FSDP2 Llama (4 blocks, 8192-token vocabulary, so a block's backward,
+    # not the LM head's, makes the peak): per op, every 2nd block (as full: +3.8%), every 3rd block (block 2 only)
+    **{f"FSDP2 Llama torchtitan AC {ac}": (H200 / "llama3_8b_b1.yaml", [
+        "fsdp={version: 2}", "model.num_layers=4", "training.micro_batch_size=2", "model.vocab_size=8192",
+        f"activation_checkpoint={{selective_ac_option: {ac}}}"]) for ac in ("op", 2, 3)},
     "tf32 PP4 full recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap.yaml",
                                 ["training.global_batch_size=64"]),
     "tf32 PP4 hf_eager no recompute": (ROOT / "scenarios/validation/PERSEUS-ZEUSGLOBAL-GPT3XL-PP4-4xA100PCIe-powercap"
