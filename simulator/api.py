@@ -630,15 +630,9 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
 
 def resolved_config(cfg: ScenarioConfig) -> dict:
     """The scenario with every value in force, as a JSON-able dict (``SimulationResult.config``, written as
-    ``config.resolved.yaml``): ``cfg.model_dump``, but without the ``zero_optimization`` section when the scenario
-    gave none. A section's presence decides who runs the step (a DeepSpeed config at stage 0 with 16-bit training is
-    DeepSpeed's BF16_Optimizer / FP16_Optimizer, ``schema.deepspeed_bf16_optimizer`` /
-    ``deepspeed_fp16_optimizer``; none is Megatron-LM's or PyTorch's DDP), so a dumped default section would turn the
-    re-run of a Megatron-LM run's resolved config into another run."""
-    out = cfg.model_dump(mode="json")
-    if "zero_optimization" not in cfg.model_fields_set:
-        out.pop("zero_optimization", None)
-    return out
+    ``config.resolved.yaml``): ``cfg.model_dump``, which leaves out a ``zero_optimization`` section the scenario
+    did not give (``ScenarioConfig._dump_without_unwritten_deepspeed``: its presence decides who runs the step)."""
+    return cfg.model_dump(mode="json")
 
 
 def class_warnings(per_class: list[tuple[str, list[str]]]) -> list[str]:

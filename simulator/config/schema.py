@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, field_validator, model_serializer, model_validator
 
 from hardware_models.presets import FILE_PREFIXES
 from simulator.config.limits import (
@@ -764,6 +764,18 @@ class ScenarioConfig(_Model):
     rank_overrides: list[RankOverride] = Field(default_factory=list, max_length=MAX_RANK_OVERRIDES,
                                                description="Ranks that differ (stragglers, capped GPUs); "
                                                "simulator/config/sections/ranks.py.")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_unwritten_deepspeed(self, handler):
+        """Every dump (``model_dump``, ``model_dump_json``) leaves out the ``zero_optimization`` section when the
+        scenario gave none: its presence decides who runs the step (a DeepSpeed config at stage 0 with 16-bit
+        training is DeepSpeed's BF16_Optimizer / FP16_Optimizer: ``deepspeed_bf16_optimizer`` /
+        ``deepspeed_fp16_optimizer``; none is Megatron-LM's or PyTorch's DDP), so a dumped default section would turn
+        a Megatron-LM run reloaded from its dump into another run."""
+        out = handler(self)
+        if isinstance(out, dict) and "zero_optimization" not in self.model_fields_set:
+            out.pop("zero_optimization", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod

@@ -74,6 +74,22 @@ def test_a_megatron_runs_resolved_config_stays_megatron():
     assert data_parallel_strategy(scenario_from_dict(run_scenario(ds).config)) == "DeepSpeed FP16_Optimizer"
 
 
+@pytest.mark.parametrize("path,dump", [(DP8, {}), (DP8, {"mode": "json"}), (DP8, {"exclude_none": True}),
+                                       (PP2, {}), (PP2, {"mode": "json", "exclude_none": True})])
+def test_every_dump_of_a_megatron_run_reloads_as_megatron(path, dump):
+    """Any ``model_dump`` of a bf16 run without a zero_optimization section leaves the section out
+    (``ScenarioConfig._dump_without_unwritten_deepspeed``): reloaded, a data-parallel run is DDP, not FP16_Optimizer,
+    and a pipeline is Megatron's, not BF16_Optimizer; a DeepSpeed run's dump keeps its section."""
+    from simulator.config.loader import scenario_from_dict
+
+    cfg = load_scenario(path, ["training.precision=bf16"])
+    assert "zero_optimization" not in cfg.model_dump(**dump)
+    assert data_parallel_strategy(scenario_from_dict(cfg.model_dump(**dump))) == data_parallel_strategy(cfg)
+    ds = load_scenario(path, ["training.precision=bf16", "zero_optimization={stage: 0}"])
+    assert data_parallel_strategy(scenario_from_dict(ds.model_dump(**dump))) == data_parallel_strategy(ds) == (
+        "DeepSpeed FP16_Optimizer" if path == DP8 else "DeepSpeed BF16_Optimizer")
+
+
 def test_megatrons_grad_buffer_keys_are_warned_under_fp16_optimizer():
     """ddp.accumulate_allreduce_grads_in_fp32 / grad_reduce_in_bf16 shape Megatron-LM's grad buffer, which
     FP16_Optimizer does not keep: one line names both (the run is the same without them)."""
