@@ -15,7 +15,7 @@ from collections import defaultdict
 from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
+from simulator.graph.ops import Op, OpKind, TensorAlloc, op_copier, op_from_fields
 
 #: op metadata that keeps a kernel out of any block (it synchronises with something outside the stream)
 _UNMERGEABLE_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "fused"})
@@ -235,22 +235,23 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict, comm_ids
     """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
     several times slower, and large pipelines have hundreds of thousands of ops); ``comm_ids`` False: its folded
     collectives keep the ids they had (``moved``)."""
-    vals = list(_GET_FIELDS(op))
-    vals[0] = new_id
-    vals[_DEPS] = deps
-    vals[_META] = meta
     if op.folded_comm and comm_ids:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives
-        vals[_FOLDED] = tuple([_with_id(c, new_id) for c in op.folded_comm])  # carry its id
-    return op_from_fields(vals)
+        # carry its id
+        return _ID_DEPS_META_FOLDED(op, new_id, deps, meta, tuple([_with_id(c, new_id) for c in op.folded_comm]))
+    return _ID_DEPS_META(op, new_id, deps, meta)
 
 
 def _with_id(op: Op, new_id: int) -> Op:
     """``op`` with id ``new_id`` (``_renumbered`` keeping its dependencies and metadata)."""
     if op.folded_comm:
         return _renumbered(op, new_id, op.deps, op.meta)
-    vals = list(_GET_FIELDS(op))
-    vals[0] = new_id
-    return op_from_fields(vals)
+    return _ID(op, new_id)
+
+
+#: ``op`` with these fields replaced (``ops.op_copier``)
+_ID = op_copier(("id",))
+_ID_DEPS_META = op_copier(("id", "deps", "meta"))
+_ID_DEPS_META_FOLDED = op_copier(("id", "deps", "meta", "folded_comm"))
 
 
 def moved(op: Op, new_id: list[int], comm_ids: bool = True) -> Op:
