@@ -191,9 +191,10 @@ class Stamper:
     def _pattern(names: list[str], vals: list[int], n_wait: int) -> tuple:
         """Which context values are absent (-1) or equal to an earlier one, and which input names repeat."""
         first: dict[int, int] = {}
-        pv = tuple(-1 if v < 0 else first.setdefault(v, i) for i, v in enumerate(vals))
+        setv = first.setdefault
+        pv = tuple([-1 if v < 0 else setv(v, i) for i, v in enumerate(vals)])
         fn: dict[str, int] = {}
-        return n_wait, pv, tuple(fn.setdefault(n, i) for i, n in enumerate(names))
+        return n_wait, pv, tuple(map(fn.setdefault, names, range(len(names))))
 
     def waited_later(self, name: str) -> None:
         """The builder's word that an op on another stream than ``compute`` (no TP collective ``foldable_tp`` may
@@ -392,7 +393,8 @@ class Stamper:
         if min(vals[front:], default=0) >= 0:  # every input made by an op
             sizes = tuple(map(e.size.get, names))
         else:
-            sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
+            get = e.size.get
+            sizes = tuple([get(n) if v >= 0 else None for n, v in zip(names, vals[front:])])
         # stubs in the real ops' order, of equal values the first slot (the one recipes name) last: slots sorted by
         # (value, -slot)
         order = tuple([-j for _, j in sorted(zip(vals, range(0, -len(vals), -1)))])
