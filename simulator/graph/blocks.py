@@ -15,7 +15,7 @@ from collections import defaultdict
 from operator import attrgetter
 
 from simulator.graph.op_graph import OpGraph
-from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
+from simulator.graph.ops import Op, OpKind, TensorAlloc, op_copier, op_from_fields
 
 #: op metadata that keeps a kernel out of any block (it synchronises with something outside the stream)
 _UNMERGEABLE_META = frozenset({"collective", "rendezvous", "parties", "prev_step_deps", "fused"})
@@ -190,6 +190,29 @@ def block_memory(seq: list[Op], users: dict[str, list[int]], size: dict[str, int
     return allocs, uses, high - base
 
 
+def tensor_index(ops, merged) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """``(users, size)`` as ``block_memory`` reads them for blocks of the ops ``merged`` (parts and folded
+    collectives) of graph ``ops``: for each tensor ``merged`` use or allocate, the ids of the ops of ``ops`` using
+    it, ascending (an op using it twice listed twice), and the bytes of each GPU tensor ``ops`` allocate (other
+    tensors may be missing from ``users``; ``size`` has them all). Ops none of whose uses are among those tensors are
+    passed over (a set test each), as most of a large pipeline's ops are where few of its passes are merged."""
+    need = {u for p in merged for u in p.uses}
+    need.update(t.name for p in merged for t in p.allocs)
+    users: dict[str, list[int]] = defaultdict(list)
+    size: dict[str, int] = {}
+    disjoint = need.isdisjoint
+    for op in ops:
+        uses = op.uses
+        if uses and not disjoint(uses):
+            oid = op.id
+            for u in uses:
+                users[u].append(oid)  # in id order
+        for t in op.allocs:
+            if t.device == "gpu":
+                size[t.name] = t.nbytes
+    return users, size
+
+
 def _block_op(parts: list[Op], users: dict[str, list[int]], size: dict[str, int], new_id: int | None = None,
               deps: tuple[int, ...] | None = None, comm: dict[int, Op] | None = None) -> Op:
     """One op standing for ``parts`` (consecutive kernels of one stream), with memory per block.
@@ -235,22 +258,23 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict, comm_ids
     """``op`` with a new id, dependencies and metadata (the constructor directly: ``dataclasses.replace`` is
     several times slower, and large pipelines have hundreds of thousands of ops); ``comm_ids`` False: its folded
     collectives keep the ids they had (``moved``)."""
-    vals = list(_GET_FIELDS(op))
-    vals[0] = new_id
-    vals[_DEPS] = deps
-    vals[_META] = meta
     if op.folded_comm and comm_ids:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives
-        vals[_FOLDED] = tuple([_with_id(c, new_id) for c in op.folded_comm])  # carry its id
-    return op_from_fields(vals)
+        # carry its id
+        return _ID_DEPS_META_FOLDED(op, new_id, deps, meta, tuple([_with_id(c, new_id) for c in op.folded_comm]))
+    return _ID_DEPS_META(op, new_id, deps, meta)
 
 
 def _with_id(op: Op, new_id: int) -> Op:
     """``op`` with id ``new_id`` (``_renumbered`` keeping its dependencies and metadata)."""
     if op.folded_comm:
         return _renumbered(op, new_id, op.deps, op.meta)
-    vals = list(_GET_FIELDS(op))
-    vals[0] = new_id
-    return op_from_fields(vals)
+    return _ID(op, new_id)
+
+
+#: ``op`` with these fields replaced (``ops.op_copier``)
+_ID = op_copier(("id",))
+_ID_DEPS_META = op_copier(("id", "deps", "meta"))
+_ID_DEPS_META_FOLDED = op_copier(("id", "deps", "meta", "folded_comm"))
 
 
 def moved(op: Op, new_id: list[int], comm_ids: bool = True) -> Op:
@@ -318,14 +342,8 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) ->
                 comm_of.setdefault(b[0], {})[n] = graph.ops[c]
     folded = {c.id: b0 for b0, m in comm_of.items() for c in m.values()}
     info["folded_tp"] = len(folded)
-    users: dict[str, list[int]] = defaultdict(list)
-    size: dict[str, int] = {}
-    for op in graph.ops:
-        for u in op.uses:
-            users[u].append(op.id)  # in id order
-        for t in op.allocs:
-            if t.device == "gpu":
-                size[t.name] = t.nbytes
+    users, size = tensor_index(graph.ops, [graph.ops[j] for b in blocks for j in b]
+                               + [c for m in comm_of.values() for c in m.values()])
     start_of = {b[0]: b for b in blocks}
     new_id = [-1] * len(graph.ops)  # first pass: ids (``prev_step_deps`` may name later ops)
     n = 0

@@ -256,3 +256,29 @@ def _fields_constructor():
 #: ``op_from_fields(vals) -> Op``: the same op as ``Op(*vals)`` (``vals``: every field's value, in ``fields(Op)``
 #: order; no defaults, no checks), built ~2.5x faster (``_fields_constructor``)
 op_from_fields = _fields_constructor()
+
+
+def op_copier(changed: tuple[str, ...], source: str = "op"):
+    """A function ``f(src, *values) -> Op`` giving the op with the fields named in ``changed`` set to ``values`` (in
+    that order) and every other field taken from ``src``: an ``Op`` (``source="op"``: its attributes) or a tuple
+    of every field's value in ``fields(Op)`` order (``source="fields"``, as a stamp template's recipes hold them).
+    The same op as ``dataclasses.replace(src, **dict(zip(changed, values)))`` (no checks, no ``__post_init__``), built
+    slot by slot like ``op_from_fields`` without the intermediate list of values: about twice as fast as
+    ``op_from_fields(list(...))`` with a few values changed (measured with ``timeit`` on a collective op, 2.2 vs
+    4.9 us on the shared machine), for the graph passes that copy every op of a large pipeline
+    (``blocks.coarsen``, ``side_blocks.fold_overlapped_tp``, the stamper).
+
+    Raises:
+        ValueError: a name in ``changed`` that is not a field of ``Op``, given twice, or an unknown ``source``.
+    """
+    names = [f.name for f in fields(Op)]
+    if source not in ("op", "fields") or len(set(changed)) != len(changed) or not set(changed) <= set(names):
+        raise ValueError(f"op_copier: changed must name distinct Op fields ({changed!r}), source 'op' or 'fields'")
+    arg = {n: f"v{k}" for k, n in enumerate(changed)}
+    env = {"new": object.__new__, "Op": Op, **{f"set{i}": getattr(Op, n).__set__ for i, n in enumerate(names)}}
+    body = "".join(f"    set{i}(op, {arg.get(n) or (f'src.{n}' if source == 'op' else f'src[{i}]')})\n"
+                   for i, n in enumerate(names))
+    params = "".join(f", {a}" for a in arg.values())
+    # a fixed template over the field names and ``changed`` (checked above to be field names), as ``op_from_fields``
+    exec(f"def op_copy(src{params}):\n    op = new(Op)\n{body}    return op\n", env)  # noqa: S102
+    return env["op_copy"]

@@ -45,7 +45,7 @@ from collections import defaultdict
 from itertools import chain
 
 from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _comm_ids_ok, _mergeable, \
-    _renumbered, _signature, block_memory, moved
+    _renumbered, _signature, block_memory, moved, tensor_index
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
@@ -356,15 +356,7 @@ def fold_overlapped_tp_ids(graph: OpGraph) -> tuple[OpGraph, list[int]]:
             new_id[j] = i
     for c, r0 in folded.items():
         new_id[c] = new_id[r0]
-    users: dict[str, list[int]] = defaultdict(list)
-    size: dict[str, int] = {}
-    for op in ops:
-        oid = op.id
-        for u in op.uses:
-            users[u].append(oid)
-        for t in op.allocs:
-            if t.device == "gpu":
-                size[t.name] = t.nbytes
+    users, size = tensor_index(ops, [ops[j] for run in runs for j in run] + [ops[c] for c in folded])
     start_of = {r[0]: r for r in runs}
     out: list[Op] = []
     shapes: dict[tuple, tuple] = {}

@@ -30,13 +30,18 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.ops import Op, TensorAlloc, op_from_fields
+from simulator.graph.ops import Op, TensorAlloc, op_copier, op_from_fields
 
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
 _GET = attrgetter(*_NAMES)
 _ID, _NAME, _LAYER, _DEPS, _ALLOCS, _USES, _META, _FOLDED = (
     _NAMES.index(f) for f in ("id", "name", "layer", "deps", "allocs", "uses", "meta", "folded_comm"))
+
+
+#: a stamped op from its recipe's field values (``ops.op_copier``): its id, name, layer, deps, allocs, uses, meta and
+#: folded collectives set
+_STAMPED = op_copier(("id", "name", "layer", "deps", "allocs", "uses", "meta", "folded_comm"), source="fields")
 
 
 def _renamed(fields: tuple, op_id: int, name: str, layer: int) -> list:
@@ -186,9 +191,10 @@ class Stamper:
     def _pattern(names: list[str], vals: list[int], n_wait: int) -> tuple:
         """Which context values are absent (-1) or equal to an earlier one, and which input names repeat."""
         first: dict[int, int] = {}
-        pv = tuple(-1 if v < 0 else first.setdefault(v, i) for i, v in enumerate(vals))
+        setv = first.setdefault
+        pv = tuple([-1 if v < 0 else setv(v, i) for i, v in enumerate(vals)])
         fn: dict[str, int] = {}
-        return n_wait, pv, tuple(fn.setdefault(n, i) for i, n in enumerate(names))
+        return n_wait, pv, tuple(map(fn.setdefault, names, range(len(names))))
 
     def waited_later(self, name: str) -> None:
         """The builder's word that an op on another stream than ``compute`` (no TP collective ``foldable_tp`` may
@@ -337,25 +343,23 @@ class Stamper:
         out = []
         i = start
         for base, suffix, ext, inner, allocs, uses, folded in t.ops:
-            v = list(base)
-            v[_ID] = i
-            v[_NAME] = prefix + suffix
-            v[_LAYER] = layer
             if ext:
-                v[_DEPS] = (*sorted([vals[s] for s in ext]), *[start + d for d in inner])
+                deps = (*sorted([vals[s] for s in ext]), *[start + d for d in inner])
             else:
-                v[_DEPS] = tuple([start + d for d in inner])
-            if allocs:
-                v[_ALLOCS] = tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs])
-            v[_USES] = (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ())
-            v[_META] = dict(base[_META])  # each op its own, as built
+                deps = tuple([start + d for d in inner])
             if folded:  # a block's TP collectives (``stamp_blocks``), made once per layer (``comm_copies``)
                 fc = comms.get((id(folded), layer))
                 if fc is None:
                     fc = comms[id(folded), layer] = tuple([op_from_fields(_renamed(c, i, prefix + s, layer))
                                                            for c, s in folded])
-                v[_FOLDED] = fc
-            out.append(op_from_fields(v))
+            else:
+                fc = base[_FOLDED]
+            out.append(_STAMPED(
+                base, i, prefix + suffix, layer, deps,
+                tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs]) if allocs else base[_ALLOCS],
+                (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ()),
+                dict(base[_META]),  # each op its own, as built
+                fc))
             i += 1
         e.b.extend(out)
         e._uid += t.n_uid
@@ -389,7 +393,8 @@ class Stamper:
         if min(vals[front:], default=0) >= 0:  # every input made by an op
             sizes = tuple(map(e.size.get, names))
         else:
-            sizes = tuple(e.size.get(n) if vals[front + i] >= 0 else None for i, n in enumerate(names))
+            get = e.size.get
+            sizes = tuple([get(n) if v >= 0 else None for n, v in zip(names, vals[front:])])
         # stubs in the real ops' order, of equal values the first slot (the one recipes name) last: slots sorted by
         # (value, -slot)
         order = tuple([-j for _, j in sorted(zip(vals, range(0, -len(vals), -1)))])

@@ -336,12 +336,20 @@ def check(ops: Sequence[Op], inst: list[Instance]) -> str | None:
         k = bisect_right(starts, op_id) - 1
         return inst[k] if k >= 0 and op_id < inst[k].end else None
 
+    # the tensors asked about below: used by an op on another stream than ``compute``, or by a folded collective
+    asked = {u for op in ops if op.stream != COMPUTE_STREAM for u in op.uses}
+    asked_coarse = {i.table[k] for i in inst for k in i.bt.folded_uses}
     mid: dict[str, int] = {}
     mid_coarse: dict[str, int] = {}  # made inside a block of ``coarsen`` (a folded collective using one cuts it)
-    for i in inst:  # later passes overwrite, as one by one
+    for i in inst:  # later passes overwrite, as one by one (only the tensors asked about: the same answers)
         get = i.table.__getitem__
-        mid.update(zip(map(get, i.bt.mid), repeat(i.start)))
-        mid_coarse.update(zip(map(get, i.bt.mid_coarse), repeat(i.start)))
+        hit = asked.intersection(map(get, i.bt.mid))
+        if hit:
+            mid.update(zip(hit, repeat(i.start)))
+        if asked_coarse:
+            hit = asked_coarse.intersection(map(get, i.bt.mid_coarse))
+            if hit:
+                mid_coarse.update(zip(hit, repeat(i.start)))
     last_use = {u: op.id for op in ops for u in op.uses}  # later ops overwrite: the last user
     for op in ops:
         if op.stream != COMPUTE_STREAM and op.uses:

@@ -21,3 +21,33 @@ def test_every_field_as_the_constructor_sets_it():
         assert getattr(got, f.name) is getattr(want, f.name), f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.id = 8
+
+
+@pytest.mark.parametrize("source", ["op", "fields"])
+def test_op_copier_is_replace_with_every_other_field_shared(source):
+    """``op_copier``: the op ``dataclasses.replace`` gives, the unchanged fields the same objects."""
+    from simulator.graph.ops import op_copier
+
+    inner = Op(id=7, name="L1.bwd.tp.all_reduce", kind=OpKind.COLLECTIVE, stream="comm.tp", meta={"group": "tp"})
+    src = Op(id=3, name="L1.bwd.block[a..b]", kind=OpKind.COMPUTE, stream="compute", phase=Phase.BWD, layer=1,
+             cost_class=CostClass.GEMM, flops=2.0e12, shape=(8192, 1536, 12288), deps=(1, 2),
+             allocs=(TensorAlloc("activations.x", 64),), uses=("weights.w",), dtype="fp32", folded_comm=(inner,),
+             meta={"fused": ()})
+    changed = ("id", "deps", "meta", "folded_comm")
+    new = (9, (4,), {"side": ((0, 1),)}, ())
+    copy = op_copier(changed, source)
+    got = copy(src if source == "op" else tuple(getattr(src, f.name) for f in dataclasses.fields(Op)), *new)
+    want = dataclasses.replace(src, **dict(zip(changed, new)))
+    assert type(got) is Op and got == want
+    for f in dataclasses.fields(Op):
+        assert getattr(got, f.name) is getattr(want, f.name), f.name
+
+
+def test_op_copier_refuses_unknown_fields():
+    from simulator.graph.ops import op_copier
+
+    for bad in (("id", "nope"), ("id", "id")):
+        with pytest.raises(ValueError, match="distinct Op fields"):
+            op_copier(bad)
+    with pytest.raises(ValueError, match="source"):
+        op_copier(("id",), source="tuple")
