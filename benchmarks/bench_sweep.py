@@ -11,16 +11,18 @@ with ``model.num_layers=4``, ``run.steps=3``, ``run.warmup_steps=1`` (a reduced 
 tens of ms). ``--points N`` runs N points spread evenly over the grid (every 10,000 / N-th) and extrapolates
 the wall time of all 10,000 from the measured points per second: the table labels those rows
 ``extrapolated``. Each mode runs through ``simulator.studies.sweep.run_sweep`` (the code ``simulate sweep``
-runs), so the times include process start-up, scenario loading and result collection. Raw SimPy timeouts/s is
-measured in this process before the sweeps (``bench_simulate.raw_timeouts_per_s``). ``CPU ms/point`` is the CPU
-time of this process and of its finished child processes (the pool's workers; the LocalCluster's worker
-processes, joined when it closes) per point: what a point costs whatever else loads the machine (the header
-gives the load average, since other jobs on the 2 cores lower points/s but not CPU ms/point); ``parent`` and
-``workers`` split it between this process (the sweep's bookkeeping and table, the pool's queue thread; with Dask
+runs), so the times include scenario loading and result collection, and the pool's start-up (its processes are
+forked by ``run_sweep`` and import the simulation in their first batch); a LocalCluster is started before the
+sweep (``start s``: its worker processes are spawned and import the simulation, ``SWEEP_DASK_CONFIG``'s preload),
+so its ``wall s`` and ``points/s`` are those of a running cluster, and ``CPU ms/point`` includes the start-up.
+Raw SimPy timeouts/s is measured in this process before the sweeps (``bench_simulate.raw_timeouts_per_s``).
+``CPU ms/point`` is the CPU time of this process and of its finished child processes (the pool's workers; the
+LocalCluster's worker processes, joined when it closes) per point: what a point costs whatever else loads the machine
+(the header gives the load average, since other jobs on the 2 cores lower points/s but not CPU ms/point); ``parent``
+and ``workers`` split it between this process (the sweep's bookkeeping and table, the pool's queue thread; with Dask
 also the scheduler, the nannies and the client, which a LocalCluster runs here) and the worker processes. The
 LocalCluster is ``simulator.studies.sweep_dask.local_cluster`` (2 processes of one thread, no dashboard,
-``SWEEP_DASK_CONFIG``); ``--dask-defaults`` starts it with Dask's default settings instead, to see what those
-cost.
+``SWEEP_DASK_CONFIG``); ``--dask-defaults`` starts it with Dask's default settings instead, to see what those cost.
 """
 
 from __future__ import annotations
@@ -101,14 +103,15 @@ def main() -> None:
     print(f"sweep grid {GRID:,} points ({dims}) on "
           f"{args.scenario} with {' '.join(BASE)}; raw SimPy {raw:,.0f} timeouts/s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'mode':28s} {'points':>7s} {'failed':>6s} {'wall s':>8s} {'points/s':>9s} {'ms/point':>9s} "
+    print(f"{'mode':28s} {'points':>7s} {'failed':>6s} {'start s':>7s} {'wall s':>8s} {'points/s':>9s} "
+          f"{'ms/point':>9s} "
           f"{'CPU ms/point':>12s} {'parent':>7s} {'workers':>8s} {'10k wall s':>11s} {'':12s}")
     modes = [(f"local pool, {args.workers} workers", None)]
     if not args.skip_dask:
         modes.append((f"dask LocalCluster, {args.workers} w" + (" (defaults)" if args.dask_defaults else ""), "dask"))
     for name, kind in modes:
         client = cluster = None
-        cpu0, ch0 = time.process_time(), children_cpu_s()
+        cpu0, ch0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
         if kind == "dask":
             from simulator.studies.sweep_dask import local_cluster
 
@@ -120,6 +123,7 @@ def main() -> None:
                 client = Client(cluster)
             else:
                 cluster, client = local_cluster(args.workers)
+        start = time.perf_counter() - t0
         try:
             wall, _, failed = time_mode(args.scenario, points, args.workers, client)
         finally:
@@ -129,7 +133,7 @@ def main() -> None:
         parent_ms = 1e3 * (time.process_time() - cpu0) / len(points)
         workers_ms = 1e3 * (children_cpu_s() - ch0) / len(points)
         rate = len(points) / wall
-        print(f"{name:28s} {len(points):7d} {failed:6d} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} "
+        print(f"{name:28s} {len(points):7d} {failed:6d} {start:7.1f} {wall:8.1f} {rate:9.2f} {1e3 / rate:9.1f} "
               f"{parent_ms + workers_ms:12.1f} {parent_ms:7.1f} {workers_ms:8.1f} {GRID / rate:11.0f} {label:12s}  "
               f"(load average now {os.getloadavg()[0]:.1f})", flush=True)
 

@@ -500,14 +500,19 @@ def run_sweep(scenario: str | Path, factors: dict[str, list], base_overrides: li
             from dask.distributed import as_completed as dask_completed
 
             batches = point_batches(todo, _cluster_threads(client))
+            pending: dict = {}  # key -> future of the batches not yet recorded
             try:
                 futures = client.map(_run_points, [[jobs[i] for i in b] for b in batches], pure=False)
                 where = {f.key: b for f, b in zip(futures, batches)}
+                pending = {f.key: f for f in futures}
+                completed = dask_completed(futures)
+                del futures  # a recorded batch's future is dropped at once: its worker frees the rows (Future.release)
                 with tqdm(total=len(todo), disable=not progress, desc="sweep") as bar:
-                    for fut in dask_completed(futures):
+                    for fut in completed:
                         finish_batch(where[fut.key], fut.result(), bar)
+                        pending.pop(fut.key).release()
             except KeyboardInterrupt:
-                client.cancel(futures)
+                client.cancel(list(pending.values()))
                 raise
             except Exception as exc:  # a point's own failure is a row: this is the cluster (scheduler lost, worker killed)
                 failed = _failed(done, jobs, folders, out, log, "--dask-scheduler", "the Dask cluster failed", exc)

@@ -5,6 +5,7 @@ cluster's worker processes run under ``SWEEP_DASK_CONFIG``."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 
@@ -58,7 +59,9 @@ def test_local_cluster_workers_run_under_the_sweep_settings():
     from simulator.studies.sweep_dask import SWEEP_DASK_CONFIG, local_cluster
 
     cluster, client = local_cluster(1)
-    try:
+    try:  # the worker imported the simulation as it started (preload), before any task or call of ours
+        assert list(client.run(lambda: [m for m in ("simulator.api", "simpy") if m in sys.modules]).values()) \
+            == [["simulator.api", "simpy"]]
         seen = client.run(lambda keys: {k: dask.config.get(k) for k in keys}, list(SWEEP_DASK_CONFIG))
         assert list(seen.values()) == [SWEEP_DASK_CONFIG]
         assert client.run(_profiler_off) == {a: True for a in seen}
@@ -67,3 +70,24 @@ def test_local_cluster_workers_run_under_the_sweep_settings():
         client.close()
         cluster.close()
     assert dask.config.get("distributed.worker.profile.enabled") is True  # this process's settings are left as they were
+
+
+def test_a_recorded_batch_is_freed_on_the_cluster(monkeypatch):
+    """Each batch's rows leave the worker's memory once the sweep has recorded them (its future released), so a
+    long sweep does not keep every row on the workers until it ends: when a batch starts, the worker holds the
+    rows of at most the few batches just finished (the release is asynchronous), not those of all earlier ones."""
+    distributed = pytest.importorskip("dask.distributed")
+    real = sweep._run_points
+
+    def spy(jobs):  # runs on the worker (a copy of this closure): it notes there what the worker holds
+        worker = distributed.get_worker()
+        worker.sweep_held = [*getattr(worker, "sweep_held", []), len(worker.data)]
+        return real(jobs)
+
+    monkeypatch.setattr(sweep, "_run_points", spy)
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None) as client:
+        df = _sweep(client=client)
+        [held] = client.run(lambda dask_worker: dask_worker.sweep_held).values()
+    assert df["error"].isna().all()
+    assert len(held) == 7  # 20 points on one thread: batches of ceil(20 / 8) = 3
+    assert max(held) <= 3, held  # kept until the end, the 7th batch would start beside 6 finished ones
