@@ -52,60 +52,72 @@ class SpanPricing:
 
 
 class WindowSpans:
-    """The recorded spans that end inside the watch's window, as arrays in recording order, taken up as the recorder
-    grows (``advance``), with the sums of their prices over the window (``bounds``).
+    """The recorded spans that end inside the watch's window, as one array in recording order, taken up as the
+    recorder grows (``advance``), with the sums of their prices over the window (``bounds``).
 
     Args:
         spans: The recorder's span rows ``(step, op, start_s, end_s, stream)`` (the list it appends to).
         pricing: The graph's ``SpanPricing`` (a span is priced as the graph's op of its id).
+
+    Attributes:
+        kept: ``(n, 6)`` float array, one row per kept span: start, s; end, s; its op's ``excess``, W, ``share``, W,
+            and ``kernel`` (1.0 / 0.0); its place in ``spans``.
     """
 
     def __init__(self, spans: list, pricing: SpanPricing) -> None:
         self.spans, self.pricing = spans, pricing
         self.seen = 0
-        self.index = np.zeros(0, dtype=np.intp)  # each kept span's place in ``spans``
-        self.start = np.zeros(0)
-        self.end = np.zeros(0)
-        self.op_id = np.zeros(0, dtype=np.intp)
+        self.kept = np.zeros((0, 6))
+        self._parts = np.column_stack((pricing.excess, pricing.share, pricing.kernel.astype(float)))
 
     def advance(self, lo: float) -> None:
         """Take up the spans recorded since the last call, then keep those ending after ``lo``, s."""
         spans, seen = self.spans, self.seen
         n = len(spans)
+        kept = self.kept
         if n > seen:
             new = spans[seen:n]
             m = n - seen
-            self.index = np.concatenate((self.index, np.arange(seen, n, dtype=np.intp)))
-            self.start = np.concatenate((self.start, np.fromiter(map(_START, new), dtype=float, count=m)))
-            self.end = np.concatenate((self.end, np.fromiter(map(_END, new), dtype=float, count=m)))
-            self.op_id = np.concatenate((self.op_id, np.fromiter(map(_ID, map(_OP, new)), dtype=np.intp, count=m)))
+            block = np.empty((m, 6))
+            block[:, 0] = np.fromiter(map(_START, new), dtype=float, count=m)
+            block[:, 1] = np.fromiter(map(_END, new), dtype=float, count=m)
+            block[:, 2:5] = self._parts[np.fromiter(map(_ID, map(_OP, new)), dtype=np.intp, count=m)]
+            block[:, 5] = np.arange(seen, n)
+            kept = np.concatenate((kept, block))
             self.seen = n
-        keep = self.end > lo
-        if not keep.all():
-            self.index, self.start, self.end, self.op_id = (a[keep] for a in (self.index, self.start, self.end,
-                                                                             self.op_id))
+        keep = kept[:, 1] > lo
+        self.kept = kept if keep.all() else kept[keep]
 
     def rows(self) -> list:
         """The kept spans' rows, in recording order."""
         spans = self.spans
-        return [spans[i] for i in self.index.tolist()]
+        return [spans[i] for i in self.kept[:, 5].astype(np.intp).tolist()]
 
     def bounds(self, running: list, t: float, lo: float) -> tuple[float, float, float, float]:
         """``(inst, avg_hi, lin, kernel_s)`` over the kept spans, then ``running`` (rows ``(step, op, start_s, t,
         stream)``, each running until ``t``), each span priced by ``SpanPricing`` and cut to the window ``[lo, t]``
         (``d = min(end, t) - max(start, lo)``): the sums of ``excess``, W; ``excess * d``, J; ``share * d``, J; and
-        ``d`` over kernels, s. Summed one term after another in that order (``numpy.cumsum``), so each is the float a
-        Python loop adding the terms of the ops that draw power gives (the other terms are zeros)."""
-        p = self.pricing
-        s0, s1, ids = self.start, self.end, self.op_id
+        ``d`` over kernels, s. Summed one term after another in that order (``numpy.cumsum`` over the kept spans, then
+        the running ops one by one), so each is the float a Python loop adding the terms of the ops that draw power
+        gives (the other terms are zeros)."""
+        kept = self.kept
+        if len(kept):
+            d = np.minimum(kept[:, 1], t) - np.maximum(kept[:, 0], lo)
+            terms = np.empty((len(kept), 4))
+            terms[:, 0] = kept[:, 2]
+            np.multiply(kept[:, 2:5], d[:, None], out=terms[:, 1:])
+            inst, avg_hi, lin, kernel_s = np.cumsum(terms, axis=0)[-1].tolist()
+        else:
+            inst = avg_hi = lin = kernel_s = 0.0
         if running:
-            s0 = np.concatenate((s0, np.fromiter(map(_START, running), dtype=float, count=len(running))))
-            s1 = np.concatenate((s1, np.full(len(running), t)))
-            ids = np.concatenate((ids, np.fromiter(map(_ID, map(_OP, running)), dtype=np.intp, count=len(running))))
-        if not len(ids):
-            return 0.0, 0.0, 0.0, 0.0
-        e = p.excess[ids]
-        d = np.minimum(s1, t) - np.maximum(s0, lo)
-        terms = np.stack((e, e * d, p.share[ids] * d, np.where(p.kernel[ids], d, 0.0)))
-        inst, avg_hi, lin, kernel_s = np.cumsum(terms, axis=1)[:, -1].tolist()
+            p = self.pricing
+            for _st, op, s0, _t, _stream in running:
+                e = float(p.excess[op.id])
+                if e:
+                    inst += e
+                    d = t - (lo if lo > s0 else s0)
+                    avg_hi += e * d
+                    lin += float(p.share[op.id]) * d
+                    if p.kernel[op.id]:
+                        kernel_s += d
         return inst, avg_hi, lin, kernel_s
