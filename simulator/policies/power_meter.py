@@ -269,13 +269,14 @@ class PowerMeter:
 
         ``columns``: ``spans`` as ``recording.recorder.SpanColumns`` when the caller has them (the recorder's
         ``span_columns``, shared with its ``spans_frame``); None: built here. ``pricing``: the graph's
-        ``power_spans.SpanPricing`` at the current clocks, whose ``rows`` are read by each span's op id in place of
-        each distinct op's ``activity_row`` (only where ``pricing.by_id`` holds: every span's op prices as the
-        graph's op of its id); the same levels."""
+        ``power_spans.SpanPricing``, whose ``rows`` are read by each span's op id in place of each distinct op's
+        ``activity_row`` where ``pricing.by_id`` holds (every span's op prices as the graph's op of its id) and its
+        clocks are the current ones; the same levels."""
         if not spans:
             return None
         uniq = pos = None
-        if pricing is not None and pricing.by_id:
+        if (pricing is not None and pricing.by_id
+                and pricing.clocks == (self.state.sm_clock_mhz, self.state.mem_clock_mhz)):
             _steps, ops, s_all, e_all, streams = zip(*spans)
             op_ids = np.fromiter(map(_OP_ID, ops), dtype=np.intp, count=len(ops))
             has, act = pricing.has[op_ids], pricing.rows[op_ids]

@@ -33,6 +33,7 @@ class SpanPricing:
         has: ``(n,)`` bool array: the op draws power (``activity_row`` is not None).
         by_id: every span of the graph's run prices as the graph's op of its id (no op carries folded TP collectives,
             whose spans carry the block's id), so ``PowerMeter.levels`` may read ``rows`` by a span's op id.
+        clocks: ``(SM clock, memory clock)`` the prices are at, MHz (``PowerMeter.levels`` reads them only there).
     """
 
     def __init__(self, meter, ops) -> None:
@@ -49,6 +50,7 @@ class SpanPricing:
         self.has = np.array([r is not None for r in rows], dtype=bool)[inverse]
         self.rows = np.array([r if r is not None else (0.0, 0.0, 0.0, 0.0) for r in rows], dtype=float)[inverse]
         self.by_id = not any(op.folded_comm for op in ops)
+        self.clocks = (meter.state.sm_clock_mhz, meter.state.mem_clock_mhz)
 
 
 class WindowSpans:
