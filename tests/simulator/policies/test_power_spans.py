@@ -10,18 +10,10 @@ import numpy as np
 import pytest
 
 import simulator.policies.dvfs as dvfs_mod
-from simulator import load_scenario
-from simulator.api import build_graph
-from simulator.config.loader import resolve_hardware
 from simulator.engine.run import run_graph
-from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.power_meter import PowerMeter
 from simulator.policies.power_spans import SpanPricing, WindowSpans
-from simulator.recording.recorder import Recorder
-from tests.conftest import ROOT
-from tests.simulator.engine.test_speed_exactness import _capturing_runtimes, _late_burst
-
-B8 = ROOT / "scenarios/h200/gpt_184m_b8.yaml"
+from tests.simulator.engine.test_speed_exactness import _capturing_runtimes, _late_burst, b8_step_spans
 
 
 def _op(i: int):
@@ -109,15 +101,8 @@ def test_watch_prices_each_distinct_key_once(monkeypatch):
 def test_levels_by_op_id_equal_levels_per_op(monkeypatch):
     """The spans of one H200 step: levels read by op id from ``SpanPricing`` are the levels read per distinct op,
     to the bit (times, power, last flag); at other clocks than the pricing's, levels ignore it."""
-    monkeypatch.setattr(Recorder, "release", lambda self: None)  # keep the rows read below after the run
-    cfg = load_scenario(B8, ["run.steps=1", "run.warmup_steps=0"])
-    hw = resolve_hardware(cfg)
-    graph = apply_graph_policies(build_graph(cfg), cfg, hw)
-    rec_spans = []
-    _rec, rt = run_graph(graph, hw, 1, attach=lambda env, system: rec_spans.append(system.recorder._spans) or
-                         build_runtime(cfg, hw, env, system))
-    meter = rt.components[0].meter
-    spans = list(rec_spans[0])
+    graph, runtime, spans = b8_step_spans(monkeypatch)
+    meter = runtime.meter
     pricing = SpanPricing(meter, graph.ops)
     assert pricing.by_id
     t_a, p_a, last_a = meter.levels(spans)
