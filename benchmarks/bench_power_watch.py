@@ -30,6 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = "scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml"
 
 
+def _resume(g, value):
+    """``g.send(value)``: the event the generator yields next, or None once it has returned."""
+    try:
+        return g.send(value)
+    except StopIteration:
+        return None
+
+
 def _timed_generator(owner, name: str, acc: dict, label: str) -> None:
     """Wrap generator function ``owner.name`` so that the CPU time of each of its resumptions adds to ``acc[label]``."""
     f = getattr(owner, name)
@@ -37,39 +45,23 @@ def _timed_generator(owner, name: str, acc: dict, label: str) -> None:
     def timed(*args, **kwargs):
         g = f(*args, **kwargs)
         sent = None
-        while True:
+        while True:  # each resumption timed; the watch yields SimPy events only (never None)
             t = time.process_time()
-            try:
-                ev = g.send(sent)
-            except StopIteration:
-                acc[label] += time.process_time() - t
+            ev = _resume(g, sent)
+            acc[label] += time.process_time() - t
+            if ev is None:
                 return
-            acc[label] += time.process_time() - t
             sent = yield ev
-
-    setattr(owner, name, timed)
-
-
-def _timed(owner, name: str, acc: dict, label: str) -> None:
-    """Wrap ``owner.name`` so that the CPU time of its calls adds to ``acc[label]``."""
-    f = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t = time.process_time()
-        try:
-            return f(*args, **kwargs)
-        finally:
-            acc[label] += time.process_time() - t
 
     setattr(owner, name, timed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--code", type=Path, default=None, help="time this checkout's simulator instead")
     ap.add_argument("--scenario", default=DEFAULT)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a scenario override (default: run.fidelity=kernel)")
-    ap.add_argument("--code", type=Path, default=None, help="time this checkout's simulator instead")
     args = ap.parse_args()
     if args.code is not None:  # rerun this script under the other checkout's code
         cmd = [sys.executable, __file__, "--scenario", str(ROOT / args.scenario),
@@ -80,20 +72,20 @@ def main() -> None:
     from simulator.policies.power_firmware import PowerLimitFirmware
     from simulator.policies.power_meter import PowerMeter
 
-    acc: dict[str, float] = defaultdict(float)
-    _timed_generator(PowerLimitFirmware, "watch", acc, "watch")
-    _timed(PowerMeter, "levels", acc, "levels")
-    cfg = load_scenario(ROOT / args.scenario if not Path(args.scenario).is_absolute() else Path(args.scenario),
-                        args.overrides or ["run.fidelity=kernel"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t = time.process_time()
-        r = run_scenario(cfg)
-        total = time.process_time() - t
-    import simulator
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_simulate import raw_timeouts_per_s
+    from split_scale import _timed
+
+    acc: dict[str, float] = defaultdict(float)
+    _timed_generator(PowerLimitFirmware, "watch", acc, "watch")
+    _timed(PowerMeter, "levels", "levels", acc, defaultdict(int))
+    cfg = load_scenario(ROOT / args.scenario if not Path(args.scenario).is_absolute() else Path(args.scenario),
+                        args.overrides or ["run.fidelity=kernel"])
+    warnings.simplefilter("ignore")  # the run's own warnings are not what is measured
+    t = time.process_time()
+    r = run_scenario(cfg)
+    total = time.process_time() - t
+    import simulator
 
     print(f"{Path(simulator.__file__).parents[1]}: run_scenario {total:.2f} CPU s, watch {acc['watch']:.3f} CPU s "
           f"(levels {acc['levels']:.3f}); step {r.summary['step_time_s']!r} s, energy "
