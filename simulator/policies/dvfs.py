@@ -307,11 +307,12 @@ class DvfsRuntime:
         self.ledger.record_levels(self.meter.levels(recorder._spans, recorder.span_columns()))
         return not (self._can_bind and self.firmware.would_act(self.env.now))
 
-    def _go_online(self, running, k: int) -> None:
+    def _go_online(self, running, k: int, pricing=None) -> None:
         """Switch an offline-metered run to online metering now (``PowerLimitFirmware.watch``): ledger and counters
-        from the spans so far (levels before now), the running ops active, hooks on, firmware from tick ``k``."""
+        from the spans so far (levels before now), the running ops active, hooks on, firmware from tick ``k``
+        (``pricing``: the graph's ``power_spans.SpanPricing`` at the clocks so far, for ``PowerMeter.levels``)."""
         now = self.env.now
-        lv = self.meter.levels(list(self.rec._spans) + running)
+        lv = self.meter.levels(list(self.rec._spans) + running, pricing=pricing)
         if lv is not None:
             times, power, _ = lv
             keep = times < now

@@ -28,6 +28,7 @@ from itertools import chain
 import numpy as np
 
 from hardware_models.power import ratio_step
+from simulator.policies.power_spans import SpanPricing, WindowSpans
 
 #: The firmware raises the clock only when the power is this far below the cap.
 HYSTERESIS = 0.03
@@ -160,10 +161,11 @@ class PowerLimitFirmware:
                 t_rise = yield self._sleep
                 k = max(k, int((max(t_rise, env.now) - t0) // period))
 
-    def watch(self, system, recorder, go_online: Callable[[list, int], None]):
+    def watch(self, system, recorder, go_online: Callable[[list, int, SpanPricing], None]):
         """SimPy process of an offline-metered run (power from the spans afterwards) whose limit may bind: it
-        keeps the run offline until the firmware could act, then calls ``go_online(running, k)`` at that instant
-        (the caller meters per op from there and starts ``run(k)``), so that the run is never repeated.
+        keeps the run offline until the firmware could act, then calls ``go_online(running, k, pricing)`` at that
+        instant (the caller meters per op from there and starts ``run(k)``; ``pricing``: the graph's
+        ``power_spans.SpanPricing``), so that the run is never repeated.
 
         At each evaluation time ``t = t0 + k * period`` it computes the average power over the window
         ``[max(0, t - window_s), t]`` exactly as the online meter would (``PowerMeter.levels`` of the spans ending
@@ -181,11 +183,8 @@ class PowerLimitFirmware:
         t0, period, w = self.t0, self.period_s, self.window_s
         thresh = self.cap_w * (1.0 - 1e-9)
         idle = self.ledger.p[0]
-        parts: dict[int, tuple[float, float, bool]] = {}  # op id -> ``PowerMeter.excess_parts_w``
         busy_w = meter.busy_w()
-        spans = recorder._spans
-        recent: list = []
-        seen = 0
+        window = pricing = None
         k = 0
         while True:
             k += 1
@@ -198,40 +197,27 @@ class PowerLimitFirmware:
                 # a stream runs one op at a time and the power above idle is subadditive (see below): idle plus
                 # each stream's largest op excess bounds every level of the run; at or below the limit the firmware
                 # can never act and the offline record is exact without watching
-                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values()), parts,
+                if idle + meter.excess_bound_w(chain.from_iterable(sys_.executor.by_stream.values()), None,
                                                thresh, idle) <= thresh:
                     return
-                graph_ops = sys_.executor.g.ops  # a span's op, or a block's folded TP collective, carries its id
+                # a span's op, or a block's folded TP collective, carries its id: priced as the graph's op of that id,
+                # once per distinct pricing key (the clocks do not move while the run is offline)
+                pricing = SpanPricing(meter, sys_.executor.g.ops)
+                window = WindowSpans(recorder._spans, pricing)
             lo = max(0.0, t - w)
-            if len(spans) > seen:
-                recent.extend(spans[seen:])
-                seen = len(spans)
-            recent = [x for x in recent if x[3] > lo]
+            window.advance(lo)
             running = [(st, op, start, t, stream) for stream, (st, op, start) in sys_.running.items()]
             # cheap bounds first: the power above idle is subadditive over the running ops (a max and sums clipped
             # at 1, all coefficients >= 0), so idle + the sum of each op's own excess bounds every level; tighter for
             # the window's energy: a kernel's excess is the SM floor (``busy_w``, drawn once however many kernels
             # run) plus its activity's share, so the floor counts at most once at each instant
-            inst = avg_hi = lin = kernel_s = 0.0
-            for x in (*recent, *running):  # a running op's end is t (above)
-                hit = parts.get(x[1].id)
-                if hit is None:  # priced as the graph's op of that id (a folded TP collective: its block)
-                    hit = parts[x[1].id] = meter.excess_parts_w(graph_ops[x[1].id])
-                e = hit[0]
-                if e:
-                    inst += e
-                    s0, s1 = x[2], x[3]  # min(s1, t) - max(s0, lo) without the two calls (the same values)
-                    d = (t if t < s1 else s1) - (lo if lo > s0 else s0)
-                    avg_hi += e * d
-                    lin += hit[1] * d
-                    if hit[2]:
-                        kernel_s += d
+            inst, avg_hi, lin, kernel_s = window.bounds(running, t, lo)
             quiet = idle + inst <= thresh
             if not quiet and (idle * (t - lo) + avg_hi <= thresh * (t - lo)
                               or (idle * (t - lo) + busy_w * min(t - lo, kernel_s) + lin) * BOUND_SLACK
                               <= thresh * (t - lo)):
                 continue  # this window's average cannot exceed the limit
-            lv = None if quiet else meter.levels(recent + running)
+            lv = None if quiet else meter.levels(window.rows() + running, pricing=pricing)
             if lv is None or lv[1].max() <= thresh:
                 # every level in the window and the current one at or below the limit: power changes only when an op
                 # starts or ends, and an end only lowers it (``levels`` is monotone), so no window can exceed the
@@ -245,5 +231,5 @@ class PowerLimitFirmware:
             edges = np.clip(np.concatenate((times, [t])), lo, t)
             energy = float(np.sum(power * np.diff(edges))) + idle * max(0.0, min(times[0], t) - lo)
             if t > lo and energy / (t - lo) > thresh:
-                go_online(running, k)
+                go_online(running, k, pricing)
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from operator import attrgetter
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from simulator.policies.registry import PolicyError
 KERNEL_KINDS = (OpKind.COMPUTE, OpKind.COLLECTIVE)
 COPY_KINDS = (OpKind.MEMCPY_H2D, OpKind.MEMCPY_D2H)
 _MISSING = object()
+_OP_ID = attrgetter("id")
 
 
 def gpu_preset_name(cfg) -> str | None:
@@ -243,7 +245,18 @@ class PowerMeter:
         return activity_of_kernel(c, m, f)
 
     # -- power from recorded spans ----------------------------------------------------------------------
-    def levels(self, spans, columns=None):
+    def activity_row(self, op) -> tuple | None:
+        """``activity(op)`` as the row ``(compute, memory, copy, kernel 1.0 / 0.0)`` ``levels`` reads, or None for an op
+        that draws no power; cached by ``activity``'s key (pricing key and clocks)."""
+        hit = self.price_keys.by_op.get(id(op))
+        key = (hit[1] if hit is not None else self.price_keys.of(op), self.state.sm_clock_mhz, self.state.mem_clock_mhz)
+        row = self._rows.get(key, _MISSING)
+        if row is _MISSING:
+            a = self.activity(op)
+            row = self._rows[key] = None if a is None else (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
+        return row
+
+    def levels(self, spans, columns=None, pricing=None):
         """``(times, power, last_starts)``: the power levels of ``spans`` ``(step, op, start_s, end_s, stream)`` at
         the current clocks (each level from its instant to the next; ``last_starts``: an op starts at the last
         instant), or None when no span draws power.
@@ -255,30 +268,44 @@ class PowerMeter:
         model is >= 0 and the activities only add).
 
         ``columns``: ``spans`` as ``recording.recorder.SpanColumns`` when the caller has them (the recorder's
-        ``span_columns``, shared with its ``spans_frame``); None: built here."""
+        ``span_columns``, shared with its ``spans_frame``); None: built here. ``pricing``: the graph's
+        ``power_spans.SpanPricing``, whose ``rows`` are read by each span's op id in place of each distinct op's
+        ``activity_row`` where ``pricing.by_id`` holds (every span's op prices as the graph's op of its id) and its
+        clocks are the current ones; the same levels."""
         if not spans:
             return None
-        if columns is None:
+        uniq = pos = None
+        if (pricing is not None and pricing.by_id
+                and pricing.clocks == (self.state.sm_clock_mhz, self.state.mem_clock_mhz)):
             _steps, ops, s_all, e_all, streams = zip(*spans)
-            uniq = {id(op): op for op in ops}  # in first-span order
-            # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
-            index = {k: i for i, k in enumerate(uniq)}
-            pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+            op_ids = np.fromiter(map(_OP_ID, ops), dtype=np.intp, count=len(ops))
+            has, act = pricing.has[op_ids], pricing.rows[op_ids]
         else:
-            ops, s_all, e_all, streams, uniq_ops, pos = columns[1:]
-            uniq = {id(op): op for op in uniq_ops}
-        table: dict[int, tuple] = {}
-        by_op, key_of, rows = self.price_keys.by_op, self.price_keys.of, self._rows
-        sm, mem = self.state.sm_clock_mhz, self.state.mem_clock_mhz
-        for op in uniq.values():  # a block's folded TP collectives share its id and activity (``PriceKeys``)
-            hit = by_op.get(id(op))
-            key = (hit[1] if hit is not None else key_of(op), sm, mem)  # ``activity``'s key
-            row = rows.get(key, _MISSING)
-            if row is _MISSING:
-                a = self.activity(op)
-                row = rows[key] = None if a is None else (a.compute, a.memory, a.copy, 1.0 if a.kernel else 0.0)
-            if row is not None:
-                table[op.id] = row
+            if columns is None:
+                _steps, ops, s_all, e_all, streams = zip(*spans)
+                uniq = {id(op): op for op in ops}  # in first-span order
+                # each span's distinct op (the spans repeat a step's ops): per-op columns are taken by it
+                index = {k: i for i, k in enumerate(uniq)}
+                pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
+            else:
+                ops, s_all, e_all, streams, uniq_ops, pos = columns[1:]
+                uniq = {id(op): op for op in uniq_ops}
+            table: dict[int, tuple] = {}
+            row_of = self.activity_row
+            for op in uniq.values():  # a block's folded TP collectives share its id and activity (``PriceKeys``)
+                row = row_of(op)
+                if row is not None:
+                    table[op.id] = row
+            if not table:
+                return None
+            top = max(max(table), max(op.id for op in uniq.values()))
+            act_of = np.zeros((top + 1, 4))
+            has_of = np.zeros(top + 1, dtype=bool)
+            keys = np.fromiter(table, dtype=np.int64, count=len(table))
+            act_of[keys] = np.array(list(table.values()), dtype=float)
+            has_of[keys] = True
+            op_ids = np.array([op.id for op in uniq.values()], dtype=np.int64)[pos]
+            has, act = has_of[op_ids], act_of[op_ids]
         codes: dict[str, int] = {}  # stream -> code, in first-span order (the order the streams are summed in)
         if all(streams):  # every span names its stream (the executor's)
             codes = {st: k for k, st in enumerate(dict.fromkeys(streams))}
@@ -286,19 +313,12 @@ class PowerMeter:
         elif any(streams):
             stream_code = np.fromiter((codes.setdefault(st or op.stream, len(codes)) for op, st in zip(ops, streams)),
                                       dtype=np.int64, count=len(ops))
-        else:  # every span on its op's stream: a stream's first span is its first op's first span
+        elif uniq is not None:  # every span on its op's stream: a stream's first span is its first op's first span
             stream_code = np.array([codes.setdefault(op.stream, len(codes)) for op in uniq.values()],
                                    dtype=np.int64)[pos]
-        if not table:
-            return None
-        top = max(max(table), max(op.id for op in uniq.values()))
-        act_of = np.zeros((top + 1, 4))
-        has_of = np.zeros(top + 1, dtype=bool)
-        keys = np.fromiter(table, dtype=np.int64, count=len(table))
-        act_of[keys] = np.array(list(table.values()), dtype=float)
-        has_of[keys] = True
-        op_ids = np.array([op.id for op in uniq.values()], dtype=np.int64)[pos]
-        has, act = has_of[op_ids], act_of[op_ids]
+        else:
+            stream_code = np.fromiter((codes.setdefault(op.stream, len(codes)) for op in ops), dtype=np.int64,
+                                      count=len(ops))
         s_all, e_all = np.fromiter(s_all, dtype=float, count=len(ops)), np.fromiter(e_all, dtype=float, count=len(ops))
         use = has & (e_all > s_all)
         if not use.any():

@@ -201,9 +201,8 @@ def test_offline_run_switches_online_when_the_limit_binds(monkeypatch, make):
     assert a.ledger.energy_at(end) == pytest.approx(b.ledger.energy_at(end), rel=1e-12)
 
 
-def test_power_levels_of_finished_ops_are_a_lower_bound(monkeypatch):
-    """``_levels`` is monotone: metered from the spans of the ops finished by any time (a prefix of the
-    recorded spans), the power at every instant is at most the power metered from all spans."""
+def b8_step_spans(monkeypatch):
+    """``(graph, dvfs runtime, span rows)`` of one H200 b8 step run offline-metered (the rows kept after the run)."""
     monkeypatch.setattr(Recorder, "release", lambda self: None)  # keep the rows read below after the run
     cfg = load_scenario(B8, ["run.steps=1", "run.warmup_steps=0"])
     hw = resolve_hardware(cfg)
@@ -211,8 +210,13 @@ def test_power_levels_of_finished_ops_are_a_lower_bound(monkeypatch):
     rec_spans = []
     rec, rt = run_graph(graph, hw, 1, attach=lambda env, system: rec_spans.append(system.recorder._spans) or
                         build_runtime(cfg, hw, env, system))  # the span list (the recorder drops it after the run)
-    meter = rt.components[0]
-    spans = list(rec_spans[0])
+    return graph, rt.components[0], list(rec_spans[0])
+
+
+def test_power_levels_of_finished_ops_are_a_lower_bound(monkeypatch):
+    """``_levels`` is monotone: metered from the spans of the ops finished by any time (a prefix of the
+    recorded spans), the power at every instant is at most the power metered from all spans."""
+    _graph, meter, spans = b8_step_spans(monkeypatch)
     t_all, p_all, _ = meter._levels(spans)
     for frac in (0.1, 0.5, 0.9):
         t_sub, p_sub, _ = meter._levels(spans[: int(len(spans) * frac)])
