@@ -139,14 +139,15 @@ def test_ddp_reduces_only_the_last_micro_batch_and_overlap_off_waits_for_backwar
 
 def test_zero2_deepspeed_buckets_by_hand():
     # flush before overflowing 300 elements: 280 | 32+256+8 = 296 | 8+8+64+24+192 = 296 | 8+8+128+32 = 176;
-    # then the step's 4-byte gradient-norm all-reduce (grad_norm.deepspeed_zero_step) and one all-gather of the
-    # 1048 fp32 parameters
+    # then the step's 4-byte gradient-norm all-reduce (grad_norm.deepspeed_zero_step) and one all-gather per
+    # parameter group of the 1048 fp32 parameters: weight decay 256+256+64+192+128+32 = 928, no decay (biases and
+    # norms) 8+8+8+32+16+8+24+16 = 120 (graph.builders: zero_param_groups)
     g = build_gpt_step(TransformerSpec(**TINY, data_parallel_size=8, zero_stage=2, reduce_bucket_elements=300,
                                        overlap_grad_reduce=True))
     cs = _colls(g)
     assert [(c.meta["collective"], c.meta["bytes"]) for c in cs] == [
         ("reduce_scatter", 4 * 280), ("reduce_scatter", 4 * 296), ("reduce_scatter", 4 * 296),
-        ("reduce_scatter", 4 * 176), ("all_reduce", 4), ("all_gather", 4 * 1048)]
+        ("reduce_scatter", 4 * 176), ("all_reduce", 4), ("all_gather", 4 * 928), ("all_gather", 4 * 120)]
     assert [t.nbytes for c in cs[:4] for t in c.allocs] == [140, 148, 148, 88]  # ceil(bytes / 8)
 
 
