@@ -101,3 +101,20 @@ def test_megatrons_grad_buffer_keys_are_warned_under_fp16_optimizer():
                      "dtype, training.precision bf16)"]
     plain = load_scenario(DP8, [*SMALL, "zero_optimization={stage: 0}", "training.precision=bf16"])
     assert [o.name for o in build_graph(cfg).ops] == [o.name for o in build_graph(plain).ops]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_megatrons_distributed_optimizer_beside_a_stage0_deepspeed_config_is_refused(precision):
+    """A zero_optimization section at stage 0 with 16-bit training is DeepSpeed's FP16_Optimizer; Megatron-DeepSpeed
+    builds no distributed optimizer under --deepspeed (microsoft/Megatron-DeepSpeed@8fd352da
+    megatron/optimizer/__init__.py get_megatron_optimizer: ``if args.deepspeed: return optimizer``), so
+    ddp.use_distributed_optimizer beside it is refused in one line, as beside BF16_Optimizer (it ran Megatron's
+    distributed optimizer without a word)."""
+    with pytest.raises(ScenarioError, match=r"ddp.use_distributed_optimizer: Megatron-LM's optimizer, but "
+                                            rf"zero_optimization stage 0 with {precision} runs DeepSpeed's "
+                                            r"FP16_Optimizer .*allowed: omit it, or no zero_optimization section"):
+        load_scenario(DP8, ["zero_optimization={stage: 0}", f"training.precision={precision}",
+                            "ddp.use_distributed_optimizer=true"])
+    assert data_parallel_strategy(load_scenario(DP8, [f"training.precision={precision}",
+                                                      "ddp.use_distributed_optimizer=true"])) == (
+        "Megatron distributed optimizer")  # no DeepSpeed section: Megatron-LM's, as before
