@@ -1220,6 +1220,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "cp_comm_type" in p.model_fields_set and p.context_parallel_size == 1:
         out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
                    "exchange); the run is the same as without it")
+    out += _torchtitan_ac_without_effect(cfg)
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
                    + (f"({owner[0]}: {owner[1]})" if (owner := _stage0_wrapper(cfg)) else
@@ -1288,6 +1289,26 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def _torchtitan_ac_without_effect(cfg: ScenarioConfig) -> list[str]:
+    """``activation_checkpoint.selective_ac_option`` given where it changes nothing (``ineffective_setting_warnings``):
+    beside ``mode`` none or full, which torchtitan does not read it with (pytorch/torchtitan@81c12433
+    torchtitan/models/llama3/infra/parallelize.py: ``apply_ac`` only for a mode other than none,
+    ``_apply_ac_to_transformer_block`` wraps every block for full before reading the option), or an int ``n`` above
+    the model's block count, which checkpoints no block (``TorchtitanActivationCheckpoint.recompute``: block ``i``
+    when ``(i + 1) % n == 0``; pipelines refuse ``n`` > 1, so the blocks are the model's)."""
+    ac = cfg.activation_checkpoint
+    if ac is None or "selective_ac_option" not in ac.model_fields_set:
+        return []
+    opt, L = ac.selective_ac_option, cfg.model.num_layers
+    if ac.mode in ("none", "full"):
+        return [f"activation_checkpoint.selective_ac_option {opt} has no effect with mode {ac.mode} (read only with "
+                "mode selective); the run is the same without it"]
+    if isinstance(opt, int) and opt > L:
+        return [f"activation_checkpoint.selective_ac_option {opt} checkpoints none of the model's {L} blocks (block i "
+                f"when (i + 1) % {opt} == 0): the run is the same as mode none"]
+    return []
 
 
 def deepspeed_sp_grads_note(cfg: ScenarioConfig) -> str | None:
