@@ -1263,6 +1263,15 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
         out += _ddp_keys_without_effect(cfg)
     out += _grad_reduce_in_bf16_without_effect(cfg)
+    buckets = [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size")
+               if k in z.model_fields_set]
+    if buckets and z.stage == 0:  # read by the ZeRO optimizers only; the engine's stage-0 all-reduce has its own
+        # MEMORY_OPT_ALLREDUCE_SIZE buckets (deepspeedai/DeepSpeed@007cca6a deepspeed/runtime/engine.py
+        # _backward_epilogue: self.allreduce_gradients(), its default bucket_size)
+        owner = _stage0_wrapper(cfg)
+        out.append(f"{', '.join(buckets)} ha{'s' if len(buckets) == 1 else 've'} no effect with stage 0 ("
+                   + (f"{owner[0]}: {owner[1]}" if owner else "DeepSpeed ZeRO off: ddp's buckets govern the gradient "
+                      "all-reduce") + f"); the run is the same without {'it' if len(buckets) == 1 else 'them'}")
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
