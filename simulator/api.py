@@ -1220,6 +1220,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "cp_comm_type" in p.model_fields_set and p.context_parallel_size == 1:
         out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
                    "exchange); the run is the same as without it")
+    out += _torchtitan_ac_without_effect(cfg)
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
                    + (f"({owner[0]}: {owner[1]})" if (owner := _stage0_wrapper(cfg)) else
@@ -1262,6 +1263,15 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if not any(line.startswith("ddp.") for line in unread):  # else it named the ddp keys already
         out += _ddp_keys_without_effect(cfg)
     out += _grad_reduce_in_bf16_without_effect(cfg)
+    buckets = [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size")
+               if k in z.model_fields_set]
+    if buckets and z.stage == 0:  # read by the ZeRO optimizers only; the engine's stage-0 all-reduce has its own
+        # MEMORY_OPT_ALLREDUCE_SIZE buckets (deepspeedai/DeepSpeed@007cca6a deepspeed/runtime/engine.py
+        # _backward_epilogue: self.allreduce_gradients(), its default bucket_size)
+        owner = _stage0_wrapper(cfg)
+        out.append(f"{', '.join(buckets)} ha{'s' if len(buckets) == 1 else 've'} no effect with stage 0 ("
+                   + (f"{owner[0]}: {owner[1]}" if owner else "DeepSpeed ZeRO off: ddp's buckets govern the gradient "
+                      "all-reduce") + f"); the run is the same without {'it' if len(buckets) == 1 else 'them'}")
     if "contiguous_gradients" in z.model_fields_set and z.stage not in (1, 2):
         out.append(f"zero_optimization.contiguous_gradients has no effect with stage {z.stage} (the IPG gradient "
                    "buffers are ZeRO-1/2's)")
@@ -1288,6 +1298,26 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
                                f"{o.slowdown:g} compound on pp_rank {r} / dp_rank {o.dp_rank}: its kernels run "
                                f"{q.slowdown:g} x {o.slowdown:g} = {q.slowdown * o.slowdown:.4g}x slower")
     return out
+
+
+def _torchtitan_ac_without_effect(cfg: ScenarioConfig) -> list[str]:
+    """``activation_checkpoint.selective_ac_option`` given where it changes nothing (``ineffective_setting_warnings``):
+    beside ``mode`` none or full, which torchtitan does not read it with (pytorch/torchtitan@81c12433
+    torchtitan/models/llama3/infra/parallelize.py: ``apply_ac`` only for a mode other than none,
+    ``_apply_ac_to_transformer_block`` wraps every block for full before reading the option), or an int ``n`` above
+    the model's block count, which checkpoints no block (``TorchtitanActivationCheckpoint.recompute``: block ``i``
+    when ``(i + 1) % n == 0``; pipelines refuse ``n`` > 1, so the blocks are the model's)."""
+    ac = cfg.activation_checkpoint
+    if ac is None or "selective_ac_option" not in ac.model_fields_set:
+        return []
+    opt, L = ac.selective_ac_option, cfg.model.num_layers
+    if ac.mode in ("none", "full"):
+        return [f"activation_checkpoint.selective_ac_option {opt} has no effect with mode {ac.mode} (read only with "
+                "mode selective); the run is the same without it"]
+    if isinstance(opt, int) and opt > L:
+        return [f"activation_checkpoint.selective_ac_option {opt} checkpoints none of the model's {L} blocks (block i "
+                f"when (i + 1) % {opt} == 0): the run is the same as mode none"]
+    return []
 
 
 def deepspeed_sp_grads_note(cfg: ScenarioConfig) -> str | None:

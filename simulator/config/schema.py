@@ -960,6 +960,16 @@ class ScenarioConfig(_Model):
                              "stage 0 with bf16 and a pipeline runs DeepSpeed's BF16_Optimizer (its own gradient "
                              "buffer and fp32 partition; allowed: omit them, or no zero_optimization section for "
                              "Megatron-LM's optimizer)")
+        # without a pipeline (or with fp16) the same DeepSpeed config is FP16_Optimizer, which
+        # deepspeed_fp16_optimizer leaves to Megatron's distributed optimizer when that is set: Megatron-DeepSpeed
+        # builds none under --deepspeed (microsoft/Megatron-DeepSpeed@8fd352da megatron/optimizer/__init__.py
+        # get_megatron_optimizer: ``if args.deepspeed: return optimizer``)
+        if (ddp.use_distributed_optimizer and "zero_optimization" in self.model_fields_set and z.stage == 0
+                and f is None and prec in ("bf16", "fp16") and not deepspeed_bf16_optimizer(self)):
+            raise ValueError(f"ddp.use_distributed_optimizer: Megatron-LM's optimizer, but zero_optimization stage 0 "
+                             f"with {prec} runs DeepSpeed's FP16_Optimizer (Megatron-DeepSpeed builds no distributed "
+                             "optimizer under --deepspeed; allowed: omit it, or no zero_optimization section for "
+                             "Megatron-LM's optimizer)")
         acc = ddp.accumulate_allreduce_grads_in_fp32
         if acc is not None and (prec not in ("bf16", "fp16") or z.stage > 0 or f is not None
                                 or self.training.lora is not None):

@@ -101,3 +101,41 @@ def test_megatrons_grad_buffer_keys_are_warned_under_fp16_optimizer():
                      "dtype, training.precision bf16)"]
     plain = load_scenario(DP8, [*SMALL, "zero_optimization={stage: 0}", "training.precision=bf16"])
     assert [o.name for o in build_graph(cfg).ops] == [o.name for o in build_graph(plain).ops]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_megatrons_distributed_optimizer_beside_a_stage0_deepspeed_config_is_refused(precision):
+    """A zero_optimization section at stage 0 with 16-bit training is DeepSpeed's FP16_Optimizer; Megatron-DeepSpeed
+    builds no distributed optimizer under --deepspeed (microsoft/Megatron-DeepSpeed@8fd352da
+    megatron/optimizer/__init__.py get_megatron_optimizer: ``if args.deepspeed: return optimizer``), so
+    ddp.use_distributed_optimizer beside it is refused in one line, as beside BF16_Optimizer (it ran Megatron's
+    distributed optimizer without a word)."""
+    with pytest.raises(ScenarioError, match=r"ddp.use_distributed_optimizer: Megatron-LM's optimizer, but "
+                                            rf"zero_optimization stage 0 with {precision} runs DeepSpeed's "
+                                            r"FP16_Optimizer .*allowed: omit it, or no zero_optimization section"):
+        load_scenario(DP8, ["zero_optimization={stage: 0}", f"training.precision={precision}",
+                            "ddp.use_distributed_optimizer=true"])
+    assert data_parallel_strategy(load_scenario(DP8, [f"training.precision={precision}",
+                                                      "ddp.use_distributed_optimizer=true"])) == (
+        "Megatron distributed optimizer")  # no DeepSpeed section: Megatron-LM's, as before
+
+
+@pytest.mark.parametrize("path,extra,owner", [
+    (DP8, [*SMALL, "training.precision=fp16"], "DeepSpeed FP16_Optimizer: the engine's all-reduces of 500M-element "
+                                               "buckets"),
+    (PP2, ["training.precision=bf16"], "DeepSpeed BF16_Optimizer: one all-reduce of the whole gradient buffer"),
+    (DP8, [*SMALL, "training.precision=fp32", "model.attention_backend=unfused"], "DeepSpeed ZeRO off: ddp's buckets"),
+])
+def test_zero_bucket_sizes_at_stage_0_are_named(path, extra, owner):
+    """A pasted ds_config at stage 0 with reduce_bucket_size / allgather_bucket_size: DeepSpeed's engine all-reduces
+    in MEMORY_OPT_ALLREDUCE_SIZE buckets whatever they are (deepspeedai/DeepSpeed@007cca6a deepspeed/runtime/engine.py
+    ``_backward_epilogue``: ``self.allreduce_gradients()`` with its default bucket_size; both keys are read by the
+    ZeRO optimizers only), and the graph is the same without them: one line names both."""
+    z = "zero_optimization={stage: 0, reduce_bucket_size: 1000, allgather_bucket_size: 1000}"
+    cfg = load_scenario(path, [*extra, z])
+    lines = [w for w in ineffective_setting_warnings(cfg) if "bucket_size" in w and w.startswith("zero_optimization")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "zero_optimization.reduce_bucket_size, zero_optimization.allgather_bucket_size have no effect with stage 0 ("
+        + owner), lines
+    plain = load_scenario(path, [*extra, "zero_optimization={stage: 0}"])
+    assert [(o.name, o.bytes_read) for o in build_graph(cfg).ops] == [(o.name, o.bytes_read) for o in build_graph(plain).ops]

@@ -48,11 +48,6 @@ from simulator.graph.builders import qkv_layout
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpRole
 
-#: torchtitan Llama's Linear layers in forward order, and the ones torchtitan's policy saves (odd mm counts)
-MM_ORDER = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
-SAVED_MM = tuple(name for i, name in enumerate(MM_ORDER, 1) if i % 2)
-
-
 def check_spec(s) -> None:
     """Raises: ValueError: a ``TransformerSpec`` with ``recompute`` op that is not torchtitan's dense Llama block
     (separate q / k / v, SwiGLU, flash attention with rope, no biases, no MoE / LoRA / fp8 / context parallelism,

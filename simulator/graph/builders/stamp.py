@@ -35,8 +35,8 @@ from simulator.graph.ops import Op, TensorAlloc, op_copier, op_from_fields
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
 _GET = attrgetter(*_NAMES)
-_ID, _NAME, _LAYER, _DEPS, _ALLOCS, _USES, _META, _FOLDED = (
-    _NAMES.index(f) for f in ("id", "name", "layer", "deps", "allocs", "uses", "meta", "folded_comm"))
+_ID, _NAME, _LAYER, _ALLOCS, _META, _FOLDED = (
+    _NAMES.index(f) for f in ("id", "name", "layer", "allocs", "meta", "folded_comm"))
 
 
 #: a stamped op from its recipe's field values (``ops.op_copier``): its id, name, layer, deps, allocs, uses, meta and
