@@ -100,7 +100,7 @@ def check_scenario(cfg) -> None:
         return
     if ac.mode == "memory_budget":
         raise ValueError("activation_checkpoint.mode: memory_budget (torch.compile's partitioner under an activation "
-                         "memory budget) is not modelled (allowed: none, selective, full)")
+                         "memory budget) is torchtitan's but not modelled (allowed here: none, selective, full)")
     if cfg.fsdp is None or cfg.fsdp.version != 2:
         raise ValueError("activation_checkpoint is torchtitan's [activation_checkpoint] for its FSDP2 Llama: it needs "
                          "fsdp: {version: 2} (allowed: add it, or training.recompute_granularity for Megatron-LM)")

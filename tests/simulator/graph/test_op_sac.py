@@ -141,12 +141,12 @@ def test_config_maps_torchtitan_names():
 @pytest.mark.parametrize("overrides, match", [
     (["activation_checkpoint={mode: full}"], "needs fsdp: {version: 2}"),
     ([FSDP2, "activation_checkpoint={mode: full}", "training.recompute_granularity=full"], "both set the recompute"),
-    ([FSDP2, "activation_checkpoint={mode: memory_budget}"], "memory_budget .* is not modelled"),
+    ([FSDP2, "activation_checkpoint={mode: memory_budget}"], "memory_budget .* is torchtitan's but not modelled"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: -1}"], "not a torchtitan selective_ac_option"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: op}", "model.attention_backend=unfused"],
      "op with model.attention_backend unfused is not modelled"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: op, early_stop: false}"],
-     "activation_checkpoint.early_stop: unknown key .* priced with torch's early stop"),
+     "activation_checkpoint.early_stop: unknown key .* torchtitan's default is early_stop false"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: 2}", "parallelism.pipeline_model_parallel_size=2"],
      "selective_ac_option: 2 with pipeline_model_parallel_size > 1 is not modelled"),
 ])
