@@ -74,7 +74,10 @@ COLUMNS = ("case_id", "metric", "measured", "predicted", "error", "tolerance", "
 _OPT_BW = "fused AdamW bandwidth taken from the elementwise microbenchmark"
 _B4_GAPS = "b4 launch gaps priced at idle power (tests/validation/test_energy.py)"
 _OFFLOAD_CPU = ("CPU step short (tests/validation/test_offload.py): cpu_adam measured 0.421 s, predicted 0.330 s, "
-                "-21.7%; step measured 0.4545 s, predicted 0.389 s, -14.4%")
+                "-21.7%; step measured 0.4545 s, predicted 0.389 s, -14.4%. Per pass (scripts/trace_cpu_step_passes.py): "
+                "in-place passes at the fitted 98 GB/s within -8..+16% of the trace's per-size medians; faults over-charged "
+                "(sqrt 86.6 vs 48 ms, grad cast 82.8 vs 25: only the 128 MiB embedding and the 16 MiB MLP tensors fault); "
+                "not modelled: ~60 ms/step of 1-11 ms stalls of single ops and a 26 ms free at the end of the step")
 _ZO_FWD = ("5.00 s predicted vs 6.20 s logged (-19.3%; 4.98 s, -19.6%, before Megatron-LM's vocab-parallel cross-entropy; 3.11 s, -49.8%, before the fresh checkpoint buffers' page faults "
            "and the Volta hosts' pageable rates): the 50 blocking D2H copies of 84 MB into DeepSpeed 0.3's fresh "
            "pageable buffers take 2.14 s (0.39 s at the published 10.77 GB/s pageable rate + 1.75 s faulting 1.02M "
