@@ -19,6 +19,7 @@ from simulator.analysis import metrics
 from simulator.analysis.results import SimulationResult
 from simulator.analysis.summary import summarize
 from simulator.config.loader import load_scenario, resolve_hardware
+from simulator.config.sections import torchtitan_ac
 from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
                                      deepspeed_bf16_optimizer, deepspeed_fp16_optimizer, deepspeed_runs_step)
@@ -60,7 +61,8 @@ def transformer_spec(cfg: ScenarioConfig, pipeline_rank: int = 0) -> Transformer
         accumulate_allreduce_grads_in_fp32=bool(ddp.accumulate_allreduce_grads_in_fp32),
         grad_reduce_in_bf16=ddp.grad_reduce_in_bf16, deepspeed_bf16_optimizer=deepspeed_bf16_optimizer(cfg),
         deepspeed_fp16_optimizer=deepspeed_fp16_optimizer(cfg),
-        recompute=recompute_of(cfg)[0], recompute_every=recompute_of(cfg)[1], data_parallel_size=dp,
+        recompute=recompute_of(cfg)[0], recompute_every=recompute_of(cfg)[1],
+        recompute_early_stop=torchtitan_ac.early_stop_of(cfg), data_parallel_size=dp,
         zero_stage=z.stage if shards > 1 else 0,
         ddp_first_bucket_bytes=int(ddp.first_bucket_mb * 2**20), ddp_bucket_cap_bytes=int(ddp.bucket_cap_mb * 2**20),
         overlap_grad_reduce=ddp.overlap_grad_reduce if z.stage == 0 else z.overlap_in(p.pipeline_model_parallel_size),
@@ -1135,6 +1137,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := fsdp2_selective_note(cfg)):
         out.append(note)
+    if cfg is not None and (note := fsdp2_ac_note(cfg)):
+        out.append(note)
     if cfg is not None and (note := fsdp2_last_block_note(cfg)):
         out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
@@ -1220,7 +1224,7 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     if "cp_comm_type" in p.model_fields_set and p.context_parallel_size == 1:
         out.append(f"parallelism.cp_comm_type {p.cp_comm_type} has no effect with context_parallel_size 1 (no K/V "
                    "exchange); the run is the same as without it")
-    out += _torchtitan_ac_without_effect(cfg)
+    out += torchtitan_ac.without_effect(cfg)
     if z.stage == 0 and z.overlap_comm is not None:
         out.append(f"zero_optimization.overlap_comm {str(z.overlap_comm).lower()} has no effect with stage 0 "
                    + (f"({owner[0]}: {owner[1]})" if (owner := _stage0_wrapper(cfg)) else
@@ -1300,26 +1304,6 @@ def ineffective_setting_warnings(cfg: ScenarioConfig) -> list[str]:
     return out
 
 
-def _torchtitan_ac_without_effect(cfg: ScenarioConfig) -> list[str]:
-    """``activation_checkpoint.selective_ac_option`` given where it changes nothing (``ineffective_setting_warnings``):
-    beside ``mode`` none or full, which torchtitan does not read it with (pytorch/torchtitan@81c12433
-    torchtitan/models/llama3/infra/parallelize.py: ``apply_ac`` only for a mode other than none,
-    ``_apply_ac_to_transformer_block`` wraps every block for full before reading the option), or an int ``n`` above
-    the model's block count, which checkpoints no block (``TorchtitanActivationCheckpoint.recompute``: block ``i``
-    when ``(i + 1) % n == 0``; pipelines refuse ``n`` > 1, so the blocks are the model's)."""
-    ac = cfg.activation_checkpoint
-    if ac is None or "selective_ac_option" not in ac.model_fields_set:
-        return []
-    opt, L = ac.selective_ac_option, cfg.model.num_layers
-    if ac.mode in ("none", "full"):
-        return [f"activation_checkpoint.selective_ac_option {opt} has no effect with mode {ac.mode} (read only with "
-                "mode selective); the run is the same without it"]
-    if isinstance(opt, int) and opt > L:
-        return [f"activation_checkpoint.selective_ac_option {opt} checkpoints none of the model's {L} blocks (block i "
-                f"when (i + 1) % {opt} == 0): the run is the same as mode none"]
-    return []
-
-
 def deepspeed_sp_grads_note(cfg: ScenarioConfig) -> str | None:
     """The run's line for sequence parallelism (``tensor_model_parallel_size`` > 1) under DeepSpeed's engine
     (``schema.deepspeed_runs_step``), else None: Megatron-DeepSpeed all-reduces no sequence-parallel replicated
@@ -1346,6 +1330,23 @@ def fsdp2_selective_note(cfg: ScenarioConfig) -> str | None:
             "recompute (core attention recomputed), not torchtitan's selective activation checkpointing (its "
             "memory and recompute time differ): for torchtitan's, set activation_checkpoint {mode: selective, "
             "selective_ac_option: op or n} instead")
+
+
+def fsdp2_ac_note(cfg: ScenarioConfig) -> str | None:
+    """The run's line for ``fsdp.version 2`` without an ``activation_checkpoint`` section, else None (and None for
+    ``training.recompute_granularity`` selective: ``fsdp2_selective_note``): the activation checkpointing it prices,
+    which is ``training.recompute_granularity`` (none when unset), while torchtitan's job config, which the section
+    stands for, defaults to mode selective, selective_ac_option "2" (every 2nd block checkpointed;
+    ``torchtitan_ac.TorchtitanActivationCheckpoint``'s defaults, pytorch/torchtitan@6404b932
+    torchtitan/config/job_config.py ``ActivationCheckpoint``)."""
+    f, rg = cfg.fsdp, cfg.training.recompute_granularity
+    if f is None or f.version != 2 or cfg.activation_checkpoint is not None or rg == "selective":
+        return None
+    priced = ("every block checkpointed whole (training.recompute_granularity full, torchtitan's mode full)"
+              if rg == "full" else "no activation checkpointing (training.recompute_granularity unset)")
+    return (f"fsdp.version 2 without an activation_checkpoint section: priced with {priced}; torchtitan's default "
+            "job config checkpoints every 2nd block (mode selective, selective_ac_option '2'): for it, set "
+            "activation_checkpoint: {}")
 
 
 def fsdp2_last_block_note(cfg: ScenarioConfig) -> str | None:

@@ -70,15 +70,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "fsdp.state_dict_type": _NO_STEP_EFFECT,
     "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",
     "fsdp.use_orig_params": "not modelled (the flat parameters are priced either way); remove it",
-    # torchtitan [activation_checkpoint] keys beside mode / selective_ac_option (torchtitan/config/job_config.py)
-    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "torchtitan's force-recompute list is not "
-        "modelled (its default, moe.router.gate, names no Linear of a dense Llama block); remove it",
-    "activation_checkpoint.early_stop": "not modelled as a key: the op-mode recompute is priced with torch's "
-        "early stop on, while torchtitan's default is early_stop false (pytorch/torchtitan@6404b932 "
-        "torchtitan/config/job_config.py ActivationCheckpoint); remove it",
-    "activation_checkpoint.preserve_rng_state": "not modelled (the RNG state save / restore is not priced); remove it",
-    "activation_checkpoint.memory_budget": "torchtitan's mode memory_budget (torch.compile's partitioner) is not "
-                                           "modelled; remove it",
 }
 
 

@@ -26,16 +26,27 @@ t, s]``), w1 (``[T, f / t]``), w2 (``[T, h]``, before its reduce-scatter) and, w
 (``[T / t, h]`` each), all 16-bit but the log-sum-exp.
 
 **Recomputed** before the block's backward (``recompute``): non-reentrant checkpointing re-runs the block's forward
-in order, returning stored outputs for the saved ops, and stops once every tensor its backward unpacks exists again
-(early stop, torch/utils/checkpoint.py ``_checkpoint_without_reentrant_generator``, on by default), i.e. at w2,
-whose autograd node saves its input before the op is dispatched. So the recompute runs: attention norm, (all-gather),
-wk, rope on q and k, repeat_kv's copies, the transpose of the SDPA output, wo (run although with TP its output feeds
-only the stored reduce-scatter: the caching mode re-runs every ``PREFER_RECOMPUTE`` op), the residual add, FFN norm,
+in order, returning stored outputs for the saved ops (torch/utils/checkpoint.py ``_CachingTorchDispatchMode``: a
+``MUST_SAVE`` op's output is popped from the storage, not computed). It runs: attention norm, (all-gather), wk, rope
+on q and k, repeat_kv's copies, the transpose of the SDPA output, wo (run although with TP its output feeds only the
+stored reduce-scatter: the caching mode re-runs every ``PREFER_RECOMPUTE`` op), the residual add, FFN norm,
 (all-gather), w3 and the SwiGLU product: three GEMMs (``T x kv x h``, ``T x h x a d / t``, ``T x f / t x h``), not
-the block's forward. Stored outputs the recompute reads (wq, wv, the SDPA out, w1, the first reduce-scatter) are
-freed when their last reader has run; those it never reaches (w2's output and its reduce-scatter) stay in the
-checkpoint's storage until the block's backward is done (the frame is released with the block's autograd nodes):
-held by the block's last backward kernel here. The builder prices SwiGLU's silu and product as one kernel, after w3.
+the block's forward. Where it ends is ``early_stop`` (``TransformerSpec.recompute_early_stop``):
+
+* **off**, torchtitan's default (``[activation_checkpoint] early_stop = false``, passed to ``ptd_checkpoint_wrapper``
+  for every block: pytorch/torchtitan@cfb93265 torchtitan/distributed/activation_checkpoint.py ``_apply_op_sac``):
+  the forward runs to its end, so w2's stored output (and with TP its stored reduce-scatter output) is popped and
+  the second residual add ``h + ffn_out`` (``PREFER_RECOMPUTE``) re-runs, one more ``[T / t, h]`` elementwise
+  kernel; the popped outputs are freed when it has run (its own output is dropped);
+* **on** (``early_stop = true``; torch's own default, ``set_checkpoint_early_stop``: "non-reentrant checkpoint stops
+  recomputation as soon as it has computed all needed Tensors"): the recompute stops once every tensor its backward
+  unpacks exists again (``_recomputation_hook`` raises ``_StopRecomputationError``), i.e. at w2, whose autograd node
+  saves its input before the op is dispatched, so the add is not run and the stored outputs it never reaches (w2's
+  output and its reduce-scatter) stay in the checkpoint's storage until the block's backward is done (the frame is
+  released with the block's autograd nodes): held by the block's last backward kernel here.
+
+Stored outputs the recompute reads (wq, wv, the SDPA out, w1, the first reduce-scatter) are freed when their last
+reader has run. The builder prices SwiGLU's silu and product as one kernel, after w3.
 The philox state SDPA returns (two 8-byte tensors) is not counted. Under ``torch.autocast`` (fp32 weights not
 gathered as bf16 by FSDP) every Linear's weight cast is an op outside the list, so all seven re-run (the recompute's
 autocast context has a fresh cast cache: torch/utils/checkpoint.py restores the autocast state, not its cache); the
@@ -107,7 +118,8 @@ def kept_bytes(s, w: int, act: int) -> dict[str, int]:
 
 def recompute(bld, c: dict) -> dict:
     """Re-run the ops torchtitan's policy did not save of the current block (``bld.e.layer``, backward phase), from
-    ``c`` (``saved_outputs``). Returns the tensors its backward reads (``_GptBuilder._layer_bwd``'s ``sv``)."""
+    ``c`` (``saved_outputs``), up to w2 with ``recompute_early_stop``, else to the block's end (module docstring).
+    Returns the tensors its backward reads (``_GptBuilder._layer_bwd``'s ``sv``)."""
     s, e, T, t = bld.s, bld.e, bld.T, bld.tp
     f, hf = s.ffn_hidden_size // t, s.hidden_size
     h, kv = s.attention_width // t, s.query_groups * s.head_dim // t
@@ -130,6 +142,10 @@ def recompute(bld, c: dict) -> dict:
     sv_fc1 = bld._save_shard(sv_fc1, ln2s)
     g = bld._act_fwd("", (c["w1"], w3), T, f)
     w_fc2 = bld._weight16("fc2", f * hf)  # w2's weight for its backward (autocast: its cast re-runs; its mm is stored)
+    held = c["held"]
+    if not s.recompute_early_stop:  # the forward runs to its end: h + ffn_out again, reading the popped w2 (RS) output
+        bld._add("residual2", x2, held[-1], bld.act, bld.w, bld.act, held=held[:-1])
+        held = ()
     return dict(x=c["x"], qkv=None, qk=attn_in[0], att=c["att"], sv_qkv=sv_qkv, sv_proj=sv_proj, x2=x2,
                 fc1=(c["w1"], w3), sv_fc1=sv_fc1, sv_fc2=(g, w_fc2, None), moe=None, core=None, mask1=None,
-                mask2=None, lse=c["lse"], ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in, held=c["held"])
+                mask2=None, lse=c["lse"], ln1_stats=ln1_st, ln2_stats=ln2_st, attn_in=attn_in, held=held)

@@ -207,6 +207,9 @@ class TransformerSpec:
         recompute_every: With ``recompute`` full, block ``i`` (0-based) is checkpointed whole when ``(i + 1) %
             recompute_every == 0`` and keeps all its activations otherwise (torchtitan's ``selective_ac_option``
             int n: ``simulator/config/sections/torchtitan_ac.py``); 1: every block.
+        recompute_early_stop: With ``recompute`` op, torch's early stop of the non-reentrant recompute (it ends at
+            w2, the last op whose autograd node saves a tensor); False (torchtitan's ``early_stop`` default) re-runs
+            the block's forward to its end, the second residual add too (``op_sac.recompute``).
         data_parallel_size: Data-parallel replicas (ranks are identical: one is built). With > 1 the
             gradients are reduced over the ``dp`` group (see ``build_gpt_step``).
         zero_stage: DeepSpeed ZeRO stage with data parallelism: 0 (DDP all-reduce), 1 (optimizer
@@ -345,6 +348,7 @@ class TransformerSpec:
     deepspeed_fp16_optimizer: bool = False
     recompute: str = "none"
     recompute_every: int = 1
+    recompute_early_stop: bool = False
     data_parallel_size: int = 1
     zero_stage: int = 0
     ddp_first_bucket_bytes: int = 1 << 20
@@ -443,6 +447,8 @@ class TransformerSpec:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.recompute_every < 1 or (self.recompute_every > 1 and self.recompute != "full"):
             raise ValueError(f"recompute_every must be >= 1 and 1 unless recompute is full, got {self.recompute_every}")
+        if self.recompute_early_stop and self.recompute != "op":
+            raise ValueError(f"recompute_early_stop is modelled with recompute op only, got {self.recompute!r}")
         if self.recompute == "op":
             op_sac.check_spec(self)
         if self.zero_stage not in (0, 1, 2, 3):

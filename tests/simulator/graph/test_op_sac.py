@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from simulator import load_scenario, run_scenario
 from simulator.cli import main
-from simulator.api import fsdp2_selective_note, resolve_hardware, run_warnings, transformer_spec
+from simulator.api import fsdp2_ac_note, fsdp2_selective_note, resolve_hardware, run_warnings, transformer_spec
 from simulator.config.errors import ScenarioError
 from simulator.graph.builders.transformer import build_gpt_step
 from simulator.graph.ops import OpKind, Phase
@@ -145,8 +145,27 @@ def test_config_maps_torchtitan_names():
     ([FSDP2, "activation_checkpoint={selective_ac_option: -1}"], "not a torchtitan selective_ac_option"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: op}", "model.attention_backend=unfused"],
      "op with model.attention_backend unfused is not modelled"),
-    ([FSDP2, "activation_checkpoint={selective_ac_option: op, early_stop: false}"],
-     "activation_checkpoint.early_stop: unknown key .* torchtitan's default is early_stop false"),
+    ([FSDP2, "activation_checkpoint={mode: full, early_stop: true}"],
+     r"^[^\n]*activation_checkpoint.early_stop: true with mode full is not modelled .* allowed: early_stop false"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: 2, early_stop: true}"],
+     "activation_checkpoint.early_stop: true with selective_ac_option 2 is not modelled"),
+    ([FSDP2, "activation_checkpoint={preserve_rng_state: true}"],
+     "activation_checkpoint.preserve_rng_state: true is not modelled .* allowed: false, torchtitan's default"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: op, per_op_sac_force_recompute_mm_shapes_by_fqns: "
+             "[attention.wq]}"],
+     r"op with activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns \['attention.wq'\] is not "
+     "modelled"),
+    ([FSDP2, "activation_checkpoint={determinism_check: throw}"], "determinism_check: Input should be 'default' or "
+     "'none'"),
+    ([FSDP2, "activation_checkpoint={mode: bogus}"], "'bogus' is not a torchtitan activation_checkpoint mode "
+     r"\(torchtitan's: none, selective, full, memory_budget; modelled here: none, selective, full\)"),
+    ([FSDP2, "activation_checkpoint={mode: memory_budget}"], "torchtitan's modes: none, selective, full, "
+     "memory_budget; allowed here: none, selective, full"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: op}", "fsdp.mixed_precision=FULL"],
+     r"op with fsdp.mixed_precision FULL \(param_dtype fp32\) is not modelled \(allowed: .*param_dtype bf16"),
+    ([FSDP2, "activation_checkpoint={selective_ac_option: op}",
+      "fsdp.mixed_precision={param_dtype: fp32, reduce_dtype: fp32}"],
+     "op with fsdp.mixed_precision param_dtype fp32 is not modelled"),
     ([FSDP2, "activation_checkpoint={selective_ac_option: 2}", "parallelism.pipeline_model_parallel_size=2"],
      "selective_ac_option: 2 with pipeline_model_parallel_size > 1 is not modelled"),
 ])
@@ -205,3 +224,100 @@ def test_selective_note_points_to_torchtitan_key():
     assert note in run_warnings(resolve_hardware(cfg, str(F)), cfg) and "activation_checkpoint" in note
     cfg = load_scenario(F, [FSDP2, "activation_checkpoint={selective_ac_option: op}"])
     assert fsdp2_selective_note(cfg) is None
+
+
+def test_early_stop_off_reruns_the_second_residual_add_by_hand():
+    """torchtitan's default early_stop false: the recompute runs the block's forward to its end, so beside the
+    early-stop recompute it re-runs the second residual add h + w2's output over [T, h]: reads (2 + 2) T h = 8192 B,
+    writes 2 T h = 4096 B, one kernel more per block and nothing else; it is w2's stored output's last reader
+    (freed there), where with early stop the output stays held to the block's last backward kernel. With t = 2
+    and sequence parallelism it reads x2 and the reduce-scatter output over [T / 2, h]: 4096 B in, 2048 B out,
+    releasing w2's output and its reduce-scatter output."""
+    for kw, reads, writes in (({}, 8192, 4096), (dict(tensor_parallel_size=2, sequence_parallel=True), 4096, 2048)):
+        off, on = (build_gpt_step(spec(**TT, recompute="op", recompute_early_stop=es, **kw)) for es in (False, True))
+        assert [o.name for o in _bwd(off) if o.name not in {p.name for p in _bwd(on)}] == ["L1.bwd.residual2"]
+        assert len(_bwd(off)) == len(_bwd(on)) + 1
+        add = next(o for o in _bwd(off) if o.name == "L1.bwd.residual2")
+        assert (add.bytes_read, add.bytes_written, [t.nbytes for t in add.allocs]) == (reads, writes, [writes])
+        names = [o.name for o in _bwd(off)]
+        assert names[names.index("L1.bwd.residual2") - 1] == "L1.bwd.swiglu"  # after w3 and the SwiGLU product
+        w2 = next(o for o in off.ops if o.name == "L1.fwd.fc2.gemm").allocs[0].name
+        assert [o.name for o in _bwd(off) if w2 in o.uses] == ["L1.bwd.residual2"]
+        w2 = next(o for o in on.ops if o.name == "L1.fwd.fc2.gemm").allocs[0].name
+        assert [o.name for o in _bwd(on) if w2 in o.uses] == ["L1.bwd.residual1.grad"]
+    with pytest.raises(ValueError, match="recompute_early_stop is modelled with recompute op only"):
+        spec(**TT, recompute="full", recompute_early_stop=True)
+
+
+#: torchtitan's [activation_checkpoint] as its job config writes it out, every key at its default (a later revision
+#: of torchtitan/config/job_config.py ActivationCheckpoint)
+TORCHTITAN_DEFAULTS = ("{mode: selective, selective_ac_option: '2', per_op_sac_force_recompute_mm_shapes_by_fqns: "
+                       "[moe.router.gate], early_stop: false, memory_budget: 0.5, visualize_memory_budget_pareto: "
+                       "false, preserve_rng_state: false, determinism_check: default, debug: false}")
+
+
+def _ac_warnings(ac: str) -> list[str]:
+    cfg = load_scenario(F, [FSDP2, f"activation_checkpoint={ac}"])
+    return [w for w in run_warnings(resolve_hardware(cfg, str(F)), cfg) if "activation_checkpoint" in w]
+
+
+def test_torchtitan_defaults_pasted_are_accepted_silently():
+    """Every key of torchtitan's section at its default: accepted, no warning, the same build as the empty section
+    (every 2nd block checkpointed, no early stop)."""
+    pasted = transformer_spec(load_scenario(F, [FSDP2, f"activation_checkpoint={TORCHTITAN_DEFAULTS}"]))
+    empty = transformer_spec(load_scenario(F, [FSDP2, "activation_checkpoint={}"]))
+    assert pasted == empty and (pasted.recompute, pasted.recompute_every, pasted.recompute_early_stop) == (
+        "full", 2, False)
+    assert _ac_warnings(TORCHTITAN_DEFAULTS) == []
+    op = TORCHTITAN_DEFAULTS.replace("'2'", "op")
+    assert _ac_warnings(op) == [] and transformer_spec(load_scenario(F, [FSDP2, f"activation_checkpoint={op}"])
+                                                       ).recompute == "op"
+
+
+def test_early_stop_maps_to_the_op_recompute_only():
+    """early_stop reaches the builder with the op option; with mode none (no block wrapped) it is warned."""
+    def es(ac):
+        return transformer_spec(load_scenario(F, [FSDP2, f"activation_checkpoint={ac}"])).recompute_early_stop
+    assert es("{selective_ac_option: op}") is False and es("{selective_ac_option: op, early_stop: true}") is True
+    assert es("{mode: none, early_stop: true}") is False
+    assert _ac_warnings("{mode: none, early_stop: true}") == [
+        "activation_checkpoint.early_stop has no effect: no block is checkpointed; the run is the same without it"]
+
+
+@pytest.mark.parametrize("ac, line", [
+    ("{debug: true}", "activation_checkpoint.debug true: torch's operator logs of forward and recompute are host-side "
+                      "and not priced; the run is the same without it"),
+    ("{determinism_check: none}", "activation_checkpoint.determinism_check none: torch's check of the recomputed "
+                                  "tensors' metadata is host-side and not priced; the run is the same without it"),
+    ("{visualize_memory_budget_pareto: true, memory_budget: 0.3}",
+     "activation_checkpoint.memory_budget, visualize_memory_budget_pareto have no effect with mode selective (read "
+     "only with mode memory_budget); the run is the same without them"),
+    ("{mode: full, per_op_sac_force_recompute_mm_shapes_by_fqns: [attention.wq]}",
+     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns ['attention.wq'] has no effect (read only "
+     "with selective_ac_option op); the run is the same without it"),
+    ("{selective_ac_option: op, per_op_sac_force_recompute_mm_shapes_by_fqns: []}",
+     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns [] has no effect (like its default "
+     "['moe.router.gate'], it names no Linear of the dense Llama block); the run is the same without it"),
+    ("{mode: none, preserve_rng_state: true, debug: true}",
+     "activation_checkpoint.preserve_rng_state, debug have no effect: no block is checkpointed; the run is the same "
+     "without them"),
+])
+def test_keys_without_effect_are_warned_in_one_line(ac, line):
+    assert _ac_warnings(ac) == [line]
+
+
+def test_fsdp2_without_the_section_says_what_it_priced():
+    """fsdp.version 2 without activation_checkpoint prices training.recompute_granularity, not torchtitan's default
+    (every 2nd block), and says so; with the section, selective granularity (its own note) or FSDP1: no line."""
+    def note(*over):
+        return fsdp2_ac_note(load_scenario(F, list(over)))
+    cfg = load_scenario(F, [FSDP2])
+    assert transformer_spec(cfg).recompute == "none"
+    line = note(FSDP2)
+    assert line in run_warnings(resolve_hardware(cfg, str(F)), cfg)
+    assert line.startswith("fsdp.version 2 without an activation_checkpoint section: priced with no activation "
+                           "checkpointing (training.recompute_granularity unset); torchtitan's default job config "
+                           "checkpoints every 2nd block")
+    assert "every block checkpointed whole" in note(FSDP2, "training.recompute_granularity=full")
+    assert note(FSDP2, "training.recompute_granularity=selective") is None
+    assert note(FSDP2, "activation_checkpoint={mode: none}") is None and note() is None
