@@ -752,8 +752,8 @@ class ScenarioConfig(_Model):
     zero_optimization: ZeroOptimizationConfig = ZeroOptimizationConfig()  # simulator/config/sections/offload.py
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     activation_checkpoint: torchtitan_ac.TorchtitanActivationCheckpoint | None = Field(
-        default=None, description="torchtitan's [activation_checkpoint] (mode, selective_ac_option), in place of "
-        "training.recompute_granularity; needs fsdp.version 2 (simulator/config/sections/torchtitan_ac.py).")
+        default=None, description="torchtitan's [activation_checkpoint] (mode, selective_ac_option, early_stop, ...), "
+        "in place of training.recompute_granularity; needs fsdp.version 2 (simulator/config/sections/torchtitan_ac.py).")
     dataloader: DataLoaderConfig | None = None
     dvfs: DvfsConfig | None = None
     memory: MemoryConfig = MemoryConfig()  # simulator/config/sections/memory.py

@@ -20,6 +20,8 @@ llama3/infra/parallelize.py with its ``_op_sac_save_list``, pytorch/torchtitan@0
   wraps, across pipeline chunks: refused with pipeline parallelism (not modelled);
 * ``selective`` with ``op``: per-op selective checkpointing (``simulator/graph/builders/op_sac.py``).
 
+``mode`` and ``selective_ac_option`` default to torchtitan's "selective" and "2" (pytorch/torchtitan@0011fb90
+torchtitan/config_manager.py, the same at pytorch/torchtitan@6404b932 torchtitan/config/job_config.py).
 **The other keys** take torchtitan's defaults (``ActivationCheckpoint`` of torchtitan/config/job_config.py in the
 revision that has them, read without its commit: pytorch/torchtitan@6404b932 still has only ``mode``,
 ``selective_ac_option`` and ``per_op_sac_force_recompute_mm_shapes_by_fqns``), every wrapper getting them

@@ -174,11 +174,15 @@ def test_refusals_name_the_key(overrides, match):
         load_scenario(F, overrides)
 
 
-def test_unsupported_option_one_line_exit_2(capsys):
-    """The CLI refuses what is not modelled in one line naming the key, exit status 2."""
-    assert main(["run", str(F), "--set", FSDP2, "--set", "activation_checkpoint={mode: memory_budget}"]) == 2
+@pytest.mark.parametrize("ac, key", [("{mode: memory_budget}", "activation_checkpoint.mode: memory_budget"),
+                                     ("{mode: bogus}", "activation_checkpoint.mode: 'bogus' is not a torchtitan"),
+                                     ("{preserve_rng_state: true}", "activation_checkpoint.preserve_rng_state: true"),
+                                     ("{mode: full, early_stop: true}", "activation_checkpoint.early_stop: true")])
+def test_unsupported_option_one_line_exit_2(capsys, ac, key):
+    """The CLI refuses what is not modelled (or not torchtitan's) in one line naming the key, exit status 2."""
+    assert main(["run", str(F), "--set", FSDP2, "--set", f"activation_checkpoint={ac}"]) == 2
     err = capsys.readouterr().err.strip().split("\n")
-    assert len(err) == 1 and "activation_checkpoint.mode: memory_budget" in err[0]
+    assert len(err) == 1 and key in err[0]
 
 
 @settings(max_examples=12, deadline=None)
