@@ -35,7 +35,9 @@ time or memory of the step, accepted with a warning (``without_effect``):
   checkpoint stops recomputation as soon as it has computed all needed Tensors", the ``_CheckpointFrame``'s
   early-stop flag, ``_recomputation_hook`` raising ``_StopRecomputationError``); false, torchtitan's default, runs
   the block's whole forward again. Priced both ways for ``op`` (``op_sac.recompute``); ``full`` and ``n`` are priced
-  without it (the whole block re-run), true refused there;
+  without it (the whole block re-run), true refused there. torchtitan before the key passed no ``early_stop``
+  (pytorch/torchtitan@81c12433 ``ptd_checkpoint_wrapper(module, preserve_rng_state=False)``), so ran with torch's
+  default, early stop on: ``early_stop: true`` stands for such a run;
 * ``per_op_sac_force_recompute_mm_shapes_by_fqns`` (["moe.router.gate"]): the mm shapes of the named ``nn.Linear``
   forced recomputed in op mode (``_apply_op_sac``: any module whose fqn contains an entry); the default, and [],
   name no module of the dense Llama block, other values with op are refused;

@@ -39,7 +39,8 @@ the block's forward. Where it ends is ``early_stop`` (``TransformerSpec.recomput
   the second residual add ``h + ffn_out`` (``PREFER_RECOMPUTE``) re-runs, one more ``[T / t, h]`` elementwise
   kernel; the popped outputs are freed when it has run (its own output is dropped);
 * **on** (``early_stop = true``; torch's own default, ``set_checkpoint_early_stop``: "non-reentrant checkpoint stops
-  recomputation as soon as it has computed all needed Tensors"): the recompute stops once every tensor its backward
+  recomputation as soon as it has computed all needed Tensors", which torchtitan before the key ran with:
+  pytorch/torchtitan@81c12433 passes ``preserve_rng_state=False`` alone): the recompute stops once every tensor its backward
   unpacks exists again (``_recomputation_hook`` raises ``_StopRecomputationError``), i.e. at w2, whose autograd node
   saves its input before the op is dispatched, so the add is not run and the stored outputs it never reaches (w2's
   output and its reduce-scatter) stay in the checkpoint's storage until the block's backward is done (the frame is
