@@ -1139,6 +1139,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
+    if cfg is not None and (note := _dataloader_beside_cpu_step_note(hw, cfg)):
+        out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
     return out
@@ -1175,6 +1177,29 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"optimizer.step(), fitted on a PyTorch AdamW step of a {FIXED_OPT_FIT_LAYERS}-layer GPT's "
             f"{FIXED_OPT_FIT_TENSORS} parameter tensors, one tensor count only, so not per tensor) is applied unscaled "
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
+
+
+def _dataloader_beside_cpu_step_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
+    """The run warning when DataLoader worker processes run beside an offloaded CPU optimizer step, else None.
+
+    The workers are simulated on the host's CPU pool (``policies.dataloader.host_cpu_pool``); the CPU step is a host op
+    priced by the host roofline on its own threads (``policies.offload_optimizer.cpu_threads``). Neither takes cores
+    or DRAM bandwidth from the other, so a worker building a batch while the CPU step runs is not priced against it.
+    ``num_workers`` 0 loads on the training thread, serially with the step: nothing to share."""
+    dl, z = cfg.dataloader, cfg.zero_optimization
+    offload = z is not None and z.offload_optimizer.device != "none"
+    fsdp = cfg.fsdp is not None and cfg.fsdp.offload_params
+    if dl is None or not dl.num_workers or not (offload or fsdp):
+        return None
+    from simulator.policies.offload_optimizer import cpu_threads, offload_ranks
+
+    ranks = offload_ranks(hw)
+    threads = cpu_threads(hw, "overlap" if fsdp else z.offload_mode, ranks)
+    what = ("FSDP cpu offload" if fsdp else "ZeRO-Offload") + (f", {ranks} ranks per host" if ranks > 1 else "")
+    return (f"dataloader.num_workers {dl.num_workers} beside the CPU optimizer step ({what}): the workers run on the "
+            f"host's {hw.host_cpu.cores} {hw.host_cpu.core_noun}, the CPU step on its own {threads} thread(s), and "
+            "neither takes cores or memory bandwidth from the other (not modelled), so where workers build batches "
+            "during the CPU step it is a lower bound")
 
 
 def _zero3_partial_reuse_note(cfg: ScenarioConfig) -> str | None:
