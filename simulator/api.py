@@ -1106,6 +1106,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
+        if (note := _launcher_threads_note(hw, r, cpu_threads(hw, mode, r), what)) is not None:
+            out.append(note)
     if dp_many and fsdp_offload and cfg.fsdp.offload_policy is not None:
         page = ""
         accum = (cfg.training.global_batch_size or 0) > cfg.training.micro_batch_size * (
@@ -1143,6 +1145,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(note)
     if cfg is not None and (note := _fixed_optimizer_host_note(hw, cfg)):
         out.append(note)
+    if cfg is not None and (note := _dataloader_beside_cpu_step_note(hw, cfg)):
+        out.append(note)
     if cfg is not None:
         out += ineffective_setting_warnings(cfg)
     return out
@@ -1179,6 +1183,49 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"optimizer.step(), fitted on a PyTorch AdamW step of a {FIXED_OPT_FIT_LAYERS}-layer GPT's "
             f"{FIXED_OPT_FIT_TENSORS} parameter tensors, one tensor count only, so not per tensor) is applied unscaled "
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
+
+
+def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) -> str | None:
+    """The run warning when the CPU step's threads per rank on a shared host are the model's default, else None.
+
+    With ``hardware.host.threads`` unset each of ``ranks`` ranks is priced on ``cores_available // ranks`` threads
+    (``policies.offload_optimizer.cpu_threads``), what DeepSpeed's launcher sets with ``--bind_cores_to_rank``
+    (``OMP_NUM_THREADS`` = cores per rank, microsoft/DeepSpeed@048b0d50 deepspeed/launcher/launch.py ``main``). The
+    launchers' own defaults differ: torchrun sets ``OMP_NUM_THREADS=1`` for every process when ``nproc_per_node`` > 1
+    and the variable is unset (pytorch/pytorch@010929fd torch/distributed/run.py ``config_from_args``), and
+    DeepSpeed's launcher without the flag leaves it unset, so every rank's OpenMP pool spans all the cores."""
+    cpu = hw.host_cpu
+    if ranks <= 1 or cpu.threads_used:
+        return None
+    return (f"hardware.host.threads not set: each rank's {what} CPU step is priced on {cpu.cores_available} "
+            f"{cpu.core_noun} / {ranks} ranks = {threads} thread(s), as DeepSpeed's launcher sets with "
+            f"--bind_cores_to_rank (OMP_NUM_THREADS={threads}); torchrun sets OMP_NUM_THREADS=1 per process when it is "
+            "unset (set hardware.host.threads=1 for that), and DeepSpeed's launcher without the flag leaves every "
+            f"rank's pool on all {cpu.cores_available} (hardware.host.threads={cpu.cores_available}: priced at the same "
+            f"{threads}-thread share, the cost of oversubscribing the cores not modelled)")
+
+
+def _dataloader_beside_cpu_step_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
+    """The run warning when DataLoader worker processes run beside an offloaded CPU optimizer step, else None.
+
+    The workers are simulated on the host's CPU pool (``policies.dataloader.host_cpu_pool``); the CPU step is a host op
+    priced by the host roofline on its own threads (``policies.offload_optimizer.cpu_threads``). Neither takes cores
+    or DRAM bandwidth from the other, so a worker building a batch while the CPU step runs is not priced against it.
+    ``num_workers`` 0 loads on the training thread, serially with the step: nothing to share."""
+    dl, z = cfg.dataloader, cfg.zero_optimization
+    offload = z is not None and z.offload_optimizer.device != "none"
+    fsdp = cfg.fsdp is not None and cfg.fsdp.offload_params
+    if dl is None or not dl.num_workers or not (offload or fsdp):
+        return None
+    from simulator.policies.offload_optimizer import cpu_threads, offload_ranks
+
+    ranks = offload_ranks(hw)
+    threads = cpu_threads(hw, "overlap" if fsdp else z.offload_mode, ranks)
+    what = ("FSDP cpu offload" if fsdp else "ZeRO-Offload") + (f", {ranks} ranks per host" if ranks > 1 else "")
+    return (f"dataloader.num_workers {dl.num_workers} beside the CPU optimizer step ({what}): the workers run on the "
+            f"host's {hw.host_cpu.cores} {hw.host_cpu.core_noun}, the CPU step on its own {threads} thread(s), and "
+            "neither takes cores or memory bandwidth from the other (not modelled), so where workers build batches "
+            "during the CPU step it is a lower bound")
 
 
 def _zero3_partial_reuse_note(cfg: ScenarioConfig) -> str | None:

@@ -322,3 +322,28 @@ def test_showing_a_name_of_several_families_says_which_is_shown(capsys):
     assert main(["presets", "h100-sxm-80gb", "--family", "profiles"]) == 0
     out, err = capsys.readouterr()
     assert yaml.safe_load(out) == presets.raw("profiles", "h100-sxm-80gb") and err == ""
+
+
+#: The host CPUs people offload on (issue 13): each number's vendor source names its page.
+OFFLOAD_HOSTS = ("dgx2-v100-host", "dgx-h100-host", "dgx-a100-host", "epyc-9654-2s-host", "xeon-silver-4210r-host",
+                 "ryzen-5-5600-desktop", "core-i9-13900k-desktop", "nvidia-grace-host")
+#: Words that mark a source as a vendor document (an ARK page, a datasheet, a product page, a user guide).
+VENDOR_DOCUMENT = ("ARK", "datasheet", "product page", "specifications", "User Guide")
+
+
+def _sources(node: object) -> list[str]:
+    if isinstance(node, dict):
+        if "value" in node and "source" in node:
+            return [node["source"]]
+        return [s for v in node.values() for s in _sources(v)]
+    return []
+
+
+@pytest.mark.parametrize("name", OFFLOAD_HOSTS)
+def test_offload_host_sources_name_their_page(name):
+    """Every source of these presets citing a vendor document gives its address (https://...), so a reader can
+    check the number without searching for the document."""
+    srcs = _sources(yaml.safe_load((PRESET_ROOT / "hosts" / f"{name}.yaml").read_text()))
+    vendor = [s for s in srcs if any(w in s for w in VENDOR_DOCUMENT)]
+    assert vendor, f"{name}: no vendor-sourced number"
+    assert not [s for s in vendor if "https://" not in s], f"{name}: vendor sources without an address"

@@ -62,3 +62,17 @@ def test_fewer_threads_slower_and_bound_node_on_a_two_socket_host():
     faults = 185_759_744 * 8 / 4096 * pf * (1 / 24 - 1 / 48)
     assert _cpu_s(preset="dgx2-v100-host", numa_node=0) == pytest.approx(dgx2 + faults, rel=1e-9)
     assert _cpu_s(preset="ryzen-5-5600-desktop") > dgx2  # 41 GB/s against 102 GB/s
+
+
+def test_too_little_host_memory_is_a_result_on_the_command_line(capsys):
+    """`simulate run --json` on a 1 GB host: a result (JSON on stdout, exit 1 as for a GPU OOM), not an error. The
+    pinned pool holds 185,759,744 params x 16 B (fp32 master + two moments, 12 B; bf16 gradient and parameter
+    staging, 2 B each) = 2.97 GB; the first buffer over capacity is the first moment, 4 B/param = 0.743 GB."""
+    import json
+
+    assert main(["run", SCEN, "--json", "--set", "hardware.host.overrides.memory.capacity_bytes=1 GB"]) == 1
+    out, err = capsys.readouterr()
+    oom = json.loads(out)["oom"]
+    assert oom.startswith("out of memory on host.pinned: peak demand 2.97 GB exceeds the capacity 1.00 GB by 1.97 GB")
+    assert "first allocation over capacity: optimizer.exp_avg.host (0.743 GB)" in oom
+    assert "Traceback" not in err and "error" not in err

@@ -1,0 +1,44 @@
+"""The CPU step's threads per rank on a shared host, when ``hardware.host.threads`` is not given, are named with the
+launchers' own defaults (ARCHITECTURE.md decision 13: a default that changes the answer is printed).
+
+DGX H100, 8 ranks: 112 cores / 8 = 14 threads per rank (DeepSpeed's ``--bind_cores_to_rank``); torchrun's default
+``OMP_NUM_THREADS=1`` is ``hardware.host.threads=1``, which prices the FSDP2 scenario's CPU step 5x slower (75.7 ->
+375.6 ms), so the default is not a detail.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator import load_scenario, run_scenario
+from tests.conftest import ROOT
+
+FSDP2 = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp2_offload.yaml")
+ONE_GPU = str(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")
+FRAGMENT = "hardware.host.threads not set"
+
+
+def _run(path: str, *sets: str) -> dict:
+    return run_scenario(load_scenario(path, ["run.steps=2", "run.warmup_steps=1", *sets])).summary
+
+
+def test_default_threads_on_a_shared_host_are_named_with_the_launchers_defaults():
+    s = _run(FSDP2)
+    notes = [w for w in s["warnings"] if FRAGMENT in w]
+    assert notes == ["hardware.host.threads not set: each rank's FSDP2 offload_policy CPU step is priced on 112 physical "
+                     "cores / 8 ranks = 14 thread(s), as DeepSpeed's launcher sets with --bind_cores_to_rank "
+                     "(OMP_NUM_THREADS=14); torchrun sets OMP_NUM_THREADS=1 per process when it is unset (set "
+                     "hardware.host.threads=1 for that), and DeepSpeed's launcher without the flag leaves every rank's "
+                     "pool on all 112 (hardware.host.threads=112: priced at the same 14-thread share, the cost of "
+                     "oversubscribing the cores not modelled)"]
+    one = _run(FSDP2, "hardware.host.threads=1")
+    assert not [w for w in one["warnings"] if FRAGMENT in w]
+    assert one["offload_cpu_optimizer_s"] > 4 * s["offload_cpu_optimizer_s"]
+    # all 112 per rank: the same 14-core share as the default (and the oversubscription note instead)
+    full = _run(FSDP2, "hardware.host.threads=112")
+    assert full["offload_cpu_optimizer_s"] == pytest.approx(s["offload_cpu_optimizer_s"], rel=1e-12)
+    assert any("oversubscribed" in w for w in full["warnings"])
+
+
+def test_one_gpu_has_the_host_to_itself():
+    assert not [w for w in _run(ONE_GPU)["warnings"] if FRAGMENT in w]
