@@ -68,8 +68,8 @@ def test_megatrons_grad_buffer_keys_under_bf16_optimizer_are_warned_as_under_fp1
             "model.seq_length=128", "model.vocab_size=1024"]
     cfg = load_scenario(SCEN, [*base, *settings])
     lines = [w for w in ineffective_setting_warnings(cfg) if "grad_reduce_in_bf16" in w or "in_fp32" in w]
-    assert lines == [f"{keys} no effect with DeepSpeed BF16_Optimizer: Megatron-LM's grad buffer is not used (DeepSpeed "
-                     "keeps the .grad in the model dtype, training.precision bf16)"]
+    assert lines == [f"{keys} no effect with DeepSpeed BF16_Optimizer: Megatron-LM's grad buffer is not used "
+                     "(DeepSpeed keeps the .grad in the model dtype, training.precision bf16)"]
     plain = load_scenario(SCEN, base)
     assert [(o.name, o.bytes_read, o.bytes_written) for o in build_graph(cfg).ops] == [
         (o.name, o.bytes_read, o.bytes_written) for o in build_graph(plain).ops]
