@@ -90,7 +90,6 @@ from dataclasses import dataclass, field
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import fp16_optimizer as fp16opt
-from simulator.graph.builders.bf16_optimizer import holds_pipe_replica
 from simulator.graph.builders import op_sac, qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
@@ -600,7 +599,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         if spec.deepspeed_fp16_optimizer:  # FP16_Optimizer: its flatten (or the norm mask of a pipe replica)
             named = [(n, k) for c in spec.model_chunks for n, _, k in backward_param_order(spec, c)]
             main = float(fp16opt.step_transient_bytes([sum(g) for g in fp16opt.param_groups(named)],
-                                                      holds_pipe_replica(spec)))
+                                                      fp16opt.masked_groups(spec, named)))
         cast = 2 * fp8_weight_numel(spec) * share if spec.fp8_param_gather else 0.0
         if end_grads + main + cast > grads + activations + transient:
             grads, activations, transient = end_grads + main, 0.0, cast

@@ -72,14 +72,20 @@ over a one-rank group exchanges nothing: not priced).
 
 The engine's ``zero_grad`` after it sets the (already None) ``.grad`` to None: no kernel. The scalar kernels (the
 ``ByteTensor`` / ``FloatTensor`` made from host values, ``scatter_`` of the mask's few range ends) are not counted.
-Not modelled: on a tensor-parallel rank other than 0, ``_get_norm_mask_idx`` also masks the parameters that are not
-tensor-parallel (norms, row-parallel biases, learned positions: ``is_model_parallel_parameter`` false), so those
-ranks run the mask kernels over their groups (the folded TP peers are simulated as rank 0, which masks none).
+With tensor parallelism, on every TP rank but 0 ``_get_norm_mask_idx`` also masks the parameters that are not
+tensor-parallel (``_require_avoid_recompute_norm``: ``is_model_parallel_parameter`` false, i.e. no
+``tensor_model_parallel`` attribute set by Megatron's vocab-parallel embedding and column- / row-parallel weights,
+column-parallel biases: ``tp_split``), so the mask kernels of step 3 run over each group holding one (the norms
+always: the no-weight-decay group; learned positions: the weight-decay group). The folded TP peers are simulated as
+such a rank, the slowest and largest: rank 0 skips those kernels and then waits for the others at the norm's
+model-parallel all-reduce (``masked_groups``; deepspeedai/DeepSpeed@051b9c8b ``fused_optimizer.py``
+``_require_avoid_recompute_norm``, deepspeedai/Megatron-DeepSpeed@dd16deb1 ``megatron/core/tensor_parallel/layers.py``
+``set_tensor_model_parallel_attributes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from simulator.graph.builders import bf16_optimizer as bf16opt
 from simulator.graph.ops import CostClass as C
@@ -92,17 +98,39 @@ ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 GRAD_BYTES = 2
 
 
-def step_transient_bytes(groups: Sequence[int], replica: bool) -> int:
+def step_transient_bytes(groups: Sequence[int], masked: Collection[int] = ()) -> int:
     """Bytes ``step`` holds beyond the states and the 16-bit ``.grad`` at its peak, for param groups of ``groups``
     elements (``param_groups`` order): group ``i``'s flatten holds its per-tensor fp32 copies and flat fp32 gradient
-    (8 P_i) beside the flat gradients of the groups before it (4 P_j each) less their freed ``.grad`` (2 P_j); on a
-    stage holding a pipe-replicated embedding (``replica``), once every ``.grad`` is freed, all the flat gradients
-    and the norm mask's ``zeros``, ``cumsum`` and ``bool`` tensors over the first group (9 (P_0 + 1)) less the
-    freed ``.grad`` (2 P), if larger (module docstring, steps 2-3)."""
+    (8 P_i) beside the flat gradients of the groups before it (4 P_j each) less their freed ``.grad`` (2 P_j); for
+    each group in ``masked`` (``masked_groups``), once every ``.grad`` is freed, all the flat gradients and its norm
+    mask's ``zeros``, ``cumsum`` and ``bool`` tensors (9 (P_i + 1)) less the freed ``.grad`` (2 P), if larger (module
+    docstring, steps 2-3)."""
     peak = done = 0
     for n in groups:
         peak, done = max(peak, (4 - GRAD_BYTES) * done + 8 * n), done + n
-    return max(peak, 4 * done + 9 * (groups[0] + 1) - GRAD_BYTES * done if replica else 0)
+    return max([peak] + [4 * done + 9 * (groups[i] + 1) - GRAD_BYTES * done for i in masked])
+
+
+def tp_split(name: str) -> bool:
+    """Parameter ``name`` is tensor-parallel (Megatron sets ``tensor_model_parallel`` on it): the vocab-parallel
+    token table and LM head, the column-parallel ``qkv`` / ``fc1`` weights and biases, the row-parallel ``proj`` /
+    ``fc2`` weights (not their biases); norms, learned positions and anything else are replicated (module
+    docstring)."""
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    return (name in ("wte.weight", "lm_head.weight") or module in ("qkv", "fc1")
+            or (module in ("proj", "fc2") and leaf == "weight"))
+
+
+def masked_groups(spec, named: Sequence[tuple[str, int]]) -> list[int]:
+    """Indices of the ``param_groups`` of ``named`` whose gradient norm ``get_flattened_grad_norm`` masks on the
+    simulated rank: the weight-decay group (0) on a stage holding a pipe-replicated tied embedding
+    (``bf16_optimizer.holds_pipe_replica``), and with ``tensor_parallel_size`` > 1 every group holding a parameter
+    that is not tensor-parallel (``tp_split``: a TP rank other than 0, module docstring)."""
+    out = {0} if bf16opt.holds_pipe_replica(spec) else set()
+    if spec.tensor_parallel_size > 1:
+        out |= {i for i, g in enumerate(_split(named)) if not all(tp_split(n) for n, _ in g)}
+    return sorted(out)
 
 
 def param_groups(named: Sequence[tuple[str, int]]) -> list[list[int]]:
@@ -110,9 +138,14 @@ def param_groups(named: Sequence[tuple[str, int]]) -> list[list[int]]:
     ``optimizer.param_groups`` order, weight decay then no weight decay (``transformer.no_weight_decay``), each in
     the order of ``named``: ``(name, elements)`` of the rank's parameters in ``named_parameters()`` order (module
     docstring)."""
+    return [[n for _, n in g] for g in _split(named)]
+
+
+def _split(named: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``named`` split into the non-empty param groups of ``param_groups``, ``(name, elements)`` each."""
     from simulator.graph.builders.transformer import no_weight_decay  # transformer imports this module
 
-    split = ([n for name, n in named if not no_weight_decay(name)], [n for name, n in named if no_weight_decay(name)])
+    split = ([x for x in named if not no_weight_decay(x[0])], [x for x in named if no_weight_decay(x[0])])
     return [g for g in split if g]
 
 
@@ -193,19 +226,19 @@ def _sync(bld, name: str, deps: list[int]) -> list[int]:
     return [bld.b.add(name, OpKind.SYNC, "host", deps=deps, phase=Phase.OPT, launch=False)]
 
 
-def _masked_grad(bld, flat: str, P: int, deps: list[int]) -> str:
-    """``get_flattened_grad_norm``'s mask of the pipe-replicated range over the ``P``-element fp32 flat gradient
-    (module docstring, step 3): returns the masked copy the norm reads."""
+def _masked_grad(bld, flat: str, P: int, deps: list[int], k: int) -> str:
+    """``get_flattened_grad_norm``'s mask (of the pipe-replicated or the not tensor-parallel ranges) over group
+    ``k``'s ``P``-element fp32 flat gradient (module docstring, step 3): returns the masked copy the norm reads."""
     e = bld.e
     z, cs, mb, out = (e.fresh(f"grad.norm_mask.{w}") for w in ("zeros", "cumsum", "bool", "masked"))
-    i = e.kernel("fp16opt.grad_norm.mask.zeros", C.MEMSET, writes=4 * (P + 1), out=[(z, 4 * (P + 1))], deps=deps,
-                 dtype="fp32")
-    i = e.kernel("fp16opt.grad_norm.mask.cumsum", C.REDUCTION, reads=4 * (P + 1), writes=4 * (P + 1), flops=P,
+    i = e.kernel(f"fp16opt.grad_norm.mask.zeros.{k}", C.MEMSET, writes=4 * (P + 1), out=[(z, 4 * (P + 1))],
+                 deps=deps, dtype="fp32")
+    i = e.kernel(f"fp16opt.grad_norm.mask.cumsum.{k}", C.REDUCTION, reads=4 * (P + 1), writes=4 * (P + 1), flops=P,
                  out=[(cs, 4 * (P + 1))], uses=[z], deps=[i], dtype="fp32")
-    i = e.kernel("fp16opt.grad_norm.mask.bool", C.CAST, reads=4 * (P + 1), writes=P + 1, flops=P,
+    i = e.kernel(f"fp16opt.grad_norm.mask.bool.{k}", C.CAST, reads=4 * (P + 1), writes=P + 1, flops=P,
                  out=[(mb, P + 1)], uses=[cs, z], deps=[i], dtype="fp32")
-    e.kernel("fp16opt.grad_norm.masked_fill", C.ELEMENTWISE, reads=5 * P, writes=4 * P, flops=P, out=[(out, 4 * P)],
-             uses=[flat, mb], deps=[i], dtype="fp32")
+    e.kernel(f"fp16opt.grad_norm.masked_fill.{k}", C.ELEMENTWISE, reads=5 * P, writes=4 * P, flops=P,
+             out=[(out, 4 * P)], uses=[flat, mb], deps=[i], dtype="fp32")
     return out
 
 
@@ -215,7 +248,8 @@ def step(bld, grads: list[str], deps: list[int]) -> None:
     freed by that group's flatten."""
     e, s = bld.e, bld.s
     e.phase, e.layer = Phase.OPT, -1
-    groups = rank_param_groups(bld)
+    named = [(g.name, g.numel) for g in reversed(bld.groups)]
+    groups, masked = param_groups(named), masked_groups(s, named)
     numels = [m for g in groups for m in g]  # fp16_params: group after group
     last = deps
     for j, m in enumerate(numels):  # CheckOverflow.has_overflow_serial: float(x.float().sum()) per tensor
@@ -246,7 +280,7 @@ def step(bld, grads: list[str], deps: list[int]) -> None:
     last = [e.last_compute]
     for i, (group, flat) in enumerate(zip(groups, flats)):  # get_flattened_grad_norm: one norm and .item() each
         P = sum(group)
-        src = _masked_grad(bld, flat, P, last) if i == 0 and bf16opt.holds_pipe_replica(s) else flat
+        src = _masked_grad(bld, flat, P, last, i) if i in masked else flat
         norm = e.kernel(f"fp16opt.grad_norm.norm.{i}", C.REDUCTION, reads=4 * P, writes=4, flops=2 * P, uses=[src],
                         deps=last, dtype="fp32")
         last = _sync(bld, f"fp16opt.grad_norm.item.{i}", [norm])

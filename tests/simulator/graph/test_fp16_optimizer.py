@@ -4,6 +4,8 @@ pipeline. Bytes of every state, kernel and collective worked by hand on a tiny m
 the sources)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from simulator.graph.builders import fp16_optimizer as fp16opt
@@ -128,8 +130,8 @@ def test_step_memory_by_hand():
     assert all(i <= cats[0].id for i in last_user.values())
     for i, cat in enumerate(cats):
         assert max(o.id for o in g.ops if cat.allocs[0].name in o.uses) == by[f"opt.adamw.{i}"].id
-    assert fp16opt.step_transient_bytes([P0, P1], replica=False) == 8 * P0 == 1_306_624
-    assert fp16opt.step_transient_bytes([10, 100], replica=False) == 2 * 10 + 8 * 100  # the second group's flatten
+    assert fp16opt.step_transient_bytes([P0, P1]) == 8 * P0 == 1_306_624
+    assert fp16opt.step_transient_bytes([10, 100]) == 2 * 10 + 8 * 100  # the second group's flatten
 
 
 def test_bf16_without_a_pipeline_is_the_same_optimizer_in_bf16():
@@ -176,8 +178,8 @@ def test_last_stage_masks_its_tied_embedding_replica_and_reduces_flags_over_the_
     W, N = 113_152, 960
     g = build_gpt_step(TransformerSpec(**{**TINY, "pipeline_parallel_size": 2}, pipeline_rank=1))
     by = {o.name: o for o in g.ops}
-    zeros, cs, mb, fill = (by[f"opt.fp16opt.grad_norm.{n}"] for n in ("mask.zeros", "mask.cumsum", "mask.bool",
-                                                                       "masked_fill"))
+    zeros, cs, mb, fill = (by[f"opt.fp16opt.grad_norm.{n}.0"] for n in ("mask.zeros", "mask.cumsum", "mask.bool",
+                                                                         "masked_fill"))
     assert zeros.cost_class is CostClass.MEMSET and zeros.bytes_written == 4 * (W + 1)
     assert (cs.bytes_read, cs.bytes_written, mb.bytes_read, mb.bytes_written) == (4 * (W + 1), 4 * (W + 1),
                                                                                   4 * (W + 1), W + 1)
@@ -188,7 +190,29 @@ def test_last_stage_masks_its_tied_embedding_replica_and_reduces_flags_over_the_
           and o.phase is Phase.OPT}  # (the point-to-point sends and receives aside)
     assert pp == {"pp.fp16opt.overflow.all_reduce": (1, "uint8"), "pp.fp16opt.grad_norm.all_reduce": (4, "fp32"),
                   "pp.embedding_grads.all_reduce": (2 * 64_000, "fp16")}
-    assert fp16opt.step_transient_bytes([W, N], replica=True) == 2 * (W + N) + 9 * (W + 1) == 1_246_601
+    assert fp16opt.step_transient_bytes([W, N], masked=[0]) == 2 * (W + N) + 9 * (W + 1) == 1_246_601
+
+
+def test_tensor_parallel_rank_masks_its_replicated_parameters_norm():
+    """TP 2: on a TP rank other than 0 DeepSpeed's norm masks the parameters that are not tensor-parallel
+    (_require_avoid_recompute_norm), so the simulated rank (the slowest, which rank 0 waits for at the norm's
+    model-parallel all-reduce) masks both groups: weight decay (the learned positions wpe; wte 512 x 64 = 32,768 of
+    the padded 1024-row table, wpe 1024, 2 x (qkv 6144 + proj 2048 + fc1 8192 + fc2 8192): 82,944 elements) and
+    no weight decay (norms and biases: 2 x 608 + ln_f 128 = 1,344). Peak beyond the .grad: the first mask beside
+    every flat gradient less the freed .grad, 2 x 84,288 + 9 x 82,945 = 915,081 bytes. Before, no mask with TP."""
+    W, N = 82_944, 1_344
+    g = _graph(tensor_parallel_size=2, data_parallel_size=2)
+    by = {o.name: o for o in g.ops}
+    for i, n in enumerate((W, N)):
+        assert by[f"opt.fp16opt.grad_norm.mask.zeros.{i}"].bytes_written == 4 * (n + 1)
+        fill = by[f"opt.fp16opt.grad_norm.masked_fill.{i}"]
+        assert (fill.bytes_read, fill.bytes_written) == (5 * n, 4 * n)
+        assert fill.allocs[0].name in by[f"opt.fp16opt.grad_norm.norm.{i}"].uses
+    assert fp16opt.step_transient_bytes([W, N], masked=[0, 1]) == 915_081
+    rope = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)  # no learned positions: weights all TP
+    named = [("wte.weight", 8), ("L0.qkv.weight", 8), ("L0.qkv.bias", 2), ("L0.proj.bias", 2), ("L0.ln1.weight", 2)]
+    assert fp16opt.masked_groups(rope, named) == [1] and fp16opt.masked_groups(rope, named[:2]) == []
+    assert fp16opt.masked_groups(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1), named) == []
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
