@@ -951,14 +951,16 @@ class ScenarioConfig(_Model):
             raise ValueError(f"ddp.use_distributed_optimizer: exclusive with zero_optimization.stage {z.stage} "
                              "(allowed: one of them)")
         # DeepSpeed's BF16_Optimizer keeps its own gradient buffer and fp32 partition (graph.builders.bf16_optimizer):
-        # Megatron-LM's optimizer keys describe an optimizer that does not run
-        megatron_keys = [k for k in ("use_distributed_optimizer", "grad_reduce_in_bf16") if getattr(ddp, k)]
-        megatron_keys += ["accumulate_allreduce_grads_in_fp32"] if ddp.accumulate_allreduce_grads_in_fp32 is not None \
-            else []
-        if megatron_keys and deepspeed_bf16_optimizer(self):
-            raise ValueError(f"ddp.{', ddp.'.join(megatron_keys)}: Megatron-LM's optimizer, but zero_optimization "
+        # Megatron-LM's distributed optimizer describes an optimizer that does not run. Its grad-buffer keys
+        # (accumulate_allreduce_grads_in_fp32, grad_reduce_in_bf16) are warned, not refused, as under FP16_Optimizer
+        # (api._grad_reduce_in_bf16_without_effect): Megatron-DeepSpeed accepts --accumulate-allreduce-grads-in-fp32
+        # under --deepspeed (validate_args even sets it for --bf16) and never reads it there (deepspeedai/
+        # Megatron-DeepSpeed@207b2d5a megatron/arguments.py validate_args; megatron/training.py get_model:
+        # ``if args.deepspeed: return model`` before LocalDDP(..., args.accumulate_allreduce_grads_in_fp32, ...))
+        if ddp.use_distributed_optimizer and deepspeed_bf16_optimizer(self):
+            raise ValueError("ddp.use_distributed_optimizer: Megatron-LM's optimizer, but zero_optimization "
                              "stage 0 with bf16 and a pipeline runs DeepSpeed's BF16_Optimizer (its own gradient "
-                             "buffer and fp32 partition; allowed: omit them, or no zero_optimization section for "
+                             "buffer and fp32 partition; allowed: omit it, or no zero_optimization section for "
                              "Megatron-LM's optimizer)")
         # without a pipeline (or with fp16) the same DeepSpeed config is FP16_Optimizer, which
         # deepspeed_fp16_optimizer leaves to Megatron's distributed optimizer when that is set: Megatron-DeepSpeed

@@ -31,8 +31,9 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
   largest tensor; ``graph/builders/bf16_optimizer.py``). DeepSpeed's ``FP16_Optimizer`` (ZeRO stage 0 with fp16,
   or bf16 without a pipeline): ``2P`` 16-bit parameters, a flat fp32 master copy ``4P`` and moments ``8P`` of every
   parameter, the 16-bit ``.grad`` ``2P`` from the first backward, and at the step the per-tensor fp32 copies and
-  the flat fp32 gradient ``8P`` beside the ``.grad`` (a pipe-replicated embedding's stage: the norm mask's
-  tensors, if larger; ``graph/builders/fp16_optimizer.py`` ``step_transient_bytes``).
+  the flat fp32 gradient of the weight-decay group ``8P_0`` beside the ``.grad`` (then of the no-weight-decay
+  group beside the first's flat gradient, ``2P_0 + 8P_1``, if larger; a pipe-replicated embedding's stage: the
+  norm mask's tensors, if larger; ``graph/builders/fp16_optimizer.py`` ``step_transient_bytes``).
 * **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
   in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
@@ -89,7 +90,6 @@ from dataclasses import dataclass, field
 from simulator.config.schema import ScenarioConfig
 from simulator.graph.builders import attention as core
 from simulator.graph.builders import fp16_optimizer as fp16opt
-from simulator.graph.builders.bf16_optimizer import holds_pipe_replica
 from simulator.graph.builders import op_sac, qkv_layout
 from simulator.graph.builders.pipeline import SPLIT_BACKWARD
 from simulator.graph.builders.transformer import FULL_PRECISIONS, MEGATRON_DDP_PRECISIONS
@@ -587,7 +587,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
         # main grads of the shard it updates beside the states and the 16-bit buffer
         # (_GptBuilder._copy_model_grads_to_main_grads), and with fp8 parameters the bf16 copy of the fp8 weights'
         # master shard that quantize_param_shard casts from (_GptBuilder._copy_main_params_to_fp8)
-        from simulator.graph.builders.sharding import fp8_weight_numel
+        from simulator.graph.builders.sharding import backward_param_order, fp8_weight_numel
 
         P = spec.rank_num_parameters
         share = sh.shard(P) / P if sh is not None and sh.strategy == "distributed_optimizer" else 1.0
@@ -597,7 +597,9 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
             table = spec.vocab_per_rank * h if spec.has_embedding or spec.has_head else 0
             main = 4 * max(-(-P // spec.grad_reduce_size), table, largest_weight)
         if spec.deepspeed_fp16_optimizer:  # FP16_Optimizer: its flatten (or the norm mask of a pipe replica)
-            main = float(fp16opt.step_transient_bytes(P, holds_pipe_replica(spec)))
+            named = [(n, k) for c in spec.model_chunks for n, _, k in backward_param_order(spec, c)]
+            main = float(fp16opt.step_transient_bytes([sum(g) for g in fp16opt.param_groups(named)],
+                                                      fp16opt.masked_groups(spec, named)))
         cast = 2 * fp8_weight_numel(spec) * share if spec.fp8_param_gather else 0.0
         if end_grads + main + cast > grads + activations + transient:
             grads, activations, transient = end_grads + main, 0.0, cast

@@ -39,17 +39,40 @@ def test_a_ddp_key_set_to_another_value_is_named_under_bf16_optimizer(setting, l
     assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
-@pytest.mark.parametrize("setting", ["ddp.use_distributed_optimizer=true", "ddp.grad_reduce_in_bf16=true",
-                                     "ddp.accumulate_allreduce_grads_in_fp32=true"])
-def test_megatron_optimizer_keys_under_bf16_optimizer_are_refused(setting, capsys):
-    """Megatron-LM's optimizer keys beside a DeepSpeed BF16_Optimizer run, one line, exit 2. Before,
-    ``use_distributed_optimizer`` priced Megatron's distributed optimizer while the warnings named BF16_Optimizer,
-    and the other two were accepted with no effect and no warning."""
-    assert main(["run", str(SCEN), "--set", "zero_optimization.stage=0", "--set", setting]) == 2
+def test_megatrons_distributed_optimizer_under_bf16_optimizer_is_refused(capsys):
+    """Megatron-LM's distributed optimizer beside a DeepSpeed BF16_Optimizer run, one line, exit 2 (as under
+    FP16_Optimizer). Before it was refused too; this keeps it so after the grad-buffer keys became warnings."""
+    assert main(["run", str(SCEN), "--set", "zero_optimization.stage=0", "--set",
+                 "ddp.use_distributed_optimizer=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    key = setting.split("=")[0]
-    assert len(err) == 1 and f"{key}: Megatron-LM's optimizer, but zero_optimization stage 0 with bf16 and a " \
-        "pipeline runs DeepSpeed's BF16_Optimizer" in err[0], err
+    assert len(err) == 1 and "ddp.use_distributed_optimizer: Megatron-LM's optimizer, but zero_optimization stage 0 " \
+        "with bf16 and a pipeline runs DeepSpeed's BF16_Optimizer" in err[0], err
+
+
+@pytest.mark.parametrize("settings,keys", [
+    (["ddp.accumulate_allreduce_grads_in_fp32=true"], "ddp.accumulate_allreduce_grads_in_fp32 has"),
+    (["ddp.grad_reduce_in_bf16=true"], "ddp.grad_reduce_in_bf16 has"),
+    (["ddp.grad_reduce_in_bf16=true", "ddp.accumulate_allreduce_grads_in_fp32=true"],
+     "ddp.accumulate_allreduce_grads_in_fp32, ddp.grad_reduce_in_bf16 have"),
+])
+def test_megatrons_grad_buffer_keys_under_bf16_optimizer_are_warned_as_under_fp16_optimizer(settings, keys):
+    """Megatron-LM's grad-buffer keys beside a DeepSpeed BF16_Optimizer run: one warning naming them, the same graph
+    as without them, as under FP16_Optimizer (test_fp16_optimizer_label). Megatron-DeepSpeed accepts
+    --accumulate-allreduce-grads-in-fp32 under --deepspeed (validate_args sets it itself for --bf16) and never reads
+    it there (deepspeedai/Megatron-DeepSpeed@207b2d5a megatron/training.py get_model returns before LocalDDP).
+    Before, they were refused (exit 2) under BF16_Optimizer and only warned under FP16_Optimizer, and the warning's
+    BF16_Optimizer branch could not be reached."""
+    from simulator.api import build_graph
+
+    base = ["zero_optimization.stage=0", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
+            "model.seq_length=128", "model.vocab_size=1024"]
+    cfg = load_scenario(SCEN, [*base, *settings])
+    lines = [w for w in ineffective_setting_warnings(cfg) if "grad_reduce_in_bf16" in w or "in_fp32" in w]
+    assert lines == [f"{keys} no effect with DeepSpeed BF16_Optimizer: Megatron-LM's grad buffer is not used "
+                     "(DeepSpeed keeps the .grad in the model dtype, training.precision bf16)"]
+    plain = load_scenario(SCEN, base)
+    assert [(o.name, o.bytes_read, o.bytes_written) for o in build_graph(cfg).ops] == [
+        (o.name, o.bytes_read, o.bytes_written) for o in build_graph(plain).ops]
 
 
 def test_without_deepspeed_the_same_run_is_ddp_and_reads_its_ddp_keys():

@@ -15,15 +15,23 @@ bf16), @007cca6a ``deepspeed/runtime/engine.py`` (``_backward_epilogue``, ``allr
 ``communication_data_type``, ``_take_model_step``) and @03f6f75c ``deepspeed/runtime/pipe/engine.py``
 (``_exec_reduce_tied_grads``, ``_exec_reduce_grads``).
 
-Memory of one rank whose stage holds ``P`` parameters (one parameter group):
+Param groups: Megatron-DeepSpeed hands DeepSpeed the optimizer built over two param groups, weight decay then no
+weight decay (biases and norm weights: ``transformer.no_weight_decay``; deepspeedai/Megatron-DeepSpeed@dd16deb1
+``megatron/optimizer/__init__.py`` ``get_param_groups``, each in ``named_parameters()`` order, an empty one left out;
+``get_megatron_optimizer``: ``if args.deepspeed: return optimizer``), as Hugging Face's Trainer does, and
+``FP16_Optimizer.__init__`` flattens **each group** on its own (``fp16_groups_flat[i]``, ``fp32_groups_flat[i]``):
+``param_groups``. Everything the step does per group below runs once per group, one group after the other.
+
+Memory of one rank whose stage holds ``P`` parameters (``P_i`` in group ``i``):
 
 * the 16-bit parameters, flattened (``fp16_groups_flat``; the model's tensors made views of it): 2 P;
-* the flat fp32 master copy of **every** parameter (``fp32_groups_flat``, not partitioned): 4 P, and the fused
-  Adam's two moments on it: 8 P;
+* the flat fp32 master copy of **every** parameter (``fp32_groups_flat``, one per group, not partitioned): 4 P, and
+  the fused Adam's two moments on it: 8 P;
 * the autograd ``.grad`` of every 16-bit parameter (2 P), accumulated over the micro-batches, from the step's first
   backward until ``step`` sets it to None after flattening it;
-* at the step, the per-tensor fp32 copies ``p.grad.to(fp32)`` (4 P together) and the flat fp32 gradient
-  ``_flatten_dense_tensors`` concatenates them into (4 P; the copies freed after it, the flat one after Adam).
+* at the step, group by group, the per-tensor fp32 copies ``p.grad.to(fp32)`` (4 P_i together) and the flat fp32
+  gradient ``_flatten_dense_tensors`` concatenates them into (4 P_i; the copies freed after it, the group's ``.grad``
+  set to None, the flat one freed after Adam).
 
 After the last micro-batch's backward (``_backward_epilogue`` -> ``allreduce_gradients``; a pipeline's
 ``_exec_reduce_grads``, after ``_exec_reduce_tied_grads`` has all-reduced the tied embedding's ``.grad``) the engine's
@@ -45,27 +53,39 @@ over a one-rank group exchanges nothing: not priced).
    flag all-reduced (MAX) over the model-parallel group where DeepSpeed has an ``mpu`` (tensor or pipeline
    parallelism; none without) and ``overflow_gpu[0].item()``. It runs with bf16 too (``step`` calls it whatever
    the dtype; only the loss-scale update is fp16's);
-2. the flatten above (per tensor ``p.grad.to(fp32)``: read 2, write 4 B; ``torch.cat``: read + write 4 B per
-   element), then ``p.grad = None``;
-3. ``get_flattened_grad_norm`` over the flat fp32 gradient: ``.float()`` returns it, ``.norm(2)`` reads 4 B per
-   element, ``.item()`` (a host read), then the total in a fresh 4-byte tensor all-reduced (SUM) over the
-   model-parallel group (with an ``mpu``) and ``.item()`` again. On a pipeline stage holding a pipe-replicated tied
-   embedding (``ds_pipe_replicated``: a later stage's copy, ``bf16_optimizer.holds_pipe_replica``) the norm masks its range
-   (``grad_norm_mask``): an fp32 ``zeros`` of ``P + 1`` elements (4 B written), its ``cumsum`` (read + write 4 B),
-   ``.bool()`` (read 4, write 1 B), ``torch.masked_fill`` (read 4 + 1, write 4 B per element), the norm of that;
-4. ``unscale_and_clip_grads``: ``grad.mul_(1 / combined_scale)`` over the flat gradient (read + write 4 B per
-   element), whatever ``gradient_clipping`` (the clip coefficient is folded into the scale on the host: no kernel,
-   no sync of its own);
-5. the fused Adam over the fp32 master copy (read 16, write 12 B per element), then the flat gradient freed;
+2. per group, the flatten above (per tensor ``p.grad.to(fp32)``: read 2, write 4 B; ``torch.cat``: read + write 4 B
+   per element; none for a one-tensor group, a view), then the group's ``p.grad = None``;
+3. ``get_flattened_grad_norm`` over the groups' flat fp32 gradients: per group ``.float()`` returns it, ``.norm(2)``
+   reads 4 B per element, ``.item()`` (a host read: one per group), then the total in a fresh 4-byte tensor
+   all-reduced (SUM) over the model-parallel group (with an ``mpu``) and ``.item()`` again. On a pipeline stage
+   holding a pipe-replicated tied embedding (``ds_pipe_replicated``: a later stage's copy,
+   ``bf16_optimizer.holds_pipe_replica``) the norm of the group holding it (weight decay) masks its range
+   (``grad_norm_mask``, ``_get_norm_mask_idx``): an fp32 ``zeros`` of ``P_i + 1`` elements (4 B written), its
+   ``cumsum`` (read + write 4 B), ``.bool()`` (read 4, write 1 B), ``torch.masked_fill`` (read 4 + 1, write 4 B per
+   element), the norm of that;
+4. ``unscale_and_clip_grads``: per group ``grad.mul_(1 / combined_scale)`` over its flat gradient (read + write 4 B
+   per element), whatever ``gradient_clipping`` (the clip coefficient is folded into the scale on the host: no
+   kernel, no sync of its own);
+5. the fused Adam, one ``multi_tensor_applier`` per group over its flat fp32 master (read 16, write 12 B per
+   element), then the flat gradients freed;
 6. ``p.data.copy_(q.data)`` per tensor from the fp32 master's views (read 4, write 2 B per element, one launch each).
 
 The engine's ``zero_grad`` after it sets the (already None) ``.grad`` to None: no kernel. The scalar kernels (the
 ``ByteTensor`` / ``FloatTensor`` made from host values, ``scatter_`` of the mask's few range ends) are not counted.
+With tensor parallelism, on every TP rank but 0 ``_get_norm_mask_idx`` also masks the parameters that are not
+tensor-parallel (``_require_avoid_recompute_norm``: ``is_model_parallel_parameter`` false, i.e. no
+``tensor_model_parallel`` attribute set by Megatron's vocab-parallel embedding and column- / row-parallel weights,
+column-parallel biases: ``tp_split``), so the mask kernels of step 3 run over each group holding one (the norms
+always: the no-weight-decay group; learned positions: the weight-decay group). The folded TP peers are simulated as
+such a rank, the slowest and largest: rank 0 skips those kernels and then waits for the others at the norm's
+model-parallel all-reduce (``masked_groups``; deepspeedai/DeepSpeed@051b9c8b ``fused_optimizer.py``
+``_require_avoid_recompute_norm``, deepspeedai/Megatron-DeepSpeed@dd16deb1 ``megatron/core/tensor_parallel/layers.py``
+``set_tensor_model_parallel_attributes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from simulator.graph.builders import bf16_optimizer as bf16opt
 from simulator.graph.ops import CostClass as C
@@ -78,13 +98,55 @@ ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 GRAD_BYTES = 2
 
 
-def step_transient_bytes(P: int, replica: bool) -> int:
-    """Bytes ``step`` holds beyond the states and the 16-bit ``.grad`` at its peak, for ``P`` parameters: the
-    per-tensor fp32 copies and the flat fp32 gradient of the flatten (8 P, the ``.grad`` still alive); on a stage
-    holding a pipe-replicated embedding (``replica``), after the ``.grad`` are freed, the flat gradient and the
-    norm mask's ``zeros``, ``cumsum`` and ``bool`` tensors (4 P + 9 (P + 1)) less the freed ``.grad`` (2 P), if
-    larger (module docstring, steps 2-3)."""
-    return max(8 * P, 4 * P + 9 * (P + 1) - GRAD_BYTES * P if replica else 0)
+def step_transient_bytes(groups: Sequence[int], masked: Collection[int] = ()) -> int:
+    """Bytes ``step`` holds beyond the states and the 16-bit ``.grad`` at its peak, for param groups of ``groups``
+    elements (``param_groups`` order): group ``i``'s flatten holds its per-tensor fp32 copies and flat fp32 gradient
+    (8 P_i) beside the flat gradients of the groups before it (4 P_j each) less their freed ``.grad`` (2 P_j); for
+    each group in ``masked`` (``masked_groups``), once every ``.grad`` is freed, all the flat gradients and its norm
+    mask's ``zeros``, ``cumsum`` and ``bool`` tensors (9 (P_i + 1)) less the freed ``.grad`` (2 P), if larger (module
+    docstring, steps 2-3)."""
+    peak = done = 0
+    for n in groups:
+        peak, done = max(peak, (4 - GRAD_BYTES) * done + 8 * n), done + n
+    return max([peak] + [4 * done + 9 * (groups[i] + 1) - GRAD_BYTES * done for i in masked])
+
+
+def tp_split(name: str) -> bool:
+    """Parameter ``name`` is tensor-parallel (Megatron sets ``tensor_model_parallel`` on it): the vocab-parallel
+    token table and LM head, the column-parallel ``qkv`` / ``fc1`` weights and biases, the row-parallel ``proj`` /
+    ``fc2`` weights (not their biases); norms, learned positions and anything else are replicated (module
+    docstring)."""
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    return (name in ("wte.weight", "lm_head.weight") or module in ("qkv", "fc1")
+            or (module in ("proj", "fc2") and leaf == "weight"))
+
+
+def masked_groups(spec, named: Sequence[tuple[str, int]]) -> list[int]:
+    """Indices of the ``param_groups`` of ``named`` whose gradient norm ``get_flattened_grad_norm`` masks on the
+    simulated rank: the weight-decay group (0) on a stage holding a pipe-replicated tied embedding
+    (``bf16_optimizer.holds_pipe_replica``), and with ``tensor_parallel_size`` > 1 every group holding a parameter
+    that is not tensor-parallel (``tp_split``: a TP rank other than 0, module docstring)."""
+    out = {0} if bf16opt.holds_pipe_replica(spec) else set()
+    if spec.tensor_parallel_size > 1:
+        out |= {i for i, g in enumerate(_split(named)) if not all(tp_split(n) for n, _ in g)}
+    return sorted(out)
+
+
+def param_groups(named: Sequence[tuple[str, int]]) -> list[list[int]]:
+    """Elements of each tensor of each non-empty param group FP16_Optimizer flattens (``fp16_groups``), in
+    ``optimizer.param_groups`` order, weight decay then no weight decay (``transformer.no_weight_decay``), each in
+    the order of ``named``: ``(name, elements)`` of the rank's parameters in ``named_parameters()`` order (module
+    docstring)."""
+    return [[n for _, n in g] for g in _split(named)]
+
+
+def _split(named: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``named`` split into the non-empty param groups of ``param_groups``, ``(name, elements)`` each."""
+    from simulator.graph.builders.transformer import no_weight_decay  # transformer imports this module
+
+    split = ([x for x in named if not no_weight_decay(x[0])], [x for x in named if no_weight_decay(x[0])])
+    return [g for g in split if g]
 
 
 def allreduce_buckets(numels: Sequence[int], cap: int = ALLREDUCE_BUCKET_ELEMENTS) -> list[list[int]]:
@@ -117,6 +179,11 @@ def module_numels(bld) -> list[int]:
     """Elements of each parameter tensor of the rank in ``named_parameters()`` order (the builder's gradient groups,
     which backward makes in reverse)."""
     return [g.numel for g in reversed(bld.groups)]
+
+
+def rank_param_groups(bld) -> list[list[int]]:
+    """``param_groups`` of the rank's parameters (``bld.groups``, in ``named_parameters()`` order)."""
+    return param_groups([(g.name, g.numel) for g in reversed(bld.groups)])
 
 
 def persistent(bld, P: int) -> None:
@@ -159,28 +226,31 @@ def _sync(bld, name: str, deps: list[int]) -> list[int]:
     return [bld.b.add(name, OpKind.SYNC, "host", deps=deps, phase=Phase.OPT, launch=False)]
 
 
-def _masked_grad(bld, flat: str, P: int, deps: list[int]) -> str:
-    """``get_flattened_grad_norm``'s mask of the pipe-replicated range over the ``P``-element fp32 flat gradient
-    (module docstring, step 3): returns the masked copy the norm reads."""
+def _masked_grad(bld, flat: str, P: int, deps: list[int], k: int) -> str:
+    """``get_flattened_grad_norm``'s mask (of the pipe-replicated or the not tensor-parallel ranges) over group
+    ``k``'s ``P``-element fp32 flat gradient (module docstring, step 3): returns the masked copy the norm reads."""
     e = bld.e
     z, cs, mb, out = (e.fresh(f"grad.norm_mask.{w}") for w in ("zeros", "cumsum", "bool", "masked"))
-    i = e.kernel("fp16opt.grad_norm.mask.zeros", C.MEMSET, writes=4 * (P + 1), out=[(z, 4 * (P + 1))], deps=deps,
-                 dtype="fp32")
-    i = e.kernel("fp16opt.grad_norm.mask.cumsum", C.REDUCTION, reads=4 * (P + 1), writes=4 * (P + 1), flops=P,
+    i = e.kernel(f"fp16opt.grad_norm.mask.zeros.{k}", C.MEMSET, writes=4 * (P + 1), out=[(z, 4 * (P + 1))],
+                 deps=deps, dtype="fp32")
+    i = e.kernel(f"fp16opt.grad_norm.mask.cumsum.{k}", C.REDUCTION, reads=4 * (P + 1), writes=4 * (P + 1), flops=P,
                  out=[(cs, 4 * (P + 1))], uses=[z], deps=[i], dtype="fp32")
-    i = e.kernel("fp16opt.grad_norm.mask.bool", C.CAST, reads=4 * (P + 1), writes=P + 1, flops=P,
+    i = e.kernel(f"fp16opt.grad_norm.mask.bool.{k}", C.CAST, reads=4 * (P + 1), writes=P + 1, flops=P,
                  out=[(mb, P + 1)], uses=[cs, z], deps=[i], dtype="fp32")
-    e.kernel("fp16opt.grad_norm.masked_fill", C.ELEMENTWISE, reads=5 * P, writes=4 * P, flops=P, out=[(out, 4 * P)],
-             uses=[flat, mb], deps=[i], dtype="fp32")
+    e.kernel(f"fp16opt.grad_norm.masked_fill.{k}", C.ELEMENTWISE, reads=5 * P, writes=4 * P, flops=P,
+             out=[(out, 4 * P)], uses=[flat, mb], deps=[i], dtype="fp32")
     return out
 
 
 def step(bld, grads: list[str], deps: list[int]) -> None:
-    """``FP16_Optimizer.step`` (module docstring, steps 1-6) over this rank's parameters, after ``deps``; ``grads``
-    the 16-bit ``.grad`` tensors, freed by the flatten."""
+    """``FP16_Optimizer.step`` (module docstring, steps 1-6) over this rank's param groups (``rank_param_groups``),
+    after ``deps``; ``grads`` the 16-bit ``.grad`` tensors the builder tracks (the weights': the first group's),
+    freed by that group's flatten."""
     e, s = bld.e, bld.s
     e.phase, e.layer = Phase.OPT, -1
-    numels, P = module_numels(bld), s.rank_num_parameters
+    named = [(g.name, g.numel) for g in reversed(bld.groups)]
+    groups, masked = param_groups(named), masked_groups(s, named)
+    numels = [m for g in groups for m in g]  # fp16_params: group after group
     last = deps
     for j, m in enumerate(numels):  # CheckOverflow.has_overflow_serial: float(x.float().sum()) per tensor
         f32 = e.fresh("grad.overflow_fp32")
@@ -190,26 +260,39 @@ def step(bld, grads: list[str], deps: list[int]) -> None:
                          deps=[cast], dtype="fp32")
         last = _sync(bld, f"fp16opt.has_inf_or_nan.{j}.item", [total])
     last = _sync(bld, "fp16opt.overflow.item", bld._grad_stats_all_reduce("fp16opt.overflow", last, nbytes=1))
-    copies = []
-    for j, m in enumerate(numels):  # _flatten_dense_tensors([p.grad.to(fp32) ...])
-        t = e.fresh("grad.fp32_copy")
-        e.kernel(f"fp16opt.grad_to_fp32.{j}", C.CAST, reads=2 * m, writes=4 * m, flops=m, out=[(t, 4 * m)],
-                 uses=grads, deps=last, dtype="fp32")
-        copies.append(t)
-    flat = e.fresh("grad.fp32_flat")
-    if len(copies) == 1:
-        flat = copies[0]
-    else:
-        e.kernel("fp16opt.grad_flat.cat", C.COPY, reads=4 * P, writes=4 * P, out=[(flat, 4 * P)],
-                 uses=copies + grads, dtype="fp32")  # then p.grad = None: the .grad freed
-    src = _masked_grad(bld, flat, P, [e.last_compute]) if bf16opt.holds_pipe_replica(s) else flat
-    norm = e.kernel("fp16opt.grad_norm.norm", C.REDUCTION, reads=4 * P, writes=4, flops=2 * P, uses=[src],
-                    dtype="fp32")
-    last = _sync(bld, "fp16opt.grad_norm.item", [norm])
+    flats, j = [], 0
+    for i, group in enumerate(groups):  # _flatten_dense_tensors([p.grad.to(fp32) ...]) per group, then p.grad = None
+        held = grads if i == 0 else []
+        copies = []
+        for m in group:
+            t = e.fresh("grad.fp32_copy")
+            e.kernel(f"fp16opt.grad_to_fp32.{j}", C.CAST, reads=2 * m, writes=4 * m, flops=m, out=[(t, 4 * m)],
+                     uses=held, deps=last, dtype="fp32")
+            copies.append(t)
+            j += 1
+        if len(copies) == 1:
+            flats.append(copies[0])
+            continue
+        flats.append(e.fresh("grad.fp32_flat"))
+        n = sum(group)
+        e.kernel(f"fp16opt.grad_flat.cat.{i}", C.COPY, reads=4 * n, writes=4 * n, out=[(flats[-1], 4 * n)],
+                 uses=copies + held, dtype="fp32")
+    last = [e.last_compute]
+    for i, (group, flat) in enumerate(zip(groups, flats)):  # get_flattened_grad_norm: one norm and .item() each
+        P = sum(group)
+        src = _masked_grad(bld, flat, P, last, i) if i in masked else flat
+        norm = e.kernel(f"fp16opt.grad_norm.norm.{i}", C.REDUCTION, reads=4 * P, writes=4, flops=2 * P, uses=[src],
+                        deps=last, dtype="fp32")
+        last = _sync(bld, f"fp16opt.grad_norm.item.{i}", [norm])
     last = _sync(bld, "fp16opt.grad_norm.total.item", bld._grad_stats_all_reduce("fp16opt.grad_norm", last))
-    mul = e.kernel("fp16opt.unscale_and_clip_grads.mul", C.ELEMENTWISE, reads=4 * P, writes=4 * P, flops=P,
-                   uses=[flat], deps=last, dtype="fp32")
-    adam = e.kernel("adamw", C.OPTIMIZER, reads=16 * P, writes=12 * P, flops=12 * P, uses=[flat], deps=[mul],
-                    dtype="fp32", meta={"params": P})
+    for i, (group, flat) in enumerate(zip(groups, flats)):  # unscale_and_clip_grads
+        P = sum(group)
+        last = [e.kernel(f"fp16opt.unscale_and_clip_grads.mul.{i}", C.ELEMENTWISE, reads=4 * P, writes=4 * P,
+                         flops=P, uses=[flat], deps=last, dtype="fp32")]
+    adams = []
+    for i, (group, flat) in enumerate(zip(groups, flats)):  # FusedAdam.step: one multi_tensor_applier per group
+        P = sum(group)
+        adams.append(e.kernel(f"adamw.{i}", C.OPTIMIZER, reads=16 * P, writes=12 * P, flops=12 * P, uses=[flat],
+                              deps=[adams[-1]] if adams else last, dtype="fp32", meta={"params": P}))
     for j, m in enumerate(numels):  # p.data.copy_(q.data) from the fp32 master's views
-        e.kernel(f"fp16opt.update_fp16.{j}", C.CAST, reads=4 * m, writes=2 * m, flops=m, deps=[adam])
+        e.kernel(f"fp16opt.update_fp16.{j}", C.CAST, reads=4 * m, writes=2 * m, flops=m, deps=[adams[-1]])

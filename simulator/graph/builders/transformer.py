@@ -1020,9 +1020,8 @@ def zero_param_groups(numels: Sequence[tuple[str, int]]) -> list[int]:
     the weight-decay group, then the no-weight-decay one (``no_weight_decay``), from ``(name, elements)`` of the
     rank's parameters. Both Megatron-DeepSpeed and Hugging Face's Trainer hand DeepSpeed these two groups
     (Megatron-DeepSpeed@8fd352da ``get_megatron_optimizer``: ``if args.deepspeed: return optimizer`` over
-    ``param_groups``); an empty one gets no flat buffer here."""
-    nd = sum(n for name, n in numels if no_weight_decay(name))
-    return [n for n in (sum(n for _, n in numels) - nd, nd) if n > 0]
+    ``param_groups``); an empty one gets no flat buffer here (the groups: ``fp16_optimizer.param_groups``)."""
+    return [sum(g) for g in fp16opt.param_groups(numels) if sum(g) > 0]
 #: Precisions whose DeepSpeed ZeRO-1/2 gradients (``.grad``, the IPG buckets, their reduce-scatter and the reduced
 #: partition) are 16-bit: DeepSpeed's ``engine.get_data_types`` makes the gradient accumulation dtype the model
 #: dtype under ZeRO unless ``data_types.grad_accum_dtype`` is set, ``communication_data_type`` defaults to

@@ -100,6 +100,15 @@ def test_every_schedule_finishes_with_the_textbook_step(p, m, v, schedule):
     assert _step(schedule, p, m, v, tf, tb) == pytest.approx(want, rel=1e-9)
 
 
+def test_peak_activations_are_p_minus_r_micro_batches_with_1f1b_and_m_with_gpipe():
+    """Issue 11's hand check, on the engine's memory accounting: each forward saves 1000 bytes, freed by its
+    backward (nothing kept for a W). p = 4, m = 8: 1F1B's rank r runs p - r warm-up forwards before its first
+    backward and then one forward per backward, so it peaks at (p - r) x 1000 (stage 0: p); GPipe runs all m
+    forwards first: m x 1000 on every rank."""
+    assert _peaks("1f1b", 4, 8, 1, 1000, 0, 0.0) == [4000, 3000, 2000, 1000]
+    assert _peaks("gpipe", 4, 8, 1, 1000, 0, 0.0) == [8000] * 4
+
+
 def test_actions_cover_every_pass_once_and_backward_follows_forward():
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 3)):
         for r in range(4):

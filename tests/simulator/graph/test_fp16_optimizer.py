@@ -4,6 +4,8 @@ pipeline. Bytes of every state, kernel and collective worked by hand on a tiny m
 the sources)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from simulator.graph.builders import fp16_optimizer as fp16opt
@@ -17,6 +19,10 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, 
             micro_batch_size=2, num_micro_batches=2, precision="fp16", data_parallel_size=4,
             deepspeed_fp16_optimizer=True)
 P, TENSORS = 165_120, 28
+# Megatron-DeepSpeed's two param groups (get_param_groups), flattened one by one: weight decay (the 2-D weights: wte,
+# wpe, 2 x (qkv 12288 + proj 4096 + fc1 16384 + fc2 16384)) P0 = 65,024 + 98,304 = 163,328 in 10 tensors; no weight
+# decay (biases and norms: 2 x (ln1 128 + qkv 192 + proj 64 + ln2 128 + fc1 256 + fc2 64) + ln_f 128) P1 = 1,792 in 18
+P0, P1, T0, T1 = 163_328, 1_792, 10, 18
 
 
 def _graph(**kw):
@@ -52,10 +58,27 @@ def test_gradient_all_reduce_by_hand():
     assert not any(o.name.startswith(("ddp.", "opt.megatron.", "opt.clip_grad")) for o in g.ops)
 
 
+def test_two_param_groups_by_hand():
+    """FP16_Optimizer's fp16_groups: the weight-decay group then the no-weight-decay one, each in named_parameters()
+    order (deepspeedai/Megatron-DeepSpeed@dd16deb1 megatron/optimizer/__init__.py get_param_groups)."""
+    from simulator.graph.builders.transformer import _GptBuilder
+
+    groups = fp16opt.param_groups([("wte.weight", 64000), ("wpe.weight", 1024), ("L0.ln1.weight", 64),
+                                   ("L0.ln1.bias", 64), ("L0.qkv.weight", 12288), ("L0.qkv.bias", 192),
+                                   ("ln_f.bias", 64)])
+    assert groups == [[64000, 1024, 12288], [64, 64, 192, 64]]
+    assert fp16opt.param_groups([("wte.weight", 5)]) == [[5]]  # an empty group is left out
+    bld = _GptBuilder(TransformerSpec(**TINY), False, False, True, False, False)
+    bld.build()
+    assert [(sum(g), len(g)) for g in fp16opt.rank_param_groups(bld)] == [(P0, T0), (P1, T1)]
+
+
 def test_step_kernels_by_hand():
     """The step: per tensor float() (2 -> 4 B) and sum (4 B) and a host read, the overflow flag's host read; per
-    tensor .to(fp32) (2 -> 4 B) and one torch.cat (4 P read and written); the norm (4 P), two host reads; the
-    unscale mul_ (4 P + 4 P), the fused Adam (16 P, 12 P), the 16-bit copy back per tensor (4 P read, 2 P written)."""
+    group, per tensor .to(fp32) (2 -> 4 B) and one torch.cat (4 P_i read and written); per group the norm (4 P_i)
+    and its host read, the total's host read; per group the unscale mul_ (4 P_i + 4 P_i) and the fused Adam
+    (16 P_i, 12 P_i); the 16-bit copy back per tensor (4 P read, 2 P written). Before, one group of P: one cat, one
+    norm, one mul_, one Adam."""
     g = _graph()
     opt = [o for o in g.ops if o.phase is Phase.OPT]
     floats = [o for o in opt if "has_inf_or_nan." in o.name and o.name.endswith(".float")]
@@ -64,39 +87,51 @@ def test_step_kernels_by_hand():
     assert (sum(o.bytes_read for o in floats), sum(o.bytes_written for o in floats)) == (2 * P, 4 * P)
     assert sum(o.bytes_read for o in sums) == 4 * P
     syncs = [o.name for o in g.ops if o.kind is OpKind.SYNC and o.name.startswith("fp16opt.")]
-    assert len(syncs) == TENSORS + 3 and syncs[-3:] == ["fp16opt.overflow.item", "fp16opt.grad_norm.item",
-                                                        "fp16opt.grad_norm.total.item"]
+    assert len(syncs) == TENSORS + 4 and syncs[-4:] == ["fp16opt.overflow.item", "fp16opt.grad_norm.item.0",
+                                                        "fp16opt.grad_norm.item.1", "fp16opt.grad_norm.total.item"]
     casts = _ops(g, "opt.fp16opt.grad_to_fp32.")
     assert (len(casts), sum(o.bytes_read for o in casts), sum(o.bytes_written for o in casts)) == (TENSORS, 2 * P, 4 * P)
+    assert [o.bytes_read for o in casts[:T0]] == [2 * n for n in (1024, 64000, 12288, 4096, 16384, 16384) +
+                                                  (12288, 4096, 16384, 16384)]
     by = {o.name: o for o in opt}
-    cat, norm, mul, adam = (by[f"opt.{n}"] for n in ("fp16opt.grad_flat.cat", "fp16opt.grad_norm.norm",
-                                                     "fp16opt.unscale_and_clip_grads.mul", "adamw"))
-    assert (cat.bytes_read, cat.bytes_written) == (4 * P, 4 * P) and (norm.bytes_read, norm.bytes_written) == (4 * P, 4)
-    assert (mul.bytes_read, mul.bytes_written) == (4 * P, 4 * P) and (adam.bytes_read, adam.bytes_written) == (16 * P, 12 * P)
+    for i, n in enumerate((P0, P1)):
+        cat, norm, mul, adam = (by[f"opt.{k}.{i}"] for k in ("fp16opt.grad_flat.cat", "fp16opt.grad_norm.norm",
+                                                              "fp16opt.unscale_and_clip_grads.mul", "adamw"))
+        assert (cat.bytes_read, cat.bytes_written, cat.allocs[0].nbytes) == (4 * n, 4 * n, 4 * n)
+        assert (norm.bytes_read, norm.bytes_written) == (4 * n, 4) and cat.allocs[0].name in norm.uses
+        assert (mul.bytes_read, mul.bytes_written) == (4 * n, 4 * n)
+        assert (adam.bytes_read, adam.bytes_written, adam.meta["params"]) == (16 * n, 12 * n, n)
+    assert not [o for o in opt if o.name.endswith((".cat.2", ".norm.2", ".mul.2", "adamw.2", "opt.adamw"))]
+    item0 = next(o.id for o in g.ops if o.name == "fp16opt.grad_norm.item.0")
+    assert item0 in by["opt.fp16opt.grad_norm.norm.1"].deps  # launched after the first norm's host read
     back = _ops(g, "opt.fp16opt.update_fp16.")
     assert (len(back), sum(o.bytes_read for o in back), sum(o.bytes_written for o in back)) == (TENSORS, 4 * P, 2 * P)
-    assert all(adam.id in o.deps for o in back) and {o.dtype for o in back} == {"fp16"}
+    assert all(by["opt.adamw.1"].id in o.deps for o in back) and {o.dtype for o in back} == {"fp16"}
     assert not _ops(g, "grad_norm.mask")  # one stage: no pipe-replicated embedding to mask
 
 
 def test_step_memory_by_hand():
-    """The step's transient tensors: the overflow check's fp32 copy of each tensor (4 P in all, one at a time), the
-    flatten's per-tensor fp32 copies (4 P) and the flat fp32 gradient (4 P), which the fused Adam reads; the 2-byte
-    .grad (2 P) are last read by the torch.cat (p.grad = None after it), the flat gradient last by Adam."""
+    """The step's transient tensors: the overflow check's fp32 copy of each tensor (4 P in all, one at a time), per
+    group the flatten's per-tensor fp32 copies (4 P_i) and the flat fp32 gradient (4 P_i), which its fused Adam
+    reads; the 2-byte .grad (2 P; the builder tracks the weights', all in the first group) are last read by the
+    first group's torch.cat (p.grad = None after it). Peak beyond the .grad: max(8 P0, 2 P0 + 8 P1) = 8 x 163,328
+    (was 8 P, one group)."""
     g = _graph()
     by = {o.name: o for o in g.ops}
-    cat = by["opt.fp16opt.grad_flat.cat"]
+    cats = [by[f"opt.fp16opt.grad_flat.cat.{i}"] for i in (0, 1)]
     copies = _ops(g, "opt.fp16opt.grad_to_fp32.")
-    assert sum(a.nbytes for o in copies for a in o.allocs) == 4 * P and cat.allocs[0].nbytes == 4 * P
+    assert sum(a.nbytes for o in copies for a in o.allocs) == 4 * P
+    assert [c.allocs[0].nbytes for c in cats] == [4 * P0, 4 * P1]
     checks = _ops(g, "has_inf_or_nan.")
     assert sum(a.nbytes for o in checks for a in o.allocs) == 4 * P
     grads = {a.name: a.nbytes for o in g.ops if o.role is OpRole.GRAD_ACCUM for a in o.allocs}
-    assert grads and all(u in cat.uses for u in grads)  # every 16-bit .grad tensor is read by the flatten
+    assert grads and all(u in cats[0].uses for u in grads) and not set(grads) & set(cats[1].uses)
     last_user = {u: max(o.id for o in g.ops if u in o.uses) for u in grads}
-    assert all(i <= cat.id for i in last_user.values())
-    flat = cat.allocs[0].name
-    assert max(o.id for o in g.ops if flat in o.uses) == by["opt.adamw"].id
-    assert fp16opt.step_transient_bytes(P, replica=False) == 8 * P
+    assert all(i <= cats[0].id for i in last_user.values())
+    for i, cat in enumerate(cats):
+        assert max(o.id for o in g.ops if cat.allocs[0].name in o.uses) == by[f"opt.adamw.{i}"].id
+    assert fp16opt.step_transient_bytes([P0, P1]) == 8 * P0 == 1_306_624
+    assert fp16opt.step_transient_bytes([10, 100]) == 2 * 10 + 8 * 100  # the second group's flatten
 
 
 def test_bf16_without_a_pipeline_is_the_same_optimizer_in_bf16():
@@ -105,7 +140,7 @@ def test_bf16_without_a_pipeline_is_the_same_optimizer_in_bf16():
     g = _graph(precision="bf16")
     assert [(o.meta["bytes"], o.dtype) for o in g.ops if o.kind is OpKind.COLLECTIVE] == [(2 * P, "bf16")]
     assert len(_ops(g, "has_inf_or_nan.")) == 3 * TENSORS  # float, sum, host read per tensor
-    assert "opt.fp16opt.unscale_and_clip_grads.mul" in {o.name for o in g.ops}
+    assert {f"opt.fp16opt.unscale_and_clip_grads.mul.{i}" for i in (0, 1)} <= {o.name for o in g.ops}
 
 
 def test_buckets_close_once_they_exceed_the_cap(monkeypatch):
@@ -134,25 +169,50 @@ def test_one_rank_still_flattens_and_copies_back():
 
 
 def test_last_stage_masks_its_tied_embedding_replica_and_reduces_flags_over_the_stages():
-    """Two stages, the last holding the pipe-replicated tied table: its norm masks that range (zeros of P1 + 1 fp32,
-    cumsum, bool, masked_fill over the whole flat gradient, the norm of the masked copy); the overflow flag (1 B) and
-    the norm (4 B) are all-reduced over the pipeline stages (DeepSpeed's mpu: the grid's model-parallel group), the
-    tied embedding's .grad all-reduced in fp16 (2 B). Stage 1: wte 64000 + one block 49,984 + ln_f 128 = 114,112."""
-    P1 = 114_112
+    """Two stages, the last holding the pipe-replicated tied table: the norm of its group (weight decay: wte 64000 +
+    one block's weights 49,152 = 113,152 elements; the other group, 832 + ln_f 128 = 960, holds none) masks that
+    range (zeros of 113,152 + 1 fp32, cumsum, bool, masked_fill over that group's flat gradient, the norm of the
+    masked copy); the overflow flag (1 B) and the norm (4 B) are all-reduced over the pipeline stages (DeepSpeed's
+    mpu: the grid's model-parallel group), the tied embedding's .grad all-reduced in fp16 (2 B). Before, one group:
+    the mask over all 114,112 elements."""
+    W, N = 113_152, 960
     g = build_gpt_step(TransformerSpec(**{**TINY, "pipeline_parallel_size": 2}, pipeline_rank=1))
     by = {o.name: o for o in g.ops}
-    zeros, cs, mb, fill = (by[f"opt.fp16opt.grad_norm.{n}"] for n in ("mask.zeros", "mask.cumsum", "mask.bool",
-                                                                       "masked_fill"))
-    assert zeros.cost_class is CostClass.MEMSET and zeros.bytes_written == 4 * (P1 + 1)
-    assert (cs.bytes_read, cs.bytes_written, mb.bytes_read, mb.bytes_written) == (4 * (P1 + 1), 4 * (P1 + 1),
-                                                                                  4 * (P1 + 1), P1 + 1)
-    assert (fill.bytes_read, fill.bytes_written) == (5 * P1, 4 * P1)
-    assert fill.allocs[0].name in by["opt.fp16opt.grad_norm.norm"].uses
+    zeros, cs, mb, fill = (by[f"opt.fp16opt.grad_norm.{n}.0"] for n in ("mask.zeros", "mask.cumsum", "mask.bool",
+                                                                         "masked_fill"))
+    assert zeros.cost_class is CostClass.MEMSET and zeros.bytes_written == 4 * (W + 1)
+    assert (cs.bytes_read, cs.bytes_written, mb.bytes_read, mb.bytes_written) == (4 * (W + 1), 4 * (W + 1),
+                                                                                  4 * (W + 1), W + 1)
+    assert (fill.bytes_read, fill.bytes_written) == (5 * W, 4 * W)
+    assert fill.allocs[0].name in by["opt.fp16opt.grad_norm.norm.0"].uses
+    assert by["opt.fp16opt.grad_norm.norm.1"].bytes_read == 4 * N and len(_ops(g, "masked_fill")) == 1
     pp = {o.name: (o.meta["bytes"], o.dtype) for o in g.ops if o.kind is OpKind.COLLECTIVE and o.meta["group"] == "pp"
           and o.phase is Phase.OPT}  # (the point-to-point sends and receives aside)
     assert pp == {"pp.fp16opt.overflow.all_reduce": (1, "uint8"), "pp.fp16opt.grad_norm.all_reduce": (4, "fp32"),
                   "pp.embedding_grads.all_reduce": (2 * 64_000, "fp16")}
-    assert fp16opt.step_transient_bytes(P1, replica=True) == 4 * P1 + 9 * (P1 + 1) - 2 * P1
+    assert fp16opt.step_transient_bytes([W, N], masked=[0]) == 2 * (W + N) + 9 * (W + 1) == 1_246_601
+
+
+def test_tensor_parallel_rank_masks_its_replicated_parameters_norm():
+    """TP 2: on a TP rank other than 0 DeepSpeed's norm masks the parameters that are not tensor-parallel
+    (_require_avoid_recompute_norm), so the simulated rank (the slowest, which rank 0 waits for at the norm's
+    model-parallel all-reduce) masks both groups: weight decay (the learned positions wpe; wte 512 x 64 = 32,768 of
+    the padded 1024-row table, wpe 1024, 2 x (qkv 6144 + proj 2048 + fc1 8192 + fc2 8192): 82,944 elements) and
+    no weight decay (norms and biases: 2 x 608 + ln_f 128 = 1,344). Peak beyond the .grad: the first mask beside
+    every flat gradient less the freed .grad, 2 x 84,288 + 9 x 82,945 = 915,081 bytes. Before, no mask with TP."""
+    W, N = 82_944, 1_344
+    g = _graph(tensor_parallel_size=2, data_parallel_size=2)
+    by = {o.name: o for o in g.ops}
+    for i, n in enumerate((W, N)):
+        assert by[f"opt.fp16opt.grad_norm.mask.zeros.{i}"].bytes_written == 4 * (n + 1)
+        fill = by[f"opt.fp16opt.grad_norm.masked_fill.{i}"]
+        assert (fill.bytes_read, fill.bytes_written) == (5 * n, 4 * n)
+        assert fill.allocs[0].name in by[f"opt.fp16opt.grad_norm.norm.{i}"].uses
+    assert fp16opt.step_transient_bytes([W, N], masked=[0, 1]) == 915_081
+    rope = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)  # no learned positions: weights all TP
+    named = [("wte.weight", 8), ("L0.qkv.weight", 8), ("L0.qkv.bias", 2), ("L0.proj.bias", 2), ("L0.ln1.weight", 2)]
+    assert fp16opt.masked_groups(rope, named) == [1] and fp16opt.masked_groups(rope, named[:2]) == []
+    assert fp16opt.masked_groups(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1), named) == []
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])

@@ -128,6 +128,10 @@ def test_custom_layer_split():
      "parallelism.pipeline_model_parallel_size: tp 1 x pp 3 = 3 must divide the world size 8"),
     (["model.num_layers=6"], "pp 4 x virtual 1 = 4 must divide model.num_layers 6"),
     (["parallelism.pipeline_layers_per_stage=[3,2,2]"], "must be 4 numbers"),
+    # the right count, not covering the 8 layers (issue 11's "boundaries that do not cover the layers")
+    (["parallelism.pipeline_layers_per_stage=[3,2,2,2]"], "parallelism.pipeline_layers_per_stage: [3, 2, 2, 2] must "
+     "be 4 numbers (pp 4 x virtual 1) summing to model.num_layers 8 (got 4 summing to 9)"),
+    (["parallelism.pipeline_layers_per_stage=[2,2,2,1]"], "summing to model.num_layers 8 (got 4 summing to 7)"),
     (["parallelism.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24"],
      "to be a multiple of pipeline_model_parallel_size 4"),
     (["parallelism.pipeline_schedule=gpipe", "parallelism.virtual_pipeline_model_parallel_size=2"],

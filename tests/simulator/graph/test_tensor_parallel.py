@@ -209,12 +209,17 @@ def test_a_tp_size_breaking_several_rules_is_one_line_per_rule():
         "parallelism.tensor_model_parallel_size: 3 must divide model.ffn_hidden_size"]
 
 
-def test_bad_tp_input_exits_2_from_the_cli():
-    r = subprocess.run([sys.executable, "-m", "simulator", "run", str(MLM20), "--set",
-                        "model.num_attention_heads=20", "--set", "model.hidden_size=4000"],
+@pytest.mark.parametrize("sets,needle", [
+    (["model.num_attention_heads=20", "model.hidden_size=4000"],
+     "parallelism.tensor_model_parallel_size: 8 must divide model.num_attention_heads (20"),
+    (["model.ffn_hidden_size=16388"], "parallelism.tensor_model_parallel_size: 8 must divide model.ffn_hidden_size "
+     "(16388"),
+])
+def test_bad_tp_input_exits_2_from_the_cli(sets, needle):
+    r = subprocess.run([sys.executable, "-m", "simulator", "run", str(MLM20), *(a for x in sets for a in ("--set", x))],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("warning")]
-    assert r.returncode == 2 and len(lines) == 1 and "must divide model.num_attention_heads" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
 def test_summary_blames_idle_gpu_on_exposed_communication():

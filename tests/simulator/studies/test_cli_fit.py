@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 DP8 = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml")
@@ -31,6 +33,33 @@ def test_smallest_world_that_fits():
     out = _fit(DP8, "--smallest", "hardware.cluster.nodes=1,2", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["smallest"] == 1
+
+
+FSDP_TP2 = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp_tp2.yaml")
+#: a 22.7B-per-TP-rank GPT: 56 layers of h 8192 (TP2: 6 h^2 + 9.5 h = 402,731,008 per layer and rank), the vocab-
+#: parallel table 16384 x 8192, the learned positions 1024 x 8192 and ln_f 2 h: P_tp = 22,695,559,168
+BIG = ["model.num_layers=56", "model.hidden_size=8192", "model.num_attention_heads=64", "training.micro_batch_size=1"]
+P_TP = 56 * (6 * 8192 ** 2 + 9.5 * 8192) + 16384 * 8192 + 1024 * 8192 + 2 * 8192
+
+
+def test_smallest_world_that_fits_is_more_than_one_node():
+    """FSDP FULL_SHARD x TP2 of a 45B GPT: Adam's fp32 moments alone are 8 P_tp / dp bytes per GPU (45.39 GB on
+    one DGX, dp 4), with the fp32 parameter and gradient shards (4 + 4 P_tp / dp) beside them: one node does not
+    fit 85.52 GB, two do (dp 8: the moments 22.70 GB). Before, the only smallest-world test was a model that fits
+    one node."""
+    from simulator.api import run_scenario
+    from simulator.config.loader import load_scenario
+
+    out = _fit(FSDP_TP2, "--smallest", "hardware.cluster.nodes=1,2,4", *(a for x in BIG for a in ("--set", x)),
+               "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert {p["value"]: p["fits"] for p in d["points"]} == {1: False, 2: True, 4: True} and d["smallest"] == 2
+    assert "out of memory" in d["points"][0]["oom"]
+    for nodes in (1, 2):
+        s = run_scenario(load_scenario(FSDP_TP2, [*BIG, f"hardware.cluster.nodes={nodes}", "run.steps=2",
+                                                  "run.warmup_steps=1"])).summary
+        assert s["peak_memory_by_category_bytes"]["optimizer"] == pytest.approx(8 * P_TP / (4 * nodes), rel=1e-6)
 
 
 def test_bad_fit_input_is_one_line():
