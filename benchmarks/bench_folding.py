@@ -17,8 +17,10 @@ pipeline stay the scenario's (global batch = micro-batches x micro_batch_size x 
 at every DP. Each point is one end-to-end ``run_scenario`` in a fresh process (``bench_scale.point``: graph
 build, policies, engine, records, summary; scenario loading and imports excluded), with raw SimPy timeouts/s
 measured in that process right after the run. ``CPU s`` is the figure to compare on a shared machine. The last
-lines fit ``CPU s = a + b x classes`` by least squares over all points (``R^2`` near 1: linear) and give the
-largest relative residual.
+lines fit ``CPU s = a + b x classes`` by least squares over the DP sizes of each mode (``R^2`` near 1: linear)
+and give each mode's CPU time over symmetric's at each DP. The replicas of a stage that share its hardware share
+its built graph (``api.run_scenario``), so a ``none`` class costs its engine run only, while a slow replica's
+classes (another hardware) are each built and priced too.
 
 The default scenario is ``scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml`` (GPT 1.0B, PP4, 16 micro-batches
 per pipeline) at layer fidelity: a point costs about 0.2-7 CPU s. ``--scenario scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--dp", default="4,8,16,32", help="data-parallel sizes")
     ap.add_argument("--fidelity", default="layer", choices=("layer", "kernel"))
     ap.add_argument("--modes", default="symmetric,slow,none")
-    ap.add_argument("--slow-dp-rank", type=int, default=3)
+    ap.add_argument("--slow-dp-rank", type=int, default=3, help="the slow replica (the last one where DP is smaller)")
     args = ap.parse_args()
     tp, pp, mbs, m, gpn = shape(args.scenario)
     print(f"{args.scenario} at {args.fidelity} fidelity: TP{tp} x PP{pp}, {m} micro-batches of {mbs} per pipeline; "
@@ -86,7 +88,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             extra = list(MODES[mode])
             if mode == "slow":
-                extra.append(f"rank_overrides=[{{dp_rank: {args.slow_dp_rank}, slowdown: 1.2}}]")
+                extra.append(f"rank_overrides=[{{dp_rank: {min(args.slow_dp_rank, dp - 1)}, slowdown: 1.2}}]")
             p = run_point(args.scenario, args.fidelity, base + extra)
             k = p["rank_classes"]
             xs.append(k)
@@ -95,12 +97,16 @@ def main() -> None:
             print(f"{mode:10s} {dp:4d} {gpus:6,d} {k:7d} {p['wall_s']:7.2f} {p['cpu_s']:7.2f} "
                   f"{1e3 * p['cpu_s'] / k:12.1f} {p['ops']:9,d} {p['raw_timeouts_per_s']:14,.0f} "
                   f"{p['step_time_s']:9.4f} {p['peak_rss_bytes'] / 1e9:11.2f}", flush=True)
-    if len(set(xs)) > 1:
-        a, b, r2 = fit(xs, ys)
-        worst = max(rows, key=lambda r: abs(r[3] - a - b * r[2]) / r[3])
-        print(f"fit: CPU s = {a:.3f} + {1e3 * b:.1f} ms x classes, R^2 {r2:.4f}; largest residual "
-              f"{100 * (worst[3] - a - b * worst[2]) / worst[3]:+.0f}% ({worst[0]} DP {worst[1]}, {worst[2]} classes)")
-
+    for mode in dict.fromkeys(r[0] for r in rows):
+        pts = [(k, c) for m, _, k, c in rows if m == mode]
+        if len({k for k, _ in pts}) > 1:
+            a, b, r2 = fit([k for k, _ in pts], [c for _, c in pts])
+            print(f"{mode}: CPU s = {a:.3f} + {1e3 * b:.1f} ms x classes over the DP sizes, R^2 {r2:.4f}")
+    by = {(m, dp): c for m, dp, _, c in rows}
+    for dp in dict.fromkeys(r[1] for r in rows):
+        if ("symmetric", dp) in by:
+            print(f"DP {dp}: " + ", ".join(f"{m} {by[m, dp] / by['symmetric', dp]:.2f}x" for m in MODES
+                                           if (m, dp) in by and m != "symmetric") + " the CPU s of symmetric")
 
 if __name__ == "__main__":
     main()

@@ -351,3 +351,19 @@ def test_symmetric_folding_refuses_a_replica_override(capsys, tmp_path, folding,
         assert err == (f"error: {p}: rank_overrides[0].dp_rank: a replica override breaks run.rank_folding symmetric "
                        "(every data-parallel replica identical) (allowed: pp_rank overrides, or run.rank_folding "
                        "classes or none) (from the command line: rank_overrides=...)")
+
+
+def test_a_slowdown_only_replica_shares_its_stages_graph(monkeypatch):
+    # a slowdown is read by the engine's cost model only: the slow replica's classes run the graph built for their
+    # stage (PP builds, not 2 x PP); another GPU on the replica is built for that GPU
+    import simulator.api as api
+
+    built = []
+    real = api.policy_graph
+    monkeypatch.setattr(api, "policy_graph", lambda cfg, r, hw: built.append((r, hw.gpu.name)) or real(cfg, r, hw))
+    slow = run_scenario(scenario_from_dict({**PIPE, "rank_overrides": [{"dp_rank": 2, "slowdown": 1.3}]})).summary
+    assert len(slow["rank_classes"]) == 4 and sorted(r for r, _ in built) == [0, 1]
+    built.clear()
+    run_scenario(scenario_from_dict({**PIPE, "rank_overrides": [{"dp_rank": 2, "gpu": "a100-sxm4-80gb"}]}))
+    assert sorted(built) == sorted([(0, "NVIDIA H100 SXM5 80GB"), (1, "NVIDIA H100 SXM5 80GB"),
+                                    (0, "NVIDIA A100 SXM4 80GB"), (1, "NVIDIA A100 SXM4 80GB")])
