@@ -14,7 +14,8 @@ included) is its own; a process runs on one core. Columns:
   folded into layer-fidelity blocks); ``ops/s`` = ops / wall;
 * ``raw timeouts/s``: raw SimPy in the same process right after the run (one process yielding
   ``env.timeout``), and ``ops/s / raw``;
-* ``peak RSS``: the process's peak resident memory;
+* ``peak RSS``: the process's peak resident memory (``rank_classes`` in the JSON of a point: the rank classes
+  simulated, ``simulator.api.rank_classes``);
 * ``wall@1M``: wall x raw timeouts/s / 1e6, the wall time scaled to a machine where raw SimPy does 1M
   timeouts/s (a rough correction for the load of a shared machine; the plot shows both).
 
@@ -48,8 +49,11 @@ def point(path: str, fidelity: str, overrides: list[str]) -> dict:
     from bench_simulate import raw_timeouts_per_s
 
     from simulator import load_scenario, run_scenario
+    from simulator.api import rank_classes
+    from simulator.config.loader import resolve_hardware
 
     cfg = load_scenario(ROOT / path, [f"run.fidelity={fidelity}", *overrides])
+    n_classes = len(rank_classes(cfg, resolve_hardware(cfg)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t0, c0 = time.perf_counter(), time.process_time()
@@ -61,7 +65,7 @@ def point(path: str, fidelity: str, overrides: list[str]) -> dict:
     ops = len(sp) - int(sp.duplicated([c for c in ("step", "op_id", "rank_class", "pp_rank") if c in sp]).sum())
     return {"wall_s": wall, "cpu_s": cpu, "ops": ops, "raw_timeouts_per_s": raw, "step_time_s": s["step_time_s"],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_memory_bytes": s["peak_memory_bytes"]}
+            "peak_memory_bytes": s["peak_memory_bytes"], "rank_classes": n_classes}
 
 
 def run_point(path: str, fidelity: str, overrides: list[str]) -> dict:

@@ -420,6 +420,9 @@ class RankClass:
         shard_group: With FSDP HYBRID_SHARD across nodes: the shard group (node) of its replicas, where they meet
             the other classes of that group at the ``dp_shard`` collectives; None: replicas of groups without an
             overridden replica (they meet nobody there) or no shard groups.
+        graph_hw: The machine its step graph is built for: ``hw`` before the overrides' ``slowdown``, which only
+            the engine's cost model reads (``simulator.engine.system``), so that a class that differs from its
+            stage's others by a slowdown alone shares their built graph (``run_scenario``); None: ``hw``.
     """
 
     label: str
@@ -429,6 +432,7 @@ class RankClass:
     cfg: ScenarioConfig
     replicas: int
     shard_group: int | None = None
+    graph_hw: Hardware | None = None
 
 
 def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
@@ -468,7 +472,8 @@ def rank_classes(cfg: ScenarioConfig, hw: Hardware) -> list[RankClass]:
             label = " / ".join(x for x in (f"pp_rank {r}" if pp > 1 else "", dp_label) if x) or "all ranks"
             class_hw = stage_hw if gpu is None else other_gpu(stage_hw, gpu)
             out.append(RankClass(label, r, c, dataclasses.replace(class_hw, slowdown=slow) if slow != 1.0 else class_hw,
-                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas, group))
+                                 cfg.model_copy(update={"dvfs": dvfs}) if dvfs is not None else cfg, replicas, group,
+                                 class_hw))
     return out
 
 
@@ -1581,14 +1586,16 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             hybrid = any(c.shard_group is not None for c in classes)
             parties = {(c.pp_rank, c.shard_group): sum(1 for q in classes if (q.pp_rank, q.shard_group) ==
                                                       (c.pp_rank, c.shard_group)) for c in classes}
-            # the classes of a stage that share its scenario and machine (the same objects: every replica not
-            # overridden, rank_folding none) share one built graph; each class's rendezvous ops are its own
+            # the classes of a stage that share its scenario and machine less a slowdown (the same objects: every
+            # replica not overridden, rank_folding none, a replica override of slowdown only) share one built graph;
+            # each class's rendezvous ops are its own
             built: dict[tuple[int, int, int], OpGraph] = {}
             graphs = []
             for c in classes:
-                key = (c.pp_rank, id(c.cfg), id(c.hw))
+                ghw = c.graph_hw or c.hw
+                key = (c.pp_rank, id(c.cfg), id(ghw))
                 if key not in built:
-                    built[key] = policy_graph(c.cfg, c.pp_rank, c.hw)
+                    built[key] = policy_graph(c.cfg, c.pp_rank, ghw)
                 graphs.append(_meet_across_classes(built[key], c.pp_rank, c.dp_class, n_dp, c.shard_group,
                                                    parties[c.pp_rank, c.shard_group] if hybrid else 0))
             del built

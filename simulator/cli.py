@@ -537,7 +537,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``simulate`` console script; returns the exit status."""
+    """Entry point of the ``simulate`` console script; returns the exit status.
+
+    Run as the command (``argv`` None: the console script, ``python -m simulator``), the objects still alive
+    when the command is done are frozen (``gc.freeze``) so that the interpreter's exit does not walk them all in a
+    last cyclic collection: about 0.2 s of CPU of a ``simulate run`` of 0.6 s (measured on this 2-core machine,
+    2026-12-03; its exit still runs atexit handlers and frees every module). Called from Python (``main([...])``,
+    the tests) nothing is frozen.
+    """
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            import gc
+
+            gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
+    """``main`` without the freeze."""
     from hardware_models.presets import PresetError
     from hardware_models.units import UnitError
     from pydantic import ValidationError

@@ -700,15 +700,25 @@ class ParallelismConfig(_Model):
 
 
 class RunConfig(_Model):
-    """How long to simulate."""
+    """How long to simulate, and which ranks and ops are simulated (``rank_folding``, ``fidelity``).
+    ``rank_folding`` symmetric: one representative rank per pipeline stage, every data-parallel replica identical
+    (a ``rank_overrides`` entry with ``dp_rank`` is refused: it would make a replica differ); classes (default):
+    ranks that behave identically share one representative and a ``dp_rank`` override adds one rank class per
+    stage (a slow GPU costs one more representative per stage, not a full-rank run); none: every data-parallel
+    replica of every stage is its own representative (tensor-parallel ranks stay folded). Without ``dp_rank``
+    overrides the three give the same results; the cost is linear in the representatives simulated
+    (``benchmarks/bench_folding.py``).
+    """
 
     steps: PositiveInt = Field(default=5, le=MAX_STEPS, description="Steps simulated (including warmup).")
     warmup_steps: int = Field(default=1, ge=0, description="Leading steps excluded from the metrics.")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the run's random generator (64-bit).")
-    rank_folding: Literal["classes", "none"] = Field(
-        default="classes", description="classes: ranks that behave identically share one simulated representative "
-        "(split by rank_overrides); none: every data-parallel replica of every stage is simulated (tensor-parallel "
-        "ranks stay folded), at most MAX_SIMULATED_RANKS.")
+    rank_folding: Literal["symmetric", "classes", "none"] = Field(
+        default="classes", description="symmetric: one simulated representative per pipeline stage, every "
+        "data-parallel replica identical (a dp_rank override is refused; pp_rank overrides allowed); classes: ranks "
+        "that behave identically share one simulated representative (a dp_rank override adds one class per stage); "
+        "none: every data-parallel replica of every stage is simulated (tensor-parallel ranks stay folded), at most "
+        "MAX_SIMULATED_RANKS.")
     fidelity: Literal["kernel", "layer"] = Field(
         default="kernel", description="kernel: every kernel is an op; layer: each layer's consecutive compute "
         "kernels of one phase and micro-batch run as one op priced as the sum of its kernels (fewer ops, faster "
@@ -1231,6 +1241,10 @@ class ScenarioConfig(_Model):
                 raise ValueError(f"{key}.{sel[0]}: {sel[1]} is overridden twice (allowed: one override per rank set)")
             seen.add(sel)
             if sel[0] == "dp_rank":
+                if self.run.rank_folding == "symmetric":
+                    raise ValueError(f"{key}.dp_rank: a replica override breaks run.rank_folding symmetric (every "
+                                     "data-parallel replica identical) (allowed: pp_rank overrides, or "
+                                     "run.rank_folding classes or none)")
                 if dp == 1:
                     raise ValueError(f"{key}.dp_rank: needs data_parallel_size > 1")
         n_dp = sum(1 for o in self.rank_overrides if o.dp_rank is not None)

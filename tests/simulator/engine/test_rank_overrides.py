@@ -323,3 +323,47 @@ def test_the_summary_memory_is_the_tightest_class_when_gpus_differ_in_memory():
     assert s["gpu_memory_capacity_bytes"] == 42_949_672_960.0 and s["memory_binding_class"] == "dp_rank 3"
     assert s["peak_device_memory_bytes"] == small["peak_device_memory_bytes"]
     assert "memory_binding_class" not in _run(rank_overrides=[{"dp_rank": 3, "slowdown": 1.2}])
+
+
+def test_symmetric_folding_is_one_representative_per_stage():
+    # run.rank_folding symmetric: every data-parallel replica identical, one rank class per pipeline stage; a stage
+    # override keeps the replicas identical, so it is allowed and gives the classes mode's answer exactly
+    d = {**PIPE, "rank_overrides": [{"pp_rank": 1, "slowdown": 1.5}]}
+    cfg = scenario_from_dict({**d, "run": {**d["run"], "rank_folding": "symmetric"}})
+    classes = rank_classes(cfg, resolve_hardware(cfg))
+    assert [(c.label, c.replicas, c.hw.slowdown) for c in classes] == [("pp_rank 0", 4, 1.0), ("pp_rank 1", 4, 1.5)]
+    sym = run_scenario(cfg).summary
+    folded = run_scenario(scenario_from_dict(d)).summary
+    assert sym["step_time_s"] == folded["step_time_s"] and sym["straggler"] == folded["straggler"] == "pp_rank 1"
+
+
+@pytest.mark.parametrize("folding,rc", [("symmetric", 2), ("classes", 0)])
+def test_symmetric_folding_refuses_a_replica_override(capsys, tmp_path, folding, rc):
+    import yaml
+
+    from simulator.cli import main
+
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({**BASE, "run": {"steps": 2, "warmup_steps": 1, "rank_folding": folding}}))
+    assert main(["run", str(p), "--json", "--set", "rank_overrides=[{dp_rank: 3, slowdown: 1.2}]"]) == rc
+    err = capsys.readouterr().err.strip()
+    if rc:
+        assert err == (f"error: {p}: rank_overrides[0].dp_rank: a replica override breaks run.rank_folding symmetric "
+                       "(every data-parallel replica identical) (allowed: pp_rank overrides, or run.rank_folding "
+                       "classes or none) (from the command line: rank_overrides=...)")
+
+
+def test_a_slowdown_only_replica_shares_its_stages_graph(monkeypatch):
+    # a slowdown is read by the engine's cost model only: the slow replica's classes run the graph built for their
+    # stage (PP builds, not 2 x PP); another GPU on the replica is built for that GPU
+    import simulator.api as api
+
+    built = []
+    real = api.policy_graph
+    monkeypatch.setattr(api, "policy_graph", lambda cfg, r, hw: built.append((r, hw.gpu.name)) or real(cfg, r, hw))
+    slow = run_scenario(scenario_from_dict({**PIPE, "rank_overrides": [{"dp_rank": 2, "slowdown": 1.3}]})).summary
+    assert len(slow["rank_classes"]) == 4 and sorted(r for r, _ in built) == [0, 1]
+    built.clear()
+    run_scenario(scenario_from_dict({**PIPE, "rank_overrides": [{"dp_rank": 2, "gpu": "a100-sxm4-80gb"}]}))
+    assert sorted(built) == sorted([(0, "NVIDIA H100 SXM5 80GB"), (1, "NVIDIA H100 SXM5 80GB"),
+                                    (0, "NVIDIA A100 SXM4 80GB"), (1, "NVIDIA A100 SXM4 80GB")])
