@@ -38,10 +38,6 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "communication_data_type": "DeepSpeed's communication_data_type is not modelled: the gradients are reduced in "
                                "the model dtype (DeepSpeed's default with fp16 / bf16 enabled, deepspeed/runtime/"
                                "engine.py communication_data_type); remove it",
-    "prescale_gradients": "DeepSpeed's prescale_gradients is not modelled: the gradients are divided by the "
-                          "data-parallel size after their all-reduce (DeepSpeed's default false); remove it",
-    "gradient_predivide_factor": "DeepSpeed's gradient_predivide_factor is not modelled: 1.0 (DeepSpeed's default, "
-                                 "one division after the all-reduce); remove it",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
@@ -80,6 +76,47 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "activation_checkpoint.memory_budget": "torchtitan's mode memory_budget (torch.compile's partitioner) is not "
                                            "modelled; remove it",
 }
+
+
+#: DeepSpeed top-level keys accepted at DeepSpeed's default only (deepspeedai/DeepSpeed@088be89
+#: deepspeed/runtime/constants.py PRESCALE_GRADIENTS_DEFAULT = False, GRADIENT_PREDIVIDE_FACTOR_DEFAULT = 1.0), which
+#: is what every run prices (each gradient bucket divided by the data-parallel size after its all-reduce, engine.py
+#: allreduce_bucket's postscale path); key -> (the default, what another value would do)
+DEFAULT_ONLY_KEYS: dict[str, tuple[object, str]] = {
+    "prescale_gradients": (False, "DeepSpeed would divide each gradient bucket by the data-parallel size before its "
+                                  "all-reduce instead of after it"),
+    "gradient_predivide_factor": (1.0, "DeepSpeed would divide each gradient bucket by it before its all-reduce and "
+                                       "by data-parallel size / it after, one more scale kernel per bucket"),
+}
+
+
+class DefaultOnlyKeyError(ValueError):
+    """A ``DEFAULT_ONLY_KEYS`` key at another value: ``key`` and ``detail`` (the line without the key)."""
+
+    def __init__(self, key: str, detail: str):
+        super().__init__(f"{key}: {detail}")
+        self.key, self.detail = key, detail
+
+
+def drop_default_only_keys(data: dict) -> dict:
+    """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults.
+
+    Raises:
+        DefaultOnlyKeyError: one of them at another value (one line naming the key and the allowed value).
+    """
+    out = dict(data)
+    for key, (default, other) in DEFAULT_ONLY_KEYS.items():
+        if key not in out:
+            continue
+        v = out.pop(key)
+        same = v is default if isinstance(default, bool) else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == default)
+        if not same:
+            shown = str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else v
+            allowed = str(default).lower() if isinstance(default, bool) else default
+            raise DefaultOnlyKeyError(key, f"{shown} is not modelled ({other}); allowed: {allowed}, DeepSpeed's "
+                                           "default, or leave it out")
+    return out
 
 
 def foreign_key_hint(path: str) -> str | None:
