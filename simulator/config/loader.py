@@ -214,6 +214,9 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
     keyed = _KEYED.match(msg)
     if path == "(top level)" and keyed and keyed.group(1) in model.model_fields:  # a cross-field check naming its key
         return 1, f"{source}: {msg}"
+    section = _model_at(model, (*loc, "")) if loc else None
+    if keyed and keyed.group(1) in getattr(section, "model_fields", {}) and msg[len(keyed.group(1))] in ":.[":
+        return 1, f"{source}: {path}.{msg}"  # a section's check naming its key: model.vocab_size (--set matches it)
     # pydantic's own messages never name the value ("greater than 0": a 0 given must still be shown)
     return 1, f"{source}: {path}: {msg}{got if not own_words or shown not in msg else ''}"
 

@@ -194,3 +194,12 @@ def test_null_on_an_optional_section_says_it_is_left_out():
         "torchtitan activation checkpointing: training.recompute_granularity decides the recompute (none)",
         "--set dvfs=null: the dvfs section is left out (its default, none): no DVFS policy: the GPUs run at their "
         "default clocks and power limit"]
+
+
+def test_null_on_a_key_a_section_check_requires_names_the_command_line(capsys):
+    """``model.vocab_size`` is required by the model section's own check (architecture decoder), not by its field:
+    its line named ``model: vocab_size`` and so not the ``--set`` it came from (fresh-user trial)."""
+    assert main(["run", BASES[2], "--set", "model.vocab_size=null"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {BASES[2]}: model.vocab_size: required key is missing (architecture decoder) (from the "
+                   "command line: model.vocab_size=...)")
