@@ -6,12 +6,17 @@ or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's 
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
 (composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
-(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled.
+(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled, NeMo's
+``model.fp8*`` Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml:
+``fp8: False``, ``fp8_e4m3``, ``fp8_hybrid``).
 """
 
 from __future__ import annotations
 
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
+#: where fp8 training is set: ``training.fp8`` takes the format (``schema.TrainingConfig.fp8``), not true / false
+_FP8 = ("fp8 is training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
+        "false (with training.precision bf16)")
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
 FOREIGN_KEY_HINTS: dict[str, str] = {
@@ -38,6 +43,12 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "communication_data_type": "DeepSpeed's communication_data_type is not modelled: the gradients are reduced in "
                                "the model dtype (DeepSpeed's default with fp16 / bf16 enabled, deepspeed/runtime/"
                                "engine.py communication_data_type); remove it",
+    # fp8: one key here, training.fp8, whose value is Megatron-LM's --fp8-format (the schema's Literal), not a switch
+    "fp8": _FP8,
+    "training.fp8_format": "Megatron-LM's --fp8-format is " + _FP8.split(" is ", 1)[1],
+    "model.fp8": "NeMo's model.fp8 with fp8_hybrid / fp8_e4m3 is " + _FP8.split(" is ", 1)[1],
+    "model.fp8_hybrid": "NeMo's model.fp8_hybrid: true is training.fp8: hybrid here",
+    "model.fp8_e4m3": "NeMo's model.fp8_e4m3: true is training.fp8: e4m3 here",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names

@@ -176,3 +176,20 @@ def test_deepspeed_scaling_keys_elsewhere_are_refused_in_one_line(key, value, sh
     msg = str(e.value)
     assert msg.startswith(f"pasted.yaml: {key}: {shown} is not modelled (") and "\n" not in msg
     assert msg.endswith("DeepSpeed's default, or leave it out"), msg
+
+
+@pytest.mark.parametrize("path,value", [("fp8", True), ("model.fp8", True), ("training.fp8_format", "hybrid"),
+                                        ("model.fp8_hybrid", True), ("model.fp8_e4m3", True)])
+def test_fp8_hints_name_the_key_and_a_value_the_schema_accepts(path, value):
+    """A NeMo ``model.fp8: true`` (NVIDIA/NeMo megatron_gpt_config.yaml) or Megatron's ``fp8_format`` got "did you
+    mean training.fp8?" or "'fp8_param_gather'?" (fresh-user trial): training.fp8 takes the format, so the hint
+    names it with its values, and what it names is accepted where true is not."""
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(_merge(BASE, _nested(path, value)), "pasted.yaml")
+    hint = str(e.value).rpartition("; ")[2]
+    fmt = "e4m3" if path.endswith("e4m3") else "hybrid"
+    assert f"training.fp8: {fmt}" in hint or ("training.fp8 here, set to the format: hybrid" in hint
+                                              and "or e4m3" in hint), hint
+    assert _cfg(training={**BASE["training"], "fp8": fmt}).training.fp8 == fmt
+    with pytest.raises(ScenarioError, match=r"training\.fp8: Input should be 'hybrid' or 'e4m3' \(got true\)"):
+        _cfg(training={**BASE["training"], "fp8": True})
