@@ -295,21 +295,23 @@ def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: fl
 def adamw_step_parts(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0,
                      threads: int | None = None, memory_nodes: int | None = None, state_bytes: int = 4,
                      grad_bytes: int = 4, copy_bytes: int = 2,
-                     bandwidth_bytes_per_s: float | None = None) -> tuple[float, float]:
-    """:func:`adamw_step_s` with the step's host DRAM traffic: ``(seconds, dram_bytes)``, the step's seconds and
-    the DRAM bytes its passes move (:func:`pass_parts`)."""
+                     bandwidth_bytes_per_s: float | None = None) -> tuple[float, float, float]:
+    """:func:`adamw_step_s` with the step's host DRAM traffic: ``(seconds, dram_bytes, fault_s)``, the step's
+    seconds, the DRAM bytes its passes move and the first-touch page-fault seconds inside the seconds
+    (:func:`pass_parts`)."""
     sizes = [float(n) for n in tensor_elements]
     P = sum(sizes)
     passes = adamw_passes(impl, state_bytes, grad_bytes, copy_bytes)
-    total = nbytes = 0.0
+    total = nbytes = faults = 0.0
     for p in passes:
         fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
         b, s, f = pass_parts(p, P, cpu, threads, memory_nodes, fe, bandwidth_bytes_per_s)
         total += s + f
         nbytes += b
+        faults += f
     # one call per tensor for DeepSpeed's kernels (both loops run inside it)
     dispatches = 1 if impl.startswith("deepspeed") else len(passes) + (0 if impl == "torch_fused" else 1)
-    return total + len(sizes) * dispatches * dispatch_s, nbytes
+    return total + len(sizes) * dispatches * dispatch_s, nbytes, faults
 
 
 def host_dram_share(cpu: HostCpuSpec, ranks: int = 1, memory_nodes: int | None = None) -> float:

@@ -743,7 +743,14 @@ def sequence_parallel_regather_note(cfg: ScenarioConfig) -> str:
     amp_fp32_params, fp8, tp_comm_overlap or LoRA) it keeps the gathered ``[s, b, h]`` tensors from forward
     (``transformer.py`` module docstring), so the activation memory is
     high by ``2 w (1 - 1/t) s b h`` bytes per dense layer and micro-batch held (``w``: bytes per element) and the
-    2 all-gathers per layer of backward communication are missing."""
+    2 all-gathers per layer of backward communication are missing.
+
+    Not raised with an ``fsdp`` section (PyTorch 2-D parallelism: DTensor tensor parallelism, as torchtitan runs
+    it): there the sequence-parallel input is made ``Replicate`` by ``PrepareModuleInput`` before the attention and
+    feed-forward modules (a DTensor redistribute: an all-gather, reduce-scattered in backward), and autograd saves
+    that gathered tensor as the input of the ``ColwiseParallel`` wq / wk / wv and w1 / w3 matmuls; nothing is
+    re-gathered in backward (pytorch/torchtitan@018740b torchtitan/models/llama3/infra/parallelize.py
+    ``apply_tp``), which is what the builder builds."""
     t, cp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.context_parallel_size
     m, tr = cfg.model, cfg.training
     w = 4 if tr.precision in ("fp32", "tf32") else 2
@@ -933,7 +940,7 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                    "DeepSpeed keeps a block whose reuse comes within that many parameter elements (the last blocks of "
                    "the forward), so the fetch traffic is an upper bound")
     if cfg is not None and cfg.parallelism.sequence_parallel and cfg.parallelism.tensor_model_parallel_size > 1 and (
-            not transformer_spec(cfg).sp_regathers_inputs):
+            cfg.fsdp is None and not transformer_spec(cfg).sp_regathers_inputs):  # DTensor TP keeps them too
         out.append(sequence_parallel_regather_note(cfg))
     if cfg is not None and cfg.training.precision == "amp_fp32_params" and "bf16" not in hw.gpu.peak_flops_per_s:
         out.append(f"training.precision amp_fp32_params on {hw.gpu.name}, which has no bf16 tensor cores (Volta/Turing), "

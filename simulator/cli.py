@@ -168,6 +168,9 @@ def format_summary(s: dict, name: str) -> str:
     if s.get("peak_host_pinned_bytes") or s.get("peak_host_pageable_bytes"):
         lines.append(f"peak host memory    {_fmt_bytes(s.get('peak_host_pinned_bytes', 0))} pinned, "
                      f"{_fmt_bytes(s.get('peak_host_pageable_bytes', 0))} pageable")
+    if s.get("host_page_fault_s"):
+        lines.append(f"host page faults    {s['host_page_fault_s'] * 1e3:.2f} ms/step of host time on first-touch faults "
+                     "of fresh host buffers (4 KiB pages; inside the host ops and copies that allocate them)")
     if (s.get("world_size") or 1) > 1:
         groups = ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in sorted((s.get("comm_s_by_group") or {}).items()))
         strategy = s.get("data_parallel_strategy") or "DDP"

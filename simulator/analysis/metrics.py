@@ -11,6 +11,8 @@ DATA_PHASE = "data"
 COMPUTE_KIND = "compute"
 #: span kinds of work on the GPU (kernels, copies, collectives): the GPU is idle when none runs
 GPU_KINDS = ("compute", "collective", "memcpy_h2d", "memcpy_d2h", "memcpy_d2d")
+#: stream of the training thread's host ops and synchronisations (``engine.executor.HOST_STREAM``)
+HOST_STREAM = "host"
 
 
 def _merge(iv: np.ndarray) -> np.ndarray:
@@ -58,28 +60,48 @@ def _overlap(iv: np.ndarray, t0: float, t1: float) -> float:
 
 
 def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.ndarray,
-              comp: np.ndarray, names: list[str] | None = None) -> list[tuple[str, float]]:
+              comp: np.ndarray, names: list[str] | None = None,
+              thread: np.ndarray | None = None) -> list[tuple[str, float]]:
     """``[(phase, end_s), ...]`` of one step's spans (1-D arrays), in device order (``phase_split``); ``inph``: the
     spans of a phase in ``PHASES``, ``comp``: those that are also compute kernels (boolean arrays). ``names``: the
-    phase of each code when ``phase`` holds integer codes (``_codes``); None: ``phase`` holds the names."""
+    phase of each code when ``phase`` holds integer codes (``_codes``); None: ``phase`` holds the names.
+    ``thread``: the spans of the training thread (stream ``host``: host ops and synchronisations; None: none),
+    which join the segment of their phase the thread was in (``phase_split``)."""
     ci = np.flatnonzero(comp)
     ci = ci[np.lexsort((end[ci], start[ci]))]
-    ph, ends = phase[ci], end[ci]
+    ph, ends, starts = phase[ci], end[ci], start[ci]
     segs: list[list] = []  # [phase, end_s, sort key]
+    heads: list[float] = []  # each compute segment's first kernel start (stream order: by start)
     if len(ci):
         cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
         for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
             e = float(ends[a:b].max())
             segs.append([ph[a].item(), e, e])
+            heads.append(float(starts[a]))
     orphans: dict[str, float] = {}
     oi = np.flatnonzero(inph & ~comp)
     o_phase, o_end = phase[oi], end[oi]
+    o_thread = thread[oi] if thread is not None else np.zeros(len(oi), dtype=bool)
     for p in dict.fromkeys(o_phase.tolist()):  # each phase's other ops, at once
-        e = o_end[o_phase == p]
+        sel = o_phase == p
+        e = o_end[sel]
         same = [g for g in segs if g[0] == p]
         if not same:
             orphans[p] = float(e.max())
             continue
+        if o_thread[sel].any():  # the training thread's ops that end before the next segment's kernels start
+            at = [i for i, g in enumerate(segs) if g[0] == p]
+            keys = np.maximum.accumulate([segs[i][2] for i in at])
+            prev = np.searchsorted(keys, e, side="left") - 1  # the last of its phase ending before the op
+            nxt = np.array([at[j] + 1 if j >= 0 else len(segs) for j in prev.tolist()])
+            nxt_first = np.array([heads[i] if i < len(heads) else -np.inf for i in nxt.tolist()])
+            held = o_thread[sel] & (prev >= 0) & (e <= nxt_first)
+            for j, t in zip(prev[held].tolist(), e[held].tolist()):
+                if t > segs[at[j]][1]:
+                    segs[at[j]][1] = t
+            e = e[~held]
+            if not len(e):
+                continue
         # the first of its phase ending after it (the segments' keys are fixed): the first whose running max of
         # the keys reaches it; none: the last
         first = np.searchsorted(np.maximum.accumulate([g[2] for g in same]), e, side="left")
@@ -115,6 +137,11 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
       prefetched during the previous backward, belongs to the next forward); one that ends after
       every segment of its phase extends the last (gradient copies trailing backward). A phase
       with no GPU kernel forms one segment of its own, placed by its end.
+    * Except the training thread's ops (stream ``host``: host work, synchronisations): the thread
+      runs the micro-batches in program order and records the next phase's boundary event only
+      after them, so one that ends after a segment of its phase and before the first kernel of the
+      segment after that starts extends that segment (FSDP2's blocking gradient copies and CPU
+      accumulation of a micro-batch's backward, which the next forward waits for, are backward).
     * Segment ``k`` lasts from the end of segment ``k - 1`` to its own last end, at least 0 (the
       boundary event of a phase completes when its last op has). The first starts at the step
       start or, if later, at the end of the previous step's last phase op: an event recorded at
@@ -144,6 +171,7 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     kind, kind_names = _codes(spans["kind"])
     phase, phase_names = _codes(spans["phase"])
     kind, phase = kind[order], phase[order]
+    thread_all = (spans["stream"].to_numpy(object) == HOST_STREAM)[order] if "stream" in spans else None
     start = spans["start_s"].to_numpy(float)[order]
     end = spans["end_s"].to_numpy(float)[order]
     # per span, once for all steps (each step below takes its slice); each tested once per distinct value
@@ -176,7 +204,8 @@ def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
             # no data wait in the step: nothing idle to take out (``_overlap`` of no intervals is 0)
             idle_data = _subtract(_merge(iv[waits]), _merge(iv[gpu[r]])) if waits.any() else _NO_INTERVALS
             t = max(float(step_start_s), last_phase_end(step - 1))
-            for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r], phase_names):
+            thread = thread_all[r] if thread_all is not None else None
+            for p, e in _segments(phase[r], start[r], end[r], inph[r], comp[r], phase_names, thread):
                 if e > t:
                     w = _overlap(idle_data, t, e)
                     acc[DATA_PHASE] += w

@@ -168,8 +168,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
 
     ``step_time_s`` is the period of the whole pipeline's steps (``steps``: ``combined_steps``); memory
     keys are those of the stage with the largest device memory (``peak_memory_pp_rank`` names it) and
-    ``oom`` that of the worst stage that ran out; ``exposed_comm_s`` and each ``comm_s_by_group`` entry
-    are the largest over the stages; ``phase_s`` is the mean over the stages of each phase's compute time
+    ``oom`` that of the worst stage that ran out; ``exposed_comm_s``, ``host_page_fault_s`` and each
+    ``comm_s_by_group`` entry are the largest over the stages; ``phase_s`` is the mean over the stages of each phase's compute time
     (``phase_compute_s``: the stages' fwd/bwd/opt kernels, without the bubble); ``pipeline_bubble_s`` is
     the least idle stage's bubble (the schedule's own bubble) and each stage's ``pipeline_imbalance_s``
     its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
@@ -200,6 +200,7 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
                mfu=mfu(model_flops_per_step, step, peak_flops_per_s), model_flops_per_step=model_flops_per_step,
                peak_memory_pp_rank=mem, num_ops=sum(s["num_ops"] for s in stages),
                exposed_comm_s=max(s["exposed_comm_s"] for s in stages), pipeline_bubble_s=bubble,
+               host_page_fault_s=max(s.get("host_page_fault_s", 0.0) for s in stages),
                phase_s={k: float(np.mean([s["phase_compute_s"][k] for s in stages])) for k in stages[0]["phase_compute_s"]})
     for k in ("phase_compute_s", "pipeline_wait_s", "host_idle_s", "compute_clock_mhz"):  # per stage only
         out.pop(k, None)

@@ -9,7 +9,7 @@ import pandas as pd
 
 from hardware_models.machine import Hardware
 from simulator.analysis import metrics
-from simulator.graph.op_graph import OpGraph
+from simulator.graph.op_graph import PAGE_FAULT_META, OpGraph
 
 
 def step_period_s(steps: pd.DataFrame) -> tuple[float, float]:
@@ -50,6 +50,10 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
     ``cuda_context`` and ``allocator_reserve`` besides the tensors'); ``memory_overheads`` gives the
     two values used and whether each was assumed (a documented default) or set by the scenario.
 
+    Host: ``host_page_fault_s`` is the host time per step spent on first-touch page faults of fresh host buffers
+    (the ``page_fault_s`` of the graph's meta, ``op_graph.PAGE_FAULT_META``, that the offload and activation-offload
+    policies priced into their host ops and copies; part of their time, not added to it).
+
     Communication: ``exposed_comm_s`` is the time per step the compute stream is idle while at
     least one collective is in flight, ``comm_s_by_group`` the busy time per step of each process
     group's collectives (``metrics.comm_exposure``); ``world_size`` and ``data_parallel_size`` are
@@ -88,6 +92,7 @@ def summarize(graph: OpGraph, hw: Hardware, memory: dict[str, Any], spans: pd.Da
         "gpu_memory_capacity_bytes": float(gpu_mem.capacity_bytes),
         "peak_host_pinned_bytes": int(memory["host_pinned"].peak),
         "peak_host_pageable_bytes": int(memory["host_pageable"].peak),
+        "host_page_fault_s": float(graph.meta.get(PAGE_FAULT_META, 0.0)),
         "oom": oom[0] if oom else None,
         "phase_s": split,
         "data_stall_s": 0.0,

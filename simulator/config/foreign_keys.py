@@ -6,12 +6,17 @@ or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's 
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
 (composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
-(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled.
+(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled, NeMo's
+``model.fp8*`` Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml:
+``fp8: False``, ``fp8_e4m3``, ``fp8_hybrid``).
 """
 
 from __future__ import annotations
 
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
+#: where fp8 training is set: ``training.fp8`` takes the format (``schema.TrainingConfig.fp8``), not true / false
+_FP8 = ("fp8 is training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
+        "false (with training.precision bf16)")
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
 FOREIGN_KEY_HINTS: dict[str, str] = {
@@ -38,10 +43,12 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "communication_data_type": "DeepSpeed's communication_data_type is not modelled: the gradients are reduced in "
                                "the model dtype (DeepSpeed's default with fp16 / bf16 enabled, deepspeed/runtime/"
                                "engine.py communication_data_type); remove it",
-    "prescale_gradients": "DeepSpeed's prescale_gradients is not modelled: the gradients are divided by the "
-                          "data-parallel size after their all-reduce (DeepSpeed's default false); remove it",
-    "gradient_predivide_factor": "DeepSpeed's gradient_predivide_factor is not modelled: 1.0 (DeepSpeed's default, "
-                                 "one division after the all-reduce); remove it",
+    # fp8: one key here, training.fp8, whose value is Megatron-LM's --fp8-format (the schema's Literal), not a switch
+    "fp8": _FP8,
+    "training.fp8_format": "Megatron-LM's --fp8-format is " + _FP8.split(" is ", 1)[1],
+    "model.fp8": "NeMo's model.fp8 with fp8_hybrid / fp8_e4m3 is " + _FP8.split(" is ", 1)[1],
+    "model.fp8_hybrid": "NeMo's model.fp8_hybrid: true is training.fp8: hybrid here",
+    "model.fp8_e4m3": "NeMo's model.fp8_e4m3: true is training.fp8: e4m3 here",
     "steps_per_print": _NO_STEP_EFFECT,
     "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
@@ -71,6 +78,47 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "fsdp.sync_module_states": "it acts at start-up, not in a step; remove it",
     "fsdp.use_orig_params": "not modelled (the flat parameters are priced either way); remove it",
 }
+
+
+#: DeepSpeed top-level keys accepted at DeepSpeed's default only (deepspeedai/DeepSpeed@088be89
+#: deepspeed/runtime/constants.py PRESCALE_GRADIENTS_DEFAULT = False, GRADIENT_PREDIVIDE_FACTOR_DEFAULT = 1.0), which
+#: is what every run prices (each gradient bucket divided by the data-parallel size after its all-reduce, engine.py
+#: allreduce_bucket's postscale path); key -> (the default, what another value would do)
+DEFAULT_ONLY_KEYS: dict[str, tuple[object, str]] = {
+    "prescale_gradients": (False, "DeepSpeed would divide each gradient bucket by the data-parallel size before its "
+                                  "all-reduce instead of after it"),
+    "gradient_predivide_factor": (1.0, "DeepSpeed would divide each gradient bucket by it before its all-reduce and "
+                                       "by data-parallel size / it after, one more scale kernel per bucket"),
+}
+
+
+class DefaultOnlyKeyError(ValueError):
+    """A ``DEFAULT_ONLY_KEYS`` key at another value: ``key`` and ``detail`` (the line without the key)."""
+
+    def __init__(self, key: str, detail: str):
+        super().__init__(f"{key}: {detail}")
+        self.key, self.detail = key, detail
+
+
+def drop_default_only_keys(data: dict) -> dict:
+    """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults.
+
+    Raises:
+        DefaultOnlyKeyError: one of them at another value (one line naming the key and the allowed value).
+    """
+    out = dict(data)
+    for key, (default, other) in DEFAULT_ONLY_KEYS.items():
+        if key not in out:
+            continue
+        v = out.pop(key)
+        same = v is default if isinstance(default, bool) else (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == default)
+        if not same:
+            shown = str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else v
+            allowed = str(default).lower() if isinstance(default, bool) else default
+            raise DefaultOnlyKeyError(key, f"{shown} is not modelled ({other}); allowed: {allowed}, DeepSpeed's "
+                                           "default, or leave it out")
+    return out
 
 
 def foreign_key_hint(path: str) -> str | None:

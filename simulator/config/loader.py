@@ -22,7 +22,8 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
-from simulator.config.foreign_keys import foreign_key_hint
+from simulator.config.foreign_keys import (DEFAULT_ONLY_KEYS, DefaultOnlyKeyError, drop_default_only_keys,
+                                           foreign_key_hint)
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides, null_override_notes
 from simulator.config.preset_names import READ_BY_CHECKS, pcie_link_problem, preset_name_problems
@@ -213,6 +214,9 @@ def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) 
     keyed = _KEYED.match(msg)
     if path == "(top level)" and keyed and keyed.group(1) in model.model_fields:  # a cross-field check naming its key
         return 1, f"{source}: {msg}"
+    section = _model_at(model, (*loc, "")) if loc else None
+    if keyed and keyed.group(1) in getattr(section, "model_fields", {}) and msg[len(keyed.group(1))] in ":.[":
+        return 1, f"{source}: {path}.{msg}"  # a section's check naming its key: model.vocab_size (--set matches it)
     # pydantic's own messages never name the value ("greater than 0": a 0 given must still be shown)
     return 1, f"{source}: {path}: {msg}{got if not own_words or shown not in msg else ''}"
 
@@ -368,14 +372,20 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     (before,) = [d.func for d in ScenarioConfig.__pydantic_decorators__.model_validators.values()
                  if d.info.mode == "before"]
     first: list[dict] = []
+    keyed: list[dict] = []  # a DeepSpeed key accepted at its default only, at another value
     if isinstance(data, dict):
+        try:
+            data = drop_default_only_keys(data)
+        except DefaultOnlyKeyError as exc:
+            keyed = [{"type": "value_error", "loc": (exc.key,), "msg": f"Value error, {exc.detail}"}]
+            data = {k: v for k, v in data.items() if k not in DEFAULT_ONLY_KEYS}
         try:
             before(data)
         except ValueError as exc:  # the data-parallel size against the cluster
             first = [{"type": "value_error", "loc": (), "msg": f"Value error, {exc}"}]
             par = data.get("parallelism")
             data = {**data, "parallelism": {k: v for k, v in par.items() if k != "data_parallel_size"}}
-    if first or errors is None:
+    if first or keyed or errors is None:
         try:
             ScenarioConfig.model_validate(data)
             errors = []
@@ -401,11 +411,11 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
         if _dp_inputs_bad(bad):
             first = []
     if not isinstance(data, dict):
-        return errors
+        return keyed + errors
     par = data.get("parallelism")
     if not (isinstance(par, dict) and "data_parallel_size" in par) and _dp_inputs_bad(bad):
         bad.add(("parallelism", "data_parallel_size"))  # derived from a cluster or sizes that are bad: unknown
-    return first + errors + names + cross_setting_errors(ScenarioConfig, before(data), bad)
+    return keyed + first + errors + names + cross_setting_errors(ScenarioConfig, before(data), bad)
 
 
 def _name_hf_keys(message: str, data: dict) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 from hardware_models import safe_yaml
@@ -131,6 +132,28 @@ DERIVED_FROM = {"fsdp.offload_policy": ("training.enable_cpu_offload", "torchtit
                                         "no offload (OffloadPolicy)")}
 
 
+#: what an optional top-level section (default None) left out means for the run: ``--set SECTION=null``'s note
+ABSENT_SECTION = {
+    "activation_checkpoint": lambda cfg: "no torchtitan activation checkpointing: training.recompute_granularity "
+                                         f"decides the recompute ({cfg.training.recompute_granularity or 'none'})",
+    "dataloader": lambda cfg: "no DataLoader workers are simulated: each batch is ready on the host",
+    "dvfs": lambda cfg: "no DVFS policy: the GPUs run at their default clocks and power limit",
+    "fsdp": lambda cfg: "no FSDP: data parallelism is DDP, or DeepSpeed's per zero_optimization",
+}
+
+
+def _absent_section_note(cfg: Any, key: str, field: Any) -> str | None:
+    """For an optional section (a model, default None) that ``--set KEY=null`` left out: what the section became
+    (left out, its default) and what that means for the run (``ABSENT_SECTION``); None for another key."""
+    from pydantic import BaseModel
+
+    kinds = [a for a in typing.get_args(field.annotation) if a is not type(None)] if field is not None else []
+    if not (len(kinds) == 1 and isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel)):
+        return None
+    meaning = ABSENT_SECTION.get(key)
+    return (f"the {key} section is left out (its default, none)" + (f": {meaning(cfg)}" if meaning else ""))
+
+
 def _derived_note(cfg: Any, key: str, node: Any) -> str | None:
     """For a key of ``DERIVED_FROM`` removed by ``--set KEY=null``: what it became and why, naming the key it was
     derived from and the ``--set`` that turns it off; None for another key."""
@@ -187,6 +210,9 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
                        f"{node.model_dump()}")
             continue
         if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
+            continue
+        if node is None and default is None and (note := _absent_section_note(cfg, key, field)) is not None:
+            out.append(f"--set {key}={raw}: {note}")  # activation_checkpoint=null: the section left out
             continue
         if node is None:
             out.append(f"--set {key}={raw}: {key} is not written, so it is left unset: the run resolves it from the "

@@ -34,6 +34,7 @@ from simulator.config.limits import (
     no_bool,
 )
 from simulator.config.errors import refuse_each
+from simulator.config.foreign_keys import drop_default_only_keys
 from simulator.config.quantities import Seconds
 
 from simulator.config.sections.nvme import AioConfig, NvmeConfig
@@ -795,9 +796,14 @@ class ScenarioConfig(_Model):
         Without a cluster it is 1 and > 1 is refused; with one it is world size / (tp x pp), where
         world size = nodes x the cluster preset's ``gpus_per_node``. An unknown preset is left to
         ``resolve_hardware`` (which names the key).
+
+        First, DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor`` pasted at their defaults are
+        dropped (``foreign_keys.DEFAULT_ONLY_KEYS``: what every run prices), any other value refused (the one
+        before-validator: ``loader.scenario_errors`` runs it).
         """
         if not isinstance(data, dict):
             return data
+        data = drop_default_only_keys(data)
         hw = data.get("hardware")
         if data.get("parallelism") is not None and not isinstance(data.get("parallelism"), dict):
             return data  # not a mapping: the field refuses it (filling data_parallel_size would replace it)

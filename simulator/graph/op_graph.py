@@ -24,6 +24,21 @@ class GraphError(ValueError):
     """The graph is malformed (unknown dependency, cycle, duplicate tensor)."""
 
 
+#: ``OpGraph.meta`` key: seconds per step the host's threads spend on first-touch page faults of fresh host buffers
+#: (``hardware_models.host_kernels.first_touch_s``), inside the host ops and copies that the policies priced with
+#: them; the run summary's ``host_page_fault_s``
+PAGE_FAULT_META = "page_fault_s"
+
+
+def with_page_faults(meta: dict, seconds: float) -> dict:
+    """``meta`` (a graph's, copied by a policy) with ``seconds`` of first-touch faults per step added to
+    ``PAGE_FAULT_META``."""
+    out = dict(meta)
+    if seconds:
+        out[PAGE_FAULT_META] = out.get(PAGE_FAULT_META, 0.0) + float(seconds)
+    return out
+
+
 @dataclass(frozen=True)
 class ParamGroup:
     """One parameter tensor and where its gradient is finished (typed structure for policies).

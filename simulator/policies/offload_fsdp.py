@@ -100,13 +100,13 @@ from hardware_models.host_kernels import (
 )
 from simulator.graph.builders.fsdp2 import COPY_IN_STREAM
 from simulator.graph.builders.sharding import LOW_PRECISION_SHARD
-from simulator.graph.op_graph import OpGraph
+from simulator.graph.op_graph import OpGraph, with_page_faults
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.offload_optimizer import (
     OffloadSummary,
     cpu_adam_rate,
-    cpu_step_times,
+    cpu_step_work,
     cpu_threads,
     offload_ranks,
 )
@@ -180,8 +180,8 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
     shard_bytes = states["params.fp32.shard"].nbytes  # 4 ceil(P / n): this rank's fp32 flat-parameter shard
     shard = shard_bytes // 4
     rw = GraphRewriter(graph)
-    h2d, h2d_bytes, copies, d2h, tensors = (_fsdp2_ops(graph, rw, pin_memory, hw, ranks) if fsdp2
-                                            else _fsdp1_ops(graph, rw, pin_memory))
+    h2d, h2d_bytes, copies, d2h, tensors, faults_s = (_fsdp2_ops(graph, rw, pin_memory, hw, ranks) if fsdp2
+                                                      else _fsdp1_ops(graph, rw, pin_memory))
     if not h2d or not copies:
         raise PolicyError(f"{KEY}: found no parameter all-gathers or gradient reduce-scatters to offload")
     last_bwd = max(op.id for op in graph.ops if op.phase == Phase.BWD and op.kind == OpKind.COMPUTE)
@@ -189,8 +189,8 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
                   launch=False)
     # pin_memory True either way: FSDP2's pageable shards are first touched by the training thread too
     # (``.cpu()`` in _init_sharded_param, ``.to("cpu")`` in foreach_reduce), so they sit on its NUMA node
-    times = cpu_step_times(shard, len(tensors), impl, hw, tensor_elements=tensors, pin_memory=True,
-                           ranks=ranks)
+    work = cpu_step_work(shard, len(tensors), impl, hw, tensor_elements=tensors, pin_memory=True, ranks=ranks)
+    times = {k: v[0] for k, v in work.items()}
     adam = rw.add("cpu.adam", OpKind.HOST, "host", deps=[done], phase=Phase.OPT, host_s=times["cpu.adam"],
                   launch=False, cost_class=CostClass.OPTIMIZER, dtype="fp32", meta={"params": shard, "impl": impl})
     rw.add("step.synchronize", OpKind.SYNC, "host", deps=[adam], phase=Phase.OTHER, launch=False)
@@ -201,7 +201,7 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
         TensorAlloc("optimizer.exp_avg.host", states["optimizer.exp_avg"].nbytes, "host_pageable"),
         TensorAlloc("optimizer.exp_avg_sq.host", states["optimizer.exp_avg_sq"].nbytes, "host_pageable"),
     ]
-    meta = dict(graph.meta)
+    meta = with_page_faults(graph.meta, faults_s + work["cpu.adam"][2])  # the copies' and the CPU AdamW's
     meta["fsdp_cpu_offload"] = {"impl": impl, "params_per_rank": shard, "ranks_per_host": ranks, "fetches": h2d,
                                 "grad_copies": len(copies), "d2h_bytes_per_step": d2h, "h2d_bytes_per_step": h2d_bytes,
                                 "cpu_adam_s": times["cpu.adam"],
@@ -211,7 +211,8 @@ def fsdp_cpu_offload(graph: OpGraph, hw, impl: str = "torch_single", ranks: int 
     return rw.finish(persistent=persistent, meta=meta)
 
 
-def _fsdp1_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int, int, list[int], int, list[int]]:
+def _fsdp1_ops(graph: OpGraph, rw: GraphRewriter,
+               pin_memory: bool) -> tuple[int, int, list[int], int, list[int], float]:
     """FSDP1's ops (module docstring): ``(fetches, H2D bytes, gradient copy ids, D2H bytes, elements of each CPU
     tensor)``, the flat-parameter shard of each unit."""
     n = graph.meta["shard_size"]
@@ -249,7 +250,7 @@ def _fsdp1_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool) -> tuple[int
             copies.append(_grad_copy(rw, rs, [new], k))
             d2h += rs.allocs[0].nbytes
             unit_shards.append(rs.allocs[0].nbytes // 4)
-    return h2d, h2d_bytes, copies, d2h, unit_shards
+    return h2d, h2d_bytes, copies, d2h, unit_shards, 0.0  # pinned copies: no faults
 
 
 #: ``foreach_reduce``'s CPU gradient accumulation, ``grad._local_tensor += new_sharded_grad`` (fp32, in place)
@@ -261,9 +262,9 @@ FSDP2_REDUCE = ("fsdp.grad_reduce_scatter.", "fsdp.grad_all_reduce_replicas.", "
 
 
 def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool, hw=None,
-               ranks: int = 1) -> tuple[int, int, list[int], int, list[int]]:
+               ranks: int = 1) -> tuple[int, int, list[int], int, list[int], float]:
     """FSDP2's ops (module docstring): ``(fetches, H2D bytes, gradient copy ids, D2H bytes, elements of each CPU
-    tensor)``, one CPU tensor per parameter (``meta["param_shard_numels"]``). With gradient accumulation each later
+    tensor, first-touch fault seconds of the copies)``, one CPU tensor per parameter (``meta["param_shard_numels"]``). With gradient accumulation each later
     micro-batch's reduced shards are copied synchronously into fresh pageable tensors and added on the CPU (module
     docstring, "Gradient accumulation"); ``hw`` (its host) and ``ranks`` price the adds and the first-touch faults.
 
@@ -295,6 +296,7 @@ def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool, hw=None,
     # reduce-scatter's
     follows = FSDP2_REDUCE[1] if any(op.name.startswith(FSDP2_REDUCE[1]) for op in graph.ops) else FSDP2_REDUCE[0]
     h2d = d2h = h2d_bytes = 0
+    faults_s = 0.0
     copies: list[int] = []
     shard_of: dict[str, object] = {}  # unit bucket -> the op whose first alloc is its fp32 gradient shard
     for op in graph.ops:
@@ -338,6 +340,7 @@ def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool, hw=None,
         else:
             fault_bytes = float(nbytes) if not pin_memory and step_faults else 0.0
         touch = first_touch_s(cpu, fault_bytes) if fault_bytes else 0.0
+        faults_s += touch
         temp = (TensorAlloc(f"grad.fp32.partial.host.b{k}", nbytes, "host_pageable"),) if adding else ()
         copies.append(_grad_copy(rw, src, [new], k, pinned, host_s=touch, allocs=temp))
         d2h += nbytes
@@ -350,7 +353,7 @@ def _fsdp2_ops(graph: OpGraph, rw: GraphRewriter, pin_memory: bool, hw=None,
             rw.add(f"fsdp_offload.cpu_grad_accum.{k}", OpKind.HOST, "host", deps=[wait], phase=Phase.BWD,
                    layer=op.layer, host_s=add_s, launch=False, cost_class=CostClass.ELEMENTWISE, dtype="fp32",
                    uses=(temp[0].name,), meta={"params": nbytes // 4, "first_touch_s": touch})
-    return h2d, h2d_bytes, copies, d2h, list(graph.meta["param_shard_numels"])
+    return h2d, h2d_bytes, copies, d2h, list(graph.meta["param_shard_numels"]), faults_s
 
 
 def cpu_grad_add_s(tensor_elements, hw, ranks: int = 1) -> float:

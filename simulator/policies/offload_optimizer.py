@@ -93,7 +93,7 @@ from hardware_models.host_kernels import (
     shared_stream_bandwidth,
 )
 from simulator.graph.builders.transformer import ZERO_PARAM_ALL_GATHER
-from simulator.graph.op_graph import ModelFacts, OpGraph
+from simulator.graph.op_graph import ModelFacts, OpGraph, with_page_faults
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._columns import value_masks
 from simulator.policies._rewrite import GraphRewriter
@@ -190,9 +190,10 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
 
 
 def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
-                  pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float]]:
-    """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes)``, its seconds
-    alone and the DRAM bytes its passes stream (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
+                  pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float, float]]:
+    """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes, fault_s)``, its
+    seconds alone, the DRAM bytes its passes stream and the first-touch page-fault seconds of its fresh outputs
+    inside its seconds (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
     the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``). ``deepspeed_cpu_adam_2020``: no
     gradient cast, plus ``cpu.unscale_grads`` (DeepSpeed 0.3's optimizer_gradients, ``UNSCALE``).
 
@@ -213,19 +214,19 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
     b, st, f = pass_parts(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
-    grad_cast = (st + f + n_tensors * launch, b)
-    param_cast = (0.0, 0.0)
+    grad_cast = (st + f + n_tensors * launch, b, f)
+    param_cast = (0.0, 0.0, 0.0)
     if not ds:
         b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
-        param_cast = (st + f + n_tensors * launch, b)
+        param_cast = (st + f + n_tensors * launch, b, f)
     adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
                             bandwidth_bytes_per_s=bw)
     out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
     if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: the gradients arrive in fp32 (cast on the GPU), no CPU
         # cast; its optimizer_gradients unscale the fp32 partition first (``UNSCALE``, not part of the CPU Adam)
         b, st, f = pass_parts(UNSCALE, params, cpu, t, nodes, None, bw)
-        out["cpu.grad_cast"] = (0.0, 0.0)
-        out["cpu.unscale_grads"] = (st + f, b)
+        out["cpu.grad_cast"] = (0.0, 0.0, 0.0)
+        out["cpu.unscale_grads"] = (st + f, b, f)
     return out
 
 
@@ -510,7 +511,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         rw.prev_step(chain[0], d2h_ids)  # step i's CPU work reads step i-1's gradients
         if first_fwd is not None:
             rw.prev_step(first_fwd, h2d_ids + ag_ids)  # step i+1 runs on the parameters uploaded in step i
-    meta = dict(graph.meta)
+    meta = with_page_faults(graph.meta, sum(v[2] for v in work.values()))  # each CPU op runs once a step
     meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
                                  "grad_copies": len(d2h_ids), "param_copies": len(h2d_ids),
                                  "params_per_rank": shard, "ranks_per_host": ranks,
@@ -518,10 +519,10 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     return rw.finish(persistent=persistent, meta=meta)
 
 
-def _dram_meta(work: tuple[float, float], fraction: float = 1.0) -> dict:
+def _dram_meta(work: tuple[float, float, float], fraction: float = 1.0) -> dict:
     """Op meta of a CPU op's host DRAM stream (``cpu_step_work``), for ``fraction`` of its elements:
     ``dram_bytes`` (none for an op without DRAM traffic or time)."""
-    seconds, nbytes = work
+    seconds, nbytes, _ = work
     return {"dram_bytes": nbytes * fraction} if nbytes > 0 and seconds > 0 else {}
 
 

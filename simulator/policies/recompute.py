@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from hardware_models.host_kernels import faulting_elements, first_touch_s
 from simulator.config.sections.torchtitan_ac import recompute_of
-from simulator.graph.op_graph import OpGraph
+from simulator.graph.op_graph import OpGraph, with_page_faults
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._rewrite import GraphRewriter
 from simulator.policies.registry import PolicyError, register_graph_policy
@@ -172,7 +172,7 @@ def offload_activations(graph: OpGraph, host_buffers: str = "fresh", host_cpu=No
             changes["uses"] = tuple(m[u]["back"] if u in m else u for u in op.uses)
             extra += [m[u]["h2d"] for u in op.uses if u in m]
         rw.copy(op, extra_deps=extra, **changes)
-    meta = dict(graph.meta)
+    meta = with_page_faults(graph.meta, sum(p["touch_s"] for p in plans))  # in the copies or the prefault ops
     meta["activation_offload"] = {"checkpoints": len(plans), "bytes": sum(p["nbytes"] for p in plans),
                                   "host_buffers": host_buffers, "first_touch_s": sum(p["touch_s"] for p in plans)}
     return rw.finish(meta=meta)

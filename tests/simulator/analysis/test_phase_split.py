@@ -88,6 +88,41 @@ def test_trailing_copies_extend_the_last_segment_of_their_phase():
     assert phase_split(spans, steps) == {"data_s": 0.0, "fwd_s": 2.0, "bwd_s": 5.0, "opt_s": 1.0}
 
 
+def test_training_thread_wait_after_a_backward_is_backward():
+    """Micro-batch 0's backward kernels end at 5, then the training thread blocks on a host op (a synchronous
+    gradient copy and CPU add, stream host) until 9; micro-batch 1's forward runs 9-11, its backward 11-14, the
+    optimizer 14-15. The thread records micro-batch 1's forward event only after the wait: backward
+    3 + 4 + 3 = 10, forward 2 + 2 = 4 (the rule for other ops put the wait in micro-batch 1's backward segment,
+    so its forward ran 5-11: forward 8, backward 6). A copy on another stream stays with the next segment."""
+    rows = [(0, "compute", "fwd", 0, 2, "compute"), (0, "compute", "bwd", 2, 5, "compute"),
+            (0, "host", "bwd", 5, 9, "host"), (0, "compute", "fwd", 9, 11, "compute"),
+            (0, "compute", "bwd", 11, 14, "compute"), (0, "compute", "opt", 14, 15, "compute")]
+    steps = pd.DataFrame({"step": [0], "start_s": [0.0], "warmup": [False]})
+    spans = pd.DataFrame(rows, columns=["step", "kind", "phase", "start_s", "end_s", "stream"])
+    assert phase_split(spans, steps) == {"data_s": 0.0, "fwd_s": 4.0, "bwd_s": 10.0, "opt_s": 1.0}
+    rows[2] = (0, "memcpy_h2d", "fwd", 5, 9, "h2d")  # the next forward's input copy: forward 2 + 6 = 8
+    spans = pd.DataFrame(rows, columns=["step", "kind", "phase", "start_s", "end_s", "stream"])
+    assert phase_split(spans, steps) == {"data_s": 0.0, "fwd_s": 8.0, "bwd_s": 6.0, "opt_s": 1.0}
+
+
+def test_fsdp2_cpu_offload_accumulation_wait_is_not_forward():
+    """FSDP2 CPUOffloadPolicy, 1 layer, 3 micro-batches (fresh-user trial): from the second micro-batch on each
+    backward ends with synchronous gradient copies and CPU adds on the training thread (``offload_fsdp``), the
+    root's 33.5 MB shard faulting in (52 ms). Worked from the spans: the forwards take 8.98, 8.68 and 8.99 ms
+    (the third from the end of micro-batch 1's last CPU add at 99.77 ms to its loss at 108.77 ms, as the lone
+    micro-batch's 8.99 ms); the waits went to the third forward (fwd 80.8 ms, bwd 97.2 ms)."""
+    from simulator import load_scenario, run_scenario
+
+    path = ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_fsdp2_offload.yaml"
+    base = ["model.num_layers=1", "run.steps=2", "run.warmup_steps=1"]
+    one = run_scenario(load_scenario(path, base + ["training.global_batch_size=64"])).summary
+    three = run_scenario(load_scenario(path, base + ["training.global_batch_size=192"])).summary
+    assert one["phase_s"]["fwd_s"] == pytest.approx(8.993e-3, abs=2e-6)
+    ph = three["phase_s"]
+    assert ph["fwd_s"] == pytest.approx(8.983e-3 + 8.678e-3 + 8.993e-3, rel=1e-3)
+    assert ph["fwd_s"] + ph["bwd_s"] + ph["opt_s"] == pytest.approx(three["step_time_s"], rel=1e-3)
+
+
 def test_gpt_gradient_accumulation_matches_the_compute_spans():
     """The issue's reproducer: gpt_184m_b16 at global batch 64 (4 micro-batches).
 

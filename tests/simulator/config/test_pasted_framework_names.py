@@ -155,3 +155,41 @@ def test_ddp_defaults_pasted_under_zero_are_not_flagged():
     writes them; --set zero_optimization.stage=2 over it must not warn about them)."""
     cfg = _cfg(**_merge(DP, {**ZERO2, "ddp": {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}}))
     assert not any(w.startswith("ddp.") for w in run_warnings(resolve_hardware(cfg), cfg))
+
+
+@pytest.mark.parametrize("top", [{"prescale_gradients": False}, {"gradient_predivide_factor": 1.0},
+                                 {"gradient_predivide_factor": 1}, {"prescale_gradients": False,
+                                                                    "gradient_predivide_factor": 1.0}])
+def test_deepspeed_scaling_keys_at_their_defaults_are_accepted(top):
+    """A ds_config pasted whole writes "prescale_gradients": false, "gradient_predivide_factor": 1.0
+    (deepspeedai/DeepSpeed@088be89 deepspeed/runtime/constants.py defaults): what every run prices, so the
+    scenario is the one without them."""
+    assert _cfg(zero_optimization={"stage": 2}, **top) == _cfg(zero_optimization={"stage": 2})
+
+
+@pytest.mark.parametrize("key,value,shown", [("prescale_gradients", True, "true"),
+                                             ("gradient_predivide_factor", 8.0, "8.0"),
+                                             ("prescale_gradients", "yes", "'yes'")])
+def test_deepspeed_scaling_keys_elsewhere_are_refused_in_one_line(key, value, shown):
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict({**BASE, key: value}, "pasted.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"pasted.yaml: {key}: {shown} is not modelled (") and "\n" not in msg
+    assert msg.endswith("DeepSpeed's default, or leave it out"), msg
+
+
+@pytest.mark.parametrize("path,value", [("fp8", True), ("model.fp8", True), ("training.fp8_format", "hybrid"),
+                                        ("model.fp8_hybrid", True), ("model.fp8_e4m3", True)])
+def test_fp8_hints_name_the_key_and_a_value_the_schema_accepts(path, value):
+    """A NeMo ``model.fp8: true`` (NVIDIA/NeMo megatron_gpt_config.yaml) or Megatron's ``fp8_format`` got "did you
+    mean training.fp8?" or "'fp8_param_gather'?" (fresh-user trial): training.fp8 takes the format, so the hint
+    names it with its values, and what it names is accepted where true is not."""
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(_merge(BASE, _nested(path, value)), "pasted.yaml")
+    hint = str(e.value).rpartition("; ")[2]
+    fmt = "e4m3" if path.endswith("e4m3") else "hybrid"
+    assert f"training.fp8: {fmt}" in hint or ("training.fp8 here, set to the format: hybrid" in hint
+                                              and "or e4m3" in hint), hint
+    assert _cfg(training={**BASE["training"], "fp8": fmt}).training.fp8 == fmt
+    with pytest.raises(ScenarioError, match=r"training\.fp8: Input should be 'hybrid' or 'e4m3' \(got true\)"):
+        _cfg(training={**BASE["training"], "fp8": True})

@@ -175,3 +175,31 @@ def test_null_on_a_section_with_schema_defaults_says_it_took_them():
     notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
     assert cfg.aio.model_dump() == {k: AIO_DEFAULTS[k] for k in cfg.aio.model_dump()}
     assert notes == [f"--set aio=null: aio is not written, so it takes the schema's defaults: {cfg.aio.model_dump()}"]
+
+
+def test_null_on_an_optional_section_says_it_is_left_out():
+    """``--set activation_checkpoint=null`` on torchtitan's 405B scenario (full AC) removes the section: the note
+    says what it became (left out, its default none) and what that means (training.recompute_granularity decides:
+    none here), where it said the run "resolves it from the other settings" (fresh-user trial)."""
+    from simulator.config.loader import load_scenario
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario("scenarios/cluster/llama3_405b_torchtitan_fsdp_tp8_128xh100.yaml",
+                            ["activation_checkpoint=null", "dvfs=null"])
+    notes = [str(w.message) for w in caught if str(w.message).startswith("--set ")]
+    assert cfg.activation_checkpoint is None and cfg.training.recompute_granularity is None
+    assert notes == [
+        "--set activation_checkpoint=null: the activation_checkpoint section is left out (its default, none): no "
+        "torchtitan activation checkpointing: training.recompute_granularity decides the recompute (none)",
+        "--set dvfs=null: the dvfs section is left out (its default, none): no DVFS policy: the GPUs run at their "
+        "default clocks and power limit"]
+
+
+def test_null_on_a_key_a_section_check_requires_names_the_command_line(capsys):
+    """``model.vocab_size`` is required by the model section's own check (architecture decoder), not by its field:
+    its line named ``model: vocab_size`` and so not the ``--set`` it came from (fresh-user trial)."""
+    assert main(["run", BASES[2], "--set", "model.vocab_size=null"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {BASES[2]}: model.vocab_size: required key is missing (architecture decoder) (from the "
+                   "command line: model.vocab_size=...)")

@@ -96,7 +96,7 @@ def _tp(d: dict) -> dict:
 
 
 BAD = [
-    ("vocab", {**TINY, "vocab_size": 100}, {}, {}, ["model: vocab_size", "architecture vit", "no vocabulary"]),
+    ("vocab", {**TINY, "vocab_size": 100}, {}, {}, ["model.vocab_size: not allowed", "architecture vit", "no vocabulary"]),
     ("rope", {**TINY, "position_embedding_type": "rope"}, {}, {}, ["position_embedding_type", "architecture vit"]),
     ("swiglu", {**TINY, "swiglu": True}, {}, {}, ["swiglu", "architecture vit"]),
     ("moe", {**TINY, "num_experts": 4}, {}, {}, ["num_experts", "architecture vit"]),

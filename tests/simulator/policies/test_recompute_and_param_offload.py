@@ -100,6 +100,7 @@ def test_fresh_checkpoint_buffers_fault_inside_the_d2h_copy():
     assert [o.host_s for o in d2h] == pytest.approx([PAGES * 1e-6] * 2, rel=1e-12)
     assert all(o.host_s == 0 for o in h2d)
     assert fresh.meta["activation_offload"]["first_touch_s"] == pytest.approx(2 * PAGES * 1e-6, rel=1e-12)
+    assert fresh.meta["page_fault_s"] == fresh.meta["activation_offload"]["first_touch_s"]  # host_page_fault_s
     reused = offload_activations(g, "reused", _cpu())
     assert all(o.host_s == 0 for o in reused.ops if "act_offload" in o.name)
     pre = offload_activations(g, "prefaulted", _cpu())
