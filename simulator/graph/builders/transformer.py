@@ -481,9 +481,9 @@ class TransformerSpec:
                     or self.tied_embeddings):
                 raise ValueError("FSDP with a pipeline is modelled with one model chunk per rank, gpipe or 1f1b, "
                                  "untied embeddings (torch.distributed.pipelining ties no weights across stages)")
-            if sh.unit_buckets and self.precision != "amp_fp32_params":
-                raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
-                                 "FSDP mixed_precision for the compute dtype)")
+            if sh.unit_buckets and self.precision != "amp_fp32_params" and not self.fsdp2_full_precision:
+                raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters under "
+                                 "torch.autocast), or fp32 / tf32 with FSDP2 gathering fp32 parameters (param_bytes 4)")
         t = self.tensor_parallel_size
         if t > 1:
             for name, v in (("num_attention_heads", self.num_attention_heads),
@@ -542,11 +542,26 @@ class TransformerSpec:
             if self.attention_backend != "unfused":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
-            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
-                raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP or the distributed "
-                                 "optimizer is not modelled")
+            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1
+                                                 and not self.fsdp2_full_precision):
+                raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP1, FSDP2 gathering "
+                                 "16-bit parameters or the distributed optimizer is not modelled")
 
     # -- counts ----------------------------------------------------------------------------
+    @property
+    def fsdp2_full_precision(self) -> bool:
+        """FSDP2 (``fully_shard``) gathering fp32 parameters (``MixedPrecisionPolicy(param_dtype=float32)``, the
+        ``param_bytes`` 4 of its ``ShardingSpec``) under ``precision`` fp32 / tf32: no autocast, so every GEMM runs on
+        the gathered fp32 weights and fp32 activations, at the fp32 rate or, with ``allow_tf32``, the TF32 one. What
+        torchtitan runs with ``training.mixed_precision_param = "float32"``: its ``maybe_enable_amp`` enters no
+        autocast when FSDP is on ("Mixed precision training is handled by fully_shard"; pytorch/torchtitan@000204a4
+        torchtitan/train.py, torchtitan/distributed/utils.py), and ``apply_fsdp`` passes that dtype to
+        ``MixedPrecisionPolicy(param_dtype=...)`` (pytorch/torchtitan@81c12433
+        torchtitan/models/llama3/infra/parallelize.py)."""
+        sh = self.sharding
+        return (self.precision in FULL_PRECISIONS and sh is not None and sh.version == 2 and sh.param_bytes == 4
+                and self.grad_reduce_size > 1)
+
     @property
     def _fsdp(self) -> bool:
         """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
