@@ -428,7 +428,9 @@ class TrainingConfig(_Model):
         "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling); fp32: plain fp32 training "
         "(fp32 params, activations and Adam state; GEMMs at the GPU's fp32 rate); tf32: the same with "
         "torch.backends.cuda.matmul.allow_tf32 = True (GEMMs at the TF32 tensor-core rate; needs a GPU with one, "
-        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention).",
+        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention). With fsdp.version "
+        "2 the gathered dtype is the compute dtype (torchtitan runs FSDP without autocast): param_dtype bf16 takes "
+        "amp_fp32_params, param_dtype fp32 (torchtitan's mixed_precision_param float32) fp32 or tf32.",
     )
     fp8: Literal["hybrid", "e4m3"] | None = Field(
         default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "

@@ -26,10 +26,14 @@ pin_memory=...))``, also written ``CPUOffloadPolicy``, ``CPUOffloadPolicy(pin_me
 forward, and ``mixed_precision`` is its ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
 One FSDP unit per transformer block (``transformer_auto_wrap_policy``) plus the root (embeddings,
-final norm, LM head). The model is fp32 under ``torch.autocast`` (``training.precision:
-amp_fp32_params``, llm-foundry ``precision: amp_bf16``): FSDP shards the fp32 parameters, the
-optimizer updates the fp32 shard, and ``mixed_precision`` sets the dtype of the gathered parameters
-(``param_dtype``) and of the gradient reduction (``reduce_dtype``). ``mixed_precision`` strings are
+final norm, LM head). FSDP shards the fp32 parameters, the optimizer updates the fp32 shard, and
+``mixed_precision`` sets the dtype of the gathered parameters (``param_dtype``) and of the gradient
+reduction (``reduce_dtype``). Version 1 runs the model under ``torch.autocast`` (``training.precision:
+amp_fp32_params``, llm-foundry ``precision: amp_bf16``), so its GEMMs are bf16 whatever it gathers.
+Version 2 runs as torchtitan does, without autocast: the gathered dtype is the compute dtype, bf16
+under ``amp_fp32_params``, fp32 (torchtitan's ``mixed_precision_param = "float32"``) under
+``training.precision: fp32`` (fp32 GEMMs) or ``tf32`` (``allow_tf32``); the other pairings are
+refused in one line (``precision_problem``). ``mixed_precision`` strings are
 composer's ``get_mixed_precision`` (llm-foundry): ``DEFAULT`` = param bf16, reduce fp32; ``PURE`` =
 both bf16; ``FULL`` = both fp32. Defaults are PyTorch's (``backward_prefetch=BACKWARD_PRE``,
 ``forward_prefetch=False``, ``limit_all_gathers=True``: ``FullyShardedDataParallel.__init__``,
@@ -76,8 +80,10 @@ class _Model(BaseModel):
 class FsdpMixedPrecision(_Model):
     """``torch.distributed.fsdp.MixedPrecision`` (the parts modelled)."""
 
-    param_dtype: Literal["bf16", "fp32"] = Field(default="bf16", description="Dtype of the gathered parameters "
-                                                 "(forward/backward compute).")
+    param_dtype: Literal["bf16", "fp32"] = Field(default="bf16", description="Dtype of the gathered parameters. "
+                                                 "version 1 (under autocast): the GEMMs run bf16 either way; version "
+                                                 "2 (no autocast): the compute dtype, fp32 with training.precision "
+                                                 "fp32 or tf32.")
     reduce_dtype: Literal["bf16", "fp32"] = Field(default="fp32", description="Dtype of the gradient reduce-scatter.")
 
 

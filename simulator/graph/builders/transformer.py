@@ -23,7 +23,9 @@ same memory traffic the GPU moves:
   (``torch.backends.cuda.matmul.allow_tf32 = True``; PyTorch's default from 1.7 to 1.11) at its TF32
   tensor-core rate. Needs the unfused attention (flash attention has no fp32 kernel). The first
   micro-batch's weight gradient is still copied into ``.grad`` (PyTorch's AccumulateGrad takes the buffer
-  instead): 8 bytes per parameter per step too many.
+  instead): 8 bytes per parameter per step too many. With FSDP2 gathering fp32 parameters (``fsdp2_full_precision``:
+  torchtitan's ``mixed_precision_param = "float32"``, which runs without autocast) the GEMMs read the gathered fp32
+  weights.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
   recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
