@@ -336,9 +336,9 @@ def precision_problem(f: FsdpConfig, precision: str) -> str | None:
     torchtitan/train.py, torchtitan/distributed/utils.py ``maybe_enable_amp``; @81c12433
     torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``). So under FSDP2 the gathered dtype is the compute
     dtype: bf16 is ``amp_fp32_params`` (bf16 GEMMs on the gathered bf16 weights), fp32 is ``fp32`` (GEMMs at the
-    fp32 rate: PyTorch's default ``torch.backends.cuda.matmul.allow_tf32 = False`` since 1.12, which torchtitan
-    leaves) or ``tf32`` (``allow_tf32 = True``). The other pairings are refused rather than priced at a dtype the
-    run does not compute in.
+    fp32 rate: ``torch.backends.cuda.matmul.allow_tf32`` is False by default since PyTorch 1.12, PyTorch docs "CUDA
+    semantics", TensorFloat-32 section, and torchtitan's trainer does not set it) or ``tf32`` (``allow_tf32 =
+    True``). The other pairings are refused rather than priced at a dtype the run does not compute in.
     """
     if precision in _NO_AUTOCAST:
         if f.version == 1:
