@@ -6,9 +6,10 @@ or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's 
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
 (composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
-(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled, NeMo's
-``model.fp8*`` Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml:
-``fp8: False``, ``fp8_e4m3``, ``fp8_hybrid``).
+(megatron/training/arguments.py), torchtitan's ``[activation_checkpoint]`` fields beside the two modelled and its
+``[training]`` mixed-precision dtypes, NeMo's ``model.fp8*`` Transformer Engine keys
+(NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml: ``fp8: False``, ``fp8_e4m3``,
+``fp8_hybrid``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                     "DDP config's grad_reduce_in_fp32: false)",
     "ddp.fp8_param_gather": "Megatron-LM's --fp8-param-gather is training.fp8_param_gather: true here (beside "
                             "training.fp8; the DDP config's fp8_param_gather follows it)",
+    # torchtitan [training] keys: its FSDP2 MixedPrecisionPolicy (pytorch/torchtitan@81c12433
+    # torchtitan/models/llama3/infra/parallelize.py apply_fsdp), under no autocast (config.sections.fsdp.precision_problem)
+    "training.mixed_precision_param": "torchtitan's mixed_precision_param is fsdp.mixed_precision.param_dtype here "
+                                      "(with fsdp.version 2): bfloat16 is param_dtype bf16 with training.precision "
+                                      "amp_fp32_params; float32 is param_dtype fp32 with training.precision fp32 "
+                                      "(tf32 with torch.backends.cuda.matmul.allow_tf32), as torchtitan runs FSDP "
+                                      "without autocast",
+    "training.mixed_precision_reduce": "torchtitan's mixed_precision_reduce is fsdp.mixed_precision.reduce_dtype here "
+                                       "(with fsdp.version 2): float32 is fp32, bfloat16 bf16",
     # llm-foundry / Composer fsdp_config keys
     "fsdp.activation_checkpointing": "llm-foundry's fsdp_config.activation_checkpointing: true is "
                                      "training.recompute_granularity: full here (every block recomputed)",

@@ -44,6 +44,7 @@ from simulator.config.sections.cluster import ClusterConfig, DdpConfig, NcclSect
 from simulator.config.sections.dataloader import DataLoaderConfig
 from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig, FsdpOffloadPolicy
+from simulator.config.sections.fsdp import precision_problem as fsdp_precision_problem
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
 from simulator.config.sections import torchtitan_ac
 from simulator.graph.builders.lora import hf_names as lora_hf_names
@@ -428,7 +429,9 @@ class TrainingConfig(_Model):
         "--fp16 (fp16 params and activations, fp32 master weights, dynamic loss scaling); fp32: plain fp32 training "
         "(fp32 params, activations and Adam state; GEMMs at the GPU's fp32 rate); tf32: the same with "
         "torch.backends.cuda.matmul.allow_tf32 = True (GEMMs at the TF32 tensor-core rate; needs a GPU with one, "
-        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention).",
+        "Ampere and later). fp32 / tf32 need model.attention_backend: unfused (no fp32 flash attention). With fsdp.version "
+        "2 the gathered dtype is the compute dtype (torchtitan runs FSDP without autocast): param_dtype bf16 takes "
+        "amp_fp32_params, param_dtype fp32 (torchtitan's mixed_precision_param float32) fp32 or tf32.",
     )
     fp8: Literal["hybrid", "e4m3"] | None = Field(
         default=None, description="Megatron-LM --fp8-format (Transformer Engine): the transformer blocks' Linear "
@@ -1009,9 +1012,10 @@ class ScenarioConfig(_Model):
         if f is not None and f.offload_params:
             self._fsdp_offload_scope(dp)
         if f is not None and dp > 1:
-            if prec != "amp_fp32_params":
+            if prec not in ("amp_fp32_params", "fp32", "tf32"):
                 raise ValueError(f"fsdp: training.precision {prec} is not modelled with FSDP (allowed: amp_fp32_params: "
-                                 "fp32 sharded parameters, fsdp.mixed_precision for the compute dtype)")
+                                 "fp32 sharded parameters under torch.autocast; with fsdp.version 2 and param_dtype "
+                                 "fp32: fp32 or tf32)")
             if f.sharding_strategy == "NO_SHARD" and f.dtypes[0] == "bf16" and pp > 1:
                 raise ValueError("fsdp: sharding_strategy NO_SHARD with param_dtype bf16 and "
                                  "pipeline_model_parallel_size > 1 is not modelled yet (allowed: mixed_precision FULL, "
@@ -1417,10 +1421,18 @@ class ScenarioConfig(_Model):
             raise ValueError(f"training.precision: {prec} needs model.attention_backend: unfused (flash attention has "
                              "fp16 / bf16 kernels only; allowed: unfused)")
         z = self.zero_optimization
-        if (self.model.num_experts or z.stage == 3 or self.fsdp is not None or self.ddp.use_distributed_optimizer
+        if (self.model.num_experts or z.stage == 3 or self.ddp.use_distributed_optimizer
                 or z.offload_optimizer.device != "none" or z.offload_param.device != "none"):
-            raise ValueError(f"training.precision: {prec} with experts, ZeRO-3, FSDP, the distributed optimizer or "
-                             "offload is not modelled yet (allowed: DDP or ZeRO-1/2 data parallelism, TP, PP)")
+            raise ValueError(f"training.precision: {prec} with experts, ZeRO-3, the distributed optimizer or "
+                             "offload is not modelled yet (allowed: DDP, ZeRO-1/2 or FSDP2 data parallelism, TP, PP)")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_precision_scope(self):
+        """``training.precision`` against what ``fsdp`` computes in (``sections.fsdp.precision_problem``: FSDP2
+        gathering fp32 runs no autocast). After ``_torchtitan_ac_scope``, whose refusals name their own key."""
+        if self.fsdp is not None and (why := fsdp_precision_problem(self.fsdp, self.training.precision)):
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -26,10 +26,14 @@ pin_memory=...))``, also written ``CPUOffloadPolicy``, ``CPUOffloadPolicy(pin_me
 forward, and ``mixed_precision`` is its ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 
 One FSDP unit per transformer block (``transformer_auto_wrap_policy``) plus the root (embeddings,
-final norm, LM head). The model is fp32 under ``torch.autocast`` (``training.precision:
-amp_fp32_params``, llm-foundry ``precision: amp_bf16``): FSDP shards the fp32 parameters, the
-optimizer updates the fp32 shard, and ``mixed_precision`` sets the dtype of the gathered parameters
-(``param_dtype``) and of the gradient reduction (``reduce_dtype``). ``mixed_precision`` strings are
+final norm, LM head). FSDP shards the fp32 parameters, the optimizer updates the fp32 shard, and
+``mixed_precision`` sets the dtype of the gathered parameters (``param_dtype``) and of the gradient
+reduction (``reduce_dtype``). Version 1 runs the model under ``torch.autocast`` (``training.precision:
+amp_fp32_params``, llm-foundry ``precision: amp_bf16``), so its GEMMs are bf16 whatever it gathers.
+Version 2 runs as torchtitan does, without autocast: the gathered dtype is the compute dtype, bf16
+under ``amp_fp32_params``, fp32 (torchtitan's ``mixed_precision_param = "float32"``) under
+``training.precision: fp32`` (fp32 GEMMs) or ``tf32`` (``allow_tf32``); the other pairings are
+refused in one line (``precision_problem``). ``mixed_precision`` strings are
 composer's ``get_mixed_precision`` (llm-foundry): ``DEFAULT`` = param bf16, reduce fp32; ``PURE`` =
 both bf16; ``FULL`` = both fp32. Defaults are PyTorch's (``backward_prefetch=BACKWARD_PRE``,
 ``forward_prefetch=False``, ``limit_all_gathers=True``: ``FullyShardedDataParallel.__init__``,
@@ -76,8 +80,10 @@ class _Model(BaseModel):
 class FsdpMixedPrecision(_Model):
     """``torch.distributed.fsdp.MixedPrecision`` (the parts modelled)."""
 
-    param_dtype: Literal["bf16", "fp32"] = Field(default="bf16", description="Dtype of the gathered parameters "
-                                                 "(forward/backward compute).")
+    param_dtype: Literal["bf16", "fp32"] = Field(default="bf16", description="Dtype of the gathered parameters. "
+                                                 "version 1 (under autocast): the GEMMs run bf16 either way; version "
+                                                 "2 (no autocast): the compute dtype, fp32 with training.precision "
+                                                 "fp32 or tf32.")
     reduce_dtype: Literal["bf16", "fp32"] = Field(default="fp32", description="Dtype of the gradient reduce-scatter.")
 
 
@@ -269,6 +275,13 @@ class FsdpConfig(_Model):
         return MIXED_PRECISION_PRESETS[mp] if isinstance(mp, str) else (mp.param_dtype, mp.reduce_dtype)
 
     @property
+    def mixed_precision_label(self) -> str:
+        """``mixed_precision`` as written, with its ``param_dtype``, for messages: ``FULL (param_dtype fp32)``,
+        ``param_dtype fp32``."""
+        mp = self.mixed_precision
+        return f"{mp} (param_dtype {self.dtypes[0]})" if isinstance(mp, str) else f"param_dtype {self.dtypes[0]}"
+
+    @property
     def reshards(self) -> bool:
         """Whether block parameters are gathered again for backward (an int ``reshard_after_forward`` > 1: yes,
         over its smaller group)."""
@@ -304,3 +317,41 @@ def fsdp_mesh(f: FsdpConfig, dp: int, cp: int, node_ranks: int, shard_degree: in
     rep = replicate_degree or 1
     shard = dp // rep if shard_degree in (None, -1) else shard_degree
     return shard * cp, rep
+
+
+#: ``training.precision`` values that compute in fp32 without autocast (``graph.builders.transformer.FULL_PRECISIONS``)
+_NO_AUTOCAST = ("fp32", "tf32")
+
+
+def precision_problem(f: FsdpConfig, precision: str) -> str | None:
+    """Why ``training.precision`` and ``fsdp`` together are not modelled, in one line naming the key, or None.
+
+    The compute dtype is what the framework runs. FSDP1 is llm-foundry's: Composer's ``precision: amp_bf16`` puts
+    the fp32 model under ``torch.autocast`` whatever ``mixed_precision`` gathers (``amp_fp32_params``; FULL gathers
+    fp32 and autocast casts each weight to bf16 for its GEMM). FSDP2 is torchtitan's, which enters no autocast when
+    FSDP is on: ``Trainer.forward_backward_step`` runs the model under ``maybe_enable_amp``, which returns
+    ``contextlib.nullcontext()`` when ``parallel_dims.fsdp_enabled`` ("Mixed precision training is handled by
+    fully_shard"; with a pipeline it is not entered at all), and ``apply_fsdp`` gathers in
+    ``MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param])`` (pytorch/torchtitan@000204a4
+    torchtitan/train.py, torchtitan/distributed/utils.py ``maybe_enable_amp``; @81c12433
+    torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``). So under FSDP2 the gathered dtype is the compute
+    dtype: bf16 is ``amp_fp32_params`` (bf16 GEMMs on the gathered bf16 weights), fp32 is ``fp32`` (GEMMs at the
+    fp32 rate: ``torch.backends.cuda.matmul.allow_tf32`` is False by default since PyTorch 1.12, PyTorch docs "CUDA
+    semantics", TensorFloat-32 section, and torchtitan's trainer does not set it) or ``tf32`` (``allow_tf32 =
+    True``). The other pairings are refused rather than priced at a dtype the run does not compute in.
+    """
+    if precision in _NO_AUTOCAST:
+        if f.version == 1:
+            return (f"training.precision: {precision} with fsdp.version 1 (FullyShardedDataParallel) is not modelled "
+                    "(allowed: training.precision amp_fp32_params, or fsdp.version 2 with mixed_precision FULL)")
+        if f.dtypes[0] != "fp32":
+            return (f"training.precision: {precision} with fsdp.mixed_precision {f.mixed_precision_label}: "
+                    "fully_shard gathers bf16 parameters, so the model computes in bf16, not fp32 (allowed: "
+                    "fsdp.mixed_precision FULL or {param_dtype: fp32, reduce_dtype: ...}, or training.precision "
+                    "amp_fp32_params for bf16 compute)")
+    elif precision == "amp_fp32_params" and f.version == 2 and f.dtypes[0] == "fp32":
+        return (f"fsdp.mixed_precision: {f.mixed_precision_label} with fsdp.version 2 under training.precision "
+                "amp_fp32_params (torch.autocast) is not modelled: torchtitan runs fully_shard without autocast "
+                "(maybe_enable_amp), so fp32 gathered parameters compute in fp32 (allowed: training.precision fp32, or "
+                "tf32 for torch.backends.cuda.matmul.allow_tf32 = True; or param_dtype bf16 for bf16 compute)")
+    return None

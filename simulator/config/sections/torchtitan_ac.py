@@ -278,7 +278,7 @@ def _check_op(cfg) -> None:
         ("parallelism.context_parallel_size", p.context_parallel_size, p.context_parallel_size > 1),
         ("parallelism.sequence_parallel", False, p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
         ("parallelism.tp_comm_overlap", p.tp_comm_overlap, p.tp_comm_overlap is not False),
-        ("fsdp.mixed_precision", _param_dtype(cfg.fsdp), cfg.fsdp.dtypes[0] != "bf16"),
+        ("fsdp.mixed_precision", cfg.fsdp.mixed_precision_label, cfg.fsdp.dtypes[0] != "bf16"),
         ("training.lora", "set", t.lora is not None),
         ("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns",
          cfg.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns,
@@ -292,9 +292,3 @@ def _check_op(cfg) -> None:
                          "tensor parallelism with sequence_parallel, no context parallelism, LoRA or tp_comm_overlap, "
                          "per_op_sac_force_recompute_mm_shapes_by_fqns its default ['moe.router.gate'] or [])")
 
-
-def _param_dtype(f) -> str:
-    """``fsdp.mixed_precision`` as written with its ``param_dtype``: ``FULL (param_dtype fp32)``, ``param_dtype
-    fp32``."""
-    mp = f.mixed_precision
-    return f"{mp} (param_dtype {f.dtypes[0]})" if isinstance(mp, str) else f"param_dtype {f.dtypes[0]}"

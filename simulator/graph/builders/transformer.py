@@ -23,7 +23,9 @@ same memory traffic the GPU moves:
   (``torch.backends.cuda.matmul.allow_tf32 = True``; PyTorch's default from 1.7 to 1.11) at its TF32
   tensor-core rate. Needs the unfused attention (flash attention has no fp32 kernel). The first
   micro-batch's weight gradient is still copied into ``.grad`` (PyTorch's AccumulateGrad takes the buffer
-  instead): 8 bytes per parameter per step too many.
+  instead): 8 bytes per parameter per step too many. With FSDP2 gathering fp32 parameters (``fsdp2_full_precision``:
+  torchtitan's ``mixed_precision_param = "float32"``, which runs without autocast) the GEMMs read the gathered fp32
+  weights.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
   recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
@@ -481,9 +483,9 @@ class TransformerSpec:
                     or self.tied_embeddings):
                 raise ValueError("FSDP with a pipeline is modelled with one model chunk per rank, gpipe or 1f1b, "
                                  "untied embeddings (torch.distributed.pipelining ties no weights across stages)")
-            if sh.unit_buckets and self.precision != "amp_fp32_params":
-                raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters, "
-                                 "FSDP mixed_precision for the compute dtype)")
+            if sh.unit_buckets and self.precision != "amp_fp32_params" and not self.fsdp2_full_precision:
+                raise ValueError("FSDP is modelled with precision amp_fp32_params (fp32 sharded parameters under "
+                                 "torch.autocast), or fp32 / tf32 with FSDP2 gathering fp32 parameters (param_bytes 4)")
         t = self.tensor_parallel_size
         if t > 1:
             for name, v in (("num_attention_heads", self.num_attention_heads),
@@ -542,11 +544,26 @@ class TransformerSpec:
             if self.attention_backend != "unfused":
                 raise ValueError(f"precision {self.precision} needs attention_backend unfused (flash attention has "
                                  "fp16 / bf16 kernels only)")
-            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1):
-                raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP or the distributed "
-                                 "optimizer is not modelled")
+            if self.fp8 or self.num_experts or (self.sharding is not None and n_sh > 1
+                                                 and not self.fsdp2_full_precision):
+                raise ValueError(f"precision {self.precision} with fp8, experts, ZeRO-3, FSDP1, FSDP2 gathering "
+                                 "16-bit parameters or the distributed optimizer is not modelled")
 
     # -- counts ----------------------------------------------------------------------------
+    @property
+    def fsdp2_full_precision(self) -> bool:
+        """FSDP2 (``fully_shard``) gathering fp32 parameters (``MixedPrecisionPolicy(param_dtype=float32)``, the
+        ``param_bytes`` 4 of its ``ShardingSpec``) under ``precision`` fp32 / tf32: no autocast, so every GEMM runs on
+        the gathered fp32 weights and fp32 activations, at the fp32 rate or, with ``allow_tf32``, the TF32 one. What
+        torchtitan runs with ``training.mixed_precision_param = "float32"``: its ``maybe_enable_amp`` enters no
+        autocast when FSDP is on ("Mixed precision training is handled by fully_shard"; pytorch/torchtitan@000204a4
+        torchtitan/train.py, torchtitan/distributed/utils.py), and ``apply_fsdp`` passes that dtype to
+        ``MixedPrecisionPolicy(param_dtype=...)`` (pytorch/torchtitan@81c12433
+        torchtitan/models/llama3/infra/parallelize.py)."""
+        sh = self.sharding
+        return (self.precision in FULL_PRECISIONS and sh is not None and sh.version == 2 and sh.param_bytes == 4
+                and self.grad_reduce_size > 1)
+
     @property
     def _fsdp(self) -> bool:
         """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
