@@ -6,9 +6,9 @@ or that the setting is not modelled. Names are the frameworks' own: DeepSpeed's 
 (https://www.deepspeed.ai/docs/config-json/; ``zero_optimization`` keys of deepspeed/runtime/zero/config.py, the
 legacy ``cpu_offload*`` keys of DeepSpeed before 0.3.16), llm-foundry / Composer ``fsdp_config``
 (composer/utils/parallelism.py ``FSDPConfig``), Megatron-LM arguments in their underscore form
-(megatron/training/arguments.py), torchtitan's ``[training]`` mixed-precision dtypes, NeMo's ``model.fp8*`` Transformer Engine keys
-(NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml: ``fp8: False``, ``fp8_e4m3``,
-``fp8_hybrid``).
+(megatron/training/arguments.py), torchtitan's ``[training]`` mixed-precision dtypes, NeMo's ``model.fp8*``
+Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatron_gpt_config.yaml: ``fp8: False``,
+``fp8_e4m3``, ``fp8_hybrid``).
 """
 
 from __future__ import annotations
