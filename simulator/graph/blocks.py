@@ -195,7 +195,7 @@ def tensor_index(ops, merged) -> tuple[dict[str, list[int]], dict[str, int]]:
     collectives) of graph ``ops``: the bytes of each GPU tensor ``ops`` allocate, and for each tensor ``merged``
     allocate and each such GPU tensor they use, the ids of the ops of ``ops`` using it, ascending (an op using it
     twice listed twice). ``block_memory`` reads no other tensor's users (a tensor no op allocates, such as a
-    weight, is never freed in a block), so other tensors may be missing from ``users``; ``size`` has them all.
+    weight, is never freed in a block), so another tensor's list may be partial or missing; ``size`` has them all.
     Ops none of whose uses are among those tensors are passed over (a set test each), as most of a large
     pipeline's ops are where few of its passes are merged (the weights each pass reads, used by every micro-batch,
     would make most of them users)."""
