@@ -140,13 +140,13 @@ def _rank_rows(frame: pd.DataFrame | None, col: str, key) -> pd.DataFrame | None
     return None if frame is None or col not in frame else frame[frame[col] == key]
 
 
-def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.ndarray:
+def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None, compute: np.ndarray) -> np.ndarray:
     """Intervals ``(n, 2)``, s, in which one rank's compute stream holds a launched kernel that has not started:
-    from the kernel's launch end (or the previous compute kernel's end, if later) to its start. Empty without
-    ``launches``."""
+    from the kernel's launch end (or the previous compute kernel's end, if later) to its start (``compute``: which
+    rows of ``spans`` are compute kernels). Empty without ``launches``."""
     if launches is None or launches.empty:
         return np.zeros((0, 2))
-    comp = spans[_rows_in(_codes(spans.kind), COMPUTE_KIND)][["step", "op_id", "start_s", "end_s"]].merge(
+    comp = spans[compute][["step", "op_id", "start_s", "end_s"]].merge(
         launches[["step", "op_id", "end_s"]].rename(columns={"end_s": "launched_s"}), on=["step", "op_id"])
     comp = comp.sort_values("start_s", kind="stable")
     prev_end = np.concatenate([[-np.inf], np.maximum.accumulate(comp.end_s.to_numpy(dtype=float))[:-1]])
@@ -173,13 +173,13 @@ def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd
     coll = _rows_in(kind, COLLECTIVE_KIND)
     codes, uniq = pd.factorize(comm_group(sp.stream[coll]).to_numpy(object))
     groups = sorted(uniq)
-    opt = _rows_in(phase, "opt")
-    ivs = [(BREAKDOWN_COMPUTE, iv[_rows_in(kind, COMPUTE_KIND) & ~opt]), (BREAKDOWN_OPTIMIZER, iv[opt & ~coll])]
+    comp, opt = _rows_in(kind, COMPUTE_KIND), _rows_in(phase, "opt")
+    ivs = [(BREAKDOWN_COMPUTE, iv[comp & ~opt]), (BREAKDOWN_OPTIMIZER, iv[opt & ~coll])]
     ivs += [(f"exposed comm ({g})", iv[coll][codes == list(uniq).index(g)]) for g in groups]
     ivs += [(BREAKDOWN_COPIES, iv[_rows_in(kind, *(k for k in GPU_KINDS if k.startswith("memcpy")))]),
             (BREAKDOWN_DATA, iv[_rows_in(phase, DATA_PHASE)])]
     if pipeline:
-        ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches)))
+        ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches, comp)))
     totals = dict.fromkeys([n for n, _ in ivs] + [BREAKDOWN_IDLE], 0.0)
     for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
         clipped = []
