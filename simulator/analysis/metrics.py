@@ -123,6 +123,14 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
     return codes, np.asarray(uniques, dtype=str).tolist()
 
 
+def _rows_in(coded: tuple[np.ndarray, list[str]], *values: str) -> np.ndarray:
+    """Which rows of a column coded by ``_codes`` hold one of ``values`` (as ``col.astype(str).isin(values)``), from
+    the integer codes: one pass over the column's strings however many masks are taken from it."""
+    codes, names = coded
+    hit = [k for k, n in enumerate(names) if n in values]
+    return np.isin(codes, hit) if len(hit) > 1 else codes == hit[0] if hit else np.zeros(len(codes), dtype=bool)
+
+
 def phase_split(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float]:
     """Mean data-wait / forward / backward / optimizer time per measured step, seconds.
 

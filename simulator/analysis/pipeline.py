@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, _merge, mfu
+from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, _codes, _merge, _rows_in, mfu
 from simulator.analysis.results import BREAKDOWN_IDLE, BREAKDOWN_PIPELINE_WAIT, rank_partition
 from simulator.analysis.summary import step_period_s
 
@@ -35,8 +35,7 @@ def pipeline_bubble_s(spans: pd.DataFrame, steps: pd.DataFrame) -> float:
     measured = steps[~steps.warmup] if "warmup" in steps else steps
     if measured.empty:
         return 0.0
-    busy = spans[(spans.kind == COMPUTE_KIND) | (spans.kind == COLLECTIVE_KIND)]
-    iv_all = busy[["start_s", "end_s"]].to_numpy(dtype=float)
+    iv_all = spans[["start_s", "end_s"]].to_numpy(dtype=float)[_rows_in(_codes(spans.kind), COMPUTE_KIND, COLLECTIVE_KIND)]
     total = 0.0
     for t0, t1 in measured[["start_s", "end_s"]].to_numpy(dtype=float):
         iv = iv_all[(iv_all[:, 1] > t0) & (iv_all[:, 0] < t1)]
@@ -63,10 +62,11 @@ def phase_compute_s(spans: pd.DataFrame, steps: pd.DataFrame) -> dict[str, float
     CUDA-event split, whose phases also hold the waits between them) it leaves the pipeline's idle time out.
     """
     measured = steps[~steps.warmup] if "warmup" in steps else steps
-    comp = spans[(spans.kind == COMPUTE_KIND) & spans.step.isin(measured.step)]
+    comp = spans[_rows_in(_codes(spans.kind), COMPUTE_KIND) & spans.step.isin(measured.step).to_numpy(bool)]
+    iv_all, phase = comp[["start_s", "end_s"]].to_numpy(dtype=float), _codes(comp.phase)
     out = {"data_s": 0.0}
     for ph in ("fwd", "bwd", "opt"):
-        iv = comp[comp.phase.astype(str) == ph][["start_s", "end_s"]].to_numpy(dtype=float)
+        iv = iv_all[_rows_in(phase, ph)]
         out[f"{ph}_s"] = float(np.sum(np.diff(_merge(iv), axis=1))) / max(len(measured), 1)
     return out
 

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _merge, comm_group
+from simulator.analysis.metrics import COLLECTIVE_KIND, COMPUTE_KIND, DATA_PHASE, GPU_KINDS, _codes, _merge, _rows_in, \
+    comm_group
 from simulator.recording.deferred import DeferredField, build_fields
 from simulator.recording.recorder import RANK_COLUMNS, rank_column
 
@@ -139,13 +140,13 @@ def _rank_rows(frame: pd.DataFrame | None, col: str, key) -> pd.DataFrame | None
     return None if frame is None or col not in frame else frame[frame[col] == key]
 
 
-def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None) -> np.ndarray:
+def _dependency_waits(spans: pd.DataFrame, launches: pd.DataFrame | None, compute: np.ndarray) -> np.ndarray:
     """Intervals ``(n, 2)``, s, in which one rank's compute stream holds a launched kernel that has not started:
-    from the kernel's launch end (or the previous compute kernel's end, if later) to its start. Empty without
-    ``launches``."""
+    from the kernel's launch end (or the previous compute kernel's end, if later) to its start (``compute``: which
+    rows of ``spans`` are compute kernels). Empty without ``launches``."""
     if launches is None or launches.empty:
         return np.zeros((0, 2))
-    comp = spans[spans.kind.astype(str) == COMPUTE_KIND][["step", "op_id", "start_s", "end_s"]].merge(
+    comp = spans[compute][["step", "op_id", "start_s", "end_s"]].merge(
         launches[["step", "op_id", "end_s"]].rename(columns={"end_s": "launched_s"}), on=["step", "op_id"])
     comp = comp.sort_values("start_s", kind="stable")
     prev_end = np.concatenate([[-np.inf], np.maximum.accumulate(comp.end_s.to_numpy(dtype=float))[:-1]])
@@ -165,21 +166,20 @@ def rank_partition(spans: pd.DataFrame, launches: pd.DataFrame | None, steps: pd
     partitioned (``start_s, end_s``, optional ``warmup``); ``pipeline`` adds the waits for other stages."""
     steps = steps[~steps.warmup] if "warmup" in steps else steps
     sp = spans[[c for c in _PARTITION_COLUMNS if c in spans]]  # the columns read here (no copy of the names)
-    sp = sp[sp.kind != "sync"]
-    kind, phase = sp.kind.astype(str), sp.phase.astype(str)
+    kind = _codes(sp.kind)
+    keep = ~_rows_in(kind, "sync")
+    sp, kind, phase = sp[keep], (kind[0][keep], kind[1]), _codes(sp.phase[keep])
     iv = sp[["start_s", "end_s"]].to_numpy(dtype=float)  # each category's rows taken from it (no frame copies)
-    coll = (kind == COLLECTIVE_KIND).to_numpy(bool)
+    coll = _rows_in(kind, COLLECTIVE_KIND)
     codes, uniq = pd.factorize(comm_group(sp.stream[coll]).to_numpy(object))
     groups = sorted(uniq)
-    masks = [(BREAKDOWN_COMPUTE, (kind == COMPUTE_KIND) & (phase != "opt")),
-             (BREAKDOWN_OPTIMIZER, (phase == "opt") & (kind != COLLECTIVE_KIND))]
-    ivs = [(name, iv[m.to_numpy(bool)]) for name, m in masks]
+    comp, opt = _rows_in(kind, COMPUTE_KIND), _rows_in(phase, "opt")
+    ivs = [(BREAKDOWN_COMPUTE, iv[comp & ~opt]), (BREAKDOWN_OPTIMIZER, iv[opt & ~coll])]
     ivs += [(f"exposed comm ({g})", iv[coll][codes == list(uniq).index(g)]) for g in groups]
-    ivs += [(name, iv[m.to_numpy(bool)]) for name, m in
-            ((BREAKDOWN_COPIES, kind.isin([k for k in GPU_KINDS if k.startswith("memcpy")])),
-             (BREAKDOWN_DATA, phase == DATA_PHASE))]
+    ivs += [(BREAKDOWN_COPIES, iv[_rows_in(kind, *(k for k in GPU_KINDS if k.startswith("memcpy")))]),
+            (BREAKDOWN_DATA, iv[_rows_in(phase, DATA_PHASE)])]
     if pipeline:
-        ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches)))
+        ivs.append((BREAKDOWN_PIPELINE_WAIT, _dependency_waits(sp, launches, comp)))
     totals = dict.fromkeys([n for n, _ in ivs] + [BREAKDOWN_IDLE], 0.0)
     for t0, t1 in steps[["start_s", "end_s"]].to_numpy(dtype=float):
         clipped = []

@@ -192,14 +192,17 @@ def block_memory(seq: list[Op], users: dict[str, list[int]], size: dict[str, int
 
 def tensor_index(ops, merged) -> tuple[dict[str, list[int]], dict[str, int]]:
     """``(users, size)`` as ``block_memory`` reads them for blocks of the ops ``merged`` (parts and folded
-    collectives) of graph ``ops``: for each tensor ``merged`` use or allocate, the ids of the ops of ``ops`` using
-    it, ascending (an op using it twice listed twice), and the bytes of each GPU tensor ``ops`` allocate (other
-    tensors may be missing from ``users``; ``size`` has them all). Ops none of whose uses are among those tensors are
-    passed over (a set test each), as most of a large pipeline's ops are where few of its passes are merged."""
-    need = {u for p in merged for u in p.uses}
+    collectives) of graph ``ops``: the bytes of each GPU tensor ``ops`` allocate, and for each tensor ``merged``
+    allocate and each such GPU tensor they use, the ids of the ops of ``ops`` using it, ascending (an op using it
+    twice listed twice). ``block_memory`` reads no other tensor's users (a tensor no op allocates, such as a
+    weight, is never freed in a block), so another tensor's list may be partial or missing; ``size`` has them all.
+    Ops none of whose uses are among those tensors are passed over (a set test each), as most of a large
+    pipeline's ops are where few of its passes are merged (the weights each pass reads, used by every micro-batch,
+    would make most of them users)."""
+    size = {t.name: t.nbytes for op in ops for t in op.allocs if t.device == "gpu"}
+    need = {u for p in merged for u in p.uses if u in size}
     need.update(t.name for p in merged for t in p.allocs)
     users: dict[str, list[int]] = defaultdict(list)
-    size: dict[str, int] = {}
     disjoint = need.isdisjoint
     for op in ops:
         uses = op.uses
@@ -207,9 +210,6 @@ def tensor_index(ops, merged) -> tuple[dict[str, list[int]], dict[str, int]]:
             oid = op.id
             for u in uses:
                 users[u].append(oid)  # in id order
-        for t in op.allocs:
-            if t.device == "gpu":
-                size[t.name] = t.nbytes
     return users, size
 
 
@@ -259,16 +259,9 @@ def _renumbered(op: Op, new_id: int, deps: tuple[int, ...], meta: dict, comm_ids
     several times slower, and large pipelines have hundreds of thousands of ops); ``comm_ids`` False: its folded
     collectives keep the ids they had (``moved``)."""
     if op.folded_comm and comm_ids:  # a block stamped by the builder (``builders.stamp_blocks``): its collectives
-        # carry its id
-        return _ID_DEPS_META_FOLDED(op, new_id, deps, meta, tuple([_with_id(c, new_id) for c in op.folded_comm]))
+        # carry its id (each a collective, with no folded collectives of its own)
+        return _ID_DEPS_META_FOLDED(op, new_id, deps, meta, tuple([_ID(c, new_id) for c in op.folded_comm]))
     return _ID_DEPS_META(op, new_id, deps, meta)
-
-
-def _with_id(op: Op, new_id: int) -> Op:
-    """``op`` with id ``new_id`` (``_renumbered`` keeping its dependencies and metadata)."""
-    if op.folded_comm:
-        return _renumbered(op, new_id, op.deps, op.meta)
-    return _ID(op, new_id)
 
 
 #: ``op`` with these fields replaced (``ops.op_copier``)
