@@ -26,11 +26,11 @@ gathers, LoRA, fp8 or MoE).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from itertools import repeat
+from itertools import count, repeat
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.ops import Op, TensorAlloc, op_copier, op_from_fields
+from simulator.graph.ops import Op, op_copier, op_from_fields, tensor_alloc
 
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
@@ -114,12 +114,14 @@ class _StampPlan:
     """What ``Stamper._stamp`` reads of a template ``t`` in the form its C-level calls take, made once per template:
     the fresh tensors' stems and uid offsets (``stems``, ``offsets``); the table indices of the tensors whose producer
     a stamp sets (``made``), each producer's place in the list ``[-1, the stamp's op ids..., context values...]``
-    (``made_at``); the table indices and bytes of the sizes it sets (``sized``, ``sizes``); and ``result``
-    (``_maker``)."""
+    (``made_at``); the table indices and bytes of the sizes it sets (``sized``, ``sizes``); ``result`` (``_maker``);
+    and the stamped ops' names by layer (``names``: made for a layer's first stamp, shared by its later ones)."""
 
-    __slots__ = ("stems", "offsets", "made", "made_at", "sized", "sizes", "result")
+    __slots__ = ("stems", "offsets", "made", "made_at", "sized", "sizes", "result", "suffixes", "names")
 
     def __init__(self, t) -> None:
+        self.suffixes = tuple(r[1] for r in t.ops)
+        self.names: dict[int, tuple[str, ...]] = {}
         self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
         self.made = tuple(k for k, _ in t.producer)
         self.made_at = tuple(0 if p is None else (1 + p if p >= 0 else t.n_ops - p) for _, p in t.producer)
@@ -340,13 +342,13 @@ class Stamper:
         table = names + list(map(str.__add__, plan.stems, map(str, map(uid0.__add__, plan.offsets)))) + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
+        op_names = plan.names.get(layer)
+        if op_names is None:
+            op_names = plan.names[layer] = tuple(map(prefix.__add__, plan.suffixes))
+        moved, ctx = start.__add__, vals.__getitem__  # an op id inside the pass / a context slot's
         out = []
-        i = start
-        for base, suffix, ext, inner, allocs, uses, folded in t.ops:
-            if ext:
-                deps = (*sorted([vals[s] for s in ext]), *[start + d for d in inner])
-            else:
-                deps = tuple([start + d for d in inner])
+        for i, (base, _, ext, inner, allocs, uses, folded), name in zip(count(start), t.ops, op_names):
+            deps = (*sorted(map(ctx, ext)), *map(moved, inner)) if ext else tuple(map(moved, inner))
             if folded:  # a block's TP collectives (``stamp_blocks``), made once per layer (``comm_copies``)
                 fc = comms.get((id(folded), layer))
                 if fc is None:
@@ -354,13 +356,18 @@ class Stamper:
                                                            for c, s in folded])
             else:
                 fc = base[_FOLDED]
+            if not allocs:
+                made = base[_ALLOCS]
+            elif len(allocs) == 1:  # most kernels (one output)
+                k, nb, dev = allocs[0]
+                made = (tensor_alloc(table[k], nb, dev),)
+            else:
+                made = tuple([tensor_alloc(table[k], nb, dev) for k, nb, dev in allocs])
             out.append(_STAMPED(
-                base, i, prefix + suffix, layer, deps,
-                tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs]) if allocs else base[_ALLOCS],
+                base, i, name, layer, deps, made,
                 (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ()),
                 dict(base[_META]),  # each op its own, as built
                 fc))
-            i += 1
         e.b.extend(out)
         e._uid += t.n_uid
         self._table = table
