@@ -60,7 +60,9 @@ def _strings(tree, out: list) -> list:
         tree = tree.values()
     elif not isinstance(tree, (tuple, list)):
         return out
-    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20)
+    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20, and ~10 None)
+        if v is None:
+            continue
         if isinstance(v, str):
             out.append(v)
         elif isinstance(v, (dict, tuple, list)):
