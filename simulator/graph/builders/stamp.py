@@ -26,11 +26,11 @@ gathers, LoRA, fp8 or MoE).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from itertools import repeat
+from itertools import count, repeat
 from operator import attrgetter, itemgetter
 
 from simulator.graph.builders.emitter import KernelEmitter
-from simulator.graph.ops import Op, TensorAlloc, op_copier, op_from_fields
+from simulator.graph.ops import Op, op_copier, op_from_fields, tensor_alloc
 
 _FIELDS = Op.__dataclass_fields__
 _NAMES = tuple(_FIELDS)
@@ -60,7 +60,9 @@ def _strings(tree, out: list) -> list:
         tree = tree.values()
     elif not isinstance(tree, (tuple, list)):
         return out
-    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20)
+    for v in tree:  # a string leaf here, without a call of its own (a backward's inputs hold ~20, and ~10 None)
+        if v is None:
+            continue
         if isinstance(v, str):
             out.append(v)
         elif isinstance(v, (dict, tuple, list)):
@@ -112,19 +114,36 @@ def _maker(tree) -> Callable[[list], object]:
 
 class _StampPlan:
     """What ``Stamper._stamp`` reads of a template ``t`` in the form its C-level calls take, made once per template:
-    the fresh tensors' stems and uid offsets (``stems``, ``offsets``); the table indices of the tensors whose producer
-    a stamp sets (``made``), each producer's place in the list ``[-1, the stamp's op ids..., context values...]``
-    (``made_at``); the table indices and bytes of the sizes it sets (``sized``, ``sizes``); and ``result``
-    (``_maker``)."""
+    the fresh tensors' stems and uid offsets (``stems``, ``offsets``); ``result`` (``_maker``); the stamped ops' names
+    by layer (``names``: made for a layer's first stamp, shared by its later ones); and ``updates``, by whether the
+    pass is a copy: the table indices of the tensors whose producer a stamp sets in the emitter (``made``), each
+    producer's place in the list ``[-1, the stamp's op ids..., context values...]`` (``made_at``), and the table
+    indices and bytes of the sizes it sets (``sized``, ``sizes``).
 
-    __slots__ = ("stems", "offsets", "made", "made_at", "sized", "sizes", "result")
+    A copy (``updates[True]``) sets them for its inputs and the tensors of its result only: the builder knows a
+    copy's tensors by those names alone (it did not run ``fn``), so nothing looks the others up (three in four of a
+    175B pass's tensors). A recorded pass re-emitted as its blocks (``updates[False]``) sets every one, over those
+    ``fn`` left."""
 
-    def __init__(self, t) -> None:
+    __slots__ = ("stems", "offsets", "result", "suffixes", "names", "updates")
+
+    def __init__(self, t, n_in: int) -> None:
+        self.suffixes = tuple(r[1] for r in t.ops)
+        self.names: dict[int, tuple[str, ...]] = {}
         self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
-        self.made = tuple(k for k, _ in t.producer)
-        self.made_at = tuple(0 if p is None else (1 + p if p >= 0 else t.n_ops - p) for _, p in t.producer)
-        self.sized, self.sizes = tuple(k for k, _ in t.size), tuple(nb for _, nb in t.size)
         self.result = _maker(t.result)
+        known = set(range(n_in))  # the inputs (``n_in`` of them: the template's key fixes how many) and the result
+        _mapped(t.result, lambda n: known.add(n.r))
+        self.updates = {True: self._updates(t, known), False: self._updates(t, None)}
+
+    @staticmethod
+    def _updates(t, known: set[int] | None) -> tuple:
+        """``(made, made_at, sized, sizes)`` of the tensors in ``known`` (None: all)."""
+        made = [(k, p) for k, p in t.producer if known is None or k in known]
+        sized = [(k, nb) for k, nb in t.size if known is None or k in known]
+        return (tuple(k for k, _ in made),
+                tuple(0 if p is None else (1 + p if p >= 0 else t.n_ops - p) for _, p in made),
+                tuple(k for k, _ in sized), tuple(nb for _, nb in sized))
 
 
 class _Template:
@@ -246,7 +265,7 @@ class Stamper:
             # there); ``stamp_blocks.check`` verifies it with the copies
             e.b.truncate(start)
             e._uid, e.last_compute, e.wait_for = uid0, vals[0], vals[1:len(vals) - len(names)]
-            return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold)
+            return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold, copy=False)
         return result
 
     def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result):
@@ -328,25 +347,26 @@ class Stamper:
             return None
         return t
 
-    def _stamp(self, t: _Template, layer: int, names: list[str], vals: list[int]):
-        """Append a copy of template ``t`` for ``layer`` in the context ``names`` / ``vals``."""
+    def _stamp(self, t: _Template, layer: int, names: list[str], vals: list[int], copy: bool = True):
+        """Append a copy of template ``t`` for ``layer`` in the context ``names`` / ``vals`` (``copy``: False for the
+        recorded pass re-emitted, ``_StampPlan.updates``)."""
         e = self.e
         start, uid0 = len(e.b), e._uid
         prefix = f"L{layer}."
         comms = self.comm_copies
         plan = self._plans.get(id(t))
         if plan is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
-            plan = self._plans[id(t)] = _StampPlan(t)
+            plan = self._plans[id(t)] = _StampPlan(t, len(names))
         table = names + list(map(str.__add__, plan.stems, map(str, map(uid0.__add__, plan.offsets)))) + t.consts
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
+        op_names = plan.names.get(layer)
+        if op_names is None:
+            op_names = plan.names[layer] = tuple(map(prefix.__add__, plan.suffixes))
+        moved, ctx = start.__add__, vals.__getitem__  # an op id inside the pass / a context slot's
         out = []
-        i = start
-        for base, suffix, ext, inner, allocs, uses, folded in t.ops:
-            if ext:
-                deps = (*sorted([vals[s] for s in ext]), *[start + d for d in inner])
-            else:
-                deps = tuple([start + d for d in inner])
+        for i, (base, _, ext, inner, allocs, uses, folded), name in zip(count(start), t.ops, op_names):
+            deps = (*sorted(map(ctx, ext)), *map(moved, inner)) if ext else tuple(map(moved, inner))
             if folded:  # a block's TP collectives (``stamp_blocks``), made once per layer (``comm_copies``)
                 fc = comms.get((id(folded), layer))
                 if fc is None:
@@ -354,13 +374,18 @@ class Stamper:
                                                            for c, s in folded])
             else:
                 fc = base[_FOLDED]
+            if not allocs:
+                made = base[_ALLOCS]
+            elif len(allocs) == 1:  # most kernels (one output)
+                k, nb, dev = allocs[0]
+                made = (tensor_alloc(table[k], nb, dev),)
+            else:
+                made = tuple([tensor_alloc(table[k], nb, dev) for k, nb, dev in allocs])
             out.append(_STAMPED(
-                base, i, prefix + suffix, layer, deps,
-                tuple([TensorAlloc(table[k], nb, dev) for k, nb, dev in allocs]) if allocs else base[_ALLOCS],
+                base, i, name, layer, deps, made,
                 (table[uses[0]],) if type(uses) is tuple and uses else (uses(table) if uses else ()),
                 dict(base[_META]),  # each op its own, as built
                 fc))
-            i += 1
         e.b.extend(out)
         e._uid += t.n_uid
         self._table = table
@@ -370,9 +395,10 @@ class Stamper:
                 return -1
             return start + r if r >= 0 else vals[-1 - r]
 
-        where = [-1, *range(start, start + t.n_ops), *vals]  # ``_StampPlan.made_at`` indexes it
-        e.producer.update(zip(map(table.__getitem__, plan.made), map(where.__getitem__, plan.made_at)))
-        e.size.update(zip(map(table.__getitem__, plan.sized), plan.sizes))
+        made, made_at, sized, sizes = plan.updates[copy]
+        where = [-1, *range(start, start + t.n_ops), *vals]  # ``made_at`` indexes it
+        e.producer.update(zip(map(table.__getitem__, made), map(where.__getitem__, made_at)))
+        e.size.update(zip(map(table.__getitem__, sized), sizes))
         e.last_compute = ident(t.last)
         e.wait_for = [ident(d) for d in t.wait]
         return plan.result(table)
@@ -413,19 +439,19 @@ class Stamper:
         return bt
 
     def _stamp_blocks(self, t: _Template, key: Hashable, layer: int, names: list[str], vals: list[int],
-                      waits_fold: bool = False):
+                      waits_fold: bool = False, copy: bool = True):
         """Append template ``t``'s pass as its layer blocks (``stamp_blocks``; its kernels where that form is not
-        known) and list it in ``instances``."""
+        known) and list it in ``instances`` (``copy``: ``_stamp``'s)."""
         from simulator.graph.builders import stamp_blocks as sb
 
         bt = self._block_form(t, key, names, vals, waits_fold)
         if bt is None:
-            return self._stamp(t, layer, names, vals)
+            return self._stamp(t, layer, names, vals, copy)
         self.last_prefold = bt.prefold
         e = self.e
         ops = e.b.ops
         before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)
         start = len(ops)
-        result = self._stamp(bt, layer, names, vals)
+        result = self._stamp(bt, layer, names, vals, copy)
         self.instances.append(sb.Instance(start, len(ops), self._table, bt, layer, e.phase, before, vals))
         return result

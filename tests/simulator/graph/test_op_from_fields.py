@@ -51,3 +51,16 @@ def test_op_copier_refuses_unknown_fields():
             op_copier(bad)
     with pytest.raises(ValueError, match="source"):
         op_copier(("id",), source="tuple")
+
+
+def test_tensor_alloc_is_the_constructor():
+    """``tensor_alloc``: the ``TensorAlloc`` the constructor makes (frozen, equal, same hash), its fields the objects
+    given."""
+    from simulator.graph.ops import tensor_alloc
+
+    name = "activations.L3.fwd.qkv#17"
+    got, want = tensor_alloc(name, 1 << 20, "host_pinned"), TensorAlloc(name, 1 << 20, "host_pinned")
+    assert type(got) is TensorAlloc and got == want and hash(got) == hash(want) and got.name is name
+    assert (got.name, got.nbytes, got.device) == (name, 1048576, "host_pinned")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.nbytes = 0
