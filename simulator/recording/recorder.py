@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -91,10 +92,13 @@ class Recorder:
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
         steps, ops, starts, ends, streams, uniq, pos = self.span_columns()
-        # ``_value_``: an enum member's value without the ``value`` descriptor call (the same object)
-        per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
-                             op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
-        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
+        # one column per attribute over the distinct ops (``_value_``: an enum member's value without the ``value``
+        # descriptor call, the same object), then taken by each span's op index, unless every span is its own op
+        # (``pos`` is then ``0..n-1``: the take would copy the column as it is)
+        per_op = [list(map(get, uniq)) for get in _PER_OP]
+        distinct = len(uniq) == len(ops)
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (
+            column_array(v) if distinct else column_array(v).take(pos) for v in per_op)
         if all(streams):  # every span names its stream (the executor's)
             stream = string_column([streams], [len(streams)])
         elif any(streams):
@@ -197,6 +201,8 @@ def span_columns(spans: list[tuple]) -> SpanColumns | None:
         return None
     steps, ops, starts, ends, streams = zip(*spans)
     uniq = list({id(op): op for op in ops}.values())  # in first-span order
+    if len(uniq) == len(ops):  # every span its own op (one step of a graph whose ops run once): in span order
+        return SpanColumns(steps, ops, starts, ends, streams, uniq, np.arange(len(ops), dtype=np.intp))
     index = {id(op): i for i, op in enumerate(uniq)}
     pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
     return SpanColumns(steps, ops, starts, ends, streams, uniq, pos)
@@ -217,6 +223,10 @@ def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
     return pd.Series(values).array
 
 
+#: the op attributes of ``SPAN_COLUMNS`` ``op_id`` to ``bytes`` but the span's own ``start_s``/``end_s``
+#: (``stream``: the op's, where a span names none), in that order
+_PER_OP = tuple(map(attrgetter, ("id", "name", "stream", "kind._value_", "phase._value_", "layer",
+                                 "cost_class._value_", "flops", "bytes_moved")))
 _NUMBERS = {int, float}
 _STR = {str}
 #: the dtype pandas infers for a column of Python strings (``str``)
