@@ -132,8 +132,8 @@ class Executor:
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self
-        #: ``recorder.span`` as a bound call (``_finish``)
-        self._span = recorder.span
+        #: ``recorder.span`` without a method call: ``self._span((step, op, start_s, end_s, stream))`` (``_finish``)
+        self._span = recorder.span_writer()
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
@@ -486,7 +486,7 @@ class Executor:
                 self.rec.span(step, c, t, t + d, c.stream)
                 t += d
         else:
-            self._span(step, op, start, now, stream)
+            self._span((step, op, start, now, stream))
         if self.track_running:
             del self.running[stream]
         if self._on_end:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -28,6 +29,12 @@ class Recorder:
     def span(self, step: int, op, start_s: float, end_s: float, stream: str | None = None) -> None:
         """Record that ``op`` ran from ``start_s`` to ``end_s`` (seconds) in ``step``."""
         self._spans.append((step, op, start_s, end_s, stream))
+
+    def span_writer(self):
+        """The span rows' own ``append``, for a hot loop (``engine.executor``): ``w((step, op, start_s, end_s,
+        stream))`` records what ``span(step, op, start_s, end_s, stream)`` does, without a method call per span.
+        Valid until ``release`` (which starts a new list)."""
+        return self._spans.append
 
     @property
     def spans(self) -> list[tuple]:
@@ -244,6 +251,7 @@ def rank_column(frame) -> str | None:
     index), ``pp_rank`` (one class per pipeline stage), or None (one rank)."""
     return next((c for c in RANK_COLUMNS[:2] if c in frame), None)
 DEPENDENCY_COLUMNS = ["op_id", "dep_id", "step_lag"]
+_ID_OF, _DEPS_OF = attrgetter("id"), attrgetter("deps")
 
 
 def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: list[float] | None) -> pd.DataFrame:
@@ -286,16 +294,21 @@ def launch_intervals(launched: np.ndarray, launch_time: list[list[float | None]]
 def dependencies_frame(graph) -> pd.DataFrame:
     """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
     starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
-    op_id = [op.id for op in graph.ops for _ in op.deps]
-    dep_id = [d for op in graph.ops for d in op.deps]
-    n_same = len(op_id)
-    for op in graph.ops:
-        prev = (op.meta or {}).get("prev_step_deps") if op.meta else None
+    ops = graph.ops
+    # the same-step edges op by op (each op's id repeated once per dependency), then the previous step's
+    ids = np.fromiter(map(_ID_OF, ops), dtype=np.int64, count=len(ops))
+    counts = np.fromiter(map(len, map(_DEPS_OF, ops)), dtype=np.intp, count=len(ops))
+    op_id = [np.repeat(ids, counts)]
+    dep_id = [np.fromiter(chain.from_iterable(map(_DEPS_OF, ops)), dtype=np.int64, count=int(counts.sum()))]
+    n_same = len(dep_id[0])
+    for op in ops:
+        prev = op.meta.get("prev_step_deps") if op.meta else None
         if prev:
-            op_id += [op.id] * len(prev)
-            dep_id += list(prev)
-    if not op_id:
+            op_id.append(np.full(len(prev), op.id, dtype=np.int64))
+            dep_id.append(np.asarray(prev, dtype=np.int64))
+    op_id, dep_id = np.concatenate(op_id), np.concatenate(dep_id)
+    if not len(op_id):
         return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
     lag = np.zeros(len(op_id), dtype=np.int64)
     lag[n_same:] = 1
-    return pd.DataFrame({"op_id": column_array(op_id), "dep_id": column_array(dep_id), "step_lag": lag})
+    return pd.DataFrame({"op_id": op_id, "dep_id": dep_id, "step_lag": lag})
