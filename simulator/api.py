@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import pandas as pd
 
@@ -33,7 +34,7 @@ from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, kernels_needed, policies_reuse_key
-from simulator.recording.deferred import DeferredField
+from simulator.recording.deferred import Deferred, DeferredField
 from simulator.recording.recorder import dependencies_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
@@ -576,15 +577,16 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         for i, ((rec, runtime), g, h, c) in enumerate(zip(runs, graphs, hws, classes)):
             step_df = rec.steps.assign(warmup=rec.steps.step < run.warmup_steps)
             summ = summarize(g, h, rec.memory, rec.spans, step_df)
+            counters = DeferredField.raw(rec, "counters")  # built when read (as ``simulate``): no summary needs it
             for comp in runtime.components:
                 if hasattr(comp, "summarize"):
-                    summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=rec.counters, summary=summ))
+                    summ.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summ))
             notes.append((c.label, component_warnings(runtime)))
             summ["pipeline_bubble_s"] = pipeline_bubble_s(rec.spans, step_df)
             summ["phase_compute_s"] = phase_compute_s(rec.spans, step_df)
             if pp > 1:  # the stage's idle split into waits for other stages and host gaps (labels only)
                 summ.update(stage_idle_split(rec.spans, rec.launches, step_df))
-                if (mhz := compute_clock_mhz(rec.spans, rec.counters, step_df)) is not None:
+                if (mhz := compute_clock_mhz(rec.spans, rec.samples, step_df)) is not None:  # (clock rows alone)
                     summ["compute_clock_mhz"] = mhz  # the clock its compute ran at (DVFS: the stages' clocks differ)
             parts.append(summ)
             part_steps.append(step_df)
@@ -595,9 +597,9 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             if n_dp == 1:
                 cols.pop("dp_class")
                 cols.pop("rank_class")
-            for key, df in (("spans", rec.spans), ("counters", rec.counters), ("launches", rec.launches),
+            for key, df in (("spans", rec.spans), ("counters", counters), ("launches", DeferredField.raw(rec, "launches")),
                             ("deps", dependencies_frame(g))):
-                frames[key].append(df.assign(**cols))
+                frames[key].append((df, cols))
         steps = combined_steps(part_steps, first_ops)
         common = dict(samples_per_step=graphs[0].samples_per_step, tokens_per_step=graphs[0].tokens_per_step,
                       model_flops_per_step=graphs[0].model_flops_per_step, peak_flops_per_s=hws[0].gpu.peak("bf16"))
@@ -630,9 +632,17 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         summary["warnings"] = run_warnings(hws[0], cfg, host_copy_bytes(graphs)) + class_warnings(notes)
         summary.update(scenario_keys(cfg, summary))
         summary.update(metrics.job_energy_per_work(summary))
-        cat = {k: pd.concat(v, ignore_index=True) for k, v in frames.items()}
-    return SimulationResult(summary, cat["spans"], cat["counters"], steps, resolved_config(cfg),
-                            cat["launches"], cat["deps"])
+        # the stages' counters and launches stacked when read (``SimulationResult``'s deferred fields)
+        spans, deps = _stacked(frames["spans"]), _stacked(frames["deps"])
+        counters, launches = Deferred(partial(_stacked, frames["counters"])), Deferred(partial(_stacked, frames["launches"]))
+    return SimulationResult(summary, spans, counters, steps, resolved_config(cfg), launches, deps)
+
+
+def _stacked(parts: list[tuple]) -> pd.DataFrame:
+    """The frames of ``parts`` (each ``(frame, columns)``: a frame or a ``recording.deferred.Deferred`` of one, and
+    the columns to add to its rows, ``DataFrame.assign``) one after another, renumbered from 0."""
+    return pd.concat([(f.value() if isinstance(f, Deferred) else f).assign(**cols) for f, cols in parts],
+                     ignore_index=True)
 
 
 def resolved_config(cfg: ScenarioConfig) -> dict:

@@ -132,8 +132,8 @@ class Executor:
         self.running: dict[str, tuple[int, Op, float]] = {}
         system.running = self.running
         system.executor = self
-        #: ``recorder.span`` as a bound call (``_finish``)
-        self._span = recorder.span
+        #: ``recorder.span`` without a method call: ``self._span((step, op, start_s, end_s, stream))`` (``_finish``)
+        self._span = recorder.span_writer()
         #: keep ``running`` (and fire ``start_waiter``) only when a runtime watches a graph this large
         self.track_running = system.track_running = len(graph.ops) >= system.watch_min_ops
 
@@ -141,23 +141,23 @@ class Executor:
     def _tensor_plans(ops, write_of: dict, users: dict) -> tuple[list, list, list]:
         """``(allocs, use_plan, unused_plan)`` of ``ops`` (see ``__init__``; ``write_of``: tensor name -> its pool's
         writer; ``users``: tensor name -> its users, in refcount order), one tuple per op (``()`` for none)."""
-        allocs, use_plan, unused_plan = [], [], []
         empty = ()
-        # per used tensor that some op allocates: ``(place, write)`` (``place`` -1: a tensor of one user)
-        use_of = {nm: (i if n > 1 else -1, write_of[nm]) for i, (nm, n) in enumerate(users.items()) if nm in write_of}
+        # per used tensor that some op allocates: its ``use_plan`` entry ``(place, write, name)`` (``place`` -1: a
+        # tensor of one user), one tuple shared by its users' plans
+        use_of = {nm: (i if n > 1 else -1, write_of[nm], nm) for i, (nm, n) in enumerate(users.items()) if nm in write_of}
+        use_get = use_of.get
+        unused = write_of.keys() - users.keys()  # tensors some op allocates and none uses
+        allocs, use_plan, unused_plan = [], [], []
         for op in ops:
             a, u = op.allocs, op.uses
             if a:
                 allocs.append(tuple([(write_of[t.name], t.name, t.nbytes) for t in a]))
-                unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name not in users]))
+                unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name in unused]) if unused else empty)
             else:
                 allocs.append(empty)
                 unused_plan.append(empty)
-            if u:
-                plan = tuple([(*use_of[nm], nm) for nm in u if nm in use_of])
-                use_plan.append(plan if plan else empty)
-            else:
-                use_plan.append(empty)
+            # (``filter(None, ...)`` drops the names no op allocates: ``use_get`` gives None for them)
+            use_plan.append(tuple(filter(None, map(use_get, u))) if u else empty)
         return allocs, use_plan, unused_plan
 
     def add_hook(self, hook) -> None:
@@ -486,7 +486,7 @@ class Executor:
                 self.rec.span(step, c, t, t + d, c.stream)
                 t += d
         else:
-            self._span(step, op, start, now, stream)
+            self._span((step, op, start, now, stream))
         if self.track_running:
             del self.running[stream]
         if self._on_end:

@@ -63,6 +63,9 @@ class RunRecords:
             ``capacity_bytes``, ``peak``, ``peak_by_category``, ``oom`` and ``oom_message()``.
         launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (built when first read, as
             ``counters``).
+        samples: The recorded level samples alone (clocks, power: ``counters`` without the memory timelines), in
+            time order (stable); built when first read, as ``counters``. Its rows are the rows of ``counters`` that
+            are not memory samples, in the same order.
     """
 
     spans: pd.DataFrame
@@ -70,6 +73,7 @@ class RunRecords:
     steps: pd.DataFrame
     memory: dict[str, Any]
     launches: pd.DataFrame = DeferredField()
+    samples: pd.DataFrame = DeferredField(None)
 
 
 class _NoRuntime:
@@ -181,7 +185,8 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
                                     ex.launch_time, cost))
         # the recorded samples, then the memory timelines; built when read (the summary does not)
         counters = Deferred(partial(counter_frame, rec.counters, None, system.memory_counter_parts()))
-        out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches), runtime))
+        samples = Deferred(partial(counter_frame, rec.counters))
+        out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches, samples), runtime))
     for _, rec, system, _, ex in ranks:
         _release(ex, rec, system)
     return out

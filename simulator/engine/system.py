@@ -317,7 +317,7 @@ class System:
     # -- interference ------------------------------------------------------------------------------
     def _signal(self, name: str) -> None:
         ev = getattr(self, name)
-        if ev is not None:
+        if ev is not None and ev.callbacks:  # (a watch nobody waits on stays for the next: ``disarm``)
             setattr(self, name, None)
             ev.succeed()
 
@@ -364,13 +364,13 @@ class System:
 
     def disarm(self, watch: str, ev: simpy.Event, fire) -> None:
         """The wait ``arm`` made ended by its timeout: its ``fire`` leaves the watch event ``ev`` (where it would do
-        nothing), and an event nobody watches any more is dropped, so that the next change schedules none (an event
-        whose callbacks all do nothing changes no state: the results are those with it)."""
+        nothing). An event nobody watches any more stays in place, untriggered, for the next ``arm`` or ``_watch``
+        (one event less to make per wait): the changes (``kernel_begins``, ``_add_load``...) trigger only a watch
+        someone waits on, so that a change nobody watches schedules nothing (an event whose callbacks all do
+        nothing changes no state: the results are those with it)."""
         cbs = ev.callbacks
         if cbs is not None:  # None: ``ev`` was processed (it fired at the same instant, after the timeout)
             cbs.remove(fire)
-            if not cbs and getattr(self, watch) is ev:
-                setattr(self, watch, None)
 
     def kernel_begins(self) -> None:
         """A compute kernel starts on this GPU (interference, ``run_kernel``): the collectives in flight are re-rated
@@ -378,7 +378,7 @@ class System:
         self._kernels += 1
         if self._kernels == 1:
             ev = self._compute_changed
-            if ev is not None:
+            if ev is not None and ev.callbacks:  # (a watch nobody waits on stays for the next: ``disarm``)
                 self._compute_changed = None
                 ev.succeed()
 
@@ -387,7 +387,7 @@ class System:
         self._kernels -= 1
         if self._kernels == 0:
             ev = self._compute_changed
-            if ev is not None:
+            if ev is not None and ev.callbacks:  # (a watch nobody waits on stays for the next: ``disarm``)
                 self._compute_changed = None
                 ev.succeed()
 
@@ -432,7 +432,7 @@ class System:
         self._loads.append(load)
         self._share = None
         ev = self._comm_changed
-        if ev is not None:
+        if ev is not None and ev.callbacks:  # (a watch nobody waits on stays for the next: ``disarm``)
             self._comm_changed = None
             ev.succeed()
 
@@ -441,7 +441,7 @@ class System:
         self._loads.remove(load)
         self._share = None
         ev = self._comm_changed
-        if ev is not None:
+        if ev is not None and ev.callbacks:  # (a watch nobody waits on stays for the next: ``disarm``)
             self._comm_changed = None
             ev.succeed()
 

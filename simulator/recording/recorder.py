@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +29,12 @@ class Recorder:
     def span(self, step: int, op, start_s: float, end_s: float, stream: str | None = None) -> None:
         """Record that ``op`` ran from ``start_s`` to ``end_s`` (seconds) in ``step``."""
         self._spans.append((step, op, start_s, end_s, stream))
+
+    def span_writer(self):
+        """The span rows' own ``append``, for a hot loop (``engine.executor``): ``w((step, op, start_s, end_s,
+        stream))`` records what ``span(step, op, start_s, end_s, stream)`` does, without a method call per span.
+        Valid until ``release`` (which starts a new list)."""
+        return self._spans.append
 
     @property
     def spans(self) -> list[tuple]:
@@ -91,10 +99,13 @@ class Recorder:
             df["duration_s"] = df["end_s"] - df["start_s"]
             return df
         steps, ops, starts, ends, streams, uniq, pos = self.span_columns()
-        # ``_value_``: an enum member's value without the ``value`` descriptor call (the same object)
-        per_op = list(zip(*((op.id, op.name, op.stream, op.kind._value_, op.phase._value_, op.layer,
-                             op.cost_class._value_, op.flops, op.bytes_moved) for op in uniq)))
-        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (column_array(v).take(pos) for v in per_op)
+        # one column per attribute over the distinct ops (``_value_``: an enum member's value without the ``value``
+        # descriptor call, the same object), then taken by each span's op index, unless every span is its own op
+        # (``pos`` is then ``0..n-1``: the take would copy the column as it is)
+        per_op = [list(map(get, uniq)) for get in _PER_OP]
+        distinct = len(uniq) == len(ops)
+        op_id, name, op_stream, kind, phase, layer, cost_class, flops, nbytes = (
+            column_array(v) if distinct else column_array(v).take(pos) for v in per_op)
         if all(streams):  # every span names its stream (the executor's)
             stream = string_column([streams], [len(streams)])
         elif any(streams):
@@ -197,6 +208,8 @@ def span_columns(spans: list[tuple]) -> SpanColumns | None:
         return None
     steps, ops, starts, ends, streams = zip(*spans)
     uniq = list({id(op): op for op in ops}.values())  # in first-span order
+    if len(uniq) == len(ops):  # every span its own op (one step of a graph whose ops run once): in span order
+        return SpanColumns(steps, ops, starts, ends, streams, uniq, np.arange(len(ops), dtype=np.intp))
     index = {id(op): i for i, op in enumerate(uniq)}
     pos = np.fromiter(map(index.__getitem__, map(id, ops)), dtype=np.intp, count=len(ops))
     return SpanColumns(steps, ops, starts, ends, streams, uniq, pos)
@@ -217,6 +230,10 @@ def column_array(values) -> np.ndarray | pd.api.extensions.ExtensionArray:
     return pd.Series(values).array
 
 
+#: the op attributes of ``SPAN_COLUMNS`` ``op_id`` to ``bytes`` but the span's own ``start_s``/``end_s``
+#: (``stream``: the op's, where a span names none), in that order
+_PER_OP = tuple(map(attrgetter, ("id", "name", "stream", "kind._value_", "phase._value_", "layer",
+                                 "cost_class._value_", "flops", "bytes_moved")))
 _NUMBERS = {int, float}
 _STR = {str}
 #: the dtype pandas infers for a column of Python strings (``str``)
@@ -234,6 +251,7 @@ def rank_column(frame) -> str | None:
     index), ``pp_rank`` (one class per pipeline stage), or None (one rank)."""
     return next((c for c in RANK_COLUMNS[:2] if c in frame), None)
 DEPENDENCY_COLUMNS = ["op_id", "dep_id", "step_lag"]
+_ID_OF, _DEPS_OF = attrgetter("id"), attrgetter("deps")
 
 
 def launches_frame(graph, launch_time: list[list[float | None]], launch_cost_s: list[float] | None) -> pd.DataFrame:
@@ -276,16 +294,21 @@ def launch_intervals(launched: np.ndarray, launch_time: list[list[float | None]]
 def dependencies_frame(graph) -> pd.DataFrame:
     """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
     starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
-    op_id = [op.id for op in graph.ops for _ in op.deps]
-    dep_id = [d for op in graph.ops for d in op.deps]
-    n_same = len(op_id)
-    for op in graph.ops:
-        prev = (op.meta or {}).get("prev_step_deps") if op.meta else None
+    ops = graph.ops
+    # the same-step edges op by op (each op's id repeated once per dependency), then the previous step's
+    ids = np.fromiter(map(_ID_OF, ops), dtype=np.int64, count=len(ops))
+    counts = np.fromiter(map(len, map(_DEPS_OF, ops)), dtype=np.intp, count=len(ops))
+    op_id = [np.repeat(ids, counts)]
+    dep_id = [np.fromiter(chain.from_iterable(map(_DEPS_OF, ops)), dtype=np.int64, count=int(counts.sum()))]
+    n_same = len(dep_id[0])
+    for op in ops:
+        prev = op.meta.get("prev_step_deps") if op.meta else None
         if prev:
-            op_id += [op.id] * len(prev)
-            dep_id += list(prev)
-    if not op_id:
+            op_id.append(np.full(len(prev), op.id, dtype=np.int64))
+            dep_id.append(np.asarray(prev, dtype=np.int64))
+    op_id, dep_id = np.concatenate(op_id), np.concatenate(dep_id)
+    if not len(op_id):
         return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
     lag = np.zeros(len(op_id), dtype=np.int64)
     lag[n_same:] = 1
-    return pd.DataFrame({"op_id": column_array(op_id), "dep_id": column_array(dep_id), "step_lag": lag})
+    return pd.DataFrame({"op_id": op_id, "dep_id": dep_id, "step_lag": lag})
