@@ -1103,7 +1103,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
 
         r = offload_ranks(hw)
         n = hw.host_cpu.numa_node
-        binding = f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
+        binding = (f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
+                   if hw.host_cpu.bind_cores_to_rank else "ranks not bound: the memory interleaved over the nodes")
         if (note := oversubscribed_threads(hw, r)) is not None:
             out.append(note)
         fsdp2 = fsdp_offload and cfg.fsdp.offload_policy is not None
@@ -1114,7 +1115,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                "(host.dram); not modelled: the other ranks' training threads")
         out.append(f"{what} on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, mode, r)} threads "
-                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
+                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank; at most cores / "
+                   "ranks' worth when oversubscribed) and a max-min "
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
@@ -1207,14 +1209,14 @@ def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) ->
     and the variable is unset (pytorch/pytorch@010929fd torch/distributed/run.py ``config_from_args``), and
     DeepSpeed's launcher without the flag leaves it unset, so every rank's OpenMP pool spans all the cores."""
     cpu = hw.host_cpu
-    if ranks <= 1 or cpu.threads_used:
+    if ranks <= 1 or cpu.threads_used or not cpu.bind_cores_to_rank:  # unbound: oversubscribed_threads says it
         return None
     return (f"hardware.host.threads not set: each rank's {what} CPU step is priced on {cpu.cores_available} "
             f"{cpu.core_noun} / {ranks} ranks = {threads} thread(s), as DeepSpeed's launcher sets with "
             f"--bind_cores_to_rank (OMP_NUM_THREADS={threads}); torchrun sets OMP_NUM_THREADS=1 per process when it is "
-            "unset (set hardware.host.threads=1 for that), and DeepSpeed's launcher without the flag leaves every "
-            f"rank's pool on all {cpu.cores_available} (hardware.host.threads={cpu.cores_available}: priced at the same "
-            f"{threads}-thread share, the cost of oversubscribing the cores not modelled)")
+            "unset (set hardware.host.threads=1 and bind_cores_to_rank=false for that), and DeepSpeed's launcher without the flag leaves every "
+            f"rank's pool on all {cpu.cores_available} (hardware.host.bind_cores_to_rank=false: oversubscribed, priced "
+            f"time-sliced at the same {threads}-core share without NUMA locality)")
 
 
 def _dataloader_beside_cpu_step_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:

@@ -32,8 +32,16 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",
-    "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
-    "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
+    "fp16.loss_scale": "DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
+                       "(training.precision fp16); remove it",
+    "fp16.initial_scale_power": "DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is "
+                                "priced (training.precision fp16); remove it",
+    "fp16.loss_scale_window": "DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
+                              "(training.precision fp16); remove it",
+    "fp16.hysteresis": "DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
+                       "(training.precision fp16); remove it",
+    "fp16.min_loss_scale": "DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
+                           "(training.precision fp16); remove it",
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
