@@ -1097,6 +1097,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
                    "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
+    if cfg is not None and (note := master_dtypes_note(cfg)) is not None:
+        out.append(note)
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device != "none")):
         from simulator.policies.offload_optimizer import cpu_threads, offload_ranks, oversubscribed_threads
@@ -1197,6 +1199,22 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"optimizer.step(), fitted on a PyTorch AdamW step of a {FIXED_OPT_FIT_LAYERS}-layer GPT's "
             f"{FIXED_OPT_FIT_TENSORS} parameter tensors, one tensor count only, so not per tensor) is applied unscaled "
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
+
+
+def master_dtypes_note(cfg: ScenarioConfig) -> str | None:
+    """The run warning for DeepSpeed's low-precision master weights under ZeRO-Offload (``fp16`` / ``bf16``
+    sections, ``config.sections.half_precision``), else None: what the pricing takes for granted."""
+    from simulator.config.sections.half_precision import master_dtypes
+
+    master, states = master_dtypes(cfg)
+    if master == "fp32":
+        return None
+    moments = ("bf16 Adam moments: DeepSpeedCPUAdam built with fp32_optimizer_states=False (its optimizer.params), "
+               "which DeepSpeed requires here" if states == "bf16" else "fp32 Adam moments")
+    return (f"{master} master weights and gradients on the host with {moments}; the CPU step is priced on the bytes "
+            f"DeepSpeedCPUAdam streams ({22 if states == 'fp32' else 14} B per parameter), not on its 16-bit "
+            "conversions in registers (memory-bound); the gradient partition's norm and (fp16) loss-scale unscale on "
+            "the host are not priced, as with fp32 master weights")
 
 
 def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) -> str | None:

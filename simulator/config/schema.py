@@ -136,7 +136,7 @@ class HardwareConfig(_Model):
                                   "Given explicitly, its rates replace the host-copy rates the GPU profile measured, "
                                   "unless it is the link they were measured over (the profile's copy_link).")
     host: HostRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset "
-                                "(with threads / numa_node for the CPU optimizer step).")
+                                "(with threads / numa_node / bind_cores_to_rank for the CPU optimizer step).")
     launch_overhead_s: Seconds | None = Field(
         default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'

@@ -80,6 +80,14 @@ def test_host_memory_and_copies_per_dtype():
     # the CPU step shrinks with the bytes it streams (36 -> 22 -> 14 B per parameter on this memory-bound host)
     assert fp32["offload_cpu_optimizer_s"] > master["offload_cpu_optimizer_s"] > states["offload_cpu_optimizer_s"]
     assert states["step_time_s"] < fp32["step_time_s"]
+    # what the pricing assumes is said in the run's warnings (none with fp32 state)
+    assert [w for w in states["warnings"] if "master weights and gradients on the host" in w] == [
+        "bf16 master weights and gradients on the host with bf16 Adam moments: DeepSpeedCPUAdam built with "
+        "fp32_optimizer_states=False (its optimizer.params), which DeepSpeed requires here; the CPU step is priced on "
+        "the bytes DeepSpeedCPUAdam streams (14 B per parameter), not on its 16-bit conversions in registers "
+        "(memory-bound); the gradient partition's norm and (fp16) loss-scale unscale on the host are not priced, as "
+        "with fp32 master weights"]
+    assert not [w for w in fp32["warnings"] if "master weights and gradients on the host" in w]
 
 
 def test_fp16_master_with_fp16_training():
