@@ -13,6 +13,10 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   ``host_pinned`` memory when ``pin_memory`` is true, else ``host_pageable`` (copies from pageable
   memory run at the driver's staging rate). The CPU step allocates fp32 gradients (4 B/param)
   and, for the PyTorch implementations, one fp32 temporary (``sqrt`` of the second moment).
+  DeepSpeed's low-precision master weights (``fp16`` / ``bf16`` sections,
+  ``simulator.config.sections.half_precision``; ``deepspeed_cpu_adam``): a 16-bit master (2 B/param) and its
+  16-bit gradient partition (2 B), moments fp32 or bf16 (8 or 4 B), no fp32 gradients, no casts and no parameter
+  staging buffer (``offload_optimizer``'s ``master`` / ``states``, ``cpu_step_work``).
 * **Gradient copies** D2H on stream ``d2h``, one per parameter tensor (as ``p.grad`` hooks do)
   or per ``reduce_bucket_size`` elements, each waiting for the kernel that finishes that
   gradient (modes ``overlap`` and ``delayed_param_update``) or for the end of backward
