@@ -40,6 +40,14 @@ class HostCpuSpec:
         threads_used: Intra-op threads of the CPU optimizer step; 0 (default): all physical cores
             of the nodes in use, as ``torch.get_num_threads()`` defaults to (and DeepSpeed's
             CPUAdam, which runs OpenMP on the same pool). Must not exceed those cores.
+        bind_cores_to_rank: Several ranks of one node each bound to their own ``cores / ranks`` cores and the
+            NUMA node those lie on (True, default: DeepSpeed's launcher ``--bind_cores_to_rank``, which runs each
+            rank under ``numactl -C <its cores> [-m <their node>]`` and sets ``OMP_NUM_THREADS`` to its core
+            count; microsoft/DeepSpeed@048b0d50 deepspeed/launcher/launch.py ``main``, deepspeed/utils/numa.py
+            ``get_numactl_cmd``). False: not bound (the launcher without the flag, or torchrun): every rank's
+            threads float over all the cores and its memory over all the nodes, and a rank whose pool is not set
+            (``threads_used`` 0) runs as many threads as the host has cores (``hardware_models.host_kernels``
+            ``shared_stream_bandwidth``; ``simulator.policies.offload_optimizer.cpu_threads``). One rank: no effect.
         simd_width_bits: Widest vector unit the optimizer kernels use (256: AVX2, 512: AVX-512,
             128: NEON; SVE: the implementation's vector length).
         fma_units_per_core: Vector FMA pipes per core.
@@ -69,6 +77,7 @@ class HostCpuSpec:
     numa_nodes: int = 0
     numa_node: int = -1
     threads_used: int = 0
+    bind_cores_to_rank: bool = True
     simd_width_bits: int = 256
     fma_units_per_core: int = 2
     base_clock_mhz: float = 0.0

@@ -113,12 +113,19 @@ class StreamPass:
         return self.read_bytes + self.write_bytes + self.fresh_bytes
 
 
-def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_bytes: int = 2) -> tuple[StreamPass, ...]:
+def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_bytes: int = 2,
+                 param_bytes: int | None = None) -> tuple[StreamPass, ...]:
     """The passes of one AdamW step, per element.
 
     ``state_bytes``: parameter / moment dtype size (fp32: 4); ``grad_bytes``: the gradient the
     step reads (torch: the same dtype as the parameters); ``copy_bytes``: DeepSpeed's fp16/bf16
-    parameter copy written by its fused kernel (0: none). Sources: ``torch/optim/adamw.py``
+    parameter copy written by its fused kernel (0: none); ``param_bytes``: ``deepspeed_cpu_adam`` only, the
+    (master) parameter's size when it differs from the moments' (None: ``state_bytes``). DeepSpeed's CPUAdam
+    kernel reads and writes the parameter and gradient in one dtype and both moments in another, the pairs it
+    has kernels for being (fp32, fp32), (fp16, fp32), (fp16, fp16), (bf16, fp32) and (bf16, bf16)
+    (deepspeedai/DeepSpeed@1640828d csrc/adam/cpu_adam_impl.cpp ``Step_1`` / ``InvokerInitializer``); its
+    16-bit loads and stores convert to and from fp32 in registers, vector work not counted here (the step
+    stays memory-bound: 19 slots per element against 8-22 DRAM bytes). Sources: ``torch/optim/adamw.py``
     ``_multi_tensor_adamw`` (foreach: mul_ weight decay, lerp_ exp_avg, mul_ + addcmul_
     exp_avg_sq, sqrt into a new list, div_, add_, addcdiv_ params), ``_single_tensor_adamw``
     (the same with ``exp_avg_sq.sqrt() / bc`` making two new tensors), ``_fused_adamw`` (one
@@ -131,6 +138,9 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
         ValueError: an unknown implementation.
     """
     s, g = float(state_bytes), float(grad_bytes)
+    w = s if param_bytes is None else float(param_bytes)
+    if param_bytes is not None and impl != "deepspeed_cpu_adam":
+        raise ValueError(f"param_bytes other than the state's: deepspeed_cpu_adam only, got {impl!r}")
     if impl in ("torch_foreach", "torch_single"):
         single = impl == "torch_single"
         return (
@@ -146,7 +156,7 @@ def adamw_passes(impl: str, state_bytes: int = 4, grad_bytes: int = 4, copy_byte
     if impl == "torch_fused":
         return (StreamPass("_fused_adamw", 3 * s + g, 3 * s, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
     if impl == "deepspeed_cpu_adam":
-        return (StreamPass("Step_AVX", 3 * s + g, 3 * s + copy_bytes, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
+        return (StreamPass("Step_AVX", w + 2 * s + g, w + 2 * s + copy_bytes, slots=8 + SQRT_SLOTS + DIV_SLOTS),)
     if impl == "deepspeed_cpu_adam_2020":
         # the ZeRO-Offload release kernel: the AVX-512 loop over a tile stores fp32 param and moments only; a second
         # OpenMP loop then reads the tile's fp32 params back (a 1 Gi-element tile is far beyond the caches) and
@@ -187,6 +197,14 @@ def shared_stream_bandwidth(cpu: HostCpuSpec, ranks: int, threads: int | None = 
     the slowest rank. ``memory_nodes`` is ignored for ``ranks`` > 1 (one node per rank). With ``numa_node`` set
     (``numactl --cpunodebind=N --membind=N`` around the launcher) every rank runs and allocates on that node.
 
+    Not bound (``bind_cores_to_rank`` false, ``numa_node`` unset): no NUMA locality. Each rank's threads float
+    over every node's cores and its buffers lie wherever its threads and the scheduler put them, taken as spread
+    evenly over all nodes (interleaved), so the ranks share the whole host's sustained bandwidth max-min fairly
+    as one pool. The model has no inter-socket (UPI / xGMI) figure, so the remote half of those accesses costs
+    no more than local ones: with ranks spread evenly over the nodes this gives the bound placement's figure (an
+    upper bound of the unbound bandwidth); an uneven split (3 ranks on 2 nodes) gets the pooled share, not the
+    crowded node's.
+
     Raises:
         ValueError: ``ranks`` < 1.
     """
@@ -197,9 +215,13 @@ def shared_stream_bandwidth(cpu: HostCpuSpec, ranks: int, threads: int | None = 
         return stream_bandwidth(cpu, t, memory_nodes)
     per_core = cpu.per_core_bandwidth_bytes_per_s or DEFAULT_PER_CORE_BANDWIDTH_BYTES_PER_S
     node_bw = cpu.sustained_bandwidth_bytes_per_s / cpu.nodes
-    flows = [((f"mem{cpu.numa_node if cpu.numa_node >= 0 else r * cpu.nodes // ranks}",), t * per_core)
-             for r in range(ranks)]
-    caps = {f"mem{n}": node_bw for n in range(cpu.nodes)}
+    if not cpu.bind_cores_to_rank and cpu.numa_node < 0:  # one pool: the memory interleaved over every node
+        flows = [(("mem",), t * per_core) for _ in range(ranks)]
+        caps = {"mem": cpu.sustained_bandwidth_bytes_per_s}
+    else:
+        flows = [((f"mem{cpu.numa_node if cpu.numa_node >= 0 else r * cpu.nodes // ranks}",), t * per_core)
+                 for r in range(ranks)]
+        caps = {f"mem{n}": node_bw for n in range(cpu.nodes)}
     return min(maxmin_rates(flows, caps))
 
 
@@ -277,7 +299,8 @@ def mmapped_elements(tensor_elements, elem_bytes: float) -> float:
 
 def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0, threads: int | None = None,
                  memory_nodes: int | None = None, state_bytes: int = 4, grad_bytes: int = 4,
-                 copy_bytes: int = 2, bandwidth_bytes_per_s: float | None = None) -> float:
+                 copy_bytes: int = 2, bandwidth_bytes_per_s: float | None = None,
+                 param_bytes: int | None = None) -> float:
     """Seconds of one AdamW step over tensors of ``tensor_elements`` elements on ``cpu``.
 
     ``bandwidth_bytes_per_s``: DRAM bandwidth the step gets (default :func:`stream_bandwidth`; a
@@ -289,19 +312,21 @@ def adamw_step_s(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: fl
     """
     return adamw_step_parts(cpu, impl, tensor_elements, dispatch_s=dispatch_s, threads=threads,
                             memory_nodes=memory_nodes, state_bytes=state_bytes, grad_bytes=grad_bytes,
-                            copy_bytes=copy_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s)[0]
+                            copy_bytes=copy_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                            param_bytes=param_bytes)[0]
 
 
 def adamw_step_parts(cpu: HostCpuSpec, impl: str, tensor_elements, *, dispatch_s: float = 0.0,
                      threads: int | None = None, memory_nodes: int | None = None, state_bytes: int = 4,
                      grad_bytes: int = 4, copy_bytes: int = 2,
-                     bandwidth_bytes_per_s: float | None = None) -> tuple[float, float, float]:
+                     bandwidth_bytes_per_s: float | None = None,
+                     param_bytes: int | None = None) -> tuple[float, float, float]:
     """:func:`adamw_step_s` with the step's host DRAM traffic: ``(seconds, dram_bytes, fault_s)``, the step's
     seconds, the DRAM bytes its passes move and the first-touch page-fault seconds inside the seconds
     (:func:`pass_parts`)."""
     sizes = [float(n) for n in tensor_elements]
     P = sum(sizes)
-    passes = adamw_passes(impl, state_bytes, grad_bytes, copy_bytes)
+    passes = adamw_passes(impl, state_bytes, grad_bytes, copy_bytes, param_bytes)
     total = nbytes = faults = 0.0
     for p in passes:
         fe = faulting_elements(sizes, p.fresh_bytes) if p.fresh_bytes else 0.0
@@ -322,7 +347,8 @@ def host_dram_share(cpu: HostCpuSpec, ranks: int = 1, memory_nodes: int | None =
     One rank (``ranks`` == 1): the sustained bandwidth of the ``memory_nodes`` nodes its buffers live on
     (default as :func:`stream_bandwidth`). ``ranks`` > 1 placed as in :func:`shared_stream_bandwidth` (consecutive
     blocks per node): the node with the most ranks split evenly among them (symmetric ranks' equal flows: their
-    max-min shares). The same sustained figure as the CPU step's roofline (``HostCpuSpec.sustained_bandwidth_bytes_per_s``:
+    max-min shares); not bound (``bind_cores_to_rank`` false): the host's sustained bandwidth split evenly among the
+    ranks. The same sustained figure as the CPU step's roofline (``HostCpuSpec.sustained_bandwidth_bytes_per_s``:
     the fitted STREAM-like rate, or channels x MT/s x 8 B x the sustained fraction).
 
     Raises:
@@ -335,4 +361,6 @@ def host_dram_share(cpu: HostCpuSpec, ranks: int = 1, memory_nodes: int | None =
         return (memory_nodes or (1 if cpu.numa_node >= 0 else cpu.nodes)) * node_bw
     if cpu.numa_node >= 0:  # every rank bound to that node (shared_stream_bandwidth)
         return node_bw / ranks
+    if not cpu.bind_cores_to_rank:  # not bound: the whole host's bandwidth as one pool (shared_stream_bandwidth)
+        return cpu.sustained_bandwidth_bytes_per_s / ranks
     return node_bw / max(1, -(-ranks // cpu.nodes))

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAD = """# Scenarios
 
 A scenario is one YAML file: the machine (`hardware`), the model (`model`, Megatron-LM names), the
-training setup (`training`), and optional policies (`zero_optimization` and
+training setup (`training`), and optional policies (`zero_optimization`, `fp16` / `bf16` and
 `activation_checkpointing` with DeepSpeed names, `dataloader` with PyTorch DataLoader names, `dvfs`).
 Unknown keys are errors. Quantities take units: `"4.8 TB/s"`, `"141 GB"`, `"80 GiB"`, `"700 W"`,
 `"1980 MHz"`, `"6 ms"`. Presets are referenced by name (`simulate presets`) and may be overridden

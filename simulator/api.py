@@ -1107,13 +1107,16 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
                    "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
+    if cfg is not None and (note := master_dtypes_note(cfg)) is not None:
+        out.append(note)
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params
     if dp_many and (fsdp_offload or (z is not None and z.offload_optimizer.device != "none")):
         from simulator.policies.offload_optimizer import cpu_threads, offload_ranks, oversubscribed_threads
 
         r = offload_ranks(hw)
         n = hw.host_cpu.numa_node
-        binding = f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
+        binding = (f"all {r} ranks bound to NUMA node {n}" if n >= 0 else "ranks bound to nodes in blocks"
+                   if hw.host_cpu.bind_cores_to_rank else "ranks not bound: the memory interleaved over the nodes")
         if (note := oversubscribed_threads(hw, r)) is not None:
             out.append(note)
         fsdp2 = fsdp_offload and cfg.fsdp.offload_policy is not None
@@ -1124,7 +1127,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                "(host.dram); not modelled: the other ranks' training threads")
         out.append(f"{what} on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
                    f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, mode, r)} threads "
-                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank) and a max-min "
+                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank; at most cores / "
+                   "ranks' worth when oversubscribed) and a max-min "
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
@@ -1207,6 +1211,22 @@ def _fixed_optimizer_host_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:
             f"to {what}; not re-fitted, so the optimizer phase's host time is an estimate")
 
 
+def master_dtypes_note(cfg: ScenarioConfig) -> str | None:
+    """The run warning for DeepSpeed's low-precision master weights under ZeRO-Offload (``fp16`` / ``bf16``
+    sections, ``config.sections.half_precision``), else None: what the pricing takes for granted."""
+    from simulator.config.sections.half_precision import master_dtypes
+
+    master, states = master_dtypes(cfg)
+    if master == "fp32":
+        return None
+    moments = ("bf16 Adam moments: DeepSpeedCPUAdam built with fp32_optimizer_states=False (its optimizer.params), "
+               "which DeepSpeed requires here" if states == "bf16" else "fp32 Adam moments")
+    return (f"{master} master weights and gradients on the host with {moments}; the CPU step is priced on the bytes "
+            f"DeepSpeedCPUAdam streams ({22 if states == 'fp32' else 14} B per parameter), not on its 16-bit "
+            "conversions in registers (memory-bound); the gradient partition's norm and (fp16) loss-scale unscale on "
+            "the host are not priced, as with fp32 master weights")
+
+
 def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) -> str | None:
     """The run warning when the CPU step's threads per rank on a shared host are the model's default, else None.
 
@@ -1217,14 +1237,14 @@ def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) ->
     and the variable is unset (pytorch/pytorch@010929fd torch/distributed/run.py ``config_from_args``), and
     DeepSpeed's launcher without the flag leaves it unset, so every rank's OpenMP pool spans all the cores."""
     cpu = hw.host_cpu
-    if ranks <= 1 or cpu.threads_used:
+    if ranks <= 1 or cpu.threads_used or not cpu.bind_cores_to_rank:  # unbound: oversubscribed_threads says it
         return None
     return (f"hardware.host.threads not set: each rank's {what} CPU step is priced on {cpu.cores_available} "
             f"{cpu.core_noun} / {ranks} ranks = {threads} thread(s), as DeepSpeed's launcher sets with "
             f"--bind_cores_to_rank (OMP_NUM_THREADS={threads}); torchrun sets OMP_NUM_THREADS=1 per process when it is "
-            "unset (set hardware.host.threads=1 for that), and DeepSpeed's launcher without the flag leaves every "
-            f"rank's pool on all {cpu.cores_available} (hardware.host.threads={cpu.cores_available}: priced at the same "
-            f"{threads}-thread share, the cost of oversubscribing the cores not modelled)")
+            "unset (set hardware.host.threads=1 and bind_cores_to_rank=false for that), and DeepSpeed's launcher without the flag leaves every "
+            f"rank's pool on all {cpu.cores_available} (hardware.host.bind_cores_to_rank=false: oversubscribed, priced "
+            f"time-sliced at the same {threads}-core share without NUMA locality)")
 
 
 def _dataloader_beside_cpu_step_note(hw: Hardware, cfg: ScenarioConfig) -> str | None:

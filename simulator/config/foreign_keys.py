@@ -14,6 +14,9 @@ Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatro
 from __future__ import annotations
 
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
+#: DeepSpeed's fp16 loss-scaler keys (its fp16 section takes fp16_master_weights_and_grads only here)
+_FP16_LOSS_SCALING = ("DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
+                      "(training.precision fp16); remove it")
 #: where fp8 training is set: ``training.fp8`` takes the format (``schema.TrainingConfig.fp8``), not true / false
 _FP8 = ("fp8 is training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
         "false (with training.precision bf16)")
@@ -32,8 +35,11 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",
-    "fp16": "DeepSpeed's fp16: {enabled: true} is training.precision: fp16 here (dynamic loss scaling modelled)",
-    "bf16": "DeepSpeed's bf16: {enabled: true} is training.precision: bf16 here",
+    "fp16.loss_scale": _FP16_LOSS_SCALING,
+    "fp16.initial_scale_power": _FP16_LOSS_SCALING,
+    "fp16.loss_scale_window": _FP16_LOSS_SCALING,
+    "fp16.hysteresis": _FP16_LOSS_SCALING,
+    "fp16.min_loss_scale": _FP16_LOSS_SCALING,
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "

@@ -448,7 +448,7 @@ def with_hf_path(data: dict, source: str) -> dict:
 
 
 #: HostRef's what-if keys: scenario key -> the host CPU spec field it sets
-_HOST_WHATIFS = {"threads": "threads_used", "numa_node": "numa_node"}
+_HOST_WHATIFS = {"threads": "threads_used", "numa_node": "numa_node", "bind_cores_to_rank": "bind_cores_to_rank"}
 #: spec fields that label a preset (its product name, its citations): not numbers the simulation uses, so an
 #: override of them would only relabel the output; refused
 NOT_OVERRIDABLE = ("name", "sources")

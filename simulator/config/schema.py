@@ -46,6 +46,7 @@ from simulator.config.sections.dvfs import DvfsConfig
 from simulator.config.sections.fsdp import FsdpConfig, FsdpOffloadPolicy
 from simulator.config.sections.fsdp import precision_problem as fsdp_precision_problem
 from simulator.config.sections.lora import LoraConfig, check_lora_scenario
+from simulator.config.sections.half_precision import Bf16SectionConfig, Fp16SectionConfig, check_master_weights
 from simulator.config.sections import torchtitan_ac
 from simulator.graph.builders.lora import hf_names as lora_hf_names
 from simulator.config.sections.memory import MemoryConfig
@@ -107,6 +108,14 @@ class HostRef(PresetRef):
                                         "(torch.set_num_threads / OMP_NUM_THREADS); default: all physical cores.")
     numa_node: int | None = Field(default=None, ge=0, description="Bind the CPU step's threads and memory to this "
                                   "NUMA node (numactl --cpunodebind=N --membind=N); default: not bound.")
+    bind_cores_to_rank: bool | None = Field(
+        default=None, description="Several ranks of a node offloading to its host: each bound to its own cores / "
+        "ranks cores and their NUMA node (true, default: DeepSpeed's launcher --bind_cores_to_rank, which also sets "
+        "OMP_NUM_THREADS to that count), or not bound (false: the launcher without the flag, torchrun): each rank's "
+        "threads (threads, default all the host's cores) float over all cores, so ranks x threads above the cores "
+        "time-share them (each rank's CPU step priced on cores / ranks cores' worth) and the memory has no NUMA "
+        "locality (hardware_models/host_kernels.py shared_stream_bandwidth). DeepSpeed's --bind_core_list of N "
+        "cores is threads: N / ranks with binding on.")
     pcie_switches: list[PcieSwitchConfig] | None = Field(
         default=None, description="The host's PCIe switches: which of the node's GPUs, NICs and NVMe drives (indices) "
         "sit behind each and its uplink's rate per direction (hardware_models/pcie_switches.py); replaces the host "
@@ -128,7 +137,7 @@ class HardwareConfig(_Model):
                                   "Given explicitly, its rates replace the host-copy rates the GPU profile measured, "
                                   "unless it is the link they were measured over (the profile's copy_link).")
     host: HostRef | str = Field(default="h200-measured-host", description="Host CPU + memory preset "
-                                "(with threads / numa_node for the CPU optimizer step).")
+                                "(with threads / numa_node / bind_cores_to_rank for the CPU optimizer step).")
     launch_overhead_s: Seconds | None = Field(
         default=None, ge=0, le=MAX_LAUNCH_OVERHEAD_S,
         description='Override the host\'s per-op launch time ("10 us"; default: the host preset\'s, else 10 us).'
@@ -764,6 +773,11 @@ class ScenarioConfig(_Model):
     parallelism: ParallelismConfig = ParallelismConfig()
     run: RunConfig = RunConfig()
     zero_optimization: ZeroOptimizationConfig = ZeroOptimizationConfig()  # simulator/config/sections/offload.py
+    fp16: Fp16SectionConfig | None = Field(default=None, description="DeepSpeed's fp16 section: "
+                                           "fp16_master_weights_and_grads (simulator/config/sections/half_precision.py).")
+    bf16: Bf16SectionConfig | None = Field(default=None, description="DeepSpeed's bf16 section: "
+                                           "bf16_master_weights_and_grads, bf16_optimizer_states "
+                                           "(simulator/config/sections/half_precision.py).")
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     activation_checkpoint: torchtitan_ac.TorchtitanActivationCheckpoint | None = Field(
         default=None, description="torchtitan's [activation_checkpoint] (mode, selective_ac_option, early_stop, ...), "
@@ -789,6 +803,10 @@ class ScenarioConfig(_Model):
         out = handler(self)
         if isinstance(out, dict) and "zero_optimization" not in self.model_fields_set:
             out.pop("zero_optimization", None)
+        if isinstance(out, dict):  # DeepSpeed's fp16 / bf16 sections (half_precision.py): only when given
+            for k in ("fp16", "bf16"):
+                if out.get(k, 0) is None:
+                    out.pop(k)
         return out
 
     @model_validator(mode="before")
@@ -1220,6 +1238,14 @@ class ScenarioConfig(_Model):
             lambda: (f"dataloader: a DataLoader with {key} {pp} > 1 is not modelled yet (allowed: no "
                      "dataloader section, or pp 1)") if self.dataloader is not None else None,
         )
+        return self
+
+    @model_validator(mode="after")
+    def _master_weights_scope(self):
+        """DeepSpeed's low-precision master weights / optimizer states: its rules and what is modelled
+        (``sections.half_precision.check_master_weights``)."""
+        if (why := check_master_weights(self)) is not None:
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,10 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   ``host_pinned`` memory when ``pin_memory`` is true, else ``host_pageable`` (copies from pageable
   memory run at the driver's staging rate). The CPU step allocates fp32 gradients (4 B/param)
   and, for the PyTorch implementations, one fp32 temporary (``sqrt`` of the second moment).
+  DeepSpeed's low-precision master weights (``fp16`` / ``bf16`` sections,
+  ``simulator.config.sections.half_precision``; ``deepspeed_cpu_adam``): a 16-bit master (2 B/param) and its
+  16-bit gradient partition (2 B), moments fp32 or bf16 (8 or 4 B), no fp32 gradients, no casts and no parameter
+  staging buffer (``offload_optimizer``'s ``master`` / ``states``, ``cpu_step_work``).
 * **Gradient copies** D2H on stream ``d2h``, one per parameter tensor (as ``p.grad`` hooks do)
   or per ``reduce_bucket_size`` elements, each waiting for the kernel that finishes that
   gradient (modes ``overlap`` and ``delayed_param_update``) or for the end of backward
@@ -92,6 +96,7 @@ from hardware_models.host_kernels import (
     pass_parts,
     shared_stream_bandwidth,
 )
+from simulator.config.sections.half_precision import master_dtypes
 from simulator.graph.builders.transformer import ZERO_PARAM_ALL_GATHER
 from simulator.graph.op_graph import ModelFacts, OpGraph, with_page_faults
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
@@ -107,6 +112,8 @@ ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspe
 DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
+#: Bytes per element of the host state's dtypes (``offload_optimizer``'s ``master`` / ``states``)
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 #: DeepSpeed 0.3 (stage2.py, ZeRO-Offload's release) on each gradient of a reduce bucket, GPU bytes per element
 #: (fp16 gradient, 2 B): the copy into the contiguous ipg buffer (2 r + 2 w), ``average_tensor``'s ``div_`` (2 + 2),
 #: ``set_norm_for_param_grad_in_gpu``'s ``grad.double().norm(2)`` (2 r + 8 w, then 8 r), the overflow check
@@ -142,32 +149,56 @@ def cpu_threads(hw, mode: str = "overlap", ranks: int = 1) -> int:
     CPUAdam per rank; its launcher's ``--bind_cores_to_rank`` gives each rank ``cores / ranks`` cores,
     deepspeed/launcher/launch.py); with ``numa_node`` set every rank is bound to that node, whose cores
     they split. Under DPU the training thread takes one core from the rank's pool
-    when the pool already covers every core it has (oversubscription: the two share it)."""
+    when the pool already covers every core it has (oversubscription: the two share it).
+
+    Not bound (``hardware.host.bind_cores_to_rank: false``): each rank's pool is ``threads_used``, else every core
+    of the host (no launcher sets ``OMP_NUM_THREADS``: torch's default pool is the physical cores). When the
+    ranks' pools together exceed the cores (8 ranks x 112 threads on 112 cores) the kernel time-slices them, priced
+    plainly: each rank's CPU step gets ``cores_available // ranks`` cores' worth of compute, per-core bandwidth
+    and fault handling, the figure a bound rank gets (its memory bandwidth: ``host_kernels.shared_stream_bandwidth``,
+    without NUMA locality). Not modelled, so the unbound step is a lower bound: OpenMP's barrier spin-waits
+    (libgomp spins ``GOMP_SPINCOUNT`` 300,000 iterations before sleeping under the default ``OMP_WAIT_POLICY``; GCC
+    libgomp manual, "GOMP_SPINCOUNT"), whose threads burn the time slices of the pools they share cores with, and
+    the context switches and cache refills of the preempted threads (``oversubscribed_threads`` says so in the
+    run's warnings)."""
     cpu = hw.host_cpu
     avail = cpu.cores_available if ranks == 1 else max(1, cpu.cores_available // ranks)
-    # ranks x threads_used above the cores oversubscribes them: the threads time-share, so a rank's step
-    # runs on its cores / ranks share (``oversubscribed_threads`` flags it in the run's warnings)
-    t = cpu.threads if ranks == 1 else min(cpu.threads_used or avail, avail)
+    # ranks x threads above the cores oversubscribes them: the threads time-share, so a rank's step runs on its
+    # cores / ranks share (``oversubscribed_threads`` flags it in the run's warnings); unbound, a rank's pool
+    # defaults to every core (so it is oversubscribed) and bound to its own cores / ranks
+    t = cpu.threads if ranks == 1 else min(cpu.threads_used or (avail if cpu.bind_cores_to_rank else cpu.cores_available), avail)
     if mode == "delayed_param_update" and t >= avail:
         t = max(1, t - DPU_TRAINING_THREAD_CORES)
     return t
 
 
 def oversubscribed_threads(hw, ranks: int) -> str | None:
-    """A warning when ``ranks`` CPU steps of ``threads_used`` threads each need more than the host's cores, else
-    None (``cpu_threads`` then gives each rank ``cores_available // ranks``)."""
+    """A warning when ``ranks`` CPU steps of ``threads_used`` threads each (not bound, ``bind_cores_to_rank``
+    false: every core when unset) need more than the host's cores, else None (``cpu_threads`` then gives each
+    rank ``cores_available // ranks`` cores' worth, time-sliced)."""
     cpu = hw.host_cpu
     cores = cpu.cores_available  # the bound NUMA node's, else the host's
-    if ranks <= 1 or not cpu.threads_used or cpu.threads_used * ranks <= cores:
+    unbound = not cpu.bind_cores_to_rank
+    per_rank = cpu.threads_used or (cores if unbound else 0)
+    if ranks <= 1 or not per_rank or per_rank * ranks <= cores:
         return None
+    share = max(1, cores // ranks)
     where = f"the {cores} cores of NUMA node {cpu.numa_node}" if cpu.numa_node >= 0 else f"{cores} cores"
-    return (f"hardware.host.threads {cpu.threads_used} x {ranks} ranks = {cpu.threads_used * ranks} CPU-step threads on "
-            f"{where}: oversubscribed, so each rank's CPU step is priced on {max(1, cores // ranks)} "
-            f"cores (allowed without this note: threads <= {max(1, cores // ranks)})")
+    what = (f"hardware.host.threads {cpu.threads_used}" if cpu.threads_used else
+            f"hardware.host.bind_cores_to_rank false with threads not set ({cores}, torch's default pool)")
+    note = (f"{what} x {ranks} ranks = {per_rank * ranks} CPU-step threads on {where}: oversubscribed, so each "
+            f"rank's CPU step is priced time-sliced on {share} cores' worth (allowed without this note: threads <= {share})")
+    if unbound:
+        note += ("; not bound: its memory bandwidth is a share of the whole host's, interleaved over the NUMA nodes "
+                 "with no extra cost for remote accesses (the host model has no inter-socket figure); not modelled: "
+                 "OpenMP barrier spin-waits and context switches of the oversubscribed pools, so the CPU step is a "
+                 "lower bound")
+    return note
 
 
 def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
-                   pin_memory: bool = True, ranks: int = 1) -> dict[str, float]:
+                   pin_memory: bool = True, ranks: int = 1, master_bytes: int = 4,
+                   state_bytes: int = 4) -> dict[str, float]:
     """Seconds of the three CPU ops of one offloaded optimizer step (host roofline, see
     ``hardware_models.host_kernels``).
 
@@ -186,20 +217,33 @@ def cpu_step_times(params: int, n_tensors: int, impl: str, hw, *, tensor_element
         PolicyError: an unknown implementation.
     """
     return {k: v[0] for k, v in cpu_step_work(params, n_tensors, impl, hw, tensor_elements=tensor_elements, mode=mode,
-                                              pin_memory=pin_memory, ranks=ranks).items()}
+                                              pin_memory=pin_memory, ranks=ranks, master_bytes=master_bytes,
+                                              state_bytes=state_bytes).items()}
 
 
 def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements=None, mode: str = "overlap",
-                  pin_memory: bool = True, ranks: int = 1) -> dict[str, tuple[float, float, float]]:
+                  pin_memory: bool = True, ranks: int = 1, master_bytes: int = 4,
+                  state_bytes: int = 4) -> dict[str, tuple[float, float, float]]:
     """``cpu_step_times`` with each CPU op's host DRAM traffic: per op ``(seconds, dram_bytes, fault_s)``, its
     seconds alone, the DRAM bytes its passes stream and the first-touch page-fault seconds of its fresh outputs
     inside its seconds (``host_kernels.pass_parts``). The run moves ``dram_bytes`` over
     the rank's host DRAM link, shared with the DMA copies (``OffloadSummary``). ``deepspeed_cpu_adam_2020``: no
     gradient cast, plus ``cpu.unscale_grads`` (DeepSpeed 0.3's optimizer_gradients, ``UNSCALE``).
 
+    ``master_bytes`` / ``state_bytes``: the master parameters' and gradients' / the Adam moments' bytes per element
+    (4: fp32; 2: DeepSpeed's ``fp16_master_weights_and_grads`` / ``bf16_master_weights_and_grads`` and
+    ``bf16_optimizer_states``, ``simulator.config.sections.half_precision``; ``deepspeed_cpu_adam`` only). With a
+    16-bit master the gradients arrive in its dtype (no cast) and the kernel updates the 16-bit master in place
+    (no separate half copy): ``deepspeed_cpu_adam`` moves ``2 + 2 + 2 s`` bytes read and ``2 + 2 s`` written per
+    element (s = ``state_bytes``), 22 B with fp32 moments, 14 B with bf16 ones, against 30 B + the 6 B cast.
+
     Raises:
-        PolicyError: an unknown implementation.
+        PolicyError: an unknown implementation, or 16-bit master / moments with another implementation.
     """
+    if (master_bytes, state_bytes) != (4, 4) and (impl != "deepspeed_cpu_adam" or master_bytes != 2):
+        raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: 16-bit master weights / optimizer "
+                          f"states need deepspeed_cpu_adam with a 16-bit master, got {impl!r}, master {master_bytes} B, "
+                          f"moments {state_bytes} B")
     if impl not in IMPLEMENTATIONS:
         raise PolicyError(f"zero_optimization.offload_optimizer.cpu_adam_impl: unknown {impl!r}; "
                           f"allowed: {', '.join(IMPLEMENTATIONS)}")
@@ -214,13 +258,15 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
     cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
     b, st, f = pass_parts(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
-    grad_cast = (st + f + n_tensors * launch, b, f)
+    # 16-bit master: no cast (the gradients arrive in its dtype)
+    grad_cast = (st + f + n_tensors * launch, b, f) if master_bytes == 4 else (0.0, 0.0, 0.0)
     param_cast = (0.0, 0.0, 0.0)
     if not ds:
         b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
         param_cast = (st + f + n_tensors * launch, b, f)
+    low = _state_bytes_kwargs(master_bytes, state_bytes)
     adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
-                            bandwidth_bytes_per_s=bw)
+                            bandwidth_bytes_per_s=bw, **low)
     out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
     if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: the gradients arrive in fp32 (cast on the GPU), no CPU
         # cast; its optimizer_gradients unscale the fp32 partition first (``UNSCALE``, not part of the CPU Adam)
@@ -230,14 +276,23 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     return out
 
 
+def _state_bytes_kwargs(master_bytes: int, state_bytes: int) -> dict:
+    """``adamw_step_parts`` keywords of the host state's dtypes (``cpu_step_work``): none for fp32; a 16-bit master
+    is the parameter and gradient DeepSpeed's kernel reads, updated in place (no half copy)."""
+    if master_bytes == 4:
+        return {}
+    return {"param_bytes": master_bytes, "grad_bytes": master_bytes, "copy_bytes": 0, "state_bytes": state_bytes}
+
+
 def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memory: bool = True,
-                  ranks: int = 1) -> tuple[float, str]:
+                  ranks: int = 1, master_bytes: int = 4, state_bytes: int = 4) -> tuple[float, str]:
     """AdamW throughput of one rank on one tensor of ``params`` parameters, params/s, and how it was
-    got (``ranks``: ranks sharing the host, see ``cpu_step_times``)."""
+    got (``ranks``: ranks sharing the host; the dtypes' bytes: see ``cpu_step_work``)."""
     t = cpu_threads(hw, mode, ranks)
     nodes = 1 if pin_memory else None
+    low = _state_bytes_kwargs(master_bytes, state_bytes)
     s = adamw_step_s(hw.host_cpu, impl, [params], threads=t, memory_nodes=nodes,
-                     bandwidth_bytes_per_s=shared_stream_bandwidth(hw.host_cpu, ranks, t, nodes))
+                     bandwidth_bytes_per_s=shared_stream_bandwidth(hw.host_cpu, ranks, t, nodes), **low)
     shared = f", host shared by {ranks} ranks" if ranks > 1 else ""
     return params / s, f"host roofline ({hw.host_cpu.name}, {t} threads{shared})"
 
@@ -325,13 +380,22 @@ class OffloadOptimizer:
     def transform(self, graph: OpGraph, cfg, hw) -> OpGraph:
         z = cfg.zero_optimization
         oo = z.offload_optimizer
+        master, states = master_dtypes(cfg)
         return offload_optimizer(graph, hw, mode=z.offload_mode, impl=oo.cpu_adam_impl, pin_memory=oo.pin_memory,
-                                 bucket_elems=z.reduce_bucket_size)
+                                 bucket_elems=z.reduce_bucket_size, master=master, states=states)
 
 
 def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "torch_foreach",
-                      pin_memory: bool = True, bucket_elems: int | None = None) -> OpGraph:
+                      pin_memory: bool = True, bucket_elems: int | None = None, master: str = "fp32",
+                      states: str = "fp32") -> OpGraph:
     """The rewrite itself, usable without a scenario (tests, notebooks).
+
+    ``master`` / ``states``: the dtypes of the host's master parameters and gradients / Adam moments (DeepSpeed's
+    ``fp16_master_weights_and_grads``, ``bf16_master_weights_and_grads``, ``bf16_optimizer_states``:
+    ``simulator.config.sections.half_precision``). A 16-bit master: the host holds it (2 B/param) and the gradient
+    partition in its dtype (2 B, what the D2H copies fill, as with fp32), no fp32 gradients and no parameter staging
+    buffer (the master is copied up as it is, 2 B/param as before); moments 4 or 2 B each. The GPU side and the
+    copies' bytes do not change. The CPU step: ``cpu_step_work``.
 
     Host memory is a capacity, not a precondition: buffers that do not fit make an out-of-memory
     result (the engine's host pools, ``host_memory_oom``), as on the GPU.
@@ -360,15 +424,17 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     half = f"params.{model.precision}"  # the builder's 16-bit weights (params.bf16 / params.fp16)
     if not zero3 and not any(t.name == half for t in persistent):
         persistent.append(TensorAlloc(half, 2 * P, "gpu"))
+    mb, sb = DTYPE_BYTES[master], DTYPE_BYTES[states]
+    low = master != "fp32"  # a 16-bit master: DeepSpeed's low-precision master weights (docstring)
     persistent += [
-        TensorAlloc("params.master_fp32.host", 4 * shard, host_dev),
-        TensorAlloc("optimizer.exp_avg.host", 4 * shard, host_dev),
-        TensorAlloc("optimizer.exp_avg_sq.host", 4 * shard, host_dev),
+        TensorAlloc(f"params.master_{master}.host", mb * shard, host_dev),
+        TensorAlloc("optimizer.exp_avg.host", sb * shard, host_dev),
+        TensorAlloc("optimizer.exp_avg_sq.host", sb * shard, host_dev),
         # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (module docstring)
         (TensorAlloc("offload.grad_partition.fp32", 4 * shard, "host_pinned") if impl == "deepspeed_cpu_adam_2020"
+         else TensorAlloc(f"offload.grad_partition.{master}", 2 * shard, host_dev) if low
          else TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev)),
-        TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev),
-    ]
+    ] + ([] if low else [TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev)])
 
     grads = gradients(graph)
     buckets = _buckets(grads, bucket_elems) if dp == 1 else []
@@ -379,7 +445,7 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     last_bwd = bwd_ops[-1].id
     sizes = [n * share for n in param_tensor_sizes(graph)]
     work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
-                         ranks=ranks)
+                         ranks=ranks, master_bytes=mb, state_bytes=sb)
     ds03 = impl == "deepspeed_cpu_adam_2020"  # DeepSpeed 0.3's stage2.py gradient path (module docstring)
     if ds03 and dp > 1:
         raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 models DeepSpeed 0.3's ZeRO-Offload on one "
@@ -407,6 +473,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             allocs, uses = (), ()
             if ds03 and name != "cpu.param_cast":
                 pass  # the fp32 gradients are in the persistent pinned partition: nothing allocated per step
+            elif low:
+                pass  # the gradients are in the persistent 16-bit partition: no fp32 copy
             elif name == "cpu.grad_cast":
                 allocs = (TensorAlloc("grad.fp32.host", 4 * shard, "host_pageable"),)
             elif name == "cpu.adam":
@@ -515,7 +583,9 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     meta["offload_optimizer"] = {"mode": mode, "impl": impl, "pin_memory": pin_memory, "cpu_s": times,
                                  "grad_copies": len(d2h_ids), "param_copies": len(h2d_ids),
                                  "params_per_rank": shard, "ranks_per_host": ranks,
-                                 "adam_rate": cpu_adam_rate(shard, impl, hw, mode, pin_memory, ranks)}
+                                 "adam_rate": cpu_adam_rate(shard, impl, hw, mode, pin_memory, ranks, mb, sb)}
+    if low:
+        meta["offload_optimizer"].update(master_dtype=master, state_dtype=states)
     return rw.finish(persistent=persistent, meta=meta)
 
 

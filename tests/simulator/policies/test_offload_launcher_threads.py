@@ -28,9 +28,9 @@ def test_default_threads_on_a_shared_host_are_named_with_the_launchers_defaults(
     assert notes == ["hardware.host.threads not set: each rank's FSDP2 offload_policy CPU step is priced on 112 physical "
                      "cores / 8 ranks = 14 thread(s), as DeepSpeed's launcher sets with --bind_cores_to_rank "
                      "(OMP_NUM_THREADS=14); torchrun sets OMP_NUM_THREADS=1 per process when it is unset (set "
-                     "hardware.host.threads=1 for that), and DeepSpeed's launcher without the flag leaves every rank's "
-                     "pool on all 112 (hardware.host.threads=112: priced at the same 14-thread share, the cost of "
-                     "oversubscribing the cores not modelled)"]
+                     "hardware.host.threads=1 and bind_cores_to_rank=false for that), and DeepSpeed's launcher without "
+                     "the flag leaves every rank's pool on all 112 (hardware.host.bind_cores_to_rank=false: "
+                     "oversubscribed, priced time-sliced at the same 14-core share without NUMA locality)"]
     one = _run(FSDP2, "hardware.host.threads=1")
     assert not [w for w in one["warnings"] if FRAGMENT in w]
     assert one["offload_cpu_optimizer_s"] > 4 * s["offload_cpu_optimizer_s"]
@@ -38,6 +38,14 @@ def test_default_threads_on_a_shared_host_are_named_with_the_launchers_defaults(
     full = _run(FSDP2, "hardware.host.threads=112")
     assert full["offload_cpu_optimizer_s"] == pytest.approx(s["offload_cpu_optimizer_s"], rel=1e-12)
     assert any("oversubscribed" in w for w in full["warnings"])
+    # DeepSpeed's launcher without --bind_cores_to_rank: 8 pools of 112 threads on 112 cores, time-sliced to 14
+    # cores' worth each; 8 ranks spread evenly over the 2 sockets, so the interleaved memory gives the same share
+    unbound = _run(FSDP2, "hardware.host.bind_cores_to_rank=false")
+    assert unbound["offload_cpu_optimizer_s"] == pytest.approx(s["offload_cpu_optimizer_s"], rel=1e-12)
+    assert not [w for w in unbound["warnings"] if FRAGMENT in w]
+    assert any(w.startswith("hardware.host.bind_cores_to_rank false with threads not set (112, torch's default "
+                            "pool) x 8 ranks = 896 CPU-step threads on 112 cores: oversubscribed")
+               for w in unbound["warnings"])
 
 
 def test_one_gpu_has_the_host_to_itself():
