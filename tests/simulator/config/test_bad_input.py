@@ -226,8 +226,8 @@ def test_many_problems_are_capped_at_20(tmp_path, capsys, unknown, shown):
      "fp8_param_gather, "
      "global_batch_size, lora, micro_batch_size, optimizer, precision, recompute_granularity) (got 5)"),
     ("hardware.gpu=5", "hardware.gpu: expected a string or a mapping of keys (overrides, preset) (got 5)"),
-    ("hardware.host=[1]", "hardware.host: expected a string or a mapping of keys (numa_node, overrides, "
-     "pcie_switches, preset, threads)"),
+    ("hardware.host=[1]", "hardware.host: expected a string or a mapping of keys (bind_cores_to_rank, "
+     "numa_node, overrides, pcie_switches, preset, threads)"),
     ("rank_overrides=[1]", "rank_overrides[0]: expected a mapping of keys (dp_rank, dvfs, gpu, pp_rank, slowdown) "
      "(got 1)"),
     ("zero_optimization.offload_optimizer=off", "zero_optimization.offload_optimizer: expected a mapping of keys "
