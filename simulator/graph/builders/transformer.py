@@ -25,7 +25,9 @@ same memory traffic the GPU moves:
   micro-batch's weight gradient is still copied into ``.grad`` (PyTorch's AccumulateGrad takes the buffer
   instead): 8 bytes per parameter per step too many. With FSDP2 gathering fp32 parameters (``fsdp2_full_precision``:
   torchtitan's ``mixed_precision_param = "float32"``, which runs without autocast) the GEMMs read the gathered fp32
-  weights.
+  weights. With FSDP2 gathering bf16 parameters under ``amp_fp32_params`` (``fsdp2_bf16_params``, torchtitan's
+  default) there is no autocast either: fp32 sharded parameters and optimizer, but the residual stream, norms and
+  saved activations in bf16 and no casts before the GEMMs; FSDP1 (llm-foundry / Composer) stays under autocast.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
   recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
