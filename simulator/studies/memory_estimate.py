@@ -37,7 +37,7 @@ ranks, ``T = b s`` tokens per micro-batch, ``t`` the TP size:
 * **Activations** saved per block and micro-batch (Korthikanti et al., *Reducing Activation Recomputation
   in Large Transformer Models*, MLSys 2023, section 4, with flash attention so no ``s^2`` term and no
   dropout masks; the builder's tensors): the residual stream twice (``x``, ``x2``: ``2 a_b T_n h``, ``a_b``
-  2 bytes, 4 with ``amp_fp32_params``; ``T_n = T / t`` with sequence parallelism), the two norm outputs
+  2 bytes, 4 with ``amp_fp32_params`` under autocast, not with FSDP2 gathering bf16 parameters; ``T_n = T / t`` with sequence parallelism), the two norm outputs
   the GEMMs read (``2 x 2 T h``: 16-bit, all-gathered to ``T`` tokens with SP), QKV ``2 T (h + 2 g d) / t``
   (+ the rotated q, k with rope, except with flash attention: the rotated q, k and V's contiguous copy in its
   place, Transformer Engine's ``get_qkv_layout``; with torchtitan's ``repeat_kv`` q and the ``a``-head K and V,
@@ -254,7 +254,7 @@ def _layer_activation_bytes(spec, recompute: str, bf16_gathered: bool = False) -
     sp = spec.sequence_parallel and t > 1
     amp = spec.precision == "amp_fp32_params"
     w = 4 if spec.precision in FULL_PRECISIONS else 2  # bytes of a GEMM operand / activation (fp32, tf32: 4)
-    act = 4 if amp or w == 4 else 2
+    act = spec.residual_bytes  # 4 under autocast or fp32 / tf32, 2 otherwise (FSDP2 bf16: no autocast)
     T = spec.micro_batch_size * spec.seq_length
     Tn = T // t if sp else T
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -517,7 +517,7 @@ def stage_memory(cfg: ScenarioConfig, pp_rank: int = 0) -> StageMemory:
     t = spec.tensor_parallel_size
     amp = spec.precision == "amp_fp32_params"
     w = 4 if spec.precision in FULL_PRECISIONS else 2  # bytes of a GEMM operand / activation
-    act = 4 if amp or w == 4 else 2
+    act = spec.residual_bytes  # 4 under autocast or fp32 / tf32, 2 otherwise (FSDP2 bf16: no autocast)
     T = spec.micro_batch_size * spec.seq_length
     h, V = spec.hidden_size, spec.vocab_per_rank
     p, v, m = spec.pipeline_parallel_size, spec.virtual_pipeline_size, spec.num_micro_batches

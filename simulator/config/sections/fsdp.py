@@ -31,7 +31,8 @@ final norm, LM head). FSDP shards the fp32 parameters, the optimizer updates the
 reduction (``reduce_dtype``). Version 1 runs the model under ``torch.autocast`` (``training.precision:
 amp_fp32_params``, llm-foundry ``precision: amp_bf16``), so its GEMMs are bf16 whatever it gathers.
 Version 2 runs as torchtitan does, without autocast: the gathered dtype is the compute dtype, bf16
-under ``amp_fp32_params``, fp32 (torchtitan's ``mixed_precision_param = "float32"``) under
+under ``amp_fp32_params`` (bf16 activations, residual stream and norms, no casts before the GEMMs:
+``TransformerSpec.fsdp2_bf16_params``), fp32 (torchtitan's ``mixed_precision_param = "float32"``) under
 ``training.precision: fp32`` (fp32 GEMMs) or ``tf32`` (``allow_tf32``); the other pairings are
 refused in one line (``precision_problem``). ``mixed_precision`` strings are
 composer's ``get_mixed_precision`` (llm-foundry): ``DEFAULT`` = param bf16, reduce fp32; ``PURE`` =

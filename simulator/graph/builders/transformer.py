@@ -25,7 +25,9 @@ same memory traffic the GPU moves:
   micro-batch's weight gradient is still copied into ``.grad`` (PyTorch's AccumulateGrad takes the buffer
   instead): 8 bytes per parameter per step too many. With FSDP2 gathering fp32 parameters (``fsdp2_full_precision``:
   torchtitan's ``mixed_precision_param = "float32"``, which runs without autocast) the GEMMs read the gathered fp32
-  weights.
+  weights. With FSDP2 gathering bf16 parameters under ``amp_fp32_params`` (``fsdp2_bf16_params``, torchtitan's
+  default) there is no autocast either: fp32 sharded parameters and optimizer, but the residual stream, norms and
+  saved activations in bf16 and no casts before the GEMMs; FSDP1 (llm-foundry / Composer) stays under autocast.
 * **Attention** is one fused flash kernel (``scaled_dot_product_attention``) whose FLOPs are
   ``4 * b * a * s^2 * d / 2`` forward with causal masking and 2.5x that backward (the backward
   recomputes the scores: Dao, *FlashAttention-2*, 2023, section 4.1 FLOP accounting); with
@@ -565,6 +567,37 @@ class TransformerSpec:
                 and self.grad_reduce_size > 1)
 
     @property
+    def fsdp2_bf16_params(self) -> bool:
+        """FSDP2 (``fully_shard``) over fp32 sharded parameters gathering bf16 ones (``precision`` amp_fp32_params,
+        ``MixedPrecisionPolicy(param_dtype=bfloat16)``: the ``param_bytes`` 2 of its ``ShardingSpec``), torchtitan's
+        default ``mixed_precision_param = "bfloat16"``. No autocast runs: torchtitan's ``maybe_enable_amp`` returns a
+        ``nullcontext`` when FSDP is on (pytorch/torchtitan@30b9ea0b torchtitan/distributed/utils.py), and fully_shard's
+        mixed precision is per module, "low-precision activations are saved for backward and high-to-low-precision
+        casts are incurred only at module boundaries" (pytorch/pytorch@01d5c2cc
+        torch/distributed/fsdp/_fully_shard/_fsdp_api.py ``MixedPrecisionPolicy``; ``cast_forward_inputs=True`` casts
+        each fully_shard module's floating inputs to bf16). So the residual stream, the norms and every activation
+        are bf16, no Linear casts its input or weight, and the norms read and write bf16 (torchtitan's Llama uses
+        ``nn.RMSNorm``, pytorch/torchtitan@018740b7 torchtitan/models/llama3/model/model.py, whose ``rms_norm``
+        computes in fp32 and returns ``type_as(input)``, keeping an fp32 ``rstd``: pytorch/pytorch aten/src/ATen/
+        native/layer_norm.cpp ``rms_norm_composite``). The loss upcasts the bf16 logits (``pred.float()`` in
+        ``cross_entropy_loss``: pytorch/torchtitan@00a388d9 torchtitan/components/loss.py), as autocast did."""
+        sh = self.sharding
+        return (self.precision == "amp_fp32_params" and sh is not None and sh.version == 2 and sh.param_bytes == 2
+                and self.grad_reduce_size > 1)
+
+    @property
+    def autocast(self) -> bool:
+        """``torch.autocast`` runs the step (``amp_fp32_params`` except FSDP2 gathering bf16 parameters,
+        ``fsdp2_bf16_params``): the residual stream and norms are fp32 and each Linear casts its fp32 input."""
+        return self.precision == "amp_fp32_params" and not self.fsdp2_bf16_params
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream and the norms' inputs and outputs: 4 under autocast and with
+        fp32 / tf32, else 2 (16-bit)."""
+        return 4 if self.autocast or self.precision in FULL_PRECISIONS else 2
+
+    @property
     def _fsdp(self) -> bool:
         """FSDP sharding (a strategy of ``sharding.STRATEGIES`` with per-unit buckets) over data parallelism."""
         return self.sharding is not None and self.sharding.unit_buckets and self.grad_reduce_size > 1
@@ -1062,13 +1095,13 @@ class _GptBuilder:
         self.s = spec
         self.b = GraphBuilder()
         self.e = KernelEmitter(self.b)
-        amp = spec.precision == "amp_fp32_params"
-        self.amp = amp
-        self.act = 4 if amp else 2  # bytes per element of the residual stream / LayerNorm
+        #: fp32 parameters without a master copy (``amp_fp32_params``, with or without autocast)
+        self.amp = spec.precision == "amp_fp32_params"
+        #: torch.autocast casts each Linear's fp32 input (not under FSDP2 gathering bf16 parameters)
+        self.autocast = spec.autocast
+        self.act = spec.residual_bytes  # bytes per element of the residual stream / LayerNorm
         #: fp32 / tf32: everything fp32 (PyTorch without autocast; tf32: torch.backends.cuda.matmul.allow_tf32)
         self.full = spec.precision in FULL_PRECISIONS
-        if self.full:
-            self.act = 4
         self.w = 4 if self.full else 2  # bytes per element of the GEMM operands and activations between them
         self.cp = spec.context_parallel_size
         #: tokens of one micro-batch on this rank (``s / c`` of each sequence with context parallelism)
@@ -1202,7 +1235,7 @@ class _GptBuilder:
         W = groups * in_dim * out_dim
         w16 = self._weight16(name, W)
         xin = x
-        if self.amp and x_fp32:
+        if self.autocast and x_fp32:
             xin = e.fresh(f"{name}.in16")
             e.kernel(f"{name}.cast_in", C.CAST, reads=4 * T * in_dim, writes=2 * T * in_dim,
                      out=[(xin, 2 * T * in_dim)], uses=[x], dtype="fp32")
@@ -1313,7 +1346,7 @@ class _GptBuilder:
             live = self.pg.weight(e.layer, e.phase)
             keep = [live] if live is not None and live != w16 else []
         gin = g
-        if g_fp32 and self.amp:
+        if g_fp32 and self.autocast:
             gin = e.fresh(f"{name}.g16")
             e.kernel(f"{name}.cast_grad", C.CAST, reads=4 * T * out_dim, writes=2 * T * out_dim,
                      out=[(gin, 2 * T * out_dim)], uses=[g], dtype="fp32")
@@ -1416,7 +1449,7 @@ class _GptBuilder:
         weight-gradient kernels; None: none kept). Returns the input gradient."""
         e, T, h = self.e, self.Tn, self.s.hidden_size
         gin = g
-        if self.amp and g_is_bf16:
+        if self.autocast and g_is_bf16:
             gin = e.fresh(f"{name}.g32")
             e.kernel(f"{name}.cast_grad", C.CAST, reads=2 * T * h, writes=4 * T * h,
                      out=[(gin, 4 * T * h)], uses=[g], dtype="fp32")
