@@ -1118,18 +1118,22 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
                    f"1/{cfg.model.num_layers} of the input-gradient work; embeddings, norms and the LM head are frozen")
     z = getattr(cfg, "zero_optimization", None)
     dp_many = len(hw.dp_group) > 1
+    # where the one data-parallel rank is: one GPU, or tensor / pipeline / context parallelism filling the world
+    alone = "on one GPU" if hw.world_size == 1 else "with data_parallel_size 1"
+    more = ("set hardware.cluster" if hw.world_size == 1 else
+            f"fewer tensor / pipeline / context-parallel ranks of the {hw.world_size} GPUs")
     if cfg is not None and cfg.fsdp is not None and not dp_many:
-        out.append("fsdp on one GPU shards nothing: FSDP partitions model states across data-parallel ranks (set "
-                   "hardware.cluster for data_parallel_size > 1)")
+        out.append(f"fsdp {alone} shards nothing: FSDP partitions model states across data-parallel ranks ({more} "
+                   "for data_parallel_size > 1)")
     if (z is not None and not dp_many and z.stage >= 1 and z.offload_optimizer.device == "none"
             and z.offload_param.device == "none"):
-        out.append(f"zero_optimization.stage {z.stage} without offload shards nothing on one GPU: ZeRO stages only "
-                   "partition model states across data-parallel ranks (set hardware.cluster for data_parallel_size > 1); "
+        out.append(f"zero_optimization.stage {z.stage} without offload shards nothing {alone}: ZeRO stages only "
+                   f"partition model states across data-parallel ranks ({more} for data_parallel_size > 1); "
                    "the step is priced unsharded, without DeepSpeed's ZeRO step norm, fp32 partition copy and unscale "
                    "mul_ (grad_norm.deepspeed_zero_step), which DeepSpeed runs on one GPU too whatever training.clip_grad")
     if (z is not None and z.stage in (1, 2) and z.contiguous_gradients
             and (z.offload_optimizer.device != "none" or not dp_many)):
-        where = "with offload_optimizer" if z.offload_optimizer.device != "none" else "on one GPU"
+        where = "with offload_optimizer" if z.offload_optimizer.device != "none" else alone
         out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
                    "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
