@@ -286,12 +286,37 @@ def load_file(path: str | Path) -> Any:
     Raises:
         YamlInputError: see ``read_text`` and ``loads``.
     """
+    text = read_text(path)
     try:
-        return loads(read_text(path))
+        return loads(text)
     except YamlInputError as exc:
         if str(path).lower().endswith(".json") and str(exc).startswith("YAML "):
             raise YamlInputError("JSON " + str(exc)[len("YAML "):]) from None
+        if str(exc).startswith("YAML syntax error") and (hint := toml_hint(text)):
+            raise YamlInputError(f"{exc}; {hint}") from None
         raise
+
+
+_TOML_HEADER = re.compile(r"^\s*\[\s*([A-Za-z_][\w.\-]*)\s*\]\s*(#.*)?$")
+_TOML_KEY = re.compile(r"^\s*([A-Za-z_][\w\-]*)\s*=\s*(.*?)\s*(#.*)?$")
+
+
+def toml_hint(text: str) -> str:
+    """A hint for a YAML syntax error in ``text`` whose lines look like TOML (a ``[section]`` header and a
+    ``key = value`` line, as torchtitan's job configs are written), built from the first section and its first key:
+    ``[activation_checkpoint]`` / ``mode = "selective"`` -> ``activation_checkpoint: {mode: selective}``; "" when
+    the text does not look like TOML."""
+    section, key = None, None
+    for line in text.splitlines():
+        if section is None and (m := _TOML_HEADER.match(line)):
+            section = m.group(1)
+        elif section is not None and (m := _TOML_KEY.match(line)):
+            key = m.group(1), m.group(2).strip("\"'") or "..."
+            break
+    if section is None or key is None:
+        return ""
+    return (f"it looks like TOML ([{section}] headers, key = value lines): write it as a YAML mapping, "
+            f"{section}: {{{key[0]}: {key[1]}}}")
 
 
 def load_mapping(path: str | Path, what: str = "a mapping of keys") -> dict:

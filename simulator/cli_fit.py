@@ -40,7 +40,8 @@ def cmd_fit(args) -> int:
     answer = df.attrs[which]
     if args.json:
         rows = [{k: (None if v != v else v) for k, v in r.items()} for r in df.to_dict("records")]
-        print(json.dumps({"key": key, which: answer, "points": rows}, default=str))
+        print(json.dumps({"key": key, which: answer, "points": rows, "warnings": list(df.attrs["warnings"])},
+                         default=str))
     else:
         print(f"{key:<32} fits  peak GPU memory / capacity      step time")  # of the tightest rank class
         for r in df.itertuples():
@@ -52,5 +53,8 @@ def cmd_fit(args) -> int:
             if isinstance(r.memory_binding_class, str):  # rank_overrides: GPUs of different memory
                 mem = f"{mem} [{r.memory_binding_class}]"
             print(f"{str(r.value):<32} {'yes' if r.fits else 'no ':<4}  {mem:<30} {step}{why}")
+        for text, where in df.attrs["warnings"].items():  # each once, as `simulate run` prints them
+            who = "every value" if len(where) == len(df) else f"{key} " + ", ".join(str(df.value[i]) for i in where)
+            print(f"warning ({who}): {text}")
         print(f"{which} that fits: {answer if answer is not None else 'none of the values'}")
     return 0 if answer is not None else 1

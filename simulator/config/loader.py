@@ -516,6 +516,10 @@ def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_tim
                 cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 mem = presets.build_spec(type(mem), data_mem, "overrides.memory")
                 _warn_far_from_preset(base_cpu, cpu, over, f"{key}.overrides", warn_every_time)  # as a GPU's
+                scaled = _sustained_follows_peak(base_cpu, cpu, over, f"{key}.overrides", warn_every_time)
+                if scaled:  # the explicit peak moves the sustained figure the CPU kernels use
+                    over = {**over, "stream_bandwidth_bytes_per_s": scaled}
+                    cpu = presets.build_spec(type(cpu), _merged(data, over), "overrides")
                 _warn_far_from_preset(base_mem, mem, mem_over, f"{key}.overrides.memory", warn_every_time)
                 if whatif:  # the preset with its overrides is valid: an error now is in threads / numa_node
                     cpu = _host_whatif(type(cpu), _merged(data, {**over, **whatif}), ref, key, source)
@@ -529,6 +533,42 @@ def _with_overrides(family: str, ref, cls, key: str, source: str, warn_every_tim
     except PresetError as exc:  # an unknown name is the name's key's (hardware.gpu.preset in a mapping)
         where = key if name in presets.list_presets(family)[family] else _name_key(ref, key)
         raise ScenarioError(f"{source}: {where}: {exc}") from None
+
+
+#: host CPU fields that set the sustained (STREAM) DRAM bandwidth themselves (``HostCpuSpec
+#: .sustained_bandwidth_bytes_per_s``): an override of any of them keeps ``memory_bandwidth_bytes_per_s`` from moving it
+_SUSTAINED_FIELDS = ("stream_bandwidth_bytes_per_s", "memory_channels_per_socket", "memory_rate_mt_per_s",
+                     "sustained_bandwidth_fraction", "sockets")
+
+
+def _sustained_follows_peak(base, cpu, over: dict, where: str, every_time: bool = True) -> float:
+    """The sustained DRAM bandwidth (bytes/s) an override of ``memory_bandwidth_bytes_per_s`` alone implies, 0: none.
+
+    ``memory_bandwidth_bytes_per_s`` is the host's bandwidth field that ``simulate presets`` shows, but a preset with
+    a fitted ``stream_bandwidth_bytes_per_s`` or DRAM channels x MT/s takes its sustained figure (the CPU optimizer
+    step, host-side copies: ``hardware_models.host_kernels``) from those, so the override alone would change
+    nothing there. Read as a what-if about the host's memory, it scales the preset's sustained figure by the same
+    factor (keeping the preset's sustained / ``memory_bandwidth`` ratio), with one warning saying so. Nothing when
+    the override also sets a field of ``_SUSTAINED_FIELDS`` (those win) or when the preset's sustained figure is
+    ``memory_bandwidth_bytes_per_s`` itself (it follows already). Warned each time, or (``every_time`` false) once
+    per process and value, as ``_warn_far_from_preset``."""
+    if "memory_bandwidth_bytes_per_s" not in over or any(k in over for k in _SUSTAINED_FIELDS):
+        return 0.0
+    old_peak, old_sus = base.memory_bandwidth_bytes_per_s, base.sustained_bandwidth_bytes_per_s
+    new_peak = cpu.memory_bandwidth_bytes_per_s
+    if old_sus == old_peak or new_peak == old_peak:
+        return 0.0
+    new_sus = old_sus * (new_peak / old_peak)
+    name = f"{where}.memory_bandwidth_bytes_per_s"
+    if not every_time and (name + " sustained", repr(new_sus)) in _WARNED:
+        return new_sus
+    _WARNED.add((name + " sustained", repr(new_sus)))
+    warnings.warn(f"{name}: the host's sustained streaming bandwidth (CPU optimizer "
+                  f"step, host copies) scales with it: {old_sus / 1e9:.4g} GB/s x {new_peak / 1e9:.4g} / "
+                  f"{old_peak / 1e9:.4g} = {new_sus / 1e9:.4g} GB/s (the preset's sustained / memory_bandwidth "
+                  f"ratio {old_sus / old_peak:.3g}); set {where}.stream_bandwidth_bytes_per_s to set it on its own",
+                  ScenarioWarning, stacklevel=4)
+    return new_sus
 
 
 def _host_whatif(cls: type, data: dict, ref, key: str, source: str):

@@ -169,12 +169,28 @@ def _derived_note(cfg: Any, key: str, node: Any) -> str | None:
             f"{node.model_dump()}; only --set {off}")
 
 
+def _filled_from_defaults(node: Any, default: Any) -> dict:
+    """The fields of section ``node`` that differ from its schema default ``default`` only where the default is None
+    (a value the validators derived from the other settings: ``parallelism.data_parallel_size`` from the world size),
+    ``{field: value}``; empty when any other field differs (the section is not the schema's defaults)."""
+    filled = {}
+    for name in type(node).model_fields:
+        mine, theirs = getattr(node, name), getattr(default, name)
+        if mine == theirs:
+            continue
+        if theirs is not None:
+            return {}
+        filled[name] = mine
+    return filled
+
+
 def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
     """One line per ``--set KEY=null`` of ``overrides`` that removed a scalar key (``null_override`` "remove"),
     saying what the valid scenario ``cfg`` took in its place: the schema's default, or the value its validators
     derived from the other settings (``parallelism.data_parallel_size``), or that it is left unset for the run to
     resolve from the framework (``training.clip_grad``: ``None``). A section removed is noted when it took the
-    schema's defaults (``aio=null``: their values) or, one whose default is None, when the validators filled it in
+    schema's defaults (``aio=null``: their values; ``parallelism=null``: with the fields the validators derived, as
+    ``data_parallel_size``, named) or, one whose default is None, when the validators filled it in
     from other keys (derived, with its value); a key of ``DERIVED_FROM`` names the key it came from and the
     ``--set`` that turns it off (``fsdp.offload_policy`` from ``training.enable_cpu_offload``), or, left null, what
     null means there; other sections are not. Raises nothing: a text that does not parse is skipped."""
@@ -208,6 +224,12 @@ def null_override_notes(cfg: Any, overrides: list[str]) -> list[str]:
         if isinstance(node, BaseModel) and node == default:  # a section of schema defaults (aio=null)
             out.append(f"--set {key}={raw}: {key} is not written, so it takes the schema's defaults: "
                        f"{node.model_dump()}")
+            continue
+        if isinstance(node, BaseModel) and isinstance(default, BaseModel) and (
+                filled := _filled_from_defaults(node, default)):  # parallelism=null: dp derived from the world size
+            derived = ", ".join(f"{k} {v!r}" for k, v in filled.items())
+            out.append(f"--set {key}={raw}: {key} is not written, so it takes the schema's defaults, with {derived} "
+                       f"derived from the other settings: {node.model_dump()}")
             continue
         if isinstance(node, BaseModel) or isinstance(node, (list, dict)):
             continue

@@ -73,6 +73,9 @@ class SearchResult:
         keys: The space's keys, in order.
         global_batch_size: Samples per step of every point.
         notes: One line each: what was assumed (the global batch), what could not be estimated.
+        warnings: Each distinct warning of the simulated points (what their runs assumed or did not model, as
+            ``simulate run`` prints them) -> the ``table`` positions of the points that gave it
+            (``sweep.point_warnings``), in order of first appearance.
     """
 
     table: pd.DataFrame
@@ -80,6 +83,7 @@ class SearchResult:
     keys: list[str]
     global_batch_size: int
     notes: list[str] = field(default_factory=list)
+    warnings: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -299,7 +303,7 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
                                                 f"data_parallel_size, {gbs}, for every point; --set "
                                                 "training.global_batch_size=N to choose another")
     points = grid({k: space[k] for k in keys})
-    rows, survivors, not_estimated = [], [], set()
+    rows, survivors, not_estimated, found = [], [], set(), {}
     for pt in points:
         row: dict = {**pt, "status": None, "reason": None}
         try:
@@ -335,6 +339,8 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     if survivors:
         df = run_sweep(scenario, space, base_overrides=base_ov, workers=workers, out_dir=out_dir, progress=progress,
                        client=client, log=log, points=[points[i] for i in survivors], breakdown=True, set_by=set_by)
+        for text, where in (df.attrs.get("warnings") or {}).items():  # sweep row j is the point survivors[j]
+            found[text] = [survivors[j] for j in where]
         for i, sim in zip(survivors, df.to_dict("records")):
             row = rows[i]
             row.update({k: v for k, v in sim.items() if k not in space})
@@ -354,7 +360,7 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     if ok.any():
         order = table.loc[ok, objective].rank(method="first", ascending=OBJECTIVES[objective] == "min")
         table.loc[ok, "rank"] = order.astype(int)
-    result = SearchResult(table, objective, keys, int(gbs) if gbs else 0, notes)
+    result = SearchResult(table, objective, keys, int(gbs) if gbs else 0, notes, found)
     if out_dir is not None:
         from simulator.recording.writers import atomic_write_text
 
@@ -443,7 +449,20 @@ def format_search(result: SearchResult, top: int = 10) -> str:
                  " is better; shares of the step: compute, exposed communication per group, pipeline bubble (the stages' "
                  "waits for each other), host-bound gaps / idle, optimizer kernels):")
     lines.append(shown.to_string(index=False))
+    lines += _shown_warnings(result, best)
     return "\n".join(lines)
+
+
+def _shown_warnings(result: SearchResult, best: pd.DataFrame) -> list[str]:
+    """One line per distinct warning of the layouts shown (``best``), each once, with the ranks that gave it."""
+    rank = {i: int(r) for i, r in best["rank"].items()}
+    out = []
+    for text, where in result.warnings.items():
+        ranks = sorted(rank[i] for i in where if i in rank)
+        if ranks:
+            who = "every layout shown" if len(ranks) == len(best) else "rank " + ", ".join(map(str, ranks))
+            out.append(f"warning ({who}): {text}")
+    return out
 
 
 def search_json(result: SearchResult, top: int = 10) -> dict:

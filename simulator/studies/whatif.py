@@ -20,7 +20,8 @@ from simulator.config.schema import ScenarioConfig
 
 COLUMNS = ("value", "fits", "peak_memory_bytes", "peak_device_memory_bytes", "gpu_memory_capacity_bytes",
            "peak_host_pinned_bytes",
-           "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error", "memory_binding_class")
+           "peak_host_pageable_bytes", "step_time_s", "samples_per_s", "oom", "error", "memory_binding_class",
+           "warnings")
 
 
 def with_overrides(cfg: ScenarioConfig, **dotted: Any) -> ScenarioConfig:
@@ -61,8 +62,10 @@ def largest_fitting(cfg: ScenarioConfig, key: str, values: Iterable[Any], steps:
     Returns:
         DataFrame with ``COLUMNS`` (the peak and capacity of the rank class with the least headroom, named by
         ``memory_binding_class`` when ``rank_overrides`` put ranks on GPUs of different memory; ``fits``: no
-        class ran out of memory); ``df.attrs["largest"]`` / ``df.attrs["smallest"]`` are the largest /
-        smallest value that fits (``None`` if none does), ``df.attrs["key"]`` the key.
+        class ran out of memory; ``warnings``: the run's warnings, a list, as ``simulate run`` prints them);
+        ``df.attrs["largest"]`` / ``df.attrs["smallest"]`` are the largest / smallest value that fits (``None`` if
+        none does), ``df.attrs["key"]`` the key, ``df.attrs["warnings"]`` each distinct warning -> the positions
+        of the rows that gave it (``sweep.point_warnings``).
     """
     return _fit_table(key, values, lambda v: with_overrides(
         cfg, **{key: v, "run.steps": max(2, steps), "run.warmup_steps": 1}))
@@ -105,4 +108,7 @@ def _fit_table(key: str, values: Iterable[Any], point) -> pd.DataFrame:
     df.attrs["key"] = key
     df.attrs["largest"] = max(fitting) if fitting else None
     df.attrs["smallest"] = min(fitting) if fitting else None
+    from simulator.studies.sweep import point_warnings
+
+    df.attrs["warnings"] = point_warnings(rows)
     return df

@@ -101,6 +101,27 @@ def test_yaml_syntax_error(tmp_path, capsys):
     assert "YAML syntax error at line" in err and str(p) in err
 
 
+@pytest.mark.parametrize("text, where", [
+    ('[activation_checkpoint]\nmode = "selective"\n', "line 2, column 1: expected '<document start>', but found '<scalar>'"),
+    ('name: x\n[activation_checkpoint]  # from torchtitan\nmode = "selective"\n', "line 3, column 1: could not find "
+     "expected ':'"),
+])
+def test_toml_pasted_as_yaml_gets_a_hint(tmp_path, capsys, text, where):
+    """A torchtitan TOML section pasted as-is: the YAML error says it looks like TOML and shows the section as a YAML
+    mapping, in one line. Before, only the YAML error."""
+    p = write(tmp_path, text)
+    assert main(["run", str(p)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {p}: YAML syntax error at {where}; it looks like TOML ([activation_checkpoint] headers, key = value "
+        "lines): write it as a YAML mapping, activation_checkpoint: {mode: selective}\n")
+
+
+def test_yaml_error_without_toml_lines_gets_no_toml_hint(tmp_path, capsys):
+    p = write(tmp_path, "name: x\nmodel: [1, 2\nmode = 3\n")  # a key = value line but no [section] header
+    assert main(["run", str(p)]) == 2
+    assert "TOML" not in capsys.readouterr().err
+
+
 def test_missing_file(capsys):
     assert main(["run", "does/not/exist.yaml"]) == 2
     assert "does/not/exist.yaml: file not found" in capsys.readouterr().err

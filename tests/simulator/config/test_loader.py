@@ -131,3 +131,28 @@ def test_cluster_overrides_far_from_their_preset_are_warned_once(capsys):
         "(SI units); check the unit",
         "warning: hardware.cluster.network_overrides.nic_bytes_per_s: 5e+07 is 1,000x below the preset's 5e+10 "
         "(SI units); check the unit"], err
+
+
+def test_host_memory_bandwidth_override_scales_the_sustained_bandwidth(capsys):
+    """An override of the host's ``memory_bandwidth_bytes_per_s`` alone (the field ``simulate presets`` shows) moves
+    the sustained figure the CPU optimizer step uses by the same factor, with one warning saying so. h200-measured-host:
+    memory 67.05 GB/s, fitted stream 98.11 GB/s; at 100 GB/s the stream figure is 98.11 x 100 / 67.05 = 146.3236 GB/s,
+    so the run equals one with that stream figure set directly. Before, the CPU optimizer stayed at 329.8 ms."""
+    s = str(ROOT / "scenarios/h200/gpt_184m_b16_offload_overlap.yaml")
+    cfg = load_scenario(s, ["hardware.host.overrides.memory_bandwidth_bytes_per_s=100 GB/s"])
+    with pytest.warns(UserWarning, match=r"memory_bandwidth_bytes_per_s: the host's sustained streaming bandwidth "
+                      r"\(CPU optimizer step, host copies\) scales with it: 98.11 GB/s x 100 / 67.05 = 146.3 GB/s"):
+        cpu = resolve_hardware(cfg, warn_every_time=True).host_cpu
+    assert cpu.sustained_bandwidth_bytes_per_s == pytest.approx(146.3236e9, rel=1e-6)
+    # an explicit stream figure wins, and nothing is scaled
+    cfg = load_scenario(s, ["hardware.host.overrides={memory_bandwidth_bytes_per_s: 100e9, "
+                            "stream_bandwidth_bytes_per_s: 50e9}"])
+    assert resolve_hardware(cfg, warn_every_time=True).host_cpu.sustained_bandwidth_bytes_per_s == 50e9
+    runs = [["--set", "hardware.host.overrides.memory_bandwidth_bytes_per_s=100 GB/s"],
+            ["--set", "hardware.host.overrides.stream_bandwidth_bytes_per_s=146.3236 GB/s"], []]
+    outs = []
+    for extra in runs:
+        capsys.readouterr()
+        assert main(["run", s, "--json", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out)["step_time_s"])
+    assert outs[0] == pytest.approx(outs[1], rel=1e-6) and outs[0] < outs[2] - 0.05  # 331.8 vs 389.2 ms

@@ -177,6 +177,22 @@ def test_null_on_a_section_with_schema_defaults_says_it_took_them():
     assert notes == [f"--set aio=null: aio is not written, so it takes the schema's defaults: {cfg.aio.model_dump()}"]
 
 
+def test_null_on_parallelism_names_the_derived_data_parallel_size():
+    """``--set parallelism=null`` on PP4 x DP2 over 8 GPUs leaves tp 1, pp 1 (the schema's defaults) and
+    data_parallel_size derived from the world size: 8 / (1 x 1) = 8, and the note says so. Before, it was silent
+    (the section differed from its default in the derived dp, so it was skipped), though the step went 337 -> 222 ms."""
+    from simulator.config.loader import load_scenario
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_scenario("scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml", ["parallelism=null"])
+    notes = [str(w.message) for w in caught if "is not written, so" in str(w.message)]
+    p = cfg.parallelism
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (1, 1, 8)
+    assert notes == ["--set parallelism=null: parallelism is not written, so it takes the schema's defaults, with "
+                     f"data_parallel_size 8 derived from the other settings: {p.model_dump()}"]
+
+
 def test_null_on_an_optional_section_says_it_is_left_out():
     """``--set activation_checkpoint=null`` on torchtitan's 405B scenario (full AC) removes the section: the note
     says what it became (left out, its default none) and what that means (training.recompute_granularity decides:

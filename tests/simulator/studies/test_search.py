@@ -212,3 +212,25 @@ def test_the_searchs_own_nulls_stay_silent(recwarn, tmp_path):
     assert len(rows) == 2
     assert not any("data_parallel_size=null" in str(w) for w in rows["warnings"])
     assert not any("data_parallel_size=null" in str(w.message) for w in recwarn.list)
+
+
+def test_text_report_lists_the_shown_layouts_warnings_once(capsys):
+    """The text report prints each distinct warning of the layouts shown once, with the ranks that gave it: tp 2 x
+    pp 4 on 8 GPUs is dp 1 (8 / (2 x 4)), so its ZeRO-1 shards nothing, flagged as a single-GPU ZeRO run is (with
+    data_parallel_size 1, not "one GPU"); tp 1 x pp 4 (dp 2) is not. Before, the text printed no warnings and
+    the flag said "on one GPU"."""
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--space", f"{PP}=4", "--space",
+                 "zero_optimization.stage=1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    warns = [ln for ln in lines if ln.startswith("warning (")]
+    assert len(warns) == len(set(warns)) and warns == lines[-len(warns):]
+    assert ("warning (every layout shown): host '2x Intel Xeon Platinum 8480C (DGX H100)' has no measured dispatch "
+            "time per op: the generic 10 us is assumed (set hardware.launch_overhead_s or calibrate the host)") in warns
+    flag = [w for w in warns if "shards nothing" in w]
+    assert flag == ["warning (rank 2): zero_optimization.stage 1 without offload shards nothing with data_parallel_size "
+                    "1: ZeRO stages only partition model states across data-parallel ranks (fewer tensor / pipeline / "
+                    "context-parallel ranks of the 8 GPUs for data_parallel_size > 1); the step is priced unsharded, "
+                    "without DeepSpeed's ZeRO step norm, fp32 partition copy and unscale mul_ "
+                    "(grad_norm.deepspeed_zero_step), which DeepSpeed runs on one GPU too whatever training.clip_grad"]
+    rank2 = next(ln for ln in lines if ln.split()[:5] == ["2", "2", "4", "1", "1"])  # rank, tp, pp, zero, dp
+    assert rank2
