@@ -9,8 +9,8 @@ point ``bench_scale.py`` times. Each phase is the process CPU time (``time.proce
 function, summed over its calls; nested phases are indented under the one holding them (``stamper`` and
 ``check`` inside ``build``; ``coarsen`` (without a collective model) and ``coarsen + fold TP`` (with one:
 ``side_blocks.coarsen_folded``, its plan, coarsened ops and fold below it) inside ``policies``; ``env.run`` and
-the frames inside ``engine``). ``engine`` counts ``run_ranks`` once (a run that restarts itself with exact power metering before
-simulating anything is counted by its outer call only). The step time and peak memory are printed so that two
+the frames inside ``engine``). ``engine`` counts ``run_ranks`` once (a run that restarts itself with exact power
+metering before simulating anything is counted by its outer call only). The step time and peak memory are printed so that two
 checkouts can be compared (they must agree to the last bit where a change is meant to keep results).
 """
 

@@ -44,14 +44,16 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
 
 6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
    ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
-   ``coarsen``, with none of them waited for after the pass (``wait_for``, a result tensor) and no tensor the
-   builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
+   ``coarsen``, but those no graph folds (``_cut_off``: one waiting for a context stub off the compute stream, or
+   whose first compute user does: the pipeline's receive, beside a stage's first layer forward and last layer
+   backward; left as ops in the template), with none of them waited for after the pass (``wait_for``, a result
+   tensor) and no tensor the builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
    (``BlockTemplate.prefold``), so the whole graph's ``fold_overlapped_tp`` has ~4x fewer ops to walk. Then: the
    compute ops around the pass are of another layer or phase (no run crosses its edges); on each TP stream it
    used, the ops before it that may be the stream's op before it once ``coarsen`` has folded what it may (walking
    back over the ops it may fold) are each waited for by a compute op before the pass, and those after it each
-   wait for a compute op after the pass, or from the block holding its last op there that ``coarsen`` leaves (so
-   every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
+   wait for a compute op from the op holding the pass's last op there on (``BlockTemplate.tails``: an op on another
+   stream waits for a block only at its last kernel, check 1) (so every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
    pass's own TP ops); check 1 takes the tensors made inside the folded blocks, check 5 also a TP op folded into
    such a pass that a compute op keeps apart from its first user (``_apart_waits``); check 4 holds by these.
    Where check 6 fails the builder stamps the graph again without (then checks 1-5).
@@ -90,7 +92,8 @@ class BlockTemplate:
     of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
     its first op there waits for a compute kernel of the pass, and the context slots it waits for; ``waited``:
     ``(table index, op index)`` of each tensor the builder said another stream waits for after the pass
-    (``Stamper.waited_later``) and the block ending at its producer (check 5)."""
+    (``Stamper.waited_later``) and the block ending at its producer (check 5); ``regather_folded``: stamped
+    pre-folded with no TP op left that uses an input a compute op made (``Stamper.last_prefold``)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited", "prefold",
@@ -479,10 +482,11 @@ def _prefold_edges(ops: Sequence[Op], i: Instance, streams: dict[str, list[int]]
     the compute ops right before and after it are of another layer or phase (no run of ``fold_overlapped_tp``
     crosses the pass's edges), and on each TP stream the pass used, each op before it that ``coarsen`` may leave
     as the stream's op before the pass (walking back over the ops it may fold) is waited for by a compute op
-    before the pass, and each op after it that may be the stream's next is waiting for a compute op after the
-    pass, or from the block holding the pass's last op there where ``coarsen`` leaves that op (``BlockTemplate.tails``)
-    (so ``foldable_tp`` and ``fold_overlapped_tp`` find every neighbour's stream conditions as with the
-    pass's TP ops there: those hold there, their users and dependencies lying inside the pass)."""
+    before the pass, and each op after it that may be the stream's next is waiting for a compute op from the op
+    holding the pass's last op there on (``BlockTemplate.tails``; it waits for a block at its last kernel, check 1,
+    which is from the kernel after that op's on) (so ``foldable_tp`` and ``fold_overlapped_tp`` find every
+    neighbour's stream conditions as with the pass's TP ops there: those hold there, their users and dependencies
+    lying inside the pass)."""
     for op, edge in ((i.before, ops[i.start]), (nxt, ops[i.end - 1])):
         if op is not None and op.layer >= 0 and (op.layer, op.phase) == (edge.layer, edge.phase):
             return f"a pass of layer {i.layer} stamped with its TP collectives folded has a neighbour of its phase"

@@ -940,8 +940,8 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
             producer where the backward of the same layer and micro-batch class (last, first) was last stamped
             with its TP collectives folded (so the re-gather is folded there too), or, before any backward of its
             class, where that class is neither the first micro-batch's nor the chunk's last (``_block_fwd``;
-            ``Stamper.run(waits_fold)``, ``stamp_blocks`` check 5 verifies it); where the check fails the graph is built again without
-            (``meta["layer_blocks"]["waits_fold"]``: None or why).
+            ``Stamper.run(waits_fold)``, ``stamp_blocks`` check 5 verifies it); where the check fails the graph is
+            built again without (``meta["layer_blocks"]["waits_fold"]``: None or why).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
