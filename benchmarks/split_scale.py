@@ -7,9 +7,10 @@ check, coarsening, folding the side TP collectives, the engine run, the records'
 Default: the GPT-3 175B step (``scenarios/scale/gpt3_175b_tp8_pp8_dp16.yaml``) at ``run.fidelity: layer``, the
 point ``bench_scale.py`` times. Each phase is the process CPU time (``time.process_time``) spent inside the named
 function, summed over its calls; nested phases are indented under the one holding them (``stamper`` and
-``check`` inside ``build``; ``coarsen`` and ``fold side TP`` inside ``policies``; ``env.run`` and the frames inside
-``engine``). ``engine`` counts ``run_ranks`` once (a run that restarts itself with exact power metering before
-simulating anything is counted by its outer call only). The step time and peak memory are printed so that two
+``check`` inside ``build``; ``coarsen`` (without a collective model) and ``coarsen + fold TP`` (with one:
+``side_blocks.coarsen_folded``, its plan, coarsened ops and fold below it) inside ``policies``; ``env.run`` and
+the frames inside ``engine``). ``engine`` counts ``run_ranks`` once (a run that restarts itself with exact power
+metering before simulating anything is counted by its outer call only). The step time and peak memory are printed so that two
 checkouts can be compared (they must agree to the last bit where a change is meant to keep results).
 """
 
@@ -32,7 +33,10 @@ stamper (passes)    | 1 | simulator.graph.builders.stamp:Stamper | run
 stamp_blocks.check  | 1 | simulator.graph.builders.stamp_blocks  | check
 policies            | 0 | simulator.api                          | apply_graph_policies
 coarsen             | 1 | simulator.policies.fidelity            | coarsen
-fold side TP        | 1 | simulator.policies.fidelity            | fold_overlapped_tp
+coarsen + fold TP   | 1 | simulator.policies.fidelity            | coarsen_folded
+coarsen plan        | 2 | simulator.graph.side_blocks            | coarse_plan
+coarsen ops         | 2 | simulator.graph.side_blocks            | coarse_ops
+fold side TP        | 2 | simulator.graph.side_blocks            | _folded
 engine              | 0 | simulator.engine.run                   | run_ranks
 executor setup      | 1 | simulator.engine.executor:Executor     | __init__
 env.run             | 1 | simpy:Environment                      | run

@@ -204,10 +204,9 @@ def tensor_index(ops, merged) -> tuple[dict[str, list[int]], dict[str, int]]:
     need.update(t.name for p in merged for t in p.allocs)
     users: dict[str, list[int]] = defaultdict(list)
     disjoint = need.isdisjoint
-    for op in ops:
+    for oid, op in enumerate(ops):  # by place (``side_blocks.coarsen_folded``: an op not copied keeps its old id)
         uses = op.uses
         if uses and not disjoint(uses):
-            oid = op.id
             for u in uses:
                 users[u].append(oid)  # in id order
     return users, size
@@ -317,15 +316,26 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) ->
         ``(graph, new_id)``: the new graph (``meta["fidelity"]`` records ``{"ops_before", "ops_after", "blocks",
         "folded_tp"}``) and, for each op id of ``graph``, the id of the op that stands for it in the new one.
     """
-    fold = foldable_tp(graph) if fold_tp else {}
-    blocks = blocks_of(graph, fold)
-    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks), "folded_tp": 0}
-    if not blocks:
+    plan = coarse_plan(graph, fold_tp)
+    if plan is None:
         same = list(range(len(graph.ops)))
+        info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": 0, "folded_tp": 0}
         if comm_ids and not all(map(_comm_ids_ok, graph.ops)):  # stamped blocks' shared collectives: their ids
             return graph.with_changes(ops=tuple(moved(op, same) for op in graph.ops),
                                       meta={**graph.meta, "fidelity": info}), same
         return graph.with_changes(meta={**graph.meta, "fidelity": info}), same
+    out, _, new_id, info = coarse_ops(graph, plan, comm_ids)
+    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info}), new_id
+
+
+def coarse_plan(graph: OpGraph, fold_tp: bool) -> tuple | None:
+    """What ``coarsen_ids`` merges: ``(blocks, comm_of, folded)`` (``blocks_of``'s runs; by block start, the TP
+    collectives folded before each part; collective id -> its block's start), None where nothing is."""
+    fold = foldable_tp(graph) if fold_tp else {}
+    blocks = blocks_of(graph, fold)
+    if not blocks:
+        return None
     pair = {ab: c for c, ab in fold.items()}
     comm_of: dict[int, dict[int, Op]] = {}  # block start -> {part id: collective folded before it}
     for b in blocks:
@@ -334,7 +344,19 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) ->
             if c is not None:
                 comm_of.setdefault(b[0], {})[n] = graph.ops[c]
     folded = {c.id: b0 for b0, m in comm_of.items() for c in m.values()}
-    info["folded_tp"] = len(folded)
+    return blocks, comm_of, folded
+
+
+def coarse_ops(graph: OpGraph, plan: tuple, comm_ids: bool = True, keep=None,
+               view: list[bool] | None = None) -> tuple[list, list, list[int], dict]:
+    """``(ops, deps, new_id, info)`` of ``coarsen_ids`` for ``plan`` (``coarse_plan``): the coarsened graph's ops,
+    their dependencies, the id map and ``meta["fidelity"]``. ``keep`` (an op -> bool): an op only renumbered for
+    which it is false is not copied: ``ops`` holds the op of ``graph`` itself (its id and dependencies the old
+    ones) and ``deps`` its new dependencies (``side_blocks.coarsen_folded``, which renumbers it once more); ``view``
+    (with ``keep``): a list to which whether each op is such an op is appended."""
+    blocks, comm_of, folded = plan
+    info = {"ops_before": len(graph.ops), "ops_after": len(graph.ops), "blocks": len(blocks),
+            "folded_tp": len(folded)}
     users, size = tensor_index(graph.ops, [graph.ops[j] for b in blocks for j in b]
                                + [c for m in comm_of.values() for c in m.values()])
     start_of = {b[0]: b for b in blocks}
@@ -350,19 +372,30 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) ->
             new_id[j] = n
         n += 1
     out: list[Op] = []
+    deps_of: list[tuple[int, ...]] = []
     for op in graph.ops:
         i = new_id[op.id]
         if i < len(out) or op.id in folded:
             continue
         b = start_of.get(op.id)
         if b is None:
-            out.append(moved(op, new_id, comm_ids))
+            if keep is None or keep(op):
+                out.append(moved(op, new_id, comm_ids))
+                deps_of.append(out[-1].deps)
+                if view is not None:
+                    view.append(False)
+            else:
+                out.append(op)
+                deps_of.append(tuple(sorted({new_id[d] for d in op.deps})) if op.deps else ())
+                view.append(True)
             continue
         parts = [graph.ops[j] for j in b]
         comm = comm_of.get(op.id)
         ids = set(b) | ({c.id for c in comm.values()} if comm else set())
         deps = tuple(sorted({new_id[d] for p in (*parts, *(comm or {}).values()) for d in p.deps if d not in ids}))
         out.append(_block_op(parts, users, size, i, deps, comm))
+        deps_of.append(deps)
+        if view is not None:
+            view.append(False)
     info["ops_after"] = len(out)
-    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
-    return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info}), new_id
+    return out, deps_of, new_id, info

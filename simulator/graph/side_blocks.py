@@ -45,7 +45,7 @@ from collections import defaultdict
 from itertools import chain
 
 from simulator.graph.blocks import _FIELDS, _GET_FIELDS, _UNFOLDABLE_META, COMPUTE_STREAM, _comm_ids_ok, _mergeable, \
-    _renumbered, _signature, block_memory, moved, tensor_index
+    _renumbered, _signature, block_memory, coarse_ops, coarse_plan, coarsen, moved, tensor_index
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind, TensorAlloc, op_from_fields
 
@@ -65,7 +65,7 @@ def _unit(op: Op) -> bool:
 
 def _candidates(ops, tp: list[int], dependents, prev_waited, on_compute: list[bool]) -> dict[int, tuple[int, int]]:
     """The TP collectives among ops ``tp`` that pass the rules on their own: id -> ``(a, b)`` (``on_compute``: each
-    op id's op is on the compute stream)."""
+    op id's op is on the compute stream; ``ops[i]`` for ``i`` in ``tp`` has its id and dependencies)."""
     out: dict[int, tuple[int, int]] = {}
     computes = on_compute.__getitem__
     for i in tp:
@@ -109,14 +109,19 @@ def _runs(compute: list[int], unit: list[bool], key: list[tuple], xdeps: dict[in
     return runs
 
 
-def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
+def _plan(ops, split: bool = True, deps: list[tuple[int, ...]] | None = None
+          ) -> tuple[list[list[int]], dict[int, list[int]], dict[int, tuple[int, int]]]:
     """The runs to merge, the collectives folded into each (by its first op id), in stream order, and each folded
     collective's ``(a, b)``: the last op it waits for and the first waiting for it (in its run).
 
     ``split``: each round cuts the runs where the collectives it drops cut them (``_split``); False: each round
-    walks the compute stream again (``_runs``; the same plan, slower: the tests' reference)."""
+    walks the compute stream again (``_runs``; the same plan, slower: the tests' reference).
+
+    ``deps``: each op's dependencies, where ``ops[i]`` may be an op that stands at place ``i`` with another id and
+    other dependencies (``coarsen_folded``); such an op is none of the TP-stream ops, units and ops with
+    ``prev_step_deps``, which carry theirs."""
     on_compute = [op.stream == COMPUTE_STREAM for op in ops]
-    compute = [op.id for op in ops if on_compute[op.id]]
+    compute = [i for i, c in enumerate(on_compute) if c]
     pos = {oid: k for k, oid in enumerate(compute)}
     prev_waited: set[int] = set()
     on_stream: dict[str, list[int]] = defaultdict(list)
@@ -124,14 +129,15 @@ def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]
     xwaiters: dict[int, list[int]] = defaultdict(list)  # compute op -> the ops on other streams waiting for it
     dependents: dict[int, list[int]] = defaultdict(list)  # TP op -> the ops waiting for it
     is_tp = [False] * len(ops)
-    for op in ops:  # one pass: a dependency is an earlier op (``OpGraph``), so whether it is a TP op is known
-        oid = op.id
+    for oid, op in enumerate(ops):  # one pass: a dependency is an earlier op (``OpGraph``), so whether it is a TP op
+        # is known
         m = op.meta
         if m and "prev_step_deps" in m:
             prev_waited.update(m["prev_step_deps"] or ())
+        od = op.deps if deps is None else deps[oid]
         if on_compute[oid]:
-            if op.deps:
-                xd = [d for d in op.deps if not on_compute[d]]
+            if od:
+                xd = [d for d in od if not on_compute[d]]
                 if xd:
                     xdeps[oid] = xd
                     for d in xd:
@@ -142,7 +148,7 @@ def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]
         if st.startswith("comm.tp"):
             on_stream[st].append(oid)
             is_tp[oid] = True
-        for d in op.deps:
+        for d in od:
             if on_compute[d]:
                 xwaiters[d].append(oid)
             elif is_tp[d]:
@@ -152,7 +158,7 @@ def _plan(ops, split: bool = True) -> tuple[list[list[int]], dict[int, list[int]
     cand = _candidates(ops, sorted(tp), dependents, prev_waited, on_compute)
     if not cand:
         return [], {}, {}
-    unit = [on_compute[op.id] and _unit(op) for op in ops]
+    unit = [on_compute[i] and _unit(op) for i, op in enumerate(ops)]
     key = [(op.layer, op.phase) for op in ops]
     inf = len(ops)
     p_user: dict[int, int] = {}  # TP op -> the first compute op waiting for it (``inf``: none), as needed
@@ -330,13 +336,50 @@ def fold_overlapped_tp(graph: OpGraph) -> OpGraph:
 def fold_overlapped_tp_ids(graph: OpGraph) -> tuple[OpGraph, list[int]]:
     """``(fold_overlapped_tp(graph), new_id)``: ``new_id[i]`` is the id of the op standing for op ``i`` of ``graph``
     (a run's ops and its folded collectives: the block's)."""
-    ops = graph.ops
-    runs, comm_of, cand = _plan(ops)
+    return _folded(graph, graph.ops)
+
+
+def coarsen_folded(graph: OpGraph) -> OpGraph:
+    """``fold_overlapped_tp(coarsen(graph, fold_tp=True, comm_ids=False))`` with one renumbering of the ops both
+    passes leave as they are (most of a pipeline stamped as blocks, ``builders.stamp_blocks``): the coarsened ops
+    that are not TP collectives, blocks or kernels a run may merge, nor name ``prev_step_deps``, are not copied in
+    between (``blocks.coarse_ops(keep)``) but renumbered once, by both id maps composed; the same graph, one graph
+    check instead of two."""
+    plan = coarse_plan(graph, True)
+    if plan is None:
+        return fold_overlapped_tp(coarsen(graph, True, comm_ids=False))
+    view: list[bool] = []  # not copied: an op of ``graph`` itself
+    ops, deps, first_id, info = coarse_ops(graph, plan, False, _kept, view)
+    pgs = tuple(dataclasses.replace(pg, grad_op=first_id[pg.grad_op]) for pg in graph.param_groups)
+    return _folded(graph.with_changes(param_groups=pgs, meta={**graph.meta, "fidelity": info}), ops, deps,
+                   first_id, view)[0]
+
+
+def _kept(op: Op) -> bool:
+    """Whether ``coarsen_folded`` copies ``op`` when it only renumbers it: what ``_plan`` reads the id and
+    dependencies of and what a merged block takes as a part or folds."""
+    m = op.meta
+    if m and "prev_step_deps" in m:
+        return True
+    return _unit(op) if op.stream == COMPUTE_STREAM else op.stream.startswith("comm.tp")
+
+
+def _folded(graph: OpGraph, ops, deps=None, first_id: list[int] | None = None,
+            view: list[bool] | None = None) -> tuple[OpGraph, list[int]]:
+    """``fold_overlapped_tp_ids`` of the graph whose ops are ``ops`` (``graph`` gives the rest); ``deps``,
+    ``first_id`` and ``view`` (``coarsen_folded``): the ops' dependencies, and where ``view[i]``, ``ops[i]`` is an op
+    of the graph ``coarse_ops`` coarsened, not copied, which is renumbered by ``first_id`` (that graph's id map) and
+    the new one composed."""
+    runs, comm_of, cand = _plan(ops, deps=deps)
     if not runs:
-        if all(map(_comm_ids_ok, ops)):
-            return graph, list(range(len(ops)))
-        same = list(range(len(ops)))  # ``coarsen(comm_ids=False)``: the folded collectives take their blocks' ids
-        return graph.with_changes(ops=tuple(moved(op, same) for op in ops)), same
+        if view is None:
+            if all(map(_comm_ids_ok, ops)):
+                return graph, list(range(len(ops)))
+            same = list(range(len(ops)))  # ``coarsen(comm_ids=False)``: the folded collectives take their blocks' ids
+            return graph.with_changes(ops=tuple(moved(op, same) for op in ops)), same
+        same = list(range(len(ops)))
+        out = [moved(op, first_id) if v else moved(op, same) for op, v in zip(ops, view)]
+        return graph.with_changes(ops=tuple(out)), same
     folded = {c: r0 for r0, cs in comm_of.items() for c in cs}
     new_id = [-1] * len(ops)
     skip = [False] * len(ops)  # a run's later op or a folded collective: no op of its own
@@ -360,12 +403,13 @@ def fold_overlapped_tp_ids(graph: OpGraph) -> tuple[OpGraph, list[int]]:
     start_of = {r[0]: r for r in runs}
     out: list[Op] = []
     shapes: dict[tuple, tuple] = {}
-    for op in ops:
-        if skip[op.id]:
+    both = None if view is None else [new_id[i] for i in first_id]  # an op not copied: both maps composed
+    for oid, op in enumerate(ops):
+        if skip[oid]:
             continue
-        run = start_of.get(op.id)
+        run = start_of.get(oid)
         if run is None:
-            out.append(moved(op, new_id))
+            out.append(moved(op, both) if view is not None and view[oid] else moved(op, new_id))
             continue
         comms = comm_of[op.id]
         units = [ops[j] for j in run]

@@ -77,7 +77,7 @@ down, the TP2 scenario with 4 micro-batches, with and without sequence paralleli
 from __future__ import annotations
 
 from simulator.graph.blocks import blocks_of, coarsen, foldable_tp
-from simulator.graph.side_blocks import fold_overlapped_tp
+from simulator.graph.side_blocks import coarsen_folded
 from simulator.graph.op_graph import OpGraph
 from simulator.policies.registry import register_graph_policy
 
@@ -103,4 +103,4 @@ class LayerFidelity:
         # TP collectives are folded only where the engine prices them with its NCCL model
         if getattr(hw, "collectives", None) is None:
             return coarsen(graph)
-        return fold_overlapped_tp(coarsen(graph, fold_tp=True, comm_ids=False))  # which gives them their ids
+        return coarsen_folded(graph)  # ``fold_overlapped_tp(coarsen(graph, fold_tp=True)``, one renumbering

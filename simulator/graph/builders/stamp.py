@@ -447,7 +447,7 @@ class Stamper:
         bt = self._block_form(t, key, names, vals, waits_fold)
         if bt is None:
             return self._stamp(t, layer, names, vals, copy)
-        self.last_prefold = bt.prefold
+        self.last_prefold = bt.regather_folded
         e = self.e
         ops = e.b.ops
         before = next((op for op in reversed(ops) if op.stream == sb.COMPUTE_STREAM), None)

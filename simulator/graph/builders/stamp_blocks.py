@@ -44,14 +44,16 @@ tensors, ``last_compute`` and ``wait_for`` (the stamper's premise) and that:
 
 6. (``Stamper(prefold=True)``, ``run.fidelity: layer`` with a collective model) a template whose TP ops
    ``fold_overlapped_tp`` (``simulator.graph.side_blocks``) folds all, when applied to the small graph after
-   ``coarsen``, with none of them waited for after the pass (``wait_for``, a result tensor) and no tensor the
-   builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
+   ``coarsen``, but those no graph folds (``_cut_off``: one waiting for a context stub off the compute stream, or
+   whose first compute user does: the pipeline's receive, beside a stage's first layer forward and last layer
+   backward; left as ops in the template), with none of them waited for after the pass (``wait_for``, a result
+   tensor) and no tensor the builder said another stream waits for (``Stamper.waited_later``), is stamped in that form
    (``BlockTemplate.prefold``), so the whole graph's ``fold_overlapped_tp`` has ~4x fewer ops to walk. Then: the
    compute ops around the pass are of another layer or phase (no run crosses its edges); on each TP stream it
    used, the ops before it that may be the stream's op before it once ``coarsen`` has folded what it may (walking
    back over the ops it may fold) are each waited for by a compute op before the pass, and those after it each
-   wait for a compute op after the pass, or from the block holding its last op there that ``coarsen`` leaves (so
-   every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
+   wait for a compute op from the op holding the pass's last op there on (``BlockTemplate.tails``: an op on another
+   stream waits for a block only at its last kernel, check 1) (so every neighbour's stream conditions in ``foldable_tp`` and ``fold_overlapped_tp`` hold as they hold beside the
    pass's own TP ops); check 1 takes the tensors made inside the folded blocks, check 5 also a TP op folded into
    such a pass that a compute op keeps apart from its first user (``_apart_waits``); check 4 holds by these.
    Where check 6 fails the builder stamps the graph again without (then checks 1-5).
@@ -90,11 +92,12 @@ class BlockTemplate:
     of its last op there where foldable, else None; that last op's index where it stays an op, else None; whether
     its first op there waits for a compute kernel of the pass, and the context slots it waits for; ``waited``:
     ``(table index, op index)`` of each tensor the builder said another stream waits for after the pass
-    (``Stamper.waited_later``) and the block ending at its producer (check 5)."""
+    (``Stamper.waited_later``) and the block ending at its producer (check 5); ``regather_folded``: stamped
+    pre-folded with no TP op left that uses an input a compute op made (``Stamper.last_prefold``)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited", "prefold",
-                 "ctx_waiters", "tails", "mid_coarse", "waits_folded")
+                 "ctx_waiters", "tails", "mid_coarse", "waits_folded", "regather_folded")
 
 
 def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str], compute: tuple[bool, ...],
@@ -140,9 +143,10 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     ctx_waiters: tuple[int, ...] = ()
     id0 = new_id  # the ids ``coarsen`` alone gives
     if pre is not None:
-        ctx_waiters = _apart_waits(coarse, graph, order, n_ctx, n_after)
         coarse0 = coarse
         coarse, new_id = pre
+        left = {op.name for op in coarse.ops[n_ctx:len(coarse.ops) - n_after] if op.stream != COMPUTE_STREAM}
+        ctx_waiters = _apart_waits(coarse0, graph, order, n_ctx, n_after, left)
     cops = coarse.ops[n_ctx:len(coarse.ops) - n_after]
     rel = [new_id[n_ctx + r] - n_ctx for r in range(len(kops))]  # kernel index -> block-template op index
     bt = BlockTemplate()
@@ -207,13 +211,19 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
         waits_inside = any(d >= n_ctx and mini[d].stream == COMPUTE_STREAM for d in d0)
         edges.append((st, first, last, separate, waits_inside, tuple(order[d] for d in d0 if d < n_ctx)))
     bt.prefold, bt.ctx_waiters = pre is not None, ctx_waiters
-    if bt.prefold:  # none of its TP ops is left: check 6 stands for check 4 at its own edges; as a neighbour's,
-        # its last op before a later pass holds (users inside it) and its first waits for a kernel from there on
-        edges = [(st, None, -1, None, True, ()) for st, *_ in edges]
-        # per TP stream: the block holding the pass's last op there where ``coarsen`` leaves that op (the op after
-        # the pass on the stream must wait for a compute op from that block on), else None (from the pass's end on)
-        bt.tails = {st: None if (coarse0.ops[id0[n_ctx + seq[-1]]].meta or {}).get("fused") else rel[seq[-1]]
-                    for st, seq in by_stream.items()}
+    # the builder's evidence for ``Stamper.run(waits_fold)``: no TP op left uses an input a compute op made (the
+    # saved shard the backward gathers again is folded)
+    bt.regather_folded = bt.prefold and not any(
+        k < n_in and compute[front + k] for op in cops if op.stream != COMPUTE_STREAM for k in map(index.get, op.uses)
+        if k is not None)
+    if bt.prefold:  # check 6 stands for check 4 at its own edges; as a neighbour's, its last op there before a later
+        # pass holds where folded (users inside it), and its first waits for a kernel from there on where folded; a
+        # TP op left at either end (``_cut_off``) is seen as the kernel-level op it is
+        edges = [(st, None, -1 if sep is None else None, sep, True if by_stream[st][0] in merged else inside,
+                  () if by_stream[st][0] in merged else slots) for st, _, _, sep, inside, slots in edges]
+        # per TP stream: the op holding the pass's last op there (the op after the pass on the stream must wait for
+        # a compute op from there on: an op on another stream waits for a block only at its last kernel, check 1)
+        bt.tails = {st: rel[seq[-1]] for st, seq in by_stream.items()}
     else:
         bt.tails = {}
     bt.edges = tuple(edges)
@@ -261,12 +271,32 @@ def _prefolded(coarse: OpGraph, new_id: list[int], t, kops: Sequence[Op], n_ctx:
         fg, fid = fold_overlapped_tp_ids(coarse)
         if fg is coarse:
             return None
-    if any(op.stream != COMPUTE_STREAM for op in fg.ops[n_ctx:len(fg.ops) - n_after]):
-        return None
+    left = [op.id for op in fg.ops[n_ctx:len(fg.ops) - n_after] if op.stream != COMPUTE_STREAM]
+    if left:  # TP ops no graph folds are left as ops (the first layer's and last layer's passes beside send/recv)
+        back = {fid[i]: i for i in range(len(coarse.ops))}
+        if not all(_cut_off(coarse, back[x]) for x in left):
+            return None
     return fg, [fid[i] for i in new_id]
 
 
-def _apart_waits(coarse: OpGraph, graph: OpGraph, order: tuple[int, ...], n_ctx: int, n_after: int) -> tuple[int, ...]:
+def _cut_off(coarse: OpGraph, x: int) -> bool:
+    """Whether op ``x`` of a block template's coarsened small graph is a TP collective that neither ``coarsen`` nor
+    ``fold_overlapped_tp`` folds in any graph the template stands in: it waits for a context stub off the compute
+    stream (the pipeline's receive: never a TP collective, ``Stamper._block_form``), or the first compute op waiting
+    for it does (that op starts a block and a run, and the collective cannot start with it: the stub is folded
+    nowhere)."""
+    ops = coarse.ops
+    op = ops[x]
+    if not op.stream.startswith("comm.tp"):
+        return False
+    if any(ops[d].stream == _CTX for d in op.deps):
+        return True
+    users = [u.id for u in ops[x + 1:] if x in u.deps and u.stream == COMPUTE_STREAM]
+    return bool(users) and any(ops[d].stream == _CTX for d in ops[min(users)].deps)
+
+
+def _apart_waits(coarse: OpGraph, graph: OpGraph, order: tuple[int, ...], n_ctx: int, n_after: int,
+                 left: set[str] = frozenset()) -> tuple[int, ...]:
     """Context slots waited for by a TP op of the pass that ``coarsen`` leaves (in ``coarse``, of the kernel-level
     small graph ``graph``) and that a compute op of ``graph`` separates from its first user: at kernel level, where
     the ops of the whole graph between them are a superset, ``foldable_tp`` cannot fold it either, so the block
@@ -275,8 +305,8 @@ def _apart_waits(coarse: OpGraph, graph: OpGraph, order: tuple[int, ...], n_ctx:
     compute = [op.id for op in ops if op.stream == COMPUTE_STREAM]
     slots: dict[int, None] = {}
     for op in coarse.ops[n_ctx:len(coarse.ops) - n_after]:
-        if op.stream == COMPUTE_STREAM or not op.stream.startswith("comm.tp"):
-            continue
+        if op.stream == COMPUTE_STREAM or not op.stream.startswith("comm.tp") or op.name in left:
+            continue  # ``left``: TP ops the pre-folded form leaves as ops (not folded in the later pass)
         k = op.name  # the same op in ``graph`` (``coarsen`` keeps an op it leaves, renumbered)
         c = next(x for x in ops[n_ctx:] if x.name == k and x.stream == op.stream)
         ctx = [d for d in c.deps if d < n_ctx and ops[d].stream == COMPUTE_STREAM]
@@ -452,10 +482,11 @@ def _prefold_edges(ops: Sequence[Op], i: Instance, streams: dict[str, list[int]]
     the compute ops right before and after it are of another layer or phase (no run of ``fold_overlapped_tp``
     crosses the pass's edges), and on each TP stream the pass used, each op before it that ``coarsen`` may leave
     as the stream's op before the pass (walking back over the ops it may fold) is waited for by a compute op
-    before the pass, and each op after it that may be the stream's next is waiting for a compute op after the
-    pass, or from the block holding the pass's last op there where ``coarsen`` leaves that op (``BlockTemplate.tails``)
-    (so ``foldable_tp`` and ``fold_overlapped_tp`` find every neighbour's stream conditions as with the
-    pass's TP ops there: those hold there, their users and dependencies lying inside the pass)."""
+    before the pass, and each op after it that may be the stream's next is waiting for a compute op from the op
+    holding the pass's last op there on (``BlockTemplate.tails``; it waits for a block at its last kernel, check 1,
+    which is from the kernel after that op's on) (so ``foldable_tp`` and ``fold_overlapped_tp`` find every
+    neighbour's stream conditions as with the pass's TP ops there: those hold there, their users and dependencies
+    lying inside the pass)."""
     for op, edge in ((i.before, ops[i.start]), (nxt, ops[i.end - 1])):
         if op is not None and op.layer >= 0 and (op.layer, op.phase) == (edge.layer, edge.phase):
             return f"a pass of layer {i.layer} stamped with its TP collectives folded has a neighbour of its phase"
@@ -466,8 +497,7 @@ def _prefold_edges(ops: Sequence[Op], i: Instance, streams: dict[str, list[int]]
         if j >= 0 and back[j] >= i.start:
             return f"a TP op before a folded pass of layer {i.layer} is not waited for before it"
         k = bisect_left(seq, i.end)
-        tail = i.bt.tails.get(st)
-        if k < len(seq) and ahead[k] < (i.end if tail is None else i.start + tail):
+        if k < len(seq) and ahead[k] < i.start + i.bt.tails[st]:
             return f"a TP op after a folded pass of layer {i.layer} does not wait for a kernel after it"
     return None
 

@@ -971,9 +971,10 @@ def build_gpt_step(spec: TransformerSpec, stamp: bool = True, blocks: bool = Fal
         waits_fold: With ``prefold`` (default: ``prefold``): a forward saving sequence parallelism's shard for
             the backward's asynchronous re-gather is stamped with its TP collectives folded across the shard's
             producer where the backward of the same layer and micro-batch class (last, first) was last stamped
-            with its TP collectives folded (so the re-gather is folded there too; ``Stamper.run(waits_fold)``,
-            ``stamp_blocks`` check 5 verifies it); where the check fails the graph is built again without
-            (``meta["layer_blocks"]["waits_fold"]``: None or why).
+            with its TP collectives folded (so the re-gather is folded there too), or, before any backward of its
+            class, where that class is neither the first micro-batch's nor the chunk's last (``_block_fwd``;
+            ``Stamper.run(waits_fold)``, ``stamp_blocks`` check 5 verifies it); where the check fails the graph is
+            built again without (``meta["layer_blocks"]["waits_fold"]``: None or why).
 
     Data parallelism (``data_parallel_size > 1``): in the last micro-batch (DDP's ``no_sync()`` for
     the earlier ones) gradients are bucketed in the order backward finishes them and one
@@ -1199,10 +1200,15 @@ class _GptBuilder:
         return kind, e.phase, self.last_mb, self._every_mb, self._mb == 0, e.layer in self._grad_layers
 
     def _block_fwd(self, x: str, save: bool, selective: bool) -> tuple[str, dict]:
-        """``_layer_fwd`` through the stamper."""
+        """``_layer_fwd`` through the stamper; folded across the saved shard (``waits_fold``) where the backward of
+        its class was last stamped with the re-gather folded, or, for a class not built yet (the pipeline's warm-up
+        forwards), where it is neither the first micro-batch's nor its chunk's last backward (whose re-gathers the
+        gradient bookkeeping keeps as ops): a guess ``stamp_blocks`` check 5 verifies (``build_gpt_step(waits_fold)``
+        builds again without where it was wrong)."""
         if self._overlapped or self._deferred is not None:
             return self._layer_fwd(x, save, selective)
-        fold = self._waits_fold and save and self._regather and self._bwd_folded.get(self._bwd_class(), False)
+        cls = self._bwd_class()
+        fold = self._waits_fold and save and self._regather and self._bwd_folded.get(cls, not cls[1] and not cls[2])
         return self.stamper.run(self._pass_key(("fwd", save, selective)), self.e.layer,
                                 lambda x_: self._layer_fwd(x_, save, selective), (x,), waits_fold=fold)
 

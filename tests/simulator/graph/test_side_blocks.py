@@ -79,3 +79,23 @@ def test_split_rounds_hold_with_collectives_kept_at_random(k, data):
     for i in keep:
         ops[i] = _unfoldable(ops[i])
     assert side_blocks._plan(ops) == side_blocks._plan(ops, split=False)
+
+
+@pytest.mark.parametrize("path, over", GRAPHS)
+def test_coarsen_folded_is_fold_after_coarsen(path, over):
+    """``coarsen_folded`` (one renumbering of the ops both passes leave) gives ``fold_overlapped_tp(coarsen(...))``
+    op for op, with the same ``meta["fidelity"]`` and the folded collectives' ids, on the block-stamped graph the
+    layer-fidelity build makes and on the kernel-level one."""
+    from simulator.api import transformer_spec
+    from simulator.graph.builders.transformer import build_gpt_step
+    from tests.simulator.graph.test_stamp_blocks import _assert_same
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_scenario(ROOT / path, ["run.fidelity=layer", *over])
+    spec = transformer_spec(cfg, 0)
+    for g in (build_gpt_step(spec, blocks=True, fold_tp=True), build_gpt_step(spec)):
+        ref, new = side_blocks.fold_overlapped_tp(coarsen(g, True, comm_ids=False)), side_blocks.coarsen_folded(g)
+        _assert_same(new, ref)
+        assert new.meta == ref.meta and len(new.ops) < len(g.ops)
+        assert [c.id for op in new.ops for c in op.folded_comm] == [c.id for op in ref.ops for c in op.folded_comm]
