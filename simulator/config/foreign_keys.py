@@ -31,11 +31,8 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",
-    "fp16.loss_scale": _FP16_LOSS_SCALING,
-    "fp16.initial_scale_power": _FP16_LOSS_SCALING,
-    "fp16.loss_scale_window": _FP16_LOSS_SCALING,
-    "fp16.hysteresis": _FP16_LOSS_SCALING,
-    "fp16.min_loss_scale": _FP16_LOSS_SCALING,
+    **{f"fp16.{k}": _FP16_LOSS_SCALING for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                  "hysteresis", "min_loss_scale")},
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
@@ -175,19 +172,31 @@ def no_step_effect_notes(data) -> tuple[str, ...]:
         if other is None and (v := _pop(data, key)[1]) is not _MISSING and not _is_default(v, default):
             out.append(f"{key} {_shown(v)}: accepted, no effect on the training step (current DeepSpeed prices the "
                        f"same step as at its default {_shown(default)})")
+    out += [f"{key} {_shown(_pop(data, key)[1])}: accepted, no effect on the training step (fp16.enabled false)"
+            for key in _disabled_fp16_keys(data)]
     return tuple(out)
+
+
+def _disabled_fp16_keys(data: dict) -> list[str]:
+    """The loss-scaling keys of a disabled DeepSpeed ``fp16`` section (``fp16.enabled: false``, as a ds_config
+    running bf16 writes it beside them): they act only when the section is enabled."""
+    f = data.get("fp16")
+    if not (isinstance(f, dict) and f.get("enabled") is False):
+        return []
+    return [k for k in FOREIGN_KEY_HINTS if k.startswith("fp16.") and k[5:] in f]
 
 
 def without_deepspeed_keys(data: dict) -> dict:
     """``data`` without any key of ``DEFAULT_ONLY_KEYS`` / ``NO_STEP_EFFECT_KEYS`` (whatever its value)."""
-    for key in (*DEFAULT_ONLY_KEYS, *NO_STEP_EFFECT_KEYS):
+    for key in (*DEFAULT_ONLY_KEYS, *NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(data)):
         data = _pop(data, key)[0]
     return data
 
 
 def drop_default_only_keys(data: dict) -> dict:
     """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults (or, for
-    those without effect, at any value) and the ``NO_STEP_EFFECT_KEYS``; DeepSpeed's top-level ``gradient_clipping``
+    those without effect, at any value), the ``NO_STEP_EFFECT_KEYS`` and the loss-scaling keys of a disabled fp16
+    section; DeepSpeed's top-level ``gradient_clipping``
     moved to ``training.clip_grad``, its meaning here (the global-norm clip threshold, 0 = none: DeepSpeed's
     GRADIENT_CLIPPING_DEFAULT, @ac2f3a34 deepspeed/runtime/constants.py).
 
@@ -202,7 +211,7 @@ def drop_default_only_keys(data: dict) -> dict:
             continue
         raise DefaultOnlyKeyError(key, f"{_shown(v)} is not modelled ({other}); allowed: {_shown(default)}, "
                                        "DeepSpeed's default, or leave it out")
-    for key in NO_STEP_EFFECT_KEYS:
+    for key in (*NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(out)):
         out = _pop(out, key)[0]
     out, clip = _pop(out, "gradient_clipping")
     if clip is not _MISSING:

@@ -272,3 +272,16 @@ def test_half_precision_section_disabled_for_the_precision_in_use_refused():
     with pytest.raises(ScenarioError, match=r"fp16\.enabled: false contradicts training\.precision: fp16 \(allowed: "
                                             r"true, or leave it out\)$"):
         _cfg(fp16={"enabled": False}, training={**BASE["training"], "precision": "fp16"})
+
+
+def test_loss_scaling_keys_of_a_disabled_fp16_section_accepted_and_warned():
+    """A bf16 ds_config keeps "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16, ...}: the
+    keys were refused with a hint pointing at training.precision fp16, the wrong way; the section is off, so they
+    act on nothing: accepted, each named in the warnings. In an enabled (or unmarked) section they are refused."""
+    cfg = _cfg(fp16={"enabled": False, "loss_scale": 0, "initial_scale_power": 16})
+    assert cfg.no_step_effect_notes == (
+        "fp16.loss_scale 0: accepted, no effect on the training step (fp16.enabled false)",
+        "fp16.initial_scale_power 16: accepted, no effect on the training step (fp16.enabled false)")
+    assert cfg.fp16.enabled is False
+    with pytest.raises(ScenarioError, match=r"fp16\.loss_scale: unknown key .*loss-scaling keys are not modelled"):
+        _cfg(fp16={"loss_scale": 0})
