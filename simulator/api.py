@@ -927,6 +927,8 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(f"{pageable} copies through pageable host memory, but the PCIe link / profile has no "
                    "pageable rate for this host, so they are priced at the pinned rate (set hardware.pcie overrides "
                    "pageable_h2d_bytes_per_s / pageable_d2h_bytes_per_s, or pin_memory: true)")
+    if cfg is not None:
+        out += cfg.no_step_effect_notes
     ac = cfg.activation_checkpointing if cfg is not None else None
     if ac is not None and ac.cpu_checkpointing and ac.host_buffers != "reused" and not hw.host_cpu.page_fault_s:
         from hardware_models.host_kernels import DEFAULT_PAGE_FAULT_S

@@ -28,18 +28,11 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "train_batch_size": "DeepSpeed's train_batch_size is training.global_batch_size here",
     "gradient_accumulation_steps": "DeepSpeed's gradient_accumulation_steps is implied here: set "
                                    "training.global_batch_size = micro_batch_size x data-parallel size x its value",
-    "gradient_clipping": "DeepSpeed's gradient_clipping is training.clip_grad here (default 0 with a "
-                         "ZeRO stage, BF16_Optimizer or FP16_Optimizer, as DeepSpeed's; under ZeRO-1/2 and "
-                         "FP16_Optimizer the step's norm and unscale mul_ "
-                         "are priced whatever its value)",
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",
-    "fp16.loss_scale": _FP16_LOSS_SCALING,
-    "fp16.initial_scale_power": _FP16_LOSS_SCALING,
-    "fp16.loss_scale_window": _FP16_LOSS_SCALING,
-    "fp16.hysteresis": _FP16_LOSS_SCALING,
-    "fp16.min_loss_scale": _FP16_LOSS_SCALING,
+    **{f"fp16.{k}": _FP16_LOSS_SCALING for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                  "hysteresis", "min_loss_scale")},
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
@@ -55,12 +48,7 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "model.fp8": "NeMo's model.fp8 with fp8_hybrid / fp8_e4m3 is " + _FP8.split(" is ", 1)[1],
     "model.fp8_hybrid": "NeMo's model.fp8_hybrid: true is training.fp8: hybrid here",
     "model.fp8_e4m3": "NeMo's model.fp8_e4m3: true is training.fp8: e4m3 here",
-    "steps_per_print": _NO_STEP_EFFECT,
-    "wall_clock_breakdown": _NO_STEP_EFFECT,
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
-    "zero_optimization.gather_16bit_weights_on_model_save": _NO_STEP_EFFECT,
-    "zero_optimization.round_robin_gradients": "DeepSpeed's round_robin_gradients is not modelled; remove it",
     "zero_optimization.cpu_offload": "DeepSpeed's legacy cpu_offload: true is offload_optimizer: {device: cpu} "
                                      "here (zero_optimization.offload_optimizer)",
     "zero_optimization.cpu_offload_params": "DeepSpeed's legacy cpu_offload_params: true is offload_param: "
@@ -95,15 +83,44 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
 }
 
 
-#: DeepSpeed top-level keys accepted at DeepSpeed's default only (deepspeedai/DeepSpeed@088be89
-#: deepspeed/runtime/constants.py PRESCALE_GRADIENTS_DEFAULT = False, GRADIENT_PREDIVIDE_FACTOR_DEFAULT = 1.0), which
-#: is what every run prices (each gradient bucket divided by the data-parallel size after its all-reduce, engine.py
-#: allreduce_bucket's postscale path); key -> (the default, what another value would do)
-DEFAULT_ONLY_KEYS: dict[str, tuple[object, str]] = {
+#: DeepSpeed keys accepted at DeepSpeed's default only, which is what every run prices; dotted scenario path ->
+#: (the default, what another value would do, or None where another value leaves a step unchanged: accepted, and the
+#: run's warnings say so, ``NO_STEP_EFFECT_KEYS``). Defaults: deepspeedai/DeepSpeed@088be89
+#: deepspeed/runtime/constants.py (PRESCALE_GRADIENTS_DEFAULT = False, GRADIENT_PREDIVIDE_FACTOR_DEFAULT = 1.0: each
+#: gradient bucket divided by the data-parallel size after its all-reduce, engine.py allreduce_bucket's postscale
+#: path); @1b88ac36 deepspeed/runtime/zero/config.py DeepSpeedZeroConfig (reduce_scatter = True,
+#: allgather_partitions = True, round_robin_gradients = False, ignore_unused_parameters = True).
+DEFAULT_ONLY_KEYS: dict[str, tuple[object, str | None]] = {
     "prescale_gradients": (False, "DeepSpeed would divide each gradient bucket by the data-parallel size before its "
                                   "all-reduce instead of after it"),
     "gradient_predivide_factor": (1.0, "DeepSpeed would divide each gradient bucket by it before its all-reduce and "
                                        "by data-parallel size / it after, one more scale kernel per bucket"),
+    # ZeRO-1/2 reduce each gradient bucket with a reduce-scatter (stage_1_and_2.py); false all-reduces the bucket
+    "zero_optimization.reduce_scatter": (True, "DeepSpeed would all-reduce each gradient bucket instead of "
+                                               "reduce-scattering it; the reduce-scatter is modelled"),
+    "zero_optimization.round_robin_gradients": (False, "DeepSpeed would reorder the gradient partitions so that the "
+                                                       "ranks' ZeRO-Offload copies to the host run in parallel; the "
+                                                       "copies are modelled in the default order"),
+    # not an argument of current DeepSpeed's ZeRO-1/2 optimizer (@02aa38c3 deepspeed/runtime/zero/stage_1_and_2.py
+    # DeepSpeedZeroOptimizer.__init__, which the engine builds without it): the updated partitions are all-gathered
+    # (all_gather_dp_groups) whatever its value
+    "zero_optimization.allgather_partitions": (True, None),
+    # terminates on unused parameters when false (stage 2); the simulated model uses every parameter
+    "zero_optimization.ignore_unused_parameters": (True, None),
+}
+
+#: DeepSpeed keys that act outside a training step (checkpointing, logging): any value accepted, the run's warnings
+#: naming the key (deepspeedai/DeepSpeed@1b88ac36 deepspeed/runtime/zero/config.py: gather_16bit_weights_on_model_save,
+#: alias stage3_gather_16bit_weights_on_model_save, "Consolidate the weights before saving the model by
+#: save_16bit_model()"; load_from_fp32_weights, elastic_checkpoint: checkpoint loading; runtime/config.py
+#: steps_per_print, wall_clock_breakdown: logging)
+NO_STEP_EFFECT_KEYS: dict[str, str] = {
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "acts when the model is saved",
+    "zero_optimization.gather_16bit_weights_on_model_save": "acts when the model is saved",
+    "zero_optimization.load_from_fp32_weights": "acts when a checkpoint is loaded",
+    "zero_optimization.elastic_checkpoint": "acts when a checkpoint is saved or loaded",
+    "steps_per_print": "logging",
+    "wall_clock_breakdown": "logging (timers)",
 }
 
 
@@ -115,24 +132,98 @@ class DefaultOnlyKeyError(ValueError):
         self.key, self.detail = key, detail
 
 
+def _pop(data: dict, path: str) -> tuple[dict, object]:
+    """``data`` without the key at dotted ``path`` (copied where changed) and its value; ``_MISSING`` when absent."""
+    head, _, rest = path.partition(".")
+    if head not in data:
+        return data, _MISSING
+    if not rest:
+        out = dict(data)
+        return out, out.pop(head)
+    sub = data[head]
+    if not isinstance(sub, dict):
+        return data, _MISSING
+    new, value = _pop(sub, rest)
+    return ({**data, head: new} if value is not _MISSING else data), value
+
+
+_MISSING = object()
+
+
+def _shown(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+
+
+def _is_default(v, default) -> bool:
+    return v is default if isinstance(default, bool) else (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v == default)
+
+
+def no_step_effect_notes(data) -> tuple[str, ...]:
+    """One warning line per DeepSpeed key of ``data`` (a scenario mapping) accepted although it leaves the step
+    unchanged: a ``NO_STEP_EFFECT_KEYS`` key at any value, a ``DEFAULT_ONLY_KEYS`` key without effect at another value."""
+    if not isinstance(data, dict):
+        return ()
+    out = []
+    for key, why in NO_STEP_EFFECT_KEYS.items():
+        if (v := _pop(data, key)[1]) is not _MISSING:
+            out.append(f"{key} {_shown(v)}: accepted, no effect on the training step ({why}; DeepSpeed's key)")
+    for key, (default, other) in DEFAULT_ONLY_KEYS.items():
+        if other is None and (v := _pop(data, key)[1]) is not _MISSING and not _is_default(v, default):
+            out.append(f"{key} {_shown(v)}: accepted, no effect on the training step (current DeepSpeed prices the "
+                       f"same step as at its default {_shown(default)})")
+    out += [f"{key} {_shown(_pop(data, key)[1])}: accepted, no effect on the training step (fp16.enabled false)"
+            for key in _disabled_fp16_keys(data)]
+    return tuple(out)
+
+
+def _disabled_fp16_keys(data: dict) -> list[str]:
+    """The loss-scaling keys of a disabled DeepSpeed ``fp16`` section (``fp16.enabled: false``, as a ds_config
+    running bf16 writes it beside them): they act only when the section is enabled."""
+    f = data.get("fp16")
+    if not (isinstance(f, dict) and f.get("enabled") is False):
+        return []
+    return [k for k in FOREIGN_KEY_HINTS if k.startswith("fp16.") and k[5:] in f]
+
+
+def without_deepspeed_keys(data: dict) -> dict:
+    """``data`` without any key of ``DEFAULT_ONLY_KEYS`` / ``NO_STEP_EFFECT_KEYS`` (whatever its value)."""
+    for key in (*DEFAULT_ONLY_KEYS, *NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(data)):
+        data = _pop(data, key)[0]
+    return data
+
+
 def drop_default_only_keys(data: dict) -> dict:
-    """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults.
+    """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults (or, for
+    those without effect, at any value), the ``NO_STEP_EFFECT_KEYS`` and the loss-scaling keys of a disabled fp16
+    section; DeepSpeed's top-level ``gradient_clipping``
+    moved to ``training.clip_grad``, its meaning here (the global-norm clip threshold, 0 = none: DeepSpeed's
+    GRADIENT_CLIPPING_DEFAULT, @ac2f3a34 deepspeed/runtime/constants.py).
 
     Raises:
-        DefaultOnlyKeyError: one of them at another value (one line naming the key and the allowed value).
+        DefaultOnlyKeyError: a modelled key at another value, or ``gradient_clipping`` beside a different
+            ``training.clip_grad`` (one line naming the key and the allowed value).
     """
-    out = dict(data)
+    out = data
     for key, (default, other) in DEFAULT_ONLY_KEYS.items():
-        if key not in out:
+        out, v = _pop(out, key)
+        if v is _MISSING or other is None or _is_default(v, default):
             continue
-        v = out.pop(key)
-        same = v is default if isinstance(default, bool) else (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v == default)
-        if not same:
-            shown = str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else v
-            allowed = str(default).lower() if isinstance(default, bool) else default
-            raise DefaultOnlyKeyError(key, f"{shown} is not modelled ({other}); allowed: {allowed}, DeepSpeed's "
-                                           "default, or leave it out")
+        raise DefaultOnlyKeyError(key, f"{_shown(v)} is not modelled ({other}); allowed: {_shown(default)}, "
+                                       "DeepSpeed's default, or leave it out")
+    for key in (*NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(out)):
+        out = _pop(out, key)[0]
+    out, clip = _pop(out, "gradient_clipping")
+    if clip is not _MISSING:
+        tr = out.get("training")
+        if not isinstance(tr, dict):
+            return out  # no training mapping: its own error
+        given = tr.get("clip_grad")
+        if given is not None and given != clip:
+            raise DefaultOnlyKeyError("gradient_clipping", f"{_shown(clip)} contradicts training.clip_grad "
+                                      f"{_shown(given)} (DeepSpeed's gradient_clipping is training.clip_grad here; "
+                                      "allowed: one of them, or both equal)")
+        out = {**out, "training": {**tr, "clip_grad": clip}}
     return out
 
 

@@ -22,8 +22,8 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
-from simulator.config.foreign_keys import (DEFAULT_ONLY_KEYS, DefaultOnlyKeyError, drop_default_only_keys,
-                                           foreign_key_hint)
+from simulator.config.foreign_keys import (DefaultOnlyKeyError, drop_default_only_keys, foreign_key_hint,
+                                           without_deepspeed_keys)
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides, null_override_notes
 from simulator.config.preset_names import READ_BY_CHECKS, pcie_link_problem, preset_name_problems
@@ -377,8 +377,8 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
         try:
             data = drop_default_only_keys(data)
         except DefaultOnlyKeyError as exc:
-            keyed = [{"type": "value_error", "loc": (exc.key,), "msg": f"Value error, {exc.detail}"}]
-            data = {k: v for k, v in data.items() if k not in DEFAULT_ONLY_KEYS}
+            keyed = [{"type": "value_error", "loc": tuple(exc.key.split(".")), "msg": f"Value error, {exc.detail}"}]
+            data = without_deepspeed_keys({k: v for k, v in data.items() if k != "gradient_clipping"})
         try:
             before(data)
         except ValueError as exc:  # the data-parallel size against the cluster

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, Field, NonNegativeInt, PositiveInt, PrivateAttr, field_validator, model_serializer,
+                      model_validator)
 
 from hardware_models.presets import FILE_PREFIXES
 from simulator.config.limits import (
@@ -34,7 +35,7 @@ from simulator.config.limits import (
     no_bool,
 )
 from simulator.config.errors import refuse_each
-from simulator.config.foreign_keys import drop_default_only_keys
+from simulator.config.foreign_keys import drop_default_only_keys, no_step_effect_notes
 from simulator.config.quantities import Seconds
 
 from simulator.config.sections.nvme import AioConfig, NvmeConfig
@@ -809,6 +810,25 @@ class ScenarioConfig(_Model):
                     out.pop(k)
         return out
 
+    #: warnings for DeepSpeed keys accepted without effect on a step (``foreign_keys.no_step_effect_notes``; a
+    #: config dumped and validated again no longer has them, nor the keys)
+    _no_step_effect: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_no_step_effect(cls, data, handler):
+        """Keep ``no_step_effect_notes`` of the mapping as written (``_resolve_data_parallel`` drops the keys)."""
+        notes = no_step_effect_notes(data)
+        out = handler(data)
+        if notes:
+            out._no_step_effect = notes
+        return out
+
+    @property
+    def no_step_effect_notes(self) -> tuple[str, ...]:
+        """One line per DeepSpeed key accepted although it does not change a training step (``run_warnings``)."""
+        return self._no_step_effect
+
     @model_validator(mode="before")
     @classmethod
     def _resolve_data_parallel(cls, data):
@@ -818,9 +838,11 @@ class ScenarioConfig(_Model):
         world size = nodes x the cluster preset's ``gpus_per_node``. An unknown preset is left to
         ``resolve_hardware`` (which names the key).
 
-        First, DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor`` pasted at their defaults are
-        dropped (``foreign_keys.DEFAULT_ONLY_KEYS``: what every run prices), any other value refused (the one
-        before-validator: ``loader.scenario_errors`` runs it).
+        First, DeepSpeed's keys accepted at their defaults only (``prescale_gradients``, ``zero_optimization.
+        reduce_scatter``, ...) are dropped (``foreign_keys.DEFAULT_ONLY_KEYS``: what every run prices), any other
+        value refused; those without effect on a step (``foreign_keys.NO_STEP_EFFECT_KEYS``) dropped, and DeepSpeed's
+        ``gradient_clipping`` moved to ``training.clip_grad`` (the one before-validator: ``loader.scenario_errors``
+        runs it; ``_note_no_step_effect`` keeps the warnings).
         """
         if not isinstance(data, dict):
             return data

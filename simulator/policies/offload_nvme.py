@@ -255,7 +255,8 @@ def offload_nvme(graph: OpGraph, hw, *, optimizer: bool, params: bool, sub_group
     for op in graph.ops:
         m = op.meta or {}
         if optimizer and op.kind is OpKind.MEMCPY_D2H and op.name.startswith("offload.d2h.grad"):
-            elems = op.bytes_read / half  # the CPU-offload copy carries the 16-bit gradient
+            elems = op.bytes_read / GRAD_BYTES  # the CPU-offload copy already carries the fp32 gradient (cast on
+            # the GPU: offload_optimizer.DS_FP32_GRAD_COPY, deepspeed_cpu_adam being the NVMe path's implementation)
             c = rw.copy(op, bytes_read=float(GRAD_BYTES * elems))
             grad_writes.append(swap(f"nvme.swap_out.{op.name.removeprefix('offload.d2h.')}", GRAD_BYTES * elems, True,
                                     WRITE_STREAM, [c], op.phase))
@@ -287,7 +288,7 @@ def offload_nvme(graph: OpGraph, hw, *, optimizer: bool, params: bool, sub_group
     drop = set()
     if optimizer:
         drop |= {"params.master_fp32.host", "optimizer.exp_avg.host", "optimizer.exp_avg_sq.host",
-                 "offload.grad_staging.bf16"}
+                 "offload.grad_partition.fp32"}  # the fp32 gradients go to the drives
     if params:
         drop |= {"offload.param_staging.bf16"}
     persistent = [t for t in graph.persistent if t.name not in drop]

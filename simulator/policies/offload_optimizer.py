@@ -11,8 +11,10 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   Adam moments are dropped; the host gets the fp32 master weights and both moments (12 B/param),
   a bf16 gradient staging buffer and a bf16 parameter staging buffer (2 B/param each), all in
   ``host_pinned`` memory when ``pin_memory`` is true, else ``host_pageable`` (copies from pageable
-  memory run at the driver's staging rate). The CPU step allocates fp32 gradients (4 B/param)
-  and, for the PyTorch implementations, one fp32 temporary (``sqrt`` of the second moment).
+  memory run at the driver's staging rate). The CPU step of the PyTorch implementations allocates fp32 gradients
+  (4 B/param) and one fp32 temporary (``sqrt`` of the second moment); current DeepSpeed (``deepspeed_cpu_adam``) with
+  fp32 state casts each gradient to fp32 on the GPU (``offload.grad_cast.*``, on the copy stream) and copies 4 B/param
+  into its persistent fp32 gradient partition (``DS_FP32_GRAD_COPY``), no host cast.
   DeepSpeed's low-precision master weights (``fp16`` / ``bf16`` sections,
   ``simulator.config.sections.half_precision``; ``deepspeed_cpu_adam``): a 16-bit master (2 B/param) and its
   16-bit gradient partition (2 B), moments fp32 or bf16 (8 or 4 B), no fp32 gradients, no casts and no parameter
@@ -22,7 +24,7 @@ Selected by ``zero_optimization.offload_optimizer.device: cpu`` (DeepSpeed names
   gradient (modes ``overlap`` and ``delayed_param_update``) or for the end of backward
   (``serial``). The fp32 ``.grad`` accumulation kernels of the bf16 builder are removed: with
   bf16 gradients on the GPU, autograd's AccumulateGrad stores the weight-gradient GEMM's output.
-* **The CPU step**: three host ops, ``cpu.grad_cast`` (bf16 -> fp32 gradients), ``cpu.adam``
+* **The CPU step**: three host ops, ``cpu.grad_cast`` (bf16 -> fp32 gradients; the torch loops only), ``cpu.adam``
   and ``cpu.param_cast`` (fp32 -> bf16 into the staging buffer), on stream ``host`` (the training
   thread, as ``torch.optim`` on CPU tensors blocks it) or, for DPU, on stream ``cpu.adam`` (a
   worker thread).
@@ -73,7 +75,7 @@ scripts/fit_host_cpu_model.py):
   with the half-precision copy), each ``max(bytes / bandwidth, vector slots / SIMD throughput)``
   + page faults of fresh outputs, + one dispatch per tensor per pass at the host's per-op time.
 * ``cpu.grad_cast``: bf16 -> fp32 gradients, 2 B read + 4 B written into fresh tensors
-  (``g.to(torch.float32)`` each step, notes.offload), or in place into DeepSpeed's fp32 buffer.
+  (``g.to(torch.float32)`` each step, notes.offload); none with DeepSpeed (cast on the GPU, or a 16-bit master).
 * ``cpu.param_cast``: fp32 -> bf16 into the preallocated pinned staging buffer, 6 B in place (fused
   into DeepSpeed's kernel: 0).
 * Threads: the host's ``threads`` (default all physical cores of the nodes in use); under DPU
@@ -126,7 +128,16 @@ UNSCALE = StreamPass("fp32_grad.mul_(1/loss_scale)", 4.0, 4.0)
 #: The rank's host DRAM link: its CPU ops' streams and its host<->device copies (``OffloadSummary``).
 HOST_DRAM_LINK = "host.dram"
 GRAD_CAST = StreamPass("grad.to(float32)", 2.0, 0.0, 4.0)
-GRAD_CAST_INPLACE = StreamPass("fp32_grad.copy_(half)", 2.0, 4.0)
+#: Current DeepSpeed with an fp32 master (``cpu_adam_impl: deepspeed_cpu_adam``): each gradient (ZeRO-1/2: this
+#: rank's part of it; ZeRO-3: its reduced partition) is cast to the master dtype on the GPU, then that fp32 tensor is
+#: copied into the host's fp32 gradient partition: GPU bytes per element read / written by the cast (2 r + 4 w), and
+#: the D2H copy's (4). No cast on the host. deepspeedai/DeepSpeed@02aa38c3 deepspeed/runtime/zero/stage_1_and_2.py
+#: ``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` (``src_tensor.to(self.master_weights_and_grads_dtype)`` on the
+#: GPU gradient, then ``dest_tensor.copy_(src_tensor, non_blocking=True)`` into ``single_partition_of_fp32_groups[i]
+#: .grad``); @ea78ab68 deepspeed/runtime/zero/stage3.py ``_offload_grad_partition_at_boundary`` (``fp32_grad_tensor
+#: .copy_(grad_buffer.to(dtype=self.master_weights_and_grads_dtype), non_blocking=True)``). A 16-bit master: no cast,
+#: 2 B copied (the same lines, the dtypes equal).
+DS_GPU_CAST_READ, DS_GPU_CAST_WRITE, DS_FP32_GRAD_COPY = 2, 4, 4
 PARAM_CAST = StreamPass("param.copy_(bf16)", 4.0, 2.0)
 
 
@@ -235,7 +246,8 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     ``bf16_optimizer_states``, ``simulator.config.sections.half_precision``; ``deepspeed_cpu_adam`` only). With a
     16-bit master the gradients arrive in its dtype (no cast) and the kernel updates the 16-bit master in place
     (no separate half copy): ``deepspeed_cpu_adam`` moves ``2 + 2 + 2 s`` bytes read and ``2 + 2 s`` written per
-    element (s = ``state_bytes``), 22 B with fp32 moments, 14 B with bf16 ones, against 30 B + the 6 B cast.
+    element (s = ``state_bytes``), 22 B with fp32 moments, 14 B with bf16 ones, against 30 B (no host cast either
+    way with DeepSpeed: ``DS_FP32_GRAD_COPY``).
 
     Raises:
         PolicyError: an unknown implementation, or 16-bit master / moments with another implementation.
@@ -254,24 +266,21 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     nodes = 1 if pin_memory else None
     bw = shared_stream_bandwidth(cpu, ranks, t, nodes)
     ds = impl.startswith("deepspeed")
-    # DeepSpeed's ZeRO-Offload casts the half gradients into a preallocated fp32 buffer
-    # (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer): in place, no fresh pages.
-    cast = GRAD_CAST_INPLACE if ds else GRAD_CAST
-    b, st, f = pass_parts(cast, params, cpu, t, nodes, faulting_elements(sizes, cast.fresh_bytes), bw)
-    # 16-bit master: no cast (the gradients arrive in its dtype)
-    grad_cast = (st + f + n_tensors * launch, b, f) if master_bytes == 4 else (0.0, 0.0, 0.0)
-    param_cast = (0.0, 0.0, 0.0)
+    # DeepSpeed casts the gradients on the GPU (DS_FP32_GRAD_COPY; 0.3: DS03_PREP_WRITE) or not at all (a 16-bit
+    # master): no host cast; the torch loops cast the copied 16-bit gradients on the host, into fresh tensors
+    grad_cast = param_cast = (0.0, 0.0, 0.0)
     if not ds:
+        b, st, f = pass_parts(GRAD_CAST, params, cpu, t, nodes, faulting_elements(sizes, GRAD_CAST.fresh_bytes), bw)
+        grad_cast = (st + f + n_tensors * launch, b, f)
         b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
         param_cast = (st + f + n_tensors * launch, b, f)
     low = _state_bytes_kwargs(master_bytes, state_bytes)
     adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
                             bandwidth_bytes_per_s=bw, **low)
     out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
-    if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: the gradients arrive in fp32 (cast on the GPU), no CPU
-        # cast; its optimizer_gradients unscale the fp32 partition first (``UNSCALE``, not part of the CPU Adam)
+    if impl == "deepspeed_cpu_adam_2020":  # DeepSpeed 0.3: its optimizer_gradients unscale the fp32 partition
+        # first (``UNSCALE``, not part of the CPU Adam)
         b, st, f = pass_parts(UNSCALE, params, cpu, t, nodes, None, bw)
-        out["cpu.grad_cast"] = (0.0, 0.0, 0.0)
         out["cpu.unscale_grads"] = (st + f, b, f)
     return out
 
@@ -393,9 +402,10 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     ``master`` / ``states``: the dtypes of the host's master parameters and gradients / Adam moments (DeepSpeed's
     ``fp16_master_weights_and_grads``, ``bf16_master_weights_and_grads``, ``bf16_optimizer_states``:
     ``simulator.config.sections.half_precision``). A 16-bit master: the host holds it (2 B/param) and the gradient
-    partition in its dtype (2 B, what the D2H copies fill, as with fp32), no fp32 gradients and no parameter staging
-    buffer (the master is copied up as it is, 2 B/param as before); moments 4 or 2 B each. The GPU side and the
-    copies' bytes do not change. The CPU step: ``cpu_step_work``.
+    partition in its dtype (2 B, what the D2H copies fill), no fp32 gradients and no parameter staging buffer (the
+    master is copied up as it is, 2 B/param as before); moments 4 or 2 B each. With an fp32 master
+    (``deepspeed_cpu_adam``) the gradients are cast on the GPU and copied in fp32 (``DS_FP32_GRAD_COPY``). The CPU
+    step: ``cpu_step_work``.
 
     Host memory is a capacity, not a precondition: buffers that do not fit make an out-of-memory
     result (the engine's host pools, ``host_memory_oom``), as on the GPU.
@@ -430,9 +440,10 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
         TensorAlloc(f"params.master_{master}.host", mb * shard, host_dev),
         TensorAlloc("optimizer.exp_avg.host", sb * shard, host_dev),
         TensorAlloc("optimizer.exp_avg_sq.host", sb * shard, host_dev),
-        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (module docstring)
+        # DeepSpeed 0.3 sends fp32 gradients into its pinned fp32 gradient partition (module docstring); current
+        # DeepSpeed into its gradient partition in the master dtype (DS_FP32_GRAD_COPY), pinned with pin_memory
         (TensorAlloc("offload.grad_partition.fp32", 4 * shard, "host_pinned") if impl == "deepspeed_cpu_adam_2020"
-         else TensorAlloc(f"offload.grad_partition.{master}", 2 * shard, host_dev) if low
+         else TensorAlloc(f"offload.grad_partition.{master}", mb * shard, host_dev) if impl == "deepspeed_cpu_adam"
          else TensorAlloc("offload.grad_staging.bf16", 2 * shard, host_dev)),
     ] + ([] if low else [TensorAlloc("offload.param_staging.bf16", 2 * shard, host_dev)])
 
@@ -447,6 +458,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     work = cpu_step_work(shard, len(sizes), impl, hw, tensor_elements=sizes, mode=mode, pin_memory=pin_memory,
                          ranks=ranks, master_bytes=mb, state_bytes=sb)
     ds03 = impl == "deepspeed_cpu_adam_2020"  # DeepSpeed 0.3's stage2.py gradient path (module docstring)
+    gpu_cast = impl == "deepspeed_cpu_adam" and not low  # current DeepSpeed, fp32 master: cast on the GPU
+    grad_bytes = DS_FP32_GRAD_COPY if ds03 or gpu_cast else 2  # bytes per element of each gradient D2H copy
     if ds03 and dp > 1:
         raise PolicyError(f"{key}.cpu_adam_impl: deepspeed_cpu_adam_2020 models DeepSpeed 0.3's ZeRO-Offload on one "
                           f"GPU; data_parallel_size {dp} is not modelled with it (allowed: 1, or another cpu_adam_impl)")
@@ -473,8 +486,8 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             allocs, uses = (), ()
             if ds03 and name != "cpu.param_cast":
                 pass  # the fp32 gradients are in the persistent pinned partition: nothing allocated per step
-            elif low:
-                pass  # the gradients are in the persistent 16-bit partition: no fp32 copy
+            elif impl == "deepspeed_cpu_adam":
+                pass  # the gradients are in the persistent partition of the master dtype: nothing per step
             elif name == "cpu.grad_cast":
                 allocs = (TensorAlloc("grad.fp32.host", 4 * shard, "host_pageable"),)
             elif name == "cpu.adam":
@@ -516,9 +529,11 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
                 deps = [rw.add(f"offload.grad_prep.{name}", OpKind.COMPUTE, "d2h", deps=deps, phase=Phase.BWD,
                                layer=b[-1]["layer"], cost_class=CostClass.ELEMENTWISE, dtype="fp32",
                                bytes_read=float(DS03_PREP_READ * n), bytes_written=float(DS03_PREP_WRITE * n))]
+            if gpu_cast:  # the bucket cast to fp32 on the copy's stream, then the fp32 copy (DS_FP32_GRAD_COPY)
+                deps = [_gpu_cast(rw, f"offload.grad_cast.{name}", n, deps, b[-1]["layer"])]
             i = rw.add(f"offload.d2h.grad.{name}", OpKind.MEMCPY_D2H, "d2h", deps=deps + ([chain[0]] if dpu else []),
                        phase=Phase.BWD, layer=b[-1]["layer"], cost_class=CostClass.COPY,
-                       bytes_read=float((4 if ds03 else 2) * n), pinned=pin_memory, uses=uses)
+                       bytes_read=float(grad_bytes * n), pinned=pin_memory, uses=uses)
             d2h_ids.append(i)
             if ds03:
                 rw.add(f"offload.grad_sync.{name}", OpKind.SYNC, "host", deps=[i], phase=Phase.BWD, launch=False)
@@ -537,13 +552,19 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
             # bytes of the builder), then this rank's reduced shard goes to the host's fp32 buffer
             # (DeepSpeed stage_1_and_2.py: copy_grads_in_partition -> async copy to the CPU buffer)
             # (ZeRO-3: the builder's reduce-scatters already carry the 16-bit gradients)
-            nb = int(op.meta["bytes"]) if zero3 else int(op.meta["bytes"]) // 2
-            new = (rw.copy(op) if zero3 else
+            # (DeepSpeed ZeRO-1/2 gradients already in the model dtype, zero_half_grads: kept as built too)
+            half_built = zero3 or op.dtype in ("bf16", "fp16")
+            nb = int(op.meta["bytes"]) if half_built else int(op.meta["bytes"]) // 2
+            new = (rw.copy(op) if half_built else
                    rw.copy(op, bytes_read=float(nb), meta={**op.meta, "bytes": nb},
                            allocs=tuple(TensorAlloc(a.name, -(-a.nbytes // 2), a.device) for a in op.allocs)))
-            i = rw.add(f"offload.d2h.grad.shard.{op.name.rsplit('.', 1)[-1]}", OpKind.MEMCPY_D2H, "d2h",
-                       deps=[new] + ([chain[0]] if dpu else []), phase=Phase.BWD, layer=op.layer,
-                       cost_class=CostClass.COPY, bytes_read=float(-(-nb // dp)), pinned=pin_memory)
+            tag = op.name.rsplit('.', 1)[-1]
+            elems = -(-nb // dp) // 2  # this rank's reduced shard, 16-bit
+            deps = [_gpu_cast(rw, f"offload.grad_cast.shard.{tag}", elems, [new], op.layer)] if gpu_cast else [new]
+            i = rw.add(f"offload.d2h.grad.shard.{tag}", OpKind.MEMCPY_D2H, "d2h",
+                       deps=deps + ([chain[0]] if dpu else []), phase=Phase.BWD, layer=op.layer,
+                       cost_class=CostClass.COPY, bytes_read=float(grad_bytes * elems if gpu_cast else -(-nb // dp)),
+                       pinned=pin_memory)
             d2h_ids.append(i)
             continue
         new = rw.copy(op)
@@ -587,6 +608,15 @@ def offload_optimizer(graph: OpGraph, hw, mode: str = "overlap", impl: str = "to
     if low:
         meta["offload_optimizer"].update(master_dtype=master, state_dtype=states)
     return rw.finish(persistent=persistent, meta=meta)
+
+
+def _gpu_cast(rw: GraphRewriter, name: str, elems: int, deps: list[int], layer) -> int:
+    """Current DeepSpeed's GPU cast of ``elems`` 16-bit gradient elements to fp32 before their D2H copy, on the
+    copy's stream (``DS_GPU_CAST_READ`` / ``DS_GPU_CAST_WRITE``); its transient fp32 output is not counted in the GPU
+    memory."""
+    return rw.add(name, OpKind.COMPUTE, "d2h", deps=deps, phase=Phase.BWD, layer=layer,
+                  cost_class=CostClass.ELEMENTWISE, dtype="fp32", bytes_read=float(DS_GPU_CAST_READ * elems),
+                  bytes_written=float(DS_GPU_CAST_WRITE * elems))
 
 
 def _dram_meta(work: tuple[float, float, float], fraction: float = 1.0) -> dict:

@@ -97,6 +97,8 @@ def check_master_weights(cfg) -> str | None:
         keys = [k for k in type(sec).model_fields if k != "enabled" and getattr(sec, k)]
         if sec.enabled and prec != name:
             return f"{name}.enabled: true is training.precision: {name} here, got {prec}"
+        if sec.enabled is False and prec == name:  # DeepSpeed would not run the model in it
+            return f"{name}.enabled: false contradicts training.precision: {name} (allowed: true, or leave it out)"
         if sec.enabled is False and keys:
             return f"{name}.{keys[0]}: DeepSpeed's {name} section is disabled ({name}.enabled false); remove one"
         if keys and prec != name:

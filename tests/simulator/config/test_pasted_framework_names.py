@@ -193,3 +193,95 @@ def test_fp8_hints_name_the_key_and_a_value_the_schema_accepts(path, value):
     assert _cfg(training={**BASE["training"], "fp8": fmt}).training.fp8 == fmt
     with pytest.raises(ScenarioError, match=r"training\.fp8: Input should be 'hybrid' or 'e4m3' \(got true\)"):
         _cfg(training={**BASE["training"], "fp8": True})
+
+
+#: deepspeedai/DeepSpeed@0101896a docs/_tutorials/zero.md, "Training a 10B Parameter GPT-2 model": the ZeRO-2 config
+DS_TUTORIAL_ZERO2 = {"stage": 2, "contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
+                     "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+
+
+def test_deepspeed_zero2_tutorial_config_pastes_unedited():
+    """DeepSpeed's own ZeRO-2 example was refused (reduce_scatter: unknown key). reduce_scatter true is
+    DeepSpeed's default (deepspeed/runtime/zero/config.py), the reduce-scatter every ZeRO-2 run prices: the step
+    is bit-identical to the config without it, and nothing is warned about it."""
+    pasted = _dp_run({"zero_optimization": DS_TUTORIAL_ZERO2}, {})
+    bare = _dp_run({"zero_optimization": {k: v for k, v in DS_TUTORIAL_ZERO2.items() if k != "reduce_scatter"}}, {})
+    assert pasted.summary["step_time_s"] == bare.summary["step_time_s"]
+    assert not any("reduce_scatter" in w for w in pasted.summary["warnings"])
+
+
+#: a whole ds_config of the keys of DeepSpeed's config-json page at their usual values (HF-Trainer style ZeRO-2)
+DS_CONFIG_ZERO2 = {
+    "fp16": {"enabled": False}, "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 2000,
+    "wall_clock_breakdown": False, "prescale_gradients": False,
+    "zero_optimization": {**DS_TUTORIAL_ZERO2, "allgather_partitions": True, "round_robin_gradients": False,
+                          "ignore_unused_parameters": True, "load_from_fp32_weights": True,
+                          "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+def test_whole_deepspeed_zero2_config_accepted_and_no_effect_keys_warned():
+    """Every key at DeepSpeed's default is the run without it; gradient_clipping is training.clip_grad; the keys
+    acting outside a step (checkpoint saving / loading, logging) are accepted and each named once in the warnings
+    as having no effect; the step is bit-identical to the scenario written in this simulator's own keys."""
+    pasted = _dp_run(DS_CONFIG_ZERO2, {})
+    own = _dp_run({"zero_optimization": {k: v for k, v in DS_TUTORIAL_ZERO2.items() if k != "reduce_scatter"},
+                   "bf16": {"enabled": True}, "training": {"clip_grad": 1.0}}, {})
+    assert pasted.summary["step_time_s"] == own.summary["step_time_s"]
+    noted = [w.split(":")[0] for w in pasted.summary["warnings"] if "no effect on the training step" in w]
+    assert noted == ["zero_optimization.stage3_gather_16bit_weights_on_model_save true",
+                     "zero_optimization.load_from_fp32_weights true", "steps_per_print 2000",
+                     "wall_clock_breakdown false"], pasted.summary["warnings"]
+    cfg = _cfg(**{k: v for k, v in DS_CONFIG_ZERO2.items() if k != "fp16"})
+    assert cfg.training.clip_grad == 1.0 and cfg.no_step_effect_notes
+    assert _cfg(zero_optimization={"stage": 2}).no_step_effect_notes == ()
+
+
+def test_allgather_partitions_false_has_no_effect_in_current_deepspeed():
+    """Current DeepSpeed's ZeRO-1/2 optimizer takes no allgather_partitions (deepspeedai/DeepSpeed@02aa38c3
+    stage_1_and_2.py DeepSpeedZeroOptimizer.__init__): false is accepted, bit-identical, and warned."""
+    given = _dp_run({"zero_optimization": {"stage": 2, "allgather_partitions": False}}, {})
+    bare = _dp_run(ZERO2, {})
+    assert given.summary["step_time_s"] == bare.summary["step_time_s"]
+    assert sum(w.startswith("zero_optimization.allgather_partitions false: accepted, no effect")
+               for w in given.summary["warnings"]) == 1
+
+
+@pytest.mark.parametrize("key,value,shown,allowed", [("reduce_scatter", False, "false", "true"),
+                                                     ("round_robin_gradients", True, "true", "false")])
+def test_deepspeed_zero_keys_off_their_defaults_refused_in_one_line(key, value, shown, allowed):
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict(_merge(BASE, {"zero_optimization": {"stage": 2, key: value}}), "pasted.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"pasted.yaml: zero_optimization.{key}: {shown} is not modelled (DeepSpeed would ")
+    assert msg.endswith(f"; allowed: {allowed}, DeepSpeed's default, or leave it out") and "\n" not in msg, msg
+
+
+def test_gradient_clipping_beside_a_different_clip_grad_refused():
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict({**BASE, "gradient_clipping": 1.0,
+                            "training": {**BASE["training"], "clip_grad": 0.5}}, "pasted.yaml")
+    assert str(e.value) == ("pasted.yaml: gradient_clipping: 1.0 contradicts training.clip_grad 0.5 (DeepSpeed's "
+                            "gradient_clipping is training.clip_grad here; allowed: one of them, or both equal)")
+    assert _cfg(gradient_clipping=0.5, training={**BASE["training"], "clip_grad": 0.5}).training.clip_grad == 0.5
+
+
+def test_half_precision_section_disabled_for_the_precision_in_use_refused():
+    """fp16: {enabled: false} beside training.precision bf16 is a ds_config's usual line (accepted); beside fp16 it
+    contradicts the precision."""
+    assert _cfg(fp16={"enabled": False}).fp16.enabled is False
+    with pytest.raises(ScenarioError, match=r"fp16\.enabled: false contradicts training\.precision: fp16 \(allowed: "
+                                            r"true, or leave it out\)$"):
+        _cfg(fp16={"enabled": False}, training={**BASE["training"], "precision": "fp16"})
+
+
+def test_loss_scaling_keys_of_a_disabled_fp16_section_accepted_and_warned():
+    """A bf16 ds_config keeps "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16, ...}: the
+    keys were refused with a hint pointing at training.precision fp16, the wrong way; the section is off, so they
+    act on nothing: accepted, each named in the warnings. In an enabled (or unmarked) section they are refused."""
+    cfg = _cfg(fp16={"enabled": False, "loss_scale": 0, "initial_scale_power": 16})
+    assert cfg.no_step_effect_notes == (
+        "fp16.loss_scale 0: accepted, no effect on the training step (fp16.enabled false)",
+        "fp16.initial_scale_power 16: accepted, no effect on the training step (fp16.enabled false)")
+    assert cfg.fp16.enabled is False
+    with pytest.raises(ScenarioError, match=r"fp16\.loss_scale: unknown key .*loss-scaling keys are not modelled"):
+        _cfg(fp16={"loss_scale": 0})

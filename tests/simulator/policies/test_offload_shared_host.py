@@ -45,8 +45,8 @@ def test_eight_ranks_take_4x_the_lone_rank_by_hand():
     assert cpu_threads(hw, "overlap", 8) == 2 and cpu_threads(hw, "overlap", 1) == 16
     one = cpu_step_times(n, 1, "deepspeed_cpu_adam", hw, ranks=1)
     eight = cpu_step_times(n, 1, "deepspeed_cpu_adam", hw, ranks=8)
-    assert sum(one.values()) == pytest.approx(36 * n / 20e9, rel=1e-12)
-    assert sum(eight.values()) == pytest.approx(36 * n / 5e9, rel=1e-12)
+    assert sum(one.values()) == pytest.approx(30 * n / 20e9, rel=1e-12)  # the kernel's 30 B (no host cast)
+    assert sum(eight.values()) == pytest.approx(30 * n / 5e9, rel=1e-12)
     assert sum(eight.values()) / sum(one.values()) == pytest.approx(4.0, rel=1e-12)
 
 

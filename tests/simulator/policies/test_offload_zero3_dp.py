@@ -3,7 +3,8 @@
 Model: 2 blocks, hidden 1024, vocab 32768, seq 512 (P parameters, shard = ceil(P / 8)).
 
 * ZeRO-3 + offload_optimizer: the builder's reduce-scatters carry 16-bit gradients (2 P bytes), so
-  this rank's D2H gradient shard is 2 P / 8 bytes (was halved as for ZeRO-2's fp32 buckets); the
+  this rank's gradient shard is 2 P / 8 bytes (cast to fp32 on the GPU and copied as 4 P / 8 with
+  deepspeed_cpu_adam); the
   GPU keeps its 16-bit partition (2 P / 8), no whole-model copy; the shard is uploaded into it after
   the CPU step and only the persistent parameters are all-gathered then.
 * + offload_param: no 16-bit partition on the GPU; every forward / backward parameter all-gather of
@@ -39,7 +40,12 @@ def test_zero3_optimizer_offload_keeps_16bit_gradients_and_the_partition(tmp_pat
     rs = [op for op in g.ops if (op.meta or {}).get("collective") == "reduce_scatter"]
     assert sum(op.meta["bytes"] for op in rs) == 2 * P
     d2h = [op for op in g.ops if op.kind == OpKind.MEMCPY_D2H and op.name.startswith("offload.d2h.grad.shard")]
-    assert sum(op.bytes_read for op in d2h) == sum(-(-op.meta["bytes"] // 8) for op in rs) == 2 * shard
+    # deepspeed_cpu_adam with fp32 master weights: each 16-bit shard cast to fp32 on the GPU, then copied (4 B per
+    # element; deepspeedai/DeepSpeed@ea78ab68 stage3.py _offload_grad_partition_at_boundary)
+    assert sum(-(-op.meta["bytes"] // 8) for op in rs) == 2 * shard
+    assert sum(op.bytes_read for op in d2h) == 4 * shard
+    cast = [op for op in g.ops if op.name.startswith("offload.grad_cast.shard")]
+    assert len(cast) == len(d2h) and sum(op.bytes_written for op in cast) == 4 * shard
     gpu = {t.name: t.nbytes for t in g.persistent if t.device == "gpu"}
     assert "params.bf16" not in gpu and gpu["params.bf16.partition"] == 2 * shard and "grad.bf16.partition" not in gpu
     opt_gathers = [op for op in g.ops if (op.meta or {}).get("collective") == "all_gather" and op.phase.value == "opt"]
