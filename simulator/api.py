@@ -401,8 +401,9 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
         summary.update(metrics.job_energy_per_work(summary))
+    # the dependencies frame is built when read (nobody in the run does): from the graph, which is immutable
     return SimulationResult(summary, rec.spans, counters, step_df, config or {}, DeferredField.raw(rec, "launches"),
-                            dependencies_frame(graph))
+                            Deferred(partial(dependencies_frame, graph)))
 
 
 @dataclass(frozen=True)
@@ -703,11 +704,12 @@ def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
     ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``;
     with experts ``num_active_parameters`` and ``expert_parallel_size``; ``num_trainable_parameters`` (all of them
     without ``training.lora``; with it the adapters' count, as PEFT's ``print_trainable_parameters``)."""
+    n_params = model_num_parameters(cfg)
     return {"zero_stage": cfg.zero_optimization.stage, "data_parallel_strategy": data_parallel_strategy(cfg),
             "pipeline_parallel_size": cfg.parallelism.pipeline_model_parallel_size,
-            "num_parameters": model_num_parameters(cfg),
+            "num_parameters": n_params,
             "num_trainable_parameters": (trainable_parameters(_whole_model(cfg)) if cfg.training.lora is not None
-                                         else model_num_parameters(cfg)),
+                                         else n_params),
             "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary),
             **({"num_active_parameters": _whole_model(cfg).num_active_parameters,  # router + top-k experts
                 "expert_parallel_size": cfg.parallelism.expert_model_parallel_size} if cfg.model.num_experts else {})}
