@@ -35,7 +35,7 @@ from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, kernels_needed, policies_reuse_key
 from simulator.recording.deferred import Deferred, DeferredField
-from simulator.recording.recorder import dependencies_frame
+from simulator.recording.recorder import dependencies_frame, dependency_columns, dependency_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
            "simulate_graph", "simulate_ranks", "transformer_spec"]
@@ -401,9 +401,10 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
         summary.update(metrics.job_energy_per_work(summary))
-    # the dependencies frame is built when read (nobody in the run does): from the graph, which is immutable
+    # the dependencies frame is built when read (nothing in the run reads it), from its columns (the thunk does not
+    # hold the graph)
     return SimulationResult(summary, rec.spans, counters, step_df, config or {}, DeferredField.raw(rec, "launches"),
-                            Deferred(partial(dependencies_frame, graph)))
+                            Deferred(partial(dependency_frame, dependency_columns(graph))))
 
 
 @dataclass(frozen=True)

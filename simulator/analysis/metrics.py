@@ -73,11 +73,11 @@ def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.nd
     segs: list[list] = []  # [phase, end_s, sort key]
     heads: list[float] = []  # each compute segment's first kernel start (stream order: by start)
     if len(ci):
-        cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
-        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
-            e = float(ends[a:b].max())
-            segs.append([ph[a].item(), e, e])
-            heads.append(float(starts[a]))
+        # each run of one phase from its first kernel: its phase, first start and last end (the run's max)
+        first = np.concatenate([[0], np.flatnonzero(ph[1:] != ph[:-1]) + 1])
+        for p, e, h in zip(ph[first].tolist(), np.maximum.reduceat(ends, first).tolist(), starts[first].tolist()):
+            segs.append([p, e, e])
+            heads.append(h)
     orphans: dict[str, float] = {}
     oi = np.flatnonzero(inph & ~comp)
     o_phase, o_end = phase[oi], end[oi]
