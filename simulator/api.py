@@ -390,7 +390,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
     with gc_paused():  # the run and its summary (see simulator.engine.run.gc_paused)
         rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
-        step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
+        step_df = rec.steps  # this run's own frame: the column added in place (``assign`` would copy it first)
+        step_df["warmup"] = step_df["step"].to_numpy() < warmup_steps
         summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
         summary["warnings"] = run_warnings(hw, cfg, host_copy_bytes([graph]))
         if cfg is not None:
