@@ -35,7 +35,7 @@ from simulator.graph.ops import OpKind, OpRole
 from simulator.policies import apply_graph_policies, build_runtime
 from simulator.policies.registry import PolicyError, kernels_needed, policies_reuse_key
 from simulator.recording.deferred import Deferred, DeferredField
-from simulator.recording.recorder import dependencies_frame
+from simulator.recording.recorder import dependencies_frame, dependency_columns, dependency_frame
 
 __all__ = ["RankClass", "SimulationError", "build_graph", "load_scenario", "rank_classes", "run_scenario",
            "simulate_graph", "simulate_ranks", "transformer_spec"]
@@ -390,7 +390,8 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
     overheads = memory_overheads(cfg) if cfg is not None else DeviceMemoryOverheads()
     with gc_paused():  # the run and its summary (see simulator.engine.run.gc_paused)
         rec, runtime = run_graph(graph, hw, steps, seed, attach, overheads)
-        step_df = rec.steps.assign(warmup=rec.steps.step < warmup_steps)
+        step_df = rec.steps  # this run's own frame: the column added in place (``assign`` would copy it first)
+        step_df["warmup"] = step_df["step"].to_numpy() < warmup_steps
         summary = summarize(graph, hw, rec.memory, rec.spans, step_df)
         summary["warnings"] = run_warnings(hw, cfg, host_copy_bytes([graph]))
         if cfg is not None:
@@ -401,8 +402,10 @@ def simulate_graph(graph: OpGraph, hw: Hardware, steps: int, warmup_steps: int =
                 summary.update(comp.summarize(spans=rec.spans, steps=step_df, counters=counters, summary=summary))
         summary["warnings"] += component_warnings(runtime)
         summary.update(metrics.job_energy_per_work(summary))
+    # the dependencies frame is built when read (nothing in the run reads it), from its columns (the thunk does not
+    # hold the graph)
     return SimulationResult(summary, rec.spans, counters, step_df, config or {}, DeferredField.raw(rec, "launches"),
-                            dependencies_frame(graph))
+                            Deferred(partial(dependency_frame, dependency_columns(graph))))
 
 
 @dataclass(frozen=True)
@@ -703,11 +706,12 @@ def scenario_keys(cfg: ScenarioConfig, summary: dict) -> dict:
     ``data_parallel_strategy``, ``pipeline_parallel_size``, ``num_parameters``, ``megatron_flops_per_s_per_gpu``;
     with experts ``num_active_parameters`` and ``expert_parallel_size``; ``num_trainable_parameters`` (all of them
     without ``training.lora``; with it the adapters' count, as PEFT's ``print_trainable_parameters``)."""
+    n_params = model_num_parameters(cfg)
     return {"zero_stage": cfg.zero_optimization.stage, "data_parallel_strategy": data_parallel_strategy(cfg),
             "pipeline_parallel_size": cfg.parallelism.pipeline_model_parallel_size,
-            "num_parameters": model_num_parameters(cfg),
+            "num_parameters": n_params,
             "num_trainable_parameters": (trainable_parameters(_whole_model(cfg)) if cfg.training.lora is not None
-                                         else model_num_parameters(cfg)),
+                                         else n_params),
             "megatron_flops_per_s_per_gpu": megatron_flops_per_s_per_gpu(cfg, summary),
             **({"num_active_parameters": _whole_model(cfg).num_active_parameters,  # router + top-k experts
                 "expert_parallel_size": cfg.parallelism.expert_model_parallel_size} if cfg.model.num_experts else {})}

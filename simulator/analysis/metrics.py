@@ -73,11 +73,11 @@ def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.nd
     segs: list[list] = []  # [phase, end_s, sort key]
     heads: list[float] = []  # each compute segment's first kernel start (stream order: by start)
     if len(ci):
-        cut = np.flatnonzero(ph[1:] != ph[:-1]) + 1
-        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(ci)]])):
-            e = float(ends[a:b].max())
-            segs.append([ph[a].item(), e, e])
-            heads.append(float(starts[a]))
+        # each run of one phase from its first kernel: its phase, first start and last end (the run's max)
+        first = np.concatenate([[0], np.flatnonzero(ph[1:] != ph[:-1]) + 1])
+        for p, e, h in zip(ph[first].tolist(), np.maximum.reduceat(ends, first).tolist(), starts[first].tolist()):
+            segs.append([p, e, e])
+            heads.append(h)
     orphans: dict[str, float] = {}
     oi = np.flatnonzero(inph & ~comp)
     o_phase, o_end = phase[oi], end[oi]
@@ -118,8 +118,14 @@ def _segments(phase: np.ndarray, start: np.ndarray, end: np.ndarray, inph: np.nd
 
 def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
     """``(codes, names)`` of a column: each row's code into ``names``, its distinct values as strings (as
-    ``to_numpy().astype(str)`` gives them) in first-row order; equal codes are equal strings."""
-    codes, uniques = pd.factorize(col.to_numpy(object), use_na_sentinel=False)
+    ``to_numpy().astype(str)`` gives them) in first-row order; equal codes are equal strings.
+
+    A column of pandas' default string dtype (``str``: missing values NaN, as the span frames' are) is factorized as
+    it is, in half the time of its object array, with the same codes and names (its missing values read ``nan``
+    either way; not so with ``string``'s ``pd.NA``, which goes through the object array)."""
+    dtype = col.dtype
+    plain_str = isinstance(dtype, pd.StringDtype) and dtype.na_value is np.nan
+    codes, uniques = pd.factorize(col.array if plain_str else col.to_numpy(object), use_na_sentinel=False)
     return codes, np.asarray(uniques, dtype=str).tolist()
 
 

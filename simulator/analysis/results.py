@@ -55,7 +55,8 @@ class SimulationResult:
         config: The resolved scenario as a plain dict.
         launches: One row per host kernel/copy launch: ``step, op_id, start_s, end_s`` (the host
             thread's busy interval; ``recording.recorder.launches_frame``; may be given as a ``Deferred``).
-        deps: The step graph's dependencies: ``op_id, dep_id, step_lag`` (0 same step, 1 previous).
+        deps: The step graph's dependencies: ``op_id, dep_id, step_lag`` (0 same step, 1 previous); may be given
+            as a ``Deferred`` (the summary does not read it).
     """
 
     summary: dict[str, Any]
@@ -64,7 +65,7 @@ class SimulationResult:
     steps: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
     launches: pd.DataFrame | None = DeferredField(None)
-    deps: pd.DataFrame | None = None
+    deps: pd.DataFrame | None = DeferredField(None)
 
     def __getstate__(self) -> dict:
         """Pickled with every frame built (a ``Deferred``'s builder does not pickle)."""

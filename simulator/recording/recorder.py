@@ -294,6 +294,12 @@ def launch_intervals(launched: np.ndarray, launch_time: list[list[float | None]]
 def dependencies_frame(graph) -> pd.DataFrame:
     """The graph's dependency edges (``DEPENDENCY_COLUMNS``): ``dep_id`` must finish before ``op_id``
     starts, in the same step (``step_lag`` 0) or the previous one (1, ``meta["prev_step_deps"]``)."""
+    return dependency_frame(dependency_columns(graph))
+
+
+def dependency_columns(graph) -> dict[str, np.ndarray]:
+    """``dependencies_frame``'s columns as arrays (``DEPENDENCY_COLUMNS``, in order; empty ones when the graph has
+    no edge): what a frame built later needs without holding the graph (``api.simulate_graph``)."""
     ops = graph.ops
     # the same-step edges op by op (each op's id repeated once per dependency), then the previous step's
     ids = np.fromiter(map(_ID_OF, ops), dtype=np.int64, count=len(ops))
@@ -307,8 +313,13 @@ def dependencies_frame(graph) -> pd.DataFrame:
             op_id.append(np.full(len(prev), op.id, dtype=np.int64))
             dep_id.append(np.asarray(prev, dtype=np.int64))
     op_id, dep_id = np.concatenate(op_id), np.concatenate(dep_id)
-    if not len(op_id):
-        return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
     lag = np.zeros(len(op_id), dtype=np.int64)
     lag[n_same:] = 1
-    return pd.DataFrame({"op_id": op_id, "dep_id": dep_id, "step_lag": lag})
+    return {"op_id": op_id, "dep_id": dep_id, "step_lag": lag}
+
+
+def dependency_frame(columns: dict[str, np.ndarray]) -> pd.DataFrame:
+    """``dependencies_frame`` of its columns (``dependency_columns``)."""
+    if not len(columns["op_id"]):
+        return pd.DataFrame([], columns=DEPENDENCY_COLUMNS)
+    return pd.DataFrame(columns)
