@@ -36,7 +36,8 @@ def cmd_fit(args) -> int:
     df = fitting_values(args.scenario, key, values, args.set)
     errors = set(df.error.dropna())
     if len(errors) == 1 and df.error.notna().all():  # every value refused for one reason: a bad key or value
-        raise ScenarioError(errors.pop())
+        why = errors.pop()  # a policy's refusal (PolicyError) does not name the file, the schema's does
+        raise ScenarioError(why if why.startswith(f"{args.scenario}: ") else f"{args.scenario}: {why}")
     answer = df.attrs[which]
     if args.json:
         rows = [{k: (None if v != v else v) for k, v in r.items()} for r in df.to_dict("records")]

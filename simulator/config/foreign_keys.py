@@ -159,22 +159,46 @@ def _is_default(v, default) -> bool:
         isinstance(v, (int, float)) and not isinstance(v, bool) and v == default)
 
 
-def no_step_effect_notes(data) -> tuple[str, ...]:
-    """One warning line per DeepSpeed key of ``data`` (a scenario mapping) accepted although it leaves the step
-    unchanged: a ``NO_STEP_EFFECT_KEYS`` key at any value, a ``DEFAULT_ONLY_KEYS`` key without effect at another value."""
+def no_step_effect_keys(data) -> dict[str, object]:
+    """Dotted key -> value of each DeepSpeed key of ``data`` (a scenario mapping) accepted although it leaves the step
+    unchanged (the keys ``drop_default_only_keys`` drops: a ``NO_STEP_EFFECT_KEYS`` key at any value, a
+    ``DEFAULT_ONLY_KEYS`` key without effect at another value, a disabled fp16 section's loss-scaling keys). A dump
+    puts them back (``put_keys``) so that a config validated again warns as the scenario did."""
     if not isinstance(data, dict):
-        return ()
-    out = []
-    for key, why in NO_STEP_EFFECT_KEYS.items():
-        if (v := _pop(data, key)[1]) is not _MISSING:
-            out.append(f"{key} {_shown(v)}: accepted, no effect on the training step ({why}; DeepSpeed's key)")
+        return {}
+    found = {key: _pop(data, key)[1] for key in NO_STEP_EFFECT_KEYS}
     for key, (default, other) in DEFAULT_ONLY_KEYS.items():
-        if other is None and (v := _pop(data, key)[1]) is not _MISSING and not _is_default(v, default):
-            out.append(f"{key} {_shown(v)}: accepted, no effect on the training step (current DeepSpeed prices the "
-                       f"same step as at its default {_shown(default)})")
-    out += [f"{key} {_shown(_pop(data, key)[1])}: accepted, no effect on the training step (fp16.enabled false)"
-            for key in _disabled_fp16_keys(data)]
+        if other is None and not _is_default(v := _pop(data, key)[1], default):
+            found[key] = v
+    found.update((key, _pop(data, key)[1]) for key in _disabled_fp16_keys(data))
+    return {k: v for k, v in found.items() if v is not _MISSING}
+
+
+def no_step_effect_notes(keys: dict[str, object]) -> tuple[str, ...]:
+    """One warning line per key of ``keys`` (``no_step_effect_keys``)."""
+    out = []
+    for key, v in keys.items():
+        if key in NO_STEP_EFFECT_KEYS:
+            why = f"{NO_STEP_EFFECT_KEYS[key]}; DeepSpeed's key"
+        elif key in DEFAULT_ONLY_KEYS:
+            why = f"current DeepSpeed prices the same step as at its default {_shown(DEFAULT_ONLY_KEYS[key][0])}"
+        else:
+            why = "fp16.enabled false"
+        out.append(f"{key} {_shown(v)}: accepted, no effect on the training step ({why})")
     return tuple(out)
+
+
+def put_keys(data: dict, keys: dict[str, object]) -> dict:
+    """``data`` (a dumped scenario) with the dotted ``keys`` put back; a key whose section the dump left out is not
+    (adding the section would change what the scenario runs: ``ScenarioConfig._dump_without_unwritten_deepspeed``)."""
+    for path, v in keys.items():
+        *parents, leaf = path.split(".")
+        node = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node[leaf] = v
+    return data
 
 
 def _disabled_fp16_keys(data: dict) -> list[str]:

@@ -35,7 +35,7 @@ from simulator.config.limits import (
     no_bool,
 )
 from simulator.config.errors import refuse_each
-from simulator.config.foreign_keys import drop_default_only_keys, no_step_effect_notes
+from simulator.config.foreign_keys import drop_default_only_keys, no_step_effect_keys, no_step_effect_notes, put_keys
 from simulator.config.quantities import Seconds
 
 from simulator.config.sections.nvme import AioConfig, NvmeConfig
@@ -808,26 +808,29 @@ class ScenarioConfig(_Model):
             for k in ("fp16", "bf16"):
                 if out.get(k, 0) is None:
                     out.pop(k)
+        if isinstance(out, dict) and self._no_step_effect:  # the keys accepted without effect, for their warnings
+            out = put_keys(out, self._no_step_effect)
         return out
 
-    #: warnings for DeepSpeed keys accepted without effect on a step (``foreign_keys.no_step_effect_notes``; a
-    #: config dumped and validated again no longer has them, nor the keys)
-    _no_step_effect: tuple[str, ...] = PrivateAttr(default=())
+    #: DeepSpeed keys accepted without effect on a step, as written (``foreign_keys.no_step_effect_keys``):
+    #: ``_resolve_data_parallel`` drops them, every dump puts them back, so a config dumped and validated again
+    #: (``with_overrides``, sweep / what-if points) warns as the scenario did
+    _no_step_effect: dict[str, object] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
     def _note_no_step_effect(cls, data, handler):
-        """Keep ``no_step_effect_notes`` of the mapping as written (``_resolve_data_parallel`` drops the keys)."""
-        notes = no_step_effect_notes(data)
+        """Keep ``no_step_effect_keys`` of the mapping as written (``_resolve_data_parallel`` drops the keys)."""
+        keys = no_step_effect_keys(data)
         out = handler(data)
-        if notes:
-            out._no_step_effect = notes
+        if keys:
+            out._no_step_effect = keys
         return out
 
     @property
     def no_step_effect_notes(self) -> tuple[str, ...]:
         """One line per DeepSpeed key accepted although it does not change a training step (``run_warnings``)."""
-        return self._no_step_effect
+        return no_step_effect_notes(self._no_step_effect)
 
     @model_validator(mode="before")
     @classmethod

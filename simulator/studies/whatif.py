@@ -88,9 +88,11 @@ def fitting_values(path: str, key: str, values: Iterable[Any], overrides: list[s
 
 
 def _fit_table(key: str, values: Iterable[Any], point) -> pd.DataFrame:
-    """Simulate ``point(v)`` for each value: one row each (``COLUMNS``); a value the schema refuses is a row
-    that does not fit, with the reason in ``error``."""
+    """Simulate ``point(v)`` for each value: one row each (``COLUMNS``); a value the schema or a policy refuses
+    (``PolicyError``: ZeRO-Offload under ``amp_fp32_params``) is a row that does not fit, with the reason in
+    ``error``."""
     from simulator.api import SimulationError, run_scenario
+    from simulator.config.errors import PolicyError
 
     rows = []
     for v in values:
@@ -100,7 +102,7 @@ def _fit_table(key: str, values: Iterable[Any], point) -> pd.DataFrame:
             s = run_scenario(point(v)).summary
             row.update({c: s.get(c) for c in COLUMNS if c in s})
             row["fits"] = not s.get("oom")
-        except (ScenarioError, SimulationError) as exc:
+        except (ScenarioError, PolicyError, SimulationError) as exc:
             row["fits"], row["error"] = False, str(exc)
         rows.append(row)
     df = pd.DataFrame(rows, columns=list(COLUMNS))
