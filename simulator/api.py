@@ -1016,7 +1016,9 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.extend(nvme_keys_without_effect(cfg))
     if pp > 1:
         spec = transformer_spec(cfg)
-        out.append(f"{pp} pipeline stages simulated side by side, one representative rank each; their send/recv and "
+        who = ("every data-parallel replica of each stage" if cfg.run.rank_folding == "none" else
+               "one representative rank per rank class and stage")  # (rank_classes)
+        out.append(f"{pp} pipeline stages simulated side by side ({who}); their send/recv and "
                    "cross-stage all-reduces are not slowed by the kernels beside them (no interference term) and end at "
                    "the same time on the two stages they join; they share each stage's NVLink port, NIC rail and PCIe link max-min "
                    "fairly with its other collectives and copies")

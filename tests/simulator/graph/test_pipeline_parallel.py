@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -354,3 +355,16 @@ def test_zero_bubble_h2_without_the_step_end_sync_beats_h1():
     h1, h2 = run_scenario(cfg("zero_bubble_h1")).summary, run_scenario(cfg("zero_bubble_h2")).summary
     assert h2["step_time_s"] < 0.95 * h1["step_time_s"]
     assert not any("ZB-H2's parallelogram" in w for w in h2["warnings"])
+
+
+@pytest.mark.parametrize("folding,who", [("classes", "one representative rank per rank class and stage"),
+                                         ("none", "every data-parallel replica of each stage")])
+def test_pipeline_warning_says_which_ranks_are_simulated(folding, who):
+    """rank_folding none simulates every replica: the pipeline line said 'one representative rank each' anyway."""
+    from simulator.api import run_warnings
+    from simulator.config.loader import load_scenario, resolve_hardware
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_scenario(root / "scenarios/cluster/gpt_16x2048_pp4_dp2_dgx_h100.yaml", [f"run.rank_folding={folding}"])
+    lines = [w for w in run_warnings(resolve_hardware(cfg), cfg) if "pipeline stages simulated side by side" in w]
+    assert len(lines) == 1 and f"4 pipeline stages simulated side by side ({who})" in lines[0]
