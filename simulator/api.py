@@ -1145,6 +1145,14 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         out.append(f"zero_optimization.stage {z.stage} {where}: DeepSpeed's IPG gradient buffers "
                    "(contiguous_gradients: reduce_bucket_size elements in the model dtype, two with overlap_comm) are not counted in the GPU "
                    "memory (modelled for data-parallel ZeRO-1/2 without offload)")
+    if (z is not None and z.offload_optimizer.device != "none"
+            and z.offload_optimizer.cpu_adam_impl == "deepspeed_cpu_adam"):
+        # current DeepSpeed's gradient path to the host (stage_1_and_2.py @02aa38c3
+        # async_inplace_copy_grad_to_fp32_buffer_from_gpu; stage3.py @ea78ab68 _offload_grad_partition_at_boundary)
+        out.append("zero_optimization.offload_optimizer deepspeed_cpu_adam: the gradient-norm pieces (and with fp16 the "
+                   "overflow check) DeepSpeed computes on the GPU for each gradient before its copy to the host are not "
+                   "priced, nor is the transient fp32 copy of each gradient counted in the GPU memory; step time and peak "
+                   "memory are low by that much")
     if cfg is not None and (note := master_dtypes_note(cfg)) is not None:
         out.append(note)
     fsdp_offload = cfg is not None and cfg.fsdp is not None and cfg.fsdp.offload_params

@@ -18,8 +18,9 @@ _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging);
 _FP16_LOSS_SCALING = ("DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
                       "(training.precision fp16); remove it")
 #: where fp8 training is set: ``training.fp8`` takes the format (``schema.TrainingConfig.fp8``), not true / false
-_FP8 = ("fp8 is training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
-        "false (with training.precision bf16)")
+_FP8_TAIL = ("training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
+             "false (with training.precision bf16)")
+_FP8 = "fp8 is " + _FP8_TAIL
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
 FOREIGN_KEY_HINTS: dict[str, str] = {
@@ -44,8 +45,8 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                "engine.py communication_data_type); remove it",
     # fp8: one key here, training.fp8, whose value is Megatron-LM's --fp8-format (the schema's Literal), not a switch
     "fp8": _FP8,
-    "training.fp8_format": "Megatron-LM's --fp8-format is " + _FP8.split(" is ", 1)[1],
-    "model.fp8": "NeMo's model.fp8 with fp8_hybrid / fp8_e4m3 is " + _FP8.split(" is ", 1)[1],
+    "training.fp8_format": "Megatron-LM's --fp8-format is " + _FP8_TAIL,
+    "model.fp8": "NeMo's model.fp8 with fp8_hybrid / fp8_e4m3 is " + _FP8_TAIL,
     "model.fp8_hybrid": "NeMo's model.fp8_hybrid: true is training.fp8: hybrid here",
     "model.fp8_e4m3": "NeMo's model.fp8_e4m3: true is training.fp8: e4m3 here",
     # DeepSpeed zero_optimization keys that are not modelled, and the legacy offload names
