@@ -1262,13 +1262,18 @@ def master_dtypes_note(cfg: ScenarioConfig) -> str | None:
     sections, ``config.sections.half_precision``), else None: what the pricing takes for granted."""
     from simulator.config.sections.half_precision import master_dtypes
 
+    from hardware_models.host_kernels import adamw_passes
+    from simulator.policies.offload_optimizer import DTYPE_BYTES, state_bytes_kwargs
+
     master, states = master_dtypes(cfg)
     if master == "fp32":
         return None
+    passes = adamw_passes("deepspeed_cpu_adam", **state_bytes_kwargs(DTYPE_BYTES[master], DTYPE_BYTES[states]))
+    streamed = sum(p.read_bytes + p.write_bytes + p.fresh_bytes for p in passes)  # what the CPU step is priced on
     moments = ("bf16 Adam moments: DeepSpeedCPUAdam built with fp32_optimizer_states=False (its optimizer.params), "
                "which DeepSpeed requires here" if states == "bf16" else "fp32 Adam moments")
     return (f"{master} master weights and gradients on the host with {moments}; the CPU step is priced on the bytes "
-            f"DeepSpeedCPUAdam streams ({22 if states == 'fp32' else 14} B per parameter), not on its 16-bit "
+            f"DeepSpeedCPUAdam streams ({streamed:g} B per parameter), not on its 16-bit "
             "conversions in registers (memory-bound); the gradient partition's norm and (fp16) loss-scale unscale on "
             "the host are not priced, as with fp32 master weights")
 

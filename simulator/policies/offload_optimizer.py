@@ -274,7 +274,7 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
         grad_cast = (st + f + n_tensors * launch, b, f)
         b, st, f = pass_parts(PARAM_CAST, params, cpu, t, nodes, None, bw)
         param_cast = (st + f + n_tensors * launch, b, f)
-    low = _state_bytes_kwargs(master_bytes, state_bytes)
+    low = state_bytes_kwargs(master_bytes, state_bytes)
     adam = adamw_step_parts(cpu, impl, sizes, dispatch_s=launch, threads=t, memory_nodes=nodes,
                             bandwidth_bytes_per_s=bw, **low)
     out = {"cpu.grad_cast": grad_cast, "cpu.adam": adam, "cpu.param_cast": param_cast}
@@ -285,7 +285,7 @@ def cpu_step_work(params: int, n_tensors: int, impl: str, hw, *, tensor_elements
     return out
 
 
-def _state_bytes_kwargs(master_bytes: int, state_bytes: int) -> dict:
+def state_bytes_kwargs(master_bytes: int, state_bytes: int) -> dict:
     """``adamw_step_parts`` keywords of the host state's dtypes (``cpu_step_work``): none for fp32; a 16-bit master
     is the parameter and gradient DeepSpeed's kernel reads, updated in place (no half copy)."""
     if master_bytes == 4:
@@ -299,7 +299,7 @@ def cpu_adam_rate(params: float, impl: str, hw, mode: str = "overlap", pin_memor
     got (``ranks``: ranks sharing the host; the dtypes' bytes: see ``cpu_step_work``)."""
     t = cpu_threads(hw, mode, ranks)
     nodes = 1 if pin_memory else None
-    low = _state_bytes_kwargs(master_bytes, state_bytes)
+    low = state_bytes_kwargs(master_bytes, state_bytes)
     s = adamw_step_s(hw.host_cpu, impl, [params], threads=t, memory_nodes=nodes,
                      bandwidth_bytes_per_s=shared_stream_bandwidth(hw.host_cpu, ranks, t, nodes), **low)
     shared = f", host shared by {ranks} ranks" if ranks > 1 else ""
