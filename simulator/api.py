@@ -159,7 +159,7 @@ def zero3_head_numel(spec: TransformerSpec) -> int:
 
 def sharding_spec(cfg: ScenarioConfig):
     """The builder's ``ShardingSpec`` of a scenario (ZeRO-3, FSDP, Megatron distributed optimizer), or None."""
-    from simulator.config.sections.fsdp import DTYPE_BYTES
+    from simulator.graph.dtypes import DTYPE_BYTES
     from simulator.graph.builders.sharding import (ShardingSpec, layer_param_sizes, megatron_default_bucket_elements,
                                                    zero3_kept_after_forward, zero3_prefetch_depth)
 
@@ -217,7 +217,7 @@ def fsdp2_sharding_spec(f, shard: int, rep: int):
     copy-in / copy-out kernels; forward prefetch 2 units ahead (``fsdp2.FORWARD_PREFETCH_DEPTH``), backward the
     previous unit; an int ``reshard_after_forward`` r (1 < r < shard) keeps each block's 1/r shard after forward and
     all-gathers it over r consecutive shard ranks (``dp_post_forward``) in backward."""
-    from simulator.config.sections.fsdp import DTYPE_BYTES
+    from simulator.graph.dtypes import DTYPE_BYTES
     from simulator.graph.builders.fsdp2 import FORWARD_PREFETCH_DEPTH
     from simulator.graph.builders.sharding import ShardingSpec
 
@@ -1263,7 +1263,8 @@ def master_dtypes_note(cfg: ScenarioConfig) -> str | None:
     from simulator.config.sections.half_precision import master_dtypes
 
     from hardware_models.host_kernels import adamw_passes
-    from simulator.policies.offload_optimizer import DTYPE_BYTES, state_bytes_kwargs
+    from simulator.graph.dtypes import DTYPE_BYTES
+    from simulator.policies.offload_optimizer import state_bytes_kwargs
 
     master, states = master_dtypes(cfg)
     if master == "fp32":

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from simulator.studies.kernels import DTYPE_BYTES, price_kernel
+from simulator.graph.dtypes import DTYPE_BYTES
+from simulator.studies.kernels import price_kernel
 
 
 def add_parser(subparsers):

@@ -101,6 +101,7 @@ from hardware_models.host_kernels import (
 from simulator.config.sections.half_precision import master_dtypes
 from simulator.graph.builders.transformer import ZERO_PARAM_ALL_GATHER
 from simulator.graph.op_graph import ModelFacts, OpGraph, with_page_faults
+from simulator.graph.dtypes import DTYPE_BYTES
 from simulator.graph.ops import CostClass, OpKind, OpRole, Phase, TensorAlloc
 from simulator.policies._columns import value_masks
 from simulator.policies._rewrite import GraphRewriter
@@ -114,8 +115,6 @@ ADAM_PASSES = {"torch_foreach": 9, "torch_single": 9, "torch_fused": 1, "deepspe
 DPU_TRAINING_THREAD_CORES = 1
 
 CPU_OPS = ("cpu.grad_cast", "cpu.adam", "cpu.param_cast")
-#: Bytes per element of the host state's dtypes (``offload_optimizer``'s ``master`` / ``states``)
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 #: DeepSpeed 0.3 (stage2.py, ZeRO-Offload's release) on each gradient of a reduce bucket, GPU bytes per element
 #: (fp16 gradient, 2 B): the copy into the contiguous ipg buffer (2 r + 2 w), ``average_tensor``'s ``div_`` (2 + 2),
 #: ``set_norm_for_param_grad_in_gpu``'s ``grad.double().norm(2)`` (2 r + 8 w, then 8 r), the overflow check

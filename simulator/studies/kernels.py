@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-#: Bytes per element of the operand dtypes.
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 1}  # tf32: fp32 operands on TF32 cores
+from simulator.graph.dtypes import DTYPE_BYTES
 
 
 def price_kernel(gpu_name: str, op_kind: str, dims: list[int], dtype: str = "bf16",

@@ -71,7 +71,6 @@ FSDP1_ONLY_KEYS = {
 }
 #: composer ``get_mixed_precision`` presets: name -> (param_dtype, reduce_dtype)
 MIXED_PRECISION_PRESETS = {"DEFAULT": ("bf16", "fp32"), "PURE": ("bf16", "bf16"), "FULL": ("fp32", "fp32")}
-DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
 class _Model(BaseModel):
