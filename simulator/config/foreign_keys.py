@@ -26,7 +26,9 @@ _FP8_TAIL = ("training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 g
              "false (with training.precision bf16)")
 _FP8 = "fp8 is " + _FP8_TAIL
 
+
 def _number(v) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
