@@ -1171,14 +1171,14 @@ def run_warnings(hw: Hardware, cfg: ScenarioConfig | None, copies: tuple[float, 
         dma = ("not modelled: the host DRAM bandwidth the copies' DMA takes, the other ranks' training threads"
                if fsdp_offload else "the copies' DMA shares each rank's host DRAM share with its CPU step "
                "(host.dram); not modelled: the other ranks' training threads")
+        t = cpu_threads(hw, mode, r)
         out.append(f"{what} on a cluster: the host is shared by {r} ranks per node, each running its own CPU "
-                   f"Adam on its 1/{len(hw.dp_group)} partition with {cpu_threads(hw, mode, r)} threads "
-                   "(threads_used per rank, else cores / ranks, as DeepSpeed's --bind_cores_to_rank; at most cores / "
-                   "ranks' worth when oversubscribed) and a max-min "
+                   f"Adam on its 1/{len(hw.dp_group)} partition with {t} thread{'' if t == 1 else 's'} "
+                   f"({_threads_origin(hw)}) and a max-min "
                    f"share of its NUMA node's memory bandwidth ({binding}); host memory is checked for all of the "
                    f"node's ranks; the ranks behind one PCIe switch share its uplink (hardware_models.host_links); "
                    f"{dma}")
-        if (note := _launcher_threads_note(hw, r, cpu_threads(hw, mode, r), what)) is not None:
+        if (note := _launcher_threads_note(hw, r, t, what)) is not None:
             out.append(note)
     if dp_many and fsdp_offload and cfg.fsdp.offload_policy is not None:
         page = ""
@@ -1277,6 +1277,21 @@ def master_dtypes_note(cfg: ScenarioConfig) -> str | None:
             f"DeepSpeedCPUAdam streams ({streamed:g} B per parameter), not on its 16-bit "
             "conversions in registers (memory-bound); the gradient partition's norm and (fp16) loss-scale unscale on "
             "the host are not priced, as with fp32 master weights")
+
+
+def _threads_origin(hw: Hardware) -> str:
+    """Where the CPU step's threads per rank on a shared host come from, for the offload-on-a-cluster warning: the
+    scenario's ``hardware.host.threads``, else the launcher's ``OMP_NUM_THREADS`` (``_launcher_threads_note``'s
+    sources): DeepSpeed's launcher with ``--bind_cores_to_rank`` sets cores / ranks, without it leaves torch's pool on
+    every core; torchrun sets 1 per process when ``nproc_per_node`` > 1 and the variable is unset."""
+    cpu = hw.host_cpu
+    torchrun = "torchrun sets OMP_NUM_THREADS=1 per process instead: hardware.host.threads=1"
+    if cpu.threads_used:
+        return "hardware.host.threads; at most cores / ranks' worth when oversubscribed"
+    if cpu.bind_cores_to_rank:
+        return f"cores / ranks, the OMP_NUM_THREADS DeepSpeed's launcher sets with --bind_cores_to_rank; {torchrun}"
+    return (f"torch's pool on every core, OMP_NUM_THREADS unset as DeepSpeed's launcher without --bind_cores_to_rank "
+            f"leaves it, time-sliced to cores / ranks' worth; {torchrun}")
 
 
 def _launcher_threads_note(hw: Hardware, ranks: int, threads: int, what: str) -> str | None:

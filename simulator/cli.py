@@ -15,6 +15,22 @@ EXIT_USAGE = 2
 DASK_CONNECT_TIMEOUT_S = 10
 
 
+def error_exit(text: str, as_json: bool = False, status: int = EXIT_USAGE) -> int:
+    """Report a failure: ``text`` (one or more ``error: ...`` lines, ``errors.error_text``) on stderr, and with
+    ``as_json`` (the verb's ``--json``) one JSON object on stdout too, so that a script reading stdout as JSON gets the
+    failure as JSON rather than nothing: ``{"error": the problems joined by "; ", "errors": [one per line],
+    "exit_status": status}`` (each problem without its ``error: `` prefix).
+
+    Returns:
+        ``status`` (2: bad input; 1: the simulation failed).
+    """
+    print(text, file=sys.stderr)
+    if as_json:
+        lines = [ln.removeprefix("error: ") for ln in text.split("\n") if ln.strip()]
+        print(json.dumps({"error": "; ".join(lines), "errors": lines, "exit_status": status}))
+    return status
+
+
 def _fmt_bytes(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
 
@@ -489,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", help="scenario YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
     p.add_argument("--out", help="write config, summary, spans and a Perfetto trace here")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object: the summary, or on failure "
+                   '{"error": ..., "errors": [...], "exit_status": N} (the error lines stay on stderr)')
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("sweep", help="run a scenario over a grid of values (one row per point)")
@@ -574,24 +591,21 @@ def _main(argv: list[str] | None) -> int:
 
     warnings.showwarning = one_line_warning
     args = build_parser().parse_args(argv)
+    as_json = bool(getattr(args, "json", False))  # the verb's --json: the failure as a JSON object on stdout too
     try:
         return int(args.fn(args) or 0)
     except (ScenarioError, PresetError, UnitError, YamlInputError) as exc:
-        print(error_text(exc), file=sys.stderr)
-        return EXIT_USAGE
+        return error_exit(error_text(exc), as_json)
     except ValidationError as exc:  # a model built from user input outside load_scenario
         from simulator.config.loader import format_validation_error
 
         where = getattr(args, "scenario", None) or "input"
-        print(error_text(format_validation_error(exc, where, exc.title)), file=sys.stderr)
-        return EXIT_USAGE
+        return error_exit(error_text(format_validation_error(exc, where, exc.title)), as_json)
     except PolicyError as exc:  # stage-2 validation of a policy's parameters
         where = getattr(args, "scenario", None)
-        print(f"error: {where + ': ' if where else ''}{exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return error_exit(f"error: {where + ': ' if where else ''}{exc}", as_json)
     except SimulationError as exc:
-        print(f"error: simulation failed: {exc}", file=sys.stderr)
-        return 1
+        return error_exit(f"error: simulation failed: {exc}", as_json, 1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -111,10 +111,10 @@ def run(args) -> int:
     try:
         results = price(args)
     except (PresetError, UnitError, ValueError) as exc:
+        from simulator.cli import error_exit
         from simulator.config.errors import error_text
 
-        print(error_text(exc), file=sys.stderr)
-        return 2
+        return error_exit(error_text(exc), args.json)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=1))
     else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 
 def add_parser(subparsers):
@@ -52,6 +51,7 @@ def run(args) -> int:
     from simulator.config.errors import ScenarioError, error_text
     from simulator.config.loader import load_scenario
     from simulator.api import SimulationError
+    from simulator.cli import error_exit
 
     from simulator.studies.whatif_dataloader import MAX_STEPS
 
@@ -68,11 +68,9 @@ def run(args) -> int:
         if args.all and len(df) < args.max_workers + 1:
             df = workers_sweep(cfg, range(args.max_workers + 1), max_steps)
     except (ScenarioError, PresetError, UnitError) as exc:
-        print(error_text(exc), file=sys.stderr)
-        return 2
+        return error_exit(error_text(exc), args.json)
     except SimulationError as exc:
-        print(f"error: simulation failed: {exc}", file=sys.stderr)
-        return 1
+        return error_exit(f"error: simulation failed: {exc}", args.json, 1)
     unsteady = [int(n) for n in df.num_workers[~df.steady]]
     below = [n for n in unsteady if answer is None or n < answer]
     if args.json:

@@ -68,6 +68,8 @@ def run(args) -> int:
     from pydantic import ValidationError
 
     from simulator.api import SimulationError
+    from simulator.cli import error_exit
+    from simulator.config.errors import PolicyError
     from simulator.config.loader import format_validation_error, load_scenario
     from simulator.config.sections.dvfs import DvfsConfig
 
@@ -85,14 +87,13 @@ def run(args) -> int:
         for w in {str(w.message) for w in caught}:
             print(f"warning: {w}", file=sys.stderr)
     except ValidationError as exc:  # a setting the dvfs section refuses
-        print(error_text(format_validation_error(exc, args.scenario, DvfsConfig)), file=sys.stderr)
-        return 2
+        return error_exit(error_text(format_validation_error(exc, args.scenario, DvfsConfig)), args.json)
+    except PolicyError as exc:  # a clock or cap outside the range of the scenario's GPU: the file that sets it
+        return error_exit(f"error: {args.scenario}: {exc}", args.json)
     except (ScenarioError, PresetError, UnitError, ValueError) as exc:
-        print(error_text(exc), file=sys.stderr)
-        return 2
+        return error_exit(error_text(exc), args.json)
     except SimulationError as exc:
-        print(f"error: simulation failed: {exc}", file=sys.stderr)
-        return 1
+        return error_exit(f"error: simulation failed: {exc}", args.json, 1)
     if getattr(args, "out", None):
         from pathlib import Path
 

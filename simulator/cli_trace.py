@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -118,16 +117,17 @@ def run_replay(args) -> int:
         problems.append(f"{args.trace}: what-ifs and --steps apply to Kineto traces, not Chakra execution traces")
     problems = [p for p in problems if p]
     if problems:
-        print(f"error: {problems[0]}", file=sys.stderr)
-        return 2
+        from simulator.cli import error_exit
+
+        return error_exit(f"error: {problems[0]}", args.json)
     try:
         out = replay(args.trace, steps, args.gpu, args.pcie_speedup, args.host_speedup, args.dataloader_workers,
                      args.gpu_gaps)
     except (TraceImportError, ValueError, OSError) as exc:
+        from simulator.cli import error_exit
         from simulator.config.errors import error_text
 
-        print(error_text(exc), file=sys.stderr)
-        return 2
+        return error_exit(error_text(exc), args.json)
     text = _strict_json(out)
     if args.out:
         d = Path(args.out)
@@ -195,15 +195,16 @@ def run_calibrate(args) -> int:
                  for t in args.traces if str(t).endswith((".et", ".et.gz"))]
     problems = [p for p in problems if p]
     if problems:
-        print(f"error: {problems[0]}", file=sys.stderr)
-        return 2
+        from simulator.cli import error_exit
+
+        return error_exit(f"error: {problems[0]}", args.json)
     try:
         prof, report = calibrate(args.traces, args.scenario, Path(args.out).stem)
     except (TraceImportError, ValueError) as exc:
+        from simulator.cli import error_exit
         from simulator.config.errors import error_text
 
-        print(error_text(exc), file=sys.stderr)
-        return 2
+        return error_exit(error_text(exc), args.json)
     Path(args.out).write_text(CALIBRATED_HEADER + "\n" + yaml.safe_dump(prof, sort_keys=False))
     if args.json:
         print(_strict_json({"profile": str(args.out), "provenance": prof["provenance"],

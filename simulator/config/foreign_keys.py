@@ -13,14 +13,49 @@ Transformer Engine keys (NVIDIA/NeMo examples/nlp/language_modeling/conf/megatro
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 _NO_STEP_EFFECT = "it does not change a training step (checkpointing / logging); remove it"
-#: DeepSpeed's fp16 loss-scaler keys (its fp16 section takes fp16_master_weights_and_grads only here)
-_FP16_LOSS_SCALING = ("DeepSpeed's fp16 loss-scaling keys are not modelled: dynamic loss scaling is priced "
-                      "(training.precision fp16); remove it")
+#: DeepSpeed's fp16 loss-scaler keys in a section that is neither in use nor disabled (``FP16_LOSS_SCALING``)
+_FP16_LOSS_SCALING = ("DeepSpeed's fp16 loss-scaling keys are read with training.precision fp16 (or fp16.enabled: "
+                      "true), where dynamic loss scaling is priced, and accepted beside fp16.enabled: false (no "
+                      "effect); otherwise remove it")
 #: where fp8 training is set: ``training.fp8`` takes the format (``schema.TrainingConfig.fp8``), not true / false
 _FP8_TAIL = ("training.fp8 here, set to the format: hybrid (e4m3 forward, e5m2 gradients) or e4m3, not true / "
              "false (with training.precision bf16)")
 _FP8 = "fp8 is " + _FP8_TAIL
+
+
+def _number(v) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    """An integer, or a float with an integral value (a JSON number: 1e3 is 1000), as DeepSpeed's pydantic reads it."""
+    return _number(v) and v == int(v)
+
+
+#: DeepSpeed's fp16 loss-scaling keys: dotted scenario path -> (DeepSpeed's default, whether a value is one DeepSpeed
+#: accepts, what it accepts). Defaults: deepspeedai/DeepSpeed@088be89 deepspeed/runtime/constants.py
+#: (FP16_LOSS_SCALE_DEFAULT = 0: dynamic loss scaling, FP16_INITIAL_SCALE_POWER_DEFAULT = 16,
+#: FP16_LOSS_SCALE_WINDOW_DEFAULT = 1000, FP16_HYSTERESIS_DEFAULT = 2, FP16_MIN_LOSS_SCALE_DEFAULT = 1). Values:
+#: @0ac46845 deepspeed/runtime/precision_config.py DeepSpeedFP16Config (loss_scale a finite number >= 0, the others
+#: int), @18fd4c97 deepspeed/runtime/fp16/loss_scaler.py ``_validated_dynamic_loss_args`` (scale_window and
+#: delayed_shift, the hysteresis, integers > 0; min_scale > 0). None of them changes one step's work (the run prices
+#: a step without overflow): a static loss scale (> 0) keeps the overflow check and the unscale by 1 / loss_scale
+#: (FP16_Optimizer.step: ``overflow_checker.has_overflow``, ``unscale_and_clip_grads``), and the other four steer the
+#: dynamic scale from step to step (which overflow skips an update, when the scale grows).
+FP16_LOSS_SCALING: dict[str, tuple[int, Callable[[object], bool], str]] = {
+    "fp16.loss_scale": (0, lambda v: _number(v) and v >= 0, "a number >= 0 (0: dynamic loss scaling; > 0: that "
+                        "static scale)"),
+    "fp16.initial_scale_power": (16, _integer, "an integer (the first dynamic scale is 2 ** it)"),
+    "fp16.loss_scale_window": (1000, lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "fp16.hysteresis": (2, lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "fp16.min_loss_scale": (1, lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+}
+
 
 #: dotted scenario path of an unknown key -> what to write instead, or why it is not accepted
 FOREIGN_KEY_HINTS: dict[str, str] = {
@@ -32,8 +67,7 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
     "algorithms": "Composer's algorithms.gradient_clipping (clipping_type norm, clipping_threshold) is "
                   "training.clip_grad here, priced as FSDP's clip_grad_norm_; other Composer algorithms are not "
                   "modelled",
-    **{f"fp16.{k}": _FP16_LOSS_SCALING for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
-                                                  "hysteresis", "min_loss_scale")},
+    **{k: _FP16_LOSS_SCALING for k in FP16_LOSS_SCALING},
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
@@ -163,26 +197,47 @@ def _is_default(v, default) -> bool:
 def no_step_effect_keys(data) -> dict[str, object]:
     """Dotted key -> value of each DeepSpeed key of ``data`` (a scenario mapping) accepted although it leaves the step
     unchanged (the keys ``drop_default_only_keys`` drops: a ``NO_STEP_EFFECT_KEYS`` key at any value, a
-    ``DEFAULT_ONLY_KEYS`` key without effect at another value, a disabled fp16 section's loss-scaling keys). A dump
-    puts them back (``put_keys``) so that a config validated again warns as the scenario did."""
+    ``DEFAULT_ONLY_KEYS`` key without effect at another value, the loss-scaling keys of a disabled fp16 section and
+    those of the fp16 section in use at another of DeepSpeed's values). A dump puts them back (``put_keys``) so that a
+    config validated again warns as the scenario did."""
     if not isinstance(data, dict):
         return {}
     found = {key: _pop(data, key)[1] for key in NO_STEP_EFFECT_KEYS}
     for key, (default, other) in DEFAULT_ONLY_KEYS.items():
         if other is None and not _is_default(v := _pop(data, key)[1], default):
             found[key] = v
-    found.update((key, _pop(data, key)[1]) for key in _disabled_fp16_keys(data))
+    in_use = _fp16_in_use(data)
+    for key in _fp16_scaling_keys(data):
+        v = _pop(data, key)[1]
+        default, ok, _ = FP16_LOSS_SCALING[key]
+        if ok(v) and not (in_use and v == default):
+            found[key] = v
     return {k: v for k, v in found.items() if v is not _MISSING}
 
 
-def no_step_effect_notes(keys: dict[str, object]) -> tuple[str, ...]:
-    """One warning line per key of ``keys`` (``no_step_effect_keys``)."""
+def _fp16_scaling_note(key: str, v, keys: dict[str, object]) -> str:
+    """Why the loss-scaling key ``key`` at ``v`` of the fp16 section in use leaves one step unchanged."""
+    if key == "fp16.loss_scale":
+        return ("a static loss scale: the overflow check and the unscale by 1 / loss_scale run as with dynamic "
+                "scaling, as priced")
+    static = keys.get("fp16.loss_scale")
+    if _number(static) and static > 0:
+        return f"DeepSpeed reads it for dynamic loss scaling only, and fp16.loss_scale {_shown(static)} is static"
+    return ("it steers the dynamic loss scale from step to step: which overflow skips an update and when the scale "
+            "grows, not one step's work")
+
+
+def no_step_effect_notes(keys: dict[str, object], fp16_in_use: bool = False) -> tuple[str, ...]:
+    """One warning line per key of ``keys`` (``no_step_effect_keys``); ``fp16_in_use``: the scenario's fp16 section
+    is in use (its loss-scaling keys were not dropped as those of a disabled section)."""
     out = []
     for key, v in keys.items():
         if key in NO_STEP_EFFECT_KEYS:
             why = f"{NO_STEP_EFFECT_KEYS[key]}; DeepSpeed's key"
         elif key in DEFAULT_ONLY_KEYS:
             why = f"current DeepSpeed prices the same step as at its default {_shown(DEFAULT_ONLY_KEYS[key][0])}"
+        elif fp16_in_use:
+            why = _fp16_scaling_note(key, v, keys)
         else:
             why = "fp16.enabled false"
         out.append(f"{key} {_shown(v)}: accepted, no effect on the training step ({why})")
@@ -202,53 +257,81 @@ def put_keys(data: dict, keys: dict[str, object]) -> dict:
     return data
 
 
-def _disabled_fp16_keys(data: dict) -> list[str]:
-    """The loss-scaling keys of a disabled DeepSpeed ``fp16`` section (``fp16.enabled: false``, as a ds_config
-    running bf16 writes it beside them): they act only when the section is enabled."""
+def _fp16_in_use(data: dict) -> bool:
+    """Whether the DeepSpeed ``fp16`` section of ``data`` is the one the run uses: ``enabled: true``, or no
+    ``enabled`` beside ``training.precision: fp16``."""
+    f, tr = data.get("fp16"), data.get("training")
+    if not isinstance(f, dict):
+        return False
+    return f.get("enabled") is True or (f.get("enabled") is None and isinstance(tr, dict)
+                                        and tr.get("precision") == "fp16")
+
+
+def _fp16_scaling_keys(data: dict) -> list[str]:
+    """The loss-scaling keys (``FP16_LOSS_SCALING``) written in an fp16 section that is in use (``_fp16_in_use``) or
+    disabled (``fp16.enabled: false``, as a ds_config running bf16 writes it beside them: they act on nothing); in
+    any other section they stay unknown keys (``FOREIGN_KEY_HINTS``)."""
     f = data.get("fp16")
-    if not (isinstance(f, dict) and f.get("enabled") is False):
+    if not (isinstance(f, dict) and (f.get("enabled") is False or _fp16_in_use(data))):
         return []
-    return [k for k in FOREIGN_KEY_HINTS if k.startswith("fp16.") and k[5:] in f]
+    return [k for k in FP16_LOSS_SCALING if k[5:] in f]
 
 
-def without_deepspeed_keys(data: dict) -> dict:
-    """``data`` without any key of ``DEFAULT_ONLY_KEYS`` / ``NO_STEP_EFFECT_KEYS`` (whatever its value)."""
-    for key in (*DEFAULT_ONLY_KEYS, *NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(data)):
-        data = _pop(data, key)[0]
-    return data
+def deepspeed_key_problems(data: dict) -> tuple[dict, list[DefaultOnlyKeyError]]:
+    """``data`` (a scenario mapping) without the DeepSpeed keys accepted here, and every problem of those keys.
 
+    Dropped: the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults (or, for those without effect, at any
+    value), the ``NO_STEP_EFFECT_KEYS``, and the fp16 loss-scaling keys (``FP16_LOSS_SCALING``) of a section in use or
+    disabled at a value DeepSpeed accepts (``no_step_effect_keys`` names those not at the default in the warnings);
+    DeepSpeed's top-level ``gradient_clipping`` moved to ``training.clip_grad``, its meaning here (the global-norm clip
+    threshold, 0 = none: DeepSpeed's GRADIENT_CLIPPING_DEFAULT, @ac2f3a34 deepspeed/runtime/constants.py), whose field
+    checks its value. Each key with a problem is dropped too, so that the rest of the scenario is validated in the
+    same round.
 
-def drop_default_only_keys(data: dict) -> dict:
-    """``data`` (a scenario mapping) without the ``DEFAULT_ONLY_KEYS`` written at their DeepSpeed defaults (or, for
-    those without effect, at any value), the ``NO_STEP_EFFECT_KEYS`` and the loss-scaling keys of a disabled fp16
-    section; DeepSpeed's top-level ``gradient_clipping``
-    moved to ``training.clip_grad``, its meaning here (the global-norm clip threshold, 0 = none: DeepSpeed's
-    GRADIENT_CLIPPING_DEFAULT, @ac2f3a34 deepspeed/runtime/constants.py).
-
-    Raises:
-        DefaultOnlyKeyError: a modelled key at another value, or ``gradient_clipping`` beside a different
-            ``training.clip_grad`` (one line naming the key and the allowed value).
+    Returns:
+        ``(data without those keys, problems)``: one ``DefaultOnlyKeyError`` per modelled key at another value, fp16
+        loss-scaling key at a value DeepSpeed refuses, or ``gradient_clipping`` beside a different
+        ``training.clip_grad``, in that order.
     """
-    out = data
+    out, problems = data, []
     for key, (default, other) in DEFAULT_ONLY_KEYS.items():
         out, v = _pop(out, key)
         if v is _MISSING or other is None or _is_default(v, default):
             continue
-        raise DefaultOnlyKeyError(key, f"{_shown(v)} is not modelled ({other}); allowed: {_shown(default)}, "
-                                       "DeepSpeed's default, or leave it out")
-    for key in (*NO_STEP_EFFECT_KEYS, *_disabled_fp16_keys(out)):
+        problems.append(DefaultOnlyKeyError(key, f"{_shown(v)} is not modelled ({other}); allowed: "
+                                                 f"{_shown(default)}, DeepSpeed's default, or leave it out"))
+    for key in NO_STEP_EFFECT_KEYS:
         out = _pop(out, key)[0]
+    for key in _fp16_scaling_keys(out):
+        out, v = _pop(out, key)
+        default, ok, allowed = FP16_LOSS_SCALING[key]
+        if not ok(v):
+            problems.append(DefaultOnlyKeyError(key, f"{_shown(v)} is refused by DeepSpeed (deepspeed/runtime/"
+                                                     f"precision_config.py, fp16/loss_scaler.py); allowed: {allowed}, "
+                                                     f"DeepSpeed's default {default}"))
     out, clip = _pop(out, "gradient_clipping")
-    if clip is not _MISSING:
-        tr = out.get("training")
-        if not isinstance(tr, dict):
-            return out  # no training mapping: its own error
+    tr = out.get("training")
+    if clip is not _MISSING and isinstance(tr, dict):  # no training mapping: its own error
         given = tr.get("clip_grad")
         if given is not None and given != clip:
-            raise DefaultOnlyKeyError("gradient_clipping", f"{_shown(clip)} contradicts training.clip_grad "
-                                      f"{_shown(given)} (DeepSpeed's gradient_clipping is training.clip_grad here; "
-                                      "allowed: one of them, or both equal)")
-        out = {**out, "training": {**tr, "clip_grad": clip}}
+            problems.append(DefaultOnlyKeyError("gradient_clipping", f"{_shown(clip)} contradicts training.clip_grad "
+                                                f"{_shown(given)} (DeepSpeed's gradient_clipping is training.clip_grad "
+                                                "here; allowed: one of them, or both equal)"))
+        else:
+            out = {**out, "training": {**tr, "clip_grad": clip}}
+    return out, problems
+
+
+def drop_default_only_keys(data: dict) -> dict:
+    """``data`` without the DeepSpeed keys accepted here (``deepspeed_key_problems``).
+
+    Raises:
+        DefaultOnlyKeyError: the first of ``deepspeed_key_problems`` (one line naming the key and what is allowed);
+            ``loader.scenario_errors`` reports them all.
+    """
+    out, problems = deepspeed_key_problems(data)
+    if problems:
+        raise problems[0]
     return out
 
 

@@ -22,8 +22,7 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
-from simulator.config.foreign_keys import (DefaultOnlyKeyError, drop_default_only_keys, foreign_key_hint,
-                                           without_deepspeed_keys)
+from simulator.config.foreign_keys import deepspeed_key_problems, foreign_key_hint
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides, null_override_notes
 from simulator.config.preset_names import READ_BY_CHECKS, pcie_link_problem, preset_name_problems
@@ -363,6 +362,11 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     nothing else) is kept, the fields validated without that key and the key taken as unknown by the other checks;
     the refusal is dropped when one of its inputs (the cluster, tp, pp, cp) is itself bad.
 
+    Every problem of the DeepSpeed keys that before-validator reads (``foreign_keys.deepspeed_key_problems``: a
+    modelled key at another value, an fp16 loss-scaling value DeepSpeed refuses, ``gradient_clipping`` beside another
+    ``training.clip_grad``) is one of them too, the rest validated without those keys; a refusal of the
+    ``training.clip_grad`` that ``gradient_clipping`` set names ``gradient_clipping``, the key written.
+
     Args:
         data: The scenario mapping (after ``with_hf_path``).
         errors: ``ValidationError.errors()`` of validating ``data``, when known (else validated here).
@@ -372,13 +376,14 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     (before,) = [d.func for d in ScenarioConfig.__pydantic_decorators__.model_validators.values()
                  if d.info.mode == "before"]
     first: list[dict] = []
-    keyed: list[dict] = []  # a DeepSpeed key accepted at its default only, at another value
+    keyed: list[dict] = []  # the DeepSpeed keys' problems (a key accepted at its default only, at another value, ...)
+    clip_moved = False  # DeepSpeed's gradient_clipping is training.clip_grad: that field's refusal names it
     if isinstance(data, dict):
-        try:
-            data = drop_default_only_keys(data)
-        except DefaultOnlyKeyError as exc:
-            keyed = [{"type": "value_error", "loc": tuple(exc.key.split(".")), "msg": f"Value error, {exc.detail}"}]
-            data = without_deepspeed_keys({k: v for k, v in data.items() if k != "gradient_clipping"})
+        tr = data.get("training")
+        clip_moved = "gradient_clipping" in data and isinstance(tr, dict) and tr.get("clip_grad") is None
+        data, problems = deepspeed_key_problems(data)  # every one, each key dropped, the rest validated
+        keyed = [{"type": "value_error", "loc": tuple(p.key.split(".")), "msg": f"Value error, {p.detail}"}
+                 for p in problems]
         try:
             before(data)
         except ValueError as exc:  # the data-parallel size against the cluster
@@ -415,7 +420,11 @@ def scenario_errors(data: dict, errors: list[dict] | None = None) -> list[dict]:
     par = data.get("parallelism")
     if not (isinstance(par, dict) and "data_parallel_size" in par) and _dp_inputs_bad(bad):
         bad.add(("parallelism", "data_parallel_size"))  # derived from a cluster or sizes that are bad: unknown
-    return keyed + first + errors + names + cross_setting_errors(ScenarioConfig, before(data), bad)
+    out = keyed + first + errors + names + cross_setting_errors(ScenarioConfig, before(data), bad)
+    if clip_moved:
+        out = [{**e, "loc": ("gradient_clipping",)} if tuple(e["loc"]) == ("training", "clip_grad") else e
+               for e in out]
+    return out
 
 
 def _name_hf_keys(message: str, data: dict) -> str:

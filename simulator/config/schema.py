@@ -830,7 +830,8 @@ class ScenarioConfig(_Model):
     @property
     def no_step_effect_notes(self) -> tuple[str, ...]:
         """One line per DeepSpeed key accepted although it does not change a training step (``run_warnings``)."""
-        return no_step_effect_notes(self._no_step_effect)
+        return no_step_effect_notes(self._no_step_effect, fp16_in_use=self.fp16 is not None and self.fp16.enabled
+                                    is not False)
 
     @model_validator(mode="before")
     @classmethod
@@ -843,9 +844,11 @@ class ScenarioConfig(_Model):
 
         First, DeepSpeed's keys accepted at their defaults only (``prescale_gradients``, ``zero_optimization.
         reduce_scatter``, ...) are dropped (``foreign_keys.DEFAULT_ONLY_KEYS``: what every run prices), any other
-        value refused; those without effect on a step (``foreign_keys.NO_STEP_EFFECT_KEYS``) dropped, and DeepSpeed's
+        value refused; those without effect on a step (``foreign_keys.NO_STEP_EFFECT_KEYS``, the fp16 loss-scaling
+        keys at values DeepSpeed accepts: ``foreign_keys.FP16_LOSS_SCALING``) dropped, and DeepSpeed's
         ``gradient_clipping`` moved to ``training.clip_grad`` (the one before-validator: ``loader.scenario_errors``
-        runs it; ``_note_no_step_effect`` keeps the warnings).
+        runs it and reports every problem of those keys, ``foreign_keys.deepspeed_key_problems``;
+        ``_note_no_step_effect`` keeps the warnings).
         """
         if not isinstance(data, dict):
             return data

@@ -135,13 +135,21 @@ def requested_power_limit_w(dcfg, gpu) -> float | None:
         PolicyError: the limit lies outside ``[min_power_limit_w, max_power_limit_w]``.
     """
     cap = getattr(dcfg, "power_limit_w", None)
-    if cap is None:
-        return None
+    return None if cap is None else settable_power_limit_w(cap, gpu, "dvfs.power_limit_w")
+
+
+def settable_power_limit_w(cap_w: float, gpu, key: str) -> float:
+    """``cap_w`` (W) as a float when ``gpu``'s board can be set to it (``nvidia-smi -pl``; a board without a
+    ``max_power_limit_w`` takes any).
+
+    Raises:
+        PolicyError: outside ``[min_power_limit_w, max_power_limit_w]``, naming ``key`` (the scenario key or the
+            command-line flag that gave it) and the range.
+    """
     lo, hi = gpu.min_power_limit_w, gpu.max_power_limit_w
-    if hi and not lo <= cap <= hi:
-        raise PolicyError(f"dvfs.power_limit_w {cap:g} W is outside the settable range of {gpu.name}: "
-                          f"{lo:g}-{hi:g} W")
-    return float(cap)
+    if hi and not lo <= cap_w <= hi:
+        raise PolicyError(f"{key} {cap_w:g} W is outside the settable range of {gpu.name}: {lo:g}-{hi:g} W")
+    return float(cap_w)
 
 
 @register_dvfs("power_cap")

@@ -19,7 +19,7 @@ import pandas as pd
 from hardware_models.gpu import GpuSpec
 from simulator.config.schema import ScenarioConfig
 from simulator.config.sections.dvfs import DvfsConfig
-from simulator.policies.dvfs import LIMIT_NOT_HELD, LIMIT_UNSETTLED, requested_clock_mhz
+from simulator.policies.dvfs import LIMIT_NOT_HELD, LIMIT_UNSETTLED, requested_clock_mhz, settable_power_limit_w
 
 COLUMNS = ["setting", "value", "step_time_s", "energy_j_per_step", "avg_power_w", "energy_per_token_j",
            "avg_sm_clock_mhz", "settled", "pareto"]
@@ -57,7 +57,8 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
             spread of supported clocks is used.
 
     Raises:
-        ValueError: both ``clocks`` and ``power_caps`` given, or a power cap out of range.
+        ValueError: both ``clocks`` and ``power_caps`` given; ``PolicyError`` (a ValueError): a clock or power cap
+            outside the GPU's range, naming ``--clocks`` / ``--power-caps``.
     """
     from simulator.api import run_scenario
     from simulator.config.loader import resolve_hardware
@@ -69,7 +70,8 @@ def energy_time_pareto(cfg: ScenarioConfig, clocks: Iterable[float] | None = Non
             if k in base}
     hw = resolve_hardware(cfg)  # once: the points differ in their dvfs section only
     if power_caps is not None:
-        points = [("power_limit_w", float(p), DvfsConfig(kind="power_cap", power_limit_w=p, **keep)) for p in power_caps]
+        power_caps = [settable_power_limit_w(p, hw.gpu, "--power-caps") for p in power_caps]  # before any run
+        points = [("power_limit_w", p, DvfsConfig(kind="power_cap", power_limit_w=p, **keep)) for p in power_caps]
     else:
         # the row is labelled with the clock that runs (an unsupported request is snapped, with a warning)
         clocks = (default_clocks(hw.gpu) if clocks is None else

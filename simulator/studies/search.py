@@ -408,6 +408,13 @@ def short_names(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
+#: the text report's line above its table: what its short columns are, with their units
+SEARCH_LEGEND = ("columns: dp = data-parallel size (ranks); m = micro-batches per step (global batch / (micro-batch "
+                 "size x dp), the gradient-accumulation count, not memory); peak GB / free GB = device memory per GPU "
+                 "at its peak / left of its capacity (1 GB = 1e9 bytes); ms = milliseconds; each % a share of the "
+                 "step time (MFU: of the GPUs' peak FLOP/s)")
+
+
 def format_search(result: SearchResult, top: int = 10) -> str:
     """The text report: the counts, the refusals by reason, the best ``top`` layouts with what bounds them."""
     t, c = result.table, result.counts
@@ -448,6 +455,7 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     lines.append(f"best {len(best)} by {result.objective} ({'higher' if OBJECTIVES[result.objective] == 'max' else 'lower'}"
                  " is better; shares of the step: compute, exposed communication per group, pipeline bubble (the stages' "
                  "waits for each other), host-bound gaps / idle, optimizer kernels):")
+    lines.append(SEARCH_LEGEND)
     lines.append(shown.to_string(index=False))
     lines += _shown_warnings(result, best)
     return "\n".join(lines)

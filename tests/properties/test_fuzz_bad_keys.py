@@ -28,7 +28,9 @@ BAD = {"training.micro_batch_size": -8, "model.num_layers": "many", "model.seq_l
        "parallelism.sequence_parallel": "maybe", "training.optimizer": "adamz", "ddp.bucket_cap_mb": -1,
        "hardware.gpu": "h100-sxm-80g", "hardware.host": "dgx-h100-hots", "hardware.pcie": "pcie-gen5-x1",
        "hardware.cluster.preset": "dgx-h10", "hardware.cluster.nodes": 0, "hardware.cluster.network": "ib-nd",
-       "hardware.profile": "h100-sxm", "model.attention_backend": "fastest", "training.global_batch_size": -4}
+       "hardware.profile": "h100-sxm", "model.attention_backend": "fastest", "training.global_batch_size": -4,
+       # DeepSpeed's top-level keys (foreign_keys.deepspeed_key_problems): named as written, with the others
+       "gradient_clipping": -1.0, "prescale_gradients": True}
 RENAME = "zz"  # a misspelt key: KEY + "zz" (one "unknown key" line; the key meant, if required, is not "missing")
 
 

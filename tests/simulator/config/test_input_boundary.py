@@ -6,6 +6,7 @@ or a silently wrong answer.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -309,6 +310,36 @@ def test_pareto_bad_settings_one_line(capsys, args, fragment):
     assert main(["pareto", SCEN, *args]) == 2
     line = one_error_line(capsys)
     assert fragment in line and "pydantic" not in line and "http" not in line
+
+
+@pytest.mark.parametrize("args,want", [(["--power-caps", "300,1"], "--power-caps 1 W is outside the settable range of "),
+                                       (["--clocks", "99999"], "--clocks: 99999 MHz is outside the SM clocks of ")])
+def test_pareto_setting_outside_the_gpus_range_names_the_file(capsys, args, want):
+    """The range is that of the scenario's GPU, so the line names the file that sets it; a cap named neither the file
+    nor its flag ("dvfs.power_limit_w 1 W is outside ...", a key the user did not write). Refused before any point
+    is simulated."""
+    assert main(["pareto", SCEN, *args]) == 2
+    assert one_error_line(capsys).startswith(f"error: {SCEN}: {want}")
+
+
+def test_json_bad_input_gives_a_json_error_on_stdout(tmp_path, capsys):
+    """``simulate run --json`` is read by scripts: on bad input stdout carries one JSON object (it was empty, so
+    ``json.loads`` of it raised), stderr keeps the error lines, exit status 2; every problem is in it."""
+    p = tmp_path / "s.yaml"
+    p.write_text(BASE_TEXT + "\ngradient_clipping: banana\nprescale_gradients: true\n")
+    assert main(["run", str(p), "--json"]) == 2
+    out = capsys.readouterr()
+    err = [ln.removeprefix("error: ") for ln in out.err.splitlines() if ln.startswith("error: ")]
+    assert json.loads(out.out) == {"error": "; ".join(err), "errors": err, "exit_status": 2}
+    assert len(err) == 2 and f"{p}: gradient_clipping: Input should be a valid number (got 'banana')" in err
+    missing = str(tmp_path / "none.yaml")
+    for verb in (["run"], ["pareto"], ["dataloader-workers"]):
+        assert main([*verb, missing, "--json"]) == 2
+        out = capsys.readouterr()
+        assert json.loads(out.out) == {"error": f"{missing}: file not found", "errors": [f"{missing}: file not found"],
+                                       "exit_status": 2}
+        assert out.err == f"error: {missing}: file not found\n"
+    assert main(["run", missing]) == 2 and capsys.readouterr().out == ""  # without --json: stderr only
 
 
 def test_error_does_not_quote_a_huge_value(capsys):

@@ -283,5 +283,65 @@ def test_loss_scaling_keys_of_a_disabled_fp16_section_accepted_and_warned():
         "fp16.loss_scale 0: accepted, no effect on the training step (fp16.enabled false)",
         "fp16.initial_scale_power 16: accepted, no effect on the training step (fp16.enabled false)")
     assert cfg.fp16.enabled is False
-    with pytest.raises(ScenarioError, match=r"fp16\.loss_scale: unknown key .*loss-scaling keys are not modelled"):
+    with pytest.raises(ScenarioError, match=r"fp16\.loss_scale: unknown key .*loss-scaling keys are read with "
+                                            r"training\.precision fp16"):
         _cfg(fp16={"loss_scale": 0})
+
+
+FP16 = {**BASE["training"], "precision": "fp16"}
+#: DeepSpeed's own defaults (deepspeedai/DeepSpeed@088be89 deepspeed/runtime/constants.py FP16_*_DEFAULT), as a
+#: ds_config running fp16 writes them (HF Transformers' ds_config_zero2.json: "loss_scale": 0, ...)
+DS_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+           "min_loss_scale": 1}
+
+
+@pytest.mark.parametrize("section", [DS_FP16, {k: v for k, v in DS_FP16.items() if k != "enabled"},
+                                     {**DS_FP16, "loss_scale": 0.0, "loss_scale_window": 1e3}])
+def test_fp16_loss_scaling_at_deepspeeds_defaults_is_the_same_run_silently(section):
+    """An fp16 ds_config pasted with its loss-scaling keys at DeepSpeed's defaults (enabled, or unmarked beside
+    training.precision fp16): accepted without a word, the same step to the bit as without them. Before, each key was
+    refused as unknown ("not modelled: remove it"), five lines for the section every fp16 ds_config has."""
+    cfg = _cfg(fp16=section, training=FP16)
+    assert cfg.no_step_effect_notes == ()
+    assert not [w for w in run_warnings(resolve_hardware(cfg), cfg) if "fp16." in w]
+    plain = _cfg(fp16={"enabled": True}, training=FP16)
+    assert run_scenario(cfg).summary["step_time_s"] == run_scenario(plain).summary["step_time_s"]
+
+
+def test_fp16_loss_scaling_at_other_accepted_values_is_warned_once_each():
+    """Values DeepSpeed accepts change the loss scale's course over steps, not one step's work (a static scale keeps
+    the overflow check and the unscale): one warning line each, the step unchanged."""
+    cfg = _cfg(fp16={"enabled": True, "loss_scale": 128, "hysteresis": 4}, training=FP16)
+    assert cfg.no_step_effect_notes == (
+        "fp16.loss_scale 128: accepted, no effect on the training step (a static loss scale: the overflow check and "
+        "the unscale by 1 / loss_scale run as with dynamic scaling, as priced)",
+        "fp16.hysteresis 4: accepted, no effect on the training step (DeepSpeed reads it for dynamic loss scaling "
+        "only, and fp16.loss_scale 128 is static)")
+    dyn = _cfg(fp16={"initial_scale_power": 12, "min_loss_scale": 2}, training=FP16)
+    assert dyn.no_step_effect_notes == tuple(
+        f"fp16.{k} {v}: accepted, no effect on the training step (it steers the dynamic loss scale from step to step: "
+        "which overflow skips an update and when the scale grows, not one step's work)"
+        for k, v in (("initial_scale_power", 12), ("min_loss_scale", 2)))
+    again = type(dyn).model_validate(dyn.model_dump())  # a dump keeps them, and their warnings
+    assert again.no_step_effect_notes == dyn.no_step_effect_notes
+    plain = _cfg(fp16={"enabled": True}, training=FP16)
+    assert run_scenario(cfg).summary["step_time_s"] == run_scenario(plain).summary["step_time_s"]
+
+
+def test_fp16_loss_scaling_values_deepspeed_refuses_are_refused_each_in_one_line():
+    """deepspeed/runtime/precision_config.py (loss_scale a finite number >= 0) and fp16/loss_scaler.py
+    (_validated_dynamic_loss_args: scale_window and the hysteresis integers > 0): such a run never starts, so there
+    is no step to price. Every bad key in one round, one line each, in a disabled section too."""
+    with pytest.raises(ScenarioError) as e:
+        scenario_from_dict({**BASE, "training": FP16, "fp16": {"enabled": True, "loss_scale": -1, "hysteresis": 0,
+                                                               "min_loss_scale": 0.5, "loss_scale_window": True}},
+                           "ds.yaml")
+    why = "is refused by DeepSpeed (deepspeed/runtime/precision_config.py, fp16/loss_scaler.py); allowed:"
+    assert str(e.value).split("\n") == [
+        f"ds.yaml: fp16.loss_scale: -1 {why} a number >= 0 (0: dynamic loss scaling; > 0: that static scale), "
+        "DeepSpeed's default 0",
+        f"ds.yaml: fp16.loss_scale_window: true {why} an integer >= 1, DeepSpeed's default 1000",
+        f"ds.yaml: fp16.hysteresis: 0 {why} an integer >= 1, DeepSpeed's default 2",
+        f"ds.yaml: fp16.min_loss_scale: 0.5 {why} an integer >= 1, DeepSpeed's default 1"]
+    with pytest.raises(ScenarioError, match=r"^pasted\.yaml: fp16\.initial_scale_power: '16' is refused by DeepSpeed"):
+        scenario_from_dict({**BASE, "fp16": {"enabled": False, "initial_scale_power": "16"}}, "pasted.yaml")

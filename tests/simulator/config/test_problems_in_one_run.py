@@ -140,3 +140,32 @@ def test_a_sections_check_reading_the_keys_written_beside_an_unknown_key():
     lines = str(exc.value).split("\n")
     assert len(lines) == 2 and "fsdp.zz_not_a_key: unknown key" in lines[0]
     assert ": fsdp: fsdp.sharding_strategy is FSDP1's (FullyShardedDataParallel); fsdp.version 2" in lines[1]
+
+
+def test_deepspeed_keys_problems_come_with_the_others():
+    """A ds_config pasted beside a bad model key: a bad ``gradient_clipping``, ``prescale_gradients: true`` (not
+    modelled) and a bad fp16 key come in the same round, each naming the key written. Before, the first DeepSpeed
+    refusal hid the others and dropped ``gradient_clipping`` unchecked (one more run per problem), and a bad
+    ``gradient_clipping`` alone was named ``training.clip_grad``, a key the file does not have."""
+    data = {**copy.deepcopy(BASE), "gradient_clipping": -1.0, "prescale_gradients": True,
+            "fp16": {"enabled": False, "hysteresis": 0}}
+    data["model"]["num_layers"] = "many"
+    with pytest.raises(ScenarioError) as exc:
+        scenario_from_dict(data, "s.yaml")
+    assert str(exc.value).split("\n") == [
+        "s.yaml: prescale_gradients: true is not modelled (DeepSpeed would divide each gradient bucket by the "
+        "data-parallel size before its all-reduce instead of after it); allowed: false, DeepSpeed's default, or "
+        "leave it out",
+        "s.yaml: fp16.hysteresis: 0 is refused by DeepSpeed (deepspeed/runtime/precision_config.py, "
+        "fp16/loss_scaler.py); allowed: an integer >= 1, DeepSpeed's default 2",
+        "s.yaml: model.num_layers: Input should be a valid integer (got 'many')",
+        "s.yaml: gradient_clipping: Input should be greater than or equal to 0 (got -1.0)"]
+    # gradient_clipping contradicting training.clip_grad, beside another refused DeepSpeed key: both
+    data = {**copy.deepcopy(BASE), "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 1, "reduce_scatter": False}}
+    data["training"]["clip_grad"] = 0.5
+    with pytest.raises(ScenarioError) as exc:
+        scenario_from_dict(data, "s.yaml")
+    lines = str(exc.value).split("\n")
+    assert len(lines) == 2 and lines[0].startswith("s.yaml: zero_optimization.reduce_scatter: false is not modelled")
+    assert lines[1].startswith("s.yaml: gradient_clipping: 1.0 contradicts training.clip_grad 0.5")

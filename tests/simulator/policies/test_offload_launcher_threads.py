@@ -50,3 +50,23 @@ def test_default_threads_on_a_shared_host_are_named_with_the_launchers_defaults(
 
 def test_one_gpu_has_the_host_to_itself():
     assert not [w for w in _run(ONE_GPU)["warnings"] if FRAGMENT in w]
+
+
+CLUSTER = "FSDP2 offload_policy on a cluster: the host is shared by 8 ranks per node"
+TORCHRUN = "torchrun sets OMP_NUM_THREADS=1 per process instead: hardware.host.threads=1"
+
+
+@pytest.mark.parametrize("sets, threads", [
+    ((), "14 threads (cores / ranks, the OMP_NUM_THREADS DeepSpeed's launcher sets with --bind_cores_to_rank; "
+         f"{TORCHRUN})"),
+    (("hardware.host.bind_cores_to_rank=false",),
+     "14 threads (torch's pool on every core, OMP_NUM_THREADS unset as DeepSpeed's launcher without "
+     f"--bind_cores_to_rank leaves it, time-sliced to cores / ranks' worth; {TORCHRUN})"),
+    (("hardware.host.threads=1",), "1 thread (hardware.host.threads; at most cores / ranks' worth when oversubscribed)"),
+])
+def test_the_shared_host_note_says_where_its_thread_count_comes_from(sets, threads):
+    """The FSDP2 offload note on a cluster gave the threads per rank "as DeepSpeed's --bind_cores_to_rank" only, for
+    a job torchrun launches, where OMP_NUM_THREADS=1 (pytorch/pytorch@010929fd torch/distributed/run.py
+    config_from_args): it now names the source of its count, and torchrun's default with the key that sets it."""
+    notes = [w for w in _run(FSDP2, *sets)["warnings"] if w.startswith(CLUSTER)]
+    assert len(notes) == 1 and f"on its 1/8 partition with {threads} and a max-min share" in notes[0], notes

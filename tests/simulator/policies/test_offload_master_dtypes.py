@@ -108,7 +108,7 @@ def test_fp16_master_with_fp16_training():
     (("bf16.enabled=true", "training.precision=fp16"), "bf16.enabled: true is training.precision: bf16 here"),
     ((BF16_MASTER, "zero_optimization.stage=0", "zero_optimization.offload_optimizer.device=none"),
      "only supported with ZeRO Stage 1, 2, or 3"),
-    (("fp16.loss_scale=0",), "fp16 loss-scaling keys are not modelled"),
+    (("fp16.loss_scale=0",), "fp16 loss-scaling keys are read with training.precision fp16"),
 ])
 def test_deepspeeds_rules_are_refused_in_one_line(sets, match):
     with pytest.raises(ScenarioError, match=match) as e:

@@ -234,3 +234,18 @@ def test_text_report_lists_the_shown_layouts_warnings_once(capsys):
                     "(grad_norm.deepspeed_zero_step), which DeepSpeed runs on one GPU too whatever training.clip_grad"]
     rank2 = next(ln for ln in lines if ln.split()[:5] == ["2", "2", "4", "1", "1"])  # rank, tp, pp, zero, dp
     assert rank2
+
+
+def test_text_report_explains_its_short_columns(capsys):
+    """A fresh user read the table's ``m`` as memory: the line above the table says what each short column is, with
+    its unit, and ``m`` holds the count it names (global batch 8 / (micro-batch 1 x dp 4) = 2 micro-batches at tp 2
+    on 8 GPUs; 8 / (1 x 8) = 1 at tp 1)."""
+    assert main(["search", str(TINY), "--space", f"{TP}=1,2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["rank", "tp"])
+    assert lines[head - 1] == search.SEARCH_LEGEND
+    assert ("m = micro-batches per step (global batch / (micro-batch size x dp), the gradient-accumulation count, not "
+            "memory)") in lines[head - 1] and "1 GB = 1e9 bytes" in lines[head - 1]
+    rows = [dict(zip(lines[head].split()[:4], ln.split()[:4])) for ln in lines[head + 1:head + 3]]
+    assert sorted(rows, key=lambda r: r["tp"]) == [{"rank": "1", "tp": "1", "dp": "8", "m": "1"},
+                                                   {"rank": "2", "tp": "2", "dp": "4", "m": "2"}]
