@@ -177,7 +177,8 @@ def main() -> None:
     for s in args.scenarios:
         raw_to = raw_timeouts_per_s(n=100_000, clock=time.process_time)
         ops, wall, cpu = time_scenario(s, args.steps, args.repeat)
-        before, before_cpu = baseline_ops_per_s(args.baseline, s, args.steps, args.repeat) if args.baseline else (nan, nan)
+        before, before_cpu = (baseline_ops_per_s(args.baseline, s, args.steps, args.repeat) if args.baseline
+                              else (nan, nan))
         print(f"{s:52s} {ops:6d} {before:12,.0f} {ops / wall:11,.0f} {before_cpu:16,.0f} {ops / cpu:15,.0f} "
               f"{raw_to:14,.0f} {ops / cpu / raw_to:7.3f}", flush=True)
     first = args.scenarios[0]
