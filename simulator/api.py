@@ -615,7 +615,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
             summary = combine_stages(  # each stage's phase compute time over all its replicas (stage_summaries)
                 stage_summaries(parts, [c.pp_rank for c in classes], replicas), steps,
                 layers=[m.rank_layers for m in models], schedule=p.schedule, virtual=p.chunks_per_rank,
-                micro_batches=models[0].num_micro_batches, ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
+                micro_batches=models[0].num_micro_batches,
+                ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             summary["pipeline"].update(step_end_spread_s=step_end_spread_s(part_steps),
                                        step_overlap_s=summary["step_latency_s"] - summary["step_time_s"])
             for row, k in zip(summary["pipeline"]["stages"], first):
