@@ -271,8 +271,9 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
     over the classes); the other keys are the first class's (the replicas not overridden), except memory and
     ``oom`` (the worst class's) and ``phase_s``, the mean over every replica (``replica_mean_phases`` of the
     classes' ``metrics.phase_split``; each class's phase compute time is in its ``rank_classes`` row).
-    ``rank_classes`` lists every class with its ``replicas``, ``slowdown``, own ``step_time_s``, ``compute_s`` (compute-stream busy time per step), ``wait_s`` (the rest of the job's
-    step: what it waits for the slowest class, at the collectives), exposed communication and peak memory;
+    ``rank_classes`` lists every class with its ``replicas``, ``slowdown``, own ``step_time_s``, ``compute_s``
+    (compute-stream busy time per step), ``wait_s`` (the rest of the job's step: what it waits for the slowest
+    class, at the collectives), exposed communication and peak memory;
     ``straggler`` names the class with the most compute. Energy and power are the per-GPU mean weighted by
     replicas and ``energy_j_per_step_all_gpus`` the sum over every GPU.
 
