@@ -553,7 +553,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     launches and dependencies are every stage's with a ``pp_rank`` column. Data-parallel classes
     (``rank_overrides`` by ``dp_rank``, ``run.rank_folding: none``): a stage's classes meet at its
     data-parallel collectives, each class's pipeline at its own send/recv; the summary is
-    ``combine_classes`` (one stage) or ``combine_stages`` of each stage's first class plus
+    ``combine_classes`` (one stage) or ``combine_stages`` of each stage's first class (its phase compute time the
+    mean over the stage's replicas, ``stage_summaries``) plus
     ``rank_classes`` and ``straggler``; the frames carry ``rank_class`` (the simulated rank's index) and
     ``dp_class`` columns. The job's steps are ``combined_steps`` (``step_time_s`` the period of the last rank's
     step ends; ``step_latency_s`` exceeds it by the steps' overlap only); a pipeline's summary adds
@@ -565,7 +566,7 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
     """
     from simulator.analysis.pipeline import (add_classes, combine_classes, combine_stages, combined_steps,
                                              compute_clock_mhz, first_op_s, phase_compute_s, pipeline_bubble_s,
-                                             stage_idle_split, step_end_spread_s)
+                                             stage_idle_split, stage_summaries, step_end_spread_s)
     from simulator.engine.run import run_ranks
 
     run, p = cfg.run, cfg.parallelism
@@ -611,9 +612,10 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
         if pp > 1:
             first = [k for k, c in enumerate(classes) if c.dp_class == 0]  # each stage's first class
             models = [graphs[k].model for k in first]
-            summary = combine_stages(
-                [parts[k] for k in first], steps, layers=[m.rank_layers for m in models], schedule=p.schedule,
-                virtual=p.chunks_per_rank, micro_batches=models[0].num_micro_batches,
+            summary = combine_stages(  # each stage's phase compute time over all its replicas (stage_summaries)
+                stage_summaries(parts, [c.pp_rank for c in classes], replicas), steps,
+                layers=[m.rank_layers for m in models], schedule=p.schedule, virtual=p.chunks_per_rank,
+                micro_batches=models[0].num_micro_batches,
                 ranks_per_stage=len(hws[0].dp_group) * len(hws[0].tp_group), **common)
             summary["pipeline"].update(step_end_spread_s=step_end_spread_s(part_steps),
                                        step_overlap_s=summary["step_latency_s"] - summary["step_time_s"])
@@ -621,7 +623,8 @@ def simulate_ranks(classes: list[RankClass], graphs: list[OpGraph], cfg: Scenari
                 row["slowdown"] = classes[k].hw.slowdown
                 row["gpu"] = classes[k].hw.gpu.name
                 row["dvfs"] = classes[k].cfg.dvfs.kind if classes[k].cfg.dvfs is not None else None
-                if n_dp > 1:  # the stage's figures are its first data-parallel class's: named (``rank_classes``)
+                if n_dp > 1:  # the stage's figures are its first data-parallel class's (but phase_compute_s, over
+                    # every replica): named (``rank_classes``)
                     row["rank_class"] = classes[k].label.removeprefix(f"pp_rank {classes[k].pp_rank} / ")
             if cfg.rank_overrides and n_dp == 1:  # an overridden stage: the one the others wait for
                 stages = summary["pipeline"]["stages"]

@@ -161,6 +161,43 @@ def step_end_spread_s(stage_steps: list[pd.DataFrame]) -> float:
     return float(np.mean((ends.max(axis=0) - ends.min(axis=0))[mask]))
 
 
+def replica_mean(values: list[float], replicas: list[int]) -> float:
+    """The mean over data-parallel replicas of a figure of rank classes (``values``: one per class, same unit),
+    each class weighted by the replicas it stands for (``replicas``), computed as ``x_0 + sum(n_i (x_i - x_0)) /
+    sum(n_i)``: exactly ``x_0`` when every class has the same value (symmetric replicas under ``run.rank_folding:
+    none`` give the folded run's figure to the last bit). A PP2 x DP2 stage with one replica's GPU 2x slow: the
+    mean of its compute times is 1.5x the fast replica's."""
+    x0 = values[0]
+    return float(x0 + sum(n * (x - x0) for x, n in zip(values, replicas)) / sum(replicas))
+
+
+def replica_mean_phases(phases: list[dict[str, float]], replicas: list[int]) -> dict[str, float]:
+    """Per key of ``phases`` (one dict of phase times per rank class, s, same keys: ``phase_compute_s`` or
+    ``metrics.phase_split``), the ``replica_mean`` over the classes."""
+    return {k: replica_mean([p[k] for p in phases], replicas) for k in phases[0]}
+
+
+def stage_summaries(parts: list[dict], pp_ranks: list[int], replicas: list[int]) -> list[dict]:
+    """The per-stage summaries ``combine_stages`` takes, from rank classes (``parts``: ``summarize`` plus
+    ``phase_compute_s`` each; ``pp_ranks``: each one's pipeline stage, stage-major with the stage's first
+    data-parallel class first; ``replicas``: the replicas each stands for). A stage's summary is its first class's
+    (the replicas not overridden) except ``phase_compute_s``, the ``replica_mean_phases`` over the stage's classes:
+    with a straggler replica (``rank_overrides`` ``dp_rank``, or every replica simulated under ``run.rank_folding:
+    none``) the stage's and the run's ``phase_s`` count every replica, not the first class's alone. One class per
+    stage: its summary as it is."""
+    members: dict[int, list[int]] = {}
+    for k, r in enumerate(pp_ranks):
+        members.setdefault(r, []).append(k)
+    out = []
+    for ks in members.values():
+        s = parts[ks[0]]
+        if len(ks) > 1:
+            s = {**s, "phase_compute_s": replica_mean_phases([parts[k]["phase_compute_s"] for k in ks],
+                                                             [replicas[k] for k in ks])}
+        out.append(s)
+    return out
+
+
 def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int], schedule: str,
                    virtual: int, micro_batches: int, samples_per_step: float, tokens_per_step: float,
                    model_flops_per_step: float, peak_flops_per_s: float, ranks_per_stage: int) -> dict:
@@ -170,7 +207,8 @@ def combine_stages(stages: list[dict], steps: pd.DataFrame, *, layers: list[int]
     keys are those of the stage with the largest device memory (``peak_memory_pp_rank`` names it) and
     ``oom`` that of the worst stage that ran out; ``exposed_comm_s``, ``host_page_fault_s`` and each
     ``comm_s_by_group`` entry are the largest over the stages; ``phase_s`` is the mean over the stages of each phase's compute time
-    (``phase_compute_s``: the stages' fwd/bwd/opt kernels, without the bubble); ``pipeline_bubble_s`` is
+    (``phase_compute_s``: the stages' fwd/bwd/opt kernels, without the bubble; with data-parallel rank classes each
+    stage's is already the mean over its replicas, ``stage_summaries``); ``pipeline_bubble_s`` is
     the least idle stage's bubble (the schedule's own bubble) and each stage's ``pipeline_imbalance_s``
     its idle time beyond that (waits for slower stages); energy and power are the mean per GPU and
     ``energy_j_per_step_all_gpus`` the sum over every GPU of the job (each stage x ``ranks_per_stage``).
@@ -231,9 +269,11 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
 
     ``step_time_s`` is the period of the job's steps (``steps``: ``combined_steps``, first start to last end
     over the classes); the other keys are the first class's (the replicas not overridden), except memory and
-    ``oom`` (the worst class's). ``rank_classes`` lists every class with its ``replicas``, ``slowdown``, own
-    ``step_time_s``, ``compute_s`` (compute-stream busy time per step), ``wait_s`` (the rest of the job's
-    step: what it waits for the slowest class, at the collectives), exposed communication and peak memory;
+    ``oom`` (the worst class's) and ``phase_s``, the mean over every replica (``replica_mean_phases`` of the
+    classes' ``metrics.phase_split``; each class's phase compute time is in its ``rank_classes`` row).
+    ``rank_classes`` lists every class with its ``replicas``, ``slowdown``, own ``step_time_s``, ``compute_s``
+    (compute-stream busy time per step), ``wait_s`` (the rest of the job's step: what it waits for the slowest
+    class, at the collectives), exposed communication and peak memory;
     ``straggler`` names the class with the most compute. Energy and power are the per-GPU mean weighted by
     replicas and ``energy_j_per_step_all_gpus`` the sum over every GPU.
 
@@ -250,7 +290,8 @@ def combine_classes(classes: list[dict], steps: pd.DataFrame, *, labels: list[st
     out.update(step_time_s=step, step_latency_s=latency,
                samples_per_s=samples_per_step / step if step else 0.0,
                tokens_per_s=tokens_per_step / step if step else 0.0,
-               mfu=mfu(model_flops_per_step, step, peak_flops_per_s))
+               mfu=mfu(model_flops_per_step, step, peak_flops_per_s),
+               phase_s=replica_mean_phases([c["phase_s"] for c in classes], replicas))
     out.pop("phase_compute_s", None)
     out.pop("pipeline_bubble_s", None)
     add_classes(out, classes, labels=labels, replicas=replicas, slowdowns=slowdowns, groups=None,
@@ -292,10 +333,9 @@ def add_classes(summary: dict, classes: list[dict], *, labels: list[str], replic
         # stages' combination (``combine_stages``) saw each stage's first class only, which left the overridden
         # replicas out of the mean (PP4 x DP2, dp_rank 1 1.5x slower: 33.86 J per GPU against the 38.73 J of
         # energy_j_per_step_all_gpus / 8)
-        total = sum(n for n in replicas)
         for k in _MEAN_KEYS:
             if all(k in c for c in classes):
-                summary[k] = float(sum(c[k] * n for c, n in zip(classes, replicas)) / total)
+                summary[k] = replica_mean([c[k] for c in classes], replicas)
         summary["energy_j_per_step_all_gpus"] = float(sum(c["energy_j_per_step"] * n for c, n in zip(classes, replicas))
                                                       * gpus_per_replica)
 
@@ -304,7 +344,9 @@ def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: 
                slowdowns: list[float]) -> list[dict]:
     """One row per rank class: ``label, replicas, slowdown, gpu`` (its GPU's name), its own ``step_time_s``, ``compute_s``
     (compute-stream busy time per step), ``wait_s`` (the rest of the job's step ``step_s``), exposed
-    communication, peak device memory, its GPU's memory and, when metered, energy and power."""
+    communication, peak device memory, its GPU's memory, its ``phase_compute_s`` when given (``phase_compute_s``: its
+    own fwd/bwd/opt kernel time per step; the summary's ``phase_s`` is the mean over every replica) and, when metered,
+    energy and power."""
     rows = []
     for lab, n, slow, c in zip(labels, replicas, slowdowns, classes):
         compute = c["utilisation"].get("compute", 0.0) * c["step_time_s"]
@@ -312,7 +354,7 @@ def class_rows(classes: list[dict], step_s: float, labels: list[str], replicas: 
                      "compute_s": compute, "wait_s": max(step_s - compute, 0.0), "exposed_comm_s": c["exposed_comm_s"],
                      "peak_device_memory_bytes": c["peak_device_memory_bytes"],
                      "gpu_memory_capacity_bytes": c.get("gpu_memory_capacity_bytes"),
-                     **{k: c[k] for k in ("energy_j_per_step", "avg_power_w") if k in c}})
+                     **{k: c[k] for k in ("phase_compute_s", "energy_j_per_step", "avg_power_w") if k in c}})
     return rows
 
 

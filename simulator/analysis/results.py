@@ -98,14 +98,22 @@ class SimulationResult:
             window, which is ``step_time_s`` unless steps overlap (then ``step_latency_s``).
             Components that are zero in every step are left out, except compute. A result of several
             ranks (spans with ``pp_rank`` or ``rank_class``: ``rank_column``) gives the mean over them (each
-            one's partition of the job's step windows).
+            one's partition of the job's step windows); over rank classes, the mean over every data-parallel
+            replica (each class weighted by its ``replicas``, the summary's ``rank_classes``), so that
+            ``run.rank_folding`` classes and none give the same breakdown.
         """
         col = rank_column(self.spans)
         if col:  # pipeline stages or rank classes: the mean over them of each one's partition
-            parts = [rank_partition(d, _rank_rows(self.launches, col, key), self.steps, pipeline="pp_rank" in d)
-                     for key, d in self.spans.groupby(col)]
+            rows = (self.summary.get("rank_classes") or []) if col == "rank_class" else []
+            weight = {i: r["replicas"] for i, r in enumerate(rows)}  # rank_class i is the summary's row i
+            parts, total = [], 0
+            for key, d in self.spans.groupby(col):
+                part = rank_partition(d, _rank_rows(self.launches, col, key), self.steps, pipeline="pp_rank" in d)
+                n = weight.get(key, 1)
+                parts.append(part.assign(seconds=part.seconds * n) if n != 1 else part)
+                total += n
             return pd.concat(parts).groupby("component", sort=False, as_index=False)["seconds"].sum().assign(
-                seconds=lambda d: d.seconds / len(parts))
+                seconds=lambda d: d.seconds / total)
         return rank_partition(self.spans, None, self.steps, pipeline=False)
 
     def _repr_html_(self) -> str:

@@ -15,7 +15,8 @@ what limits each layout.
    (``MemoryEstimate.surely_over``) is ``pruned`` with its shortfall. Points it cannot estimate (offload)
    are simulated.
 4. **Simulates** the survivors with ``sweep.run_sweep`` (process pool, a Dask cluster, resumable ``out_dir``),
-   with each point's step breakdown. A survivor that runs out of memory in the simulation is ``oom``.
+   with each point's step breakdown. A survivor that runs out of memory in the simulation is ``oom``. A cluster
+   or pool lost mid-search raises ``SearchFailed`` (one line, exit 2) with the finished simulations ranked and kept.
 5. **Ranks** the layouts that fit by the objective (``tokens_per_s`` and ``mfu``: higher is better;
    ``step_time_s``: lower) and says what bounds each (``bounds``): the compute share of the step, the
    exposed communication of each process group, the pipeline bubble / idle time, the optimizer, and the
@@ -50,6 +51,22 @@ MEMORY_BOUND_SHARE = 0.05
 _DP_DERIVED = "parallelism.data_parallel_size=null"
 
 
+class SearchFailed(ScenarioError):
+    """The cluster or process pool simulating a search's points failed (a lost Dask scheduler, a killed worker
+    process: ``sweep.SweepFailed``). ``result`` holds every point: the finished simulations ranked as usual, the
+    survivors not simulated as ``unfinished`` (``UNFINISHED``); with ``out_dir`` it is also in ``search.csv``
+    beside the sweep's ``index.jsonl`` and ``results.csv``, from which the same search resumes. The message is one
+    line: what failed, how many of the simulations finished, the best finished layout, where they are kept."""
+
+    def __init__(self, message: str, result: SearchResult):
+        super().__init__(message)
+        self.result = result
+
+
+#: status of a point that was to be simulated when the cluster or pool failed (``SearchFailed``'s table only)
+UNFINISHED = "unfinished"
+
+
 class NothingFits(ScenarioError):
     """No point of the space fits in GPU memory (or none is accepted by the schema); ``result`` holds them all."""
 
@@ -64,7 +81,8 @@ class SearchResult:
 
     Attributes:
         table: One row per point in product order: the space's keys, ``data_parallel_size``,
-            ``micro_batches`` (per step), ``status`` (one of ``STATUSES``), ``reason`` (refused: the schema's
+            ``micro_batches`` (per step), ``status`` (one of ``STATUSES``; ``UNFINISHED`` too in a
+            ``SearchFailed``'s), ``reason`` (refused: the schema's
             message; pruned: the estimate against the capacity; oom: the simulator's message),
             ``est_peak_device_bytes``, ``gpu_memory_capacity_bytes``, and for simulated points the sweep's
             columns (``tokens_per_s``, ``step_time_s``, ``mfu``, ``peak_device_memory_bytes``,
@@ -275,10 +293,12 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
         NothingFits: no point is accepted by the schema, or none fits in GPU memory (the message names the
             smallest shortfall).
         SweepInterrupted: Ctrl-C during the simulations.
+        SearchFailed: the cluster or process pool failed during the simulations; it carries every point (the
+            finished ones ranked), also written to ``out_dir/search.csv``.
     """
     from simulator.config.loader import load_scenario
     from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory, stage_capacities
-    from simulator.studies.sweep import SEARCH_FILE, grid, run_sweep
+    from simulator.studies.sweep import SEARCH_FILE, SweepFailed, grid, run_sweep
 
     if objective not in OBJECTIVES:
         raise ScenarioError(f"--objective {objective}: unknown (allowed: {', '.join(OBJECTIVES)})")
@@ -336,12 +356,21 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
     notes += [f"{m}: those points were simulated without pruning" for m in sorted(not_estimated)]
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
+    failed = None
     if survivors:
-        df = run_sweep(scenario, space, base_overrides=base_ov, workers=workers, out_dir=out_dir, progress=progress,
-                       client=client, log=log, points=[points[i] for i in survivors], breakdown=True, set_by=set_by)
-        for text, where in (df.attrs.get("warnings") or {}).items():  # sweep row j is the point survivors[j]
-            found[text] = [survivors[j] for j in where]
-        for i, sim in zip(survivors, df.to_dict("records")):
+        try:
+            df = run_sweep(scenario, space, base_overrides=base_ov, workers=workers, out_dir=out_dir,
+                           progress=progress, client=client, log=log, points=[points[i] for i in survivors],
+                           breakdown=True, set_by=set_by)
+            ran = survivors  # sweep row j is the point ran[j]
+        except SweepFailed as exc:  # the finished simulations are ranked and written as usual, the others unfinished
+            failed, df = exc, exc.table
+            ran = [survivors[j] for j in exc.positions]
+            for i in sorted(set(survivors) - set(ran)):
+                rows[i].update(status=UNFINISHED, reason=f"not simulated: {exc.cause}")
+        for text, where in (df.attrs.get("warnings") or {}).items():
+            found[text] = [ran[j] for j in where]
+        for i, sim in zip(ran, df.to_dict("records")):
             row = rows[i]
             row.update({k: v for k, v in sim.items() if k not in space})
             if sim.get("error") is not None:
@@ -365,9 +394,27 @@ def run_search(scenario: str | Path, space: dict[str, list], base_overrides: lis
         from simulator.recording.writers import atomic_write_text
 
         atomic_write_text(Path(out_dir) / SEARCH_FILE, table.to_csv(index=False))
+    if failed is not None:
+        raise SearchFailed(_failed_line(result, failed, len(survivors), out_dir), result)
     if not ok.any():
         _raise_nothing_fits(result)
     return result
+
+
+def _failed_line(result: SearchResult, failed, simulations: int, out_dir: str | Path | None) -> str:
+    """``SearchFailed``'s message: ``failed.cause`` (``sweep.SweepFailed``), the finished simulations of the
+    ``simulations`` to run, the best finished layout by the objective, where the finished ones are kept."""
+    from simulator.studies.sweep import INDEX_FILE, RESULTS_FILE, SEARCH_FILE
+
+    best = result.best(1)
+    top = ""
+    if len(best):
+        names, r = short_names(result.keys), best.iloc[0]
+        top = (f" (best finished: {' '.join(f'{names[k]}={r[k]}' for k in result.keys)}, "
+               f"{result.objective} {r[result.objective]:.4g})")
+    kept = (f"kept in {out_dir} ({INDEX_FILE}, {RESULTS_FILE}, {SEARCH_FILE}); the same command resumes from them"
+            if out_dir is not None else "not kept (give --out DIR to keep finished simulations)")
+    return f"{failed.cause}; {len(failed.table)} of {simulations} simulations finished{top}, {kept}"
 
 
 def _raise_nothing_fits(result: SearchResult) -> None:

@@ -72,11 +72,22 @@ class SweepInterrupted(KeyboardInterrupt):
 class SweepFailed(ScenarioError):
     """The cluster or process pool running a sweep failed (a lost Dask scheduler, a killed worker process) after
     ``len(table)`` of ``total`` points finished; what finished stays recorded (``out_dir``: index and table).
-    The message is one line naming what failed, how many points finished and where they are."""
+    The message is one line naming what failed, how many points finished and where they are.
 
-    def __init__(self, message: str, table: pd.DataFrame, total: int):
+    Attributes:
+        table: The finished points' rows (``run_sweep``'s columns), in point order.
+        total: Points of the sweep.
+        positions: Each row's position among the sweep's points (``table`` row ``j`` is point ``positions[j]``).
+        cause: What failed, one line (``--dask-scheduler: the Dask cluster failed (FutureCancelledError: ...)``):
+            the message's head, for a caller that words its own (``search.run_search``).
+    """
+
+    def __init__(self, message: str, table: pd.DataFrame, total: int, positions: list[int] | None = None,
+                 cause: str = ""):
         super().__init__(message)
         self.table, self.total = table, total
+        self.positions = list(range(len(table))) if positions is None else positions
+        self.cause = cause or message
 
 
 def point_folder_names(points: list[dict]) -> list[str]:
@@ -559,8 +570,8 @@ def _failed(done: dict[int, dict], jobs: list, folders: list, out: Path | None, 
     reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     kept = (f"kept in {out} ({INDEX_FILE}, {RESULTS_FILE}); the same command resumes from them" if out
             else "not kept (give --out DIR to keep finished points)")
-    return SweepFailed(f"{option}: {what} ({type(exc).__name__}: {reason}); {len(done)} of {len(jobs)} points "
-                       f"finished, {kept}", table, len(jobs))
+    cause = f"{option}: {what} ({type(exc).__name__}: {reason})"
+    return SweepFailed(f"{cause}; {len(done)} of {len(jobs)} points finished, {kept}", table, len(jobs), order, cause)
 
 
 def point_warnings(rows: list[dict]) -> dict[str, list[int]]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import types
 
+import pandas as pd
 import pytest
 
 from simulator.cli import main
@@ -163,6 +166,115 @@ def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--dask-scheduler", "tcp://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --dask-scheduler tcp://127.0.0.1:1: cannot connect")
+
+
+class FutureCancelledError(Exception):
+    """What ``dask.distributed`` raises from ``Future.result()`` once the client lost its scheduler (its name is
+    in the error line)."""
+
+
+class _FakeFuture:
+    def __init__(self, key: str, fn, arg, lost: bool):
+        self.key, self._fn, self._arg, self._lost = key, fn, arg, lost
+
+    def result(self):
+        if self._lost:
+            raise FutureCancelledError(f"{self.key} cancelled for reason: scheduler-connection-lost.")
+        return self._fn(self._arg)
+
+    def release(self):
+        pass
+
+
+class _FakeClient:
+    """A one-thread cluster that runs each task (a batch of points, ``sweep.point_batches``) when its result is
+    asked for, in this process, and whose scheduler is lost from the ``lost_from``-th task on (0-based; None:
+    never): every result from there raises, as a real client's do."""
+
+    def __init__(self, lost_from: int | None):
+        self.lost_from, self.points_run, self.closed = lost_from, 0, False
+
+    def nthreads(self):
+        return {"tcp://127.0.0.1:40000": 1}
+
+    def map(self, fn, batches, pure=True):
+        def counted(batch):
+            self.points_run += len(batch)
+            return fn(batch)
+        return [_FakeFuture(f"_run_points-{i}", counted, b, self.lost_from is not None and i >= self.lost_from)
+                for i, b in enumerate(batches)]
+
+    def cancel(self, futures):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def _without_dask(monkeypatch):
+    """No dask installed: ``import dask`` fails; the sweep's ``from dask.distributed import as_completed`` gets a
+    stand-in yielding the futures in submission order (as a one-thread cluster finishes them)."""
+    fake = types.ModuleType("dask.distributed")
+    fake.as_completed = lambda futures: iter(list(futures))
+    monkeypatch.setitem(sys.modules, "dask", None)
+    monkeypatch.setitem(sys.modules, "dask.distributed", fake)
+
+
+#: the 4 layouts tp {1, 2} x pp {1, 2} of TINY all fit and are simulated, one step each
+LOST_SPACE = ["--space", f"{TP}=1,2", "--space", f"{PP}=1,2", "--set", "run.steps=1", "--set", "run.warmup_steps=0"]
+
+
+def test_scheduler_lost_mid_search_is_one_line_and_keeps_the_finished_simulations(tmp_path, monkeypatch, capsys):
+    """4 simulations on a one-thread cluster, one point per task (ceil(4 / 8)); the scheduler is lost at the third
+    task: one error line counting 2 of the 4 simulations finished and naming the best of them, exit 2; search.csv
+    ranks the 2 finished (tp 1 x pp 1, tp 1 x pp 2: product order) and marks the other 2 unfinished; index.jsonl and
+    results.csv hold the 2, and the same command then simulates only the other 2."""
+    from simulator import cli
+
+    _without_dask(monkeypatch)
+    lost = _FakeClient(lost_from=2)
+    monkeypatch.setattr(cli, "dask_client", lambda address: lost)
+    out = tmp_path / "s"
+    args = ["search", str(TINY), *LOST_SPACE, "--out", str(out), "--dask-scheduler", "tcp://127.0.0.1:8786", "--json"]
+    assert main(args) == 2
+    io = capsys.readouterr()
+    lines = [ln for ln in io.err.splitlines() if ln.strip() and not ln.startswith("note: ")]  # less: no parquet writer
+    assert io.out == "" and len(lines) == 1, io.err
+    line = lines[0]
+    assert line.startswith("error: --dask-scheduler: the Dask cluster failed (FutureCancelledError: _run_points-2 "
+                           "cancelled for reason: scheduler-connection-lost.); 2 of 4 simulations finished (best "
+                           "finished: "), line
+    assert line.endswith(f", kept in {out} (index.jsonl, results.csv, search.csv); the same command resumes from them")
+    assert lost.closed and lost.points_run == 2
+    t = pd.read_csv(out / "search.csv")
+    assert list(zip(t[TP], t[PP], t.status)) == [(1, 1, "ok"), (1, 2, "ok"), (2, 1, "unfinished"), (2, 2, "unfinished")]
+    assert t.reason.iloc[2].startswith("not simulated: --dask-scheduler: the Dask cluster failed")
+    best = t[t["rank"] == 1].iloc[0]
+    assert sorted(t["rank"].dropna()) == [1, 2] and t.loc[t.status == "ok", "tokens_per_s"].max() == best.tokens_per_s
+    assert f"(best finished: tp={best[TP]} pp={best[PP]}, tokens_per_s {best.tokens_per_s:.4g})" in line
+    assert len(pd.read_csv(out / "results.csv")) == 2 and len((out / "index.jsonl").read_text().splitlines()) == 2
+
+    whole = _FakeClient(lost_from=None)
+    monkeypatch.setattr(cli, "dask_client", lambda address: whole)
+    assert main(args) == 0
+    capsys.readouterr()
+    assert whole.points_run == 2  # the 2 unfinished only
+    t = pd.read_csv(out / "search.csv")
+    assert list(t.status) == ["ok"] * 4 and sorted(t["rank"]) == [1, 2, 3, 4]
+
+
+def test_scheduler_lost_without_out_carries_the_finished_points(monkeypatch):
+    """The same loss at the second task, no out_dir: ``SearchFailed`` counts 1 of 4 simulations, says they are not
+    kept, and its result holds the one finished point ranked 1 and three unfinished."""
+    _without_dask(monkeypatch)
+    with pytest.raises(search.SearchFailed) as info:
+        search.run_search(TINY, {TP: [1, 2], PP: [1, 2]}, base_overrides=["run.steps=1", "run.warmup_steps=0"],
+                          client=_FakeClient(lost_from=1), progress=False, log=lambda m: None)
+    msg = str(info.value)
+    assert "; 1 of 4 simulations finished (best finished: tp=1 pp=1, tokens_per_s " in msg and "\n" not in msg
+    assert msg.endswith(", not kept (give --out DIR to keep finished simulations)")
+    t = info.value.result.table
+    assert list(t.status) == ["ok", "unfinished", "unfinished", "unfinished"] and t["rank"].iloc[0] == 1
 
 
 def test_nothing_fits_names_the_smallest_shortfall():
