@@ -239,8 +239,10 @@ def test_scheduler_lost_mid_search_is_one_line_and_keeps_the_finished_simulation
     assert main(args) == 2
     io = capsys.readouterr()
     lines = [ln for ln in io.err.splitlines() if ln.strip() and not ln.startswith("note: ")]  # less: no parquet writer
-    assert io.out == "" and len(lines) == 1, io.err
+    assert len(lines) == 1, io.err
     line = lines[0]
+    assert json.loads(io.out) == {"error": line.removeprefix("error: "), "errors": [line.removeprefix("error: ")],
+                                  "exit_status": 2}  # --json: the same line as a JSON object on stdout
     assert line.startswith("error: --dask-scheduler: the Dask cluster failed (FutureCancelledError: _run_points-2 "
                            "cancelled for reason: scheduler-connection-lost.); 2 of 4 simulations finished (best "
                            "finished: "), line
