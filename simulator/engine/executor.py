@@ -43,6 +43,7 @@ from itertools import chain
 
 import simpy
 
+from simulator.engine.memory import category
 from simulator.engine.system import COPY_PATHS, System
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind
@@ -114,7 +115,7 @@ class Executor:
         write = {dev: pool.writer() for dev, pool in mem.items()}  # each pool's change log (``MemoryPool.writer``)
         gpu = write["gpu"]
         write_of = {t.name: write.get(t.device, gpu) for op in graph.ops for t in op.allocs}
-        #: per op: ``(write, name, bytes)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
+        #: per op: ``(write, name, bytes, category)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
         #: ``(place, write, name)`` per tensor it uses that some op allocates (``_finish``; ``place``: its refcount's in
         #: ``_refs[step]``, -1 for a tensor of one user, freed when that ends); ``(write, name)`` per tensor it
         #: allocates that no op uses (freed when it ends)
@@ -151,7 +152,7 @@ class Executor:
         for op in ops:
             a, u = op.allocs, op.uses
             if a:
-                allocs.append(tuple([(write_of[t.name], t.name, t.nbytes) for t in a]))
+                allocs.append(tuple([(write_of[t.name], t.name, t.nbytes, category(t.name)) for t in a]))
                 unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name in unused]) if unused else empty)
             else:
                 allocs.append(empty)
@@ -362,8 +363,8 @@ class Executor:
                     if sys.start_waiter is not None:
                         sys.start_waiter, ev = None, sys.start_waiter
                         ev.succeed(start)
-                for write, name, nbytes in allocs[oid]:  # _begin, inlined
-                    write((start, name, nbytes, start))
+                for write, name, nbytes, cat in allocs[oid]:  # _begin, inlined
+                    write((start, name, nbytes, start, cat))
                 for fn in on_start:
                     fn(op, step, sys)
                 m = mode[oid]
@@ -441,8 +442,8 @@ class Executor:
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""
         now = self.env.now
-        for write, name, nbytes in self._allocs[op.id]:
-            write((now, name, nbytes, now))
+        for write, name, nbytes, cat in self._allocs[op.id]:
+            write((now, name, nbytes, now, cat))
         for fn in self._on_start:
             fn(op, step, self.sys)
 
@@ -502,11 +503,11 @@ class Executor:
                     refs[i] = n
                     if n > 0:
                         continue
-                write((now, name, None, None))
+                write((now, name, None, None, None))
         unused = self._unused_plan[oid]
         if unused:
             for write, name in unused:
-                write((now, name, None, None))
+                write((now, name, None, None, None))
         self.finished[step][oid] = True
         ev = self._done_ev[step][oid]
         if ev is not None:
