@@ -280,20 +280,30 @@ class Executor:
             first = next((op for op in self.host_ops if op.stream != HOST_STREAM and op.phase._value_ == phase), None)
             if first is not None:
                 cost[first.id] += fixed
+        # the thread's work in order as runs of launches, each ``[(op id, host s)]``, then the host op after it
+        # (None after the last run)
+        runs, launches = [], []
+        for op in self.host_ops:
+            if op.stream != HOST_STREAM:
+                launches.append((op.id, cost[op.id]))
+            else:
+                runs.append((launches, op))
+                launches = []
+        runs.append((launches, None))
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
             lt, lev = self.launch_time[step], self._launch_ev[step]
-            for op in self.host_ops:
-                if op.stream != HOST_STREAM:
-                    t += cost[op.id]
-                    oid = op.id
+            for launches, op in runs:
+                for oid, c in launches:
+                    t += c
                     lt[oid] = t
                     ev = lev[oid]
                     if ev is not None:
                         lev[oid] = None
                         ev.succeed()
-                    continue
+                if op is None:
+                    break
                 if t > env.now:
                     yield env.timeout(t - env.now)
                 yield from self._execute(op, step, HOST_STREAM)
