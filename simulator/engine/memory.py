@@ -205,7 +205,8 @@ class MemoryPool:
 
     def _settle(self) -> None:
         """Apply the pending changes in order: live and per-category bytes, the peak and its categories and the
-        first out-of-memory; the changes go on to the timelines (``Timelines``), which apply them when read.
+        first out-of-memory; each change's sample ``(t_s, live bytes, category, its bytes)`` goes on to the
+        timelines (``Timelines``), which keep one per instant when read.
 
         The out-of-memory test runs only when ``live`` exceeds the largest value tested so far under
         the current overheads: ``device_bytes`` is non-decreasing in ``live``, so a smaller value
@@ -217,17 +218,18 @@ class MemoryPool:
         pending.clear()  # in place: ``writer`` holds its ``append``
         held, by_cat, live = self._held, self._by_category, self._live
         peak, tested, oom = self._peak, self._oom_tested, self._oom
+        sample = self._timelines.pending.append
         # ``category`` by the name up to its first ``.`` (what it depends on), for this pass: most names come once
         # (``category``'s own cache would miss on every one of a large run's)
         heads: dict[str, str] = {}
-        for _, tensor, nbytes, t_s, cat in log:
+        for t, tensor, nbytes, t_s, cat in log:
             if nbytes is None:  # free
                 hit = held.pop(tensor, None)
                 if hit is None:
                     continue
                 nbytes, cat = hit
                 live -= nbytes
-                by_cat[cat] -= nbytes
+                v = by_cat[cat] = by_cat[cat] - nbytes
             else:
                 if cat is None:
                     head = tensor.partition(".")[0]
@@ -236,7 +238,7 @@ class MemoryPool:
                         cat = heads[head] = prefix_category(head)
                 held[tensor] = (nbytes, cat)
                 live += nbytes
-                by_cat[cat] += nbytes
+                v = by_cat[cat] = by_cat[cat] + nbytes
                 if live > peak:
                     peak = live
                     self._peak_by_category = dict(by_cat)
@@ -246,8 +248,9 @@ class MemoryPool:
                     if demand > self.capacity_bytes:
                         top = tuple(sorted(self._with_overheads(by_cat, live).items(), key=lambda kv: -kv[1]))
                         oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
+            if t is not None:
+                sample((t, live, cat, v))
         self._live, self._peak, self._oom_tested, self._oom = live, peak, tested, oom
-        self._timelines.pending.append(log)
 
     def timelines(self) -> Timelines:
         """The pool's timelines (``timeline``, ``category_timeline``) of the changes so far (its own: read, don't
@@ -257,10 +260,9 @@ class MemoryPool:
 
     def take_timelines(self) -> Timelines:
         """The timelines of the changes so far, handed over (built when their ``columns`` are first read): the
-        pool's own record afresh from now (``release_timelines``), from its live tensors."""
+        pool's own record afresh from now (``release_timelines``)."""
         self._settle()
-        out = self._timelines
-        self._timelines = Timelines(self._held, self._live, self._by_category)
+        out, self._timelines = self._timelines, Timelines()
         return out
 
     def release_timelines(self) -> None:
@@ -370,29 +372,22 @@ class MemoryPool:
 
 
 class Timelines:
-    """A pool's memory timelines, built from its changes when first read (``MemoryPool``: a run's summary reads
+    """A pool's memory timelines, built from its samples when first read (``MemoryPool``: a run's summary reads
     none; its counters frame, built when read, does).
 
-    Args:
-        held, live, by_category: The pool's live tensors ``name -> (bytes, category)``, tensor bytes and bytes per
-            category when these timelines start (copied); none by default.
-
-    ``pending`` holds the changes not yet applied (lists of ``MemoryPool._log`` entries, in order, already applied
-    to the pool's figures); ``columns`` applies them with the pool's own arithmetic, replayed from the start state:
-    after every change one sample ``(t_s, live bytes)`` and one ``(t_s, category, bytes)`` of the category it
-    changed, a change at the instant of the last sample replacing it (a free of an unknown tensor changes nothing).
+    ``pending`` holds the samples not yet applied, one ``(t_s, live bytes, category, its bytes)`` per change in order
+    (``MemoryPool._settle``); ``columns`` applies them: the timeline ``(t_s, live bytes)`` and the category timeline
+    ``(t_s, category, bytes)`` take one row per instant (of each category), a later sample at that instant
+    replacing the row's value.
     """
 
-    __slots__ = ("pending", "_tl", "_ct", "_cat_last", "_held", "_live", "_by_cat")
+    __slots__ = ("pending", "_tl", "_ct", "_cat_last")
 
-    def __init__(self, held: dict | None = None, live: int = 0, by_category: dict | None = None):
-        self.pending: list[list[tuple]] = []
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
         self._tl: tuple[list, list] = ([], [])
         self._ct: tuple[list, list, list] = ([], [], [])
         self._cat_last: dict[str, int] = {}
-        self._held = dict(held) if held else {}
-        self._live = live
-        self._by_cat: dict[str, int] = defaultdict(int, by_category or {})
 
     def columns(self) -> tuple[tuple[list[float], list[int]], tuple[list[float], list[str], list[int]]]:
         """``((t_s, live_bytes), (t_s, category, bytes))``: the two timelines as columns, each a list (their own:
@@ -402,43 +397,22 @@ class Timelines:
         return self._tl, self._ct
 
     def _apply(self) -> None:
-        chunks, self.pending = self.pending, []
-        held, by_cat, live = self._held, self._by_cat, self._live
+        samples, self.pending = self.pending, []
         (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
         tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
         last_t = tl_t[-1] if tl_t else None
-        heads: dict[str, str] = {}  # (as ``MemoryPool._settle``)
-        for log in chunks:
-            for t, tensor, nbytes, _, cat in log:
-                if nbytes is None:  # free
-                    hit = held.pop(tensor, None)
-                    if hit is None:
-                        continue
-                    nbytes, cat = hit
-                    live -= nbytes
-                    v = by_cat[cat] = by_cat[cat] - nbytes
-                else:
-                    if cat is None:
-                        head = tensor.partition(".")[0]
-                        cat = heads.get(head)
-                        if cat is None:
-                            cat = heads[head] = prefix_category(head)
-                    held[tensor] = (nbytes, cat)
-                    live += nbytes
-                    v = by_cat[cat] = by_cat[cat] + nbytes
-                if t is not None:  # the sample at this instant
-                    if last_t == t:
-                        tl_v[-1] = live
-                    else:
-                        tl_t.append(t)
-                        tl_append(live)
-                        last_t = t
-                    i = cat_last.get(cat)
-                    if i is not None and ct_t[i] == t:
-                        ct_v[i] = v
-                    else:
-                        cat_last[cat] = len(ct_t)
-                        ct_t_append(t)
-                        ct_c_append(cat)
-                        ct_v_append(v)
-        self._live = live
+        for t, live, cat, v in samples:
+            if last_t == t:
+                tl_v[-1] = live
+            else:
+                tl_t.append(t)
+                tl_append(live)
+                last_t = t
+            i = cat_last.get(cat)
+            if i is not None and ct_t[i] == t:
+                ct_v[i] = v
+            else:
+                cat_last[cat] = len(ct_t)
+                ct_t_append(t)
+                ct_c_append(cat)
+                ct_v_append(v)
