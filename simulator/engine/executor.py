@@ -43,6 +43,7 @@ from itertools import chain
 
 import simpy
 
+from simulator.engine.memory import category
 from simulator.engine.system import COPY_PATHS, System
 from simulator.graph.op_graph import OpGraph
 from simulator.graph.ops import Op, OpKind
@@ -114,7 +115,7 @@ class Executor:
         write = {dev: pool.writer() for dev, pool in mem.items()}  # each pool's change log (``MemoryPool.writer``)
         gpu = write["gpu"]
         write_of = {t.name: write.get(t.device, gpu) for op in graph.ops for t in op.allocs}
-        #: per op: ``(write, name, bytes)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
+        #: per op: ``(write, name, bytes, category)`` per tensor it allocates (``write``: its pool's ``MemoryPool.writer``);
         #: ``(place, write, name)`` per tensor it uses that some op allocates (``_finish``; ``place``: its refcount's in
         #: ``_refs[step]``, -1 for a tensor of one user, freed when that ends); ``(write, name)`` per tensor it
         #: allocates that no op uses (freed when it ends)
@@ -151,7 +152,7 @@ class Executor:
         for op in ops:
             a, u = op.allocs, op.uses
             if a:
-                allocs.append(tuple([(write_of[t.name], t.name, t.nbytes) for t in a]))
+                allocs.append(tuple([(write_of[t.name], t.name, t.nbytes, category(t.name)) for t in a]))
                 unused_plan.append(tuple([(write_of[t.name], t.name) for t in a if t.name in unused]) if unused else empty)
             else:
                 allocs.append(empty)
@@ -279,41 +280,69 @@ class Executor:
             first = next((op for op in self.host_ops if op.stream != HOST_STREAM and op.phase._value_ == phase), None)
             if first is not None:
                 cost[first.id] += fixed
+        # the thread's work in order as runs of launches, each ``[(op id, host s)]``, then the host op after it
+        # (None after the last run)
+        runs, launches = [], []
+        for op in self.host_ops:
+            if op.stream != HOST_STREAM:
+                launches.append((op.id, cost[op.id]))
+            else:
+                runs.append((launches, op))
+                launches = []
+        runs.append((launches, None))
         t = env.now
         for step in range(self.steps):
             self.step_start[step] = t
             lt, lev = self.launch_time[step], self._launch_ev[step]
-            for op in self.host_ops:
-                if op.stream != HOST_STREAM:
-                    t += cost[op.id]
-                    oid = op.id
+            for launches, op in runs:
+                for oid, c in launches:
+                    t += c
                     lt[oid] = t
                     ev = lev[oid]
                     if ev is not None:
                         lev[oid] = None
                         ev.succeed()
-                    continue
+                if op is None:
+                    break
                 if t > env.now:
                     yield env.timeout(t - env.now)
                 yield from self._execute(op, step, HOST_STREAM)
                 t = env.now
 
+    def _stream_plan(self, ops: list[Op]) -> list[tuple]:
+        """What ``_stream`` reads of each of its ops, one tuple per op in order: ``(op, id, launch, special, deps,
+        allocs, mode, key, fixed_s, plain, uses, unused)`` (``special``: it meets other ranks or waits on the previous
+        step, ``_deps_event``; ``plain``: it carries no TP collective, so ``_stream`` records its end itself, as
+        ``_finish`` does; the rest as ``__init__`` and ``_plan``)."""
+        mode, key, fixed, allocs, uses, unused = (self._mode, self._key, self._fixed, self._allocs, self._use_plan,
+                                                  self._unused_plan)
+        out = []
+        for op in ops:
+            i, meta = op.id, op.meta
+            special = bool(meta) and ("rendezvous" in meta or "prev_step_deps" in meta)
+            out.append((op, i, op.launch, special, op.deps, allocs[i], mode[i], key[i], fixed[i], not op.folded_comm,
+                        uses[i], unused[i]))
+        return out
+
     def _stream(self, stream: str, ops: list[Op]):
-        env, mode, fixed, keys, kernel_s = self.env, self._mode, self._fixed, self._key, self.sys.kernel_s
-        allocs, on_start, finish, sys = self._allocs, self._on_start, self._finish, self.sys
-        early, running, track = self._early, self.running, self.track_running
+        env, sys = self.env, self.sys
+        on_start, on_end, finish = self._on_start, self._on_end, self._finish
+        early, running, track, span = self._early, self.running, self.track_running, self._span
+        kernel_s, state, dur = sys.kernel_s, sys.state, sys._dur  # (``_clocks_changed`` empties ``_dur`` in place)
         run_kernel, ikernel_s, arm, disarm = sys.run_kernel, sys.interfered_kernel_s, sys.arm, sys.disarm
         kernel_begins, kernel_ends, run_collective = sys.kernel_begins, sys.kernel_ends, sys.run_collective
         queue = env._queue  # SimPy's event heap: ``(time, priority, id, event)`` (``_wait_s``)
         net, copy_cap = sys.network, {}  # copies: each (kind, pinned)'s rate cap (``Hardware.link_rate``)
+        rem, step_end = self._remaining_ops, self.step_end
+        plan = self._stream_plan(ops)
         #: the process was last resumed by an event only it waits on (its own timeout, launch event or wake), as the
         #: last callback of that event: it may move the clock itself (``_wait_s``)
         own = True
         for step in range(self.steps):
             lt, lev, fin = self.launch_time[step], self._launch_ev[step], self.finished[step]
-            for op in ops:
-                oid = op.id
-                if op.launch:
+            done_ev, refs = self._done_ev[step], self._refs[step]
+            for op, oid, launch, special, deps, allocs, m, key, fixed, plain, uses, unused in plan:
+                if launch:
                     when = lt[oid]
                     if when is None:
                         ev = lev[oid]
@@ -333,8 +362,8 @@ class Executor:
                             yield env.timeout(d)
                             own = True
                 # _execute, inlined (one generator less per op)
-                meta = op.meta
-                if meta and ("rendezvous" in meta or "prev_step_deps" in meta):
+                if special:
+                    meta = op.meta
                     ev = self._deps_event(op, step)
                     if ev is not None:
                         yield ev
@@ -343,13 +372,13 @@ class Executor:
                         yield self.rendezvous.arrive(meta["rendezvous"], step, meta["parties"])
                         own = False
                 else:
-                    for d in op.deps:
+                    for d in deps:
                         if not fin[d]:
                             yield self._deps_event(op, step)
                             own = False
                             break
                 if early and oid in early:  # a block: it runs when its parts' launches let it run back to back
-                    late = self._block_end_s(op, step) - env.now - kernel_s(op, keys[oid])
+                    late = self._block_end_s(op, step) - env.now - kernel_s(op, key)
                     if late > 0:
                         if own and (not queue or queue[0][0] > env._now + late):
                             env._now += late
@@ -362,14 +391,26 @@ class Executor:
                     if sys.start_waiter is not None:
                         sys.start_waiter, ev = None, sys.start_waiter
                         ev.succeed(start)
-                for write, name, nbytes in allocs[oid]:  # _begin, inlined
-                    write((start, name, nbytes, start))
+                for write, name, nbytes, cat in allocs:  # _begin, inlined
+                    write((start, name, nbytes, start, cat))
                 for fn in on_start:
                     fn(op, step, sys)
-                m = mode[oid]
-                if m == _IPLAIN:  # ``System.run_kernel`` beside the collectives, inlined up to a change of rate
+                if m == _KERNEL or m == _FIXED:
+                    if m == _FIXED:
+                        d = fixed
+                    elif state.sm_clock_mhz == sys._dur_sm and state.mem_clock_mhz == sys._dur_mem:
+                        d = dur.get(key)  # ``System.kernel_s``'s cache, read inline
+                        if d is None:
+                            d = kernel_s(op, key)
+                    else:
+                        d = kernel_s(op, key)
+                    if own and (not queue or queue[0][0] > start + d):  # ``_wait_s``, inlined
+                        env._now = start + d
+                    else:
+                        yield env.timeout(d)
+                        own = True
+                elif m == _IPLAIN:  # ``System.run_kernel`` beside the collectives, inlined up to a change of rate
                     kernel_begins()
-                    key = keys[oid]
                     d = ikernel_s(op, key)
                     if d > 0:
                         if own and (not queue or queue[0][0] > start + d):  # nothing happens before it ends
@@ -385,13 +426,6 @@ class Executor:
                                                          min(1.0, (env._now - start) / d))
                                 own = False
                     kernel_ends()
-                elif m == _KERNEL or m == _FIXED:
-                    d = kernel_s(op, keys[oid]) if m == _KERNEL else fixed[oid]
-                    if own and (not queue or queue[0][0] > start + d):  # ``_wait_s``, inlined
-                        env._now = start + d
-                    else:
-                        yield env.timeout(d)
-                        own = True
                 elif m == _IKERNEL:
                     yield from run_kernel(op)
                     own = False  # (its last resume may be its own wake, or it took no time)
@@ -428,7 +462,36 @@ class Executor:
                 elif m == _GENERIC:
                     yield from self._run(op, step)
                     own = False
-                finish(op, step, start, stream)
+                if not plain:
+                    finish(op, step, start, stream)
+                    continue
+                # ``_finish``, inlined (an op without TP collectives folded in)
+                now = env._now
+                span((step, op, start, now, stream))
+                if track:
+                    del running[stream]
+                if on_end:
+                    for fn in on_end:
+                        fn(op, step, sys)
+                if uses:  # a tensor is freed when its last user ends (refcounts re-armed per step)
+                    for i, write, name in uses:
+                        if i >= 0:
+                            n = refs[i] - 1
+                            refs[i] = n
+                            if n > 0:
+                                continue
+                        write((now, name, None, None, None))
+                if unused:
+                    for write, name in unused:
+                        write((now, name, None, None, None))
+                fin[oid] = True
+                ev = done_ev[oid]
+                if ev is not None:
+                    ev.succeed()
+                n = rem[step] - 1
+                rem[step] = n
+                if n == 0:
+                    step_end[step] = now
 
     def _block_end_s(self, op: Op, step: int) -> float:
         """Earliest end of layer-fidelity block ``op`` allowed by its parts' host launches (``System.block_tail_s``
@@ -441,8 +504,8 @@ class Executor:
     def _begin(self, op: Op, step: int) -> None:
         """``op`` starts now: allocate its tensors, call the start hooks."""
         now = self.env.now
-        for write, name, nbytes in self._allocs[op.id]:
-            write((now, name, nbytes, now))
+        for write, name, nbytes, cat in self._allocs[op.id]:
+            write((now, name, nbytes, now, cat))
         for fn in self._on_start:
             fn(op, step, self.sys)
 
@@ -502,11 +565,11 @@ class Executor:
                     refs[i] = n
                     if n > 0:
                         continue
-                write((now, name, None, None))
+                write((now, name, None, None, None))
         unused = self._unused_plan[oid]
         if unused:
             for write, name in unused:
-                write((now, name, None, None))
+                write((now, name, None, None, None))
         self.finished[step][oid] = True
         ev = self._done_ev[step][oid]
         if ev is not None:

@@ -175,30 +175,28 @@ class MemoryPool:
         #: the largest ``live`` tested for out-of-memory under the current overheads (``_settle``)
         self._oom_tested = -math.inf
         self._clock = clock
-        #: pending changes ``(clock_t_s or None, tensor, nbytes (None: a free), alloc t_s)``
+        #: pending changes ``(clock_t_s or None, tensor, nbytes (None: a free), alloc t_s, category or None)``
         self._log: list[tuple] = []
-        #: the timelines as columns (``timeline``: ``(t_s, live bytes)``; ``category_timeline``: ``(t_s, category,
-        #: bytes)``), each a list per column
-        self._tl: tuple[list, list] = ([], [])
-        self._ct: tuple[list, list, list] = ([], [], [])
-        self._cat_last: dict[str, int] = {}
+        #: the timelines (``timeline``, ``category_timeline``), built from the changes when first read
+        self._timelines = Timelines()
 
     def alloc(self, tensor: str, nbytes: int, t_s: float) -> None:
         """Allocate ``nbytes`` for ``tensor`` (records the first out-of-memory)."""
         clock = self._clock
-        self._log.append((clock() if clock is not None else None, tensor, nbytes, t_s))
+        self._log.append((clock() if clock is not None else None, tensor, nbytes, t_s, None))
 
     def free(self, tensor: str) -> None:
         """Free a tensor allocated earlier (unknown names are ignored)."""
         clock = self._clock
-        self._log.append((clock() if clock is not None else None, tensor, None, None))
+        self._log.append((clock() if clock is not None else None, tensor, None, None, None))
 
     def writer(self):
         """The change log's own ``append``, for a hot loop that knows the clock (``engine.executor``):
-        ``w((t, tensor, nbytes, t))`` is ``alloc(tensor, nbytes, t)`` made when the clock reads ``t``, and
-        ``w((t, tensor, None, None))`` is ``free(tensor)`` then; without a method call per change. Valid for the
-        pool's life (``_settle`` empties the log in place). A pool without a clock records no time, as ``alloc``
-        and ``free`` do (the first field becomes None).
+        ``w((t, tensor, nbytes, t, category(tensor)))`` is ``alloc(tensor, nbytes, t)`` made when the clock reads
+        ``t`` (the category given, or None: found from the name), and ``w((t, tensor, None, None, None))`` is
+        ``free(tensor)`` then; without a method call per change. Valid for the pool's life (``_settle`` empties the
+        log in place). A pool without a clock records no time, as ``alloc`` and ``free`` do (the first field becomes
+        None).
         """
         append = self._log.append
         if self._clock is None:
@@ -206,8 +204,9 @@ class MemoryPool:
         return append
 
     def _settle(self) -> None:
-        """Apply the pending changes in order: live and per-category bytes, the peak and its
-        categories, the first out-of-memory, and the timelines (one sample per instant).
+        """Apply the pending changes in order: live and per-category bytes, the peak and its categories and the
+        first out-of-memory; each change's sample ``(t_s, live bytes, category, its bytes)`` goes on to the
+        timelines (``Timelines``), which keep one per instant when read.
 
         The out-of-memory test runs only when ``live`` exceeds the largest value tested so far under
         the current overheads: ``device_bytes`` is non-decreasing in ``live``, so a smaller value
@@ -218,14 +217,12 @@ class MemoryPool:
         log = pending.copy()
         pending.clear()  # in place: ``writer`` holds its ``append``
         held, by_cat, live = self._held, self._by_category, self._live
-        (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
-        tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
         peak, tested, oom = self._peak, self._oom_tested, self._oom
-        last_t = tl_t[-1] if tl_t else None
+        sample = self._timelines.pending.append
         # ``category`` by the name up to its first ``.`` (what it depends on), for this pass: most names come once
         # (``category``'s own cache would miss on every one of a large run's)
         heads: dict[str, str] = {}
-        for t, tensor, nbytes, t_s in log:
+        for t, tensor, nbytes, t_s, cat in log:
             if nbytes is None:  # free
                 hit = held.pop(tensor, None)
                 if hit is None:
@@ -234,10 +231,11 @@ class MemoryPool:
                 live -= nbytes
                 v = by_cat[cat] = by_cat[cat] - nbytes
             else:
-                head = tensor.partition(".")[0]
-                cat = heads.get(head)
                 if cat is None:
-                    cat = heads[head] = prefix_category(head)
+                    head = tensor.partition(".")[0]
+                    cat = heads.get(head)
+                    if cat is None:
+                        cat = heads[head] = prefix_category(head)
                 held[tensor] = (nbytes, cat)
                 live += nbytes
                 v = by_cat[cat] = by_cat[cat] + nbytes
@@ -250,28 +248,27 @@ class MemoryPool:
                     if demand > self.capacity_bytes:
                         top = tuple(sorted(self._with_overheads(by_cat, live).items(), key=lambda kv: -kv[1]))
                         oom = OomEvent(self.name, tensor, t_s, nbytes, int(demand), self.capacity_bytes, top)
-            if t is not None:  # the sample at this instant (``_sample``)
-                if last_t == t:
-                    tl_v[-1] = live
-                else:
-                    tl_t.append(t)
-                    tl_append(live)
-                    last_t = t
-                i = cat_last.get(cat)
-                if i is not None and ct_t[i] == t:
-                    ct_v[i] = v
-                else:
-                    cat_last[cat] = len(ct_t)
-                    ct_t_append(t)
-                    ct_c_append(cat)
-                    ct_v_append(v)
+            if t is not None:
+                sample((t, live, cat, v))
         self._live, self._peak, self._oom_tested, self._oom = live, peak, tested, oom
+
+    def timelines(self) -> Timelines:
+        """The pool's timelines (``timeline``, ``category_timeline``) of the changes so far (its own: read, don't
+        modify)."""
+        self._settle()
+        return self._timelines
+
+    def take_timelines(self) -> Timelines:
+        """The timelines of the changes so far, handed over (built when their ``columns`` are first read): the
+        pool's own record afresh from now (``release_timelines``)."""
+        self._settle()
+        out, self._timelines = self._timelines, Timelines()
+        return out
 
     def release_timelines(self) -> None:
         """Drop the timelines (``timeline``, ``category_timeline``; the other figures stay) once they have
         been read (``engine.run.run_ranks``: in the run's counters): later changes record afresh."""
-        self._settle()
-        self._tl, self._ct, self._cat_last = ([], []), ([], [], []), {}
+        self.take_timelines()
 
     # -- figures (each applies the pending changes first) --------------------------------------
     @property
@@ -328,8 +325,7 @@ class MemoryPool:
 
     def timeline_columns(self) -> tuple[list[float], list[int]]:
         """``timeline`` as its two columns ``(t_s, live_bytes)`` (the pool's own lists: read, don't modify)."""
-        self._settle()
-        return self._tl
+        return self.timelines().columns()[0]
 
     @property
     def category_timeline(self) -> list[tuple[float, str, int]]:
@@ -338,8 +334,7 @@ class MemoryPool:
 
     def category_timeline_columns(self) -> tuple[list[float], list[str], list[int]]:
         """``category_timeline`` as its three columns ``(t_s, category, live_bytes)`` (the pool's own lists)."""
-        self._settle()
-        return self._ct
+        return self.timelines().columns()[1]
 
     def _with_overheads(self, cats: dict, live: int) -> dict[str, int]:
         out = dict(cats)
@@ -374,3 +369,50 @@ class MemoryPool:
                 f"{self.capacity_bytes / 1e9:.2f} GB by {(peak - self.capacity_bytes) / 1e9:.2f} GB; "
                 f"first allocation over capacity: {self.oom.tensor} ({self.oom.requested_bytes / 1e9:.3f} GB) "
                 f"at t={self.oom.t_s * 1e3:.3f} ms; largest at peak: {cats}")
+
+
+class Timelines:
+    """A pool's memory timelines, built from its samples when first read (``MemoryPool``: a run's summary reads
+    none; its counters frame, built when read, does).
+
+    ``pending`` holds the samples not yet applied, one ``(t_s, live bytes, category, its bytes)`` per change in order
+    (``MemoryPool._settle``); ``columns`` applies them: the timeline ``(t_s, live bytes)`` and the category timeline
+    ``(t_s, category, bytes)`` take one row per instant (of each category), a later sample at that instant
+    replacing the row's value.
+    """
+
+    __slots__ = ("pending", "_tl", "_ct", "_cat_last")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
+        self._tl: tuple[list, list] = ([], [])
+        self._ct: tuple[list, list, list] = ([], [], [])
+        self._cat_last: dict[str, int] = {}
+
+    def columns(self) -> tuple[tuple[list[float], list[int]], tuple[list[float], list[str], list[int]]]:
+        """``((t_s, live_bytes), (t_s, category, bytes))``: the two timelines as columns, each a list (their own:
+        read, don't modify)."""
+        if self.pending:
+            self._apply()
+        return self._tl, self._ct
+
+    def _apply(self) -> None:
+        samples, self.pending = self.pending, []
+        (tl_t, tl_v), (ct_t, ct_c, ct_v), cat_last = self._tl, self._ct, self._cat_last
+        tl_append, ct_t_append, ct_c_append, ct_v_append = tl_v.append, ct_t.append, ct_c.append, ct_v.append
+        last_t = tl_t[-1] if tl_t else None
+        for t, live, cat, v in samples:
+            if last_t == t:
+                tl_v[-1] = live
+            else:
+                tl_t.append(t)
+                tl_append(live)
+                last_t = t
+            i = cat_last.get(cat)
+            if i is not None and ct_t[i] == t:
+                ct_v[i] = v
+            else:
+                cat_last[cat] = len(ct_t)
+                ct_t_append(t)
+                ct_c_append(cat)
+                ct_v_append(v)

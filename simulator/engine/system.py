@@ -21,6 +21,7 @@ the representative's does at the same time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import simpy
@@ -36,7 +37,7 @@ from simulator.cost.interference import CommLoad, InterferenceFactors, comm_load
 from simulator.cost.overlap import Timeline, overlap_timeline
 from simulator.cost.roofline import RooflineCostModel
 from simulator.engine.links import Fabric
-from simulator.engine.memory import MemoryPool
+from simulator.engine.memory import MemoryPool, Timelines
 from simulator.graph.ops import OpKind, PriceKeys
 
 #: Groups spanning pipeline stages (named by the op, not the machine): their rendezvous is one shared call of the
@@ -61,6 +62,18 @@ def uplink_links(up, copy) -> dict[str, float]:
     ``hardware_models.host_links.UplinkShare``) of the copy rates ``copy`` (``hw.copy``) reach alone."""
     return {"pcie.uplink.h2d": up.share_of(copy.h2d_bytes_per_s), "pcie.uplink.d2h": up.share_of(copy.d2h_bytes_per_s),
             "pcie.uplink.duplex": up.share_of(copy.duplex_bytes_per_s)}
+
+
+def memory_counter_blocks(pools: list[tuple[str, Timelines]]) -> list[tuple]:
+    """``System.memory_counter_parts`` of ``(pool name, its timelines)`` per pool (``memory.Timelines``), in order."""
+    cols = [(name, tl.columns()) for name, tl in pools]
+    parts = [(t, name, "memory_bytes", v) for name, ((t, v), _) in cols]
+    names: dict[str, str] = {}
+    for name, (_, (t, cats, v)) in cols:
+        for c in set(cats).difference(names):
+            names[c] = f"memory_bytes.{c}"
+        parts.append((t, name, list(map(names.__getitem__, cats)), v))
+    return parts
 
 
 class _Wake(simpy.Event):
@@ -118,17 +131,13 @@ class System:
         ``parts``): per pool ``(t_s, pool name, "memory_bytes", bytes)``, then per pool its tensor categories
         ``(t_s, pool name, ["memory_bytes.<category>", ...], bytes)`` (``memory.category``); ``t_s`` and bytes are
         the pools' own lists (read, don't modify)."""
-        parts = []
-        for pool in self.memory.values():
-            t, v = pool.timeline_columns()
-            parts.append((t, pool.name, "memory_bytes", v))
-        names: dict[str, str] = {}
-        for pool in self.memory.values():
-            t, cats, v = pool.category_timeline_columns()
-            for c in set(cats).difference(names):
-                names[c] = f"memory_bytes.{c}"
-            parts.append((t, pool.name, list(map(names.__getitem__, cats)), v))
-        return parts
+        return memory_counter_blocks([(pool.name, pool.timelines()) for pool in self.memory.values()])
+
+    def take_memory_counter_parts(self) -> Callable[[], list[tuple]]:
+        """``memory_counter_parts`` of the changes so far, built when called (a run's counters frame, built when
+        read: ``engine.run.run_ranks``); the pools' timelines are handed over (``MemoryPool.take_timelines``: they
+        record afresh from now)."""
+        return partial(memory_counter_blocks, [(pool.name, pool.take_timelines()) for pool in self.memory.values()])
 
     def __init__(self, env: simpy.Environment, hw: Hardware, recorder, fabric: Fabric | None = None):
         self.env = env

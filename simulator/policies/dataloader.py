@@ -36,10 +36,12 @@ from hardware_models.dataloader import (
 from simulator.graph.op_graph import OpGraph
 from simulator.policies._rewrite import replace_op
 from simulator.policies.dataloader_notes import workers_notes
-from simulator.graph.ops import OpKind, OpRole, Phase
+from simulator.graph.ops import OpKind, OpRole, Phase, op_copier
 from simulator.policies.registry import PolicyError, register_graph_policy, register_runtime
 
 INPUT_COPY_SUFFIX = "input.h2d"
+#: ``_renumbered(op, id, deps)``: ``op`` with a new id and dependencies (``graph.ops.op_copier``)
+_renumbered = op_copier(("id", "deps"))
 NEXT_OP_NAME = "data.next"
 
 
@@ -104,24 +106,22 @@ def insert_dataloader_ops(graph: OpGraph, pinned: bool, batch_bytes: float | Non
     Ids are renumbered; dependencies (and ``meta["prev_step_deps"]``) follow.
     """
     new_ops, remap = [], {}
+    h2d, input_copy = OpKind.MEMCPY_H2D, OpRole.INPUT_COPY
     for op in graph.ops:
-        is_input = op.kind == OpKind.MEMCPY_H2D and op.role is OpRole.INPUT_COPY
-        extra: tuple[int, ...] = ()
-        if is_input:
+        if op.kind == h2d and op.role is input_copy:
             nid = len(new_ops)
             new_ops.append(dataclasses.replace(
                 op, id=nid, name=NEXT_OP_NAME, kind=OpKind.DATALOADER, stream="host", phase=Phase.DATA,
                 deps=(), allocs=(), uses=(), launch=False, flops=0.0, bytes_read=0.0, bytes_written=0.0,
                 role=OpRole.NONE, meta={}))
-            extra = (nid,)
-        nid = len(new_ops)
-        remap[op.id] = nid
-        changes = dict(id=nid, deps=tuple(sorted({remap[d] for d in op.deps} | set(extra))))
-        if is_input:
-            changes["pinned"] = pinned
+            remap[op.id] = nid + 1
+            changes = dict(id=nid + 1, deps=tuple(sorted({remap[d] for d in op.deps} | {nid})), pinned=pinned)
             if batch_bytes:
                 changes["bytes_read"] = float(batch_bytes)
-        new_ops.append(replace_op(op, **changes))
+            new_ops.append(replace_op(op, **changes))
+        else:  # (``replace_op(op, id=..., deps=...)``, built slot by slot)
+            nid = remap[op.id] = len(new_ops)
+            new_ops.append(_renumbered(op, nid, tuple(sorted({remap[d] for d in op.deps}))))
     # prev_step_deps may name any op of the previous step: remap them once every id is known
     for op in graph.ops:
         prev = op.meta.get("prev_step_deps") if op.meta else None

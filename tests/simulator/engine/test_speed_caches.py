@@ -200,3 +200,27 @@ def test_price_keys_intern_block_parts_and_folded_collectives_by_value():
     assert len(keys._fused) == 2 and len(keys._comms) == 4  # each signature hashed once by value; metas by id
     for a, b in [(0, 1), (0, 2), (0, 3)]:
         assert (ids[a] == ids[b]) == (price_key(ops[a]) == price_key(ops[b]))
+
+
+def test_timelines_handed_over_are_the_changes_so_far_and_the_pool_records_afresh():
+    """``take_timelines`` gives the timelines of the changes before it, built when read (two allocations at t=0,
+    150 MB; a free at t=1 leaves 50 MB; a change at one instant keeps the last value), and the pool's own then
+    start empty and go on from its live bytes (60 MB at t=2); the figures are untouched (peak 150 MB). The
+    category given with a change (the executor's ``writer`` entries) is the one its name gives."""
+    t = [0.0]
+    pool = MemoryPool("hbm", 1e12, lambda: t[0])
+    pool.alloc("params.w", 100_000_000, 0.0)
+    pool.writer()((0.0, "act.x", 50_000_000, 0.0, "activations"))
+    assert pool.live == 150_000_000  # settled: the samples wait for the timelines
+    t[0] = 1.0
+    pool.free("params.w")
+    taken = pool.take_timelines()
+    t[0] = 2.0
+    pool.alloc("grad.w", 10_000_000, 2.0)
+    assert pool.timeline == [(2.0, 60_000_000)]
+    assert pool.category_timeline == [(2.0, "grad", 10_000_000)]
+    (tl_t, tl_v), (ct_t, ct_c, ct_v) = taken.columns()
+    assert list(zip(tl_t, tl_v)) == [(0.0, 150_000_000), (1.0, 50_000_000)]
+    assert list(zip(ct_t, ct_c, ct_v)) == [(0.0, "params", 100_000_000), (0.0, "activations", 50_000_000),
+                                          (1.0, "params", 0)]
+    assert pool.peak == 150_000_000 and pool.live == 60_000_000
