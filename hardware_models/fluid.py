@@ -347,8 +347,11 @@ class FluidScheduler:
             if not queue or end < queue[0][0]:  # nothing else is due before it (and at it: its wake-up would be last)
                 dt = end - now  # the wake-up's ``advance``: no other flow may finish with it (``_wake``'s ``done``)
                 left = flows[:-1]
-                rem = [max(f.remaining - f.rate * dt, 0.0) for f in left] if dt > 0 else [f.remaining for f in left]
-                if not any(_ends_by(f, r, end) for f, r in zip(left, rem)):
+                rem = [max(f.remaining - f.rate * dt, 0.0) for f in left] if left else left  # (dt 0: unchanged)
+                for f, r in zip(left, rem):
+                    if _ends_by(f, r, end):
+                        break
+                else:
                     if dt > 0 and self._on_advance is not None:
                         self._on_advance(dt)
                     for f, r in zip(left, rem):
