@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import simulator.engine.executor as executor_mod
 from hardware_models.fabrics import FluidNetwork, LinkSpec
-from hardware_models.fluid import FluidScheduler
+from hardware_models.fluid import FluidScheduler, maxmin_rates
 from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import OpKind
@@ -254,3 +254,37 @@ def test_move_gives_starts_ends_on_random_flow_sets(fs, weighted):
     assert fast[:3] == slow[:3]
     if not flows:  # alone, and nothing else due: always moved at once
         assert fast[3] == [True]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_flow_sets())
+def test_run_integrates_as_its_wake_up_on_random_flow_sets(fs):
+    """``FluidScheduler.run`` on a scheduler with an ``on_advance`` (the CPU pool's utilisation integral): the same
+    intervals ``on_advance`` is called with, in order, and the same ends, as ``add_flow`` and its wake-ups."""
+    flows, new = fs
+    caps = {"h2d": 1e9, "d2h": 8e8, "duplex": 1.5e9, "nic": 5e8}
+
+    def run(fast: bool):
+        env = simpy.Environment()
+        steps = []
+
+        def set_rates(fl):
+            for f, r in zip(fl, maxmin_rates([(f.links, f.cap) for f in fl], caps)):
+                f.rate = r
+
+        sched = FluidScheduler(env, set_rates, steps.append)
+        ends = {}
+
+        def proc(i, t, size, route, cap, last):
+            yield env.timeout(t)
+            ev = sched.run(size, route, cap) if last and fast else sched.add(size, route, cap)
+            if ev is not None:
+                yield ev
+            ends[i] = env.now
+
+        for i, f in enumerate([*flows, new]):
+            env.process(proc(i, *f, i == len(flows)))
+        env.run()
+        return ends, steps, sched.wakeups
+
+    assert run(True) == run(False)
