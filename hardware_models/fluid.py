@@ -340,29 +340,40 @@ class FluidScheduler:
         self._generation += 1  # ``reschedule``'s
         self._set_rates(flows)
         now = env._now
-        nxt = self._next(flows, now)
-        if nxt is not None and len(nxt[1]) == 1 and nxt[1][0] is flow:
-            end = now + max(nxt[0] - now, 0.0)  # the wake-up's time: ``now + delay`` as ``Environment.schedule`` adds it
-            queue = env._queue
-            if not queue or end < queue[0][0]:  # nothing else is due before it (and at it: its wake-up would be last)
-                dt = end - now  # the wake-up's ``advance``: no other flow may finish with it (``_wake``'s ``done``)
-                left = flows[:-1]
-                rem = [max(f.remaining - f.rate * dt, 0.0) for f in left] if left else left  # (dt 0: unchanged)
-                for f, r in zip(left, rem):
-                    if _ends_by(f, r, end):
-                        break
-                else:
-                    if dt > 0 and self._on_advance is not None:
-                        self._on_advance(dt)
+        queue = env._queue
+        before = queue[0][0] if queue else math.inf  # nothing else due before its end, nor at it (its wake-up: last)
+        left = rem = ()
+        if len(flows) == 1:  # alone (the common case): ``_next``'s arithmetic, without its lists
+            nxt = None
+            rate = flow.rate
+            end = now + max(now + flow.remaining / rate - now, 0.0) if rate > 0 else math.inf  # (inf: ``_next`` raises)
+        else:
+            nxt = self._next(flows, now)
+            end = math.inf
+            if nxt is not None and len(nxt[1]) == 1 and nxt[1][0] is flow:
+                end = now + max(nxt[0] - now, 0.0)  # the wake-up's time (``Environment.schedule``'s ``now + delay``)
+                if end < before:  # the wake-up's ``advance``: no other flow may finish with it (``_wake``'s ``done``)
+                    dt = end - now
+                    left = flows[:-1]
+                    rem = [max(f.remaining - f.rate * dt, 0.0) for f in left]  # (dt 0: unchanged)
                     for f, r in zip(left, rem):
-                        f.remaining = r
-                    flow.remaining = 0.0
-                    self._last_t = end
-                    self.wakeups += 1
-                    self.flows = left
-                    env._now = end
-                    self.reschedule()  # the wake-up's: the others' rates and next wake-up from ``end``
-                    return None
+                        if _ends_by(f, r, end):
+                            end = math.inf
+                            break
+        if end < before:  # its wake-up, done now
+            if end > now and self._on_advance is not None:
+                self._on_advance(end - now)
+            for f, r in zip(left, rem):
+                f.remaining = r
+            flow.remaining = 0.0
+            self._last_t = end
+            self.wakeups += 1
+            self.flows = left or []
+            env._now = end
+            self.reschedule()  # the wake-up's: the others' rates and next wake-up from ``end``
+            return None
+        if nxt is None and len(flows) == 1:
+            nxt = self._next(flows, now)
         flow.done = env.event()
         if nxt is not None:
             self._arm(*nxt)

@@ -1,7 +1,8 @@
 """The executor's own copy path (issue 12: fewer SimPy events per DMA copy) gives the general path's results to the
-bit: a copy that ends first (alone or beside flows in flight) before anything else is due moves without an event,
-a flow's end is processed at once when nothing else is due, and the spans equal those of the general code (``Executor._run``'s transfer with the former wake-up of
-the fluid scheduler, kept here as the reference) on random graphs of kernels and copies."""
+bit: a copy that ends first (alone or beside flows in flight) before anything else is due moves without an
+event, a flow's end is processed at once when nothing else is due, and the spans equal those of the general code
+(``Executor._run``'s transfer with the former wake-up of the fluid scheduler, kept here as the reference) on random
+graphs of kernels and copies."""
 
 from __future__ import annotations
 
