@@ -270,9 +270,11 @@ class FluidScheduler:
         if not flows:
             return
         self._set_rates(flows)
-        nxt = self._next(flows, self.env._now)
+        now = self.env._now
+        nxt = self._next(flows, now)
         if nxt is not None:
-            self._arm(*nxt)
+            gen, due = self._generation, nxt[1]  # a timeout with a callback: cheaper than a process per wake-up
+            self.env.timeout(max(nxt[0] - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
 
     def _next(self, flows: list[FluidFlow], now: float) -> tuple[float, list[FluidFlow]] | None:
         """The next completion time of ``flows`` at their rates (set) from ``now``, and the flows due then (those whose
@@ -300,12 +302,6 @@ class FluidScheduler:
             return None  # nothing moves (the owner has no capacity now); a later change reschedules
         tol = _TIME_ULPS * math.ulp(t_next)
         return t_next, [f for f, t in zip(flows, ends) if t - t_next <= tol]
-
-    def _arm(self, t_next: float, due: list[FluidFlow]) -> None:
-        """Schedule the wake-up that finishes ``due`` at ``t_next`` (a timeout with a callback: cheaper than a process
-        per wake-up)."""
-        gen = self._generation
-        self.env.timeout(max(t_next - self.env._now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
 
     def _finished(self, f: FluidFlow, now: float) -> bool:
         return _ends_by(f, f.remaining, now)
@@ -368,15 +364,20 @@ class FluidScheduler:
             flow.remaining = 0.0
             self._last_t = end
             self.wakeups += 1
-            self.flows = left or []
             env._now = end
-            self.reschedule()  # the wake-up's: the others' rates and next wake-up from ``end``
+            if left:
+                self.flows = left
+                self.reschedule()  # the wake-up's: the others' rates and next wake-up from ``end``
+            else:
+                self.flows = []
+                self._generation += 1  # the wake-up's ``reschedule`` of no flow
             return None
         if nxt is None and len(flows) == 1:
             nxt = self._next(flows, now)
         flow.done = env.event()
-        if nxt is not None:
-            self._arm(*nxt)
+        if nxt is not None:  # ``reschedule``'s wake-up
+            gen, due = self._generation, nxt[1]
+            env.timeout(max(nxt[0] - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
         return flow.done
 
     def _wake(self, gen: int, due: list[FluidFlow]) -> None:
