@@ -190,15 +190,14 @@ class FluidNetwork:
         self._check_transfer(nbytes, cap_bytes_per_s)
         return nbytes > 0 and bool(links or cap_bytes_per_s)
 
-    def move_alone(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float, before: float) -> float | None:
-        """The end of ``transfer``'s flow started now (``moves`` true; after its latency) when no other flow is in
-        flight and it ends before ``before`` (s), moved without an event (``FluidScheduler.run_alone``: the same
-        end to the last bit, the same ``bytes_carried``); the caller moves the clock there. None: nothing done
-        (``start`` it instead)."""
-        end = self._fluid.run_alone(nbytes, links, cap_bytes_per_s or math.inf, before)
-        if end is not None:
-            self._carried(links, nbytes)
-        return end
+    def move(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = 0.0) -> simpy.Event | None:
+        """Start ``transfer``'s flow now (``moves`` true; after its latency), for a caller that may move the clock
+        (``FluidScheduler.run``): None when it was the first to end, before anything else is due, and has been run
+        to its end (the clock is there; the same end to the last bit, the same ``bytes_carried`` and the same state
+        of the flows beside it), else its end event."""
+        done = self._fluid.run(nbytes, links, cap_bytes_per_s or math.inf)
+        self._carried(links, nbytes)
+        return done
 
     def start(self, nbytes: float, links: tuple[str, ...], cap_bytes_per_s: float = math.inf) -> FluidFlow:
         """Start moving ``nbytes`` (> 0, finite) over ``links`` now, at most at ``cap_bytes_per_s``; returns

@@ -270,74 +270,115 @@ class FluidScheduler:
         if not flows:
             return
         self._set_rates(flows)
-        now = self.env.now
+        now = self.env._now
+        nxt = self._next(flows, now)
+        if nxt is not None:
+            gen, due = self._generation, nxt[1]  # a timeout with a callback: cheaper than a process per wake-up
+            self.env.timeout(max(nxt[0] - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
+
+    def _next(self, flows: list[FluidFlow], now: float) -> tuple[float, list[FluidFlow]] | None:
+        """The next completion time of ``flows`` at their rates (set) from ``now``, and the flows due then (those whose
+        completion times agree with the earliest to a few ulps); None when nothing moves.
+
+        Raises:
+            OverflowError: as ``reschedule``.
+        """
         if len(flows) == 1:  # the common case (a copy alone on its links): the same arithmetic, no lists
             f = flows[0]
             if not f.rate > 0:
-                return  # nothing moves; a later change reschedules
+                return None  # nothing moves; a later change reschedules
             t_next = now + f.remaining / f.rate
             if t_next == math.inf:
                 raise OverflowError(f"a flow of {f.remaining:g} units at {f.rate:g} units/s would finish "
                                     f"beyond the float time range (now {now:g} s)")
-            gen, due = self._generation, [f]
-            self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
-            return
-        ends = [now + f.remaining / f.rate if f.rate > 0 else math.inf for f in self.flows]
+            return t_next, flows[:]
+        ends = [now + f.remaining / f.rate if f.rate > 0 else math.inf for f in flows]
         t_next = min(ends)
         if t_next == math.inf:
-            if any(f.rate > 0 for f in self.flows):
-                big = max(self.flows, key=lambda f: f.remaining)
+            if any(f.rate > 0 for f in flows):
+                big = max(flows, key=lambda f: f.remaining)
                 raise OverflowError(f"a flow of {big.remaining:g} units at {big.rate:g} units/s would finish "
                                     f"beyond the float time range (now {now:g} s)")
-            return  # nothing moves (the owner has no capacity now); a later change reschedules
-        # flows whose completion times agree with the earliest to a few ulps finish together
+            return None  # nothing moves (the owner has no capacity now); a later change reschedules
         tol = _TIME_ULPS * math.ulp(t_next)
-        due = [f for f, t in zip(self.flows, ends) if t - t_next <= tol]
-        gen = self._generation  # a timeout with a callback: cheaper than a process per wake-up
-        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
+        return t_next, [f for f, t in zip(flows, ends) if t - t_next <= tol]
 
     def _finished(self, f: FluidFlow, now: float) -> bool:
-        if f.remaining <= REL_TOL * f.size:
-            return True
-        return f.rate > 0 and now + f.remaining / f.rate <= now  # completion rounds to now
+        return _ends_by(f, f.remaining, now)
 
-    def run_alone(self, size: float, links: tuple, cap: float, before: float) -> float | None:
-        """Move a flow of ``size`` units over ``links`` (at most ``cap`` units/s) now, with no other flow in flight,
-        when it would end before ``before`` (s): what ``add_flow`` and its wake-up do (the same rate, the same
-        completion time to the last bit, ``advance`` and ``wakeups`` as they leave them), without an event. The
-        caller moves the clock to the returned end; only valid when no other event is due before it (``before``:
-        the earliest time in SimPy's heap), so that nothing can start another flow meanwhile.
+    def run(self, size: float, links: tuple, cap: float) -> simpy.Event | None:
+        """Start a flow of ``size`` units over ``links`` (at most ``cap`` units/s) now, as ``add`` does; when it is due
+        alone at the next completion, before anything in SimPy's heap, and no flow in flight finishes with it, run
+        it to its end instead: move the clock there and do what its wake-up would (``advance``, ``wakeups``, the
+        other flows' remaining work, rates and next wake-up as it leaves them, to the last bit), without its timeout
+        and end event. The flows in flight may run at other rates meanwhile: they are advanced at the rates the
+        solver gives them beside it, as its wake-up advances them.
+
+        Only for a caller that may move the clock: a SimPy process resumed as the last callback of an event only it
+        waits on (nothing else runs at this instant before it yields), so that nothing can start, end or re-cap a
+        flow before the heap's earliest entry.
 
         Returns:
-            The flow's end, s; None (nothing done) when a flow is in flight, it would not move, or it would not
-            end before ``before``: the caller adds it (``add_flow``) instead.
+            None: the flow has ended, the clock is at its end. Otherwise its end event (``add``'s).
 
         Raises:
-            ValueError: as ``add_flow``.
+            ValueError, OverflowError: as ``add_flow`` and ``reschedule``.
         """
-        if self.flows:
-            return None
         if not (size > 0 and math.isfinite(size)):
             raise ValueError(f"flow size must be a positive finite number, got {size!r}")
         if not cap > 0:
             raise ValueError(f"flow rate cap must be > 0, got {cap!r}")
-        flow = FluidFlow(size, None, tuple(links), cap)
-        self._set_rates([flow])  # ``reschedule``'s (a pure function of the flow)
-        if not flow.rate > 0:
-            return None
-        now = self.env.now
-        t_next = now + flow.remaining / flow.rate
-        end = now + max(t_next - now, 0.0)  # the wake-up's time: ``now + delay`` as ``Environment.schedule`` adds it
-        if not end < before:  # (also t_next inf: ``add_flow`` raises)
-            return None
         self.advance()  # ``add_flow``'s
-        self._generation += 2  # ``reschedule``'s, and the wake-up's ``reschedule`` of no flow
-        self.wakeups += 1
-        dt = end - now  # the wake-up's ``advance``
-        if dt > 0 and self._on_advance is not None:
-            self._on_advance(dt)
-        self._last_t = end
-        return end
+        env = self.env
+        flow = FluidFlow(size, None, tuple(links), cap)
+        flows = self.flows
+        flows.append(flow)
+        self._generation += 1  # ``reschedule``'s
+        self._set_rates(flows)
+        now = env._now
+        queue = env._queue
+        before = queue[0][0] if queue else math.inf  # nothing else due before its end, nor at it (its wake-up: last)
+        left = rem = ()
+        if len(flows) == 1:  # alone (the common case): ``_next``'s arithmetic, without its lists
+            nxt = None
+            rate = flow.rate
+            end = now + max(now + flow.remaining / rate - now, 0.0) if rate > 0 else math.inf  # (inf: ``_next`` raises)
+        else:
+            nxt = self._next(flows, now)
+            end = math.inf
+            if nxt is not None and len(nxt[1]) == 1 and nxt[1][0] is flow:
+                end = now + max(nxt[0] - now, 0.0)  # the wake-up's time (``Environment.schedule``'s ``now + delay``)
+                if end < before:  # the wake-up's ``advance``: no other flow may finish with it (``_wake``'s ``done``)
+                    dt = end - now
+                    left = flows[:-1]
+                    rem = [max(f.remaining - f.rate * dt, 0.0) for f in left]  # (dt 0: unchanged)
+                    for f, r in zip(left, rem):
+                        if _ends_by(f, r, end):
+                            end = math.inf
+                            break
+        if end < before:  # its wake-up, done now
+            if end > now and self._on_advance is not None:
+                self._on_advance(end - now)
+            for f, r in zip(left, rem):
+                f.remaining = r
+            flow.remaining = 0.0
+            self._last_t = end
+            self.wakeups += 1
+            env._now = end
+            if left:
+                self.flows = left
+                self.reschedule()  # the wake-up's: the others' rates and next wake-up from ``end``
+            else:
+                self.flows = []
+                self._generation += 1  # the wake-up's ``reschedule`` of no flow
+            return None
+        if nxt is None and len(flows) == 1:
+            nxt = self._next(flows, now)
+        flow.done = env.event()
+        if nxt is not None:  # ``reschedule``'s wake-up
+            gen, due = self._generation, nxt[1]
+            env.timeout(max(nxt[0] - now, 0.0)).callbacks.append(lambda _ev: self._wake(gen, due))
+        return flow.done
 
     def _wake(self, gen: int, due: list[FluidFlow]) -> None:
         if gen != self._generation:
@@ -375,6 +416,14 @@ class FluidScheduler:
         for f in done:
             f.done.succeed()
         self.reschedule()
+
+
+def _ends_by(f: FluidFlow, remaining: float, now: float) -> bool:
+    """Whether flow ``f`` with ``remaining`` units left counts as finished at ``now`` (s): the remaining work is below
+    ``REL_TOL`` of its size, or its completion at its rate rounds to ``now``."""
+    if remaining <= REL_TOL * f.size:
+        return True
+    return f.rate > 0 and now + remaining / f.rate <= now
 
 
 def process_at_once(event: simpy.Event) -> None:

@@ -445,12 +445,10 @@ class Executor:
                         else:
                             yield env.timeout(lat)
                             own = True
-                    if moves:
-                        end = net.move_alone(nbytes, links, cap, queue[0][0] if queue else _INF) if own else None
-                        if end is not None:
-                            env._now = end
-                        else:
-                            yield net.start(nbytes, links, cap or _INF).done
+                    if moves:  # a flow that ends first, before anything else is due, runs to its end at once
+                        ev = net.move(nbytes, links, cap) if own else net.start(nbytes, links, cap or _INF).done
+                        if ev is not None:
+                            yield ev
                             own = True  # (its flow's end: this stream's own, ``FluidScheduler._wake``)
                     d = op.host_s
                     if d > 0:  # the copy's host work beyond the transfer (``_wait_s``, inlined)

@@ -1,7 +1,8 @@
 """The executor's own copy path (issue 12: fewer SimPy events per DMA copy) gives the general path's results to the
-bit: a lone copy that nothing can disturb moves without an event, a flow's end is processed at once when nothing
-else is due, and the spans equal those of the general code (``Executor._run``'s transfer with the former wake-up of
-the fluid scheduler, kept here as the reference) on random graphs of kernels and copies."""
+bit: a copy that ends first (alone or beside flows in flight) before anything else is due moves without an
+event, a flow's end is processed at once when nothing else is due, and the spans equal those of the general code
+(``Executor._run``'s transfer with the former wake-up of the fluid scheduler, kept here as the reference) on random
+graphs of kernels and copies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 import simulator.engine.executor as executor_mod
 from hardware_models.fabrics import FluidNetwork, LinkSpec
-from hardware_models.fluid import FluidScheduler
+from hardware_models.fluid import FluidScheduler, maxmin_rates
 from simulator.api import simulate_graph
 from simulator.graph.op_graph import GraphBuilder
 from simulator.graph.ops import OpKind
@@ -115,12 +116,24 @@ def pytest_monkeypatch():
     return pytest.MonkeyPatch.context()
 
 
+def _at(env: simpy.Environment, t: float, fn) -> None:
+    """Call ``fn()`` at ``t`` (s) from a process of its own, resumed by its own timeout: a caller that may move the
+    clock (``FluidNetwork.move``; ``env.run(until=...)`` would leave its stop event in the heap at that instant)."""
+
+    def proc():
+        yield env.timeout(t)
+        fn()
+
+    env.process(proc())
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.floats(1.0, 1e12), st.floats(1e-3, 10.0), st.sampled_from([math.inf, 3e8, 2e9]),
        st.sampled_from([("a",), ("a", "b"), ("b",)]))
-def test_run_alone_ends_where_add_flow_ends(size, t0, cap, links):
-    """A flow started at ``t0`` alone: ``FluidNetwork.move_alone``'s end, bytes carried and scheduler state equal
-    those of ``start`` and running the environment (the wake-up at the same float time)."""
+def test_a_lone_flow_moved_at_once_ends_where_start_ends(size, t0, cap, links):
+    """A flow started at ``t0`` alone: ``FluidNetwork.move``'s end, bytes carried and scheduler state equal those of
+    ``start`` and running the environment (the wake-up at the same float time); with an event due at that end, it
+    is started instead (its end event) and ends there all the same."""
     caps = {"a": 1e9, "b": 4e8}
 
     def general():
@@ -137,15 +150,142 @@ def test_run_alone_ends_where_add_flow_ends(size, t0, cap, links):
         env.run()
         return out["end"], net.bytes_carried, net._fluid.wakeups, net._fluid._last_t
 
+    ref = general()
     env = simpy.Environment()
     net = FluidNetwork(env, caps)
-    env.run(until=t0)
-    end = net.move_alone(size, links, cap, math.inf)
-    assert (end, net.bytes_carried, net._fluid.wakeups, net._fluid._last_t) == general()
-    assert not net._fluid.flows
-    # an event due at or before its end: nothing is done (the caller starts the flow instead)
-    env2 = simpy.Environment()
-    net2 = FluidNetwork(env2, caps)
-    env2.run(until=t0)
-    assert net2.move_alone(size, links, cap, end) is None
-    assert net2._fluid.wakeups == 0 and net2.bytes_carried == {"a": 0.0, "b": 0.0}
+    out = {}
+    _at(env, t0, lambda: out.update(ev=net.move(size, links, 0.0 if cap == math.inf else cap), now=env.now))
+    env.run()
+    assert out["ev"] is None and not net._fluid.flows
+    assert (out["now"], net.bytes_carried, net._fluid.wakeups, net._fluid._last_t) == ref
+    env = simpy.Environment()
+    net = FluidNetwork(env, caps)
+    env.timeout(ref[0])  # due at the flow's end
+    _at(env, t0, lambda: out.update(ev=net.move(size, links, 0.0 if cap == math.inf else cap), now=env.now))
+    env.run()
+    assert out["ev"] is not None and out["ev"].processed and out["now"] == t0
+    assert (net.bytes_carried, net._fluid.wakeups, net._fluid._last_t) == ref[1:]
+
+
+def test_a_flow_beside_one_in_flight_that_ends_first_moves_at_once():
+    """One 1 GB/s link. A 10 GB flow starts at 0 s; at 1 s (9 GB left) a 1 GB flow starts beside it: 0.5 GB/s each,
+    so the new one ends at 1 + 1/0.5 = 3 s, the first having 9 - 0.5 x 2 = 8 GB left, which it moves alone at
+    1 GB/s by 3 + 8 = 11 s (all exact in floats). ``move`` runs the new flow to 3 s at once (no event) and leaves
+    the first one's wake-up at 11 s. A 20 GB flow instead would end after the first (at 1 + 9/0.5 = 19 s): it is
+    started (its end event) and ends at 19 + (20 - 9) = 30 s."""
+    for nbytes, ends in ((1e9, (11.0, 3.0)), (20e9, (19.0, 30.0))):
+        env = simpy.Environment()
+        net = FluidNetwork(env, {"l": 1e9})
+        first = net.start(10e9, ("l",))
+        out = {}
+
+        def second():
+            yield env.timeout(1.0)
+            ev = out["ev"] = net.move(nbytes, ("l",))
+            out["first"] = (first.remaining, first.rate, env.now)
+            if ev is not None:
+                yield ev
+            out["end"] = env.now
+
+        env.process(second())
+        env.run(until=first.done)
+        first_end = env.now
+        env.run()
+        assert (first_end, out["end"]) == ends
+        assert net.bytes_carried == {"l": 10e9 + nbytes}
+        if nbytes == 1e9:  # moved at once: at 3 s, the first flow alone again
+            assert out["ev"] is None and out["first"] == (8e9, 1e9, 3.0)
+        else:  # started: at 1 s, the first flow at its share
+            assert out["ev"] is not None and out["first"] == (9e9, 0.5e9, 1.0)
+        assert net._fluid.wakeups == 2
+
+
+#: the links of a flow in ``test_move_gives_starts_ends_on_random_flow_sets``: a PCIe slot's two directions under
+#: their duplex limit, and a link of its own
+_ROUTES = [("h2d", "duplex"), ("d2h", "duplex"), ("h2d",), ("nic",), ("nic", "d2h", "duplex")]
+
+
+@st.composite
+def _flow_sets(draw):
+    """Flows in flight ``(start_s, bytes, route, cap)`` and one that starts later, often small (ending first)."""
+    n = draw(st.integers(0, 4))
+    caps = st.sampled_from([math.inf, math.inf, 3e8, 7.5e8])
+    flows = [(draw(st.floats(0.0, 2.0)), draw(st.floats(1e3, 5e9)), draw(st.sampled_from(_ROUTES)), draw(caps))
+             for _ in range(n)]
+    new = (draw(st.floats(0.0, 3.0)), draw(st.one_of(st.floats(1.0, 1e6), st.floats(1e6, 5e9))),
+           draw(st.sampled_from(_ROUTES)), draw(caps))
+    return flows, new
+
+
+@settings(max_examples=300, deadline=None)
+@given(_flow_sets(), st.booleans())
+def test_move_gives_starts_ends_on_random_flow_sets(fs, weighted):
+    """Flows started at random times over shared links (each by a process of its own), the last one by ``move``
+    (run to its end at once when it ends first and nothing else is due) or by ``start`` (the general solver and its
+    wake-ups): every flow's end, the bytes each link carried and the wake-up count agree to the last bit; with a
+    weighted name on the path (an NVMe drive's writes) too."""
+    flows, new = fs
+
+    def run(fast: bool):
+        env = simpy.Environment()
+        net = FluidNetwork(env, {"h2d": 1e9, "d2h": 8e8, "duplex": 1.5e9, "nic": 5e8})
+        if weighted:
+            net.add_weighted_name("nic.w", "nic", 2.5)
+        ends, moved = {}, []
+
+        def proc(i, t, nbytes, route, cap, last):
+            if weighted and route[0] == "nic":
+                route = ("nic.w", *route[1:])
+            yield env.timeout(t)
+            if last and fast:
+                ev = net.move(nbytes, route, 0.0 if cap == math.inf else cap)
+                moved.append(ev is None)
+            else:
+                ev = net.start(nbytes, route, cap).done
+            if ev is not None:
+                yield ev
+            ends[i] = env.now
+
+        for i, f in enumerate([*flows, new]):
+            env.process(proc(i, *f, i == len(flows)))
+        env.run()
+        return ends, net.bytes_carried, net._fluid.wakeups, moved
+
+    fast, slow = run(True), run(False)
+    assert fast[:3] == slow[:3]
+    if not flows:  # alone, and nothing else due: always moved at once
+        assert fast[3] == [True]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_flow_sets())
+def test_run_integrates_as_its_wake_up_on_random_flow_sets(fs):
+    """``FluidScheduler.run`` on a scheduler with an ``on_advance`` (the CPU pool's utilisation integral): the same
+    intervals ``on_advance`` is called with, in order, and the same ends, as ``add_flow`` and its wake-ups."""
+    flows, new = fs
+    caps = {"h2d": 1e9, "d2h": 8e8, "duplex": 1.5e9, "nic": 5e8}
+
+    def run(fast: bool):
+        env = simpy.Environment()
+        steps = []
+
+        def set_rates(fl):
+            for f, r in zip(fl, maxmin_rates([(f.links, f.cap) for f in fl], caps)):
+                f.rate = r
+
+        sched = FluidScheduler(env, set_rates, steps.append)
+        ends = {}
+
+        def proc(i, t, size, route, cap, last):
+            yield env.timeout(t)
+            ev = sched.run(size, route, cap) if last and fast else sched.add(size, route, cap)
+            if ev is not None:
+                yield ev
+            ends[i] = env.now
+
+        for i, f in enumerate([*flows, new]):
+            env.process(proc(i, *f, i == len(flows)))
+        env.run()
+        return ends, steps, sched.wakeups
+
+    assert run(True) == run(False)
