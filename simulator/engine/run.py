@@ -184,18 +184,18 @@ def run_ranks(graphs: Sequence[OpGraph], hws: Sequence[Hardware], steps: int, se
         launches = Deferred(partial(launch_intervals, launched_ids(graph) if cost is not None else None,
                                     ex.launch_time, cost))
         # the recorded samples, then the memory timelines; built when read (the summary does not)
-        counters = Deferred(partial(_counter_frame, rec.counters, system.take_memory_counter_parts()))
-        samples = Deferred(partial(counter_frame, rec.counters))
+        counters = Deferred(partial(_counter_frame, rec.counter_columns(), system.take_memory_counter_parts()))
+        samples = Deferred(partial(counter_frame, rec.counter_columns()))
         out.append((RunRecords(rec.spans_frame(), counters, step_df, system.memory, launches, samples), runtime))
     for _, rec, system, _, ex in ranks:
         _release(ex, rec, system)
     return out
 
 
-def _counter_frame(rows: list[tuple], memory_parts: Callable[[], list[tuple]]) -> pd.DataFrame:
-    """``counter_frame`` of the recorded samples ``rows`` and the memory timelines ``memory_parts()``
-    (``System.take_memory_counter_parts``: built now)."""
-    return counter_frame(rows, None, memory_parts())
+def _counter_frame(columns: tuple[list, list, list, list], memory_parts: Callable[[], list[tuple]]) -> pd.DataFrame:
+    """``counter_frame`` of the recorded samples' ``columns`` (``Recorder.counter_columns``) and the memory
+    timelines ``memory_parts()`` (``System.take_memory_counter_parts``: built now)."""
+    return counter_frame(columns, None, memory_parts())
 
 
 def _release(ex: Executor, rec: Recorder, system: System) -> None:

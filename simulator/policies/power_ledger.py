@@ -11,7 +11,6 @@ power-limit firmware) subscribes with ``listener``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
 
 import numpy as np
 
@@ -106,8 +105,5 @@ class PowerLedger(EnergyLedger):
         self.t.extend(t_list)
         self.p.extend(p_list)
         self.e.extend(e.tolist())
-        if self.rec is not None:
-            self.count(t_list[0], "power_w", p_list[0])  # may replace a sample at that instant
-            rows = self.rec.counters
-            rows.extend(zip(t_list[1:], repeat(SCOPE), repeat("power_w"), p_list[1:]))
-            self.rec._last[(SCOPE, "power_w")] = len(rows) - 1
+        if self.rec is not None:  # the first may replace a sample at that instant
+            self.rec.counter_series(t_list, SCOPE, "power_w", p_list)

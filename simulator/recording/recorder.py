@@ -1,8 +1,8 @@
-"""Record spans and counters during a run as plain tuples; build DataFrames once at the end."""
+"""Record spans (as plain tuples) and counters (as columns) during a run; build DataFrames once at the end."""
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -17,11 +17,18 @@ COUNTER_COLUMNS = ["t_s", "scope", "metric", "value"]
 
 
 class Recorder:
-    """Collects spans (op executions) and counter samples (memory, clock, power levels)."""
+    """Collects spans (op executions) and counter samples (memory, clock, power levels).
+
+    The samples are kept as four columns (``COUNTER_COLUMNS``: lists of times, scopes, metrics, values), not one
+    tuple each: a run's thousands of power levels would otherwise be as many tuples for the cyclic garbage
+    collector to traverse after the run (its first pass once ``engine.run.gc_paused`` ends, ~1 ms for ~6,100).
+    """
 
     def __init__(self) -> None:
         self._spans: list[tuple] = []
-        self.counters: list[tuple] = []
+        #: the samples' columns ``(t_s, scope, metric, value)``, in recording order
+        self._counter_cols: tuple[list, list, list, list] = ([], [], [], [])
+        #: each counter's last row, by ``(scope, metric)``
         self._last: dict[tuple[str, str], int] = {}
         #: ``(rows, row count, SpanColumns)`` of the last ``span_columns`` call
         self._span_cols: tuple | None = None
@@ -52,16 +59,46 @@ class Recorder:
         """
         key = (scope, metric)
         i = self._last.get(key)
-        if i is not None and self.counters[i][0] == t_s:
-            self.counters[i] = (t_s, scope, metric, value)
+        t, sc, m, v = self._counter_cols
+        if i is not None and t[i] == t_s:
+            t[i], sc[i], m[i], v[i] = t_s, scope, metric, value
             return
-        self._last[key] = len(self.counters)
-        self.counters.append((t_s, scope, metric, value))
+        self._last[key] = len(t)
+        t.append(t_s)
+        sc.append(scope)
+        m.append(metric)
+        v.append(value)
+
+    def counter_series(self, times: list[float], scope: str, metric: str, values: list[float]) -> None:
+        """Samples of one counter at increasing instants ``times`` (seconds; ``values`` of the same length):
+        ``counter`` of the first (which may replace a sample at that instant), the rest appended as they are (each
+        at a later instant than the one before, so none replaces another)."""
+        if not times:
+            return
+        self.counter(times[0], scope, metric, values[0])
+        if len(times) > 1:
+            t, sc, m, v = self._counter_cols
+            t.extend(times[1:])
+            sc.extend(repeat(scope, len(times) - 1))
+            m.extend(repeat(metric, len(times) - 1))
+            v.extend(values[1:])
+            self._last[(scope, metric)] = len(t) - 1
+
+    @property
+    def counters(self) -> list[tuple]:
+        """The samples so far as rows ``(t_s, scope, metric, value)`` (``COUNTER_COLUMNS`` order), in recording
+        order (a new list: recording goes through ``counter``)."""
+        return list(zip(*self._counter_cols))
+
+    def counter_columns(self) -> tuple[list, list, list, list]:
+        """The samples' columns ``(t_s, scope, metric, value)`` as recorded (the recorder's own lists, which later
+        samples extend until ``release``)."""
+        return self._counter_cols
 
     def samples(self, scope: str, metric: str) -> list[tuple[float, float]]:
         """``(t_s, value)`` of counter ``(scope, metric)`` as recorded so far, in recording order (the counter's rows
         of ``counters_frame``, in its order when they were recorded in time order, as ``counter`` calls are)."""
-        return [(t, v) for t, sc, m, v in self.counters if m == metric and sc == scope]
+        return [(t, v) for t, sc, m, v in zip(*self._counter_cols) if m == metric and sc == scope]
 
     def release(self) -> None:
         """Drop the recorded rows (the frames built from them stay valid); later calls record afresh.
@@ -70,7 +107,7 @@ class Recorder:
         and sample) would otherwise wait for the cyclic garbage collector with the run's other objects
         (the runtime components hold the recorder) and make its next pass slower."""
         self._spans = []
-        self.counters = []
+        self._counter_cols = ([], [], [], [])
         self._last = {}
         self._span_cols = None
 
@@ -138,13 +175,14 @@ class Recorder:
         The columns are built block by block: numbers as arrays concatenated (the dtype the rows would give,
         ``numeric_column``), strings as one object array (``string_column``).
         """
-        return counter_frame(self.counters, extra, parts)
+        return counter_frame(self._counter_cols, extra, parts)
 
 
-def counter_frame(rows: list[tuple], extra: tuple[list, list, list, list] | None = None,
+def counter_frame(columns: tuple[list, list, list, list] | None, extra: tuple[list, list, list, list] | None = None,
                   parts: list[tuple] | None = None) -> pd.DataFrame:
-    """``Recorder.counters_frame`` of the recorded samples ``rows`` (``(t_s, scope, metric, value)`` each)."""
-    blocks = [tuple(zip(*rows))] if rows else []
+    """``Recorder.counters_frame`` of the recorded samples' ``columns`` (``Recorder.counter_columns``: ``(t_s, scope,
+    metric, value)``, sequences of one length; None: none)."""
+    blocks = [tuple(columns)] if columns is not None else []
     if extra is not None:
         blocks.append(tuple(extra))
     blocks += list(parts or ())

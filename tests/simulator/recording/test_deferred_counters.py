@@ -57,7 +57,7 @@ def test_average_clock_from_samples_equals_the_frames():
             (0.5, "gpu0", "sm_clock_mhz", 990.0)]
     dv = object.__new__(DvfsRuntime)
     dv.state = types.SimpleNamespace(sm_clock_mhz=1980)
-    from_frame = dv._avg_clock(counter_frame(rows), 0.25, 1.0)
+    from_frame = dv._avg_clock(counter_frame(tuple(map(list, zip(*rows)))), 0.25, 1.0)
     dv._clock_samples = [(t, v) for t, sc, m, v in rows if (sc, m) == ("gpu0", "sm_clock_mhz")]
     assert dv._avg_clock(None, 0.25, 1.0) == from_frame == (1980.0 * 0.25 + 990.0 * 0.5) / 0.75
     dv._clock_samples = []
