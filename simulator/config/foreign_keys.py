@@ -69,6 +69,9 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                   "modelled",
     **{k: _FP16_LOSS_SCALING for k in FP16_LOSS_SCALING},
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
+    "scheduler": "DeepSpeed's scheduler section (WarmupLR, WarmupDecayLR, OneCycle, LRRangeTest) sets the learning "
+                 "rate from step to step, which changes no step's work or time (the optimizer step is the same at "
+                 "any learning rate): it has no key here; remove it",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
                   "its bf16 buffer, modelled); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
@@ -333,6 +336,18 @@ def drop_default_only_keys(data: dict) -> dict:
     if problems:
         raise problems[0]
     return out
+
+
+#: the words for a value ``"auto"`` that is not one here: the placeholder of a ds_config written for the Hugging Face
+#: Trainer, which fills it from its TrainingArguments when it launches DeepSpeed (huggingface/transformers
+#: src/transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / fill_match)
+HF_AUTO_NOTE = ("'auto' is Hugging Face Trainer's placeholder, filled from its TrainingArguments at launch "
+                "(transformers HfTrainerDeepSpeedConfig): write the value")
+
+
+def hf_auto_note(value) -> str | None:
+    """``HF_AUTO_NOTE`` for a refused value that is the string ``"auto"`` (any case), else None."""
+    return HF_AUTO_NOTE if isinstance(value, str) and value.strip().lower() == "auto" else None
 
 
 def foreign_key_hint(path: str) -> str | None:
