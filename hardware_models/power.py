@@ -257,7 +257,8 @@ def generic_power_model(gpu: GpuSpec) -> GpuPowerModel:
     return GpuPowerModel(
         name=f"{gpu.name}{GENERIC_SUFFIX}", max_sm_clock_mhz=gpu.max_sm_clock_mhz,
         max_mem_clock_mhz=gpu.mem_clock_mhz or 1.0, static_w=static, clock_w=idle - static, sm_w=sm,
-        mem_w=GENERIC_MEM_RATIO * sm, copy_w=20.0, provenance={"generic": "derived from GpuSpec tdp_w/idle_power_w; not fitted"},
+        mem_w=GENERIC_MEM_RATIO * sm, copy_w=20.0,
+        provenance={"generic": "derived from GpuSpec tdp_w/idle_power_w; not fitted"},
     )
 
 

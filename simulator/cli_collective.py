@@ -69,7 +69,8 @@ def price(args) -> list:
         raise CollectiveError(f"--ranks {ranks} must be a positive multiple of --ranks-per-node {rpn}")
     nodes = ranks // rpn
     if nodes > MAX_NODES:  # the bound build_topology enforces, said in the flags the user gave
-        raise CollectiveError(f"--ranks {ranks} ({nodes:,} nodes of {rpn} rank{'s' * (rpn > 1)}) is above {max_nodes_text(spec)}")
+        raise CollectiveError(f"--ranks {ranks} ({nodes:,} nodes of {rpn} rank{'s' * (rpn > 1)}) is above "
+                              f"{max_nodes_text(spec)}")
     if nodes == 1 and (net_over or args.network):  # no scale-out network on one node: still check what was typed
         if args.network or spec.network:
             load_network(args.network or spec.network, net_over or None)

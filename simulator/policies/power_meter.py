@@ -14,8 +14,8 @@ from operator import attrgetter
 import numpy as np
 
 from hardware_models.power import (
-    GENERIC_MEM_RATIO, GENERIC_TDP_SHARE, GENERIC_TDP_W, Activity, activity_of_kernel, generic_idle_w, generic_power_model, load_power_model,
-    preset_power_model,
+    GENERIC_MEM_RATIO, GENERIC_TDP_SHARE, GENERIC_TDP_W, Activity, activity_of_kernel, generic_idle_w,
+    generic_power_model, load_power_model, preset_power_model,
 )
 from simulator.graph.ops import OpKind, PriceKeys
 from simulator.policies.registry import PolicyError

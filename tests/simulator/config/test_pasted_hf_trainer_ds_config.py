@@ -31,7 +31,8 @@ def _refused(extra: dict) -> list[str]:
     ({"fp16": {"enabled": "auto"}}, "ds.yaml: fp16.enabled: Input should be a valid boolean (got 'auto')"),
     ({"bf16": {"enabled": "auto"}}, "ds.yaml: bf16.enabled: Input should be a valid boolean (got 'auto')"),
     ({"gradient_clipping": "auto"}, "ds.yaml: gradient_clipping: Input should be a valid number (got 'auto')"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "ds.yaml: zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
+     "ds.yaml: zero_optimization.reduce_bucket_size"),
 ])
 def test_auto_values_name_the_hf_trainer_placeholder(extra, head):
     (line,) = _refused(extra)
