@@ -109,6 +109,11 @@ class GpuPowerModel:
         if not 0 <= self.sm_floor <= 1 or not 0 < self.v_min_rel <= 1:
             raise ValueError("sm_floor must be in [0, 1] and v_min_rel in (0, 1]")
 
+    @property
+    def generic(self) -> bool:
+        """Whether this is ``generic_power_model``'s unfitted model (TDP and idle power only)."""
+        return "generic" in self.provenance
+
     # -- formula ----------------------------------------------------------------------------
     def voltage_rel(self, sm_clock_mhz: float) -> float:
         """``V(f) / V(f_max)`` on the assumed piecewise-linear V-f curve."""
@@ -220,21 +225,40 @@ def has_power_preset(name: str) -> bool:
     return name in presets.list_presets("power")["power"]
 
 
+#: What ``generic_power_model`` appends to the GPU's name: the mark of an unfitted model (``GpuPowerModel.generic``).
+GENERIC_SUFFIX = " (generic)"
+#: TDP assumed by ``generic_power_model`` for a GPU spec without ``tdp_w``, W.
+GENERIC_TDP_W = 400.0
+#: Idle power at the maximum clocks as a share of TDP, for a GPU spec without ``idle_power_w``.
+GENERIC_IDLE_SHARE = 0.15
+#: Board power of a fully compute-bound kernel at the maximum clock as a share of TDP (an assumption).
+GENERIC_TDP_SHARE = 0.95
+#: ``A_mem / A_sm`` of the generic model (an assumption, also used by the fitted presets: scripts/fit_h200_power.py).
+GENERIC_MEM_RATIO = 0.45
+
+
+def generic_idle_w(gpu: GpuSpec) -> float:
+    """Idle power at the maximum clocks that ``generic_power_model`` uses: ``idle_power_w``, else 15% of the TDP, W."""
+    return gpu.idle_power_w or GENERIC_IDLE_SHARE * (gpu.tdp_w or GENERIC_TDP_W)
+
+
 def generic_power_model(gpu: GpuSpec) -> GpuPowerModel:
     """An unfitted model from a GPU's spec sheet: idle power and TDP only.
 
-    Assumptions (no measurement behind them): idle at max clocks = ``idle_power_w`` (or 15% of TDP),
-    of which 70% is static; a fully compute-bound kernel at max clock reaches 95% of TDP; a fully
-    memory-bound one draws ``A_mem = 0.45 * A_sm``.
+    Assumptions (no measurement behind them): idle at max clocks = ``idle_power_w`` (or 15% of TDP; 400 W where
+    the spec has no TDP), of which 70% is static; a fully compute-bound kernel at max clock reaches 95% of TDP; a
+    fully memory-bound one draws ``A_mem = 0.45 * A_sm``; any resident kernel draws ``sm_floor`` (30%) of ``A_sm``;
+    the V-f curve is the class default (``GpuPowerModel``: 0.7 of ``V_max`` below 900 MHz).
     """
-    tdp = gpu.tdp_w or 400.0
-    idle = gpu.idle_power_w or 0.15 * tdp
+    tdp = gpu.tdp_w or GENERIC_TDP_W
+    idle = generic_idle_w(gpu)
     static = 0.7 * idle
-    sm = max(0.95 * tdp - idle, 0.0)
+    sm = max(GENERIC_TDP_SHARE * tdp - idle, 0.0)
     return GpuPowerModel(
-        name=f"{gpu.name} (generic)", max_sm_clock_mhz=gpu.max_sm_clock_mhz,
+        name=f"{gpu.name}{GENERIC_SUFFIX}", max_sm_clock_mhz=gpu.max_sm_clock_mhz,
         max_mem_clock_mhz=gpu.mem_clock_mhz or 1.0, static_w=static, clock_w=idle - static, sm_w=sm,
-        mem_w=0.45 * sm, copy_w=20.0, provenance={"generic": "derived from GpuSpec tdp_w/idle_power_w; not fitted"},
+        mem_w=GENERIC_MEM_RATIO * sm, copy_w=20.0,
+        provenance={"generic": "derived from GpuSpec tdp_w/idle_power_w; not fitted"},
     )
 
 
@@ -387,6 +411,7 @@ def ratio_step(cur: float, ratio: float, supported_desc) -> float:
 
 __all__ = [
     "Activity", "GpuPowerModel", "activity_of_kernel", "power_model_from_dict", "load_power_model",
-    "has_power_preset", "generic_power_model", "snap_clock", "ClockController", "EnergyLedger",
-    "nearest_supported_below", "ratio_step",
+    "has_power_preset", "generic_power_model", "generic_idle_w", "GENERIC_SUFFIX", "GENERIC_TDP_W",
+    "GENERIC_TDP_SHARE", "GENERIC_MEM_RATIO", "snap_clock", "ClockController",
+    "EnergyLedger", "nearest_supported_below", "ratio_step",
 ]

@@ -198,6 +198,12 @@ def load_network(name: str, overrides: dict[str, Any] | None = None) -> NetworkS
 MAX_NODES = 4096
 
 
+def max_nodes_text(cluster: ClusterSpec) -> str:
+    """The node bound in words, for errors: ``the 4,096 nodes this simulator builds (32,768 GPUs of NAME)``."""
+    return (f"the {MAX_NODES:,} nodes this simulator builds ({MAX_NODES * cluster.gpus_per_node:,} GPUs of "
+            f"{cluster.name})")
+
+
 def _edge(name: str, cap: float, tier: str, latency_s: float) -> dict:
     """One directed link's attributes (module docstring)."""
     return {"name": name, "capacity_bytes_per_s": float(cap), "tier": tier, "latency_s": float(latency_s)}
@@ -228,8 +234,7 @@ class Topology:
         if not isinstance(nodes, int) or nodes < 1:
             raise TopologyError(f"cluster.nodes must be an integer >= 1, got {nodes!r}")
         if nodes > MAX_NODES:
-            raise TopologyError(f"cluster.nodes: {nodes} is above the {MAX_NODES:,} nodes this simulator builds "
-                                f"({MAX_NODES * cluster.gpus_per_node:,} GPUs of {cluster.name})")
+            raise TopologyError(f"cluster.nodes: {nodes} is above {max_nodes_text(cluster)}")
         if nodes > 1 and cluster.nics_per_node == 0:
             raise TopologyError(f"cluster.nodes: {cluster.name} has no NICs (nics_per_node: 0), so nodes must be 1; "
                                 f"got {nodes}")

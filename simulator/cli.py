@@ -254,13 +254,23 @@ def format_summary(s: dict, name: str) -> str:
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average"
                      f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}"
                      + (f"; power cap {s['power_limit_w']:.0f} W per GPU (dvfs)" if s.get("dvfs_policy") == "power_cap"
-                        and s.get("power_limit_w") else ""))
+                        and s.get("power_limit_w") else "") + _power_model_note(s.get("power_model")))
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
         lines.append("                    (the step time and throughput above are what the step would take if it fit; "
                      "exit status 1)")
     lines += [f"warning             {w}" for w in s.get("warnings") or []]
     return "\n".join(lines)
+
+
+def _power_model_note(name: str | None) -> str:
+    """What the energy line says of the power model behind it: ``(generic TDP model)`` for the unfitted one
+    (``hardware_models.power.generic_power_model``; the warnings say what it assumes), else its name."""
+    if not name:
+        return ""
+    from hardware_models.power import GENERIC_SUFFIX
+
+    return "  (generic TDP model)" if name.endswith(GENERIC_SUFFIX) else f"  (power model: {name})"
 
 
 def check_out_dir(path: str | None, run_folder: bool = False) -> None:

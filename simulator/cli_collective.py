@@ -53,7 +53,7 @@ def price(args) -> list:
     """Results of ``args`` (list of ``CollectiveResult``). Raises: PresetError, UnitError."""
     from hardware_models.collectives import (CollectiveError, CollectiveModel, NcclConfig,
                                              load_collective_profile, standard_group)
-    from hardware_models.topology import build_topology, load_cluster, load_network
+    from hardware_models.topology import MAX_NODES, build_topology, load_cluster, load_network, max_nodes_text
     from hardware_models.units import parse_quantity
 
     cl_over, net_over = _overrides(args.set)
@@ -68,6 +68,9 @@ def price(args) -> list:
     if ranks < 1 or ranks % rpn:
         raise CollectiveError(f"--ranks {ranks} must be a positive multiple of --ranks-per-node {rpn}")
     nodes = ranks // rpn
+    if nodes > MAX_NODES:  # the bound build_topology enforces, said in the flags the user gave
+        raise CollectiveError(f"--ranks {ranks} ({nodes:,} nodes of {rpn} rank{'s' * (rpn > 1)}) is above "
+                              f"{max_nodes_text(spec)}")
     if nodes == 1 and (net_over or args.network):  # no scale-out network on one node: still check what was typed
         if args.network or spec.network:
             load_network(args.network or spec.network, net_over or None)

@@ -69,6 +69,9 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                   "modelled",
     **{k: _FP16_LOSS_SCALING for k in FP16_LOSS_SCALING},
     "optimizer": "DeepSpeed's optimizer section is training.optimizer here (AdamW only)",
+    "scheduler": "DeepSpeed's scheduler section (WarmupLR, WarmupDecayLR, OneCycle, LRRangeTest) sets the learning "
+                 "rate from step to step, which changes no step's work or time (the optimizer step is the same at "
+                 "any learning rate): it has no key here; remove it",
     "data_types": "DeepSpeed's data_types.grad_accum_dtype is not modelled: the gradients are accumulated in the "
                   "model dtype (DeepSpeed's default; ZeRO stage 0 with bf16 and a pipeline is BF16_Optimizer with "
                   "its bf16 buffer, modelled); with bf16, ZeRO-1 and grad_accum_dtype fp32 DeepSpeed builds "
@@ -95,6 +98,23 @@ FOREIGN_KEY_HINTS: dict[str, str] = {
                                     "DDP config's grad_reduce_in_fp32: false)",
     "ddp.fp8_param_gather": "Megatron-LM's --fp8-param-gather is training.fp8_param_gather: true here (beside "
                             "training.fp8; the DDP config's fp8_param_gather follows it)",
+    "model.disable_bias_linear": "Megatron-LM's --disable-bias-linear is add_bias_linear: false here "
+                                 "(model.add_bias_linear)",
+    # arguments.py validate_args: --recompute-activations sets recompute_granularity = 'selective'
+    **{f"{sec}.recompute_activations": "Megatron-LM's --recompute-activations is training.recompute_granularity: "
+                                       "selective here (what Megatron sets it to)" for sec in ("training", "model")},
+    # arguments.py _vocab_size_with_padding pads to a multiple of make_vocab_size_divisible_by x tp at every tp; the
+    # builder pads at tp > 1 only (graph.builders.transformer.TransformerSpec.padded_vocab_size)
+    "model.make_vocab_size_divisible_by": "Megatron-LM's --make-vocab-size-divisible-by is not a key here: the "
+                                          "vocabulary is padded as Megatron pads it at its default 128 with "
+                                          "tensor_model_parallel_size > 1 (to a multiple of 128 x tp), but not at tp "
+                                          "1 (there write model.vocab_size padded to a multiple of 128, e.g. 50304 "
+                                          "for GPT-2's 50257, to price Megatron's padding); other values are not "
+                                          "modelled; remove it",
+    # Megatron-LM's learning-rate schedule arguments: the optimizer step's work is the same at any learning rate
+    **{f"training.{k}": f"Megatron-LM's --{k.replace('_', '-')} (learning-rate schedule) changes no step's work or "
+                        "time: it has no key here; remove it"
+       for k in ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction")},
     # torchtitan [training] keys: its FSDP2 MixedPrecisionPolicy (pytorch/torchtitan@81c12433
     # torchtitan/models/llama3/infra/parallelize.py apply_fsdp), under no autocast (config.sections.fsdp.precision_problem)
     "training.mixed_precision_param": "torchtitan's mixed_precision_param is fsdp.mixed_precision.param_dtype here "
@@ -333,6 +353,18 @@ def drop_default_only_keys(data: dict) -> dict:
     if problems:
         raise problems[0]
     return out
+
+
+#: the words for a value ``"auto"`` that is not one here: the placeholder of a ds_config written for the Hugging Face
+#: Trainer, which fills it from its TrainingArguments when it launches DeepSpeed (huggingface/transformers
+#: src/transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / fill_match)
+HF_AUTO_NOTE = ("'auto' is Hugging Face Trainer's placeholder, filled from its TrainingArguments at launch "
+                "(transformers HfTrainerDeepSpeedConfig): write the value")
+
+
+def hf_auto_note(value) -> str | None:
+    """``HF_AUTO_NOTE`` for a refused value that is the string ``"auto"`` (any case), else None."""
+    return HF_AUTO_NOTE if isinstance(value, str) and value.strip().lower() == "auto" else None
 
 
 def foreign_key_hint(path: str) -> str | None:

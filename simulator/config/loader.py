@@ -22,7 +22,7 @@ from hardware_models.presets import PresetError
 from hardware_models.profile import EfficiencyProfile, GemmEfficiency
 from hardware_models.units import short_repr
 from simulator.config.errors import ScenarioError, ScenarioWarning
-from simulator.config.foreign_keys import deepspeed_key_problems, foreign_key_hint
+from simulator.config.foreign_keys import deepspeed_key_problems, foreign_key_hint, hf_auto_note
 from simulator.config.hf_config import hf_origin
 from simulator.config.overrides import apply_overrides, null_override_notes
 from simulator.config.preset_names import READ_BY_CHECKS, pcie_link_problem, preset_name_problems
@@ -180,7 +180,15 @@ def _close_key(model: type[BaseModel], loc: tuple) -> str | None:
 
 def _problem(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
     """``(rank, line)`` for the errors pydantic gives at one key path ``loc`` (rank 0: an unknown key, 1: a bad
-    value, 2: a missing key; the order ``format_validation_error`` shows them in)."""
+    value, 2: a missing key; the order ``format_validation_error`` shows them in). A refused value ``"auto"`` (a
+    Hugging Face Trainer ds_config's placeholder) ends with ``foreign_keys.HF_AUTO_NOTE``."""
+    rank, line = _problem_words(errs, loc, source, model)
+    auto = next((note for e in errs if e["type"] != "missing" and (note := hf_auto_note(e.get("input")))), None)
+    return rank, line + (f"; {auto}" if auto else "")
+
+
+def _problem_words(errs: list[dict], loc: tuple, source: str, model: type[BaseModel]) -> tuple[int, str]:
+    """``_problem`` without the note on ``"auto"``."""
     err = next((e for e in errs if e["type"] == "extra_forbidden"),
                next((e for e in errs if e["type"] != "missing"), errs[0]))  # a bad value before a missing key
     path = key_path(loc)

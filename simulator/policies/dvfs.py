@@ -53,7 +53,7 @@ from simulator.policies._columns import value_masks
 from simulator.policies.dvfs_notes import settings_without_effect
 from simulator.policies.power_firmware import HYSTERESIS, PowerLimitFirmware, window_over
 from simulator.policies.power_ledger import SCOPE, PowerLedger
-from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, power_model_for
+from simulator.policies.power_meter import KERNEL_KINDS, PowerMeter, generic_model_note, power_model_for
 from simulator.policies.registry import PolicyError, register_runtime
 
 #: DVFS clock policies by ``dvfs.kind``.
@@ -400,8 +400,10 @@ class DvfsRuntime:
         energy and power are of that transient, not of the capped steady state), or that the lowest supported
         clock still draws more than the limit. Empty when the limit holds or cannot bind. Also the ``dvfs`` settings
         that changed nothing (``dvfs_notes.settings_without_effect``: a limit that never bound, a lock at the
-        maximum clock)."""
-        short = list(getattr(self, "short_phases", [])) + settings_without_effect(self)
+        maximum clock), and first, where the power model is the unfitted generic one, that its energy and power rest on
+        the datasheet TDP and assumptions (``power_meter.generic_model_note``)."""
+        generic = generic_model_note(self.model, self.gpu)
+        short = ([generic] if generic else []) + list(getattr(self, "short_phases", [])) + settings_without_effect(self)
         cap, avg = self.power_limit_w, getattr(self, "measured_avg_power_w", None)
         if self.firmware is None or avg is None or avg <= cap * (1.0 + HYSTERESIS):
             return short

@@ -13,7 +13,10 @@ from operator import attrgetter
 
 import numpy as np
 
-from hardware_models.power import Activity, activity_of_kernel, generic_power_model, load_power_model, preset_power_model
+from hardware_models.power import (
+    GENERIC_MEM_RATIO, GENERIC_TDP_SHARE, GENERIC_TDP_W, Activity, activity_of_kernel, generic_idle_w,
+    generic_power_model, load_power_model, preset_power_model,
+)
 from simulator.graph.ops import OpKind, PriceKeys
 from simulator.policies.registry import PolicyError
 
@@ -44,6 +47,23 @@ def power_model_for(cfg, gpu):
     preset = gpu_preset_name(cfg) if cfg is not None else None
     model = preset_power_model(preset) if preset else None
     return model if model is not None else generic_power_model(gpu)
+
+
+def generic_model_note(model, gpu) -> str | None:
+    """The summary warning for a run priced with ``generic_power_model`` (None for a fitted or named model): its
+    energy and power come from the GPU's datasheet TDP and an assumed activity model, with no measurement behind them
+    (the assumptions named are ``generic_power_model``'s), and how to replace it with a fitted one."""
+    if not model.generic:
+        return None
+    tdp = f"{gpu.tdp_w:g} W" if gpu.tdp_w else f"none given, {GENERIC_TDP_W:g} W assumed"
+    idle = f"{generic_idle_w(gpu):g} W" + ("" if gpu.idle_power_w else " assumed as 15% of TDP")
+    return (f"energy and power are from the generic power model of {gpu.name}, fitted to no measurement: its datasheet "
+            f"TDP ({tdp}) and idle power ({idle}) with an assumed activity model (a fully compute-bound kernel at the "
+            f"maximum clock draws {GENERIC_TDP_SHARE:.0%} of TDP, a fully memory-bound one's HBM power is "
+            f"{GENERIC_MEM_RATIO:g}x that SM power, any resident kernel draws "
+            f"{model.sm_floor:.0%} of it; V/Vmax {model.v_min_rel:g} below {model.voltage_knee_mhz:g} MHz, linear to 1 "
+            "at the maximum clock); to fit one, measure energy per step with NVML as scripts/fit_h200_power.py does "
+            "for the H200 and name the power YAML it writes in dvfs.power_model")
 
 
 class PowerMeter:

@@ -38,6 +38,10 @@ def test_two_nodes(capsys):
     (["no-such-cluster"], "unknown cluster preset"),
     (["4x-a100-pcie", "--ranks", "8"], "no NICs"),
     (["dgx-h100", "--op", "gather"], "op 'gather' is not modelled"),
+    # the node bound said in the flags given (was "cluster.nodes: 12500 is above ...", a key the user never wrote)
+    (["dgx-h100", "--ranks", "100000"], "error: --ranks 100000 (12,500 nodes of 8 ranks) is above the 4,096 nodes "
+                                        "this simulator builds (32,768 GPUs of NVIDIA DGX H100)\n"),
+    (["dgx-h100", "--ranks", "8192", "--ranks-per-node", "1"], "--ranks 8192 (8,192 nodes of 1 rank) is above"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, msg):
     assert main(["collective", *argv]) == 2

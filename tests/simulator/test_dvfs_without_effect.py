@@ -126,6 +126,7 @@ def test_the_summary_names_the_power_cap_it_ran_under(capsys):
     b8 = str(ROOT / "scenarios/h200/gpt_184m_b8.yaml")
     assert main(["run", b8, "--set", "dvfs.kind=power_cap", "--set", "dvfs.power_limit_w=400"]) == 0
     energy = [x for x in capsys.readouterr().out.splitlines() if x.startswith("energy")]
-    assert len(energy) == 1 and energy[0].endswith("; power cap 400 W per GPU (dvfs)"), energy
+    assert len(energy) == 1 and energy[0].endswith("; power cap 400 W per GPU (dvfs)  (power model: NVIDIA H200 SXM "
+                                                   "141GB)"), energy
     assert main(["run", b8]) == 0
     assert "power cap" not in capsys.readouterr().out

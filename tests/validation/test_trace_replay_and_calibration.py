@@ -92,6 +92,26 @@ def test_calibration_fits_the_trace_classes(calibrated):
     assert prof["provenance"]["traces"] and prof["provenance"]["date"]
 
 
+def test_readme_states_the_bundled_profiles_class_errors_on_the_b16_trace(calibrated):
+    """README's Accuracy section gives the per-class errors of the bundled H200 profile against the b16 trace (the
+    report's ``simulated_before_s``) and the rms before / after: each figure is the report's, to its last digit."""
+    import re
+
+    _, prof, report = calibrated
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    para = text[text.index("Per kernel class the bundled profile"):]
+    para = para[:para.index("in sample)")]
+    by = report.groupby("class")[["measured_s", "simulated_before_s"]].sum()
+    err = (by.simulated_before_s / by.measured_s - 1) * 100
+    named = {"gemm": "gemm", "softmax": "softmax", "cast": "cast", "norm": "norm", "elementwise": "elementwise",
+             "copy": "copy", "optimizer": "optimizer", "reduction": "reduction"}
+    for word, cls in named.items():
+        assert f"{word} {err[cls]:+.1f}%" in para, (cls, f"{err[cls]:+.1f}%")
+    assert f"attention forward / backward {err['attention_fwd']:+.1f}% / {err['attention_bwd']:+.1f}%" in para
+    rms = prof["provenance"]["rms_relative_class_error_fitted_classes"]
+    assert f"rms {rms['before']:.1%} over the fitted classes" in para and f"{rms['after']:.1%} rms" in para
+
+
 def test_calibrated_in_sample_b16_within_3_percent(calibrated):
     pred, meas = _predict(calibrated[0], 16), MEAS["gpt_184m_b16"]["median_step_s"]
     assert abs(pred / meas - 1) < 0.03, f"b16: measured {meas:.5f}, predicted {pred:.5f}, error {pred / meas - 1:+.1%}"

@@ -62,6 +62,22 @@ def test_scenarios_readme_is_up_to_date():
     assert (ROOT / "scenarios/README.md").read_text() == gen.render()
 
 
+def test_scenarios_readme_states_the_layer_pass_bound_the_schema_enforces():
+    """The guide said 1,000,000 layer passes per run; the schema refuses above limits.MAX_LAYER_PASSES (100,000):
+    a run of exactly that many passes loads, one step more is refused naming the bound the README gives."""
+    from simulator.config.errors import ScenarioError
+    from simulator.config.limits import MAX_LAYER_PASSES
+
+    text = (ROOT / "scenarios/README.md").read_text()
+    assert f"  {MAX_LAYER_PASSES:,} layer passes (layers x micro-batches x steps) per run" in text
+    assert "1,000,000 layer passes" not in text
+    b4 = ROOT / "scenarios/h200/gpt_184m_b4.yaml"  # 12 layers, one micro-batch per step
+    steps = MAX_LAYER_PASSES // 12
+    assert load_scenario(b4, [f"run.steps={steps}"]).run.steps == steps  # 99,996 passes
+    with pytest.raises(ScenarioError, match=f"at most {MAX_LAYER_PASSES:,} are simulated in one run"):
+        load_scenario(b4, [f"run.steps={steps + 1}"])
+
+
 def test_validate_command_subset_and_unknown_case(capsys):
     assert main(["validate", "gpt_184m_b8.step_time", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

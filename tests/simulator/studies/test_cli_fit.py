@@ -113,15 +113,18 @@ def test_a_value_its_field_refuses_stops_fit_before_any_point_runs():
 
 def test_fit_prints_and_returns_the_runs_warnings_once():
     """The text prints each distinct warning of the points once (the DGX H100 host's generic dispatch time on every
-    value) before the answer line; --json has them as ``warnings`` and each point its own. Before: neither."""
+    value; the H100's generic power model) before the answer line; --json has them as ``warnings`` and each point its
+    own. Before: neither."""
     host = ("host '2x Intel Xeon Platinum 8480C (DGX H100)' has no measured dispatch time per op: the generic 10 us "
             "is assumed (set hardware.launch_overhead_s or calibrate the host)")
     out = _fit(DP8, "--largest", "training.micro_batch_size=8,16")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     warns = [ln for ln in lines if ln.startswith("warning (")]
-    assert f"warning (every value): {host}" in warns and len(warns) == len(set(warns)) == 4
+    assert f"warning (every value): {host}" in warns and len(warns) == len(set(warns)) == 5
+    assert sum(w.startswith("warning (every value): energy and power are from the generic power model of NVIDIA H100")
+               for w in warns) == 1
     assert lines[-1] == "largest that fits: 16" and lines[3:-1] == warns
     d = json.loads(_fit(DP8, "--largest", "training.micro_batch_size=8,16", "--json").stdout)
-    assert host in d["warnings"] and len(d["warnings"]) == 4
+    assert host in d["warnings"] and len(d["warnings"]) == 5
     assert all(p["warnings"] == d["warnings"] for p in d["points"])
