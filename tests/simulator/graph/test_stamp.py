@@ -80,6 +80,37 @@ def test_stamp_counts_on_a_pipeline_stage_worked_out():
     assert (st.built, st.stamped) == (8, 8)
 
 
+@pytest.mark.parametrize("mbs, counts", [(1, (3, 5)), (4, (7, 25))])
+def test_backward_with_gradients_stamped_on_one_gpu_worked_out(mbs, counts):
+    # one GPU, 4 layers: every forward has one context (1 built). A backward makes or finishes gradients (marks them
+    # made, finishes their parameter groups in the last micro-batch), which the builder replays on a stamp: per
+    # backward key (first micro-batch: gradients made; middle; last: groups finished) the top layer (from the loss)
+    # and the one below (from a block) are built, the other two stamped. 1 micro-batch: 1 + 2 built of 8 passes;
+    # 4: 1 + 2 x 3 built (micro-batches 1 and 2 share a key) of 32
+    spec = TransformerSpec(**{**TINY, "num_micro_batches": mbs})
+    stamped, st = _built(spec, True)
+    assert (st.built, st.stamped) == counts
+    ref, _ = _built(spec, False)
+    _assert_same(stamped, ref)
+    # backward order: the final norm, then per layer from the top 12 groups (fc2, fc1, ln2, proj, qkv, ln1: weight and
+    # bias each), the stamped layers' groups finished by their own ops
+    names = [g.name for g in stamped.param_groups]
+    assert names[:4] == ["ln_f.weight", "ln_f.bias", "L3.fc2.bias", "L3.fc2.weight"]
+    assert names[-5:] == ["L0.qkv.weight", "L0.ln1.weight", "L0.ln1.bias", "wte.weight", "wpe.weight"]
+    assert len(names) == 2 + 4 * 12 + 2
+    for g in stamped.param_groups[2:-2]:
+        assert stamped.ops[g.grad_op].layer == g.layer and g.name.startswith(f"L{g.layer}.")
+
+
+def test_layer_name_parts():
+    from simulator.graph.builders.stamp import layer_name_parts
+    assert layer_name_parts("grad.L3.fc1.weight", 3) == ("grad.", "fc1.weight")
+    assert layer_name_parts("L3.fc1.weight", 3) == ("", "fc1.weight")
+    assert layer_name_parts("grad.L13.fc1.weight", 3) is None  # L13, not L3
+    assert layer_name_parts("grad.XL3.fc1", 3) is None  # not at a name part's start
+    assert layer_name_parts("grad.L3.x.L3.y", 3) is None  # twice: ambiguous
+
+
 def test_stamp_disabled_where_passes_read_per_layer_state():
     cases = [dict(sharding=shd.ShardingSpec("full_shard", 2), data_parallel_size=2, precision="amp_fp32_params"),
              dict(lora=LoraSpec(4, 8, ("q_proj",))),
