@@ -147,10 +147,10 @@ class _StampPlan:
         self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
         self.result = _maker(t.result)
         known = set(range(n_in))  # the inputs (``n_in`` of them: the template's key fixes how many) and the result
-        _mapped(t.result, lambda n: known.add(n.r))
+        _mapped(t.result, lambda n: known.add(n.r) if isinstance(n, _Name) else None)
         #: the layer-named tensors (a backward's gradients, ``Stamper`` effects): after the constants, set every stamp
         #: (the builder reads their producers: the optimizer's uses)
-        self.layered = tuple(getattr(t, "layered", ()))
+        self.layered = t.layered
         first = n_in + len(t.fresh) + len(t.consts)
         known.update(range(first, first + len(self.layered)))
         self.updates = {True: self._updates(t, known), False: self._updates(t, None)}
@@ -341,6 +341,9 @@ class Stamper:
                     index[n] = -(1 << 40) - len(layered)
                 elif n in e.producer or any(a.name == n for a in op.allocs):
                     return None  # a tensor made outside the pass that is not an input, or a name that is not fresh
+                elif not self.blocks and (parts := layer_name_parts(n, layer)) is not None:
+                    layered.append(parts)  # a layer's constant (LoRA's adapter weights: ``param.L<layer>...``)
+                    index[n] = -(1 << 40) - len(layered)
                 else:
                     consts.append(n)
                     index[n] = -(1 << 30) - len(consts)
@@ -353,6 +356,12 @@ class Stamper:
                 index[n] = n_in + n_fresh + (-(1 << 30) - i) - 1
             elif i < 0:
                 index[n] = n_in - i - 1
+
+        def literal(n: str) -> str:
+            if self.blocks or layer_name_parts(n, layer) is not None:
+                raise KeyError(n)  # a name of the layer the pass neither reads nor makes (or block stamps, whose
+            return n  # check wants every result a tensor); else not a tensor (LoRA's saved module names): the same
+            # in every copy
 
         def ident(d: int):
             if d >= start:
@@ -374,7 +383,7 @@ class Stamper:
             t.layered, t.effects = tuple(layered), None
             t.kops, t.index = (list(ops), index) if self.blocks else (None, None)
             t.scratch = ()
-            t.result = _mapped(result, lambda n: _Name(index[n]))
+            t.result = _mapped(result, lambda n: _Name(index[n]) if n in index else literal(n))
             t.producer, t.size = [], []
             for n, i in index.items():
                 if n_in + n_fresh <= i < n_const:

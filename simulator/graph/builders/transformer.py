@@ -1170,9 +1170,10 @@ class _GptBuilder:
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
-        # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
-        self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
-                               and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
+        # Megatron parameter gathers, fp8 weight copies, MoE routing per layer); LoRA's passes (adapter weights named
+        # after the layer, module names in what they save) not as layer blocks (``stamp_blocks.check`` refuses them)
+        self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None
+                               and (spec.lora is None or not blocks) and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
                                prefold=prefold, effects=(self._effects_mark, self._effects_of, self._effects_replay))
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
         #: ``build_gpt_step(waits_fold)``: (layer, last, first micro-batch) -> whether that backward was last stamped

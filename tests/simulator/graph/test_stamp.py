@@ -102,6 +102,28 @@ def test_backward_with_gradients_stamped_on_one_gpu_worked_out(mbs, counts):
         assert stamped.ops[g.grad_op].layer == g.layer and g.name.startswith(f"L{g.layer}.")
 
 
+LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("kw", [dict(lora=LoraSpec(4, 8, ("q_proj",))),
+                                dict(lora=LoraSpec(4, 8, LORA_ALL, 0.1), precision="amp_fp32_params",
+                                     qkv_separate=True),
+                                dict(lora=LoraSpec(4, 8, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")),
+                                     tensor_parallel_size=2)])
+def test_lora_stamped_graph_equals_built_graph(kw):
+    # LoRA's passes read their layer's adapter weights (``param.L<layer>.lora...``, renamed per copy) and save module
+    # names (kept as they are). 4 layers x 4 micro-batches: the forward is built once; a backward once per key
+    # (first, middle, last micro-batch): frozen norms have no dgamma, so the loss gradient's producer is the last
+    # kernel as a block's is, one context (TP2: the top layer's input gradient is reduced, one more); 32 passes
+    spec = TransformerSpec(**{**TINY, **kw})
+    stamped, st = _built(spec, True)
+    _assert_same(stamped, build_gpt_step(spec, stamp=False))
+    assert (st.built, st.stamped) == ((5, 27) if spec.tensor_parallel_size > 1 else (4, 28))
+    # not as layer blocks: built kernel by kernel there, as before
+    blocks = build_gpt_step(spec, blocks=True)
+    assert blocks.meta["layer_blocks"]["stamped"] == 0 and blocks.meta["layer_blocks"]["kernel_build"] is None
+
+
 def test_layer_name_parts():
     from simulator.graph.builders.stamp import layer_name_parts
     assert layer_name_parts("grad.L3.fc1.weight", 3) == ("grad.", "fc1.weight")
@@ -113,7 +135,6 @@ def test_layer_name_parts():
 
 def test_stamp_disabled_where_passes_read_per_layer_state():
     cases = [dict(sharding=shd.ShardingSpec("full_shard", 2), data_parallel_size=2, precision="amp_fp32_params"),
-             dict(lora=LoraSpec(4, 8, ("q_proj",))),
              dict(num_experts=2, moe_router_topk=1, bias=False),
              # Hugging Face eager gelu_new keeps its saved tensors in the builder (hf_eager.gelu_fwd), not the pass
              dict(kernels="hf_eager", attention_backend="unfused", precision="fp32")]
