@@ -21,9 +21,10 @@ tensor it allocates is a fresh name, and the builder's ``state()`` (its bookkeep
 collectives) did not change, or changed only in ways the builder's ``effects`` hooks replay (a backward's
 gradients: the names it marks made and the parameter groups it finishes, for the pass's layer; the gradient
 tensors it allocates, named ``...L<layer>.<rest>``, are renamed for each copy's layer, ``layer_name_parts``): a pass
-with any other effect is emitted by ``fn`` every time. The builder keeps
-out of the key's reach what it cannot express (it does not stamp at all under ZeRO-3/FSDP parameter
-gathers, LoRA, fp8 or MoE).
+with any other effect is emitted by ``fn`` every time. Kernel stamps (not ``blocks``) also rename the constant
+names of the pass's layer (LoRA's adapter weights ``param.L<layer>.lora...``) and keep the strings of ``fn``'s
+result that name no tensor (LoRA's saved module names) as they are. The builder keeps out of the key's reach what
+it cannot express (it does not stamp at all under ZeRO-3/FSDP parameter gathers, fp8 or MoE, nor LoRA as blocks).
 """
 
 from __future__ import annotations
@@ -293,7 +294,6 @@ class Stamper:
         t = self._record(start, uid0, layer, names, vals, result, fx is not None) if after == before or fx else None
         if t is not None:
             t.effects = fx
-        if t is not None:
             t.waited = tuple(dict.fromkeys(t.index[n] for n in marks or () if n in t.index))
         self.templates[full_key] = t
         if t is not None and self.blocks and self._block_form(t, full_key, names, vals, waits_fold) is not None:
@@ -309,9 +309,10 @@ class Stamper:
         """The template of the pass that appended ``b.ops[start:]`` (None where it cannot be stamped).
 
         A stamp's tensor names are a table: the inputs (``names``), then the pass's fresh tensors, then the
-        constant names, then (``layered_ok``: a pass whose effects the builder replays) the layer-named tensors it
-        allocates (``layer_name_parts``); recipes index it. An op id is ``start + r`` for ``r >= 0`` (inside the pass), the context
-        value ``vals[-1 - r]`` for ``r < 0``, or -1 for None."""
+        constant names, then the layer-named ones (``layer_name_parts``: the tensors it allocates where
+        ``layered_ok``, a pass whose effects the builder replays; without ``blocks`` the constants of its layer);
+        recipes index it. An op id is ``start + r`` for ``r >= 0`` (inside the pass), the context value
+        ``vals[-1 - r]`` for ``r < 0``, or -1 for None."""
         e = self.e
         ops = e.b.ops[start:]
         n_uid = e._uid - uid0

@@ -1173,7 +1173,8 @@ class _GptBuilder:
         # Megatron parameter gathers, fp8 weight copies, MoE routing per layer); LoRA's passes (adapter weights named
         # after the layer, module names in what they save) not as layer blocks (``stamp_blocks.check`` refuses them)
         self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None
-                               and (spec.lora is None or not blocks) and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
+                               and (spec.lora is None or not blocks) and not self.fp8 and spec.num_experts is None,
+                               blocks=blocks, fold_tp=fold_tp,
                                prefold=prefold, effects=(self._effects_mark, self._effects_of, self._effects_replay))
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
         #: ``build_gpt_step(waits_fold)``: (layer, last, first micro-batch) -> whether that backward was last stamped

@@ -1,8 +1,8 @@
 """Stamping (``simulator.graph.builders.stamp``): a graph whose block passes are stamped equals, op for op, the one
 built kernel by kernel (``build_gpt_step(spec, stamp=False)``): ids, names, layers, costs, shapes, dependencies,
 tensors and metadata, on small multi-layer pipeline cases and the variants that change what a pass emits; and
-the builder stamps nothing where a pass reads state its key does not hold (ZeRO-3 / FSDP gathers, LoRA, MoE,
-fp8, Hugging Face eager GELU)."""
+the builder stamps nothing where a pass reads state its key does not hold (ZeRO-3 / FSDP gathers, MoE, fp8, Hugging
+Face eager GELU); backward passes that make or finish gradients, and LoRA's passes, are stamped too."""
 
 from __future__ import annotations
 
