@@ -325,7 +325,7 @@ def coarsen_ids(graph: OpGraph, fold_tp: bool = False, comm_ids: bool = True) ->
                                       meta={**graph.meta, "fidelity": info}), same
         return graph.with_changes(meta={**graph.meta, "fidelity": info}), same
     out, _, new_id, info = coarse_ops(graph, plan, comm_ids)
-    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    pgs = tuple(pg.with_grad_op(new_id[pg.grad_op]) for pg in graph.param_groups)
     return graph.with_changes(ops=tuple(out), param_groups=pgs, meta={**graph.meta, "fidelity": info}), new_id
 
 

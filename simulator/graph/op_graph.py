@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import networkx as nx
 
-from simulator.graph.ops import Op, OpKind, Phase, TensorAlloc
+from simulator.graph.ops import CostClass, Op, OpKind, Phase, TensorAlloc, new_op
 
 SCHEMA_VERSION = "1.0"
 
@@ -63,6 +63,15 @@ class ParamGroup:
     def grad_bytes(self) -> int:
         """Bytes of the gradient."""
         return self.numel * self.grad_bytes_per_element
+
+    def with_grad_op(self, grad_op: int) -> "ParamGroup":
+        """This group with its gradient finished by op ``grad_op`` (as ``dataclasses.replace(self, grad_op=...)``,
+        without its per-field ``__init__``: the policies renumber every group of a graph)."""
+        new = object.__new__(ParamGroup)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["grad_op"] = grad_op
+        return new
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,18 @@ class OpGraph:
         return new
 
 
+def dependencies(deps: Iterable[int | None]) -> tuple[int, ...]:
+    """An op's ``deps`` from ids gathered by a builder: distinct, ascending, without ``None`` and negative ids
+    (-1: "no op yet")."""
+    s = set(deps)
+    if None in s:
+        s.discard(None)
+    dd = sorted(s)
+    if dd and dd[0] < 0:
+        return tuple([d for d in dd if d >= 0])
+    return tuple(dd)
+
+
 class GraphBuilder:
     """Mutable helper that assigns ids and collects ops, then freezes into an ``OpGraph``.
 
@@ -233,8 +254,17 @@ class GraphBuilder:
             **fields: Any other ``Op`` field.
         """
         i = len(self._ops)
-        dd = tuple(sorted({d for d in deps if d is not None and d >= 0}))
-        self._ops.append(Op(id=i, name=name, kind=kind, stream=stream, deps=dd, **fields))
+        self._ops.append(new_op(i, name, kind, stream, deps=dependencies(deps), **fields))
+        return i
+
+    def push(self, name: str, kind: OpKind, stream: str, phase: Phase, layer: int, cost_class: CostClass,
+             flops: float, bytes_read: float, bytes_written: float, shape: tuple[int, ...], deps: tuple[int, ...],
+             allocs: tuple[TensorAlloc, ...], uses: tuple[str, ...], dtype: str, **fields) -> int:
+        """``add`` for a kernel whose fields are all given and whose ``deps`` are already ``dependencies(...)``
+        (``KernelEmitter.kernel``, one call per GPU kernel of a build): append the op, return its id."""
+        i = len(self._ops)
+        self._ops.append(new_op(i, name, kind, stream, phase, layer, cost_class, flops, bytes_read, bytes_written,
+                                shape, deps=deps, allocs=allocs, uses=uses, dtype=dtype, **fields))
         return i
 
     def add_op(self, op: Op, deps: Iterable[int] | None = None) -> int:

@@ -40,7 +40,6 @@ ops (blocks with their scratch) and collectives.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from itertools import chain
 
@@ -350,7 +349,7 @@ def coarsen_folded(graph: OpGraph) -> OpGraph:
         return fold_overlapped_tp(coarsen(graph, True, comm_ids=False))
     view: list[bool] = []  # not copied: an op of ``graph`` itself
     ops, deps, first_id, info = coarse_ops(graph, plan, False, _kept, view)
-    pgs = tuple(dataclasses.replace(pg, grad_op=first_id[pg.grad_op]) for pg in graph.param_groups)
+    pgs = tuple(pg.with_grad_op(first_id[pg.grad_op]) for pg in graph.param_groups)
     return _folded(graph.with_changes(param_groups=pgs, meta={**graph.meta, "fidelity": info}), ops, deps,
                    first_id, view)[0]
 
@@ -418,7 +417,7 @@ def _folded(graph: OpGraph, ops, deps=None, first_id: list[int] | None = None,
         deps = tuple(sorted({new_id[d] for p in chain(units, cs) for d in p.deps if d not in mine}))
         spots = {c: cand[c] for c in comms}  # ``b``: the first op waiting for it, one of the run's
         out.append(_merged(units, cs, spots, users, size, new_id[op.id], deps, shapes))
-    pgs = tuple(dataclasses.replace(pg, grad_op=new_id[pg.grad_op]) for pg in graph.param_groups)
+    pgs = tuple(pg.with_grad_op(new_id[pg.grad_op]) for pg in graph.param_groups)
     meta = graph.meta
     if "fidelity" in meta:
         info = {**meta["fidelity"], "ops_after": len(out)}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from simulator.graph.op_graph import GraphBuilder
-from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
+from simulator.graph.op_graph import GraphBuilder, dependencies
+from simulator.graph.ops import CostClass, OpKind, Phase, tensor_alloc
 
 
 class KernelEmitter:
@@ -79,34 +79,38 @@ class KernelEmitter:
             The op id.
         """
         uses = tuple(uses)
-        dd = [self.producer[u] for u in uses if u in self.producer]
-        dd.extend(deps)
-        on_default = (stream or self.stream) == self.stream
+        producer = self.producer
+        dd = [producer[u] for u in uses if u in producer]
+        if deps:
+            dd.extend(deps)
+        on_default = not stream or stream == self.stream
         if on_default and self.wait_for:
             dd.extend(self.wait_for)
             self.wait_for = []
-        allocs = tuple(TensorAlloc(n, int(sz)) for n, sz in out)
-        prefix = f"L{self.layer}." if self.layer >= 0 else ""
-        op = self.b.add(
-            f"{prefix}{self.phase.value}.{name}",
+        allocs = tuple([tensor_alloc(n, int(sz), "gpu") for n, sz in out]) if out else ()
+        layer, phase = self.layer, self.phase
+        op = self.b.push(
+            f"L{layer}.{phase._value_}.{name}" if layer >= 0 else f"{phase._value_}.{name}",
             kind,
             stream or self.stream,
-            deps=dd,
-            phase=self.phase,
-            layer=self.layer,
-            cost_class=cost_class,
-            flops=float(flops),
-            bytes_read=float(reads),
-            bytes_written=float(writes),
-            shape=tuple(int(x) for x in shape),
-            allocs=allocs,
-            uses=uses,
-            dtype=dtype or self.half,
+            phase,
+            layer,
+            cost_class,
+            float(flops),
+            float(reads),
+            float(writes),
+            tuple(map(int, shape)),
+            dependencies(dd),
+            allocs,
+            uses,
+            dtype or self.half,
             **fields,
         )
-        for t in allocs:
-            self.producer[t.name] = op
-            self.size[t.name] = t.nbytes
+        if allocs:
+            size = self.size
+            for t in allocs:
+                producer[t.name] = op
+                size[t.name] = t.nbytes
         if on_default:
             self.last_compute = op
         return op

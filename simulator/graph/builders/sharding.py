@@ -69,7 +69,7 @@ gather, gradient reduce-scatter), ZeRO-1/2 and DDP ``2 Psi`` (ZeRO paper, sectio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from simulator.graph.builders.pipeline import chunk_layers
 from simulator.graph.ops import CostClass, OpKind, Phase, TensorAlloc
@@ -463,7 +463,7 @@ def sp_unit_grads(builder, bucket) -> int | None:
                        deps=[bucket[j].grad_op for j in rep], dtype="fp32" if builder.sh.param_bytes == 4 else None)
     e.layer = layer
     for j in rep:
-        bucket[j] = replace(bucket[j], grad_op=i)
+        bucket[j] = bucket[j].with_grad_op(i)
     return i
 
 

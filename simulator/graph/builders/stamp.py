@@ -18,9 +18,13 @@ op), provided the pass depends on nothing but:
 A recorded pass is kept as a template only when it appended only layer kernels (``op.layer`` the pass's
 layer, named with its ``L<layer>.`` prefix), every dependency outside it is explained by the context, every
 tensor it allocates is a fresh name, and the builder's ``state()`` (its bookkeeping of gradients, buckets,
-collectives) did not change: a pass with any other effect is emitted by ``fn`` every time. The builder keeps
-out of the key's reach what it cannot express (it does not stamp at all under ZeRO-3/FSDP parameter
-gathers, LoRA, fp8 or MoE).
+collectives) did not change, or changed only in ways the builder's ``effects`` hooks replay (a backward's
+gradients: the names it marks made and the parameter groups it finishes, for the pass's layer; the gradient
+tensors it allocates, named ``...L<layer>.<rest>``, are renamed for each copy's layer, ``layer_name_parts``): a pass
+with any other effect is emitted by ``fn`` every time. Kernel stamps (not ``blocks``) also rename the constant
+names of the pass's layer (LoRA's adapter weights ``param.L<layer>.lora...``) and keep the strings of ``fn``'s
+result that name no tensor (LoRA's saved module names) as they are. The builder keeps out of the key's reach what
+it cannot express (it does not stamp at all under ZeRO-3/FSDP parameter gathers, fp8 or MoE, nor LoRA as blocks).
 """
 
 from __future__ import annotations
@@ -68,6 +72,17 @@ def _strings(tree, out: list) -> list:
         elif isinstance(v, (dict, tuple, list)):
             _strings(v, out)
     return out
+
+
+def layer_name_parts(name: str, layer: int) -> tuple[str, str] | None:
+    """``(head, tail)`` of a tensor or parameter name ``head + "L<layer>." + tail`` that holds its layer once, at its
+    start or after a ``.`` (``grad.L3.fc1.weight``: ``("grad.", "fc1.weight")``); the name for layer ``k`` is
+    ``head + f"L{k}." + tail``. None where the name holds ``L<layer>.`` nowhere or more than once."""
+    mark = f"L{layer}."
+    i = name.find(mark)
+    if i < 0 or (i and name[i - 1] != ".") or name.find(mark, i + 1) >= 0:
+        return None
+    return name[:i], name[i + len(mark):]
 
 
 class _Name:
@@ -125,7 +140,7 @@ class _StampPlan:
     175B pass's tensors). A recorded pass re-emitted as its blocks (``updates[False]``) sets every one, over those
     ``fn`` left."""
 
-    __slots__ = ("stems", "offsets", "result", "suffixes", "names", "updates")
+    __slots__ = ("stems", "offsets", "result", "suffixes", "names", "updates", "layered")
 
     def __init__(self, t, n_in: int) -> None:
         self.suffixes = tuple(r[1] for r in t.ops)
@@ -133,7 +148,12 @@ class _StampPlan:
         self.stems, self.offsets = tuple(s for s, _ in t.fresh), tuple(r for _, r in t.fresh)
         self.result = _maker(t.result)
         known = set(range(n_in))  # the inputs (``n_in`` of them: the template's key fixes how many) and the result
-        _mapped(t.result, lambda n: known.add(n.r))
+        _mapped(t.result, lambda n: known.add(n.r) if isinstance(n, _Name) else None)
+        #: the layer-named tensors (a backward's gradients, ``Stamper`` effects): after the constants, set every stamp
+        #: (the builder reads their producers: the optimizer's uses)
+        self.layered = t.layered
+        first = n_in + len(t.fresh) + len(t.consts)
+        known.update(range(first, first + len(self.layered)))
         self.updates = {True: self._updates(t, known), False: self._updates(t, None)}
 
     @staticmethod
@@ -151,7 +171,7 @@ class _Template:
     the recorded pass's ops (``kops``) and tensor table (``index``)."""
 
     __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "kops",
-                 "index", "scratch", "waited")
+                 "index", "scratch", "waited", "layered", "effects")
 
 
 #: stem of a stamped block's scratch tensor (``stamp_blocks``), named after the block op's id
@@ -174,14 +194,21 @@ class Stamper:
             folding blocking TP collectives where ``fold_tp``; ``instances`` lists the passes so stamped.
         prefold: With ``fold_tp``: also fold the TP collectives beside compute once per template where the pass
             qualifies (``simulator.graph.side_blocks``; ``stamp_blocks`` check 6).
+        effects: The builder's hooks that replay what a pass did to its state (``Stamper.effects``; not with
+            ``blocks``).
 
     ``last_prefold``: whether the latest ``run`` stamped its pass with its TP collectives folded (the builder's
     evidence for ``run(waits_fold=True)``).
     """
 
     def __init__(self, e: KernelEmitter, state: Callable[[], Hashable], enabled: bool = True, blocks: bool = False,
-                 fold_tp: bool = False, prefold: bool = False):
+                 fold_tp: bool = False, prefold: bool = False, effects: tuple[Callable, ...] | None = None):
         self.e = e
+        #: ``(mark, of, replay)``: ``mark()`` before a recorded pass; ``of(mark, before, after, start, end, layer)``
+        #: the replayable effects of the pass that appended ops ``start..end - 1`` for ``layer`` and changed the
+        #: state from ``before`` to ``after`` (None: not replayable); ``replay(effects, layer, start)`` after a stamp
+        #: of it at op ``start``. None: a pass that changes the state is never stamped (so too with ``blocks``)
+        self.effects = effects if not blocks else None
         self.blocks, self.fold_tp, self.prefold = blocks, fold_tp, prefold
         self.block_templates: dict[Hashable, object] = {}  # None: stamp the kernels
         self.instances: list = []
@@ -246,18 +273,27 @@ class Stamper:
             self.stamped += 1
             if self.blocks:
                 return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold)
-            return self._stamp(t, layer, names, vals)
+            start = len(e.b)
+            result = self._stamp(t, layer, names, vals)
+            if t.effects is not None:
+                self.effects[2](t.effects, layer, start)
+            return result
         self.built += 1
         if t is None:
             return fn(*inputs)
         start, uid0, before = len(e.b), e._uid, self.state()
+        mark = self.effects[0]() if self.effects is not None else None
         self._marks = [] if self.blocks else None
         try:
             result = fn(*inputs)
         finally:
             marks, self._marks = self._marks, None
-        t = self._record(start, uid0, layer, names, vals, result) if self.state() == before else None
+        after, fx = self.state(), None
+        if after != before and self.effects is not None:
+            fx = self.effects[1](mark, before, after, start, len(e.b), layer)
+        t = self._record(start, uid0, layer, names, vals, result, fx is not None) if after == before or fx else None
         if t is not None:
+            t.effects = fx
             t.waited = tuple(dict.fromkeys(t.index[n] for n in marks or () if n in t.index))
         self.templates[full_key] = t
         if t is not None and self.blocks and self._block_form(t, full_key, names, vals, waits_fold) is not None:
@@ -268,12 +304,15 @@ class Stamper:
             return self._stamp_blocks(t, full_key, layer, names, vals, waits_fold, copy=False)
         return result
 
-    def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result):
+    def _record(self, start: int, uid0: int, layer: int, names: list[str], vals: list[int], result,
+                layered_ok: bool = False):
         """The template of the pass that appended ``b.ops[start:]`` (None where it cannot be stamped).
 
         A stamp's tensor names are a table: the inputs (``names``), then the pass's fresh tensors, then the
-        constant names; recipes index it. An op id is ``start + r`` for ``r >= 0`` (inside the pass), the context
-        value ``vals[-1 - r]`` for ``r < 0``, or -1 for None."""
+        constant names, then the layer-named ones (``layer_name_parts``: the tensors it allocates where
+        ``layered_ok``, a pass whose effects the builder replays; without ``blocks`` the constants of its layer);
+        recipes index it. An op id is ``start + r`` for ``r >= 0`` (inside the pass), the context value
+        ``vals[-1 - r]`` for ``r < 0``, or -1 for None."""
         e = self.e
         ops = e.b.ops[start:]
         n_uid = e._uid - uid0
@@ -287,6 +326,7 @@ class Stamper:
             index.setdefault(n, i)
         fresh: list[tuple[str, int]] = []
         consts: list[str] = []
+        layered: list[tuple[str, str]] = []
         for op in ops:
             if op.layer != layer or not op.name.startswith(prefix):
                 return None  # not a kernel of the layer
@@ -297,17 +337,32 @@ class Stamper:
                 if sep and u.isdigit() and uid0 < int(u) <= uid0 + n_uid:
                     fresh.append((stem + "#", int(u) - uid0))
                     index[n] = -len(fresh)  # placed after the inputs below
+                elif layered_ok and e.producer.get(n, -1) >= start and (parts := layer_name_parts(n, layer)):
+                    layered.append(parts)  # a layer-named tensor the pass makes (a gradient)
+                    index[n] = -(1 << 40) - len(layered)
                 elif n in e.producer or any(a.name == n for a in op.allocs):
                     return None  # a tensor made outside the pass that is not an input, or a name that is not fresh
+                elif not self.blocks and (parts := layer_name_parts(n, layer)) is not None:
+                    layered.append(parts)  # a layer's constant (LoRA's adapter weights: ``param.L<layer>...``)
+                    index[n] = -(1 << 40) - len(layered)
                 else:
                     consts.append(n)
                     index[n] = -(1 << 30) - len(consts)
         n_in, n_fresh = len(names), len(fresh)
+        n_const = n_in + n_fresh + len(consts)  # the first layer-named slot
         for n, i in index.items():
-            if i < -(1 << 30):
+            if i < -(1 << 40):
+                index[n] = n_const + (-(1 << 40) - i) - 1
+            elif i < -(1 << 30):
                 index[n] = n_in + n_fresh + (-(1 << 30) - i) - 1
             elif i < 0:
                 index[n] = n_in - i - 1
+
+        def literal(n: str) -> str:
+            if self.blocks or layer_name_parts(n, layer) is not None:
+                raise KeyError(n)  # a name of the layer the pass neither reads nor makes (or block stamps, whose
+            return n  # check wants every result a tensor); else not a tensor (LoRA's saved module names): the same
+            # in every copy
 
         def ident(d: int):
             if d >= start:
@@ -326,15 +381,16 @@ class Stamper:
                                 tuple((index[a.name], a.nbytes, a.device) for a in op.allocs), uses_form(uses), ()))
             t = _Template()
             t.n_ops, t.n_uid, t.ops, t.fresh, t.consts = len(ops), n_uid, recipes, fresh, consts
+            t.layered, t.effects = tuple(layered), None
             t.kops, t.index = (list(ops), index) if self.blocks else (None, None)
             t.scratch = ()
-            t.result = _mapped(result, lambda n: _Name(index[n]))
+            t.result = _mapped(result, lambda n: _Name(index[n]) if n in index else literal(n))
             t.producer, t.size = [], []
             for n, i in index.items():
-                if i >= n_in + n_fresh:
+                if n_in + n_fresh <= i < n_const:
                     continue
                 p = e.producer.get(n)
-                if i >= n_in:  # a fresh tensor: where the emitter has it
+                if i >= n_in:  # a fresh (or layer-named) tensor: where the emitter has it
                     if p is not None:
                         t.producer.append((i, ident(p)))
                     if n in e.size:
@@ -358,6 +414,8 @@ class Stamper:
         if plan is None:  # ``t`` lives as long as the stamper (``templates``, ``block_templates``)
             plan = self._plans[id(t)] = _StampPlan(t, len(names))
         table = names + list(map(str.__add__, plan.stems, map(str, map(uid0.__add__, plan.offsets)))) + t.consts
+        if plan.layered:  # a backward's gradients (``layer_name_parts``)
+            table += [f"{h}{prefix}{tl}" for h, tl in plan.layered]
         if t.scratch:  # a block template's scratch tensors (``stamp_blocks``), named after their ops
             table += [f"{SCRATCH}{start + r}" for r in t.scratch]
         op_names = plan.names.get(layer)

@@ -95,7 +95,8 @@ class BlockTemplate:
     (``Stamper.waited_later``) and the block ending at its producer (check 5); ``regather_folded``: stamped
     pre-folded with no TP op left that uses an input a compute op made (``Stamper.last_prefold``)."""
 
-    __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "result", "producer", "size", "last", "wait", "scratch",
+    __slots__ = ("n_ops", "n_uid", "ops", "fresh", "consts", "layered", "result", "producer", "size", "last", "wait",
+                 "scratch",
                  "mid", "folded_uses", "inputs", "results", "edges", "first_cross", "waited", "prefold",
                  "ctx_waiters", "tails", "mid_coarse", "waits_folded", "regather_folded")
 
@@ -126,7 +127,8 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
         ext, inner = rec[2], rec[3]
         mini.append(replace(op, id=n_ctx + r, deps=tuple(sorted({*(stub[x] for x in ext), *(n_ctx + d for d in inner)}))))
     res = _result_names(t.result)
-    table = names + [f"{stem}{r}" for stem, r in t.fresh] + list(t.consts)  # only its length matters below
+    table = names + [f"{stem}{r}" for stem, r in t.fresh] + list(t.consts) + list(t.layered)  # only its length
+    # matters below
     mini.append(Op(id=len(mini), name="future", kind=OpKind.HOST, stream=_CTX, launch=False,
                    uses=tuple(name_of[k] for k in res)))
     made = dict(t.producer)
@@ -150,7 +152,7 @@ def block_template(t, kops: Sequence[Op], index: dict[str, int], names: list[str
     cops = coarse.ops[n_ctx:len(coarse.ops) - n_after]
     rel = [new_id[n_ctx + r] - n_ctx for r in range(len(kops))]  # kernel index -> block-template op index
     bt = BlockTemplate()
-    bt.n_ops, bt.fresh, bt.consts, bt.result = len(cops), t.fresh, t.consts, t.result
+    bt.n_ops, bt.fresh, bt.consts, bt.layered, bt.result = len(cops), t.fresh, t.consts, t.layered, t.result
     scratch: list[int] = []  # op index of each block scratch tensor, named after its op in a stamp
     recipes = []
     prefix = kops[0].name[:kops[0].name.index(".") + 1]

@@ -124,7 +124,7 @@ from simulator.graph.builders.emitter import KernelEmitter
 from simulator.graph.builders.pipeline import (SPLIT_BACKWARD, Action, Comm, check_schedule, chunk_layers, chunk_rank,
                                                rank_chunks, stage_actions, transfer_stream, uniform_split)
 from simulator.graph.builders import stamp_blocks
-from simulator.graph.builders.stamp import Stamper
+from simulator.graph.builders.stamp import Stamper, layer_name_parts
 from simulator.graph.op_graph import GraphBuilder, ModelFacts, OpGraph, ParamGroup
 from simulator.graph.ops import CostClass as C
 from simulator.graph.ops import OpKind, OpRole, Phase, TensorAlloc
@@ -1170,10 +1170,12 @@ class _GptBuilder:
         self._deferred: list | None = None
         self._w_queue: dict[tuple[int, int], list] = {}
         # stamping (stamp.py): not where a pass reads per-layer state its key does not hold (ZeRO-3/FSDP and
-        # Megatron parameter gathers, LoRA adapters, fp8 weight copies, MoE routing per layer)
-        self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None and spec.lora is None
-                               and not self.fp8 and spec.num_experts is None, blocks=blocks, fold_tp=fold_tp,
-                               prefold=prefold)
+        # Megatron parameter gathers, fp8 weight copies, MoE routing per layer); LoRA's passes (adapter weights named
+        # after the layer, module names in what they save) not as layer blocks (``stamp_blocks.check`` refuses them)
+        self.stamper = Stamper(self.e, self._stamp_state, enabled=stamp and self.sh is None
+                               and (spec.lora is None or not blocks) and not self.fp8 and spec.num_experts is None,
+                               blocks=blocks, fold_tp=fold_tp,
+                               prefold=prefold, effects=(self._effects_mark, self._effects_of, self._effects_replay))
         self._grad_layers: set[int] = set()  # layers whose gradients exist (a backward ran)
         #: ``build_gpt_step(waits_fold)``: (layer, last, first micro-batch) -> whether that backward was last stamped
         #: with its TP collectives folded (``Stamper.last_prefold``); (chunk, micro-batch) -> its backward's ``last``
@@ -1189,6 +1191,40 @@ class _GptBuilder:
                 len(self.grad_shards), len(self.b._persistent), len(self.received), len(self.outgoing),
                 len(self._overlapped), len(self.lora_adapters), self._deferred is None,
                 len(getattr(self, "hf_gelu_saved", ())))  # hf_eager's gelu_new saves (hf_eager.gelu_fwd)
+
+    def _effects_mark(self) -> frozenset[str]:
+        """What ``_effects_of`` compares a recorded pass's gradients with: the gradient tensors made so far."""
+        return frozenset(self.grad_made)
+
+    def _effects_of(self, made_before: frozenset[str], before: tuple, after: tuple, start: int, end: int,
+                    layer: int) -> tuple | None:
+        """The effects of a block pass on the bookkeeping (``Stamper``) that a stamp of it replays
+        (``_effects_replay``), or None where it has others: only gradients marked made (``grad_made``) and parameter
+        groups finished (``groups``) by ops of the pass (``start..end - 1``), all of ``layer`` and named after it
+        (``stamp.layer_name_parts``); none while a BF16_Optimizer lists every backward's gradients or gradients are
+        made per micro-batch (their names hold it)."""
+        if before[2:] != after[2:] or self._bf16_ready is not None or self._fresh_grads:
+            return None
+        made = [layer_name_parts(n, layer) for n in self.grad_made - made_before]
+        if None in made:
+            return None
+        prefix, groups = f"L{layer}.", []
+        for g in self.groups[before[1]:]:
+            tensor = None if g.grad_tensor is None else layer_name_parts(g.grad_tensor, layer)
+            if g.layer != layer or not g.name.startswith(prefix) or not start <= g.grad_op < end or (
+                    tensor is None and g.grad_tensor is not None):
+                return None
+            groups.append((g.name[len(prefix):], g.numel, g.grad_bytes_per_element, g.grad_op - start, tensor))
+        return tuple(made), tuple(groups)
+
+    def _effects_replay(self, effects: tuple, layer: int, start: int) -> None:
+        """``_effects_of``'s effects for a stamp of the pass for ``layer`` whose first op is ``start``."""
+        made, groups = effects
+        prefix = f"L{layer}."
+        self.grad_made.update([f"{h}{prefix}{t}" for h, t in made])
+        self.groups.extend([ParamGroup(prefix + n, numel, layer, gb, start + r,
+                                       None if tensor is None else f"{tensor[0]}{prefix}{tensor[1]}")
+                            for n, numel, gb, r, tensor in groups])
 
     def _pass_key(self, kind: tuple) -> tuple:
         """What shapes a block pass besides its inputs: its kind and phase; for a backward, the micro-batch's
