@@ -248,17 +248,20 @@ def format_summary(s: dict, name: str) -> str:
     if s.get("data_stall_s"):
         lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step in next(iterator)"
                      f"{' (hidden behind GPU work)' if not ph.get('data_s') else ''}")
-    if "energy_j_per_step" in s:
+    if "energy_j_per_step" in s and s.get("step_simulated") is not False:
         every = (f"; {s['energy_j_per_step_all_gpus']:.1f} J/step for all {s['world_size']} GPUs"
                  if "energy_j_per_step_all_gpus" in s else "")
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average"
                      f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}"
                      + (f"; power cap {s['power_limit_w']:.0f} W per GPU (dvfs)" if s.get("dvfs_policy") == "power_cap"
                         and s.get("power_limit_w") else ""))
+    if s.get("step_simulated") is False:  # out of memory before the step (``api.run_scenario``)
+        lines[2:5 + len(_busy_line(s))] = ["step time           not simulated (the persistent state alone does not fit)"]
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
-        lines.append("                    (the step time and throughput above are what the step would take if it fit; "
-                     "exit status 1)")
+        lines.append("                    (exit status 1)" if s.get("step_simulated") is False else
+                     "                    (the step time and throughput above are what the step would take if it "
+                     "fit; exit status 1)")
     lines += [f"warning             {w}" for w in s.get("warnings") or []]
     return "\n".join(lines)
 
@@ -292,11 +295,37 @@ def check_out_dir(path: str | None, run_folder: bool = False) -> None:
         raise ScenarioError(f"--out {path}: cannot create the folder ({exc.strerror})") from None
 
 
+#: ``oom_notice`` speaks when the memory estimate's low end exceeds the GPU's memory by this factor: far enough
+#: over that the simulated run (which may take minutes at such sizes) surely reports out of memory
+OOM_NOTICE_FACTOR = 2.0
+
+
+def oom_notice(cfg) -> str | None:
+    """One line announcing an out-of-memory result before a long simulation, or None.
+
+    From ``studies.memory_estimate.estimate_memory`` (analytic, no simulation): when even its low end
+    (``low_device_bytes`` less ``TOLERANCE``) exceeds ``OOM_NOTICE_FACTOR`` times the GPU's memory. None where
+    the estimate does not cover the scenario (``NotEstimated``: offload, LoRA...).
+    """
+    from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory
+
+    try:
+        est = estimate_memory(cfg)
+    except NotEstimated:
+        return None
+    if est.low_device_bytes / (1.0 + TOLERANCE) <= OOM_NOTICE_FACTOR * est.capacity_bytes:
+        return None
+    return (f"notice: estimated peak {est.peak_device_bytes / 1e9:.2f} GB of {est.capacity_bytes / 1e9:.2f} GB: "
+            "the run will report out of memory")
+
+
 def cmd_run(args) -> int:
     from simulator import load_scenario, run_scenario, write_outputs
 
     check_out_dir(args.out, run_folder=True)
     cfg = load_scenario(args.scenario, args.set)
+    if (notice := oom_notice(cfg)) is not None:
+        print(notice, file=sys.stderr, flush=True)
     result = run_scenario(cfg)
     written = write_outputs(result, args.out, overrides=args.set, scenario=args.scenario) if args.out else []
     if args.json:
