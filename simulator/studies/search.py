@@ -168,13 +168,15 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
     that gave the values (``--space``; ``simulate fit``'s ``--largest`` / ``--smallest``).
 
     Raises:
-        ScenarioError: ``FILE: FLAG KEY=VALUE: key.path: problem (got VALUE)`` (``loader.problem_line``).
+        ScenarioError: one line per refused value of every key, in the order given:
+            ``FILE: FLAG KEY=VALUE: key.path: problem (got VALUE)`` (``loader.problem_line``).
     """
     from simulator.config.loader import errors_by_key, problem_line, read_yaml, with_hf_path
     from simulator.config.overrides import apply_overrides
     from simulator.config.schema import ScenarioConfig
 
     base = read_yaml(scenario)
+    problems: list[str] = []
     for key, values in space.items():
         want = tuple(key.split("."))
         for v in values:
@@ -182,11 +184,13 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
             try:
                 ScenarioConfig.model_validate(data)
             except ValidationError as exc:
-                for loc, errs in errors_by_key(exc, ScenarioConfig).items():
-                    if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs):  # unknown:
-                        # the loader's line
-                        raise ScenarioError(problem_line(errs, loc, f"{scenario}: {flag} {key}={v}",
-                                                         ScenarioConfig)) from None
+                # the value's own first problem (an unknown key is the loader's line)
+                problems.extend(next(([problem_line(errs, loc, f"{scenario}: {flag} {key}={v}", ScenarioConfig)]
+                                      for loc, errs in errors_by_key(exc, ScenarioConfig).items()
+                                      if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs)),
+                                     []))
+    if problems:
+        raise ScenarioError("\n".join(problems))
 
 
 def bounds(row: dict | pd.Series) -> dict:

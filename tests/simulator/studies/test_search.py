@@ -155,6 +155,19 @@ def test_bad_input_is_one_line_exit_2(case, capsys):
         assert "did you mean 'tensor_model_parallel_size'?" in err[0]
 
 
+def test_every_bad_space_value_is_reported_in_one_round(capsys):
+    """Each refused value of each --space gets its line, in the order given (only the first was reported);
+    the accepted values (1, 8) none."""
+    args = ["--space", f"{TP}=0,-1,abc,1", "--space", "training.micro_batch_size=0,8"]
+    assert main(["search", str(TINY), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {TINY}: --space {TP}=0: {TP}: Input should be greater than 0 (got 0)",
+                   f"error: {TINY}: --space {TP}=-1: {TP}: Input should be greater than 0 (got -1)",
+                   f"error: {TINY}: --space {TP}=abc: {TP}: Input should be a valid integer (got 'abc')",
+                   f"error: {TINY}: --space training.micro_batch_size=0: training.micro_batch_size: Input should be "
+                   "greater than 0 (got 0)"]
+
+
 def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     pytest.importorskip("dask.distributed")
     from simulator import cli
