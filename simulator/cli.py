@@ -477,10 +477,10 @@ def dask_client(address: str):
 
 def _print_sweep(df, as_json: bool) -> None:
     """JSON: every column; text: the inputs and the headline metrics (results.csv has them all)."""
-    from simulator.studies.sweep import SUMMARY_COLUMNS
+    from simulator.studies.sweep import SUMMARY_COLUMNS, json_records
 
-    if as_json:
-        print(df.to_json(orient="records"))
+    if as_json:  # each point's warnings a list, as run --json's
+        print(json.dumps(json_records(df)))
         return
     # run_sweep's rows start with the swept keys, then gpu_busy (a sweep whose points all failed has no metrics)
     inputs = list(df.columns[:df.columns.get_loc("gpu_busy")]) if "gpu_busy" in df else \

@@ -479,11 +479,18 @@ def _shown_warnings(result: SearchResult, best: pd.DataFrame) -> list[str]:
 
 def search_json(result: SearchResult, top: int = 10) -> dict:
     """The result as one JSON-ready object: ``objective``, ``global_batch_size``, ``counts``, ``notes``,
-    ``best`` (the ``top`` best rows) and ``points`` (every row)."""
-    from simulator.studies.sweep import _json_safe
+    ``best`` (the ``top`` best rows) and ``points`` (every row); each row's ``warnings`` a list (``[]``: none), as
+    ``run --json``'s (``sweep.row_warnings``; the table and results.csv keep the ``"; "``-joined string)."""
+    from simulator.studies.sweep import _json_safe, row_warnings
+
+    lists = row_warnings(result.warnings, len(result.table))  # by table position (= its index label)
 
     def rows(df: pd.DataFrame) -> list[dict]:
-        return [_json_safe({k: (None if v is pd.NA else v) for k, v in r.items()}) for r in df.to_dict("records")]
+        out = [_json_safe({k: (None if v is pd.NA else v) for k, v in r.items()}) for r in df.to_dict("records")]
+        if "warnings" in df:
+            for r, i in zip(out, df.index):
+                r["warnings"] = lists[i]
+        return out
 
     return {"objective": result.objective, "global_batch_size": result.global_batch_size, "counts": result.counts,
             "notes": result.notes, "best": rows(result.best(top)), "points": rows(result.table)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pandas as pd
 import pytest
 
 from simulator.cli import main
@@ -109,6 +110,12 @@ def test_cli_prints_the_ranking_and_json(capsys, tmp_path):
     assert doc["objective"] == "tokens_per_s" and doc["counts"]["ok"] == 2 and len(doc["best"]) == 1
     assert doc["best"][0][TP] == 1 and doc["best"][0]["rank"] == 1 and len(doc["points"]) == 2
     assert (out / "search.csv").is_file() and (out / "index.jsonl").is_file()
+    # each point's warnings a list, as run --json's; search.csv keeps them joined with "; "
+    csv = pd.read_csv(out / "search.csv")
+    for p, joined in zip(doc["points"], csv["warnings"]):
+        assert isinstance(p["warnings"], list) and p["warnings"] and all(w in joined for w in p["warnings"])
+        assert sum(map(len, p["warnings"])) + 2 * (len(p["warnings"]) - 1) == len(joined)
+    assert doc["best"][0]["warnings"] == next(p for p in doc["points"] if p["rank"] == 1)["warnings"]
     # the same command again reuses both simulated points
     assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--out", str(out)]) == 0
     cap = capsys.readouterr()
