@@ -74,19 +74,49 @@ def _key_text(key: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _node_path(root, target) -> str:
+    """The dotted key path of ``target`` under ``root`` (``training.micro_batch_size``, a list item as ``[i]``;
+    ``""`` for the root itself or a node not found), found depth-first over the composed nodes."""
+    stack = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if id(node) in seen:  # an alias: its node was walked already
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = _key_text(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+                stack.append((v, f"{path}.{key}" if path else key))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
+    return ""
+
+
 class _Constructor(yaml.constructor.SafeConstructor):
     """Safe constructor with duplicate-key detection and bounded integers."""
+
+    def construct_document(self, node):
+        self._root = node  # for ``_where``
+        return super().construct_document(node)
+
+    def _where(self, node) -> str:
+        """``line N`` of ``node`` and, under a mapping, its key path: ``line 18: training.micro_batch_size``."""
+        path = _node_path(getattr(self, "_root", None), node)
+        return f"{_line(node)}: {path}" if path else _line(node)
 
     def construct_yaml_int(self, node):
         text = str(node.value).replace("_", "")
         digits = text.lstrip("+-")
         if len(digits) > MAX_INT_DIGITS + 2:  # 0x / 0o prefixes
-            raise YamlInputError(f"{_line(node)}: integer with {len(digits)} digits is out of range "
+            raise YamlInputError(f"{self._where(node)}: integer with {len(digits)} digits is out of range "
                                  f"(at most {MAX_INT_DIGITS} digits, i.e. 64-bit)")
         value = int(digits, 0) if digits[:2] in ("0x", "0o") else int(digits)
         value = -value if text.startswith("-") else value
         if not -(2**63) <= value < 2**63:
-            raise YamlInputError(f"{_line(node)}: integer out of the 64-bit range")
+            raise YamlInputError(f"{self._where(node)}: integer out of the 64-bit range")
         return value
 
     def construct_object(self, node, deep=False):
@@ -95,7 +125,7 @@ class _Constructor(yaml.constructor.SafeConstructor):
         except (YamlInputError, yaml.YAMLError):
             raise
         except (ValueError, TypeError, KeyError, OverflowError):
-            raise YamlInputError(f"{_line(node)}: value does not match its tag "
+            raise YamlInputError(f"{self._where(node)}: value does not match its tag "
                                  f"{_key_text(node.tag)!r}") from None
 
     def construct_mapping(self, node, deep=False):

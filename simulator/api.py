@@ -24,7 +24,7 @@ from simulator.config.sections import torchtitan_ac
 from simulator.config.sections.torchtitan_ac import recompute_of
 from simulator.config.schema import (ScenarioConfig, attention_alias_note, clip_grad_of, cross_entropy_of,
                                      deepspeed_bf16_optimizer, deepspeed_fp16_optimizer, deepspeed_runs_step)
-from simulator.engine.memory import DeviceMemoryOverheads, default_overheads
+from simulator.engine.memory import DeviceMemoryOverheads, MemoryPool, default_overheads
 from simulator.engine.run import SimulationError, gc_paused, run_graph
 from simulator.graph.builders.attention import flash_dropout_note
 from simulator.graph.builders.lora import LoraSpec, hf_names as lora_hf_names, trainable_parameters
@@ -1680,6 +1680,10 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
         cfg: The scenario.
         hw: Its resolved machine, when the caller already has it (``resolve_hardware(cfg)``).
 
+    When a rank's persistent tensors alone exceed its GPU's memory (``persistent_over_capacity``), the step is not
+    simulated: the result is the out-of-memory one of those allocations (``oom`` ends with ``PERSISTENT_OOM_NOTE``,
+    ``step_simulated`` is False, and the time and throughput figures are 0).
+
     Raises:
         ScenarioError: presets do not resolve.
         PolicyError: a policy's parameters are invalid for this scenario.
@@ -1710,6 +1714,11 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             raise
         except ValueError as exc:
             raise SimulationError(f"build phase failed: {exc}") from exc
+        # persistent state alone over the GPU's memory: the out-of-memory result at once, from the persistent
+        # allocations only (the step's ops dropped: nothing to simulate)
+        early = any(persistent_over_capacity(g, c.hw, memory_overheads(cfg)) for g, c in zip(graphs, classes))
+        if early:
+            graphs = [g.with_changes(ops=()) for g in graphs]
         if len(classes) > 1:
             result = simulate_ranks(classes, graphs, cfg)
         else:
@@ -1717,4 +1726,23 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
             result = simulate_graph(graphs[0], c.hw, cfg.run.steps, cfg.run.warmup_steps, cfg.run.seed,
                                     resolved_config(cfg), c.cfg)
         del graphs  # freed now, by reference counting: not traversed by the collection that resumes below
+    if early:
+        result.summary["step_simulated"] = False
+        result.summary["oom"] += f"; {PERSISTENT_OOM_NOTE}"
     return result
+
+
+#: appended to the ``oom`` message of a run stopped before simulating (``run_scenario``)
+PERSISTENT_OOM_NOTE = ("found before simulating: the persistent state (parameters, gradients, optimizer state) "
+                       "alone exceeds the capacity, so the step was not simulated")
+
+
+def persistent_over_capacity(graph: OpGraph, hw: Hardware, overheads: DeviceMemoryOverheads) -> bool:
+    """Whether the graph's persistent tensors on the GPU (those not placed on a host pool: the executor's
+    ``Executor.start`` rule), with the CUDA context and allocator reserve of ``overheads``, already exceed
+    ``hw.gpu.hbm_capacity_bytes``: the run is out of memory whatever its step does (tensors are only added)."""
+    pool = MemoryPool("gpu", hw.gpu.hbm_capacity_bytes, overheads=overheads)
+    for t in graph.persistent:
+        if t.device not in ("host_pinned", "host_pageable"):
+            pool.alloc(t.name, t.nbytes, 0.0)
+    return pool.oom is not None

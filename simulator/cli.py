@@ -248,17 +248,20 @@ def format_summary(s: dict, name: str) -> str:
     if s.get("data_stall_s"):
         lines.append(f"data stall          {s['data_stall_s'] * 1e3:.2f} ms/step in next(iterator)"
                      f"{' (hidden behind GPU work)' if not ph.get('data_s') else ''}")
-    if "energy_j_per_step" in s:
+    if "energy_j_per_step" in s and s.get("step_simulated") is not False:
         every = (f"; {s['energy_j_per_step_all_gpus']:.1f} J/step for all {s['world_size']} GPUs"
                  if "energy_j_per_step_all_gpus" in s else "")
         lines.append(f"energy              {s['energy_j_per_step']:.2f} J/step, {s.get('avg_power_w', 0):.0f} W average"
                      f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}"
                      + (f"; power cap {s['power_limit_w']:.0f} W per GPU (dvfs)" if s.get("dvfs_policy") == "power_cap"
                         and s.get("power_limit_w") else "") + _power_model_note(s.get("power_model")))
+    if s.get("step_simulated") is False:  # out of memory before the step (``api.run_scenario``)
+        lines[2:5 + len(_busy_line(s))] = ["step time           not simulated (the persistent state alone does not fit)"]
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
-        lines.append("                    (the step time and throughput above are what the step would take if it fit; "
-                     "exit status 1)")
+        lines.append("                    (exit status 1)" if s.get("step_simulated") is False else
+                     "                    (the step time and throughput above are what the step would take if it "
+                     "fit; exit status 1)")
     lines += [f"warning             {w}" for w in s.get("warnings") or []]
     return "\n".join(lines)
 
@@ -302,11 +305,37 @@ def check_out_dir(path: str | None, run_folder: bool = False) -> None:
         raise ScenarioError(f"--out {path}: cannot create the folder ({exc.strerror})") from None
 
 
+#: ``oom_notice`` speaks when the memory estimate's low end exceeds the GPU's memory by this factor: far enough
+#: over that the simulated run (which may take minutes at such sizes) surely reports out of memory
+OOM_NOTICE_FACTOR = 2.0
+
+
+def oom_notice(cfg) -> str | None:
+    """One line announcing an out-of-memory result before a long simulation, or None.
+
+    From ``studies.memory_estimate.estimate_memory`` (analytic, no simulation): when even its low end
+    (``low_device_bytes`` less ``TOLERANCE``) exceeds ``OOM_NOTICE_FACTOR`` times the GPU's memory. None where
+    the estimate does not cover the scenario (``NotEstimated``: offload, LoRA...).
+    """
+    from simulator.studies.memory_estimate import TOLERANCE, NotEstimated, estimate_memory
+
+    try:
+        est = estimate_memory(cfg)
+    except NotEstimated:
+        return None
+    if est.low_device_bytes / (1.0 + TOLERANCE) <= OOM_NOTICE_FACTOR * est.capacity_bytes:
+        return None
+    return (f"notice: estimated peak {est.peak_device_bytes / 1e9:.2f} GB of {est.capacity_bytes / 1e9:.2f} GB: "
+            "the run will report out of memory")
+
+
 def cmd_run(args) -> int:
     from simulator import load_scenario, run_scenario, write_outputs
 
     check_out_dir(args.out, run_folder=True)
     cfg = load_scenario(args.scenario, args.set)
+    if (notice := oom_notice(cfg)) is not None:
+        print(notice, file=sys.stderr, flush=True)
     result = run_scenario(cfg)
     written = write_outputs(result, args.out, overrides=args.set, scenario=args.scenario) if args.out else []
     if args.json:
@@ -356,7 +385,7 @@ def cmd_presets(args) -> int:
 def cmd_validate(args) -> int:
     from simulator.studies.validation import validation_table
 
-    df = validation_table(args.case or None)
+    df = validation_table(args.case or None, progress=not args.json)
     if args.json:
         print(df.to_json(orient="records"))
         return 0
@@ -458,10 +487,10 @@ def dask_client(address: str):
 
 def _print_sweep(df, as_json: bool) -> None:
     """JSON: every column; text: the inputs and the headline metrics (results.csv has them all)."""
-    from simulator.studies.sweep import SUMMARY_COLUMNS
+    from simulator.studies.sweep import SUMMARY_COLUMNS, json_records
 
-    if as_json:
-        print(df.to_json(orient="records"))
+    if as_json:  # each point's warnings a list, as run --json's
+        print(json.dumps(json_records(df)))
         return
     # run_sweep's rows start with the swept keys, then gpu_busy (a sweep whose points all failed has no metrics)
     inputs = list(df.columns[:df.columns.get_loc("gpu_busy")]) if "gpu_busy" in df else \
@@ -535,8 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the rows as JSON records")
     p.set_defaults(fn=cmd_sweep)
 
-    p = sub.add_parser("validate", help="predicted vs measured for the bundled validation cases")
-    p.add_argument("case", nargs="*", help="case names (default: all)")
+    p = sub.add_parser("validate", help="predicted vs measured for the bundled validation cases",
+                       description="Run the bundled validation cases and print predicted vs measured. All cases "
+                       "take about 6 minutes (one simulation per distinct scenario, one after another, on one "
+                       "core; measured 2026-12); name cases to run fewer. A progress bar on stderr counts the "
+                       "simulations (not with --json).")
+    p.add_argument("case", nargs="*", help="case names or prefixes of them (default: all)")
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
     p.set_defaults(fn=cmd_validate)
 

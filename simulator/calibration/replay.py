@@ -307,7 +307,7 @@ def replay_import(imp, gpu: str | None = None, pcie_speedup: float = 1.0, host_s
     _check_speedup("pcie_speedup", pcie_speedup)
     _check_speedup("host_speedup", host_speedup)
     path = imp.path
-    name = Path(path).name
+    name = str(path)  # as typed (the folder too)
     try:
         src_name: str | None = gpu_preset_for(imp.device_name)
     except UnknownGpuError:

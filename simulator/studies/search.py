@@ -186,13 +186,15 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
     that gave the values (``--space``; ``simulate fit``'s ``--largest`` / ``--smallest``).
 
     Raises:
-        ScenarioError: ``FILE: FLAG KEY=VALUE: key.path: problem (got VALUE)`` (``loader.problem_line``).
+        ScenarioError: one line per refused value of every key, in the order given:
+            ``FILE: FLAG KEY=VALUE: key.path: problem (got VALUE)`` (``loader.problem_line``).
     """
     from simulator.config.loader import errors_by_key, problem_line, read_yaml, with_hf_path
     from simulator.config.overrides import apply_overrides
     from simulator.config.schema import ScenarioConfig
 
     base = read_yaml(scenario)
+    problems: list[str] = []
     for key, values in space.items():
         want = tuple(key.split("."))
         for v in values:
@@ -200,11 +202,13 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
             try:
                 ScenarioConfig.model_validate(data)
             except ValidationError as exc:
-                for loc, errs in errors_by_key(exc, ScenarioConfig).items():
-                    if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs):  # unknown:
-                        # the loader's line
-                        raise ScenarioError(problem_line(errs, loc, f"{scenario}: {flag} {key}={v}",
-                                                         ScenarioConfig)) from None
+                # the value's own first problem (an unknown key is the loader's line)
+                problems.extend(next(([problem_line(errs, loc, f"{scenario}: {flag} {key}={v}", ScenarioConfig)]
+                                      for loc, errs in errors_by_key(exc, ScenarioConfig).items()
+                                      if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs)),
+                                     []))
+    if problems:
+        raise ScenarioError("\n".join(problems))
 
 
 def bounds(row: dict | pd.Series) -> dict:
@@ -522,11 +526,18 @@ def _shown_warnings(result: SearchResult, best: pd.DataFrame) -> list[str]:
 
 def search_json(result: SearchResult, top: int = 10) -> dict:
     """The result as one JSON-ready object: ``objective``, ``global_batch_size``, ``counts``, ``notes``,
-    ``best`` (the ``top`` best rows) and ``points`` (every row)."""
-    from simulator.studies.sweep import _json_safe
+    ``best`` (the ``top`` best rows) and ``points`` (every row); each row's ``warnings`` a list (``[]``: none), as
+    ``run --json``'s (``sweep.row_warnings``; the table and results.csv keep the ``"; "``-joined string)."""
+    from simulator.studies.sweep import _json_safe, row_warnings
+
+    lists = row_warnings(result.warnings, len(result.table))  # by table position (= its index label)
 
     def rows(df: pd.DataFrame) -> list[dict]:
-        return [_json_safe({k: (None if v is pd.NA else v) for k, v in r.items()}) for r in df.to_dict("records")]
+        out = [_json_safe({k: (None if v is pd.NA else v) for k, v in r.items()}) for r in df.to_dict("records")]
+        if "warnings" in df:
+            for r, i in zip(out, df.index):
+                r["warnings"] = lists[i]
+        return out
 
     return {"objective": result.objective, "global_batch_size": result.global_batch_size, "counts": result.counts,
             "notes": result.notes, "best": rows(result.best(top)), "points": rows(result.table)}

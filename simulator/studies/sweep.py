@@ -586,6 +586,28 @@ def point_warnings(rows: list[dict]) -> dict[str, list[int]]:
     return found
 
 
+def row_warnings(found: dict[str, list[int]], n: int) -> list[list[str]]:
+    """Each of ``n`` rows' warnings as a list (``[]``: none), from ``point_warnings``' map (a table's
+    ``attrs["warnings"]``): what ``--json`` gives per point, a list as ``run --json``'s ``warnings`` (the table and
+    results.csv keep the ``"; "``-joined string); within a row in their order of first appearance over the rows."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    for text, where in found.items():
+        for i in where:
+            out[i].append(text)
+    return out
+
+
+def json_records(df: pd.DataFrame, found: dict[str, list[int]] | None = None) -> list[dict]:
+    """A sweep's (or search's) table as JSON-ready records (``DataFrame.to_json`` values), with each row's
+    ``warnings`` a list (``row_warnings``; ``found`` defaults to ``df.attrs["warnings"]``, positions of ``df``'s rows)."""
+    recs = json.loads(df.to_json(orient="records"))
+    if "warnings" in df:
+        lists = row_warnings(df.attrs.get("warnings") or {} if found is None else found, len(df))
+        for r, ws in zip(recs, lists):
+            r["warnings"] = ws
+    return recs
+
+
 def parquet_engine() -> str | None:
     """``"pyarrow"`` or ``"fastparquet"``, whichever is importable first; None when neither is."""
     import importlib.util

@@ -444,7 +444,7 @@ def unknown_cases_message(bad: list[str], ids: list[str]) -> str:
             "(a name selects every case it begins)")
 
 
-def validation_table(names: list[str] | None = None) -> pd.DataFrame:
+def validation_table(names: list[str] | None = None, progress: bool = False) -> pd.DataFrame:
     """Run the cases and return one row per case with ``case_id, metric, measured, predicted, error``
     (``predicted / measured - 1``), ``tolerance, tolerance_of, within, source, known_gap`` (the reason string of a
     known miss, ``KNOWN_GAPS``, else None). ``within`` compares ``|error|`` with the tolerance (``tolerance_of``
@@ -453,6 +453,7 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
 
     Args:
         names: Case ids (or prefixes of them) to run; default all.
+        progress: Show a tqdm progress bar on stderr, one tick per distinct simulated run (cases share runs).
 
     Raises:
         ScenarioError: an unknown case name.
@@ -468,15 +469,19 @@ def validation_table(names: list[str] | None = None) -> pd.DataFrame:
             raise ScenarioError(unknown_cases_message(bad, [c.case_id for c in cases]))
         cases = [c for c in cases if any(c.case_id.startswith(n) for n in names)]
     import yaml
+    from tqdm import tqdm
 
     meas = json.loads(data_file(H200).read_text())
     meas["paper"] = {c["id"]: c for c in yaml.safe_load(data_file(PAPER).read_text())}
+
     results: dict[tuple, dict] = {}
     rows = []
+    runs = dict.fromkeys(run for c in cases for run in c.runs)
+    with tqdm(total=len(runs), disable=not progress, desc="validate", unit="run") as bar:
+        for scen, sets in runs:
+            results[scen, sets] = run_scenario(load_scenario(data_file(scen), list(sets))).summary
+            bar.update()
     for c in cases:
-        for scen, sets in c.runs:
-            if (scen, sets) not in results:
-                results[scen, sets] = run_scenario(load_scenario(data_file(scen), list(sets))).summary
         summaries = [results[run] for run in c.runs]
         pred = float(c.predict(meas, *summaries)) if c.predict else _get(summaries[0], c.metric)
         m = float(c.measured(meas))

@@ -293,7 +293,7 @@ def read_chakra_et(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES
     Raises:
         TraceImportError: unreadable, truncated or corrupt file, or not a Chakra trace.
     """
-    name = os.path.basename(os.fspath(path))
+    name = os.fspath(path)  # as typed (the folder too)
     data = read_trace_bytes(path, max_bytes)
     if not data:
         raise TraceImportError(f"{name}: empty file")
@@ -404,7 +404,7 @@ def load_chakra(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> 
     Raises:
         TraceImportError: unreadable / corrupt file, not a Chakra trace, or a dependency cycle.
     """
-    name = os.path.basename(os.fspath(path))
+    name = os.fspath(path)  # as typed (the folder too)
     meta, nodes = read_chakra_et(path, max_bytes)
     warnings: list[str] = []
     by_id: dict[int, ChakraNode] = {}
@@ -480,6 +480,6 @@ def load_chakra(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> 
                 kind, fields["cost_class"] = OpKind.COMPUTE, classify_kernel(nd.name)
         label = nd.name if len(nd.name) <= 200 else nd.name[:197] + "..."
         new_id[nid] = b.add(label, kind, stream, deps=[new_id[d] for d in deps[nid]], **fields)
-    graph = b.build(source=f"chakra:{name}", meta={"path": os.fspath(path), "chakra": meta})
+    graph = b.build(source=f"chakra:{os.path.basename(name)}", meta={"path": os.fspath(path), "chakra": meta})
     return ChakraImport(graph=graph, metadata=meta, total_duration_s=total_us * 1e-6,
                         warnings=warnings)

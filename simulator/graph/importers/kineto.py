@@ -175,7 +175,7 @@ def read_trace_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES
             ``max_bytes`` after decompression.
     """
     p = os.fspath(path)
-    name = os.path.basename(p) or p
+    name = p  # as typed (the folder too), as ``run`` names its scenario
     try:
         with open(p, "rb") as f:
             head = f.read(2)
@@ -213,7 +213,7 @@ def read_trace_json(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
             decompression, or invalid / truncated JSON.
     """
     p = os.fspath(path)
-    name = os.path.basename(p) or p
+    name = p  # as typed (the folder too), as ``run`` names its scenario
     raw = read_trace_bytes(p, max_bytes)
     if not raw.strip():
         raise TraceImportError(f"{name}: empty file")

@@ -153,3 +153,32 @@ def test_trace_errors_name_the_path_given(tmp_path, capsys):
     assert main(["replay", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {bad}: not a Kineto trace"), err
+
+
+@pytest.mark.parametrize("verb", ["replay", "calibrate"])
+@pytest.mark.parametrize(("content", "problem"), [
+    (None, "file not found"),  # read_trace_bytes
+    (b"", "empty file"),  # read_trace_json
+    (b"\x1f\x8b\x08\x00garbage", "truncated gzip stream"),
+])
+def test_unreadable_trace_errors_keep_the_folder(tmp_path, capsys, verb, content, problem):
+    """The reading errors name the trace as typed, folder included (they named the file alone: ``nope.json.gz:
+    file not found`` for ``/tmp/nope.json.gz``), as ``run`` names its scenario."""
+    path = tmp_path / "sub" / "nope.json.gz"
+    if content is not None:
+        path.parent.mkdir()
+        path.write_bytes(content)
+    args = [verb, str(path)] + (["--scenario", str(SCENARIO), "--out", str(tmp_path / "o.yaml")] if verb == "calibrate" else [])
+    assert main(args) == 2
+    assert _one_line_error(capsys).startswith(f"error: {path}: {problem}")
+
+
+def test_chakra_errors_keep_the_folder(tmp_path):
+    from simulator.graph.importers.chakra import load_chakra
+    from simulator.graph.importers.kineto import TraceImportError
+
+    path = tmp_path / "sub" / "empty.et"
+    path.parent.mkdir()
+    path.write_bytes(b"")
+    with pytest.raises(TraceImportError, match=rf"^{re.escape(str(path))}: empty file$"):
+        load_chakra(path)

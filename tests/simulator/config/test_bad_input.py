@@ -185,10 +185,17 @@ def test_argument_errors_are_one_line(argv, needle):
 
 
 def test_out_of_memory_summary_says_the_times_are_hypothetical(capsys):
-    rc = main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "model.hidden_size=16384",
+    """Activations over capacity (the persistent state fits): simulated, its times hypothetical. Hidden size 16384
+    (the persistent state alone over capacity): not simulated, no times (``api.run_scenario``)."""
+    rc = main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "training.micro_batch_size=256",
                "--set", "run.steps=2"])
     out = capsys.readouterr().out
     assert rc == 1 and "OUT OF MEMORY" in out and "what the step would take if it fit" in out
+    rc = main(["run", str(ROOT / "scenarios/h200/gpt_184m_b8.yaml"), "--set", "model.hidden_size=16384",
+               "--set", "run.steps=2"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "OUT OF MEMORY" in out and "step time           not simulated" in out
+    assert "what the step would take if it fit" not in out
 
 
 def test_an_override_far_from_the_preset_is_a_warning():

@@ -195,6 +195,20 @@ def test_numbers_out_of_range(capsys, setting, fragment):
     assert rc == 2 and fragment in line, line
 
 
+def test_integer_out_of_range_in_a_file_names_its_key(tmp_path, capsys):
+    """A too-long integer in the scenario file names its line and key path (as the ``--set`` form names its
+    key), also inside a list and a nested mapping."""
+    big = "1" + "0" * 23
+    path = tmp_path / "big.yaml"
+    path.write_text(BASE_TEXT.replace("micro_batch_size: 8", f"micro_batch_size: {big}"))
+    assert main(["run", str(path)]) == 2
+    line_no = BASE_TEXT.splitlines().index("  micro_batch_size: 8") + 1
+    assert one_error_line(capsys) == (f"error: {path}: line {line_no}: training.micro_batch_size: integer with 24 "
+                                      "digits is out of range (at most 19 digits, i.e. 64-bit)")
+    with pytest.raises(safe_yaml.YamlInputError, match=r"^line 2: a\[1\]\.b: integer out of the 64-bit range$"):
+        safe_yaml.loads("x: 1\na: [1, {b: 9223372036854775808}]")
+
+
 CLUSTER_SCEN = str(ROOT / "scenarios/cluster/gpt_1p3b_dgx_h100_dp8.yaml")
 POSITIVE = "must be > 0 (a bandwidth; 0 would make a transfer infinitely long), got "
 POSITIVE_OR_UNSET = "must be > 0 (a bandwidth), or 0 for not given (the field's default), got -1.0"

@@ -112,6 +112,12 @@ def test_cli_prints_the_ranking_and_json(capsys, tmp_path):
     assert doc["objective"] == "tokens_per_s" and doc["counts"]["ok"] == 2 and len(doc["best"]) == 1
     assert doc["best"][0][TP] == 1 and doc["best"][0]["rank"] == 1 and len(doc["points"]) == 2
     assert (out / "search.csv").is_file() and (out / "index.jsonl").is_file()
+    # each point's warnings a list, as run --json's; search.csv keeps them joined with "; "
+    csv = pd.read_csv(out / "search.csv")
+    for p, joined in zip(doc["points"], csv["warnings"]):
+        assert isinstance(p["warnings"], list) and p["warnings"] and all(w in joined for w in p["warnings"])
+        assert sum(map(len, p["warnings"])) + 2 * (len(p["warnings"]) - 1) == len(joined)
+    assert doc["best"][0]["warnings"] == next(p for p in doc["points"] if p["rank"] == 1)["warnings"]
     # the same command again reuses both simulated points
     assert main(["search", str(TINY), "--space", f"{TP}=1,2", "--out", str(out)]) == 0
     cap = capsys.readouterr()
@@ -156,6 +162,19 @@ def test_bad_input_is_one_line_exit_2(case, capsys):
     assert expect in err[0], err[0]
     if case == "unknown_key":
         assert "did you mean 'tensor_model_parallel_size'?" in err[0]
+
+
+def test_every_bad_space_value_is_reported_in_one_round(capsys):
+    """Each refused value of each --space gets its line, in the order given (only the first was reported);
+    the accepted values (1, 8) none."""
+    args = ["--space", f"{TP}=0,-1,abc,1", "--space", "training.micro_batch_size=0,8"]
+    assert main(["search", str(TINY), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {TINY}: --space {TP}=0: {TP}: Input should be greater than 0 (got 0)",
+                   f"error: {TINY}: --space {TP}=-1: {TP}: Input should be greater than 0 (got -1)",
+                   f"error: {TINY}: --space {TP}=abc: {TP}: Input should be a valid integer (got 'abc')",
+                   f"error: {TINY}: --space training.micro_batch_size=0: training.micro_batch_size: Input should be "
+                   "greater than 0 (got 0)"]
 
 
 def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):

@@ -65,6 +65,14 @@ def test_each_points_warnings_are_listed_with_the_points_they_apply_to(tmp_path,
            f"micro_batch_size=2): {fused[0]}" in lines
     marks = [line.split()[-1].split(",") for line in lines[1:5]]  # the table's warnings column
     assert [str(n) in m for m in marks] == [False, False, True, True]
+    # --json: each point's warnings a list (as run --json's), the same warnings the table joins with "; "
+    assert main(["sweep", s, "--factor", "model.attention_backend=flash,fused",
+                 "--factor", "training.micro_batch_size=1,2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [fused[0] in r["warnings"] for r in rows] == [False, False, True, True]
+    for r, joined in zip(rows, df["warnings"]):
+        assert isinstance(r["warnings"], list) and all(w in (joined or "") for w in r["warnings"])
+        assert sum(map(len, r["warnings"])) + 2 * max(len(r["warnings"]) - 1, 0) == len(joined or "")
 
 
 def test_a_null_factor_value_is_the_key_not_written(tmp_path, capsys):
