@@ -131,7 +131,8 @@ def test_mutated_scenarios_are_refused_in_one_line_or_run_cleanly(data):
     lines = [ln for ln in stderr.splitlines() if not ln.startswith("warning:")]
     if rc == 2:  # one line per problem, each naming the file (the loader's cap: 20 and "... and N more")
         assert 1 <= len(lines) <= 21 and all(ln.startswith(f"error: {path}") for ln in lines), stderr
-        assert out.getvalue() == ""
+        problems = [ln.removeprefix("error: ") for ln in lines]  # --json: the same lines as one object on stdout
+        assert json.loads(out.getvalue()) == {"error": "; ".join(problems), "errors": problems, "exit_status": 2}
         return
     assert rc in (0, 1), (rc, stderr)
     if out.getvalue():
