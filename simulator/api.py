@@ -1734,7 +1734,8 @@ def run_scenario(cfg: ScenarioConfig, hw: Hardware | None = None) -> SimulationR
 
 #: appended to the ``oom`` message of a run stopped before simulating (``run_scenario``)
 PERSISTENT_OOM_NOTE = ("found before simulating: the persistent state (parameters, gradients, optimizer state) "
-                       "alone exceeds the capacity, so the step was not simulated")
+                       "alone exceeds the capacity, so the step was not simulated (the peak demand above is that "
+                       "state's alone: the step's activations would add to it)")
 
 
 def persistent_over_capacity(graph: OpGraph, hw: Hardware, overheads: DeviceMemoryOverheads) -> bool:

@@ -421,13 +421,19 @@ def _failed_line(result: SearchResult, failed, simulations: int, out_dir: str | 
     return f"{failed.cause}; {len(failed.table)} of {simulations} simulations finished{top}, {kept}"
 
 
+#: distinct refusals named when the schema accepts no point of the space (the rest are counted)
+REFUSED_SHOWN = 5
+
+
 def _raise_nothing_fits(result: SearchResult) -> None:
     """Raise ``NothingFits`` when no point was accepted or none fits (not when the simulations only failed)."""
     t, c = result.table, result.counts
     n = len(t)
     if c["refused"] == n:
-        raise NothingFits(f"search: none of the {n} points is accepted by the schema (e.g. {t['reason'].iloc[0]})",
-                          result)
+        reasons = list(dict.fromkeys(t["reason"]))  # distinct, in the space's order
+        more = f"; and {len(reasons) - REFUSED_SHOWN} more" if len(reasons) > REFUSED_SHOWN else ""
+        raise NothingFits(f"search: none of the {n} points is accepted by the schema: "
+                          f"{'; '.join(reasons[:REFUSED_SHOWN])}{more}", result)
     if c["error"]:
         return
     over = []
@@ -463,7 +469,10 @@ def short_names(keys: list[str]) -> dict[str, str]:
 SEARCH_LEGEND = ("columns: dp = data-parallel size (ranks); m = micro-batches per step (global batch / (micro-batch "
                  "size x dp), the gradient-accumulation count, not memory); peak GB / free GB = device memory per GPU "
                  "at its peak / left of its capacity (1 GB = 1e9 bytes); ms = milliseconds; each % a share of the "
-                 "step time (MFU: of the GPUs' peak FLOP/s)")
+                 "step time (MFU: of the GPUs' peak FLOP/s); limited by = the largest share of the step that is not "
+                 "compute kernels (exposed communication by group, pipeline bubble, host-bound idle, optimizer, ...; "
+                 f"'compute' when each is under 0.5%), plus memory when under {MEMORY_BOUND_SHARE:.0%} of the GPU is "
+                 "free")
 
 
 def format_search(result: SearchResult, top: int = 10) -> str:

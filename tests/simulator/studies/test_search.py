@@ -162,6 +162,8 @@ def test_bad_input_is_one_line_exit_2(case, capsys):
     assert expect in err[0], err[0]
     if case == "unknown_key":
         assert "did you mean 'tensor_model_parallel_size'?" in err[0]
+    if case == "all_refused":  # each point's own refusal, not the first one's alone
+        assert f"{TP}=8" in err[0] and f"{TP}=16" in err[0] and err[0].count("; ") >= 1, err[0]
 
 
 def test_every_bad_space_value_is_reported_in_one_round(capsys):
