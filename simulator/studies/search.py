@@ -181,8 +181,9 @@ def check_key(key: str) -> None:
 
 def check_values(scenario: str | Path, space: dict[str, list], base_overrides: list[str],
                  flag: str = "--space") -> None:
-    """Raise if a value is one its field refuses by itself (wrong type, out of range), whatever the
-    other keys: each value is validated on the base scenario with only that key changed. ``flag``: the option
+    """Raise if a value is one its field refuses by itself (wrong type, out of range, a preset name not in the
+    catalogue: ``preset_names.preset_name_problems``), whatever the other keys: each value is validated on the base
+    scenario with only that key changed. ``flag``: the option
     that gave the values (``--space``; ``simulate fit``'s ``--largest`` / ``--smallest``).
 
     Raises:
@@ -191,6 +192,7 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
     """
     from simulator.config.loader import errors_by_key, problem_line, read_yaml, with_hf_path
     from simulator.config.overrides import apply_overrides
+    from simulator.config.preset_names import preset_name_problems
     from simulator.config.schema import ScenarioConfig
 
     base = read_yaml(scenario)
@@ -207,6 +209,10 @@ def check_values(scenario: str | Path, space: dict[str, list], base_overrides: l
                                       for loc, errs in errors_by_key(exc, ScenarioConfig).items()
                                       if loc[:len(want)] == want and all(e["type"] != "extra_forbidden" for e in errs)),
                                      []))
+                continue
+            # a preset name the catalogue does not hold (a typo, not a layout the schema refuses): bad input too
+            problems.extend(f"{scenario}: {flag} {key}={v}: {'.'.join(loc)}: {why}"
+                            for loc, why in preset_name_problems(data) if loc[:len(want)] == want)
     if problems:
         raise ScenarioError("\n".join(problems))
 

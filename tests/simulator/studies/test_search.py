@@ -179,6 +179,18 @@ def test_every_bad_space_value_is_reported_in_one_round(capsys):
                    "greater than 0 (got 0)"]
 
 
+def test_a_preset_name_not_in_the_catalogue_is_bad_input_not_a_refused_layout(capsys):
+    """A fresh user's typo in a preset --space value dropped that point as 'refused' and the search went on (exit
+    0); every such name is now its own line before anything runs, beside the other bad values, exit 2."""
+    args = ["--space", "hardware.cluster.network=ib-ndr-rail,nosuch,nosuch2", "--space", f"{TP}=0,1"]
+    assert main(["search", str(TINY), *args]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]  # (a one-node warning)
+    net = "hardware.cluster.network"
+    assert [ln.split(": ")[2:4] for ln in err] == [[f"--space {net}=nosuch", net], [f"--space {net}=nosuch2", net],
+                                                   [f"--space {TP}=0", TP]], err
+    assert "'nosuch'" in err[0] and "ib-ndr-rail" in err[0]  # the known names listed
+
+
 def test_unreachable_dask_scheduler_is_one_line(monkeypatch, capsys):
     pytest.importorskip("dask.distributed")
     from simulator import cli
