@@ -38,7 +38,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         if str(exc).startswith("YAML syntax error"):
             value = raw
         else:
-            raise ScenarioError(f"--set {key.strip()}: {exc}") from None
+            raise ScenarioError(f"--set {key.strip()}: {str(exc).removeprefix('line 1: ')}") from None  # one line
     return parts, value
 
 

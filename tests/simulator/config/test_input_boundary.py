@@ -178,7 +178,7 @@ def test_timestamp_is_a_string_in_overrides():
 
 # -- numbers out of range -------------------------------------------------------------------
 @pytest.mark.parametrize("setting,fragment", [
-    ("run.steps=" + "9" * 5000, "integer with 5000 digits is out of range"),
+    ("run.steps=" + "9" * 5000, "--set run.steps: integer with 5000 digits is out of range"),  # no 'line 1'
     ("run.seed=-" + "1" + "0" * 58, "integer with 59 digits is out of range"),
     ("run.seed=-1", "run.seed: Input should be greater than or equal to 0"),
     ("run.seed=9223372036854775808", "integer out of the 64-bit range"),
