@@ -162,15 +162,19 @@ def _offload_line(s: dict) -> str:
 def format_summary(s: dict, name: str) -> str:
     """Human-readable summary of a run."""
     ph = s.get("phase_s", {})
-    lines = [
-        f"scenario            {name}",
-        f"gpu / profile       {s['gpu']} / {s['profile']}",
+    timed = [  # the step's times; a run stopped out of memory before simulating (``api.run_scenario``) has none
         f"step time           {s['step_time_s'] * 1e3:.2f} ms"
         f"  ({'data wait %.2f / ' % (ph['data_s'] * 1e3) if ph.get('data_s') else ''}forward {ph.get('fwd_s', 0) * 1e3:.2f} / backward {ph.get('bwd_s', 0) * 1e3:.2f}"
         f" / optimizer {ph.get('opt_s', 0) * 1e3:.2f} ms{' of compute per stage on average' if s.get('pipeline') else ''})",
         f"throughput          {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} tokens/s",
         f"MFU                 {s['mfu'] * 100:.1f} %",
         *_busy_line(s),
+    ] if s.get("step_simulated") is not False else [
+        "step time           not simulated (the persistent state alone does not fit)"]
+    lines = [
+        f"scenario            {name}",
+        f"gpu / profile       {s['gpu']} / {s['profile']}",
+        *timed,
         f"peak GPU memory     {_fmt_bytes(s.get('peak_device_memory_bytes', s['peak_memory_bytes']))} of "
         f"{_fmt_bytes(s['gpu_memory_capacity_bytes'])}  (tensors {_fmt_bytes(s['peak_memory_bytes'])}; the rest is "
         "CUDA context and allocator reserve)",
@@ -255,8 +259,6 @@ def format_summary(s: dict, name: str) -> str:
                      f"{' per GPU (mean of the stages)' if s.get('pipeline') else ''}{every}"
                      + (f"; power cap {s['power_limit_w']:.0f} W per GPU (dvfs)" if s.get("dvfs_policy") == "power_cap"
                         and s.get("power_limit_w") else "") + _power_model_note(s.get("power_model")))
-    if s.get("step_simulated") is False:  # out of memory before the step (``api.run_scenario``)
-        lines[2:5 + len(_busy_line(s))] = ["step time           not simulated (the persistent state alone does not fit)"]
     if s.get("oom"):
         lines.append(f"OUT OF MEMORY       {s['oom']}")
         lines.append("                    (exit status 1)" if s.get("step_simulated") is False else
